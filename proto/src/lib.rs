@@ -1,0 +1,18 @@
+//! sluice-proto: what the SPANK plugin, the agent and the CLI must agree on.
+//!
+//! - [`options`]: the user-facing job options (`--stage-in`, `--ckpt-keep`, ...), parsed and validated
+//!   in one place so that the submit-time check (plugin) and the root-side re-check (agent) can never
+//!   disagree.
+//! - [`msg`]: request and response types that cross the agent's Unix socket.
+//! - [`wire`]: length-prefixed, versioned frames with hard size limits.
+//! - [`client`]: a small blocking client with deadlines, usable from slurmstepd (no threads, no tokio).
+#![forbid(unsafe_code)]
+
+pub mod client;
+pub mod msg;
+pub mod options;
+pub mod wire;
+
+/// Version of the socket protocol. The agent refuses frames of any other version with a clear error,
+/// so a plugin built for another sluice release fails the job instead of misbehaving.
+pub const PROTO_VERSION: u32 = 1;

@@ -1,0 +1,184 @@
+//! Requests and responses that cross the agent's socket.
+//!
+//! Identity never travels in a message: the agent authorises from the connection's peer credentials
+//! (`SO_PEERCRED`). The only uid/gid fields are in [`JobStart`], which the agent accepts from root
+//! (the plugin in `job_prolog`) alone.
+
+use serde::{Deserialize, Serialize};
+
+pub type JobId = u32;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobStart {
+    pub job_id: JobId,
+    pub uid: u32,
+    pub gid: u32,
+    pub user: String,
+    /// This node's Slurm name (`SLURMD_NODENAME`).
+    pub node: String,
+    /// Every node of the job, expanded (`n1`, `n2`, ...).
+    pub nodes: Vec<String>,
+    /// The job's sluice options exactly as Slurm passed them (option name without `--`, raw value).
+    /// Deliberately unparsed: the agent (root) validates them itself with
+    /// [`crate::options::parse_job_options`] and never trusts the submit-time check.
+    pub options: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Root only: the job starts on this node (from `job_prolog`). Returns quickly; staging runs on.
+    JobStart(JobStart),
+    /// Root only: the job ended on this node (from `job_epilog`).
+    JobEnd { job_id: JobId },
+    /// Owner or root: wait until this node finished staging the job, at most `timeout_ms`.
+    WaitStaged { job_id: JobId, timeout_ms: u64 },
+    /// Anyone: this node's state; users see their own jobs only.
+    Status,
+    /// Owner or root: one job's state on this node.
+    Job { job_id: JobId },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum Response {
+    Ok,
+    Ready(JobDirs),
+    Status(NodeStatus),
+    Job(JobStatus),
+    Error(ErrorReply),
+}
+
+/// The directories a job's tasks see.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobDirs {
+    pub stage_dir: String,
+    pub ckpt_dir: String,
+}
+
+/// Stable error codes; the message says what to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request is malformed, too large, or of another protocol version.
+    BadRequest,
+    /// The peer may not do this.
+    Forbidden,
+    /// No such job on this node.
+    NotFound,
+    /// Staging failed because of the job's input (missing dataset, denied access, disk full).
+    StageFailed,
+    /// A deadline passed.
+    Timeout,
+    /// The agent itself is broken (cannot create directories, journal fails...).
+    Internal,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct ErrorReply {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ErrorReply {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ErrorReply { code, message: message.into() }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Datasets are being staged.
+    Staging,
+    /// Everything staged; tasks may run.
+    Ready,
+    /// Staging failed; the job's tasks will fail with the error.
+    Failed,
+    /// The job ended; cleanup is done or in progress.
+    Ended,
+}
+
+impl JobState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Staging => "staging",
+            JobState::Ready => "ready",
+            JobState::Failed => "failed",
+            JobState::Ended => "ended",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageState {
+    Pending,
+    Listing,
+    Copying,
+    Done,
+    Failed,
+}
+
+impl StageState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageState::Pending => "pending",
+            StageState::Listing => "listing",
+            StageState::Copying => "copying",
+            StageState::Done => "done",
+            StageState::Failed => "failed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageProgress {
+    pub name: String,
+    pub source: String,
+    pub state: StageState,
+    pub files_done: u64,
+    /// Known once listing finished.
+    pub files_total: Option<u64>,
+    pub bytes_done: u64,
+    pub bytes_total: Option<u64>,
+    /// Milliseconds spent so far (or in total, once done).
+    pub elapsed_ms: u64,
+    pub error: Option<String>,
+}
+
+impl StageProgress {
+    /// Average rate so far, bytes per second.
+    pub fn rate_bps(&self) -> u64 {
+        if self.elapsed_ms == 0 { 0 } else { self.bytes_done.saturating_mul(1000) / self.elapsed_ms }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobStatus {
+    pub job_id: JobId,
+    pub user: String,
+    pub uid: u32,
+    pub node: String,
+    pub nodes: Vec<String>,
+    pub state: JobState,
+    pub dirs: JobDirs,
+    pub stages: Vec<StageProgress>,
+    /// Seconds since the Unix epoch.
+    pub started_at: u64,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub node: String,
+    pub agent_version: String,
+    pub hot_root: String,
+    /// File-system size and free bytes under the hot-tier root.
+    pub hot_total_bytes: u64,
+    pub hot_free_bytes: u64,
+    /// Bytes held by jobs' directories on the hot tier, as the agent counted them.
+    pub hot_used_bytes: u64,
+    pub jobs: Vec<JobStatus>,
+}
