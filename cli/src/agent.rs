@@ -1,0 +1,87 @@
+//! Talking to this node's agent: one request, one answer, and errors that say what to do next.
+//!
+//! The agent's own error replies already tell the user what to do, so they are printed as they
+//! are; the CLI adds advice only where the agent could not speak (unreachable, silent).
+
+use crate::socket::{Origin, Socket};
+use anyhow::anyhow;
+use sluice_proto::client::{self, ClientError};
+use sluice_proto::msg::{JobId, JobStatus, NodeStatus, Request, Response};
+use sluice_proto::wire::FrameError;
+use std::io::ErrorKind;
+use std::time::Duration;
+
+pub struct Agent {
+    pub socket: Socket,
+    pub timeout: Duration,
+}
+
+impl Agent {
+    pub fn status(&self) -> anyhow::Result<NodeStatus> {
+        match self.call(Request::Status)? {
+            Response::Status(status) => Ok(status),
+            other => Err(self.unexpected("status", &other)),
+        }
+    }
+
+    pub fn job(&self, job_id: JobId) -> anyhow::Result<JobStatus> {
+        match self.call(Request::Job { job_id })? {
+            Response::Job(job) => Ok(job),
+            other => Err(self.unexpected("job", &other)),
+        }
+    }
+
+    fn call(&self, request: Request) -> anyhow::Result<Response> {
+        client::call(&self.socket.path, request, self.timeout).map_err(|e| self.explain(e))
+    }
+
+    fn explain(&self, error: ClientError) -> anyhow::Error {
+        let socket = &self.socket;
+        let hint = match socket.origin {
+            Origin::Flag => {
+                "check that sluiced runs on this node and that --socket names its socket"
+            }
+            Origin::Env | Origin::Default => {
+                "check that sluiced runs on this node (systemctl status sluiced), or pass --socket PATH"
+            }
+        };
+        match error {
+            ClientError::Agent(reply) => anyhow::Error::new(reply),
+            ClientError::Connect { source, .. } => {
+                anyhow!("cannot reach the sluice agent at {socket}: {source}; {hint}")
+            }
+            ClientError::Frame {
+                source: FrameError::Io(e),
+                ..
+            } if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                anyhow!(
+                    "the sluice agent at {socket} did not answer within {}; it may be busy: retry, or raise --timeout",
+                    humantime::format_duration(self.timeout)
+                )
+            }
+            ClientError::Frame {
+                source: FrameError::Io(e),
+                ..
+            } if e.kind() == ErrorKind::UnexpectedEof => {
+                anyhow!(
+                    "the sluice agent at {socket} closed the connection without answering; see its log (journalctl -u sluiced)"
+                )
+            }
+            other => anyhow::Error::new(other),
+        }
+    }
+
+    fn unexpected(&self, asked: &str, got: &Response) -> anyhow::Error {
+        let got = match got {
+            Response::Ok => "ok",
+            Response::Ready(_) => "ready",
+            Response::Status(_) => "status",
+            Response::Job(_) => "job",
+            Response::Error(_) => "error",
+        };
+        anyhow!(
+            "the sluice agent at {} answered a {asked} request with '{got}'; install matching sluice versions of the agent and CLI",
+            self.socket
+        )
+    }
+}

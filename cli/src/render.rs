@@ -1,0 +1,474 @@
+//! Human-readable output: pure functions from the agent's structs to text.
+//!
+//! Nothing here does I/O or reads the clock (the caller passes `now`), so every view is unit-tested
+//! exactly as a user sees it. Scripts should use `--json`; this layout may change.
+//!
+//! Strings from the agent (user names, sources, error messages from object stores) are printed
+//! through [`clean`], so a control character in them cannot garble the table or the terminal.
+
+use sluice_proto::msg::{JobStatus, NodeStatus, StageProgress};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Longest DATASETS cell in the status table; the detail view shows every name.
+const MAX_DATASETS_CELL: usize = 32;
+/// Nodes listed by name in the job view before the rest are counted.
+const MAX_NODES_SHOWN: usize = 16;
+
+/// Bytes in binary units: `512 B`, `1.5 KiB`, `931.3 GiB`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64 / 1024.0;
+    let mut unit = 0;
+    // 1023.95 would print as "1024.0"; move to the next unit instead.
+    while value >= 1023.95 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// A transfer rate; `-` when nothing has moved yet.
+pub fn rate(bytes_per_sec: u64) -> String {
+    if bytes_per_sec == 0 {
+        "-".to_string()
+    } else {
+        format!("{}/s", bytes(bytes_per_sec))
+    }
+}
+
+/// A compact duration: `850ms`, `12.3s`, `4m05s`, `1h02m03s`, `2d03h04m`.
+pub fn duration_ms(ms: u64) -> String {
+    let s = ms / 1000;
+    let (m, h, d) = (s / 60, s / 3600, s / 86_400);
+    match ms {
+        0..1_000 => format!("{ms}ms"),
+        1_000..60_000 => format!("{}.{}s", s, (ms % 1000) / 100),
+        60_000..3_600_000 => format!("{m}m{:02}s", s % 60),
+        3_600_000..86_400_000 => format!("{h}h{:02}m{:02}s", m % 60, s % 60),
+        _ => format!("{d}d{:02}h{:02}m", h % 24, m % 60),
+    }
+}
+
+/// `done/total`, with `?` for a total not known yet (listing still running).
+fn fraction(done: u64, total: Option<u64>, unit: impl Fn(u64) -> String) -> String {
+    match total {
+        Some(total) => format!("{}/{}", unit(done), unit(total)),
+        None => format!("{}/?", unit(done)),
+    }
+}
+
+/// ` (79%)` when the total is known and non-zero.
+fn percent(done: u64, total: Option<u64>) -> String {
+    match total {
+        Some(total) if total > 0 => format!(
+            " ({}%)",
+            (u128::from(done) * 100 / u128::from(total)).min(100)
+        ),
+        _ => String::new(),
+    }
+}
+
+/// One line of printable text: control characters (newlines included) become spaces.
+pub fn clean(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
+}
+
+/// Cuts `s` to at most `max` characters, marking the cut with `…`.
+fn truncate(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
+/// Left-aligned columns separated by two spaces; the last column is not padded.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let width = |cell: &str| cell.chars().count();
+    let mut widths: Vec<usize> = header.iter().map(|h| width(h)).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(width(cell));
+        }
+    }
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    let mut out = String::new();
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::new();
+        for (i, (cell, w)) in row.iter().zip(&widths).enumerate() {
+            if i > 0 {
+                line.push_str("  ");
+            }
+            line.push_str(cell);
+            line.extend(std::iter::repeat_n(' ', w - width(cell)));
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// All of a job's datasets on this node taken together.
+struct Totals {
+    files_done: u64,
+    files_total: Option<u64>,
+    bytes_done: u64,
+    bytes_total: Option<u64>,
+    rate_bps: u64,
+}
+
+impl Totals {
+    fn of(stages: &[StageProgress]) -> Totals {
+        let sum = |field: fn(&StageProgress) -> u64| {
+            stages.iter().fold(0u64, |a, s| a.saturating_add(field(s)))
+        };
+        // `None` as soon as one dataset's total is unknown.
+        let total = |field: fn(&StageProgress) -> Option<u64>| {
+            stages
+                .iter()
+                .try_fold(0u64, |a, s| Some(a.saturating_add(field(s)?)))
+        };
+        let bytes_done = sum(|s| s.bytes_done);
+        // Datasets stage concurrently, so the job's wall time is the longest dataset's.
+        let elapsed_ms = stages.iter().map(|s| s.elapsed_ms).max().unwrap_or(0);
+        let rate_bps = (u128::from(bytes_done) * 1000)
+            .checked_div(u128::from(elapsed_ms))
+            .map_or(0, |r| u64::try_from(r).unwrap_or(u64::MAX));
+        Totals {
+            files_done: sum(|s| s.files_done),
+            files_total: total(|s| s.files_total),
+            bytes_done,
+            bytes_total: total(|s| s.bytes_total),
+            rate_bps,
+        }
+    }
+}
+
+fn progress_cell(stages: &[StageProgress]) -> String {
+    if stages.is_empty() {
+        return "-".to_string();
+    }
+    let t = Totals::of(stages);
+    format!(
+        "{} files, {}, {}",
+        fraction(t.files_done, t.files_total, |n| n.to_string()),
+        fraction(t.bytes_done, t.bytes_total, bytes),
+        rate(t.rate_bps)
+    )
+}
+
+/// The job's own error, else the first dataset's.
+fn error_cell(job: &JobStatus) -> String {
+    if let Some(e) = &job.error {
+        return clean(e);
+    }
+    match job
+        .stages
+        .iter()
+        .find_map(|s| Some((&s.name, s.error.as_ref()?)))
+    {
+        Some((name, e)) => clean(&format!("{name}: {e}")),
+        None => "-".to_string(),
+    }
+}
+
+/// `sluice status`: the node, its hot tier, and a table of the jobs the caller may see.
+pub fn node_status(status: &NodeStatus) -> String {
+    let free_pct = percent(status.hot_free_bytes, Some(status.hot_total_bytes));
+    let mut out = format!(
+        "node      {}\n\
+         agent     sluiced {}\n\
+         hot tier  {}\n  \
+           size    {}\n  \
+           free    {}{free_pct}\n  \
+           used    {} by sluice jobs\n\n",
+        clean(&status.node),
+        clean(&status.agent_version),
+        clean(&status.hot_root),
+        bytes(status.hot_total_bytes),
+        bytes(status.hot_free_bytes),
+        bytes(status.hot_used_bytes),
+    );
+    if status.jobs.is_empty() {
+        out.push_str("No sluice jobs on this node that you may see.\n");
+        return out;
+    }
+    let rows: Vec<Vec<String>> = status
+        .jobs
+        .iter()
+        .map(|job| {
+            let names: Vec<&str> = job.stages.iter().map(|s| s.name.as_str()).collect();
+            let datasets = if names.is_empty() {
+                "-".to_string()
+            } else {
+                clean(&names.join(","))
+            };
+            vec![
+                job.job_id.to_string(),
+                clean(&job.user),
+                job.state.as_str().to_string(),
+                truncate(&datasets, MAX_DATASETS_CELL),
+                progress_cell(&job.stages),
+                error_cell(job),
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &["JOBID", "USER", "STATE", "DATASETS", "PROGRESS", "ERROR"],
+        &rows,
+    ));
+    out
+}
+
+fn started(started_at: u64, now: SystemTime) -> String {
+    if started_at == 0 {
+        return "unknown".to_string();
+    }
+    let at = UNIX_EPOCH + Duration::from_secs(started_at);
+    let stamp = humantime::format_rfc3339_seconds(at);
+    match now.duration_since(at) {
+        Ok(ago) => format!(
+            "{stamp} ({} ago)",
+            duration_ms(u64::try_from(ago.as_millis()).unwrap_or(u64::MAX))
+        ),
+        // The agent's clock is ahead of ours; the timestamp alone is still right.
+        Err(_) => stamp.to_string(),
+    }
+}
+
+fn node_list(nodes: &[String]) -> String {
+    if nodes.is_empty() {
+        return "-".to_string();
+    }
+    let shown: Vec<String> = nodes
+        .iter()
+        .take(MAX_NODES_SHOWN)
+        .map(|n| clean(n))
+        .collect();
+    let mut list = shown.join(", ");
+    if nodes.len() > MAX_NODES_SHOWN {
+        list.push_str(&format!(
+            ", … ({} more; --json lists all)",
+            nodes.len() - MAX_NODES_SHOWN
+        ));
+    }
+    format!("{list} ({} in all)", nodes.len())
+}
+
+/// `sluice job JOBID`: one job on this node, with every dataset. `now` dates the job's start.
+pub fn job_detail(job: &JobStatus, now: SystemTime) -> String {
+    let mut out = format!(
+        "job {}  {}\n  \
+           user       {} (uid {})\n  \
+           started    {}\n  \
+           node       {}\n  \
+           nodes      {}\n  \
+           stage dir  {}\n  \
+           ckpt dir   {}\n",
+        job.job_id,
+        job.state.as_str(),
+        clean(&job.user),
+        job.uid,
+        started(job.started_at, now),
+        clean(&job.node),
+        node_list(&job.nodes),
+        clean(&job.dirs.stage_dir),
+        clean(&job.dirs.ckpt_dir),
+    );
+    if let Some(e) = &job.error {
+        out.push_str(&format!("  error      {}\n", clean(e)));
+    }
+    if job.stages.is_empty() {
+        out.push_str("\nNo datasets to stage.\n");
+        return out;
+    }
+    out.push_str(&format!("\ndatasets ({})\n", job.stages.len()));
+    for s in &job.stages {
+        out.push_str(&format!(
+            "  {}  {}\n    \
+               source   {}\n    \
+               files    {}{}\n    \
+               bytes    {}{}\n    \
+               rate     {}\n    \
+               elapsed  {}\n",
+            clean(&s.name),
+            s.state.as_str(),
+            clean(&s.source),
+            fraction(s.files_done, s.files_total, |n| n.to_string()),
+            percent(s.files_done, s.files_total),
+            fraction(s.bytes_done, s.bytes_total, bytes),
+            percent(s.bytes_done, s.bytes_total),
+            rate(s.rate_bps()),
+            duration_ms(s.elapsed_ms),
+        ));
+        if let Some(e) = &s.error {
+            out.push_str(&format!("    error    {}\n", clean(e)));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures;
+
+    #[test]
+    fn human_sizes() {
+        let cases = [
+            (0, "0 B"),
+            (1023, "1023 B"),
+            (1024, "1.0 KiB"),
+            (1536, "1.5 KiB"),
+            (10 * 1024 * 1024 - 1, "10.0 MiB"),
+            (1024 * 1024 - 1, "1.0 MiB"),
+            (7 * (1 << 30) + (1 << 29), "7.5 GiB"),
+            (1 << 40, "1.0 TiB"),
+            (u64::MAX, "16.0 EiB"),
+        ];
+        for (n, want) in cases {
+            assert_eq!(bytes(n), want, "{n}");
+        }
+    }
+
+    #[test]
+    fn rates_and_durations() {
+        assert_eq!(rate(0), "-");
+        assert_eq!(rate(512 << 20), "512.0 MiB/s");
+        assert_eq!(rate(900), "900 B/s");
+        let cases = [
+            (0, "0ms"),
+            (850, "850ms"),
+            (12_345, "12.3s"),
+            (59_999, "59.9s"),
+            (245_000, "4m05s"),
+            (3_723_000, "1h02m03s"),
+            (183_840_000, "2d03h04m"),
+        ];
+        for (ms, want) in cases {
+            assert_eq!(duration_ms(ms), want, "{ms}");
+        }
+    }
+
+    #[test]
+    fn status_view() {
+        let want = "\
+node      gpu07
+agent     sluiced 0.1.0
+hot tier  /var/lib/sluice/gpu07/hot
+  size    1.7 TiB
+  free    1.2 TiB (68%)
+  used    44.5 GiB by sluice jobs
+
+JOBID  USER   STATE    DATASETS          PROGRESS                                       ERROR
+4242   alice  staging  imagenet,weights  813/? files, 34.6 GiB/?, 2.2 GiB/s             -
+4250   bob    failed   corpus            0/0 files, 0 B/0 B, -                          corpus: s3://corpus/v2 not found — check the path; the job was not started
+4251   carol  ready    -                 -                                              -
+4260   dave   ready    ckpt              1200/1200 files, 10.0 GiB/10.0 GiB, 1.0 GiB/s  -
+";
+        assert_eq!(node_status(&fixtures::node_status()), want);
+    }
+
+    #[test]
+    fn status_without_jobs() {
+        let mut status = fixtures::node_status();
+        status.jobs.clear();
+        status.hot_total_bytes = 0;
+        let text = node_status(&status);
+        assert!(
+            text.contains("  size    0 B\n  free    1.2 TiB\n"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with(
+                "used    44.5 GiB by sluice jobs\n\nNo sluice jobs on this node that you may see.\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn job_view() {
+        let now = UNIX_EPOCH + Duration::from_secs(fixtures::STARTED_AT + 192);
+        let want = "\
+job 4242  staging
+  user       alice (uid 1000)
+  started    2026-05-01T10:00:00Z (3m12s ago)
+  node       gpu07
+  nodes      gpu07, gpu08 (2 in all)
+  stage dir  /var/lib/sluice/gpu07/hot/jobs/4242/stage
+  ckpt dir   /var/lib/sluice/gpu07/hot/jobs/4242/ckpt
+
+datasets (2)
+  imagenet  copying
+    source   s3://datasets/imagenet
+    files    812/1000 (81%)
+    bytes    7.9 GiB/10.0 GiB (79%)
+    rate     506.6 MiB/s
+    elapsed  16.0s
+  weights  listing
+    source   /lustre/models/llama-8b
+    files    1/?
+    bytes    26.6 GiB/?
+    rate     1.7 GiB/s
+    elapsed  16.0s
+";
+        assert_eq!(job_detail(&fixtures::staging_job(), now), want);
+    }
+
+    #[test]
+    fn job_view_with_errors_and_odd_input() {
+        let mut job = fixtures::failed_job();
+        job.error = Some("staging failed:\n\x1b[31mcorpus\x1b[0m".into());
+        job.nodes = (1..=20).map(|i| format!("n{i}")).collect();
+        job.started_at = 0;
+        let text = job_detail(&job, UNIX_EPOCH);
+        assert!(
+            text.contains("  error      staging failed:  [31mcorpus [0m\n"),
+            "{text}"
+        );
+        assert!(text.contains("  started    unknown\n"), "{text}");
+        assert!(
+            text.contains("n15, n16, … (4 more; --json lists all) (20 in all)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "    error    s3://corpus/v2 not found — check the path; the job was not started\n"
+            ),
+            "{text}"
+        );
+        // A clock behind the agent's still prints the start time.
+        let ahead = fixtures::staging_job();
+        assert!(job_detail(&ahead, UNIX_EPOCH).contains("  started    2026-05-01T10:00:00Z\n"));
+        assert!(
+            job_detail(&fixtures::node_status().jobs[2], UNIX_EPOCH)
+                .ends_with("\nNo datasets to stage.\n")
+        );
+    }
+
+    #[test]
+    fn long_dataset_lists_are_cut() {
+        assert_eq!(truncate("abc", 3), "abc");
+        assert_eq!(truncate("abcd", 3), "ab…");
+        let mut status = fixtures::node_status();
+        let template = status.jobs[1].stages[0].clone();
+        status.jobs[1].stages = (0..10)
+            .map(|i| StageProgress {
+                name: format!("shard-{i}"),
+                ..template.clone()
+            })
+            .collect();
+        let text = node_status(&status);
+        assert!(
+            text.contains(" shard-0,shard-1,shard-2,shard-3…  "),
+            "{text}"
+        );
+    }
+}
