@@ -12,7 +12,10 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("cannot reach the sluice agent at {path}: {source} (is sluiced running on this node?)")]
-    Connect { path: PathBuf, source: std::io::Error },
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("talking to the sluice agent at {path}: {source}")]
     Frame { path: PathBuf, source: FrameError },
     #[error("{0}")]
@@ -21,9 +24,14 @@ pub enum ClientError {
 
 /// Sends one request and waits at most `timeout` for each of connect, write and read.
 pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Response, ClientError> {
-    let frame_err = |source| ClientError::Frame { path: socket.to_path_buf(), source };
-    let mut stream =
-        UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.to_path_buf(), source })?;
+    let frame_err = |source| ClientError::Frame {
+        path: socket.to_path_buf(),
+        source,
+    };
+    let mut stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect {
+        path: socket.to_path_buf(),
+        source,
+    })?;
     let io_err = |e: std::io::Error| frame_err(FrameError::Io(e));
     stream.set_write_timeout(Some(timeout)).map_err(io_err)?;
     stream.set_read_timeout(Some(timeout)).map_err(io_err)?;

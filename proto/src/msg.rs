@@ -83,7 +83,10 @@ pub struct ErrorReply {
 
 impl ErrorReply {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        ErrorReply { code, message: message.into() }
+        ErrorReply {
+            code,
+            message: message.into(),
+        }
     }
 }
 
@@ -151,7 +154,10 @@ pub struct StageProgress {
 impl StageProgress {
     /// Average rate so far, bytes per second.
     pub fn rate_bps(&self) -> u64 {
-        if self.elapsed_ms == 0 { 0 } else { self.bytes_done.saturating_mul(1000) / self.elapsed_ms }
+        self.bytes_done
+            .saturating_mul(1000)
+            .checked_div(self.elapsed_ms)
+            .unwrap_or(0)
     }
 }
 

@@ -15,7 +15,6 @@ pub const MAX_NAME_LEN: usize = 128;
 /// Highest `--ckpt-keep`.
 pub const MAX_CKPT_KEEP: u32 = 1000;
 
-
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("--{option}: {message}")]
 pub struct OptionError {
@@ -24,7 +23,10 @@ pub struct OptionError {
 }
 
 fn err(option: &'static str, message: impl Into<String>) -> OptionError {
-    OptionError { option, message: message.into() }
+    OptionError {
+        option,
+        message: message.into(),
+    }
 }
 
 /// Where a dataset comes from.
@@ -35,7 +37,11 @@ pub enum Source {
     Posix { path: String },
     /// An object-store prefix. `url` is normalised: `s3://bucket/prefix`, `az://container/prefix`,
     /// `gs://bucket/prefix`, without a trailing slash.
-    Object { scheme: ObjectScheme, bucket: String, prefix: String },
+    Object {
+        scheme: ObjectScheme,
+        bucket: String,
+        prefix: String,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,10 +66,18 @@ impl fmt::Display for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Source::Posix { path } => f.write_str(path),
-            Source::Object { scheme, bucket, prefix } if prefix.is_empty() => {
+            Source::Object {
+                scheme,
+                bucket,
+                prefix,
+            } if prefix.is_empty() => {
                 write!(f, "{}://{bucket}", scheme.url_scheme())
             }
-            Source::Object { scheme, bucket, prefix } => {
+            Source::Object {
+                scheme,
+                bucket,
+                prefix,
+            } => {
                 write!(f, "{}://{bucket}/{prefix}", scheme.url_scheme())
             }
         }
@@ -126,15 +140,31 @@ pub mod names {
     pub const CKPT_ARCHIVE: &str = "ckpt-archive";
     pub const CKPT_KEEP: &str = "ckpt-keep";
     pub const CKPT_RESTORE: &str = "ckpt-restore";
-    pub const ALL: [&str; 6] = [STAGE_IN, STAGE_TIER, STAGE_MODE, CKPT_ARCHIVE, CKPT_KEEP, CKPT_RESTORE];
+    pub const ALL: [&str; 6] = [
+        STAGE_IN,
+        STAGE_TIER,
+        STAGE_MODE,
+        CKPT_ARCHIVE,
+        CKPT_KEEP,
+        CKPT_RESTORE,
+    ];
 }
 
 fn check_text(option: &'static str, value: &str) -> Result<(), OptionError> {
     if value.len() > MAX_OPTION_LEN {
-        return Err(err(option, format!("value is {} bytes; at most {MAX_OPTION_LEN} are accepted", value.len())));
+        return Err(err(
+            option,
+            format!(
+                "value is {} bytes; at most {MAX_OPTION_LEN} are accepted",
+                value.len()
+            ),
+        ));
     }
     if let Some(c) = value.chars().find(|c| c.is_control()) {
-        return Err(err(option, format!("value contains the control character {c:?}; remove it")));
+        return Err(err(
+            option,
+            format!("value contains the control character {c:?}; remove it"),
+        ));
     }
     Ok(())
 }
@@ -145,15 +175,27 @@ az://container/prefix (or azure://), gs://bucket/prefix, optionally preceded by 
 /// Validates a dataset name: one path component, portable characters only.
 pub fn validate_name(name: &str) -> Result<(), OptionError> {
     if name.is_empty() {
-        return Err(err(names::STAGE_IN, format!("empty dataset NAME before '='; {SOURCE_HELP}")));
+        return Err(err(
+            names::STAGE_IN,
+            format!("empty dataset NAME before '='; {SOURCE_HELP}"),
+        ));
     }
     if name.len() > MAX_NAME_LEN {
-        return Err(err(names::STAGE_IN, format!("dataset NAME '{name}' is longer than {MAX_NAME_LEN} characters")));
+        return Err(err(
+            names::STAGE_IN,
+            format!("dataset NAME '{name}' is longer than {MAX_NAME_LEN} characters"),
+        ));
     }
     if name == "." || name == ".." {
-        return Err(err(names::STAGE_IN, format!("dataset NAME '{name}' is not allowed")));
+        return Err(err(
+            names::STAGE_IN,
+            format!("dataset NAME '{name}' is not allowed"),
+        ));
     }
-    if !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '+')) {
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '+'))
+    {
         return Err(err(
             names::STAGE_IN,
             format!("dataset NAME '{name}' may only hold letters, digits, '.', '_', '-' and '+'"),
@@ -174,7 +216,12 @@ fn parse_source(src: &str) -> Result<Source, OptionError> {
         None => parse_posix(src),
         Some("file") => {
             if !rest.starts_with('/') {
-                return Err(err(names::STAGE_IN, format!("'{src}': a file:// URL needs an absolute path, as in file:///lustre/data")));
+                return Err(err(
+                    names::STAGE_IN,
+                    format!(
+                        "'{src}': a file:// URL needs an absolute path, as in file:///lustre/data"
+                    ),
+                ));
             }
             parse_posix(rest)
         }
@@ -184,21 +231,43 @@ fn parse_source(src: &str) -> Result<Source, OptionError> {
                 "az" | "azure" | "abfs" => ObjectScheme::Azure,
                 "gs" => ObjectScheme::Gcs,
                 other => {
-                    return Err(err(names::STAGE_IN, format!("unknown URL scheme '{other}://' in '{src}'; {SOURCE_HELP}")));
+                    return Err(err(
+                        names::STAGE_IN,
+                        format!("unknown URL scheme '{other}://' in '{src}'; {SOURCE_HELP}"),
+                    ));
                 }
             };
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
             if bucket.is_empty() {
-                return Err(err(names::STAGE_IN, format!("'{src}' names no bucket or container")));
+                return Err(err(
+                    names::STAGE_IN,
+                    format!("'{src}' names no bucket or container"),
+                ));
             }
-            if !bucket.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
-                return Err(err(names::STAGE_IN, format!("'{bucket}' is not a valid bucket or container name")));
+            if !bucket
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            {
+                return Err(err(
+                    names::STAGE_IN,
+                    format!("'{bucket}' is not a valid bucket or container name"),
+                ));
             }
             let prefix = prefix.trim_matches('/');
-            if prefix.split('/').any(|seg| seg == ".." || seg == "." || (seg.is_empty() && !prefix.is_empty())) {
-                return Err(err(names::STAGE_IN, format!("'{src}': the prefix may not hold empty, '.' or '..' segments")));
+            if prefix
+                .split('/')
+                .any(|seg| seg == ".." || seg == "." || (seg.is_empty() && !prefix.is_empty()))
+            {
+                return Err(err(
+                    names::STAGE_IN,
+                    format!("'{src}': the prefix may not hold empty, '.' or '..' segments"),
+                ));
             }
-            Ok(Source::Object { scheme, bucket: bucket.to_string(), prefix: prefix.to_string() })
+            Ok(Source::Object {
+                scheme,
+                bucket: bucket.to_string(),
+                prefix: prefix.to_string(),
+            })
         }
     }
 }
@@ -207,14 +276,25 @@ fn parse_posix(path: &str) -> Result<Source, OptionError> {
     if !path.starts_with('/') {
         return Err(err(
             names::STAGE_IN,
-            format!("'{path}' is a relative path; the job's nodes need an absolute one (e.g. /lustre/project/data) — {SOURCE_HELP}"),
+            format!(
+                "'{path}' is a relative path; the job's nodes need an absolute one (e.g. /lustre/project/data) — {SOURCE_HELP}"
+            ),
         ));
     }
     if path.split('/').any(|seg| seg == "..") {
-        return Err(err(names::STAGE_IN, format!("'{path}': '..' is not allowed in a source path; give the resolved path")));
+        return Err(err(
+            names::STAGE_IN,
+            format!("'{path}': '..' is not allowed in a source path; give the resolved path"),
+        ));
     }
     let trimmed = path.trim_end_matches('/');
-    Ok(Source::Posix { path: if trimmed.is_empty() { "/".to_string() } else { trimmed.to_string() } })
+    Ok(Source::Posix {
+        path: if trimmed.is_empty() {
+            "/".to_string()
+        } else {
+            trimmed.to_string()
+        },
+    })
 }
 
 fn default_name(source: &Source) -> Option<String> {
@@ -238,7 +318,10 @@ pub fn parse_stage_entry(entry: &str) -> Result<StageSpec, OptionError> {
     let name = match name {
         Some(n) => n.to_string(),
         None => default_name(&source).ok_or_else(|| {
-            err(names::STAGE_IN, format!("cannot derive a dataset name from '{src}'; write NAME={src}"))
+            err(
+                names::STAGE_IN,
+                format!("cannot derive a dataset name from '{src}'; write NAME={src}"),
+            )
         })?,
     };
     validate_name(&name)?;
@@ -246,13 +329,18 @@ pub fn parse_stage_entry(entry: &str) -> Result<StageSpec, OptionError> {
 }
 
 /// Parses every `--stage-in` value given (each may be comma-separated) and checks the set as a whole.
-pub fn parse_stage_in<'a>(values: impl IntoIterator<Item = &'a str>) -> Result<Vec<StageSpec>, OptionError> {
+pub fn parse_stage_in<'a>(
+    values: impl IntoIterator<Item = &'a str>,
+) -> Result<Vec<StageSpec>, OptionError> {
     let mut specs: Vec<StageSpec> = Vec::new();
     for value in values {
         check_text(names::STAGE_IN, value)?;
         for entry in value.split(',') {
             if entry.trim().is_empty() {
-                return Err(err(names::STAGE_IN, format!("empty entry in '{value}'; {SOURCE_HELP}")));
+                return Err(err(
+                    names::STAGE_IN,
+                    format!("empty entry in '{value}'; {SOURCE_HELP}"),
+                ));
             }
             let spec = parse_stage_entry(entry)?;
             if let Some(prev) = specs.iter().find(|s| s.name == spec.name) {
@@ -266,7 +354,10 @@ pub fn parse_stage_in<'a>(values: impl IntoIterator<Item = &'a str>) -> Result<V
             }
             specs.push(spec);
             if specs.len() > MAX_STAGE_SOURCES {
-                return Err(err(names::STAGE_IN, format!("more than {MAX_STAGE_SOURCES} sources")));
+                return Err(err(
+                    names::STAGE_IN,
+                    format!("more than {MAX_STAGE_SOURCES} sources"),
+                ));
             }
         }
     }
@@ -277,7 +368,10 @@ pub fn parse_stage_tier(value: &str) -> Result<StageTier, OptionError> {
     match value.trim() {
         "local" => Ok(StageTier::Local),
         "shared" => Ok(StageTier::Shared),
-        other => Err(err(names::STAGE_TIER, format!("unknown tier '{other}'; accepted: local (default), shared"))),
+        other => Err(err(
+            names::STAGE_TIER,
+            format!("unknown tier '{other}'; accepted: local (default), shared"),
+        )),
     }
 }
 
@@ -285,7 +379,10 @@ pub fn parse_stage_mode(value: &str) -> Result<StageMode, OptionError> {
     match value.trim() {
         "replicate" => Ok(StageMode::Replicate),
         "shard" => Ok(StageMode::Shard),
-        other => Err(err(names::STAGE_MODE, format!("unknown mode '{other}'; accepted: replicate (default), shard"))),
+        other => Err(err(
+            names::STAGE_MODE,
+            format!("unknown mode '{other}'; accepted: replicate (default), shard"),
+        )),
     }
 }
 
@@ -293,18 +390,38 @@ pub fn parse_ckpt_keep(value: &str) -> Result<u32, OptionError> {
     let v = value.trim();
     match v.parse::<u32>() {
         Ok(n) if (1..=MAX_CKPT_KEEP).contains(&n) => Ok(n),
-        Ok(n) => Err(err(names::CKPT_KEEP, format!("{n} is out of range; give a number from 1 to {MAX_CKPT_KEEP}"))),
-        Err(_) => Err(err(names::CKPT_KEEP, format!("'{v}' is not a number; give how many checkpoints to keep, e.g. --ckpt-keep=2"))),
+        Ok(n) => Err(err(
+            names::CKPT_KEEP,
+            format!("{n} is out of range; give a number from 1 to {MAX_CKPT_KEEP}"),
+        )),
+        Err(_) => Err(err(
+            names::CKPT_KEEP,
+            format!("'{v}' is not a number; give how many checkpoints to keep, e.g. --ckpt-keep=2"),
+        )),
     }
 }
 
 /// Checkpoint tags are single path components: they name directories and object prefixes.
 pub fn validate_tag(option: &'static str, tag: &str) -> Result<(), OptionError> {
-    if tag.is_empty() || tag.len() > MAX_NAME_LEN || tag == "." || tag == ".." || tag.starts_with('.') {
-        return Err(err(option, format!("'{tag}' is not a valid checkpoint tag")));
+    if tag.is_empty()
+        || tag.len() > MAX_NAME_LEN
+        || tag == "."
+        || tag == ".."
+        || tag.starts_with('.')
+    {
+        return Err(err(
+            option,
+            format!("'{tag}' is not a valid checkpoint tag"),
+        ));
     }
-    if !tag.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '+')) {
-        return Err(err(option, format!("checkpoint tag '{tag}' may only hold letters, digits, '.', '_', '-' and '+'")));
+    if !tag
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '+'))
+    {
+        return Err(err(
+            option,
+            format!("checkpoint tag '{tag}' may only hold letters, digits, '.', '_', '-' and '+'"),
+        ));
     }
     Ok(())
 }
@@ -315,7 +432,12 @@ pub fn parse_ckpt_restore(value: &str) -> Result<Restore, OptionError> {
     if v == "latest" {
         return Ok(Restore::Latest);
     }
-    validate_tag(names::CKPT_RESTORE, v).map_err(|e| err(names::CKPT_RESTORE, format!("{}; or give 'latest'", e.message)))?;
+    validate_tag(names::CKPT_RESTORE, v).map_err(|e| {
+        err(
+            names::CKPT_RESTORE,
+            format!("{}; or give 'latest'", e.message),
+        )
+    })?;
     Ok(Restore::Tag(v.to_string()))
 }
 
@@ -328,7 +450,9 @@ pub fn parse_ckpt_archive(value: &str) -> Result<String, OptionError> {
 
 /// Builds [`JobOptions`] from raw values looked up by option name (`None` = not given).
 /// Several `--stage-in` values travel joined by ',' (the same as one comma-separated value).
-pub fn parse_job_options(lookup: impl Fn(&str) -> Option<String>) -> Result<JobOptions, OptionError> {
+pub fn parse_job_options(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<JobOptions, OptionError> {
     let mut opts = JobOptions::default();
     if let Some(v) = lookup(names::STAGE_IN) {
         opts.stage_in = parse_stage_in([v.as_str()])?;
@@ -358,10 +482,16 @@ pub fn parse_job_options(lookup: impl Fn(&str) -> Option<String>) -> Result<JobO
 pub fn validate_option(name: &str, value: &str) -> Result<(), OptionError> {
     match name {
         names::STAGE_IN => parse_stage_in([value]).map(drop),
-        names::STAGE_TIER => check_text(names::STAGE_TIER, value).and_then(|_| parse_stage_tier(value).map(drop)),
-        names::STAGE_MODE => check_text(names::STAGE_MODE, value).and_then(|_| parse_stage_mode(value).map(drop)),
+        names::STAGE_TIER => {
+            check_text(names::STAGE_TIER, value).and_then(|_| parse_stage_tier(value).map(drop))
+        }
+        names::STAGE_MODE => {
+            check_text(names::STAGE_MODE, value).and_then(|_| parse_stage_mode(value).map(drop))
+        }
         names::CKPT_ARCHIVE => parse_ckpt_archive(value).map(drop),
-        names::CKPT_KEEP => check_text(names::CKPT_KEEP, value).and_then(|_| parse_ckpt_keep(value).map(drop)),
+        names::CKPT_KEEP => {
+            check_text(names::CKPT_KEEP, value).and_then(|_| parse_ckpt_keep(value).map(drop))
+        }
         names::CKPT_RESTORE => parse_ckpt_restore(value).map(drop),
         _ => Ok(()),
     }
@@ -380,16 +510,40 @@ mod tests {
         assert_eq!(one("/lustre/proj/imagenet/").name, "imagenet");
         assert_eq!(one("s3://bucket/a/b").name, "b");
         assert_eq!(one("s3://bucket").name, "bucket");
-        assert_eq!(one("file:///data/x").source, Source::Posix { path: "/data/x".into() });
-        assert_eq!(one("azure://c/p").source, Source::Object { scheme: ObjectScheme::Azure, bucket: "c".into(), prefix: "p".into() });
+        assert_eq!(
+            one("file:///data/x").source,
+            Source::Posix {
+                path: "/data/x".into()
+            }
+        );
+        assert_eq!(
+            one("azure://c/p").source,
+            Source::Object {
+                scheme: ObjectScheme::Azure,
+                bucket: "c".into(),
+                prefix: "p".into()
+            }
+        );
     }
 
     #[test]
     fn explicit_names_and_equals_in_keys() {
         assert_eq!(one("train=s3://b/x").name, "train");
         // '=' after a '/' belongs to the key, not to a NAME; the derived name is then not portable.
-        assert_eq!(one("ds=s3://b/k=v").source, Source::Object { scheme: ObjectScheme::S3, bucket: "b".into(), prefix: "k=v".into() });
-        assert!(parse_stage_entry("s3://b/k=v").unwrap_err().message.contains("may only hold"));
+        assert_eq!(
+            one("ds=s3://b/k=v").source,
+            Source::Object {
+                scheme: ObjectScheme::S3,
+                bucket: "b".into(),
+                prefix: "k=v".into()
+            }
+        );
+        assert!(
+            parse_stage_entry("s3://b/k=v")
+                .unwrap_err()
+                .message
+                .contains("may only hold")
+        );
     }
 
     #[test]
@@ -418,22 +572,63 @@ mod tests {
         assert!(e.message.contains("used twice"), "{e}");
         assert!(parse_stage_in(["/a/data", "x=/b/data"]).is_ok());
         let long = format!("/{}", "a".repeat(MAX_OPTION_LEN));
-        assert!(parse_stage_in([long.as_str()]).unwrap_err().message.contains("at most"));
-        assert!(parse_stage_in(["/a\nb"]).unwrap_err().message.contains("control character"));
-        assert!(parse_stage_in(["/a,,/b"]).unwrap_err().message.contains("empty entry"));
+        assert!(
+            parse_stage_in([long.as_str()])
+                .unwrap_err()
+                .message
+                .contains("at most")
+        );
+        assert!(
+            parse_stage_in(["/a\nb"])
+                .unwrap_err()
+                .message
+                .contains("control character")
+        );
+        assert!(
+            parse_stage_in(["/a,,/b"])
+                .unwrap_err()
+                .message
+                .contains("empty entry")
+        );
     }
 
     #[test]
     fn scalar_options() {
         assert_eq!(parse_ckpt_keep("3"), Ok(3));
-        assert!(parse_ckpt_keep("two").unwrap_err().message.contains("not a number"));
-        assert!(parse_ckpt_keep("0").unwrap_err().message.contains("out of range"));
-        assert!(parse_stage_tier("nvme").unwrap_err().message.contains("local (default), shared"));
-        assert!(parse_stage_mode("stripe").unwrap_err().message.contains("replicate (default), shard"));
+        assert!(
+            parse_ckpt_keep("two")
+                .unwrap_err()
+                .message
+                .contains("not a number")
+        );
+        assert!(
+            parse_ckpt_keep("0")
+                .unwrap_err()
+                .message
+                .contains("out of range")
+        );
+        assert!(
+            parse_stage_tier("nvme")
+                .unwrap_err()
+                .message
+                .contains("local (default), shared")
+        );
+        assert!(
+            parse_stage_mode("stripe")
+                .unwrap_err()
+                .message
+                .contains("replicate (default), shard")
+        );
         assert_eq!(parse_ckpt_restore("latest"), Ok(Restore::Latest));
-        assert_eq!(parse_ckpt_restore("step-100"), Ok(Restore::Tag("step-100".into())));
+        assert_eq!(
+            parse_ckpt_restore("step-100"),
+            Ok(Restore::Tag("step-100".into()))
+        );
         assert!(parse_ckpt_restore("../x").is_err());
-        assert_eq!(parse_ckpt_archive("s3://ckpt/alice/").unwrap(), "s3://ckpt/alice");
+        assert_eq!(
+            parse_ckpt_archive("s3://ckpt/alice/").unwrap(),
+            "s3://ckpt/alice"
+        );
     }
 
     #[test]

@@ -20,7 +20,10 @@ pub struct Envelope {
 
 impl Envelope {
     pub fn new(request: Request) -> Self {
-        Envelope { version: PROTO_VERSION, request }
+        Envelope {
+            version: PROTO_VERSION,
+            request,
+        }
     }
 }
 
@@ -30,7 +33,9 @@ pub enum FrameError {
     TooLarge(usize),
     #[error("malformed frame: {0}")]
     Malformed(String),
-    #[error("protocol version {got} is not supported (this side speaks {PROTO_VERSION}); install matching sluice versions of the plugin, agent and CLI")]
+    #[error(
+        "protocol version {got} is not supported (this side speaks {PROTO_VERSION}); install matching sluice versions of the plugin, agent and CLI"
+    )]
     Version { got: u32 },
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
@@ -64,11 +69,13 @@ pub fn decode_request(body: &[u8]) -> Result<Request, FrameError> {
     struct VersionOnly {
         version: u32,
     }
-    let v: VersionOnly = serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    let v: VersionOnly =
+        serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
     if v.version != PROTO_VERSION {
         return Err(FrameError::Version { got: v.version });
     }
-    let env: Envelope = serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    let env: Envelope =
+        serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
     Ok(env.request)
 }
 
@@ -105,10 +112,19 @@ mod tests {
 
     #[test]
     fn refuses_oversized_and_foreign_frames() {
-        assert!(matches!(frame_len(u32::MAX.to_be_bytes()), Err(FrameError::TooLarge(_))));
+        assert!(matches!(
+            frame_len(u32::MAX.to_be_bytes()),
+            Err(FrameError::TooLarge(_))
+        ));
         let e = decode_request(br#"{"version":99,"request":{"op":"status"}}"#).unwrap_err();
         assert!(e.to_string().contains("version 99 is not supported"), "{e}");
-        assert!(matches!(decode_request(b"{\"version\":1,\"request\":{\"op\":\"nope\"}}"), Err(FrameError::Malformed(_))));
-        assert!(matches!(decode_request(b"\xff\x00"), Err(FrameError::Malformed(_))));
+        assert!(matches!(
+            decode_request(b"{\"version\":1,\"request\":{\"op\":\"nope\"}}"),
+            Err(FrameError::Malformed(_))
+        ));
+        assert!(matches!(
+            decode_request(b"\xff\x00"),
+            Err(FrameError::Malformed(_))
+        ));
     }
 }

@@ -1,1 +1,142 @@
-fn main(){}
+//! `sluiced`: the sluice agent, one per node, run as root (see docs/SECURITY.md).
+#![forbid(unsafe_code)]
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use sluice_agent::{agent::Agent, config, posix_copy, server};
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "sluiced", version, about = "sluice per-node agent")]
+struct Args {
+    /// Configuration file.
+    #[arg(long, default_value = "/etc/sluice/sluice.toml")]
+    config: PathBuf,
+    /// This node's Slurm name (replaces %n in the config); default: the short host name.
+    #[arg(long)]
+    node: Option<String>,
+    /// Check the configuration and exit.
+    #[arg(long)]
+    check: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Internal: copy a POSIX dataset with a job user's identity (started by the agent).
+    #[command(hide = true)]
+    CopyAsUser {
+        #[arg(long)]
+        uid: u32,
+        #[arg(long)]
+        gid: u32,
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        src: PathBuf,
+        #[arg(long)]
+        dst: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Some(Command::CopyAsUser {
+        uid,
+        gid,
+        user,
+        src,
+        dst,
+    }) = args.command
+    {
+        if let Err(e) = posix_copy::become_user(uid, gid, &user) {
+            eprintln!("{e}");
+            return ExitCode::from(posix_copy::EXIT_OTHER as u8);
+        }
+        let mut out = std::io::stdout().lock();
+        return match posix_copy::copy_tree(&src, &dst, &mut out) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err((code, message)) => {
+                eprintln!("{message}");
+                ExitCode::from(code as u8)
+            }
+        };
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("sluiced: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    let node = args.node.unwrap_or_else(config::default_node_name);
+    let cfg = Arc::new(config::Config::load(&args.config, &node)?);
+    if args.check {
+        println!(
+            "{}: configuration is valid for node {node}",
+            args.config.display()
+        );
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let agent = Agent::new(cfg.clone())?;
+        let recovered = agent.recover()?;
+        let listener = bind(&cfg.socket)?;
+        tracing::info!(node = %cfg.node, socket = %cfg.socket.display(), recovered, "sluiced ready");
+        let shutdown = CancellationToken::new();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            tracing::info!("shutting down");
+            stop.cancel();
+        });
+        server::run(agent.clone(), listener, shutdown).await;
+        agent.tracker.close();
+        // Give in-flight requests a moment; staging resumes from the journal on the next start.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), agent.tracker.wait()).await;
+        let _ = std::fs::remove_file(&cfg.socket);
+        Ok(())
+    })
+}
+
+/// Binds the agent socket, replacing a stale socket file. Mode 0666: every user may connect;
+/// authorisation happens per request from the peer credentials.
+fn bind(path: &std::path::Path) -> anyhow::Result<tokio::net::UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(md) if std::os::unix::fs::FileTypeExt::is_socket(&md.file_type()) => {
+            std::fs::remove_file(path)?
+        }
+        Ok(_) => anyhow::bail!("{} exists and is not a socket; remove it", path.display()),
+        Err(_) => {}
+    }
+    let listener = tokio::net::UnixListener::bind(path)
+        .with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(listener)
+}

@@ -1,0 +1,556 @@
+//! The agent's engine: the jobs on this node and what each request does to them.
+//!
+//! Authorisation happens here, from the peer credentials the server read off the socket — never from
+//! anything inside a message. Root (the plugin's prolog/epilog, an admin) may do everything; a user may
+//! wait for and look at their own jobs only.
+
+use crate::config::Config;
+use crate::job::Job;
+use crate::journal::{JobRecord, Journal, RECORD_VERSION};
+use crate::safefs::{self, Owner};
+use crate::stage::{self, StageCtx};
+use sluice_proto::msg::{
+    ErrorCode, ErrorReply, JobDirs, JobId, JobStart, JobState, NodeStatus, Request, Response,
+};
+use sluice_proto::options::{self, StageMode, StageTier};
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio_util::task::TaskTracker;
+
+/// Who is on the other end of the socket, from `SO_PEERCRED`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Peer {
+    pub fn is_root(self) -> bool {
+        self.uid == 0
+    }
+}
+
+/// Ended jobs kept for `sluice job`/`status` before they are forgotten.
+const KEEP_ENDED: usize = 64;
+/// Longest a task may ask to wait for staging.
+const MAX_WAIT: Duration = Duration::from_secs(48 * 3600);
+/// Most `(name, value)` option pairs accepted in one JobStart.
+const MAX_OPTION_PAIRS: usize = 32;
+
+pub struct Agent {
+    pub cfg: Arc<Config>,
+    jobs: Mutex<HashMap<JobId, Arc<Job>>>,
+    journal: Journal,
+    pub tracker: TaskTracker,
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn reply(code: ErrorCode, message: impl Into<String>) -> Response {
+    Response::Error(ErrorReply::new(code, message))
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("blocking task panicked")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("hot tier {path}: {source}")]
+    HotTier {
+        path: String,
+        source: safefs::SafeFsError,
+    },
+    #[error("hot tier {path}: {source}")]
+    HotTierIo {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Journal(#[from] crate::journal::JournalError),
+}
+
+impl Agent {
+    /// Prepares the hot tier (`<root>/jobs`, root-owned, 0711: users may traverse to their own job
+    /// directory but not list others) and opens the journal.
+    pub fn new(cfg: Arc<Config>) -> Result<Arc<Agent>, AgentError> {
+        let root = cfg.hot_root.display().to_string();
+        std::fs::create_dir_all(&cfg.hot_root).map_err(|source| AgentError::HotTierIo {
+            path: root.clone(),
+            source,
+        })?;
+        let root_fd =
+            safefs::open_root_dir(&cfg.hot_root).map_err(|source| AgentError::HotTier {
+                path: root.clone(),
+                source,
+            })?;
+        let jobs = safefs::ensure_dir(&root_fd, "jobs", Some(Owner { uid: 0, gid: 0 }), 0o711)
+            .map_err(|source| AgentError::HotTier {
+                path: format!("{root}/jobs"),
+                source,
+            })?;
+        nix::sys::stat::fchmod(&jobs, nix::sys::stat::Mode::from_bits_truncate(0o711)).map_err(
+            |e| AgentError::HotTierIo {
+                path: format!("{root}/jobs"),
+                source: e.into(),
+            },
+        )?;
+        let journal = Journal::open(&cfg.state_dir)?;
+        Ok(Arc::new(Agent {
+            cfg,
+            jobs: Mutex::new(HashMap::new()),
+            journal,
+            tracker: TaskTracker::new(),
+        }))
+    }
+
+    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn job(&self, job_id: JobId) -> Option<Arc<Job>> {
+        self.jobs().get(&job_id).cloned()
+    }
+
+    /// Resumes the jobs recorded in the journal: staging that was cut short starts again; jobs that
+    /// were already staged stay as they are (their tasks may be using the data).
+    pub fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
+        let (records, bad) = self.journal.load()?;
+        for e in bad {
+            tracing::error!("{e}; left in place for inspection");
+        }
+        let n = records.len();
+        for r in records {
+            tracing::info!(
+                job_id = r.start.job_id,
+                ready = r.ready,
+                "recovering job from the journal"
+            );
+            self.register(r.start, r.started_at, !r.ready, r.ready);
+        }
+        Ok(n)
+    }
+
+    fn dirs(&self, job_id: JobId) -> JobDirs {
+        let base = self.cfg.hot_root.join("jobs").join(job_id.to_string());
+        JobDirs {
+            stage_dir: base.join("stage").display().to_string(),
+            ckpt_dir: base.join("ckpt").display().to_string(),
+        }
+    }
+
+    pub async fn handle(self: &Arc<Self>, peer: Peer, request: Request) -> Response {
+        match request {
+            Request::JobStart(start) => {
+                if !peer.is_root() {
+                    return reply(
+                        ErrorCode::Forbidden,
+                        "only root (the Slurm prolog) may announce jobs",
+                    );
+                }
+                self.job_start(start).await
+            }
+            Request::JobEnd { job_id } => {
+                if !peer.is_root() {
+                    return reply(
+                        ErrorCode::Forbidden,
+                        "only root (the Slurm epilog) may end jobs",
+                    );
+                }
+                self.job_end(job_id).await
+            }
+            Request::WaitStaged { job_id, timeout_ms } => {
+                self.wait_staged(peer, job_id, timeout_ms).await
+            }
+            Request::Job { job_id } => match self.authorised_job(peer, job_id) {
+                Ok(job) => Response::Job(job.status()),
+                Err(e) => Response::Error(e),
+            },
+            Request::Status => Response::Status(self.status(peer).await),
+        }
+    }
+
+    fn authorised_job(&self, peer: Peer, job_id: JobId) -> Result<Arc<Job>, ErrorReply> {
+        let job = self.job(job_id).ok_or_else(|| {
+            ErrorReply::new(
+                ErrorCode::NotFound,
+                format!(
+                    "the sluice agent on node {} has no record of job {job_id}",
+                    self.cfg.node
+                ),
+            )
+        })?;
+        if !peer.is_root() && peer.uid != job.start.uid {
+            return Err(ErrorReply::new(
+                ErrorCode::Forbidden,
+                format!("job {job_id} belongs to another user"),
+            ));
+        }
+        Ok(job)
+    }
+
+    async fn job_start(self: &Arc<Self>, start: JobStart) -> Response {
+        if let Err(m) = check_job_start(&start) {
+            return reply(ErrorCode::BadRequest, m);
+        }
+        if start.node != self.cfg.node {
+            tracing::warn!(
+                job_id = start.job_id,
+                "job start for node {} reached the agent of node {}",
+                start.node,
+                self.cfg.node
+            );
+        }
+        if let Some(existing) = self.job(start.job_id) {
+            if existing.state() != JobState::Ended && existing.start == start {
+                return Response::Ok; // a repeated prolog: idempotent
+            }
+        }
+        let started_at = now();
+        let record = JobRecord {
+            version: RECORD_VERSION,
+            start: start.clone(),
+            started_at,
+            ready: false,
+        };
+        let journal = self.journal.clone();
+        if let Err(e) = blocking(move || journal.save(&record)).await {
+            tracing::error!("{e}");
+            return reply(
+                ErrorCode::Internal,
+                format!(
+                    "the sluice agent on node {} cannot write its journal: {e}",
+                    self.cfg.node
+                ),
+            );
+        }
+        self.register(start, started_at, true, false);
+        Response::Ok
+    }
+
+    /// Puts a job in the table and starts its staging (or marks it ready after a restart).
+    fn register(self: &Arc<Self>, start: JobStart, started_at: u64, fresh_dirs: bool, ready: bool) {
+        let lookup = |name: &str| {
+            start
+                .options
+                .iter()
+                .rev()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        let options = options::parse_job_options(lookup).map_err(|e| e.to_string());
+        let job = Arc::new(Job::new(
+            start.clone(),
+            options,
+            self.dirs(start.job_id),
+            started_at,
+        ));
+        {
+            let mut jobs = self.jobs();
+            if let Some(old) = jobs.insert(start.job_id, job.clone()) {
+                old.cancel.cancel();
+            }
+            prune_ended(&mut jobs);
+        }
+        if ready {
+            job.set_ready();
+            return;
+        }
+        let this = self.clone();
+        self.tracker
+            .spawn(async move { this.run_job(job, fresh_dirs).await });
+    }
+
+    async fn run_job(self: Arc<Self>, job: Arc<Job>, fresh_dirs: bool) {
+        let job_id = job.start.job_id;
+        let node = self.cfg.node.clone();
+        let options = match &job.options {
+            Ok(o) => o.clone(),
+            Err(m) => return job.set_failed(format!("invalid sluice option: {m}")),
+        };
+        if options.stage_tier == StageTier::Shared {
+            return job.set_failed("--stage-tier=shared: no shared tier is configured on this cluster; use --stage-tier=local".into());
+        }
+        if options.stage_mode == StageMode::Shard {
+            return job.set_failed("--stage-mode=shard is not supported by this sluice version yet; use --stage-mode=replicate".into());
+        }
+        let owner = Owner {
+            uid: job.start.uid,
+            gid: job.start.gid,
+        };
+        let hot_root = self.cfg.hot_root.clone();
+        let stage_fd =
+            match blocking(move || prepare_job_dirs(&hot_root, job_id, owner, fresh_dirs)).await {
+                Ok(fd) => Arc::new(fd),
+                Err(e) => {
+                    tracing::error!(job_id, "preparing job directories: {e}");
+                    return job.set_failed(format!(
+                        "sluice could not prepare the job directory on node {node}: {e}"
+                    ));
+                }
+            };
+        let ctx = StageCtx {
+            cfg: self.cfg.clone(),
+            owner,
+            user: job.start.user.clone(),
+            stage_path: job.dirs.stage_dir.clone().into(),
+            stage_fd,
+            cancel: job.cancel.child_token(),
+        };
+        let all = futures::future::try_join_all(
+            options
+                .stage_in
+                .iter()
+                .zip(&job.stages)
+                .map(|(spec, progress)| stage::stage(&ctx, spec, progress.clone())),
+        );
+        let limit = self.cfg.stage.timeout;
+        match tokio::time::timeout(limit, all).await {
+            Ok(Ok(_)) => {
+                tracing::info!(job_id, "staged {} dataset(s)", options.stage_in.len());
+                job.set_ready();
+                let record = JobRecord {
+                    version: RECORD_VERSION,
+                    start: job.start.clone(),
+                    started_at: job.started_at,
+                    ready: true,
+                };
+                let journal = self.journal.clone();
+                if let Err(e) = blocking(move || journal.save(&record)).await {
+                    tracing::error!(job_id, "{e}");
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(job_id, "staging failed: {e}");
+                job.set_failed(format!("stage-in failed on node {node}: {e}"));
+            }
+            Err(_) => {
+                job.cancel.cancel();
+                job.set_failed(format!(
+                    "stage-in on node {node} did not finish within {} (the admin's stage timeout)",
+                    humantime::format_duration(limit)
+                ));
+            }
+        }
+    }
+
+    async fn job_end(self: &Arc<Self>, job_id: JobId) -> Response {
+        let job = self.job(job_id);
+        if let Some(job) = &job {
+            job.cancel.cancel();
+        }
+        // Clean up in a task of its own: it finishes even if the epilog gives up waiting.
+        let this = self.clone();
+        let cleanup = self.tracker.spawn(async move {
+            let hot_root = this.cfg.hot_root.clone();
+            let removed = blocking(move || {
+                let root = safefs::open_root_dir(&hot_root)?;
+                let jobs = safefs::open_dir(&root, "jobs")?;
+                safefs::remove_tree(&jobs, &job_id.to_string())
+            })
+            .await;
+            match &removed {
+                Ok(r) if r.failed > 0 => tracing::warn!(
+                    job_id,
+                    "{} entries of the job directory could not be removed",
+                    r.failed
+                ),
+                Ok(r) => tracing::info!(
+                    job_id,
+                    "job ended; removed {} entries from the hot tier",
+                    r.entries
+                ),
+                Err(e) => tracing::error!(job_id, "removing the job directory: {e}"),
+            }
+            let journal = this.journal.clone();
+            if let Err(e) = blocking(move || journal.remove(job_id)).await {
+                tracing::error!(job_id, "{e}");
+            }
+            if let Some(job) = this.job(job_id) {
+                job.set_ended();
+            }
+            removed
+        });
+        match cleanup.await {
+            Ok(Ok(_)) => Response::Ok,
+            Ok(Err(e)) => reply(
+                ErrorCode::Internal,
+                format!(
+                    "removing job {job_id}'s data on node {}: {e}",
+                    self.cfg.node
+                ),
+            ),
+            Err(e) => reply(ErrorCode::Internal, format!("cleanup task failed: {e}")),
+        }
+    }
+
+    async fn wait_staged(&self, peer: Peer, job_id: JobId, timeout_ms: u64) -> Response {
+        let job = match self.authorised_job(peer, job_id) {
+            Ok(job) => job,
+            Err(_) if self.job(job_id).is_none() => {
+                return reply(
+                    ErrorCode::NotFound,
+                    format!(
+                        "the sluice agent on node {} has no record of job {job_id}: the job's prolog could not hand it over (see slurmd's log on that node)",
+                        self.cfg.node
+                    ),
+                );
+            }
+            Err(e) => return Response::Error(e),
+        };
+        let limit = Duration::from_millis(timeout_ms).min(MAX_WAIT);
+        let mut rx = job.subscribe();
+        let waited = tokio::time::timeout(limit, rx.wait_for(|s| *s != JobState::Staging)).await;
+        let node = &self.cfg.node;
+        match waited {
+            Ok(Ok(state)) => match *state {
+                JobState::Ready => Response::Ready(job.dirs.clone()),
+                JobState::Failed => reply(
+                    ErrorCode::StageFailed,
+                    job.error().unwrap_or_else(|| "stage-in failed".into()),
+                ),
+                JobState::Ended => reply(
+                    ErrorCode::NotFound,
+                    format!("job {job_id} already ended on node {node}"),
+                ),
+                JobState::Staging => unreachable!("wait_for returned a staging state"),
+            },
+            Ok(Err(_)) => reply(ErrorCode::Internal, "the job's state was dropped"),
+            Err(_) => {
+                let progress: Vec<String> = job
+                    .status()
+                    .stages
+                    .iter()
+                    .map(|s| {
+                        format!(
+                            "{} {} {}/{} bytes",
+                            s.name,
+                            s.state.as_str(),
+                            s.bytes_done,
+                            s.bytes_total.map_or("?".into(), |b| b.to_string())
+                        )
+                    })
+                    .collect();
+                reply(
+                    ErrorCode::Timeout,
+                    format!(
+                        "stage-in on node {node} did not finish within {} s ({}); the job stops here — raise the plugin's stage_timeout or stage less data",
+                        limit.as_secs(),
+                        progress.join(", ")
+                    ),
+                )
+            }
+        }
+    }
+
+    async fn status(&self, peer: Peer) -> NodeStatus {
+        let mut jobs: Vec<_> = self
+            .jobs()
+            .values()
+            .filter(|j| peer.is_root() || j.start.uid == peer.uid)
+            .map(|j| j.status())
+            .collect();
+        jobs.sort_by_key(|j| j.job_id);
+        let hot_used_bytes = jobs
+            .iter()
+            .filter(|j| j.state != JobState::Ended)
+            .flat_map(|j| j.stages.iter())
+            .map(|s| s.bytes_done)
+            .sum();
+        let root = self.cfg.hot_root.clone();
+        let (total, free) = blocking(move || {
+            nix::sys::statvfs::statvfs(&root)
+                .map(|s| {
+                    (
+                        s.blocks() * s.fragment_size(),
+                        s.blocks_available() * s.fragment_size(),
+                    )
+                })
+                .unwrap_or((0, 0))
+        })
+        .await;
+        NodeStatus {
+            node: self.cfg.node.clone(),
+            agent_version: env!("CARGO_PKG_VERSION").to_string(),
+            hot_root: self.cfg.hot_root.display().to_string(),
+            hot_total_bytes: total,
+            hot_free_bytes: free,
+            hot_used_bytes,
+            jobs,
+        }
+    }
+}
+
+/// Shape checks on a JobStart beyond what serde does: it comes from root, but from a process that
+/// read user-controlled environment.
+fn check_job_start(s: &JobStart) -> Result<(), String> {
+    if s.user.is_empty()
+        || s.user.len() > 64
+        || !s
+            .user
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '$'))
+    {
+        return Err(format!("invalid user name {:?}", s.user));
+    }
+    if s.uid == 0 {
+        return Err("sluice does not stage data for root jobs".into());
+    }
+    if s.options.len() > MAX_OPTION_PAIRS {
+        return Err(format!(
+            "{} option values; at most {MAX_OPTION_PAIRS} are accepted",
+            s.options.len()
+        ));
+    }
+    if s.nodes.len() > 65536 || s.nodes.iter().any(|n| n.is_empty() || n.len() > 255) {
+        return Err("invalid node list".into());
+    }
+    Ok(())
+}
+
+/// Creates `<hot>/jobs/<id>/{stage,ckpt}` owned by the job user. A fresh start removes anything a
+/// previous run of the same job id left (a requeued job must not trust stale data); a recovery keeps
+/// `ckpt` and re-creates only `stage`.
+fn prepare_job_dirs(
+    hot_root: &std::path::Path,
+    job_id: JobId,
+    owner: Owner,
+    fresh: bool,
+) -> Result<OwnedFd, safefs::SafeFsError> {
+    let root = safefs::open_root_dir(hot_root)?;
+    let jobs = safefs::open_dir(&root, "jobs")?;
+    let name = job_id.to_string();
+    let job_dir = if fresh {
+        safefs::remove_tree(&jobs, &name)?;
+        safefs::create_dir(&jobs, &name, Some(owner), 0o700)?
+    } else {
+        safefs::ensure_dir(&jobs, &name, Some(owner), 0o700)?
+    };
+    safefs::remove_tree(&job_dir, "stage")?;
+    let stage = safefs::create_dir(&job_dir, "stage", Some(owner), 0o755)?;
+    safefs::ensure_dir(&job_dir, "ckpt", Some(owner), 0o755)?;
+    Ok(stage)
+}
+
+fn prune_ended(jobs: &mut HashMap<JobId, Arc<Job>>) {
+    let mut ended: Vec<_> = jobs
+        .values()
+        .filter(|j| j.state() == JobState::Ended)
+        .map(|j| (j.started_at, j.start.job_id))
+        .collect();
+    if ended.len() > KEEP_ENDED {
+        ended.sort();
+        for (_, id) in &ended[..ended.len() - KEEP_ENDED] {
+            jobs.remove(id);
+        }
+    }
+}

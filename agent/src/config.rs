@@ -1,0 +1,253 @@
+//! The agent's configuration: TOML into a raw serde struct (unknown keys refused), then validated into
+//! [`Config`]. `%n` in paths becomes the node name, so one file serves every node.
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    agent: RawAgent,
+    hot_tier: RawHotTier,
+    #[serde(default)]
+    stage: RawStage,
+    #[serde(default)]
+    store: Vec<StoreProfile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAgent {
+    socket: String,
+    state_dir: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHotTier {
+    root: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStage {
+    concurrency: Option<usize>,
+    part_size: Option<String>,
+    timeout: Option<String>,
+}
+
+/// Endpoint and credentials for the object-store URLs that start with `prefix`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct StoreProfile {
+    /// `s3://`, `s3://bucket`, `az://container/prefix`, ... — the longest matching prefix wins.
+    pub prefix: String,
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    #[serde(default)]
+    pub allow_http: bool,
+    /// Azure: use Azurite's well-known development account.
+    #[serde(default)]
+    pub use_emulator: bool,
+    /// Azure storage account and key.
+    pub account: Option<String>,
+    pub access_key: Option<String>,
+    /// GCS: path of a service-account JSON file.
+    pub service_account_path: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct StageConfig {
+    pub concurrency: usize,
+    pub part_size: u64,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub node: String,
+    pub socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub hot_root: PathBuf,
+    pub stage: StageConfig,
+    pub stores: Vec<StoreProfile>,
+}
+
+/// Parses a size such as `16MiB`, `1GB`, `4096`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (examples: 4096, 16MiB, 2GiB)"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" => 1 << 10,
+        "KB" => 1000,
+        "M" | "MiB" => 1 << 20,
+        "MB" => 1_000_000,
+        "G" | "GiB" => 1 << 30,
+        "GB" => 1_000_000_000,
+        "T" | "TiB" => 1 << 40,
+        "TB" => 1_000_000_000_000,
+        other => {
+            return Err(format!(
+                "unknown size unit '{other}' in '{s}' (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ));
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size '{s}' is too large"))
+}
+
+fn substitute(s: &str, node: &str) -> PathBuf {
+    PathBuf::from(s.replace("%n", node))
+}
+
+/// The node name when none is given: the short host name.
+pub fn default_node_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .map(|h| h.split('.').next().unwrap_or_default().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+impl Config {
+    pub fn load(path: &Path, node: &str) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        Config::parse(&text, node).map_err(|message| ConfigError::Invalid {
+            path: path.into(),
+            message,
+        })
+    }
+
+    pub fn parse(text: &str, node: &str) -> Result<Config, String> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        if node.is_empty() || node.contains('/') {
+            return Err(format!("node name '{node}' is not usable in paths"));
+        }
+        let abs = |what: &str, p: PathBuf| {
+            if p.is_absolute() {
+                Ok(p)
+            } else {
+                Err(format!(
+                    "{what} must be an absolute path, got '{}'",
+                    p.display()
+                ))
+            }
+        };
+        let stage = StageConfig {
+            concurrency: raw.stage.concurrency.unwrap_or(16),
+            part_size: raw
+                .stage
+                .part_size
+                .as_deref()
+                .map(parse_size)
+                .transpose()?
+                .unwrap_or(8 << 20),
+            timeout: raw
+                .stage
+                .timeout
+                .as_deref()
+                .map(|t| {
+                    humantime::parse_duration(t).map_err(|e| format!("stage.timeout '{t}': {e}"))
+                })
+                .transpose()?
+                .unwrap_or(Duration::from_secs(7200)),
+        };
+        if !(1..=1024).contains(&stage.concurrency) {
+            return Err(format!(
+                "stage.concurrency must be 1..=1024, got {}",
+                stage.concurrency
+            ));
+        }
+        if !(64 << 10..=5 << 30).contains(&stage.part_size) {
+            return Err(format!(
+                "stage.part_size must be between 64KiB and 5GiB, got {}",
+                stage.part_size
+            ));
+        }
+        for s in &raw.store {
+            if !s.prefix.contains("://") {
+                return Err(format!(
+                    "store prefix '{}' must be a URL prefix such as s3:// or az://container",
+                    s.prefix
+                ));
+            }
+        }
+        Ok(Config {
+            node: node.to_string(),
+            socket: abs("agent.socket", substitute(&raw.agent.socket, node))?,
+            state_dir: abs("agent.state_dir", substitute(&raw.agent.state_dir, node))?,
+            hot_root: abs("hot_tier.root", substitute(&raw.hot_tier.root, node))?,
+            stage,
+            stores: raw.store,
+        })
+    }
+
+    /// The profile for an object URL: the one with the longest matching prefix.
+    pub fn store_for(&self, url: &str) -> Option<&StoreProfile> {
+        let normalise = |u: &str| u.replacen("azure://", "az://", 1);
+        let url = normalise(url);
+        self.stores
+            .iter()
+            .filter(|s| url.starts_with(&normalise(&s.prefix)))
+            .max_by_key(|s| s.prefix.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_config_parses() {
+        let text = include_str!("../../slurm-conf/sluice.toml");
+        let c = Config::parse(text, "n2").unwrap();
+        assert_eq!(c.socket, PathBuf::from("/run/sluice/n2.sock"));
+        assert_eq!(c.hot_root, PathBuf::from("/var/lib/sluice/n2/hot"));
+        assert_eq!(c.stage.part_size, 8 << 20);
+        assert_eq!(c.stage.timeout, Duration::from_secs(7200));
+        assert_eq!(
+            c.store_for("s3://datasets/x").unwrap().region.as_deref(),
+            Some("garage")
+        );
+        assert!(c.store_for("azure://c/x").unwrap().use_emulator);
+        assert!(c.store_for("gs://b").is_none());
+    }
+
+    #[test]
+    fn bad_config_says_what_is_wrong() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        assert!(Config::parse(base, "n1").is_ok());
+        let e =
+            Config::parse(&format!("{base}[stage]\npart_size='16 parsecs'\n"), "n1").unwrap_err();
+        assert!(e.contains("unknown size unit"), "{e}");
+        let e = Config::parse(&format!("{base}bogus=1\n"), "n1").unwrap_err();
+        assert!(e.contains("unknown field"), "{e}");
+        let e = Config::parse(&base.replace("'/h'", "'h'"), "n1").unwrap_err();
+        assert!(e.contains("absolute"), "{e}");
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert!(parse_size("x").is_err());
+    }
+}

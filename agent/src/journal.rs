@@ -1,0 +1,189 @@
+//! Durable agent state: one JSON record per job under `<state_dir>/jobs/`, so that an agent restarted
+//! after `kill -9` or a reboot knows which jobs it was serving.
+//!
+//! Every write goes through [`write_durable`]: temp file → fsync → rename → fsync(dir). Records carry a
+//! version; a record of an unknown version is kept on disk and reported, never misread.
+
+use serde::{Deserialize, Serialize};
+use sluice_proto::msg::{JobId, JobStart};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+pub const RECORD_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("journal {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("journal record {path} is unreadable: {message}")]
+    Corrupt { path: PathBuf, message: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub version: u32,
+    pub start: JobStart,
+    pub started_at: u64,
+    /// Staging finished: after a restart the staged data is in use and must not be staged again.
+    #[serde(default)]
+    pub ready: bool,
+}
+
+/// Writes `data` to `path` so that after a crash the file holds either the old or the new content.
+pub fn write_durable(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| std::io::Error::other("path has no parent directory"))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::other("path has no file name"))?;
+    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Removes `path` durably (the directory entry removal is fsynced).
+pub fn remove_durable(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+pub struct Journal {
+    dir: PathBuf,
+}
+
+impl Journal {
+    /// Opens (creating if needed) the journal under `state_dir`, root-only.
+    pub fn open(state_dir: &Path) -> Result<Journal, JournalError> {
+        let dir = state_dir.join("jobs");
+        let io = |source| JournalError::Io {
+            path: dir.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(state_dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+        // Leftover temp files are writes that never completed: the renamed record (if any) is intact.
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().ends_with(".tmp") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        Ok(Journal { dir })
+    }
+
+    fn path(&self, job_id: JobId) -> PathBuf {
+        self.dir.join(format!("{job_id}.json"))
+    }
+
+    pub fn save(&self, record: &JobRecord) -> Result<(), JournalError> {
+        let path = self.path(record.start.job_id);
+        let data = serde_json::to_vec_pretty(record).map_err(|e| JournalError::Corrupt {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        write_durable(&path, &data).map_err(|source| JournalError::Io { path, source })
+    }
+
+    pub fn remove(&self, job_id: JobId) -> Result<(), JournalError> {
+        let path = self.path(job_id);
+        remove_durable(&path).map_err(|source| JournalError::Io { path, source })
+    }
+
+    /// Every readable record; unreadable ones are returned as errors and left in place for an admin.
+    pub fn load(&self) -> Result<(Vec<JobRecord>, Vec<JournalError>), JournalError> {
+        let mut records = Vec::new();
+        let mut bad = Vec::new();
+        let entries = std::fs::read_dir(&self.dir).map_err(|source| JournalError::Io {
+            path: self.dir.clone(),
+            source,
+        })?;
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let parsed = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|d| serde_json::from_slice::<JobRecord>(&d).map_err(|e| e.to_string()))
+                .and_then(|r| {
+                    if r.version == RECORD_VERSION {
+                        Ok(r)
+                    } else {
+                        Err(format!("record version {} is not supported", r.version))
+                    }
+                });
+            match parsed {
+                Ok(r) => records.push(r),
+                Err(message) => bad.push(JournalError::Corrupt { path, message }),
+            }
+        }
+        records.sort_by_key(|r| r.start.job_id);
+        Ok((records, bad))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(job_id: JobId) -> JobRecord {
+        JobRecord {
+            version: RECORD_VERSION,
+            start: JobStart {
+                job_id,
+                uid: 1000,
+                gid: 1000,
+                user: "alice".into(),
+                node: "n1".into(),
+                nodes: vec!["n1".into()],
+                options: vec![("stage-in".into(), "/data".into())],
+            },
+            started_at: 1,
+            ready: false,
+        }
+    }
+
+    #[test]
+    fn save_load_remove() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::open(tmp.path()).unwrap();
+        j.save(&record(7)).unwrap();
+        j.save(&record(3)).unwrap();
+        std::fs::write(tmp.path().join("jobs/9.json"), b"{ torn").unwrap();
+        std::fs::write(tmp.path().join("jobs/.5.json.tmp"), b"partial").unwrap();
+        let j = Journal::open(tmp.path()).unwrap();
+        assert!(!tmp.path().join("jobs/.5.json.tmp").exists());
+        let (records, bad) = j.load().unwrap();
+        assert_eq!(
+            records.iter().map(|r| r.start.job_id).collect::<Vec<_>>(),
+            vec![3, 7]
+        );
+        assert_eq!(bad.len(), 1);
+        j.remove(7).unwrap();
+        j.remove(7).unwrap();
+        assert_eq!(j.load().unwrap().0.len(), 1);
+    }
+}
