@@ -1,0 +1,474 @@
+#!/usr/bin/env bash
+# The sluice test cluster on one machine (SLURM-TESTBED.md): munge, slurmctld and three virtual nodes
+# n1-n3 (one slurmd each), Garage (S3), Azurite (Azure Blob) and one sluice agent per node.
+#
+#   cluster.sh up       stop whatever an earlier run left, wipe job state, start everything fresh
+#   cluster.sh down     stop everything `up` started (also after a failed `up`); safe to call twice
+#   cluster.sh status   what runs, sinfo, the agent sockets
+#
+# Switches for `up` (environment):
+#   SLUICE_NO_PLUGIN=1  empty plugstack.conf: Slurm without sluice, for comparison
+#   SLUICE_NO_AGENTS=1  do not start sluiced
+#   SLUICE_NO_GARAGE=1  do not start Garage (no s3:// store in the agent config)
+#
+# `up` writes $ENV_FILE (/run/sluice-test/env), which the end-to-end tests read. Run as root.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+PLUGIN_SO=/usr/local/lib/sluice/spank_sluice.so
+BUILT_PLUGIN=${SLUICE_PLUGIN_SO:-$REPO_ROOT/target/debug/libspank_sluice.so}
+SLUICED=${SLUICED:-$REPO_ROOT/target/debug/sluiced}
+AGENT_CONFIG=/etc/sluice/sluice.toml
+GARAGE_DIR=$TEST_ROOT/garage
+GARAGE_CONF=$GARAGE_DIR/garage.toml
+AZURITE_DIR=$TEST_ROOT/azurite
+S3_BUCKETS=(datasets ckpt)
+AZ_CONTAINERS=(datasets ckpt)
+# The Azurite account every Azure SDK knows (public, documented by Microsoft; not a secret).
+AZ_ACCOUNT=devstoreaccount1
+AZ_KEY='Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=='
+AZ_ENDPOINT=http://127.0.0.1:10000/$AZ_ACCOUNT
+AZ_CONN="DefaultEndpointsProtocol=http;AccountName=$AZ_ACCOUNT;AccountKey=$AZ_KEY;BlobEndpoint=$AZ_ENDPOINT;"
+# Daemons start with this environment only, as a service manager would start them: nothing from the
+# caller's shell (AWS_CA_BUNDLE, RUST_LOG, a user's PATH) leaks into Slurm, the agents or the jobs.
+CLEAN_ENV=(env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8)
+
+need_root() { [[ $(id -u) -eq 0 ]] || die "cluster.sh must run as root"; }
+
+# ---------------------------------------------------------------------------------------------- processes
+
+# Is the process in pid file $1 alive, and does its command line contain $2? (Guards against pid reuse.)
+pid_alive() {
+  local pidfile=$1 needle=$2 pid
+  [[ -f $pidfile ]] || return 1
+  pid=$(tr -dc '0-9' <"$pidfile")
+  [[ -n $pid && -r /proc/$pid/cmdline ]] || return 1
+  tr '\0' ' ' </proc/"$pid"/cmdline | grep -q -- "$needle"
+}
+
+# Stops the process of one pid file: SIGTERM, up to 15 s, then SIGKILL. Only that pid, nothing by name.
+stop_pidfile() {
+  local pidfile=$1 needle=$2 what=$3 pid
+  if pid_alive "$pidfile" "$needle"; then
+    pid=$(tr -dc '0-9' <"$pidfile")
+    log "stopping $what (pid $pid)"
+    kill -TERM "$pid" 2>/dev/null || true
+    if ! WAIT_SECONDS=15 wait_until bash -c "! kill -0 $pid"; then
+      log "$what (pid $pid) ignored SIGTERM for 15 s; SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+      WAIT_SECONDS=5 wait_until bash -c "! kill -0 $pid" || log "WARNING: $what (pid $pid) survives SIGKILL"
+    fi
+  fi
+  rm -f "$pidfile"
+}
+
+# Starts "$@" in its own session in the background, logging to $2's file, and records its pid.
+#   spawn PIDFILE LOGFILE CMD...
+spawn() {
+  local pidfile=$1 logfile=$2
+  shift 2
+  setsid "${CLEAN_ENV[@]}" "$@" >>"$logfile" 2>&1 </dev/null &
+  echo $! >"$pidfile"
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# Refuses to start when something else already listens on a port we need, naming the process.
+require_port_free() {
+  local port=$1 what=$2
+  if port_open "$port"; then
+    die "port $port (for $what) is already in use: $(ss -Hltnp "sport = :$port" 2>/dev/null | head -1)"
+  fi
+}
+
+# ---------------------------------------------------------------------------------------------- munge
+
+start_munge() {
+  mkdir -p /run/munge /var/log/munge /var/lib/munge
+  chown munge:munge /run/munge /var/log/munge /var/lib/munge
+  if [[ ! -s /etc/munge/munge.key ]]; then
+    log "munge: creating /etc/munge/munge.key"
+    mungekey --create --keyfile=/etc/munge/munge.key
+    chown munge:munge /etc/munge/munge.key
+    chmod 0400 /etc/munge/munge.key
+  fi
+  log "munge: starting munged"
+  "${CLEAN_ENV[@]}" runuser -u munge -- /usr/sbin/munged
+  WAIT_SECONDS=10 wait_until bash -c 'munge -n | unmunge' \
+    || { tail_logs /var/log/munge/munged.log; die "munge does not work: 'munge -n | unmunge' fails"; }
+}
+
+# ---------------------------------------------------------------------------------------------- slurm
+
+write_slurm_conf() {
+  local host
+  host=$(hostname)
+  mkdir -p /etc/slurm /var/spool/slurmctld "$SLURM_LOG_DIR"
+  cat >/etc/slurm/slurm.conf <<EOF
+# Written by sluice's tests/harness/cluster.sh — three virtual nodes on one host (SLURM-TESTBED.md).
+ClusterName=sluicetest
+SlurmctldHost=$host(127.0.0.1)
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd/%n
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd-%n.pid
+SlurmctldLogFile=$SLURM_LOG_DIR/slurmctld.log
+SlurmdLogFile=$SLURM_LOG_DIR/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+PlugStackConfig=/etc/slurm/plugstack.conf
+PrologFlags=Alloc
+# A node that stopped responding (e.g. slurmd restarted by this script) returns to service by itself.
+ReturnToService=2
+# Finished jobs stay visible to 'scontrol show job' for 10 minutes: the tests read their end state there.
+MinJobAge=600
+NodeName=n[1-3] NodeHostname=$host NodeAddr=127.0.0.1 Port=17001-17003 CPUs=2 RealMemory=6000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+}
+
+write_plugstack() {
+  if [[ ${SLUICE_NO_PLUGIN:-0} == 1 ]]; then
+    log "plugstack: empty (SLUICE_NO_PLUGIN=1)"
+    echo "# sluice test cluster: started without the sluice plugin (SLUICE_NO_PLUGIN=1)" >/etc/slurm/plugstack.conf
+    return
+  fi
+  [[ -f $BUILT_PLUGIN ]] || die "no plugin at $BUILT_PLUGIN: run 'cargo build --workspace' first (or SLUICE_NO_PLUGIN=1)"
+  mkdir -p "$(dirname "$PLUGIN_SO")"
+  # Copy then rename: a running sbatch may have the old file mapped.
+  install -m 0755 "$BUILT_PLUGIN" "$PLUGIN_SO.new"
+  mv -f "$PLUGIN_SO.new" "$PLUGIN_SO"
+  cat >/etc/slurm/plugstack.conf <<EOF
+# Written by sluice's tests/harness/cluster.sh.
+required $PLUGIN_SO socket=/run/sluice/%n.sock stage_timeout=120 connect_timeout=10 epilog_timeout=30
+EOF
+  log "plugstack: $PLUGIN_SO (from $BUILT_PLUGIN)"
+}
+
+node_states() { sinfo -h -N -o '%N %T' 2>/dev/null | sort -u; }
+
+all_nodes_idle() {
+  local states
+  states=$(node_states)
+  [[ $(grep -c ' idle$' <<<"$states") -eq ${#NODES[@]} ]]
+}
+
+start_slurm() {
+  log "slurm: starting slurmctld"
+  "${CLEAN_ENV[@]}" /usr/sbin/slurmctld -i \
+    || { tail_logs "$SLURM_LOG_DIR/slurmctld.log"; die "slurmctld did not start"; }
+  WAIT_SECONDS=30 wait_until bash -c 'scontrol ping | grep -q UP' \
+    || { tail_logs "$SLURM_LOG_DIR/slurmctld.log"; die "slurmctld does not answer 'scontrol ping' after 30 s"; }
+  local n
+  for n in "${NODES[@]}"; do
+    mkdir -p "/var/spool/slurmd/$n"
+    log "slurm: starting slurmd -N $n"
+    "${CLEAN_ENV[@]}" /usr/sbin/slurmd -N "$n" \
+      || { tail_logs "$SLURM_LOG_DIR/slurmd-$n.log"; die "slurmd -N $n did not start"; }
+  done
+  local deadline=$((SECONDS + 60)) resumed=0 states
+  until all_nodes_idle; do
+    states=$(node_states)
+    # Nodes left down/drained by an earlier run (state files survive in odd cases): resume them once.
+    if ((!resumed)) && grep -Eq ' (down|drain|drained|draining|fail)' <<<"$states"; then
+      log "slurm: resuming nodes: $(tr '\n' ' ' <<<"$states")"
+      scontrol update nodename=n[1-3] state=resume || true
+      resumed=1
+    fi
+    if ((SECONDS >= deadline)); then
+      sinfo >&2 || true
+      tail_logs "$SLURM_LOG_DIR/slurmctld.log" "$SLURM_LOG_DIR"/slurmd-n[1-3].log
+      die "nodes not idle after 60 s: $(tr '\n' ' ' <<<"$states")"
+    fi
+    sleep 0.5
+  done
+  log "slurm: $(sinfo -h | tr -s ' ')"
+}
+
+stop_slurm() {
+  # Cancel what still runs so slurmstepd processes end with their jobs, not orphaned.
+  if pid_alive /run/slurmctld.pid slurmctld; then
+    local jobs
+    jobs=$(squeue -h -o %i 2>/dev/null || true)
+    if [[ -n $jobs ]]; then
+      log "slurm: cancelling jobs $(tr '\n' ' ' <<<"$jobs")"
+      # shellcheck disable=SC2086
+      scancel $jobs 2>/dev/null || true
+      WAIT_SECONDS=30 wait_until bash -c '[[ -z $(squeue -h -o %i) ]]' || log "WARNING: jobs still listed after 30 s"
+    fi
+  fi
+  local n
+  for n in "${NODES[@]}"; do stop_pidfile "/run/slurmd-$n.pid" slurmd "slurmd $n"; done
+  stop_pidfile /run/slurmctld.pid slurmctld slurmctld
+}
+
+# ---------------------------------------------------------------------------------------------- azurite
+
+start_azurite() {
+  require_port_free 10000 Azurite
+  mkdir -p "$AZURITE_DIR"
+  log "azurite: starting on 127.0.0.1:10000"
+  spawn "$RUN_DIR/azurite.pid" "$SLUICE_LOG_DIR/azurite.log" \
+    "$(command -v azurite-blob)" --blobHost 127.0.0.1 --blobPort 10000 --location "$AZURITE_DIR" \
+    --disableTelemetry --skipApiVersionCheck --loose
+  WAIT_SECONDS=30 wait_until port_open 10000 \
+    || { tail_logs "$SLUICE_LOG_DIR/azurite.log"; die "Azurite does not listen on 10000 after 30 s"; }
+  "$(harness_python)" "$HARNESS_DIR/azurite_containers.py" "$AZ_CONN" "${AZ_CONTAINERS[@]}" >&2 \
+    || { tail_logs "$SLUICE_LOG_DIR/azurite.log"; die "cannot create the Azurite containers"; }
+}
+
+# ---------------------------------------------------------------------------------------------- garage
+
+garage() { "$GARAGE_BIN" -c "$GARAGE_CONF" "$@"; }
+
+start_garage() {
+  [[ -x $GARAGE_BIN ]] || die "no Garage at $GARAGE_BIN: run tests/harness/install.sh (or SLUICE_NO_GARAGE=1)"
+  local port
+  for port in 3900 3901 3903; do require_port_free "$port" Garage; done
+  mkdir -p "$GARAGE_DIR/meta" "$GARAGE_DIR/data"
+  chmod 0700 "$GARAGE_DIR"
+  cat >"$GARAGE_CONF" <<EOF
+# Written by sluice's tests/harness/cluster.sh — single-node Garage for the tests.
+metadata_dir = "$GARAGE_DIR/meta"
+data_dir = "$GARAGE_DIR/data"
+db_engine = "sqlite"
+replication_factor = 1
+rpc_bind_addr = "127.0.0.1:3901"
+rpc_public_addr = "127.0.0.1:3901"
+rpc_secret = "$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
+
+[s3_api]
+s3_region = "garage"
+api_bind_addr = "127.0.0.1:3900"
+root_domain = ".s3.garage.localhost"
+
+[admin]
+api_bind_addr = "127.0.0.1:3903"
+admin_token = "$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
+EOF
+  chmod 0600 "$GARAGE_CONF"
+  log "garage: starting on 127.0.0.1:3900"
+  spawn "$RUN_DIR/garage.pid" "$SLUICE_LOG_DIR/garage.log" "$GARAGE_BIN" -c "$GARAGE_CONF" server
+  WAIT_SECONDS=30 wait_until garage status \
+    || { tail_logs "$SLUICE_LOG_DIR/garage.log"; die "Garage does not answer 'garage status' after 30 s"; }
+  local node_id
+  node_id=$(garage node id -q 2>/dev/null | cut -d@ -f1)
+  [[ -n $node_id ]] || die "cannot read Garage's node id"
+  garage layout assign -z dc1 -c 10G "$node_id" >/dev/null
+  garage layout apply --version 1 >/dev/null
+  # The new layout takes a moment to become active; key and bucket creation retry until then.
+  WAIT_SECONDS=30 wait_until garage key create sluice-test \
+    || { tail_logs "$SLUICE_LOG_DIR/garage.log"; die "garage key create failed for 30 s"; }
+  local info
+  info=$(garage key info --show-secret sluice-test)
+  S3_KEY_ID=$(awk -F': *' '/^Key ID/ {print $2; exit}' <<<"$info")
+  S3_SECRET=$(awk -F': *' '/^Secret key/ {print $2; exit}' <<<"$info")
+  [[ $S3_KEY_ID == GK* && -n $S3_SECRET ]] || die "cannot parse 'garage key info' output:"$'\n'"$info"
+  local b
+  for b in "${S3_BUCKETS[@]}"; do
+    WAIT_SECONDS=30 wait_until garage bucket create "$b" || die "garage bucket create $b failed for 30 s"
+    garage bucket allow --read --write --owner "$b" --key sluice-test >/dev/null
+  done
+  log "garage: key $S3_KEY_ID, buckets ${S3_BUCKETS[*]}"
+}
+
+# ---------------------------------------------------------------------------------------------- agents
+
+write_agent_config() {
+  mkdir -p "$(dirname "$AGENT_CONFIG")"
+  {
+    cat <<EOF
+# Written by sluice's tests/harness/cluster.sh — one file for the three virtual nodes (%n = node name).
+[agent]
+socket = "/run/sluice/%n.sock"
+state_dir = "$TEST_ROOT/%n/state"
+
+[hot_tier]
+root = "$TEST_ROOT/%n/hot"
+
+[stage]
+concurrency = 16
+part_size = "16MiB"
+# A little shorter than the plugin's stage_timeout=120, so the agent's error reaches the job first.
+timeout = "110s"
+EOF
+    if [[ -n ${S3_KEY_ID:-} ]]; then
+      cat <<EOF
+
+[[store]]
+prefix = "s3://"
+endpoint = "http://127.0.0.1:3900"
+region = "garage"
+access_key_id = "$S3_KEY_ID"
+secret_access_key = "$S3_SECRET"
+allow_http = true
+EOF
+    fi
+    cat <<EOF
+
+[[store]]
+prefix = "az://"
+use_emulator = true
+EOF
+  } >"$AGENT_CONFIG.new"
+  chmod 0600 "$AGENT_CONFIG.new"
+  mv -f "$AGENT_CONFIG.new" "$AGENT_CONFIG"
+}
+
+prepare_node_dirs() {
+  local n
+  # Job users must traverse down to their own job directory; the agent makes that one 0700.
+  mkdir -p "$TEST_ROOT"
+  chmod 0755 "$TEST_ROOT"
+  for n in "${NODES[@]}"; do
+    mkdir -p "$TEST_ROOT/$n/hot" "$TEST_ROOT/$n/state"
+    chmod 0755 "$TEST_ROOT/$n" "$TEST_ROOT/$n/hot"
+    chmod 0700 "$TEST_ROOT/$n/state"
+  done
+  mkdir -p /run/sluice
+  chmod 0755 /run/sluice
+}
+
+start_agents() {
+  [[ -x $SLUICED ]] || die "no agent at $SLUICED: run 'cargo build --workspace' first (or SLUICE_NO_AGENTS=1)"
+  local n
+  for n in "${NODES[@]}"; do
+    log "agent: starting sluiced --node $n"
+    spawn "$RUN_DIR/sluiced-$n.pid" "$SLUICE_LOG_DIR/$n.log" \
+      env RUST_LOG="${SLUICE_AGENT_LOG:-info}" RUST_BACKTRACE=1 "$SLUICED" --config "$AGENT_CONFIG" --node "$n"
+  done
+  for n in "${NODES[@]}"; do
+    local deadline=$((SECONDS + 30))
+    until [[ -S /run/sluice/$n.sock ]]; do
+      if ! pid_alive "$RUN_DIR/sluiced-$n.pid" sluiced; then
+        tail_logs "$SLUICE_LOG_DIR/$n.log"
+        die "sluiced --node $n exited before creating /run/sluice/$n.sock"
+      fi
+      ((SECONDS < deadline)) || { tail_logs "$SLUICE_LOG_DIR/$n.log"; die "no /run/sluice/$n.sock after 30 s"; }
+      sleep 0.2
+    done
+  done
+  log "agent: sockets $(ls /run/sluice/*.sock | tr '\n' ' ')"
+}
+
+stop_agents() {
+  local n
+  for n in "${NODES[@]}"; do stop_pidfile "$RUN_DIR/sluiced-$n.pid" sluiced "sluiced $n"; done
+  rm -f /run/sluice/*.sock
+}
+
+# ---------------------------------------------------------------------------------------------- env file
+
+write_env_file() {
+  local plugin=1 agents=1
+  [[ ${SLUICE_NO_PLUGIN:-0} == 1 ]] && plugin=0
+  [[ ${SLUICE_NO_AGENTS:-0} == 1 ]] && agents=0
+  cat >"$ENV_FILE.new" <<EOF
+# Written by tests/harness/cluster.sh up; read by the end-to-end tests (tests/tests/common/mod.rs).
+SLUICE_TEST_PLUGIN='$plugin'
+SLUICE_TEST_AGENTS='$agents'
+SLUICE_TEST_NODES='${NODES[*]}'
+SLUICE_TEST_USER='$TEST_USER'
+SLUICE_TEST_OTHER_USER='$OTHER_USER'
+SLUICE_TEST_ROOT='$TEST_ROOT'
+SLUICE_TEST_HOT_ROOT='$TEST_ROOT/%n/hot'
+SLUICE_TEST_SOCKET='/run/sluice/%n.sock'
+SLUICE_TEST_SLURM_LOG_DIR='$SLURM_LOG_DIR'
+SLUICE_TEST_SLUICE_LOG_DIR='$SLUICE_LOG_DIR'
+SLUICE_TEST_RCLONE='$(harness_rclone)'
+SLUICE_TEST_S3='$([[ -n ${S3_KEY_ID:-} ]] && echo 1 || echo 0)'
+SLUICE_TEST_S3_ENDPOINT='http://127.0.0.1:3900'
+SLUICE_TEST_S3_REGION='garage'
+SLUICE_TEST_S3_KEY_ID='${S3_KEY_ID:-}'
+SLUICE_TEST_S3_SECRET='${S3_SECRET:-}'
+SLUICE_TEST_S3_BUCKETS='${S3_BUCKETS[*]}'
+SLUICE_TEST_AZ_ACCOUNT='$AZ_ACCOUNT'
+SLUICE_TEST_AZ_KEY='$AZ_KEY'
+SLUICE_TEST_AZ_ENDPOINT='$AZ_ENDPOINT'
+SLUICE_TEST_AZ_CONNECTION_STRING='$AZ_CONN'
+SLUICE_TEST_AZ_CONTAINERS='${AZ_CONTAINERS[*]}'
+EOF
+  chmod 0600 "$ENV_FILE.new"
+  mv -f "$ENV_FILE.new" "$ENV_FILE"
+  log "env file: $ENV_FILE"
+}
+
+# ---------------------------------------------------------------------------------------------- commands
+
+cmd_down() {
+  need_root
+  stop_agents
+  stop_slurm
+  stop_pidfile "$RUN_DIR/garage.pid" garage Garage
+  stop_pidfile "$RUN_DIR/azurite.pid" azurite Azurite
+  stop_pidfile /run/munge/munged.pid munged munged
+  # Job state: the next `up` starts with job id 1, empty hot tiers and fresh stores.
+  rm -rf /var/spool/slurmctld/* /var/spool/slurmd/n[1-3] "$ENV_FILE"
+  local n
+  for n in "${NODES[@]}"; do rm -rf "${TEST_ROOT:?}/$n"; done
+  rm -rf "${TEST_ROOT:?}/garage" "${TEST_ROOT:?}/azurite" "${TEST_ROOT:?}/e2e"
+  log "down: done"
+}
+
+cmd_up() {
+  need_root
+  trap 'log "up failed; logs: $SLURM_LOG_DIR, $SLUICE_LOG_DIR; \"$0 status\" shows what runs, \"$0 down\" stops it"' ERR
+  mkdir -p "$RUN_DIR" "$SLUICE_LOG_DIR" "$SLURM_LOG_DIR"
+  chmod 0700 "$RUN_DIR"
+  cmd_down
+  # Each run's logs start empty; the previous run's stay next to them as *.prev for comparison.
+  local f
+  for f in "$SLURM_LOG_DIR"/*.log "$SLUICE_LOG_DIR"/*.log; do [[ -f $f ]] && mv -f "$f" "$f.prev"; done
+  id "$TEST_USER" >/dev/null 2>&1 || die "no user $TEST_USER: run tests/harness/install.sh"
+
+  write_slurm_conf
+  write_plugstack
+  start_munge
+  start_azurite
+  S3_KEY_ID= S3_SECRET=
+  if [[ ${SLUICE_NO_GARAGE:-0} == 1 ]]; then log "garage: skipped (SLUICE_NO_GARAGE=1)"; else start_garage; fi
+  prepare_node_dirs
+  write_agent_config
+  if [[ ${SLUICE_NO_AGENTS:-0} == 1 ]]; then log "agent: skipped (SLUICE_NO_AGENTS=1)"; else start_agents; fi
+  start_slurm
+  write_env_file
+  log "up: done"
+}
+
+cmd_status() {
+  local rc=0 n
+  check() { if pid_alive "$1" "$2"; then printf '  %-16s running (pid %s)\n' "$3" "$(cat "$1")"; else printf '  %-16s not running\n' "$3"; rc=1; fi; }
+  echo "processes:"
+  check /run/munge/munged.pid munged munged
+  check /run/slurmctld.pid slurmctld slurmctld
+  for n in "${NODES[@]}"; do check "/run/slurmd-$n.pid" slurmd "slurmd $n"; done
+  check "$RUN_DIR/garage.pid" garage garage
+  check "$RUN_DIR/azurite.pid" azurite azurite
+  for n in "${NODES[@]}"; do check "$RUN_DIR/sluiced-$n.pid" sluiced "sluiced $n"; done
+  echo "sinfo:"
+  sinfo 2>&1 | sed 's/^/  /' || rc=1
+  echo "agent sockets:"
+  ls -l /run/sluice/*.sock 2>/dev/null | sed 's/^/  /' || echo "  none"
+  echo "plugstack.conf:"
+  if [[ -f /etc/slurm/plugstack.conf ]]; then
+    grep -v '^#' /etc/slurm/plugstack.conf | sed 's/^/  /' || echo "  (empty: no plugin)"
+  else
+    echo "  missing"
+  fi
+  echo "env file: $([[ -f $ENV_FILE ]] && echo "$ENV_FILE" || echo missing)"
+  return $rc
+}
+
+case ${1:-} in
+  up) cmd_up ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  *) echo "usage: $0 up|down|status   (see the header of this script)" >&2; exit 2 ;;
+esac

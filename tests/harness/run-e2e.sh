@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The end-to-end suite in one command: install what is missing, build, bring the test cluster up,
+# run the ignored tests of sluice-e2e one at a time, and always bring the cluster down again.
+#
+#   tests/harness/run-e2e.sh [TEST FILTER...]     e.g. run-e2e.sh stage_in
+#
+# SLUICE_KEEP_CLUSTER=1 leaves the cluster running afterwards for inspection (cluster.sh down stops it).
+# Run as root (it installs packages, starts daemons and submits jobs as the test user).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+[[ $(id -u) -eq 0 ]] || die "run-e2e.sh must run as root"
+
+"$HARNESS_DIR/install.sh"
+
+log "build: cargo build --workspace"
+(cd "$REPO_ROOT" && cargo build --workspace)
+
+finish() {
+  local rc=$?
+  if [[ ${SLUICE_KEEP_CLUSTER:-0} == 1 ]]; then
+    log "cluster left running (SLUICE_KEEP_CLUSTER=1); stop it with $HARNESS_DIR/cluster.sh down"
+  else
+    "$HARNESS_DIR/cluster.sh" down || true
+  fi
+  exit "$rc"
+}
+trap finish EXIT
+
+"$HARNESS_DIR/cluster.sh" up
+
+log "test: cargo test -p sluice-e2e -- --ignored --test-threads=1 $*"
+(cd "$REPO_ROOT" && cargo test -p sluice-e2e -- --ignored --test-threads=1 "$@")

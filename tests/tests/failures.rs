@@ -1,0 +1,133 @@
+//! A user's mistake in a dataset that passes the submit-time check — a path or prefix that does not
+//! exist, a bucket that does not exist, a directory the user may not read — must fail that job with a
+//! message in its output that names the source, before the job script runs, quickly, and without
+//! draining a node or leaving data on a hot tier (DESIGN.md, "User mistakes fail the job, never the
+//! node").
+
+mod common;
+
+use common::*;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+
+/// Longer than the plugin's stage_timeout=120, so a hang shows up as the plugin's own timeout.
+const JOB_TIMEOUT: Duration = Duration::from_secs(180);
+/// A missing dataset is known after one listing; the user must not wait for the stage timeout.
+const FAIL_FAST: Duration = Duration::from_secs(60);
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Submits a 3-node job staging `source`, and checks it fails as described above. `explanations`:
+/// phrases of which the job output must contain at least one (lower case).
+fn assert_job_fails_cleanly(cluster: &Cluster, test: &str, source: &str, explanations: &[&str]) {
+    cluster.require_sluice();
+    let work = cluster.workdir(test);
+    let ran = work.join("script-ran");
+    let script = format!("#!/bin/bash\ntouch '{}'\nsrun true\n", ran.display());
+    let started = Instant::now();
+    let job = cluster.submit(&work, &["-N3", &format!("--stage-in=ds={source}")], &script);
+    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let took = started.elapsed();
+    assert_eq!(
+        end.state,
+        "FAILED",
+        "staging {source} cannot have succeeded\n{}",
+        cluster.evidence(&job)
+    );
+    assert!(
+        !ran.exists(),
+        "the job script ran although staging {source} failed\n{}",
+        cluster.evidence(&job)
+    );
+
+    let output = job.output_text();
+    let lower = output.to_lowercase();
+    assert!(
+        output.contains(source) && explanations.iter().any(|e| lower.contains(e)),
+        "the job output must name {source} and say what is wrong (one of {explanations:?}); it is:\n{output}\n{}",
+        cluster.evidence(&job)
+    );
+    assert!(
+        took < FAIL_FAST,
+        "staging a bad source took {took:?} to fail; expected under {FAIL_FAST:?}"
+    );
+
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+}
+
+const NOT_FOUND: &[&str] = &[
+    "not found",
+    "does not exist",
+    "no such",
+    "no object",
+    "empty",
+];
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn missing_posix_directory_fails_the_job_not_the_node() {
+    let cluster = Cluster::get();
+    let missing = cluster.data_dir("missing-posix").join("no-such-dataset");
+    assert_job_fails_cleanly(
+        &cluster,
+        "missing-posix",
+        missing.to_str().unwrap(),
+        NOT_FOUND,
+    );
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn missing_s3_prefix_fails_the_job_not_the_node() {
+    let cluster = Cluster::get();
+    cluster.require_s3();
+    let source = format!("s3://datasets/e2e/{}/no-such-dataset", unique());
+    assert_job_fails_cleanly(&cluster, "missing-s3", &source, NOT_FOUND);
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn missing_s3_bucket_fails_the_job_not_the_node() {
+    let cluster = Cluster::get();
+    cluster.require_s3();
+    let source = format!("s3://no-such-bucket-{}/data", std::process::id());
+    assert_job_fails_cleanly(
+        &cluster,
+        "missing-bucket",
+        &source,
+        &[NOT_FOUND, &["bucket"]].concat(),
+    );
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn missing_azure_prefix_fails_the_job_not_the_node() {
+    let cluster = Cluster::get();
+    let source = format!("az://datasets/e2e/{}/no-such-dataset", unique());
+    assert_job_fails_cleanly(&cluster, "missing-az", &source, NOT_FOUND);
+}
+
+/// The agent runs as root but must read POSIX sources as the job user: a directory only root may
+/// read fails the job, and none of its content reaches the user's stage directory.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn posix_directory_the_user_may_not_read_fails_the_job() {
+    let cluster = Cluster::get();
+    let secret = cluster.data_dir("unreadable").join("root-only");
+    fs::create_dir_all(&secret).unwrap();
+    fs::write(secret.join("secret.txt"), "root's data\n").unwrap();
+    fs::set_permissions(&secret, fs::Permissions::from_mode(0o700)).unwrap();
+    assert_job_fails_cleanly(
+        &cluster,
+        "unreadable",
+        secret.to_str().unwrap(),
+        &[
+            "permission denied",
+            "not permitted",
+            "may not read",
+            "cannot read",
+            "access",
+        ],
+    );
+}

@@ -1,0 +1,213 @@
+//! Stage-in as a user sees it: a 3-node batch job names a dataset with `--stage-in`, and every task
+//! on every node finds an exact copy under `$SLUICE_STAGE_DIR/NAME`, owned by the job user, in a job
+//! directory nobody else can enter; when the job ends, the copies are gone from every node.
+//!
+//! The same dataset (nested directories, an empty file, a file over 64 MiB, a few hundred small
+//! files, awkward names) is staged from each kind of origin: a POSIX directory, Garage (S3) and
+//! Azurite (Azure Blob).
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Staging 3 × (64 MiB + 300 files) on a 2-core machine: generous, but bounded.
+const STAGE_JOB_TIMEOUT: Duration = Duration::from_secs(300);
+/// The plugin's epilog_timeout is 30 s; cleanup may finish in the background after it.
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A dataset on local disk with its expected listings.
+struct Dataset {
+    dir: PathBuf,
+    sums: String,
+    dirs: String,
+}
+
+impl Dataset {
+    fn new(cluster: &Cluster, test: &str, big: bool) -> Dataset {
+        let dir = cluster.data_dir(test).join("train");
+        make_dataset(&dir, big);
+        Dataset {
+            sums: checksums(&dir),
+            dirs: directories(&dir),
+            dir,
+        }
+    }
+}
+
+/// The large dataset, generated once per test binary and shared by the three origin tests.
+fn big_dataset(cluster: &Cluster) -> &'static Dataset {
+    static DS: OnceLock<Dataset> = OnceLock::new();
+    DS.get_or_init(|| Dataset::new(cluster, "stage-big", true))
+}
+
+/// Checks what each task recorded (see [`listing_script`]) against the datasets, then that the job
+/// left nothing behind and no node out of service.
+fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, datasets: &[(&str, &Dataset)]) {
+    let end = cluster.wait_end(job, STAGE_JOB_TIMEOUT);
+    assert_eq!(
+        (end.state.as_str(), end.exit_code.as_str()),
+        ("COMPLETED", "0:0"),
+        "the staging job did not complete\n{}",
+        cluster.evidence(job)
+    );
+    for node in &cluster.nodes {
+        let file = |name: &str| task_file(out, node, name);
+        assert!(
+            out.join(node).join("done").exists(),
+            "no task ran to the end on {node}\n{}",
+            cluster.evidence(job)
+        );
+
+        let expected_stage = cluster.job_dir(node, job).join("stage");
+        assert_eq!(
+            file("stage_dir").trim(),
+            expected_stage.to_str().unwrap(),
+            "SLUICE_STAGE_DIR on {node}; the task's SLUICE_* variables:\n{}",
+            file("env")
+        );
+        for (name, ds) in datasets {
+            let sums = file(&format!("sums-{name}"));
+            assert!(
+                sums == ds.sums,
+                "dataset {name} on {node} differs from its source: {}",
+                diff_listings(&ds.sums, &sums)
+            );
+            assert_eq!(
+                file(&format!("dirs-{name}")),
+                ds.dirs,
+                "directories of dataset {name} on {node}"
+            );
+        }
+        let owners = file("owners");
+        let foreign: Vec<&str> = owners
+            .lines()
+            .filter(|l| !l.starts_with(&format!("{} ", cluster.user)))
+            .take(10)
+            .collect();
+        assert!(
+            foreign.is_empty() && !owners.is_empty(),
+            "entries under SLUICE_STAGE_DIR on {node} not owned by {}: {foreign:?}",
+            cluster.user
+        );
+        assert_eq!(
+            file("jobdir").trim(),
+            format!("{} 700", cluster.user),
+            "the job directory on {node} must belong to the job user, mode 0700"
+        );
+    }
+    cluster.assert_hot_tier_cleaned(job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(job, CLEANUP_TIMEOUT);
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn stage_posix_directory_to_three_nodes() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    let ds = big_dataset(&cluster);
+    let work = cluster.workdir("stage-posix");
+    let out = work.join("out");
+    let stage_in = format!("--stage-in=train={}", ds.dir.display());
+    let job = cluster.submit(
+        &work,
+        &["-N3", &stage_in],
+        &listing_script(&out, &["train"]),
+    );
+    assert_staged(&cluster, &job, &out, &[("train", ds)]);
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn stage_s3_prefix_to_three_nodes() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    cluster.require_s3();
+    let ds = big_dataset(&cluster);
+    let prefix = format!("e2e/{}/train", unique());
+    cluster.upload(&ds.dir, "garage", &format!("datasets/{prefix}"));
+    let work = cluster.workdir("stage-s3");
+    let out = work.join("out");
+    // No NAME=: the dataset is named after the last component of the prefix.
+    let stage_in = format!("--stage-in=s3://datasets/{prefix}");
+    let job = cluster.submit(
+        &work,
+        &["-N3", &stage_in],
+        &listing_script(&out, &["train"]),
+    );
+    assert_staged(&cluster, &job, &out, &[("train", ds)]);
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn stage_azure_prefix_to_three_nodes() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    let ds = big_dataset(&cluster);
+    let prefix = format!("e2e/{}/train", unique());
+    cluster.upload(&ds.dir, "azurite", &format!("datasets/{prefix}"));
+    let work = cluster.workdir("stage-az");
+    let out = work.join("out");
+    let stage_in = format!("--stage-in=imagenet=az://datasets/{prefix}");
+    let job = cluster.submit(
+        &work,
+        &["-N3", &stage_in],
+        &listing_script(&out, &["imagenet"]),
+    );
+    assert_staged(&cluster, &job, &out, &[("imagenet", ds)]);
+}
+
+/// `--stage-in` is repeatable and comma-separated (DESIGN.md): every source given either way lands
+/// under its own NAME, and the `azure://` spelling means the same as `az://`.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn several_sources_from_repeated_and_comma_separated_options() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    cluster.require_s3();
+    let ds = Dataset::new(&cluster, "stage-several", false);
+    let prefix = format!("e2e/{}/small", unique());
+    cluster.upload(&ds.dir, "garage", &format!("datasets/{prefix}"));
+    cluster.upload(&ds.dir, "azurite", &format!("datasets/{prefix}"));
+    let work = cluster.workdir("stage-several");
+    let out = work.join("out");
+    let first = format!(
+        "--stage-in=local={},objects=s3://datasets/{prefix}",
+        ds.dir.display()
+    );
+    let second = format!("--stage-in=blobs=azure://datasets/{prefix}");
+    let job = cluster.submit(
+        &work,
+        &["-N3", &first, &second],
+        &listing_script(&out, &["local", "objects", "blobs"]),
+    );
+    assert_staged(
+        &cluster,
+        &job,
+        &out,
+        &[("local", &ds), ("objects", &ds), ("blobs", &ds)],
+    );
+}
+
+/// `#SBATCH --stage-in=...` in the job script works like the command-line option.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn stage_in_from_an_sbatch_directive() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    let ds = Dataset::new(&cluster, "stage-directive", false);
+    let work = cluster.workdir("stage-directive");
+    let out = work.join("out");
+    let script = listing_script(&out, &["data"]).replacen(
+        "#!/bin/bash\n",
+        &format!(
+            "#!/bin/bash\n#SBATCH -N3\n#SBATCH --stage-in=data={}\n",
+            ds.dir.display()
+        ),
+        1,
+    );
+    let job = cluster.submit(&work, &[], &script);
+    assert_staged(&cluster, &job, &out, &[("data", &ds)]);
+}
