@@ -31,7 +31,7 @@ AZ_ENDPOINT=http://127.0.0.1:10000/$AZ_ACCOUNT
 AZ_CONN="DefaultEndpointsProtocol=http;AccountName=$AZ_ACCOUNT;AccountKey=$AZ_KEY;BlobEndpoint=$AZ_ENDPOINT;"
 # Daemons start with this environment only, as a service manager would start them: nothing from the
 # caller's shell (AWS_CA_BUNDLE, RUST_LOG, a user's PATH) leaks into Slurm, the agents or the jobs.
-CLEAN_ENV=(env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8)
+CLEAN_ENV=(env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 NO_COLOR=1)
 
 need_root() { [[ $(id -u) -eq 0 ]] || die "cluster.sh must run as root"; }
 

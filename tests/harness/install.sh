@@ -51,7 +51,8 @@ fi
 # Garage: a 16-minute build on 2 cores, so only when the binary is missing or another version.
 if [[ ${SLUICE_NO_GARAGE:-0} == 1 ]]; then
   log "garage: skipped (SLUICE_NO_GARAGE=1)"
-elif [[ -x $GARAGE_BIN ]] && "$GARAGE_BIN" --version 2>/dev/null | grep -q "v$GARAGE_VERSION\b"; then
+# `garage --version` prints e.g. "garage cargo:2.5.0 [features: ...]" (or "garage v2.5.0").
+elif [[ -x $GARAGE_BIN ]] && "$GARAGE_BIN" --version 2>/dev/null | grep -Eq "[:v ]${GARAGE_VERSION//./\\.}( |$)"; then
   log "garage: $GARAGE_VERSION present ($GARAGE_BIN)"
 else
   log "garage: cargo install garage --locked --version $GARAGE_VERSION (about 16 minutes)"
