@@ -44,6 +44,8 @@ pub struct Agent {
     jobs: Mutex<HashMap<JobId, Arc<Job>>>,
     journal: Journal,
     pub tracker: TaskTracker,
+    /// The `sluiced` binary that runs `copy-as-user` (the running executable, unless a test says otherwise).
+    helper_exe: std::path::PathBuf,
 }
 
 fn now() -> u64 {
@@ -105,12 +107,37 @@ impl Agent {
             },
         )?;
         let journal = Journal::open(&cfg.state_dir)?;
+        let helper_exe = std::env::current_exe().map_err(|source| AgentError::HotTierIo {
+            path: "/proc/self/exe".into(),
+            source,
+        })?;
         Ok(Arc::new(Agent {
             cfg,
             jobs: Mutex::new(HashMap::new()),
             journal,
             tracker: TaskTracker::new(),
+            helper_exe,
         }))
+    }
+
+    /// Like [`Agent::new`], with the `sluiced` binary used for user-identity copies given explicitly.
+    pub fn with_helper(
+        cfg: Arc<Config>,
+        helper_exe: std::path::PathBuf,
+    ) -> Result<Arc<Agent>, AgentError> {
+        let agent = Agent::new(cfg)?;
+        let mut agent = Arc::into_inner(agent).expect("just created");
+        agent.helper_exe = helper_exe;
+        Ok(Arc::new(agent))
+    }
+
+    /// Stops all staging (it resumes from the journal when the agent starts again). Call before exit
+    /// and wait for [`Agent::tracker`] so no copy helper outlives the agent.
+    pub fn shutdown(&self) {
+        for job in self.jobs().values() {
+            job.cancel.cancel();
+        }
+        self.tracker.close();
     }
 
     fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
@@ -304,6 +331,7 @@ impl Agent {
             user: job.start.user.clone(),
             stage_path: job.dirs.stage_dir.clone().into(),
             stage_fd,
+            helper_exe: self.helper_exe.clone(),
             cancel: job.cancel.child_token(),
         };
         let all = futures::future::try_join_all(

@@ -93,7 +93,7 @@ pub fn classify(
 /// Drops to the user's identity for good. Fails closed: any error ends the helper.
 pub fn become_user(uid: u32, gid: u32, user: &str) -> Result<(), String> {
     if geteuid().as_raw() == uid && uid != 0 {
-        return Ok(()); // already the user (agent running unprivileged, e.g. in unit tests)
+        return die_with_parent(); // already the user (agent running unprivileged, e.g. in unit tests)
     }
     let name = CString::new(user).map_err(|_| format!("bad user name {user:?}"))?;
     initgroups(&name, Gid::from_raw(gid)).map_err(|e| format!("initgroups({user}): {e}"))?;
@@ -106,6 +106,17 @@ pub fn become_user(uid: u32, gid: u32, user: &str) -> Result<(), String> {
             || geteuid().as_raw() != uid)
     {
         return Err("could not drop root privileges".to_string());
+    }
+    die_with_parent()
+}
+
+/// The helper must not outlive the agent (a `kill -9`ed agent restarts and re-stages): ask for
+/// SIGKILL when the parent dies. Set after the identity change, which clears it.
+fn die_with_parent() -> Result<(), String> {
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+        .map_err(|e| format!("prctl(PR_SET_PDEATHSIG): {e}"))?;
+    if nix::unistd::getppid().as_raw() == 1 {
+        return Err("the agent exited before the copy started".into());
     }
     Ok(())
 }

@@ -139,6 +139,8 @@ pub struct StageCtx {
     /// `<hot>/jobs/<id>/stage`, as a path (for the user-identity helper) and as an fd (for root).
     pub stage_path: PathBuf,
     pub stage_fd: Arc<OwnedFd>,
+    /// The `sluiced` binary, for `copy-as-user`.
+    pub helper_exe: PathBuf,
     pub cancel: CancellationToken,
 }
 
@@ -468,12 +470,8 @@ async fn stage_posix(
     progress: &Progress,
 ) -> Result<(), StageError> {
     let source = spec.source.to_string();
-    let exe = std::env::current_exe().map_err(|e| StageError::Origin {
-        dataset: source.clone(),
-        detail: format!("cannot find the sluiced binary: {e}"),
-    })?;
     let dest = ctx.stage_path.join(&spec.name);
-    let mut child = tokio::process::Command::new(exe)
+    let mut child = tokio::process::Command::new(&ctx.helper_exe)
         .arg("copy-as-user")
         .arg("--uid")
         .arg(ctx.owner.uid.to_string())

@@ -114,7 +114,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             stop.cancel();
         });
         server::run(agent.clone(), listener, shutdown).await;
-        agent.tracker.close();
+        agent.shutdown();
         // Give in-flight requests a moment; staging resumes from the journal on the next start.
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), agent.tracker.wait()).await;
         let _ = std::fs::remove_file(&cfg.socket);

@@ -1,0 +1,337 @@
+//! The agent in-process on a temp socket: the real server, framing, authorisation, staging from a
+//! POSIX directory through the real `sluiced copy-as-user` helper, and cleanup.
+//!
+//! Needs root (the agent's identity in production): it creates files owned by another user. Object
+//! stores are covered by the end-to-end tests against Garage and Azurite.
+
+use sluice_agent::{agent::Agent, config::Config, server};
+use sluice_proto::client::{self, ClientError};
+use sluice_proto::msg::{ErrorCode, JobStart, JobState, Request, Response};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const NOBODY: u32 = 65534;
+
+struct TestAgent {
+    _tmp: tempfile::TempDir,
+    socket: PathBuf,
+    hot: PathBuf,
+    data: PathBuf,
+    shutdown: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+    agent: Arc<Agent>,
+}
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+async fn start(tmp: tempfile::TempDir) -> TestAgent {
+    let root = tmp.path().to_path_buf();
+    std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cfg = format!(
+        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n",
+        r = root.display()
+    );
+    let cfg = Arc::new(Config::parse(&cfg, "n1").unwrap());
+    std::fs::create_dir_all(cfg.hot_root.parent().unwrap()).unwrap();
+    std::fs::set_permissions(
+        cfg.hot_root.parent().unwrap(),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    let agent = Agent::with_helper(cfg.clone(), env!("CARGO_BIN_EXE_sluiced").into()).unwrap();
+    agent.recover().unwrap();
+    let _ = std::fs::remove_file(&cfg.socket); // left by a previous agent on the same state
+    let listener = tokio::net::UnixListener::bind(&cfg.socket).unwrap();
+    std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn(server::run(agent.clone(), listener, shutdown.clone()));
+    TestAgent {
+        agent,
+        socket: cfg.socket.clone(),
+        hot: cfg.hot_root.clone(),
+        data: root.join("data"),
+        _tmp: tmp,
+        shutdown,
+        handle,
+    }
+}
+
+impl TestAgent {
+    async fn call(&self, req: Request) -> Result<Response, ClientError> {
+        let socket = self.socket.clone();
+        tokio::task::spawn_blocking(move || client::call(&socket, req, Duration::from_secs(30)))
+            .await
+            .unwrap()
+    }
+
+    /// Calls as another uid, like a job's task would (a forked child that drops to `uid`).
+    fn call_as(&self, uid: u32, req: Request) -> Result<Response, String> {
+        let socket = self.socket.clone();
+        // Credentials are per thread in Linux: never change them inside the test process. A child
+        // process speaks the wire format instead (4-byte length + JSON), as any local user could.
+        let payload = serde_json::to_string(&req).unwrap();
+        let script = format!(
+            "import socket,struct,json,sys\ns=socket.socket(socket.AF_UNIX)\ns.connect({sock:?})\nb=json.dumps({{'version':1,'request':json.loads(sys.argv[1])}}).encode()\ns.sendall(struct.pack('>I',len(b))+b)\nh=s.recv(4)\nn=struct.unpack('>I',h)[0]\nd=b''\nwhile len(d)<n: d+=s.recv(n-len(d))\nprint(d.decode())",
+            sock = socket.display().to_string()
+        );
+        let out = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .arg(payload)
+            .uid(uid)
+            .gid(uid)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+    }
+
+    /// Stops like sluiced on SIGTERM; returns the temp dir holding its state.
+    async fn stop(self) -> tempfile::TempDir {
+        self.shutdown.cancel();
+        self.handle.await.unwrap();
+        self.agent.shutdown();
+        self.agent.tracker.wait().await;
+        self._tmp
+    }
+}
+
+fn job_start(job_id: u32, stage_in: &str) -> Request {
+    Request::JobStart(JobStart {
+        job_id,
+        uid: NOBODY,
+        gid: NOBODY,
+        user: "nobody".into(),
+        node: "n1".into(),
+        nodes: vec!["n1".into()],
+        options: vec![("stage-in".into(), stage_in.into())],
+    })
+}
+
+fn make_dataset(dir: &Path) {
+    std::fs::create_dir_all(dir.join("train/shard-0")).unwrap();
+    std::fs::write(dir.join("train/shard-0/a.bin"), vec![1u8; 300_000]).unwrap();
+    std::fs::write(dir.join("train/empty"), b"").unwrap();
+    std::fs::write(dir.join("labels.txt"), b"cat\ndog\n").unwrap();
+    for p in [
+        dir.to_path_buf(),
+        dir.join("train"),
+        dir.join("train/shard-0"),
+    ] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stages_a_posix_dataset_as_the_job_user_and_cleans_up() {
+    if !is_root() {
+        eprintln!("skipped: needs root, like sluiced itself");
+        return;
+    }
+    let t = start(tempfile::tempdir().unwrap()).await;
+    make_dataset(&t.data);
+    assert_eq!(
+        t.call(job_start(11, &format!("ds={}", t.data.display())))
+            .await
+            .unwrap(),
+        Response::Ok
+    );
+
+    let Response::Ready(dirs) = t
+        .call(Request::WaitStaged {
+            job_id: 11,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!("not ready")
+    };
+    let staged = Path::new(&dirs.stage_dir).join("ds");
+    assert_eq!(
+        std::fs::read(staged.join("train/shard-0/a.bin")).unwrap(),
+        vec![1u8; 300_000]
+    );
+    assert_eq!(std::fs::read(staged.join("train/empty")).unwrap(), b"");
+    assert_eq!(
+        std::fs::read(staged.join("labels.txt")).unwrap(),
+        b"cat\ndog\n"
+    );
+    for p in [
+        staged.join("labels.txt"),
+        staged.clone(),
+        PathBuf::from(&dirs.stage_dir),
+        PathBuf::from(&dirs.ckpt_dir),
+    ] {
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().uid(),
+            NOBODY,
+            "{}",
+            p.display()
+        );
+    }
+    let job_dir = t.hot.join("jobs/11");
+    assert_eq!(std::fs::metadata(&job_dir).unwrap().mode() & 0o777, 0o700);
+
+    // Progress is visible to the owner and to root.
+    let Response::Job(status) = t.call(Request::Job { job_id: 11 }).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(status.state, JobState::Ready);
+    assert_eq!(status.stages[0].files_done, 3);
+    assert_eq!(status.stages[0].bytes_total, Some(300_008));
+
+    // Another user may neither look at nor wait for the job, nor announce or end jobs.
+    let other = 65533;
+    for req in [
+        Request::Job { job_id: 11 },
+        Request::WaitStaged {
+            job_id: 11,
+            timeout_ms: 10,
+        },
+        Request::JobEnd { job_id: 11 },
+        job_start(12, "/x"),
+    ] {
+        match t.call_as(other, req.clone()).unwrap() {
+            Response::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{req:?}: {e:?}"),
+            r => panic!("{req:?} was allowed: {r:?}"),
+        }
+    }
+    // The owner may wait for it; a user's status shows only their own jobs.
+    assert!(matches!(
+        t.call_as(
+            NOBODY,
+            Request::WaitStaged {
+                job_id: 11,
+                timeout_ms: 1000
+            }
+        )
+        .unwrap(),
+        Response::Ready(_)
+    ));
+    let Response::Status(s) = t.call_as(other, Request::Status).unwrap() else {
+        panic!()
+    };
+    assert!(s.jobs.is_empty());
+
+    assert_eq!(
+        t.call(Request::JobEnd { job_id: 11 }).await.unwrap(),
+        Response::Ok
+    );
+    assert!(!job_dir.exists(), "job directory left behind");
+    t.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_or_unreadable_dataset_fails_the_job_with_a_clear_message() {
+    if !is_root() {
+        eprintln!("skipped: needs root, like sluiced itself");
+        return;
+    }
+    let t = start(tempfile::tempdir().unwrap()).await;
+    t.call(job_start(21, "/nonexistent/imagenet"))
+        .await
+        .unwrap();
+    let e = t
+        .call(Request::WaitStaged {
+            job_id: 21,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap_err();
+    let ClientError::Agent(e) = e else {
+        panic!("{e}")
+    };
+    assert_eq!(e.code, ErrorCode::StageFailed);
+    assert!(
+        e.message.contains("/nonexistent/imagenet not found"),
+        "{}",
+        e.message
+    );
+
+    // Root-only files are not readable by the job user, so they cannot be staged through sluice.
+    let secret = t.data.join("secret");
+    std::fs::create_dir_all(&secret).unwrap();
+    std::fs::set_permissions(&t.data, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(secret.join("key"), b"root only").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).unwrap();
+    t.call(job_start(22, &secret.display().to_string()))
+        .await
+        .unwrap();
+    let ClientError::Agent(e) = t
+        .call(Request::WaitStaged {
+            job_id: 22,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap_err()
+    else {
+        panic!()
+    };
+    assert!(e.message.contains("denied"), "{}", e.message);
+    assert!(!t.hot.join("jobs/22/stage/secret/key").exists());
+
+    // Options are re-validated on the root side.
+    t.call(job_start(23, "relative/path")).await.unwrap();
+    let ClientError::Agent(e) = t
+        .call(Request::WaitStaged {
+            job_id: 23,
+            timeout_ms: 5_000,
+        })
+        .await
+        .unwrap_err()
+    else {
+        panic!()
+    };
+    assert!(e.message.contains("relative path"), "{}", e.message);
+    t.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_resumes_staging_from_its_journal() {
+    if !is_root() {
+        eprintln!("skipped: needs root, like sluiced itself");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let keep = tmp.path().to_path_buf();
+    let t = start(tmp).await;
+    make_dataset(&t.data);
+    t.call(job_start(31, &t.data.display().to_string()))
+        .await
+        .unwrap();
+    // Stop the agent at once (staging may or may not have finished) and start a new one on the same
+    // state: the job must come back and be (or become) ready.
+    let t2 = start(t.stop().await).await;
+    let Response::Ready(dirs) = t2
+        .call(Request::WaitStaged {
+            job_id: 31,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        std::fs::read(Path::new(&dirs.stage_dir).join("data/labels.txt")).unwrap(),
+        b"cat\ndog\n"
+    );
+    t2.call(Request::JobEnd { job_id: 31 }).await.unwrap();
+    assert!(
+        std::fs::read_dir(keep.join("state/n1/jobs"))
+            .unwrap()
+            .next()
+            .is_none(),
+        "journal record left behind"
+    );
+    t2.stop().await;
+}
