@@ -5,10 +5,12 @@
 //!   disagree.
 //! - [`msg`]: request and response types that cross the agent's Unix socket.
 //! - [`wire`]: length-prefixed, versioned frames with hard size limits.
+//! - [`hostlist`]: expansion of Slurm node lists (`n[1-3]`), capped.
 //! - [`client`]: a small blocking client with deadlines, usable from slurmstepd (no threads, no tokio).
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod hostlist;
 pub mod msg;
 pub mod options;
 pub mod wire;
