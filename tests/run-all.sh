@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every test of sluice, in one command, on a fresh Debian 12 machine as root (README: "Run all tests").
+# Installs what is missing (apt, npm, pip, cargo; Garage is built once into $CARGO_HOME/bin and
+# reused), then runs, in order, stopping at the first failure:
+#   1. cargo fmt --check, cargo clippy -D warnings          (the gates)
+#   2. cargo test --workspace                               (unit tests, in-process agent tests)
+#   3. tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
+#                                                            end-to-end jobs, archive conformance)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export CARGO_TERM_COLOR=never
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+[[ $(id -u) -eq 0 ]] || { echo "tests/run-all.sh must run as root (it installs packages and starts a Slurm cluster)" >&2; exit 1; }
+
+step "install prerequisites"
+tests/harness/install.sh
+if command -v rustup >/dev/null 2>&1; then
+  rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+  rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+fi
+
+step "cargo fmt --all --check"
+cargo fmt --all --check
+
+step "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo test --workspace"
+cargo test --workspace
+
+step "end-to-end on the local Slurm cluster"
+tests/harness/run-e2e.sh
