@@ -29,5 +29,7 @@ trap finish EXIT
 
 "$HARNESS_DIR/cluster.sh" up
 
-log "test: cargo test -p sluice-e2e -- --ignored --test-threads=1 $*"
-(cd "$REPO_ROOT" && cargo test -p sluice-e2e -- --ignored --test-threads=1 "$@")
+log "test: cargo test -p sluice-e2e --no-fail-fast -- --ignored --test-threads=1 $*"
+# No backtraces: a failed e2e test's message carries the evidence (job output, log tails), and a
+# stack of test-helper frames would bury it. --no-fail-fast: report every failing test file.
+(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test -p sluice-e2e --no-fail-fast -- --ignored --test-threads=1 "$@")

@@ -47,6 +47,11 @@ fn assert_job_fails_cleanly(cluster: &Cluster, test: &str, source: &str, explana
         "the job output must name {source} and say what is wrong (one of {explanations:?}); it is:\n{output}\n{}",
         cluster.evidence(&job)
     );
+    // The user reads this: words, not a store's raw reply.
+    assert!(
+        !output.contains("<?xml") && !output.contains("<Error>"),
+        "the job output passes on a raw object-store response instead of explaining it:\n{output}"
+    );
     assert!(
         took < FAIL_FAST,
         "staging a bad source took {took:?} to fail; expected under {FAIL_FAST:?}"

@@ -14,7 +14,11 @@ const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 const TASK: &str = r#"echo "task $SLURMD_NODENAME $(id -un)"; env | grep "^SLUICE_" || true"#;
 
 fn expected_lines(cluster: &Cluster) -> Vec<String> {
-    cluster.nodes.iter().map(|n| format!("task {n} {}", cluster.user)).collect()
+    cluster
+        .nodes
+        .iter()
+        .map(|n| format!("task {n} {}", cluster.user))
+        .collect()
 }
 
 fn sorted_lines(text: &str) -> Vec<String> {
@@ -30,7 +34,11 @@ fn batch_job_without_sluice_options_runs_untouched() {
     let work = cluster.workdir("plain-batch");
     let script = format!("#!/bin/bash\nsrun --ntasks-per-node=1 bash -c '{TASK}'\n");
     let job = cluster.submit(&work, &["-N3"], &script);
-    assert!(job.submit_stderr.is_empty(), "sbatch printed something for a plain job: {}", job.submit_stderr);
+    assert!(
+        job.submit_stderr.is_empty(),
+        "sbatch printed something for a plain job: {}",
+        job.submit_stderr
+    );
     let end = cluster.wait_end(&job, JOB_TIMEOUT);
     assert_eq!(
         (end.state.as_str(), end.exit_code.as_str()),
@@ -46,7 +54,11 @@ fn batch_job_without_sluice_options_runs_untouched() {
     );
     for node in &cluster.nodes {
         let dir = cluster.job_dir(node, &job);
-        assert!(!dir.exists(), "sluice created {} for a job that did not ask for it", dir.display());
+        assert!(
+            !dir.exists(),
+            "sluice created {} for a job that did not ask for it",
+            dir.display()
+        );
     }
     cluster.assert_nodes_return_idle(&job, JOB_TIMEOUT);
 }
@@ -57,10 +69,26 @@ fn batch_job_without_sluice_options_runs_untouched() {
 fn srun_without_sluice_options_runs_untouched() {
     let cluster = Cluster::get();
     let work = cluster.workdir("plain-srun");
-    let out = cluster.as_user(&work, "srun", &["-N3", "--ntasks-per-node=1", "bash", "-c", TASK], None);
+    let out = cluster.as_user(
+        &work,
+        "srun",
+        &["-N3", "--ntasks-per-node=1", "bash", "-c", TASK],
+        None,
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "srun without sluice options failed:\n{stdout}\n{stderr}\n{}", cluster.log_tails());
-    assert_eq!(sorted_lines(&stdout), expected_lines(&cluster), "stdout of srun without sluice options");
-    assert!(stderr.is_empty(), "srun printed to stderr for a job without sluice options:\n{stderr}");
+    assert!(
+        out.status.success(),
+        "srun without sluice options failed:\n{stdout}\n{stderr}\n{}",
+        cluster.log_tails()
+    );
+    assert_eq!(
+        sorted_lines(&stdout),
+        expected_lines(&cluster),
+        "stdout of srun without sluice options"
+    );
+    assert!(
+        stderr.is_empty(),
+        "srun printed to stderr for a job without sluice options:\n{stderr}"
+    );
 }
