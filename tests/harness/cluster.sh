@@ -432,7 +432,7 @@ cmd_up() {
   write_plugstack
   start_munge
   start_azurite
-  S3_KEY_ID= S3_SECRET=
+  S3_KEY_ID="" S3_SECRET=""
   if [[ ${SLUICE_NO_GARAGE:-0} == 1 ]]; then log "garage: skipped (SLUICE_NO_GARAGE=1)"; else start_garage; fi
   prepare_node_dirs
   write_agent_config

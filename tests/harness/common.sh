@@ -1,7 +1,7 @@
 # Shared paths and helpers of the sluice test harness. Sourced, never run.
 # Everything the harness creates lives under these paths, so `cluster.sh down` knows what to remove.
 
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2034  # the variables here are used by the scripts that source this
 HARNESS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO_ROOT=$(cd "$HARNESS_DIR/../.." && pwd)
 

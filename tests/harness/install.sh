@@ -55,6 +55,7 @@ if [[ ${SLUICE_NO_GARAGE:-0} == 1 ]]; then
 elif [[ -x $GARAGE_BIN ]] && "$GARAGE_BIN" --version 2>/dev/null | grep -Eq "[:v ]${GARAGE_VERSION//./\\.}( |$)"; then
   log "garage: $GARAGE_VERSION present ($GARAGE_BIN)"
 else
+  command -v cargo >/dev/null 2>&1 || die "building Garage needs a Rust toolchain (cargo) on PATH; install rustup first"
   log "garage: cargo install garage --locked --version $GARAGE_VERSION (about 16 minutes)"
   CARGO_HOME=$CARGO_HOME cargo install garage --locked --version "$GARAGE_VERSION"
 fi
