@@ -10,6 +10,7 @@
 #   SLUICE_NO_PLUGIN=1  empty plugstack.conf: Slurm without sluice, for comparison
 #   SLUICE_NO_AGENTS=1  do not start sluiced
 #   SLUICE_NO_GARAGE=1  do not start Garage (no s3:// store in the agent config)
+#   SLUICE_STAGE_CONCURRENCY=N  the agents' [stage] concurrency (default 16)
 #
 # `up` writes $ENV_FILE (/run/sluice-test/env), which the end-to-end tests read. Run as root.
 set -euo pipefail
@@ -294,7 +295,7 @@ state_dir = "$TEST_ROOT/%n/state"
 root = "$TEST_ROOT/%n/hot"
 
 [stage]
-concurrency = 16
+concurrency = ${SLUICE_STAGE_CONCURRENCY:-16}
 part_size = "16MiB"
 # A little shorter than the plugin's stage_timeout=120, so the agent's error reaches the job first.
 timeout = "110s"
