@@ -10,7 +10,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 [[ $(id -u) -eq 0 ]] || die "install.sh must run as root (it installs packages and creates users)"
 
 APT_PACKAGES=(slurmd slurmctld slurm-client libslurm-dev slurm-wlm-plugins-dev munge
-              libclang-dev clang fio zstd rsync build-essential pkg-config procps iproute2 python3-venv)
+              libclang-dev clang fio zstd rsync build-essential pkg-config procps iproute2 python3-venv curl)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

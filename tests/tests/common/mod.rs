@@ -451,6 +451,60 @@ impl Cluster {
             .unwrap_or_else(|e| panic!("cannot run rclone: {e}"))
     }
 
+    /// Puts one object into Garage under exactly `key`, which may hold `..`, `.` or backslashes
+    /// (rclone re-encodes such names, so this signs the request with curl instead).
+    pub fn put_object(&self, bucket: &str, key: &str, data: &[u8]) {
+        let mut path = String::new();
+        for b in key.bytes() {
+            match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                    path.push(b as char)
+                }
+                _ => path.push_str(&format!("%{b:02X}")),
+            }
+        }
+        let url = format!("{}/{bucket}/{path}", self.var("SLUICE_TEST_S3_ENDPOINT"));
+        let user = format!(
+            "{}:{}",
+            self.var("SLUICE_TEST_S3_KEY_ID"),
+            self.var("SLUICE_TEST_S3_SECRET")
+        );
+        let sigv4 = format!("aws:amz:{}:s3", self.var("SLUICE_TEST_S3_REGION"));
+        let mut child = Command::new("curl")
+            .args([
+                "--fail-with-body",
+                "-sS",
+                "--path-as-is",
+                "-X",
+                "PUT",
+                "--data-binary",
+                "@-",
+            ])
+            .args([
+                "--aws-sigv4",
+                &sigv4,
+                "--user",
+                &user,
+                "-H",
+                "x-amz-content-sha256: UNSIGNED-PAYLOAD",
+            ])
+            .arg(&url)
+            .env_remove("AWS_CA_BUNDLE")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run curl: {e}"));
+        child.stdin.take().unwrap().write_all(data).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "PUT {url} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Uploads a local directory to `remote:bucket/prefix` and checks the upload is complete, so a
     /// later failure is sluice's and not the upload's. `remote` is `garage` or `azurite`.
     pub fn upload(&self, local: &Path, remote: &str, bucket_and_prefix: &str) {
