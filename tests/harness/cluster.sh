@@ -428,6 +428,8 @@ cmd_up() {
   local f
   for f in "$SLURM_LOG_DIR"/*.log "$SLUICE_LOG_DIR"/*.log; do [[ -f $f ]] && mv -f "$f" "$f.prev"; done
   id "$TEST_USER" >/dev/null 2>&1 || die "no user $TEST_USER: run tests/harness/install.sh"
+  # The previous run's job outputs stay for post-mortems until now.
+  rm -rf "/home/$TEST_USER/e2e"
 
   write_slurm_conf
   write_plugstack
