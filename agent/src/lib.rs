@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
+pub mod archive;
 pub mod config;
 pub mod job;
 pub mod journal;

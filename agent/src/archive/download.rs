@@ -1,0 +1,387 @@
+//! Reading a checkpoint back: verify (decode everything, write nothing) and restore (decode into a
+//! directory on the hot tier). One pipeline serves both, so what verify passes restore reads the
+//! same way.
+//!
+//! Each file's chunks are fetched in ranges of about the part size, with parallel ranged GETs
+//! (`concurrency` in flight); each range is checked chunk by chunk (BLAKE3 of every frame, header
+//! against the manifest) and decoded on a blocking thread, and written at its offset. Results are
+//! consumed in file order, so the hash of each file's raw content is checked too, before the file
+//! counts as restored.
+
+use super::format;
+use super::manifest::{FileEntry, Manifest, check_rel_path};
+use super::{ArchiveError, ArchiveProgress, Archiver, Damaged};
+use crate::safefs::{self, Owner};
+use futures::StreamExt;
+use object_store::ObjectStoreExt;
+use std::fs::File;
+use std::ops::Range;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::sync::{Arc, Mutex};
+
+/// What [`Archiver::verify`] checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifyReport {
+    pub tag: String,
+    pub files: u64,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+}
+
+/// Where decoded chunks go.
+#[derive(Clone)]
+enum Sink {
+    Verify,
+    Restore { dest: Arc<OwnedFd>, owner: Owner },
+}
+
+/// One ranged GET: consecutive chunks of one file.
+struct Work {
+    file: usize,
+    chunks: Range<usize>,
+    /// Bytes of the data object.
+    range: Range<u64>,
+    /// Where the first chunk's content starts in the file.
+    raw_offset: u64,
+    last_of_file: bool,
+}
+
+/// Why one piece of work failed.
+enum WorkError {
+    /// The data does not match the manifest: names the file.
+    Damaged(String),
+    Fatal(ArchiveError),
+}
+
+/// Splits every file into ranges of whole chunks of about `range_size` stored bytes (at least one
+/// chunk each; a file without chunks gets one empty range, so it is created).
+fn plan(files: &[FileEntry], range_size: u64) -> Vec<Work> {
+    let mut work = Vec::new();
+    for (i, f) in files.iter().enumerate() {
+        let start_len = work.len();
+        let (mut first, mut raw_offset) = (0, 0);
+        while first < f.chunks.len() {
+            let start = f.chunks[first].offset;
+            let mut end = first;
+            let mut stored = 0;
+            while end < f.chunks.len()
+                && (end == first || stored + f.chunks[end].stored <= range_size)
+            {
+                stored += f.chunks[end].stored;
+                end += 1;
+            }
+            work.push(Work {
+                file: i,
+                chunks: first..end,
+                range: start..start + stored,
+                raw_offset,
+                last_of_file: false,
+            });
+            raw_offset += f.chunks[first..end].iter().map(|c| c.raw).sum::<u64>();
+            first = end;
+        }
+        if work.len() == start_len {
+            work.push(Work {
+                file: i,
+                chunks: 0..0,
+                range: 0..0,
+                raw_offset: 0,
+                last_of_file: false,
+            });
+        }
+        work.last_mut()
+            .expect("one range per file at least")
+            .last_of_file = true;
+    }
+    work
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("blocking archive task panicked")
+}
+
+fn write_error(tag: &str, path: &str, e: safefs::SafeFsError) -> ArchiveError {
+    ArchiveError::Write {
+        tag: tag.into(),
+        path: path.into(),
+        errno: e.errno().map(|e| e as i32),
+        detail: e.to_string(),
+    }
+}
+
+fn io_write_error(tag: &str, path: &str, e: std::io::Error) -> ArchiveError {
+    ArchiveError::Write {
+        tag: tag.into(),
+        path: path.into(),
+        errno: e.raw_os_error(),
+        detail: e.to_string(),
+    }
+}
+
+/// Creates `path` below `dest` (parents too) for `owner`, with exactly the permission bits `mode`.
+fn create(
+    dest: &OwnedFd,
+    path: &str,
+    mode: u32,
+    owner: Owner,
+    tag: &str,
+) -> Result<File, ArchiveError> {
+    let parts = check_rel_path(path).map_err(|detail| ArchiveError::Write {
+        tag: tag.into(),
+        path: path.into(),
+        detail,
+        errno: None,
+    })?;
+    let (name, dirs) = parts.split_last().expect("a path has a file name");
+    let dir =
+        safefs::ensure_dirs(dest, dirs, Some(owner)).map_err(|e| write_error(tag, path, e))?;
+    let file = safefs::create_file(&dir, name, Some(owner), 0o600)
+        .map_err(|e| write_error(tag, path, e))?;
+    // Set the mode exactly (creation is filtered by the umask); never setuid/setgid/sticky.
+    file.set_permissions(std::fs::Permissions::from_mode(mode & 0o777))
+        .map_err(|e| io_write_error(tag, path, e))?;
+    Ok(file)
+}
+
+impl Archiver {
+    /// Downloads every object of checkpoint `tag` and checks it against its MANIFEST: object sizes,
+    /// every chunk's checksum and header, every file's content checksum. Fails with
+    /// [`ArchiveError::Corrupt`] naming every damaged file.
+    pub async fn verify(&self, tag: &str) -> Result<VerifyReport, ArchiveError> {
+        let m = self.manifest(tag).await?;
+        self.check_objects(&m).await?;
+        self.read_back(&m, Sink::Verify, ArchiveProgress::default())
+            .await?;
+        Ok(VerifyReport {
+            tag: tag.into(),
+            files: m.files.len() as u64,
+            raw_bytes: m.raw_bytes,
+            stored_bytes: m.stored_bytes,
+        })
+    }
+
+    /// Restores checkpoint `tag` into `dest` (a directory fd, normally empty: existing files are not
+    /// overwritten), every file and directory owned by `owner`. Refuses a tag without a valid
+    /// MANIFEST; fails with [`ArchiveError::Corrupt`] naming the file when data does not match it.
+    /// On failure `dest` holds a partial tree, which the caller removes.
+    pub async fn restore(
+        &self,
+        tag: &str,
+        dest: Arc<OwnedFd>,
+        owner: Owner,
+        progress: &ArchiveProgress,
+    ) -> Result<Manifest, ArchiveError> {
+        let m = self.manifest(tag).await?;
+        self.check_objects(&m).await?;
+        progress.set_totals(m.files.len() as u64, m.raw_bytes);
+        let (d, dirs, t) = (dest.clone(), m.dirs.clone(), tag.to_string());
+        blocking(move || {
+            for dir in &dirs {
+                let parts = check_rel_path(dir).map_err(|detail| ArchiveError::Write {
+                    tag: t.clone(),
+                    path: dir.clone(),
+                    detail,
+                    errno: None,
+                })?;
+                safefs::ensure_dirs(&d, &parts, Some(owner))
+                    .map_err(|e| write_error(&t, dir, e))?;
+            }
+            Ok::<_, ArchiveError>(())
+        })
+        .await?;
+        self.read_back(&m, Sink::Restore { dest, owner }, progress.clone())
+            .await?;
+        tracing::info!(
+            tag,
+            url = self.url,
+            files = m.files.len(),
+            "checkpoint restored"
+        );
+        Ok(m)
+    }
+
+    /// The shared pipeline of verify and restore. Verify goes on past damaged files to name them
+    /// all; restore stops at the first.
+    async fn read_back(
+        &self,
+        m: &Manifest,
+        sink: Sink,
+        progress: ArchiveProgress,
+    ) -> Result<(), ArchiveError> {
+        let keep_going = matches!(sink, Sink::Verify);
+        let files = Arc::new(m.files.clone());
+        let outputs: Arc<Vec<Mutex<Option<Arc<File>>>>> =
+            Arc::new(files.iter().map(|_| Mutex::new(None)).collect());
+        let work = plan(&files, self.cfg.part_size);
+        let results = futures::stream::iter(work)
+            .map(|w| {
+                let (files, outputs, sink, progress) = (
+                    files.clone(),
+                    outputs.clone(),
+                    sink.clone(),
+                    progress.clone(),
+                );
+                let key = self.data_key(&m.tag, &files[w.file].path);
+                let (store, url, tag) = (self.store.clone(), self.url.clone(), m.tag.clone());
+                async move {
+                    let (file, last) = (w.file, w.last_of_file);
+                    let outcome = async {
+                        let data = if w.range.is_empty() {
+                            bytes::Bytes::new()
+                        } else {
+                            store
+                                .get_range(&key, w.range.clone())
+                                .await
+                                .map_err(|error| {
+                                    WorkError::Fatal(ArchiveError::Store {
+                                        url,
+                                        op: "get",
+                                        key: key.to_string(),
+                                        error: Box::new(error),
+                                    })
+                                })?
+                        };
+                        progress.stored(data.len() as u64);
+                        blocking(move || decode_and_write(&w, &data, &files, &outputs, &sink, &tag))
+                            .await
+                    }
+                    .await;
+                    (file, last, outcome)
+                }
+            })
+            .buffered(self.cfg.concurrency);
+        let mut results = std::pin::pin!(results);
+
+        // Results arrive in plan order: file by file, each file's ranges in order.
+        let mut damaged: Vec<Damaged> = Vec::new();
+        let mut hasher = Some(blake3::Hasher::new());
+        let mut bad_file: Option<usize> = None;
+        while let Some((file, last, outcome)) = results.next().await {
+            let f = &files[file];
+            match outcome {
+                Err(WorkError::Fatal(e)) => return Err(e),
+                Err(WorkError::Damaged(detail)) => {
+                    if !keep_going {
+                        return Err(self.corrupt_one(&m.tag, &f.path, detail));
+                    }
+                    if bad_file != Some(file) {
+                        damaged.push(Damaged {
+                            path: f.path.clone(),
+                            detail,
+                        });
+                        bad_file = Some(file);
+                    }
+                }
+                Ok(raws) if bad_file != Some(file) => {
+                    let mut h = hasher.take().expect("a hasher between items");
+                    let n: u64 = raws.iter().map(|r| r.len() as u64).sum();
+                    hasher = Some(
+                        blocking(move || {
+                            for r in &raws {
+                                h.update(r);
+                            }
+                            h
+                        })
+                        .await,
+                    );
+                    progress.bytes_done(n);
+                }
+                Ok(_) => {}
+            }
+            if !last {
+                continue;
+            }
+            let h = hasher.replace(blake3::Hasher::new()).expect("a hasher");
+            let out = outputs[file]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if bad_file == Some(file) {
+                continue;
+            }
+            if h.finalize() != f.content_hash() {
+                let detail = "content checksum mismatch after decoding".to_string();
+                if !keep_going {
+                    return Err(self.corrupt_one(&m.tag, &f.path, detail));
+                }
+                damaged.push(Damaged {
+                    path: f.path.clone(),
+                    detail,
+                });
+                continue;
+            }
+            if let Some(out) = out {
+                let (tag, path) = (m.tag.clone(), f.path.clone());
+                blocking(move || out.sync_all().map_err(|e| io_write_error(&tag, &path, e)))
+                    .await?;
+            }
+            progress.file_done();
+        }
+        self.corrupt(&m.tag, damaged)
+    }
+
+    fn corrupt_one(&self, tag: &str, path: &str, detail: String) -> ArchiveError {
+        ArchiveError::Corrupt {
+            url: self.url.clone(),
+            tag: tag.into(),
+            damaged: vec![Damaged {
+                path: path.into(),
+                detail,
+            }],
+        }
+    }
+}
+
+/// Checks and decodes the chunks of one range, and writes them to the restored file. Blocking.
+fn decode_and_write(
+    w: &Work,
+    data: &[u8],
+    files: &[FileEntry],
+    outputs: &[Mutex<Option<Arc<File>>>],
+    sink: &Sink,
+    tag: &str,
+) -> Result<Vec<Vec<u8>>, WorkError> {
+    let f = &files[w.file];
+    if data.len() as u64 != w.range.end - w.range.start {
+        return Err(WorkError::Damaged(format!(
+            "the store returned {} bytes for a range of {}",
+            data.len(),
+            w.range.end - w.range.start
+        )));
+    }
+    let mut raws = Vec::with_capacity(w.chunks.len());
+    let total = f.chunks.len();
+    for i in w.chunks.clone() {
+        let c = &f.chunks[i];
+        let at = (c.offset - w.range.start) as usize;
+        let frame = &data[at..at + c.stored as usize];
+        let raw = format::decode_chunk(frame, &c.expected())
+            .map_err(|e| WorkError::Damaged(format!("chunk {} of {total}: {e}", i + 1)))?;
+        raws.push(raw);
+    }
+    if let Sink::Restore { dest, owner } = sink {
+        let out = {
+            let mut slot = outputs[w.file].lock().unwrap_or_else(|e| e.into_inner());
+            match &*slot {
+                Some(file) => file.clone(),
+                None => {
+                    let file = Arc::new(
+                        create(dest, &f.path, f.mode, *owner, tag).map_err(WorkError::Fatal)?,
+                    );
+                    *slot = Some(file.clone());
+                    file
+                }
+            }
+        };
+        let mut offset = w.raw_offset;
+        for raw in &raws {
+            out.write_all_at(raw, offset)
+                .map_err(|e| WorkError::Fatal(io_write_error(tag, &f.path, e)))?;
+            offset += raw.len() as u64;
+        }
+    }
+    Ok(raws)
+}

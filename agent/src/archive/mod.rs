@@ -1,0 +1,782 @@
+//! The checkpoint archive engine: committed checkpoints from the hot tier to object storage, and back.
+//!
+//! # On-store layout
+//!
+//! Below the archive URL's base prefix (`s3://ckpt/alice/run1` → bucket `ckpt`, base `alice/run1`):
+//!
+//! ```text
+//! BASE/TAG/data/<relpath>       one object per file: its chunks' frames (format.rs)
+//! BASE/TAG/parts/<node>.json    what one node archived (PartManifest), after its data objects
+//! BASE/TAG/MANIFEST             the checkpoint (Manifest): written last, after every part
+//! ```
+//!
+//! **Publish last.** A node writes its part manifest only after every one of its data objects is
+//! durable (each `put` / multipart `complete` returned); any node that finds all parts present merges
+//! them and writes `MANIFEST` — deterministic bytes, with a create-only put where the store supports
+//! it, so nodes racing to publish agree. No MANIFEST, no checkpoint: [`Archiver::list`] reports such a
+//! tag as partial, and restore and [`Archiver::latest`] never use it.
+//!
+//! # Pipeline
+//!
+//! [`Archiver::upload_part`] walks the checkpoint directory fd-relative as root with the checks of
+//! [`walk`]; one blocking thread reads files in order (hashing the raw bytes and checking each file
+//! did not change while read), several blocking tasks compress chunks ([`format`]), and the async
+//! side assembles frames into objects: one PUT for objects up to the part size, a multipart upload
+//! above it. Requests in flight are bounded by a semaphore, memory by the chunks and parts in flight:
+//! about `(compress_threads + 3) × chunk_size + (concurrency + 1) × part_size`.
+//! Restore and verify fetch chunk ranges with parallel ranged GETs and decode them on blocking
+//! threads.
+
+mod download;
+pub mod format;
+pub mod manifest;
+mod throttle;
+mod upload;
+mod url;
+pub mod walk;
+
+pub use download::VerifyReport;
+pub use format::{Codec, FileCompression, Transform};
+pub use manifest::{ChunkEntry, FileEntry, JobMeta, Manifest, PartManifest};
+pub use url::{ArchiveLocation, ArchiveStore, open_archive, open_archive_with, parse_archive_url};
+
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use throttle::Throttle;
+
+/// S3's (and GCS's XML API's) limit on the parts of one multipart upload; Azure allows 50,000 blocks.
+pub const MAX_PARTS: u64 = 10_000;
+
+/// Tunables of the archive path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArchiveConfig {
+    /// Objects above this stored size are uploaded as multipart uploads of parts this large (raised
+    /// per object so it never needs more than [`MAX_PARTS`] parts); also the size of restore's
+    /// ranged GETs. S3 needs at least 5 MiB.
+    pub part_size: u64,
+    /// Requests in flight (uploads, parts, ranged GETs).
+    pub concurrency: usize,
+    /// zstd level; 0 turns compression off (every chunk stored raw).
+    pub zstd_level: i32,
+    /// Raw bytes per independently compressed chunk: a multiple of 4 KiB, at most 64 MiB.
+    pub chunk_size: usize,
+    /// Chunks compressed at once, each on a blocking thread.
+    pub compress_threads: usize,
+    /// Upload cap in bytes per second.
+    pub bandwidth_limit: Option<u64>,
+}
+
+impl Default for ArchiveConfig {
+    fn default() -> Self {
+        ArchiveConfig {
+            part_size: 16 << 20,
+            concurrency: 8,
+            zstd_level: 3,
+            chunk_size: 4 << 20,
+            compress_threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+                .min(16),
+            bandwidth_limit: None,
+        }
+    }
+}
+
+impl ArchiveConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(64 << 10..=5 << 30).contains(&self.part_size) {
+            return Err(format!(
+                "part size must be between 64KiB and 5GiB, got {}",
+                self.part_size
+            ));
+        }
+        if !(1..=1024).contains(&self.concurrency) {
+            return Err(format!(
+                "concurrency must be 1..=1024, got {}",
+                self.concurrency
+            ));
+        }
+        if !(0..=19).contains(&self.zstd_level) {
+            return Err(format!(
+                "zstd level must be 0 (off) to 19, got {}",
+                self.zstd_level
+            ));
+        }
+        if self.chunk_size < 64 << 10
+            || self.chunk_size > format::MAX_CHUNK
+            || self.chunk_size % 4096 != 0
+        {
+            return Err(format!(
+                "chunk size must be a multiple of 4KiB between 64KiB and 64MiB, got {}",
+                self.chunk_size
+            ));
+        }
+        if !(1..=256).contains(&self.compress_threads) {
+            return Err(format!(
+                "compress threads must be 1..=256, got {}",
+                self.compress_threads
+            ));
+        }
+        if self.bandwidth_limit == Some(0) {
+            return Err("a bandwidth limit of 0 would never upload anything".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArchiveError {
+    #[error("archive URL '{url}': {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("invalid archive settings: {0}")]
+    BadConfig(String),
+    #[error(
+        "'{name}' is not a usable {what}: use 1-200 letters, digits, '.', '_', '-' or '+', not starting with '.'"
+    )]
+    BadName { what: &'static str, name: String },
+    /// The checkpoint holds something root must not read (a symlink, another user's file, ...).
+    #[error("checkpoint {tag}: '{path}' {reason}; nothing was archived")]
+    Refused {
+        tag: String,
+        path: String,
+        reason: String,
+    },
+    /// A file changed while it was read: retry later. No manifest was written.
+    #[error(
+        "checkpoint {tag}: '{path}' changed while it was being archived (is the job still writing it?); nothing was published"
+    )]
+    Modified { tag: String, path: String },
+    #[error("checkpoint {tag}: reading '{path}': {detail}")]
+    Read {
+        tag: String,
+        path: String,
+        detail: String,
+    },
+    /// Writing a restored file; `errno` tells a full hot tier (ENOSPC, EDQUOT) from the rest.
+    #[error("restoring checkpoint {tag}: writing '{path}': {detail}")]
+    Write {
+        tag: String,
+        path: String,
+        detail: String,
+        errno: Option<i32>,
+    },
+    #[error("{url}: {op} '{key}': {error}")]
+    Store {
+        url: String,
+        op: &'static str,
+        key: String,
+        error: Box<object_store::Error>,
+    },
+    #[error("checkpoint {tag} is not archived at {url}: it has no MANIFEST (partial or missing)")]
+    NotArchived { url: String, tag: String },
+    #[error("checkpoint {tag} at {url}: unusable {what}: {reason}")]
+    BadManifest {
+        url: String,
+        tag: String,
+        what: String,
+        reason: String,
+    },
+    /// Data that does not match the manifest: every damaged file (at least one) and what is wrong.
+    #[error("checkpoint {tag} at {url} is damaged: {}", describe(damaged))]
+    Corrupt {
+        url: String,
+        tag: String,
+        damaged: Vec<Damaged>,
+    },
+    #[error(
+        "checkpoint {tag}: nodes {} and {} both archived '{path}' with different contents",
+        nodes.0, nodes.1
+    )]
+    Conflict {
+        tag: String,
+        path: String,
+        nodes: (String, String),
+    },
+    #[error("archiving checkpoint {tag} was stopped")]
+    Stopped { tag: String },
+    #[error("checkpoint {tag} is already published at {url}, without a part from node {node}")]
+    AlreadyPublished {
+        url: String,
+        tag: String,
+        node: String,
+    },
+}
+
+/// One damaged file of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Damaged {
+    pub path: String,
+    pub detail: String,
+}
+
+fn describe(damaged: &[Damaged]) -> String {
+    let Some(first) = damaged.first() else {
+        return "no file named".into();
+    };
+    match damaged.len() {
+        1 => format!("'{}': {}", first.path, first.detail),
+        n => format!(
+            "'{}': {} (and {} more damaged file(s))",
+            first.path,
+            first.detail,
+            n - 1
+        ),
+    }
+}
+
+impl ArchiveError {
+    /// A file changed while it was read: archive it again once it is stable.
+    pub fn is_modified(&self) -> bool {
+        matches!(self, ArchiveError::Modified { .. })
+    }
+
+    /// Damaged or missing data: the caller may fall back to an older checkpoint.
+    pub fn is_corrupt(&self) -> bool {
+        matches!(
+            self,
+            ArchiveError::Corrupt { .. } | ArchiveError::BadManifest { .. }
+        )
+    }
+}
+
+/// Live counters of one upload or restore, read by status requests while workers update them.
+/// Cloning shares the counters.
+#[derive(Debug, Clone, Default)]
+pub struct ArchiveProgress {
+    inner: Arc<Counters>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    files_done: AtomicU64,
+    files_total: AtomicU64,
+    bytes_done: AtomicU64,
+    bytes_total: AtomicU64,
+    stored_bytes: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProgressSnapshot {
+    pub files_done: u64,
+    pub files_total: u64,
+    /// Raw bytes read and compressed (upload) or decoded (restore, verify).
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    /// Stored bytes uploaded (upload) or downloaded (restore, verify).
+    pub stored_bytes: u64,
+}
+
+impl ArchiveProgress {
+    pub fn snapshot(&self) -> ProgressSnapshot {
+        let c = &self.inner;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ProgressSnapshot {
+            files_done: l(&c.files_done),
+            files_total: l(&c.files_total),
+            bytes_done: l(&c.bytes_done),
+            bytes_total: l(&c.bytes_total),
+            stored_bytes: l(&c.stored_bytes),
+        }
+    }
+
+    fn set_totals(&self, files: u64, bytes: u64) {
+        self.inner.files_total.store(files, Ordering::Relaxed);
+        self.inner.bytes_total.store(bytes, Ordering::Relaxed);
+    }
+
+    fn file_done(&self) {
+        self.inner.files_done.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn bytes_done(&self, n: u64) {
+        self.inner.bytes_done.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn stored(&self, n: u64) {
+        self.inner.stored_bytes.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum CheckpointState {
+    /// A valid MANIFEST: restorable.
+    Complete,
+    /// Data or parts, but no MANIFEST (an archive in progress, or one that failed).
+    Partial,
+    /// A MANIFEST this agent cannot use.
+    Invalid { reason: String },
+}
+
+/// One tag of an archive, as [`Archiver::list`] reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointInfo {
+    pub tag: String,
+    pub state: CheckpointState,
+    pub files: u64,
+    /// Raw bytes (for a partial tag: of the parts written so far).
+    pub raw_bytes: u64,
+    /// Bytes in the store (for a partial tag: of the data objects found).
+    pub stored_bytes: u64,
+    /// Raw / stored, for a complete checkpoint.
+    pub ratio: Option<f64>,
+    /// The manifest's time; for a partial tag, that of its newest object (Unix ms).
+    pub created_unix_ms: u64,
+    pub job: Option<JobMeta>,
+    /// Complete: the nodes of the checkpoint. Partial: the nodes whose parts are written.
+    pub nodes: Vec<String>,
+}
+
+/// Archives checkpoints under one base prefix of one object store, and restores them.
+#[derive(Debug, Clone)]
+pub struct Archiver {
+    store: Arc<dyn ObjectStore>,
+    base: ObjPath,
+    /// The archive URL, for messages (never holds credentials).
+    url: String,
+    cfg: ArchiveConfig,
+    throttle: Option<Arc<Throttle>>,
+}
+
+/// Checks a tag or node name: it becomes one component of object keys and of hot-tier paths.
+pub fn check_name(what: &'static str, name: &str) -> Result<(), ArchiveError> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '+'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ArchiveError::BadName {
+            what,
+            name: name.to_string(),
+        })
+    }
+}
+
+fn unix_ms_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Archiver {
+    /// An archiver for `base` (a `/`-separated prefix, may be empty) inside `store`.
+    pub fn new(
+        store: Arc<dyn ObjectStore>,
+        base: &str,
+        cfg: ArchiveConfig,
+    ) -> Result<Archiver, ArchiveError> {
+        let url = format!("{store}/{}", base.trim_matches('/'));
+        Archiver::with_url(store, base, cfg, url)
+    }
+
+    /// Like [`Archiver::new`], naming the archive `url` in messages.
+    pub fn with_url(
+        store: Arc<dyn ObjectStore>,
+        base: &str,
+        cfg: ArchiveConfig,
+        url: String,
+    ) -> Result<Archiver, ArchiveError> {
+        cfg.validate().map_err(ArchiveError::BadConfig)?;
+        let base = base.trim_matches('/');
+        if !base.is_empty() {
+            manifest::check_rel_path(base).map_err(|reason| ArchiveError::BadUrl {
+                url: url.clone(),
+                reason,
+            })?;
+        }
+        Ok(Archiver {
+            store,
+            base: ObjPath::from_iter(base.split('/').filter(|s| !s.is_empty())),
+            url,
+            throttle: cfg.bandwidth_limit.map(|r| Arc::new(Throttle::new(r))),
+            cfg,
+        })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn config(&self) -> &ArchiveConfig {
+        &self.cfg
+    }
+
+    /// The key of `parts` (each one path component, encoded as object_store does) below the base.
+    fn key<'a>(&self, parts: impl IntoIterator<Item = &'a str>) -> ObjPath {
+        parts
+            .into_iter()
+            .fold(self.base.clone(), |key, part| key.join(part))
+    }
+
+    fn data_prefix(&self, tag: &str) -> ObjPath {
+        self.key([tag, "data"])
+    }
+
+    /// The object holding file `rel` (a checked relative path) of `tag`.
+    fn data_key(&self, tag: &str, rel: &str) -> ObjPath {
+        self.key([tag, "data"].into_iter().chain(rel.split('/')))
+    }
+
+    fn part_key(&self, tag: &str, node: &str) -> ObjPath {
+        self.key([tag, "parts", &format!("{node}.json")])
+    }
+
+    fn manifest_key(&self, tag: &str) -> ObjPath {
+        self.key([tag, "MANIFEST"])
+    }
+
+    fn store_err(
+        &self,
+        op: &'static str,
+        key: &ObjPath,
+    ) -> impl FnOnce(object_store::Error) -> ArchiveError + use<> {
+        let (url, key) = (self.url.clone(), key.to_string());
+        move |error| ArchiveError::Store {
+            url,
+            op,
+            key,
+            error: Box::new(error),
+        }
+    }
+
+    /// Reads an object; `None` when it does not exist.
+    async fn get_opt(&self, key: &ObjPath) -> Result<Option<bytes::Bytes>, ArchiveError> {
+        let got = match self.store.get(key).await {
+            Ok(r) => r.bytes().await,
+            Err(e) => Err(e),
+        };
+        match got {
+            Ok(b) => Ok(Some(b)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.store_err("get", key)(e)),
+        }
+    }
+
+    /// The MANIFEST of `tag`, if there is one; an unusable one is an error.
+    async fn manifest_opt(&self, tag: &str) -> Result<Option<Manifest>, ArchiveError> {
+        let Some(bytes) = self.get_opt(&self.manifest_key(tag)).await? else {
+            return Ok(None);
+        };
+        Manifest::parse(&bytes, tag)
+            .map(Some)
+            .map_err(|reason| ArchiveError::BadManifest {
+                url: self.url.clone(),
+                tag: tag.into(),
+                what: "MANIFEST".into(),
+                reason,
+            })
+    }
+
+    /// The MANIFEST of a complete checkpoint.
+    pub async fn manifest(&self, tag: &str) -> Result<Manifest, ArchiveError> {
+        check_name("checkpoint tag", tag)?;
+        self.manifest_opt(tag)
+            .await?
+            .ok_or_else(|| ArchiveError::NotArchived {
+                url: self.url.clone(),
+                tag: tag.into(),
+            })
+    }
+
+    async fn part_opt(&self, tag: &str, node: &str) -> Result<Option<PartManifest>, ArchiveError> {
+        let Some(bytes) = self.get_opt(&self.part_key(tag, node)).await? else {
+            return Ok(None);
+        };
+        PartManifest::parse(&bytes, tag, node)
+            .map(Some)
+            .map_err(|reason| ArchiveError::BadManifest {
+                url: self.url.clone(),
+                tag: tag.into(),
+                what: format!("parts/{node}.json"),
+                reason,
+            })
+    }
+
+    /// Sizes of the objects below `prefix`, by key.
+    async fn object_sizes(
+        &self,
+        prefix: &ObjPath,
+    ) -> Result<HashMap<ObjPath, (u64, u64)>, ArchiveError> {
+        self.store
+            .list(Some(prefix))
+            .map_ok(|m| {
+                let ms = m.last_modified.timestamp_millis().max(0) as u64;
+                (m.location, (m.size, ms))
+            })
+            .try_collect()
+            .await
+            .map_err(self.store_err("list", prefix))
+    }
+
+    /// Checks that every data object of `m` exists with the size the manifest gives it: one listing,
+    /// no data read. Catches missing and truncated objects; [`Archiver::verify`] catches the rest.
+    pub async fn check_objects(&self, m: &Manifest) -> Result<(), ArchiveError> {
+        let sizes = self.object_sizes(&self.data_prefix(&m.tag)).await?;
+        let mut bad: Vec<Damaged> = Vec::new();
+        for f in &m.files {
+            match sizes.get(&self.data_key(&m.tag, &f.path)) {
+                None => bad.push(Damaged {
+                    path: f.path.clone(),
+                    detail: "its data object is missing".into(),
+                }),
+                Some((size, _)) if *size != f.stored_size => bad.push(Damaged {
+                    path: f.path.clone(),
+                    detail: format!(
+                        "its data object holds {size} bytes, the manifest says {}",
+                        f.stored_size
+                    ),
+                }),
+                Some(_) => {}
+            }
+        }
+        self.corrupt(&m.tag, bad)
+    }
+
+    fn corrupt(&self, tag: &str, damaged: Vec<Damaged>) -> Result<(), ArchiveError> {
+        if damaged.is_empty() {
+            return Ok(());
+        }
+        Err(ArchiveError::Corrupt {
+            url: self.url.clone(),
+            tag: tag.into(),
+            damaged,
+        })
+    }
+
+    /// Writes MANIFEST once: a create-only put where the store supports it; when it already exists
+    /// with the same bytes (another node published first) that is success.
+    async fn put_manifest(&self, m: &Manifest) -> Result<Manifest, ArchiveError> {
+        let key = self.manifest_key(&m.tag);
+        let bytes = bytes::Bytes::from(m.to_json());
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        match self
+            .store
+            .put_opts(&key, PutPayload::from(bytes.clone()), opts)
+            .await
+        {
+            Ok(_) => Ok(m.clone()),
+            Err(object_store::Error::NotImplemented { .. }) => {
+                // The store cannot create-only; the content is deterministic, so overwriting a
+                // concurrent publisher's identical MANIFEST is harmless.
+                self.store
+                    .put(&key, PutPayload::from(bytes))
+                    .await
+                    .map_err(self.store_err("put", &key))?;
+                Ok(m.clone())
+            }
+            Err(
+                object_store::Error::AlreadyExists { .. }
+                | object_store::Error::Precondition { .. },
+            ) => {
+                let existing = self.manifest(&m.tag).await?;
+                if existing != *m {
+                    tracing::warn!(
+                        tag = m.tag,
+                        url = self.url,
+                        "another node published a different MANIFEST first; keeping it"
+                    );
+                }
+                Ok(existing)
+            }
+            Err(e) => Err(self.store_err("put", &key)(e)),
+        }
+    }
+
+    /// Publishes checkpoint `tag` once the parts of all `nodes` exist: merges them and writes
+    /// MANIFEST, last. `Ok(None)` while a part is missing. Any node may call this, any number of
+    /// times; an existing MANIFEST is returned as it is.
+    pub async fn try_publish(
+        &self,
+        tag: &str,
+        nodes: &[String],
+        job: JobMeta,
+    ) -> Result<Option<Manifest>, ArchiveError> {
+        check_name("checkpoint tag", tag)?;
+        if nodes.is_empty() {
+            return Err(ArchiveError::BadName {
+                what: "node list",
+                name: String::new(),
+            });
+        }
+        for n in nodes {
+            check_name("node name", n)?;
+        }
+        if let Some(m) = self.manifest_opt(tag).await? {
+            return Ok(Some(m));
+        }
+        let mut parts = Vec::with_capacity(nodes.len());
+        for node in nodes {
+            match self.part_opt(tag, node).await? {
+                Some(p) => parts.push(p),
+                None => return Ok(None),
+            }
+        }
+        let m = manifest::merge(tag, job, parts).map_err(|c| ArchiveError::Conflict {
+            tag: tag.into(),
+            path: c.path,
+            nodes: c.nodes,
+        })?;
+        // Belt and braces: every object the manifest names is there, with its size.
+        self.check_objects(&m).await?;
+        let m = self.put_manifest(&m).await?;
+        tracing::info!(
+            tag,
+            url = self.url,
+            files = m.files.len(),
+            "checkpoint published"
+        );
+        Ok(Some(m))
+    }
+
+    /// The tags under the base prefix, oldest first.
+    pub async fn list(&self) -> Result<Vec<CheckpointInfo>, ArchiveError> {
+        Ok(self
+            .scan()
+            .await?
+            .into_iter()
+            .map(|(info, _)| info)
+            .collect())
+    }
+
+    async fn scan(&self) -> Result<Vec<(CheckpointInfo, Option<Manifest>)>, ArchiveError> {
+        let base = (!self.base.as_ref().is_empty()).then_some(&self.base);
+        let listing = self
+            .store
+            .list_with_delimiter(base)
+            .await
+            .map_err(self.store_err("list", &self.base))?;
+        let tags: Vec<String> = listing
+            .common_prefixes
+            .iter()
+            .filter_map(|p| p.filename())
+            .filter(|t| check_name("checkpoint tag", t).is_ok())
+            .map(String::from)
+            .collect();
+        let mut out: Vec<(CheckpointInfo, Option<Manifest>)> = futures::stream::iter(tags)
+            .map(|tag| async move { self.info(tag).await })
+            .buffer_unordered(self.cfg.concurrency)
+            .try_collect()
+            .await?;
+        out.sort_by(|a, b| (a.0.created_unix_ms, &a.0.tag).cmp(&(b.0.created_unix_ms, &b.0.tag)));
+        Ok(out)
+    }
+
+    async fn info(&self, tag: String) -> Result<(CheckpointInfo, Option<Manifest>), ArchiveError> {
+        match self.manifest_opt(&tag).await {
+            Ok(Some(m)) => Ok((
+                CheckpointInfo {
+                    tag,
+                    state: CheckpointState::Complete,
+                    files: m.files.len() as u64,
+                    raw_bytes: m.raw_bytes,
+                    stored_bytes: m.stored_bytes,
+                    ratio: Some(m.ratio()),
+                    created_unix_ms: m.created_unix_ms,
+                    job: Some(m.job.clone()),
+                    nodes: m.nodes.clone(),
+                },
+                Some(m),
+            )),
+            Ok(None) => {
+                let data = self.object_sizes(&self.data_prefix(&tag)).await?;
+                let parts_prefix = self.key([tag.as_str(), "parts"]);
+                let part_objects = self.object_sizes(&parts_prefix).await?;
+                let mut nodes = Vec::new();
+                let mut raw = 0;
+                for key in part_objects.keys() {
+                    let Some(node) = key.filename().and_then(|f| f.strip_suffix(".json")) else {
+                        continue;
+                    };
+                    if check_name("node name", node).is_err() {
+                        continue;
+                    }
+                    // An unreadable part just does not count.
+                    if let Ok(Some(p)) = self.part_opt(&tag, node).await {
+                        raw += p.raw_bytes();
+                        nodes.push(node.to_string());
+                    }
+                }
+                nodes.sort();
+                Ok((
+                    CheckpointInfo {
+                        tag,
+                        state: CheckpointState::Partial,
+                        files: data.len() as u64,
+                        raw_bytes: raw,
+                        stored_bytes: data.values().map(|(s, _)| s).sum(),
+                        ratio: None,
+                        created_unix_ms: data
+                            .values()
+                            .chain(part_objects.values())
+                            .map(|(_, t)| *t)
+                            .max()
+                            .unwrap_or(0),
+                        job: None,
+                        nodes,
+                    },
+                    None,
+                ))
+            }
+            Err(e @ ArchiveError::BadManifest { .. }) => {
+                let ArchiveError::BadManifest { reason, .. } = e else {
+                    unreachable!()
+                };
+                Ok((
+                    CheckpointInfo {
+                        tag,
+                        state: CheckpointState::Invalid { reason },
+                        files: 0,
+                        raw_bytes: 0,
+                        stored_bytes: 0,
+                        ratio: None,
+                        created_unix_ms: 0,
+                        job: None,
+                        nodes: Vec::new(),
+                    },
+                    None,
+                ))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The newest complete checkpoint (by manifest time) that is not in `exclude` and whose data
+    /// objects are all present with the right sizes. A restore that then finds damaged content
+    /// fails with [`ArchiveError::Corrupt`]; call again with that tag excluded to fall back.
+    pub async fn latest(&self, exclude: &[String]) -> Result<Option<String>, ArchiveError> {
+        let mut all = self.scan().await?;
+        all.reverse();
+        for (info, m) in all {
+            let Some(m) = m else { continue };
+            if exclude.contains(&info.tag) {
+                continue;
+            }
+            match self.check_objects(&m).await {
+                Ok(()) => return Ok(Some(info.tag)),
+                Err(e) if e.is_corrupt() => {
+                    tracing::warn!(
+                        tag = info.tag,
+                        url = self.url,
+                        "skipping damaged checkpoint: {e}"
+                    );
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests;

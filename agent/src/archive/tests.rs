@@ -1,0 +1,333 @@
+//! Engine tests against an in-memory store. The same behaviour against real stores (file://, Garage,
+//! Azurite) is `tests/archive_conformance.rs`.
+
+use super::format::tests::{bf16_weights, fp32_values};
+use super::walk::tests::{chown_tree, test_uid};
+use super::*;
+use crate::safefs::{self, Owner};
+use object_store::memory::InMemory;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+
+/// Small sizes so debug builds stay quick while still exercising multipart and several chunks.
+fn small_cfg() -> ArchiveConfig {
+    ArchiveConfig {
+        part_size: 256 << 10,
+        concurrency: 4,
+        zstd_level: 3,
+        chunk_size: 64 << 10,
+        compress_threads: 2,
+        bandwidth_limit: None,
+    }
+}
+
+fn job() -> JobMeta {
+    JobMeta {
+        job_id: 7,
+        user: "alice".into(),
+        job_name: "train".into(),
+    }
+}
+
+fn write_tree(d: &Path) {
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    std::fs::create_dir_all(d.join("nested/a/b")).unwrap();
+    std::fs::create_dir_all(d.join("empty-dir")).unwrap();
+    std::fs::write(d.join("model/weights.bf16"), bf16_weights(300_000, 1)).unwrap();
+    std::fs::write(d.join("optim.fp32"), fp32_values(40_000, 2)).unwrap();
+    std::fs::write(d.join("empty"), b"").unwrap();
+    std::fs::write(d.join("nested/a/b/latest"), b"step10\n").unwrap();
+    std::fs::set_permissions(d.join("optim.fp32"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    chown_tree(d, test_uid());
+}
+
+fn archiver(store: Arc<InMemory>, cfg: ArchiveConfig) -> Archiver {
+    Archiver::new(store, "alice/run1", cfg).unwrap()
+}
+
+async fn upload(
+    a: &Archiver,
+    tag: &str,
+    node: &str,
+    dir: &Path,
+) -> Result<PartManifest, ArchiveError> {
+    let fd = Arc::new(safefs::open_root_dir(dir).unwrap());
+    a.upload_part(tag, node, fd, test_uid(), &ArchiveProgress::default())
+        .await
+}
+
+fn nodes(n: &[&str]) -> Vec<String> {
+    n.iter().map(|s| s.to_string()).collect()
+}
+
+async fn keys(store: &InMemory) -> Vec<String> {
+    let mut k: Vec<String> = store
+        .list(None)
+        .map_ok(|m| m.location.to_string())
+        .try_collect()
+        .await
+        .unwrap();
+    k.sort();
+    k
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archive_publish_restore_round_trip() {
+    let src = tempfile::tempdir().unwrap();
+    write_tree(src.path());
+    let store = Arc::new(InMemory::new());
+    let a = archiver(store.clone(), small_cfg());
+    let progress = ArchiveProgress::default();
+    let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
+    let part = a
+        .upload_part("step10", "n1", fd, test_uid(), &progress)
+        .await
+        .unwrap();
+    let p = progress.snapshot();
+    assert_eq!((p.files_done, p.files_total), (4, 4));
+    assert_eq!(p.bytes_done, p.bytes_total);
+    assert_eq!(p.stored_bytes, part.stored_bytes());
+    let weights = part
+        .files
+        .iter()
+        .find(|f| f.path == "model/weights.bf16")
+        .unwrap();
+    assert_eq!(weights.compression.transform, Transform::Bytegroup2);
+    assert!(weights.chunks.len() > 1 && weights.stored_size > small_cfg().part_size);
+    assert_eq!(
+        part.dirs,
+        ["empty-dir", "model", "nested", "nested/a", "nested/a/b"]
+    );
+
+    let m = a
+        .try_publish("step10", &nodes(&["n1"]), job())
+        .await
+        .unwrap()
+        .expect("the only part is there");
+    assert!(m.ratio() > 1.1, "ratio {}", m.ratio());
+    assert!(
+        keys(&store)
+            .await
+            .contains(&"alice/run1/step10/MANIFEST".to_string())
+    );
+    // Publishing again is a no-op returning the same manifest.
+    assert_eq!(
+        a.try_publish("step10", &nodes(&["n1"]), job())
+            .await
+            .unwrap(),
+        Some(m.clone())
+    );
+    // A published checkpoint is immutable: uploading again returns the existing part.
+    assert_eq!(upload(&a, "step10", "n1", src.path()).await.unwrap(), part);
+
+    let dest = tempfile::tempdir().unwrap();
+    let owner = Owner {
+        uid: test_uid(),
+        gid: test_uid(),
+    };
+    let rp = ArchiveProgress::default();
+    let restored = a
+        .restore(
+            "step10",
+            Arc::new(safefs::open_root_dir(dest.path()).unwrap()),
+            owner,
+            &rp,
+        )
+        .await
+        .unwrap();
+    assert_eq!(restored, m);
+    assert_eq!(rp.snapshot().bytes_done, m.raw_bytes);
+    assert_eq!(rp.snapshot().files_done, 4);
+    for f in [
+        "model/weights.bf16",
+        "optim.fp32",
+        "empty",
+        "nested/a/b/latest",
+    ] {
+        let (x, y) = (src.path().join(f), dest.path().join(f));
+        assert_eq!(
+            std::fs::read(&x).unwrap(),
+            std::fs::read(&y).unwrap(),
+            "{f}"
+        );
+        let (mx, my) = (x.metadata().unwrap(), y.metadata().unwrap());
+        assert_eq!(mx.mode() & 0o777, my.mode() & 0o777, "{f}");
+        assert_eq!(my.uid(), test_uid(), "{f}");
+    }
+    assert!(dest.path().join("empty-dir").is_dir());
+    assert_eq!(a.verify("step10").await.unwrap().files, 4);
+    let list = a.list().await.unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].state, CheckpointState::Complete);
+    assert_eq!(list[0].job, Some(job()));
+    assert_eq!(a.latest(&[]).await.unwrap().as_deref(), Some("step10"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_tree_uploads_nothing() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root to create files of other users");
+        return;
+    }
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("secret"), b"root's secret").unwrap();
+    let src = tempfile::tempdir().unwrap();
+    write_tree(src.path());
+    std::os::unix::fs::symlink(
+        outside.path().join("secret"),
+        src.path().join("model/zz-link"),
+    )
+    .unwrap();
+    let store = Arc::new(InMemory::new());
+    let a = archiver(store.clone(), small_cfg());
+    let e = upload(&a, "step1", "n1", src.path()).await.unwrap_err();
+    assert!(
+        matches!(&e, ArchiveError::Refused { path, .. } if path == "model/zz-link"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+    assert_eq!(keys(&store).await, Vec::<String>::new());
+}
+
+/// A file that keeps changing while it is read aborts the upload: no part manifest, so the
+/// checkpoint is never published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_changing_while_read_is_not_published() {
+    let src = tempfile::tempdir().unwrap();
+    write_tree(src.path());
+    let path = src.path().join("model/weights.bf16");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (path, stop) = (path.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                // Rewrite bytes in place: same size, new mtime/ctime.
+                std::os::unix::fs::FileExt::write_all_at(&f, &[i as u8], (i * 4099) % 500_000)
+                    .unwrap();
+                i += 1;
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        })
+    };
+    let store = Arc::new(InMemory::new());
+    let a = archiver(store.clone(), small_cfg());
+    let e = upload(&a, "step2", "n1", src.path()).await.unwrap_err();
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    assert!(e.is_modified(), "{e}");
+    assert!(
+        matches!(&e, ArchiveError::Modified { path, .. } if path == "model/weights.bf16"),
+        "{e}"
+    );
+    let k = keys(&store).await;
+    assert!(
+        !k.iter()
+            .any(|k| k.contains("/parts/") || k.ends_with("MANIFEST")),
+        "{k:?}"
+    );
+    assert_eq!(
+        a.try_publish("step2", &nodes(&["n1"]), job())
+            .await
+            .unwrap(),
+        None
+    );
+    // Once the file is stable, a retry succeeds.
+    upload(&a, "step2", "n1", src.path()).await.unwrap();
+    assert!(
+        a.try_publish("step2", &nodes(&["n1"]), job())
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+/// The cap holds the upload to the configured rate (virtual time).
+#[tokio::test(start_paused = true)]
+async fn bandwidth_cap_limits_upload_rate() {
+    let src = tempfile::tempdir().unwrap();
+    write_tree(src.path());
+    let store = Arc::new(InMemory::new());
+    let rate = 100 << 10;
+    let a = archiver(
+        store.clone(),
+        ArchiveConfig {
+            bandwidth_limit: Some(rate),
+            ..small_cfg()
+        },
+    );
+    let t0 = tokio::time::Instant::now();
+    let part = upload(&a, "step3", "n1", src.path()).await.unwrap();
+    let elapsed = t0.elapsed().as_secs_f64();
+    // Every request but the first waits for its share: at least (stored - one part) / rate.
+    let min = (part.stored_bytes() - small_cfg().part_size) as f64 / rate as f64;
+    assert!(
+        min > 2.0,
+        "the test needs a few seconds of traffic, got {min}"
+    );
+    assert!(elapsed >= min, "{elapsed} s < {min} s");
+    assert!(elapsed < min + 3.0, "{elapsed} s for a minimum of {min} s");
+}
+
+#[test]
+fn part_size_keeps_objects_under_the_part_limit() {
+    use super::upload::part_size_for;
+    let mib = 1u64 << 20;
+    assert_eq!(part_size_for(16 * mib, 10 * mib), 16 * mib);
+    // 1 TiB at 16 MiB would be 65,536 parts: raised to whole MiB so it fits 10,000.
+    let tib = 1u64 << 40;
+    let p = part_size_for(16 * mib, tib);
+    assert_eq!(p % mib, 0);
+    assert!(tib.div_ceil(p) <= MAX_PARTS);
+    assert!(tib.div_ceil(p - mib) > MAX_PARTS || p == 16 * mib);
+}
+
+#[test]
+fn config_is_validated() {
+    assert!(ArchiveConfig::default().validate().is_ok());
+    for bad in [
+        ArchiveConfig {
+            chunk_size: 100_000,
+            ..Default::default()
+        },
+        ArchiveConfig {
+            zstd_level: 30,
+            ..Default::default()
+        },
+        ArchiveConfig {
+            concurrency: 0,
+            ..Default::default()
+        },
+        ArchiveConfig {
+            bandwidth_limit: Some(0),
+            ..Default::default()
+        },
+    ] {
+        assert!(bad.validate().is_err(), "{bad:?}");
+        assert!(Archiver::new(Arc::new(InMemory::new()), "x", bad).is_err());
+    }
+    for bad in ["", ".hidden", "a/b", "..", "a b", "x\0"] {
+        assert!(check_name("checkpoint tag", bad).is_err(), "{bad:?}");
+    }
+    assert!(check_name("checkpoint tag", "global_step100").is_ok());
+}
+
+/// Byte grouping is what beats plain zstd on model weights: the container must do clearly better
+/// than zstd -3 over the same bytes.
+#[test]
+fn container_beats_plain_zstd_on_bf16_weights() {
+    let data = bf16_weights(2 << 20, 42); // 4 MiB
+    let plain = zstd::bulk::compress(&data, 3).unwrap().len();
+    let c = format::choose_compression(Some(&data[..format::SAMPLE_LEN]), 3);
+    let ours: usize = data
+        .chunks(1 << 20)
+        .map(|c2| format::encode_chunk(c2, c).bytes.len())
+        .sum();
+    let (rp, ro) = (
+        data.len() as f64 / plain as f64,
+        data.len() as f64 / ours as f64,
+    );
+    eprintln!("bf16 N(0,0.02): plain zstd -3 {rp:.3}x, sluice container {ro:.3}x");
+    assert!(ro > rp * 1.05, "ours {ro:.3} vs plain {rp:.3}");
+}

@@ -1,0 +1,683 @@
+//! Uploading one node's part of a checkpoint.
+//!
+//! ```text
+//! reader (1 blocking thread)        compress (compress_threads blocking tasks)   assembler (async)
+//! walk → open → read chunks, hash → encode_chunk, in order (buffered) ───────→ frames → objects:
+//!   fstat before/after: Modified      transform chosen per file from a sample      ≤ part: one PUT
+//!                                                                                  > part: multipart
+//! ```
+//!
+//! The reader is the only code touching the user's files ([`super::walk`]). The assembler awaits a
+//! request permit before each PUT or part, which throttles everything upstream; uploads run as
+//! spawned tasks that abort their multipart upload when the archive fails or is dropped.
+
+use super::format::{self, FileCompression, Frame};
+use super::manifest::{ChunkEntry, FileEntry, PART_FORMAT, PartManifest, VERSION};
+use super::walk::{self, Snapshot, TreeFile, WalkError};
+use super::{ArchiveError, ArchiveProgress, Archiver, check_name, unix_ms_now};
+use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt, Shared};
+use futures::stream::{FuturesUnordered, StreamExt};
+use object_store::path::Path as ObjPath;
+use object_store::{MultipartUpload, ObjectStoreExt, PutPayload};
+use std::collections::VecDeque;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The part size for an object of at most `stored_bound` bytes: the configured one, raised (to whole
+/// MiB) so the object needs at most [`super::MAX_PARTS`] parts.
+pub(crate) fn part_size_for(configured: u64, stored_bound: u64) -> u64 {
+    let min = stored_bound.div_ceil(super::MAX_PARTS);
+    configured.max(min.div_ceil(1 << 20) << 20)
+}
+
+/// An upper bound of the stored size of a file: every chunk stored raw, plus its header.
+fn stored_bound(size: u64, chunk_size: u64) -> u64 {
+    size + size.div_ceil(chunk_size) * format::HEADER_LEN as u64
+}
+
+type Choice = Shared<BoxFuture<'static, FileCompression>>;
+
+/// What the reader thread produces, in file order.
+enum ReadItem {
+    Start { index: usize, compression: Choice },
+    Chunk { data: Vec<u8>, compression: Choice },
+    End { index: usize, hash: blake3::Hash },
+}
+
+/// A read item after compression.
+enum Encoded {
+    Start {
+        index: usize,
+        compression: FileCompression,
+    },
+    Chunk(Frame),
+    End {
+        index: usize,
+        hash: blake3::Hash,
+    },
+}
+
+/// Why the reader stopped early.
+enum Stop {
+    /// The pipeline is gone (it failed elsewhere): nothing to report.
+    Closed,
+    Failed(ArchiveError),
+}
+
+struct Reader {
+    rt: tokio::runtime::Handle,
+    root: Arc<OwnedFd>,
+    files: Arc<Vec<TreeFile>>,
+    uid: u32,
+    chunk_size: u64,
+    level: i32,
+    tag: String,
+    tx: mpsc::Sender<Result<ReadItem, ArchiveError>>,
+}
+
+impl Reader {
+    fn send(&self, item: ReadItem) -> Result<(), Stop> {
+        self.tx.blocking_send(Ok(item)).map_err(|_| Stop::Closed)
+    }
+
+    fn walk_error(&self, e: WalkError) -> Stop {
+        Stop::Failed(walk_error(&self.tag, e))
+    }
+
+    fn modified(&self, f: &TreeFile) -> Stop {
+        Stop::Failed(ArchiveError::Modified {
+            tag: self.tag.clone(),
+            path: f.rel.clone(),
+        })
+    }
+
+    fn read_at(
+        &self,
+        file: &std::fs::File,
+        f: &TreeFile,
+        buf: &mut [u8],
+        at: u64,
+    ) -> Result<(), Stop> {
+        file.read_exact_at(buf, at).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                // Shorter than when we looked: it is being rewritten.
+                self.modified(f)
+            } else {
+                Stop::Failed(ArchiveError::Read {
+                    tag: self.tag.clone(),
+                    path: f.rel.clone(),
+                    detail: e.to_string(),
+                })
+            }
+        })
+    }
+
+    fn run(self) {
+        for index in 0..self.files.len() {
+            match self.read_file(index) {
+                Ok(()) => {}
+                Err(Stop::Closed) => return,
+                Err(Stop::Failed(e)) => {
+                    let _ = self.tx.blocking_send(Err(e));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn read_file(&self, index: usize) -> Result<(), Stop> {
+        let f = &self.files[index];
+        let (file, before) =
+            walk::open_file(&self.root, f, self.uid).map_err(|e| self.walk_error(e))?;
+        if before.ino != f.ino || before.size != f.size {
+            return Err(self.modified(f));
+        }
+        let sample = match format::sample_range(f.size) {
+            Some(r) => {
+                let mut buf = vec![0u8; (r.end - r.start) as usize];
+                self.read_at(&file, f, &mut buf, r.start)?;
+                Some(buf)
+            }
+            None => None,
+        };
+        let level = self.level;
+        let compression: Choice = self
+            .rt
+            .spawn_blocking(move || format::choose_compression(sample.as_deref(), level))
+            .map(|r| r.unwrap_or(FileCompression::STORED))
+            .boxed()
+            .shared();
+        self.send(ReadItem::Start {
+            index,
+            compression: compression.clone(),
+        })?;
+        let mut hasher = blake3::Hasher::new();
+        let mut offset = 0;
+        while offset < f.size {
+            let n = self.chunk_size.min(f.size - offset);
+            let mut data = vec![0u8; n as usize];
+            self.read_at(&file, f, &mut data, offset)?;
+            hasher.update(&data);
+            self.send(ReadItem::Chunk {
+                data,
+                compression: compression.clone(),
+            })?;
+            offset += n;
+        }
+        // Torn-write check: the file must be exactly as it was when we started reading it.
+        let after: Snapshot = Snapshot::of(&file, &f.rel).map_err(|e| self.walk_error(e))?;
+        if after != before {
+            return Err(self.modified(f));
+        }
+        self.send(ReadItem::End {
+            index,
+            hash: hasher.finalize(),
+        })
+    }
+}
+
+pub(super) fn walk_error(tag: &str, e: WalkError) -> ArchiveError {
+    match e {
+        WalkError::Refused { path, reason } => ArchiveError::Refused {
+            tag: tag.into(),
+            path,
+            reason,
+        },
+        WalkError::Io { path, errno } => ArchiveError::Read {
+            tag: tag.into(),
+            path,
+            detail: errno.to_string(),
+        },
+    }
+}
+
+enum PartMsg {
+    Part {
+        payload: PutPayload,
+        permit: OwnedSemaphorePermit,
+    },
+    Finish,
+}
+
+/// The file being assembled into its object.
+struct Current {
+    index: usize,
+    key: ObjPath,
+    compression: FileCompression,
+    chunks: Vec<ChunkEntry>,
+    stored: u64,
+    pending: VecDeque<Bytes>,
+    pending_len: u64,
+    part_size: u64,
+    /// Set once the object goes multipart: the channel to its upload task.
+    multipart: Option<mpsc::Sender<PartMsg>>,
+}
+
+struct Assembler<'a> {
+    archiver: &'a Archiver,
+    tag: String,
+    node: String,
+    files: Arc<Vec<TreeFile>>,
+    requests: Arc<Semaphore>,
+    progress: ArchiveProgress,
+    cancel: CancellationToken,
+    tasks: FuturesUnordered<JoinHandle<Result<(), ArchiveError>>>,
+    cur: Option<Current>,
+    done: Vec<FileEntry>,
+}
+
+impl Assembler<'_> {
+    fn stopped(&self) -> ArchiveError {
+        ArchiveError::Stopped {
+            tag: self.tag.clone(),
+        }
+    }
+
+    async fn permit(&self) -> OwnedSemaphorePermit {
+        self.requests
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the request semaphore is never closed")
+    }
+
+    async fn push(&mut self, item: Encoded) -> Result<(), ArchiveError> {
+        match item {
+            Encoded::Start { index, compression } => {
+                let f = &self.files[index];
+                let chunk = self.archiver.cfg.chunk_size as u64;
+                self.cur = Some(Current {
+                    index,
+                    key: self.archiver.data_key(&self.tag, &f.rel),
+                    compression,
+                    chunks: Vec::with_capacity(f.size.div_ceil(chunk) as usize),
+                    stored: 0,
+                    pending: VecDeque::new(),
+                    pending_len: 0,
+                    part_size: part_size_for(
+                        self.archiver.cfg.part_size,
+                        stored_bound(f.size, chunk),
+                    ),
+                    multipart: None,
+                });
+            }
+            Encoded::Chunk(frame) => {
+                let cur = self.cur.as_mut().expect("a chunk follows its file's start");
+                let len = frame.bytes.len() as u64;
+                cur.chunks.push(ChunkEntry {
+                    offset: cur.stored,
+                    stored: len,
+                    raw: frame.raw_len,
+                    codec: frame.codec,
+                    transform: frame.transform,
+                    blake3: frame.blake3.to_hex().to_string(),
+                });
+                cur.stored += len;
+                cur.pending_len += len;
+                cur.pending.push_back(frame.bytes);
+                self.progress.bytes_done(frame.raw_len);
+                // Stored size above the part size: multipart, in parts of exactly part_size (the
+                // last may be shorter). At least one byte stays pending for the last part.
+                while self
+                    .cur
+                    .as_ref()
+                    .is_some_and(|c| c.pending_len > c.part_size)
+                {
+                    self.send_part().await?;
+                }
+            }
+            Encoded::End { index, hash } => {
+                let cur = self.cur.take().expect("an end follows its file's start");
+                debug_assert_eq!(cur.index, index);
+                self.finish_file(cur, hash).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Cuts the next part off the pending frames and hands it to the multipart task.
+    async fn send_part(&mut self) -> Result<(), ArchiveError> {
+        if self.cur.as_ref().is_some_and(|c| c.multipart.is_none()) {
+            self.start_multipart().await?;
+        }
+        let permit = self.permit().await;
+        let cur = self
+            .cur
+            .as_mut()
+            .expect("sending a part of the current file");
+        let mut want = cur.part_size;
+        let mut pieces = Vec::new();
+        while want > 0 {
+            let mut b = cur.pending.pop_front().expect("enough bytes are pending");
+            if b.len() as u64 > want {
+                let rest = b.split_off(want as usize);
+                cur.pending.push_front(rest);
+            }
+            want -= b.len() as u64;
+            pieces.push(b);
+        }
+        cur.pending_len -= cur.part_size;
+        let tx = cur.multipart.clone().expect("multipart started");
+        tx.send(PartMsg::Part {
+            payload: pieces.into_iter().collect(),
+            permit,
+        })
+        .await
+        .map_err(|_| self.stopped())?;
+        self.poll_errors()
+    }
+
+    async fn start_multipart(&mut self) -> Result<(), ArchiveError> {
+        let cur = self.cur.as_mut().expect("a current file");
+        let key = cur.key.clone();
+        let upload = self
+            .archiver
+            .store
+            .put_multipart(&key)
+            .await
+            .map_err(self.archiver.store_err("start multipart upload", &key))?;
+        let (tx, rx) = mpsc::channel(1);
+        cur.multipart = Some(tx);
+        let task = MultipartTask {
+            upload,
+            rx,
+            cancel: self.cancel.clone(),
+            throttle: self.archiver.throttle.clone(),
+            progress: self.progress.clone(),
+            url: self.archiver.url.clone(),
+            key,
+            tag: self.tag.clone(),
+        };
+        self.tasks.push(tokio::spawn(task.run()));
+        Ok(())
+    }
+
+    async fn finish_file(
+        &mut self,
+        mut cur: Current,
+        hash: blake3::Hash,
+    ) -> Result<(), ArchiveError> {
+        let f = &self.files[cur.index];
+        self.done.push(FileEntry {
+            path: f.rel.clone(),
+            node: self.node.clone(),
+            size: f.size,
+            mode: f.mode,
+            blake3: hash.to_hex().to_string(),
+            compression: cur.compression,
+            stored_size: cur.stored,
+            chunks: std::mem::take(&mut cur.chunks),
+        });
+        let permit = self.permit().await;
+        let payload: PutPayload = cur.pending.drain(..).collect();
+        if let Some(tx) = cur.multipart.take() {
+            tx.send(PartMsg::Part { payload, permit })
+                .await
+                .map_err(|_| self.stopped())?;
+            tx.send(PartMsg::Finish).await.map_err(|_| self.stopped())?;
+        } else {
+            let (store, key, throttle, progress, cancel) = (
+                self.archiver.store.clone(),
+                cur.key,
+                self.archiver.throttle.clone(),
+                self.progress.clone(),
+                self.cancel.clone(),
+            );
+            let err = self.archiver.store_err("put", &key);
+            let stopped = self.stopped();
+            self.tasks.push(tokio::spawn(async move {
+                let n = payload.content_length() as u64;
+                let put = async {
+                    if let Some(t) = &throttle {
+                        t.acquire(n).await;
+                    }
+                    store.put(&key, payload).await
+                };
+                let r = tokio::select! {
+                    r = put => r.map(|_| ()).map_err(err),
+                    _ = cancel.cancelled() => Err(stopped),
+                };
+                drop(permit);
+                if r.is_ok() {
+                    progress.stored(n);
+                    progress.file_done();
+                }
+                r
+            }));
+        }
+        self.poll_errors()
+    }
+
+    /// Surfaces a failed upload early, without waiting.
+    fn poll_errors(&mut self) -> Result<(), ArchiveError> {
+        while let Some(Some(r)) = self.tasks.next().now_or_never() {
+            r.expect("upload task panicked")?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every upload; their objects are then durable.
+    async fn finish(&mut self) -> Result<Vec<FileEntry>, ArchiveError> {
+        while let Some(r) = self.tasks.next().await {
+            r.expect("upload task panicked")?;
+        }
+        let mut done = std::mem::take(&mut self.done);
+        done.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(done)
+    }
+
+    /// After a failure: stop every upload and abort the multipart ones, and wait for that.
+    async fn shut_down(&mut self) {
+        self.cancel.cancel();
+        self.cur = None;
+        while self.tasks.next().await.is_some() {}
+    }
+}
+
+/// Drives one multipart upload: parts as the assembler sends them (concurrently, each holding a
+/// request permit), then `complete`. Aborts the upload on any failure, on cancellation, and when
+/// the assembler goes away without saying `Finish`.
+struct MultipartTask {
+    upload: Box<dyn MultipartUpload>,
+    rx: mpsc::Receiver<PartMsg>,
+    cancel: CancellationToken,
+    throttle: Option<Arc<super::Throttle>>,
+    progress: ArchiveProgress,
+    url: String,
+    key: ObjPath,
+    tag: String,
+}
+
+impl MultipartTask {
+    fn store_err(&self, op: &'static str) -> impl Fn(object_store::Error) -> ArchiveError + use<> {
+        let (url, key) = (self.url.clone(), self.key.to_string());
+        move |error| ArchiveError::Store {
+            url: url.clone(),
+            op,
+            key: key.clone(),
+            error: Box::new(error),
+        }
+    }
+
+    async fn run(mut self) -> Result<(), ArchiveError> {
+        let part_err = self.store_err("upload part");
+        let mut inflight = FuturesUnordered::new();
+        let mut finished = false;
+        let result = loop {
+            if finished && inflight.is_empty() {
+                break Ok(());
+            }
+            tokio::select! {
+                _ = self.cancel.cancelled() => break Err(ArchiveError::Stopped { tag: self.tag.clone() }),
+                Some(r) = inflight.next(), if !inflight.is_empty() => {
+                    if let Err(e) = r {
+                        break Err(part_err(e));
+                    }
+                }
+                msg = self.rx.recv(), if !finished => match msg {
+                    Some(PartMsg::Part { payload, permit }) => {
+                        let n = payload.content_length() as u64;
+                        let put = self.upload.put_part(payload);
+                        let (throttle, progress) = (self.throttle.clone(), self.progress.clone());
+                        inflight.push(async move {
+                            if let Some(t) = &throttle {
+                                t.acquire(n).await;
+                            }
+                            let r = put.await;
+                            drop(permit);
+                            if r.is_ok() {
+                                progress.stored(n);
+                            }
+                            r
+                        });
+                    }
+                    Some(PartMsg::Finish) => finished = true,
+                    None => break Err(ArchiveError::Stopped { tag: self.tag.clone() }),
+                },
+            }
+        };
+        let result = match result {
+            Ok(()) => self
+                .upload
+                .complete()
+                .await
+                .map(|_| ())
+                .map_err(self.store_err("complete multipart upload")),
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(()) => {
+                self.progress.file_done();
+                Ok(())
+            }
+            Err(e) => {
+                drop(inflight);
+                if let Err(abort) = self.upload.abort().await {
+                    tracing::warn!(
+                        url = self.url,
+                        key = %self.key,
+                        "aborting a failed multipart upload failed ({abort}); the store's \
+                         AbortIncompleteMultipartUpload lifecycle rule has to clean it"
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("blocking archive task panicked")
+}
+
+impl Archiver {
+    /// Uploads this node's files of checkpoint `tag` — the directory `dir`, whose files must all
+    /// belong to `expected_uid` (see [`super::walk`]) — to `BASE/TAG/data/<relpath>`, then writes
+    /// `BASE/TAG/parts/<node>.json`. Idempotent: a rerun uploads again. A file that changes while it
+    /// is read fails the upload with [`ArchiveError::Modified`] (retry later); no part manifest is
+    /// written then. Once the checkpoint is published, returns the node's existing part.
+    pub async fn upload_part(
+        &self,
+        tag: &str,
+        node: &str,
+        dir: Arc<OwnedFd>,
+        expected_uid: u32,
+        progress: &ArchiveProgress,
+    ) -> Result<PartManifest, ArchiveError> {
+        check_name("checkpoint tag", tag)?;
+        check_name("node name", node)?;
+        // A published checkpoint is immutable.
+        if self.manifest_opt(tag).await?.is_some() {
+            return self
+                .part_opt(tag, node)
+                .await?
+                .ok_or_else(|| ArchiveError::AlreadyPublished {
+                    url: self.url.clone(),
+                    tag: tag.into(),
+                    node: node.into(),
+                });
+        }
+        // A part manifest exists only while the data objects match it: drop ours before uploading.
+        let part_key = self.part_key(tag, node);
+        match self.store.delete(&part_key).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(self.store_err("delete", &part_key)(e)),
+        }
+
+        let (root, t) = (dir.clone(), tag.to_string());
+        let tree = blocking(move || walk::walk(&root, expected_uid))
+            .await
+            .map_err(|e| walk_error(&t, e))?;
+        progress.set_totals(
+            tree.files.len() as u64,
+            tree.files.iter().map(|f| f.size).sum(),
+        );
+        let dirs = tree.dirs;
+        let files = Arc::new(tree.files);
+        let entries = self
+            .upload_files(tag, node, dir, expected_uid, files, progress.clone())
+            .await?;
+
+        let part = PartManifest {
+            format: PART_FORMAT.into(),
+            version: VERSION,
+            tag: tag.into(),
+            node: node.into(),
+            created_unix_ms: unix_ms_now(),
+            chunk_size: self.cfg.chunk_size as u64,
+            dirs,
+            files: entries,
+        };
+        // Every data object is durable (all puts returned): now the part may say so.
+        self.store
+            .put(&part_key, PutPayload::from(part.to_json()))
+            .await
+            .map_err(self.store_err("put", &part_key))?;
+        tracing::info!(
+            tag,
+            node,
+            url = self.url,
+            files = part.files.len(),
+            raw = part.raw_bytes(),
+            stored = part.stored_bytes(),
+            "checkpoint part archived"
+        );
+        Ok(part)
+    }
+
+    async fn upload_files(
+        &self,
+        tag: &str,
+        node: &str,
+        dir: Arc<OwnedFd>,
+        uid: u32,
+        files: Arc<Vec<TreeFile>>,
+        progress: ArchiveProgress,
+    ) -> Result<Vec<FileEntry>, ArchiveError> {
+        let cancel = CancellationToken::new();
+        // If this future is dropped, the upload tasks stop and abort their multipart uploads.
+        let _stop_tasks = cancel.clone().drop_guard();
+        let (tx, rx) = mpsc::channel(2);
+        let reader = Reader {
+            rt: tokio::runtime::Handle::current(),
+            root: dir,
+            files: files.clone(),
+            uid,
+            chunk_size: self.cfg.chunk_size as u64,
+            level: self.cfg.zstd_level,
+            tag: tag.into(),
+            tx,
+        };
+        let reader = tokio::task::spawn_blocking(move || reader.run());
+        let encoded = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        })
+        .map(|item| async move {
+            Ok::<_, ArchiveError>(match item? {
+                ReadItem::Start { index, compression } => Encoded::Start {
+                    index,
+                    compression: compression.await,
+                },
+                ReadItem::Chunk { data, compression } => {
+                    let c = compression.await;
+                    Encoded::Chunk(blocking(move || format::encode_chunk(&data, c)).await)
+                }
+                ReadItem::End { index, hash } => Encoded::End { index, hash },
+            })
+        })
+        .buffered(self.cfg.compress_threads);
+        let mut asm = Assembler {
+            archiver: self,
+            tag: tag.into(),
+            node: node.into(),
+            files,
+            requests: Arc::new(Semaphore::new(self.cfg.concurrency)),
+            progress,
+            cancel,
+            tasks: FuturesUnordered::new(),
+            cur: None,
+            done: Vec::new(),
+        };
+        let result = async {
+            let mut encoded = std::pin::pin!(encoded);
+            while let Some(item) = encoded.next().await {
+                asm.push(item?).await?;
+            }
+            asm.finish().await
+        }
+        .await;
+        if result.is_err() {
+            asm.shut_down().await;
+        }
+        // The reader has stopped: it sent everything, or its channel is closed.
+        reader.await.expect("checkpoint reader panicked");
+        result
+    }
+}

@@ -1,0 +1,257 @@
+//! Archive URLs (`--ckpt-archive`): which store, which bucket, which base prefix.
+
+use super::{ArchiveConfig, ArchiveError, Archiver};
+use crate::config::Config;
+use crate::store;
+use object_store::ObjectStore;
+use object_store::local::LocalFileSystem;
+use sluice_proto::options::ObjectScheme;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The store an archive URL names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArchiveStore {
+    /// `file:///abs/path`: a directory (a shared file system), used as the root of the store.
+    Local(PathBuf),
+    Object {
+        scheme: ObjectScheme,
+        bucket: String,
+    },
+}
+
+/// A parsed archive URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArchiveLocation {
+    pub store: ArchiveStore,
+    /// The base prefix inside the store, without leading or trailing `/` (may be empty).
+    pub prefix: String,
+}
+
+impl std::fmt::Display for ArchiveLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.store {
+            ArchiveStore::Local(p) => write!(f, "file://{}", p.display()),
+            ArchiveStore::Object { scheme, bucket } if self.prefix.is_empty() => {
+                write!(f, "{}://{bucket}", scheme.url_scheme())
+            }
+            ArchiveStore::Object { scheme, bucket } => {
+                write!(f, "{}://{bucket}/{}", scheme.url_scheme(), self.prefix)
+            }
+        }
+    }
+}
+
+const URL_HELP: &str =
+    "use file:///abs/path, s3://bucket/prefix, az://container/prefix or gs://bucket/prefix";
+
+/// Parses an archive URL. Pure: touches nothing.
+pub fn parse_archive_url(url: &str) -> Result<ArchiveLocation, ArchiveError> {
+    // Never echo something that may hold credentials (user:secret@host, ?sig=...).
+    let shown = |u: &str| {
+        if u.contains('@') || u.contains('?') {
+            "<URL with credentials or a query, not shown>".to_string()
+        } else {
+            u.to_string()
+        }
+    };
+    let bad = |reason: String| ArchiveError::BadUrl {
+        url: shown(url),
+        reason,
+    };
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(bad(format!("not a URL; {URL_HELP}")));
+    };
+    if url.contains('@') || url.contains('?') || url.contains('#') {
+        return Err(bad(format!(
+            "credentials, queries and fragments do not belong in an archive URL (the agent's store \
+             profiles hold credentials); {URL_HELP}"
+        )));
+    }
+    let check_segments = |path: &str| -> Result<(), ArchiveError> {
+        if path
+            .split('/')
+            .any(|s| s.is_empty() || s == "." || s == ".." || s.contains('\0'))
+        {
+            return Err(bad(
+                "the path may not hold empty, '.' or '..' segments".into()
+            ));
+        }
+        Ok(())
+    };
+    if scheme == "file" {
+        if !rest.starts_with('/') {
+            return Err(bad(
+                "a file:// URL needs an absolute path, as in file:///lustre/ckpt".into(),
+            ));
+        }
+        let path = rest.trim_end_matches('/');
+        if path.is_empty() {
+            return Err(bad("the file system root cannot be an archive".into()));
+        }
+        check_segments(&path[1..])?;
+        return Ok(ArchiveLocation {
+            store: ArchiveStore::Local(PathBuf::from(path)),
+            prefix: String::new(),
+        });
+    }
+    let scheme = match scheme {
+        "s3" => ObjectScheme::S3,
+        "az" | "azure" | "abfs" => ObjectScheme::Azure,
+        "gs" => ObjectScheme::Gcs,
+        other => return Err(bad(format!("unknown scheme '{other}://'; {URL_HELP}"))),
+    };
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    if bucket.is_empty()
+        || !bucket
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    {
+        return Err(bad(format!(
+            "'{bucket}' is not a valid bucket or container name"
+        )));
+    }
+    let prefix = prefix.trim_end_matches('/');
+    if !prefix.is_empty() {
+        check_segments(prefix)?;
+    }
+    Ok(ArchiveLocation {
+        store: ArchiveStore::Object {
+            scheme,
+            bucket: bucket.to_string(),
+        },
+        prefix: prefix.to_string(),
+    })
+}
+
+/// Opens the archive at `url` with the default [`ArchiveConfig`]; see [`open_archive_with`].
+pub fn open_archive(cfg: &Config, url: &str) -> Result<Archiver, ArchiveError> {
+    open_archive_with(cfg, url, ArchiveConfig::default())
+}
+
+/// Opens the archive at `url`: object stores through the agent's store profiles
+/// ([`crate::store`]), `file://` as a local directory (created if missing, writes fsynced so "put
+/// returned" means durable, as on object stores).
+pub fn open_archive_with(
+    cfg: &Config,
+    url: &str,
+    archive_cfg: ArchiveConfig,
+) -> Result<Archiver, ArchiveError> {
+    let loc = parse_archive_url(url)?;
+    let shown = loc.to_string();
+    let store: Arc<dyn ObjectStore> = match &loc.store {
+        ArchiveStore::Local(path) => {
+            std::fs::create_dir_all(path).map_err(|e| ArchiveError::BadUrl {
+                url: shown.clone(),
+                reason: format!("cannot create {}: {e}", path.display()),
+            })?;
+            let fs = LocalFileSystem::new_with_prefix(path).map_err(|e| ArchiveError::BadUrl {
+                url: shown.clone(),
+                reason: e.to_string(),
+            })?;
+            Arc::new(fs.with_fsync(true).with_automatic_cleanup(true))
+        }
+        ArchiveStore::Object { scheme, bucket } => {
+            if matches!(scheme, ObjectScheme::S3 | ObjectScheme::Gcs)
+                && archive_cfg.part_size < 5 << 20
+            {
+                return Err(ArchiveError::BadConfig(format!(
+                    "{shown}: multipart parts must be at least 5MiB on S3 and GCS, got {}",
+                    archive_cfg.part_size
+                )));
+            }
+            store::open(cfg, *scheme, bucket).map_err(|e| ArchiveError::BadUrl {
+                url: shown.clone(),
+                reason: e.to_string(),
+            })?
+        }
+    };
+    Archiver::with_url(store, &loc.prefix, archive_cfg, shown)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(scheme: ObjectScheme, bucket: &str, prefix: &str) -> ArchiveLocation {
+        ArchiveLocation {
+            store: ArchiveStore::Object {
+                scheme,
+                bucket: bucket.into(),
+            },
+            prefix: prefix.into(),
+        }
+    }
+
+    #[test]
+    fn parses_every_scheme() {
+        let p = |u: &str| parse_archive_url(u).unwrap();
+        assert_eq!(
+            p("s3://ckpt/alice/run1/"),
+            obj(ObjectScheme::S3, "ckpt", "alice/run1")
+        );
+        assert_eq!(p("s3://ckpt"), obj(ObjectScheme::S3, "ckpt", ""));
+        assert_eq!(p("az://c/x"), obj(ObjectScheme::Azure, "c", "x"));
+        assert_eq!(p("azure://c/x"), obj(ObjectScheme::Azure, "c", "x"));
+        assert_eq!(p("gs://b/y/z"), obj(ObjectScheme::Gcs, "b", "y/z"));
+        assert_eq!(
+            p("file:///lustre/ckpt/"),
+            ArchiveLocation {
+                store: ArchiveStore::Local("/lustre/ckpt".into()),
+                prefix: String::new()
+            }
+        );
+        assert_eq!(
+            p("s3://ckpt/alice/run1").to_string(),
+            "s3://ckpt/alice/run1"
+        );
+        assert_eq!(p("file:///a/b").to_string(), "file:///a/b");
+    }
+
+    #[test]
+    fn refuses_bad_urls_without_echoing_secrets() {
+        for bad in [
+            "ckpt/x",
+            "/abs/path",
+            "http://x/y",
+            "file://relative/x",
+            "file:///",
+            "file:///a/../b",
+            "s3://",
+            "s3:///x",
+            "s3://b/a//c",
+            "s3://b/../c",
+            "s3://b c/x",
+        ] {
+            assert!(parse_archive_url(bad).is_err(), "{bad}");
+        }
+        let e = parse_archive_url("s3://AKIA:secret@bucket/x")
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("secret"), "{e}");
+        let e = parse_archive_url("az://c/x?sig=topsecret")
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("topsecret"), "{e}");
+    }
+
+    #[test]
+    fn file_archives_create_their_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("new/archive");
+        let cfg = Config::parse(
+            "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
+            "n1",
+        )
+        .unwrap();
+        let a = open_archive(&cfg, &format!("file://{}", dir.display())).unwrap();
+        assert!(dir.is_dir());
+        assert_eq!(a.url(), format!("file://{}", dir.display()));
+        let small = ArchiveConfig {
+            part_size: 1 << 20,
+            ..ArchiveConfig::default()
+        };
+        let e = open_archive_with(&cfg, "s3://b/x", small).unwrap_err();
+        assert!(e.to_string().contains("5MiB"), "{e}");
+    }
+}
