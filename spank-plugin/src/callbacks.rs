@@ -146,20 +146,31 @@ pub fn init_post_opt(sp: &mut impl SpankApi, stage_in: &[String]) -> i32 {
     OK
 }
 
-/// The environment variable under which job_prolog/job_epilog find an option: Slurm's
-/// `_SLURM_SPANK_OPTION_<plugin>_<option>` (non-alphanumerics become '_'), with the `SPANK_` prefix
-/// it gives every job-control variable in those scripts.
-pub fn option_env_var(option: &str) -> String {
+/// Slurm's name for an option in environments: `_SLURM_SPANK_OPTION_<plugin>_<option>`, with
+/// non-alphanumerics turned into '_' (`_SLURM_SPANK_OPTION_sluice_stage_in`).
+fn slurm_option_var(option: &str) -> String {
     let canonical = |s: &str| {
         s.chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
             .collect::<String>()
     };
     format!(
-        "SPANK__SLURM_SPANK_OPTION_{}_{}",
+        "_SLURM_SPANK_OPTION_{}_{}",
         canonical(crate::PLUGIN_NAME),
         canonical(option)
     )
+}
+
+/// The environment variable under which job_prolog/job_epilog find an option: Slurm's variable with
+/// the `SPANK_` prefix it gives every job-control variable in those scripts.
+pub fn option_env_var(option: &str) -> String {
+    format!("SPANK_{}", slurm_option_var(option))
+}
+
+/// The copy of an option that sbatch and salloc leave in the job's environment for the job's own
+/// sruns (`SLURM_SPANK__SLURM_SPANK_OPTION_sluice_stage_in`).
+pub fn job_env_option_var(option: &str) -> String {
+    format!("SLURM_SPANK_{}", slurm_option_var(option))
 }
 
 /// The job's sluice options as job_prolog/job_epilog see them, raw, in the order of [`names::ALL`].
@@ -254,10 +265,7 @@ fn job_start(sp: &impl SpankApi, options: Vec<(String, String)>) -> Result<JobSt
 /// staged the job, then exports its directories. A failure here fails the job without draining the
 /// node, and its message lands in the job's output — where the user will look.
 pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) -> i32 {
-    if !names::ALL
-        .iter()
-        .any(|name| matches!(sp.getopt(name), Ok(Some(_))))
-    {
+    if !job_uses_sluice(sp) {
         return OK;
     }
     let args = parse_args(sp, argv);
@@ -308,6 +316,18 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
         }
     }
     OK
+}
+
+/// Whether the job of this task used a sluice option, without asking the agent (jobs without
+/// options must not depend on it). Slurm hands a batch job's options to slurmstepd in the job's
+/// environment as `_SLURM_SPANK_OPTION_*`, which spank_option_getopt reads — but
+/// `sbatch --export=NONE` drops those (seen on 22.05: the batch step then found no option and did not
+/// wait). The `SLURM_SPANK_*` copies that sbatch also exports survive `--export=NONE`, so they count.
+fn job_uses_sluice(sp: &impl SpankApi) -> bool {
+    names::ALL.iter().any(|name| {
+        matches!(sp.getopt(name), Ok(Some(_)))
+            || matches!(sp.getenv(&job_env_option_var(name)), Ok(Some(v)) if !v.is_empty())
+    })
 }
 
 /// `slurm_spank_job_epilog`: tells the agent the job ended, so it can archive and trim. Always 0.

@@ -962,3 +962,36 @@ fn bad_plugin_arguments_are_logged_and_the_defaults_used() {
     assert_eq!(sp.lines(Level::Verbose).len(), 1);
     assert!(sp.lines(Level::Info).is_empty() && sp.lines(Level::Debug).is_empty());
 }
+
+// ---- sbatch --export=NONE ---------------------------------------------------------------------
+
+#[test]
+fn a_batch_job_submitted_with_export_none_still_waits_for_its_data() {
+    // Slurm 22.05 drops the options from the batch step with --export=NONE (getopt finds nothing),
+    // but the SLURM_SPANK_* copies sbatch exports survive.
+    let mut sp = Fake::task(&[]);
+    sp.job_env
+        .insert(job_env_option_var("stage-in"), "/lustre/a".into());
+    let agent = FakeAgent::ready();
+    assert_eq!(task_init(&mut sp, &agent, &[]), OK);
+    assert_eq!(agent.calls().len(), 1);
+    assert_eq!(sp.env_set.len(), 2, "{:?}", sp.env_set);
+}
+
+#[test]
+fn other_plugins_options_in_the_job_environment_do_not_count() {
+    assert_eq!(
+        job_env_option_var("ckpt-keep"),
+        "SLURM_SPANK__SLURM_SPANK_OPTION_sluice_ckpt_keep"
+    );
+    let mut sp = Fake::task(&[]);
+    sp.job_env.insert(
+        "SLURM_SPANK__SLURM_SPANK_OPTION_other_stage_in".into(),
+        "/x".into(),
+    );
+    sp.job_env
+        .insert(job_env_option_var("stage-in"), String::new());
+    let agent = FakeAgent::ready();
+    assert_eq!(task_init(&mut sp, &agent, &[]), OK);
+    assert!(agent.calls().is_empty());
+}
