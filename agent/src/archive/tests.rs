@@ -331,3 +331,27 @@ fn container_beats_plain_zstd_on_bf16_weights() {
     eprintln!("bf16 N(0,0.02): plain zstd -3 {rp:.3}x, sluice container {ro:.3}x");
     assert!(ro > rp * 1.05, "ours {ro:.3} vs plain {rp:.3}");
 }
+
+/// A MANIFEST that already exists (another node published first) is success when it is the same,
+/// and the existing one wins when it is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishing_twice_keeps_the_first_manifest() {
+    let src = tempfile::tempdir().unwrap();
+    write_tree(src.path());
+    let store = Arc::new(InMemory::new());
+    let a = archiver(store.clone(), small_cfg());
+    upload(&a, "step5", "n1", src.path()).await.unwrap();
+    let m = a
+        .try_publish("step5", &nodes(&["n1"]), job())
+        .await
+        .unwrap()
+        .unwrap();
+    // InMemory refuses a second create-only put: the existing, identical manifest is returned.
+    assert_eq!(a.put_manifest(&m).await.unwrap(), m);
+    let other = Manifest {
+        created_unix_ms: m.created_unix_ms + 1,
+        ..m.clone()
+    };
+    assert_eq!(a.put_manifest(&other).await.unwrap(), m);
+    assert_eq!(a.manifest("step5").await.unwrap(), m);
+}

@@ -431,11 +431,21 @@ impl Assembler<'_> {
         Ok(done)
     }
 
-    /// After a failure: stop every upload and abort the multipart ones, and wait for that.
-    async fn shut_down(&mut self) {
+    /// After a failure: stop every upload and abort the multipart ones, and wait for that. Returns
+    /// the first error an upload task failed with by itself (not because it was stopped): when the
+    /// assembler only saw a task go away, that is the cause to report.
+    async fn shut_down(&mut self) -> Option<ArchiveError> {
         self.cancel.cancel();
         self.cur = None;
-        while self.tasks.next().await.is_some() {}
+        let mut cause = None;
+        while let Some(r) = self.tasks.next().await {
+            if let Ok(Err(e)) = r {
+                if cause.is_none() && !matches!(e, ArchiveError::Stopped { .. }) {
+                    cause = Some(e);
+                }
+            }
+        }
+        cause
     }
 }
 
@@ -673,9 +683,16 @@ impl Archiver {
             asm.finish().await
         }
         .await;
-        if result.is_err() {
-            asm.shut_down().await;
-        }
+        let result = match result {
+            Err(e) => {
+                let cause = asm.shut_down().await;
+                match (e, cause) {
+                    (ArchiveError::Stopped { .. }, Some(cause)) => Err(cause),
+                    (e, _) => Err(e),
+                }
+            }
+            ok => ok,
+        };
         // The reader has stopped: it sent everything, or its channel is closed.
         reader.await.expect("checkpoint reader panicked");
         result

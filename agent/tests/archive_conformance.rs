@@ -1,0 +1,825 @@
+//! One conformance suite for the checkpoint archive engine, run with the same assertions against every
+//! backend: the local file system (`file://`, always), Garage (S3) and Azurite (Azure Blob) when the
+//! test cluster is up (`tests/harness/cluster.sh up` writes `/run/sluice-test/env`; the harness runs
+//! these with `--ignored`).
+//!
+//! The store is wrapped in a recorder that logs every completed write, so "MANIFEST is written last"
+//! and "large files go multipart" are checked on what the store actually saw, and that can inject a
+//! failure into multipart parts.
+//!
+//! Runs as root in CI (files of the checkpoint belong to an unprivileged uid, as a job's would).
+
+use futures::TryStreamExt;
+use futures::stream::BoxStream;
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, UploadPart,
+};
+use sluice_agent::archive::{
+    ArchiveConfig, ArchiveError, ArchiveProgress, Archiver, CheckpointState, JobMeta, Manifest,
+    Transform, open_archive_with,
+};
+use sluice_agent::config::Config;
+use sluice_agent::safefs::{self, Owner};
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path as FsPath;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+// ------------------------------------------------------------------------------------ the recorder
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Write {
+    /// A single PUT returned.
+    Put(String),
+    /// A multipart upload completed.
+    Multipart(String),
+    /// A multipart upload was aborted.
+    Aborted(String),
+}
+
+/// Forwards to a real store, logging writes that completed. (object_store's trait is declared with
+/// `async_trait`; its expansion is spelled out here so the test needs no extra dependency.)
+#[derive(Debug)]
+struct Recorder {
+    inner: Arc<dyn ObjectStore>,
+    log: Arc<Mutex<Vec<Write>>>,
+    /// Fail every multipart part after the first.
+    fail_parts: Arc<AtomicBool>,
+}
+
+type Fut<'a, T> = Pin<Box<dyn Future<Output = object_store::Result<T>> + Send + 'a>>;
+
+impl std::fmt::Display for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Recorder({})", self.inner)
+    }
+}
+
+impl ObjectStore for Recorder {
+    fn put_opts<'l0, 'l1, 'a>(
+        &'l0 self,
+        location: &'l1 Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> Fut<'a, PutResult>
+    where
+        'l0: 'a,
+        'l1: 'a,
+        Self: 'a,
+    {
+        Box::pin(async move {
+            let r = self.inner.put_opts(location, payload, opts).await;
+            if r.is_ok() {
+                self.log
+                    .lock()
+                    .unwrap()
+                    .push(Write::Put(location.to_string()));
+            }
+            r
+        })
+    }
+
+    fn put_multipart_opts<'l0, 'l1, 'a>(
+        &'l0 self,
+        location: &'l1 Path,
+        opts: PutMultipartOptions,
+    ) -> Fut<'a, Box<dyn MultipartUpload>>
+    where
+        'l0: 'a,
+        'l1: 'a,
+        Self: 'a,
+    {
+        Box::pin(async move {
+            let inner = self.inner.put_multipart_opts(location, opts).await?;
+            Ok(Box::new(RecordingUpload {
+                inner,
+                key: location.to_string(),
+                log: self.log.clone(),
+                fail_parts: self.fail_parts.load(Ordering::Relaxed),
+                parts: 0,
+            }) as Box<dyn MultipartUpload>)
+        })
+    }
+
+    fn get_opts<'l0, 'l1, 'a>(
+        &'l0 self,
+        location: &'l1 Path,
+        options: GetOptions,
+    ) -> Fut<'a, GetResult>
+    where
+        'l0: 'a,
+        'l1: 'a,
+        Self: 'a,
+    {
+        self.inner.get_opts(location, options)
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    fn list_with_delimiter<'l0, 'l1, 'a>(
+        &'l0 self,
+        prefix: Option<&'l1 Path>,
+    ) -> Fut<'a, ListResult>
+    where
+        'l0: 'a,
+        'l1: 'a,
+        Self: 'a,
+    {
+        self.inner.list_with_delimiter(prefix)
+    }
+
+    fn copy_opts<'l0, 'l1, 'l2, 'a>(
+        &'l0 self,
+        from: &'l1 Path,
+        to: &'l2 Path,
+        options: CopyOptions,
+    ) -> Fut<'a, ()>
+    where
+        'l0: 'a,
+        'l1: 'a,
+        'l2: 'a,
+        Self: 'a,
+    {
+        self.inner.copy_opts(from, to, options)
+    }
+}
+
+#[derive(Debug)]
+struct RecordingUpload {
+    inner: Box<dyn MultipartUpload>,
+    key: String,
+    log: Arc<Mutex<Vec<Write>>>,
+    fail_parts: bool,
+    parts: usize,
+}
+
+impl MultipartUpload for RecordingUpload {
+    fn put_part(&mut self, data: PutPayload) -> UploadPart {
+        self.parts += 1;
+        if self.fail_parts && self.parts > 1 {
+            return Box::pin(async {
+                Err(object_store::Error::Generic {
+                    store: "Recorder",
+                    source: "injected part failure".into(),
+                })
+            });
+        }
+        self.inner.put_part(data)
+    }
+
+    fn complete<'l0, 'a>(&'l0 mut self) -> Fut<'a, PutResult>
+    where
+        'l0: 'a,
+        Self: 'a,
+    {
+        Box::pin(async move {
+            let r = self.inner.complete().await;
+            if r.is_ok() {
+                self.log
+                    .lock()
+                    .unwrap()
+                    .push(Write::Multipart(self.key.clone()));
+            }
+            r
+        })
+    }
+
+    fn abort<'l0, 'a>(&'l0 mut self) -> Fut<'a, ()>
+    where
+        'l0: 'a,
+        Self: 'a,
+    {
+        Box::pin(async move {
+            let r = self.inner.abort().await;
+            self.log
+                .lock()
+                .unwrap()
+                .push(Write::Aborted(self.key.clone()));
+            r
+        })
+    }
+}
+
+// ------------------------------------------------------------------------------------ backends
+
+const ENV_FILE: &str = "/run/sluice-test/env";
+
+fn cluster_env() -> BTreeMap<String, String> {
+    let path = std::env::var("SLUICE_TEST_ENV").unwrap_or_else(|_| ENV_FILE.to_string());
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "cannot read {path} ({e}): bring the test cluster up with tests/harness/cluster.sh up"
+        )
+    });
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .filter(|(k, _)| !k.trim_start().starts_with('#'))
+        .map(|(k, v)| {
+            (
+                k.trim().to_string(),
+                v.trim().trim_matches('\'').to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The agent config the backends are opened with, as an admin would write it.
+fn agent_config(env: Option<&BTreeMap<String, String>>) -> Config {
+    let mut text = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n".to_string();
+    if let Some(env) = env {
+        let v = |k: &str| {
+            env.get(k)
+                .unwrap_or_else(|| panic!("{ENV_FILE} has no {k}"))
+                .clone()
+        };
+        text += &format!(
+            "[[store]]\nprefix='s3://'\nendpoint='{}'\nregion='{}'\naccess_key_id='{}'\n\
+             secret_access_key='{}'\nallow_http=true\n[[store]]\nprefix='az://'\nuse_emulator=true\n",
+            v("SLUICE_TEST_S3_ENDPOINT"),
+            v("SLUICE_TEST_S3_REGION"),
+            v("SLUICE_TEST_S3_KEY_ID"),
+            v("SLUICE_TEST_S3_SECRET"),
+        );
+    }
+    Config::parse(&text, "n1").unwrap()
+}
+
+struct Backend {
+    name: &'static str,
+    /// The archive URL: `<root>/<unique base>`.
+    url: String,
+    cfg: Config,
+    /// Keeps a file:// archive alive for the test.
+    _dir: Option<tempfile::TempDir>,
+}
+
+fn unique_base(backend: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("conformance/{backend}-{}-{nanos}", std::process::id())
+}
+
+impl Backend {
+    fn local() -> Backend {
+        let dir = tempfile::tempdir().unwrap();
+        Backend {
+            name: "file",
+            url: format!("file://{}/{}", dir.path().display(), unique_base("file")),
+            cfg: agent_config(None),
+            _dir: Some(dir),
+        }
+    }
+
+    fn cluster(scheme: &'static str) -> Backend {
+        let env = cluster_env();
+        Backend {
+            name: scheme,
+            url: format!("{scheme}://ckpt/{}", unique_base(scheme)),
+            cfg: agent_config(Some(&env)),
+            _dir: None,
+        }
+    }
+}
+
+/// 5 MiB: S3's smallest multipart part, so the "large" file of the suite stays small.
+fn archive_cfg() -> ArchiveConfig {
+    ArchiveConfig {
+        part_size: 5 << 20,
+        concurrency: 8,
+        zstd_level: 3,
+        chunk_size: 1 << 20,
+        compress_threads: 2,
+        bandwidth_limit: None,
+    }
+}
+
+/// An archiver on the backend's store wrapped in a recorder, plus the raw store and the log.
+struct Harness {
+    archiver: Archiver,
+    raw: Arc<dyn ObjectStore>,
+    log: Arc<Mutex<Vec<Write>>>,
+    fail_parts: Arc<AtomicBool>,
+    /// The base prefix inside the raw store.
+    base: String,
+}
+
+fn harness(b: &Backend) -> Harness {
+    // open_archive_with is what the agent uses; take its store apart to wrap it.
+    let opened = open_archive_with(&b.cfg, &b.url, archive_cfg()).unwrap();
+    let loc = sluice_agent::archive::parse_archive_url(&b.url).unwrap();
+    let (raw, base): (Arc<dyn ObjectStore>, String) = match &loc.store {
+        sluice_agent::archive::ArchiveStore::Local(p) => (
+            Arc::new(
+                object_store::local::LocalFileSystem::new_with_prefix(p)
+                    .unwrap()
+                    .with_fsync(true),
+            ),
+            String::new(),
+        ),
+        sluice_agent::archive::ArchiveStore::Object { scheme, bucket } => (
+            sluice_agent::store::open(&b.cfg, *scheme, bucket).unwrap(),
+            loc.prefix.clone(),
+        ),
+    };
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let fail_parts = Arc::new(AtomicBool::new(false));
+    let rec = Arc::new(Recorder {
+        inner: raw.clone(),
+        log: log.clone(),
+        fail_parts: fail_parts.clone(),
+    });
+    let archiver = Archiver::with_url(rec, &base, archive_cfg(), opened.url().to_string()).unwrap();
+    Harness {
+        archiver,
+        raw,
+        log,
+        fail_parts,
+        base,
+    }
+}
+
+impl Harness {
+    fn key(&self, rel: &str) -> Path {
+        let full = if self.base.is_empty() {
+            rel.to_string()
+        } else {
+            format!("{}/{rel}", self.base)
+        };
+        Path::from_iter(full.split('/'))
+    }
+
+    fn writes(&self) -> Vec<Write> {
+        self.log.lock().unwrap().clone()
+    }
+
+    async fn exists(&self, rel: &str) -> bool {
+        match self.raw.head(&self.key(rel)).await {
+            Ok(_) => true,
+            Err(object_store::Error::NotFound { .. }) => false,
+            Err(e) => panic!("head {rel}: {e}"),
+        }
+    }
+
+    /// Removes everything the test wrote (cluster buckets are shared).
+    async fn clean_up(&self) {
+        let prefix = self.key("");
+        let keys: Vec<Path> = self
+            .raw
+            .list(Some(&prefix))
+            .map_ok(|m| m.location)
+            .try_collect()
+            .await
+            .unwrap_or_default();
+        for k in keys {
+            let _ = self.raw.delete(&k).await;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------ test data
+
+/// Deterministic pseudo-random numbers (xorshift64*) and normal variates (Box-Muller).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn normal(&mut self) -> f32 {
+        let u1 = ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        let u2 = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+}
+
+/// bf16 weights ~ N(0, 0.02): fp32 values rounded to nearest-even bf16.
+fn bf16(n: usize, seed: u64) -> Vec<u8> {
+    let mut r = Rng(seed | 1);
+    (0..n)
+        .flat_map(|_| {
+            let b = (r.normal() * 0.02).to_bits();
+            (((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+/// fp32 optimizer-state-like values ~ N(0, 1e-3).
+fn fp32(n: usize, seed: u64) -> Vec<u8> {
+    let mut r = Rng(seed | 1);
+    (0..n)
+        .flat_map(|_| (r.normal() * 1e-3).to_le_bytes())
+        .collect()
+}
+
+fn job_uid() -> u32 {
+    if nix::unistd::geteuid().is_root() {
+        4242
+    } else {
+        nix::unistd::geteuid().as_raw()
+    }
+}
+
+fn owner() -> Owner {
+    Owner {
+        uid: job_uid(),
+        gid: job_uid(),
+    }
+}
+
+/// Writes `files` (path → content) below `dir`, owned by the job uid as a job would leave them.
+fn write_ckpt(dir: &FsPath, files: &[(&str, Vec<u8>)]) {
+    for (rel, data) in files {
+        let p = dir.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, data).unwrap();
+    }
+    if nix::unistd::geteuid().is_root() {
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(p) = stack.pop() {
+            std::os::unix::fs::lchown(&p, Some(job_uid()), Some(job_uid())).unwrap();
+            if p.is_dir() {
+                stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+            }
+        }
+    }
+}
+
+async fn upload(h: &Harness, tag: &str, node: &str, dir: &FsPath) -> Result<(), ArchiveError> {
+    let fd = Arc::new(safefs::open_root_dir(dir).unwrap());
+    h.archiver
+        .upload_part(tag, node, fd, job_uid(), &ArchiveProgress::default())
+        .await
+        .map(|_| ())
+}
+
+async fn restore(h: &Harness, tag: &str) -> (tempfile::TempDir, Result<Manifest, ArchiveError>) {
+    let dest = tempfile::tempdir().unwrap();
+    let fd = Arc::new(safefs::open_root_dir(dest.path()).unwrap());
+    let r = h
+        .archiver
+        .restore(tag, fd, owner(), &ArchiveProgress::default())
+        .await;
+    (dest, r)
+}
+
+fn assert_same_tree(src: &FsPath, dest: &FsPath, files: &[(&str, Vec<u8>)]) {
+    for (rel, data) in files {
+        let got = std::fs::read(dest.join(rel)).unwrap_or_else(|e| panic!("restored {rel}: {e}"));
+        assert!(got == *data, "{rel} differs after restore");
+        let (ms, md) = (
+            src.join(rel).metadata().unwrap(),
+            dest.join(rel).metadata().unwrap(),
+        );
+        assert_eq!(ms.mode() & 0o777, md.mode() & 0o777, "mode of {rel}");
+        assert_eq!(md.uid(), job_uid(), "owner of {rel}");
+    }
+}
+
+fn job(id: u32) -> JobMeta {
+    JobMeta {
+        job_id: id,
+        user: "sluiceuser".into(),
+        job_name: "train".into(),
+    }
+}
+
+fn nodes(n: &[&str]) -> Vec<String> {
+    n.iter().map(|s| s.to_string()).collect()
+}
+
+// ------------------------------------------------------------------------------------ the suite
+
+async fn conformance(b: Backend) {
+    let h = harness(&b);
+    let r = std::panic::AssertUnwindSafe(suite(&b, &h));
+    let outcome = futures::FutureExt::catch_unwind(r).await;
+    h.clean_up().await;
+    if let Err(p) = outcome {
+        std::panic::resume_unwind(p);
+    }
+}
+
+async fn suite(b: &Backend, h: &Harness) {
+    let name = b.name;
+    // ---- one node archives a checkpoint of every kind of file
+    let src = tempfile::tempdir().unwrap();
+    let files: Vec<(&str, Vec<u8>)> = vec![
+        ("model/weights.bf16", bf16(1_500_000, 1)), // 3 MiB
+        ("optim/exp_avg.fp32", fp32(2_500_000, 2)), // 10 MiB: above the 5 MiB part size
+        ("optim/step", b"100\n".to_vec()),
+        ("empty", Vec::new()),
+        (
+            "nested/deeper/still/config.json",
+            b"{\"lr\": 0.0001}\n".to_vec(),
+        ),
+        (
+            "notes/step 100 – ünïcode 100%.txt",
+            b"names survive\n".to_vec(),
+        ),
+    ];
+    write_ckpt(src.path(), &files);
+    std::fs::set_permissions(
+        src.path().join("optim/step"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    upload(h, "step100", "n1", src.path()).await.unwrap();
+    let m = h
+        .archiver
+        .try_publish("step100", &nodes(&["n1"]), job(1))
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("{name}: the only part is written, publish must succeed"));
+    assert_eq!(m.files.len(), files.len(), "{name}");
+    let weights = m
+        .files
+        .iter()
+        .find(|f| f.path == "model/weights.bf16")
+        .unwrap();
+    assert_eq!(
+        weights.compression.transform,
+        Transform::Bytegroup2,
+        "{name}"
+    );
+    let optim = m
+        .files
+        .iter()
+        .find(|f| f.path == "optim/exp_avg.fp32")
+        .unwrap();
+    assert_eq!(optim.compression.transform, Transform::Bytegroup4, "{name}");
+    assert!(
+        optim.stored_size > 5 << 20,
+        "{name}: the large file must exceed the part size"
+    );
+
+    // MANIFEST is the last write, after the part manifest, after every data object; the large
+    // file went multipart and the others were single PUTs.
+    let writes = h.writes();
+    let manifest_key = h.key("step100/MANIFEST").to_string();
+    let part_key = h.key("step100/parts/n1.json").to_string();
+    assert_eq!(
+        writes.last(),
+        Some(&Write::Put(manifest_key.clone())),
+        "{name}: {writes:#?}"
+    );
+    let part_at = writes
+        .iter()
+        .position(|w| *w == Write::Put(part_key.clone()))
+        .unwrap();
+    assert_eq!(part_at, writes.len() - 2, "{name}: {writes:#?}");
+    let optim_key = h.key("step100/data/optim/exp_avg.fp32").to_string();
+    assert!(
+        writes.contains(&Write::Multipart(optim_key)),
+        "{name}: {writes:#?}"
+    );
+    assert_eq!(
+        writes
+            .iter()
+            .filter(|w| matches!(w, Write::Put(k) if k.contains("/data/")))
+            .count(),
+        files.len() - 1,
+        "{name}: {writes:#?}"
+    );
+
+    // ---- list: complete, with a compression ratio
+    let list = h.archiver.list().await.unwrap();
+    assert_eq!(list.len(), 1, "{name}: {list:#?}");
+    assert_eq!(list[0].state, CheckpointState::Complete, "{name}");
+    assert_eq!(
+        list[0].raw_bytes,
+        files.iter().map(|f| f.1.len() as u64).sum::<u64>()
+    );
+    let ratio = list[0].ratio.unwrap();
+    assert!(ratio > 1.1, "{name}: ratio {ratio}");
+
+    // ---- restore is byte-identical; verify passes
+    let (dest, r) = restore(h, "step100").await;
+    r.unwrap();
+    assert_same_tree(src.path(), dest.path(), &files);
+    let report = h.archiver.verify("step100").await.unwrap();
+    assert_eq!(report.files, files.len() as u64);
+
+    // ---- two nodes: MANIFEST only after both parts
+    let (a, bdir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let files_a: Vec<(&str, Vec<u8>)> = vec![
+        ("rank0.bf16", bf16(200_000, 3)),
+        ("latest", b"step200".to_vec()),
+    ];
+    let files_b: Vec<(&str, Vec<u8>)> = vec![
+        ("rank1.bf16", bf16(200_000, 4)),
+        ("latest", b"step200".to_vec()),
+    ];
+    write_ckpt(a.path(), &files_a);
+    write_ckpt(bdir.path(), &files_b);
+    let both = nodes(&["n1", "n2"]);
+    upload(h, "step200", "n1", a.path()).await.unwrap();
+    assert_eq!(
+        h.archiver
+            .try_publish("step200", &both, job(2))
+            .await
+            .unwrap(),
+        None
+    );
+    assert!(
+        !h.exists("step200/MANIFEST").await,
+        "{name}: MANIFEST before every part"
+    );
+    let partial = h.archiver.list().await.unwrap();
+    let p = partial.iter().find(|i| i.tag == "step200").unwrap();
+    assert_eq!(
+        (p.state.clone(), p.nodes.clone()),
+        (CheckpointState::Partial, nodes(&["n1"]))
+    );
+    upload(h, "step200", "n2", bdir.path()).await.unwrap();
+    let m2 = h
+        .archiver
+        .try_publish("step200", &both, job(2))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(m2.nodes, both);
+    let by_node: Vec<(&str, &str)> = m2
+        .files
+        .iter()
+        .map(|f| (f.path.as_str(), f.node.as_str()))
+        .collect();
+    assert_eq!(
+        by_node,
+        [("latest", "n1"), ("rank0.bf16", "n1"), ("rank1.bf16", "n2")]
+    );
+    // The other node publishing too agrees on the same manifest.
+    assert_eq!(
+        h.archiver
+            .try_publish("step200", &both, job(2))
+            .await
+            .unwrap(),
+        Some(m2.clone())
+    );
+    let (dest2, r) = restore(h, "step200").await;
+    r.unwrap();
+    assert_same_tree(a.path(), dest2.path(), &files_a);
+    assert_same_tree(bdir.path(), dest2.path(), &files_b);
+    assert_eq!(
+        h.archiver.latest(&[]).await.unwrap().as_deref(),
+        Some("step200")
+    );
+
+    // ---- a tag with data but no MANIFEST is partial and never restored
+    upload(h, "step300", "n1", a.path()).await.unwrap();
+    let list = h.archiver.list().await.unwrap();
+    let p = list.iter().find(|i| i.tag == "step300").unwrap();
+    assert_eq!(p.state, CheckpointState::Partial, "{name}");
+    assert!(p.stored_bytes > 0);
+    let (_d, r) = restore(h, "step300").await;
+    assert!(
+        matches!(r, Err(ArchiveError::NotArchived { .. })),
+        "{name}: {r:?}"
+    );
+    assert!(matches!(
+        h.archiver.verify("step300").await,
+        Err(ArchiveError::NotArchived { .. })
+    ));
+    assert_eq!(
+        h.archiver.latest(&[]).await.unwrap().as_deref(),
+        Some("step200"),
+        "{name}"
+    );
+
+    // ---- corruption: one data object overwritten in the store
+    let victim = h.key("step200/data/rank1.bf16");
+    let mut bytes = h
+        .raw
+        .get(&victim)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x55;
+    h.raw.put(&victim, bytes.clone().into()).await.unwrap();
+    let e = h.archiver.verify("step200").await.unwrap_err();
+    assert!(
+        matches!(&e, ArchiveError::Corrupt { damaged, .. } if damaged.len() == 1 && damaged[0].path == "rank1.bf16"),
+        "{name}: {e}"
+    );
+    assert!(e.to_string().contains("rank1.bf16"), "{e}");
+    let (_d, r) = restore(h, "step200").await;
+    let e = r.unwrap_err();
+    assert!(
+        e.to_string().contains("rank1.bf16") && e.is_corrupt(),
+        "{name}: {e}"
+    );
+    // The caller falls back: the newest other intact checkpoint.
+    assert_eq!(
+        h.archiver
+            .latest(&nodes(&["step200"]))
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("step100"),
+        "{name}"
+    );
+    // A truncated object is caught from the listing alone: latest skips the tag by itself.
+    h.raw
+        .put(&victim, bytes[..mid].to_vec().into())
+        .await
+        .unwrap();
+    assert_eq!(
+        h.archiver.latest(&[]).await.unwrap().as_deref(),
+        Some("step100"),
+        "{name}"
+    );
+
+    // ---- a failing multipart upload is aborted, and nothing is published
+    h.fail_parts.store(true, Ordering::Relaxed);
+    let e = upload(h, "step400", "n1", src.path()).await.unwrap_err();
+    h.fail_parts.store(false, Ordering::Relaxed);
+    assert!(
+        e.to_string().contains("injected part failure"),
+        "{name}: {e}"
+    );
+    let big = h.key("step400/data/optim/exp_avg.fp32").to_string();
+    assert!(
+        h.writes().contains(&Write::Aborted(big)),
+        "{name}: {:#?}",
+        h.writes()
+    );
+    assert!(!h.exists("step400/data/optim/exp_avg.fp32").await, "{name}");
+    assert!(!h.exists("step400/parts/n1.json").await, "{name}");
+    assert_eq!(
+        h.archiver
+            .try_publish("step400", &nodes(&["n1"]), job(4))
+            .await
+            .unwrap(),
+        None
+    );
+    // A retry completes it; two nodes racing to publish agree on one MANIFEST (a create-only put
+    // where the store has one — Azurite, file:// — and identical bytes where it does not: Garage).
+    upload(h, "step400", "n1", src.path()).await.unwrap();
+    let one = nodes(&["n1"]);
+    let (x, y) = tokio::join!(
+        h.archiver.try_publish("step400", &one, job(4)),
+        h.archiver.try_publish("step400", &one, job(4))
+    );
+    let (x, y) = (x.unwrap().unwrap(), y.unwrap().unwrap());
+    assert_eq!(x, y, "{name}");
+    assert_eq!(h.archiver.manifest("step400").await.unwrap(), x, "{name}");
+    h.archiver.verify("step400").await.unwrap();
+
+    // ---- the plain agent entry point sees the same archive
+    let plain = open_archive_with(&b.cfg, &b.url, archive_cfg()).unwrap();
+    let mut tags: Vec<(String, CheckpointState)> = plain
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| (i.tag, i.state))
+        .collect();
+    tags.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!(
+        tags,
+        [
+            ("step100".to_string(), CheckpointState::Complete),
+            ("step200".to_string(), CheckpointState::Complete),
+            ("step300".to_string(), CheckpointState::Partial),
+            ("step400".to_string(), CheckpointState::Complete),
+        ],
+        "{name}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_file_system() {
+    conformance(Backend::local()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test cluster: tests/harness/run-e2e.sh"]
+async fn garage_s3() {
+    conformance(Backend::cluster("s3")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test cluster: tests/harness/run-e2e.sh"]
+async fn azurite_blob() {
+    conformance(Backend::cluster("az")).await;
+}
