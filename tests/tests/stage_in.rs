@@ -211,3 +211,22 @@ fn stage_in_from_an_sbatch_directive() {
     let job = cluster.submit(&work, &[], &script);
     assert_staged(&cluster, &job, &out, &[("data", &ds)]);
 }
+
+/// `sbatch --export=NONE` drops the submitter's environment, and with it the copy of the options
+/// Slurm 22.05 hands to slurmstepd; the tasks must still wait for their data and see it.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn stage_in_with_export_none() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    let ds = Dataset::new(&cluster, "stage-export-none", false);
+    let work = cluster.workdir("stage-export-none");
+    let out = work.join("out");
+    let stage_in = format!("--stage-in=data={}", ds.dir.display());
+    let job = cluster.submit(
+        &work,
+        &["-N3", "--export=NONE", &stage_in],
+        &listing_script(&out, &["data"]),
+    );
+    assert_staged(&cluster, &job, &out, &[("data", &ds)]);
+}

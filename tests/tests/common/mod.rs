@@ -684,7 +684,7 @@ pub fn listing_script(out: &Path, names: &[&str]) -> String {
     let names = names.join(" ");
     format!(
         r#"#!/bin/bash
-srun --ntasks-per-node=1 bash -c '
+srun --ntasks-per-node=1 /bin/bash -c '
 set -u
 o="{out}/$SLURMD_NODENAME"
 mkdir -p "$o"
