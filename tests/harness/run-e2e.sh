@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The end-to-end suite in one command: install what is missing, build, bring the test cluster up,
-# run the ignored tests of sluice-e2e one at a time, and always bring the cluster down again.
+# run the workspace's cluster tests (the #[ignore]d ones) one at a time, and always bring the
+# cluster down again.
 #
 #   tests/harness/run-e2e.sh [TEST FILTER...]     e.g. run-e2e.sh stage_in
 #
@@ -29,7 +30,9 @@ trap finish EXIT
 
 "$HARNESS_DIR/cluster.sh" up
 
-log "test: cargo test -p sluice-e2e --no-fail-fast -- --ignored --test-threads=1 $*"
+log "test: cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 $*"
+# Every crate's cluster tests: those are the #[ignore]d ones ("needs the test cluster") — the jobs
+# of sluice-e2e and e.g. the agent's archive conformance suite against Garage and Azurite.
 # No backtraces: a failed e2e test's message carries the evidence (job output, log tails), and a
 # stack of test-helper frames would bury it. --no-fail-fast: report every failing test file.
-(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test -p sluice-e2e --no-fail-fast -- --ignored --test-threads=1 "$@")
+(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 "$@")
