@@ -301,7 +301,7 @@ fn archive_cfg() -> ArchiveConfig {
     ArchiveConfig {
         part_size: 5 << 20,
         concurrency: 8,
-        zstd_level: 3,
+        zstd_level: 1,
         chunk_size: 1 << 20,
         compress_threads: 2,
         bandwidth_limit: None,

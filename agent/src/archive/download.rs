@@ -12,12 +12,14 @@ use super::format;
 use super::manifest::{FileEntry, Manifest, check_rel_path};
 use super::{ArchiveError, ArchiveProgress, Archiver, Damaged};
 use crate::safefs::{self, Owner};
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use object_store::ObjectStoreExt;
 use std::fs::File;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// What [`Archiver::verify`] checked.
@@ -52,6 +54,8 @@ enum WorkError {
     /// The data does not match the manifest: names the file.
     Damaged(String),
     Fatal(ArchiveError),
+    /// Not done: the restore had already failed.
+    Stopped,
 }
 
 /// Splits every file into ranges of whole chunks of about `range_size` stored bytes (at least one
@@ -216,19 +220,26 @@ impl Archiver {
         let outputs: Arc<Vec<Mutex<Option<Arc<File>>>>> =
             Arc::new(files.iter().map(|_| Mutex::new(None)).collect());
         let work = plan(&files, self.cfg.part_size);
+        // Set when restore gives up: work not yet started then does nothing, so no file is created
+        // or written after this function returns (the caller may be removing the tree).
+        let stop = Arc::new(AtomicBool::new(false));
         let results = futures::stream::iter(work)
             .map(|w| {
-                let (files, outputs, sink, progress) = (
+                let (files, outputs, sink, progress, stop) = (
                     files.clone(),
                     outputs.clone(),
                     sink.clone(),
                     progress.clone(),
+                    stop.clone(),
                 );
                 let key = self.data_key(&m.tag, &files[w.file].path);
                 let (store, url, tag) = (self.store.clone(), self.url.clone(), m.tag.clone());
                 async move {
                     let (file, last) = (w.file, w.last_of_file);
                     let outcome = async {
+                        if stop.load(Ordering::Relaxed) {
+                            return Err(WorkError::Stopped);
+                        }
                         let data = if w.range.is_empty() {
                             bytes::Bytes::new()
                         } else {
@@ -245,8 +256,13 @@ impl Archiver {
                                 })?
                         };
                         progress.stored(data.len() as u64);
-                        blocking(move || decode_and_write(&w, &data, &files, &outputs, &sink, &tag))
-                            .await
+                        blocking(move || {
+                            if stop.load(Ordering::Relaxed) {
+                                return Err(WorkError::Stopped);
+                            }
+                            decode_and_write(&w, &data, &files, &outputs, &sink, &tag)
+                        })
+                        .await
                     }
                     .await;
                     (file, last, outcome)
@@ -254,7 +270,27 @@ impl Archiver {
             })
             .buffered(self.cfg.concurrency);
         let mut results = std::pin::pin!(results);
+        let outcome = self
+            .consume(m, &files, &outputs, results.as_mut(), keep_going, &progress)
+            .await;
+        if outcome.is_err() {
+            stop.store(true, Ordering::Relaxed);
+            // Wait for the work in flight (at most `concurrency` ranges) to finish or give up.
+            while results.next().await.is_some() {}
+        }
+        outcome
+    }
 
+    /// Checks the results in order: each file's content hash once its last range is in.
+    async fn consume(
+        &self,
+        m: &Manifest,
+        files: &[FileEntry],
+        outputs: &[Mutex<Option<Arc<File>>>],
+        mut results: Pin<&mut impl Stream<Item = (usize, bool, Result<Vec<Vec<u8>>, WorkError>)>>,
+        keep_going: bool,
+        progress: &ArchiveProgress,
+    ) -> Result<(), ArchiveError> {
         // Results arrive in plan order: file by file, each file's ranges in order.
         let mut damaged: Vec<Damaged> = Vec::new();
         let mut hasher = Some(blake3::Hasher::new());
@@ -263,6 +299,7 @@ impl Archiver {
             let f = &files[file];
             match outcome {
                 Err(WorkError::Fatal(e)) => return Err(e),
+                Err(WorkError::Stopped) => unreachable!("work stops only after consume returned"),
                 Err(WorkError::Damaged(detail)) => {
                     if !keep_going {
                         return Err(self.corrupt_one(&m.tag, &f.path, detail));

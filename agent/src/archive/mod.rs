@@ -23,7 +23,8 @@
 //! did not change while read), several blocking tasks compress chunks ([`format`]), and the async
 //! side assembles frames into objects: one PUT for objects up to the part size, a multipart upload
 //! above it. Requests in flight are bounded by a semaphore, memory by the chunks and parts in flight:
-//! about `(compress_threads + 3) × chunk_size + (concurrency + 1) × part_size`.
+//! about `(2 × compress_threads + 3) × chunk_size + (concurrency + 1) × part_size` (the part size
+//! grows for objects that would otherwise need more than [`MAX_PARTS`] parts).
 //! Restore and verify fetch chunk ranges with parallel ranged GETs and decode them on blocking
 //! threads.
 
@@ -60,7 +61,9 @@ pub struct ArchiveConfig {
     pub part_size: u64,
     /// Requests in flight (uploads, parts, ranged GETs).
     pub concurrency: usize,
-    /// zstd level; 0 turns compression off (every chunk stored raw).
+    /// zstd level; 0 turns compression off (every chunk stored raw). Level 1 is the default: on
+    /// byte-grouped tensors it compresses *better* than 3 (bf16 1.46× vs 1.41×, fp32 1.19× vs
+    /// 1.17×) and faster, because the gain is entropy coding of exponents, not matches.
     pub zstd_level: i32,
     /// Raw bytes per independently compressed chunk: a multiple of 4 KiB, at most 64 MiB.
     pub chunk_size: usize,
@@ -75,12 +78,13 @@ impl Default for ArchiveConfig {
         ArchiveConfig {
             part_size: 16 << 20,
             concurrency: 8,
-            zstd_level: 3,
+            zstd_level: 1,
             chunk_size: 4 << 20,
+            // Background work on a training node: half the cores at most, and no more than 8.
             compress_threads: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(2)
-                .min(16),
+                .map(|n| n.get() / 2)
+                .unwrap_or(1)
+                .clamp(1, 8),
             bandwidth_limit: None,
         }
     }

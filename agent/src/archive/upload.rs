@@ -183,6 +183,14 @@ impl Reader {
 
 pub(super) fn walk_error(tag: &str, e: WalkError) -> ArchiveError {
     match e {
+        // Gone since we listed it: the checkpoint is being rewritten or removed.
+        WalkError::Io {
+            path,
+            errno: nix::errno::Errno::ENOENT,
+        } => ArchiveError::Modified {
+            tag: tag.into(),
+            path,
+        },
         WalkError::Refused { path, reason } => ArchiveError::Refused {
             tag: tag.into(),
             path,
