@@ -6,6 +6,7 @@ use crate::store;
 use object_store::ObjectStore;
 use object_store::local::LocalFileSystem;
 use sluice_proto::options::ObjectScheme;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -124,14 +125,56 @@ pub fn parse_archive_url(url: &str) -> Result<ArchiveLocation, ArchiveError> {
     })
 }
 
+/// A `file://` archive is written by root through paths (object_store's `LocalFileSystem`), so it
+/// must live where only root can change anything: every existing component of `path` a real
+/// directory (no symlink) owned by the agent's user and not writable by others — except sticky
+/// directories such as `/tmp`, where nobody can replace another user's entry. Otherwise a user
+/// could redirect root's writes with a symlink.
+fn check_local_root(path: &std::path::Path) -> Result<(), String> {
+    let me = nix::unistd::geteuid().as_raw();
+    let mut cur = PathBuf::from("/");
+    let mut parts = vec![cur.clone()];
+    for c in path.components().skip(1) {
+        cur.push(c);
+        parts.push(cur.clone());
+    }
+    for p in parts {
+        let st = match std::fs::symlink_metadata(&p) {
+            Ok(st) => st,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(format!("{}: {e}", p.display())),
+        };
+        let refuse = |what: &str| {
+            Err(format!(
+                "{} {what}; the agent writes file:// archives only below directories that only                  root can change (ask your admin for an archive location)",
+                p.display()
+            ))
+        };
+        if st.file_type().is_symlink() {
+            return refuse("is a symbolic link");
+        }
+        if !st.is_dir() {
+            return refuse("is not a directory");
+        }
+        if st.uid() != me {
+            return refuse(&format!("is owned by uid {}", st.uid()));
+        }
+        if st.mode() & 0o022 != 0 && st.mode() & 0o1000 == 0 {
+            return refuse("is writable by other users");
+        }
+    }
+    Ok(())
+}
+
 /// Opens the archive at `url` with the default [`ArchiveConfig`]; see [`open_archive_with`].
 pub fn open_archive(cfg: &Config, url: &str) -> Result<Archiver, ArchiveError> {
     open_archive_with(cfg, url, ArchiveConfig::default())
 }
 
 /// Opens the archive at `url`: object stores through the agent's store profiles
-/// ([`crate::store`]), `file://` as a local directory (created if missing, writes fsynced so "put
-/// returned" means durable, as on object stores).
+/// ([`crate::store`]), `file://` as a local directory in a root-controlled tree (missing
+/// directories are created, mode 0700: users read their archives through the agent; writes are
+/// fsynced so "put returned" means durable, as on object stores).
 pub fn open_archive_with(
     cfg: &Config,
     url: &str,
@@ -141,10 +184,18 @@ pub fn open_archive_with(
     let shown = loc.to_string();
     let store: Arc<dyn ObjectStore> = match &loc.store {
         ArchiveStore::Local(path) => {
-            std::fs::create_dir_all(path).map_err(|e| ArchiveError::BadUrl {
+            let bad = |reason: String| ArchiveError::BadUrl {
                 url: shown.clone(),
-                reason: format!("cannot create {}: {e}", path.display()),
-            })?;
+                reason,
+            };
+            check_local_root(path).map_err(bad)?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(path)
+                .map_err(|e| bad(format!("cannot create {}: {e}", path.display())))?;
+            // Again, now that every component exists: nobody slipped one in meanwhile.
+            check_local_root(path).map_err(bad)?;
             let fs = LocalFileSystem::new_with_prefix(path).map_err(|e| ArchiveError::BadUrl {
                 url: shown.clone(),
                 reason: e.to_string(),
@@ -246,6 +297,9 @@ mod tests {
         .unwrap();
         let a = open_archive(&cfg, &format!("file://{}", dir.display())).unwrap();
         assert!(dir.is_dir());
+        // Created private: users read archives through the agent.
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(dir.metadata().unwrap().permissions().mode() & 0o777, 0o700);
         assert_eq!(a.url(), format!("file://{}", dir.display()));
         let small = ArchiveConfig {
             part_size: 1 << 20,
@@ -253,5 +307,25 @@ mod tests {
         };
         let e = open_archive_with(&cfg, "s3://b/x", small).unwrap_err();
         assert!(e.to_string().contains("5MiB"), "{e}");
+
+        // A directory a user could change is refused: root would follow their symlinks.
+        let open = |p: &std::path::Path| open_archive(&cfg, &format!("file://{}", p.display()));
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        let e = open(&link.join("x")).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        let shared = tmp.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = open(&shared.join("x")).unwrap_err();
+        assert!(e.to_string().contains("writable by other users"), "{e}");
+        assert!(!shared.join("x").exists());
+        if nix::unistd::geteuid().is_root() {
+            let users = tmp.path().join("users");
+            std::fs::create_dir(&users).unwrap();
+            std::os::unix::fs::lchown(&users, Some(4242), None).unwrap();
+            let e = open(&users.join("x")).unwrap_err();
+            assert!(e.to_string().contains("owned by uid 4242"), "{e}");
+        }
     }
 }
