@@ -334,6 +334,16 @@ pub struct CheckpointInfo {
     pub nodes: Vec<String>,
 }
 
+/// An upload bandwidth cap (bytes per second) that several archivers can share.
+#[derive(Debug, Clone)]
+pub struct Bandwidth(Arc<Throttle>);
+
+impl Bandwidth {
+    pub fn new(bytes_per_second: u64) -> Bandwidth {
+        Bandwidth(Arc::new(Throttle::new(bytes_per_second)))
+    }
+}
+
 /// Archives checkpoints under one base prefix of one object store, and restores them.
 #[derive(Debug, Clone)]
 pub struct Archiver {
@@ -403,6 +413,13 @@ impl Archiver {
             throttle: cfg.bandwidth_limit.map(|r| Arc::new(Throttle::new(r))),
             cfg,
         })
+    }
+
+    /// Shares one bandwidth cap among archivers (all the archives of a node), instead of the
+    /// per-archiver one `bandwidth_limit` sets.
+    pub fn with_bandwidth(mut self, cap: &Bandwidth) -> Archiver {
+        self.throttle = Some(cap.0.clone());
+        self
     }
 
     pub fn url(&self) -> &str {

@@ -268,6 +268,22 @@ async fn bandwidth_cap_limits_upload_rate() {
     );
     assert!(elapsed >= min, "{elapsed} s < {min} s");
     assert!(elapsed < min + 3.0, "{elapsed} s for a minimum of {min} s");
+
+    // Two archivers sharing one node-wide cap upload at the rate together, not each.
+    let cap = Bandwidth::new(rate);
+    let x = archiver(store.clone(), small_cfg()).with_bandwidth(&cap);
+    let y = Archiver::new(store.clone(), "bob/run2", small_cfg())
+        .unwrap()
+        .with_bandwidth(&cap);
+    let t0 = tokio::time::Instant::now();
+    let (px, py) = tokio::join!(
+        upload(&x, "step4", "n1", src.path()),
+        upload(&y, "step4", "n1", src.path())
+    );
+    let elapsed = t0.elapsed().as_secs_f64();
+    let both = px.unwrap().stored_bytes() + py.unwrap().stored_bytes();
+    let min = (both - 2 * small_cfg().part_size) as f64 / rate as f64;
+    assert!(elapsed >= min, "{elapsed} s < {min} s");
 }
 
 #[test]
