@@ -525,6 +525,8 @@ async fn suite(b: &Backend, h: &Harness) {
         ("optim/exp_avg.fp32", fp32(2_500_000, 2)), // 10 MiB: above the 5 MiB part size
         ("optim/step", b"100\n".to_vec()),
         ("empty", Vec::new()),
+        // What torch.distributed.checkpoint writes last: a dot file.
+        ("dcp/.metadata", b"dcp metadata".to_vec()),
         (
             "nested/deeper/still/config.json",
             b"{\"lr\": 0.0001}\n".to_vec(),
