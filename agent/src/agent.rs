@@ -6,7 +6,7 @@
 
 use crate::config::Config;
 use crate::job::Job;
-use crate::journal::{JobRecord, Journal, RECORD_VERSION};
+use crate::journal::{CkptRecord, JobRecord, Journal, RECORD_VERSION};
 use crate::safefs::{self, Owner};
 use crate::stage::{self, StageCtx};
 use sluice_proto::msg::{
@@ -42,8 +42,12 @@ const MAX_OPTION_PAIRS: usize = 32;
 pub struct Agent {
     pub cfg: Arc<Config>,
     jobs: Mutex<HashMap<JobId, Arc<Job>>>,
-    journal: Journal,
+    pub(crate) journal: Journal,
     pub tracker: TaskTracker,
+    /// Cancelled when the agent stops: background workers return (their work resumes from the journal).
+    pub(crate) stopping: tokio_util::sync::CancellationToken,
+    /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
+    pub(crate) bandwidth: Option<crate::archive::Bandwidth>,
     /// The `sluiced` binary that runs `copy-as-user` (the running executable, unless a test says otherwise).
     helper_exe: std::path::PathBuf,
 }
@@ -111,7 +115,10 @@ impl Agent {
             path: "/proc/self/exe".into(),
             source,
         })?;
+        let bandwidth = cfg.ckpt.bandwidth_limit.map(crate::archive::Bandwidth::new);
         Ok(Arc::new(Agent {
+            stopping: tokio_util::sync::CancellationToken::new(),
+            bandwidth,
             cfg,
             jobs: Mutex::new(HashMap::new()),
             journal,
@@ -134,22 +141,24 @@ impl Agent {
     /// Stops all staging (it resumes from the journal when the agent starts again). Call before exit
     /// and wait for [`Agent::tracker`] so no copy helper outlives the agent.
     pub fn shutdown(&self) {
+        self.stopping.cancel();
         for job in self.jobs().values() {
             job.cancel.cancel();
         }
         self.tracker.close();
     }
 
-    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
+    pub(crate) fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
         self.jobs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn job(&self, job_id: JobId) -> Option<Arc<Job>> {
+    pub(crate) fn job(&self, job_id: JobId) -> Option<Arc<Job>> {
         self.jobs().get(&job_id).cloned()
     }
 
     /// Resumes the jobs recorded in the journal: staging that was cut short starts again; jobs that
-    /// were already staged stay as they are (their tasks may be using the data).
+    /// were already staged stay as they are (their tasks may be using the data); pending checkpoint
+    /// archives continue.
     pub fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
         let (records, bad) = self.journal.load()?;
         for e in bad {
@@ -160,9 +169,11 @@ impl Agent {
             tracing::info!(
                 job_id = r.start.job_id,
                 ready = r.ready,
+                ended = r.ended,
                 "recovering job from the journal"
             );
-            self.register(r.start, r.started_at, !r.ready, r.ready);
+            let url = Ok(r.archive_url.clone());
+            self.register(r, url, false);
         }
         Ok(n)
     }
@@ -172,6 +183,8 @@ impl Agent {
         JobDirs {
             stage_dir: base.join("stage").display().to_string(),
             ckpt_dir: base.join("ckpt").display().to_string(),
+            restored_tag: None,
+            notes: Vec::new(),
         }
     }
 
@@ -203,6 +216,16 @@ impl Agent {
                 Err(e) => Response::Error(e),
             },
             Request::Status => Response::Status(self.status(peer).await),
+            Request::CkptCommit { job_id, tag } => match self.authorised_job(peer, job_id) {
+                Ok(job) => self.ckpt_commit(&job, &tag).await,
+                Err(e) => Response::Error(e),
+            },
+            Request::CkptList { job_id } => match self.authorised_job(peer, job_id) {
+                Ok(job) => Response::Ckpts {
+                    ckpts: job.ckpt_statuses(),
+                },
+                Err(e) => Response::Error(e),
+            },
         }
     }
 
@@ -238,19 +261,26 @@ impl Agent {
             );
         }
         if let Some(existing) = self.job(start.job_id) {
-            if existing.state() != JobState::Ended && existing.start == start {
+            if existing.state() != JobState::Ended
+                && !existing.is_ended()
+                && existing.start == start
+            {
                 return Response::Ok; // a repeated prolog: idempotent
             }
         }
-        let started_at = now();
+        let archive_url = self.resolve_archive(&start).await;
         let record = JobRecord {
             version: RECORD_VERSION,
-            start: start.clone(),
-            started_at,
+            start,
+            started_at: now(),
             ready: false,
+            ended: false,
+            archive_url: archive_url.clone().ok().flatten(),
+            ckpts: Vec::new(),
         };
         let journal = self.journal.clone();
-        if let Err(e) = blocking(move || journal.save(&record)).await {
+        let saved = record.clone();
+        if let Err(e) = blocking(move || journal.save(&saved)).await {
             tracing::error!("{e}");
             return reply(
                 ErrorCode::Internal,
@@ -260,12 +290,48 @@ impl Agent {
                 ),
             );
         }
-        self.register(start, started_at, true, false);
+        self.register(record, archive_url, true);
         Response::Ok
     }
 
-    /// Puts a job in the table and starts its staging (or marks it ready after a restart).
-    fn register(self: &Arc<Self>, start: JobStart, started_at: u64, fresh_dirs: bool, ready: bool) {
+    /// The job's archive URL under the site's policy (`Err` = refused, with the reason).
+    async fn resolve_archive(&self, start: &JobStart) -> Result<Option<String>, String> {
+        let lookup = |name: &str| {
+            start
+                .options
+                .iter()
+                .rev()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        let requested = match lookup(options::names::CKPT_ARCHIVE)
+            .map(|v| options::parse_ckpt_archive(&v))
+            .transpose()
+        {
+            Ok(r) => r,
+            Err(e) => return Err(e.to_string()),
+        };
+        let (user, gid) = (start.user.clone(), start.gid);
+        let groups = blocking(move || user_groups(&user, gid)).await;
+        crate::ckpt::resolve_archive(
+            &self.cfg.ckpt,
+            requested.as_deref(),
+            &start.user,
+            &groups,
+            start.job_id,
+            &start.job_name,
+        )
+    }
+
+    /// Puts a job in the table; starts its staging and restore (unless a recovered job was already
+    /// staged or ended) and its checkpoint worker.
+    fn register(
+        self: &Arc<Self>,
+        record: JobRecord,
+        archive_url: Result<Option<String>, String>,
+        fresh_dirs: bool,
+    ) {
+        let start = record.start.clone();
         let lookup = |name: &str| {
             start
                 .options
@@ -279,22 +345,41 @@ impl Agent {
             start.clone(),
             options,
             self.dirs(start.job_id),
-            started_at,
+            record.started_at,
+            archive_url,
+            self.cfg.ckpt.keep,
         ));
+        for c in &record.ckpts {
+            let entry = Arc::new(crate::ckpt::CkptEntry::new(&c.tag, c.committed_at));
+            if let Some(at) = c.archived_at {
+                entry.set_archived(at);
+            }
+            entry.set_on_hot(c.on_hot);
+            job.ckpts.insert(entry);
+        }
+        if record.ended {
+            job.ended.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         {
             let mut jobs = self.jobs();
             if let Some(old) = jobs.insert(start.job_id, job.clone()) {
                 old.cancel.cancel();
+                old.ended.store(true, std::sync::atomic::Ordering::Relaxed);
+                old.ckpts.wake.notify_one();
             }
             prune_ended(&mut jobs);
         }
-        if ready {
+        if record.ready || record.ended {
             job.set_ready();
-            return;
+        } else {
+            let this = self.clone();
+            let j = job.clone();
+            self.tracker
+                .spawn(async move { this.run_job(j, fresh_dirs).await });
         }
         let this = self.clone();
         self.tracker
-            .spawn(async move { this.run_job(job, fresh_dirs).await });
+            .spawn(async move { this.ckpt_worker(job).await });
     }
 
     async fn run_job(self: Arc<Self>, job: Arc<Job>, fresh_dirs: bool) {
@@ -304,6 +389,9 @@ impl Agent {
             Ok(o) => o.clone(),
             Err(m) => return job.set_failed(format!("invalid sluice option: {m}")),
         };
+        if let Err(m) = &job.archive_url {
+            return job.set_failed(m.clone());
+        }
         if options.stage_tier == StageTier::Shared {
             return job.set_failed("--stage-tier=shared: no shared tier is configured on this cluster; use --stage-tier=local".into());
         }
@@ -315,9 +403,9 @@ impl Agent {
             gid: job.start.gid,
         };
         let hot_root = self.cfg.hot_root.clone();
-        let stage_fd =
+        let (stage_fd, ckpt_fd) =
             match blocking(move || prepare_job_dirs(&hot_root, job_id, owner, fresh_dirs)).await {
-                Ok(fd) => Arc::new(fd),
+                Ok((s, c)) => (Arc::new(s), Arc::new(c)),
                 Err(e) => {
                     tracing::error!(job_id, "preparing job directories: {e}");
                     return job.set_failed(format!(
@@ -334,32 +422,42 @@ impl Agent {
             helper_exe: self.helper_exe.clone(),
             cancel: job.cancel.child_token(),
         };
-        let all = futures::future::try_join_all(
+        let staging = futures::future::try_join_all(
             options
                 .stage_in
                 .iter()
                 .zip(&job.stages)
                 .map(|(spec, progress)| stage::stage(&ctx, spec, progress.clone())),
         );
+        let staging = async {
+            staging
+                .await
+                .map(drop)
+                .map_err(|e| format!("stage-in failed on node {node}: {e}"))
+        };
+        let restoring = async {
+            match (&options.ckpt_restore, job.archive_url.clone().ok().flatten()) {
+                (None, _) => Ok(()),
+                (Some(_), None) => Err("--ckpt-restore needs --ckpt-archive (or an admin default archive) to restore from".to_string()),
+                (Some(which), Some(url)) => {
+                    let (tag, notes) = self.restore_ckpt(&job, &url, which, ckpt_fd.clone()).await?;
+                    job.set_restored(Some(tag), notes);
+                    self.persist(&job).await;
+                    Ok(())
+                }
+            }
+        };
         let limit = self.cfg.stage.timeout;
-        match tokio::time::timeout(limit, all).await {
+        match tokio::time::timeout(limit, futures::future::try_join(staging, restoring)).await {
             Ok(Ok(_)) => {
                 tracing::info!(job_id, "staged {} dataset(s)", options.stage_in.len());
                 job.set_ready();
-                let record = JobRecord {
-                    version: RECORD_VERSION,
-                    start: job.start.clone(),
-                    started_at: job.started_at,
-                    ready: true,
-                };
-                let journal = self.journal.clone();
-                if let Err(e) = blocking(move || journal.save(&record)).await {
-                    tracing::error!(job_id, "{e}");
-                }
+                self.persist(&job).await;
             }
             Ok(Err(e)) => {
-                tracing::warn!(job_id, "staging failed: {e}");
-                job.set_failed(format!("stage-in failed on node {node}: {e}"));
+                tracing::warn!(job_id, "{e}");
+                job.cancel.cancel();
+                job.set_failed(e);
             }
             Err(_) => {
                 job.cancel.cancel();
@@ -371,49 +469,104 @@ impl Agent {
         }
     }
 
-    async fn job_end(self: &Arc<Self>, job_id: JobId) -> Response {
-        let job = self.job(job_id);
-        if let Some(job) = &job {
-            job.cancel.cancel();
+    /// Writes the job's current record to the journal (errors are logged: the in-memory state stays
+    /// authoritative until the next successful write).
+    pub(crate) async fn persist(&self, job: &Job) {
+        let record = JobRecord {
+            version: RECORD_VERSION,
+            start: job.start.clone(),
+            started_at: job.started_at,
+            ready: job.state() == JobState::Ready,
+            ended: job.is_ended(),
+            archive_url: job.archive_url.clone().ok().flatten(),
+            ckpts: job
+                .ckpts
+                .entries()
+                .iter()
+                .map(|e| CkptRecord {
+                    tag: e.tag.clone(),
+                    committed_at: e.committed_at,
+                    archived_at: e.archived_at(),
+                    on_hot: e.on_hot(),
+                })
+                .collect(),
+        };
+        let journal = self.journal.clone();
+        if let Err(e) = blocking(move || journal.save(&record)).await {
+            tracing::error!(job_id = job.start.job_id, "{e}");
         }
-        // Clean up in a task of its own: it finishes even if the epilog gives up waiting.
-        let this = self.clone();
-        let cleanup = self.tracker.spawn(async move {
-            let hot_root = this.cfg.hot_root.clone();
+    }
+
+    /// Forgets a finished job on disk (its journal record).
+    pub(crate) async fn forget(&self, job_id: JobId) {
+        let journal = self.journal.clone();
+        if let Err(e) = blocking(move || journal.remove(job_id)).await {
+            tracing::error!(job_id, "{e}");
+        }
+    }
+
+    /// Ends a job on this node: stops staging, removes the staged data at once, then gives pending
+    /// checkpoint archives up to `ckpt.epilog_wait`; the checkpoint worker finishes the rest (trim,
+    /// removal of the job directory) in the background.
+    async fn job_end(self: &Arc<Self>, job_id: JobId) -> Response {
+        let Some(job) = self.job(job_id) else {
+            // Unknown (e.g. the agent lost its state): remove whatever the job left.
+            let hot_root = self.cfg.hot_root.clone();
             let removed = blocking(move || {
                 let root = safefs::open_root_dir(&hot_root)?;
                 let jobs = safefs::open_dir(&root, "jobs")?;
                 safefs::remove_tree(&jobs, &job_id.to_string())
             })
             .await;
-            match &removed {
-                Ok(r) if r.failed > 0 => tracing::warn!(
-                    job_id,
-                    "{} entries of the job directory could not be removed",
-                    r.failed
+            return match removed {
+                Ok(_) => Response::Ok,
+                Err(e) => reply(
+                    ErrorCode::Internal,
+                    format!(
+                        "removing job {job_id}'s data on node {}: {e}",
+                        self.cfg.node
+                    ),
                 ),
-                Ok(r) => tracing::info!(
-                    job_id,
-                    "job ended; removed {} entries from the hot tier",
-                    r.entries
-                ),
-                Err(e) => tracing::error!(job_id, "removing the job directory: {e}"),
-            }
-            let journal = this.journal.clone();
-            if let Err(e) = blocking(move || journal.remove(job_id)).await {
-                tracing::error!(job_id, "{e}");
-            }
-            if let Some(job) = this.job(job_id) {
-                job.set_ended();
-            }
-            removed
-        });
-        match cleanup.await {
+            };
+        };
+        job.cancel.cancel();
+        job.ended.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Staged data goes now, in a task of its own so that it finishes even if the epilog gives up.
+        let hot_root = self.cfg.hot_root.clone();
+        let removed = self
+            .tracker
+            .spawn(blocking(move || {
+                let root = safefs::open_root_dir(&hot_root)?;
+                let jobs = safefs::open_dir(&root, "jobs")?;
+                match safefs::open_dir(&jobs, &job_id.to_string()) {
+                    Ok(dir) => safefs::remove_tree(&dir, "stage"),
+                    Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => {
+                        Ok(Default::default())
+                    }
+                    Err(e) => Err(e),
+                }
+            }))
+            .await;
+        match &removed {
+            Ok(Ok(r)) => tracing::info!(job_id, "job ended; removed {} staged entries", r.entries),
+            Ok(Err(e)) => tracing::error!(job_id, "removing staged data: {e}"),
+            Err(e) => tracing::error!(job_id, "removing staged data: {e}"),
+        }
+        self.persist(&job).await;
+        job.ckpts.wake.notify_one();
+        // Wait (bounded) until the checkpoint worker finished: archives done and the job cleaned up.
+        let mut rx = job.subscribe();
+        let _ = tokio::time::timeout(
+            self.cfg.ckpt.epilog_wait,
+            rx.wait_for(|s| *s == JobState::Ended),
+        )
+        .await;
+        match removed {
             Ok(Ok(_)) => Response::Ok,
             Ok(Err(e)) => reply(
                 ErrorCode::Internal,
                 format!(
-                    "removing job {job_id}'s data on node {}: {e}",
+                    "removing job {job_id}'s staged data on node {}: {e}",
                     self.cfg.node
                 ),
             ),
@@ -441,7 +594,7 @@ impl Agent {
         let node = &self.cfg.node;
         match waited {
             Ok(Ok(state)) => match *state {
-                JobState::Ready => Response::Ready(job.dirs.clone()),
+                JobState::Ready => Response::Ready(job.task_dirs()),
                 JobState::Failed => reply(
                     ErrorCode::StageFailed,
                     job.error().unwrap_or_else(|| "stage-in failed".into()),
@@ -553,7 +706,7 @@ fn prepare_job_dirs(
     job_id: JobId,
     owner: Owner,
     fresh: bool,
-) -> Result<OwnedFd, safefs::SafeFsError> {
+) -> Result<(OwnedFd, OwnedFd), safefs::SafeFsError> {
     let root = safefs::open_root_dir(hot_root)?;
     let jobs = safefs::open_dir(&root, "jobs")?;
     let name = job_id.to_string();
@@ -565,8 +718,25 @@ fn prepare_job_dirs(
     };
     safefs::remove_tree(&job_dir, "stage")?;
     let stage = safefs::create_dir(&job_dir, "stage", Some(owner), 0o755)?;
-    safefs::ensure_dir(&job_dir, "ckpt", Some(owner), 0o755)?;
-    Ok(stage)
+    let ckpt = safefs::ensure_dir(&job_dir, "ckpt", Some(owner), 0o755)?;
+    Ok((stage, ckpt))
+}
+
+/// Names of the groups `user` belongs to (for the archive allow-list). Empty if unknown.
+fn user_groups(user: &str, gid: u32) -> Vec<String> {
+    let Ok(name) = std::ffi::CString::new(user) else {
+        return Vec::new();
+    };
+    nix::unistd::getgrouplist(&name, nix::unistd::Gid::from_raw(gid))
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|g| {
+            nix::unistd::Group::from_gid(g)
+                .ok()
+                .flatten()
+                .map(|g| g.name)
+        })
+        .collect()
 }
 
 fn prune_ended(jobs: &mut HashMap<JobId, Arc<Job>>) {

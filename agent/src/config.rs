@@ -24,7 +24,37 @@ struct RawConfig {
     #[serde(default)]
     stage: RawStage,
     #[serde(default)]
+    ckpt: RawCkpt,
+    #[serde(default)]
     store: Vec<StoreProfile>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCkpt {
+    default_archive: Option<String>,
+    keep: Option<u32>,
+    scan_interval: Option<String>,
+    epilog_wait: Option<String>,
+    part_size: Option<String>,
+    concurrency: Option<usize>,
+    zstd_level: Option<i32>,
+    bandwidth_limit: Option<String>,
+    high_water: Option<u8>,
+    #[serde(default)]
+    allow: Vec<AllowRule>,
+}
+
+/// An archive prefix some users or groups may write to. `{user}` is replaced by the job's user.
+/// With no `users` and no `groups`, the rule applies to everyone.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AllowRule {
+    pub prefix: String,
+    #[serde(default)]
+    pub users: Vec<String>,
+    #[serde(default)]
+    pub groups: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -77,6 +107,28 @@ pub struct StageConfig {
     pub timeout: Duration,
 }
 
+/// Checkpoint archiving and retention.
+#[derive(Debug, Clone)]
+pub struct CkptConfig {
+    /// Archive URL for jobs without `--ckpt-archive`; `{user}`, `{job_id}`, `{job_name}` are replaced.
+    pub default_archive: Option<String>,
+    /// Prefixes archives may use; empty = any.
+    pub allow: Vec<AllowRule>,
+    /// Default `--ckpt-keep`.
+    pub keep: u32,
+    /// How often checkpoint directories are rescanned for frameworks' completion signals.
+    pub scan_interval: Duration,
+    /// How long job end waits for pending archives before leaving them to the agent.
+    pub epilog_wait: Duration,
+    pub part_size: u64,
+    pub concurrency: usize,
+    pub zstd_level: i32,
+    /// Bytes per second for archive uploads on this node; `None` = unlimited.
+    pub bandwidth_limit: Option<u64>,
+    /// Percent of the hot tier's size above which archived checkpoints of ended jobs are trimmed.
+    pub high_water: u8,
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub node: String,
@@ -84,7 +136,14 @@ pub struct Config {
     pub state_dir: PathBuf,
     pub hot_root: PathBuf,
     pub stage: StageConfig,
+    pub ckpt: CkptConfig,
     pub stores: Vec<StoreProfile>,
+}
+
+fn duration(what: &str, v: Option<&str>, default: Duration) -> Result<Duration, String> {
+    v.map(|t| humantime::parse_duration(t).map_err(|e| format!("{what} '{t}': {e}")))
+        .transpose()
+        .map(|d| d.unwrap_or(default))
 }
 
 /// Parses a size such as `16MiB`, `1GB`, `4096`.
@@ -195,12 +254,79 @@ impl Config {
                 ));
             }
         }
+        let c = &raw.ckpt;
+        let ckpt = CkptConfig {
+            default_archive: c.default_archive.clone(),
+            allow: c.allow.clone(),
+            keep: c.keep.unwrap_or(2),
+            scan_interval: duration(
+                "ckpt.scan_interval",
+                c.scan_interval.as_deref(),
+                Duration::from_secs(2),
+            )?,
+            epilog_wait: duration(
+                "ckpt.epilog_wait",
+                c.epilog_wait.as_deref(),
+                Duration::from_secs(20),
+            )?,
+            part_size: c
+                .part_size
+                .as_deref()
+                .map(parse_size)
+                .transpose()?
+                .unwrap_or(16 << 20),
+            concurrency: c.concurrency.unwrap_or(8),
+            zstd_level: c.zstd_level.unwrap_or(1),
+            bandwidth_limit: c
+                .bandwidth_limit
+                .as_deref()
+                .map(parse_size)
+                .transpose()?
+                .filter(|b| *b > 0),
+            high_water: c.high_water.unwrap_or(90),
+        };
+        if !(1..=1000).contains(&ckpt.keep) {
+            return Err(format!("ckpt.keep must be 1..=1000, got {}", ckpt.keep));
+        }
+        if !(5 << 20..=5 << 30).contains(&ckpt.part_size) {
+            return Err(format!(
+                "ckpt.part_size must be between 5MiB (S3's minimum part) and 5GiB, got {}",
+                ckpt.part_size
+            ));
+        }
+        if !(1..=256).contains(&ckpt.concurrency) {
+            return Err(format!(
+                "ckpt.concurrency must be 1..=256, got {}",
+                ckpt.concurrency
+            ));
+        }
+        if !(1..=22).contains(&ckpt.zstd_level) {
+            return Err(format!(
+                "ckpt.zstd_level must be 1..=22, got {}",
+                ckpt.zstd_level
+            ));
+        }
+        if !(1..=100).contains(&ckpt.high_water) {
+            return Err(format!(
+                "ckpt.high_water must be a percentage 1..=100, got {}",
+                ckpt.high_water
+            ));
+        }
+        for rule in &ckpt.allow {
+            if !rule.prefix.contains("://") {
+                return Err(format!(
+                    "ckpt.allow prefix '{}' must be a URL prefix such as s3://ckpt/{{user}}/",
+                    rule.prefix
+                ));
+            }
+        }
         Ok(Config {
             node: node.to_string(),
             socket: abs("agent.socket", substitute(&raw.agent.socket, node))?,
             state_dir: abs("agent.state_dir", substitute(&raw.agent.state_dir, node))?,
             hot_root: abs("hot_tier.root", substitute(&raw.hot_tier.root, node))?,
             stage,
+            ckpt,
             stores: raw.store,
         })
     }

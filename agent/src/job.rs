@@ -1,5 +1,6 @@
 //! One job on this node: its identity, directories, staging progress and state.
 
+use crate::ckpt::JobCkpts;
 use crate::stage::Progress;
 use sluice_proto::msg::{JobDirs, JobStart, JobState, JobStatus};
 use sluice_proto::options::JobOptions;
@@ -18,6 +19,14 @@ pub struct Job {
     error: Mutex<Option<String>>,
     /// Cancelled when the job ends: stops its staging.
     pub cancel: CancellationToken,
+    /// Where committed checkpoints are archived (`Ok(None)`: nowhere configured; `Err`: refused by policy).
+    pub archive_url: Result<Option<String>, String>,
+    /// Committed checkpoints kept on the hot tier once archived.
+    pub keep: u32,
+    pub ckpts: JobCkpts,
+    /// Set by the epilog; the checkpoint worker then finishes pending archives and cleans up.
+    pub ended: std::sync::atomic::AtomicBool,
+    restored: Mutex<(Option<String>, Vec<String>)>,
 }
 
 impl Job {
@@ -26,7 +35,14 @@ impl Job {
         options: Result<JobOptions, String>,
         dirs: JobDirs,
         started_at: u64,
+        archive_url: Result<Option<String>, String>,
+        default_keep: u32,
     ) -> Job {
+        let keep = options
+            .as_ref()
+            .ok()
+            .and_then(|o| o.ckpt_keep)
+            .unwrap_or(default_keep);
         let stages = match &options {
             Ok(o) => o
                 .stage_in
@@ -45,6 +61,11 @@ impl Job {
             state,
             error: Mutex::new(None),
             cancel: CancellationToken::new(),
+            archive_url,
+            keep,
+            ckpts: JobCkpts::default(),
+            ended: std::sync::atomic::AtomicBool::new(false),
+            restored: Mutex::new((None, Vec::new())),
         }
     }
 
@@ -69,6 +90,29 @@ impl Job {
         self.state.send_replace(JobState::Failed);
     }
 
+    pub fn is_ended(&self) -> bool {
+        self.ended.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Records what `--ckpt-restore` placed in the checkpoint directory, and notes for the job output.
+    pub fn set_restored(&self, tag: Option<String>, notes: Vec<String>) {
+        *self.restored.lock().unwrap_or_else(|e| e.into_inner()) = (tag, notes);
+    }
+
+    /// The directories, restored tag and notes the job's tasks get.
+    pub fn task_dirs(&self) -> JobDirs {
+        let (tag, notes) = self
+            .restored
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        JobDirs {
+            restored_tag: tag,
+            notes,
+            ..self.dirs.clone()
+        }
+    }
+
     pub fn set_ended(&self) {
         self.state.send_replace(JobState::Ended);
     }
@@ -85,6 +129,16 @@ impl Job {
             stages: self.stages.iter().map(|p| p.snapshot()).collect(),
             started_at: self.started_at,
             error: self.error(),
+            ckpts: self.ckpt_statuses(),
         }
+    }
+
+    pub fn ckpt_statuses(&self) -> Vec<sluice_proto::msg::CkptStatus> {
+        let url = self.archive_url.clone().ok().flatten().unwrap_or_default();
+        self.ckpts
+            .entries()
+            .iter()
+            .map(|e| e.status(&url))
+            .collect()
     }
 }

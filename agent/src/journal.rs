@@ -30,6 +30,23 @@ pub struct JobRecord {
     /// Staging finished: after a restart the staged data is in use and must not be staged again.
     #[serde(default)]
     pub ready: bool,
+    /// The job ended; the record stays while checkpoints are pending or retained on the hot tier.
+    #[serde(default)]
+    pub ended: bool,
+    /// The archive URL resolved when the job started (stable even if the config changes).
+    #[serde(default)]
+    pub archive_url: Option<String>,
+    /// Committed checkpoints of the job on this node.
+    #[serde(default)]
+    pub ckpts: Vec<CkptRecord>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CkptRecord {
+    pub tag: String,
+    pub committed_at: u64,
+    pub archived_at: Option<u64>,
+    pub on_hot: bool,
 }
 
 /// Writes `data` to `path` so that after a crash the file holds either the old or the new content.
@@ -159,10 +176,14 @@ mod tests {
                 user: "alice".into(),
                 node: "n1".into(),
                 nodes: vec!["n1".into()],
+                job_name: "train".into(),
                 options: vec![("stage-in".into(), "/data".into())],
             },
             started_at: 1,
             ready: false,
+            ended: false,
+            archive_url: None,
+            ckpts: Vec::new(),
         }
     }
 

@@ -8,6 +8,8 @@
 
 pub mod agent;
 pub mod archive;
+pub mod ckpt;
+mod ckpt_worker;
 pub mod config;
 pub mod job;
 pub mod journal;

@@ -126,7 +126,11 @@ pub fn ensure_dir(dir: impl AsFd, name: &str, owner: Option<Owner>, mode: u32) -
             let fd = open_dir(dir, name)?;
             if let Some(owner) = owner {
                 let st = fstat(&fd).map_err(sys("stat", name))?;
-                if st.st_uid != owner.uid {
+                // Root-owned: another of our own tasks made it a moment ago and has not chowned it
+                // yet (a user can neither create nor move a root-owned directory into the job tree).
+                if st.st_uid == 0 && owner.uid != 0 {
+                    finish_dir(&fd, name, Some(owner), mode)?;
+                } else if st.st_uid != owner.uid {
                     return Err(SafeFsError::Sys {
                         op: "use existing directory",
                         path: name.to_string(),
@@ -297,6 +301,32 @@ mod tests {
             check_component(".."),
             Err(SafeFsError::BadPath(_))
         ));
+    }
+
+    #[test]
+    fn a_directory_being_created_by_another_task_is_adopted() {
+        if !nix::unistd::geteuid().is_root() {
+            return; // chown needs root, as in the agent
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let root = open_root_dir(tmp.path()).unwrap();
+        let owner = Owner {
+            uid: 65534,
+            gid: 65534,
+        };
+        // The race: task A made `d` as root and has not chowned it yet when task B arrives.
+        std::fs::create_dir(tmp.path().join("d")).unwrap();
+        let d = ensure_dir(&root, "d", Some(owner), 0o755).unwrap();
+        assert_eq!(fstat(&d).unwrap().st_uid, 65534);
+        // Another user's directory is still refused.
+        std::fs::create_dir(tmp.path().join("e")).unwrap();
+        std::os::unix::fs::chown(tmp.path().join("e"), Some(1234), None).unwrap();
+        assert_eq!(
+            ensure_dir(&root, "e", Some(owner), 0o755)
+                .unwrap_err()
+                .errno(),
+            Some(Errno::EPERM)
+        );
     }
 
     #[test]

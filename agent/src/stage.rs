@@ -51,6 +51,10 @@ pub enum StageError {
         count: u64,
         example: String,
     },
+    #[error(
+        "{dataset} holds object keys with '.' or '..' segments, which cannot be file names; it was not staged — rename those objects"
+    )]
+    UnsafeKeys { dataset: String },
     #[error("staging {dataset} was cancelled (the job ended or the agent stopped)")]
     Cancelled { dataset: String },
 }
@@ -233,6 +237,20 @@ fn origin_error(source: &str, e: object_store::Error) -> StageError {
         | object_store::Error::Unauthenticated { source: s, .. } => StageError::Denied {
             dataset: source.to_string(),
             detail: s.to_string(),
+        },
+        // A missing bucket or container is the user's mistake, like a missing prefix; the store's
+        // raw XML reply helps nobody.
+        object_store::Error::Generic { source: s, .. }
+            if ["NoSuchBucket", "ContainerNotFound", "NoSuchContainer"]
+                .iter()
+                .any(|c| s.to_string().contains(c)) =>
+        {
+            StageError::NotFound {
+                dataset: source.to_string(),
+            }
+        }
+        object_store::Error::InvalidPath { .. } => StageError::UnsafeKeys {
+            dataset: source.to_string(),
         },
         other => StageError::Origin {
             dataset: source.to_string(),

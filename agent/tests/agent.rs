@@ -34,7 +34,8 @@ async fn start(tmp: tempfile::TempDir) -> TestAgent {
     let root = tmp.path().to_path_buf();
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
     let cfg = format!(
-        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n",
+        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
+         [ckpt]\nscan_interval = '200ms'\nepilog_wait = '20s'\npart_size = '5MiB'\n",
         r = root.display()
     );
     let cfg = Arc::new(Config::parse(&cfg, "n1").unwrap());
@@ -112,6 +113,7 @@ fn job_start(job_id: u32, stage_in: &str) -> Request {
         user: "nobody".into(),
         node: "n1".into(),
         nodes: vec!["n1".into()],
+        job_name: "test".into(),
         options: vec![("stage-in".into(), stage_in.into())],
     })
 }
@@ -334,4 +336,236 @@ async fn a_restarted_agent_resumes_staging_from_its_journal() {
         "journal record left behind"
     );
     t2.stop().await;
+}
+
+fn ckpt_job(job_id: u32, archive: &str, extra: &[(&str, &str)]) -> Request {
+    let mut options = vec![("ckpt-archive".to_string(), archive.to_string())];
+    options.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    Request::JobStart(JobStart {
+        job_id,
+        uid: NOBODY,
+        gid: NOBODY,
+        user: "nobody".into(),
+        node: "n1".into(),
+        nodes: vec!["n1".into()],
+        job_name: "train".into(),
+        options,
+    })
+}
+
+/// Writes a checkpoint directory as the job user would (owned by the user).
+fn write_ckpt(dir: &Path, tag: &str, seed: u8, dcp: bool) {
+    let d = dir.join(tag);
+    std::fs::create_dir_all(d.join("shards")).unwrap();
+    let weights: Vec<u8> = (0..3_000_000u32)
+        .map(|i| ((i as u8).wrapping_mul(seed) & 0x3f) ^ (i >> 12) as u8)
+        .collect();
+    std::fs::write(d.join("shards/rank0.bin"), &weights).unwrap();
+    std::fs::write(d.join("optim.pt"), vec![seed; 4096]).unwrap();
+    if dcp {
+        std::fs::write(d.join(".metadata"), b"dcp").unwrap();
+    }
+    for e in walk(&d) {
+        std::os::unix::fs::lchown(&e, Some(NOBODY), Some(NOBODY)).unwrap();
+    }
+}
+
+fn walk(p: &Path) -> Vec<PathBuf> {
+    let mut v = vec![p.to_path_buf()];
+    if p.is_dir() {
+        for e in std::fs::read_dir(p).unwrap() {
+            v.extend(walk(&e.unwrap().path()));
+        }
+    }
+    v
+}
+
+async fn wait_for_state(
+    t: &TestAgent,
+    job_id: u32,
+    tag: &str,
+    want: sluice_proto::msg::CkptState,
+) -> sluice_proto::msg::CkptStatus {
+    for _ in 0..200 {
+        if let Ok(Response::Ckpts { ckpts: list }) = t.call(Request::CkptList { job_id }).await {
+            if let Some(c) = list.iter().find(|c| c.tag == tag && c.state == want) {
+                return c.clone();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!(
+        "checkpoint {tag} of job {job_id} never reached {want:?}: {:?}",
+        t.call(Request::CkptList { job_id }).await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_are_committed_archived_trimmed_and_restored() {
+    use sluice_proto::msg::CkptState;
+    if !is_root() {
+        eprintln!("skipped: needs root, like sluiced itself");
+        return;
+    }
+    let t = start(tempfile::tempdir().unwrap()).await;
+    let archive_dir = t.data.parent().unwrap().join("archive");
+    let url = format!("file://{}", archive_dir.display());
+    t.call(ckpt_job(41, &url, &[("ckpt-keep", "1")]))
+        .await
+        .unwrap();
+    let Response::Ready(dirs) = t
+        .call(Request::WaitStaged {
+            job_id: 41,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let ckpt = PathBuf::from(&dirs.ckpt_dir);
+
+    // Explicit commit.
+    write_ckpt(&ckpt, "step-1", 3, false);
+    assert_eq!(
+        t.call(Request::CkptCommit {
+            job_id: 41,
+            tag: "step-1".into()
+        })
+        .await
+        .unwrap(),
+        Response::Ok
+    );
+    let c1 = wait_for_state(&t, 41, "step-1", CkptState::Archived).await;
+    assert!(c1.stored_bytes < c1.raw_bytes, "{c1:?}");
+    // A framework signal commits without any call (DCP's .metadata), and retention (keep=1) then
+    // trims the older archived checkpoint from the hot tier.
+    write_ckpt(&ckpt, "step-2", 5, true);
+    wait_for_state(&t, 41, "step-2", CkptState::Archived).await;
+    for _ in 0..100 {
+        if !ckpt.join("step-1").exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        !ckpt.join("step-1").exists(),
+        "older archived checkpoint not trimmed"
+    );
+    assert!(
+        ckpt.join("step-2/shards/rank0.bin").exists(),
+        "newest archived checkpoint trimmed"
+    );
+    // Errors a user can act on.
+    let ClientError::Agent(e) = t
+        .call(Request::CkptCommit {
+            job_id: 41,
+            tag: "nope".into(),
+        })
+        .await
+        .unwrap_err()
+    else {
+        panic!()
+    };
+    assert!(
+        e.message.contains("no checkpoint directory"),
+        "{}",
+        e.message
+    );
+    let ClientError::Agent(e) = t
+        .call(Request::CkptCommit {
+            job_id: 41,
+            tag: "step-2".into(),
+        })
+        .await
+        .unwrap_err()
+    else {
+        panic!()
+    };
+    assert!(e.message.contains("immutable"), "{}", e.message);
+
+    // An uncommitted (torn) checkpoint is never archived and goes at job end; the newest archived
+    // one stays on the hot tier.
+    std::fs::create_dir_all(ckpt.join("step-3")).unwrap();
+    assert_eq!(
+        t.call(Request::JobEnd { job_id: 41 }).await.unwrap(),
+        Response::Ok
+    );
+    assert!(!ckpt.join("step-3").exists());
+    assert!(ckpt.join("step-2/optim.pt").exists());
+    assert!(!PathBuf::from(&dirs.stage_dir).exists());
+
+    // A second job restores the newest checkpoint before its tasks start.
+    t.call(ckpt_job(42, &url, &[("ckpt-restore", "latest")]))
+        .await
+        .unwrap();
+    let Response::Ready(dirs2) = t
+        .call(Request::WaitStaged {
+            job_id: 42,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(dirs2.restored_tag.as_deref(), Some("step-2"));
+    let restored = PathBuf::from(&dirs2.ckpt_dir).join("step-2");
+    assert_eq!(
+        std::fs::read(restored.join("optim.pt")).unwrap(),
+        std::fs::read(ckpt.join("step-2/optim.pt")).unwrap()
+    );
+    assert_eq!(
+        std::fs::read(restored.join("shards/rank0.bin")).unwrap(),
+        std::fs::read(ckpt.join("step-2/shards/rank0.bin")).unwrap()
+    );
+    assert_eq!(
+        std::fs::metadata(restored.join("optim.pt")).unwrap().uid(),
+        NOBODY
+    );
+
+    // Corrupt the newest archived object: `latest` falls back to step-1 and says so.
+    let victim = archive_dir.join("step-2/data/optim.pt");
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&victim, bytes).unwrap();
+    t.call(ckpt_job(43, &url, &[("ckpt-restore", "latest")]))
+        .await
+        .unwrap();
+    let Response::Ready(dirs3) = t
+        .call(Request::WaitStaged {
+            job_id: 43,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(dirs3.restored_tag.as_deref(), Some("step-1"));
+    assert!(
+        dirs3
+            .notes
+            .iter()
+            .any(|n| n.contains("step-2") && n.contains("falling back")),
+        "{:?}",
+        dirs3.notes
+    );
+    // Asking for the corrupted tag by name fails the job with the reason.
+    t.call(ckpt_job(44, &url, &[("ckpt-restore", "step-2")]))
+        .await
+        .unwrap();
+    let ClientError::Agent(e) = t
+        .call(Request::WaitStaged {
+            job_id: 44,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap_err()
+    else {
+        panic!()
+    };
+    assert!(e.message.contains("step-2"), "{}", e.message);
+    t.stop().await;
 }

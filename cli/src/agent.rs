@@ -77,6 +77,7 @@ impl Agent {
             Response::Ready(_) => "ready",
             Response::Status(_) => "status",
             Response::Job(_) => "job",
+            Response::Ckpts { .. } => "checkpoints",
             Response::Error(_) => "error",
         };
         anyhow!(

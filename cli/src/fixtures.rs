@@ -25,10 +25,13 @@ fn job(
         dirs: JobDirs {
             stage_dir: format!("{dir}/stage"),
             ckpt_dir: format!("{dir}/ckpt"),
+            restored_tag: None,
+            notes: Vec::new(),
         },
         stages,
         started_at: STARTED_AT,
         error: None,
+        ckpts: Vec::new(),
     }
 }
 

@@ -18,6 +18,9 @@ pub struct JobStart {
     pub node: String,
     /// Every node of the job, expanded (`n1`, `n2`, ...).
     pub nodes: Vec<String>,
+    /// `SLURM_JOB_NAME` (for the archive URL's `{job_name}`).
+    #[serde(default)]
+    pub job_name: String,
     /// The job's sluice options exactly as Slurm passed them (option name without `--`, raw value).
     /// Deliberately unparsed: the agent (root) validates them itself with
     /// [`crate::options::parse_job_options`] and never trusts the submit-time check.
@@ -37,6 +40,10 @@ pub enum Request {
     Status,
     /// Owner or root: one job's state on this node.
     Job { job_id: JobId },
+    /// Owner or root: checkpoint `$SLUICE_CKPT_DIR/TAG` of the job is complete on this node; archive it.
+    CkptCommit { job_id: JobId, tag: String },
+    /// Owner or root: the job's checkpoints on this node and their archive state.
+    CkptList { job_id: JobId },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,6 +53,7 @@ pub enum Response {
     Ready(JobDirs),
     Status(NodeStatus),
     Job(JobStatus),
+    Ckpts { ckpts: Vec<CkptStatus> },
     Error(ErrorReply),
 }
 
@@ -54,6 +62,60 @@ pub enum Response {
 pub struct JobDirs {
     pub stage_dir: String,
     pub ckpt_dir: String,
+    /// The checkpoint placed in `ckpt_dir` by `--ckpt-restore`, if any.
+    #[serde(default)]
+    pub restored_tag: Option<String>,
+    /// Things the job's user should read in the job output (e.g. a restore that fell back).
+    #[serde(default)]
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CkptState {
+    /// Committed; waiting for its turn to be archived.
+    Committed,
+    /// Being uploaded from this node.
+    Archiving,
+    /// This node's part is uploaded; waiting for the job's other nodes before the MANIFEST is published.
+    WaitingForNodes,
+    /// The MANIFEST is published: the checkpoint is safe in the archive.
+    Archived,
+    /// The last attempt failed (the error says why); it is retried.
+    Retrying,
+    /// Files changed while being archived: archived again after the next commit of this tag.
+    Modified,
+}
+
+impl CkptState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CkptState::Committed => "committed",
+            CkptState::Archiving => "archiving",
+            CkptState::WaitingForNodes => "waiting-for-nodes",
+            CkptState::Archived => "archived",
+            CkptState::Retrying => "retrying",
+            CkptState::Modified => "modified",
+        }
+    }
+}
+
+/// One committed checkpoint of a job, as this node's agent sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CkptStatus {
+    pub tag: String,
+    pub state: CkptState,
+    /// Still on this node's hot tier (retention has not trimmed it).
+    pub on_hot_tier: bool,
+    pub archive_url: String,
+    pub files: u64,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    pub bytes_done: u64,
+    /// Seconds since the Unix epoch.
+    pub committed_at: u64,
+    pub archived_at: Option<u64>,
+    pub error: Option<String>,
 }
 
 /// Stable error codes; the message says what to do.
@@ -174,6 +236,9 @@ pub struct JobStatus {
     /// Seconds since the Unix epoch.
     pub started_at: u64,
     pub error: Option<String>,
+    /// Committed checkpoints of the job on this node.
+    #[serde(default)]
+    pub ckpts: Vec<CkptStatus>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

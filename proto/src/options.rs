@@ -445,7 +445,11 @@ pub fn parse_ckpt_archive(value: &str) -> Result<String, OptionError> {
     let v = value.trim();
     check_text(names::CKPT_ARCHIVE, v)?;
     let spec = parse_source(v).map_err(|e| err(names::CKPT_ARCHIVE, e.message))?;
-    Ok(spec.to_string())
+    Ok(match spec {
+        // Archives are URLs throughout (object keys, manifests): a plain path becomes file://.
+        Source::Posix { path } => format!("file://{path}"),
+        other => other.to_string(),
+    })
 }
 
 /// Builds [`JobOptions`] from raw values looked up by option name (`None` = not given).

@@ -35,6 +35,8 @@ pub const STAGE_IN_JOB_VAR: &str = "SLUICE_STAGE_IN";
 /// Exported to the tasks.
 pub const STAGE_DIR_VAR: &str = "SLUICE_STAGE_DIR";
 pub const CKPT_DIR_VAR: &str = "SLUICE_CKPT_DIR";
+/// The checkpoint `--ckpt-restore` placed in `$SLUICE_CKPT_DIR`.
+pub const RESTORED_TAG_VAR: &str = "SLUICE_RESTORED_TAG";
 
 /// The `spank_option_register` arguments of every sluice option; `val` is the index in
 /// [`names::ALL`], which is how the option callback tells them apart.
@@ -257,6 +259,7 @@ fn job_start(sp: &impl SpankApi, options: Vec<(String, String)>) -> Result<JobSt
         user,
         node,
         nodes,
+        job_name: sp.process_env("SLURM_JOB_NAME").unwrap_or_default(),
         options,
     })
 }
@@ -313,6 +316,21 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
                 "job {job_id}: cannot set {var}={value} for the task: {e}"
             ));
             return FAIL;
+        }
+    }
+    if let Some(tag) = &dirs.restored_tag {
+        if let Err(e) = sp.setenv(RESTORED_TAG_VAR, tag, true) {
+            sp.error(&format!(
+                "job {job_id}: cannot set {RESTORED_TAG_VAR}={tag} for the task: {e}"
+            ));
+            return FAIL;
+        }
+    }
+    // Notes (e.g. a restore that fell back to an older checkpoint) go to the job output once per
+    // node: from the node's first task only.
+    if matches!(sp.getenv("SLURM_LOCALID"), Ok(Some(id)) if id == "0") {
+        for note in &dirs.notes {
+            sp.error(&format!("note: {note}"));
         }
     }
     OK

@@ -168,7 +168,15 @@ fn check_local_root(path: &std::path::Path) -> Result<(), String> {
 
 /// Opens the archive at `url` with the default [`ArchiveConfig`]; see [`open_archive_with`].
 pub fn open_archive(cfg: &Config, url: &str) -> Result<Archiver, ArchiveError> {
-    open_archive_with(cfg, url, ArchiveConfig::default())
+    let c = &cfg.ckpt;
+    let archive_cfg = ArchiveConfig {
+        part_size: c.part_size,
+        concurrency: c.concurrency,
+        zstd_level: c.zstd_level,
+        bandwidth_limit: None, // the node-wide cap is shared through Agent's Bandwidth
+        ..ArchiveConfig::default()
+    };
+    open_archive_with(cfg, url, archive_cfg)
 }
 
 /// Opens the archive at `url`: object stores through the agent's store profiles

@@ -208,6 +208,8 @@ impl FakeAgent {
             Ok(Response::Ready(JobDirs {
                 stage_dir: "/nvme/sluice/n2/jobs/42/stage".into(),
                 ckpt_dir: "/nvme/sluice/n2/jobs/42/ckpt".into(),
+                restored_tag: None,
+                notes: Vec::new(),
             }))
         })
     }
@@ -576,6 +578,7 @@ fn prolog_hands_the_whole_job_to_this_nodes_agent() {
         user: "alice".into(),
         node: "n2".into(),
         nodes: vec!["n1".into(), "n2".into(), "n3".into()],
+        job_name: String::new(),
         options: vec![
             ("stage-in".into(), "/lustre/a,w=s3://b/weights".into()),
             ("ckpt-keep".into(), "2".into()),

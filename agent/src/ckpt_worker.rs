@@ -1,0 +1,480 @@
+//! The per-job checkpoint worker of the agent: turns commits into archives, publishes manifests,
+//! applies retention, and cleans up after the job — also after the job ended and after a restart.
+
+use crate::agent::Agent;
+use crate::archive::{self, ArchiveProgress, Archiver, JobMeta};
+use crate::ckpt::{self, CkptEntry, CommitOutcome};
+use crate::job::Job;
+use crate::safefs::{self, Owner};
+use sluice_proto::msg::{CkptState, ErrorCode, ErrorReply, JobState, Response};
+use sluice_proto::options::Restore;
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("blocking task panicked")
+}
+
+/// Longest pause between attempts to archive a checkpoint whose store is failing.
+const MAX_BACKOFF: Duration = Duration::from_secs(120);
+
+/// Opens `<hot>/jobs/<id>` without following links.
+fn open_job_dir(hot_root: &std::path::Path, job_id: u32) -> Result<OwnedFd, safefs::SafeFsError> {
+    let root = safefs::open_root_dir(hot_root)?;
+    let jobs = safefs::open_dir(&root, "jobs")?;
+    safefs::open_dir(&jobs, &job_id.to_string())
+}
+
+fn open_ckpt_dir(hot_root: &std::path::Path, job_id: u32) -> Result<OwnedFd, safefs::SafeFsError> {
+    safefs::open_dir(open_job_dir(hot_root, job_id)?, "ckpt")
+}
+
+impl Agent {
+    /// `sluice ckpt commit TAG` (or a framework signal): record the commit and wake the worker.
+    pub(crate) async fn ckpt_commit(&self, job: &Arc<Job>, tag: &str) -> Response {
+        if job.is_ended() {
+            return Response::Error(ErrorReply::new(
+                ErrorCode::BadRequest,
+                format!("job {} has ended", job.start.job_id),
+            ));
+        }
+        let (hot, id, uid, t) = (
+            self.cfg.hot_root.clone(),
+            job.start.job_id,
+            job.start.uid,
+            tag.to_string(),
+        );
+        let checked = blocking(move || {
+            let dir = open_ckpt_dir(&hot, id)
+                .map_err(|e| format!("the job's checkpoint directory: {e}"))?;
+            ckpt::check_commit_dir(&dir, &t, uid)
+        })
+        .await;
+        if let Err(m) = checked {
+            return Response::Error(ErrorReply::new(ErrorCode::BadRequest, m));
+        }
+        match job.ckpts.commit(tag, now()) {
+            Ok(outcome) => {
+                if outcome != CommitOutcome::AlreadyPending {
+                    tracing::info!(job_id = id, tag, ?outcome, "checkpoint committed");
+                    self.persist(job).await;
+                    job.ckpts.wake.notify_one();
+                }
+                if job
+                    .archive_url
+                    .as_ref()
+                    .ok()
+                    .and_then(|u| u.as_ref())
+                    .is_none()
+                {
+                    return Response::Error(ErrorReply::new(
+                        ErrorCode::BadRequest,
+                        format!(
+                            "checkpoint {tag} is committed but will not be archived: the job has no --ckpt-archive and the site sets no default"
+                        ),
+                    ));
+                }
+                Response::Ok
+            }
+            Err(m) => Response::Error(ErrorReply::new(ErrorCode::BadRequest, m)),
+        }
+    }
+
+    pub(crate) async fn ckpt_worker(self: Arc<Self>, job: Arc<Job>) {
+        let job_id = job.start.job_id;
+        let url = job.archive_url.clone().ok().flatten();
+        let mut archiver: Option<Arc<Archiver>> = None;
+        let mut next_try: HashMap<String, Instant> = HashMap::new();
+        let mut last_remote_scan: Option<Instant> = None;
+        loop {
+            if job.is_ended() && job.state() == JobState::Ended {
+                return; // replaced by a newer run of the same job id
+            }
+            // Framework completion signals, while the job runs and its directories exist.
+            if !job.is_ended() && matches!(job.state(), JobState::Ready) {
+                let (hot, uid) = (self.cfg.hot_root.clone(), job.start.uid);
+                let tags = blocking(move || {
+                    open_ckpt_dir(&hot, job_id)
+                        .map(|d| ckpt::scan_signals(&d, uid))
+                        .unwrap_or_default()
+                })
+                .await;
+                for tag in tags {
+                    if job.ckpts.get(&tag).is_none() {
+                        let _ = self.ckpt_commit(&job, &tag).await;
+                    }
+                }
+            }
+            if let Some(url) = &url {
+                if archiver.is_none() {
+                    match archive::open_archive(&self.cfg, url) {
+                        Ok(a) => {
+                            archiver = Some(Arc::new(match &self.bandwidth {
+                                Some(bw) => a.with_bandwidth(bw),
+                                None => a,
+                            }))
+                        }
+                        Err(e) => {
+                            tracing::warn!(job_id, "archive {url}: {e}");
+                            for entry in job.ckpts.entries().iter().filter(|e| e.needs_upload()) {
+                                entry.set_error(
+                                    CkptState::Retrying,
+                                    format!("cannot open the archive: {e}"),
+                                );
+                            }
+                        }
+                    }
+                }
+                if let Some(a) = archiver.clone() {
+                    // Commits made on the job's other nodes reach this node through the archive.
+                    let due = last_remote_scan
+                        .is_none_or(|t| t.elapsed() >= self.cfg.ckpt.scan_interval * 3);
+                    if job.start.nodes.len() > 1 && !job.is_ended() && due {
+                        last_remote_scan = Some(Instant::now());
+                        self.adopt_remote_commits(&job, &a).await;
+                    }
+                    for entry in job.ckpts.entries() {
+                        if next_try
+                            .get(&entry.tag)
+                            .is_some_and(|t| Instant::now() < *t)
+                        {
+                            continue;
+                        }
+                        if entry.needs_upload() {
+                            self.archive_part(&job, &entry, &a).await;
+                        }
+                        if entry.state() == CkptState::WaitingForNodes {
+                            self.publish(&job, &entry, &a).await;
+                        }
+                        let failures = entry.failures.load(Ordering::Relaxed);
+                        if failures > 0 {
+                            let backoff =
+                                Duration::from_secs(1u64 << failures.min(7)).min(MAX_BACKOFF);
+                            next_try.insert(entry.tag.clone(), Instant::now() + backoff);
+                        } else {
+                            next_try.remove(&entry.tag);
+                        }
+                    }
+                }
+            }
+            self.trim(&job).await;
+            if job.is_ended() && (!job.ckpts.pending() || url.is_none()) {
+                self.finalize(&job).await;
+                return;
+            }
+            tokio::select! {
+                _ = job.ckpts.wake.notified() => {}
+                _ = tokio::time::sleep(self.cfg.ckpt.scan_interval) => {}
+                _ = self.stopping.cancelled() => return,
+            }
+        }
+    }
+
+    /// Uploads this node's files of one checkpoint.
+    async fn archive_part(&self, job: &Job, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
+        let job_id = job.start.job_id;
+        let generation = entry.generation();
+        entry.set_state(CkptState::Archiving);
+        let (hot, tag) = (self.cfg.hot_root.clone(), entry.tag.clone());
+        let dir = blocking(move || safefs::open_dir(open_ckpt_dir(&hot, job_id)?, &tag)).await;
+        let dir = match dir {
+            Ok(d) => Arc::new(d),
+            Err(e) => {
+                return entry.set_error(
+                    CkptState::Modified,
+                    format!("the checkpoint directory is gone or unusable ({e}); commit it again once it is complete"),
+                );
+            }
+        };
+        let progress = ArchiveProgress::default();
+        let result = archiver
+            .upload_part(&entry.tag, &self.cfg.node, dir, job.start.uid, &progress)
+            .await;
+        entry
+            .bytes_done
+            .store(progress.snapshot().bytes_done, Ordering::Relaxed);
+        if entry.generation() != generation {
+            return entry.set_state(CkptState::Committed); // re-committed meanwhile: upload again
+        }
+        match result {
+            Ok(part) => {
+                entry
+                    .files
+                    .store(part.files.len() as u64, Ordering::Relaxed);
+                entry.raw_bytes.store(part.raw_bytes(), Ordering::Relaxed);
+                entry
+                    .stored_bytes
+                    .store(part.stored_bytes(), Ordering::Relaxed);
+                entry.failures.store(0, Ordering::Relaxed);
+                entry.set_state(CkptState::WaitingForNodes);
+                tracing::info!(job_id, tag = entry.tag, "checkpoint part uploaded");
+            }
+            Err(e) if e.is_modified() => {
+                tracing::warn!(job_id, tag = entry.tag, "{e}");
+                entry.set_error(
+                    CkptState::Modified,
+                    format!("{e}; it is archived again after the next commit of this tag"),
+                );
+            }
+            Err(e) => {
+                tracing::warn!(job_id, tag = entry.tag, "archive attempt failed: {e}");
+                entry.failures.fetch_add(1, Ordering::Relaxed);
+                entry.set_error(CkptState::Retrying, e.to_string());
+            }
+        }
+    }
+
+    /// Publishes the MANIFEST once every node's part is in the archive.
+    async fn publish(&self, job: &Job, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
+        let meta = JobMeta {
+            job_id: job.start.job_id,
+            user: job.start.user.clone(),
+            job_name: job.start.job_name.clone(),
+        };
+        match archiver
+            .try_publish(&entry.tag, &job.start.nodes, meta)
+            .await
+        {
+            Ok(Some(_)) => {
+                entry.set_archived(now());
+                tracing::info!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "checkpoint archived"
+                );
+                self.persist(job).await;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                entry.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "publishing: {e}"
+                );
+            }
+        }
+    }
+
+    /// Commits, on this node, checkpoints that another node of the job committed (seen as a tag in the
+    /// archive with parts but no MANIFEST) and that this node holds.
+    async fn adopt_remote_commits(&self, job: &Arc<Job>, archiver: &Arc<Archiver>) {
+        let Ok(list) = archiver.list().await else {
+            return;
+        };
+        for info in list
+            .into_iter()
+            .filter(|i| i.state == archive::CheckpointState::Partial)
+        {
+            if job.ckpts.get(&info.tag).is_some() {
+                continue;
+            }
+            let (hot, id, uid, t) = (
+                self.cfg.hot_root.clone(),
+                job.start.job_id,
+                job.start.uid,
+                info.tag.clone(),
+            );
+            let here = blocking(move || {
+                open_ckpt_dir(&hot, id)
+                    .map(|d| ckpt::check_commit_dir(&d, &t, uid).is_ok())
+                    .unwrap_or(false)
+            })
+            .await;
+            if here {
+                tracing::info!(
+                    job_id = id,
+                    tag = info.tag,
+                    "committed on another node of the job"
+                );
+                let _ = self.ckpt_commit(job, &info.tag).await;
+            }
+        }
+    }
+
+    /// Retention: removes archived checkpoints beyond the newest `keep` from the hot tier.
+    async fn trim(&self, job: &Job) {
+        let victims = job.ckpts.to_trim(job.keep);
+        if victims.is_empty() {
+            return;
+        }
+        let (hot, id) = (self.cfg.hot_root.clone(), job.start.job_id);
+        let tags: Vec<String> = victims.iter().map(|e| e.tag.clone()).collect();
+        let results = blocking(move || {
+            let dir = open_ckpt_dir(&hot, id)?;
+            Ok::<_, safefs::SafeFsError>(
+                tags.iter()
+                    .map(|t| safefs::remove_tree(&dir, t))
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .await;
+        match results {
+            Ok(results) => {
+                for (entry, r) in victims.iter().zip(results) {
+                    match r {
+                        Ok(_) => {
+                            entry.set_on_hot(false);
+                            tracing::info!(
+                                job_id = id,
+                                tag = entry.tag,
+                                "trimmed from the hot tier (archived)"
+                            );
+                        }
+                        Err(e) => tracing::warn!(job_id = id, tag = entry.tag, "trimming: {e}"),
+                    }
+                }
+                self.persist(job).await;
+            }
+            Err(e) => tracing::warn!(job_id = id, "trimming: {e}"),
+        }
+    }
+
+    /// After the job ended and nothing is pending: remove what is not a kept checkpoint. The job
+    /// directory (and the journal record) stay while committed checkpoints remain on the hot tier.
+    async fn finalize(&self, job: &Arc<Job>) {
+        let (hot, id) = (self.cfg.hot_root.clone(), job.start.job_id);
+        let keep: Vec<String> = job
+            .ckpts
+            .entries()
+            .iter()
+            .filter(|e| e.on_hot())
+            .map(|e| e.tag.clone())
+            .collect();
+        let keep_any = !keep.is_empty();
+        let removed = blocking(move || -> Result<(), safefs::SafeFsError> {
+            let root = safefs::open_root_dir(&hot)?;
+            let jobs = safefs::open_dir(&root, "jobs")?;
+            if !keep_any {
+                safefs::remove_tree(&jobs, &id.to_string())?;
+                return Ok(());
+            }
+            // Uncommitted leftovers (torn saves, framework marker files) go; committed ones stay.
+            let ckpt = safefs::open_dir(safefs::open_dir(&jobs, &id.to_string())?, "ckpt")?;
+            let dup = ckpt
+                .try_clone()
+                .map_err(|e| safefs::SafeFsError::BadPath(e.to_string()))?;
+            let names: Vec<String> = nix::dir::Dir::from_fd(dup)
+                .map(|mut d| {
+                    d.iter()
+                        .filter_map(|e| e.ok())
+                        .filter_map(|e| e.file_name().to_str().ok().map(String::from))
+                        .filter(|n| n != "." && n != "..")
+                        .collect()
+                })
+                .unwrap_or_default();
+            for n in names.iter().filter(|n| !keep.contains(n)) {
+                safefs::remove_tree(&ckpt, n)?;
+            }
+            Ok(())
+        })
+        .await;
+        if let Err(e) = removed {
+            tracing::error!(job_id = id, "cleaning up after the job: {e}");
+        }
+        if keep_any {
+            self.persist(job).await;
+        } else {
+            self.forget(id).await;
+        }
+        job.set_ended();
+        tracing::info!(
+            job_id = id,
+            retained = keep_any,
+            "job finished on this node"
+        );
+    }
+
+    /// `--ckpt-restore`: places a checkpoint from the archive in the job's checkpoint directory,
+    /// verified against its MANIFEST. `latest` falls back to the next newest intact checkpoint and
+    /// says so in the returned notes.
+    pub(crate) async fn restore_ckpt(
+        &self,
+        job: &Arc<Job>,
+        url: &str,
+        which: &Restore,
+        ckpt_dir: Arc<OwnedFd>,
+    ) -> Result<(String, Vec<String>), String> {
+        let archiver = archive::open_archive(&self.cfg, url)
+            .map_err(|e| format!("--ckpt-restore: archive {url}: {e}"))?;
+        let owner = Owner {
+            uid: job.start.uid,
+            gid: job.start.gid,
+        };
+        let mut notes = Vec::new();
+        let mut exclude: Vec<String> = Vec::new();
+        loop {
+            let tag = match which {
+                Restore::Tag(t) => t.clone(),
+                Restore::Latest => match archiver.latest(&exclude).await {
+                    Ok(Some(t)) => t,
+                    Ok(None) if exclude.is_empty() => {
+                        return Err(format!(
+                            "--ckpt-restore=latest: no archived checkpoint in {url}"
+                        ));
+                    }
+                    Ok(None) => {
+                        return Err(format!(
+                            "--ckpt-restore=latest: no intact checkpoint left in {url} ({})",
+                            notes.join("; ")
+                        ));
+                    }
+                    Err(e) => return Err(format!("--ckpt-restore: listing {url}: {e}")),
+                },
+            };
+            let (dir, t) = (ckpt_dir.clone(), tag.clone());
+            let dest = blocking(move || {
+                safefs::remove_tree(&*dir, &t)?;
+                safefs::create_dir(&*dir, &t, Some(owner), 0o755)
+            })
+            .await
+            .map_err(|e| format!("--ckpt-restore: creating $SLUICE_CKPT_DIR/{tag}: {e}"))?;
+            let progress = ArchiveProgress::default();
+            match archiver
+                .restore(&tag, Arc::new(dest), owner, &progress)
+                .await
+            {
+                Ok(manifest) => {
+                    let entry = Arc::new(CkptEntry::new(&tag, now()));
+                    entry
+                        .files
+                        .store(manifest.files.len() as u64, Ordering::Relaxed);
+                    entry
+                        .raw_bytes
+                        .store(manifest.raw_bytes(), Ordering::Relaxed);
+                    entry
+                        .stored_bytes
+                        .store(manifest.stored_bytes(), Ordering::Relaxed);
+                    entry.set_archived(now());
+                    job.ckpts.insert(entry);
+                    tracing::info!(job_id = job.start.job_id, tag, "checkpoint restored");
+                    return Ok((tag, notes));
+                }
+                Err(e) => {
+                    let dir = ckpt_dir.clone();
+                    let t = tag.clone();
+                    let _ = blocking(move || safefs::remove_tree(&*dir, &t)).await;
+                    match which {
+                        Restore::Latest => {
+                            notes.push(format!("checkpoint {tag} in {url} cannot be restored ({e}); falling back to the next newest"));
+                            exclude.push(tag);
+                        }
+                        Restore::Tag(_) => return Err(format!("--ckpt-restore={tag}: {e}")),
+                    }
+                }
+            }
+        }
+    }
+}
