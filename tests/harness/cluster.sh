@@ -23,7 +23,9 @@ AGENT_CONFIG=/etc/sluice/sluice.toml
 GARAGE_DIR=$TEST_ROOT/garage
 GARAGE_CONF=$GARAGE_DIR/garage.toml
 AZURITE_DIR=$TEST_ROOT/azurite
-S3_BUCKETS=(datasets ckpt)
+# ckpt-faulty is reached through tests' fault-injecting proxy on 127.0.0.1:$FAULT_PROXY_PORT.
+S3_BUCKETS=(datasets ckpt ckpt-faulty)
+FAULT_PROXY_PORT=3911
 AZ_CONTAINERS=(datasets ckpt)
 # The Azurite account every Azure SDK knows (public, documented by Microsoft; not a secret).
 AZ_ACCOUNT=devstoreaccount1
@@ -299,6 +301,27 @@ concurrency = ${SLUICE_STAGE_CONCURRENCY:-16}
 part_size = "16MiB"
 # A little shorter than the plugin's stage_timeout=120, so the agent's error reaches the job first.
 timeout = "110s"
+
+[ckpt]
+# Jobs without --ckpt-archive archive here; users may only use their own prefix (plus file:// for tests).
+default_archive = "s3://ckpt/{user}/default"
+keep = 2
+scan_interval = "1s"
+epilog_wait = "20s"
+part_size = "5MiB"
+concurrency = 8
+
+[[ckpt.allow]]
+prefix = "s3://ckpt/{user}/"
+
+[[ckpt.allow]]
+prefix = "s3://ckpt-faulty/{user}/"
+
+[[ckpt.allow]]
+prefix = "az://ckpt/{user}/"
+
+[[ckpt.allow]]
+prefix = "file://$TEST_ROOT/archive/"
 EOF
     if [[ -n ${S3_KEY_ID:-} ]]; then
       cat <<EOF
@@ -306,6 +329,15 @@ EOF
 [[store]]
 prefix = "s3://"
 endpoint = "http://127.0.0.1:3900"
+region = "garage"
+access_key_id = "$S3_KEY_ID"
+secret_access_key = "$S3_SECRET"
+allow_http = true
+
+# The same Garage behind the tests' fault-injecting proxy (503/429/outages on demand).
+[[store]]
+prefix = "s3://ckpt-faulty"
+endpoint = "http://127.0.0.1:$FAULT_PROXY_PORT"
 region = "garage"
 access_key_id = "$S3_KEY_ID"
 secret_access_key = "$S3_SECRET"
@@ -390,6 +422,8 @@ SLUICE_TEST_S3_REGION='garage'
 SLUICE_TEST_S3_KEY_ID='${S3_KEY_ID:-}'
 SLUICE_TEST_S3_SECRET='${S3_SECRET:-}'
 SLUICE_TEST_S3_BUCKETS='${S3_BUCKETS[*]}'
+SLUICE_TEST_FAULT_PROXY_PORT='$FAULT_PROXY_PORT'
+SLUICE_TEST_ARCHIVE_ROOT='$TEST_ROOT/archive'
 SLUICE_TEST_AZ_ACCOUNT='$AZ_ACCOUNT'
 SLUICE_TEST_AZ_KEY='$AZ_KEY'
 SLUICE_TEST_AZ_ENDPOINT='$AZ_ENDPOINT'
