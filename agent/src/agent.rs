@@ -165,6 +165,7 @@ impl Agent {
             tracing::error!("{e}; left in place for inspection");
         }
         let n = records.len();
+        self.spawn_housekeeping();
         for r in records {
             tracing::info!(
                 job_id = r.start.job_id,
@@ -176,6 +177,33 @@ impl Agent {
             self.register(r, url, false);
         }
         Ok(n)
+    }
+
+    /// Every minute: when the hot tier is above its high-water mark, trims the checkpoints that ended
+    /// jobs left on it (archived ones only, never a job's newest archived one).
+    fn spawn_housekeeping(self: &Arc<Self>) {
+        let this = self.clone();
+        self.tracker.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+                    _ = this.stopping.cancelled() => return,
+                }
+                if !this.above_high_water().await {
+                    continue;
+                }
+                let mut ended: Vec<Arc<Job>> = this
+                    .jobs()
+                    .values()
+                    .filter(|j| j.is_ended())
+                    .cloned()
+                    .collect();
+                ended.sort_by_key(|j| j.started_at);
+                for job in ended {
+                    this.trim(&job).await;
+                }
+            }
+        });
     }
 
     fn dirs(&self, job_id: JobId) -> JobDirs {

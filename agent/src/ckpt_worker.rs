@@ -304,9 +304,28 @@ impl Agent {
         }
     }
 
-    /// Retention: removes archived checkpoints beyond the newest `keep` from the hot tier.
-    async fn trim(&self, job: &Job) {
-        let victims = job.ckpts.to_trim(job.keep);
+    /// Whether the hot tier is fuller than `ckpt.high_water` percent of its size.
+    pub(crate) async fn above_high_water(&self) -> bool {
+        let (root, high) = (self.cfg.hot_root.clone(), self.cfg.ckpt.high_water as u64);
+        blocking(move || {
+            nix::sys::statvfs::statvfs(&root).is_ok_and(|s| {
+                let total = s.blocks() as u64;
+                let used = total.saturating_sub(s.blocks_free() as u64);
+                total > 0 && used * 100 > total * high
+            })
+        })
+        .await
+    }
+
+    /// Retention: removes archived checkpoints beyond the newest `keep` from the hot tier; above the
+    /// high-water mark, every archived checkpoint but the newest.
+    pub(crate) async fn trim(&self, job: &Job) {
+        let keep = if self.above_high_water().await {
+            1
+        } else {
+            job.keep
+        };
+        let victims = job.ckpts.to_trim(keep);
         if victims.is_empty() {
             return;
         }
