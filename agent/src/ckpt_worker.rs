@@ -309,8 +309,8 @@ impl Agent {
         let (root, high) = (self.cfg.hot_root.clone(), self.cfg.ckpt.high_water as u64);
         blocking(move || {
             nix::sys::statvfs::statvfs(&root).is_ok_and(|s| {
-                let total = s.blocks() as u64;
-                let used = total.saturating_sub(s.blocks_free() as u64);
+                let total = s.blocks();
+                let used = total.saturating_sub(s.blocks_free());
                 total > 0 && used * 100 > total * high
             })
         })
