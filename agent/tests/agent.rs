@@ -569,3 +569,50 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
     assert!(e.message.contains("step-2"), "{}", e.message);
     t.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_mid_request_harms_nothing() {
+    if !is_root() {
+        eprintln!("skipped: needs root, like sluiced itself");
+        return;
+    }
+    use std::io::Write;
+    let t = start(tempfile::tempdir().unwrap()).await;
+    make_dataset(&t.data);
+    t.call(job_start(51, &t.data.display().to_string()))
+        .await
+        .unwrap();
+    // A task that gives up while waiting (killed, timed out), and a client that sends half a frame.
+    for bytes in [
+        sluice_proto::wire::encode(&sluice_proto::wire::Envelope::new(Request::WaitStaged {
+            job_id: 51,
+            timeout_ms: 60_000,
+        }))
+        .unwrap(),
+        vec![0, 0, 0, 200, b'{'],
+    ] {
+        let mut s = std::os::unix::net::UnixStream::connect(&t.socket).unwrap();
+        s.write_all(&bytes).unwrap();
+        drop(s);
+    }
+    // The agent goes on serving, and the job's staging is unaffected.
+    let Response::Ready(dirs) = t
+        .call(Request::WaitStaged {
+            job_id: 51,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        std::fs::read(Path::new(&dirs.stage_dir).join("data/labels.txt")).unwrap(),
+        b"cat\ndog\n"
+    );
+    assert!(matches!(
+        t.call(Request::Status).await.unwrap(),
+        Response::Status(_)
+    ));
+    t.stop().await;
+}
