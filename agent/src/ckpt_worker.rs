@@ -416,6 +416,75 @@ impl Agent {
         );
     }
 
+    /// Takes `tag` from a checkpoint an ended job of the same user left on this node's hot tier (same
+    /// archive), if that copy is complete and verifies against the archive's MANIFEST (sizes and
+    /// BLAKE3 of every file). The directory is moved, not copied. Returns the note for the job, or
+    /// `None` when there is no usable copy (then the caller restores from the archive).
+    async fn restore_from_hot_tier(
+        &self,
+        job: &Arc<Job>,
+        url: &str,
+        tag: &str,
+        archiver: &Archiver,
+        ckpt_dir: Arc<OwnedFd>,
+    ) -> Option<String> {
+        let uid = job.start.uid;
+        let (old_job, old_entry) = self.jobs().values().find_map(|j| {
+            let same = j.is_ended() && j.start.uid == uid && j.start.job_id != job.start.job_id;
+            let same = same && j.archive_url.as_ref().ok().and_then(|u| u.as_deref()) == Some(url);
+            let e = j
+                .ckpts
+                .get(tag)
+                .filter(|e| same && e.on_hot() && e.state() == CkptState::Archived)?;
+            Some((j.clone(), e))
+        })?;
+        let manifest = archiver.manifest(tag).await.ok()?;
+        let (hot, old_id, t) = (
+            self.cfg.hot_root.clone(),
+            old_job.start.job_id,
+            tag.to_string(),
+        );
+        let dest = ckpt_dir.clone();
+        let verified = blocking(move || -> Result<(), String> {
+            let old_dir = open_ckpt_dir(&hot, old_id).map_err(|e| e.to_string())?;
+            nix::fcntl::renameat(&old_dir, t.as_str(), &*dest, t.as_str())
+                .map_err(|e| e.to_string())?;
+            let result = verify_local(&dest, &t, uid, &manifest);
+            if result.is_err() {
+                let _ = safefs::remove_tree(&*dest, &t);
+            }
+            result
+        })
+        .await;
+        // Either way the old job no longer holds the copy.
+        old_entry.set_on_hot(false);
+        self.persist(&old_job).await;
+        match verified {
+            Ok(()) => {
+                let entry = Arc::new(CkptEntry::new(tag, now()));
+                entry.set_archived(now());
+                job.ckpts.insert(entry);
+                tracing::info!(
+                    job_id = job.start.job_id,
+                    tag,
+                    from_job = old_id,
+                    "checkpoint restored from the hot tier"
+                );
+                Some(format!(
+                    "checkpoint {tag} restored from this node's hot tier (left by job {old_id}, verified against {url})"
+                ))
+            }
+            Err(e) => {
+                tracing::info!(
+                    job_id = job.start.job_id,
+                    tag,
+                    "hot-tier copy unusable ({e}); restoring from the archive"
+                );
+                None
+            }
+        }
+    }
+
     /// `--ckpt-restore`: places a checkpoint from the archive in the job's checkpoint directory,
     /// verified against its MANIFEST. `latest` falls back to the next newest intact checkpoint and
     /// says so in the returned notes.
@@ -453,6 +522,13 @@ impl Agent {
                     Err(e) => return Err(format!("--ckpt-restore: listing {url}: {e}")),
                 },
             };
+            if let Some(note) = self
+                .restore_from_hot_tier(job, url, &tag, &archiver, ckpt_dir.clone())
+                .await
+            {
+                notes.push(note);
+                return Ok((tag, notes));
+            }
             let (dir, t) = (ckpt_dir.clone(), tag.clone());
             let dest = blocking(move || {
                 safefs::remove_tree(&*dir, &t)?;
@@ -496,4 +572,55 @@ impl Agent {
             }
         }
     }
+}
+
+/// Checks that the checkpoint directory `tag` below `dir` holds exactly the MANIFEST's files, with
+/// their sizes and BLAKE3 content hashes (read fd-relative, without following links).
+fn verify_local(
+    dir: &OwnedFd,
+    tag: &str,
+    uid: u32,
+    manifest: &archive::Manifest,
+) -> Result<(), String> {
+    use std::io::Read;
+    let root = safefs::open_dir(dir, tag).map_err(|e| e.to_string())?;
+    let tree = archive::walk::walk(&root, uid).map_err(|e| e.to_string())?;
+    let mut want: Vec<(&str, u64)> = manifest
+        .files
+        .iter()
+        .map(|f| (f.path.as_str(), f.size))
+        .collect();
+    want.sort();
+    let have: Vec<(&str, u64)> = tree
+        .files
+        .iter()
+        .map(|f| (f.rel.as_str(), f.size))
+        .collect();
+    if want != have {
+        return Err(
+            "the local copy does not hold exactly the archived files (a multi-node checkpoint?)"
+                .into(),
+        );
+    }
+    for f in &tree.files {
+        let (mut file, _) = archive::walk::open_file(&root, f, uid).map_err(|e| e.to_string())?;
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = file.read(&mut buf).map_err(|e| e.to_string())?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+        }
+        let expected = manifest
+            .files
+            .iter()
+            .find(|m| m.path == f.rel)
+            .map(|m| m.content_hash());
+        if Some(hasher.finalize()) != expected {
+            return Err(format!("{} differs from the archived file", f.rel));
+        }
+    }
+    Ok(())
 }

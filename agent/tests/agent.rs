@@ -495,7 +495,10 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
     assert!(ckpt.join("step-2/optim.pt").exists());
     assert!(!PathBuf::from(&dirs.stage_dir).exists());
 
-    // A second job restores the newest checkpoint before its tasks start.
+    // A second job restores the newest checkpoint before its tasks start: from this node's hot tier,
+    // where job 41 left it, after verifying it against the archive's MANIFEST.
+    let optim = std::fs::read(ckpt.join("step-2/optim.pt")).unwrap();
+    let rank0 = std::fs::read(ckpt.join("step-2/shards/rank0.bin")).unwrap();
     t.call(ckpt_job(42, &url, &[("ckpt-restore", "latest")]))
         .await
         .unwrap();
@@ -510,18 +513,54 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
         panic!()
     };
     assert_eq!(dirs2.restored_tag.as_deref(), Some("step-2"));
-    let restored = PathBuf::from(&dirs2.ckpt_dir).join("step-2");
-    assert_eq!(
-        std::fs::read(restored.join("optim.pt")).unwrap(),
-        std::fs::read(ckpt.join("step-2/optim.pt")).unwrap()
+    assert!(
+        dirs2.notes.iter().any(|n| n.contains("hot tier")),
+        "{:?}",
+        dirs2.notes
     );
+    let restored = PathBuf::from(&dirs2.ckpt_dir).join("step-2");
+    assert_eq!(std::fs::read(restored.join("optim.pt")).unwrap(), optim);
     assert_eq!(
         std::fs::read(restored.join("shards/rank0.bin")).unwrap(),
-        std::fs::read(ckpt.join("step-2/shards/rank0.bin")).unwrap()
+        rank0
     );
     assert_eq!(
         std::fs::metadata(restored.join("optim.pt")).unwrap().uid(),
         NOBODY
+    );
+    assert!(
+        !ckpt.join("step-2").exists(),
+        "the hot-tier copy is moved, not duplicated"
+    );
+    // Job 42 ends keeping step-2 (restored = archived). A copy tampered with afterwards is not
+    // trusted: the next restore comes from the archive.
+    assert_eq!(
+        t.call(Request::JobEnd { job_id: 42 }).await.unwrap(),
+        Response::Ok
+    );
+    std::fs::write(restored.join("optim.pt"), b"tampered").unwrap();
+    std::os::unix::fs::lchown(restored.join("optim.pt"), Some(NOBODY), Some(NOBODY)).unwrap();
+    t.call(ckpt_job(45, &url, &[("ckpt-restore", "step-2")]))
+        .await
+        .unwrap();
+    let Response::Ready(d) = t
+        .call(Request::WaitStaged {
+            job_id: 45,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert!(
+        !d.notes.iter().any(|n| n.contains("hot tier")),
+        "{:?}",
+        d.notes
+    );
+    assert_eq!(
+        std::fs::read(PathBuf::from(&d.ckpt_dir).join("step-2/optim.pt")).unwrap(),
+        optim
     );
 
     // Corrupt the newest archived object: `latest` falls back to step-1 and says so.
