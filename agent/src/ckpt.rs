@@ -178,6 +178,7 @@ impl JobCkpts {
             Some(e) => match e.state() {
                 CkptState::Modified => {
                     e.generation.fetch_add(1, Ordering::Relaxed);
+                    e.failures.store(0, Ordering::Relaxed);
                     e.set_state(CkptState::Committed);
                     Ok(CommitOutcome::Recommitted)
                 }

@@ -27,6 +27,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
         .expect("blocking task panicked")
 }
 
+/// Automatic re-reads of a checkpoint whose files changed while it was archived.
+const MAX_MODIFIED_RETRIES: u64 = 4;
+
 /// Longest pause between attempts to archive a checkpoint whose store is failing.
 const MAX_BACKOFF: Duration = Duration::from_secs(120);
 
@@ -152,7 +155,12 @@ impl Agent {
                         {
                             continue;
                         }
-                        if entry.needs_upload() {
+                        // A checkpoint that changed while being read is retried a few times after a
+                        // pause (a commit seen through the archive may arrive before this node's
+                        // writes finish), then waits for an explicit commit.
+                        let retry_modified = entry.state() == CkptState::Modified
+                            && entry.failures.load(Ordering::Relaxed) <= MAX_MODIFIED_RETRIES;
+                        if entry.needs_upload() || retry_modified {
                             self.archive_part(&job, &entry, &a).await;
                         }
                         if entry.state() == CkptState::WaitingForNodes {
@@ -223,9 +231,10 @@ impl Agent {
             }
             Err(e) if e.is_modified() => {
                 tracing::warn!(job_id, tag = entry.tag, "{e}");
+                entry.failures.fetch_add(1, Ordering::Relaxed);
                 entry.set_error(
                     CkptState::Modified,
-                    format!("{e}; it is archived again after the next commit of this tag"),
+                    format!("{e}; sluice retries a few times, then waits for the next commit of this tag"),
                 );
             }
             Err(e) => {
