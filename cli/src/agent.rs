@@ -6,7 +6,7 @@
 use crate::socket::{Origin, Socket};
 use anyhow::anyhow;
 use sluice_proto::client::{self, ClientError};
-use sluice_proto::msg::{JobId, JobStatus, NodeStatus, Request, Response};
+use sluice_proto::msg::{CkptStatus, JobId, JobStatus, NodeStatus, Request, Response};
 use sluice_proto::wire::FrameError;
 use std::io::ErrorKind;
 use std::time::Duration;
@@ -28,6 +28,26 @@ impl Agent {
         match self.call(Request::Job { job_id })? {
             Response::Job(job) => Ok(job),
             other => Err(self.unexpected("job", &other)),
+        }
+    }
+
+    /// Commits checkpoint `$SLUICE_CKPT_DIR/TAG` of the job on this node.
+    pub fn ckpt_commit(&self, job_id: JobId, tag: &str) -> anyhow::Result<()> {
+        let request = Request::CkptCommit {
+            job_id,
+            tag: tag.to_string(),
+        };
+        match self.call(request)? {
+            Response::Ok => Ok(()),
+            other => Err(self.unexpected("checkpoint commit", &other)),
+        }
+    }
+
+    /// The job's committed checkpoints on this node.
+    pub fn ckpt_list(&self, job_id: JobId) -> anyhow::Result<Vec<CkptStatus>> {
+        match self.call(Request::CkptList { job_id })? {
+            Response::Ckpts { ckpts } => Ok(ckpts),
+            other => Err(self.unexpected("checkpoint list", &other)),
         }
     }
 

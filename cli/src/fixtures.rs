@@ -1,7 +1,10 @@
 //! Canned agent answers shared by the unit tests (`render`) and the end-to-end tests (`tests/cli.rs`,
 //! which includes this file by path), so both check the same node.
 
-use sluice_proto::msg::{JobDirs, JobState, JobStatus, NodeStatus, StageProgress, StageState};
+use sluice_agent::archive::{CheckpointInfo, CheckpointState, JobMeta};
+use sluice_proto::msg::{
+    CkptState, CkptStatus, JobDirs, JobState, JobStatus, NodeStatus, StageProgress, StageState,
+};
 
 /// 2026-05-01T10:00:00Z.
 pub const STARTED_AT: u64 = 1_777_629_600;
@@ -110,4 +113,101 @@ pub fn node_status() -> NodeStatus {
             job(4260, "dave", 1003, JobState::Ready, vec![done]),
         ],
     }
+}
+
+/// The archive of [`job_ckpts`]'s checkpoints.
+pub const CKPT_URL: &str = "s3://ckpt/alice/train";
+/// The job whose checkpoints [`job_ckpts`] lists.
+pub const CKPT_JOB: u32 = 4242;
+
+fn ckpt(tag: &str, state: CkptState, minutes: u64) -> CkptStatus {
+    CkptStatus {
+        tag: tag.into(),
+        state,
+        on_hot_tier: true,
+        archive_url: CKPT_URL.into(),
+        files: 0,
+        raw_bytes: 0,
+        stored_bytes: 0,
+        bytes_done: 0,
+        committed_at: STARTED_AT + minutes * 60,
+        archived_at: None,
+        error: None,
+    }
+}
+
+/// One job's checkpoints on gpu07, in every interesting state.
+pub fn job_ckpts() -> Vec<CkptStatus> {
+    let archived = |tag, minutes, on_hot_tier| CkptStatus {
+        on_hot_tier,
+        files: 12,
+        raw_bytes: 3 * GIB,
+        stored_bytes: 2_200_000_000,
+        archived_at: Some(STARTED_AT + minutes * 60 + 70),
+        ..ckpt(tag, CkptState::Archived, minutes)
+    };
+    vec![
+        archived("step100", 10, false),
+        archived("step200", 20, true),
+        CkptStatus {
+            files: 6,
+            raw_bytes: 1536 << 20,
+            stored_bytes: 1_100_000_000,
+            ..ckpt("step300", CkptState::WaitingForNodes, 30)
+        },
+        CkptStatus {
+            error: Some(
+                "s3://ckpt/alice/train: put 'alice/train/step400/data/model.bin': connection refused"
+                    .into(),
+            ),
+            ..ckpt("step400", CkptState::Retrying, 40)
+        },
+        ckpt("step500", CkptState::Archiving, 50),
+    ]
+}
+
+/// An archive holding one complete checkpoint, one still being archived, one with a broken MANIFEST.
+pub fn archive_listing() -> Vec<CheckpointInfo> {
+    let ms = |minutes: u64| (STARTED_AT + minutes * 60) * 1000 + 250;
+    vec![
+        CheckpointInfo {
+            tag: "step100".into(),
+            state: CheckpointState::Complete,
+            files: 24,
+            raw_bytes: 6 * GIB,
+            stored_bytes: 4_400_000_000,
+            ratio: Some(6.0 * GIB as f64 / 4_400_000_000.0),
+            created_unix_ms: ms(11),
+            job: Some(JobMeta {
+                job_id: CKPT_JOB,
+                user: "alice".into(),
+                job_name: "train".into(),
+            }),
+            nodes: vec!["gpu07".into(), "gpu08".into()],
+        },
+        CheckpointInfo {
+            tag: "step200".into(),
+            state: CheckpointState::Partial,
+            files: 9,
+            raw_bytes: 3 * GIB,
+            stored_bytes: 1_000_000_000,
+            ratio: None,
+            created_unix_ms: ms(21),
+            job: None,
+            nodes: vec!["gpu07".into()],
+        },
+        CheckpointInfo {
+            tag: "step150".into(),
+            state: CheckpointState::Invalid {
+                reason: "unsupported version 9".into(),
+            },
+            files: 0,
+            raw_bytes: 0,
+            stored_bytes: 0,
+            ratio: None,
+            created_unix_ms: 0,
+            job: None,
+            nodes: Vec::new(),
+        },
+    ]
 }

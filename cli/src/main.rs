@@ -1,10 +1,13 @@
-//! `sluice`: the command line for users (how is my job's staging going?) and admins (what is this
-//! node's agent doing?). It talks to the node's agent over its Unix socket through the blocking
-//! client of `sluice-proto`; the agent decides what the caller may see from the socket's peer
-//! credentials, so the CLI needs no privileges of its own.
+//! `sluice`: the command line for users (how is my job's staging going? commit my checkpoint) and
+//! admins (what is this node's agent doing? what is in this archive?). It talks to the node's agent
+//! over its Unix socket through the blocking client of `sluice-proto`; the agent decides what the
+//! caller may see from the socket's peer credentials, so the CLI needs no privileges of its own.
+//! `sluice ckpt list|verify|restore URL` open archives directly with the agent's archive engine,
+//! with the caller's own access to the store (and to the agent's configuration).
 #![forbid(unsafe_code)]
 
 mod agent;
+mod ckpt;
 #[cfg(test)]
 mod fixtures;
 mod render;
@@ -12,8 +15,9 @@ mod socket;
 
 use agent::Agent;
 use clap::{Parser, Subcommand};
+use sluice_agent::safefs::Owner;
 use sluice_proto::msg::JobId;
-use std::io::{self, Write};
+use std::io::{self, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
@@ -39,8 +43,8 @@ struct Cli {
     command: Command,
 }
 
-/// One variant per command. Planned next to these, under the same global options: `ckpt commit|list|
-/// restore|verify`, `cache`, `trim`, `doctor`, `config check`.
+/// One variant per command. Planned next to these, under the same global options: `cache`, `trim`,
+/// `doctor`, `config check`.
 #[derive(Debug, Subcommand)]
 enum Command {
     /// This node's agent: hot tier, and the jobs you may see with their staging progress
@@ -57,6 +61,88 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Checkpoints: commit one from a job, list a job's or an archive's, verify and restore archived ones
+    #[command(subcommand)]
+    Ckpt(CkptCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum CkptCommand {
+    /// Mark $SLUICE_CKPT_DIR/TAG complete: the agent archives it in the background.
+    ///
+    /// Run it once the checkpoint's files are all written. One call on one node commits the
+    /// checkpoint on every node of the job (the agents find each other's commits in the archive).
+    Commit {
+        /// The checkpoint: the directory $SLUICE_CKPT_DIR/TAG
+        tag: String,
+        /// The job [default: $SLURM_JOB_ID]
+        #[arg(long, value_name = "JOBID")]
+        job: Option<JobId>,
+        /// Accepted for scripts that commit on every node; one node is enough either way
+        #[arg(long)]
+        local: bool,
+    },
+    /// A job's checkpoints on this node, or every checkpoint in an archive
+    List {
+        /// An archive URL (s3://, az://, gs://, file:///) to read directly instead of asking the agent
+        url: Option<String>,
+        /// The job [default: $SLURM_JOB_ID when no URL is given]
+        #[arg(long, value_name = "JOBID", conflicts_with = "url")]
+        job: Option<JobId>,
+        /// The agent's configuration, for store profiles [default: /etc/sluice/sluice.toml]
+        #[arg(long, value_name = "PATH", requires = "url")]
+        config: Option<PathBuf>,
+        /// Print JSON (stable for scripts)
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-check an archived checkpoint against its MANIFEST: every object, chunk and file checksum.
+    ///
+    /// Exits 1 when a file is damaged, naming every damaged file.
+    Verify {
+        /// The archive URL (s3://, az://, gs://, file:///)
+        url: String,
+        /// The checkpoint, or `latest` for the newest complete one
+        tag: String,
+        /// The agent's configuration, for store profiles [default: /etc/sluice/sluice.toml]
+        #[arg(long, value_name = "PATH")]
+        config: Option<PathBuf>,
+        /// Print JSON (stable for scripts)
+        #[arg(long)]
+        json: bool,
+    },
+    /// Restore an archived checkpoint into a directory, checking every checksum.
+    ///
+    /// DEST must not exist or be empty; it is created, and every file is owned, by you. With
+    /// `latest`, damaged checkpoints are skipped (and named on stderr). A failed restore leaves
+    /// DEST as it was; an interrupted one leaves a partial DEST to remove.
+    Restore {
+        /// The archive URL (s3://, az://, gs://, file:///)
+        url: String,
+        /// The checkpoint, or `latest` for the newest intact one
+        tag: String,
+        /// Where the checkpoint's files go
+        dest: PathBuf,
+        /// The agent's configuration, for store profiles [default: /etc/sluice/sluice.toml]
+        #[arg(long, value_name = "PATH")]
+        config: Option<PathBuf>,
+        /// Print JSON (stable for scripts)
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// What a command prints on stdout, and whether it succeeded (`verify` prints its findings and
+/// fails when a file is damaged).
+struct Output {
+    text: String,
+    ok: bool,
+}
+
+impl From<String> for Output {
+    fn from(text: String) -> Output {
+        Output { text, ok: true }
+    }
 }
 
 fn parse_timeout(s: &str) -> Result<Duration, String> {
@@ -74,40 +160,166 @@ fn json<T: serde::Serialize>(value: &T) -> anyhow::Result<String> {
     Ok(serde_json::to_string_pretty(value)? + "\n")
 }
 
-fn run(cli: Cli) -> anyhow::Result<String> {
-    let socket = socket::resolve(
-        cli.socket.as_deref().map(|p| p.as_os_str()),
-        |name| std::env::var_os(name),
-        socket::system_hostname,
-    )?;
-    let agent = Agent {
-        socket,
-        timeout: cli.timeout,
+fn env(name: &str) -> Option<std::ffi::OsString> {
+    std::env::var_os(name)
+}
+
+fn run(cli: Cli) -> anyhow::Result<Output> {
+    let agent = || -> anyhow::Result<Agent> {
+        let socket = socket::resolve(
+            cli.socket.as_deref().map(|p| p.as_os_str()),
+            env,
+            socket::system_hostname,
+        )?;
+        Ok(Agent {
+            socket,
+            timeout: cli.timeout,
+        })
     };
-    match cli.command {
-        Command::Status { json: true } => json(&agent.status()?),
-        Command::Status { json: false } => Ok(render::node_status(&agent.status()?)),
-        Command::Job { job_id, json: true } => json(&agent.job(job_id)?),
+    Ok(match cli.command {
+        Command::Status { json: true } => json(&agent()?.status()?)?.into(),
+        Command::Status { json: false } => render::node_status(&agent()?.status()?).into(),
+        Command::Job { job_id, json: true } => json(&agent()?.job(job_id)?)?.into(),
         Command::Job {
             job_id,
             json: false,
-        } => Ok(render::job_detail(&agent.job(job_id)?, SystemTime::now())),
+        } => render::job_detail(&agent()?.job(job_id)?, SystemTime::now()).into(),
+        Command::Ckpt(c) => return run_ckpt(c, agent),
+    })
+}
+
+fn run_ckpt(
+    command: CkptCommand,
+    agent: impl FnOnce() -> anyhow::Result<Agent>,
+) -> anyhow::Result<Output> {
+    match command {
+        CkptCommand::Commit { tag, job, local: _ } => {
+            let job_id = ckpt::job_id(job, env, "")?;
+            ckpt::check_tag(&tag)?;
+            let agent = agent()?;
+            agent.ckpt_commit(job_id, &tag)?;
+            // Only to say where it goes: the commit is done whatever this answers.
+            let url = agent
+                .ckpt_list(job_id)
+                .ok()
+                .and_then(|ckpts| ckpt::archive_url_of(&ckpts, &tag));
+            let node = ckpt::node_name(env, socket::system_hostname);
+            Ok(render::committed(&tag, job_id, node.as_deref(), url.as_deref()).into())
+        }
+        CkptCommand::List {
+            url: None,
+            job,
+            json: as_json,
+            ..
+        } => {
+            let job_id = ckpt::job_id(job, env, " or give an archive URL")?;
+            let ckpts = agent()?.ckpt_list(job_id)?;
+            Ok(if as_json {
+                json(&ckpt::JobListing { job_id, ckpts })?
+            } else {
+                render::job_ckpts(job_id, &ckpts)
+            }
+            .into())
+        }
+        CkptCommand::List {
+            url: Some(url),
+            config,
+            json: as_json,
+            ..
+        } => {
+            let archiver = open_archive(config, &url)?;
+            let list = ckpt::runtime()?.block_on(ckpt::list(&archiver))?;
+            Ok(if as_json {
+                json(&ckpt::ArchiveListing {
+                    url: archiver.url().to_string(),
+                    ckpts: list.iter().map(ckpt::ArchivedCkpt::from).collect(),
+                })?
+            } else {
+                render::archive_ckpts(archiver.url(), &list)
+            }
+            .into())
+        }
+        CkptCommand::Verify {
+            url,
+            tag,
+            config,
+            json: as_json,
+        } => {
+            let archiver = open_archive(config, &url)?;
+            let verified = ckpt::runtime()?.block_on(ckpt::verify(&archiver, &tag))?;
+            let text = if as_json {
+                json(&verified)?
+            } else {
+                render::verify(&verified)
+            };
+            Ok(Output {
+                text,
+                ok: verified.ok,
+            })
+        }
+        CkptCommand::Restore {
+            url,
+            tag,
+            dest,
+            config,
+            json: as_json,
+        } => {
+            if tag != ckpt::LATEST {
+                ckpt::check_tag(&tag)?;
+            }
+            let archiver = open_archive(config, &url)?;
+            let owner = Owner {
+                uid: nix::unistd::geteuid().as_raw(),
+                gid: nix::unistd::getegid().as_raw(),
+            };
+            let rt = ckpt::runtime()?;
+            let dest = ckpt::prepare_dest(&dest, owner.uid)?;
+            let note = |n: &str| eprintln!("sluice: {n}");
+            let progress = !as_json && io::stderr().is_terminal();
+            // The archive's errors name the checkpoint and the archive.
+            let restored =
+                rt.block_on(ckpt::restore(&archiver, &tag, &dest, owner, note, progress))?;
+            Ok(if as_json {
+                json(&restored)?
+            } else {
+                render::restored(&restored)
+            }
+            .into())
+        }
     }
+}
+
+/// Opens an archive by URL with the agent's configuration (see [`ckpt::load_config`]).
+fn open_archive(
+    config: Option<PathBuf>,
+    url: &str,
+) -> anyhow::Result<sluice_agent::archive::Archiver> {
+    let node = sluice_agent::config::default_node_name();
+    let (cfg, note) = ckpt::load_config(config.as_deref(), url, &node)?;
+    if let Some(note) = note {
+        eprintln!("sluice: {note}");
+    }
+    ckpt::open(&cfg, url)
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let text = match run(cli) {
-        Ok(text) => text,
+    let out = match run(cli) {
+        Ok(out) => out,
         Err(e) => {
             eprintln!("sluice: {e:#}");
             return ExitCode::FAILURE;
         }
     };
-    match io::stdout().lock().write_all(text.as_bytes()) {
-        Ok(()) => ExitCode::SUCCESS,
+    let status = if out.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    };
+    match io::stdout().lock().write_all(out.text.as_bytes()) {
+        Ok(()) => status,
         // `sluice status | head`: the reader has what it wanted.
-        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => status,
         Err(e) => {
             eprintln!("sluice: writing to stdout: {e}");
             ExitCode::FAILURE

@@ -6,11 +6,15 @@
 //! Strings from the agent (user names, sources, error messages from object stores) are printed
 //! through [`clean`], so a control character in them cannot garble the table or the terminal.
 
-use sluice_proto::msg::{JobStatus, NodeStatus, StageProgress};
+use crate::ckpt::{Restored, Verified};
+use sluice_agent::archive::{CheckpointInfo, CheckpointState, ProgressSnapshot};
+use sluice_proto::msg::{CkptState, CkptStatus, JobId, JobStatus, NodeStatus, StageProgress};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Longest DATASETS cell in the status table; the detail view shows every name.
 const MAX_DATASETS_CELL: usize = 32;
+/// Longest NODES cell in an archive listing; `--json` lists every node.
+const MAX_NODES_CELL: usize = 32;
 /// Nodes listed by name in the job view before the rest are counted.
 const MAX_NODES_SHOWN: usize = 16;
 
@@ -50,6 +54,27 @@ pub fn duration_ms(ms: u64) -> String {
         3_600_000..86_400_000 => format!("{h}h{:02}m{:02}s", m % 60, s % 60),
         _ => format!("{d}d{:02}h{:02}m", h % 24, m % 60),
     }
+}
+
+/// A compression ratio (raw bytes per stored byte): `1.46x`; `-` when there is none.
+pub fn ratio(r: Option<f64>) -> String {
+    match r {
+        Some(r) if r.is_finite() => format!("{r:.2}x"),
+        _ => "-".to_string(),
+    }
+}
+
+/// Raw / stored, when something is stored.
+pub fn ratio_of(raw: u64, stored: u64) -> Option<f64> {
+    (stored > 0).then(|| raw as f64 / stored as f64)
+}
+
+/// A UTC timestamp to the second from Unix seconds; `-` for 0 (not known).
+pub fn timestamp(secs: u64) -> String {
+    if secs == 0 {
+        return "-".to_string();
+    }
+    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(secs)).to_string()
 }
 
 /// `done/total`, with `?` for a total not known yet (listing still running).
@@ -314,6 +339,208 @@ pub fn job_detail(job: &JobStatus, now: SystemTime) -> String {
     out
 }
 
+// ------------------------------------------------------------------------------------ checkpoints
+
+/// `sluice ckpt commit`: what was committed, and where it is going when the agent said so.
+pub fn committed(tag: &str, job_id: JobId, node: Option<&str>, url: Option<&str>) -> String {
+    let node = node.map_or_else(|| "this node".to_string(), |n| format!("node {}", clean(n)));
+    match url {
+        Some(url) => format!(
+            "committed {} (job {job_id}, {node}); archiving to {}\n",
+            clean(tag),
+            clean(url)
+        ),
+        None => format!("committed {} (job {job_id}, {node})\n", clean(tag)),
+    }
+}
+
+/// States in which this node's agent knows a checkpoint's size.
+fn ckpt_size_known(c: &CkptStatus) -> bool {
+    matches!(c.state, CkptState::WaitingForNodes | CkptState::Archived)
+        || c.raw_bytes > 0
+        || c.stored_bytes > 0
+}
+
+/// `sluice ckpt list` in a job: the job's checkpoints on this node, oldest commit first as the
+/// agent sends them.
+pub fn job_ckpts(job_id: JobId, ckpts: &[CkptStatus]) -> String {
+    let url = ckpts
+        .iter()
+        .map(|c| c.archive_url.as_str())
+        .find(|u| !u.is_empty());
+    let mut out = match url {
+        Some(url) => format!("job {job_id} on this node; archive {}\n", clean(url)),
+        None => format!("job {job_id} on this node\n"),
+    };
+    if ckpts.is_empty() {
+        out.push_str(
+            "\nNo committed checkpoints yet (commit one with `sluice ckpt commit TAG`).\n",
+        );
+        return out;
+    }
+    let rows: Vec<Vec<String>> = ckpts
+        .iter()
+        .map(|c| {
+            let known = ckpt_size_known(c);
+            let size = |n: u64| if known { bytes(n) } else { "-".to_string() };
+            vec![
+                clean(&c.tag),
+                c.state.as_str().to_string(),
+                if c.on_hot_tier { "yes" } else { "no" }.to_string(),
+                size(c.raw_bytes),
+                size(c.stored_bytes),
+                ratio(ratio_of(c.raw_bytes, c.stored_bytes).filter(|_| known)),
+                timestamp(c.committed_at),
+                c.archived_at.map_or_else(|| "-".to_string(), timestamp),
+                c.error.as_deref().map_or_else(|| "-".to_string(), clean),
+            ]
+        })
+        .collect();
+    out.push('\n');
+    out.push_str(&table(
+        &[
+            "TAG",
+            "STATE",
+            "HOT",
+            "SIZE",
+            "STORED",
+            "RATIO",
+            "COMMITTED",
+            "ARCHIVED",
+            "ERROR",
+        ],
+        &rows,
+    ));
+    out
+}
+
+/// `complete`, `partial` or `invalid`.
+pub fn archive_state(state: &CheckpointState) -> &'static str {
+    match state {
+        CheckpointState::Complete => "complete",
+        CheckpointState::Partial => "partial",
+        CheckpointState::Invalid { .. } => "invalid",
+    }
+}
+
+/// `sluice ckpt list URL`: every tag of an archive, oldest first, with why an invalid one is.
+pub fn archive_ckpts(url: &str, list: &[CheckpointInfo]) -> String {
+    let mut out = format!("archive {}\n\n", clean(url));
+    if list.is_empty() {
+        out.push_str("No checkpoints there.\n");
+        return out;
+    }
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|c| {
+            let invalid = matches!(c.state, CheckpointState::Invalid { .. });
+            let dash = || "-".to_string();
+            let nodes = if c.nodes.is_empty() {
+                dash()
+            } else {
+                truncate(&clean(&c.nodes.join(",")), MAX_NODES_CELL)
+            };
+            vec![
+                clean(&c.tag),
+                archive_state(&c.state).to_string(),
+                if invalid { dash() } else { c.files.to_string() },
+                if invalid { dash() } else { bytes(c.raw_bytes) },
+                if invalid {
+                    dash()
+                } else {
+                    bytes(c.stored_bytes)
+                },
+                ratio(c.ratio),
+                timestamp(c.created_unix_ms / 1000),
+                c.job.as_ref().map_or_else(dash, |j| j.job_id.to_string()),
+                nodes,
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &[
+            "TAG", "STATE", "FILES", "SIZE", "STORED", "RATIO", "CREATED", "JOB", "NODES",
+        ],
+        &rows,
+    ));
+    let partial = list.iter().any(|c| c.state == CheckpointState::Partial);
+    let notes: Vec<String> = list
+        .iter()
+        .filter_map(|c| match &c.state {
+            CheckpointState::Invalid { reason } => Some(format!(
+                "{}: unusable MANIFEST ({}); it is never restored\n",
+                clean(&c.tag),
+                clean(reason)
+            )),
+            _ => None,
+        })
+        .collect();
+    if partial || !notes.is_empty() {
+        out.push('\n');
+    }
+    if partial {
+        out.push_str(
+            "partial: no MANIFEST yet (still archiving, or an archive that failed); never restored\n",
+        );
+    }
+    for n in notes {
+        out.push_str(&n);
+    }
+    out
+}
+
+/// `sluice ckpt verify`: OK with what was checked, or DAMAGED with every damaged file.
+pub fn verify(v: &Verified) -> String {
+    let (tag, url) = (clean(&v.tag), clean(&v.url));
+    if v.ok {
+        return format!(
+            "checkpoint {tag} at {url}: OK\n  \
+               {} file(s), {} ({} stored, ratio {}) match the MANIFEST's checksums\n",
+            v.files,
+            bytes(v.raw_bytes),
+            bytes(v.stored_bytes),
+            ratio(ratio_of(v.raw_bytes, v.stored_bytes)),
+        );
+    }
+    let mut out = format!(
+        "checkpoint {tag} at {url}: DAMAGED, {} of {} file(s)\n",
+        v.damaged.len(),
+        v.files
+    );
+    for d in &v.damaged {
+        out.push_str(&format!("  {}: {}\n", clean(&d.path), clean(&d.detail)));
+    }
+    out.push_str(&format!(
+        "Do not restore it: restore an older checkpoint (sluice ckpt list {url}).\n"
+    ));
+    out
+}
+
+/// `sluice ckpt restore`: what is where now.
+pub fn restored(r: &Restored) -> String {
+    format!(
+        "restored {} from {} into {}: {} file(s), {}, checksums verified\n",
+        clean(&r.tag),
+        clean(&r.url),
+        clean(&r.dest.display().to_string()),
+        r.files,
+        bytes(r.raw_bytes)
+    )
+}
+
+/// The live line of a restore on a terminal: `restoring step100: 3/12 files, 1.2 GiB/3.0 GiB (40%)`.
+pub fn progress_line(label: &str, p: &ProgressSnapshot) -> String {
+    format!(
+        "{}: {}/{} files, {}/{}{}",
+        clean(label),
+        p.files_done,
+        p.files_total,
+        bytes(p.bytes_done),
+        bytes(p.bytes_total),
+        percent(p.bytes_done, Some(p.bytes_total))
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,6 +696,180 @@ datasets (2)
         assert!(
             text.contains(" shard-0,shard-1,shard-2,shard-3…  "),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn ratios_and_timestamps() {
+        assert_eq!(ratio(Some(1.4567)), "1.46x");
+        assert_eq!(ratio(Some(1.0)), "1.00x");
+        assert_eq!(ratio(None), "-");
+        assert_eq!(ratio(Some(f64::INFINITY)), "-");
+        assert_eq!(ratio_of(3, 2), Some(1.5));
+        assert_eq!(ratio_of(3, 0), None);
+        assert_eq!(timestamp(0), "-");
+        assert_eq!(timestamp(fixtures::STARTED_AT), "2026-05-01T10:00:00Z");
+    }
+
+    #[test]
+    fn committed_says_where_it_goes() {
+        assert_eq!(
+            committed(
+                "step100",
+                4242,
+                Some("gpu07"),
+                Some("s3://ckpt/alice/train")
+            ),
+            "committed step100 (job 4242, node gpu07); archiving to s3://ckpt/alice/train\n"
+        );
+        assert_eq!(
+            committed("step100", 4242, None, None),
+            "committed step100 (job 4242, this node)\n"
+        );
+    }
+
+    #[test]
+    fn job_ckpts_view() {
+        let want = "\
+job 4242 on this node; archive s3://ckpt/alice/train
+
+TAG      STATE              HOT  SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR
+step100  archived           no   3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:10:00Z  2026-05-01T10:11:10Z  -
+step200  archived           yes  3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:20:00Z  2026-05-01T10:21:10Z  -
+step300  waiting-for-nodes  yes  1.5 GiB  1.0 GiB  1.46x  2026-05-01T10:30:00Z  -                     -
+step400  retrying           yes  -        -        -      2026-05-01T10:40:00Z  -                     s3://ckpt/alice/train: put 'alice/train/step400/data/model.bin': connection refused
+step500  archiving          yes  -        -        -      2026-05-01T10:50:00Z  -                     -
+";
+        assert_eq!(job_ckpts(fixtures::CKPT_JOB, &fixtures::job_ckpts()), want);
+    }
+
+    #[test]
+    fn job_ckpts_edge_cases() {
+        assert_eq!(
+            job_ckpts(7, &[]),
+            "job 7 on this node\n\nNo committed checkpoints yet (commit one with `sluice ckpt commit TAG`).\n"
+        );
+        // No archive configured; an archived empty checkpoint has a size (0 B) but no ratio;
+        // control characters from the agent cannot garble the table.
+        let mut c = fixtures::job_ckpts();
+        c.truncate(1);
+        c[0].archive_url.clear();
+        (c[0].raw_bytes, c[0].stored_bytes) = (0, 0);
+        c[0].error = Some("line\nbreak\x1b[31m".into());
+        let text = job_ckpts(7, &c);
+        assert!(text.starts_with("job 7 on this node\n\nTAG  "), "{text}");
+        assert!(
+            text.contains("  archived  no   0 B   0 B     -      ")
+                && text.ends_with("  line break [31m\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn archive_view() {
+        let want = "\
+archive s3://ckpt/alice/train
+
+TAG      STATE     FILES  SIZE     STORED     RATIO  CREATED               JOB   NODES
+step100  complete  24     6.0 GiB  4.1 GiB    1.46x  2026-05-01T10:11:00Z  4242  gpu07,gpu08
+step200  partial   9      3.0 GiB  953.7 MiB  -      2026-05-01T10:21:00Z  -     gpu07
+step150  invalid   -      -        -          -      -                     -     -
+
+partial: no MANIFEST yet (still archiving, or an archive that failed); never restored
+step150: unusable MANIFEST (unsupported version 9); it is never restored
+";
+        assert_eq!(
+            archive_ckpts(fixtures::CKPT_URL, &fixtures::archive_listing()),
+            want
+        );
+    }
+
+    #[test]
+    fn archive_view_edge_cases() {
+        assert_eq!(
+            archive_ckpts("file:///a", &[]),
+            "archive file:///a\n\nNo checkpoints there.\n"
+        );
+        // Complete checkpoints only: no notes. Many nodes are cut (--json has them all).
+        let mut list = fixtures::archive_listing();
+        list.truncate(1);
+        list[0].nodes = (1..=40).map(|i| format!("node{i:03}")).collect();
+        let text = archive_ckpts("file:///a", &list);
+        assert!(
+            text.ends_with("  node001,node002,node003,node004…\n"),
+            "{text}"
+        );
+    }
+
+    fn verified(ok: bool) -> Verified {
+        Verified {
+            url: "file:///srv/ckpt".into(),
+            tag: "step100".into(),
+            ok,
+            files: 7,
+            raw_bytes: 13 << 20,
+            stored_bytes: 10 << 20,
+            damaged: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn verify_views() {
+        assert_eq!(
+            verify(&verified(true)),
+            "checkpoint step100 at file:///srv/ckpt: OK\n  \
+             7 file(s), 13.0 MiB (10.0 MiB stored, ratio 1.30x) match the MANIFEST's checksums\n"
+        );
+        let mut bad = verified(false);
+        bad.damaged = vec![
+            crate::ckpt::DamagedFile {
+                path: "model/weights.bf16".into(),
+                detail: "chunk 1 of 3: checksum mismatch".into(),
+            },
+            crate::ckpt::DamagedFile {
+                path: "optim/step".into(),
+                detail: "its data object is missing".into(),
+            },
+        ];
+        assert_eq!(
+            verify(&bad),
+            "checkpoint step100 at file:///srv/ckpt: DAMAGED, 2 of 7 file(s)\n  \
+             model/weights.bf16: chunk 1 of 3: checksum mismatch\n  \
+             optim/step: its data object is missing\n\
+             Do not restore it: restore an older checkpoint (sluice ckpt list file:///srv/ckpt).\n"
+        );
+    }
+
+    #[test]
+    fn restore_views() {
+        let r = Restored {
+            url: "s3://ckpt/alice/train".into(),
+            tag: "step200".into(),
+            dest: "/scratch/alice/step200".into(),
+            files: 12,
+            raw_bytes: 3 << 30,
+            stored_bytes: 2 << 30,
+            skipped: vec!["step300".into()],
+        };
+        assert_eq!(
+            restored(&r),
+            "restored step200 from s3://ckpt/alice/train into /scratch/alice/step200: \
+             12 file(s), 3.0 GiB, checksums verified\n"
+        );
+        let p = ProgressSnapshot {
+            files_done: 3,
+            files_total: 12,
+            bytes_done: 1 << 30,
+            bytes_total: 4 << 30,
+            stored_bytes: 0,
+        };
+        assert_eq!(
+            progress_line("restoring step200", &p),
+            "restoring step200: 3/12 files, 1.0 GiB/4.0 GiB (25%)"
+        );
+        assert_eq!(
+            progress_line("restoring x", &ProgressSnapshot::default()),
+            "restoring x: 0/0 files, 0 B/0 B"
         );
     }
 }

@@ -1,11 +1,17 @@
 //! End to end: the `sluice` binary against a fake agent that speaks the real framing
 //! (`sluice_proto::wire`) on a temp socket and answers one request with a canned response.
 //! The real agent is tested in its own crate; this proves the CLI's side of the socket.
+//!
+//! `sluice ckpt list|verify|restore URL` need no agent: they are tested against a real `file://`
+//! archive written by the agent's archive engine in the test itself.
 
 #[path = "../src/fixtures.rs"]
+#[allow(dead_code)] // the archive listings are for the unit tests
 mod fixtures;
 
-use sluice_proto::msg::{ErrorCode, ErrorReply, JobStatus, NodeStatus, Request, Response};
+use sluice_proto::msg::{
+    CkptStatus, ErrorCode, ErrorReply, JobStatus, NodeStatus, Request, Response,
+};
 use sluice_proto::wire;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -23,12 +29,31 @@ fn fake_agent(path: &Path, response: Response) -> JoinHandle<Request> {
     })
 }
 
+/// Listens on `path`, answers one request after the other with `responses` (one connection each,
+/// as the CLI makes them), and returns the requests it got.
+fn fake_agent_seq(path: &Path, responses: Vec<Response>) -> JoinHandle<Vec<Request>> {
+    let listener = UnixListener::bind(path).unwrap();
+    std::thread::spawn(move || {
+        responses
+            .into_iter()
+            .map(|response| {
+                let (mut stream, _) = listener.accept().unwrap();
+                let request =
+                    wire::decode_request(&wire::read_frame(&mut stream).unwrap()).unwrap();
+                wire::write_frame(&mut stream, &response).unwrap();
+                request
+            })
+            .collect()
+    })
+}
+
 /// Runs `sluice` with a clean environment as far as sluice is concerned, plus `env`.
 fn sluice(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
     cmd.args(args)
         .env_remove("SLUICE_SOCKET")
-        .env_remove("SLURMD_NODENAME");
+        .env_remove("SLURMD_NODENAME")
+        .env_remove("SLURM_JOB_ID");
     cmd.envs(env.iter().copied());
     cmd.output().unwrap()
 }
@@ -238,4 +263,510 @@ fn an_agent_hanging_up_is_reported() {
         stderr.contains("closed the connection without answering"),
         "{stderr}"
     );
+}
+
+// ------------------------------------------------------------------------------------ ckpt, agent
+
+fn ckpts() -> Response {
+    Response::Ckpts {
+        ckpts: fixtures::job_ckpts(),
+    }
+}
+
+#[test]
+fn commit_inside_a_job_uses_slurm_job_id_and_says_where_it_goes() {
+    let d = temp_socket();
+    let agent = fake_agent_seq(&d.socket, vec![Response::Ok, ckpts()]);
+    let out = sluice(
+        &[
+            "--socket",
+            d.socket.to_str().unwrap(),
+            "ckpt",
+            "commit",
+            "step200",
+        ],
+        &[("SLURM_JOB_ID", "4242"), ("SLURMD_NODENAME", "gpu07")],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert_eq!(
+        agent.join().unwrap(),
+        vec![
+            Request::CkptCommit {
+                job_id: 4242,
+                tag: "step200".into()
+            },
+            Request::CkptList { job_id: 4242 }
+        ]
+    );
+    assert_eq!(
+        stdout,
+        "committed step200 (job 4242, node gpu07); archiving to s3://ckpt/alice/train\n"
+    );
+    assert!(out.stderr.is_empty());
+}
+
+#[test]
+fn commit_with_job_and_local_flags() {
+    let d = temp_socket();
+    // The agent knows no archive URL for the tag: the commit still stands.
+    let agent = fake_agent_seq(
+        &d.socket,
+        vec![Response::Ok, Response::Ckpts { ckpts: Vec::new() }],
+    );
+    let out = sluice(
+        &[
+            "ckpt",
+            "commit",
+            "--job",
+            "7",
+            "--local",
+            "step100",
+            "--socket",
+            d.socket.to_str().unwrap(),
+        ],
+        &[("SLURM_JOB_ID", "4242"), ("SLURMD_NODENAME", "n3")],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        agent.join().unwrap()[0],
+        Request::CkptCommit {
+            job_id: 7,
+            tag: "step100".into()
+        }
+    );
+    assert_eq!(text(&out.stdout), "committed step100 (job 7, node n3)\n");
+}
+
+#[test]
+fn commit_outside_a_job_fails_before_asking_the_agent() {
+    let d = temp_socket();
+    // Nobody listens: an attempt to connect would be a different error.
+    let out = sluice(
+        &[
+            "--socket",
+            d.socket.to_str().unwrap(),
+            "ckpt",
+            "commit",
+            "step1",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.starts_with("sluice: not inside a Slurm job ($SLURM_JOB_ID is not set)")
+            && stderr.contains("pass --job JOBID"),
+        "{stderr}"
+    );
+    // A bad tag is refused here too, with what a tag may hold.
+    let out = sluice(
+        &[
+            "--socket",
+            d.socket.to_str().unwrap(),
+            "ckpt",
+            "commit",
+            "a/b",
+        ],
+        &[("SLURM_JOB_ID", "1")],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("checkpoint tag 'a/b' may only hold"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn commit_errors_from_the_agent_are_printed_as_they_come() {
+    let d = temp_socket();
+    let message = "there is no checkpoint directory $SLUICE_CKPT_DIR/step9 on this node";
+    let agent = fake_agent_seq(
+        &d.socket,
+        vec![Response::Error(ErrorReply::new(
+            ErrorCode::BadRequest,
+            message,
+        ))],
+    );
+    let out = sluice(
+        &[
+            "--socket",
+            d.socket.to_str().unwrap(),
+            "ckpt",
+            "commit",
+            "step9",
+        ],
+        &[("SLURM_JOB_ID", "4242")],
+    );
+    assert_eq!(agent.join().unwrap().len(), 1);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(text(&out.stderr), format!("sluice: {message}\n"));
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn list_shows_the_jobs_checkpoints() {
+    let d = temp_socket();
+    let agent = fake_agent(&d.socket, ckpts());
+    let out = sluice(
+        &["--socket", d.socket.to_str().unwrap(), "ckpt", "list"],
+        &[("SLURM_JOB_ID", "4242")],
+    );
+    assert_eq!(agent.join().unwrap(), Request::CkptList { job_id: 4242 });
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        stdout.starts_with("job 4242 on this node; archive s3://ckpt/alice/train\n\nTAG      STATE              HOT  SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("\nstep100  archived           no   3.0 GiB  2.0 GiB  1.46x  "),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn list_json_with_an_explicit_job() {
+    let d = temp_socket();
+    let agent = fake_agent(&d.socket, ckpts());
+    let out = sluice(
+        &[
+            "--socket",
+            d.socket.to_str().unwrap(),
+            "ckpt",
+            "list",
+            "--job",
+            "17",
+            "--json",
+        ],
+        &[("SLURM_JOB_ID", "4242")],
+    );
+    assert_eq!(agent.join().unwrap(), Request::CkptList { job_id: 17 });
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let parsed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(parsed["job_id"], 17);
+    let ckpts: Vec<CkptStatus> = serde_json::from_value(parsed["ckpts"].clone()).unwrap();
+    assert_eq!(ckpts, fixtures::job_ckpts());
+}
+
+#[test]
+fn list_outside_a_job_and_conflicting_arguments() {
+    let out = sluice(&["--socket", "/nonexistent.sock", "ckpt", "list"], &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("not inside a Slurm job")
+            && stderr.contains("pass --job JOBID or give an archive URL"),
+        "{stderr}"
+    );
+    // --job and a URL are two different questions; --config goes with a URL only.
+    let out = sluice(&["ckpt", "list", "--job", "1", "file:///x"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let out = sluice(&["ckpt", "list", "--config", "/c.toml"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let out = sluice(&["ckpt", "list", "--job", "x"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}
+
+// ------------------------------------------------------------------------------------ ckpt, URL
+
+mod archive {
+    use super::{sluice, text};
+    use sluice_agent::archive::{ArchiveConfig, ArchiveProgress, JobMeta, open_archive_with};
+    use sluice_agent::config::Config;
+    use sluice_agent::safefs;
+    use std::os::unix::fs::MetadataExt;
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+
+    /// Deterministic, compressible "tensor" bytes: small values around zero, as bf16 weights are.
+    fn tensor(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if i % 2 == 1 {
+                    0x3c | (x as u8 & 1)
+                } else {
+                    x as u8
+                }
+            })
+            .collect()
+    }
+
+    fn files() -> Vec<(&'static str, Vec<u8>)> {
+        vec![
+            ("model/weights.bf16", tensor(1_200_000, 1)),
+            ("optim/state.fp32", tensor(300_000, 2)),
+            ("latest", b"step100\n".to_vec()),
+            ("empty", Vec::new()),
+        ]
+    }
+
+    struct Fixture {
+        tmp: tempfile::TempDir,
+        url: String,
+        config: PathBuf,
+    }
+
+    impl Fixture {
+        fn archive_dir(&self) -> PathBuf {
+            self.tmp.path().join("archive")
+        }
+
+        /// `sluice ckpt ARGS... --config CFG`.
+        fn run(&self, args: &[&str]) -> std::process::Output {
+            let mut all = vec!["ckpt"];
+            all.extend_from_slice(args);
+            all.extend_from_slice(&["--config", self.config.to_str().unwrap()]);
+            sluice(&all, &[])
+        }
+    }
+
+    /// A `file://` archive holding `step100` (complete, one node) and `step200` (only one of its
+    /// two nodes' parts: partial), written with the agent's engine as the agent would.
+    fn archive() -> Fixture {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = tmp.path().join("sluice.toml");
+        let toml = "[agent]\nsocket = '/run/sluice/%n.sock'\nstate_dir = '/var/lib/sluice/%n/state'\n\
+                    [hot_tier]\nroot = '/var/lib/sluice/%n/hot'\n";
+        std::fs::write(&config, toml).unwrap();
+        let cfg = Config::parse(toml, "n1").unwrap();
+        let url = format!("file://{}", tmp.path().join("archive").display());
+        // Small chunks and parts, so the big file is several chunks and a multipart upload.
+        let acfg = ArchiveConfig {
+            part_size: 256 << 10,
+            concurrency: 4,
+            zstd_level: 1,
+            chunk_size: 64 << 10,
+            compress_threads: 2,
+            bandwidth_limit: None,
+        };
+        let archiver = open_archive_with(&cfg, &url, acfg).unwrap();
+        let me = nix::unistd::geteuid().as_raw();
+        let src = tmp.path().join("src");
+        for (rel, data) in files() {
+            let p = src.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, data).unwrap();
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let job = JobMeta {
+                job_id: 4242,
+                user: "alice".into(),
+                job_name: "train".into(),
+            };
+            for (tag, nodes) in [("step100", vec!["n1"]), ("step200", vec!["n1", "n2"])] {
+                let fd = Arc::new(safefs::open_root_dir(&src).unwrap());
+                archiver
+                    .upload_part(tag, "n1", fd, me, &ArchiveProgress::default())
+                    .await
+                    .unwrap();
+                let nodes: Vec<String> = nodes.into_iter().map(String::from).collect();
+                let published = archiver
+                    .try_publish(tag, &nodes, job.clone())
+                    .await
+                    .unwrap();
+                assert_eq!(published.is_some(), tag == "step100");
+            }
+        });
+        Fixture { tmp, url, config }
+    }
+
+    fn assert_restored(dest: &Path) {
+        let me = nix::unistd::geteuid().as_raw();
+        for (rel, data) in files() {
+            let p = dest.join(rel);
+            let got = std::fs::read(&p).unwrap_or_else(|e| panic!("{rel}: {e}"));
+            assert!(got == data, "{rel} differs after restore");
+            assert_eq!(p.metadata().unwrap().uid(), me, "owner of {rel}");
+        }
+        assert_eq!(dest.metadata().unwrap().uid(), me);
+    }
+
+    #[test]
+    fn list_verify_restore_and_damage() {
+        let f = archive();
+        let url = f.url.as_str();
+
+        // list: step100 complete with a ratio, step200 partial.
+        let out = f.run(&["list", url]);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        assert!(
+            stdout.starts_with(&format!("archive {url}\n\nTAG      STATE     FILES  ")),
+            "{stdout}"
+        );
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("step100 "))
+            .unwrap_or_else(|| panic!("{stdout}"));
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(&cells[1..3], ["complete", "4"], "{line}");
+        let ratio: f64 = cells[7].strip_suffix('x').unwrap().parse().unwrap();
+        assert!(ratio > 1.1, "{line}");
+        assert_eq!(&cells[cells.len() - 2..], ["4242", "n1"], "{line}");
+        assert!(
+            stdout.lines().any(|l| l.starts_with("step200  partial ")),
+            "{stdout}"
+        );
+        assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+
+        let out = f.run(&["list", url, "--json"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["url"], url);
+        let c = &v["ckpts"];
+        let step100 = c
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["tag"] == "step100")
+            .unwrap();
+        assert_eq!(step100["state"], "complete");
+        assert_eq!(step100["files"], 4);
+        assert_eq!(step100["raw_bytes"], 1_500_008);
+        assert_eq!(step100["job"]["job_id"], 4242);
+        assert!(step100["ratio"].as_f64().unwrap() > 1.1);
+
+        // verify: OK.
+        let out = f.run(&["verify", url, "step100"]);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        assert!(
+            stdout.starts_with(&format!("checkpoint step100 at {url}: OK\n  4 file(s), ")),
+            "{stdout}"
+        );
+        // A partial checkpoint cannot be verified: it has no MANIFEST.
+        let out = f.run(&["verify", url, "step200"]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            text(&out.stderr).contains("has no MANIFEST"),
+            "{}",
+            text(&out.stderr)
+        );
+
+        // restore: identical bytes, owned by the caller, into a new directory and via `latest`.
+        let dest = f.tmp.path().join("restored");
+        let out = f.run(&["restore", url, "step100", dest.to_str().unwrap()]);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        assert_eq!(
+            stdout,
+            format!(
+                "restored step100 from {url} into {}: 4 file(s), 1.4 MiB, checksums verified\n",
+                dest.display()
+            )
+        );
+        assert_restored(&dest);
+        let empty = f.tmp.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let out = f.run(&["restore", url, "latest", empty.to_str().unwrap(), "--json"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            (v["tag"].as_str(), v["files"].as_u64()),
+            (Some("step100"), Some(4))
+        );
+        assert_restored(&empty);
+        // Not into a directory that holds something.
+        let out = f.run(&["restore", url, "step100", dest.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            text(&out.stderr).contains("is not empty"),
+            "{}",
+            text(&out.stderr)
+        );
+        assert_restored(&dest);
+
+        // Damage: one byte flipped in the middle of a data object.
+        let object = f.archive_dir().join("step100/data/model/weights.bf16");
+        let mut bytes = std::fs::read(&object).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0x40;
+        std::fs::write(&object, &bytes).unwrap();
+
+        let out = f.run(&["verify", url, "step100"]);
+        let stdout = text(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{stdout}{}", text(&out.stderr));
+        assert!(
+            stdout.starts_with(&format!(
+                "checkpoint step100 at {url}: DAMAGED, 1 of 4 file(s)\n  model/weights.bf16: "
+            )),
+            "{stdout}"
+        );
+        let out = f.run(&["verify", url, "step100", "--json"]);
+        assert_eq!(out.status.code(), Some(1));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["ok"], false);
+        assert_eq!(v["damaged"][0]["path"], "model/weights.bf16");
+
+        // A damaged checkpoint is not restored, and nothing is left behind.
+        let dest2 = f.tmp.path().join("restored2");
+        let out = f.run(&["restore", url, "step100", dest2.to_str().unwrap()]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("is damaged: 'model/weights.bf16'")
+                && stderr.ends_with("was removed again\n"),
+            "{stderr}"
+        );
+        assert!(!dest2.exists());
+        // `latest` says it skips the damaged one, and finds no other.
+        let out = f.run(&["restore", url, "latest", dest2.to_str().unwrap()]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("checkpoint step100 cannot be restored")
+                && stderr.contains("falling back to the next newest")
+                && stderr.contains("no other complete checkpoint to use as 'latest'"),
+            "{stderr}"
+        );
+        assert!(!dest2.exists());
+    }
+
+    #[test]
+    fn urls_that_do_not_lead_to_an_archive() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = tmp.path().join("sluice.toml");
+        std::fs::write(
+            &config,
+            "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
+        )
+        .unwrap();
+        let cfg = config.to_str().unwrap();
+        let missing = format!("file://{}/nothing", tmp.path().display());
+        let out = sluice(&["ckpt", "list", &missing, "--config", cfg], &[]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            text(&out.stderr).ends_with("does not exist; nothing is archived there\n"),
+            "{}",
+            text(&out.stderr)
+        );
+        assert!(!tmp.path().join("nothing").exists());
+        let out = sluice(&["ckpt", "verify", "ftp://x/y", "t", "--config", cfg], &[]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            text(&out.stderr).contains("unknown scheme"),
+            "{}",
+            text(&out.stderr)
+        );
+        // An empty archive lists as empty.
+        let empty = tmp.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let url = format!("file://{}", empty.display());
+        let out = sluice(&["ckpt", "list", &url, "--config", cfg], &[]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(
+            text(&out.stdout),
+            format!("archive {url}\n\nNo checkpoints there.\n")
+        );
+    }
 }

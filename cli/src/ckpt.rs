@@ -1,0 +1,642 @@
+//! `sluice ckpt`: checkpoints of a job through this node's agent (`commit`, `list`), and archives
+//! reached directly by URL (`list URL`, `verify`, `restore`) with the agent's own archive engine
+//! and store profiles — how admins inspect and rescue what is in object storage.
+//!
+//! Choices that need the environment (`$SLURM_JOB_ID`, the node's name, the config file) are pure
+//! functions of their inputs here, so they are unit-tested; `main` passes the real environment.
+
+use anyhow::{Context, anyhow, bail};
+use serde::Serialize;
+use sluice_agent::archive::{
+    ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, CheckpointState,
+    JobMeta, check_name, open_archive, parse_archive_url,
+};
+use sluice_agent::config::{Config, ConfigError};
+use sluice_agent::safefs::{self, Owner};
+use sluice_proto::msg::{CkptStatus, JobId};
+use std::ffi::OsString;
+use std::io::ErrorKind;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Set by Slurm in every job environment.
+pub const JOB_ID_ENV: &str = "SLURM_JOB_ID";
+/// The agent's configuration: store profiles and archive settings for URL mode.
+pub const DEFAULT_CONFIG: &str = "/etc/sluice/sluice.toml";
+/// `TAG` of `verify` and `restore` that means the newest intact checkpoint.
+pub const LATEST: &str = "latest";
+
+/// The job a command is about: `--job`, else `$SLURM_JOB_ID` (empty counts as unset). `other` names
+/// another way to say what is meant, for the error outside a job (e.g. "or give an archive URL").
+pub fn job_id(
+    flag: Option<JobId>,
+    env: impl Fn(&str) -> Option<OsString>,
+    other: &str,
+) -> anyhow::Result<JobId> {
+    if let Some(id) = flag {
+        return Ok(id);
+    }
+    let Some(value) = env(JOB_ID_ENV).filter(|v| !v.is_empty()) else {
+        bail!(
+            "not inside a Slurm job (${JOB_ID_ENV} is not set): run this in the job's script or an \
+             srun step, or pass --job JOBID{other}"
+        );
+    };
+    value
+        .to_str()
+        .and_then(|s| s.trim().parse::<JobId>().ok())
+        .with_context(|| {
+            format!(
+                "${JOB_ID_ENV} is '{}', not a job id; pass --job JOBID",
+                value.to_string_lossy()
+            )
+        })
+}
+
+/// This node's Slurm name: `$SLURMD_NODENAME`, else the short hostname.
+pub fn node_name(
+    env: impl Fn(&str) -> Option<OsString>,
+    hostname: impl FnOnce() -> Option<String>,
+) -> Option<String> {
+    env(crate::socket::NODENAME_ENV)
+        .filter(|v| !v.is_empty())
+        .and_then(|v| v.into_string().ok())
+        .or_else(|| {
+            hostname()
+                .map(|h| crate::socket::short_hostname(&h).to_string())
+                .filter(|h| !h.is_empty())
+        })
+}
+
+/// Checks a tag before bothering the agent with it.
+pub fn check_tag(tag: &str) -> anyhow::Result<()> {
+    sluice_proto::options::validate_tag("ckpt", tag).map_err(|e| anyhow!("{}", e.message))
+}
+
+/// The archive URL the agent reports for `tag`, if it has one.
+pub fn archive_url_of(ckpts: &[CkptStatus], tag: &str) -> Option<String> {
+    ckpts
+        .iter()
+        .find(|c| c.tag == tag)
+        .map(|c| c.archive_url.clone())
+        .filter(|u| !u.is_empty())
+}
+
+// ------------------------------------------------------------------------------------ config
+
+/// Enough of a configuration to open archives with the built-in settings and the object stores'
+/// usual environment credentials (the paths are never used by the CLI).
+const BUILTIN_CONFIG: &str = "[agent]\nsocket = \"/run/sluice/%n.sock\"\n\
+    state_dir = \"/var/lib/sluice/%n/state\"\n[hot_tier]\nroot = \"/var/lib/sluice/%n/hot\"\n";
+
+/// Loads the agent's configuration for URL mode: `--config`, else [`DEFAULT_CONFIG`]. Without
+/// `--config` and without the default file (a login node), the built-in settings serve, and the
+/// note says so when it matters (object stores: credentials then come from the environment).
+pub fn load_config(
+    flag: Option<&Path>,
+    url: &str,
+    node: &str,
+) -> anyhow::Result<(Config, Option<String>)> {
+    let path = flag.unwrap_or(Path::new(DEFAULT_CONFIG));
+    match Config::load(path, node) {
+        Ok(cfg) => Ok((cfg, None)),
+        Err(ConfigError::Read { source, .. })
+            if flag.is_none() && source.kind() == ErrorKind::NotFound =>
+        {
+            let cfg = Config::parse(BUILTIN_CONFIG, node).map_err(|e| anyhow!("{e}"))?;
+            let note = (!url.starts_with("file:")).then(|| {
+                format!(
+                    "{DEFAULT_CONFIG} does not exist: using the object store's credentials from the \
+                     environment (pass --config PATH for the agent's store profiles)"
+                )
+            });
+            Ok((cfg, note))
+        }
+        Err(ConfigError::Read { path, source }) if source.kind() == ErrorKind::PermissionDenied => {
+            Err(anyhow!(
+                "cannot read {}: {source}; reading archives directly takes the agent's \
+                 configuration, which only root may read (inside a job, `sluice ckpt list` asks \
+                 the agent instead)",
+                path.display()
+            ))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Opens the archive at `url` for reading. A `file://` archive must exist: the agent's opener
+/// would create it, and a typo should not leave an empty archive behind.
+pub fn open(cfg: &Config, url: &str) -> anyhow::Result<Archiver> {
+    let loc = parse_archive_url(url)?;
+    if let ArchiveStore::Local(path) = &loc.store {
+        match std::fs::symlink_metadata(path) {
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                bail!(
+                    "{loc}: {} does not exist; nothing is archived there",
+                    path.display()
+                )
+            }
+            Err(e) => bail!("{loc}: {}: {e}", path.display()),
+            Ok(_) => {}
+        }
+    }
+    Ok(open_archive(cfg, url)?)
+}
+
+/// A small runtime for the archive engine: its blocking work runs on tokio's blocking pool.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// `latest` becomes the newest complete checkpoint whose objects are all there; other tags are
+/// checked and kept.
+async fn resolve_tag(a: &Archiver, tag: &str, exclude: &[String]) -> anyhow::Result<String> {
+    if tag != LATEST {
+        check_name("checkpoint tag", tag)?;
+        return Ok(tag.to_string());
+    }
+    a.latest(exclude).await?.ok_or_else(|| {
+        let what = if exclude.is_empty() { "" } else { " other" };
+        anyhow!(
+            "{}: no{what} complete checkpoint to use as 'latest'",
+            a.url()
+        )
+    })
+}
+
+// ------------------------------------------------------------------------------------ list
+
+/// One tag of an archive, for `--json`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ArchivedCkpt {
+    pub tag: String,
+    /// `complete`, `partial` or `invalid`.
+    pub state: &'static str,
+    /// Why an invalid checkpoint is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub files: u64,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    pub ratio: Option<f64>,
+    pub created_unix_ms: u64,
+    pub job: Option<JobMeta>,
+    pub nodes: Vec<String>,
+}
+
+impl From<&CheckpointInfo> for ArchivedCkpt {
+    fn from(c: &CheckpointInfo) -> ArchivedCkpt {
+        ArchivedCkpt {
+            tag: c.tag.clone(),
+            state: crate::render::archive_state(&c.state),
+            reason: match &c.state {
+                CheckpointState::Invalid { reason } => Some(reason.clone()),
+                _ => None,
+            },
+            files: c.files,
+            raw_bytes: c.raw_bytes,
+            stored_bytes: c.stored_bytes,
+            ratio: c.ratio,
+            created_unix_ms: c.created_unix_ms,
+            job: c.job.clone(),
+            nodes: c.nodes.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ArchiveListing {
+    pub url: String,
+    pub ckpts: Vec<ArchivedCkpt>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct JobListing {
+    pub job_id: JobId,
+    pub ckpts: Vec<CkptStatus>,
+}
+
+pub async fn list(a: &Archiver) -> anyhow::Result<Vec<CheckpointInfo>> {
+    Ok(a.list().await?)
+}
+
+// ------------------------------------------------------------------------------------ verify
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DamagedFile {
+    pub path: String,
+    pub detail: String,
+}
+
+/// What `sluice ckpt verify` found; `--json` prints it as it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Verified {
+    pub url: String,
+    pub tag: String,
+    pub ok: bool,
+    pub files: u64,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    pub damaged: Vec<DamagedFile>,
+}
+
+/// Reads every object of the checkpoint and checks it against the MANIFEST. Damage is an answer,
+/// not an error; a missing MANIFEST or an unreachable store is an error.
+pub async fn verify(a: &Archiver, tag: &str) -> anyhow::Result<Verified> {
+    let tag = resolve_tag(a, tag, &[]).await?;
+    let m = a.manifest(&tag).await?;
+    let mut out = Verified {
+        url: a.url().to_string(),
+        tag: tag.clone(),
+        ok: true,
+        files: m.files.len() as u64,
+        raw_bytes: m.raw_bytes,
+        stored_bytes: m.stored_bytes,
+        damaged: Vec::new(),
+    };
+    match a.verify(&tag).await {
+        Ok(_) => Ok(out),
+        Err(ArchiveError::Corrupt { damaged, .. }) => {
+            out.ok = false;
+            out.damaged = damaged
+                .into_iter()
+                .map(|d| DamagedFile {
+                    path: d.path,
+                    detail: d.detail,
+                })
+                .collect();
+            Ok(out)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+// ------------------------------------------------------------------------------------ restore
+
+/// The directory a restore writes into, opened without following a symlink.
+pub struct Dest {
+    pub path: PathBuf,
+    fd: Arc<OwnedFd>,
+    /// Made by this restore, so removed again when it fails.
+    created: bool,
+}
+
+/// The names in a directory, `.` and `..` left out.
+fn entries(dir: &OwnedFd) -> anyhow::Result<Vec<OsString>> {
+    use nix::fcntl::OFlag;
+    use std::os::unix::ffi::OsStrExt;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let mut d = nix::dir::Dir::openat(dir, ".", flags, nix::sys::stat::Mode::empty())?;
+    let mut names = Vec::new();
+    for e in d.iter() {
+        let name = e?.file_name().to_bytes().to_vec();
+        if name != b"." && name != b".." {
+            names.push(std::ffi::OsStr::from_bytes(&name).to_os_string());
+        }
+    }
+    Ok(names)
+}
+
+/// Opens `path` for a restore by user `uid`: created when missing (its parent must exist), else
+/// an empty directory of that user. Never a symlink.
+pub fn prepare_dest(path: &Path, uid: u32) -> anyhow::Result<Dest> {
+    let shown = path.display();
+    let again = "give the path of a new or empty directory";
+    let created = match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            std::fs::create_dir(path).map_err(|e| {
+                let hint = if e.kind() == ErrorKind::NotFound {
+                    "; create its parent directory first"
+                } else {
+                    ""
+                };
+                anyhow!("cannot create {shown}: {e}{hint}")
+            })?;
+            true
+        }
+        Err(e) => bail!("{shown}: {e}"),
+        Ok(m) if m.file_type().is_symlink() => bail!("{shown} is a symbolic link; {again}"),
+        Ok(m) if !m.is_dir() => bail!("{shown} exists and is not a directory; {again}"),
+        Ok(_) => false,
+    };
+    let fd = safefs::open_root_dir(path).with_context(|| format!("opening {shown}"))?;
+    let dest = Dest {
+        path: path.to_path_buf(),
+        fd: Arc::new(fd),
+        created,
+    };
+    let owner = nix::sys::stat::fstat(&*dest.fd)
+        .with_context(|| format!("{shown}"))?
+        .st_uid;
+    if owner != uid {
+        let why = format!("{shown} belongs to uid {owner}; restore into a directory of your own");
+        // Only a directory this call made (and someone swapped meanwhile) is cleaned up; an
+        // existing one is left exactly as it is.
+        if dest.created {
+            dest.discard();
+        }
+        bail!(why);
+    }
+    if !created && !entries(&dest.fd)?.is_empty() {
+        bail!("{shown} is not empty; {again}");
+    }
+    Ok(dest)
+}
+
+impl Dest {
+    /// Removes what a failed restore left below the directory (symlink-safe, never leaving it).
+    fn clear(&self) -> Result<(), String> {
+        let names = entries(&self.fd).map_err(|e| e.to_string())?;
+        let mut failed = 0;
+        for name in names {
+            let removed = name.to_str().map(|n| safefs::remove_tree(&*self.fd, n));
+            match removed {
+                Some(Ok(r)) => failed += r.failed,
+                _ => failed += 1,
+            }
+        }
+        if failed > 0 {
+            return Err(format!("{failed} entries could not be removed"));
+        }
+        Ok(())
+    }
+
+    /// Undoes a failed restore: the partial files, and the directory itself when it was made for
+    /// this restore. Says what happened, for the error message.
+    fn discard(&self) -> String {
+        let shown = self.path.display();
+        match self.clear() {
+            Err(e) => format!("{shown} holds a partial restore ({e}); remove it by hand"),
+            Ok(()) if self.created => match std::fs::remove_dir(&self.path) {
+                Ok(()) => format!("{shown} was removed again"),
+                Err(e) => format!("{shown} is empty but could not be removed: {e}"),
+            },
+            Ok(()) => format!("{shown} was emptied again"),
+        }
+    }
+}
+
+/// What `sluice ckpt restore` did; `--json` prints it as it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Restored {
+    pub url: String,
+    pub tag: String,
+    pub dest: PathBuf,
+    pub files: u64,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    /// Damaged newer checkpoints skipped on the way to `latest`.
+    pub skipped: Vec<String>,
+}
+
+/// Restores `tag` (or the newest intact checkpoint, for `latest`) into `dest`, every file owned by
+/// `owner` and checked against its checksums. `latest` falls back past damaged checkpoints,
+/// telling `note` about each; a named tag does not. On failure `dest` is left as it was found.
+pub async fn restore(
+    a: &Archiver,
+    tag: &str,
+    dest: &Dest,
+    owner: Owner,
+    mut note: impl FnMut(&str),
+    show_progress: bool,
+) -> anyhow::Result<Restored> {
+    let mut skipped: Vec<String> = Vec::new();
+    loop {
+        let t = match resolve_tag(a, tag, &skipped).await {
+            Ok(t) => t,
+            Err(e) => return Err(fail(e, dest)),
+        };
+        let progress = ArchiveProgress::default();
+        let label = format!("restoring {t}");
+        let restore = a.restore(&t, dest.fd.clone(), owner, &progress);
+        let result = if show_progress {
+            with_progress(restore, &progress, &label).await
+        } else {
+            restore.await
+        };
+        match result {
+            Ok(m) => {
+                return Ok(Restored {
+                    url: a.url().to_string(),
+                    tag: t,
+                    dest: dest.path.clone(),
+                    files: m.files.len() as u64,
+                    raw_bytes: m.raw_bytes,
+                    stored_bytes: m.stored_bytes,
+                    skipped,
+                });
+            }
+            Err(e) if tag == LATEST && e.is_corrupt() => {
+                if let Err(left) = dest.clear() {
+                    return Err(fail(
+                        anyhow!("{e}; cleaning up for the next newest checkpoint: {left}"),
+                        dest,
+                    ));
+                }
+                note(&format!(
+                    "checkpoint {t} cannot be restored ({e}); falling back to the next newest"
+                ));
+                skipped.push(t);
+            }
+            Err(e) => return Err(fail(e.into(), dest)),
+        }
+    }
+}
+
+/// A failed restore: the error, then what became of `dest`.
+fn fail(e: anyhow::Error, dest: &Dest) -> anyhow::Error {
+    let left = dest.discard();
+    anyhow!("{e:#}; {left}")
+}
+
+/// Drives `fut`, showing `progress` on stderr twice a second (for a terminal).
+async fn with_progress<F: Future>(fut: F, progress: &ArchiveProgress, label: &str) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            out = &mut fut => {
+                eprint!("\r\x1b[K");
+                return out;
+            }
+            _ = tick.tick() => {
+                eprint!("\r\x1b[K{}", crate::render::progress_line(label, &progress.snapshot()));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
+        let vars: HashMap<String, OsString> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.into()))
+            .collect();
+        move |k| vars.get(k).cloned()
+    }
+
+    #[test]
+    fn job_id_comes_from_the_flag_then_slurm() {
+        let inside = env_of(&[("SLURM_JOB_ID", "4242")]);
+        assert_eq!(job_id(None, &inside, "").unwrap(), 4242);
+        assert_eq!(job_id(Some(7), &inside, "").unwrap(), 7);
+        assert_eq!(
+            job_id(None, env_of(&[("SLURM_JOB_ID", " 99\n")]), "").unwrap(),
+            99
+        );
+        assert_eq!(job_id(Some(7), env_of(&[]), "").unwrap(), 7);
+    }
+
+    #[test]
+    fn outside_a_job_the_error_says_what_to_do() {
+        for env in [env_of(&[]), env_of(&[("SLURM_JOB_ID", "")])] {
+            let e = job_id(None, env, " or give an archive URL")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("not inside a Slurm job ($SLURM_JOB_ID is not set)")
+                    && e.ends_with("pass --job JOBID or give an archive URL"),
+                "{e}"
+            );
+        }
+        let e = job_id(None, env_of(&[("SLURM_JOB_ID", "12_3")]), "")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "$SLURM_JOB_ID is '12_3', not a job id; pass --job JOBID");
+    }
+
+    #[test]
+    fn node_names_and_tags() {
+        let host = || Some("gpu07.cluster.example".to_string());
+        assert_eq!(
+            node_name(env_of(&[("SLURMD_NODENAME", "n3")]), host).as_deref(),
+            Some("n3")
+        );
+        assert_eq!(node_name(env_of(&[]), host).as_deref(), Some("gpu07"));
+        assert_eq!(node_name(env_of(&[]), || None), None);
+        check_tag("step-100_a.b+c").unwrap();
+        for bad in ["", ".hidden", "a/b", "..", "x y"] {
+            assert!(check_tag(bad).is_err(), "{bad}");
+        }
+        assert!(
+            check_tag("a/b")
+                .unwrap_err()
+                .to_string()
+                .starts_with("checkpoint tag 'a/b' may only hold")
+        );
+    }
+
+    #[test]
+    fn the_agents_url_for_a_tag() {
+        let ckpts = crate::fixtures::job_ckpts();
+        assert_eq!(
+            archive_url_of(&ckpts, "step200").as_deref(),
+            Some(crate::fixtures::CKPT_URL)
+        );
+        assert_eq!(archive_url_of(&ckpts, "step999"), None);
+        let mut none = ckpts.clone();
+        none[0].archive_url.clear();
+        assert_eq!(archive_url_of(&none, "step100"), None);
+    }
+
+    #[test]
+    fn config_falls_back_only_for_a_missing_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope.toml");
+        // An explicit --config must exist.
+        let e = load_config(Some(&missing), "s3://b/x", "n1")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot read") && e.contains("nope.toml"), "{e}");
+        // A real one is read, with %n as the node.
+        let cfg = dir.path().join("sluice.toml");
+        std::fs::write(
+            &cfg,
+            "[agent]\nsocket='/s/%n'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n[ckpt]\npart_size='8MiB'\n",
+        )
+        .unwrap();
+        let (c, note) = load_config(Some(&cfg), "s3://b/x", "n1").unwrap();
+        assert_eq!((c.ckpt.part_size, note), (8 << 20, None));
+        assert_eq!(c.socket, PathBuf::from("/s/n1"));
+        // A broken one is an error, never silently replaced.
+        std::fs::write(&cfg, "[agent\n").unwrap();
+        assert!(load_config(Some(&cfg), "file:///x", "n1").is_err());
+        // The built-in settings parse, and serve when the default file is missing (a login node):
+        // with a note where credentials matter.
+        Config::parse(BUILTIN_CONFIG, "n1").unwrap();
+        if !Path::new(DEFAULT_CONFIG).exists() {
+            let (_, note) = load_config(None, "s3://b/x", "n1").unwrap();
+            assert!(note.unwrap().contains("--config PATH"));
+            assert!(load_config(None, "file:///x", "n1").unwrap().1.is_none());
+        }
+    }
+
+    #[test]
+    fn a_missing_file_archive_is_not_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config::parse(BUILTIN_CONFIG, "n1").unwrap();
+        let url = format!("file://{}/archive", dir.path().display());
+        let e = open(&cfg, &url).err().unwrap().to_string();
+        assert!(
+            e.ends_with("does not exist; nothing is archived there"),
+            "{e}"
+        );
+        assert!(!dir.path().join("archive").exists());
+        let e = open(&cfg, "ftp://x/y").err().unwrap().to_string();
+        assert!(e.contains("unknown scheme"), "{e}");
+    }
+
+    #[test]
+    fn restore_destinations() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = nix::unistd::geteuid().as_raw();
+        // Missing: created, and removed again when the restore fails.
+        let new = dir.path().join("new");
+        let d = prepare_dest(&new, me).unwrap();
+        assert!(d.created && new.is_dir());
+        std::fs::write(new.join("partial"), b"x").unwrap();
+        std::fs::create_dir_all(new.join("a/b")).unwrap();
+        assert_eq!(d.discard(), format!("{} was removed again", new.display()));
+        assert!(!new.exists());
+        // Existing and empty: used, and emptied again (not removed) on failure.
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let d = prepare_dest(&empty, me).unwrap();
+        assert!(!d.created);
+        std::fs::write(empty.join("partial"), b"x").unwrap();
+        assert!(d.discard().ends_with("was emptied again"));
+        assert!(empty.is_dir() && std::fs::read_dir(&empty).unwrap().next().is_none());
+        // Refused: not empty, a file, a symlink, a missing parent, someone else's.
+        std::fs::write(empty.join("x"), b"x").unwrap();
+        let err = |p: &Path, uid| prepare_dest(p, uid).err().unwrap().to_string();
+        assert!(
+            err(&empty, me).ends_with("is not empty; give the path of a new or empty directory")
+        );
+        assert!(err(&empty.join("x"), me).contains("exists and is not a directory"));
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &link).unwrap();
+        assert!(err(&link, me).contains("is a symbolic link"));
+        assert!(!dir.path().join("elsewhere").exists());
+        assert!(
+            err(&dir.path().join("no/such"), me).ends_with("create its parent directory first")
+        );
+        let theirs = dir.path().join("theirs");
+        let e = err(&theirs, me + 1);
+        assert!(e.contains(&format!("belongs to uid {me}")), "{e}");
+        assert!(!theirs.exists(), "a refused destination it made is removed");
+        // Someone else's directory is refused and left untouched, contents and all.
+        let e = err(&empty, me + 1);
+        assert!(e.contains(&format!("belongs to uid {me}")), "{e}");
+        assert_eq!(std::fs::read(empty.join("x")).unwrap(), b"x");
+    }
+}
