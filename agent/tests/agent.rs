@@ -95,6 +95,28 @@ impl TestAgent {
         serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
     }
 
+    /// Waits for the job's staging (and restore) on this node; panics unless it is ready.
+    async fn ready(&self, job_id: u32) -> sluice_proto::msg::JobDirs {
+        match self
+            .call(Request::WaitStaged {
+                job_id,
+                timeout_ms: 20_000,
+            })
+            .await
+        {
+            Ok(Response::Ready(dirs)) => dirs,
+            other => panic!("job {job_id} is not ready: {other:?}"),
+        }
+    }
+
+    /// Sends a request the agent must refuse; returns its error.
+    async fn refused(&self, req: Request) -> sluice_proto::msg::ErrorReply {
+        match self.call(req.clone()).await {
+            Err(ClientError::Agent(e)) => e,
+            other => panic!("{req:?} was not refused: {other:?}"),
+        }
+    }
+
     /// Stops like sluiced on SIGTERM; returns the temp dir holding its state.
     async fn stop(self) -> tempfile::TempDir {
         self.shutdown.cancel();
@@ -268,31 +290,23 @@ async fn a_missing_or_unreadable_dataset_fails_the_job_with_a_clear_message() {
     t.call(job_start(22, &secret.display().to_string()))
         .await
         .unwrap();
-    let ClientError::Agent(e) = t
-        .call(Request::WaitStaged {
+    let e = t
+        .refused(Request::WaitStaged {
             job_id: 22,
             timeout_ms: 20_000,
         })
-        .await
-        .unwrap_err()
-    else {
-        panic!()
-    };
+        .await;
     assert!(e.message.contains("denied"), "{}", e.message);
     assert!(!t.hot.join("jobs/22/stage/secret/key").exists());
 
     // Options are re-validated on the root side.
     t.call(job_start(23, "relative/path")).await.unwrap();
-    let ClientError::Agent(e) = t
-        .call(Request::WaitStaged {
+    let e = t
+        .refused(Request::WaitStaged {
             job_id: 23,
             timeout_ms: 5_000,
         })
-        .await
-        .unwrap_err()
-    else {
-        panic!()
-    };
+        .await;
     assert!(e.message.contains("relative path"), "{}", e.message);
     t.stop().await;
 }
@@ -313,16 +327,7 @@ async fn a_restarted_agent_resumes_staging_from_its_journal() {
     // Stop the agent at once (staging may or may not have finished) and start a new one on the same
     // state: the job must come back and be (or become) ready.
     let t2 = start(t.stop().await).await;
-    let Response::Ready(dirs) = t2
-        .call(Request::WaitStaged {
-            job_id: 31,
-            timeout_ms: 20_000,
-        })
-        .await
-        .unwrap()
-    else {
-        panic!()
-    };
+    let dirs = t2.ready(31).await;
     assert_eq!(
         std::fs::read(Path::new(&dirs.stage_dir).join("data/labels.txt")).unwrap(),
         b"cat\ndog\n"
@@ -413,16 +418,7 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
     t.call(ckpt_job(41, &url, &[("ckpt-keep", "1")]))
         .await
         .unwrap();
-    let Response::Ready(dirs) = t
-        .call(Request::WaitStaged {
-            job_id: 41,
-            timeout_ms: 20_000,
-        })
-        .await
-        .unwrap()
-    else {
-        panic!()
-    };
+    let dirs = t.ready(41).await;
     let ckpt = PathBuf::from(&dirs.ckpt_dir);
 
     // Explicit commit.
@@ -457,31 +453,23 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
         "newest archived checkpoint trimmed"
     );
     // Errors a user can act on.
-    let ClientError::Agent(e) = t
-        .call(Request::CkptCommit {
+    let e = t
+        .refused(Request::CkptCommit {
             job_id: 41,
             tag: "nope".into(),
         })
-        .await
-        .unwrap_err()
-    else {
-        panic!()
-    };
+        .await;
     assert!(
         e.message.contains("no checkpoint directory"),
         "{}",
         e.message
     );
-    let ClientError::Agent(e) = t
-        .call(Request::CkptCommit {
+    let e = t
+        .refused(Request::CkptCommit {
             job_id: 41,
             tag: "step-2".into(),
         })
-        .await
-        .unwrap_err()
-    else {
-        panic!()
-    };
+        .await;
     assert!(e.message.contains("immutable"), "{}", e.message);
 
     // An uncommitted (torn) checkpoint is never archived and goes at job end; the newest archived
@@ -502,16 +490,7 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
     t.call(ckpt_job(42, &url, &[("ckpt-restore", "latest")]))
         .await
         .unwrap();
-    let Response::Ready(dirs2) = t
-        .call(Request::WaitStaged {
-            job_id: 42,
-            timeout_ms: 20_000,
-        })
-        .await
-        .unwrap()
-    else {
-        panic!()
-    };
+    let dirs2 = t.ready(42).await;
     assert_eq!(dirs2.restored_tag.as_deref(), Some("step-2"));
     assert!(
         dirs2.notes.iter().any(|n| n.contains("hot tier")),
@@ -543,16 +522,7 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
     t.call(ckpt_job(45, &url, &[("ckpt-restore", "step-2")]))
         .await
         .unwrap();
-    let Response::Ready(d) = t
-        .call(Request::WaitStaged {
-            job_id: 45,
-            timeout_ms: 20_000,
-        })
-        .await
-        .unwrap()
-    else {
-        panic!()
-    };
+    let d = t.ready(45).await;
     assert!(
         !d.notes.iter().any(|n| n.contains("hot tier")),
         "{:?}",
@@ -572,16 +542,7 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
     t.call(ckpt_job(43, &url, &[("ckpt-restore", "latest")]))
         .await
         .unwrap();
-    let Response::Ready(dirs3) = t
-        .call(Request::WaitStaged {
-            job_id: 43,
-            timeout_ms: 20_000,
-        })
-        .await
-        .unwrap()
-    else {
-        panic!()
-    };
+    let dirs3 = t.ready(43).await;
     assert_eq!(dirs3.restored_tag.as_deref(), Some("step-1"));
     assert!(
         dirs3
@@ -595,16 +556,12 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
     t.call(ckpt_job(44, &url, &[("ckpt-restore", "step-2")]))
         .await
         .unwrap();
-    let ClientError::Agent(e) = t
-        .call(Request::WaitStaged {
+    let e = t
+        .refused(Request::WaitStaged {
             job_id: 44,
             timeout_ms: 20_000,
         })
-        .await
-        .unwrap_err()
-    else {
-        panic!()
-    };
+        .await;
     assert!(e.message.contains("step-2"), "{}", e.message);
     t.stop().await;
 }
@@ -635,16 +592,7 @@ async fn a_client_that_hangs_up_mid_request_harms_nothing() {
         drop(s);
     }
     // The agent goes on serving, and the job's staging is unaffected.
-    let Response::Ready(dirs) = t
-        .call(Request::WaitStaged {
-            job_id: 51,
-            timeout_ms: 20_000,
-        })
-        .await
-        .unwrap()
-    else {
-        panic!()
-    };
+    let dirs = t.ready(51).await;
     assert_eq!(
         std::fs::read(Path::new(&dirs.stage_dir).join("data/labels.txt")).unwrap(),
         b"cat\ndog\n"
