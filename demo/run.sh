@@ -38,7 +38,7 @@ tests/harness/cluster.sh up
 source /run/sluice-test/env
 USER_HOME=$(getent passwd "$SLUICE_TEST_USER" | cut -d: -f6)
 SLUICE=$REPO/target/debug/sluice
-RCLONE=(env -u AWS_CA_BUNDLE RCLONE_CONFIG_S3_TYPE=s3 RCLONE_CONFIG_S3_PROVIDER=Other
+RCLONE=(env -u AWS_CA_BUNDLE RCLONE_CONFIG=/dev/null RCLONE_CONFIG_S3_TYPE=s3 RCLONE_CONFIG_S3_PROVIDER=Other
         RCLONE_CONFIG_S3_ENDPOINT="$SLUICE_TEST_S3_ENDPOINT" RCLONE_CONFIG_S3_REGION="$SLUICE_TEST_S3_REGION"
         RCLONE_CONFIG_S3_ACCESS_KEY_ID="$SLUICE_TEST_S3_KEY_ID" RCLONE_CONFIG_S3_SECRET_ACCESS_KEY="$SLUICE_TEST_S3_SECRET"
         "$SLUICE_TEST_RCLONE")
@@ -67,7 +67,7 @@ cat >"$USER_HOME/train.sbatch" <<EOF
 #SBATCH --stage-in=tokens=s3://datasets/demo-tokens
 #SBATCH --stage-in=$DATA/tokenizer
 #SBATCH --ckpt-archive=$ARCHIVE --ckpt-keep=1
-echo "staged on \$(hostname) for job \$SLURM_JOB_ID: \$(ls \$SLUICE_STAGE_DIR)"
+echo "job \$SLURM_JOB_ID: \$SLUICE_STAGE_DIR holds \$(ls \$SLUICE_STAGE_DIR | tr '\\n' ' ')"
 srun bash -c '
   set -e
   shards=\$(ls \$SLUICE_STAGE_DIR/tokens | wc -l)
@@ -77,7 +77,7 @@ srun bash -c '
     d=\$SLUICE_CKPT_DIR/step-\$step; mkdir -p \$d
     python3 -c "import random,struct,sys; r=random.Random(\$step*10+\$SLURM_PROCID); sys.stdout.buffer.write(b\"\".join(struct.pack(\"<e\", r.gauss(0,0.02)) for _ in range(1<<20)))" > \$d/rank\$SLURM_PROCID.weights
     # torch.distributed.checkpoint writes .metadata last: the commit signal sluice watches for
-    # (each node's agent sees its own node-local directory, so every node's rank writes one)
+    # (every node has its own node-local directory and agent, so each node writes one)
     echo done > \$d/.metadata
     echo "rank \$SLURM_PROCID wrote step-\$step"
   done
@@ -103,7 +103,7 @@ for _ in $(seq 1 30); do
   [[ $n -ge 3 ]] && break
   sleep 1
 done
-"${RCLONE[@]}" lsl "s3:${ARCHIVE#s3://}" | grep -E 'MANIFEST|parts/' | sort -k4
+"${RCLONE[@]}" lsl "s3:${ARCHIVE#s3://}" | grep -E 'MANIFEST|parts/' | sort -k4 || true
 "$SLUICE" ckpt list "$ARCHIVE" --config /etc/sluice/sluice.toml || true
 
 say "hot tiers after the job: only the newest archived checkpoint is kept (--ckpt-keep=1), no staged data"
