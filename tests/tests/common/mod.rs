@@ -756,3 +756,143 @@ impl SplitMix64 {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------- agents
+
+/// A node's agent as the harness started it: its pid, command line and environment, read from
+/// `/proc` so a test can kill it and start it again exactly as `cluster.sh up` did.
+#[derive(Debug, Clone)]
+pub struct AgentProcess {
+    pub node: String,
+    pub pid: u32,
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+impl Cluster {
+    /// `sluiced-<node>.pid` next to the env file (the harness's run directory).
+    pub fn agent_pid_file(&self, node: &str) -> PathBuf {
+        let env_file =
+            std::env::var("SLUICE_TEST_ENV").unwrap_or_else(|_| DEFAULT_ENV_FILE.to_string());
+        Path::new(&env_file)
+            .parent()
+            .expect("env file in a directory")
+            .join(format!("sluiced-{node}.pid"))
+    }
+
+    /// The agent socket of one node (`SLUICE_TEST_SOCKET` with `%n` expanded).
+    pub fn agent_socket(&self, node: &str) -> PathBuf {
+        PathBuf::from(self.var("SLUICE_TEST_SOCKET").replace("%n", node))
+    }
+
+    /// The running agent of `node`; panics unless its pid file names a live `sluiced`.
+    pub fn agent_process(&self, node: &str) -> AgentProcess {
+        let pid_file = self.agent_pid_file(node);
+        let pid: u32 = fs::read_to_string(&pid_file)
+            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()))
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()));
+        let split = |bytes: Vec<u8>| -> Vec<String> {
+            bytes
+                .split(|b| *b == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect()
+        };
+        let argv = split(
+            fs::read(format!("/proc/{pid}/cmdline"))
+                .unwrap_or_else(|e| panic!("agent of {node} (pid {pid}) is not running: {e}")),
+        );
+        assert!(
+            argv.iter().any(|a| a.contains("sluiced")),
+            "pid {pid} from {} is not sluiced: {argv:?}",
+            pid_file.display()
+        );
+        let env = split(fs::read(format!("/proc/{pid}/environ")).expect("agent environ"))
+            .into_iter()
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.into(), v.into())))
+            .collect();
+        AgentProcess {
+            node: node.into(),
+            pid,
+            argv,
+            env,
+        }
+    }
+
+    /// SIGKILLs the agent of `node` (by the pid the harness recorded) and waits until it is gone.
+    /// Returns how it was started, for [`Cluster::start_agent`].
+    pub fn kill_agent(&self, node: &str) -> AgentProcess {
+        let agent = self.agent_process(node);
+        run(Command::new("kill")
+            .args(["-KILL", &agent.pid.to_string()])
+            .stderr(Stdio::piped()));
+        let proc_dir = PathBuf::from(format!("/proc/{}", agent.pid));
+        // Gone, or a zombie of ours (an agent this test process restarted earlier).
+        let gone = || {
+            fs::read_to_string(proc_dir.join("stat"))
+                .map(|s| {
+                    s.rsplit_once(')')
+                        .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+                })
+                .unwrap_or(true)
+        };
+        self.wait_for(
+            &format!("the agent of {node} (pid {}) to die", agent.pid),
+            Duration::from_secs(10),
+            None,
+            gone,
+        );
+        agent
+    }
+
+    /// Starts an agent again as the harness did (same command line and environment, its own session,
+    /// output appended to the node's agent log), records its pid in the harness's pid file, and
+    /// waits until it answers on its socket.
+    pub fn start_agent(&self, agent: &AgentProcess) -> u32 {
+        let log = PathBuf::from(self.var("SLUICE_TEST_SLUICE_LOG_DIR"))
+            .join(format!("{}.log", agent.node));
+        let out = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+        let child = Command::new("setsid")
+            .args(&agent.argv)
+            .env_clear()
+            .envs(agent.env.iter().map(|(k, v)| (k, v)))
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot restart {:?}: {e}", agent.argv));
+        let pid = child.id();
+        // Reap it if it exits while the tests run (it outlives them otherwise, like the harness's).
+        std::thread::spawn(move || {
+            let mut child = child;
+            let _ = child.wait();
+        });
+        fs::write(self.agent_pid_file(&agent.node), format!("{pid}\n")).expect("write pid file");
+        let socket = self.agent_socket(&agent.node);
+        self.wait_for(
+            &format!(
+                "the restarted agent of {} to answer on {}",
+                agent.node,
+                socket.display()
+            ),
+            Duration::from_secs(30),
+            None,
+            || {
+                sluice_proto::client::call(
+                    &socket,
+                    sluice_proto::msg::Request::Status,
+                    Duration::from_secs(2),
+                )
+                .is_ok()
+            },
+        );
+        pid
+    }
+}
