@@ -757,6 +757,226 @@ impl SplitMix64 {
     }
 }
 
+// ---------------------------------------------------------------------------------- fault injection
+
+/// The harness's run directory (`/run/sluice-test`): pid files, the env file, the fault proxy's
+/// control and stats files.
+pub fn run_dir() -> PathBuf {
+    let env = std::env::var("SLUICE_TEST_ENV").unwrap_or_else(|_| DEFAULT_ENV_FILE.to_string());
+    Path::new(&env)
+        .parent()
+        .expect("the env file is in a directory")
+        .to_path_buf()
+}
+
+impl Cluster {
+    /// SIGKILLs the node's agent and starts it again as cluster.sh did.
+    pub fn restart_agent(&self, node: &str) -> u32 {
+        let agent = self.kill_agent(node);
+        self.start_agent(&agent)
+    }
+
+    /// One field of `scontrol show job -o` (e.g. `BatchHost`, `NodeList`, `RunTime`).
+    pub fn job_field(&self, job: &Job, name: &str) -> Option<String> {
+        let raw = self.job_state(job)?.raw;
+        raw.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+            .map(String::from)
+    }
+
+    /// One request to a node's agent, as root.
+    pub fn agent_request(
+        &self,
+        node: &str,
+        request: sluice_proto::msg::Request,
+    ) -> Result<sluice_proto::msg::Response, String> {
+        sluice_proto::client::call(&self.agent_socket(node), request, Duration::from_secs(10))
+            .map_err(|e| e.to_string())
+    }
+
+    /// What the node's agent knows of a job (its state, stage progress, checkpoints).
+    pub fn agent_job(&self, node: &str, job: &Job) -> Result<sluice_proto::msg::JobStatus, String> {
+        match self.agent_request(node, sluice_proto::msg::Request::Job { job_id: job.id })? {
+            sluice_proto::msg::Response::Job(status) => Ok(status),
+            other => Err(format!("unexpected reply: {other:?}")),
+        }
+    }
+
+    /// The object keys below `remote:bucket/prefix` (relative to it), read directly from the store
+    /// (never through the fault proxy). `remote` is `garage` or `azurite`.
+    pub fn list_objects(&self, remote: &str, bucket_and_prefix: &str) -> Vec<String> {
+        let path = format!("{remote}:{bucket_and_prefix}");
+        let out = self.rclone(&["lsf", "-R", "--files-only", &path]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            // A prefix with nothing below it is an empty listing, not an error.
+            if stderr.contains("directory not found") {
+                return Vec::new();
+            }
+            panic!("rclone lsf {path} failed: {stderr}");
+        }
+        let mut keys: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(String::from)
+            .collect();
+        keys.sort();
+        keys
+    }
+}
+
+/// The fault-injecting proxy (`tests/harness/faultproxy.py`) in front of Garage, on the port of the
+/// agents' `s3://ckpt-faulty` store profile. Started by a test, stopped when dropped (also when the
+/// test panics); it exits by itself after `MAX_LIFETIME` whatever happens to the test.
+pub struct FaultProxy {
+    child: std::process::Child,
+    control: PathBuf,
+    stats: PathBuf,
+    log: PathBuf,
+    pub port: u16,
+}
+
+impl FaultProxy {
+    /// Longest a proxy lives, even if its test hangs or is killed.
+    pub const MAX_LIFETIME: Duration = Duration::from_secs(1500);
+
+    /// Starts the proxy in `pass` mode and waits until it accepts connections.
+    pub fn start(cluster: &Cluster) -> FaultProxy {
+        cluster.require_s3();
+        let port: u16 = cluster
+            .var("SLUICE_TEST_FAULT_PROXY_PORT")
+            .parse()
+            .expect("SLUICE_TEST_FAULT_PROXY_PORT");
+        let upstream = cluster
+            .var("SLUICE_TEST_S3_ENDPOINT")
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string();
+        let dir = run_dir();
+        let control = dir.join("faultproxy.ctl");
+        let stats = dir.join("faultproxy.stats.json");
+        let log = PathBuf::from(cluster.var("SLUICE_TEST_SLUICE_LOG_DIR")).join("faultproxy.log");
+        let _ = fs::remove_file(&stats);
+        write_atomically(&control, "pass\n");
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+            "something already listens on 127.0.0.1:{port}, where the fault proxy should run \
+             (a proxy left over from another test?)"
+        );
+        let log_file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap_or_else(|e| panic!("open {}: {e}", log.display()));
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("harness/faultproxy.py");
+        let child = Command::new("/usr/bin/python3")
+            .arg(&script)
+            .args(["--port", &port.to_string(), "--upstream", &upstream])
+            .arg("--control")
+            .arg(&control)
+            .arg("--stats")
+            .arg(&stats)
+            .args(["--max-lifetime", &Self::MAX_LIFETIME.as_secs().to_string()])
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().expect("dup log"))
+            .stderr(log_file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", script.display()));
+        let mut proxy = FaultProxy {
+            child,
+            control,
+            stats,
+            log,
+            port,
+        };
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(status)) = proxy.child.try_wait() {
+                panic!("the fault proxy exited ({status}):\n{}", proxy.log_tail());
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the fault proxy does not listen on {port} after 10 s:\n{}",
+                proxy.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        proxy
+    }
+
+    /// Switches the mode: `pass`, `503`, `429`, `refuse`, `slow=SECONDS`, `fail-after=N`. The proxy
+    /// picks it up within 0.2 s, or at the next request.
+    pub fn set(&self, mode: &str) {
+        write_atomically(&self.control, &format!("{mode}\n"));
+        // Let the proxy's poll see it before the caller goes on (refuse closes the listener there).
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    /// The proxy's counters (see faultproxy.py): `requests`, `forwarded`, `injected.503`, ...
+    pub fn stats(&self) -> serde_json::Value {
+        fs::read_to_string(&self.stats)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or(serde_json::Value::Null)
+    }
+
+    /// How many replies of `status` ("503", "429") the proxy made up.
+    pub fn injected(&self, status: &str) -> u64 {
+        self.stats()["injected"][status].as_u64().unwrap_or(0)
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        format!(
+            "\n----- tail of {} -----\n{}\n----- fault proxy stats -----\n{}\n",
+            self.log.display(),
+            lines[lines.len().saturating_sub(25)..].join("\n"),
+            self.stats()
+        )
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        write_atomically(&self.control, "exit\n");
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(3) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Replaces a file's content in one step (temp file, then rename), so a reader never sees half.
+pub fn write_atomically(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    fs::write(&tmp, text).unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
+    fs::rename(&tmp, path).unwrap_or_else(|e| panic!("rename to {}: {e}", path.display()));
+}
+
+/// A small random number source for fault timing, seeded from the clock; tests print the seed.
+pub struct Dice(SplitMix64);
+
+impl Dice {
+    pub fn new() -> (Dice, u64) {
+        let seed = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        (Dice(SplitMix64(seed)), seed)
+    }
+
+    /// A duration uniformly between `lo` and `hi`.
+    pub fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
+        let span = (hi - lo).as_millis().max(1) as u64;
+        lo + Duration::from_millis(self.0.next() % span)
+    }
+}
+
 // ---------------------------------------------------------------------------------------- agents
 
 /// A node's agent as the harness started it: its pid, command line and environment, read from
