@@ -174,7 +174,22 @@ impl Agent {
                 "recovering job from the journal"
             );
             let url = Ok(r.archive_url.clone());
+            let (job_id, ended) = (r.start.job_id, r.ended);
             self.register(r, url, false);
+            if let (false, Some(squeue)) = (ended, self.cfg.squeue.clone()) {
+                // The job may have ended while the agent was down (its epilog found no agent):
+                // ask Slurm, and end it here too if Slurm no longer runs it.
+                let this = self.clone();
+                self.tracker.spawn(async move {
+                    if slurm_job_gone(&squeue, job_id).await {
+                        tracing::info!(
+                            job_id,
+                            "the job ended while the agent was down; cleaning up"
+                        );
+                        this.job_end(job_id).await;
+                    }
+                });
+            }
         }
         Ok(n)
     }
@@ -490,8 +505,9 @@ impl Agent {
             Err(_) => {
                 job.cancel.cancel();
                 job.set_failed(format!(
-                    "stage-in on node {node} did not finish within {} (the admin's stage timeout)",
-                    humantime::format_duration(limit)
+                    "stage-in on node {node} did not finish within {} (the admin's stage timeout); {}",
+                    humantime::format_duration(limit),
+                    progress_summary(&job)
                 ));
             }
         }
@@ -634,30 +650,14 @@ impl Agent {
                 JobState::Staging => unreachable!("wait_for returned a staging state"),
             },
             Ok(Err(_)) => reply(ErrorCode::Internal, "the job's state was dropped"),
-            Err(_) => {
-                let progress: Vec<String> = job
-                    .status()
-                    .stages
-                    .iter()
-                    .map(|s| {
-                        format!(
-                            "{} {} {}/{} bytes",
-                            s.name,
-                            s.state.as_str(),
-                            s.bytes_done,
-                            s.bytes_total.map_or("?".into(), |b| b.to_string())
-                        )
-                    })
-                    .collect();
-                reply(
-                    ErrorCode::Timeout,
-                    format!(
-                        "stage-in on node {node} did not finish within {} s ({}); the job stops here — raise the plugin's stage_timeout or stage less data",
-                        limit.as_secs(),
-                        progress.join(", ")
-                    ),
-                )
-            }
+            Err(_) => reply(
+                ErrorCode::Timeout,
+                format!(
+                    "stage-in on node {node} did not finish within {} s ({}); the job stops here — raise the plugin's stage_timeout or stage less data",
+                    limit.as_secs(),
+                    progress_summary(&job)
+                ),
+            ),
         }
     }
 
@@ -696,6 +696,72 @@ impl Agent {
             hot_used_bytes,
             jobs,
         }
+    }
+}
+
+/// True when Slurm says the job is no longer running (unknown to it, or finished). Any doubt
+/// (squeue missing, slurmctld unreachable) counts as running: cleaning up a running job's data
+/// would be far worse than a late cleanup.
+async fn slurm_job_gone(squeue: &std::path::Path, job_id: JobId) -> bool {
+    let out = tokio::time::timeout(
+        Duration::from_secs(15),
+        tokio::process::Command::new(squeue)
+            .args([
+                "--noheader",
+                "--jobs",
+                &job_id.to_string(),
+                "--format",
+                "%T",
+            ])
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await;
+    let Ok(Ok(out)) = out else { return false };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return stderr.contains("Invalid job id");
+    }
+    let state = stdout.trim();
+    state.is_empty()
+        || matches!(
+            state,
+            "COMPLETED"
+                | "COMPLETING"
+                | "FAILED"
+                | "CANCELLED"
+                | "TIMEOUT"
+                | "NODE_FAIL"
+                | "OUT_OF_MEMORY"
+                | "BOOT_FAIL"
+                | "DEADLINE"
+                | "PREEMPTED"
+        )
+}
+
+/// Where each dataset's staging stands, for timeout messages.
+fn progress_summary(job: &Job) -> String {
+    let parts: Vec<String> = job
+        .stages
+        .iter()
+        .map(|p| {
+            let s = p.snapshot();
+            let total = s.bytes_total.map_or("?".to_string(), |b| b.to_string());
+            format!(
+                "{} ({}): {}, {}/{} bytes",
+                s.name,
+                s.source,
+                s.state.as_str(),
+                s.bytes_done,
+                total
+            )
+        })
+        .collect();
+    if parts.is_empty() {
+        "no dataset".into()
+    } else {
+        parts.join("; ")
     }
 }
 

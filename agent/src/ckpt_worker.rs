@@ -240,7 +240,16 @@ impl Agent {
             Err(e) => {
                 tracing::warn!(job_id, tag = entry.tag, "archive attempt failed: {e}");
                 entry.failures.fetch_add(1, Ordering::Relaxed);
-                entry.set_error(CkptState::Retrying, e.to_string());
+                let text = e.to_string();
+                let message = if crate::stage::is_unreachable(&text) {
+                    format!(
+                        "the archive store is unreachable; retrying ({})",
+                        crate::stage::concise(&text)
+                    )
+                } else {
+                    crate::stage::concise(&text)
+                };
+                entry.set_error(CkptState::Retrying, message);
             }
         }
     }

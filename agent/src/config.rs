@@ -62,6 +62,7 @@ pub struct AllowRule {
 struct RawAgent {
     socket: String,
     state_dir: String,
+    squeue: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -132,6 +133,8 @@ pub struct CkptConfig {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub node: String,
+    /// `squeue`, asked after a restart whether journaled jobs still run; `None` = never ask.
+    pub squeue: Option<PathBuf>,
     pub socket: PathBuf,
     pub state_dir: PathBuf,
     pub hot_root: PathBuf,
@@ -322,6 +325,11 @@ impl Config {
         }
         Ok(Config {
             node: node.to_string(),
+            squeue: match raw.agent.squeue.as_deref() {
+                None => Some(PathBuf::from("squeue")),
+                Some("") => None,
+                Some(p) => Some(PathBuf::from(p)),
+            },
             socket: abs("agent.socket", substitute(&raw.agent.socket, node))?,
             state_dir: abs("agent.state_dir", substitute(&raw.agent.state_dir, node))?,
             hot_root: abs("hot_tier.root", substitute(&raw.hot_tier.root, node))?,

@@ -55,6 +55,10 @@ pub enum StageError {
         "{dataset} holds object keys with '.' or '..' segments, which cannot be file names; it was not staged — rename those objects"
     )]
     UnsafeKeys { dataset: String },
+    #[error(
+        "cannot reach the object store holding {dataset} (connection failed, after retries) — the store may be down; resubmit later, or ask your admin"
+    )]
+    Unreachable { dataset: String },
     #[error("staging {dataset} was cancelled (the job ended or the agent stopped)")]
     Cancelled { dataset: String },
 }
@@ -252,10 +256,54 @@ fn origin_error(source: &str, e: object_store::Error) -> StageError {
         object_store::Error::InvalidPath { .. } => StageError::UnsafeKeys {
             dataset: source.to_string(),
         },
-        other => StageError::Origin {
-            dataset: source.to_string(),
-            detail: other.to_string(),
-        },
+        other => {
+            let text = other.to_string();
+            if is_unreachable(&text) {
+                StageError::Unreachable {
+                    dataset: source.to_string(),
+                }
+            } else {
+                StageError::Origin {
+                    dataset: source.to_string(),
+                    detail: concise(&text),
+                }
+            }
+        }
+    }
+}
+
+/// A request that never got an HTTP answer (refused, reset, DNS, TLS): the store is unreachable.
+pub fn is_unreachable(error_text: &str) -> bool {
+    [
+        "error sending request",
+        "Connection refused",
+        "connection refused",
+        "dns error",
+        "tcp connect error",
+    ]
+    .iter()
+    .any(|needle| error_text.contains(needle))
+}
+
+/// A store's error for people: the S3/Azure error code instead of the raw XML body, and no retry
+/// bookkeeping.
+pub fn concise(error_text: &str) -> String {
+    let code = |tag: &str| {
+        let open = format!("<{tag}>");
+        let start = error_text.find(&open)? + open.len();
+        let end = error_text[start..].find('<')? + start;
+        Some(error_text[start..end].to_string())
+    };
+    let head = error_text.split("<?xml").next().unwrap_or(error_text);
+    let head = head
+        .split(", after ")
+        .next()
+        .unwrap_or(head)
+        .trim_end_matches([' ', ':', '-']);
+    match (code("Code"), code("Message")) {
+        (Some(c), Some(m)) => format!("{head}: {c}: {m}"),
+        (Some(c), None) => format!("{head}: {c}"),
+        _ => head.to_string(),
     }
 }
 
@@ -556,6 +604,19 @@ async fn stage_posix(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn store_errors_read_like_sentences() {
+        let xml = "Generic S3 error: Error performing PUT http://h/b/k in 1.2s, after 3 retries, max_retries: 10, retry_timeout: 180s - Server returned non-2xx status code: 503 Service Unavailable: <?xml version=\"1.0\"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>";
+        let c = concise(xml);
+        assert!(!c.contains("<?xml") && !c.contains("retries"), "{c}");
+        assert!(
+            c.ends_with("SlowDown: Please reduce your request rate."),
+            "{c}"
+        );
+        assert!(is_unreachable("HTTP error: error sending request for url"));
+        assert!(!is_unreachable("404 Not Found"));
+    }
 
     #[test]
     fn hostile_keys_never_leave_the_dataset() {

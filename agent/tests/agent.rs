@@ -31,10 +31,15 @@ fn is_root() -> bool {
 }
 
 async fn start(tmp: tempfile::TempDir) -> TestAgent {
+    start_with_squeue(tmp, "").await
+}
+
+/// `squeue`: the program asked after a restart whether journaled jobs still run ("" = never ask).
+async fn start_with_squeue(tmp: tempfile::TempDir, squeue: &str) -> TestAgent {
     let root = tmp.path().to_path_buf();
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
     let cfg = format!(
-        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
+        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
          [ckpt]\nscan_interval = '200ms'\nepilog_wait = '20s'\npart_size = '5MiB'\n",
         r = root.display()
     );
@@ -601,5 +606,42 @@ async fn a_client_that_hangs_up_mid_request_harms_nothing() {
         t.call(Request::Status).await.unwrap(),
         Response::Status(_)
     ));
+    t.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_ended_while_the_agent_was_down_is_cleaned_up_after_restart() {
+    if !is_root() {
+        eprintln!("skipped: needs root, like sluiced itself");
+        return;
+    }
+    let t = start(tempfile::tempdir().unwrap()).await;
+    make_dataset(&t.data);
+    t.call(job_start(61, &t.data.display().to_string()))
+        .await
+        .unwrap();
+    t.ready(61).await;
+    let hot = t.hot.clone();
+    let tmp = t.stop().await;
+    assert!(hot.join("jobs/61/stage/data").exists());
+    // The epilog found no agent; Slurm no longer knows the job (what squeue says for a purged job).
+    let squeue = tmp.path().join("squeue");
+    std::fs::write(
+        &squeue,
+        "#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&squeue, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let t = start_with_squeue(tmp, &squeue.display().to_string()).await;
+    for _ in 0..100 {
+        if !hot.join("jobs/61").exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        !hot.join("jobs/61").exists(),
+        "staged data of an ended job left behind"
+    );
     t.stop().await;
 }

@@ -22,7 +22,7 @@ use sluice_proto::msg::{JobId, JobStart, Request, Response};
 use sluice_proto::options::{self, names};
 use sluice_proto::wire::FrameError;
 use std::io;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Success, for every callback.
 pub const OK: i32 = 0;
@@ -286,14 +286,18 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
         return FAIL;
     };
     let socket = args.socket_path(&node);
-    let request = Request::WaitStaged {
-        job_id,
-        timeout_ms: args.stage_timeout.as_millis() as u64,
-    };
-    // The agent answers by stage_timeout; the socket waits a little longer so that its answer (a
-    // clear "timed out" message) wins over a bare socket timeout.
+    // The agent answers by the deadline; each socket waits a little longer so that its answer (a
+    // clear "timed out" message) wins over a bare socket timeout. An agent that restarts meanwhile
+    // resumes the job from its journal, so the task reconnects and keeps waiting.
     let wait = args.stage_timeout + args.connect_timeout;
-    let dirs = match agent.call(&socket, request, wait) {
+    let deadline = Instant::now() + args.stage_timeout;
+    let answer = call_until(agent, &socket, deadline, args.connect_timeout, |left| {
+        Request::WaitStaged {
+            job_id,
+            timeout_ms: left.as_millis() as u64,
+        }
+    });
+    let dirs = match answer {
         Ok(Response::Ready(dirs)) => dirs,
         Ok(other) => {
             sp.error(&format!(
@@ -368,7 +372,10 @@ pub fn job_epilog(sp: &impl SpankApi, agent: &impl Agent, argv: &[String]) -> i3
         return OK;
     };
     let socket = args.socket_path(&node);
-    match agent.call(&socket, Request::JobEnd { job_id }, args.epilog_timeout) {
+    let deadline = Instant::now() + args.epilog_timeout;
+    match call_until(agent, &socket, deadline, Duration::ZERO, |_| {
+        Request::JobEnd { job_id }
+    }) {
         Ok(Response::Ok) => sp.verbose(&format!(
             "job {job_id}: end reported to the agent on {node}"
         )),
@@ -425,6 +432,41 @@ pub fn node_name(sp: &impl SpankApi) -> Option<String> {
 
 /// A client error as one line for the user or admin: the agent's own message verbatim, a timeout
 /// in words.
+/// Pause between attempts to reach an agent that is not answering (restarting).
+const RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// Calls the agent, retrying transport failures (connection refused, reset or closed before the
+/// answer: the agent is restarting) until `deadline`. `request` gets the time left. Each call waits
+/// for its answer until the deadline plus `grace`.
+fn call_until(
+    agent: &impl Agent,
+    socket: &std::path::Path,
+    deadline: Instant,
+    grace: Duration,
+    request: impl Fn(Duration) -> Request,
+) -> Result<Response, ClientError> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let result = agent.call(
+            socket,
+            request(left),
+            left.max(Duration::from_secs(1)) + grace,
+        );
+        let transport = match &result {
+            Err(ClientError::Connect { .. }) => true,
+            Err(ClientError::Frame {
+                source: FrameError::Io(io),
+                ..
+            }) => !is_timeout(io),
+            _ => false,
+        };
+        if !transport || Instant::now() + RETRY_PAUSE >= deadline {
+            return result;
+        }
+        std::thread::sleep(RETRY_PAUSE);
+    }
+}
+
 fn describe(e: &ClientError, waited: Duration) -> String {
     match e {
         ClientError::Agent(reply) => reply.message.clone(),

@@ -735,17 +735,19 @@ fn a_task_waits_for_staging_and_sees_its_directories() {
     let calls = agent.calls();
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].0, PathBuf::from("/run/sluice/n2.sock"));
-    assert_eq!(
-        calls[0].1,
-        Request::WaitStaged {
-            job_id: 42,
-            timeout_ms: 600_000
-        }
-    );
-    assert_eq!(
-        calls[0].2,
-        Duration::from_secs(605),
-        "the socket outwaits the agent's own deadline"
+    // The agent gets the time left of stage_timeout (a few ms may have passed).
+    let Request::WaitStaged {
+        job_id: 42,
+        timeout_ms,
+    } = calls[0].1
+    else {
+        panic!("{:?}", calls[0].1)
+    };
+    assert!((599_000..=600_000).contains(&timeout_ms), "{timeout_ms}");
+    assert!(
+        calls[0].2 > Duration::from_millis(timeout_ms) + Duration::from_secs(4),
+        "the socket outwaits the agent's own deadline: {:?}",
+        calls[0].2
     );
     assert_eq!(
         sp.env_set,
@@ -793,8 +795,15 @@ fn a_failed_stage_in_fails_the_job_with_the_agents_words() {
 
 #[test]
 fn task_init_fails_the_job_when_the_agent_is_missing_or_silent() {
+    // An agent that stays unreachable (not merely restarting) fails the job at stage_timeout,
+    // after the task kept trying to reconnect.
     let mut sp = Fake::task(&[("stage-in", "/a/x")]);
-    assert_eq!(task_init(&mut sp, &FakeAgent::unreachable(), &[]), FAIL);
+    let unreachable = FakeAgent::unreachable();
+    assert_eq!(
+        task_init(&mut sp, &unreachable, &argv(&["stage_timeout=2"])),
+        FAIL
+    );
+    assert!(unreachable.calls().len() >= 2, "no reconnect attempt");
     assert!(
         sp.errors()[0].contains("cannot reach the sluice agent at /run/sluice/n2.sock"),
         "{:?}",
@@ -914,21 +923,21 @@ fn epilog_reports_the_end_of_a_sluice_job() {
     )]);
     let agent = FakeAgent::ok();
     assert_eq!(job_epilog(&sp, &agent, &argv(&["epilog_timeout=12"])), OK);
-    assert_eq!(
-        agent.calls(),
-        [(
-            PathBuf::from("/run/sluice/n2.sock"),
-            Request::JobEnd { job_id: 42 },
-            Duration::from_secs(12)
-        )]
-    );
+    let calls = agent.calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].0, PathBuf::from("/run/sluice/n2.sock"));
+    assert_eq!(calls[0].1, Request::JobEnd { job_id: 42 });
+    assert!(calls[0].2 <= Duration::from_secs(12) && calls[0].2 > Duration::from_secs(11));
     assert!(sp.errors().is_empty());
 }
 
 #[test]
 fn epilog_failures_are_logged_and_never_drain_the_node() {
     let sp = Fake::job_script(&[(STAGE_IN_VAR, "/a/x")]);
-    assert_eq!(job_epilog(&sp, &FakeAgent::unreachable(), &[]), OK);
+    assert_eq!(
+        job_epilog(&sp, &FakeAgent::unreachable(), &argv(&["epilog_timeout=1"])),
+        OK
+    );
     assert!(
         sp.errors()[0]
             .starts_with("job 42: job_epilog could not report the job's end: cannot reach"),
@@ -997,4 +1006,35 @@ fn other_plugins_options_in_the_job_environment_do_not_count() {
     let agent = FakeAgent::ready();
     assert_eq!(task_init(&mut sp, &agent, &[]), OK);
     assert!(agent.calls().is_empty());
+}
+
+#[test]
+fn a_task_outlives_an_agent_restart() {
+    // The agent is killed and restarted while the task waits: the first call breaks off, the next
+    // is refused, then the restarted agent (which resumed the job from its journal) answers.
+    let n = std::cell::Cell::new(0);
+    let agent = FakeAgent::answering(move |_| {
+        n.set(n.get() + 1);
+        match n.get() {
+            1 => Err(ClientError::Frame {
+                path: "/run/sluice/n2.sock".into(),
+                source: FrameError::Io(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            }),
+            2 => Err(ClientError::Connect {
+                path: "/run/sluice/n2.sock".into(),
+                source: io::Error::from(io::ErrorKind::ConnectionRefused),
+            }),
+            _ => Ok(Response::Ready(JobDirs {
+                stage_dir: "/nvme/sluice/n2/jobs/42/stage".into(),
+                ckpt_dir: "/nvme/sluice/n2/jobs/42/ckpt".into(),
+                restored_tag: None,
+                notes: Vec::new(),
+            })),
+        }
+    });
+    let mut sp = Fake::task(&[("stage-in", "/a/x")]);
+    assert_eq!(task_init(&mut sp, &agent, &argv(&["stage_timeout=30"])), OK);
+    assert_eq!(agent.calls().len(), 3);
+    assert!(sp.errors().is_empty(), "{:?}", sp.errors());
+    assert_eq!(sp.env_set[0].1, "/nvme/sluice/n2/jobs/42/stage");
 }
