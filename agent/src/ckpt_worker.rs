@@ -53,6 +53,11 @@ impl Agent {
                 format!("job {} has ended", job.start.job_id),
             ));
         }
+        self.commit_tag(job, tag).await
+    }
+
+    /// Records a commit (from a request, a framework signal, or another node via the archive).
+    async fn commit_tag(&self, job: &Arc<Job>, tag: &str) -> Response {
         let (hot, id, uid, t) = (
             self.cfg.hot_root.clone(),
             job.start.job_id,
@@ -101,6 +106,7 @@ impl Agent {
         let mut archiver: Option<Arc<Archiver>> = None;
         let mut next_try: HashMap<String, Instant> = HashMap::new();
         let mut last_remote_scan: Option<Instant> = None;
+        let mut ended_at: Option<Instant> = None;
         loop {
             if job.is_ended() && job.state() == JobState::Ended {
                 return; // replaced by a newer run of the same job id
@@ -116,7 +122,7 @@ impl Agent {
                 .await;
                 for tag in tags {
                     if job.ckpts.get(&tag).is_none() {
-                        let _ = self.ckpt_commit(&job, &tag).await;
+                        let _ = self.commit_tag(&job, &tag).await;
                     }
                 }
             }
@@ -144,7 +150,7 @@ impl Agent {
                     // Commits made on the job's other nodes reach this node through the archive.
                     let due = last_remote_scan
                         .is_none_or(|t| t.elapsed() >= self.cfg.ckpt.scan_interval * 3);
-                    if job.start.nodes.len() > 1 && !job.is_ended() && due {
+                    if job.start.nodes.len() > 1 && due {
                         last_remote_scan = Some(Instant::now());
                         self.adopt_remote_commits(&job, &a).await;
                     }
@@ -179,8 +185,19 @@ impl Agent {
             }
             self.trim(&job).await;
             if job.is_ended() && (!job.ckpts.pending() || url.is_none()) {
-                self.finalize(&job).await;
-                return;
+                // A commit made on another node just before the end may not have reached this node
+                // yet: a multi-node job's uncommitted directories wait out ckpt.epilog_wait (while
+                // commits are adopted from the archive) before they are deleted.
+                let ended_at = *ended_at.get_or_insert_with(Instant::now);
+                let wait = url.is_some()
+                    && job.start.nodes.len() > 1
+                    && ended_at.elapsed() < self.cfg.ckpt.epilog_wait
+                    && self.has_uncommitted_dirs(&job).await;
+                if !wait {
+                    self.finalize(&job).await;
+                    return;
+                }
+                last_remote_scan = None; // adopt at the next turn
             }
             tokio::select! {
                 _ = job.ckpts.wake.notified() => {}
@@ -317,7 +334,7 @@ impl Agent {
                     tag = info.tag,
                     "committed on another node of the job"
                 );
-                let _ = self.ckpt_commit(job, &info.tag).await;
+                let _ = self.commit_tag(job, &info.tag).await;
             }
         }
     }
@@ -330,6 +347,28 @@ impl Agent {
                 let total = s.blocks();
                 let used = total.saturating_sub(s.blocks_free());
                 total > 0 && used * 100 > total * high
+            })
+        })
+        .await
+    }
+
+    /// Whether the job's checkpoint directory holds directories that are not committed checkpoints.
+    async fn has_uncommitted_dirs(&self, job: &Job) -> bool {
+        let (hot, id) = (self.cfg.hot_root.clone(), job.start.job_id);
+        let committed: Vec<String> = job.ckpts.entries().iter().map(|e| e.tag.clone()).collect();
+        blocking(move || {
+            let Ok(dir) = open_ckpt_dir(&hot, id) else {
+                return false;
+            };
+            let Ok(mut d) = nix::dir::Dir::from_fd(dir) else {
+                return false;
+            };
+            d.iter().filter_map(|e| e.ok()).any(|e| {
+                let name = e.file_name().to_str().unwrap_or(".");
+                e.file_type() == Some(nix::dir::Type::Directory)
+                    && name != "."
+                    && name != ".."
+                    && !committed.iter().any(|c| c == name)
             })
         })
         .await
@@ -463,20 +502,31 @@ impl Agent {
             tag.to_string(),
         );
         let dest = ckpt_dir.clone();
+        // Move first (the old job's directory is the user's: verifying in place and then moving
+        // would leave a window to swap files), verify, and move back if the copy is not usable
+        // (e.g. only this node's part of a multi-node checkpoint): it stays the old job's kept copy.
         let verified = blocking(move || -> Result<(), String> {
             let old_dir = open_ckpt_dir(&hot, old_id).map_err(|e| e.to_string())?;
             nix::fcntl::renameat(&old_dir, t.as_str(), &*dest, t.as_str())
                 .map_err(|e| e.to_string())?;
             let result = verify_local(&dest, &t, uid, &manifest);
-            if result.is_err() {
+            if result.is_err()
+                && nix::fcntl::renameat(&*dest, t.as_str(), &old_dir, t.as_str()).is_err()
+            {
                 let _ = safefs::remove_tree(&*dest, &t);
+                return Err("the copy failed verification and could not be put back".into());
             }
-            result
+            result.map_err(|e| format!("{e} (left in place)"))
         })
         .await;
-        // Either way the old job no longer holds the copy.
-        old_entry.set_on_hot(false);
-        self.persist(&old_job).await;
+        let moved = verified.is_ok()
+            || verified
+                .as_ref()
+                .is_err_and(|e| e.contains("could not be put back"));
+        if moved {
+            old_entry.set_on_hot(false);
+            self.persist(&old_job).await;
+        }
         match verified {
             Ok(()) => {
                 let entry = Arc::new(CkptEntry::new(tag, now()));

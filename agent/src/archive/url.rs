@@ -146,7 +146,7 @@ fn check_local_root(path: &std::path::Path) -> Result<(), String> {
         };
         let refuse = |what: &str| {
             Err(format!(
-                "{} {what}; the agent writes file:// archives only below directories that only                  root can change (ask your admin for an archive location)",
+                "{} {what}; the agent writes file:// archives only below directories that only root can change (ask your admin for an archive location)",
                 p.display()
             ))
         };
