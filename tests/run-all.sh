@@ -6,6 +6,7 @@
 #   2. cargo test --workspace                               (unit tests, in-process agent tests)
 #   3. tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
 #                                                            end-to-end jobs, archive conformance)
+#   4. bench/run --smoke                                    (the benchmark harness on tiny data)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export CARGO_TERM_COLOR=never
@@ -39,3 +40,6 @@ export SLUICE_CLUSTER_LOCK_HELD=1
 
 step "end-to-end on the local Slurm cluster"
 tests/harness/run-e2e.sh
+
+step "benchmark harness smoke run (tiny data; targets are not judged here)"
+bench/run --smoke --out /tmp/sluice-bench-smoke.json
