@@ -1,0 +1,443 @@
+//! Authorisation on the agent socket (docs/SECURITY.md, "Authorisation"): user B (`sluiceother`)
+//! asking the agent about, committing, ending or announcing user A's (`sluiceuser`) running job is
+//! refused — through the `sluice` CLI and through hand-made frames on the raw socket — and none of
+//! it changes A's job. The agent decides from the connection's `SO_PEERCRED`, never from a uid, user
+//! or path inside the message, so a frame that claims to be root or A is refused too.
+
+mod common;
+mod security_support;
+
+use common::*;
+use security_support::*;
+use serde_json::{Value, json};
+use std::path::Path;
+use std::time::Duration;
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(180);
+const NODE: &str = "n1";
+
+/// Every request a user might send about someone else's job, each as a raw frame.
+fn requests_about(job_id: u32, a_uid: u32, a_user: &str) -> Value {
+    let start = |uid: u32, user: &str| {
+        json!({
+            "op": "job_start", "job_id": job_id + 1000, "uid": uid, "gid": uid, "user": user,
+            "node": NODE, "nodes": [NODE], "job_name": "forged",
+            "options": [["stage-in", "/etc"]]
+        })
+    };
+    json!([
+        {"name": "job", "request": {"op": "job", "job_id": job_id}},
+        {"name": "wait_staged", "request": {"op": "wait_staged", "job_id": job_id, "timeout_ms": 1000}},
+        {"name": "ckpt_commit", "request": {"op": "ckpt_commit", "job_id": job_id, "tag": "t1"}},
+        {"name": "ckpt_list", "request": {"op": "ckpt_list", "job_id": job_id}},
+        {"name": "job_end", "request": {"op": "job_end", "job_id": job_id}},
+        {"name": "job_start claiming A", "request": start(a_uid, a_user)},
+        {"name": "job_start claiming root's job", "request": start(0, "root")},
+        // Identity fields in the envelope or the request are not authority.
+        {"name": "job with uid 0 in the body", "request": {"op": "job", "job_id": job_id, "uid": 0, "user": "root"}},
+    ])
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn security_other_user_is_refused_everything_about_a_running_job() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    let u = unique();
+    let data = cluster.data_dir("sec-auth");
+    let marker = format!("STAGED-FOR-A-{u}");
+    std::fs::write(data.join("hello.txt"), &marker).unwrap();
+    let work = cluster.workdir("sec-auth");
+    let (ready, go) = (work.join("ready"), work.join("go"));
+    // A's job: stage a dataset, write an (uncommitted) checkpoint, wait for the test's "go", then
+    // show that the staged data is still there and the checkpoint was not committed by anyone.
+    let script = format!(
+        r#"#!/bin/bash
+srun -N1 -n1 bash -c '
+mkdir -p "$SLUICE_CKPT_DIR/t1" && echo weights > "$SLUICE_CKPT_DIR/t1/model.bin"
+touch {ready}
+for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
+echo "staged: $(cat "$SLUICE_STAGE_DIR/ds/hello.txt")"
+'
+"#,
+        ready = ready.display(),
+        go = go.display()
+    );
+    let job = cluster.submit(
+        &work,
+        &[
+            "-N1",
+            &format!("--nodelist={NODE}"),
+            &format!("--stage-in=ds={}", data.display()),
+        ],
+        &script,
+    );
+    cluster.wait_for(
+        "A's job to be staged and running",
+        JOB_TIMEOUT,
+        Some(&job),
+        || ready.exists(),
+    );
+
+    let a = cluster.user.clone();
+    let b = cluster.other_user.clone();
+    let a_uid: u32 = run(std::process::Command::new("id").args(["-u", &a]))
+        .trim()
+        .parse()
+        .unwrap();
+    let socket = socket_of(&cluster, NODE);
+    let mut failures = Vec::new();
+
+    // 1. The CLI, as B: refused with the agent's message, exit status non-zero.
+    let sluice = cli(&cluster);
+    let sluice = sluice.to_str().unwrap();
+    let sock = socket.to_str().unwrap();
+    let id = job.id.to_string();
+    for args in [
+        vec!["job", id.as_str(), "--socket", sock],
+        vec!["--socket", sock, "job", id.as_str(), "--json"],
+        vec!["--socket", sock, "ckpt", "list", "--job", id.as_str()],
+        vec![
+            "--socket",
+            sock,
+            "ckpt",
+            "commit",
+            "t1",
+            "--job",
+            id.as_str(),
+        ],
+    ] {
+        let out = cluster.as_someone(&b, Path::new("/"), sluice, &args, None);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() || !stderr.contains("belongs to another user") {
+            failures.push(format!(
+                "CLI as {b}: sluice {args:?} was not refused: exit {:?}\nstdout: {}\nstderr: {stderr}",
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout)
+            ));
+        }
+    }
+    // `status` as B succeeds but shows none of A's jobs.
+    let out = cluster.as_someone(
+        &b,
+        Path::new("/"),
+        sluice,
+        &["--socket", sock, "status", "--json"],
+        None,
+    );
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let jobs = status["jobs"].as_array().cloned().unwrap_or_default();
+    if !out.status.success()
+        || jobs
+            .iter()
+            .any(|j| j["uid"] == a_uid || j["job_id"] == job.id)
+    {
+        failures.push(format!(
+            "CLI as {b}: 'sluice status' shows A's jobs or failed (exit {:?}): {status}",
+            out.status.code()
+        ));
+    }
+
+    // 2. Raw frames, as B: every request about A's job is Forbidden.
+    for r in raw_requests(&cluster, &b, &socket, requests_about(job.id, a_uid, &a)) {
+        match r.error() {
+            Some((code, _)) if code == "forbidden" => {}
+            _ => failures.push(format!(
+                "raw '{}' as {b} was not refused as forbidden: {}",
+                r.name, r.value
+            )),
+        }
+    }
+    let status = raw_requests(
+        &cluster,
+        &b,
+        &socket,
+        json!([{"name": "status", "request": {"op": "status"}}]),
+    );
+    let reply = &status[0].value["reply"];
+    let jobs = reply["jobs"].as_array().cloned().unwrap_or_default();
+    if reply["result"] != "status" || jobs.iter().any(|j| j["uid"] == a_uid) {
+        failures.push(format!("raw 'status' as {b} shows A's jobs: {reply}"));
+    }
+    // A frame of another protocol version is refused before anything else, with a clear message.
+    let v2 = raw_requests(
+        &cluster,
+        &b,
+        &socket,
+        json!([{"name": "v2", "version": 2, "request": {"op": "job", "job_id": job.id}}]),
+    );
+    match v2[0].error() {
+        Some((code, m)) if code == "bad_request" && m.contains("version 2 is not supported") => {}
+        _ => failures.push(format!(
+            "a version-2 frame was not refused as such: {}",
+            v2[0].value
+        )),
+    }
+
+    // 3. The same requests as A are answered (the refusals above are about B, not a broken agent),
+    // and none of B's attempts changed A's job: still staged, checkpoint t1 not committed.
+    let own = raw_requests(
+        &cluster,
+        &a,
+        &socket,
+        json!([
+            {"name": "job", "request": {"op": "job", "job_id": job.id}},
+            {"name": "ckpt_list", "request": {"op": "ckpt_list", "job_id": job.id}},
+            {"name": "job_end as A", "request": {"op": "job_end", "job_id": job.id}},
+        ]),
+    );
+    if own[0].result() != Some("job") || own[0].value["reply"]["state"] != "ready" {
+        failures.push(format!("A's own 'job' request: {}", own[0].value));
+    }
+    match own[1].value["reply"]["ckpts"].as_array() {
+        Some(c) if c.is_empty() => {}
+        _ => failures.push(format!(
+            "A's checkpoints after B's commit attempt (expected none): {}",
+            own[1].value
+        )),
+    }
+    // Ending a job is root's (the epilog's) alone, even for the job's owner.
+    if own[2].error().map(|e| e.0) != Some("forbidden".into()) {
+        failures.push(format!(
+            "job_end as the job's owner was not refused: {}",
+            own[2].value
+        ));
+    }
+
+    std::fs::write(&go, b"").unwrap();
+    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let output = job.output_text();
+    assert!(
+        failures.is_empty(),
+        "user {b} got further than it should with {a}'s job {}:\n{}\n{}",
+        job.id,
+        failures.join("\n"),
+        cluster.evidence(&job)
+    );
+    assert_eq!(end.state, "COMPLETED", "{}", cluster.evidence(&job));
+    assert!(
+        output.contains(&format!("staged: {marker}")),
+        "A's staged data must survive B's job_end attempts:\n{}",
+        cluster.evidence(&job)
+    );
+    cluster.assert_hot_tier_cleaned(&job, Duration::from_secs(60));
+    cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
+}
+
+/// The archive allow-list (`[[ckpt.allow]] prefix = "s3://ckpt/{user}/"`) is what keeps B out of A's
+/// archive: archiving into it and restoring from it are refused at job start, the job fails with
+/// the policy's message, nothing of A's reaches B's checkpoint directory, and no node drains.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn security_other_user_cannot_archive_into_or_restore_from_anothers_prefix() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    cluster.require_s3();
+    let a = cluster.user.clone();
+    let b = cluster.other_user.clone();
+    // B has no home e2e directory helper; its job writes nothing, output goes to /tmp.
+    let u = unique();
+    let out = format!("/tmp/sluice-sec-restore-{u}.out");
+    let script = "#!/bin/bash\nls -la \"$SLUICE_CKPT_DIR\"\n";
+    let sub = cluster.as_someone(
+        &b,
+        Path::new("/tmp"),
+        "sbatch",
+        &[
+            "--parsable",
+            "-N1",
+            &format!("--output={out}"),
+            &format!("--ckpt-archive=s3://ckpt/{a}/victim-{u}"),
+            "--ckpt-restore=latest",
+        ],
+        Some(script),
+    );
+    assert!(
+        sub.status.success(),
+        "sbatch as {b} failed (the refusal belongs to the agent, at job start): {}",
+        String::from_utf8_lossy(&sub.stderr)
+    );
+    let id: u32 = String::from_utf8_lossy(&sub.stdout)
+        .trim()
+        .split(';')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("job id");
+    let job = Job {
+        id,
+        output: out.clone().into(),
+        submit_stderr: String::new(),
+    };
+    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let text = job.output_text();
+    let _ = std::fs::remove_file(&out);
+    assert_eq!(end.state, "FAILED", "{}", cluster.evidence(&job));
+    assert!(
+        text.contains("not allowed by the site's policy")
+            && text.contains(&format!("s3://ckpt/{b}/")),
+        "the job output must say the archive is not allowed and what is:\n{text}"
+    );
+    cluster.assert_hot_tier_cleaned(&job, Duration::from_secs(60));
+    cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
+}
+
+/// Open finding F1 (docs/SECURITY.md): object-store stage-in is not authorised per user. The agent
+/// reads `--stage-in` URLs with its own store credentials, and those also reach the checkpoint
+/// archives of every user, so B can stage A's archived checkpoint objects into B's job. Asserts
+/// the behaviour we want: B's job is refused and never sees A's bytes.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn security_other_user_cannot_stage_in_anothers_archive() {
+    if !open_findings_enabled("F1") {
+        return;
+    }
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    cluster.require_s3();
+    let a = cluster.user.clone();
+    let b = cluster.other_user.clone();
+    let u = unique();
+    // Where A's checkpoints go under the site's policy (s3://ckpt/{user}/...): an object of A's.
+    let secret = format!("A-PRIVATE-CHECKPOINT-BYTES-{u}");
+    let key = format!("{a}/f1-{u}/step-1/data/model.bin");
+    cluster.put_object("ckpt", &key, secret.as_bytes());
+    let out = format!("/tmp/sluice-sec-f1-{u}.out");
+    let script =
+        "#!/bin/bash\nsrun -n1 bash -c 'find \"$SLUICE_STAGE_DIR\" -type f -exec cat {} +'\n";
+    let sub = cluster.as_someone(
+        &b,
+        Path::new("/tmp"),
+        "sbatch",
+        &[
+            "--parsable",
+            "-N1",
+            &format!("--output={out}"),
+            &format!("--stage-in=loot=s3://ckpt/{a}/f1-{u}"),
+        ],
+        Some(script),
+    );
+    assert!(
+        sub.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sub.stderr)
+    );
+    let id: u32 = String::from_utf8_lossy(&sub.stdout)
+        .trim()
+        .split(';')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("job id");
+    let job = Job {
+        id,
+        output: out.clone().into(),
+        submit_stderr: String::new(),
+    };
+    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let text = job.output_text();
+    let _ = std::fs::remove_file(&out);
+    assert!(
+        !text.contains(&secret),
+        "user {b} staged user {a}'s archive object s3://ckpt/{key} (job {id} ended {}):\n{text}",
+        end.state
+    );
+    assert_eq!(end.state, "FAILED", "{}", cluster.evidence(&job));
+    cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
+}
+
+/// Open finding F2 (docs/SECURITY.md): restore trusts the archive URL, not the checkpoint's owner.
+/// Under an allow rule without `{user}` — the harness's `file:///var/lib/sluice-test/archive/` —
+/// B can restore A's checkpoint into B's job. Asserts the behaviour we want: B never gets A's bytes.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn security_other_user_cannot_restore_anothers_checkpoint_from_a_shared_prefix() {
+    if !open_findings_enabled("F2") {
+        return;
+    }
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    let u = unique();
+    let url = format!("file://{}/f2-{u}", cluster.var("SLUICE_TEST_ARCHIVE_ROOT"));
+    let secret = format!("A-CHECKPOINT-{u}");
+    let sluice = cli(&cluster);
+    let work = cluster.workdir("sec-f2");
+    let go = work.join("go");
+    let script = format!(
+        r#"#!/bin/bash
+srun -N1 -n1 bash -c '
+mkdir -p "$SLUICE_CKPT_DIR/s1" && echo {secret} > "$SLUICE_CKPT_DIR/s1/model.bin"
+{sluice} ckpt commit s1
+for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
+'
+"#,
+        sluice = sluice.display(),
+        go = go.display()
+    );
+    let a_job = cluster.submit(
+        &work,
+        &[
+            "-N1",
+            &format!("--nodelist={NODE}"),
+            &format!("--ckpt-archive={url}"),
+        ],
+        &script,
+    );
+    cluster.wait_for(
+        "A's checkpoint to be archived",
+        JOB_TIMEOUT,
+        Some(&a_job),
+        || {
+            matches!(
+                sluice_proto::client::call(
+                    &socket_of(&cluster, NODE),
+                    sluice_proto::msg::Request::CkptList { job_id: a_job.id },
+                    Duration::from_secs(5)
+                ),
+                Ok(sluice_proto::msg::Response::Ckpts { ckpts })
+                    if ckpts.iter().any(|c| c.state == sluice_proto::msg::CkptState::Archived)
+            )
+        },
+    );
+    std::fs::write(&go, b"").unwrap();
+    cluster.wait_end(&a_job, JOB_TIMEOUT);
+
+    let b = cluster.other_user.clone();
+    let out = format!("/tmp/sluice-sec-f2-{u}.out");
+    let sub = cluster.as_someone(
+        &b,
+        Path::new("/tmp"),
+        "sbatch",
+        &[
+            "--parsable",
+            "-N1",
+            &format!("--output={out}"),
+            &format!("--ckpt-archive={url}"),
+            "--ckpt-restore=latest",
+        ],
+        Some("#!/bin/bash\nsrun -n1 bash -c 'cat \"$SLUICE_CKPT_DIR\"/*/model.bin'\n"),
+    );
+    assert!(
+        sub.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sub.stderr)
+    );
+    let id: u32 = String::from_utf8_lossy(&sub.stdout)
+        .trim()
+        .split(';')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("job id");
+    let b_job = Job {
+        id,
+        output: out.clone().into(),
+        submit_stderr: String::new(),
+    };
+    let end = cluster.wait_end(&b_job, JOB_TIMEOUT);
+    let text = b_job.output_text();
+    let _ = std::fs::remove_file(&out);
+    assert!(
+        !text.contains(&secret),
+        "user {b} restored user {}'s checkpoint from {url} (job {id} ended {}):\n{text}",
+        cluster.user,
+        end.state
+    );
+}

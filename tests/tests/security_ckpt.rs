@@ -1,0 +1,302 @@
+//! Checkpoints are read by root (docs/SECURITY.md, "Who touches which files"): a job that plants
+//! symbolic links and hard links in a checkpoint directory, pointing at a root-only file, and then
+//! commits it, must not get that file's bytes into its archive. The agent walks the checkpoint
+//! fd-relative with `O_NOFOLLOW`, checks every opened inode (regular file, the job user's, one link,
+//! same file system) and refuses the whole checkpoint naming the entry; no MANIFEST is published.
+//! A clean checkpoint of the same job is archived normally, so "nothing was uploaded" is not an
+//! archive that never works.
+
+mod common;
+mod security_support;
+
+use common::*;
+use security_support::*;
+use sluice_proto::msg::{CkptState, CkptStatus, Request, Response};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(240);
+const NODE: &str = "n3";
+
+fn ckpts(cluster: &Cluster, job: &Job) -> Result<BTreeMap<String, CkptStatus>, String> {
+    let socket = socket_of(cluster, NODE);
+    match sluice_proto::client::call(
+        &socket,
+        Request::CkptList { job_id: job.id },
+        Duration::from_secs(10),
+    ) {
+        Ok(Response::Ckpts { ckpts }) => {
+            Ok(ckpts.into_iter().map(|c| (c.tag.clone(), c)).collect())
+        }
+        Ok(other) => Err(format!("unexpected reply {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn security_symlinks_and_hardlinks_in_a_checkpoint_never_reach_the_archive() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    cluster.require_s3();
+    let (secret, secret_text) = root_secret(&cluster, "ckpt");
+    let protected_hardlinks = std::fs::read_to_string("/proc/sys/fs/protected_hardlinks")
+        .unwrap_or_default()
+        .trim()
+        == "1";
+    let u = unique();
+    let a = cluster.user.clone();
+    let prefix = format!("{a}/sec-links-{u}");
+    let archive = format!("s3://ckpt/{prefix}");
+    let work = cluster.workdir("sec-ckpt-links");
+    let out = work.join("out");
+    let go = work.join("go");
+    let sluice = cli(&cluster);
+    let good_marker = format!("GOOD-CHECKPOINT-{u}");
+    // t1: a symlink to the secret (and, where the kernel allows it, a hard link to it);
+    // t2: a hard link to the user's own file (two links: refused, it could be anyone's);
+    // t3: a symlink to a directory outside; t4: the checkpoint directory itself a symlink;
+    // good: plain files only.
+    let script = format!(
+        r#"#!/bin/bash
+srun -N1 -n1 bash -c '
+set -u
+o={out}; mkdir -p $o; c="$SLUICE_CKPT_DIR"
+mkdir -p "$c/t1" && head -c 8192 /dev/urandom > "$c/t1/model.bin"
+ln -s {secret} "$c/t1/link"
+if ln {secret} "$c/t1/hard" 2>$o/hardlink-error; then echo made > $o/hardlink; else echo refused > $o/hardlink; fi
+mkdir -p "$c/t2" && echo mine > "$c/own" && ln "$c/own" "$c/t2/own-link" && echo data > "$c/t2/a.bin"
+mkdir -p "$c/t3" && ln -s {secret_dir} "$c/t3/dirlink"
+ln -s {secret_dir} "$c/t4"
+mkdir -p "$c/good/sub" && echo {good} > "$c/good/model.bin" && echo {good} > "$c/good/sub/opt.bin"
+for t in t1 t2 t3 t4 good; do
+  {sluice} ckpt commit $t > $o/commit-$t 2>&1; echo "exit $?" >> $o/commit-$t
+done
+touch $o/committed
+for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
+'
+"#,
+        out = out.display(),
+        secret = secret.display(),
+        secret_dir = secret.parent().unwrap().display(),
+        good = good_marker,
+        sluice = sluice.display(),
+        go = go.display(),
+    );
+    let job = cluster.submit(
+        &work,
+        &[
+            "-N1",
+            &format!("--nodelist={NODE}"),
+            &format!("--ckpt-archive={archive}"),
+        ],
+        &script,
+    );
+    cluster.wait_for("the job's commits", JOB_TIMEOUT, Some(&job), || {
+        out.join("committed").exists()
+    });
+
+    // Wait until the clean checkpoint is archived and each hostile one has been refused.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let list = loop {
+        let list = ckpts(&cluster, &job);
+        let settled = list.as_ref().is_ok_and(|l| {
+            l.get("good")
+                .is_some_and(|g| g.state == CkptState::Archived)
+                && ["t1", "t2", "t3"]
+                    .iter()
+                    .all(|t| l.get(*t).is_some_and(|c| c.error.is_some()))
+        });
+        if settled || Instant::now() > deadline {
+            break list;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    // What the job's user sees: `sluice ckpt list` names the refused entries (asked again a few
+    // times: between two attempts a retried checkpoint shows no error for a moment).
+    let mut user_view = String::new();
+    for _ in 0..10 {
+        let out = cluster.as_user(
+            &work,
+            sluice.to_str().unwrap(),
+            &[
+                "--socket",
+                socket_of(&cluster, NODE).to_str().unwrap(),
+                "ckpt",
+                "list",
+                "--job",
+                &job.id.to_string(),
+            ],
+            None,
+        );
+        user_view = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if ["link'", "own-link", "dirlink"]
+            .iter()
+            .all(|n| user_view.contains(n))
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(700));
+    }
+    std::fs::write(&go, b"").unwrap();
+    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+
+    let shown = format!("{list:#?}");
+    let evidence = || {
+        format!(
+            "checkpoints: {shown}\nsluice ckpt list as {a}:\n{user_view}\n{}",
+            cluster.evidence(&job)
+        )
+    };
+    let list = list.unwrap_or_else(|e| panic!("CkptList: {e}\n{}", evidence()));
+    let mut failures = Vec::new();
+    let expect_error = |tag: &str, needles: &[&str], failures: &mut Vec<String>| match list
+        .get(tag)
+        .and_then(|c| c.error.clone())
+    {
+        Some(e) if needles.iter().all(|n| e.contains(n)) => eprintln!("{tag}: {e}"),
+        other => failures.push(format!(
+            "{tag}: expected an error with {needles:?}, got {other:?}"
+        )),
+    };
+    // The walk goes in name order: 'hard' (if the kernel let the job make it) before 'link'.
+    let hardlink_made = std::fs::read_to_string(out.join("hardlink"))
+        .unwrap_or_default()
+        .trim()
+        == "made";
+    if hardlink_made {
+        expect_error(
+            "t1",
+            &["'hard'", "owned by uid 0", "nothing was archived"],
+            &mut failures,
+        );
+    } else {
+        expect_error(
+            "t1",
+            &["'link'", "symbolic link", "nothing was archived"],
+            &mut failures,
+        );
+    }
+    expect_error("t2", &["own-link", "2 hard links"], &mut failures);
+    expect_error("t3", &["dirlink", "symbolic link"], &mut failures);
+    for t in ["t1", "t2", "t3"] {
+        if list.get(t).is_some_and(|c| c.state == CkptState::Archived) {
+            failures.push(format!("{t} is reported archived"));
+        }
+    }
+    if list.get("good").map(|g| g.state) != Some(CkptState::Archived) {
+        failures.push(format!(
+            "the clean checkpoint was not archived: {:?}",
+            list.get("good")
+        ));
+    }
+    let commit_t4 = std::fs::read_to_string(out.join("commit-t4")).unwrap_or_default();
+    if !commit_t4.contains("symlinks are not followed") || commit_t4.contains("exit 0") {
+        failures.push(format!(
+            "committing a symlinked checkpoint directory: {commit_t4}"
+        ));
+    }
+    if list.contains_key("t4") {
+        failures.push("t4 (a symlink) was recorded as a checkpoint".into());
+    }
+    for needle in ["link'", "own-link", "dirlink"] {
+        if !user_view.contains(needle) {
+            failures.push(format!("'sluice ckpt list' as {a} does not name {needle}"));
+        }
+    }
+    // The kernel's protected_hardlinks stops the hard link to root's file before sluice sees it.
+    let hardlink = std::fs::read_to_string(out.join("hardlink")).unwrap_or_default();
+    if protected_hardlinks && hardlink.trim() != "refused" {
+        failures.push(format!(
+            "with fs.protected_hardlinks=1 the job still hard-linked the secret: {hardlink}"
+        ));
+    }
+
+    // The bucket: only the clean checkpoint, with its MANIFEST; nothing of t1-t4; no secret bytes.
+    let keys = list_keys(&cluster, &prefix);
+    let foreign: Vec<&String> = keys.iter().filter(|k| !k.starts_with("good/")).collect();
+    if !foreign.is_empty() {
+        failures.push(format!(
+            "objects of refused checkpoints in {archive}: {foreign:?}"
+        ));
+    }
+    if !keys.iter().any(|k| k == "good/MANIFEST") {
+        failures.push(format!(
+            "no MANIFEST for the clean checkpoint in {archive}: {keys:?}"
+        ));
+    }
+    let download = tempdir_under(&cluster, "sec-ckpt-download");
+    let copied = cluster.rclone(&[
+        "copy",
+        &format!("garage:ckpt/{prefix}"),
+        download.to_str().unwrap(),
+    ]);
+    assert!(
+        copied.status.success(),
+        "rclone copy: {}",
+        String::from_utf8_lossy(&copied.stderr)
+    );
+    let leaked = files_containing(&download, secret_text.trim().as_bytes());
+    if !leaked.is_empty() {
+        failures.push(format!(
+            "the root-only secret's bytes are in the archive: {leaked:?}"
+        ));
+    }
+    let manifest = std::fs::read_to_string(download.join("good/MANIFEST")).unwrap_or_default();
+    if manifest.contains("link") || manifest.contains("secret") {
+        failures.push(format!(
+            "the clean checkpoint's MANIFEST names a link or the secret: {manifest}"
+        ));
+    }
+    let _ = std::fs::remove_dir_all(&download);
+    assert_secret_intact(&secret, &secret_text);
+
+    assert!(
+        failures.is_empty(),
+        "{}\n{}",
+        failures.join("\n"),
+        evidence()
+    );
+    assert_eq!(end.state, "COMPLETED", "{}", evidence());
+    cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
+    // Open finding F3: a refused checkpoint is retried forever (state "retrying"), so after the
+    // job ends its directory stays on the hot tier. Asserted only when open findings are checked.
+    if open_findings_enabled("F3") {
+        cluster.assert_hot_tier_cleaned(&job, Duration::from_secs(90));
+    }
+    let _ = std::fs::remove_file(&secret);
+}
+
+/// Object keys below `ckpt/<prefix>/` in Garage, relative to it.
+fn list_keys(cluster: &Cluster, prefix: &str) -> Vec<String> {
+    let out = cluster.rclone(&[
+        "lsf",
+        "-R",
+        "--files-only",
+        &format!("garage:ckpt/{prefix}"),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        if stderr.contains("directory not found") {
+            return Vec::new();
+        }
+        panic!("rclone lsf: {stderr}");
+    }
+    let mut keys: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect();
+    keys.sort();
+    keys
+}
+
+fn tempdir_under(cluster: &Cluster, name: &str) -> std::path::PathBuf {
+    let d = Path::new(cluster.var("SLUICE_TEST_ROOT")).join(format!("{name}-{}", unique()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
