@@ -131,20 +131,34 @@ pub fn socket_of(cluster: &Cluster, node: &str) -> PathBuf {
     PathBuf::from(cluster.var("SLUICE_TEST_SOCKET").replace("%n", node))
 }
 
-/// The `sluice` CLI, copied where every user may run it (the build tree may not be readable).
+/// The `sluice` CLI, copied where every user may run it (the build tree may not be readable). One
+/// copy per build (named by the binary's size and modification time), reused across tests and runs.
 pub fn cli(cluster: &Cluster) -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
     let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/sluice");
-    assert!(
-        built.exists(),
-        "no {}: run 'cargo build --workspace' (tests/harness/run-e2e.sh does)",
-        built.display()
-    );
+    let md = fs::metadata(&built).unwrap_or_else(|e| {
+        panic!(
+            "no {} ({e}): run 'cargo build --workspace' (tests/harness/run-e2e.sh does)",
+            built.display()
+        )
+    });
     let dir = PathBuf::from(cluster.var("SLUICE_TEST_ROOT")).join("e2e-bin");
     fs::create_dir_all(&dir).unwrap();
     fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
-    let dest = dir.join(format!("sluice-{}", unique()));
-    fs::copy(&built, &dest).unwrap_or_else(|e| panic!("copy {}: {e}", built.display()));
-    fs::set_permissions(&dest, fs::Permissions::from_mode(0o755)).unwrap();
+    let dest = dir.join(format!("sluice-{}-{}", md.mtime(), md.len()));
+    if fs::metadata(&dest).is_ok_and(|d| d.len() == md.len()) {
+        return dest;
+    }
+    // Replace older copies, then copy under a temporary name and rename (tests may race).
+    for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with("sluice-") {
+            let _ = fs::remove_file(e.path());
+        }
+    }
+    let tmp = dir.join(format!(".sluice-{}", unique()));
+    fs::copy(&built, &tmp).unwrap_or_else(|e| panic!("copy {}: {e}", built.display()));
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)).unwrap();
+    fs::rename(&tmp, &dest).unwrap();
     dest
 }
 
