@@ -311,7 +311,10 @@ impl Agent {
                 return Response::Ok; // a repeated prolog: idempotent
             }
         }
-        let archive_url = self.resolve_archive(&start).await;
+        let archive_url = match self.check_sources(&start).await {
+            Ok(()) => self.resolve_archive(&start).await,
+            Err(refusal) => Err(refusal),
+        };
         let record = JobRecord {
             version: RECORD_VERSION,
             start,
@@ -335,6 +338,50 @@ impl Agent {
         }
         self.register(record, archive_url, true);
         Response::Ok
+    }
+
+    /// Object-store sources must be allowed for the job's user by `[[stage.allow]]`: the agent reads
+    /// them with its own credentials, so this is what keeps one user from staging another's data.
+    async fn check_sources(&self, start: &JobStart) -> Result<(), String> {
+        let lookup = |name: &str| {
+            start
+                .options
+                .iter()
+                .rev()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        let Ok(opts) = options::parse_job_options(lookup) else {
+            return Ok(());
+        }; // reported by run_job
+        let objects: Vec<String> = opts
+            .stage_in
+            .iter()
+            .filter(|s| matches!(s.source, options::Source::Object { .. }))
+            .map(|s| s.source.to_string())
+            .collect();
+        if objects.is_empty() {
+            return Ok(());
+        }
+        let (user, gid) = (start.user.clone(), start.gid);
+        let groups = blocking(move || user_groups(&user, gid)).await;
+        let rules = &self.cfg.stage.allow;
+        for url in objects {
+            if !crate::ckpt::allowed_by(
+                rules,
+                &url,
+                &start.user,
+                &groups,
+                start.job_id,
+                &start.job_name,
+            ) {
+                return Err(format!(
+                    "--stage-in={url} is not allowed by the site's policy for user {} (sluice reads object stores with the site's credentials); ask your admin to allow that prefix",
+                    start.user
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The job's archive URL under the site's policy (`Err` = refused, with the reason).

@@ -370,6 +370,24 @@ pub fn resolve_archive(
     }
 }
 
+/// Whether `url` lies under a rule of `rules` that applies to `user` (or one of `groups`).
+pub fn allowed_by(
+    rules: &[crate::config::AllowRule],
+    url: &str,
+    user: &str,
+    groups: &[String],
+    job_id: u32,
+    job_name: &str,
+) -> bool {
+    let with_slash = format!("{}/", url.trim_end_matches('/'));
+    rules.iter().any(|rule| {
+        let applies = (rule.users.is_empty() && rule.groups.is_empty())
+            || rule.users.iter().any(|u| u == user)
+            || rule.groups.iter().any(|g| groups.contains(g));
+        applies && with_slash.starts_with(&expand(&rule.prefix, user, job_id, job_name))
+    })
+}
+
 /// Job names become one object-key segment.
 fn sanitize_name(name: &str) -> String {
     let s: String = name

@@ -246,6 +246,18 @@ impl Agent {
                 entry.set_state(CkptState::WaitingForNodes);
                 tracing::info!(job_id, tag = entry.tag, "checkpoint part uploaded");
             }
+            Err(e @ archive::ArchiveError::Refused { .. }) => {
+                // A symlink, a hard link, another user's file: retrying cannot help. The checkpoint
+                // stays on the hot tier (it is not archived) until the user commits it again.
+                tracing::warn!(job_id, tag = entry.tag, "{e}");
+                entry
+                    .failures
+                    .store(MAX_MODIFIED_RETRIES + 1, Ordering::Relaxed);
+                entry.set_error(
+                    CkptState::Modified,
+                    format!("{e}; fix the checkpoint and commit it again"),
+                );
+            }
             Err(e) if e.is_modified() => {
                 tracing::warn!(job_id, tag = entry.tag, "{e}");
                 entry.failures.fetch_add(1, Ordering::Relaxed);

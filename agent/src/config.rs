@@ -77,6 +77,8 @@ struct RawStage {
     concurrency: Option<usize>,
     part_size: Option<String>,
     timeout: Option<String>,
+    #[serde(default)]
+    allow: Vec<AllowRule>,
 }
 
 /// Endpoint and credentials for the object-store URLs that start with `prefix`.
@@ -106,6 +108,10 @@ pub struct StageConfig {
     pub concurrency: usize,
     pub part_size: u64,
     pub timeout: Duration,
+    /// Object-store prefixes users may stage from (`{user}` = the job's user). The agent reads
+    /// object stores with its own credentials, so without a matching rule an object-store source is
+    /// refused. POSIX sources need no rule: they are read with the job user's own permissions.
+    pub allow: Vec<AllowRule>,
 }
 
 /// Checkpoint archiving and retention.
@@ -236,6 +242,7 @@ impl Config {
                 })
                 .transpose()?
                 .unwrap_or(Duration::from_secs(7200)),
+            allow: raw.stage.allow.clone(),
         };
         if !(1..=1024).contains(&stage.concurrency) {
             return Err(format!(
@@ -368,6 +375,39 @@ mod tests {
         );
         assert!(c.store_for("azure://c/x").unwrap().use_emulator);
         assert!(c.store_for("gs://b").is_none());
+        assert_eq!(c.stage.allow.len(), 3);
+        assert!(crate::ckpt::allowed_by(
+            &c.stage.allow,
+            "s3://ckpt/alice/run1",
+            "alice",
+            &[],
+            1,
+            "j"
+        ));
+        assert!(!crate::ckpt::allowed_by(
+            &c.stage.allow,
+            "s3://ckpt/bob/run1",
+            "alice",
+            &[],
+            1,
+            "j"
+        ));
+        assert!(crate::ckpt::allowed_by(
+            &c.stage.allow,
+            "s3://vision-data/x",
+            "alice",
+            &["vision".into()],
+            1,
+            "j"
+        ));
+        assert!(!crate::ckpt::allowed_by(
+            &c.stage.allow,
+            "s3://vision-data/x",
+            "alice",
+            &[],
+            1,
+            "j"
+        ));
     }
 
     #[test]

@@ -238,7 +238,7 @@ fn parse_source(src: &str) -> Result<Source, OptionError> {
                 }
             };
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-            if bucket.is_empty() {
+            if bucket.is_empty() || bucket.chars().all(|c| c == '.') {
                 return Err(err(
                     names::STAGE_IN,
                     format!("'{src}' names no bucket or container"),

@@ -322,6 +322,22 @@ prefix = "az://ckpt/{user}/"
 
 [[ckpt.allow]]
 prefix = "file://$TEST_ROOT/archive/"
+
+# Object-store datasets users may stage (the agent reads them with its own credentials).
+[[stage.allow]]
+prefix = "s3://datasets/"
+
+[[stage.allow]]
+prefix = "az://datasets/"
+
+[[stage.allow]]
+prefix = "s3://ckpt/{user}/"
+
+[[stage.allow]]
+prefix = "az://ckpt/{user}/"
+
+[[stage.allow]]
+prefix = "s3://ckpt-faulty/"
 EOF
     if [[ -n ${S3_KEY_ID:-} ]]; then
       cat <<EOF
