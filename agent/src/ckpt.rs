@@ -47,6 +47,9 @@ pub struct CkptEntry {
     pub bytes_done: AtomicU64,
     /// Attempts since the last success, for backoff.
     pub failures: AtomicU64,
+    /// Refused by the archive (a symlink, a hard link, a foreign file): not a checkpoint sluice will
+    /// keep; deleted with the job's uncommitted directories when the job ends.
+    pub refused: AtomicBool,
 }
 
 impl CkptEntry {
@@ -64,6 +67,7 @@ impl CkptEntry {
             stored_bytes: AtomicU64::new(0),
             bytes_done: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            refused: AtomicBool::new(false),
         }
     }
 
@@ -179,6 +183,7 @@ impl JobCkpts {
                 CkptState::Modified => {
                     e.generation.fetch_add(1, Ordering::Relaxed);
                     e.failures.store(0, Ordering::Relaxed);
+                    e.refused.store(false, Ordering::Relaxed);
                     e.set_state(CkptState::Committed);
                     Ok(CommitOutcome::Recommitted)
                 }

@@ -247,12 +247,14 @@ impl Agent {
                 tracing::info!(job_id, tag = entry.tag, "checkpoint part uploaded");
             }
             Err(e @ archive::ArchiveError::Refused { .. }) => {
-                // A symlink, a hard link, another user's file: retrying cannot help. The checkpoint
-                // stays on the hot tier (it is not archived) until the user commits it again.
+                // A symlink, a hard link, another user's file: retrying cannot help. It is not a
+                // checkpoint sluice keeps: it goes with the uncommitted directories at job end,
+                // unless the user fixes it and commits it again before.
                 tracing::warn!(job_id, tag = entry.tag, "{e}");
                 entry
                     .failures
                     .store(MAX_MODIFIED_RETRIES + 1, Ordering::Relaxed);
+                entry.refused.store(true, Ordering::Relaxed);
                 entry.set_error(
                     CkptState::Modified,
                     format!("{e}; fix the checkpoint and commit it again"),
@@ -438,7 +440,7 @@ impl Agent {
             .ckpts
             .entries()
             .iter()
-            .filter(|e| e.on_hot())
+            .filter(|e| e.on_hot() && !e.refused.load(Ordering::Relaxed))
             .map(|e| e.tag.clone())
             .collect();
         let keep_any = !keep.is_empty();

@@ -288,9 +288,6 @@ fn security_other_user_cannot_archive_into_or_restore_from_anothers_prefix() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_cannot_stage_in_anothers_archive() {
-    if !open_findings_enabled("F1") {
-        return;
-    }
     let cluster = Cluster::get();
     cluster.require_sluice();
     cluster.require_s3();
