@@ -57,6 +57,9 @@ pub fn agent_config(env: &BTreeMap<String, String>, root: &Path) -> Result<Confi
         v("SLUICE_TEST_S3_SECRET")?,
         r = root.display()
     );
+    // For experiments only (bench/run never sets it): extra agent TOML, e.g. "[stage]\nconcurrency = 32".
+    let extra = std::env::var("SLUICE_BENCH_AGENT_TOML").unwrap_or_default();
+    let text = format!("{text}\n{extra}\n");
     Config::parse(&text, "n1").map_err(|e| anyhow::anyhow!("agent config: {e}"))
 }
 
