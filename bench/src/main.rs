@@ -141,6 +141,8 @@ enum Cmd {
         #[arg(long)]
         dir: PathBuf,
     },
+    /// Print the table of result files (merging runs of different --cases).
+    Table { files: Vec<PathBuf> },
     /// Compress one file the way the archive does.
     Compress {
         #[arg(long)]
@@ -265,6 +267,7 @@ fn real_main() -> Result<bool> {
             };
             engine::rss(stage_job(common, stage_dir, job, helper, sources), archive).map(|_| true)
         }
+        Cmd::Table { files } => run::print_tables(&files).map(|_| true),
         Cmd::Compress {
             input,
             output,

@@ -133,7 +133,7 @@ impl Target {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 struct Row {
     case: String,
     size: String,
@@ -154,7 +154,7 @@ struct Row {
     peer_samples: Vec<f64>,
     sluice_cpu_s: Vec<f64>,
     peer_cpu_s: Vec<f64>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     sluice_extra: Vec<serde_json::Value>,
 }
 
@@ -1231,63 +1231,22 @@ impl Bench {
 
     // ------------------------------------------------------------------------------------ main
 
-    pub fn run(self) -> Result<bool> {
-        let started = Instant::now();
-        let mut r = Report::default();
-        let cfg = crate::engine::agent_config(&self.env, &self.a.root)?;
-        log(format!(
-            "mode {:?}, {} repetition(s), sizes {:?}",
-            self.a.mode, self.a.reps, self.sizes
-        ));
-        self.prepare_data()?;
-        let s3 = self.wants("s3") || self.wants("ckpt") || self.wants("rss");
-        if s3 {
-            self.upload("s3")?;
-        }
-        if self.wants("az") {
-            self.upload("az")?;
-        }
-        if self.wants("s3") {
-            self.object_cases(&mut r, "s3", "s3", "S3 (Garage)");
-        }
-        if self.wants("az") {
-            self.object_cases(&mut r, "az", "az", "Azure (Azurite)");
-        }
-        if self.wants("posix") {
-            self.posix_cases(&mut r);
-        }
-        if self.wants("ckpt") {
-            self.ckpt_cases(&mut r);
-        }
-        if self.wants("compress") {
-            self.compression_cases(&mut r);
-        }
-        if self.wants("job") {
-            self.job_case(&mut r);
-        }
-        if self.wants("rss") {
-            self.rss_case(&mut r);
-        }
-        let _ = remove(&self.hot);
-
-        let how = format!(
+    fn method(&self, cfg: &sluice_agent::config::Config) -> String {
+        format!(
             "sluice = the agent engine in-process (sluice-bench driver calling sluice_agent::stage::stage, \
              Archiver::upload_part/try_publish/restore and archive::format, {} build), one process per run; \
              agent defaults: {}. Client CPU = user+sys of the measured process tree. Ratio > 1 favours sluice \
              (peer/sluice for time and bytes, sluice/peer for compression ratio and speed).",
             self.a.build,
-            crate::engine::describe_defaults(&cfg)
-        );
-        let table = render(&r.rows);
-        println!();
-        println!("{table}");
-        println!("{how}");
-        for n in &r.notes {
-            println!("note: {n}");
-        }
-        for e in &r.errors {
-            println!("ERROR: {e}");
-        }
+            crate::engine::describe_defaults(cfg)
+        )
+    }
+
+    /// Writes the JSON (after every case, so a run that is stopped keeps what it measured).
+    fn write_json(&self, r: &Report, method: &str, started: Instant, complete: bool) -> Result<()> {
+        let Some(out) = &self.a.out else {
+            return Ok(());
+        };
         let commit = Command::new("git")
             .arg("-C")
             .arg(&self.a.repo)
@@ -1298,26 +1257,106 @@ impl Bench {
             .unwrap_or_default();
         let json = serde_json::json!({
             "version": 1,
+            "complete": complete,
             "commit": commit,
             "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             "mode": self.a.mode,
             "reps": self.a.reps,
             "sizes": self.sizes,
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "method": how,
+            "method": method,
             "rows": r.rows,
             "notes": r.notes,
             "errors": r.errors,
             "elapsed_s": started.elapsed().as_secs_f64(),
         });
+        let tmp = out.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&json)? + "\n")
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, out)?;
+        Ok(())
+    }
+
+    pub fn run(self) -> Result<bool> {
+        let started = Instant::now();
+        let mut r = Report::default();
+        let cfg = crate::engine::agent_config(&self.env, &self.a.root)?;
+        let method = self.method(&cfg);
+        log(format!(
+            "mode {:?}, {} repetition(s), sizes {:?}",
+            self.a.mode, self.a.reps, self.sizes
+        ));
+        self.prepare_data()?;
+        if self.wants("s3") || self.wants("ckpt") || self.wants("rss") {
+            self.upload("s3")?;
+        }
+        if self.wants("az") {
+            self.upload("az")?;
+        }
+        type Case<'b> = Box<dyn Fn(&Bench, &mut Report) + 'b>;
+        let cases: Vec<(&str, Case)> = vec![
+            (
+                "s3",
+                Box::new(|b, r| b.object_cases(r, "s3", "s3", "S3 (Garage)")),
+            ),
+            (
+                "az",
+                Box::new(|b, r| b.object_cases(r, "az", "az", "Azure (Azurite)")),
+            ),
+            ("posix", Box::new(|b, r| b.posix_cases(r))),
+            ("ckpt", Box::new(|b, r| b.ckpt_cases(r))),
+            ("compress", Box::new(|b, r| b.compression_cases(r))),
+            ("job", Box::new(|b, r| b.job_case(r))),
+            ("rss", Box::new(|b, r| b.rss_case(r))),
+        ];
+        for (name, case) in cases {
+            if self.wants(name) {
+                case(&self, &mut r);
+                self.write_json(&r, &method, started, false)?;
+            }
+        }
+        let _ = remove(&self.hot);
+        println!();
+        println!("{}", render(&r.rows));
+        println!("{method}");
+        for n in &r.notes {
+            println!("note: {n}");
+        }
+        for e in &r.errors {
+            println!("ERROR: {e}");
+        }
+        self.write_json(&r, &method, started, true)?;
         if let Some(out) = &self.a.out {
-            std::fs::write(out, serde_json::to_string_pretty(&json)? + "\n")
-                .with_context(|| format!("writing {}", out.display()))?;
             log(format!("wrote {}", out.display()));
         }
         log(format!("done in {:.0} s", started.elapsed().as_secs_f64()));
         Ok(r.errors.is_empty())
     }
+}
+
+/// `sluice-bench table FILE.json...`: the table of one or more result files (e.g. runs of
+/// different `--cases`), rows in file order.
+pub fn print_tables(files: &[PathBuf]) -> Result<()> {
+    let mut rows = Vec::new();
+    for f in files {
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(f)?)
+            .with_context(|| format!("reading {}", f.display()))?;
+        for r in v["rows"].as_array().cloned().unwrap_or_default() {
+            rows.push(serde_json::from_value::<Row>(r)?);
+        }
+        if v["complete"] == serde_json::Value::Bool(false) {
+            println!("({} is incomplete: the run stopped early)", f.display());
+        }
+        for e in v["errors"].as_array().cloned().unwrap_or_default() {
+            println!(
+                "ERROR ({}): {}",
+                f.display(),
+                e.as_str().unwrap_or_default()
+            );
+        }
+    }
+    println!("{}", render(&rows));
+    Ok(())
 }
 
 fn fmt_num(v: f64, unit: &str) -> String {
