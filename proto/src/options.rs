@@ -208,9 +208,11 @@ fn parse_source(src: &str) -> Result<Source, OptionError> {
     if src.is_empty() {
         return Err(err(names::STAGE_IN, format!("empty source; {SOURCE_HELP}")));
     }
+    // An absolute path is a path, even when it holds "://" (so a POSIX source's `Display` parses
+    // back to itself).
     let (scheme, rest) = match src.split_once("://") {
-        Some((s, r)) => (Some(s), r),
-        None => (None, src),
+        Some((s, r)) if !src.starts_with('/') => (Some(s), r),
+        _ => (None, src),
     };
     match scheme {
         None => parse_posix(src),
@@ -254,6 +256,7 @@ fn parse_source(src: &str) -> Result<Source, OptionError> {
                 ));
             }
             let prefix = prefix.trim_matches('/');
+            check_segments(src, prefix)?;
             if prefix
                 .split('/')
                 .any(|seg| seg == ".." || seg == "." || (seg.is_empty() && !prefix.is_empty()))
@@ -287,6 +290,7 @@ fn parse_posix(path: &str) -> Result<Source, OptionError> {
             format!("'{path}': '..' is not allowed in a source path; give the resolved path"),
         ));
     }
+    check_segments(path, path)?;
     let trimmed = path.trim_end_matches('/');
     Ok(Source::Posix {
         path: if trimmed.is_empty() {
@@ -295,6 +299,24 @@ fn parse_posix(path: &str) -> Result<Source, OptionError> {
             trimmed.to_string()
         },
     })
+}
+
+/// Refuses a path or prefix segment that begins or ends with whitespace. Those are almost always
+/// typos, and they make normalisation ambiguous: the whole value is trimmed, so `/data/x /` would
+/// name `x ` once and `x` when its normalised form is parsed again (and `/.. /` would become `..`).
+fn check_segments(src: &str, path: &str) -> Result<(), OptionError> {
+    let padded =
+        |seg: &&str| seg.starts_with(char::is_whitespace) || seg.ends_with(char::is_whitespace);
+    match path.split('/').find(padded) {
+        Some(seg) => Err(err(
+            names::STAGE_IN,
+            format!(
+                "'{src}': the path segment {seg:?} begins or ends with whitespace; remove it \
+                 (sluice does not accept names with leading or trailing spaces)"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 fn default_name(source: &Source) -> Option<String> {
@@ -647,5 +669,67 @@ mod tests {
         assert_eq!(opts.ckpt_keep, Some(2));
         assert!(!opts.is_empty());
         assert!(parse_job_options(|_| None).unwrap().is_empty());
+    }
+
+    /// F8 in docs/SECURITY.md: the normalised form of an accepted value parses back to itself.
+    #[test]
+    fn whitespace_around_segments_is_refused_so_normalising_is_a_fixpoint() {
+        for bad in [
+            "s3://b/p /",
+            "s3://b/p /q",
+            "s3://b/ p",
+            "/.. /",
+            "/data/x /",
+            "/data/ x",
+            "file:///data/x\u{a0}/",
+            "d=az://c/.. /x",
+        ] {
+            let e = parse_stage_in([bad]).unwrap_err();
+            assert!(
+                e.message.contains("begins or ends with whitespace"),
+                "{bad:?}: {e}"
+            );
+        }
+        let e = parse_ckpt_archive("s3://ckpt/alice /").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--ckpt-archive: 's3://ckpt/alice /': the path segment \"alice \" begins or ends with \
+             whitespace; remove it (sluice does not accept names with leading or trailing spaces)"
+        );
+        // Around the whole value, whitespace is still trimmed; inside a segment it is kept.
+        assert_eq!(
+            parse_ckpt_archive(" s3://ckpt/a b/ ").unwrap(),
+            "s3://ckpt/a b"
+        );
+        assert_eq!(one("d=/data/my set").source.to_string(), "/data/my set");
+
+        // A POSIX path holding "://" is a path, and its display parses back to it.
+        let spec = one("x=/data/a://b/");
+        assert_eq!(
+            spec.source,
+            Source::Posix {
+                path: "/data/a://b".into()
+            }
+        );
+        assert_eq!(one(&format!("x={}", spec.source)), spec);
+        assert_eq!(
+            parse_ckpt_archive("/data/a://b").unwrap(),
+            "file:///data/a://b"
+        );
+
+        for input in [
+            "s3://b/p/",
+            "abfs://c//p/q/",
+            "/lustre//x/./y/",
+            "root=file:///",
+            "gs://b",
+            "n=s3://b/k=v",
+        ] {
+            let first = one(input);
+            let again = one(&format!("{}={}", first.name, first.source));
+            assert_eq!(again, first, "{input:?} does not round-trip");
+            let url = parse_ckpt_archive(&first.source.to_string()).unwrap();
+            assert_eq!(parse_ckpt_archive(&url).unwrap(), url, "{input:?}");
+        }
     }
 }

@@ -594,6 +594,10 @@ const OPTION_SEEDS: &[(&str, &str)] = &[
     (names::CKPT_RESTORE, "latest"),
     (names::CKPT_RESTORE, "global_step100"),
     (names::CKPT_RESTORE, "iter_0000200"),
+    // Whitespace around segments and "://" in a path: what broke normalisation (F8).
+    (names::STAGE_IN, "d=/data/with space/, e=s3://b/p /"),
+    (names::STAGE_IN, "x=/data/a://b,y=file:///.. /"),
+    (names::CKPT_ARCHIVE, "s3://ckpt/alice/.. /"),
 ];
 
 fn no_dotdot(what: &str, s: &str) {
@@ -662,23 +666,13 @@ fn check_accepted(opts: &JobOptions) {
     if let Some(url) = &opts.ckpt_archive {
         no_dotdot("--ckpt-archive", url);
         plain_text("--ckpt-archive", url);
-        // Normalised: parsing the result gives the result.
-        // Normalised: parsing the result gives the result. Known quirk (SECURITY.md, open
-        // findings): whitespace just before a trailing '/' survives the first parse and is trimmed
-        // by the second (then a '/' before it, and so on), so a difference in trailing whitespace
-        // and slashes is tolerated.
-        // A segment ending in whitespace before a '/' ("/.. /") can even come back as "..",
-        // which the re-parse refuses: never a traversal (the accepted form names a literal
-        // ".. " directory or key), but not a fixpoint either.
+        // Normalised: parsing the result gives the result (F8: whitespace around segments is
+        // refused, so the trimming of the whole value cannot change a segment the second time).
         match options::parse_ckpt_archive(url) {
-            Ok(again) => assert!(
-                tail_trimmed(&again) == tail_trimmed(url),
-                "--ckpt-archive does not round-trip: {url:?} -> {again:?}"
-            ),
-            Err(e) => assert!(
-                url.chars().any(char::is_whitespace),
-                "the accepted --ckpt-archive {url:?} is refused when parsed again: {e}"
-            ),
+            Ok(again) => assert_eq!(&again, url, "--ckpt-archive does not round-trip"),
+            Err(e) => {
+                panic!("the accepted --ckpt-archive {url:?} is refused when parsed again: {e}")
+            }
         }
     }
     if let Some(k) = opts.ckpt_keep {
@@ -691,30 +685,21 @@ fn check_accepted(opts: &JobOptions) {
         );
         assert!(!t.starts_with('.') && !t.contains('/'));
     }
-    // Round trip of the stage-in set: rendering NAME=SOURCE and parsing again gives the same specs.
+    // Round trip of the stage-in set: rendering NAME=SOURCE (the sources' own display, which is
+    // what messages and the allow-list check use) and parsing again gives the same specs.
     if !opts.stage_in.is_empty() {
         let rendered: Vec<String> = opts
             .stage_in
             .iter()
-            .map(|s| match &s.source {
-                // The canonical, re-parseable form of a POSIX source is its file:// URL (a path
-                // holding "://" would otherwise read as a URL scheme).
-                Source::Posix { path } => format!("{}=file://{path}", s.name),
-                other => format!("{}={other}", s.name),
-            })
+            .map(|s| format!("{}={}", s.name, s.source))
             .collect();
         let joined = rendered.join(",");
         match options::parse_stage_in([joined.as_str()]) {
             Ok(again) => assert_eq!(
-                trimmed(&again),
-                trimmed(&opts.stage_in),
+                again, opts.stage_in,
                 "stage-in does not round-trip via {joined:?}"
             ),
-            // The quirk described at --ckpt-archive below, in a POSIX path or prefix.
-            Err(e) => assert!(
-                joined.chars().any(char::is_whitespace),
-                "re-parsing {joined:?}: {e}"
-            ),
+            Err(e) => panic!("re-parsing the accepted stage-in as {joined:?}: {e}"),
         }
     }
 }
@@ -937,12 +922,21 @@ fn hostlist_expansion_survives_mutated_expressions() {
         for _ in 0..1 + rng.below(3) {
             mutate(&mut rng, &mut e, &seeds);
         }
-        // Short expressions only: the count of names is capped, their length is not (see
-        // docs/SECURITY.md, "open findings"): a long expression can expand to gigabytes.
-        e.truncate(64);
+        // The count, each name's length and the names' total bytes are capped (F6), so long
+        // expressions may be fed as well.
+        e.truncate(512);
         let expr = String::from_utf8_lossy(&e);
         if let Ok(hosts) = hostlist::expand(&expr) {
             assert!(hosts.len() <= hostlist::MAX_HOSTS, "{expr:?}");
+            assert!(
+                hosts.iter().all(|h| h.len() <= hostlist::MAX_NAME_BYTES),
+                "{expr:?}"
+            );
+            let bytes: usize = hosts.iter().map(String::len).sum();
+            assert!(
+                bytes <= hostlist::MAX_TOTAL_BYTES,
+                "{expr:?}: {bytes} bytes"
+            );
         }
     }
 }
@@ -955,26 +949,4 @@ fn protocol_version_is_the_one_in_every_envelope() {
         assert_eq!(v["version"], PROTO_VERSION);
         assert_eq!(wire::decode_request(&body).unwrap(), r);
     }
-}
-
-/// `s` without trailing whitespace and slashes.
-fn tail_trimmed(s: &str) -> &str {
-    s.trim_end_matches(|c: char| c.is_whitespace() || c == '/')
-}
-
-/// The specs with trailing whitespace and slashes removed from paths and prefixes: the one
-/// difference a second parse may make (whitespace before a trailing '/' survives the first; see
-/// SECURITY.md).
-fn trimmed(specs: &[sluice_proto::options::StageSpec]) -> Vec<sluice_proto::options::StageSpec> {
-    specs
-        .iter()
-        .map(|s| {
-            let mut s = s.clone();
-            match &mut s.source {
-                Source::Posix { path } => *path = tail_trimmed(path).to_string(),
-                Source::Object { prefix, .. } => *prefix = tail_trimmed(prefix).to_string(),
-            }
-            s
-        })
-        .collect()
 }
