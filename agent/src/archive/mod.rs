@@ -52,6 +52,10 @@ use throttle::Throttle;
 /// S3's (and GCS's XML API's) limit on the parts of one multipart upload; Azure allows 50,000 blocks.
 pub const MAX_PARTS: u64 = 10_000;
 
+/// The largest MANIFEST or part manifest read or written: about 300,000 chunk entries, 1.2 TB of
+/// checkpoint in the default 4 MiB chunks (a larger checkpoint needs a larger `ckpt.chunk_size`).
+pub const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+
 /// Tunables of the archive path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArchiveConfig {
@@ -199,6 +203,16 @@ pub enum ArchiveError {
         tag: String,
         path: String,
         nodes: (String, String),
+    },
+    /// A manifest would exceed [`MAX_MANIFEST_BYTES`], which readers refuse.
+    #[error(
+        "checkpoint {tag}: its {what} would be {size} bytes, more than the {} MiB a manifest may be; use a larger ckpt.chunk_size",
+        MAX_MANIFEST_BYTES >> 20
+    )]
+    ManifestTooLarge {
+        tag: String,
+        what: String,
+        size: u64,
     },
     #[error("archiving checkpoint {tag} was stopped")]
     Stopped { tag: String },
@@ -373,6 +387,18 @@ pub fn check_name(what: &'static str, name: &str) -> Result<(), ArchiveError> {
     }
 }
 
+/// Refuses to write a manifest that readers would refuse to read.
+fn check_manifest_size(tag: &str, what: &str, size: usize) -> Result<(), ArchiveError> {
+    if size as u64 > MAX_MANIFEST_BYTES {
+        return Err(ArchiveError::ManifestTooLarge {
+            tag: tag.into(),
+            what: what.into(),
+            size: size as u64,
+        });
+    }
+    Ok(())
+}
+
 fn unix_ms_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -468,22 +494,51 @@ impl Archiver {
         }
     }
 
-    /// Reads an object; `None` when it does not exist.
-    async fn get_opt(&self, key: &ObjPath) -> Result<Option<bytes::Bytes>, ArchiveError> {
-        let got = match self.store.get(key).await {
-            Ok(r) => r.bytes().await,
-            Err(e) => Err(e),
+    /// Reads a manifest object (`what` names it in messages: "MANIFEST", "parts/n1.json"); `None`
+    /// when it does not exist. Anyone who can write the archive prefix can put an object there, so
+    /// one larger than [`MAX_MANIFEST_BYTES`] is refused from its size alone, before its body is
+    /// read, and the body is never read past the limit either (the size could lie).
+    async fn get_opt(
+        &self,
+        key: &ObjPath,
+        tag: &str,
+        what: &str,
+    ) -> Result<Option<bytes::Bytes>, ArchiveError> {
+        let too_large = |size: u64| ArchiveError::BadManifest {
+            url: self.url.clone(),
+            tag: tag.into(),
+            what: what.into(),
+            reason: format!(
+                "the object is {size} bytes, more than the {} MiB a manifest may be; it was not read",
+                MAX_MANIFEST_BYTES >> 20
+            ),
         };
-        match got {
-            Ok(b) => Ok(Some(b)),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(self.store_err("get", key)(e)),
+        let got = match self.store.get(key).await {
+            Ok(r) => r,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(self.store_err("get", key)(e)),
+        };
+        if got.meta.size > MAX_MANIFEST_BYTES {
+            return Err(too_large(got.meta.size));
         }
+        let mut body = Vec::with_capacity(got.meta.size as usize);
+        let mut stream = got.into_stream();
+        while let Some(piece) = stream.next().await {
+            let piece = piece.map_err(self.store_err("get", key))?;
+            if (body.len() + piece.len()) as u64 > MAX_MANIFEST_BYTES {
+                return Err(too_large((body.len() + piece.len()) as u64));
+            }
+            body.extend_from_slice(&piece);
+        }
+        Ok(Some(body.into()))
     }
 
     /// The MANIFEST of `tag`, if there is one; an unusable one is an error.
     async fn manifest_opt(&self, tag: &str) -> Result<Option<Manifest>, ArchiveError> {
-        let Some(bytes) = self.get_opt(&self.manifest_key(tag)).await? else {
+        let Some(bytes) = self
+            .get_opt(&self.manifest_key(tag), tag, "MANIFEST")
+            .await?
+        else {
             return Ok(None);
         };
         Manifest::parse(&bytes, tag)
@@ -508,7 +563,8 @@ impl Archiver {
     }
 
     async fn part_opt(&self, tag: &str, node: &str) -> Result<Option<PartManifest>, ArchiveError> {
-        let Some(bytes) = self.get_opt(&self.part_key(tag, node)).await? else {
+        let what = format!("parts/{node}.json");
+        let Some(bytes) = self.get_opt(&self.part_key(tag, node), tag, &what).await? else {
             return Ok(None);
         };
         PartManifest::parse(&bytes, tag, node)
@@ -516,7 +572,7 @@ impl Archiver {
             .map_err(|reason| ArchiveError::BadManifest {
                 url: self.url.clone(),
                 tag: tag.into(),
-                what: format!("parts/{node}.json"),
+                what,
                 reason,
             })
     }
@@ -577,6 +633,7 @@ impl Archiver {
     async fn put_manifest(&self, m: &Manifest) -> Result<Manifest, ArchiveError> {
         let key = self.manifest_key(&m.tag);
         let bytes = bytes::Bytes::from(m.to_json());
+        check_manifest_size(&m.tag, "MANIFEST", bytes.len())?;
         let opts = PutOptions {
             mode: PutMode::Create,
             ..Default::default()

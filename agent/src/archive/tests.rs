@@ -371,3 +371,66 @@ async fn publishing_twice_keeps_the_first_manifest() {
     assert_eq!(a.put_manifest(&other).await.unwrap(), m);
     assert_eq!(a.manifest("step5").await.unwrap(), m);
 }
+
+/// F5: whoever can write the archive prefix can put a huge MANIFEST or part there. The agent refuses
+/// it from its size, naming the object, without reading it: the file store's object here is a
+/// 64 GiB sparse file, which reading whole would take minutes and 64 GiB of memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_manifests_are_refused_unread() {
+    let root = tempfile::tempdir().unwrap();
+    let store =
+        Arc::new(object_store::local::LocalFileSystem::new_with_prefix(root.path()).unwrap());
+    let a = Archiver::new(store, "alice/run1", small_cfg()).unwrap();
+    let huge = |rel: &str| {
+        let p = root.path().join("alice/run1").join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::File::create(&p)
+            .unwrap()
+            .set_len(64 << 30)
+            .unwrap();
+    };
+    huge("step1/MANIFEST");
+    let t = std::time::Instant::now();
+    let e = a.manifest("step1").await.unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(&e, ArchiveError::BadManifest { what, .. } if what == "MANIFEST"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("step1") && msg.contains("68719476736 bytes"),
+        "{msg}"
+    );
+    assert!(msg.contains("64 MiB") && msg.contains("not read"), "{msg}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "it was read"
+    );
+    // Listing shows the tag as invalid, and `latest` skips it rather than failing.
+    let list = a.list().await.unwrap();
+    assert!(
+        matches!(&list[0].state, CheckpointState::Invalid { reason } if reason.contains("not read")),
+        "{list:?}"
+    );
+    assert_eq!(a.latest(&[]).await.unwrap(), None);
+
+    // A node's part manifest, read when publishing.
+    huge("step2/parts/n1.json");
+    let e = a
+        .try_publish("step2", &nodes(&["n1"]), job())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, ArchiveError::BadManifest { what, .. } if what == "parts/n1.json"),
+        "{e}"
+    );
+
+    // A manifest just under the limit is still read (and then judged on its content).
+    std::fs::write(
+        root.path().join("alice/run1/step1/MANIFEST"),
+        vec![b' '; 1 << 20],
+    )
+    .unwrap();
+    let e = a.manifest("step1").await.unwrap_err().to_string();
+    assert!(!e.contains("not read"), "{e}");
+}

@@ -613,9 +613,11 @@ impl Archiver {
             dirs,
             files: entries,
         };
+        let json = part.to_json();
+        super::check_manifest_size(tag, &format!("parts/{node}.json"), json.len())?;
         // Every data object is durable (all puts returned): now the part may say so.
         self.store
-            .put(&part_key, PutPayload::from(part.to_json()))
+            .put(&part_key, PutPayload::from(json))
             .await
             .map_err(self.store_err("put", &part_key))?;
         tracing::info!(
