@@ -15,8 +15,9 @@ use serde::{Deserialize, Serialize};
 
 pub const FORMAT: &str = "sluice-checkpoint";
 pub const PART_FORMAT: &str = "sluice-checkpoint-part";
-/// The layout written by this agent, and the newest it reads.
-pub const VERSION: u32 = 1;
+/// The layout written by this agent, and the newest it reads. Version 2 added plane-wise chunk
+/// frames (codec `zstd_planes`, see [`super::format`]); version 1 manifests are still read.
+pub const VERSION: u32 = 2;
 
 /// The job that wrote a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -407,7 +408,7 @@ mod tests {
         // The document says what it is and which layout.
         let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
         assert_eq!(v["format"], "sluice-checkpoint");
-        assert_eq!(v["version"], 1);
+        assert_eq!(v["version"], 2);
         assert_eq!(v["files"][0]["compression"]["transform"], "bytegroup2");
         assert_eq!(v["job"]["job_id"], 42);
     }
@@ -427,8 +428,10 @@ mod tests {
             f(&mut x);
             serde_json::to_vec(&x).unwrap()
         };
-        let e = Manifest::parse(&with(&|x| x["version"] = 2.into()), "step10").unwrap_err();
-        assert!(e.contains("version 2") && e.contains("upgrade"), "{e}");
+        let e = Manifest::parse(&with(&|x| x["version"] = 3.into()), "step10").unwrap_err();
+        assert!(e.contains("version 3") && e.contains("upgrade"), "{e}");
+        // Version 1 (before plane-wise frames) is still read.
+        assert!(Manifest::parse(&with(&|x| x["version"] = 1.into()), "step10").is_ok());
         // Unknown fields of the same version are fine (additions stay readable).
         assert!(Manifest::parse(&with(&|x| x["future"] = true.into()), "step10").is_ok());
         assert!(Manifest::parse(&with(&|x| x["format"] = "x".into()), "step10").is_err());
