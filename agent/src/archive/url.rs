@@ -6,7 +6,6 @@ use crate::store;
 use object_store::ObjectStore;
 use object_store::local::LocalFileSystem;
 use sluice_proto::options::ObjectScheme;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -126,44 +125,78 @@ pub fn parse_archive_url(url: &str) -> Result<ArchiveLocation, ArchiveError> {
 }
 
 /// A `file://` archive is written by root through paths (object_store's `LocalFileSystem`), so it
-/// must live where only root can change anything: every existing component of `path` a real
-/// directory (no symlink) owned by the agent's user and not writable by others — except sticky
-/// directories such as `/tmp`, where nobody can replace another user's entry. Otherwise a user
-/// could redirect root's writes with a symlink.
-fn check_local_root(path: &std::path::Path) -> Result<(), String> {
+/// must live where only root can change anything: every component of `path` a real directory (no
+/// symlink) owned by the agent's user and not writable by others — except sticky directories such as
+/// `/tmp`, where nobody can replace another user's entry. Otherwise a user could redirect root's
+/// writes with a symlink.
+///
+/// The walk is fd-relative from `/`: each component is opened `O_NOFOLLOW | O_DIRECTORY` below the
+/// fd of its already-checked parent and checked on the opened fd, and a missing one is created with
+/// `mkdirat` (mode 0700) in that parent, then opened and checked the same way. So a symlink planted
+/// in a sticky directory between two steps is refused, never followed (F7 in docs/SECURITY.md: a
+/// path-based check followed by a recursive `mkdir` created a directory at the link's target).
+/// `before_step` runs before each component is looked at (a test plants its symlink there).
+fn open_local_root(
+    path: &std::path::Path,
+    mut before_step: impl FnMut(&std::path::Path),
+) -> Result<std::os::fd::OwnedFd, String> {
+    use nix::errno::Errno;
+    use nix::sys::stat::{SFlag, fstat, fstatat};
+    use std::os::unix::ffi::OsStrExt;
+
     let me = nix::unistd::geteuid().as_raw();
-    let mut cur = PathBuf::from("/");
-    let mut parts = vec![cur.clone()];
+    let refuse = |p: &std::path::Path, what: &str| {
+        format!(
+            "{} {what}; the agent writes file:// archives only below directories that only root can change (ask your admin for an archive location)",
+            p.display()
+        )
+    };
+    let check = |fd: &std::os::fd::OwnedFd, p: &std::path::Path| -> Result<(), String> {
+        let st = fstat(fd).map_err(|e| format!("{}: {e}", p.display()))?;
+        if st.st_uid != me {
+            return Err(refuse(p, &format!("is owned by uid {}", st.st_uid)));
+        }
+        if st.st_mode & 0o022 != 0 && st.st_mode & 0o1000 == 0 {
+            return Err(refuse(p, "is writable by other users"));
+        }
+        Ok(())
+    };
+    let mut cur_path = PathBuf::from("/");
+    before_step(&cur_path);
+    let mut cur = crate::safefs::open_root_dir(&cur_path).map_err(|e| e.to_string())?;
+    check(&cur, &cur_path)?;
     for c in path.components().skip(1) {
-        cur.push(c);
-        parts.push(cur.clone());
-    }
-    for p in parts {
-        let st = match std::fs::symlink_metadata(&p) {
-            Ok(st) => st,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(format!("{}: {e}", p.display())),
+        let std::path::Component::Normal(name) = c else {
+            return Err(format!("{}: not a plain absolute path", path.display()));
         };
-        let refuse = |what: &str| {
-            Err(format!(
-                "{} {what}; the agent writes file:// archives only below directories that only root can change (ask your admin for an archive location)",
-                p.display()
-            ))
+        let Some(name) = std::str::from_utf8(name.as_bytes()).ok() else {
+            return Err(format!("{}: not UTF-8", path.display()));
         };
-        if st.file_type().is_symlink() {
-            return refuse("is a symbolic link");
-        }
-        if !st.is_dir() {
-            return refuse("is not a directory");
-        }
-        if st.uid() != me {
-            return refuse(&format!("is owned by uid {}", st.uid()));
-        }
-        if st.mode() & 0o022 != 0 && st.mode() & 0o1000 == 0 {
-            return refuse("is writable by other users");
-        }
+        cur_path.push(name);
+        before_step(&cur_path);
+        // Creates the component if it is missing; an existing entry is opened O_NOFOLLOW.
+        let next = match crate::safefs::ensure_dir(&cur, name, None, 0o700) {
+            Ok(fd) => fd,
+            Err(e) if matches!(e.errno(), Some(Errno::ELOOP | Errno::ENOTDIR)) => {
+                let st = fstatat(&cur, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW);
+                let link = st.is_ok_and(|st| {
+                    SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFLNK
+                });
+                return Err(refuse(
+                    &cur_path,
+                    if link {
+                        "is a symbolic link"
+                    } else {
+                        "is not a directory"
+                    },
+                ));
+            }
+            Err(e) => return Err(format!("cannot create {}: {e}", cur_path.display())),
+        };
+        check(&next, &cur_path)?;
+        cur = next;
     }
-    Ok(())
+    Ok(cur)
 }
 
 /// Opens the archive at `url` with the default [`ArchiveConfig`]; see [`open_archive_with`].
@@ -196,14 +229,9 @@ pub fn open_archive_with(
                 url: shown.clone(),
                 reason,
             };
-            check_local_root(path).map_err(bad)?;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(path)
-                .map_err(|e| bad(format!("cannot create {}: {e}", path.display())))?;
-            // Again, now that every component exists: nobody slipped one in meanwhile.
-            check_local_root(path).map_err(bad)?;
+            // Once every component is checked and root's, nobody else can swap one: the paths
+            // object_store uses below resolve through the same directories.
+            open_local_root(path, |_| {}).map_err(bad)?;
             let fs = LocalFileSystem::new_with_prefix(path).map_err(|e| ArchiveError::BadUrl {
                 url: shown.clone(),
                 reason: e.to_string(),
@@ -334,6 +362,74 @@ mod tests {
             std::os::unix::fs::lchown(&users, Some(4242), None).unwrap();
             let e = open(&users.join("x")).unwrap_err();
             assert!(e.to_string().contains("owned by uid 4242"), "{e}");
+        }
+    }
+
+    /// F7 in docs/SECURITY.md: a user wins the race and plants a symlink in a sticky directory
+    /// right after its parent was checked and before the component is created. The walk creates
+    /// with `mkdirat` under the parent's fd and opens `O_NOFOLLOW`, so nothing is ever created at
+    /// the link's target.
+    #[test]
+    fn a_symlink_planted_while_the_archive_directory_is_created_is_never_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let sticky = tmp.path().join("sticky");
+        std::fs::create_dir(&sticky).unwrap();
+        std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let target = tmp.path().join("etc");
+        std::fs::create_dir(&target).unwrap();
+        let arch = sticky.join("arch");
+        let plant_at = |at: PathBuf| {
+            let target = target.clone();
+            move |step: &std::path::Path| {
+                if step == at {
+                    std::os::unix::fs::symlink(&target, step).unwrap();
+                }
+            }
+        };
+
+        // The link replaces a missing component the walk is about to create.
+        let e = open_local_root(&arch.join("x"), plant_at(arch.clone())).unwrap_err();
+        assert!(e.contains("arch is a symbolic link"), "{e}");
+        assert!(e.contains("ask your admin"), "{e}");
+        assert_eq!(
+            std::fs::read_dir(&target).unwrap().count(),
+            0,
+            "created at the target"
+        );
+        assert!(arch.symlink_metadata().unwrap().file_type().is_symlink());
+        std::fs::remove_file(&arch).unwrap();
+
+        // The same one level deeper, below a directory the walk just made.
+        let e = open_local_root(&arch.join("x/y"), plant_at(arch.join("x"))).unwrap_err();
+        assert!(e.contains("x is a symbolic link"), "{e}");
+        assert_eq!(
+            std::fs::read_dir(&target).unwrap().count(),
+            0,
+            "created at the target"
+        );
+
+        // The archive's own directories are the agent's and private, so nobody can swap them later.
+        let ok = sticky.join("ok/a/b");
+        open_local_root(&ok, |_| {}).unwrap();
+        for p in [sticky.join("ok"), sticky.join("ok/a"), ok] {
+            let m = p.symlink_metadata().unwrap();
+            assert!(m.is_dir(), "{}", p.display());
+            assert_eq!(m.permissions().mode() & 0o7777, 0o700, "{}", p.display());
+        }
+
+        // A user who makes the component first (as their own directory) is refused too.
+        if nix::unistd::geteuid().is_root() {
+            let theirs = sticky.join("theirs");
+            let e = open_local_root(&theirs.join("x"), |step: &std::path::Path| {
+                if step.ends_with("theirs") {
+                    std::fs::create_dir(step).unwrap();
+                    std::os::unix::fs::lchown(step, Some(4242), None).unwrap();
+                }
+            })
+            .unwrap_err();
+            assert!(e.contains("theirs is owned by uid 4242"), "{e}");
+            assert!(!theirs.join("x").exists());
         }
     }
 }
