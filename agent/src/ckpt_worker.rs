@@ -223,6 +223,28 @@ impl Agent {
                 );
             }
         };
+        // A prefix several users may archive into (an allow rule without `{user}`): never
+        // overwrite another user's checkpoint of the same tag (their restore would then get ours,
+        // or nothing). A refusal is final for this commit, as for a refused tree. Their restores
+        // never pick ours anyway: restore checks the owner (F2 in docs/SECURITY.md).
+        if let Ok(m) = archiver.manifest(&entry.tag).await {
+            if m.job.user != job.start.user {
+                let message = format!(
+                    "checkpoint {} in {} was archived by user {}; sluice does not overwrite \
+                     another user's checkpoint: commit it under another tag, or archive under a \
+                     prefix of your own",
+                    entry.tag,
+                    archiver.url(),
+                    m.job.user
+                );
+                tracing::warn!(job_id, tag = entry.tag, "{message}");
+                entry
+                    .failures
+                    .store(MAX_MODIFIED_RETRIES + 1, Ordering::Relaxed);
+                entry.refused.store(true, Ordering::Relaxed);
+                return entry.set_error(CkptState::Modified, message);
+            }
+        }
         let progress = ArchiveProgress::default();
         let result = archiver
             .upload_part(&entry.tag, &self.cfg.node, dir, job.start.uid, &progress)
@@ -570,6 +592,14 @@ impl Agent {
     /// `--ckpt-restore`: places a checkpoint from the archive in the job's checkpoint directory,
     /// verified against its MANIFEST. `latest` falls back to the next newest intact checkpoint and
     /// says so in the returned notes.
+    ///
+    /// Only the job user's own checkpoints are restored (F2 in docs/SECURITY.md): an allow rule
+    /// without `{user}` lets several users archive under one prefix, and the URL alone must not hand
+    /// B what A archived, nor make A's `latest` pick what B published there. The owner is the user
+    /// name the MANIFEST records (`job.user`, written by the agent from slurmd's `SLURM_JOB_USER`).
+    /// It is checked before anything is fetched and again on the MANIFEST the restore used, in case
+    /// it was replaced meanwhile. `latest` skips other users' checkpoints and says so; an explicit
+    /// tag of another user fails the job.
     pub(crate) async fn restore_ckpt(
         &self,
         job: &Arc<Job>,
@@ -585,6 +615,27 @@ impl Agent {
         };
         let mut notes = Vec::new();
         let mut exclude: Vec<String> = Vec::new();
+        // Other users' checkpoints `latest` passed over: all of them up front (one listing), and
+        // any that turn up later.
+        let mut foreign: Vec<String> = Vec::new();
+        if *which == Restore::Latest {
+            let list = archiver
+                .list()
+                .await
+                .map_err(|e| format!("--ckpt-restore: listing {url}: {e}"))?;
+            foreign = list
+                .into_iter()
+                .filter(|i| i.job.as_ref().is_some_and(|m| m.user != job.start.user))
+                .map(|i| i.tag)
+                .collect();
+            exclude.clone_from(&foreign);
+        }
+        let done = |tag: String, mut notes: Vec<String>, foreign: &[String]| {
+            if !foreign.is_empty() {
+                notes.insert(0, foreign_note(url, foreign));
+            }
+            Ok((tag, notes))
+        };
         loop {
             let tag = match which {
                 Restore::Tag(t) => t.clone(),
@@ -595,7 +646,18 @@ impl Agent {
                             "--ckpt-restore=latest: no archived checkpoint in {url}"
                         ));
                     }
+                    Ok(None) if notes.is_empty() => {
+                        return Err(format!(
+                            "--ckpt-restore=latest: no checkpoint of yours in {url} ({}); \
+                             archive under a prefix of your own, or submit without \
+                             --ckpt-restore",
+                            foreign_note(url, &foreign)
+                        ));
+                    }
                     Ok(None) => {
+                        if !foreign.is_empty() {
+                            notes.insert(0, foreign_note(url, &foreign));
+                        }
                         return Err(format!(
                             "--ckpt-restore=latest: no intact checkpoint left in {url} ({})",
                             notes.join("; ")
@@ -604,12 +666,22 @@ impl Agent {
                     Err(e) => return Err(format!("--ckpt-restore: listing {url}: {e}")),
                 },
             };
+            // Before anything is fetched or moved. A missing or unreadable MANIFEST is left to the
+            // restore below, which reports it (and the owner is checked again after).
+            if let Ok(m) = archiver.manifest(&tag).await {
+                if m.job.user != job.start.user {
+                    refuse_foreign(job, url, &tag, &m.job, which)?;
+                    exclude.push(tag.clone());
+                    foreign.push(tag);
+                    continue;
+                }
+            }
             if let Some(note) = self
                 .restore_from_hot_tier(job, url, &tag, &archiver, ckpt_dir.clone())
                 .await
             {
                 notes.push(note);
-                return Ok((tag, notes));
+                return done(tag, notes, &foreign);
             }
             let (dir, t) = (ckpt_dir.clone(), tag.clone());
             let dest = blocking(move || {
@@ -619,11 +691,17 @@ impl Agent {
             .await
             .map_err(|e| format!("--ckpt-restore: creating $SLUICE_CKPT_DIR/{tag}: {e}"))?;
             let progress = ArchiveProgress::default();
-            match archiver
+            let restored = archiver
                 .restore(&tag, Arc::new(dest), owner, &progress)
-                .await
-            {
-                Ok(manifest) => {
+                .await;
+            // The MANIFEST the restore used may have been replaced since the check above.
+            let other_owner = restored
+                .as_ref()
+                .ok()
+                .filter(|m| m.job.user != job.start.user)
+                .map(|m| m.job.clone());
+            match restored {
+                Ok(manifest) if other_owner.is_none() => {
                     let entry = Arc::new(CkptEntry::new(&tag, now()));
                     entry
                         .files
@@ -637,22 +715,67 @@ impl Agent {
                     entry.set_archived(now());
                     job.ckpts.insert(entry);
                     tracing::info!(job_id = job.start.job_id, tag, "checkpoint restored");
-                    return Ok((tag, notes));
+                    return done(tag, notes, &foreign);
                 }
-                Err(e) => {
+                result => {
                     let dir = ckpt_dir.clone();
                     let t = tag.clone();
                     let _ = blocking(move || safefs::remove_tree(&*dir, &t)).await;
-                    match which {
-                        Restore::Latest => {
-                            notes.push(format!("checkpoint {tag} in {url} cannot be restored ({e}); falling back to the next newest"));
-                            exclude.push(tag);
+                    if let Some(other) = other_owner {
+                        refuse_foreign(job, url, &tag, &other, which)?;
+                        foreign.push(tag.clone());
+                    } else if let Err(e) = result {
+                        match which {
+                            Restore::Latest => notes.push(format!(
+                                "checkpoint {tag} in {url} cannot be restored ({e}); falling back to the next newest"
+                            )),
+                            Restore::Tag(_) => return Err(format!("--ckpt-restore={tag}: {e}")),
                         }
-                        Restore::Tag(_) => return Err(format!("--ckpt-restore={tag}: {e}")),
                     }
+                    exclude.push(tag);
                 }
             }
         }
+    }
+}
+
+/// The note for checkpoints of other users that `--ckpt-restore=latest` passed over. Names the tags
+/// (at most a few), not their owners.
+fn foreign_note(url: &str, tags: &[String]) -> String {
+    const SHOWN: usize = 5;
+    let mut shown = tags
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if tags.len() > SHOWN {
+        shown.push_str(&format!(" and {} more", tags.len() - SHOWN));
+    }
+    format!(
+        "skipped {} checkpoint(s) in {url} archived by other users ({shown}): sluice restores \
+         only your own",
+        tags.len()
+    )
+}
+
+/// Checkpoint `tag` was archived by `owner`, not by the job's user: an explicit tag fails the job
+/// (`Err`, the message it shows); `latest` passes over it (`Ok`).
+fn refuse_foreign(
+    job: &Job,
+    url: &str,
+    tag: &str,
+    owner: &JobMeta,
+    which: &Restore,
+) -> Result<(), String> {
+    match which {
+        Restore::Latest => Ok(()),
+        Restore::Tag(_) => Err(format!(
+            "--ckpt-restore={tag}: checkpoint {tag} in {url} was archived by user {}, not by {}; \
+             sluice restores only your own checkpoints. Restore one of yours, or archive under a \
+             prefix of your own (ask your admin for a --ckpt-archive rule with {{user}})",
+            owner.user, job.start.user
+        )),
     }
 }
 

@@ -645,3 +645,161 @@ async fn a_job_that_ended_while_the_agent_was_down_is_cleaned_up_after_restart()
     );
     t.stop().await;
 }
+
+/// A second local user for the checkpoint-ownership test (F2 in docs/SECURITY.md).
+const OTHER: u32 = 4242;
+
+fn ckpt_job_as(
+    job_id: u32,
+    uid: u32,
+    user: &str,
+    archive: &str,
+    extra: &[(&str, &str)],
+) -> Request {
+    let Request::JobStart(mut start) = ckpt_job(job_id, archive, extra) else {
+        unreachable!()
+    };
+    (start.uid, start.gid, start.user) = (uid, uid, user.into());
+    Request::JobStart(start)
+}
+
+/// F2 in docs/SECURITY.md: under an allow rule without `{user}` two users archive into one prefix.
+/// B neither restores A's checkpoint (by `latest` or by its tag) nor overwrites it by committing
+/// the same tag, and A's `latest` passes over the newer checkpoint B published there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_gives_only_the_users_own_checkpoints_from_a_shared_prefix() {
+    use sluice_proto::msg::CkptState;
+    if !is_root() {
+        eprintln!("skipped: needs root, like sluiced itself");
+        return;
+    }
+    let t = start(tempfile::tempdir().unwrap()).await;
+    let archive_dir = t.data.parent().unwrap().join("archive");
+    let url = format!("file://{}", archive_dir.display());
+    let chown_tree = |dir: &Path, uid: u32| {
+        for e in walk(dir) {
+            std::os::unix::fs::lchown(&e, Some(uid), Some(uid)).unwrap();
+        }
+    };
+
+    // A (nobody) archives step-1.
+    t.call(ckpt_job(61, &url, &[])).await.unwrap();
+    let a_ckpt = PathBuf::from(t.ready(61).await.ckpt_dir);
+    write_ckpt(&a_ckpt, "step-1", 3, false);
+    let a_optim = std::fs::read(a_ckpt.join("step-1/optim.pt")).unwrap();
+    t.call(Request::CkptCommit {
+        job_id: 61,
+        tag: "step-1".into(),
+    })
+    .await
+    .unwrap();
+    wait_for_state(&t, 61, "step-1", CkptState::Archived).await;
+    t.call(Request::JobEnd { job_id: 61 }).await.unwrap();
+
+    // B asks for the newest checkpoint of the shared prefix: there is none of B's.
+    t.call(ckpt_job_as(
+        62,
+        OTHER,
+        "other",
+        &url,
+        &[("ckpt-restore", "latest")],
+    ))
+    .await
+    .unwrap();
+    let e = t
+        .refused(Request::WaitStaged {
+            job_id: 62,
+            timeout_ms: 20_000,
+        })
+        .await;
+    assert!(
+        e.message.contains("no checkpoint of yours")
+            && e.message.contains("archived by other users (step-1)"),
+        "{}",
+        e.message
+    );
+    // B names A's tag: refused, saying whose it is and what to do.
+    t.call(ckpt_job_as(
+        63,
+        OTHER,
+        "other",
+        &url,
+        &[("ckpt-restore", "step-1")],
+    ))
+    .await
+    .unwrap();
+    let e = t
+        .refused(Request::WaitStaged {
+            job_id: 63,
+            timeout_ms: 20_000,
+        })
+        .await;
+    assert!(
+        e.message
+            .contains("was archived by user nobody, not by other; sluice restores only your own")
+            && e.message.contains("{user}"),
+        "{}",
+        e.message
+    );
+    // None of A's bytes reached B's job directories.
+    for id in [62, 63] {
+        let leaked: Vec<PathBuf> = walk(&t.hot.join(format!("jobs/{id}")))
+            .into_iter()
+            .filter(|p| p.is_file() && std::fs::read(p).is_ok_and(|b| b == a_optim))
+            .collect();
+        assert!(leaked.is_empty(), "job {id} got A's file: {leaked:?}");
+    }
+
+    // B archives into the same prefix: its own step-2 is published, but its step-1 would overwrite
+    // A's and is refused.
+    t.call(ckpt_job_as(64, OTHER, "other", &url, &[]))
+        .await
+        .unwrap();
+    let b_ckpt = PathBuf::from(t.ready(64).await.ckpt_dir);
+    write_ckpt(&b_ckpt, "step-1", 7, false);
+    write_ckpt(&b_ckpt, "step-2", 9, false);
+    chown_tree(&b_ckpt.join("step-1"), OTHER);
+    chown_tree(&b_ckpt.join("step-2"), OTHER);
+    for tag in ["step-1", "step-2"] {
+        t.call(Request::CkptCommit {
+            job_id: 64,
+            tag: tag.into(),
+        })
+        .await
+        .unwrap();
+    }
+    wait_for_state(&t, 64, "step-2", CkptState::Archived).await;
+    let refused = wait_for_state(&t, 64, "step-1", CkptState::Modified).await;
+    let why = refused.error.unwrap_or_default();
+    assert!(
+        why.contains("was archived by user nobody; sluice does not overwrite"),
+        "{why}"
+    );
+    t.call(Request::JobEnd { job_id: 64 }).await.unwrap();
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(archive_dir.join("step-1/MANIFEST")).unwrap())
+            .unwrap();
+    assert_eq!(
+        manifest["job"]["user"], "nobody",
+        "A's step-1 was overwritten"
+    );
+
+    // A's `latest` restores A's step-1, whole, not B's newer step-2, and says it skipped it.
+    t.call(ckpt_job(65, &url, &[("ckpt-restore", "latest")]))
+        .await
+        .unwrap();
+    let d = t.ready(65).await;
+    assert_eq!(d.restored_tag.as_deref(), Some("step-1"));
+    assert!(
+        d.notes
+            .iter()
+            .any(|n| n.contains("skipped 1 checkpoint(s)") && n.contains("(step-2)")),
+        "{:?}",
+        d.notes
+    );
+    assert_eq!(
+        std::fs::read(PathBuf::from(&d.ckpt_dir).join("step-1/optim.pt")).unwrap(),
+        a_optim
+    );
+    t.stop().await;
+}
