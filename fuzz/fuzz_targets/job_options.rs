@@ -6,8 +6,9 @@
 //! is accepted holds no `..` segment, no control character, no over-long value, and only one-
 //! component dataset names; accepted values round-trip through their normalised form.
 //!
-//! Known to fail today on open finding F8 of docs/SECURITY.md (e.g. `--ckpt-archive=az://..` is
-//! accepted: a bucket named `..`); fix that first, or expect this target to stop there.
+//! The round trip is exact: F8 of docs/SECURITY.md (whitespace around segments, `/.. /`, a `://`
+//! inside a POSIX path) made it hold only up to trailing whitespace; those inputs are now refused
+//! or parsed as paths.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -64,64 +65,29 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     if !opts.stage_in.is_empty() {
+        // The sources' own display (used in messages and the allow-list check) parses back.
         let rendered: Vec<String> = opts
             .stage_in
             .iter()
-            .map(|s| match &s.source {
-                Source::Posix { path } => format!("{}=file://{path}", s.name),
-                other => format!("{}={other}", s.name),
-            })
+            .map(|s| format!("{}={}", s.name, s.source))
             .collect();
         let joined = rendered.join(",");
         match options::parse_stage_in([joined.as_str()]) {
-            Ok(again) => assert_eq!(trimmed(&again), trimmed(&opts.stage_in)),
-            // The quirk of the archive URL below, in a POSIX path or prefix.
-            Err(e) => assert!(joined.chars().any(char::is_whitespace), "{joined:?}: {e}"),
+            Ok(again) => assert_eq!(again, opts.stage_in, "via {joined:?}"),
+            Err(e) => panic!("the accepted stage-in re-parsed as {joined:?}: {e}"),
         }
     }
     if let Some(url) = &opts.ckpt_archive {
         clean("ckpt-archive", url);
-        // Normalised: parsing the result gives the result. Known quirk (SECURITY.md, open
-        // findings): whitespace just before a trailing '/' survives the first parse and is trimmed
-        // by the second (then a '/' before it, and so on), so a difference in trailing whitespace
-        // and slashes is tolerated.
-        // A segment ending in whitespace before a '/' ("/.. /") can even come back as "..",
-        // which the re-parse refuses: never a traversal (the accepted form names a literal
-        // ".. " directory or key), but not a fixpoint either.
+        // Normalised: parsing the result gives the result.
         match options::parse_ckpt_archive(url) {
-            Ok(again) => assert!(
-                tail_trimmed(&again) == tail_trimmed(url),
-                "--ckpt-archive does not round-trip: {url:?} -> {again:?}"
-            ),
-            Err(e) => assert!(
-                url.chars().any(char::is_whitespace),
-                "the accepted --ckpt-archive {url:?} is refused when parsed again: {e}"
-            ),
+            Ok(again) => assert_eq!(&again, url, "--ckpt-archive does not round-trip"),
+            Err(e) => {
+                panic!("the accepted --ckpt-archive {url:?} is refused when parsed again: {e}")
+            }
         }
     }
     if let Some(Restore::Tag(t)) = &opts.ckpt_restore {
         options::validate_tag("ckpt-restore", t).expect("accepted tag validates");
     }
 });
-
-/// `s` without trailing whitespace and slashes.
-fn tail_trimmed(s: &str) -> &str {
-    s.trim_end_matches(|c: char| c.is_whitespace() || c == '/')
-}
-
-/// The specs with trailing whitespace and slashes removed from paths and prefixes: the one
-/// difference a second parse may make (whitespace before a trailing '/' survives the first; see
-/// SECURITY.md).
-fn trimmed(specs: &[sluice_proto::options::StageSpec]) -> Vec<sluice_proto::options::StageSpec> {
-    specs
-        .iter()
-        .map(|s| {
-            let mut s = s.clone();
-            match &mut s.source {
-                Source::Posix { path } => *path = tail_trimmed(path).to_string(),
-                Source::Object { prefix, .. } => *prefix = tail_trimmed(prefix).to_string(),
-            }
-            s
-        })
-        .collect()
-}

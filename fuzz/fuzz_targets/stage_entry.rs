@@ -1,8 +1,9 @@
 //! One `--stage-in` entry (`[NAME=]SRC`), parsed alone and as a whole option value.
 //!
 //! Properties: never panics; an accepted entry has a one-component name and no `..` segment in its
-//! path or prefix. `parse_stage_entry` alone does not check control characters or the length limit:
-//! that is `parse_stage_in`'s job (every caller goes through it), asserted here on the same input.
+//! path or prefix, and its source's display parses back to it. `parse_stage_entry` alone does not
+//! check control characters or the length limit: that is `parse_stage_in`'s job (every caller goes
+//! through it), asserted here on the same input.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -31,6 +32,9 @@ fuzz_target!(|data: &[u8]| {
                 "control char accepted: {entry:?}"
             );
             assert!(text.len() <= MAX_OPTION_LEN + 8);
+            // The display parses back to the same spec (F8).
+            let again = options::parse_stage_entry(&format!("{}={text}", spec.name));
+            assert_eq!(again.as_ref(), Ok(&spec), "{entry:?} via {text:?}");
         }
     }
 });
