@@ -321,7 +321,12 @@ prefix = "s3://ckpt-faulty/{user}/"
 prefix = "az://ckpt/{user}/"
 
 [[ckpt.allow]]
-prefix = "file://$TEST_ROOT/archive/"
+prefix = "file://$TEST_ROOT/archive/{user}/"
+
+# Deliberately shared by every user (no {user}): the weak configuration of docs/SECURITY.md F2, kept
+# so a test can show that restore still gives a job only its own user's checkpoints.
+[[ckpt.allow]]
+prefix = "file://$TEST_ROOT/archive/shared/"
 
 # Object-store datasets users may stage (the agent reads them with its own credentials).
 [[stage.allow]]

@@ -463,7 +463,9 @@ impl Archive {
                 Ok(format!("azurite:ckpt/{base}")),
             ),
             Backend::File => {
+                // The harness allows file:// archives per user (`archive/{user}/`).
                 let dir = PathBuf::from(cluster.var("SLUICE_TEST_ARCHIVE_ROOT"))
+                    .join(&cluster.user)
                     .join(format!("e2e-{name}-{}", unique()));
                 (format!("file://{}", dir.display()), Err(dir))
             }

@@ -341,23 +341,39 @@ fn security_other_user_cannot_stage_in_anothers_archive() {
     cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
 }
 
-/// Open finding F2 (docs/SECURITY.md): restore trusts the archive URL, not the checkpoint's owner.
-/// Under an allow rule without `{user}` — the harness's `file:///var/lib/sluice-test/archive/` —
-/// B can restore A's checkpoint into B's job. Asserts the behaviour we want: B never gets A's bytes.
+/// F2 (docs/SECURITY.md): restore gives a job only its own user's checkpoints. Under an allow rule
+/// without `{user}` — the harness's `file:///var/lib/sluice-test/archive/shared/` — A and B archive
+/// into one prefix. B's `--ckpt-restore=latest` and B's request for A's tag both fail B's job with the
+/// reason, never with A's bytes; B's attempt to commit a checkpoint under A's tag is refused (A's
+/// stays intact); and A's `latest` restores A's own checkpoint, not the newer one B published there.
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_cannot_restore_anothers_checkpoint_from_a_shared_prefix() {
-    if !open_findings_enabled("F2") {
-        return;
-    }
     let cluster = Cluster::get();
     cluster.require_sluice();
+    let a = cluster.user.clone();
+    let b = cluster.other_user.clone();
     let u = unique();
-    let url = format!("file://{}/f2-{u}", cluster.var("SLUICE_TEST_ARCHIVE_ROOT"));
+    let url = format!(
+        "file://{}/shared/f2-{u}",
+        cluster.var("SLUICE_TEST_ARCHIVE_ROOT")
+    );
     let secret = format!("A-CHECKPOINT-{u}");
+    let b_secret = format!("B-CHECKPOINT-{u}");
     let sluice = cli(&cluster);
     let work = cluster.workdir("sec-f2");
     let go = work.join("go");
+    let archived = |job: &Job, tag: &str| {
+        matches!(
+            sluice_proto::client::call(
+                &socket_of(&cluster, NODE),
+                sluice_proto::msg::Request::CkptList { job_id: job.id },
+                Duration::from_secs(5)
+            ),
+            Ok(sluice_proto::msg::Response::Ckpts { ckpts })
+                if ckpts.iter().any(|c| c.tag == tag && c.state == sluice_proto::msg::CkptState::Archived)
+        )
+    };
     let script = format!(
         r#"#!/bin/bash
 srun -N1 -n1 bash -c '
@@ -382,59 +398,140 @@ for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
         "A's checkpoint to be archived",
         JOB_TIMEOUT,
         Some(&a_job),
-        || {
-            matches!(
-                sluice_proto::client::call(
-                    &socket_of(&cluster, NODE),
-                    sluice_proto::msg::Request::CkptList { job_id: a_job.id },
-                    Duration::from_secs(5)
-                ),
-                Ok(sluice_proto::msg::Response::Ckpts { ckpts })
-                    if ckpts.iter().any(|c| c.state == sluice_proto::msg::CkptState::Archived)
-            )
-        },
+        || archived(&a_job, "s1"),
     );
     std::fs::write(&go, b"").unwrap();
     cluster.wait_end(&a_job, JOB_TIMEOUT);
 
-    let b = cluster.other_user.clone();
-    let out = format!("/tmp/sluice-sec-f2-{u}.out");
-    let sub = cluster.as_someone(
-        &b,
-        Path::new("/tmp"),
-        "sbatch",
+    // B's jobs write their output to /tmp (B has no e2e directory).
+    let b_submit = |args: &[&str], script: &str| -> Job {
+        let out = format!("/tmp/sluice-sec-f2-{u}-{}.out", unique());
+        let mut all = vec![
+            "--parsable".to_string(),
+            "-N1".into(),
+            format!("--nodelist={NODE}"),
+            format!("--output={out}"),
+            format!("--ckpt-archive={url}"),
+        ];
+        all.extend(args.iter().map(|s| s.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        let sub = cluster.as_someone(&b, Path::new("/tmp"), "sbatch", &all, Some(script));
+        assert!(
+            sub.status.success(),
+            "{}",
+            String::from_utf8_lossy(&sub.stderr)
+        );
+        let id: u32 = String::from_utf8_lossy(&sub.stdout)
+            .trim()
+            .split(';')
+            .next()
+            .and_then(|s| s.parse().ok())
+            .expect("job id");
+        Job {
+            id,
+            output: out.into(),
+            submit_stderr: String::new(),
+        }
+    };
+    let cat = "#!/bin/bash\nsrun -n1 bash -c 'cat \"$SLUICE_CKPT_DIR\"/*/model.bin'\n";
+
+    // B asks for the newest checkpoint of the shared prefix, then for A's by its tag.
+    let cases = [
+        (
+            "--ckpt-restore=latest",
+            format!("--ckpt-restore=latest: no checkpoint of yours in {url}"),
+            "archived by other users (s1)".to_string(),
+        ),
+        (
+            "--ckpt-restore=s1",
+            format!("checkpoint s1 in {url} was archived by user {a}, not by {b}"),
+            "sluice restores only your own checkpoints".to_string(),
+        ),
+    ];
+    for (option, reason, detail) in cases {
+        let b_job = b_submit(&[option], cat);
+        let end = cluster.wait_end(&b_job, JOB_TIMEOUT);
+        let text = b_job.output_text();
+        let _ = std::fs::remove_file(&b_job.output);
+        assert!(
+            !text.contains(&secret),
+            "user {b} restored user {a}'s checkpoint from {url} with {option} (job {} ended {}):\n{text}",
+            b_job.id,
+            end.state
+        );
+        assert_eq!(
+            end.state,
+            "FAILED",
+            "{option}: {}",
+            cluster.evidence(&b_job)
+        );
+        assert!(
+            text.contains(&reason) && text.contains(&detail),
+            "{option}: the job output must say whose checkpoint it is and what to do:\n{text}"
+        );
+        cluster.assert_hot_tier_cleaned(&b_job, Duration::from_secs(60));
+    }
+
+    // B archives into the same prefix: its newer s2 is published; its own s1 would overwrite A's
+    // and is refused.
+    let b_go = format!("/tmp/sluice-sec-f2-{u}.go");
+    let b_script = format!(
+        r#"#!/bin/bash
+srun -N1 -n1 bash -c '
+for t in s1 s2; do mkdir -p "$SLUICE_CKPT_DIR/$t" && echo {b_secret} > "$SLUICE_CKPT_DIR/$t/model.bin"; done
+{sluice} ckpt commit s1
+{sluice} ckpt commit s2
+for i in $(seq 600); do [ -e {b_go} ] && break; sleep 0.2; done
+'
+"#,
+        sluice = sluice.display(),
+    );
+    let b_job = b_submit(&[], &b_script);
+    cluster.wait_for("B's s2 to be archived", JOB_TIMEOUT, Some(&b_job), || {
+        archived(&b_job, "s2")
+    });
+    let b_ckpts = match sluice_proto::client::call(
+        &socket_of(&cluster, NODE),
+        sluice_proto::msg::Request::CkptList { job_id: b_job.id },
+        Duration::from_secs(5),
+    ) {
+        Ok(sluice_proto::msg::Response::Ckpts { ckpts }) => ckpts,
+        other => panic!("ckpt_list of B's job: {other:?}"),
+    };
+    let b_s1 = b_ckpts.iter().find(|c| c.tag == "s1").expect("B's s1");
+    assert!(
+        b_s1.state != sluice_proto::msg::CkptState::Archived
+            && b_s1.error.as_deref().is_some_and(|e| e.contains(&format!(
+                "was archived by user {a}; sluice does not overwrite another user's checkpoint"
+            ))),
+        "B's s1 over A's: {b_s1:?}"
+    );
+    std::fs::write(&b_go, b"").unwrap();
+    cluster.wait_end(&b_job, JOB_TIMEOUT);
+    let _ = std::fs::remove_file(&b_go);
+    let _ = std::fs::remove_file(&b_job.output);
+
+    // A's `latest` restores A's s1, intact, not B's newer s2, and says it skipped it.
+    let a_restore = cluster.submit(
+        &work,
         &[
-            "--parsable",
             "-N1",
-            &format!("--output={out}"),
             &format!("--ckpt-archive={url}"),
             "--ckpt-restore=latest",
         ],
-        Some("#!/bin/bash\nsrun -n1 bash -c 'cat \"$SLUICE_CKPT_DIR\"/*/model.bin'\n"),
+        "#!/bin/bash\nsrun -n1 bash -c 'echo \"tag=$SLUICE_RESTORED_TAG\"; cat \"$SLUICE_CKPT_DIR\"/*/model.bin'\n",
+    );
+    let end = cluster.wait_end(&a_restore, JOB_TIMEOUT);
+    let text = a_restore.output_text();
+    assert_eq!(end.state, "COMPLETED", "{}", cluster.evidence(&a_restore));
+    assert!(
+        text.contains("tag=s1") && text.contains(&secret) && !text.contains(&b_secret),
+        "A's latest must restore A's own s1:\n{text}"
     );
     assert!(
-        sub.status.success(),
-        "{}",
-        String::from_utf8_lossy(&sub.stderr)
-    );
-    let id: u32 = String::from_utf8_lossy(&sub.stdout)
-        .trim()
-        .split(';')
-        .next()
-        .and_then(|s| s.parse().ok())
-        .expect("job id");
-    let b_job = Job {
-        id,
-        output: out.clone().into(),
-        submit_stderr: String::new(),
-    };
-    let end = cluster.wait_end(&b_job, JOB_TIMEOUT);
-    let text = b_job.output_text();
-    let _ = std::fs::remove_file(&out);
-    assert!(
-        !text.contains(&secret),
-        "user {b} restored user {}'s checkpoint from {url} (job {id} ended {}):\n{text}",
-        cluster.user,
-        end.state
+        text.contains(&format!(
+            "skipped 1 checkpoint(s) in {url} archived by other users (s2)"
+        )),
+        "A's job output must say which checkpoint of another user it skipped:\n{text}"
     );
 }
