@@ -48,6 +48,8 @@ pub struct Agent {
     pub(crate) stopping: tokio_util::sync::CancellationToken,
     /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
     pub(crate) bandwidth: Option<crate::archive::Bandwidth>,
+    /// The node-wide stage-in download budget (`stage.concurrency`, `stage.memory`), shared by all jobs.
+    stage_budget: Arc<stage::Budget>,
     /// The `sluiced` binary that runs `copy-as-user` (the running executable, unless a test says otherwise).
     helper_exe: std::path::PathBuf,
 }
@@ -119,6 +121,7 @@ impl Agent {
         Ok(Arc::new(Agent {
             stopping: tokio_util::sync::CancellationToken::new(),
             bandwidth,
+            stage_budget: stage::Budget::new(&cfg.stage),
             cfg,
             jobs: Mutex::new(HashMap::new()),
             journal,
@@ -511,6 +514,7 @@ impl Agent {
             stage_fd,
             helper_exe: self.helper_exe.clone(),
             cancel: job.cancel.child_token(),
+            budget: self.stage_budget.clone(),
         };
         let staging = futures::future::try_join_all(
             options

@@ -76,6 +76,7 @@ struct RawHotTier {
 struct RawStage {
     concurrency: Option<usize>,
     part_size: Option<String>,
+    memory: Option<String>,
     timeout: Option<String>,
     #[serde(default)]
     allow: Vec<AllowRule>,
@@ -105,8 +106,13 @@ pub struct StoreProfile {
 
 #[derive(Debug, Clone)]
 pub struct StageConfig {
+    /// Object-store requests in flight on this node, over every dataset of every job.
     pub concurrency: usize,
+    /// Objects larger than this are fetched as parallel ranged GETs of this size.
     pub part_size: u64,
+    /// Bytes of download buffers on this node, over every request: each request streams its body
+    /// through one buffer of `memory / concurrency` bytes (see [`crate::stage::Budget`]).
+    pub memory: u64,
     pub timeout: Duration,
     /// Object-store prefixes users may stage from (`{user}` = the job's user). The agent reads
     /// object stores with its own credentials, so without a matching rule an object-store source is
@@ -233,6 +239,13 @@ impl Config {
                 .map(parse_size)
                 .transpose()?
                 .unwrap_or(8 << 20),
+            memory: raw
+                .stage
+                .memory
+                .as_deref()
+                .map(parse_size)
+                .transpose()?
+                .unwrap_or(32 << 20),
             timeout: raw
                 .stage
                 .timeout
@@ -254,6 +267,14 @@ impl Config {
             return Err(format!(
                 "stage.part_size must be between 64KiB and 5GiB, got {}",
                 stage.part_size
+            ));
+        }
+        if stage.memory < stage.concurrency as u64 * (64 << 10) || stage.memory > 64 << 30 {
+            return Err(format!(
+                "stage.memory must be at least 64KiB per request in flight ({} for stage.concurrency = {}) and at most 64GiB, got {}",
+                stage.concurrency as u64 * (64 << 10),
+                stage.concurrency,
+                stage.memory
             ));
         }
         for s in &raw.store {
@@ -417,6 +438,14 @@ mod tests {
         let e =
             Config::parse(&format!("{base}[stage]\npart_size='16 parsecs'\n"), "n1").unwrap_err();
         assert!(e.contains("unknown size unit"), "{e}");
+        let c = Config::parse(base, "n1").unwrap();
+        assert_eq!((c.stage.concurrency, c.stage.memory), (16, 32 << 20));
+        let e = Config::parse(
+            &format!("{base}[stage]\nconcurrency=64\nmemory='1MiB'\n"),
+            "n1",
+        )
+        .unwrap_err();
+        assert!(e.contains("stage.memory must be at least"), "{e}");
         let e = Config::parse(&format!("{base}bogus=1\n"), "n1").unwrap_err();
         assert!(e.contains("unknown field"), "{e}");
         let e = Config::parse(&base.replace("'/h'", "'h'"), "n1").unwrap_err();

@@ -2,9 +2,10 @@
 //!
 //! - Object stores (`s3://`, `az://`, `gs://`) are read by the agent itself, because only the agent holds
 //!   the credentials. Listing is pipelined with the downloads; objects larger than the part size are
-//!   fetched as parallel ranged GETs; one semaphore bounds the requests (and so the memory) in flight.
-//!   Files are written as root with fd-relative, no-follow operations ([`crate::safefs`]) and owned by
-//!   the job user.
+//!   fetched as parallel ranged GETs. Every response body streams through a reused buffer from the
+//!   node's one [`Budget`] and is written at its offset, so the agent's memory is bounded by the
+//!   budget, not by part sizes, datasets or jobs. Files are written as root with fd-relative,
+//!   no-follow operations ([`crate::safefs`]) and owned by the job user.
 //! - POSIX sources are read by a helper process running with the job user's identity
 //!   ([`crate::posix_copy`]), so a user can stage only what they could read themselves.
 //!
@@ -15,7 +16,7 @@ use crate::safefs::{self, Owner};
 use crate::store;
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
-use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
 use sluice_proto::msg::{StageProgress, StageState};
 use sluice_proto::options::{Source, StageSpec};
 use std::os::fd::OwnedFd;
@@ -139,6 +140,82 @@ impl Progress {
     }
 }
 
+/// The node's budget for stage-in downloads, shared by every dataset of every job the agent
+/// stages: at most `requests` object-store requests in flight, each streaming its response body
+/// through one buffer of `buffer` bytes. Buffers are reused rather than freed, so the memory they
+/// take is at most `requests × buffer` for the agent's lifetime, whatever the sizes of the parts
+/// and objects (a fresh allocation per response body is what let the allocator's arenas grow).
+pub struct Budget {
+    requests: Arc<Semaphore>,
+    buffer: usize,
+    /// Buffers not in use; never more than `requests` of them exist.
+    idle: Mutex<Vec<Vec<u8>>>,
+}
+
+impl std::fmt::Debug for Budget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Budget")
+            .field("requests_free", &self.requests.available_permits())
+            .field("buffer", &self.buffer)
+            .finish()
+    }
+}
+
+impl Budget {
+    /// The budget `[stage]` configures: `concurrency` requests, `memory` bytes of buffers.
+    pub fn new(cfg: &crate::config::StageConfig) -> Arc<Budget> {
+        Budget::with(
+            cfg.concurrency,
+            (cfg.memory / cfg.concurrency as u64) as usize,
+        )
+    }
+
+    fn with(requests: usize, buffer: usize) -> Arc<Budget> {
+        Arc::new(Budget {
+            requests: Arc::new(Semaphore::new(requests)),
+            buffer: buffer.max(1),
+            idle: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Waits for a request slot and returns it with its buffer (empty, with `buffer` bytes of
+    /// capacity); both go back to the budget when the [`Lease`] is dropped.
+    pub async fn lease(self: &Arc<Self>) -> Lease {
+        let permit = self
+            .requests
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the budget's semaphore is never closed");
+        let buf = lock(&self.idle)
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(self.buffer));
+        Lease {
+            buf,
+            budget: self.clone(),
+            _permit: permit,
+        }
+    }
+}
+
+/// One request's share of the [`Budget`]: a slot and a buffer.
+pub struct Lease {
+    buf: Vec<u8>,
+    budget: Arc<Budget>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut buf = std::mem::take(&mut self.buf);
+        // A buffer lent to a blocking write that failed may be gone; a smaller one is not reused.
+        if buf.capacity() == self.budget.buffer {
+            buf.clear();
+            lock(&self.budget.idle).push(buf);
+        }
+    }
+}
+
 /// What a staging run needs to know about its job.
 pub struct StageCtx {
     pub cfg: Arc<Config>,
@@ -150,6 +227,8 @@ pub struct StageCtx {
     /// The `sluiced` binary, for `copy-as-user`.
     pub helper_exe: PathBuf,
     pub cancel: CancellationToken,
+    /// The node's download budget, shared by every staging run of the agent.
+    pub budget: Arc<Budget>,
 }
 
 /// Stages one dataset into `$SLUICE_STAGE_DIR/NAME`, updating `progress`.
@@ -322,8 +401,8 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 /// Downloads objects of one dataset; shared by its download tasks.
 struct Fetcher {
     store: Arc<dyn ObjectStore>,
-    /// One permit per request in flight: bounds connections and the bytes buffered in memory.
-    sem: Arc<Semaphore>,
+    /// Request slots and buffers, shared with every other download on the node.
+    budget: Arc<Budget>,
     source: String,
     node: String,
     part_size: u64,
@@ -372,6 +451,88 @@ impl Fetcher {
         self.fill(Arc::new(file), &rel, meta).await
     }
 
+    /// GETs `range` of the object and writes it at the same offset of `file`, streaming the body
+    /// through the lease's buffer. Fails unless exactly `range`'s bytes arrive.
+    async fn get_part(
+        &self,
+        mut lease: Lease,
+        file: Arc<std::fs::File>,
+        rel: &str,
+        location: &ObjPath,
+        range: std::ops::Range<u64>,
+    ) -> Result<(), StageError> {
+        let dataset = || format!("{}: {location}", self.source);
+        let wrong_size = |got: u64| StageError::Origin {
+            dataset: dataset(),
+            detail: format!(
+                "expected {} bytes at offset {}, got {got} (object changed while staging?)",
+                range.end - range.start,
+                range.start
+            ),
+        };
+        let opts = GetOptions {
+            range: Some(range.clone().into()),
+            ..GetOptions::default()
+        };
+        let mut body = self
+            .store
+            .get_opts(location, opts)
+            .await
+            .map_err(|e| origin_error(&dataset(), e))?
+            .into_stream();
+        // The buffer's bytes belong at `at`; everything before `at` is written.
+        let mut at = range.start;
+        let mut buf = std::mem::take(&mut lease.buf);
+        let cap = buf.capacity();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| origin_error(&dataset(), e))?;
+            let got = at - range.start + (buf.len() + chunk.len()) as u64;
+            if got > range.end - range.start {
+                return Err(wrong_size(got));
+            }
+            let mut rest = &chunk[..];
+            while !rest.is_empty() {
+                let n = rest.len().min(cap - buf.len());
+                buf.extend_from_slice(&rest[..n]);
+                rest = &rest[n..];
+                if buf.len() == cap {
+                    buf = self.write_at(&file, rel, buf, &mut at).await?;
+                }
+            }
+        }
+        if !buf.is_empty() {
+            buf = self.write_at(&file, rel, buf, &mut at).await?;
+        }
+        lease.buf = buf;
+        if at != range.end {
+            return Err(wrong_size(at - range.start));
+        }
+        Ok(())
+    }
+
+    /// Writes `buf` at `*at` of `file` on a blocking thread, advances `*at`, and hands the buffer
+    /// back empty.
+    async fn write_at(
+        &self,
+        file: &Arc<std::fs::File>,
+        rel: &str,
+        buf: Vec<u8>,
+        at: &mut u64,
+    ) -> Result<Vec<u8>, StageError> {
+        let (f, offset) = (file.clone(), *at);
+        let (mut buf, written) = blocking(move || {
+            let r = f.write_all_at(&buf, offset);
+            (buf, r)
+        })
+        .await;
+        written.map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
+        let n = buf.len() as u64;
+        *at += n;
+        self.progress.bytes_done.fetch_add(n, Ordering::Relaxed);
+        buf.clear();
+        Ok(buf)
+    }
+
     /// Writes the object's bytes into `file`: one GET for small objects, parallel ranged GETs of
     /// `part_size` for large ones.
     async fn fill(
@@ -391,37 +552,12 @@ impl Fetcher {
         let mut offset = 0;
         while offset < size {
             let end = (offset + self.part_size).min(size);
-            let permit = self
-                .sem
-                .clone()
-                .acquire_owned()
-                .await
-                .expect("semaphore never closed");
-            let (this, file, location, rel) = (
-                self.clone(),
-                file.clone(),
-                meta.location.clone(),
-                rel.to_string(),
-            );
+            let lease = self.budget.lease().await;
+            let (this, file, location) = (self.clone(), file.clone(), meta.location.clone());
+            let rel = rel.to_string();
             parts.spawn(async move {
-                let data = this
-                    .store
-                    .get_range(&location, offset..end)
+                this.get_part(lease, file, &rel, &location, offset..end)
                     .await
-                    .map_err(|e| origin_error(&format!("{}: {}", this.source, location), e))?;
-                if data.len() as u64 != end - offset {
-                    return Err(StageError::Origin {
-                        dataset: format!("{}: {location}", this.source),
-                        detail: format!("expected {} bytes at offset {offset}, got {} (object changed while staging?)", end - offset, data.len()),
-                    });
-                }
-                let n = data.len() as u64;
-                blocking(move || file.write_all_at(&data, offset))
-                    .await
-                    .map_err(|e| this.hot_error(&rel, e.raw_os_error(), e.to_string()))?;
-                drop(permit);
-                this.progress.bytes_done.fetch_add(n, Ordering::Relaxed);
-                Ok(())
             });
             offset = end;
             while let Some(done) = parts.try_join_next() {
@@ -446,7 +582,7 @@ async fn stage_objects(
     let source = spec.source.to_string();
     let fetcher = Arc::new(Fetcher {
         store: store.clone(),
-        sem: Arc::new(Semaphore::new(ctx.cfg.stage.concurrency)),
+        budget: ctx.budget.clone(),
         source: source.clone(),
         node: ctx.cfg.node.clone(),
         part_size: ctx.cfg.stage.part_size,
@@ -616,6 +752,89 @@ mod tests {
         );
         assert!(is_unreachable("HTTP error: error sending request for url"));
         assert!(!is_unreachable("404 Not Found"));
+    }
+
+    #[tokio::test]
+    async fn the_budget_bounds_requests_and_reuses_buffers() {
+        let budget = Budget::with(2, 1024);
+        let a = budget.lease().await;
+        let b = budget.lease().await;
+        assert_eq!((a.buf.capacity(), b.buf.capacity()), (1024, 1024));
+        let a_ptr = a.buf.as_ptr();
+        // A third request waits for a slot, whichever dataset or job it belongs to.
+        let third = budget.lease();
+        tokio::pin!(third);
+        assert!(futures::poll!(third.as_mut()).is_pending());
+        drop(a);
+        let c = third.await;
+        assert_eq!(c.buf.as_ptr(), a_ptr, "the freed buffer is reused");
+        assert!(c.buf.is_empty());
+        drop((b, c));
+        assert_eq!(lock(&budget.idle).len(), 2, "never more buffers than slots");
+
+        let cfg = Config::parse(
+            "[agent]\nsocket='/s'\nstate_dir='/t'\n[hot_tier]\nroot='/h'\n[stage]\nconcurrency=4\nmemory='8MiB'\n",
+            "n1",
+        )
+        .unwrap();
+        let budget = Budget::new(&cfg.stage);
+        assert_eq!(budget.buffer, 2 << 20);
+        assert_eq!(budget.requests.available_permits(), 4);
+    }
+
+    fn fetcher(store: Arc<dyn ObjectStore>, part_size: u64, budget: Arc<Budget>) -> Arc<Fetcher> {
+        let spec = StageSpec {
+            name: "ds".into(),
+            source: sluice_proto::options::parse_stage_entry("ds=s3://b/ds")
+                .unwrap()
+                .source,
+        };
+        Arc::new(Fetcher {
+            store,
+            budget,
+            source: "s3://b/ds".into(),
+            node: "n1".into(),
+            part_size,
+            owner: Owner {
+                uid: nix::unistd::getuid().as_raw(),
+                gid: nix::unistd::getgid().as_raw(),
+            },
+            progress: Arc::new(Progress::new(&spec)),
+        })
+    }
+
+    #[tokio::test]
+    async fn parts_stream_through_small_buffers_to_their_offsets() {
+        let store: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let data: Vec<u8> = (0..300_001u32).map(|i| (i % 253) as u8).collect();
+        store
+            .put(&ObjPath::from("ds/x.bin"), data.clone().into())
+            .await
+            .unwrap();
+        let meta = store.head(&ObjPath::from("ds/x.bin")).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        // 64 KiB parts through 4 KiB buffers, 3 requests at a time.
+        let budget = Budget::with(3, 4096);
+        let f = fetcher(store.clone(), 64 << 10, budget.clone());
+        let file = Arc::new(std::fs::File::create(dir.path().join("x.bin")).unwrap());
+        f.clone().fill(file, "x.bin", meta.clone()).await.unwrap();
+        assert_eq!(std::fs::read(dir.path().join("x.bin")).unwrap(), data);
+        let p = f.progress.snapshot();
+        assert_eq!((p.files_done, p.bytes_done), (1, 300_001));
+        assert_eq!(budget.requests.available_permits(), 3);
+        assert!(lock(&budget.idle).len() <= 3);
+
+        // The object shrank after it was listed: the short range is an error, not a short file.
+        let listed_bigger = ObjectMeta {
+            size: 300_001 + 10,
+            ..meta
+        };
+        let file = Arc::new(std::fs::File::create(dir.path().join("y.bin")).unwrap());
+        let e = f.fill(file, "y.bin", listed_bigger).await.unwrap_err();
+        assert!(
+            e.to_string().contains("object changed while staging"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -67,9 +67,10 @@ pub fn agent_config(env: &BTreeMap<String, String>, root: &Path) -> Result<Confi
 pub fn describe_defaults(cfg: &Config) -> String {
     let a = ArchiveConfig::default();
     format!(
-        "stage concurrency {}, part {} MiB; archive part {} MiB, concurrency {}, zstd level {}, chunk {} MiB, {} compress thread(s)",
+        "stage concurrency {}, part {} MiB, memory {} MiB; archive part {} MiB, concurrency {}, zstd level {}, chunk {} MiB, {} compress thread(s)",
         cfg.stage.concurrency,
         cfg.stage.part_size >> 20,
+        cfg.stage.memory >> 20,
         cfg.ckpt.part_size >> 20,
         cfg.ckpt.concurrency,
         cfg.ckpt.zstd_level,
@@ -126,7 +127,7 @@ async fn run_stage(job: &StageJob, cfg: Arc<Config>) -> Result<(u64, u64)> {
         })
         .collect::<Result<Vec<_>>>()?;
     let ctx = StageCtx {
-        cfg,
+        cfg: cfg.clone(),
         owner: Owner {
             uid: job.uid,
             gid: job.gid,
@@ -136,6 +137,8 @@ async fn run_stage(job: &StageJob, cfg: Arc<Config>) -> Result<(u64, u64)> {
         stage_fd: open_dir(&job.stage_dir)?,
         helper_exe: job.helper.clone(),
         cancel: CancellationToken::new(),
+        // As the agent: one budget for the node (this process), from the agent's defaults.
+        budget: stage::Budget::new(&cfg.stage),
     };
     let progress: Vec<Arc<Progress>> = specs.iter().map(|s| Arc::new(Progress::new(s))).collect();
     futures::future::try_join_all(
