@@ -9,8 +9,8 @@
 use nix::unistd::{Gid, Uid, geteuid, initgroups, setresgid, setresuid};
 use std::ffi::CString;
 use std::fs;
-use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::io::{self, Read, Seek, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -21,8 +21,18 @@ pub const EXIT_DENIED: i32 = 3;
 pub const EXIT_NO_SPACE: i32 = 4;
 pub const EXIT_OTHER: i32 = 1;
 
-/// Copy threads in the helper: enough to hide per-file latency on parallel file systems.
-const COPY_THREADS: usize = 8;
+/// Copy threads in the helper: one per core, at least 2 and at most 8. Copying through the page
+/// cache is CPU-bound on local disks, so threads beyond the cores only contend; 8 is enough to hide
+/// per-file latency on parallel file systems.
+fn copy_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .clamp(2, 8)
+}
+
+/// Files larger than this are copied as several pieces in parallel, so one big file uses every
+/// copy thread.
+const PIECE: u64 = 64 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
@@ -123,7 +133,7 @@ fn die_with_parent() -> Result<(), String> {
 
 enum Entry {
     Dir(PathBuf, u32),
-    File(PathBuf, u64),
+    File(PathBuf, u64, u32),
     Link(PathBuf),
 }
 
@@ -161,7 +171,7 @@ fn walk(root: &Path, rel: &Path, out: &mut Vec<Entry>) -> Result<(), (i32, Strin
             out.push(Entry::Dir(rel_child.clone(), md.mode() & 0o7777));
             walk(root, &rel_child, out)?;
         } else if ft.is_file() {
-            out.push(Entry::File(rel_child, md.len()));
+            out.push(Entry::File(rel_child, md.len(), md.mode() & 0o7777));
         } else if ft.is_symlink() {
             out.push(Entry::Link(rel_child));
         } // sockets, fifos and devices are not data: skipped
@@ -169,94 +179,267 @@ fn walk(root: &Path, rel: &Path, out: &mut Vec<Entry>) -> Result<(), (i32, Strin
     Ok(())
 }
 
+/// One regular file to copy: where from, where to, its size when listed and its permission bits.
+struct FileJob {
+    src: PathBuf,
+    dst: PathBuf,
+    size: u64,
+    mode: u32,
+}
+
+/// A byte range of one file, the unit a copy thread takes. Files up to [`PIECE`] are one piece;
+/// the last piece of a file copies to its end, so a file that grew since the walk is copied whole.
+struct Piece {
+    file: usize,
+    offset: u64,
+    /// `None`: to the end of the file.
+    len: Option<u64>,
+    /// One of several pieces of its file, which [`copy_files`] created.
+    shared: bool,
+}
+
+/// The process' umask, so that files and directories are created with their final mode and need no
+/// `chmod` afterwards unless the umask strips bits they need.
+fn umask() -> u32 {
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0o777) // unknown: always chmod
+}
+
 /// Copies `src` (a file or a directory tree) to `dst`, which must not exist. Returns an exit code and
-/// message on failure. Symlinks inside the tree are copied as symlinks.
+/// message on failure. Symlinks inside the tree are copied as symlinks. Nothing is fsynced: staged
+/// data can be fetched again from its origin, and job end deletes it.
 pub fn copy_tree(src: &Path, dst: &Path, out: &mut impl Write) -> Result<(), (i32, String)> {
+    copy_tree_in_pieces(src, dst, PIECE, out)
+}
+
+/// [`copy_tree`], with files larger than `piece` bytes copied as several pieces.
+fn copy_tree_in_pieces(
+    src: &Path,
+    dst: &Path,
+    piece: u64,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
     let top = fs::metadata(src).map_err(|e| (io_exit(&e), format!("{}: {e}", src.display())))?;
+    let umask = umask();
+    let mut files = Vec::new();
     if top.is_file() {
+        files.push(FileJob {
+            src: src.to_path_buf(),
+            dst: dst.to_path_buf(),
+            size: top.len(),
+            mode: top.mode() & 0o7777,
+        });
         writeln!(out, "total 1 {}", top.len()).ok();
         out.flush().ok();
-        fs::copy(src, dst).map_err(|e| (io_exit(&e), format!("copying {}: {e}", src.display())))?;
-        writeln!(out, "progress 1 {}", top.len()).ok();
-        return Ok(());
-    }
-    if !top.is_dir() {
+    } else if top.is_dir() {
+        let mut entries = Vec::new();
+        walk(src, Path::new(""), &mut entries)?;
+        let (count, bytes) = entries.iter().fold((0u64, 0u64), |(f, b), e| match e {
+            Entry::File(_, n, _) => (f + 1, b + n),
+            _ => (f, b),
+        });
+        writeln!(out, "total {count} {bytes}").ok();
+        out.flush().ok();
+
+        // Directories are created owner-writable (the copy needs to write into them), with their
+        // final mode at once; chmod only where the umask strips bits.
+        let mkdir = |p: &Path, mode: u32| {
+            let mode = mode | 0o700;
+            fs::DirBuilder::new()
+                .mode(mode)
+                .create(p)
+                .and_then(|_| {
+                    if mode & umask != 0 {
+                        fs::set_permissions(p, fs::Permissions::from_mode(mode))
+                    } else {
+                        Ok(())
+                    }
+                })
+                .map_err(|e| (io_exit(&e), format!("creating {}: {e}", p.display())))
+        };
+        mkdir(dst, top.mode() & 0o7777)?;
+        for e in entries {
+            match e {
+                Entry::Dir(rel, mode) => mkdir(&dst.join(rel), mode)?,
+                Entry::Link(rel) => {
+                    let target = fs::read_link(src.join(&rel)).map_err(|e| {
+                        (io_exit(&e), format!("reading link {}: {e}", rel.display()))
+                    })?;
+                    std::os::unix::fs::symlink(target, dst.join(&rel)).map_err(|e| {
+                        (io_exit(&e), format!("creating link {}: {e}", rel.display()))
+                    })?;
+                }
+                Entry::File(rel, size, mode) => files.push(FileJob {
+                    src: src.join(&rel),
+                    dst: dst.join(&rel),
+                    size,
+                    mode,
+                }),
+            }
+        }
+    } else {
         return Err((
             EXIT_OTHER,
             format!("{} is neither a file nor a directory", src.display()),
         ));
     }
-    let mut entries = Vec::new();
-    walk(src, Path::new(""), &mut entries)?;
-    let (files, bytes) = entries.iter().fold((0u64, 0u64), |(f, b), e| match e {
-        Entry::File(_, n) => (f + 1, b + n),
-        _ => (f, b),
-    });
-    writeln!(out, "total {files} {bytes}").ok();
-    out.flush().ok();
+    copy_files(&files, umask, piece, out)
+}
 
-    let mkdir = |p: &Path, mode: u32| {
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(p)
-            .and_then(|_| fs::set_permissions(p, fs::Permissions::from_mode(mode | 0o700)))
-            .map_err(|e| (io_exit(&e), format!("creating {}: {e}", p.display())))
-    };
-    mkdir(dst, top.mode() & 0o7777)?;
-    let mut work = Vec::new();
-    for e in &entries {
-        match e {
-            Entry::Dir(rel, mode) => mkdir(&dst.join(rel), *mode)?,
-            Entry::Link(rel) => {
-                let target = fs::read_link(src.join(rel))
-                    .map_err(|e| (io_exit(&e), format!("reading link {}: {e}", rel.display())))?;
-                std::os::unix::fs::symlink(target, dst.join(rel))
-                    .map_err(|e| (io_exit(&e), format!("creating link {}: {e}", rel.display())))?;
-            }
-            Entry::File(rel, size) => work.push((rel.as_path(), *size)),
+/// Opens `job`'s source and creates its destination (which must not exist) with `mode`.
+fn create_pair(
+    job: &FileJob,
+    mode: u32,
+    umask: u32,
+) -> Result<(fs::File, fs::File), (i32, String)> {
+    let src = fs::File::open(&job.src).map_err(|e| job_error("opening", &job.src, e))?;
+    let dst = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(&job.dst)
+        .map_err(|e| job_error("creating", &job.dst, e))?;
+    if mode & umask != 0 {
+        set_mode(&dst, job, mode)?;
+    }
+    Ok((src, dst))
+}
+
+fn set_mode(dst: &fs::File, job: &FileJob, mode: u32) -> Result<(), (i32, String)> {
+    dst.set_permissions(fs::Permissions::from_mode(mode))
+        .map_err(|e| job_error("setting the mode of", &job.dst, e))
+}
+
+fn job_error(what: &str, path: &Path, e: io::Error) -> (i32, String) {
+    (io_exit(&e), format!("{what} {}: {e}", path.display()))
+}
+
+/// Copies `len` bytes (`None`: to the end of the file) from `src` to `dst`, each at its current
+/// offset. `std::io::copy` copies file to file in the kernel (`copy_file_range`) and falls back to
+/// read/write where the file systems do not support that.
+fn copy_range(mut src: &fs::File, mut dst: &fs::File, len: Option<u64>) -> io::Result<u64> {
+    match len {
+        Some(n) => io::copy(&mut src.take(n), &mut dst),
+        None => io::copy(&mut src, &mut dst),
+    }
+}
+
+/// Copies one piece: whole small files from scratch; pieces of a big file (created by
+/// [`copy_files`]) through their own descriptors, at their offset.
+fn copy_piece(job: &FileJob, p: &Piece, umask: u32) -> Result<u64, (i32, String)> {
+    let copy_err = |e: io::Error| job_error("copying", &job.src, e);
+    if !p.shared {
+        let (src, dst) = create_pair(job, job.mode, umask)?;
+        return copy_range(&src, &dst, p.len).map_err(copy_err);
+    }
+    let src = fs::File::open(&job.src).map_err(|e| job_error("opening", &job.src, e))?;
+    let dst = fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(&job.dst)
+        .map_err(|e| job_error("opening", &job.dst, e))?;
+    (&src)
+        .seek(io::SeekFrom::Start(p.offset))
+        .map_err(copy_err)?;
+    (&dst)
+        .seek(io::SeekFrom::Start(p.offset))
+        .map_err(copy_err)?;
+    copy_range(&src, &dst, p.len).map_err(copy_err)
+}
+
+/// Copies `files` with [`copy_threads`] threads, reporting progress on `out` every 200 ms and once
+/// more when the last file is done.
+fn copy_files(
+    files: &[FileJob],
+    umask: u32,
+    piece: u64,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    // Files of several pieces are created here, owner-writable so that every piece can open them;
+    // the thread that finishes a file's last piece gives it its final mode.
+    let mut pieces = Vec::with_capacity(files.len());
+    let mut pieces_left = Vec::with_capacity(files.len());
+    for (i, f) in files.iter().enumerate() {
+        let n = f.size.div_ceil(piece).max(1);
+        if n > 1 {
+            create_pair(f, f.mode | 0o200, umask)?;
         }
+        for k in 0..n {
+            pieces.push(Piece {
+                file: i,
+                offset: k * piece,
+                len: (k + 1 < n).then_some(piece),
+                shared: n > 1,
+            });
+        }
+        pieces_left.push(AtomicU64::new(n));
     }
 
     let next = AtomicUsize::new(0);
     let (files_done, bytes_done) = (AtomicU64::new(0), AtomicU64::new(0));
     let failed = AtomicBool::new(false);
     let first_error: std::sync::Mutex<Option<(i32, String)>> = std::sync::Mutex::new(None);
+    let run_piece = |p: &Piece| -> Result<u64, (i32, String)> {
+        let job = &files[p.file];
+        let n = copy_piece(job, p, umask)?;
+        if pieces_left[p.file].fetch_sub(1, Ordering::AcqRel) == 1 {
+            if p.shared && job.mode & 0o200 == 0 {
+                fs::set_permissions(&job.dst, fs::Permissions::from_mode(job.mode))
+                    .map_err(|e| job_error("setting the mode of", &job.dst, e))?;
+            }
+            files_done.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(n)
+    };
     std::thread::scope(|s| {
-        for _ in 0..COPY_THREADS.min(work.len().max(1)) {
-            s.spawn(|| {
+        // Every copy thread holds a sender; the channel closes when the last one ends, which wakes
+        // the progress loop at once rather than at its next tick.
+        let (alive, finished) = std::sync::mpsc::channel::<()>();
+        for _ in 0..copy_threads().min(pieces.len()) {
+            let alive = alive.clone();
+            let run_piece = &run_piece;
+            let (next, pieces) = (&next, &pieces);
+            let (bytes_done, failed, first_error) = (&bytes_done, &failed, &first_error);
+            s.spawn(move || {
+                let _alive = alive;
                 while !failed.load(Ordering::Relaxed) {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some((rel, size)) = work.get(i) else {
+                    let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
                         break;
                     };
-                    if let Err(e) = fs::copy(src.join(rel), dst.join(rel)) {
-                        failed.store(true, Ordering::Relaxed);
-                        let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                        slot.get_or_insert((
-                            io_exit(&e),
-                            format!("copying {}: {e}", rel.display()),
-                        ));
-                        break;
+                    match run_piece(p) {
+                        Ok(n) => {
+                            bytes_done.fetch_add(n, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            failed.store(true, Ordering::Relaxed);
+                            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                            slot.get_or_insert(e);
+                            break;
+                        }
                     }
-                    files_done.fetch_add(1, Ordering::Relaxed);
-                    bytes_done.fetch_add(*size, Ordering::Relaxed);
                 }
             });
         }
+        drop(alive);
         // Report progress while the copy threads work.
-        loop {
-            let done = files_done.load(Ordering::Relaxed);
+        while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            finished.recv_timeout(Duration::from_millis(200))
+        {
             writeln!(
                 out,
-                "progress {done} {}",
+                "progress {} {}",
+                files_done.load(Ordering::Relaxed),
                 bytes_done.load(Ordering::Relaxed)
             )
             .ok();
             out.flush().ok();
-            if done as usize >= work.len() || failed.load(Ordering::Relaxed) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(200));
         }
     });
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
@@ -269,6 +452,7 @@ pub fn copy_tree(src: &Path, dst: &Path, out: &mut impl Write) -> Result<(), (i3
         bytes_done.load(Ordering::Relaxed)
     )
     .ok();
+    out.flush().ok();
     Ok(())
 }
 
@@ -310,6 +494,44 @@ mod tests {
                 bytes: 100_000
             })
         );
+    }
+
+    #[test]
+    fn big_files_are_copied_in_pieces_with_their_mode() {
+        let src = tempfile::tempdir().unwrap();
+        let dst = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..100_003u32).map(|i| (i % 251) as u8).collect();
+        fs::write(src.path().join("big"), &data).unwrap();
+        fs::set_permissions(src.path().join("big"), fs::Permissions::from_mode(0o444)).unwrap();
+        fs::write(src.path().join("small"), b"abc").unwrap();
+        fs::set_permissions(src.path().join("small"), fs::Permissions::from_mode(0o640)).unwrap();
+        let mut out = Vec::new();
+        // 4 KiB pieces: the big file is 25 pieces, copied by several threads.
+        copy_tree_in_pieces(src.path(), &dst.path().join("ds"), 4096, &mut out).unwrap();
+        let big = dst.path().join("ds/big");
+        assert_eq!(fs::read(&big).unwrap(), data);
+        assert_eq!(fs::metadata(&big).unwrap().mode() & 0o7777, 0o444);
+        let small = dst.path().join("ds/small");
+        assert_eq!(fs::read(&small).unwrap(), b"abc");
+        assert_eq!(fs::metadata(&small).unwrap().mode() & 0o7777, 0o640);
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(
+            Event::parse(text.lines().last().unwrap()),
+            Some(Event::Progress {
+                files: 2,
+                bytes: 100_006
+            })
+        );
+
+        // One file as the source: NAME is that file.
+        copy_tree_in_pieces(
+            &src.path().join("big"),
+            &dst.path().join("one"),
+            4096,
+            &mut Vec::new(),
+        )
+        .unwrap();
+        assert_eq!(fs::read(dst.path().join("one")).unwrap(), data);
     }
 
     #[test]
