@@ -12,8 +12,12 @@ use super::format;
 use super::manifest::{FileEntry, Manifest, check_rel_path};
 use super::{ArchiveError, ArchiveProgress, Archiver, Damaged};
 use crate::safefs::{self, Owner};
+use blake3::hazmat::{
+    ChainingValue, HasherExt, Mode, left_subtree_len, merge_subtrees_non_root, merge_subtrees_root,
+};
 use futures::{Stream, StreamExt};
 use object_store::ObjectStoreExt;
+use std::cell::RefCell;
 use std::fs::File;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
@@ -47,6 +51,56 @@ struct Work {
     /// Where the first chunk's content starts in the file.
     raw_offset: u64,
     last_of_file: bool,
+}
+
+/// What one range decoded to, for the file's content hash.
+enum Hashed {
+    /// BLAKE3 chaining values of its chunks (the file's chunks are subtrees, see [`tree_piece`]).
+    Subtrees(Vec<ChainingValue>),
+    /// Its raw bytes, for a hasher fed in file order.
+    Raw(Vec<Vec<u8>>),
+}
+
+struct Decoded {
+    raw_bytes: u64,
+    hashed: Hashed,
+}
+
+/// The chunk size of a file whose chunks are whole BLAKE3 subtrees: two chunks at least, all but
+/// the last of one power-of-two size of at least BLAKE3's 1 KiB chunk.
+fn tree_piece(f: &FileEntry) -> Option<u64> {
+    let piece = f.chunks.first()?.raw;
+    let uniform = f.chunks.len() >= 2
+        && piece.is_power_of_two()
+        && piece >= blake3::CHUNK_LEN as u64
+        && f.chunks[..f.chunks.len() - 1]
+            .iter()
+            .all(|c| c.raw == piece)
+        && f.chunks.last().is_some_and(|c| c.raw <= piece);
+    uniform.then_some(piece)
+}
+
+/// BLAKE3 of a file of `len` bytes from the chaining values of its chunks of `piece` bytes (the
+/// last may be shorter; two chunks at least), split as BLAKE3's tree is: the left subtree is the
+/// largest power of two of 1 KiB chunks below the length, so always whole pieces.
+fn file_hash(cvs: &[ChainingValue], piece: u64, len: u64) -> blake3::Hash {
+    fn halves(cvs: &[ChainingValue], piece: u64, len: u64) -> (ChainingValue, ChainingValue) {
+        let left = left_subtree_len(len);
+        let k = (left / piece) as usize;
+        (
+            subtree(&cvs[..k], piece, left),
+            subtree(&cvs[k..], piece, len - left),
+        )
+    }
+    fn subtree(cvs: &[ChainingValue], piece: u64, len: u64) -> ChainingValue {
+        if cvs.len() == 1 {
+            return cvs[0];
+        }
+        let (l, r) = halves(cvs, piece, len);
+        merge_subtrees_non_root(&l, &r, Mode::Hash)
+    }
+    let (l, r) = halves(cvs, piece, len);
+    merge_subtrees_root(&l, &r, Mode::Hash)
 }
 
 /// Why one piece of work failed.
@@ -287,14 +341,16 @@ impl Archiver {
         m: &Manifest,
         files: &[FileEntry],
         outputs: &[Mutex<Option<Arc<File>>>],
-        mut results: Pin<&mut impl Stream<Item = (usize, bool, Result<Vec<Vec<u8>>, WorkError>)>>,
+        mut results: Pin<&mut impl Stream<Item = (usize, bool, Result<Decoded, WorkError>)>>,
         keep_going: bool,
         progress: &ArchiveProgress,
     ) -> Result<(), ArchiveError> {
         // Results arrive in plan order: file by file, each file's ranges in order.
         let mut damaged: Vec<Damaged> = Vec::new();
         let mut hasher = Some(blake3::Hasher::new());
+        let mut cvs: Vec<ChainingValue> = Vec::new();
         let mut bad_file: Option<usize> = None;
+        let mut syncs = Vec::new();
         while let Some((file, last, outcome)) = results.next().await {
             let f = &files[file];
             match outcome {
@@ -312,19 +368,23 @@ impl Archiver {
                         bad_file = Some(file);
                     }
                 }
-                Ok(raws) if bad_file != Some(file) => {
-                    let mut h = hasher.take().expect("a hasher between items");
-                    let n: u64 = raws.iter().map(|r| r.len() as u64).sum();
-                    hasher = Some(
-                        blocking(move || {
-                            for r in &raws {
-                                h.update(r);
-                            }
-                            h
-                        })
-                        .await,
-                    );
-                    progress.bytes_done(n);
+                Ok(d) if bad_file != Some(file) => {
+                    match d.hashed {
+                        Hashed::Subtrees(v) => cvs.extend(v),
+                        Hashed::Raw(raws) => {
+                            let mut h = hasher.take().expect("a hasher between items");
+                            hasher = Some(
+                                blocking(move || {
+                                    for r in &raws {
+                                        h.update(r);
+                                    }
+                                    h
+                                })
+                                .await,
+                            );
+                        }
+                    }
+                    progress.bytes_done(d.raw_bytes);
                 }
                 Ok(_) => {}
             }
@@ -332,6 +392,7 @@ impl Archiver {
                 continue;
             }
             let h = hasher.replace(blake3::Hasher::new()).expect("a hasher");
+            let subtrees = std::mem::take(&mut cvs);
             let out = outputs[file]
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -339,7 +400,11 @@ impl Archiver {
             if bad_file == Some(file) {
                 continue;
             }
-            if h.finalize() != f.content_hash() {
+            let hash = match tree_piece(f) {
+                Some(piece) => file_hash(&subtrees, piece, f.size),
+                None => h.finalize(),
+            };
+            if hash != f.content_hash() {
                 let detail = "content checksum mismatch after decoding".to_string();
                 if !keep_going {
                     return Err(self.corrupt_one(&m.tag, &f.path, detail));
@@ -351,11 +416,16 @@ impl Archiver {
                 continue;
             }
             if let Some(out) = out {
+                // Durable before the restore returns; the disk writes it while the rest arrives.
                 let (tag, path) = (m.tag.clone(), f.path.clone());
-                blocking(move || out.sync_all().map_err(|e| io_write_error(&tag, &path, e)))
-                    .await?;
+                syncs.push(tokio::task::spawn_blocking(move || {
+                    out.sync_all().map_err(|e| io_write_error(&tag, &path, e))
+                }));
             }
             progress.file_done();
+        }
+        for sync in syncs {
+            sync.await.expect("fsync task panicked")?;
         }
         self.corrupt(&m.tag, damaged)
     }
@@ -372,7 +442,13 @@ impl Archiver {
     }
 }
 
-/// Checks and decodes the chunks of one range, and writes them to the restored file. Blocking.
+thread_local! {
+    /// The decoded chunk, reused by each blocking thread.
+    static RAW: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Checks and decodes the chunks of one range, and writes them to the restored file; hashes each
+/// chunk as a BLAKE3 subtree where the file allows it. Blocking.
 fn decode_and_write(
     w: &Work,
     data: &[u8],
@@ -380,7 +456,7 @@ fn decode_and_write(
     outputs: &[Mutex<Option<Arc<File>>>],
     sink: &Sink,
     tag: &str,
-) -> Result<Vec<Vec<u8>>, WorkError> {
+) -> Result<Decoded, WorkError> {
     let f = &files[w.file];
     if data.len() as u64 != w.range.end - w.range.start {
         return Err(WorkError::Damaged(format!(
@@ -389,36 +465,89 @@ fn decode_and_write(
             w.range.end - w.range.start
         )));
     }
-    let mut raws = Vec::with_capacity(w.chunks.len());
-    let total = f.chunks.len();
-    for i in w.chunks.clone() {
-        let c = &f.chunks[i];
-        let at = (c.offset - w.range.start) as usize;
-        let frame = &data[at..at + c.stored as usize];
-        let raw = format::decode_chunk(frame, &c.expected())
-            .map_err(|e| WorkError::Damaged(format!("chunk {} of {total}: {e}", i + 1)))?;
-        raws.push(raw);
-    }
-    if let Sink::Restore { dest, owner } = sink {
-        let out = {
+    let out = match sink {
+        Sink::Restore { dest, owner } => {
             let mut slot = outputs[w.file].lock().unwrap_or_else(|e| e.into_inner());
             match &*slot {
-                Some(file) => file.clone(),
+                Some(file) => Some(file.clone()),
                 None => {
                     let file = Arc::new(
                         create(dest, &f.path, f.mode, *owner, tag).map_err(WorkError::Fatal)?,
                     );
                     *slot = Some(file.clone());
-                    file
+                    Some(file)
                 }
             }
-        };
-        let mut offset = w.raw_offset;
-        for raw in &raws {
-            out.write_all_at(raw, offset)
-                .map_err(|e| WorkError::Fatal(io_write_error(tag, &f.path, e)))?;
-            offset += raw.len() as u64;
+        }
+        _ => None,
+    };
+    let piece = tree_piece(f);
+    let mut hashed = match piece {
+        Some(_) => Hashed::Subtrees(Vec::with_capacity(w.chunks.len())),
+        None => Hashed::Raw(Vec::with_capacity(w.chunks.len())),
+    };
+    let total = f.chunks.len();
+    let mut offset = w.raw_offset;
+    RAW.with_borrow_mut(|reused| {
+        for i in w.chunks.clone() {
+            let c = &f.chunks[i];
+            let at = (c.offset - w.range.start) as usize;
+            let frame = &data[at..at + c.stored as usize];
+            let mut fresh = Vec::new();
+            let raw = match hashed {
+                Hashed::Subtrees(_) => &mut *reused,
+                Hashed::Raw(_) => &mut fresh,
+            };
+            format::decode_chunk_into(frame, &c.expected(), raw)
+                .map_err(|e| WorkError::Damaged(format!("chunk {} of {total}: {e}", i + 1)))?;
+            if let Some(out) = &out {
+                out.write_all_at(raw, offset)
+                    .map_err(|e| WorkError::Fatal(io_write_error(tag, &f.path, e)))?;
+            }
+            match &mut hashed {
+                Hashed::Subtrees(cvs) => cvs.push(
+                    blake3::Hasher::new()
+                        .set_input_offset(offset)
+                        .update(raw)
+                        .finalize_non_root(),
+                ),
+                Hashed::Raw(raws) => raws.push(fresh),
+            }
+            offset += c.raw;
+        }
+        Ok(())
+    })?;
+    Ok(Decoded {
+        raw_bytes: offset - w.raw_offset,
+        hashed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merged_subtree_hashes_are_the_file_hash() {
+        let data: Vec<u8> = (0..500_000u32).map(|i| (i * 31 + i / 7) as u8).collect();
+        for piece in [1024usize, 4096, 65536] {
+            for len in [piece + 1, 2 * piece, 2 * piece + 5, 7 * piece - 3, 300_000] {
+                let cvs: Vec<ChainingValue> = data[..len]
+                    .chunks(piece)
+                    .enumerate()
+                    .map(|(i, c)| {
+                        blake3::Hasher::new()
+                            .set_input_offset((i * piece) as u64)
+                            .update(c)
+                            .finalize_non_root()
+                    })
+                    .collect();
+                assert_eq!(
+                    file_hash(&cvs, piece as u64, len as u64),
+                    blake3::hash(&data[..len]),
+                    "piece {piece} len {len}"
+                );
+            }
         }
     }
-    Ok(raws)
 }

@@ -434,3 +434,110 @@ async fn huge_manifests_are_refused_unread() {
     let e = a.manifest("step1").await.unwrap_err().to_string();
     assert!(!e.contains("not read"), "{e}");
 }
+
+/// Restores `tag` into a fresh directory and checks every file of `write_tree` came back.
+async fn restore_and_compare(a: &Archiver, tag: &str, src: &Path) -> Manifest {
+    let dest = tempfile::tempdir().unwrap();
+    let owner = Owner {
+        uid: test_uid(),
+        gid: test_uid(),
+    };
+    let fd = Arc::new(safefs::open_root_dir(dest.path()).unwrap());
+    let m = a
+        .restore(tag, fd, owner, &ArchiveProgress::default())
+        .await
+        .unwrap();
+    for f in [
+        "model/weights.bf16",
+        "optim.fp32",
+        "empty",
+        "nested/a/b/latest",
+    ] {
+        assert_eq!(
+            std::fs::read(src.join(f)).unwrap(),
+            std::fs::read(dest.path().join(f)).unwrap(),
+            "{tag}: {f}"
+        );
+    }
+    m
+}
+
+/// Archives written before plane-wise frames (manifest version 1: grouped chunks as one zstd
+/// frame) still verify and restore. The archive is rewritten here exactly as version 1 wrote it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_1_archives_still_restore() {
+    let src = tempfile::tempdir().unwrap();
+    write_tree(src.path());
+    let store = Arc::new(InMemory::new());
+    let a = archiver(store.clone(), small_cfg());
+    upload(&a, "step1", "n1", src.path()).await.unwrap();
+    let mut m = a
+        .try_publish("step1", &nodes(&["n1"]), job())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut rewritten = 0;
+    for f in &mut m.files {
+        if f.compression.transform == Transform::None {
+            continue;
+        }
+        let raw = std::fs::read(src.path().join(&f.path)).unwrap();
+        let mut object = Vec::new();
+        let mut at = 0;
+        for c in &mut f.chunks {
+            assert_eq!(c.codec, Codec::ZstdPlanes, "{}", f.path);
+            let frame = format::tests::v1_frame(&raw[at..at + c.raw as usize], f.compression);
+            at += c.raw as usize;
+            *c = ChunkEntry {
+                offset: object.len() as u64,
+                stored: frame.bytes.len() as u64,
+                raw: c.raw,
+                codec: frame.codec,
+                transform: frame.transform,
+                blake3: frame.blake3.to_hex().to_string(),
+            };
+            object.extend_from_slice(&frame.bytes);
+        }
+        f.stored_size = object.len() as u64;
+        store
+            .put(&a.data_key("step1", &f.path), object.into())
+            .await
+            .unwrap();
+        rewritten += 1;
+    }
+    assert_eq!(rewritten, 2, "both tensors files are grouped");
+    m.stored_bytes = m.files.iter().map(|f| f.stored_size).sum();
+    m.version = 1;
+    store
+        .put(&a.manifest_key("step1"), m.to_json().into())
+        .await
+        .unwrap();
+    assert_eq!(a.manifest("step1").await.unwrap().version, 1);
+    assert_eq!(a.verify("step1").await.unwrap().files, 4);
+    assert_eq!(restore_and_compare(&a, "step1", src.path()).await, m);
+}
+
+/// A chunk size that is not a power of two: the file hash is then computed in file order rather
+/// than merged from the chunks' subtrees. Both must restore.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_chunk_size_restores() {
+    let src = tempfile::tempdir().unwrap();
+    write_tree(src.path());
+    for (tag, chunk) in [("pow2", 64 << 10), ("odd", 68 << 10)] {
+        let a = archiver(
+            Arc::new(InMemory::new()),
+            ArchiveConfig {
+                chunk_size: chunk,
+                ..small_cfg()
+            },
+        );
+        upload(&a, tag, "n1", src.path()).await.unwrap();
+        a.try_publish(tag, &nodes(&["n1"]), job())
+            .await
+            .unwrap()
+            .unwrap();
+        let m = restore_and_compare(&a, tag, src.path()).await;
+        let weights = m.files.iter().find(|f| f.path == "model/weights.bf16");
+        assert!(weights.unwrap().chunks.len() > 2, "{tag}");
+    }
+}
