@@ -350,13 +350,11 @@ print(json.dumps(st), flush=True)
          at most {max_sockets} during",
         hog_said.trim()
     );
-    // The hog really hogged: it connected far more often than the cap allows at once, and the
-    // agent closed what it would not serve.
+    // The hog really hogged: all its connections got in (else this test would prove nothing).
     let connects = counts["connects"].as_u64().unwrap_or(0);
-    let closed = counts["closed_by_agent"].as_u64().unwrap_or(0);
     assert!(
-        connects >= 1100 && closed >= 1000,
-        "the hog did not get its connections in (so this test proved nothing): {hog_said}\n{}",
+        connects >= 1100,
+        "the hog did not get its connections in: {hog_said}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     if max_sockets > sockets_before + PER_USER + 8 {
