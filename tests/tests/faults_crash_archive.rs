@@ -1,0 +1,368 @@
+//! The agent of one node SIGKILLed at random moments while it archives checkpoints, many times in a
+//! row, then left running (issue 4: "every checkpoint ends archived exactly as written, no orphan
+//! partial files stay on the hot tier"). The stage-in half of that sentence is `faults_crash.rs`.
+//!
+//! A 2-node job writes four checkpoints of ~40 MiB each (two ~20 MiB shards per node, one above the
+//! 5 MiB part size, so multipart) and commits them one after the other from rank 0, retrying a
+//! commit that meets a dead agent. The archive is `s3://ckpt-faulty`, Garage behind the fault proxy
+//! in `slow` mode, so that every archive lasts long enough for the kills to land in it. The agent of
+//! the committing node is killed at least `KILLS` times, 0.2-2 s apart (a seeded schedule: set
+//! `SLUICE_TEST_SEED` to replay one), and started again exactly as `cluster.sh up` did.
+//!
+//! Then: the job COMPLETED, every checkpoint has its MANIFEST, `sluice ckpt restore` of each (which
+//! checks every checksum) gives byte-for-byte what the job wrote (sha256 recorded by the job), the
+//! hot tiers hold exactly the checkpoints retention keeps with exactly the written files and nothing
+//! else (no partial or temporary file), the agents' journals have no temporary file left, and every
+//! node is idle.
+
+mod common;
+
+use common::*;
+use sluice_proto::msg::CkptState;
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const KILLS: usize = 6;
+const TAGS: [&str; 4] = ["s1", "s2", "s3", "s4"];
+/// `--ckpt-keep`: after the job, the hot tiers hold the newest two.
+const KEEP: usize = 2;
+/// Every store response held back this long, so one checkpoint's archive lasts a few seconds.
+const SLOW: &str = "slow=0.5";
+const ARCHIVE_TIMEOUT: Duration = Duration::from_secs(240);
+const JOB_TIMEOUT: Duration = Duration::from_secs(120);
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A seeded schedule (SplitMix64): the seed is printed, and `SLUICE_TEST_SEED` replays it.
+struct Schedule(u64);
+
+impl Schedule {
+    fn new() -> (Schedule, u64) {
+        let seed = std::env::var("SLUICE_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        (Schedule(seed), seed)
+    }
+
+    fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let span = (hi - lo).as_millis().max(1) as u64;
+        lo + Duration::from_millis(z % span)
+    }
+}
+
+/// The job: one task per node writes its shard of each checkpoint and records its sha256 sums; at a
+/// file barrier rank 0 commits it, retrying while the agent is down; `committed` once all are.
+fn job_script(work: &Path, cli: &Path) -> String {
+    format!(
+        r#"#!/bin/bash
+srun --ntasks-per-node=1 bash -c '
+set -u
+w={w}; o=$w/out/$SLURMD_NODENAME; mkdir -p $o; c="$SLUICE_CKPT_DIR"; r=$SLURM_PROCID
+for t in {tags}; do
+  mkdir -p "$c/$t/shard"
+  head -c $((13 * 1048576 + 4321)) /dev/urandom > "$c/$t/shard/model_$r.bin"
+  head -c $((7 * 1048576)) /dev/urandom > "$c/$t/optim_$r.bin"
+  head -c 3000 /dev/urandom > "$c/$t/meta_$r.json"
+  (cd "$c/$t" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum) > $o/sums-$t
+  until [ $(ls $w/out/*/sums-$t 2>/dev/null | wc -l) -ge $SLURM_NTASKS ]; do sleep 0.1; done
+  if [ $r = 0 ]; then
+    n=0
+    until {cli} ckpt commit $t >> $o/commit-$t 2>&1; do
+      n=$((n + 1)); [ $n -ge 400 ] && {{ echo "commit $t: gave up" >&2; exit 3; }}
+      sleep 0.3
+    done
+    echo "$t committed after $n retries" >> $o/commits
+  fi
+  sleep 1
+done
+touch $o/committed
+while [ ! -e $w/stop ]; do sleep 0.2; done
+'
+"#,
+        w = work.display(),
+        cli = cli.display(),
+        tags = TAGS.join(" "),
+    )
+}
+
+/// `sha256  ./path` lines → path (without `./`) → hash.
+fn parse_sums(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.split_once("  "))
+        .map(|(h, p)| (p.trim_start_matches("./").to_string(), h.to_string()))
+        .collect()
+}
+
+/// Every entry below `dir`: relative path → sha256 for regular files, a description otherwise.
+fn tree(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+            let md = fs::symlink_metadata(&p).unwrap();
+            if md.is_dir() {
+                stack.push(p);
+            } else if md.is_file() {
+                let sum = run(Command::new("sha256sum").arg(&p));
+                out.insert(rel, sum.split_whitespace().next().unwrap_or("").into());
+            } else {
+                out.insert(rel, format!("<{:?}, mode {:o}>", md.file_type(), md.mode()));
+            }
+        }
+    }
+    out
+}
+
+fn diff(expected: &BTreeMap<String, String>, actual: &BTreeMap<String, String>) -> String {
+    let mut lines = Vec::new();
+    for (p, h) in expected {
+        match actual.get(p) {
+            None => lines.push(format!("missing {p}")),
+            Some(a) if a != h => lines.push(format!("differs {p}: {a} instead of {h}")),
+            Some(_) => {}
+        }
+    }
+    for p in actual.keys().filter(|p| !expected.contains_key(*p)) {
+        lines.push(format!("extra {p}: {}", actual[p]));
+    }
+    lines.join("; ")
+}
+
+fn cli() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/sluice");
+    assert!(
+        built.is_file(),
+        "no {}: run cargo build --workspace (run-e2e.sh does)",
+        built.display()
+    );
+    built
+}
+
+/// The CLI for the job, where the test user can run it.
+fn cli_for_job(cluster: &Cluster) -> PathBuf {
+    let dest = cluster.data_dir("crash-archive-cli").join("sluice");
+    fs::copy(cli(), &dest).unwrap();
+    dest
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_written() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    cluster.require_s3();
+    let (mut dice, seed) = Schedule::new();
+    let base = format!("{}/e2e-crash-archive-{}", cluster.user, unique());
+    let url = format!("s3://ckpt-faulty/{base}");
+    let remote = format!("garage:ckpt-faulty/{base}");
+    let proxy = FaultProxy::start(&cluster);
+    proxy.set(SLOW);
+
+    let work = cluster.workdir("crash-archive");
+    let out = work.join("out");
+    let job = cluster.submit(
+        &work,
+        &[
+            "-N2",
+            &format!("--ckpt-archive={url}"),
+            &format!("--ckpt-keep={KEEP}"),
+            "--job-name=crash-archive",
+        ],
+        &job_script(&work, &cli_for_job(&cluster)),
+    );
+    cluster.wait_running(&job, Duration::from_secs(60));
+    let node = cluster.job_field(&job, "BatchHost").expect("BatchHost");
+    let nodes: Vec<String> = {
+        let list = cluster.job_field(&job, "NodeList").expect("NodeList");
+        sluice_proto::hostlist::expand(&list).expect("NodeList")
+    };
+    // Rank 0 (the batch host's task) commits: wait for the first commit on its agent.
+    cluster.wait_for(
+        &format!("the first commit on {node}"),
+        Duration::from_secs(120),
+        Some(&job),
+        || {
+            cluster
+                .agent_job(&node, &job)
+                .is_ok_and(|s| !s.ckpts.is_empty())
+        },
+    );
+
+    // Kill the committing node's agent while it archives, again and again.
+    let started = Instant::now();
+    let mut kills: Vec<String> = Vec::new();
+    while kills.len() < KILLS && started.elapsed() < Duration::from_secs(180) {
+        std::thread::sleep(dice.between(Duration::from_millis(200), Duration::from_millis(2000)));
+        let states = match cluster.agent_job(&node, &job) {
+            Ok(s) => s.ckpts,
+            Err(e) => panic!("the agent of {node} does not answer: {e}"),
+        };
+        let all_done =
+            states.len() == TAGS.len() && states.iter().all(|c| c.state == CkptState::Archived);
+        if all_done {
+            break;
+        }
+        let summary: Vec<String> = states
+            .iter()
+            .map(|c| format!("{} {}", c.tag, c.state.as_str()))
+            .collect();
+        let launch = cluster.kill_agent(&node);
+        kills.push(format!(
+            "{:.1}s: {}",
+            started.elapsed().as_secs_f64(),
+            summary.join(", ")
+        ));
+        cluster.start_agent(&launch);
+    }
+    eprintln!(
+        "seed {seed} (SLUICE_TEST_SEED replays it): killed the agent of {node} {} times while \
+         archiving: {kills:#?}",
+        kills.len()
+    );
+    assert!(
+        kills.len() >= 5,
+        "the checkpoints were archived after only {} kills ({kills:?}): the test needs a slower \
+         store\n{}",
+        kills.len(),
+        cluster.evidence(&job)
+    );
+
+    // Left running: every checkpoint reaches its MANIFEST.
+    proxy.set("pass");
+    let manifests = |have: &str| {
+        TAGS.iter()
+            .all(|t| have.lines().any(|l| l == format!("{t}/MANIFEST")))
+    };
+    let mut listing = String::new();
+    cluster.wait_for(
+        &format!("the MANIFESTs of {TAGS:?} in {url}"),
+        ARCHIVE_TIMEOUT,
+        Some(&job),
+        || {
+            let o = cluster.rclone(&["lsf", "-R", "--files-only", &remote]);
+            listing = String::from_utf8_lossy(&o.stdout).into_owned();
+            manifests(&listing)
+        },
+    );
+    fs::write(work.join("stop"), "").unwrap();
+    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    assert_eq!(
+        end.state,
+        "COMPLETED",
+        "the job whose agent was killed {} times\n{}",
+        kills.len(),
+        cluster.evidence(&job)
+    );
+
+    // What the job wrote, per node and checkpoint.
+    let written: BTreeMap<(String, String), BTreeMap<String, String>> = nodes
+        .iter()
+        .flat_map(|n| TAGS.iter().map(move |t| (n.clone(), t.to_string())))
+        .map(|(n, t)| {
+            let sums = parse_sums(&task_file(&out, &n, &format!("sums-{t}")));
+            assert_eq!(sums.len(), 3, "sums of {t} on {n}: {sums:?}");
+            ((n, t), sums)
+        })
+        .collect();
+    let union = |tag: &str| -> BTreeMap<String, String> {
+        written
+            .iter()
+            .filter(|((_, t), _)| t == tag)
+            .flat_map(|(_, s)| s.clone())
+            .collect()
+    };
+
+    // Every checkpoint restores, checksums checked, to exactly what was written.
+    for tag in TAGS {
+        let dest = PathBuf::from(cluster.var("SLUICE_TEST_ROOT"))
+            .join(format!("crash-archive-restore-{tag}-{}", unique()));
+        let restored = Command::new(cli())
+            .args(["ckpt", "restore", &url, tag])
+            .arg(&dest)
+            .output()
+            .unwrap();
+        assert!(
+            restored.status.success(),
+            "sluice ckpt restore {url} {tag}: {}{}",
+            String::from_utf8_lossy(&restored.stdout),
+            String::from_utf8_lossy(&restored.stderr)
+        );
+        let got = tree(&dest);
+        let want = union(tag);
+        assert!(
+            got == want,
+            "checkpoint {tag} restored from {url} differs from what the job wrote: {}\n{}",
+            diff(&want, &got),
+            cluster.evidence(&job)
+        );
+        let _ = fs::remove_dir_all(&dest);
+    }
+
+    // Nothing of the job on a hot tier but the kept checkpoints, exactly as written: no partial,
+    // temporary or half-restored file; and no journal temp file.
+    let kept = &TAGS[TAGS.len() - KEEP..];
+    for n in &nodes {
+        let dir = cluster.job_dir(n, &job);
+        let mut want = BTreeMap::new();
+        for t in kept {
+            for (p, h) in &written[&(n.clone(), t.to_string())] {
+                want.insert(format!("ckpt/{t}/{p}"), h.clone());
+            }
+        }
+        // Directories are not listed by `tree`; staged data and dropped checkpoints go.
+        let deadline = Instant::now() + CLEANUP_TIMEOUT;
+        let mut got = tree(&dir);
+        while got != want && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(500));
+            got = tree(&dir);
+        }
+        assert!(
+            got == want,
+            "the hot tier of {n} after the job ({}) holds other than the {kept:?} retention keeps, \
+             as written: {}\n{}",
+            dir.display(),
+            diff(&want, &got),
+            cluster.evidence(&job)
+        );
+        let state = cluster.hot_root(n).parent().unwrap().join("state");
+        let temps: Vec<String> = tree(&state)
+            .into_keys()
+            .filter(|p| p.ends_with(".tmp") || p.contains(".partial"))
+            .collect();
+        assert!(
+            temps.is_empty(),
+            "temporary files in {}: {temps:?}",
+            state.display()
+        );
+    }
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+
+    // Reported, not asserted: objects outside the MANIFESTs a killed upload may have left.
+    let objects = cluster.rclone(&["lsf", "-R", "--files-only", &remote]);
+    let keys: Vec<String> = String::from_utf8_lossy(&objects.stdout)
+        .lines()
+        .map(String::from)
+        .collect();
+    eprintln!(
+        "{} objects in {url} after the job; proxy: {}",
+        keys.len(),
+        proxy.stats()
+    );
+    drop(proxy);
+}
