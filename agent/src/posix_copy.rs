@@ -283,6 +283,7 @@ fn copy_tree_in_pieces(
                 }),
             }
         }
+        files = interleave_directories(files);
     } else {
         return Err((
             EXIT_OTHER,
@@ -290,6 +291,21 @@ fn copy_tree_in_pieces(
         ));
     }
     copy_files(&files, umask, piece, out)
+}
+
+/// Reorders `files` to take one file from each directory in turn, so that copy threads mostly
+/// create files in different directories: creating a file locks its directory.
+fn interleave_directories(files: Vec<FileJob>) -> Vec<FileJob> {
+    let mut seen: std::collections::HashMap<&Path, u64> = std::collections::HashMap::new();
+    let mut rounds: Vec<u64> = Vec::with_capacity(files.len());
+    for f in &files {
+        let n = seen.entry(f.dst.parent().unwrap_or(&f.dst)).or_default();
+        rounds.push(*n);
+        *n += 1;
+    }
+    let mut keyed: Vec<(u64, FileJob)> = rounds.into_iter().zip(files).collect();
+    keyed.sort_by_key(|(round, _)| *round); // stable: the walk's order within a round
+    keyed.into_iter().map(|(_, f)| f).collect()
 }
 
 /// Opens `job`'s source and creates its destination (which must not exist) with `mode`.
@@ -532,6 +548,25 @@ mod tests {
         )
         .unwrap();
         assert_eq!(fs::read(dst.path().join("one")).unwrap(), data);
+    }
+
+    #[test]
+    fn copy_threads_take_files_from_each_directory_in_turn() {
+        let job = |p: &str| FileJob {
+            src: PathBuf::from(p),
+            dst: PathBuf::from("/d").join(p),
+            size: 1,
+            mode: 0o644,
+        };
+        let files = ["a/1", "a/2", "a/3", "b/1", "b/2", "top"].map(job).into();
+        let order: Vec<PathBuf> = interleave_directories(files)
+            .into_iter()
+            .map(|f| f.src)
+            .collect();
+        assert_eq!(
+            order,
+            ["a/1", "b/1", "top", "a/2", "b/2", "a/3"].map(PathBuf::from)
+        );
     }
 
     #[test]
