@@ -25,8 +25,8 @@
 //! above it. Requests in flight are bounded by a semaphore, memory by the chunks and parts in flight:
 //! about `(2 × compress_threads + 3) × chunk_size + (concurrency + 1) × part_size` (the part size
 //! grows for objects that would otherwise need more than [`MAX_PARTS`] parts). Each blocking
-//! thread that encodes or decodes keeps one chunk-sized buffer (and its zstd context) for its next
-//! chunk, until the runtime retires the idle thread.
+//! thread that encodes or decodes keeps a chunk-sized buffer or two (and its zstd contexts) for
+//! its next chunk, until the runtime retires the idle thread.
 //! Restore and verify fetch chunk ranges with parallel ranged GETs and decode them on blocking
 //! threads.
 
