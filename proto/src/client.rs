@@ -5,6 +5,9 @@
 
 use crate::msg::{ErrorReply, Request, Response};
 use crate::wire::{self, Envelope, FrameError};
+use nix::sys::socket::{MsgFlags, send};
+use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -35,10 +38,61 @@ pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Respon
     let io_err = |e: std::io::Error| frame_err(FrameError::Io(e));
     stream.set_write_timeout(Some(timeout)).map_err(io_err)?;
     stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
-    wire::write_frame(&mut stream, &Envelope::new(request)).map_err(frame_err)?;
+    wire::write_frame(&mut NoSigPipe(&stream), &Envelope::new(request)).map_err(frame_err)?;
     let body = wire::read_frame(&mut stream).map_err(frame_err)?;
     match wire::decode_response(&body).map_err(frame_err)? {
         Response::Error(e) => Err(ClientError::Agent(e)),
         other => Ok(other),
+    }
+}
+
+/// Writes with `MSG_NOSIGNAL`: an agent that closes the connection first (a refused over-cap
+/// client) must give this process `EPIPE`, not `SIGPIPE` — inside slurmstepd the signal's default
+/// action would kill the step daemon.
+struct NoSigPipe<'a>(&'a UnixStream);
+
+impl Write for NoSigPipe<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        send(self.0.as_raw_fd(), buf, MsgFlags::MSG_NOSIGNAL).map_err(std::io::Error::from)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(unsafe_code)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_that_hung_up_gives_an_error_not_sigpipe() {
+        let dir = std::env::temp_dir().join(format!("sluice-client-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("agent.sock");
+        let _ = std::fs::remove_file(&sock);
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let stream = UnixStream::connect(&sock).unwrap();
+        drop(listener.accept().unwrap());
+        drop(listener);
+        // The peer is gone: without MSG_NOSIGNAL this write would raise SIGPIPE. The test harness
+        // ignores SIGPIPE, so restore the default action to make the test able to fail.
+        // SAFETY: setting a signal disposition; no handler runs.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let big = vec![0u8; 1 << 20];
+        let mut w = NoSigPipe(&stream);
+        let mut err = None;
+        for _ in 0..4 {
+            if let Err(e) = w.write_all(&big) {
+                err = Some(e);
+                break;
+            }
+        }
+        // SAFETY: as above.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+        let err = err.expect("writing to a closed peer fails");
+        assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe, "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
