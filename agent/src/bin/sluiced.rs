@@ -94,6 +94,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    raise_fd_limit();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -139,4 +140,22 @@ fn bind(path: &std::path::Path) -> anyhow::Result<tokio::net::UnixListener> {
         .with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
     Ok(listener)
+}
+
+/// The agent holds up to the server's connection limit (1024) plus the files of concurrent stage-ins
+/// and archives: raise the soft descriptor limit to the hard one (systemd's `LimitNOFILE`), since a
+/// daemon started by hand or by a harness gets the default soft limit of 1024.
+fn raise_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!("open-file limit raised from {soft} to {hard}"),
+            Err(e) => tracing::warn!("cannot raise the open-file limit from {soft}: {e}"),
+        },
+        Ok((soft, _)) if soft < 4096 => tracing::warn!(
+            "the open-file limit is {soft}; set LimitNOFILE=65536 in sluiced.service"
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot read the open-file limit: {e}"),
+    }
 }
