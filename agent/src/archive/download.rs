@@ -103,6 +103,24 @@ fn file_hash(cvs: &[ChainingValue], piece: u64, len: u64) -> blake3::Hash {
     merge_subtrees_root(&l, &r, Mode::Hash)
 }
 
+/// The content check of one file whose ranges are arriving.
+struct FileCheck {
+    hasher: blake3::Hasher,
+    subtrees: Vec<ChainingValue>,
+    /// Already reported damaged: the rest of it is ignored.
+    bad: bool,
+}
+
+impl FileCheck {
+    fn new() -> FileCheck {
+        FileCheck {
+            hasher: blake3::Hasher::new(),
+            subtrees: Vec::new(),
+            bad: false,
+        }
+    }
+}
+
 /// Why one piece of work failed.
 enum WorkError {
     /// The data does not match the manifest: names the file.
@@ -113,11 +131,13 @@ enum WorkError {
 }
 
 /// Splits every file into ranges of whole chunks of about `range_size` stored bytes (at least one
-/// chunk each; a file without chunks gets one empty range, so it is created).
-fn plan(files: &[FileEntry], range_size: u64) -> Vec<Work> {
-    let mut work = Vec::new();
+/// chunk each; a file without chunks gets one empty range, so it is created). The ranges of `width`
+/// files at a time are taken in turn, so that the writes in flight go to different files: writes
+/// to one file serialise on its inode lock. Each file's ranges stay in order.
+fn plan(files: &[FileEntry], range_size: u64, width: usize) -> Vec<Work> {
+    let mut per_file: Vec<Vec<Work>> = Vec::with_capacity(files.len());
     for (i, f) in files.iter().enumerate() {
-        let start_len = work.len();
+        let mut work = Vec::new();
         let (mut first, mut raw_offset) = (0, 0);
         while first < f.chunks.len() {
             let start = f.chunks[first].offset;
@@ -139,7 +159,7 @@ fn plan(files: &[FileEntry], range_size: u64) -> Vec<Work> {
             raw_offset += f.chunks[first..end].iter().map(|c| c.raw).sum::<u64>();
             first = end;
         }
-        if work.len() == start_len {
+        if work.is_empty() {
             work.push(Work {
                 file: i,
                 chunks: 0..0,
@@ -151,6 +171,18 @@ fn plan(files: &[FileEntry], range_size: u64) -> Vec<Work> {
         work.last_mut()
             .expect("one range per file at least")
             .last_of_file = true;
+        per_file.push(work);
+    }
+    let mut work = Vec::new();
+    for group in per_file.chunks_mut(width.max(1)) {
+        let mut queues: Vec<_> = group.iter_mut().map(|w| w.drain(..)).collect();
+        loop {
+            let before = work.len();
+            work.extend(queues.iter_mut().filter_map(|q| q.next()));
+            if work.len() == before {
+                break;
+            }
+        }
     }
     work
 }
@@ -273,7 +305,7 @@ impl Archiver {
         let files = Arc::new(m.files.clone());
         let outputs: Arc<Vec<Mutex<Option<Arc<File>>>>> =
             Arc::new(files.iter().map(|_| Mutex::new(None)).collect());
-        let work = plan(&files, self.cfg.part_size);
+        let work = plan(&files, self.cfg.part_size, self.cfg.concurrency);
         // Set when restore gives up: work not yet started then does nothing, so no file is created
         // or written after this function returns (the caller may be removing the tree).
         let stop = Arc::new(AtomicBool::new(false));
@@ -345,14 +377,13 @@ impl Archiver {
         keep_going: bool,
         progress: &ArchiveProgress,
     ) -> Result<(), ArchiveError> {
-        // Results arrive in plan order: file by file, each file's ranges in order.
+        // Each file's ranges arrive in order, those of a few files interleaved (see `plan`).
         let mut damaged: Vec<Damaged> = Vec::new();
-        let mut hasher = Some(blake3::Hasher::new());
-        let mut cvs: Vec<ChainingValue> = Vec::new();
-        let mut bad_file: Option<usize> = None;
+        let mut checks: Vec<Option<FileCheck>> = files.iter().map(|_| None).collect();
         let mut syncs = Vec::new();
         while let Some((file, last, outcome)) = results.next().await {
             let f = &files[file];
+            let check = checks[file].get_or_insert_with(FileCheck::new);
             match outcome {
                 Err(WorkError::Fatal(e)) => return Err(e),
                 Err(WorkError::Stopped) => unreachable!("work stops only after consume returned"),
@@ -360,28 +391,26 @@ impl Archiver {
                     if !keep_going {
                         return Err(self.corrupt_one(&m.tag, &f.path, detail));
                     }
-                    if bad_file != Some(file) {
+                    if !check.bad {
                         damaged.push(Damaged {
                             path: f.path.clone(),
                             detail,
                         });
-                        bad_file = Some(file);
+                        check.bad = true;
                     }
                 }
-                Ok(d) if bad_file != Some(file) => {
+                Ok(d) if !check.bad => {
                     match d.hashed {
-                        Hashed::Subtrees(v) => cvs.extend(v),
+                        Hashed::Subtrees(v) => check.subtrees.extend(v),
                         Hashed::Raw(raws) => {
-                            let mut h = hasher.take().expect("a hasher between items");
-                            hasher = Some(
-                                blocking(move || {
-                                    for r in &raws {
-                                        h.update(r);
-                                    }
-                                    h
-                                })
-                                .await,
-                            );
+                            let mut h = std::mem::replace(&mut check.hasher, blake3::Hasher::new());
+                            check.hasher = blocking(move || {
+                                for r in &raws {
+                                    h.update(r);
+                                }
+                                h
+                            })
+                            .await;
                         }
                     }
                     progress.bytes_done(d.raw_bytes);
@@ -391,18 +420,17 @@ impl Archiver {
             if !last {
                 continue;
             }
-            let h = hasher.replace(blake3::Hasher::new()).expect("a hasher");
-            let subtrees = std::mem::take(&mut cvs);
+            let check = checks[file].take().expect("checked above");
             let out = outputs[file]
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .take();
-            if bad_file == Some(file) {
+            if check.bad {
                 continue;
             }
             let hash = match tree_piece(f) {
-                Some(piece) => file_hash(&subtrees, piece, f.size),
-                None => h.finalize(),
+                Some(piece) => file_hash(&check.subtrees, piece, f.size),
+                None => check.hasher.finalize(),
             };
             if hash != f.content_hash() {
                 let detail = "content checksum mismatch after decoding".to_string();
@@ -526,6 +554,47 @@ fn decode_and_write(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plan_takes_the_ranges_of_a_few_files_in_turn() {
+        let file = |path: &str, chunks: u64| FileEntry {
+            path: path.into(),
+            node: "n1".into(),
+            size: chunks * 100,
+            mode: 0o644,
+            blake3: blake3::hash(b"").to_hex().to_string(),
+            compression: format::FileCompression::STORED,
+            stored_size: chunks * 116,
+            chunks: (0..chunks)
+                .map(|i| super::super::ChunkEntry {
+                    offset: i * 116,
+                    stored: 116,
+                    raw: 100,
+                    codec: format::Codec::Stored,
+                    transform: format::Transform::None,
+                    blake3: blake3::hash(b"").to_hex().to_string(),
+                })
+                .collect(),
+        };
+        // One chunk per range; files of 3, 1, 0 and 2 ranges, two files at a time.
+        let files = [file("a", 3), file("b", 1), file("c", 0), file("d", 2)];
+        let order: Vec<(usize, u64, bool)> = plan(&files, 116, 2)
+            .iter()
+            .map(|w| (w.file, w.raw_offset, w.last_of_file))
+            .collect();
+        assert_eq!(
+            order,
+            [
+                (0, 0, false),
+                (1, 0, true),
+                (0, 100, false),
+                (0, 200, true),
+                (2, 0, true),
+                (3, 0, false),
+                (3, 100, true),
+            ]
+        );
+    }
 
     #[test]
     fn merged_subtree_hashes_are_the_file_hash() {
