@@ -319,6 +319,15 @@ impl Report {
     }
 }
 
+/// The `Environment=` settings of the agent's systemd unit, as shipped.
+fn agent_unit_env() -> Vec<(&'static str, &'static str)> {
+    include_str!("../../slurm-conf/sluiced.service")
+        .lines()
+        .filter_map(|l| l.strip_prefix("Environment="))
+        .filter_map(|kv| kv.split_once('='))
+        .collect()
+}
+
 type PeerCmd<'a> = Box<dyn Fn(&Path) -> Command + 'a>;
 
 impl Bench {
@@ -398,8 +407,16 @@ impl Bench {
             .ok_or_else(|| anyhow!("rclone size --json said {out:?}"))
     }
 
-    fn engine(&self, sub: &str) -> Command {
+    /// The driver, run as the agent runs: with the environment `slurm-conf/sluiced.service` gives
+    /// `sluiced` (its allocator settings shape the agent's speed and peak RSS).
+    fn driver(&self) -> Command {
         let mut c = Command::new(&self.exe);
+        c.envs(agent_unit_env());
+        c
+    }
+
+    fn engine(&self, sub: &str) -> Command {
+        let mut c = self.driver();
         c.arg(sub)
             .arg("--env")
             .arg(&self.a.env)
@@ -889,7 +906,7 @@ impl Bench {
                     name: "sluice".into(),
                     prepare: Box::new(|_| remove(&out_s)),
                     command: Box::new(|_| {
-                        let mut c = Command::new(&self.exe);
+                        let mut c = self.driver();
                         c.arg("compress")
                             .arg("--input")
                             .arg(&input)

@@ -396,7 +396,7 @@ start_agents() {
   for n in "${NODES[@]}"; do
     log "agent: starting sluiced --node $n"
     spawn "$RUN_DIR/sluiced-$n.pid" "$SLUICE_LOG_DIR/$n.log" \
-      env RUST_LOG="${SLUICE_AGENT_LOG:-info}" RUST_BACKTRACE=1 "$SLUICED" --config "$AGENT_CONFIG" --node "$n"
+      env RUST_LOG="${SLUICE_AGENT_LOG:-info}" RUST_BACKTRACE=1 MALLOC_MMAP_THRESHOLD_=1048576 "$SLUICED" --config "$AGENT_CONFIG" --node "$n"
   done
   for n in "${NODES[@]}"; do
     local deadline=$((SECONDS + 30))
