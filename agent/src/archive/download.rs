@@ -83,7 +83,7 @@ fn tree_piece(f: &FileEntry) -> Option<u64> {
 /// BLAKE3 of a file of `len` bytes from the chaining values of its chunks of `piece` bytes (the
 /// last may be shorter; two chunks at least), split as BLAKE3's tree is: the left subtree is the
 /// largest power of two of 1 KiB chunks below the length, so always whole pieces.
-fn file_hash(cvs: &[ChainingValue], piece: u64, len: u64) -> blake3::Hash {
+pub(super) fn file_hash(cvs: &[ChainingValue], piece: u64, len: u64) -> blake3::Hash {
     fn halves(cvs: &[ChainingValue], piece: u64, len: u64) -> (ChainingValue, ChainingValue) {
         let left = left_subtree_len(len);
         let k = (left / piece) as usize;
