@@ -16,7 +16,6 @@ use blake3::hazmat::{
     ChainingValue, HasherExt, Mode, left_subtree_len, merge_subtrees_non_root, merge_subtrees_root,
 };
 use futures::{Stream, StreamExt};
-use object_store::ObjectStoreExt;
 use std::cell::RefCell;
 use std::fs::File;
 use std::ops::Range;
@@ -187,6 +186,69 @@ fn plan(files: &[FileEntry], range_size: u64, width: usize) -> Vec<Work> {
     work
 }
 
+/// Receive buffers of the ranged GETs, reused: at most `concurrency` are in use at once, and a
+/// fresh buffer per range cost page faults and zeroing of every byte received.
+#[derive(Default)]
+struct Buffers {
+    idle: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Buffers {
+    fn take(&self) -> Vec<u8> {
+        self.idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default()
+    }
+
+    fn give(&self, mut buf: Vec<u8>) {
+        buf.clear();
+        self.idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buf);
+    }
+}
+
+enum Fetch {
+    Store(object_store::Error),
+    /// More bytes than the range arrived.
+    TooLong(String),
+}
+
+/// GETs `range` of `key`, streaming the body into `buf` (emptied first). Fewer bytes than asked
+/// are left for the caller's size check.
+async fn fetch_into(
+    store: &dyn object_store::ObjectStore,
+    key: &object_store::path::Path,
+    range: Range<u64>,
+    buf: &mut Vec<u8>,
+) -> Result<(), Fetch> {
+    let len = (range.end - range.start) as usize;
+    buf.clear();
+    buf.reserve(len);
+    let opts = object_store::GetOptions {
+        range: Some(range.into()),
+        ..object_store::GetOptions::default()
+    };
+    let mut body = store
+        .get_opts(key, opts)
+        .await
+        .map_err(Fetch::Store)?
+        .into_stream();
+    while let Some(piece) = body.next().await {
+        let piece = piece.map_err(Fetch::Store)?;
+        if buf.len() + piece.len() > len {
+            return Err(Fetch::TooLong(format!(
+                "the store returned more than the {len} bytes of the range"
+            )));
+        }
+        buf.extend_from_slice(&piece);
+    }
+    Ok(())
+}
+
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::task::spawn_blocking(f)
         .await
@@ -309,6 +371,7 @@ impl Archiver {
         // Set when restore gives up: work not yet started then does nothing, so no file is created
         // or written after this function returns (the caller may be removing the tree).
         let stop = Arc::new(AtomicBool::new(false));
+        let buffers = Arc::new(Buffers::default());
         let results = futures::stream::iter(work)
             .map(|w| {
                 let (files, outputs, sink, progress, stop) = (
@@ -320,35 +383,40 @@ impl Archiver {
                 );
                 let key = self.data_key(&m.tag, &files[w.file].path);
                 let (store, url, tag) = (self.store.clone(), self.url.clone(), m.tag.clone());
+                let buffers = buffers.clone();
                 async move {
                     let (file, last) = (w.file, w.last_of_file);
                     let outcome = async {
                         if stop.load(Ordering::Relaxed) {
                             return Err(WorkError::Stopped);
                         }
-                        let data = if w.range.is_empty() {
-                            bytes::Bytes::new()
-                        } else {
-                            store
-                                .get_range(&key, w.range.clone())
-                                .await
-                                .map_err(|error| {
-                                    WorkError::Fatal(ArchiveError::Store {
+                        let mut buf = buffers.take();
+                        if !w.range.is_empty() {
+                            let got = fetch_into(&*store, &key, w.range.clone(), &mut buf).await;
+                            if let Err(error) = got {
+                                buffers.give(buf);
+                                return Err(match error {
+                                    Fetch::Store(error) => WorkError::Fatal(ArchiveError::Store {
                                         url,
                                         op: "get",
                                         key: key.to_string(),
                                         error: Box::new(error),
-                                    })
-                                })?
-                        };
-                        progress.stored(data.len() as u64);
-                        blocking(move || {
-                            if stop.load(Ordering::Relaxed) {
-                                return Err(WorkError::Stopped);
+                                    }),
+                                    Fetch::TooLong(detail) => WorkError::Damaged(detail),
+                                });
                             }
-                            decode_and_write(&w, &data, &files, &outputs, &sink, &tag)
+                        }
+                        progress.stored(buf.len() as u64);
+                        let (buf, outcome) = blocking(move || {
+                            if stop.load(Ordering::Relaxed) {
+                                return (buf, Err(WorkError::Stopped));
+                            }
+                            let outcome = decode_and_write(&w, &buf, &files, &outputs, &sink, &tag);
+                            (buf, outcome)
                         })
-                        .await
+                        .await;
+                        buffers.give(buf);
+                        outcome
                     }
                     .await;
                     (file, last, outcome)
@@ -470,6 +538,21 @@ impl Archiver {
     }
 }
 
+/// Starts writing `len` bytes at `offset` of `file` to disk without waiting, so the disk writes
+/// while the rest arrives and the fsync at the end has little left to do (below the kernel's dirty
+/// threshold nothing would be written before it). On Linux `POSIX_FADV_DONTNEED` starts writeback
+/// of the dirty pages of the range and drops only its clean ones, which these are not yet. A hint:
+/// the fsync reports any write error.
+fn start_writeback(file: &File, offset: u64, len: usize) {
+    use std::os::fd::AsFd;
+    let _ = nix::fcntl::posix_fadvise(
+        file.as_fd(),
+        offset as i64,
+        len as i64,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    );
+}
+
 thread_local! {
     /// The decoded chunk, reused by each blocking thread.
     static RAW: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
@@ -531,6 +614,7 @@ fn decode_and_write(
             if let Some(out) = &out {
                 out.write_all_at(raw, offset)
                     .map_err(|e| WorkError::Fatal(io_write_error(tag, &f.path, e)))?;
+                start_writeback(out, offset, raw.len());
             }
             match &mut hashed {
                 Hashed::Subtrees(cvs) => cvs.push(
