@@ -1,29 +1,36 @@
 //! Uploading one node's part of a checkpoint.
 //!
 //! ```text
-//! reader (1 blocking thread)        compress (compress_threads blocking tasks)   assembler (async)
-//! walk → open → read chunks, hash → encode_chunk, in order (buffered) ───────→ frames → objects:
-//!   fstat before/after: Modified      transform chosen per file from a sample      ≤ part: one PUT
-//!                                                                                  > part: multipart
+//! reader (1 blocking thread)   compress (compress_threads blocking tasks)      assembler (async)
+//! walk → open → read chunks ──→ hash (BLAKE3 subtree) + encode_chunk, in order → part buffers:
+//!   fstat before/after:          transform chosen per file from a sample          ≤ part: one PUT
+//!   Modified                                                                      > part: multipart
 //! ```
 //!
-//! The reader is the only code touching the user's files ([`super::walk`]). The assembler awaits a
-//! request permit before each PUT or part, which throttles everything upstream; uploads run as
-//! spawned tasks that abort their multipart upload when the archive fails or is dropped.
+//! The reader is the only code touching the user's files ([`super::walk`]); it only reads, so
+//! reading overlaps hashing and encoding. With a power-of-two chunk size (the default) each chunk
+//! is hashed as a BLAKE3 subtree on its encoder thread and the file's hash merged from those, as
+//! restore does ([`super::download::file_hash`]); otherwise the reader hashes in order.
+//!
+//! Memory is bounded by the configuration, not by timing: raw chunks are reused buffers, and frames
+//! are copied into a fixed pool of `concurrency + 1` part buffers (one being filled, the others in
+//! PUTs) that return to the pool when their upload drops them. The assembler awaits a part buffer,
+//! then a request permit before each PUT or part, which throttles everything upstream; uploads run
+//! as spawned tasks that abort their multipart upload when the archive fails or is dropped.
 
 use super::format::{self, FileCompression, Frame};
 use super::manifest::{ChunkEntry, FileEntry, PART_FORMAT, PartManifest, VERSION};
 use super::walk::{self, Snapshot, TreeFile, WalkError};
 use super::{ArchiveError, ArchiveProgress, Archiver, check_name, unix_ms_now};
+use blake3::hazmat::{ChainingValue, HasherExt};
 use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use futures::stream::{FuturesUnordered, StreamExt};
 use object_store::path::Path as ObjPath;
 use object_store::{MultipartUpload, ObjectStoreExt, PutPayload};
-use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -42,11 +49,154 @@ fn stored_bound(size: u64, chunk_size: u64) -> u64 {
 
 type Choice = Shared<BoxFuture<'static, FileCompression>>;
 
+/// How a file's content hash is computed.
+#[derive(Clone, Copy)]
+enum HashBy {
+    /// One chunk: the encoder thread hashes it, and that is the file's hash.
+    Whole,
+    /// Chunks of a power-of-two size (two at least): each a BLAKE3 subtree hashed on its encoder
+    /// thread, merged when the file ends.
+    Subtrees,
+    /// The reader hashes the file in order (a chunk size that is not a power of two).
+    Reader,
+}
+
+impl HashBy {
+    fn of(size: u64, chunk_size: u64) -> HashBy {
+        if size <= chunk_size {
+            HashBy::Whole
+        } else if chunk_size.is_power_of_two() {
+            HashBy::Subtrees
+        } else {
+            HashBy::Reader
+        }
+    }
+
+    /// Blocking: call from an encoder thread.
+    fn chunk(self, data: &[u8], offset: u64) -> ChunkHash {
+        match self {
+            HashBy::Whole => ChunkHash::Whole(blake3::hash(data)),
+            HashBy::Subtrees => ChunkHash::Subtree(
+                blake3::Hasher::new()
+                    .set_input_offset(offset)
+                    .update(data)
+                    .finalize_non_root(),
+            ),
+            HashBy::Reader => ChunkHash::None,
+        }
+    }
+}
+
+enum ChunkHash {
+    Whole(blake3::Hash),
+    Subtree(ChainingValue),
+    None,
+}
+
+/// Raw chunk buffers, reused: the reader takes one per chunk, its encoder gives it back. Their
+/// number is bounded by the pipeline (the channel, the encoders in flight, the one being read).
+#[derive(Clone, Default)]
+struct RawBuffers(Arc<Mutex<Vec<Vec<u8>>>>);
+
+impl RawBuffers {
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut buf = self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default();
+        buf.resize(len, 0);
+        buf
+    }
+
+    fn give(&self, buf: Vec<u8>) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
+    }
+}
+
+/// The fixed pool of part buffers: `slots` of them exist at most, allocated on first use and then
+/// reused.
+struct PartPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    slots: Arc<Semaphore>,
+    capacity: usize,
+}
+
+impl PartPool {
+    fn new(slots: usize, capacity: u64) -> Arc<PartPool> {
+        Arc::new(PartPool {
+            free: Mutex::new(Vec::new()),
+            slots: Arc::new(Semaphore::new(slots)),
+            capacity: capacity as usize,
+        })
+    }
+
+    async fn get(self: &Arc<Self>) -> PartBuf {
+        let slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the part pool is never closed");
+        let buf = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        PartBuf {
+            buf: buf.unwrap_or_else(|| Vec::with_capacity(self.capacity)),
+            pool: self.clone(),
+            _slot: slot,
+        }
+    }
+}
+
+/// A part buffer of the pool; back to the pool when dropped (by the upload that sent it).
+struct PartBuf {
+    buf: Vec<u8>,
+    pool: Arc<PartPool>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl PartBuf {
+    fn into_payload(self) -> PutPayload {
+        Bytes::from_owner(self).into()
+    }
+}
+
+impl AsRef<[u8]> for PartBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for PartBuf {
+    fn drop(&mut self) {
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        // The slot is released after this, with the fields: the buffer is back first.
+        self.pool
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buf);
+    }
+}
+
 /// What the reader thread produces, in file order.
 enum ReadItem {
-    Start { index: usize, compression: Choice },
-    Chunk { data: Vec<u8>, compression: Choice },
-    End { index: usize, hash: blake3::Hash },
+    Start {
+        index: usize,
+        compression: Choice,
+    },
+    Chunk {
+        data: Vec<u8>,
+        offset: u64,
+        hash: HashBy,
+        compression: Choice,
+    },
+    /// `hash`: the file's, when the reader hashed it (or it is empty).
+    End {
+        index: usize,
+        hash: Option<blake3::Hash>,
+    },
 }
 
 /// A read item after compression.
@@ -55,10 +205,10 @@ enum Encoded {
         index: usize,
         compression: FileCompression,
     },
-    Chunk(Frame),
+    Chunk(Frame, ChunkHash),
     End {
         index: usize,
-        hash: blake3::Hash,
+        hash: Option<blake3::Hash>,
     },
 }
 
@@ -77,6 +227,7 @@ struct Reader {
     chunk_size: u64,
     level: i32,
     tag: String,
+    raw: RawBuffers,
     tx: mpsc::Sender<Result<ReadItem, ArchiveError>>,
 }
 
@@ -156,15 +307,20 @@ impl Reader {
             index,
             compression: compression.clone(),
         })?;
+        let hash = HashBy::of(f.size, self.chunk_size);
         let mut hasher = blake3::Hasher::new();
         let mut offset = 0;
         while offset < f.size {
             let n = self.chunk_size.min(f.size - offset);
-            let mut data = vec![0u8; n as usize];
+            let mut data = self.raw.take(n as usize);
             self.read_at(&file, f, &mut data, offset)?;
-            hasher.update(&data);
+            if let HashBy::Reader = hash {
+                hasher.update(&data);
+            }
             self.send(ReadItem::Chunk {
                 data,
+                offset,
+                hash,
                 compression: compression.clone(),
             })?;
             offset += n;
@@ -176,7 +332,7 @@ impl Reader {
         }
         self.send(ReadItem::End {
             index,
-            hash: hasher.finalize(),
+            hash: (f.size == 0 || matches!(hash, HashBy::Reader)).then(|| hasher.finalize()),
         })
     }
 }
@@ -219,8 +375,11 @@ struct Current {
     compression: FileCompression,
     chunks: Vec<ChunkEntry>,
     stored: u64,
-    pending: VecDeque<Bytes>,
-    pending_len: u64,
+    /// The chunks' subtree chaining values, or the hash of the one chunk.
+    subtrees: Vec<ChainingValue>,
+    whole: Option<blake3::Hash>,
+    /// The stored bytes not yet sent: at most one part.
+    buf: Option<PartBuf>,
     part_size: u64,
     /// Set once the object goes multipart: the channel to its upload task.
     multipart: Option<mpsc::Sender<PartMsg>>,
@@ -232,6 +391,7 @@ struct Assembler<'a> {
     node: String,
     files: Arc<Vec<TreeFile>>,
     requests: Arc<Semaphore>,
+    parts: Arc<PartPool>,
     progress: ArchiveProgress,
     cancel: CancellationToken,
     tasks: FuturesUnordered<JoinHandle<Result<(), ArchiveError>>>,
@@ -265,8 +425,9 @@ impl Assembler<'_> {
                     compression,
                     chunks: Vec::with_capacity(f.size.div_ceil(chunk) as usize),
                     stored: 0,
-                    pending: VecDeque::new(),
-                    pending_len: 0,
+                    subtrees: Vec::new(),
+                    whole: None,
+                    buf: None,
                     part_size: part_size_for(
                         self.archiver.cfg.part_size,
                         stored_bound(f.size, chunk),
@@ -274,8 +435,13 @@ impl Assembler<'_> {
                     multipart: None,
                 });
             }
-            Encoded::Chunk(frame) => {
+            Encoded::Chunk(frame, hash) => {
                 let cur = self.cur.as_mut().expect("a chunk follows its file's start");
+                match hash {
+                    ChunkHash::Whole(h) => cur.whole = Some(h),
+                    ChunkHash::Subtree(cv) => cur.subtrees.push(cv),
+                    ChunkHash::None => {}
+                }
                 let len = frame.bytes.len() as u64;
                 cur.chunks.push(ChunkEntry {
                     offset: cur.stored,
@@ -286,17 +452,29 @@ impl Assembler<'_> {
                     blake3: frame.blake3.to_hex().to_string(),
                 });
                 cur.stored += len;
-                cur.pending_len += len;
-                cur.pending.push_back(frame.bytes);
                 self.progress.bytes_done(frame.raw_len);
                 // Stored size above the part size: multipart, in parts of exactly part_size (the
-                // last may be shorter). At least one byte stays pending for the last part.
-                while self
-                    .cur
-                    .as_ref()
-                    .is_some_and(|c| c.pending_len > c.part_size)
-                {
-                    self.send_part().await?;
+                // last may be shorter). A full part is sent when more bytes come, so at least one
+                // byte stays for the last part.
+                let mut rest = &frame.bytes[..];
+                while !rest.is_empty() {
+                    let cur = self.cur.as_ref().expect("the current file");
+                    if cur
+                        .buf
+                        .as_ref()
+                        .is_some_and(|b| b.buf.len() as u64 >= cur.part_size)
+                    {
+                        self.send_part().await?;
+                    }
+                    if self.cur.as_ref().is_some_and(|c| c.buf.is_none()) {
+                        let buf = self.parts.get().await;
+                        self.cur.as_mut().expect("the current file").buf = Some(buf);
+                    }
+                    let cur = self.cur.as_mut().expect("the current file");
+                    let buf = &mut cur.buf.as_mut().expect("a part buffer").buf;
+                    let n = (cur.part_size as usize - buf.len()).min(rest.len());
+                    buf.extend_from_slice(&rest[..n]);
+                    rest = &rest[n..];
                 }
             }
             Encoded::End { index, hash } => {
@@ -308,7 +486,7 @@ impl Assembler<'_> {
         Ok(())
     }
 
-    /// Cuts the next part off the pending frames and hands it to the multipart task.
+    /// Hands the full part buffer to the multipart task.
     async fn send_part(&mut self) -> Result<(), ArchiveError> {
         if self.cur.as_ref().is_some_and(|c| c.multipart.is_none()) {
             self.start_multipart().await?;
@@ -318,25 +496,11 @@ impl Assembler<'_> {
             .cur
             .as_mut()
             .expect("sending a part of the current file");
-        let mut want = cur.part_size;
-        let mut pieces = Vec::new();
-        while want > 0 {
-            let mut b = cur.pending.pop_front().expect("enough bytes are pending");
-            if b.len() as u64 > want {
-                let rest = b.split_off(want as usize);
-                cur.pending.push_front(rest);
-            }
-            want -= b.len() as u64;
-            pieces.push(b);
-        }
-        cur.pending_len -= cur.part_size;
+        let payload = cur.buf.take().expect("a full part").into_payload();
         let tx = cur.multipart.clone().expect("multipart started");
-        tx.send(PartMsg::Part {
-            payload: pieces.into_iter().collect(),
-            permit,
-        })
-        .await
-        .map_err(|_| self.stopped())?;
+        tx.send(PartMsg::Part { payload, permit })
+            .await
+            .map_err(|_| self.stopped())?;
         self.poll_errors()
     }
 
@@ -368,9 +532,13 @@ impl Assembler<'_> {
     async fn finish_file(
         &mut self,
         mut cur: Current,
-        hash: blake3::Hash,
+        hash: Option<blake3::Hash>,
     ) -> Result<(), ArchiveError> {
         let f = &self.files[cur.index];
+        let chunk = self.archiver.cfg.chunk_size as u64;
+        let hash = hash
+            .or(cur.whole)
+            .unwrap_or_else(|| super::download::file_hash(&cur.subtrees, chunk, f.size));
         self.done.push(FileEntry {
             path: f.rel.clone(),
             node: self.node.clone(),
@@ -382,7 +550,11 @@ impl Assembler<'_> {
             chunks: std::mem::take(&mut cur.chunks),
         });
         let permit = self.permit().await;
-        let payload: PutPayload = cur.pending.drain(..).collect();
+        let payload = cur
+            .buf
+            .take()
+            .map(PartBuf::into_payload)
+            .unwrap_or_default();
         if let Some(tx) = cur.multipart.take() {
             tx.send(PartMsg::Part { payload, permit })
                 .await
@@ -645,6 +817,7 @@ impl Archiver {
         // If this future is dropped, the upload tasks stop and abort their multipart uploads.
         let _stop_tasks = cancel.clone().drop_guard();
         let (tx, rx) = mpsc::channel(2);
+        let raw = RawBuffers::default();
         let reader = Reader {
             rt: tokio::runtime::Handle::current(),
             root: dir,
@@ -653,24 +826,40 @@ impl Archiver {
             chunk_size: self.cfg.chunk_size as u64,
             level: self.cfg.zstd_level,
             tag: tag.into(),
+            raw: raw.clone(),
             tx,
         };
         let reader = tokio::task::spawn_blocking(move || reader.run());
         let encoded = futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|item| (item, rx))
         })
-        .map(|item| async move {
-            Ok::<_, ArchiveError>(match item? {
-                ReadItem::Start { index, compression } => Encoded::Start {
-                    index,
-                    compression: compression.await,
-                },
-                ReadItem::Chunk { data, compression } => {
-                    let c = compression.await;
-                    Encoded::Chunk(blocking(move || format::encode_chunk(&data, c)).await)
-                }
-                ReadItem::End { index, hash } => Encoded::End { index, hash },
-            })
+        .map(|item| {
+            let raw = raw.clone();
+            async move {
+                Ok::<_, ArchiveError>(match item? {
+                    ReadItem::Start { index, compression } => Encoded::Start {
+                        index,
+                        compression: compression.await,
+                    },
+                    ReadItem::Chunk {
+                        data,
+                        offset,
+                        hash,
+                        compression,
+                    } => {
+                        let c = compression.await;
+                        let (frame, hash) = blocking(move || {
+                            let hash = hash.chunk(&data, offset);
+                            let frame = format::encode_chunk(&data, c);
+                            raw.give(data);
+                            (frame, hash)
+                        })
+                        .await;
+                        Encoded::Chunk(frame, hash)
+                    }
+                    ReadItem::End { index, hash } => Encoded::End { index, hash },
+                })
+            }
         })
         .buffered(self.cfg.compress_threads);
         let mut asm = Assembler {
@@ -679,6 +868,7 @@ impl Archiver {
             node: node.into(),
             files,
             requests: Arc::new(Semaphore::new(self.cfg.concurrency)),
+            parts: PartPool::new(self.cfg.concurrency + 1, self.cfg.part_size),
             progress,
             cancel,
             tasks: FuturesUnordered::new(),
@@ -706,5 +896,40 @@ impl Archiver {
         // The reader has stopped: it sent everything, or its channel is closed.
         reader.await.expect("checkpoint reader panicked");
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The archive's part memory is the pool's: no more buffers than slots, each reused once its
+    /// upload drops it.
+    #[tokio::test]
+    async fn part_buffers_are_bounded_and_reused() {
+        let pool = PartPool::new(2, 1 << 20);
+        let mut a = pool.get().await;
+        a.buf.extend_from_slice(&[7; 1000]);
+        let b = pool.get().await;
+        let a_ptr = a.buf.as_ptr();
+        let payload = a.into_payload();
+        let third = pool.get();
+        tokio::pin!(third);
+        assert!(
+            futures::poll!(&mut third).is_pending(),
+            "a third buffer while two are out"
+        );
+        // Dropping the payload (the PUT is done) returns its buffer, emptied, to the pool.
+        let held = payload.clone();
+        drop(payload);
+        assert!(
+            futures::poll!(&mut third).is_pending(),
+            "a payload still refers to it"
+        );
+        drop(held);
+        let c = third.await;
+        assert_eq!(c.buf.as_ptr(), a_ptr);
+        assert!(c.buf.is_empty() && c.buf.capacity() >= 1 << 20);
+        drop(b);
     }
 }
