@@ -1,18 +1,16 @@
-//! The sluice side of every case: the agent's own engine (`sluice_agent::stage`, `Archiver`,
-//! `archive::format`), run in this process exactly as `sluiced` runs it — same code, same default
-//! tunables, integrity checks on — one operation per process, so the orchestrator measures it like
+//! The sluice side of every case: the agent's own engine (`sluice_agent::stage`, `Archiver`, its
+//! upload pipeline for compression too), run in this process exactly as `sluiced` runs it — same
+//! code, same default tunables, integrity checks on — one operation per process, so the orchestrator measures it like
 //! any peer tool (wall time, and CPU of the process tree from `wait`'s rusage).
 
 use anyhow::{Context, Result, bail};
-use sluice_agent::archive::{ArchiveConfig, ArchiveProgress, JobMeta, format, open_archive};
+use sluice_agent::archive::{ArchiveConfig, ArchiveProgress, Archiver, JobMeta, open_archive};
 use sluice_agent::config::Config;
 use sluice_agent::safefs::Owner;
 use sluice_agent::stage::{self, Progress, StageCtx};
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -289,75 +287,58 @@ pub fn rss(stage_job: StageJob, archive_job: ArchiveJob) -> Result<()> {
     Ok(())
 }
 
-/// Compresses one file the way the archive does (sample → transform choice, a reader thread that
-/// hashes the raw bytes, `compress_threads` encoders, frames written in order); prints the stored
-/// size.
+/// Compresses one file through the archive's own upload pipeline (`Archiver::upload_part` with the
+/// default tunables: sample → transform choice, a reader, `compress_threads` encoders that hash and
+/// encode, part buffers), into a `file://` store next to `output`; the file's data object then
+/// becomes `output`. `input` must be alone in its directory (the archive takes a directory, and
+/// refuses hard links). Prints the stored size and the file's BLAKE3 from the part manifest.
 pub fn compress(input: &Path, output: &Path, threads: Option<usize>, level: i32) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
     let t = Instant::now();
     let defaults = ArchiveConfig::default();
-    let threads = threads.unwrap_or(defaults.compress_threads).max(1);
-    let chunk = defaults.chunk_size as u64;
-    let file = File::open(input).with_context(|| format!("opening {}", input.display()))?;
-    let size = file.metadata()?.len();
-    let sample = match format::sample_range(size) {
-        Some(r) => {
-            let mut buf = vec![0u8; (r.end - r.start) as usize];
-            file.read_exact_at(&mut buf, r.start)?;
-            Some(buf)
-        }
-        None => None,
+    let cfg = ArchiveConfig {
+        compress_threads: threads.unwrap_or(defaults.compress_threads).max(1),
+        zstd_level: level,
+        ..defaults
     };
-    let compression = format::choose_compression(sample.as_deref(), level);
-    let n_chunks = size.div_ceil(chunk) as usize;
-    let mut frames: Vec<Option<format::Frame>> = vec![None; n_chunks];
-    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(threads * 2);
-    let rx = std::sync::Mutex::new(rx);
-    let raw_hash = std::thread::scope(|s| -> Result<blake3::Hash> {
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, format::Frame)>();
-        for _ in 0..threads {
-            let (rx, done_tx) = (&rx, done_tx.clone());
-            s.spawn(move || {
-                loop {
-                    let next = rx.lock().unwrap().recv();
-                    let Ok((i, data)) = next else { break };
-                    let _ = done_tx.send((i, format::encode_chunk(&data, compression)));
-                }
-            });
-        }
-        drop(done_tx);
-        let collector = s.spawn(move || done_rx.into_iter().collect::<Vec<_>>());
-        let mut hasher = blake3::Hasher::new();
-        let mut offset = 0;
-        let mut i = 0;
-        while offset < size {
-            let n = chunk.min(size - offset);
-            let mut data = vec![0u8; n as usize];
-            file.read_exact_at(&mut data, offset)?;
-            hasher.update(&data);
-            tx.send((i, data))
-                .map_err(|_| anyhow::anyhow!("encoder threads died"))?;
-            offset += n;
-            i += 1;
-        }
-        drop(tx);
-        for (i, f) in collector.join().expect("collector") {
-            frames[i] = Some(f);
-        }
-        Ok(hasher.finalize())
-    })?;
-    let mut out = std::io::BufWriter::new(File::create(output)?);
-    let mut stored = 0u64;
-    for f in frames {
-        let f = f.context("a chunk was not encoded")?;
-        stored += f.bytes.len() as u64;
-        out.write_all(&f.bytes)?;
+    let threads = cfg.compress_threads;
+    let src = input.parent().context("the input has no directory")?;
+    let name = input.file_name().context("the input has no file name")?;
+    let others: Vec<_> = std::fs::read_dir(src)?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name() != name)
+        .map(|e| e.path())
+        .collect();
+    if !others.is_empty() {
+        bail!(
+            "{} must be alone in its directory, which also holds {:?}",
+            input.display(),
+            others
+        );
     }
-    out.flush()?;
+    let uid = std::fs::metadata(input)?.uid();
+    let store_dir = output.with_extension("store");
+    let _ = std::fs::remove_dir_all(&store_dir);
+    std::fs::create_dir_all(&store_dir)?;
+    let store = object_store::local::LocalFileSystem::new_with_prefix(&store_dir)?;
+    let archiver = Archiver::new(Arc::new(store), "", cfg)?;
+    let part = runtime()?.block_on(archiver.upload_part(
+        "bench",
+        "n1",
+        open_dir(src)?,
+        uid,
+        &ArchiveProgress::default(),
+    ))?;
+    let [f] = &part.files[..] else {
+        bail!("{} archived as {} files", src.display(), part.files.len());
+    };
+    std::fs::rename(store_dir.join("bench/data").join(&f.path), output)?;
+    std::fs::remove_dir_all(&store_dir)?;
     println!(
         "{}",
-        serde_json::json!({"raw_bytes": size, "stored_bytes": stored, "threads": threads,
-            "transform": format!("{:?}", compression.transform), "codec": format!("{:?}", compression.codec),
-            "level": compression.level, "raw_blake3": raw_hash.to_hex().to_string(),
+        serde_json::json!({"raw_bytes": f.size, "stored_bytes": f.stored_size, "threads": threads,
+            "transform": format!("{:?}", f.compression.transform), "codec": format!("{:?}", f.compression.codec),
+            "level": f.compression.level, "raw_blake3": f.blake3,
             "inner_wall_s": t.elapsed().as_secs_f64()})
     );
     Ok(())

@@ -143,7 +143,8 @@ enum Cmd {
     },
     /// Print the table of result files (merging runs of different --cases).
     Table { files: Vec<PathBuf> },
-    /// Compress one file the way the archive does.
+    /// Compress one file through the archive's upload pipeline (the file must be alone in its
+    /// directory).
     Compress {
         #[arg(long)]
         input: PathBuf,

