@@ -558,6 +558,21 @@ pub fn decode_chunk_into(
     expected: &Expected,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
+    decode_chunk_at(frame, expected, out, 0)
+}
+
+/// [`decode_chunk_into`] at `at`: `out[..at]` is kept (its bytes are whatever they were), the
+/// chunk's raw bytes follow. Never reallocates `out` when its capacity is `at` plus the chunk's raw
+/// length, so a caller can place the chunk at an aligned address (for `O_DIRECT` writes).
+pub fn decode_chunk_at(
+    frame: &[u8],
+    expected: &Expected,
+    out: &mut Vec<u8>,
+    at: usize,
+) -> Result<(), String> {
+    if out.len() < at {
+        out.resize(at, 0);
+    }
     if blake3::hash(frame) != expected.blake3 {
         return Err("checksum mismatch (the stored bytes were changed or damaged)".into());
     }
@@ -579,33 +594,36 @@ pub fn decode_chunk_into(
     let raw_len = raw_len as usize;
     match (codec, transform) {
         (Codec::Stored, Transform::None) if payload_len == raw_len => {
-            out.clear();
+            out.truncate(at);
             out.extend_from_slice(payload);
             Ok(())
         }
         (Codec::Stored, _) => Err("malformed stored frame".into()),
-        (Codec::Zstd, Transform::None) => zstd_decode(payload, raw_len, out),
+        (Codec::Zstd, Transform::None) => {
+            out.truncate(at);
+            zstd_decode_append(payload, raw_len, out)
+        }
         // Written by manifest version 1: one zstd frame of all the planes.
         (Codec::Zstd, t) => SCRATCH.with_borrow_mut(|grouped| {
             zstd_decode(payload, raw_len, grouped)?;
             let w = t.width();
             let n = raw_len / w;
             let planes: Vec<&[u8]> = grouped[..n * w].chunks_exact(n.max(1)).collect();
-            fill(out, &planes, &grouped[n * w..], raw_len);
+            fill(out, at, &planes, &grouped[n * w..], raw_len);
             Ok(())
         }),
         (Codec::ZstdPlanes, Transform::None) => Err("plane-wise frame without planes".into()),
-        (Codec::ZstdPlanes, t) => decode_planes(payload, raw_len, t.width(), out),
+        (Codec::ZstdPlanes, t) => decode_planes(payload, raw_len, t.width(), out, at),
     }
 }
 
-/// Sets `out` to the interleaved `planes` followed by `tail`, `raw_len` bytes in all. A reused
-/// buffer of the same length is overwritten without being zeroed first.
-fn fill(out: &mut Vec<u8>, planes: &[&[u8]], tail: &[u8], raw_len: usize) {
-    out.truncate(raw_len);
-    out.resize(raw_len, 0);
-    let body = raw_len - tail.len();
-    interleave(planes, &mut out[..body]);
+/// Sets `out[at..]` to the interleaved `planes` followed by `tail`, `raw_len` bytes in all. A
+/// reused buffer of the same length is overwritten without being zeroed first.
+fn fill(out: &mut Vec<u8>, at: usize, planes: &[&[u8]], tail: &[u8], raw_len: usize) {
+    out.truncate(at + raw_len);
+    out.resize(at + raw_len, 0);
+    let body = at + raw_len - tail.len();
+    interleave(planes, &mut out[at..body]);
     out[body..].copy_from_slice(tail);
 }
 
@@ -615,6 +633,7 @@ fn decode_planes(
     raw_len: usize,
     width: usize,
     out: &mut Vec<u8>,
+    start: usize,
 ) -> Result<(), String> {
     let n = raw_len / width;
     let table_len = width * PLANE_ENTRY;
@@ -658,7 +677,7 @@ fn decode_planes(
                 _ => *data,
             })
             .collect();
-        fill(out, &planes, tail, raw_len);
+        fill(out, start, &planes, tail, raw_len);
         Ok(())
     })
 }
