@@ -689,18 +689,18 @@ fn decode_and_write(
             format::decode_chunk_at(frame, &c.expected(), buf, at)
                 .map_err(|e| WorkError::Damaged(format!("chunk {} of {total}: {e}", i + 1)))?;
             let raw = &buf[at..];
-            if let Some(out) = &out {
-                out.write_all_at(raw, offset)
-                    .map_err(|e| WorkError::Fatal(io_write_error(tag, &f.path, e)))?;
-            }
-            match &mut hashed {
-                Hashed::Subtrees(cvs) => cvs.push(
+            // Hashed while the chunk is still in the cache from decoding, then written.
+            if let Hashed::Subtrees(cvs) = &mut hashed {
+                cvs.push(
                     blake3::Hasher::new()
                         .set_input_offset(offset)
                         .update(raw)
                         .finalize_non_root(),
-                ),
-                Hashed::Raw(_) => {}
+                );
+            }
+            if let Some(out) = &out {
+                out.write_all_at(raw, offset)
+                    .map_err(|e| WorkError::Fatal(io_write_error(tag, &f.path, e)))?;
             }
             if let Hashed::Raw(raws) = &mut hashed {
                 raws.push(fresh);
