@@ -27,8 +27,10 @@
 //! grows for objects that would otherwise need more than [`MAX_PARTS`] parts). Each blocking
 //! thread that encodes or decodes keeps a chunk-sized buffer or two (and its zstd contexts) for
 //! its next chunk, until the runtime retires the idle thread.
-//! Restore and verify fetch chunk ranges with parallel ranged GETs and decode them on blocking
-//! threads.
+//! Restore and verify fetch chunk ranges with parallel ranged GETs, each body streamed into one of
+//! `concurrency` reused receive buffers, and decode them on blocking threads; restore writes whole
+//! aligned blocks with `O_DIRECT` (no page-cache copy; the restored files are not left in the page
+//! cache) where the file system allows it, and fsyncs every file before it returns.
 
 mod download;
 pub mod format;
