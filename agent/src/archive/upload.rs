@@ -13,10 +13,12 @@
 //! restore does ([`super::download::file_hash`]); otherwise the reader hashes in order.
 //!
 //! Memory is bounded by the configuration, not by timing: raw chunks are reused buffers, and frames
-//! are copied into a fixed pool of `concurrency + 1` part buffers (one being filled, the others in
-//! PUTs) that return to the pool when their upload drops them. The assembler awaits a part buffer,
-//! then a request permit before each PUT or part, which throttles everything upstream; uploads run
-//! as spawned tasks that abort their multipart upload when the archive fails or is dropped.
+//! are copied into a fixed pool of part buffers ([`part_buffers`]: one being filled, the others in
+//! PUTs) that return to the pool when their upload drops them; an object's small last piece is
+//! copied out of the pool, so small files do not hold whole part buffers. The assembler awaits a
+//! part buffer, then a request permit before each PUT or part, which throttles everything upstream;
+//! uploads run as spawned tasks that abort their multipart upload when the archive fails or is
+//! dropped.
 
 use super::format::{self, FileCompression, Frame};
 use super::manifest::{ChunkEntry, FileEntry, PART_FORMAT, PartManifest, VERSION};
@@ -91,6 +93,20 @@ enum ChunkHash {
     Whole(blake3::Hash),
     Subtree(ChainingValue),
     None,
+}
+
+/// How many part buffers an upload uses: one being filled, and parts in flight for half the
+/// requests. Parts are the archive's largest memory (16 MiB each by default), and a part's PUT is
+/// long enough that half the requests carrying parts keep the store busy; the other requests carry
+/// small objects, copied out of the pool (see [`small_piece`]).
+fn part_buffers(concurrency: usize) -> usize {
+    concurrency.div_ceil(2) + 1
+}
+
+/// An object's last piece small enough to be copied out of its part buffer (which then returns to
+/// the pool at once).
+fn small_piece(len: usize, part_size: u64) -> bool {
+    len as u64 <= part_size / 8
 }
 
 /// Raw chunk buffers, reused: the reader takes one per chunk, its encoder gives it back. Their
@@ -550,11 +566,13 @@ impl Assembler<'_> {
             chunks: std::mem::take(&mut cur.chunks),
         });
         let permit = self.permit().await;
-        let payload = cur
-            .buf
-            .take()
-            .map(PartBuf::into_payload)
-            .unwrap_or_default();
+        let payload = match cur.buf.take() {
+            Some(b) if small_piece(b.buf.len(), cur.part_size) => {
+                PutPayload::from(Bytes::copy_from_slice(&b.buf))
+            }
+            Some(b) => b.into_payload(),
+            None => PutPayload::default(),
+        };
         if let Some(tx) = cur.multipart.take() {
             tx.send(PartMsg::Part { payload, permit })
                 .await
@@ -868,7 +886,7 @@ impl Archiver {
             node: node.into(),
             files,
             requests: Arc::new(Semaphore::new(self.cfg.concurrency)),
-            parts: PartPool::new(self.cfg.concurrency + 1, self.cfg.part_size),
+            parts: PartPool::new(part_buffers(self.cfg.concurrency), self.cfg.part_size),
             progress,
             cancel,
             tasks: FuturesUnordered::new(),
