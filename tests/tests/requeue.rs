@@ -1,0 +1,832 @@
+//! A job requeued with the same job id (issue 4: "a job requeued with the same id → staging and
+//! archiving are idempotent"), as a user of `sbatch --requeue` sees it.
+//!
+//! One 2-node job is submitted with `--requeue`, a dataset from Garage (`--stage-in`), an archive
+//! (`--ckpt-archive`), `--ckpt-keep=1` and `--ckpt-restore=latest`; its output file is opened in
+//! append mode so that it shows both runs. A small seed job archives `s0` first, because
+//! `--ckpt-restore=latest` fails a job whose archive is empty, and a requeued job keeps the options of
+//! its first run.
+//!
+//! Run 1 checks its staged dataset (sha256) and that `s0` was restored, writes checkpoint `s1` on each
+//! node, commits it, waits until its node's agent reports it archived, then leaves what a run killed
+//! mid-way leaves: a modified staged file, an extra file in the stage directory and a torn,
+//! uncommitted checkpoint directory. The test requeues it (`scontrol requeue`) and lets it start
+//! again at once (Slurm gives a requeued job a begin time in the future).
+//!
+//! Run 2 (same job id, `SLURM_RESTART_COUNT=1`) must find the dataset staged again, whole and
+//! identical (nothing of run 1 left), `SLUICE_RESTORED_TAG=s1` with `s1` byte-identical to what run 1
+//! wrote and nothing else in `$SLUICE_CKPT_DIR`; it writes and commits `s2` and ends.
+//!
+//! Then: the job COMPLETED after one restart; the archive holds each checkpoint's objects exactly
+//! once (`s1` untouched by run 2, `s2` shaped like `s1`, no open multipart upload); `sluice ckpt
+//! restore` of `s1` and `s2` gives what was written; each node's hot tier holds exactly `s2` (what
+//! `--ckpt-keep=1` keeps) as that node wrote it, and the agents' journals say so; every node is idle.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Seed job: one small checkpoint, archived.
+const SEED_TIMEOUT: Duration = Duration::from_secs(120);
+/// Run 1 until its checkpoint is archived and it waits to be requeued.
+const RUN1_TIMEOUT: Duration = Duration::from_secs(180);
+/// From `scontrol requeue` until run 2 runs: the epilogs (the agents wait up to `epilog_wait`,
+/// 20 s here) and Slurm's own requeue steps.
+const REQUEUE_TIMEOUT: Duration = Duration::from_secs(200);
+/// Run 2 from its start to its end (stage, restore, one checkpoint archived).
+const RUN2_TIMEOUT: Duration = Duration::from_secs(180);
+/// Finalisation on the hot tiers after the job left COMPLETING.
+const HOT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One task per node, for the seed job (`seed`) and both runs of the requeued job (`1`, `2`). It
+/// records under `<work>/out/<run>/<node>/`: `env`, `restored` (SLUICE_RESTORED_TAG), `ckpt-ls`
+/// (entries of $SLUICE_CKPT_DIR at start), `restored-sums` (sha256 of the restored checkpoint),
+/// `stage-ls`, `sums-ds`, `dirs-ds` (the staged dataset), `sums-TAG` (what it wrote), `leftovers`
+/// (run 1: what it left behind for run 2), `events`, and `ready` (run 1: waiting to be requeued) or
+/// `done`.
+const TASK_PY: &str = r#"
+import hashlib, json, os, subprocess, sys, time
+
+W, RUN, CLI = sys.argv[1], sys.argv[2], sys.argv[3]
+RANK = int(os.environ["SLURM_PROCID"])
+NTASKS = int(os.environ["SLURM_NTASKS"])
+NODE = os.environ["SLURMD_NODENAME"]
+CKPT = os.environ["SLUICE_CKPT_DIR"]
+STAGE = os.environ.get("SLUICE_STAGE_DIR", "")
+OUT = os.path.join(W, "out", RUN, NODE)
+os.makedirs(OUT, exist_ok=True)
+DEADLINE = time.monotonic() + 150
+SUMS = "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum"
+DIRS = "find . -mindepth 1 -type d | LC_ALL=C sort"
+
+
+def log(event):
+    with open(os.path.join(OUT, "events"), "a") as f:
+        f.write(f"{time.time():.3f} rank {RANK}: {event}\n")
+
+
+def fail(msg):
+    log("FAILED " + msg)
+    print(f"task.py run {RUN} rank {RANK} on {NODE}: {msg}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def record(name, text):
+    with open(os.path.join(OUT, name), "w") as f:
+        f.write(text)
+
+
+def sh(cmd, cwd):
+    try:
+        p = subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True)
+    except OSError as e:
+        return f"{cwd}: {e}\n"
+    return p.stdout + p.stderr
+
+
+def cli(*args):
+    p = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        fail(f"sluice {' '.join(args)} exited {p.returncode}: {p.stdout}{p.stderr}")
+    return p.stdout
+
+
+def barrier(name):
+    d = os.path.join(W, "barrier", RUN, name)
+    os.makedirs(d, exist_ok=True)
+    open(os.path.join(d, str(RANK)), "w").close()
+    while len(os.listdir(d)) < NTASKS:
+        if time.monotonic() > DEADLINE:
+            fail(f"barrier {name}: the other tasks did not come")
+        time.sleep(0.1)
+
+
+def write_ckpt(tag, files):
+    sums = []
+    for rel, size in files:
+        path = os.path.join(CKPT, tag, rel.format(r=RANK))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = os.urandom(size)
+        with open(path, "wb") as f:
+            f.write(data)
+        sums.append((rel.format(r=RANK), hashlib.sha256(data).hexdigest()))
+    record(f"sums-{tag}", "".join(f"{h}  ./{p}\n" for p, h in sorted(sums)))
+    log(f"wrote {tag}")
+    barrier(tag)
+    if RANK == 0:
+        cli("ckpt", "commit", tag)
+        log(f"committed {tag}")
+
+
+def wait_archived(tag):
+    while True:
+        reply = json.loads(cli("ckpt", "list", "--json"))
+        states = {c["tag"]: c["state"] for c in reply.get("ckpts", [])}
+        if states.get(tag) == "archived":
+            log(f"{tag} archived: {json.dumps(states)}")
+            return
+        if time.monotonic() > DEADLINE:
+            fail(f"{tag} not archived in time: {reply}")
+        time.sleep(0.3)
+
+
+env = "".join(f"{k}={v}\n" for k, v in sorted(os.environ.items()) if k.startswith(("SLUICE_", "SLURM_RESTART")))
+record("env", env)
+restored = os.environ.get("SLUICE_RESTORED_TAG", "<unset>")
+record("restored", restored + "\n")
+record("ckpt-ls", "".join(e + "\n" for e in sorted(os.listdir(CKPT))))
+if restored != "<unset>":
+    record("restored-sums", sh(SUMS, os.path.join(CKPT, restored)))
+if RUN != "seed":
+    record("stage-ls", "".join(e + "\n" for e in sorted(os.listdir(STAGE))))
+    record("sums-ds", sh(SUMS, os.path.join(STAGE, "ds")))
+    record("dirs-ds", sh(DIRS, os.path.join(STAGE, "ds")))
+log(f"started; restored {restored}")
+
+SHARD = [("model/rank_{r}.bin", 6 * 1024 * 1024 + 4321), ("meta/rank_{r}.json", 300)]
+if RUN == "seed":
+    write_ckpt("s0", [("seed_{r}.bin", 64 * 1024)])
+    wait_archived("s0")
+elif RUN == "1":
+    write_ckpt("s1", SHARD)
+    wait_archived("s1")
+    # What a run killed mid-way leaves behind: a staged file it changed, a file of its own in the
+    # stage directory, a torn save that was never committed.
+    left = []
+    try:
+        with open(os.path.join(STAGE, "ds", "nested", "a", "sibling.bin"), "ab") as f:
+            f.write(b"changed by run 1")
+        left.append("stage/ds/nested/a/sibling.bin (appended to)")
+    except OSError as e:
+        log(f"could not change a staged file: {e}")
+    try:
+        os.makedirs(os.path.join(STAGE, "run1-extra"), exist_ok=True)
+        with open(os.path.join(STAGE, "run1-extra", f"from-{NODE}"), "w") as f:
+            f.write("run 1")
+        left.append("stage/run1-extra")
+    except OSError as e:
+        log(f"could not write into the stage directory: {e}")
+    torn = os.path.join(CKPT, "s2-torn", "model")
+    os.makedirs(torn, exist_ok=True)
+    with open(os.path.join(torn, f"rank_{RANK}.bin.partial"), "wb") as f:
+        f.write(os.urandom(100 * 1024))
+    left.append("ckpt/s2-torn")
+    record("leftovers", "".join(x + "\n" for x in left))
+    record("ready", "")
+    log("ready to be requeued")
+    time.sleep(900)
+    fail("run 1 was not requeued")
+elif RUN == "2":
+    write_ckpt("s2", SHARD)
+    wait_archived("s2")
+else:
+    fail(f"unknown run {RUN}")
+log("done")
+record("done", "")
+"#;
+
+/// The `sluice` CLI built next to the tests (`cargo build --workspace`).
+fn cli() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/sluice");
+    assert!(
+        built.is_file(),
+        "no {}: run cargo build --workspace (run-e2e.sh does)",
+        built.display()
+    );
+    built
+}
+
+/// The batch script: says which run this is in the job output, records what the batch step sees
+/// (before any step), then runs one task per node.
+fn batch_script(work: &Path, task: &Path, cli: &Path, run: Option<&str>) -> String {
+    let run = run.map_or_else(
+        || "$(( ${SLURM_RESTART_COUNT:-0} + 1 ))".to_string(),
+        String::from,
+    );
+    format!(
+        r#"#!/bin/bash
+run={run}
+echo "run $run of job $SLURM_JOB_ID: start $(date +%s.%N) restart_count=${{SLURM_RESTART_COUNT-<unset>}} restored=${{SLUICE_RESTORED_TAG-<unset>}}"
+mkdir -p {w}/out/$run
+{{ echo "tag=${{SLUICE_RESTORED_TAG-<unset>}}"; ls -A "$SLUICE_CKPT_DIR"; }} > {w}/out/$run/batch-first 2>&1
+srun --ntasks-per-node=1 python3 {task} {w} $run {cli}
+rc=$?
+echo "run $run of job $SLURM_JOB_ID: end $(date +%s.%N) rc=$rc"
+exit $rc
+"#,
+        w = work.display(),
+        task = task.display(),
+        cli = cli.display()
+    )
+}
+
+/// `sha256  ./path` lines → path (without `./`) → hash.
+fn parse_sums(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.split_once("  "))
+        .map(|(h, p)| (p.trim_start_matches("./").to_string(), h.to_string()))
+        .collect()
+}
+
+/// Every regular file below `dir`: relative path → sha256; anything else is described.
+fn tree(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+            let Ok(md) = fs::symlink_metadata(&p) else {
+                continue; // removed meanwhile
+            };
+            if md.is_dir() {
+                stack.push(p);
+            } else if md.is_file() {
+                let sum = Command::new("sha256sum").arg(&p).output().unwrap();
+                let sum = String::from_utf8_lossy(&sum.stdout);
+                out.insert(rel, sum.split_whitespace().next().unwrap_or("").into());
+            } else {
+                out.insert(rel, format!("<{:?}>", md.file_type()));
+            }
+        }
+    }
+    out
+}
+
+fn diff(expected: &BTreeMap<String, String>, actual: &BTreeMap<String, String>) -> String {
+    let mut lines = Vec::new();
+    for (p, h) in expected {
+        match actual.get(p) {
+            None => lines.push(format!("missing {p}")),
+            Some(a) if a != h => lines.push(format!("differs {p}")),
+            Some(_) => {}
+        }
+    }
+    for p in actual.keys().filter(|p| !expected.contains_key(*p)) {
+        lines.push(format!("extra {p}"));
+    }
+    lines.join("; ")
+}
+
+fn entries(dir: &Path) -> BTreeSet<String> {
+    fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn now_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// The archive below `garage:ckpt/<base>`, read directly (not through sluice).
+struct Archive {
+    url: String,
+    remote: String,
+    bucket: String,
+    base: String,
+}
+
+impl Archive {
+    fn new(cluster: &Cluster) -> Archive {
+        let base = format!("{}/e2e-requeue-{}", cluster.user, unique());
+        Archive {
+            url: format!("s3://ckpt/{base}"),
+            remote: format!("garage:ckpt/{base}"),
+            bucket: "ckpt".into(),
+            base,
+        }
+    }
+
+    /// key (relative to the archive) → size.
+    fn objects(&self, cluster: &Cluster) -> BTreeMap<String, u64> {
+        let out = cluster.rclone(&["lsjson", "-R", "--files-only", &self.remote]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            if stderr.contains("directory not found") {
+                return BTreeMap::new();
+            }
+            panic!("rclone lsjson {}: {stderr}", self.remote);
+        }
+        let list: Vec<Value> = serde_json::from_slice(&out.stdout).expect("rclone lsjson output");
+        list.iter()
+            .map(|o| {
+                (
+                    o["Path"].as_str().unwrap().to_string(),
+                    o["Size"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    fn read(&self, cluster: &Cluster, key: &str) -> Vec<u8> {
+        let path = format!("{}/{key}", self.remote);
+        let out = cluster.rclone(&["cat", &path]);
+        assert!(
+            out.status.success(),
+            "rclone cat {path}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    }
+
+    /// Multipart uploads still open below the archive: keys.
+    fn open_uploads(&self, cluster: &Cluster) -> Vec<String> {
+        let out = cluster.rclone(&[
+            "backend",
+            "list-multipart-uploads",
+            &format!("garage:{}", self.bucket),
+        ]);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        v[&self.bucket]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|u| u["Key"].as_str())
+                    .filter(|k| k.starts_with(&self.base))
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// The objects of one tag (`TAG/...`), relative to `TAG/`.
+fn of_tag(objects: &BTreeMap<String, u64>, tag: &str) -> BTreeMap<String, u64> {
+    objects
+        .iter()
+        .filter_map(|(k, s)| Some((k.strip_prefix(&format!("{tag}/"))?.to_string(), *s)))
+        .collect()
+}
+
+/// Checks a MANIFEST as the archive engine does (it names the tag, and every file it lists has its
+/// data object with the recorded stored size); returns it parsed.
+fn check_manifest(objects: &BTreeMap<String, u64>, tag: &str, bytes: &[u8]) -> Value {
+    let m: Value =
+        serde_json::from_slice(bytes).unwrap_or_else(|e| panic!("{tag}/MANIFEST is not JSON: {e}"));
+    assert_eq!(m["format"], "sluice-checkpoint", "{tag}/MANIFEST: {m}");
+    assert_eq!(m["tag"], tag, "{tag}/MANIFEST");
+    let files = m["files"].as_array().expect("MANIFEST files");
+    for f in files {
+        let path = f["path"].as_str().unwrap();
+        assert_eq!(
+            objects.get(&format!("{tag}/data/{path}")).copied(),
+            f["stored_size"].as_u64(),
+            "{tag}/MANIFEST lists {path}: its data object is missing or of another size"
+        );
+    }
+    m
+}
+
+/// `sluice ckpt restore URL TAG DIR` as root; the restored tree.
+fn cli_restore(cluster: &Cluster, url: &str, tag: &str) -> BTreeMap<String, String> {
+    let dest = PathBuf::from(cluster.var("SLUICE_TEST_ROOT"))
+        .join(format!("requeue-restore-{tag}-{}", unique()));
+    let out = Command::new(cli())
+        .args(["ckpt", "restore", url, tag])
+        .arg(&dest)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "sluice ckpt restore {url} {tag}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = tree(&dest);
+    let _ = fs::remove_dir_all(&dest);
+    got
+}
+
+/// The first whitespace-separated `NAME=value` of `scontrol show job -o`.
+fn field(raw: &str, name: &str) -> Option<String> {
+    raw.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+        .map(String::from)
+}
+
+/// `scontrol show hostnames` of the job's node list.
+fn job_nodes(cluster: &Cluster, job: &Job) -> Vec<String> {
+    let list = cluster
+        .job_field(job, "NodeList")
+        .unwrap_or_else(|| panic!("no NodeList for job {}", job.id));
+    run(Command::new("scontrol").args(["show", "hostnames", &list]))
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
+    let cluster = Cluster::get();
+    cluster.require_sluice();
+    cluster.require_s3();
+    let t0 = Instant::now();
+    let at = |t: Instant| t.duration_since(t0).as_secs_f64();
+
+    // The dataset, in Garage under the prefix the harness's [[stage.allow]] opens (s3://datasets/).
+    let ds_dir = cluster.data_dir("requeue").join("ds");
+    make_dataset(&ds_dir, false);
+    let (ds_sums, ds_dirs) = (checksums(&ds_dir), directories(&ds_dir));
+    let prefix = format!("e2e/{}/ds", unique());
+    cluster.upload(&ds_dir, "garage", &format!("datasets/{prefix}"));
+
+    let archive = Archive::new(&cluster);
+    let work = cluster.workdir("requeue");
+    let out = work.join("out");
+    let cli_dir = cluster.data_dir("requeue-cli");
+    let job_cli = cli_dir.join("sluice");
+    fs::copy(cli(), &job_cli).unwrap();
+    let task = work.join("task.py");
+    fs::write(&task, TASK_PY).unwrap();
+    let archive_opt = format!("--ckpt-archive={}", archive.url);
+
+    // Seed: `--ckpt-restore=latest` needs a checkpoint in the archive for the first run.
+    let seed = cluster.submit(
+        &work,
+        &["-N1", &archive_opt, "--job-name=requeue-seed"],
+        &batch_script(&work, &task, &job_cli, Some("seed")),
+    );
+    let end = cluster.wait_end(&seed, SEED_TIMEOUT);
+    assert_eq!(
+        (end.state.as_str(), end.exit_code.as_str()),
+        ("COMPLETED", "0:0"),
+        "the seed job\n{}",
+        cluster.evidence(&seed)
+    );
+    let seed_node = job_nodes(&cluster, &seed).remove(0);
+    let s0 = parse_sums(&task_file(&out.join("seed"), &seed_node, "sums-s0"));
+    assert_eq!(s0.len(), 1, "the seed job recorded no s0 files");
+    let t_seeded = Instant::now();
+
+    // The job, with everything a requeued job must handle, on the same two nodes in both runs (so
+    // that run 2 meets what run 1 left on their hot tiers).
+    let stage_opt = format!("--stage-in=ds=s3://datasets/{prefix}");
+    let nodelist = format!("--nodelist={}", cluster.nodes[..2].join(","));
+    let job = cluster.submit(
+        &work,
+        &[
+            "-N2",
+            &nodelist,
+            "--requeue",
+            "--open-mode=append",
+            &stage_opt,
+            &archive_opt,
+            "--ckpt-keep=1",
+            "--ckpt-restore=latest",
+            "--job-name=requeue",
+        ],
+        &batch_script(&work, &task, &job_cli, None),
+    );
+    cluster.wait_for(
+        &format!("job {} to run", job.id),
+        RUN1_TIMEOUT,
+        Some(&job),
+        || {
+            let state = cluster.job_state(&job).map(|s| s.state).unwrap_or_default();
+            assert!(
+                matches!(state.as_str(), "PENDING" | "CONFIGURING" | "RUNNING"),
+                "run 1 of job {} is {state}\n{}",
+                job.id,
+                cluster.evidence(&job)
+            );
+            state == "RUNNING"
+        },
+    );
+    let nodes = job_nodes(&cluster, &job);
+    assert_eq!(nodes.len(), 2, "{nodes:?}");
+    let run1 = out.join("1");
+    cluster.wait_for(
+        "run 1 to archive s1 and wait to be requeued on every node",
+        RUN1_TIMEOUT,
+        Some(&job),
+        || {
+            let failed = nodes
+                .iter()
+                .any(|n| task_file(&run1, n, "events").contains("FAILED"));
+            assert!(
+                !failed,
+                "a task of run 1 failed\n{}",
+                cluster.evidence(&job)
+            );
+            nodes.iter().all(|n| run1.join(n).join("ready").exists())
+        },
+    );
+    let t_ready = Instant::now();
+
+    // Run 1 saw its dataset whole and s0 restored.
+    for n in &nodes {
+        let ev = || cluster.evidence(&job);
+        assert_eq!(
+            task_file(&run1, n, "restored").trim(),
+            "s0",
+            "run 1 on {n}\n{}",
+            ev()
+        );
+        assert_eq!(
+            task_file(&run1, n, "ckpt-ls"),
+            "s0\n",
+            "run 1's $SLUICE_CKPT_DIR on {n}"
+        );
+        assert_eq!(
+            parse_sums(&task_file(&run1, n, "restored-sums")),
+            s0,
+            "s0 as run 1 saw it on {n}"
+        );
+        assert_eq!(
+            task_file(&run1, n, "stage-ls"),
+            "ds\n",
+            "run 1's stage dir on {n}"
+        );
+        let sums = task_file(&run1, n, "sums-ds");
+        assert!(
+            sums == ds_sums,
+            "run 1's staged dataset on {n} differs from its source: {}",
+            diff_listings(&ds_sums, &sums)
+        );
+        assert_eq!(
+            task_file(&run1, n, "dirs-ds"),
+            ds_dirs,
+            "run 1's directories on {n}"
+        );
+    }
+    let s1_written: BTreeMap<String, String> = nodes
+        .iter()
+        .flat_map(|n| parse_sums(&task_file(&run1, n, "sums-s1")))
+        .collect();
+    assert_eq!(s1_written.len(), 4, "run 1 recorded s1: {s1_written:?}");
+
+    // s1 is in the archive, once, complete.
+    let before = archive.objects(&cluster);
+    let tags: BTreeSet<&str> = before.keys().filter_map(|k| k.split('/').next()).collect();
+    assert_eq!(
+        tags,
+        BTreeSet::from(["s0", "s1"]),
+        "{}: {before:?}",
+        archive.url
+    );
+    let s1_manifest = archive.read(&cluster, "s1/MANIFEST");
+    let m1 = check_manifest(&before, "s1", &s1_manifest);
+    assert_eq!(
+        m1["job"]["job_id"].as_u64(),
+        Some(job.id as u64),
+        "s1 MANIFEST job"
+    );
+    let s0_objects = of_tag(&before, "s0");
+    let s1_objects = of_tag(&before, "s1");
+    let leftovers: BTreeMap<&String, String> = nodes
+        .iter()
+        .map(|n| (n, task_file(&run1, n, "leftovers")))
+        .collect();
+
+    // Requeue it. Slurm kills run 1, runs the epilogs, and puts the job back in the queue with a
+    // begin time in the future; the test lets it start at once.
+    run(Command::new("scontrol").args(["requeue", &job.id.to_string()]));
+    let t_requeue = Instant::now();
+    let mut t_pending = None;
+    let mut pending_seen = String::new();
+    let mut released = false;
+    let run2_state = loop {
+        let state = cluster
+            .job_state(&job)
+            .unwrap_or_else(|| panic!("Slurm forgot job {} after the requeue", job.id));
+        let restarts = field(&state.raw, "Restarts").unwrap_or_default();
+        if state.state == "PENDING" && t_pending.is_none() {
+            t_pending = Some(Instant::now());
+            pending_seen = format!(
+                "Reason={} BeginTime={} Restarts={restarts} (at {:.3})",
+                state.reason.clone().unwrap_or_default(),
+                field(&state.raw, "BeginTime").unwrap_or_default(),
+                now_s()
+            );
+        }
+        if state.state == "PENDING" && !released {
+            let r = Command::new("scontrol")
+                .args(["update", &format!("jobid={}", job.id), "begintime=now"])
+                .output()
+                .unwrap();
+            released = r.status.success();
+        }
+        // Pending once (the epilogs are done), then anything else: run 2 started.
+        if t_pending.is_some() && state.state != "PENDING" {
+            break format!("{} (Restarts={restarts})", state.state);
+        }
+        assert!(
+            t_requeue.elapsed() < REQUEUE_TIMEOUT,
+            "job {} did not start again within {REQUEUE_TIMEOUT:?} of scontrol requeue \
+             (pending: {pending_seen})\n{}",
+            job.id,
+            cluster.evidence(&job)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let t_run2 = Instant::now();
+
+    let end = cluster.wait_end(&job, RUN2_TIMEOUT);
+    let t_end = Instant::now();
+    let ev = || cluster.evidence(&job);
+    assert_eq!(
+        (end.state.as_str(), end.exit_code.as_str()),
+        ("COMPLETED", "0:0"),
+        "the requeued job (run 2 started in state {run2_state})\n{}",
+        ev()
+    );
+    assert_eq!(
+        field(&end.raw, "Restarts").as_deref(),
+        Some("1"),
+        "restart count of the job\n{}",
+        ev()
+    );
+    let output = job.output_text();
+    for line in [
+        format!("run 1 of job {}: start", job.id),
+        format!("run 2 of job {}: start", job.id),
+        format!("run 2 of job {}: end", job.id),
+    ] {
+        assert!(
+            output.contains(&line),
+            "the job output lacks {line:?}\n{}",
+            ev()
+        );
+    }
+    let nodes2 = job_nodes(&cluster, &job);
+    assert_eq!(nodes2, nodes, "run 2's nodes\n{}", ev());
+
+    // Run 2: the dataset staged again, whole, with nothing of run 1; s1 restored, alone.
+    let run2 = out.join("2");
+    let batch_first = fs::read_to_string(run2.join("batch-first")).unwrap_or_default();
+    assert_eq!(
+        batch_first,
+        "tag=s1\ns1\n",
+        "what run 2's batch script saw first ($SLUICE_RESTORED_TAG, then $SLUICE_CKPT_DIR)\n{}",
+        ev()
+    );
+    for n in &nodes2 {
+        assert!(
+            run2.join(n).join("done").exists(),
+            "run 2 did not finish on {n}\n{}",
+            ev()
+        );
+        assert_eq!(
+            task_file(&run2, n, "restored").trim(),
+            "s1",
+            "SLUICE_RESTORED_TAG in run 2 on {n}"
+        );
+        assert!(
+            task_file(&run2, n, "env").contains("SLURM_RESTART_COUNT=1"),
+            "run 2 on {n} does not know it is a restart: {}",
+            task_file(&run2, n, "env")
+        );
+        assert_eq!(
+            task_file(&run2, n, "ckpt-ls"),
+            "s1\n",
+            "$SLUICE_CKPT_DIR on {n} at the start of run 2 (run 1 left {:?})\n{}",
+            leftovers,
+            ev()
+        );
+        let restored = parse_sums(&task_file(&run2, n, "restored-sums"));
+        assert!(
+            restored == s1_written,
+            "s1 as run 2 found it on {n} differs from what run 1 wrote: {}\n{}",
+            diff(&s1_written, &restored),
+            ev()
+        );
+        assert_eq!(
+            task_file(&run2, n, "stage-ls"),
+            "ds\n",
+            "run 2's stage dir on {n} (run 1 left {leftovers:?})"
+        );
+        let sums = task_file(&run2, n, "sums-ds");
+        assert!(
+            sums == ds_sums,
+            "run 2's staged dataset on {n} differs from its source (run 1 left {leftovers:?}): {}\n{}",
+            diff_listings(&ds_sums, &sums),
+            ev()
+        );
+        assert_eq!(
+            task_file(&run2, n, "dirs-ds"),
+            ds_dirs,
+            "run 2's directories on {n}"
+        );
+    }
+    let s2_written: BTreeMap<String, String> = nodes2
+        .iter()
+        .flat_map(|n| parse_sums(&task_file(&run2, n, "sums-s2")))
+        .collect();
+    assert_eq!(s2_written.len(), 4, "run 2 recorded s2: {s2_written:?}");
+
+    // The archive: s0 and s1 exactly as before the requeue (s1's MANIFEST not published again),
+    // s2 made of the same objects as s1 (same files), nothing else, no upload left open.
+    let after = archive.objects(&cluster);
+    let tags: BTreeSet<&str> = after.keys().filter_map(|k| k.split('/').next()).collect();
+    assert_eq!(
+        tags,
+        BTreeSet::from(["s0", "s1", "s2"]),
+        "{}: {after:?}",
+        archive.url
+    );
+    assert_eq!(of_tag(&after, "s0"), s0_objects, "s0's objects changed");
+    assert_eq!(
+        of_tag(&after, "s1"),
+        s1_objects,
+        "s1's objects changed after the requeue"
+    );
+    assert!(
+        archive.read(&cluster, "s1/MANIFEST") == s1_manifest,
+        "s1's MANIFEST was rewritten after the requeue"
+    );
+    let s2_objects = of_tag(&after, "s2");
+    assert_eq!(
+        s2_objects.keys().collect::<Vec<_>>(),
+        s1_objects.keys().collect::<Vec<_>>(),
+        "s2 (one archive by run 2) and s1 (one archive by run 1) hold the same files, so the same keys"
+    );
+    let m2 = check_manifest(&after, "s2", &archive.read(&cluster, "s2/MANIFEST"));
+    assert_eq!(
+        m2["job"]["job_id"].as_u64(),
+        Some(job.id as u64),
+        "s2 MANIFEST job"
+    );
+    let manifest_count = after.keys().filter(|k| k.ends_with("MANIFEST")).count();
+    assert_eq!(manifest_count, 3, "MANIFESTs in {}: {after:?}", archive.url);
+    assert_eq!(
+        archive.open_uploads(&cluster),
+        Vec::<String>::new(),
+        "open multipart uploads"
+    );
+
+    // Both checkpoints restore (checksums checked by sluice) to what was written.
+    for (tag, written) in [("s1", &s1_written), ("s2", &s2_written)] {
+        let got = cli_restore(&cluster, &archive.url, tag);
+        assert!(
+            &got == written,
+            "sluice ckpt restore {} {tag} differs from what the job wrote: {}",
+            archive.url,
+            diff(written, &got)
+        );
+    }
+
+    // Each node's hot tier keeps exactly s2 (--ckpt-keep=1), as that node wrote it; the agents'
+    // journals record the job as ended with s2 kept.
+    for n in &nodes2 {
+        let dir = cluster.job_dir(n, &job);
+        let want: BTreeMap<String, String> = parse_sums(&task_file(&run2, n, "sums-s2"))
+            .into_iter()
+            .map(|(p, h)| (format!("ckpt/s2/{p}"), h))
+            .collect();
+        cluster.wait_for(
+            &format!("the hot tier of {n} ({}) to hold exactly s2", dir.display()),
+            HOT_TIMEOUT,
+            Some(&job),
+            || {
+                entries(&dir) == BTreeSet::from(["ckpt".to_string()])
+                    && entries(&dir.join("ckpt")) == BTreeSet::from(["s2".to_string()])
+                    && tree(&dir) == want
+            },
+        );
+        let journal = PathBuf::from(cluster.var("SLUICE_TEST_ROOT"))
+            .join(n)
+            .join("state/jobs")
+            .join(format!("{}.json", job.id));
+        let record: Value = serde_json::from_slice(&fs::read(&journal).unwrap_or_default())
+            .unwrap_or_else(|e| panic!("the journal record {} of {n}: {e}", journal.display()));
+        let kept: Vec<&str> = record["ckpts"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|c| c["on_hot"] == true)
+                    .filter_map(|c| c["tag"].as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(
+            record["ended"] == true && kept == ["s2"],
+            "the journal of {n} after the job should record it ended with s2 kept: {record}"
+        );
+    }
+    cluster.assert_nodes_return_idle(&job, HOT_TIMEOUT);
+
+    eprintln!(
+        "requeue timeline (s since start): seeded {:.1}, run 1 ready {:.1}, requeued {:.1}, \
+         pending {} [{pending_seen}], begin time moved to now: {released}, run 2 {:.1}, ended {:.1}",
+        at(t_seeded),
+        at(t_ready),
+        at(t_requeue),
+        t_pending.map_or("never seen".into(), |t| format!("{:.1}", at(t))),
+        at(t_run2),
+        at(t_end)
+    );
+}
