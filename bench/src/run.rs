@@ -1260,7 +1260,7 @@ impl Bench {
     fn method(&self, cfg: &sluice_agent::config::Config) -> String {
         format!(
             "sluice = the agent engine in-process (sluice-bench driver calling sluice_agent::stage::stage, \
-             Archiver::upload_part/try_publish/restore and archive::format, {} build), one process per run; \
+             Archiver::upload_part/try_publish/restore, and upload_part into a file:// store for compression, {} build), one process per run; \
              agent defaults: {}. Client CPU = user+sys of the measured process tree. Ratio > 1 favours sluice \
              (peer/sluice for time and bytes, sluice/peer for compression ratio and speed).",
             self.a.build,
