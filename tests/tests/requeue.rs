@@ -593,12 +593,23 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         .collect();
 
     // Requeue it. Slurm kills run 1, runs the epilogs, and puts the job back in the queue with a
-    // begin time in the future; the test lets it start at once.
+    // begin time in the future (Reason=BeginTime; slurm.conf(5): the requeue delay defaults to the
+    // credential lifetime, 120 s). The test tries to let it start at once, and records what Slurm
+    // answered.
     run(Command::new("scontrol").args(["requeue", &job.id.to_string()]));
     let t_requeue = Instant::now();
     let mut t_pending = None;
     let mut pending_seen = String::new();
-    let mut released = false;
+    let mut released: Option<String> = None;
+    let mut refusals: BTreeSet<String> = BTreeSet::new();
+    let mut last_try: Option<Instant> = None;
+    let id = job.id.to_string();
+    let jobid = format!("jobid={id}");
+    let attempts: [Vec<&str>; 3] = [
+        vec!["update", &jobid, "begintime=now"],
+        vec!["update", &jobid, "StartTime=now"],
+        vec!["release", &id],
+    ];
     let run2_state = loop {
         let state = cluster
             .job_state(&job)
@@ -607,18 +618,27 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         if state.state == "PENDING" && t_pending.is_none() {
             t_pending = Some(Instant::now());
             pending_seen = format!(
-                "Reason={} BeginTime={} Restarts={restarts} (at {:.3})",
+                "Reason={} EligibleTime={} Restarts={restarts} (at {:.3})",
                 state.reason.clone().unwrap_or_default(),
-                field(&state.raw, "BeginTime").unwrap_or_default(),
+                field(&state.raw, "EligibleTime").unwrap_or_default(),
                 now_s()
             );
         }
-        if state.state == "PENDING" && !released {
-            let r = Command::new("scontrol")
-                .args(["update", &format!("jobid={}", job.id), "begintime=now"])
-                .output()
-                .unwrap();
-            released = r.status.success();
+        let due = last_try.is_none_or(|t| t.elapsed() > Duration::from_secs(2));
+        if state.state == "PENDING" && released.is_none() && due {
+            last_try = Some(Instant::now());
+            for args in &attempts {
+                let r = Command::new("scontrol").args(args).output().unwrap();
+                if r.status.success() {
+                    released = Some(format!("scontrol {}", args.join(" ")));
+                    break;
+                }
+                refusals.insert(format!(
+                    "scontrol {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&r.stderr).trim()
+                ));
+            }
         }
         // Pending once (the epilogs are done), then anything else: run 2 started.
         if t_pending.is_some() && state.state != "PENDING" {
@@ -627,7 +647,7 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         assert!(
             t_requeue.elapsed() < REQUEUE_TIMEOUT,
             "job {} did not start again within {REQUEUE_TIMEOUT:?} of scontrol requeue \
-             (pending: {pending_seen})\n{}",
+             (pending: {pending_seen}; refused: {refusals:?})\n{}",
             job.id,
             cluster.evidence(&job)
         );
@@ -821,7 +841,7 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
 
     eprintln!(
         "requeue timeline (s since start): seeded {:.1}, run 1 ready {:.1}, requeued {:.1}, \
-         pending {} [{pending_seen}], begin time moved to now: {released}, run 2 {:.1}, ended {:.1}",
+         pending {} [{pending_seen}], released by {released:?} (refused: {refusals:?}), run 2 {:.1}, ended {:.1}",
         at(t_seeded),
         at(t_ready),
         at(t_requeue),
