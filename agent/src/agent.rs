@@ -456,8 +456,11 @@ impl Agent {
         {
             let mut jobs = self.jobs();
             if let Some(old) = jobs.insert(start.job_id, job.clone()) {
+                // A new run of the same job id (requeue): the old run's worker must stop before it
+                // trims, finalises or journals anything, since those act on paths keyed by the id.
                 old.cancel.cancel();
                 old.ended.store(true, std::sync::atomic::Ordering::Relaxed);
+                old.set_ended();
                 old.ckpts.wake.notify_one();
             }
             prune_ended(&mut jobs);
@@ -567,6 +570,9 @@ impl Agent {
     /// Writes the job's current record to the journal (errors are logged: the in-memory state stays
     /// authoritative until the next successful write).
     pub(crate) async fn persist(&self, job: &Job) {
+        if self.replaced(job) {
+            return;
+        }
         let record = JobRecord {
             version: RECORD_VERSION,
             start: job.start.clone(),
@@ -590,6 +596,14 @@ impl Agent {
         if let Err(e) = blocking(move || journal.save(&record)).await {
             tracing::error!(job_id = job.start.job_id, "{e}");
         }
+    }
+
+    /// Whether a newer run of the same job id took this job's place in the table (a requeue): the
+    /// old run must no longer touch `jobs/<id>` or the journal record `<id>.json`.
+    pub(crate) fn replaced(&self, job: &Job) -> bool {
+        self.jobs()
+            .get(&job.start.job_id)
+            .is_some_and(|current| !std::ptr::eq(&**current, job))
     }
 
     /// Forgets a finished job on disk (its journal record).
@@ -633,11 +647,15 @@ impl Agent {
             .spawn(blocking(move || {
                 let root = safefs::open_root_dir(&hot_root)?;
                 let jobs = safefs::open_dir(&root, "jobs")?;
+                // The checkpoint worker may be removing the whole job directory meanwhile: what is
+                // already gone is removed.
+                let gone = |e: &safefs::SafeFsError| e.errno() == Some(nix::errno::Errno::ENOENT);
                 match safefs::open_dir(&jobs, &job_id.to_string()) {
-                    Ok(dir) => safefs::remove_tree(&dir, "stage"),
-                    Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => {
-                        Ok(Default::default())
-                    }
+                    Ok(dir) => match safefs::remove_tree(&dir, "stage") {
+                        Err(e) if gone(&e) => Ok(Default::default()),
+                        other => other,
+                    },
+                    Err(e) if gone(&e) => Ok(Default::default()),
                     Err(e) => Err(e),
                 }
             }))

@@ -413,6 +413,9 @@ impl Agent {
     /// Retention: removes archived checkpoints beyond the newest `keep` from the hot tier; above the
     /// high-water mark, every archived checkpoint but the newest.
     pub(crate) async fn trim(&self, job: &Job) {
+        if self.replaced(job) {
+            return;
+        }
         let keep = if self.above_high_water().await {
             1
         } else {
@@ -458,6 +461,14 @@ impl Agent {
     /// directory (and the journal record) stay while committed checkpoints remain on the hot tier.
     async fn finalize(&self, job: &Arc<Job>) {
         let (hot, id) = (self.cfg.hot_root.clone(), job.start.job_id);
+        if self.replaced(job) {
+            // Requeued: `jobs/<id>` and the journal record belong to the new run now.
+            tracing::info!(
+                job_id = id,
+                "job finished on this node; a newer run replaced it"
+            );
+            return;
+        }
         let keep: Vec<String> = job
             .ckpts
             .entries()
@@ -498,7 +509,7 @@ impl Agent {
         }
         if keep_any {
             self.persist(job).await;
-        } else {
+        } else if !self.replaced(job) {
             self.forget(id).await;
         }
         job.set_ended();

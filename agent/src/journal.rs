@@ -57,7 +57,15 @@ pub fn write_durable(path: &Path, data: &[u8]) -> std::io::Result<()> {
     let name = path
         .file_name()
         .ok_or_else(|| std::io::Error::other("path has no file name"))?;
-    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    // A name of its own per write: two writers of the same record (a requeued job's new run and the
+    // run it replaced) must not rename each other's temporary file away.
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(
+        ".{}.{}.{seq}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     {
         let mut f = std::fs::OpenOptions::new()
             .write(true)

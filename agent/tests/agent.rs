@@ -803,3 +803,41 @@ async fn restore_gives_only_the_users_own_checkpoints_from_a_shared_prefix() {
     );
     t.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeued_run_is_never_cleaned_up_by_the_run_it_replaced() {
+    if !is_root() {
+        eprintln!("skipped: needs root, like sluiced itself");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let keep = tmp.path().to_path_buf();
+    let t = start(tmp).await;
+    make_dataset(&t.data);
+    let src = t.data.display().to_string();
+    t.call(job_start(91, &src)).await.unwrap();
+    t.ready(91).await;
+    // Slurm requeues the job and its new run's prolog arrives (with other options): the old run is
+    // over, and its checkpoint worker has every reason to clean up `jobs/91` — which is the new
+    // run's directory now.
+    t.call(job_start(91, &format!("again={src}")))
+        .await
+        .unwrap();
+    let dirs = t.ready(91).await;
+    let staged = Path::new(&dirs.stage_dir).join("again/labels.txt");
+    let journal = keep.join("state/n1/jobs");
+    for _ in 0..30 {
+        assert_eq!(
+            std::fs::read(&staged).ok().as_deref(),
+            Some(&b"cat\ndog\n"[..]),
+            "the replaced run removed the new run's staged data"
+        );
+        assert!(
+            journal.join("91.json").exists(),
+            "the replaced run removed the new run's journal record"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    t.call(Request::JobEnd { job_id: 91 }).await.unwrap();
+    t.stop().await;
+}
