@@ -21,9 +21,10 @@
 //! [`Archiver::upload_part`] walks the checkpoint directory fd-relative as root with the checks of
 //! [`walk`]; one blocking thread reads files in order (hashing the raw bytes and checking each file
 //! did not change while read), several blocking tasks compress chunks ([`format`]), and the async
-//! side assembles frames into objects: one PUT for objects up to the part size, a multipart upload
-//! above it. Requests in flight are bounded by a semaphore, memory by the chunks and parts in flight:
-//! about `(2 × compress_threads + 3) × chunk_size + (concurrency + 1) × part_size` (the part size
+//! side copies frames into a fixed pool of part buffers and assembles objects: one PUT for objects
+//! up to the part size, a multipart upload above it. Requests in flight are bounded by a semaphore,
+//! memory by the chunks in flight and the pool: about `(2 × compress_threads + 3) × chunk_size +
+//! (⌈concurrency / 2⌉ + 1) × part_size`, plus small last pieces copied out of the pool (the part size
 //! grows for objects that would otherwise need more than [`MAX_PARTS`] parts). Each blocking
 //! thread that encodes or decodes keeps a chunk-sized buffer or two (and its zstd contexts) for
 //! its next chunk, until the runtime retires the idle thread.
