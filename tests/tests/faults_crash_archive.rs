@@ -21,7 +21,6 @@ use common::*;
 use sluice_proto::msg::CkptState;
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -97,51 +96,6 @@ while [ ! -e $w/stop ]; do sleep 0.2; done
         cli = cli.display(),
         tags = TAGS.join(" "),
     )
-}
-
-/// `sha256  ./path` lines → path (without `./`) → hash.
-fn parse_sums(text: &str) -> BTreeMap<String, String> {
-    text.lines()
-        .filter_map(|l| l.split_once("  "))
-        .map(|(h, p)| (p.trim_start_matches("./").to_string(), h.to_string()))
-        .collect()
-}
-
-/// Every entry below `dir`: relative path → sha256 for regular files, a description otherwise.
-fn tree(dir: &Path) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-            let md = fs::symlink_metadata(&p).unwrap();
-            if md.is_dir() {
-                stack.push(p);
-            } else if md.is_file() {
-                let sum = run(Command::new("sha256sum").arg(&p));
-                out.insert(rel, sum.split_whitespace().next().unwrap_or("").into());
-            } else {
-                out.insert(rel, format!("<{:?}, mode {:o}>", md.file_type(), md.mode()));
-            }
-        }
-    }
-    out
-}
-
-fn diff(expected: &BTreeMap<String, String>, actual: &BTreeMap<String, String>) -> String {
-    let mut lines = Vec::new();
-    for (p, h) in expected {
-        match actual.get(p) {
-            None => lines.push(format!("missing {p}")),
-            Some(a) if a != h => lines.push(format!("differs {p}: {a} instead of {h}")),
-            Some(_) => {}
-        }
-    }
-    for p in actual.keys().filter(|p| !expected.contains_key(*p)) {
-        lines.push(format!("extra {p}: {}", actual[p]));
-    }
-    lines.join("; ")
 }
 
 fn cli() -> PathBuf {
@@ -303,12 +257,12 @@ fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_w
             String::from_utf8_lossy(&restored.stdout),
             String::from_utf8_lossy(&restored.stderr)
         );
-        let got = tree(&dest);
+        let got = hash_tree(&dest);
         let want = union(tag);
         assert!(
             got == want,
             "checkpoint {tag} restored from {url} differs from what the job wrote: {}\n{}",
-            diff(&want, &got),
+            diff_trees(&want, &got),
             cluster.evidence(&job)
         );
         let _ = fs::remove_dir_all(&dest);
@@ -327,21 +281,21 @@ fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_w
         }
         // Directories are not listed by `tree`; staged data and dropped checkpoints go.
         let deadline = Instant::now() + CLEANUP_TIMEOUT;
-        let mut got = tree(&dir);
+        let mut got = hash_tree(&dir);
         while got != want && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(500));
-            got = tree(&dir);
+            got = hash_tree(&dir);
         }
         assert!(
             got == want,
             "the hot tier of {n} after the job ({}) holds other than the {kept:?} retention keeps, \
              as written: {}\n{}",
             dir.display(),
-            diff(&want, &got),
+            diff_trees(&want, &got),
             cluster.evidence(&job)
         );
         let state = cluster.hot_root(n).parent().unwrap().join("state");
-        let temps: Vec<String> = tree(&state)
+        let temps: Vec<String> = hash_tree(&state)
             .into_keys()
             .filter(|p| p.ends_with(".tmp") || p.contains(".partial"))
             .collect();

@@ -226,54 +226,6 @@ exit $rc
     )
 }
 
-/// `sha256  ./path` lines → path (without `./`) → hash.
-fn parse_sums(text: &str) -> BTreeMap<String, String> {
-    text.lines()
-        .filter_map(|l| l.split_once("  "))
-        .map(|(h, p)| (p.trim_start_matches("./").to_string(), h.to_string()))
-        .collect()
-}
-
-/// Every regular file below `dir`: relative path → sha256; anything else is described.
-fn tree(dir: &Path) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-            let Ok(md) = fs::symlink_metadata(&p) else {
-                continue; // removed meanwhile
-            };
-            if md.is_dir() {
-                stack.push(p);
-            } else if md.is_file() {
-                let sum = Command::new("sha256sum").arg(&p).output().unwrap();
-                let sum = String::from_utf8_lossy(&sum.stdout);
-                out.insert(rel, sum.split_whitespace().next().unwrap_or("").into());
-            } else {
-                out.insert(rel, format!("<{:?}>", md.file_type()));
-            }
-        }
-    }
-    out
-}
-
-fn diff(expected: &BTreeMap<String, String>, actual: &BTreeMap<String, String>) -> String {
-    let mut lines = Vec::new();
-    for (p, h) in expected {
-        match actual.get(p) {
-            None => lines.push(format!("missing {p}")),
-            Some(a) if a != h => lines.push(format!("differs {p}")),
-            Some(_) => {}
-        }
-    }
-    for p in actual.keys().filter(|p| !expected.contains_key(*p)) {
-        lines.push(format!("extra {p}"));
-    }
-    lines.join("; ")
-}
-
 fn entries(dir: &Path) -> BTreeSet<String> {
     fs::read_dir(dir)
         .map(|d| {
@@ -405,7 +357,7 @@ fn cli_restore(cluster: &Cluster, url: &str, tag: &str) -> BTreeMap<String, Stri
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let got = tree(&dest);
+    let got = hash_tree(&dest);
     let _ = fs::remove_dir_all(&dest);
     got
 }
@@ -721,7 +673,7 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         assert!(
             restored == s1_written,
             "s1 as run 2 found it on {n} differs from what run 1 wrote: {}\n{}",
-            diff(&s1_written, &restored),
+            diff_trees(&s1_written, &restored),
             ev()
         );
         assert_eq!(
@@ -795,7 +747,7 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
             &got == written,
             "sluice ckpt restore {} {tag} differs from what the job wrote: {}",
             archive.url,
-            diff(written, &got)
+            diff_trees(written, &got)
         );
     }
 
@@ -814,7 +766,7 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
             || {
                 entries(&dir) == BTreeSet::from(["ckpt".to_string()])
                     && entries(&dir.join("ckpt")) == BTreeSet::from(["s2".to_string()])
-                    && tree(&dir) == want
+                    && hash_tree(&dir) == want
             },
         );
         let journal = PathBuf::from(cluster.var("SLUICE_TEST_ROOT"))

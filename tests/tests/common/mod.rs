@@ -1116,3 +1116,60 @@ impl Cluster {
         pid
     }
 }
+
+/// `sha256  ./path` lines → path (without `./`) → hash.
+pub fn parse_sums(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.split_once("  "))
+        .map(|(h, p)| (p.trim_start_matches("./").to_string(), h.to_string()))
+        .collect()
+}
+
+/// Every entry below `dir`: relative path → sha256 for regular files, a description otherwise.
+pub fn hash_tree(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+            let Ok(md) = fs::symlink_metadata(&p) else {
+                continue; // removed meanwhile
+            };
+            if md.is_dir() {
+                stack.push(p);
+            } else if md.is_file() {
+                let sum = run(Command::new("sha256sum").arg(&p));
+                out.insert(rel, sum.split_whitespace().next().unwrap_or("").into());
+            } else {
+                out.insert(
+                    rel,
+                    format!(
+                        "<{:?}, mode {:o}>",
+                        md.file_type(),
+                        std::os::unix::fs::MetadataExt::mode(&md)
+                    ),
+                );
+            }
+        }
+    }
+    out
+}
+
+pub fn diff_trees(
+    expected: &BTreeMap<String, String>,
+    actual: &BTreeMap<String, String>,
+) -> String {
+    let mut lines = Vec::new();
+    for (p, h) in expected {
+        match actual.get(p) {
+            None => lines.push(format!("missing {p}")),
+            Some(a) if a != h => lines.push(format!("differs {p}: {a} instead of {h}")),
+            Some(_) => {}
+        }
+    }
+    for p in actual.keys().filter(|p| !expected.contains_key(*p)) {
+        lines.push(format!("extra {p}: {}", actual[p]));
+    }
+    lines.join("; ")
+}
