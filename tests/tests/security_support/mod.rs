@@ -219,16 +219,3 @@ pub fn files_containing(dir: &Path, needle: &[u8]) -> Vec<PathBuf> {
     }
     hits
 }
-
-/// Runs the tests that demonstrate an open finding (docs/SECURITY.md) only when asked to, so that
-/// the suite stays green until the finding is fixed: `SLUICE_TEST_OPEN_FINDINGS=1`.
-pub fn open_findings_enabled(finding: &str) -> bool {
-    let on = std::env::var("SLUICE_TEST_OPEN_FINDINGS").is_ok_and(|v| v == "1");
-    if !on {
-        eprintln!(
-            "skipped: this test demonstrates open finding {finding} of docs/SECURITY.md; \
-             run it with SLUICE_TEST_OPEN_FINDINGS=1"
-        );
-    }
-    on
-}
