@@ -4,11 +4,11 @@
 //! anything inside a message. Root (the plugin's prolog/epilog, an admin) may do everything; a user may
 //! wait for and look at their own jobs only.
 
-use crate::config::Config;
 use crate::job::Job;
 use crate::journal::{CkptRecord, JobRecord, Journal, RECORD_VERSION};
-use crate::safefs::{self, Owner};
 use crate::stage::{self, StageCtx};
+use sluice_archive::config::Config;
+use sluice_archive::safefs::{self, Owner};
 use sluice_proto::msg::{
     ErrorCode, ErrorReply, JobDirs, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
@@ -47,7 +47,7 @@ pub struct Agent {
     /// Cancelled when the agent stops: background workers return (their work resumes from the journal).
     pub(crate) stopping: tokio_util::sync::CancellationToken,
     /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
-    pub(crate) bandwidth: Option<crate::archive::Bandwidth>,
+    pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
     /// The node-wide stage-in download budget (`stage.concurrency`, `stage.memory`), shared by all jobs.
     stage_budget: Arc<stage::Budget>,
     /// The `sluiced` binary that runs `copy-as-user` (the running executable, unless a test says otherwise).
@@ -117,7 +117,7 @@ impl Agent {
             path: "/proc/self/exe".into(),
             source,
         })?;
-        let bandwidth = cfg.ckpt.bandwidth_limit.map(crate::archive::Bandwidth::new);
+        let bandwidth = cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new);
         Ok(Arc::new(Agent {
             stopping: tokio_util::sync::CancellationToken::new(),
             bandwidth,

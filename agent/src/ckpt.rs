@@ -15,7 +15,7 @@
 //! archived ones. It never deletes a checkpoint that is not archived, never the newest archived one
 //! (keep >= 1), and never an uncommitted directory while the job runs.
 
-use crate::safefs;
+use sluice_archive::safefs;
 use sluice_proto::msg::{CkptState, CkptStatus};
 use sluice_proto::options::validate_tag;
 use std::collections::BTreeMap;
@@ -323,7 +323,7 @@ pub fn expand(template: &str, user: &str, job_id: u32, job_name: &str) -> String
 /// Resolves the job's archive URL (its `--ckpt-archive`, else the admin default) and checks it
 /// against the allow-list. `groups` are the names of the user's groups.
 pub fn resolve_archive(
-    cfg: &crate::config::CkptConfig,
+    cfg: &sluice_archive::config::CkptConfig,
     requested: Option<&str>,
     user: &str,
     groups: &[String],
@@ -377,7 +377,7 @@ pub fn resolve_archive(
 
 /// Whether `url` lies under a rule of `rules` that applies to `user` (or one of `groups`).
 pub fn allowed_by(
-    rules: &[crate::config::AllowRule],
+    rules: &[sluice_archive::config::AllowRule],
     url: &str,
     user: &str,
     groups: &[String],
@@ -416,9 +416,9 @@ fn sanitize_name(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AllowRule, Config};
+    use sluice_archive::config::{AllowRule, Config};
 
-    fn cfg(allow: Vec<AllowRule>) -> crate::config::CkptConfig {
+    fn cfg(allow: Vec<AllowRule>) -> sluice_archive::config::CkptConfig {
         let mut c = Config::parse(
             "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
             "n1",

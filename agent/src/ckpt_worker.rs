@@ -2,10 +2,10 @@
 //! applies retention, and cleans up after the job — also after the job ended and after a restart.
 
 use crate::agent::Agent;
-use crate::archive::{self, ArchiveProgress, Archiver, JobMeta};
 use crate::ckpt::{self, CkptEntry, CommitOutcome};
 use crate::job::Job;
-use crate::safefs::{self, Owner};
+use sluice_archive::safefs::{self, Owner};
+use sluice_archive::{self as archive, ArchiveProgress, Archiver, JobMeta};
 use sluice_proto::msg::{CkptState, ErrorCode, ErrorReply, JobState, Response};
 use sluice_proto::options::Restore;
 use std::collections::HashMap;

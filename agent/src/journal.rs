@@ -1,12 +1,12 @@
 //! Durable agent state: one JSON record per job under `<state_dir>/jobs/`, so that an agent restarted
 //! after `kill -9` or a reboot knows which jobs it was serving.
 //!
-//! Every write goes through [`write_durable`]: temp file → fsync → rename → fsync(dir). Records carry a
+//! Every write goes through [`write_durable`] (sluice-archive's one durable-write helper): temp file → fsync → rename → fsync(dir). Records carry a
 //! version; a record of an unknown version is kept on disk and reported, never misread.
 
 use serde::{Deserialize, Serialize};
+use sluice_archive::durable::write_durable;
 use sluice_proto::msg::{JobId, JobStart};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 pub const RECORD_VERSION: u32 = 1;
@@ -47,36 +47,6 @@ pub struct CkptRecord {
     pub committed_at: u64,
     pub archived_at: Option<u64>,
     pub on_hot: bool,
-}
-
-/// Writes `data` to `path` so that after a crash the file holds either the old or the new content.
-pub fn write_durable(path: &Path, data: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| std::io::Error::other("path has no parent directory"))?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| std::io::Error::other("path has no file name"))?;
-    // A name of its own per write: two writers of the same record (a requeued job's new run and the
-    // run it replaced) must not rename each other's temporary file away.
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = dir.join(format!(
-        ".{}.{}.{seq}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)?;
-        f.write_all(data)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
 }
 
 /// Removes `path` durably (the directory entry removal is fsynced).

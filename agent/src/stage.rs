@@ -5,18 +5,18 @@
 //!   fetched as parallel ranged GETs. Every response body streams through a reused buffer from the
 //!   node's one [`Budget`] and is written at its offset, so the agent's memory is bounded by the
 //!   budget, not by part sizes, datasets or jobs. Files are written as root with fd-relative,
-//!   no-follow operations ([`crate::safefs`]) and owned by the job user.
+//!   no-follow operations ([`sluice_archive::safefs`]) and owned by the job user.
 //! - POSIX sources are read by a helper process running with the job user's identity
 //!   ([`crate::posix_copy`]), so a user can stage only what they could read themselves.
 //!
 //! Object keys are not file paths: [`map_key`] is the single place that decides where a key lands.
 
-use crate::config::Config;
-use crate::safefs::{self, Owner};
-use crate::store;
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
+use sluice_archive::config::Config;
+use sluice_archive::safefs::{self, Owner};
+use sluice_archive::store;
 use sluice_proto::msg::{StageProgress, StageState};
 use sluice_proto::options::{Source, StageSpec};
 use std::os::fd::OwnedFd;
@@ -163,7 +163,7 @@ impl std::fmt::Debug for Budget {
 
 impl Budget {
     /// The budget `[stage]` configures: `concurrency` requests, `memory` bytes of buffers.
-    pub fn new(cfg: &crate::config::StageConfig) -> Arc<Budget> {
+    pub fn new(cfg: &sluice_archive::config::StageConfig) -> Arc<Budget> {
         Budget::with(
             cfg.concurrency,
             (cfg.memory / cfg.concurrency as u64) as usize,

@@ -4,7 +4,8 @@
 //! Needs root (the agent's identity in production): it creates files owned by another user. Object
 //! stores are covered by the end-to-end tests against Garage and Azurite.
 
-use sluice_agent::{agent::Agent, config::Config, server};
+use sluice_agent::{agent::Agent, server};
+use sluice_archive::config::Config;
 use sluice_proto::client::{self, ClientError};
 use sluice_proto::msg::{ErrorCode, JobStart, JobState, Request, Response};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

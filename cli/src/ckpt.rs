@@ -7,12 +7,12 @@
 
 use anyhow::{Context, anyhow, bail};
 use serde::Serialize;
-use sluice_agent::archive::{
+use sluice_archive::config::{Config, ConfigError};
+use sluice_archive::safefs::{self, Owner};
+use sluice_archive::{
     ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, CheckpointState,
     JobMeta, check_name, open_archive, parse_archive_url,
 };
-use sluice_agent::config::{Config, ConfigError};
-use sluice_agent::safefs::{self, Owner};
 use sluice_proto::msg::{CkptStatus, JobId};
 use std::ffi::OsString;
 use std::io::ErrorKind;

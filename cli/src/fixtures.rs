@@ -1,7 +1,7 @@
 //! Canned agent answers shared by the unit tests (`render`) and the end-to-end tests (`tests/cli.rs`,
 //! which includes this file by path), so both check the same node.
 
-use sluice_agent::archive::{CheckpointInfo, CheckpointState, JobMeta};
+use sluice_archive::{CheckpointInfo, CheckpointState, JobMeta};
 use sluice_proto::msg::{
     CkptState, CkptStatus, JobDirs, JobState, JobStatus, NodeStatus, StageProgress, StageState,
 };

@@ -15,7 +15,7 @@ mod socket;
 
 use agent::Agent;
 use clap::{Parser, Subcommand};
-use sluice_agent::safefs::Owner;
+use sluice_archive::safefs::Owner;
 use sluice_proto::msg::JobId;
 use std::io::{self, IsTerminal, Write};
 use std::path::PathBuf;
@@ -290,11 +290,8 @@ fn run_ckpt(
 }
 
 /// Opens an archive by URL with the agent's configuration (see [`ckpt::load_config`]).
-fn open_archive(
-    config: Option<PathBuf>,
-    url: &str,
-) -> anyhow::Result<sluice_agent::archive::Archiver> {
-    let node = sluice_agent::config::default_node_name();
+fn open_archive(config: Option<PathBuf>, url: &str) -> anyhow::Result<sluice_archive::Archiver> {
+    let node = sluice_archive::config::default_node_name();
     let (cfg, note) = ckpt::load_config(config.as_deref(), url, &node)?;
     if let Some(note) = note {
         eprintln!("sluice: {note}");

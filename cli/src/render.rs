@@ -7,7 +7,7 @@
 //! through [`clean`], so a control character in them cannot garble the table or the terminal.
 
 use crate::ckpt::{Restored, Verified};
-use sluice_agent::archive::{CheckpointInfo, CheckpointState, ProgressSnapshot};
+use sluice_archive::{CheckpointInfo, CheckpointState, ProgressSnapshot};
 use sluice_proto::msg::{CkptState, CkptStatus, JobId, JobStatus, NodeStatus, StageProgress};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -473,9 +473,9 @@ fn list_outside_a_job_and_conflicting_arguments() {
 
 mod archive {
     use super::{sluice, text};
-    use sluice_agent::archive::{ArchiveConfig, ArchiveProgress, JobMeta, open_archive_with};
-    use sluice_agent::config::Config;
-    use sluice_agent::safefs;
+    use sluice_archive::config::Config;
+    use sluice_archive::safefs;
+    use sluice_archive::{ArchiveConfig, ArchiveProgress, JobMeta, open_archive_with};
     use std::os::unix::fs::MetadataExt;
     use std::path::{Path, PathBuf};
     use std::sync::Arc;

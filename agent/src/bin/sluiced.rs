@@ -3,7 +3,8 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use sluice_agent::{agent::Agent, config, posix_copy, server};
+use sluice_agent::{agent::Agent, posix_copy, server};
+use sluice_archive::config;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -16,12 +16,12 @@ use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
     ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, UploadPart,
 };
-use sluice_agent::archive::{
+use sluice_archive::config::Config;
+use sluice_archive::safefs::{self, Owner};
+use sluice_archive::{
     ArchiveConfig, ArchiveError, ArchiveProgress, Archiver, CheckpointState, JobMeta, Manifest,
     Transform, open_archive_with,
 };
-use sluice_agent::config::Config;
-use sluice_agent::safefs::{self, Owner};
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path as FsPath;
@@ -321,9 +321,9 @@ struct Harness {
 fn harness(b: &Backend) -> Harness {
     // open_archive_with is what the agent uses; take its store apart to wrap it.
     let opened = open_archive_with(&b.cfg, &b.url, archive_cfg()).unwrap();
-    let loc = sluice_agent::archive::parse_archive_url(&b.url).unwrap();
+    let loc = sluice_archive::parse_archive_url(&b.url).unwrap();
     let (raw, base): (Arc<dyn ObjectStore>, String) = match &loc.store {
-        sluice_agent::archive::ArchiveStore::Local(p) => (
+        sluice_archive::ArchiveStore::Local(p) => (
             Arc::new(
                 object_store::local::LocalFileSystem::new_with_prefix(p)
                     .unwrap()
@@ -331,8 +331,8 @@ fn harness(b: &Backend) -> Harness {
             ),
             String::new(),
         ),
-        sluice_agent::archive::ArchiveStore::Object { scheme, bucket } => (
-            sluice_agent::store::open(&b.cfg, *scheme, bucket).unwrap(),
+        sluice_archive::ArchiveStore::Object { scheme, bucket } => (
+            sluice_archive::store::open(&b.cfg, *scheme, bucket).unwrap(),
             loc.prefix.clone(),
         ),
     };

@@ -24,6 +24,7 @@ use super::format::{self, FileCompression, Frame};
 use super::manifest::{ChunkEntry, FileEntry, PART_FORMAT, PartManifest, VERSION};
 use super::walk::{self, Snapshot, TreeFile, WalkError};
 use super::{ArchiveError, ArchiveProgress, Archiver, check_name, unix_ms_now};
+use crate::rt::blocking;
 use blake3::hazmat::{ChainingValue, HasherExt};
 use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
@@ -737,12 +738,6 @@ impl MultipartTask {
             }
         }
     }
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(f)
-        .await
-        .expect("blocking archive task panicked")
 }
 
 impl Archiver {

@@ -12,11 +12,9 @@
 //! Needs root, like the agent: the checkpoint belongs to another uid, the secret to root.
 
 use nix::fcntl::{RenameFlags, renameat2};
-use sluice_agent::archive::{
-    ArchiveConfig, ArchiveError, ArchiveProgress, JobMeta, open_archive_with,
-};
-use sluice_agent::config::Config;
-use sluice_agent::safefs::{self, Owner};
+use sluice_archive::config::Config;
+use sluice_archive::safefs::{self, Owner};
+use sluice_archive::{ArchiveConfig, ArchiveError, ArchiveProgress, JobMeta, open_archive_with};
 use std::collections::{BTreeMap, HashSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

@@ -11,6 +11,7 @@
 use super::format;
 use super::manifest::{FileEntry, Manifest, check_rel_path};
 use super::{ArchiveError, ArchiveProgress, Archiver, Damaged};
+use crate::rt::blocking;
 use crate::safefs::{self, Owner};
 use blake3::hazmat::{
     ChainingValue, HasherExt, Mode, left_subtree_len, merge_subtrees_non_root, merge_subtrees_root,
@@ -247,12 +248,6 @@ async fn fetch_into(
         buf.extend_from_slice(&piece);
     }
     Ok(())
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(f)
-        .await
-        .expect("blocking archive task panicked")
 }
 
 fn write_error(tag: &str, path: &str, e: safefs::SafeFsError) -> ArchiveError {

@@ -1,4 +1,9 @@
-//! The checkpoint archive engine: committed checkpoints from the hot tier to object storage, and back.
+//! sluice-archive: the checkpoint archive engine — committed checkpoints from the hot tier to object
+//! storage, and back — with what it stands on and what the agent and the `sluice` CLI both need:
+//! [`config`] (the site's `sluice.toml`, parsed and validated once, for the agent and for the CLI's
+//! URL mode), [`store`] (object-store clients from the admin's store profiles), [`safefs`] (root-safe,
+//! fd-relative file access), [`durable`] (the one durable-write helper) and [`rt`] (blocking work, the
+//! clock, poison-free locks). The CLI depends on this crate, never on the agent.
 //!
 //! # On-store layout
 //!
@@ -33,9 +38,16 @@
 //! aligned blocks with `O_DIRECT` (no page-cache copy; the restored files are not left in the page
 //! cache) where the file system allows it, and fsyncs every file before it returns.
 
+#![forbid(unsafe_code)]
+
+pub mod config;
 mod download;
+pub mod durable;
 pub mod format;
 pub mod manifest;
+pub mod rt;
+pub mod safefs;
+pub mod store;
 mod throttle;
 mod upload;
 mod url;
