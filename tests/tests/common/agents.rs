@@ -1,0 +1,323 @@
+//! The nodes' agents and the faults tests inflict on them: the agent process as the harness started
+//! it (kill it, start it again exactly so), requests to its socket, the fault-injecting proxy in
+//! front of Garage, and a seeded source of random fault timing.
+
+use super::cluster::{Cluster, DEFAULT_ENV_FILE, run, run_dir, write_atomically};
+use super::jobs::Job;
+use super::trees::SplitMix64;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+impl Cluster {
+    /// SIGKILLs the node's agent and starts it again as cluster.sh did.
+    pub fn restart_agent(&self, node: &str) -> u32 {
+        let agent = self.kill_agent(node);
+        self.start_agent(&agent)
+    }
+
+    /// One request to a node's agent, as root.
+    pub fn agent_request(
+        &self,
+        node: &str,
+        request: sluice_proto::msg::Request,
+    ) -> Result<sluice_proto::msg::Response, String> {
+        sluice_proto::client::call(&self.agent_socket(node), request, Duration::from_secs(10))
+            .map_err(|e| e.to_string())
+    }
+
+    /// What the node's agent knows of a job (its state, stage progress, checkpoints).
+    pub fn agent_job(&self, node: &str, job: &Job) -> Result<sluice_proto::msg::JobStatus, String> {
+        match self.agent_request(node, sluice_proto::msg::Request::Job { job_id: job.id })? {
+            sluice_proto::msg::Response::Job(status) => Ok(status),
+            other => Err(format!("unexpected reply: {other:?}")),
+        }
+    }
+}
+
+/// The fault-injecting proxy (`tests/harness/faultproxy.py`) in front of Garage, on the port of the
+/// agents' `s3://ckpt-faulty` store profile. Started by a test, stopped when dropped (also when the
+/// test panics); it exits by itself after `MAX_LIFETIME` whatever happens to the test.
+pub struct FaultProxy {
+    child: std::process::Child,
+    control: PathBuf,
+    stats: PathBuf,
+    log: PathBuf,
+    pub port: u16,
+}
+
+impl FaultProxy {
+    /// Longest a proxy lives, even if its test hangs or is killed.
+    pub const MAX_LIFETIME: Duration = Duration::from_secs(1500);
+
+    /// Starts the proxy in `pass` mode and waits until it accepts connections.
+    pub fn start(cluster: &Cluster) -> FaultProxy {
+        cluster.require_s3();
+        let port: u16 = cluster
+            .var("SLUICE_TEST_FAULT_PROXY_PORT")
+            .parse()
+            .expect("SLUICE_TEST_FAULT_PROXY_PORT");
+        let upstream = cluster
+            .var("SLUICE_TEST_S3_ENDPOINT")
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string();
+        let dir = run_dir();
+        let control = dir.join("faultproxy.ctl");
+        let stats = dir.join("faultproxy.stats.json");
+        let log = PathBuf::from(cluster.var("SLUICE_TEST_SLUICE_LOG_DIR")).join("faultproxy.log");
+        let _ = fs::remove_file(&stats);
+        write_atomically(&control, "pass\n");
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+            "something already listens on 127.0.0.1:{port}, where the fault proxy should run \
+             (a proxy left over from another test?)"
+        );
+        let log_file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap_or_else(|e| panic!("open {}: {e}", log.display()));
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("harness/faultproxy.py");
+        let child = Command::new("/usr/bin/python3")
+            .arg(&script)
+            .args(["--port", &port.to_string(), "--upstream", &upstream])
+            .arg("--control")
+            .arg(&control)
+            .arg("--stats")
+            .arg(&stats)
+            .args(["--max-lifetime", &Self::MAX_LIFETIME.as_secs().to_string()])
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().expect("dup log"))
+            .stderr(log_file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", script.display()));
+        let mut proxy = FaultProxy {
+            child,
+            control,
+            stats,
+            log,
+            port,
+        };
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(status)) = proxy.child.try_wait() {
+                panic!("the fault proxy exited ({status}):\n{}", proxy.log_tail());
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the fault proxy does not listen on {port} after 10 s:\n{}",
+                proxy.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        proxy
+    }
+
+    /// Switches the mode: `pass`, `503`, `429`, `refuse`, `slow=SECONDS`, `fail-after=N`. The proxy
+    /// picks it up within 0.2 s, or at the next request.
+    pub fn set(&self, mode: &str) {
+        write_atomically(&self.control, &format!("{mode}\n"));
+        // Let the proxy's poll see it before the caller goes on (refuse closes the listener there).
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    /// The proxy's counters (see faultproxy.py): `requests`, `forwarded`, `injected.503`, ...
+    pub fn stats(&self) -> serde_json::Value {
+        fs::read_to_string(&self.stats)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or(serde_json::Value::Null)
+    }
+
+    /// How many replies of `status` ("503", "429") the proxy made up.
+    pub fn injected(&self, status: &str) -> u64 {
+        self.stats()["injected"][status].as_u64().unwrap_or(0)
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        format!(
+            "\n----- tail of {} -----\n{}\n----- fault proxy stats -----\n{}\n",
+            self.log.display(),
+            lines[lines.len().saturating_sub(25)..].join("\n"),
+            self.stats()
+        )
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        write_atomically(&self.control, "exit\n");
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(3) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A small random number source for fault timing, seeded from the clock; tests print the seed.
+pub struct Dice(SplitMix64);
+
+impl Dice {
+    pub fn new() -> (Dice, u64) {
+        let seed = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        (Dice(SplitMix64(seed)), seed)
+    }
+
+    /// A duration uniformly between `lo` and `hi`.
+    pub fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
+        let span = (hi - lo).as_millis().max(1) as u64;
+        lo + Duration::from_millis(self.0.next() % span)
+    }
+}
+
+// ---------------------------------------------------------------------------------------- agents
+
+/// A node's agent as the harness started it: its pid, command line and environment, read from
+/// `/proc` so a test can kill it and start it again exactly as `cluster.sh up` did.
+#[derive(Debug, Clone)]
+pub struct AgentProcess {
+    pub node: String,
+    pub pid: u32,
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+impl Cluster {
+    /// `sluiced-<node>.pid` next to the env file (the harness's run directory).
+    pub fn agent_pid_file(&self, node: &str) -> PathBuf {
+        let env_file =
+            std::env::var("SLUICE_TEST_ENV").unwrap_or_else(|_| DEFAULT_ENV_FILE.to_string());
+        Path::new(&env_file)
+            .parent()
+            .expect("env file in a directory")
+            .join(format!("sluiced-{node}.pid"))
+    }
+
+    /// The agent socket of one node (`SLUICE_TEST_SOCKET` with `%n` expanded).
+    pub fn agent_socket(&self, node: &str) -> PathBuf {
+        PathBuf::from(self.var("SLUICE_TEST_SOCKET").replace("%n", node))
+    }
+
+    /// The running agent of `node`; panics unless its pid file names a live `sluiced`.
+    pub fn agent_process(&self, node: &str) -> AgentProcess {
+        let pid_file = self.agent_pid_file(node);
+        let pid: u32 = fs::read_to_string(&pid_file)
+            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()))
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()));
+        let split = |bytes: Vec<u8>| -> Vec<String> {
+            bytes
+                .split(|b| *b == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect()
+        };
+        let argv = split(
+            fs::read(format!("/proc/{pid}/cmdline"))
+                .unwrap_or_else(|e| panic!("agent of {node} (pid {pid}) is not running: {e}")),
+        );
+        assert!(
+            argv.iter().any(|a| a.contains("sluiced")),
+            "pid {pid} from {} is not sluiced: {argv:?}",
+            pid_file.display()
+        );
+        let env = split(fs::read(format!("/proc/{pid}/environ")).expect("agent environ"))
+            .into_iter()
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.into(), v.into())))
+            .collect();
+        AgentProcess {
+            node: node.into(),
+            pid,
+            argv,
+            env,
+        }
+    }
+
+    /// SIGKILLs the agent of `node` (by the pid the harness recorded) and waits until it is gone.
+    /// Returns how it was started, for [`Cluster::start_agent`].
+    pub fn kill_agent(&self, node: &str) -> AgentProcess {
+        let agent = self.agent_process(node);
+        run(Command::new("kill")
+            .args(["-KILL", &agent.pid.to_string()])
+            .stderr(Stdio::piped()));
+        let proc_dir = PathBuf::from(format!("/proc/{}", agent.pid));
+        // Gone, or a zombie of ours (an agent this test process restarted earlier).
+        let gone = || {
+            fs::read_to_string(proc_dir.join("stat"))
+                .map(|s| {
+                    s.rsplit_once(')')
+                        .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+                })
+                .unwrap_or(true)
+        };
+        self.wait_for(
+            &format!("the agent of {node} (pid {}) to die", agent.pid),
+            Duration::from_secs(10),
+            None,
+            gone,
+        );
+        agent
+    }
+
+    /// Starts an agent again as the harness did (same command line and environment, its own session,
+    /// output appended to the node's agent log), records its pid in the harness's pid file, and
+    /// waits until it answers on its socket.
+    pub fn start_agent(&self, agent: &AgentProcess) -> u32 {
+        let log = PathBuf::from(self.var("SLUICE_TEST_SLUICE_LOG_DIR"))
+            .join(format!("{}.log", agent.node));
+        let out = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+        let child = Command::new("setsid")
+            .args(&agent.argv)
+            .env_clear()
+            .envs(agent.env.iter().map(|(k, v)| (k, v)))
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot restart {:?}: {e}", agent.argv));
+        let pid = child.id();
+        // Reap it if it exits while the tests run (it outlives them otherwise, like the harness's).
+        std::thread::spawn(move || {
+            let mut child = child;
+            let _ = child.wait();
+        });
+        fs::write(self.agent_pid_file(&agent.node), format!("{pid}\n")).expect("write pid file");
+        let socket = self.agent_socket(&agent.node);
+        self.wait_for(
+            &format!(
+                "the restarted agent of {} to answer on {}",
+                agent.node,
+                socket.display()
+            ),
+            Duration::from_secs(30),
+            None,
+            || {
+                sluice_proto::client::call(
+                    &socket,
+                    sluice_proto::msg::Request::Status,
+                    Duration::from_secs(2),
+                )
+                .is_ok()
+            },
+        );
+        pid
+    }
+}

@@ -1,0 +1,202 @@
+//! Test datasets and how trees of files are compared: the generated dataset, `sha256sum` listings
+//! made the same way on the source and in a job's tasks, the listing script the tasks run, and
+//! path → sha256 maps of whole trees with readable differences.
+
+use super::cluster::run;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+// ---------------------------------------------------------------------------------- test datasets
+
+/// The size of the large file: over 64 MiB and not a multiple of any part size, so ranged reads
+/// have a short last part.
+pub const BIG_FILE_SIZE: usize = 64 * 1024 * 1024 + 12_345;
+
+/// Writes a dataset with what real datasets have and stagers get wrong: nested directories, an
+/// empty file, one file over 64 MiB, a few hundred small files, names with spaces and non-ASCII.
+/// Directories 0755, files 0644, owned by root: readable by the job user, owned by someone else.
+/// With `big = false` the large file is left out (for tests about something else).
+pub fn make_dataset(dir: &Path, big: bool) {
+    let mut rng = SplitMix64(0x5_1u64 ^ dir.as_os_str().len() as u64);
+    let mut write = |rel: &str, len: usize| {
+        let path = dir.join(rel);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let mut data = vec![0u8; len];
+        rng.fill(&mut data);
+        fs::write(&path, &data).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    };
+    if big {
+        write("big/weights.bin", BIG_FILE_SIZE);
+    }
+    write("empty.txt", 0);
+    write("nested/a/b/c/d/deep.txt", 1000);
+    write("nested/a/sibling.bin", 70_000);
+    write("names/with space.txt", 10);
+    write("names/ünïcödé.txt", 11);
+    for d in 0..10 {
+        for f in 0..30 {
+            write(
+                &format!("small/shard-{d:02}/part-{f:03}.json"),
+                (d * 131 + f * 17) % 4096 + 1,
+            );
+        }
+    }
+    let status = Command::new("chmod")
+        .args(["-R", "u=rwX,go=rX"])
+        .arg(dir)
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// `sha256  ./path` for every file under `dir`, sorted by path: the same command the job's tasks run
+/// on their staged copy (see [`LISTING_SCRIPT`]), so the two compare byte for byte.
+pub fn checksums(dir: &Path) -> String {
+    run(Command::new("bash")
+        .arg("-c")
+        .arg(format!("cd '{}' && {SUMS_CMD}", dir.display())))
+}
+
+/// The directories under `dir` (relative, sorted), as the tasks list them.
+pub fn directories(dir: &Path) -> String {
+    run(Command::new("bash")
+        .arg("-c")
+        .arg(format!("cd '{}' && {DIRS_CMD}", dir.display())))
+}
+
+const SUMS_CMD: &str = "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum";
+const DIRS_CMD: &str = "find . -mindepth 1 -type d | LC_ALL=C sort";
+
+/// A batch script whose one task per node records what it sees of sluice in `<out>/<node>/`:
+/// `env` (its SLUICE_* variables), `stage_dir`, for each dataset NAME `sums-NAME` and `dirs-NAME`,
+/// `owners` (owner of every entry under the stage dir), `jobdir` (owner and mode of the job dir),
+/// then `done`.
+pub fn listing_script(out: &Path, names: &[&str]) -> String {
+    let names = names.join(" ");
+    format!(
+        r#"#!/bin/bash
+srun --ntasks-per-node=1 /bin/bash -c '
+set -u
+o="{out}/$SLURMD_NODENAME"
+mkdir -p "$o"
+env | grep "^SLUICE_" | LC_ALL=C sort > "$o/env"
+echo "${{SLUICE_STAGE_DIR-<unset>}}" > "$o/stage_dir"
+for name in {names}; do
+  (cd "$SLUICE_STAGE_DIR/$name" && {SUMS_CMD}) > "$o/sums-$name" 2>&1
+  (cd "$SLUICE_STAGE_DIR/$name" && {DIRS_CMD}) > "$o/dirs-$name" 2>&1
+done
+find "$SLUICE_STAGE_DIR" -printf "%u %P\n" > "$o/owners" 2>&1
+stat -c "%U %a" "$SLUICE_STAGE_DIR/.." > "$o/jobdir" 2>&1
+touch "$o/done"
+'
+"#,
+        out = out.display()
+    )
+}
+
+/// Describes how two `sha256sum` listings differ: files missing, extra, or with other content.
+pub fn diff_listings(expected: &str, actual: &str) -> String {
+    let parse = |s: &str| -> BTreeMap<String, String> {
+        s.lines()
+            .filter_map(|l| l.split_once("  "))
+            .map(|(h, p)| (p.to_string(), h.to_string()))
+            .collect()
+    };
+    let (e, a) = (parse(expected), parse(actual));
+    let (ek, ak): (BTreeSet<_>, BTreeSet<_>) = (e.keys().collect(), a.keys().collect());
+    let missing: Vec<_> = ek.difference(&ak).take(10).collect();
+    let extra: Vec<_> = ak.difference(&ek).take(10).collect();
+    let changed: Vec<_> = e
+        .iter()
+        .filter(|(p, h)| a.get(*p).is_some_and(|x| x != *h))
+        .map(|(p, _)| p)
+        .take(10)
+        .collect();
+    format!(
+        "{} files expected, {} staged; missing (first 10): {missing:?}; unexpected: {extra:?}; other content: {changed:?}\n\
+         staged listing starts with:\n{}",
+        e.len(),
+        a.len(),
+        actual.lines().take(5).collect::<Vec<_>>().join("\n")
+    )
+}
+
+/// A small deterministic generator for test data (SplitMix64): incompressible enough that a
+/// stager cannot get lucky, reproducible without a dependency.
+pub(super) struct SplitMix64(pub(super) u64);
+
+impl SplitMix64 {
+    pub(super) fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+}
+
+/// `sha256  ./path` lines → path (without `./`) → hash.
+pub fn parse_sums(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.split_once("  "))
+        .map(|(h, p)| (p.trim_start_matches("./").to_string(), h.to_string()))
+        .collect()
+}
+
+/// Every entry below `dir`: relative path → sha256 for regular files, a description otherwise.
+pub fn hash_tree(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+            let Ok(md) = fs::symlink_metadata(&p) else {
+                continue; // removed meanwhile
+            };
+            if md.is_dir() {
+                stack.push(p);
+            } else if md.is_file() {
+                let sum = run(Command::new("sha256sum").arg(&p));
+                out.insert(rel, sum.split_whitespace().next().unwrap_or("").into());
+            } else {
+                out.insert(
+                    rel,
+                    format!(
+                        "<{:?}, mode {:o}>",
+                        md.file_type(),
+                        std::os::unix::fs::MetadataExt::mode(&md)
+                    ),
+                );
+            }
+        }
+    }
+    out
+}
+
+pub fn diff_trees(
+    expected: &BTreeMap<String, String>,
+    actual: &BTreeMap<String, String>,
+) -> String {
+    let mut lines = Vec::new();
+    for (p, h) in expected {
+        match actual.get(p) {
+            None => lines.push(format!("missing {p}")),
+            Some(a) if a != h => lines.push(format!("differs {p}: {a} instead of {h}")),
+            Some(_) => {}
+        }
+    }
+    for p in actual.keys().filter(|p| !expected.contains_key(*p)) {
+        lines.push(format!("extra {p}: {}", actual[p]));
+    }
+    lines.join("; ")
+}
