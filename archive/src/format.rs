@@ -730,44 +730,7 @@ pub fn choose_compression(sample: Option<&[u8]>, level: i32) -> FileCompression 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-
-    /// Deterministic pseudo-random numbers for test data (xorshift64*).
-    pub struct Rng(pub u64);
-    impl Rng {
-        pub fn next_u64(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        /// Standard normal (Box-Muller).
-        pub fn normal(&mut self) -> f32 {
-            let u1 = ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-            let u2 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-        }
-    }
-
-    /// `n` bf16 values ~ N(0, 0.02), as model weights are.
-    pub fn bf16_weights(n: usize, seed: u64) -> Vec<u8> {
-        let mut r = Rng(seed | 1);
-        let mut out = Vec::with_capacity(n * 2);
-        for _ in 0..n {
-            let bits = (r.normal() * 0.02).to_bits();
-            // Round to nearest even, as frameworks do.
-            let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-            out.extend_from_slice(&(rounded as u16).to_le_bytes());
-        }
-        out
-    }
-
-    /// `n` fp32 values ~ N(0, 1e-3), as optimizer state is.
-    pub fn fp32_values(n: usize, seed: u64) -> Vec<u8> {
-        let mut r = Rng(seed | 1);
-        (0..n)
-            .flat_map(|_| (r.normal() * 1e-3).to_le_bytes())
-            .collect()
-    }
+    use crate::synth::{Rng, bf16_weights, fp32_values};
 
     #[test]
     fn byte_grouping_round_trips_every_width_and_tail() {
@@ -821,7 +784,7 @@ pub(crate) mod tests {
 
     #[test]
     fn word_wise_grouping_matches_the_byte_loop() {
-        let mut r = Rng(17);
+        let mut r = Rng::new(17);
         let data: Vec<u8> = (0..5000).map(|_| r.next_u64() as u8).collect();
         for width in [2, 4] {
             for len in [
@@ -939,7 +902,7 @@ pub(crate) mod tests {
             assert_eq!(decode_chunk(&f.bytes, &expected(&f)).unwrap(), bf16);
         }
         // Random bytes do not compress: stored raw, one header of overhead.
-        let mut r = Rng(99);
+        let mut r = Rng::new(99);
         let noise: Vec<u8> = (0..50_000).map(|_| r.next_u64() as u8).collect();
         let f = encode_chunk(
             &noise,
@@ -991,7 +954,7 @@ pub(crate) mod tests {
         let fp32 = fp32_values(100_000, 12);
         let c = choose_compression(Some(&fp32[..SAMPLE_LEN]), 3);
         assert_eq!((c.codec, c.transform), (Codec::Zstd, Transform::Bytegroup4));
-        let mut rng = Rng(5);
+        let mut rng = Rng::new(5);
         let noise: Vec<u8> = (0..SAMPLE_LEN).map(|_| rng.next_u64() as u8).collect();
         assert_eq!(choose_compression(Some(&noise), 3), FileCompression::STORED);
         assert_eq!(choose_compression(Some(&bf16), 0), FileCompression::STORED);

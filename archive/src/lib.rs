@@ -48,6 +48,7 @@ pub mod manifest;
 pub mod rt;
 pub mod safefs;
 pub mod store;
+pub mod synth;
 mod throttle;
 mod upload;
 mod url;

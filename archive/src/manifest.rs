@@ -326,7 +326,8 @@ pub fn merge(tag: &str, job: JobMeta, mut parts: Vec<PartManifest>) -> Result<Ma
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{encode_chunk, tests::bf16_weights};
+    use crate::format::encode_chunk;
+    use crate::synth::bf16_weights;
 
     fn file(path: &str, node: &str, data: &[u8]) -> FileEntry {
         let c = FileCompression {

@@ -1,10 +1,10 @@
 //! Engine tests against an in-memory store. The same behaviour against real stores (file://, Garage,
 //! Azurite) is `tests/archive_conformance.rs`.
 
-use super::format::tests::{bf16_weights, fp32_values};
 use super::walk::tests::{chown_tree, test_uid};
 use super::*;
 use crate::safefs::{self, Owner};
+use crate::synth::{bf16_weights, fp32_values};
 use object_store::memory::InMemory;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;

@@ -18,6 +18,7 @@ use object_store::{
 };
 use sluice_archive::config::Config;
 use sluice_archive::safefs::{self, Owner};
+use sluice_archive::synth::{bf16_weights, fp32_values};
 use sluice_archive::{
     ArchiveConfig, ArchiveError, ArchiveProgress, Archiver, CheckpointState, JobMeta, Manifest,
     Transform, open_archive_with,
@@ -393,41 +394,6 @@ impl Harness {
 
 // ------------------------------------------------------------------------------------ test data
 
-/// Deterministic pseudo-random numbers (xorshift64*) and normal variates (Box-Muller).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn normal(&mut self) -> f32 {
-        let u1 = ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-        let u2 = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-}
-
-/// bf16 weights ~ N(0, 0.02): fp32 values rounded to nearest-even bf16.
-fn bf16(n: usize, seed: u64) -> Vec<u8> {
-    let mut r = Rng(seed | 1);
-    (0..n)
-        .flat_map(|_| {
-            let b = (r.normal() * 0.02).to_bits();
-            (((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16).to_le_bytes()
-        })
-        .collect()
-}
-
-/// fp32 optimizer-state-like values ~ N(0, 1e-3).
-fn fp32(n: usize, seed: u64) -> Vec<u8> {
-    let mut r = Rng(seed | 1);
-    (0..n)
-        .flat_map(|_| (r.normal() * 1e-3).to_le_bytes())
-        .collect()
-}
-
 fn job_uid() -> u32 {
     if nix::unistd::geteuid().is_root() {
         4242
@@ -521,8 +487,8 @@ async fn suite(b: &Backend, h: &Harness) {
     // ---- one node archives a checkpoint of every kind of file
     let src = tempfile::tempdir().unwrap();
     let files: Vec<(&str, Vec<u8>)> = vec![
-        ("model/weights.bf16", bf16(1_500_000, 1)), // 3 MiB
-        ("optim/exp_avg.fp32", fp32(2_500_000, 2)), // 10 MiB: above the 5 MiB part size
+        ("model/weights.bf16", bf16_weights(1_500_000, 1)), // 3 MiB
+        ("optim/exp_avg.fp32", fp32_values(2_500_000, 2)),  // 10 MiB: above the 5 MiB part size
         ("optim/step", b"100\n".to_vec()),
         ("empty", Vec::new()),
         // What torch.distributed.checkpoint writes last: a dot file.
@@ -621,11 +587,11 @@ async fn suite(b: &Backend, h: &Harness) {
     // ---- two nodes: MANIFEST only after both parts
     let (a, bdir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let files_a: Vec<(&str, Vec<u8>)> = vec![
-        ("rank0.bf16", bf16(200_000, 3)),
+        ("rank0.bf16", bf16_weights(200_000, 3)),
         ("latest", b"step200".to_vec()),
     ];
     let files_b: Vec<(&str, Vec<u8>)> = vec![
-        ("rank1.bf16", bf16(200_000, 4)),
+        ("rank1.bf16", bf16_weights(200_000, 4)),
         ("latest", b"step200".to_vec()),
     ];
     write_ckpt(a.path(), &files_a);

@@ -1,77 +1,26 @@
 //! Deterministic benchmark data: incompressible dataset files, and checkpoint-like tensors
-//! (bf16 weights ~ N(0, 0.02) rounded to nearest even, fp32 master weights, Adam moments) with the
-//! generators of the agent's own tests. Generated once per size and kept (a stamp file marks a
-//! finished set), since producing a GiB of normal variates takes seconds on two cores.
+//! (bf16 weights ~ N(0, 0.02) rounded to nearest even, fp32 master weights, Adam moments) from
+//! `sluice_archive::synth`, the generator of the archive's own tests. Generated once per size and
+//! kept (a stamp file marks a finished set), since producing a GiB of normal variates takes seconds
+//! on two cores.
 
 use anyhow::{Context, Result};
+pub use sluice_archive::synth::Kind;
+use sluice_archive::synth::{self, Rng};
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::{PermissionsExt, chown};
 use std::path::Path;
 
-/// xorshift64*.
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Standard normal (Box-Muller).
-    pub fn normal(&mut self) -> f32 {
-        let u1 = ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-        let u2 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-pub enum Kind {
-    /// Incompressible bytes (datasets: already-compressed shards, images).
-    Random,
-    /// bf16 weights ~ N(0, 0.02).
-    Bf16,
-    /// fp32 master weights ~ N(0, 0.02).
-    Fp32Weights,
-    /// fp32 Adam first moment ~ N(0, 1e-3).
-    Fp32ExpAvg,
-    /// fp32 Adam second moment: squares of N(0, 1e-3).
-    Fp32ExpAvgSq,
-}
-
 const BLOCK: usize = 4 << 20;
 
+/// One block of `kind`, from a seed mixed so that neighbouring seeds start far apart.
 fn fill_block(kind: Kind, seed: u64, out: &mut [u8]) {
-    let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    match kind {
-        Kind::Random => {
-            for c in out.chunks_mut(8) {
-                let v = r.next_u64().to_le_bytes();
-                c.copy_from_slice(&v[..c.len()]);
-            }
-        }
-        Kind::Bf16 => {
-            for c in out.chunks_exact_mut(2) {
-                let bits = (r.normal() * 0.02).to_bits();
-                let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-                c.copy_from_slice(&(rounded as u16).to_le_bytes());
-            }
-        }
-        Kind::Fp32Weights | Kind::Fp32ExpAvg | Kind::Fp32ExpAvgSq => {
-            for c in out.chunks_exact_mut(4) {
-                let v = match kind {
-                    Kind::Fp32Weights => r.normal() * 0.02,
-                    Kind::Fp32ExpAvg => r.normal() * 1e-3,
-                    _ => {
-                        let g = r.normal() * 1e-3;
-                        g * g
-                    }
-                };
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-    }
+    synth::fill(
+        kind,
+        &mut Rng::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        out,
+    );
 }
 
 /// Writes `size` bytes of `kind` to `path`, generating blocks on two threads.
@@ -146,8 +95,16 @@ pub fn checkpoint(dir: &Path, size: u64) -> Result<Vec<(String, u64)>> {
     let bf16 = params * 2 / 2 / 4096 * 4096; // two files
     let fp32 = params * 4 / 4096 * 4096;
     let files: Vec<(String, Kind, u64)> = vec![
-        ("model/weights-00001-of-00002.bf16".into(), Kind::Bf16, bf16),
-        ("model/weights-00002-of-00002.bf16".into(), Kind::Bf16, bf16),
+        (
+            "model/weights-00001-of-00002.bf16".into(),
+            Kind::Bf16Weights,
+            bf16,
+        ),
+        (
+            "model/weights-00002-of-00002.bf16".into(),
+            Kind::Bf16Weights,
+            bf16,
+        ),
         ("optim/master.fp32".into(), Kind::Fp32Weights, fp32),
         ("optim/exp_avg.fp32".into(), Kind::Fp32ExpAvg, fp32),
         ("optim/exp_avg_sq.fp32".into(), Kind::Fp32ExpAvgSq, fp32),

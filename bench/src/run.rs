@@ -466,7 +466,7 @@ impl Bench {
             let (weights, optim) = (d.join("weights"), d.join("optim"));
             std::fs::create_dir(&weights)?;
             std::fs::create_dir(&optim)?;
-            data::write_file(&weights.join("weights.bf16"), Kind::Bf16, s.comp, 7)?;
+            data::write_file(&weights.join("weights.bf16"), Kind::Bf16Weights, s.comp, 7)?;
             // Adam's two moments, as one optimizer-state shard holds them.
             data::write_file(&d.join("m.part"), Kind::Fp32ExpAvg, s.comp / 2, 8)?;
             data::write_file(&d.join("v.part"), Kind::Fp32ExpAvgSq, s.comp / 2, 9)?;
