@@ -2,7 +2,8 @@
 # Every test of sluice, in one command, on a fresh Debian 12 machine as root (README: "Run all tests").
 # Installs what is missing (apt, npm, pip, cargo; Garage is built once into $CARGO_HOME/bin and
 # reused), then runs, in order, stopping at the first failure:
-#   1. cargo fmt --check, cargo clippy -D warnings          (the gates)
+#   1. cargo fmt --check, cargo clippy -D warnings          (the gates, for the workspace and for
+#                                                            bench/, a workspace of its own)
 #   2. cargo test --workspace                               (unit tests, in-process agent tests)
 #   3. tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
 #                                                            end-to-end jobs, archive conformance)
@@ -27,6 +28,11 @@ cargo fmt --all --check
 
 step "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
+
+# bench/ is its own workspace (so the root's `cargo test --workspace` never builds it): same gates.
+step "cargo fmt --check, cargo clippy --all-targets -- -D warnings for bench/"
+cargo fmt --manifest-path bench/Cargo.toml --all --check
+cargo clippy --manifest-path bench/Cargo.toml --all-targets -- -D warnings
 
 step "cargo test --workspace"
 cargo test --workspace

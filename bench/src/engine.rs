@@ -4,10 +4,10 @@
 //! any peer tool (wall time, and CPU of the process tree from `wait`'s rusage).
 
 use anyhow::{Context, Result, bail};
-use sluice_archive::{ArchiveConfig, ArchiveProgress, Archiver, JobMeta, open_archive};
+use sluice_agent::stage::{self, Progress, StageCtx};
 use sluice_archive::config::Config;
 use sluice_archive::safefs::Owner;
-use sluice_agent::stage::{self, Progress, StageCtx};
+use sluice_archive::{ArchiveConfig, ArchiveProgress, Archiver, JobMeta, open_archive};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::OwnedFd;

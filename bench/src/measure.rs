@@ -19,8 +19,9 @@ pub struct Sample {
 }
 
 fn children_cpu() -> f64 {
-    // SAFETY: getrusage only writes the struct we pass.
+    // SAFETY: rusage is plain integers and timevals, for which all-zero bytes are a valid value.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct we pass, which lives for the call.
     unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
     let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
     t(ru.ru_utime) + t(ru.ru_stime)
