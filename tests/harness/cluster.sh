@@ -26,6 +26,7 @@ AZURITE_DIR=$TEST_ROOT/azurite
 # ckpt-faulty is reached through tests' fault-injecting proxy on 127.0.0.1:$FAULT_PROXY_PORT.
 S3_BUCKETS=(datasets ckpt ckpt-faulty)
 FAULT_PROXY_PORT=3911
+S3_ENDPOINT=http://127.0.0.1:3900
 AZ_CONTAINERS=(datasets ckpt)
 # The Azurite account every Azure SDK knows (public, documented by Microsoft; not a secret).
 AZ_ACCOUNT=devstoreaccount1
@@ -40,13 +41,31 @@ need_root() { [[ $(id -u) -eq 0 ]] || die "cluster.sh must run as root"; }
 
 # ---------------------------------------------------------------------------------------------- processes
 
-# Is the process in pid file $1 alive, and does its command line contain $2? (Guards against pid reuse.)
+# Is process $1 alive? `kill -0` plus a look at its state, so that a child of ours that exited and
+# was not reaped yet (a zombie) counts as gone.
+pid_running() {
+  local pid=$1 stat
+  kill -0 "$pid" 2>/dev/null || return 1
+  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  [[ ${stat:0:1} != Z ]]
+}
+
+# Is the process in pid file $1 alive, and does its command line contain $2? (Guards against pid
+# reuse.) A process spawned a moment ago may still be between the execs of setsid → env → its
+# program, when /proc/PID/cmdline names an earlier program (or nothing, during an exec): while it
+# lives, its command line is read again for up to 2 s before it counts as another program.
 pid_alive() {
-  local pidfile=$1 needle=$2 pid
+  local pidfile=$1 needle=$2 pid tries=10
   [[ -f $pidfile ]] || return 1
   pid=$(tr -dc '0-9' <"$pidfile")
-  [[ -n $pid && -r /proc/$pid/cmdline ]] || return 1
-  tr '\0' ' ' </proc/"$pid"/cmdline | grep -q -- "$needle"
+  [[ -n $pid ]] || return 1
+  while pid_running "$pid"; do
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$needle" && return 0
+    ((--tries > 0)) || return 1
+    sleep 0.2
+  done
+  return 1
 }
 
 # Stops the process of one pid file: SIGTERM, up to 15 s, then SIGKILL. Only that pid, nothing by name.
@@ -66,6 +85,8 @@ stop_pidfile() {
 }
 
 # Starts "$@" in its own session in the background, logging to $2's file, and records its pid.
+# setsid does not fork here (a script's background child leads no process group), so the pid
+# recorded is the one that ends up running the program, after the execs of setsid and env.
 #   spawn PIDFILE LOGFILE CMD...
 spawn() {
   local pidfile=$1 logfile=$2
@@ -284,6 +305,28 @@ EOF
 
 # ---------------------------------------------------------------------------------------------- agents
 
+# One [[SECTION.allow]] table per prefix, for the agent config.
+allow_rules() {
+  local section=$1 prefix
+  shift
+  for prefix in "$@"; do printf '\n[[%s.allow]]\nprefix = "%s"\n' "$section" "$prefix"; done
+}
+
+# One [[store]] table for Garage at ENDPOINT, for URLs starting with PREFIX.
+s3_store() {
+  local prefix=$1 endpoint=$2
+  cat <<EOF
+
+[[store]]
+prefix = "$prefix"
+endpoint = "$endpoint"
+region = "garage"
+access_key_id = "$S3_KEY_ID"
+secret_access_key = "$S3_SECRET"
+allow_http = true
+EOF
+}
+
 write_agent_config() {
   mkdir -p "$(dirname "$AGENT_CONFIG")"
   {
@@ -310,60 +353,19 @@ scan_interval = "1s"
 epilog_wait = "20s"
 part_size = "5MiB"
 concurrency = 8
-
-[[ckpt.allow]]
-prefix = "s3://ckpt/{user}/"
-
-[[ckpt.allow]]
-prefix = "s3://ckpt-faulty/{user}/"
-
-[[ckpt.allow]]
-prefix = "az://ckpt/{user}/"
-
-[[ckpt.allow]]
-prefix = "file://$TEST_ROOT/archive/{user}/"
-
-# Deliberately shared by every user (no {user}): the weak configuration of docs/SECURITY.md F2, kept
-# so a test can show that restore still gives a job only its own user's checkpoints.
-[[ckpt.allow]]
-prefix = "file://$TEST_ROOT/archive/shared/"
-
-# Object-store datasets users may stage (the agent reads them with its own credentials).
-[[stage.allow]]
-prefix = "s3://datasets/"
-
-[[stage.allow]]
-prefix = "az://datasets/"
-
-[[stage.allow]]
-prefix = "s3://ckpt/{user}/"
-
-[[stage.allow]]
-prefix = "az://ckpt/{user}/"
-
-[[stage.allow]]
-prefix = "s3://ckpt-faulty/"
 EOF
+    allow_rules ckpt "s3://ckpt/{user}/" "s3://ckpt-faulty/{user}/" "az://ckpt/{user}/" \
+      "file://$TEST_ROOT/archive/{user}/"
+    # Deliberately shared by every user (no {user}): the weak configuration of docs/SECURITY.md F2,
+    # kept so a test can show that restore still gives a job only its own user's checkpoints.
+    allow_rules ckpt "file://$TEST_ROOT/archive/shared/"
+    # Object-store datasets users may stage (the agent reads them with its own credentials).
+    allow_rules stage "s3://datasets/" "az://datasets/" "s3://ckpt/{user}/" "az://ckpt/{user}/" \
+      "s3://ckpt-faulty/"
     if [[ -n ${S3_KEY_ID:-} ]]; then
-      cat <<EOF
-
-[[store]]
-prefix = "s3://"
-endpoint = "http://127.0.0.1:3900"
-region = "garage"
-access_key_id = "$S3_KEY_ID"
-secret_access_key = "$S3_SECRET"
-allow_http = true
-
-# The same Garage behind the tests' fault-injecting proxy (503/429/outages on demand).
-[[store]]
-prefix = "s3://ckpt-faulty"
-endpoint = "http://127.0.0.1:$FAULT_PROXY_PORT"
-region = "garage"
-access_key_id = "$S3_KEY_ID"
-secret_access_key = "$S3_SECRET"
-allow_http = true
-EOF
+      s3_store "s3://" "$S3_ENDPOINT"
+      # The same Garage behind the tests' fault-injecting proxy (503/429/outages on demand).
+      s3_store "s3://ckpt-faulty" "http://127.0.0.1:$FAULT_PROXY_PORT"
     fi
     cat <<EOF
 
@@ -398,12 +400,15 @@ start_agents() {
     spawn "$RUN_DIR/sluiced-$n.pid" "$SLUICE_LOG_DIR/$n.log" \
       env RUST_LOG="${SLUICE_AGENT_LOG:-info}" RUST_BACKTRACE=1 MALLOC_MMAP_THRESHOLD_=1048576 "$SLUICED" --config "$AGENT_CONFIG" --node "$n"
   done
+  # Wait for each socket while its process lives. Liveness is `kill -0`, not the command line: right
+  # after the spawn the process may still be setsid or env, on its way to exec sluiced.
   for n in "${NODES[@]}"; do
-    local deadline=$((SECONDS + 30))
+    local deadline=$((SECONDS + 30)) pid
+    pid=$(tr -dc '0-9' <"$RUN_DIR/sluiced-$n.pid")
     until [[ -S /run/sluice/$n.sock ]]; do
-      if ! pid_alive "$RUN_DIR/sluiced-$n.pid" sluiced; then
+      if ! pid_running "$pid"; then
         tail_logs "$SLUICE_LOG_DIR/$n.log"
-        die "sluiced --node $n exited before creating /run/sluice/$n.sock"
+        die "sluiced --node $n (pid $pid) exited before creating /run/sluice/$n.sock"
       fi
       ((SECONDS < deadline)) || { tail_logs "$SLUICE_LOG_DIR/$n.log"; die "no /run/sluice/$n.sock after 30 s"; }
       sleep 0.2
@@ -438,7 +443,7 @@ SLUICE_TEST_SLURM_LOG_DIR='$SLURM_LOG_DIR'
 SLUICE_TEST_SLUICE_LOG_DIR='$SLUICE_LOG_DIR'
 SLUICE_TEST_RCLONE='$(harness_rclone)'
 SLUICE_TEST_S3='$([[ -n ${S3_KEY_ID:-} ]] && echo 1 || echo 0)'
-SLUICE_TEST_S3_ENDPOINT='http://127.0.0.1:3900'
+SLUICE_TEST_S3_ENDPOINT='$S3_ENDPOINT'
 SLUICE_TEST_S3_REGION='garage'
 SLUICE_TEST_S3_KEY_ID='${S3_KEY_ID:-}'
 SLUICE_TEST_S3_SECRET='${S3_SECRET:-}'

@@ -185,24 +185,22 @@ class Reader:
             self.buf += data
             return
 
-    def head(self):
-        """Bytes up to and including the blank line ending a message head."""
-        while b"\r\n\r\n" not in self.buf:
+    def until(self, sep):
+        """Bytes up to and including `sep`; aborts past MAX_HEAD bytes without it."""
+        while sep not in self.buf:
             if len(self.buf) > MAX_HEAD:
                 raise Aborted()
             self._fill()
-        end = self.buf.index(b"\r\n\r\n") + 4
+        end = self.buf.index(sep) + len(sep)
         out, self.buf = self.buf[:end], self.buf[end:]
         return out
 
+    def head(self):
+        """Bytes up to and including the blank line ending a message head."""
+        return self.until(b"\r\n\r\n")
+
     def line(self):
-        while b"\r\n" not in self.buf:
-            if len(self.buf) > MAX_HEAD:
-                raise Aborted()
-            self._fill()
-        end = self.buf.index(b"\r\n") + 2
-        out, self.buf = self.buf[:end], self.buf[end:]
-        return out
+        return self.until(b"\r\n")
 
     def some(self, limit):
         if not self.buf:
@@ -424,7 +422,7 @@ def loopback(host):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--upstream", default="127.0.0.1:3900")
+    p.add_argument("--upstream", required=True)
     p.add_argument("--control", required=True)
     p.add_argument("--stats")
     p.add_argument("--max-lifetime", type=float, default=1800.0)
