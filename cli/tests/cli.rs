@@ -13,7 +13,7 @@ use sluice_proto::msg::{
     CkptStatus, ErrorCode, ErrorReply, JobStatus, NodeStatus, Request, Response,
 };
 use sluice_proto::wire;
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::thread::JoinHandle;
@@ -62,9 +62,42 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8(bytes.to_vec()).unwrap()
 }
 
+/// The stdout of a run that must have succeeded (else the assertion shows both streams).
+fn succeeded(out: &Output) -> String {
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    stdout
+}
+
+/// Asserts that `text` holds `part`, showing all of `text` when it does not.
+#[track_caller]
+fn assert_has(text: &str, part: &str) {
+    assert!(text.contains(part), "{part:?} is not in:\n{text}");
+}
+
+/// The stderr of a run that must have failed with exit status 1 (a refusal, not a usage error).
+fn failed(out: &Output) -> String {
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{}{stderr}", text(&out.stdout));
+    stderr
+}
+
 struct Dir {
     _dir: tempfile::TempDir,
     socket: PathBuf,
+}
+
+impl Dir {
+    fn socket(&self) -> &str {
+        self.socket.to_str().unwrap()
+    }
+
+    /// `sluice --socket SOCKET ARGS...` with `env`.
+    fn sluice(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
+        let mut all = vec!["--socket", self.socket()];
+        all.extend_from_slice(args);
+        sluice(&all, env)
+    }
 }
 
 fn temp_socket() -> Dir {
@@ -73,23 +106,23 @@ fn temp_socket() -> Dir {
     Dir { _dir: dir, socket }
 }
 
+/// Runs `sluice --socket SOCKET ARGS...` with `env` against a fake agent answering `response`;
+/// returns the request the agent got and what sluice printed.
+fn ask(response: Response, args: &[&str], env: &[(&str, &str)]) -> (Request, Output) {
+    let d = temp_socket();
+    let agent = fake_agent(&d.socket, response);
+    let out = d.sluice(args, env);
+    (agent.join().unwrap(), out)
+}
+
 #[test]
 fn status_shows_the_node_and_its_jobs() {
-    let d = temp_socket();
-    let agent = fake_agent(&d.socket, Response::Status(fixtures::node_status()));
-    let out = sluice(&["--socket", d.socket.to_str().unwrap(), "status"], &[]);
-    assert_eq!(agent.join().unwrap(), Request::Status);
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let (request, out) = ask(Response::Status(fixtures::node_status()), &["status"], &[]);
+    assert_eq!(request, Request::Status);
+    let stdout = succeeded(&out);
     assert!(stdout.starts_with("node      gpu07\n"), "{stdout}");
-    assert!(
-        stdout.contains("\nJOBID  USER   STATE    DATASETS  "),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains("\n4250   bob    failed   corpus  "),
-        "{stdout}"
-    );
+    assert_has(&stdout, "\nJOBID  USER   STATE    DATASETS  ");
+    assert_has(&stdout, "\n4250   bob    failed   corpus  ");
     assert!(out.stderr.is_empty());
 }
 
@@ -97,54 +130,43 @@ fn status_shows_the_node_and_its_jobs() {
 fn status_json_is_the_agents_answer() {
     let d = temp_socket();
     let agent = fake_agent(&d.socket, Response::Status(fixtures::node_status()));
-    let out = sluice(
-        &["status", "--json", "--socket", d.socket.to_str().unwrap()],
-        &[],
-    );
+    // --socket after the subcommand works as well as before it.
+    let out = sluice(&["status", "--json", "--socket", d.socket()], &[]);
     agent.join().unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    succeeded(&out);
     let parsed: NodeStatus = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(parsed, fixtures::node_status());
 }
 
 #[test]
 fn job_shows_every_dataset() {
-    let d = temp_socket();
-    let agent = fake_agent(&d.socket, Response::Job(fixtures::staging_job()));
-    let out = sluice(
-        &["--socket", d.socket.to_str().unwrap(), "job", "4242"],
+    let (request, out) = ask(
+        Response::Job(fixtures::staging_job()),
+        &["job", "4242"],
         &[],
     );
-    assert_eq!(agent.join().unwrap(), Request::Job { job_id: 4242 });
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(request, Request::Job { job_id: 4242 });
+    let stdout = succeeded(&out);
     assert!(
         stdout.starts_with("job 4242  staging\n  user       alice (uid 1000)\n"),
         "{stdout}"
     );
-    assert!(stdout.contains("  imagenet  copying\n    source   s3://datasets/imagenet\n    files    812/1000 (81%)\n"), "{stdout}");
-    assert!(
-        stdout.contains("  weights  listing\n    source   /lustre/models/llama-8b\n"),
-        "{stdout}"
+    assert_has(
+        &stdout,
+        "  imagenet  copying\n    source   s3://datasets/imagenet\n    files    812/1000 (81%)\n",
+    );
+    assert_has(
+        &stdout,
+        "  weights  listing\n    source   /lustre/models/llama-8b\n",
     );
 }
 
 #[test]
 fn job_json_round_trips() {
-    let d = temp_socket();
-    let agent = fake_agent(&d.socket, Response::Job(fixtures::failed_job()));
-    let out = sluice(
-        &[
-            "--socket",
-            d.socket.to_str().unwrap(),
-            "job",
-            "4250",
-            "--json",
-        ],
-        &[],
-    );
-    assert_eq!(agent.join().unwrap(), Request::Job { job_id: 4250 });
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    let response = Response::Job(fixtures::failed_job());
+    let (request, out) = ask(response, &["job", "4250", "--json"], &[]);
+    assert_eq!(request, Request::Job { job_id: 4250 });
+    succeeded(&out);
     let parsed: JobStatus = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(parsed, fixtures::failed_job());
 }
@@ -165,34 +187,25 @@ fn socket_comes_from_env_with_node_name_expanded() {
         ],
     );
     assert_eq!(agent.join().unwrap(), Request::Job { job_id: 4242 });
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    succeeded(&out);
 }
 
 #[test]
 fn agent_errors_are_printed_as_the_agent_wrote_them() {
-    let d = temp_socket();
     let message =
         "job 7 is not on this node; run `sluice job` on one of its nodes (squeue -j 7 -o %N)";
-    let agent = fake_agent(
-        &d.socket,
-        Response::Error(ErrorReply::new(ErrorCode::NotFound, message)),
-    );
-    let out = sluice(&["--socket", d.socket.to_str().unwrap(), "job", "7"], &[]);
-    agent.join().unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert_eq!(text(&out.stderr), format!("sluice: {message}\n"));
+    let response = Response::Error(ErrorReply::new(ErrorCode::NotFound, message));
+    let (request, out) = ask(response, &["job", "7"], &[]);
+    assert_eq!(request, Request::Job { job_id: 7 });
+    assert_eq!(failed(&out), format!("sluice: {message}\n"));
     assert!(out.stdout.is_empty());
 }
 
 #[test]
 fn unreachable_agent_names_the_socket_and_what_to_check() {
     let d = temp_socket();
-    let out = sluice(
-        &["status"],
-        &[("SLUICE_SOCKET", d.socket.to_str().unwrap())],
-    );
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
+    let out = sluice(&["status"], &[("SLUICE_SOCKET", d.socket())]);
+    let stderr = failed(&out);
     let want = format!(
         "sluice: cannot reach the sluice agent at {} (from $SLUICE_SOCKET): ",
         d.socket.display()
@@ -204,29 +217,27 @@ fn unreachable_agent_names_the_socket_and_what_to_check() {
     );
 }
 
-#[test]
-fn a_silent_agent_times_out() {
+/// Runs `sluice --socket SOCKET ARGS...` against an agent that does `behave` with the one
+/// connection it accepts, and returns the stderr of the failure that must follow.
+fn against_a_broken_agent(
+    args: &[&str],
+    behave: impl FnOnce(UnixStream) + Send + 'static,
+) -> String {
     let d = temp_socket();
     let listener = UnixListener::bind(&d.socket).unwrap();
+    let agent = std::thread::spawn(move || behave(listener.accept().unwrap().0));
+    let out = d.sluice(args, &[]);
+    agent.join().unwrap();
+    failed(&out)
+}
+
+#[test]
+fn a_silent_agent_times_out() {
     // Reads the request, then waits for the client to hang up: no sleeps, no answer.
-    let agent = std::thread::spawn(move || {
-        let (mut stream, _) = listener.accept().unwrap();
+    let stderr = against_a_broken_agent(&["--timeout", "0.2", "status"], |mut stream| {
         wire::read_frame(&mut stream).unwrap();
         assert!(wire::read_frame(&mut stream).is_err());
     });
-    let out = sluice(
-        &[
-            "--socket",
-            d.socket.to_str().unwrap(),
-            "--timeout",
-            "0.2",
-            "status",
-        ],
-        &[],
-    );
-    agent.join().unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
     assert!(
         stderr.contains("did not answer within 200ms") && stderr.contains("--timeout"),
         "{stderr}"
@@ -235,34 +246,19 @@ fn a_silent_agent_times_out() {
 
 #[test]
 fn an_agent_answering_the_wrong_thing_is_reported() {
-    let d = temp_socket();
-    let agent = fake_agent(&d.socket, Response::Ok);
-    let out = sluice(&["--socket", d.socket.to_str().unwrap(), "status"], &[]);
-    agent.join().unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
-    assert!(
-        stderr.contains("answered a status request with 'ok'"),
-        "{stderr}"
-    );
+    let stderr = against_a_broken_agent(&["status"], |mut stream| {
+        wire::read_frame(&mut stream).unwrap();
+        wire::write_frame(&mut stream, &Response::Ok).unwrap();
+    });
+    assert_has(&stderr, "answered a status request with 'ok'");
 }
 
 #[test]
 fn an_agent_hanging_up_is_reported() {
-    let d = temp_socket();
-    let listener = UnixListener::bind(&d.socket).unwrap();
-    let agent = std::thread::spawn(move || {
-        let (mut stream, _) = listener.accept().unwrap();
+    let stderr = against_a_broken_agent(&["job", "1"], |mut stream| {
         wire::read_frame(&mut stream).unwrap();
     });
-    let out = sluice(&["--socket", d.socket.to_str().unwrap(), "job", "1"], &[]);
-    agent.join().unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
-    assert!(
-        stderr.contains("closed the connection without answering"),
-        "{stderr}"
-    );
+    assert_has(&stderr, "closed the connection without answering");
 }
 
 // ------------------------------------------------------------------------------------ ckpt, agent
@@ -277,18 +273,11 @@ fn ckpts() -> Response {
 fn commit_inside_a_job_uses_slurm_job_id_and_says_where_it_goes() {
     let d = temp_socket();
     let agent = fake_agent_seq(&d.socket, vec![Response::Ok, ckpts()]);
-    let out = sluice(
-        &[
-            "--socket",
-            d.socket.to_str().unwrap(),
-            "ckpt",
-            "commit",
-            "step200",
-        ],
+    let out = d.sluice(
+        &["ckpt", "commit", "step200"],
         &[("SLURM_JOB_ID", "4242"), ("SLURMD_NODENAME", "gpu07")],
     );
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let stdout = succeeded(&out);
     assert_eq!(
         agent.join().unwrap(),
         vec![
@@ -323,11 +312,11 @@ fn commit_with_job_and_local_flags() {
             "--local",
             "step100",
             "--socket",
-            d.socket.to_str().unwrap(),
+            d.socket(),
         ],
         &[("SLURM_JOB_ID", "4242"), ("SLURMD_NODENAME", "n3")],
     );
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = succeeded(&out);
     assert_eq!(
         agent.join().unwrap()[0],
         Request::CkptCommit {
@@ -335,47 +324,24 @@ fn commit_with_job_and_local_flags() {
             tag: "step100".into()
         }
     );
-    assert_eq!(text(&out.stdout), "committed step100 (job 7, node n3)\n");
+    assert_eq!(stdout, "committed step100 (job 7, node n3)\n");
 }
 
 #[test]
 fn commit_outside_a_job_fails_before_asking_the_agent() {
     let d = temp_socket();
     // Nobody listens: an attempt to connect would be a different error.
-    let out = sluice(
-        &[
-            "--socket",
-            d.socket.to_str().unwrap(),
-            "ckpt",
-            "commit",
-            "step1",
-        ],
-        &[],
-    );
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
+    let out = d.sluice(&["ckpt", "commit", "step1"], &[]);
+    let stderr = failed(&out);
     assert!(
         stderr.starts_with("sluice: not inside a Slurm job ($SLURM_JOB_ID is not set)")
             && stderr.contains("pass --job JOBID"),
         "{stderr}"
     );
     // A bad tag is refused here too, with what a tag may hold.
-    let out = sluice(
-        &[
-            "--socket",
-            d.socket.to_str().unwrap(),
-            "ckpt",
-            "commit",
-            "a/b",
-        ],
-        &[("SLURM_JOB_ID", "1")],
-    );
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("checkpoint tag 'a/b' may only hold"),
-        "{}",
-        text(&out.stderr)
-    );
+    let out = d.sluice(&["ckpt", "commit", "a/b"], &[("SLURM_JOB_ID", "1")]);
+    let stderr = failed(&out);
+    assert_has(&stderr, "checkpoint tag 'a/b' may only hold");
 }
 
 #[test]
@@ -389,61 +355,36 @@ fn commit_errors_from_the_agent_are_printed_as_they_come() {
             message,
         ))],
     );
-    let out = sluice(
-        &[
-            "--socket",
-            d.socket.to_str().unwrap(),
-            "ckpt",
-            "commit",
-            "step9",
-        ],
-        &[("SLURM_JOB_ID", "4242")],
-    );
+    let out = d.sluice(&["ckpt", "commit", "step9"], &[("SLURM_JOB_ID", "4242")]);
     assert_eq!(agent.join().unwrap().len(), 1);
-    assert_eq!(out.status.code(), Some(1));
-    assert_eq!(text(&out.stderr), format!("sluice: {message}\n"));
+    assert_eq!(failed(&out), format!("sluice: {message}\n"));
     assert!(out.stdout.is_empty());
 }
 
 #[test]
 fn list_shows_the_jobs_checkpoints() {
-    let d = temp_socket();
-    let agent = fake_agent(&d.socket, ckpts());
-    let out = sluice(
-        &["--socket", d.socket.to_str().unwrap(), "ckpt", "list"],
-        &[("SLURM_JOB_ID", "4242")],
-    );
-    assert_eq!(agent.join().unwrap(), Request::CkptList { job_id: 4242 });
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    let (request, out) = ask(ckpts(), &["ckpt", "list"], &[("SLURM_JOB_ID", "4242")]);
+    assert_eq!(request, Request::CkptList { job_id: 4242 });
+    let stdout = succeeded(&out);
     assert!(
         stdout.starts_with("job 4242 on this node; archive s3://ckpt/alice/train\n\nTAG      STATE              HOT  SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR\n"),
         "{stdout}"
     );
-    assert!(
-        stdout.contains("\nstep100  archived           no   3.0 GiB  2.0 GiB  1.46x  "),
-        "{stdout}"
+    assert_has(
+        &stdout,
+        "\nstep100  archived           no   3.0 GiB  2.0 GiB  1.46x  ",
     );
 }
 
 #[test]
 fn list_json_with_an_explicit_job() {
-    let d = temp_socket();
-    let agent = fake_agent(&d.socket, ckpts());
-    let out = sluice(
-        &[
-            "--socket",
-            d.socket.to_str().unwrap(),
-            "ckpt",
-            "list",
-            "--job",
-            "17",
-            "--json",
-        ],
+    let (request, out) = ask(
+        ckpts(),
+        &["ckpt", "list", "--job", "17", "--json"],
         &[("SLURM_JOB_ID", "4242")],
     );
-    assert_eq!(agent.join().unwrap(), Request::CkptList { job_id: 17 });
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(request, Request::CkptList { job_id: 17 });
+    succeeded(&out);
     let parsed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(parsed["job_id"], 17);
     let ckpts: Vec<CkptStatus> = serde_json::from_value(parsed["ckpts"].clone()).unwrap();
@@ -453,8 +394,7 @@ fn list_json_with_an_explicit_job() {
 #[test]
 fn list_outside_a_job_and_conflicting_arguments() {
     let out = sluice(&["--socket", "/nonexistent.sock", "ckpt", "list"], &[]);
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
+    let stderr = failed(&out);
     assert!(
         stderr.contains("not inside a Slurm job")
             && stderr.contains("pass --job JOBID or give an archive URL"),
@@ -472,35 +412,19 @@ fn list_outside_a_job_and_conflicting_arguments() {
 // ------------------------------------------------------------------------------------ ckpt, URL
 
 mod archive {
-    use super::{sluice, text};
+    use super::{assert_has, failed, sluice, succeeded, text};
     use sluice_archive::config::Config;
     use sluice_archive::safefs;
+    use sluice_archive::synth::{bf16_weights, fp32_values};
     use sluice_archive::{ArchiveConfig, ArchiveProgress, JobMeta, open_archive_with};
     use std::os::unix::fs::MetadataExt;
     use std::path::{Path, PathBuf};
     use std::sync::Arc;
 
-    /// Deterministic, compressible "tensor" bytes: small values around zero, as bf16 weights are.
-    fn tensor(n: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..n)
-            .map(|i| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                if i % 2 == 1 {
-                    0x3c | (x as u8 & 1)
-                } else {
-                    x as u8
-                }
-            })
-            .collect()
-    }
-
     fn files() -> Vec<(&'static str, Vec<u8>)> {
         vec![
-            ("model/weights.bf16", tensor(1_200_000, 1)),
-            ("optim/state.fp32", tensor(300_000, 2)),
+            ("model/weights.bf16", bf16_weights(600_000, 1)),
+            ("optim/state.fp32", fp32_values(75_000, 2)),
             ("latest", b"step100\n".to_vec()),
             ("empty", Vec::new()),
         ]
@@ -598,8 +522,7 @@ mod archive {
 
         // list: step100 complete with a ratio, step200 partial.
         let out = f.run(&["list", url]);
-        let stdout = text(&out.stdout);
-        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        let stdout = succeeded(&out);
         assert!(
             stdout.starts_with(&format!("archive {url}\n\nTAG      STATE     FILES  ")),
             "{stdout}"
@@ -620,7 +543,7 @@ mod archive {
         assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
 
         let out = f.run(&["list", url, "--json"]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
+        succeeded(&out);
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["url"], url);
         let c = &v["ckpts"];
@@ -638,26 +561,18 @@ mod archive {
 
         // verify: OK.
         let out = f.run(&["verify", url, "step100"]);
-        let stdout = text(&out.stdout);
-        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        let stdout = succeeded(&out);
         assert!(
             stdout.starts_with(&format!("checkpoint step100 at {url}: OK\n  4 file(s), ")),
             "{stdout}"
         );
         // A partial checkpoint cannot be verified: it has no MANIFEST.
-        let out = f.run(&["verify", url, "step200"]);
-        assert_eq!(out.status.code(), Some(1));
-        assert!(
-            text(&out.stderr).contains("has no MANIFEST"),
-            "{}",
-            text(&out.stderr)
-        );
+        let stderr = failed(&f.run(&["verify", url, "step200"]));
+        assert_has(&stderr, "has no MANIFEST");
 
         // restore: identical bytes, owned by the caller, into a new directory and via `latest`.
         let dest = f.tmp.path().join("restored");
-        let out = f.run(&["restore", url, "step100", dest.to_str().unwrap()]);
-        let stdout = text(&out.stdout);
-        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        let stdout = succeeded(&f.run(&["restore", url, "step100", dest.to_str().unwrap()]));
         assert_eq!(
             stdout,
             format!(
@@ -669,21 +584,15 @@ mod archive {
         let empty = f.tmp.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
         let out = f.run(&["restore", url, "latest", empty.to_str().unwrap(), "--json"]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
         assert_eq!(
             (v["tag"].as_str(), v["files"].as_u64()),
             (Some("step100"), Some(4))
         );
         assert_restored(&empty);
         // Not into a directory that holds something.
-        let out = f.run(&["restore", url, "step100", dest.to_str().unwrap()]);
-        assert_eq!(out.status.code(), Some(1));
-        assert!(
-            text(&out.stderr).contains("is not empty"),
-            "{}",
-            text(&out.stderr)
-        );
+        let stderr = failed(&f.run(&["restore", url, "step100", dest.to_str().unwrap()]));
+        assert_has(&stderr, "is not empty");
         assert_restored(&dest);
 
         // Damage: one byte flipped in the middle of a data object.
@@ -694,8 +603,8 @@ mod archive {
         std::fs::write(&object, &bytes).unwrap();
 
         let out = f.run(&["verify", url, "step100"]);
+        failed(&out);
         let stdout = text(&out.stdout);
-        assert_eq!(out.status.code(), Some(1), "{stdout}{}", text(&out.stderr));
         assert!(
             stdout.starts_with(&format!(
                 "checkpoint step100 at {url}: DAMAGED, 1 of 4 file(s)\n  model/weights.bf16: "
@@ -703,16 +612,14 @@ mod archive {
             "{stdout}"
         );
         let out = f.run(&["verify", url, "step100", "--json"]);
-        assert_eq!(out.status.code(), Some(1));
+        failed(&out);
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["ok"], false);
         assert_eq!(v["damaged"][0]["path"], "model/weights.bf16");
 
         // A damaged checkpoint is not restored, and nothing is left behind.
         let dest2 = f.tmp.path().join("restored2");
-        let out = f.run(&["restore", url, "step100", dest2.to_str().unwrap()]);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let stderr = failed(&f.run(&["restore", url, "step100", dest2.to_str().unwrap()]));
         assert!(
             stderr.contains("is damaged: 'model/weights.bf16'")
                 && stderr.ends_with("was removed again\n"),
@@ -720,9 +627,7 @@ mod archive {
         );
         assert!(!dest2.exists());
         // `latest` says it skips the damaged one, and finds no other.
-        let out = f.run(&["restore", url, "latest", dest2.to_str().unwrap()]);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let stderr = failed(&f.run(&["restore", url, "latest", dest2.to_str().unwrap()]));
         assert!(
             stderr.contains("checkpoint step100 cannot be restored")
                 && stderr.contains("falling back to the next newest")
@@ -743,30 +648,22 @@ mod archive {
         .unwrap();
         let cfg = config.to_str().unwrap();
         let missing = format!("file://{}/nothing", tmp.path().display());
-        let out = sluice(&["ckpt", "list", &missing, "--config", cfg], &[]);
-        assert_eq!(out.status.code(), Some(1));
+        let stderr = failed(&sluice(&["ckpt", "list", &missing, "--config", cfg], &[]));
         assert!(
-            text(&out.stderr).ends_with("does not exist; nothing is archived there\n"),
-            "{}",
-            text(&out.stderr)
+            stderr.ends_with("does not exist; nothing is archived there\n"),
+            "{stderr}"
         );
         assert!(!tmp.path().join("nothing").exists());
-        let out = sluice(&["ckpt", "verify", "ftp://x/y", "t", "--config", cfg], &[]);
-        assert_eq!(out.status.code(), Some(1));
-        assert!(
-            text(&out.stderr).contains("unknown scheme"),
-            "{}",
-            text(&out.stderr)
-        );
+        let stderr = failed(&sluice(
+            &["ckpt", "verify", "ftp://x/y", "t", "--config", cfg],
+            &[],
+        ));
+        assert_has(&stderr, "unknown scheme");
         // An empty archive lists as empty.
         let empty = tmp.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
         let url = format!("file://{}", empty.display());
-        let out = sluice(&["ckpt", "list", &url, "--config", cfg], &[]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        assert_eq!(
-            text(&out.stdout),
-            format!("archive {url}\n\nNo checkpoints there.\n")
-        );
+        let stdout = succeeded(&sluice(&["ckpt", "list", &url, "--config", cfg], &[]));
+        assert_eq!(stdout, format!("archive {url}\n\nNo checkpoints there.\n"));
     }
 }
