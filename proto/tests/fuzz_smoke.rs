@@ -48,6 +48,9 @@ fn note(size: usize) {
     });
 }
 
+// SAFETY: every method forwards its arguments unchanged to the system allocator, so `Probe` keeps
+// `GlobalAlloc`'s contract as `System` does; `note` only reads and sets `const` thread-locals (no
+// allocation, no destructor) and never panics.
 unsafe impl GlobalAlloc for Probe {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         note(layout.size());

@@ -73,8 +73,8 @@ unsafe fn plugin_args(argc: c_int, argv: *mut *mut c_char) -> Vec<String> {
         .filter_map(|i| {
             // SAFETY: i < argc, and the caller guarantees `argv` has `argc` entries.
             let arg = unsafe { *argv.add(i) };
-            // SAFETY: each non-null entry is a NUL-terminated string owned by Slurm for the call.
             (!arg.is_null()).then(|| {
+                // SAFETY: each non-null entry is a NUL-terminated string owned by Slurm for the call.
                 unsafe { CStr::from_ptr(arg) }
                     .to_string_lossy()
                     .into_owned()
