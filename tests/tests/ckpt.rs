@@ -20,14 +20,14 @@ mod common;
 
 use common::*;
 use serde_json::{Value, json};
-use sluice_proto::msg::{CkptState, CkptStatus, Request, Response};
+use sluice_proto::msg::CkptState;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// A writer job: generating, archiving (3 nodes × 3 checkpoints) and waiting for the archive.
 const WRITER_TIMEOUT: Duration = Duration::from_secs(300);
@@ -40,8 +40,6 @@ const HOT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The agents' part size in the test cluster (`[ckpt] part_size`): larger objects go multipart.
 const PART_SIZE: u64 = 5 << 20;
 const MIB: u64 = 1 << 20;
-
-const SUMS_CMD: &str = "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum";
 
 // ------------------------------------------------------------------------------------ the job
 
@@ -193,28 +191,6 @@ log("done")
 open(os.path.join(OUT, "done"), "w").close()
 "#;
 
-/// The `sluice` CLI for the jobs: the one built next to this test binary, copied to a root-owned
-/// directory the test user can read (the cluster does not install it on the nodes' PATH).
-fn cli_for_jobs(cluster: &Cluster) -> String {
-    static CLI: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    CLI.get_or_init(|| {
-        let exe = std::env::current_exe().expect("test binary path");
-        let built = exe
-            .ancestors()
-            .find_map(|d| Some(d.join("sluice")).filter(|p| p.is_file()))
-            .unwrap_or_else(|| {
-                panic!(
-                    "no sluice CLI built next to {}: run cargo build --workspace",
-                    exe.display()
-                )
-            });
-        let dest = cluster.data_dir("cli").join("sluice");
-        fs::copy(&built, &dest).unwrap_or_else(|e| panic!("copy {}: {e}", built.display()));
-        dest.to_string_lossy().into_owned()
-    })
-    .clone()
-}
-
 /// One checkpoint of a plan: its tag, how rank 0 commits it, the files each rank writes (`{r}` in
 /// a name is the rank), and a file in the work directory to wait for first (the test's go-ahead).
 struct Step {
@@ -222,6 +198,112 @@ struct Step {
     commit: &'static str,
     files: Vec<(String, &'static str, u64)>,
     after: Option<&'static str>,
+}
+
+impl Step {
+    /// A checkpoint written as soon as the one before is committed.
+    fn new(
+        tag: &'static str,
+        commit: &'static str,
+        files: Vec<(String, &'static str, u64)>,
+    ) -> Step {
+        Step {
+            tag,
+            commit,
+            files,
+            after: None,
+        }
+    }
+
+    /// The same checkpoint, written once the test creates `go` in the work directory.
+    fn after(self, go: &'static str) -> Step {
+        Step {
+            after: Some(go),
+            ..self
+        }
+    }
+}
+
+/// What the job's trainer does: its checkpoints, then either training on until every one is
+/// archived (`wait_archived`) or until the test creates `train_until`, or ending at once; it fails
+/// after `deadline`.
+struct Plan {
+    steps: Vec<Step>,
+    wait_archived: bool,
+    train_until: Option<&'static str>,
+    deadline: Duration,
+}
+
+impl Plan {
+    /// Trains on until the agent reports every checkpoint archived.
+    fn until_archived(steps: Vec<Step>, deadline: Duration) -> Plan {
+        Plan {
+            steps,
+            wait_archived: true,
+            train_until: None,
+            deadline,
+        }
+    }
+
+    /// Trains on until the test creates `stop`.
+    fn until_stopped(steps: Vec<Step>, deadline: Duration) -> Plan {
+        Plan {
+            steps,
+            wait_archived: false,
+            train_until: Some("stop"),
+            deadline,
+        }
+    }
+
+    /// Ends right after its last commit.
+    fn ending_after_commit(steps: Vec<Step>, deadline: Duration) -> Plan {
+        Plan {
+            steps,
+            wait_archived: false,
+            train_until: None,
+            deadline,
+        }
+    }
+
+    /// Writes `train.py` and the plan into the work directory and submits a `nodes`-node job that
+    /// runs one trainer per node, archiving to `archive` with `--ckpt-keep=1`.
+    fn submit(
+        &self,
+        cluster: &Cluster,
+        work: &Path,
+        archive: &Archive,
+        nodes: usize,
+        name: &str,
+    ) -> Job {
+        let plan = json!({
+            "cli": cluster.user_cli(),
+            "deadline_s": self.deadline.as_secs(),
+            "wait_archived": self.wait_archived,
+            "train_until": self.train_until,
+            "steps": self.steps.iter().map(|s| json!({
+                "tag": s.tag,
+                "commit": s.commit,
+                "after": s.after,
+                "files": s.files.iter().map(|(n, k, z)| json!([n, k, z])).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        });
+        fs::write(work.join("train.py"), TRAIN_PY).unwrap();
+        fs::write(work.join("plan.json"), plan.to_string()).unwrap();
+        let script = format!(
+            "#!/bin/bash\nsrun --ntasks-per-node=1 python3 {w}/train.py {w} {w}/plan.json\n",
+            w = work.display()
+        );
+        cluster.submit(
+            work,
+            &[
+                &format!("-N{nodes}"),
+                "--ckpt-keep=1",
+                &format!("--ckpt-archive={}", archive.url),
+                &format!("--job-name={name}"),
+            ],
+            &script,
+        )
+    }
 }
 
 /// The shard of one rank in the round-trip test: a bf16 model shard, an fp32 optimizer shard stored
@@ -239,36 +321,6 @@ fn shard_files() -> Vec<(String, &'static str, u64)> {
         ("layers/layer_{r:02d}_1.bf16".into(), "bf16", 256 << 10),
         ("rank_{r}.json".into(), "json", 100),
     ]
-}
-
-/// Writes `train.py` and the plan into the work directory; returns the batch script that runs one
-/// trainer per node.
-fn trainer(
-    cluster: &Cluster,
-    work: &Path,
-    steps: &[Step],
-    wait_archived: bool,
-    train_until: Option<&str>,
-    deadline: Duration,
-) -> String {
-    let plan = json!({
-        "cli": cli_for_jobs(cluster),
-        "deadline_s": deadline.as_secs(),
-        "wait_archived": wait_archived,
-        "train_until": train_until,
-        "steps": steps.iter().map(|s| json!({
-            "tag": s.tag,
-            "commit": s.commit,
-            "after": s.after,
-            "files": s.files.iter().map(|(n, k, z)| json!([n, k, z])).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-    });
-    fs::write(work.join("train.py"), TRAIN_PY).unwrap();
-    fs::write(work.join("plan.json"), plan.to_string()).unwrap();
-    format!(
-        "#!/bin/bash\nsrun --ntasks-per-node=1 python3 {w}/train.py {w} {w}/plan.json\n",
-        w = work.display()
-    )
 }
 
 /// A job that restores a checkpoint and records what it sees: from the first lines of the batch
@@ -289,35 +341,6 @@ ls -A "$SLUICE_CKPT_DIR" > "$o/ls" 2>&1
 '
 "#,
         w = work.display()
-    )
-}
-
-/// `sha256  ./path` lines → path → hash.
-fn parse_sums(text: &str) -> BTreeMap<String, String> {
-    text.lines()
-        .filter_map(|l| l.split_once("  "))
-        .map(|(h, p)| (p.to_string(), h.to_string()))
-        .collect()
-}
-
-fn describe_diff(expected: &BTreeMap<String, String>, actual: &BTreeMap<String, String>) -> String {
-    let missing: Vec<_> = expected
-        .keys()
-        .filter(|k| !actual.contains_key(*k))
-        .collect();
-    let extra: Vec<_> = actual
-        .keys()
-        .filter(|k| !expected.contains_key(*k))
-        .collect();
-    let changed: Vec<_> = expected
-        .iter()
-        .filter(|(k, v)| actual.get(*k).is_some_and(|a| a != *v))
-        .map(|(k, _)| k)
-        .collect();
-    format!(
-        "{} files expected, {} found; missing: {missing:?}; unexpected: {extra:?}; other content: {changed:?}",
-        expected.len(),
-        actual.len()
     )
 }
 
@@ -357,301 +380,42 @@ impl Written {
     }
 }
 
-/// The nodes a job ran on, in Slurm's order (rank 0 first), from `scontrol show hostnames`.
-fn job_nodes(job: &Job) -> Vec<String> {
-    let state = Command::new("scontrol")
-        .args(["show", "job", "-o", &job.id.to_string()])
-        .output()
-        .expect("scontrol");
-    let text = String::from_utf8_lossy(&state.stdout);
-    let list = text
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix("NodeList="))
-        .unwrap_or_else(|| panic!("no NodeList for job {}: {text}", job.id))
-        .to_string();
-    run(Command::new("scontrol").args(["show", "hostnames", &list]))
-        .lines()
-        .map(String::from)
-        .collect()
+/// The entries of a job's checkpoint directory on one node's hot tier (empty if it is gone).
+fn hot_entries(cluster: &Cluster, node: &str, job: &Job) -> BTreeSet<String> {
+    entries(&cluster.job_dir(node, job).join("ckpt"))
 }
 
-fn assert_completed(cluster: &Cluster, job: &Job, timeout: Duration, what: &str) {
-    let end = cluster.wait_end(job, timeout);
-    assert_eq!(
-        (end.state.as_str(), end.exit_code.as_str()),
-        ("COMPLETED", "0:0"),
-        "{what} did not complete\n{}",
-        cluster.evidence(job)
+/// Waits until the job's checkpoint directory on `node` holds exactly `tag`.
+fn wait_hot_tier_holds(cluster: &Cluster, node: &str, job: &Job, tag: &str) {
+    cluster.wait_for(
+        &format!("job {}'s hot tier on {node} to hold exactly {tag}", job.id),
+        HOT_TIMEOUT,
+        Some(job),
+        || hot_entries(cluster, node, job) == BTreeSet::from([tag.to_string()]),
     );
 }
 
-/// The entries of a job's checkpoint directory on one node's hot tier (empty if it is gone).
-fn hot_entries(cluster: &Cluster, node: &str, job: &Job) -> BTreeSet<String> {
-    fs::read_dir(cluster.job_dir(node, job).join("ckpt"))
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
+fn agent_ckpts(cluster: &Cluster, node: &str, job: &Job) -> Vec<sluice_proto::msg::CkptStatus> {
+    cluster
+        .agent_ckpts(node, job)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn now_s() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
-/// The job's checkpoints as one node's agent reports them (asked as root, like an admin).
-fn try_agent_ckpts(cluster: &Cluster, node: &str, job: &Job) -> Result<Vec<CkptStatus>, String> {
-    match sluice_proto::client::call(
-        &cluster.agent_socket(node),
-        Request::CkptList { job_id: job.id },
-        Duration::from_secs(10),
-    ) {
-        Ok(Response::Ckpts { ckpts }) => Ok(ckpts),
-        other => Err(format!("ckpt_list for job {} on {node}: {other:?}", job.id)),
-    }
-}
-
-fn agent_ckpts(cluster: &Cluster, node: &str, job: &Job) -> Vec<CkptStatus> {
-    try_agent_ckpts(cluster, node, job).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// One checkpoint's state on one node; None while the agent does not know it (or the job).
-fn agent_state(cluster: &Cluster, node: &str, job: &Job, tag: &str) -> Option<CkptStatus> {
-    try_agent_ckpts(cluster, node, job)
-        .ok()?
-        .into_iter()
-        .find(|c| c.tag == tag)
+/// Waits until one checkpoint is being archived on `node`.
+fn wait_archiving(cluster: &Cluster, node: &str, job: &Job, tag: &str) {
+    cluster.wait_for(
+        &format!("{tag} to be archiving on {node}"),
+        Duration::from_secs(90),
+        Some(job),
+        || {
+            cluster
+                .agent_ckpt(node, job, tag)
+                .is_some_and(|c| c.state == CkptState::Archiving)
+        },
+    );
 }
 
 // ------------------------------------------------------------------------------- the archives
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Backend {
-    Garage,
-    Azurite,
-    File,
-    /// Garage behind the fault proxy (`s3://ckpt-faulty/...`); listed and read directly.
-    FaultyGarage,
-}
-
-/// One archive URL and how the test reads it behind the agents' back: rclone for the object stores,
-/// the file system for `file://`.
-struct Archive {
-    url: String,
-    /// `garage:bucket/prefix` or `azurite:container/prefix`, or a local directory.
-    remote: Result<String, PathBuf>,
-}
-
-impl Archive {
-    fn new(cluster: &Cluster, backend: Backend, name: &str) -> Archive {
-        let base = format!("{}/e2e-{name}-{}", cluster.user, unique());
-        let (url, remote) = match backend {
-            Backend::Garage => (
-                format!("s3://ckpt/{base}"),
-                Ok(format!("garage:ckpt/{base}")),
-            ),
-            Backend::FaultyGarage => (
-                format!("s3://ckpt-faulty/{base}"),
-                Ok(format!("garage:ckpt-faulty/{base}")),
-            ),
-            Backend::Azurite => (
-                format!("az://ckpt/{base}"),
-                Ok(format!("azurite:ckpt/{base}")),
-            ),
-            Backend::File => {
-                // The harness allows file:// archives per user (`archive/{user}/`).
-                let dir = PathBuf::from(cluster.var("SLUICE_TEST_ARCHIVE_ROOT"))
-                    .join(&cluster.user)
-                    .join(format!("e2e-{name}-{}", unique()));
-                (format!("file://{}", dir.display()), Err(dir))
-            }
-        };
-        Archive { url, remote }
-    }
-
-    /// Every object below the archive URL: key (relative to it) → size.
-    fn objects(&self, cluster: &Cluster) -> BTreeMap<String, u64> {
-        match &self.remote {
-            Ok(remote) => {
-                let out = cluster.rclone(&["lsjson", "-R", "--files-only", remote]);
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                if !out.status.success() {
-                    // Nothing written yet: the "directory" does not exist.
-                    if stderr.contains("directory not found") {
-                        return BTreeMap::new();
-                    }
-                    panic!("rclone lsjson {remote}: {stderr}");
-                }
-                let list: Vec<Value> = serde_json::from_slice(&out.stdout)
-                    .unwrap_or_else(|e| panic!("rclone lsjson {remote}: {e}"));
-                list.iter()
-                    .map(|o| {
-                        (
-                            o["Path"].as_str().unwrap().to_string(),
-                            o["Size"].as_u64().unwrap(),
-                        )
-                    })
-                    .collect()
-            }
-            Err(dir) => {
-                let mut out = BTreeMap::new();
-                let mut stack = vec![dir.clone()];
-                while let Some(d) = stack.pop() {
-                    let Ok(rd) = fs::read_dir(&d) else { continue };
-                    for e in rd.filter_map(|e| e.ok()) {
-                        let ft = e.file_type().unwrap();
-                        if ft.is_dir() {
-                            stack.push(e.path());
-                        } else if ft.is_file() {
-                            let rel = e
-                                .path()
-                                .strip_prefix(dir)
-                                .unwrap()
-                                .to_string_lossy()
-                                .into_owned();
-                            out.insert(rel, e.metadata().unwrap().len());
-                        }
-                    }
-                }
-                out
-            }
-        }
-    }
-
-    fn read(&self, cluster: &Cluster, key: &str) -> Vec<u8> {
-        match &self.remote {
-            Ok(remote) => {
-                let path = format!("{remote}/{key}");
-                let out = cluster.rclone(&["cat", &path]);
-                assert!(
-                    out.status.success(),
-                    "rclone cat {path}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                out.stdout
-            }
-            Err(dir) => fs::read(dir.join(key)).unwrap_or_else(|e| panic!("read {key}: {e}")),
-        }
-    }
-
-    /// Replaces one object behind the agents' back.
-    fn overwrite(&self, cluster: &Cluster, key: &str, data: &[u8]) {
-        match &self.remote {
-            Ok(remote) => {
-                let tmp = PathBuf::from(cluster.var("SLUICE_TEST_ROOT"))
-                    .join(format!("e2e-object-{}", unique()));
-                fs::write(&tmp, data).unwrap();
-                let path = format!("{remote}/{key}");
-                let out = cluster.rclone(&["copyto", tmp.to_str().unwrap(), &path]);
-                let _ = fs::remove_file(&tmp);
-                assert!(
-                    out.status.success(),
-                    "rclone copyto {path}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            Err(dir) => fs::write(dir.join(key), data).unwrap(),
-        }
-    }
-
-    /// Multipart uploads still open below the archive (S3 only): key → upload id.
-    fn multipart_uploads(&self, cluster: &Cluster) -> Vec<(String, String)> {
-        let Ok(remote) = &self.remote else {
-            return Vec::new();
-        };
-        let Some((bucket, base)) = remote
-            .strip_prefix("garage:")
-            .and_then(|r| r.split_once('/'))
-        else {
-            return Vec::new();
-        };
-        let out = cluster.rclone(&[
-            "backend",
-            "list-multipart-uploads",
-            &format!("garage:{bucket}"),
-        ]);
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        v[bucket]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|u| {
-                        let key = u["Key"].as_str()?;
-                        let rel = key.strip_prefix(base)?.trim_start_matches('/');
-                        Some((rel.to_string(), u["UploadId"].as_str()?.to_string()))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// The tags that have a MANIFEST.
-    fn manifests(&self, cluster: &Cluster) -> BTreeSet<String> {
-        manifests_in(&self.objects(cluster))
-    }
-
-    /// Checks the MANIFEST of `tag` the way the archive engine's `check_objects` does: it parses,
-    /// names the tag, and every file it lists has its data object, with the recorded stored size.
-    /// Returns the parsed manifest, or what is wrong.
-    fn check_manifest(&self, cluster: &Cluster, tag: &str) -> Result<Value, String> {
-        let objects = self.objects(cluster);
-        check_manifest_against(
-            &objects,
-            tag,
-            &self.read(cluster, &format!("{tag}/MANIFEST")),
-        )
-    }
-}
-
-fn manifests_in(objects: &BTreeMap<String, u64>) -> BTreeSet<String> {
-    objects
-        .keys()
-        .filter_map(|k| k.strip_suffix("/MANIFEST"))
-        .filter(|t| !t.contains('/'))
-        .map(String::from)
-        .collect()
-}
-
-fn check_manifest_against(
-    objects: &BTreeMap<String, u64>,
-    tag: &str,
-    bytes: &[u8],
-) -> Result<Value, String> {
-    let m: Value =
-        serde_json::from_slice(bytes).map_err(|e| format!("{tag}/MANIFEST is not JSON: {e}"))?;
-    if m["format"] != "sluice-checkpoint" || m["tag"] != tag {
-        return Err(format!(
-            "{tag}/MANIFEST: unexpected format or tag: {}",
-            &m["format"]
-        ));
-    }
-    let files = m["files"]
-        .as_array()
-        .ok_or(format!("{tag}/MANIFEST has no files"))?;
-    let mut bad = Vec::new();
-    for f in files {
-        let path = f["path"].as_str().unwrap_or("?");
-        let want = f["stored_size"].as_u64().unwrap_or(u64::MAX);
-        match objects.get(&format!("{tag}/data/{path}")) {
-            None => bad.push(format!("{path}: data object missing")),
-            Some(&size) if size != want => bad.push(format!(
-                "{path}: data object holds {size} bytes, MANIFEST says {want}"
-            )),
-            Some(_) => {}
-        }
-    }
-    if bad.is_empty() {
-        Ok(m)
-    } else {
-        Err(format!(
-            "{tag}/MANIFEST points at missing or partial objects: {bad:?}"
-        ))
-    }
-}
 
 /// path → (raw size, node) of a manifest's files.
 fn manifest_files(m: &Value) -> BTreeMap<String, (u64, String)> {
@@ -661,7 +425,7 @@ fn manifest_files(m: &Value) -> BTreeMap<String, (u64, String)> {
         .iter()
         .map(|f| {
             (
-                format!("./{}", f["path"].as_str().unwrap()),
+                f["path"].as_str().unwrap().to_string(),
                 (
                     f["size"].as_u64().unwrap(),
                     f["node"].as_str().unwrap().to_string(),
@@ -671,22 +435,39 @@ fn manifest_files(m: &Value) -> BTreeMap<String, (u64, String)> {
         .collect()
 }
 
-fn wait_manifests(
-    cluster: &Cluster,
-    archive: &Archive,
-    tags: &[&str],
-    job: &Job,
-    timeout: Duration,
-) {
+fn wait_manifests(cluster: &Cluster, archive: &Archive, tags: &[&str], job: &Job) {
     cluster.wait_for(
         &format!("MANIFESTs of {tags:?} in {}", archive.url),
-        timeout,
+        ARCHIVE_TIMEOUT,
         Some(job),
         || {
             let have = archive.manifests(cluster);
             tags.iter().all(|t| have.contains(*t))
         },
     );
+}
+
+/// Waits for the MANIFESTs of `tags` and checks them (see [`check_manifests`]).
+fn wait_complete_manifests(
+    cluster: &Cluster,
+    archive: &Archive,
+    tags: &[&str],
+    job: &Job,
+) -> Vec<Value> {
+    wait_manifests(cluster, archive, tags, job);
+    check_manifests(cluster, archive, tags, job)
+}
+
+/// Checks that each MANIFEST of `tags` names only objects that are there, whole; returns them
+/// parsed.
+fn check_manifests(cluster: &Cluster, archive: &Archive, tags: &[&str], job: &Job) -> Vec<Value> {
+    tags.iter()
+        .map(|tag| {
+            archive
+                .check_manifest(cluster, tag)
+                .unwrap_or_else(|e| panic!("{e}\n{}", cluster.evidence(job)))
+        })
+        .collect()
 }
 
 // ----------------------------------------------------------------- retention watcher (safety)
@@ -718,10 +499,7 @@ impl SafetyWatch {
         let (s, v, r) = (stop.clone(), violations.clone(), removed.clone());
         // The thread needs its own view of the cluster and the archive.
         let cluster = Cluster::get();
-        let archive = Archive {
-            url: archive.url.clone(),
-            remote: archive.remote.clone(),
-        };
+        let archive = archive.clone();
         let handle = std::thread::spawn(move || {
             let list = |d: &Path| -> BTreeSet<String> {
                 fs::read_dir(d)
@@ -744,7 +522,7 @@ impl SafetyWatch {
                     let objects = archive.objects(&cluster);
                     for tag in manifests_in(&objects).difference(&checked.clone()) {
                         let bytes = archive.read(&cluster, &format!("{tag}/MANIFEST"));
-                        if let Err(e) = check_manifest_against(&objects, tag, &bytes) {
+                        if let Err(e) = check_manifest(&objects, tag, &bytes) {
                             v.lock().unwrap().push(e);
                         }
                         checked.insert(tag.clone());
@@ -819,48 +597,17 @@ fn round_trip(backend: Backend) {
     let work = cluster.workdir(&format!("ckpt-rt-{name}"));
     let out = work.join("out");
     let tags = ["step-1", "step-2", "step-3"];
-    let steps = vec![
-        Step {
-            tag: "step-1",
-            commit: "cli",
-            files: shard_files(),
-            after: None,
-        },
-        Step {
-            tag: "step-2",
-            commit: "deepspeed",
-            files: shard_files(),
-            after: None,
-        },
-        Step {
-            tag: "step-3",
-            commit: "dcp",
-            files: shard_files(),
-            after: None,
-        },
-    ];
+    let steps = [
+        ("step-1", "cli"),
+        ("step-2", "deepspeed"),
+        ("step-3", "dcp"),
+    ]
+    .map(|(tag, commit)| Step::new(tag, commit, shard_files()));
     // The job trains on until its checkpoints are archived (bounded), then ends.
-    let script = trainer(
-        &cluster,
-        &work,
-        &steps,
-        true,
-        None,
-        WRITER_TIMEOUT - Duration::from_secs(20),
-    );
-    let archive_opt = format!("--ckpt-archive={}", archive.url);
-    let job = cluster.submit(
-        &work,
-        &[
-            "-N3",
-            "--ckpt-keep=1",
-            &archive_opt,
-            "--job-name=ckpt-writer",
-        ],
-        &script,
-    );
-    assert_completed(&cluster, &job, WRITER_TIMEOUT, "the checkpoint-writing job");
-    let nodes = job_nodes(&job);
+    let plan = Plan::until_archived(steps.into(), WRITER_TIMEOUT - Duration::from_secs(20));
+    let job = plan.submit(&cluster, &work, &archive, 3, "ckpt-writer");
+    cluster.assert_completes(&job, WRITER_TIMEOUT, "the checkpoint-writing job");
+    let nodes = cluster.job_nodes(&job);
     assert_eq!(nodes.len(), 3, "{nodes:?}");
     let written = Written::read(&out, &nodes, &tags);
     for tag in tags {
@@ -876,10 +623,8 @@ fn round_trip(backend: Backend) {
     // The archive: exactly the three checkpoints, each complete with its MANIFEST, holding every
     // node's files with their sizes; the large file went multipart, and bf16 compressed.
     let objects = archive.objects(&cluster);
-    let archived_tags: BTreeSet<&str> =
-        objects.keys().filter_map(|k| k.split('/').next()).collect();
     assert_eq!(
-        archived_tags,
+        tags_in(&objects),
         tags.iter().copied().collect(),
         "tags in {}: {objects:?}",
         archive.url
@@ -890,7 +635,7 @@ fn round_trip(backend: Backend) {
     );
     for tag in tags {
         let bytes = archive.read(&cluster, &format!("{tag}/MANIFEST"));
-        let m = check_manifest_against(&objects, tag, &bytes)
+        let m = check_manifest(&objects, tag, &bytes)
             .unwrap_or_else(|e| panic!("{e}\n{}", cluster.evidence(&job)));
         assert_eq!(
             m["job"]["job_id"].as_u64(),
@@ -950,17 +695,12 @@ fn round_trip(backend: Backend) {
 
     // Each node's hot tier keeps exactly the newest --ckpt-keep=1 checkpoint, as written there.
     for n in &nodes {
-        cluster.wait_for(
-            &format!("job {}'s hot tier on {n} to hold exactly step-3", job.id),
-            HOT_TIMEOUT,
-            Some(&job),
-            || hot_entries(&cluster, n, &job) == BTreeSet::from(["step-3".to_string()]),
-        );
+        wait_hot_tier_holds(&cluster, n, &job, "step-3");
         let sums = parse_sums(&checksums(&cluster.job_dir(n, &job).join("ckpt/step-3")));
         assert!(
             &sums == written.node("step-3", n),
             "step-3 on the hot tier of {n} differs from what the job wrote there: {}",
-            describe_diff(written.node("step-3", n), &sums)
+            diff_trees(written.node("step-3", n), &sums)
         );
     }
 
@@ -1043,13 +783,12 @@ fn restore_job(
         ],
         &restore_script(&work),
     );
-    assert_completed(
-        cluster,
+    cluster.assert_completes(
         &job,
         RESTORE_TIMEOUT,
         &format!("the --ckpt-restore={which} job"),
     );
-    let nodes = job_nodes(&job);
+    let nodes = cluster.job_nodes(&job);
     Restored { job, out, nodes }
 }
 
@@ -1091,7 +830,7 @@ impl Restored {
         assert!(
             &sums == expected,
             "restored {tag} seen by the batch script differs from what was written: {}\n{}",
-            describe_diff(expected, &sums),
+            diff_trees(expected, &sums),
             ev()
         );
         for n in &self.nodes {
@@ -1111,7 +850,7 @@ impl Restored {
             assert!(
                 &sums == expected,
                 "restored {tag} on {n} differs from what was written: {}\n{}",
-                describe_diff(expected, &sums),
+                diff_trees(expected, &sums),
                 ev()
             );
         }
@@ -1157,48 +896,22 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
         .collect();
     big.push(("model_{r}.bf16".into(), "bf16", 12 * MIB));
     let steps = vec![
-        Step {
-            tag: "step-1",
-            commit: "cli",
-            files: vec![("model_{r}.bf16".into(), "bf16", MIB)],
-            after: None,
-        },
-        Step {
-            tag: "step-2",
-            commit: "cli",
-            files: big,
-            after: Some("go-2"),
-        },
+        Step::new(
+            "step-1",
+            "cli",
+            vec![("model_{r}.bf16".into(), "bf16", MIB)],
+        ),
+        Step::new("step-2", "cli", big).after("go-2"),
     ];
-    let script = trainer(
-        &cluster,
-        &work,
-        &steps,
-        false,
-        Some("stop"),
-        Duration::from_secs(280),
-    );
-    let archive_opt = format!("--ckpt-archive={}", archive.url);
-    let job = cluster.submit(
-        &work,
-        &["-N2", "--ckpt-keep=1", &archive_opt, "--job-name=ckpt-kill"],
-        &script,
-    );
-    wait_manifests(&cluster, &archive, &["step-1"], &job, ARCHIVE_TIMEOUT);
-    let nodes = job_nodes(&job);
+    let plan = Plan::until_stopped(steps, Duration::from_secs(280));
+    let job = plan.submit(&cluster, &work, &archive, 2, "ckpt-kill");
+    wait_manifests(&cluster, &archive, &["step-1"], &job);
+    let nodes = cluster.job_nodes(&job);
     let first = nodes[0].clone();
     let watch = SafetyWatch::start(&cluster, &nodes, &job, &archive);
 
     fs::write(work.join("go-2"), "").unwrap();
-    cluster.wait_for(
-        &format!("step-2 to be archiving on {first}"),
-        Duration::from_secs(90),
-        Some(&job),
-        || {
-            agent_state(&cluster, &first, &job, "step-2")
-                .is_some_and(|c| c.state == CkptState::Archiving)
-        },
-    );
+    wait_archiving(&cluster, &first, &job, "step-2");
     // Kill it once the first of its step-2 objects is in the store (or after 2 s at the latest).
     let archiving = Instant::now();
     while archiving.elapsed() < Duration::from_secs(2)
@@ -1245,18 +958,7 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
          in the archive; restarted as pid {pid}",
         agent.pid
     );
-    wait_manifests(
-        &cluster,
-        &archive,
-        &["step-1", "step-2"],
-        &job,
-        ARCHIVE_TIMEOUT,
-    );
-    for tag in ["step-1", "step-2"] {
-        archive
-            .check_manifest(&cluster, tag)
-            .unwrap_or_else(|e| panic!("{e}\n{}", cluster.evidence(&job)));
-    }
+    wait_complete_manifests(&cluster, &archive, &["step-1", "step-2"], &job);
     // Retention trims step-1 on every node once step-2 is archived; the job still runs.
     for n in &nodes {
         cluster.wait_for(
@@ -1274,8 +976,7 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
         );
     }
     fs::write(work.join("stop"), "").unwrap();
-    assert_completed(
-        &cluster,
+    cluster.assert_completes(
         &job,
         Duration::from_secs(90),
         "the job whose agent was killed",
@@ -1289,12 +990,7 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
         archive.multipart_uploads(&cluster)
     );
     for n in &nodes {
-        cluster.wait_for(
-            &format!("job {}'s hot tier on {n} to hold exactly step-2", job.id),
-            HOT_TIMEOUT,
-            Some(&job),
-            || hot_entries(&cluster, n, &job) == BTreeSet::from(["step-2".to_string()]),
-        );
+        wait_hot_tier_holds(&cluster, n, &job, "step-2");
     }
     // Every byte made it: a restore of step-2 is identical to what the job wrote.
     let written = Written::read(&out, &nodes, &["step-2"]);
@@ -1304,88 +1000,6 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
 }
 
 // --------------------------------------------------------------- 4: object store outage
-
-/// The test's fault proxy (tests/harness/faultproxy.py) in front of Garage for `s3://ckpt-faulty`:
-/// started here, driven through its control file, stopped on drop.
-struct OutageProxy {
-    child: Child,
-    control: PathBuf,
-    stats: PathBuf,
-}
-
-impl OutageProxy {
-    fn start(cluster: &Cluster, mode: &str) -> OutageProxy {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("harness/faultproxy.py");
-        assert!(
-            script.exists(),
-            "{} is missing: the s3://ckpt-faulty profile needs the harness's fault proxy",
-            script.display()
-        );
-        let port = cluster.var("SLUICE_TEST_FAULT_PROXY_PORT").to_string();
-        let dir = cluster.data_dir("faultproxy");
-        let control = dir.join("control");
-        let stats = dir.join("stats.json");
-        fs::write(&control, mode).unwrap();
-        let log = fs::File::create(dir.join("proxy.log")).unwrap();
-        let child = Command::new("python3")
-            .arg(&script)
-            .args([
-                "--port",
-                &port,
-                "--upstream",
-                "127.0.0.1:3900",
-                "--max-lifetime",
-                "900",
-            ])
-            .arg("--control")
-            .arg(&control)
-            .arg("--stats")
-            .arg(&stats)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start faultproxy.py");
-        let proxy = OutageProxy {
-            child,
-            control,
-            stats,
-        };
-        let addr = format!("127.0.0.1:{port}");
-        cluster.wait_for(
-            &format!("the fault proxy to listen on {addr} (is another one running?)"),
-            Duration::from_secs(10),
-            None,
-            || std::net::TcpStream::connect(&addr).is_ok(),
-        );
-        proxy
-    }
-
-    fn set(&self, mode: &str) {
-        let tmp = self.control.with_extension("tmp");
-        fs::write(&tmp, mode).unwrap();
-        fs::rename(&tmp, &self.control).unwrap();
-    }
-
-    fn stats(&self) -> String {
-        fs::read_to_string(&self.stats).unwrap_or_default()
-    }
-}
-
-impl Drop for OutageProxy {
-    fn drop(&mut self) {
-        self.set("exit");
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The object store goes away (connections refused and reset) in the middle of an archive, for
 /// 35 s: the job trains on at its own pace, commits another checkpoint promptly, and ends normally
@@ -1401,7 +1015,8 @@ fn ckpt_object_store_outage_delays_archive_not_training() {
     cluster.require_s3();
     // Slow replies (1 s each) make step-1's archive take a few seconds, so the outage starts in
     // the middle of it.
-    let proxy = OutageProxy::start(&cluster, "slow=1");
+    let proxy = FaultProxy::start(&cluster);
+    proxy.set("slow=1");
     let archive = Archive::new(&cluster, Backend::FaultyGarage, "outage");
     let work = cluster.workdir("ckpt-outage");
     let out = work.join("out");
@@ -1411,49 +1026,14 @@ fn ckpt_object_store_outage_delays_archive_not_training() {
         ("extra/layer_{r}.bf16".to_string(), "bf16", MIB),
     ];
     let steps = vec![
-        Step {
-            tag: "step-1",
-            commit: "cli",
-            files: files.clone(),
-            after: None,
-        },
-        Step {
-            tag: "step-2",
-            commit: "cli",
-            files,
-            after: Some("go-2"),
-        },
+        Step::new("step-1", "cli", files.clone()),
+        Step::new("step-2", "cli", files).after("go-2"),
     ];
-    let script = trainer(
-        &cluster,
-        &work,
-        &steps,
-        false,
-        Some("stop"),
-        Duration::from_secs(200),
-    );
-    let archive_opt = format!("--ckpt-archive={}", archive.url);
-    let job = cluster.submit(
-        &work,
-        &[
-            "-N1",
-            "--ckpt-keep=1",
-            &archive_opt,
-            "--job-name=ckpt-outage",
-        ],
-        &script,
-    );
+    let plan = Plan::until_stopped(steps, Duration::from_secs(200));
+    let job = plan.submit(&cluster, &work, &archive, 1, "ckpt-outage");
     cluster.wait_running(&job, Duration::from_secs(60));
-    let node = job_nodes(&job).remove(0);
-    cluster.wait_for(
-        "step-1 to be archiving",
-        Duration::from_secs(90),
-        Some(&job),
-        || {
-            agent_state(&cluster, &node, &job, "step-1")
-                .is_some_and(|c| c.state == CkptState::Archiving)
-        },
-    );
+    let node = cluster.job_nodes(&job).remove(0);
+    wait_archiving(&cluster, &node, &job, "step-1");
     std::thread::sleep(Duration::from_millis(1500));
     let watch = SafetyWatch::start(&cluster, std::slice::from_ref(&node), &job, &archive);
 
@@ -1496,8 +1076,7 @@ fn ckpt_object_store_outage_delays_archive_not_training() {
     // The job ends normally while the store is still down.
     fs::write(work.join("stop"), "").unwrap();
     let stopped_at = now_s();
-    assert_completed(
-        &cluster,
+    cluster.assert_completes(
         &job,
         Duration::from_secs(60),
         "the job (during the store outage)",
@@ -1548,25 +1127,11 @@ fn ckpt_object_store_outage_delays_archive_not_training() {
     std::thread::sleep(OUTAGE.saturating_sub(down.elapsed()));
     proxy.set("pass");
     let back = Instant::now();
-    wait_manifests(
-        &cluster,
-        &archive,
-        &["step-1", "step-2"],
-        &job,
-        ARCHIVE_TIMEOUT,
-    );
+    wait_manifests(&cluster, &archive, &["step-1", "step-2"], &job);
     let recovered_in = back.elapsed();
-    for tag in ["step-1", "step-2"] {
-        archive
-            .check_manifest(&cluster, tag)
-            .unwrap_or_else(|e| panic!("{e}\n{}", cluster.evidence(&job)));
-    }
-    cluster.wait_for(
-        "the hot tier to keep only step-2 once both are archived",
-        HOT_TIMEOUT,
-        Some(&job),
-        || hot_entries(&cluster, &node, &job) == BTreeSet::from(["step-2".to_string()]),
-    );
+    check_manifests(&cluster, &archive, &["step-1", "step-2"], &job);
+    // Once both are archived, retention keeps only step-2.
+    wait_hot_tier_holds(&cluster, &node, &job, "step-2");
     watch.finish(&cluster, &job);
     eprintln!(
         "archived {recovered_in:?} after the store came back; proxy stats: {}",
@@ -1598,53 +1163,18 @@ fn ckpt_restore_from_a_damaged_archive_keeps_the_intact_hot_copy() {
     let archive = Archive::new(&cluster, Backend::Garage, "hotcopy");
     let work = cluster.workdir("ckpt-hotcopy");
     let out = work.join("out");
-    let steps = vec![
-        Step {
-            tag: "step-1",
-            commit: "cli",
-            files: shard_files(),
-            after: None,
-        },
-        Step {
-            tag: "step-2",
-            commit: "cli",
-            files: shard_files(),
-            after: None,
-        },
-    ];
-    let script = trainer(
-        &cluster,
-        &work,
-        &steps,
-        true,
-        None,
-        Duration::from_secs(200),
-    );
-    let archive_opt = format!("--ckpt-archive={}", archive.url);
-    let job = cluster.submit(
-        &work,
-        &[
-            "-N2",
-            "--ckpt-keep=1",
-            &archive_opt,
-            "--job-name=ckpt-hotcopy",
-        ],
-        &script,
-    );
-    assert_completed(&cluster, &job, WRITER_TIMEOUT, "the checkpoint-writing job");
-    let nodes = job_nodes(&job);
+    let steps = ["step-1", "step-2"].map(|tag| Step::new(tag, "cli", shard_files()));
+    let plan = Plan::until_archived(steps.into(), Duration::from_secs(200));
+    let job = plan.submit(&cluster, &work, &archive, 2, "ckpt-hotcopy");
+    cluster.assert_completes(&job, WRITER_TIMEOUT, "the checkpoint-writing job");
+    let nodes = cluster.job_nodes(&job);
     let written = Written::read(&out, &nodes, &["step-1", "step-2"]);
     let holder = nodes[1].clone();
-    cluster.wait_for(
-        &format!("{holder} to keep step-2 after the job"),
-        HOT_TIMEOUT,
-        Some(&job),
-        || hot_entries(&cluster, &holder, &job) == BTreeSet::from(["step-2".to_string()]),
-    );
+    wait_hot_tier_holds(&cluster, &holder, &job, "step-2");
 
     let victim = damage_object(&cluster, &archive, "step-2", "zero/bf16_zero_pp_rank_1_");
     let file = victim_file(&victim);
-    let intact = written.node("step-2", &holder)[&format!("./{file}")].clone();
+    let intact = written.node("step-2", &holder)[&file].clone();
     let restored = restore_job(
         &cluster,
         &archive,
@@ -1709,40 +1239,20 @@ fn ckpt_committed_just_before_the_job_ends_is_archived_from_every_node() {
     let archive = Archive::new(&cluster, Backend::Garage, "final");
     let work = cluster.workdir("ckpt-final");
     let out = work.join("out");
-    let steps = vec![Step {
-        tag: "final",
-        commit: "cli",
-        files: shard_files(),
-        after: None,
-    }];
-    let script = trainer(
-        &cluster,
-        &work,
-        &steps,
-        false,
-        None,
+    let plan = Plan::ending_after_commit(
+        vec![Step::new("final", "cli", shard_files())],
         Duration::from_secs(120),
     );
-    let archive_opt = format!("--ckpt-archive={}", archive.url);
-    let job = cluster.submit(
-        &work,
-        &[
-            "-N2",
-            "--ckpt-keep=1",
-            &archive_opt,
-            "--job-name=ckpt-final",
-        ],
-        &script,
-    );
-    assert_completed(&cluster, &job, Duration::from_secs(180), "the job");
-    let nodes = job_nodes(&job);
+    let job = plan.submit(&cluster, &work, &archive, 2, "ckpt-final");
+    cluster.assert_completes(&job, Duration::from_secs(180), "the job");
+    let nodes = cluster.job_nodes(&job);
     let written = Written::read(&out, &nodes, &["final"]);
-    wait_manifests(&cluster, &archive, &["final"], &job, ARCHIVE_TIMEOUT);
-    let m = archive
-        .check_manifest(&cluster, "final")
-        .unwrap_or_else(|e| panic!("{e}\n{}", cluster.evidence(&job)));
+    let manifests = wait_complete_manifests(&cluster, &archive, &["final"], &job);
     assert_eq!(
-        manifest_files(&m).keys().cloned().collect::<BTreeSet<_>>(),
+        manifest_files(&manifests[0])
+            .keys()
+            .cloned()
+            .collect::<BTreeSet<_>>(),
         written
             .union("final")
             .keys()
@@ -1751,14 +1261,6 @@ fn ckpt_committed_just_before_the_job_ends_is_archived_from_every_node() {
         "the archived checkpoint lacks files the job wrote"
     );
     for n in &nodes {
-        cluster.wait_for(
-            &format!(
-                "job {}'s hot tier on {n} to hold exactly its final checkpoint",
-                job.id
-            ),
-            HOT_TIMEOUT,
-            Some(&job),
-            || hot_entries(&cluster, n, &job) == BTreeSet::from(["final".to_string()]),
-        );
+        wait_hot_tier_holds(&cluster, n, &job, "final");
     }
 }

@@ -2,9 +2,10 @@
 //! it (kill it, start it again exactly so), requests to its socket, the fault-injecting proxy in
 //! front of Garage, and a seeded source of random fault timing.
 
-use super::cluster::{Cluster, DEFAULT_ENV_FILE, run, run_dir, write_atomically};
+use super::cluster::{Cluster, run, run_dir, tail_of, write_atomically};
 use super::jobs::Job;
 use super::trees::SplitMix64;
+use sluice_proto::msg::{CkptStatus, JobStatus, Request, Response};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -18,21 +19,34 @@ impl Cluster {
     }
 
     /// One request to a node's agent, as root.
-    pub fn agent_request(
-        &self,
-        node: &str,
-        request: sluice_proto::msg::Request,
-    ) -> Result<sluice_proto::msg::Response, String> {
+    pub fn agent_request(&self, node: &str, request: Request) -> Result<Response, String> {
         sluice_proto::client::call(&self.agent_socket(node), request, Duration::from_secs(10))
             .map_err(|e| e.to_string())
     }
 
     /// What the node's agent knows of a job (its state, stage progress, checkpoints).
-    pub fn agent_job(&self, node: &str, job: &Job) -> Result<sluice_proto::msg::JobStatus, String> {
-        match self.agent_request(node, sluice_proto::msg::Request::Job { job_id: job.id })? {
-            sluice_proto::msg::Response::Job(status) => Ok(status),
+    pub fn agent_job(&self, node: &str, job: &Job) -> Result<JobStatus, String> {
+        match self.agent_request(node, Request::Job { job_id: job.id })? {
+            Response::Job(status) => Ok(status),
             other => Err(format!("unexpected reply: {other:?}")),
         }
+    }
+
+    /// The job's checkpoints as the node's agent lists them (`ckpt_list`, asked as root).
+    pub fn agent_ckpts(&self, node: &str, job: &Job) -> Result<Vec<CkptStatus>, String> {
+        match self.agent_request(node, Request::CkptList { job_id: job.id }) {
+            Ok(Response::Ckpts { ckpts }) => Ok(ckpts),
+            other => Err(format!("ckpt_list for job {} on {node}: {other:?}", job.id)),
+        }
+    }
+
+    /// One checkpoint as the node's agent lists it; None while the agent knows no such checkpoint
+    /// (or job), or does not answer.
+    pub fn agent_ckpt(&self, node: &str, job: &Job, tag: &str) -> Option<CkptStatus> {
+        self.agent_ckpts(node, job)
+            .ok()?
+            .into_iter()
+            .find(|c| c.tag == tag)
     }
 }
 
@@ -137,12 +151,9 @@ impl FaultProxy {
     }
 
     pub fn log_tail(&self) -> String {
-        let text = fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
         format!(
-            "\n----- tail of {} -----\n{}\n----- fault proxy stats -----\n{}\n",
-            self.log.display(),
-            lines[lines.len().saturating_sub(25)..].join("\n"),
+            "{}----- fault proxy stats -----\n{}\n",
+            tail_of(&self.log),
             self.stats()
         )
     }
@@ -163,15 +174,21 @@ impl Drop for FaultProxy {
     }
 }
 
-/// A small random number source for fault timing, seeded from the clock; tests print the seed.
+/// A small random number source for fault timing, seeded from the clock; tests print the seed, and
+/// `SLUICE_TEST_SEED` replays one.
 pub struct Dice(SplitMix64);
 
 impl Dice {
     pub fn new() -> (Dice, u64) {
-        let seed = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
+        let seed = std::env::var("SLUICE_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
         (Dice(SplitMix64(seed)), seed)
     }
 
@@ -197,12 +214,17 @@ pub struct AgentProcess {
 impl Cluster {
     /// `sluiced-<node>.pid` next to the env file (the harness's run directory).
     pub fn agent_pid_file(&self, node: &str) -> PathBuf {
-        let env_file =
-            std::env::var("SLUICE_TEST_ENV").unwrap_or_else(|_| DEFAULT_ENV_FILE.to_string());
-        Path::new(&env_file)
-            .parent()
-            .expect("env file in a directory")
-            .join(format!("sluiced-{node}.pid"))
+        run_dir().join(format!("sluiced-{node}.pid"))
+    }
+
+    /// The pid the harness recorded for the agent of `node` (alive or not).
+    pub fn agent_pid(&self, node: &str) -> u32 {
+        let pid_file = self.agent_pid_file(node);
+        fs::read_to_string(&pid_file)
+            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()))
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()))
     }
 
     /// The agent socket of one node (`SLUICE_TEST_SOCKET` with `%n` expanded).
@@ -212,12 +234,7 @@ impl Cluster {
 
     /// The running agent of `node`; panics unless its pid file names a live `sluiced`.
     pub fn agent_process(&self, node: &str) -> AgentProcess {
-        let pid_file = self.agent_pid_file(node);
-        let pid: u32 = fs::read_to_string(&pid_file)
-            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()))
-            .trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()));
+        let pid = self.agent_pid(node);
         let split = |bytes: Vec<u8>| -> Vec<String> {
             bytes
                 .split(|b| *b == 0)
@@ -232,7 +249,7 @@ impl Cluster {
         assert!(
             argv.iter().any(|a| a.contains("sluiced")),
             "pid {pid} from {} is not sluiced: {argv:?}",
-            pid_file.display()
+            self.agent_pid_file(node).display()
         );
         let env = split(fs::read(format!("/proc/{pid}/environ")).expect("agent environ"))
             .into_iter()
@@ -276,8 +293,7 @@ impl Cluster {
     /// output appended to the node's agent log), records its pid in the harness's pid file, and
     /// waits until it answers on its socket.
     pub fn start_agent(&self, agent: &AgentProcess) -> u32 {
-        let log = PathBuf::from(self.var("SLUICE_TEST_SLUICE_LOG_DIR"))
-            .join(format!("{}.log", agent.node));
+        let log = self.agent_log(&agent.node);
         let out = fs::OpenOptions::new()
             .create(true)
             .append(true)

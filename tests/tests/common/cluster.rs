@@ -30,20 +30,20 @@ pub struct Cluster {
 impl Cluster {
     /// Reads the env file; panics with the command to run when the cluster is not up.
     pub fn get() -> Cluster {
-        let path =
-            std::env::var("SLUICE_TEST_ENV").unwrap_or_else(|_| DEFAULT_ENV_FILE.to_string());
+        let path = env_file();
         let text = fs::read_to_string(&path).unwrap_or_else(|e| {
             panic!(
-                "cannot read the test cluster's env file {path}: {e}\n\
+                "cannot read the test cluster's env file {}: {e}\n\
                  These tests need the Slurm test cluster: run tests/harness/run-e2e.sh as root \
-                 (or tests/harness/cluster.sh up, then cargo test -p sluice-e2e -- --ignored --test-threads=1)"
+                 (or tests/harness/cluster.sh up, then cargo test -p sluice-e2e -- --ignored --test-threads=1)",
+                path.display()
             )
         });
         let vars = parse_env_file(&text);
         let get = |k: &str| {
             vars.get(k)
                 .cloned()
-                .unwrap_or_else(|| panic!("{path} has no {k}"))
+                .unwrap_or_else(|| panic!("{} has no {k}", path.display()))
         };
         Cluster {
             user: get("SLUICE_TEST_USER"),
@@ -103,11 +103,15 @@ impl Cluster {
         PathBuf::from(format!("/home/{}", self.user))
     }
 
-    fn user_ids(&self) -> (u32, u32) {
-        let out = run(Command::new("id").arg(&self.user).arg("-u"));
-        let uid = out.trim().parse().expect("uid");
-        let out = run(Command::new("id").arg(&self.user).arg("-g"));
-        (uid, out.trim().parse().expect("gid"))
+    /// The uid and gid of a user (`id -u`, `id -g`).
+    pub fn ids_of(&self, user: &str) -> (u32, u32) {
+        let id = |flag: &str| -> u32 {
+            run(Command::new("id").arg(flag).arg(user))
+                .trim()
+                .parse()
+                .unwrap_or_else(|e| panic!("id {flag} {user}: {e}"))
+        };
+        (id("-u"), id("-g"))
     }
 
     /// A fresh directory in the test user's home, owned by the user, for one test's job scripts,
@@ -118,7 +122,7 @@ impl Cluster {
             .join("e2e")
             .join(format!("{test}-{}", unique()));
         fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
-        let (uid, gid) = self.user_ids();
+        let (uid, gid) = self.ids_of(&self.user);
         let mut p = dir.as_path();
         // Chown the whole chain below the home so the user can write into it.
         while p != self.user_home() {
@@ -246,28 +250,31 @@ impl Cluster {
     /// The last lines of slurmctld's, each slurmd's and each agent's log.
     pub fn log_tails(&self) -> String {
         let slurm = PathBuf::from(self.var("SLUICE_TEST_SLURM_LOG_DIR"));
-        let sluice = PathBuf::from(self.var("SLUICE_TEST_SLUICE_LOG_DIR"));
         let mut files = vec![slurm.join("slurmctld.log")];
         files.extend(
             self.nodes
                 .iter()
                 .map(|n| slurm.join(format!("slurmd-{n}.log"))),
         );
-        files.extend(self.nodes.iter().map(|n| sluice.join(format!("{n}.log"))));
-        let mut s = String::new();
-        for f in files {
-            let text = fs::read_to_string(&f).unwrap_or_else(|e| format!("(cannot read: {e})"));
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = &lines[lines.len().saturating_sub(25)..];
-            let _ = write!(
-                s,
-                "\n----- tail of {} -----\n{}\n",
-                f.display(),
-                tail.join("\n")
-            );
-        }
-        s
+        files.extend(self.nodes.iter().map(|n| self.agent_log(n)));
+        files.iter().map(|f| tail_of(f)).collect()
     }
+
+    /// The log file of one node's agent.
+    pub fn agent_log(&self, node: &str) -> PathBuf {
+        PathBuf::from(self.var("SLUICE_TEST_SLUICE_LOG_DIR")).join(format!("{node}.log"))
+    }
+}
+
+/// The last 25 lines of a log file under a header, for failure messages.
+pub fn tail_of(file: &Path) -> String {
+    let text = fs::read_to_string(file).unwrap_or_else(|e| format!("(cannot read: {e})"));
+    let lines: Vec<&str> = text.lines().collect();
+    format!(
+        "\n----- tail of {} -----\n{}\n",
+        file.display(),
+        lines[lines.len().saturating_sub(25)..].join("\n")
+    )
 }
 
 /// Runs a command as root, panicking with its stderr when it fails; returns stdout.
@@ -312,13 +319,15 @@ fn parse_env_file(text: &str) -> BTreeMap<String, String> {
         .collect()
 }
 
-// ---------------------------------------------------------------------------------- fault injection
+/// The harness's env file: `SLUICE_TEST_ENV`, or where `cluster.sh up` writes it.
+pub fn env_file() -> PathBuf {
+    std::env::var_os("SLUICE_TEST_ENV").map_or_else(|| DEFAULT_ENV_FILE.into(), PathBuf::from)
+}
 
 /// The harness's run directory (`/run/sluice-test`): pid files, the env file, the fault proxy's
 /// control and stats files.
 pub fn run_dir() -> PathBuf {
-    let env = std::env::var("SLUICE_TEST_ENV").unwrap_or_else(|_| DEFAULT_ENV_FILE.to_string());
-    Path::new(&env)
+    env_file()
         .parent()
         .expect("the env file is in a directory")
         .to_path_buf()
@@ -329,4 +338,12 @@ pub fn write_atomically(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");
     fs::write(&tmp, text).unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
     fs::rename(&tmp, path).unwrap_or_else(|e| panic!("rename to {}: {e}", path.display()));
+}
+
+/// Seconds since the epoch, for timelines in test output and in the files job scripts write.
+pub fn now_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
 }

@@ -1,9 +1,11 @@
 //! Users and jobs: commands run as the unprivileged test users, `sbatch` and its result, the jobs
-//! it created and their end as `scontrol` reports it, and the files a job's tasks write.
+//! it created and their end as `scontrol` reports it, the files a job's tasks write, and the `sluice`
+//! CLI where jobs and users can run it.
 
-use super::cluster::{Cluster, POLL, run};
+use super::cluster::{Cluster, POLL, run, unique};
 use std::fs;
 use std::io::Write as _;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -60,47 +62,102 @@ impl Cluster {
     /// `sbatch --parsable ARGS` as the test user with `script` on stdin; the raw result, for tests of
     /// rejected submissions.
     pub fn sbatch(&self, workdir: &Path, args: &[&str], script: &str) -> Submission {
+        self.sbatch_as(&self.user, workdir, args, script)
+    }
+
+    /// `sbatch --parsable ARGS` as `user`, in `cwd`, with `script` on stdin.
+    pub fn sbatch_as(&self, user: &str, cwd: &Path, args: &[&str], script: &str) -> Submission {
         let mut all = vec!["--parsable"];
         all.extend_from_slice(args);
-        let out = self.as_user(workdir, "sbatch", &all, Some(script));
-        Submission {
-            args: all.iter().map(|s| s.to_string()).collect(),
-            success: out.status.success(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }
+        let out = self.as_someone(user, cwd, "sbatch", &all, Some(script));
+        Submission::of(&all, out)
     }
 
     /// Submits a batch job whose output goes to `<workdir>/job-<id>.out`; panics if sbatch refuses.
     pub fn submit(&self, workdir: &Path, args: &[&str], script: &str) -> Job {
-        let output = format!("--output={}/job-%j.out", workdir.display());
-        let mut all = vec![output.as_str()];
+        let output = workdir.join("job-%j.out");
+        self.submit_with_output(&self.user, workdir, &output, args, script)
+    }
+
+    /// Submits a batch job as `user`, who has no work directory (the other user): from /tmp, its
+    /// output in `/tmp/sluice-e2e-<test>-<unique>.out`; panics if sbatch refuses.
+    pub fn submit_as(&self, user: &str, test: &str, args: &[&str], script: &str) -> Job {
+        let output = PathBuf::from(format!("/tmp/sluice-e2e-{test}-{}.out", unique()));
+        self.submit_with_output(user, Path::new("/tmp"), &output, args, script)
+    }
+
+    /// Submits with `--output=OUTPUT` (`%j` for the job id); panics if sbatch refuses.
+    fn submit_with_output(
+        &self,
+        user: &str,
+        cwd: &Path,
+        output: &Path,
+        args: &[&str],
+        script: &str,
+    ) -> Job {
+        let output_opt = format!("--output={}", output.display());
+        let mut all = vec![output_opt.as_str()];
         all.extend_from_slice(args);
-        let sub = self.sbatch(workdir, &all, script);
+        let sub = self.sbatch_as(user, cwd, &all, script);
         assert!(
             sub.success,
-            "sbatch {:?} was refused:\n{}\n{}",
+            "sbatch {:?} as {user} was refused:\n{}\n{}",
             sub.args,
             sub.stderr,
             self.log_tails()
         );
-        let id: u32 = sub
-            .stdout
-            .trim()
-            .split(';')
-            .next()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                panic!(
-                    "sbatch printed no job id: {:?} / {:?}",
-                    sub.stdout, sub.stderr
-                )
-            });
+        let id = sub.job_id().unwrap_or_else(|| {
+            panic!(
+                "sbatch printed no job id: {:?} / {:?}",
+                sub.stdout, sub.stderr
+            )
+        });
         Job {
             id,
-            output: workdir.join(format!("job-{id}.out")),
+            output: output
+                .to_string_lossy()
+                .replace("%j", &id.to_string())
+                .into(),
             submit_stderr: sub.stderr,
         }
+    }
+
+    /// Waits for the job to end (see [`Cluster::wait_end`]) and asserts it COMPLETED with exit code
+    /// 0; `what` names the job in the failure message.
+    pub fn assert_completes(&self, job: &Job, timeout: Duration, what: &str) -> JobEnd {
+        let end = self.wait_end(job, timeout);
+        assert_eq!(
+            (end.state.as_str(), end.exit_code.as_str()),
+            ("COMPLETED", "0:0"),
+            "{what} did not complete\n{}",
+            self.evidence(job)
+        );
+        end
+    }
+
+    /// Asserts the job ended in `state`; `why` says why it must have, with the evidence.
+    pub fn assert_ended(&self, job: &Job, end: &JobEnd, state: &str, why: &str) {
+        assert_eq!(end.state, state, "{why}\n{}", self.evidence(job));
+    }
+
+    /// Asserts that the batch script made by [`marker_script`] did not run.
+    pub fn assert_script_did_not_run(&self, job: &Job, marker: &Path, why: &str) {
+        assert!(
+            !marker.exists(),
+            "the job script ran although {why}\n{}",
+            self.evidence(job)
+        );
+    }
+
+    /// The nodes a job ran on, in Slurm's order (rank 0 first), from `scontrol show hostnames`.
+    pub fn job_nodes(&self, job: &Job) -> Vec<String> {
+        let list = self
+            .job_field(job, "NodeList")
+            .unwrap_or_else(|| panic!("no NodeList for job {}", job.id));
+        run(Command::new("scontrol").args(["show", "hostnames", &list]))
+            .lines()
+            .map(String::from)
+            .collect()
     }
 
     /// Polls `scontrol show job` until the job reached a final state and left COMPLETING (so the
@@ -138,17 +195,13 @@ impl Cluster {
             .args(["show", "job", "-o", &job.id.to_string()])
             .output()
             .ok()?;
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let field = |name: &str| {
-            text.split_whitespace()
-                .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
-                .map(String::from)
-        };
+        let raw = String::from_utf8_lossy(&out.stdout).into_owned();
+        let field = |name| field_of(&raw, name);
         Some(JobEnd {
             state: field("JobState")?,
             exit_code: field("ExitCode")?,
             reason: field("Reason"),
-            raw: text,
+            raw,
         })
     }
 
@@ -160,11 +213,15 @@ impl Cluster {
 
     /// One field of `scontrol show job -o` (e.g. `BatchHost`, `NodeList`, `RunTime`).
     pub fn job_field(&self, job: &Job, name: &str) -> Option<String> {
-        let raw = self.job_state(job)?.raw;
-        raw.split_whitespace()
-            .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
-            .map(String::from)
+        self.job_state(job)?.field(name)
     }
+}
+
+/// The first `NAME=value` of `scontrol show job -o` output.
+fn field_of(raw: &str, name: &str) -> Option<String> {
+    raw.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+        .map(String::from)
 }
 
 /// Result of one sbatch call.
@@ -173,6 +230,23 @@ pub struct Submission {
     pub success: bool,
     pub stdout: String,
     pub stderr: String,
+}
+
+impl Submission {
+    /// What `sbatch --parsable ARGS` did.
+    pub fn of(args: &[&str], out: Output) -> Submission {
+        Submission {
+            args: args.iter().map(|s| s.to_string()).collect(),
+            success: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// The job id `--parsable` printed (`ID` or `ID;CLUSTER`).
+    pub fn job_id(&self) -> Option<u32> {
+        self.stdout.trim().split(';').next()?.parse().ok()
+    }
 }
 
 /// A submitted job.
@@ -199,6 +273,11 @@ pub struct JobEnd {
 }
 
 impl JobEnd {
+    /// One field of the `scontrol show job -o` line this was read from (e.g. `Restarts`).
+    pub fn field(&self, name: &str) -> Option<String> {
+        field_of(&self.raw, name)
+    }
+
     fn is_final(&self) -> bool {
         const FINAL: [&str; 9] = [
             "COMPLETED",
@@ -212,6 +291,58 @@ impl JobEnd {
             "PREEMPTED",
         ];
         FINAL.contains(&self.state.as_str())
+    }
+}
+
+/// A batch script that leaves `<work>/script-ran` behind, then runs one step: how a test tells whether
+/// the script ran at all. Returns the script and the marker's path.
+pub fn marker_script(work: &Path) -> (String, PathBuf) {
+    let ran = work.join("script-ran");
+    (
+        format!("#!/bin/bash\ntouch '{}'\nsrun true\n", ran.display()),
+        ran,
+    )
+}
+
+/// The `sluice` CLI built next to the test binaries (`cargo build --workspace`), for root.
+pub fn built_cli() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.ancestors()
+        .map(|d| d.join("sluice"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "no sluice CLI built next to {}: run cargo build --workspace (run-e2e.sh does)",
+                exe.display()
+            )
+        })
+}
+
+impl Cluster {
+    /// The `sluice` CLI, copied where every user may run it (the build tree may not be readable): for
+    /// job scripts and for commands run as a user. One copy per build (named by the binary's size and
+    /// modification time), reused across tests and runs.
+    pub fn user_cli(&self) -> PathBuf {
+        let built = built_cli();
+        let md = fs::metadata(&built).unwrap_or_else(|e| panic!("{}: {e}", built.display()));
+        let dir = PathBuf::from(self.var("SLUICE_TEST_ROOT")).join("e2e-bin");
+        fs::create_dir_all(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        let dest = dir.join(format!("sluice-{}-{}", md.mtime(), md.len()));
+        if fs::metadata(&dest).is_ok_and(|d| d.len() == md.len()) {
+            return dest;
+        }
+        // Replace older copies, then copy under a temporary name and rename (tests may race).
+        for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with("sluice-") {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+        let tmp = dir.join(format!(".sluice-{}", unique()));
+        fs::copy(&built, &tmp).unwrap_or_else(|e| panic!("copy {}: {e}", built.display()));
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::rename(&tmp, &dest).unwrap();
+        dest
     }
 }
 

@@ -66,8 +66,11 @@ pub fn directories(dir: &Path) -> String {
         .arg(format!("cd '{}' && {DIRS_CMD}", dir.display())))
 }
 
-const SUMS_CMD: &str = "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum";
-const DIRS_CMD: &str = "find . -mindepth 1 -type d | LC_ALL=C sort";
+/// The shell command that lists `sha256  ./path` of every file below the current directory, sorted:
+/// what job scripts run on their copy and [`checksums`] on the source.
+pub const SUMS_CMD: &str = "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum";
+/// The directories below the current directory, relative and sorted.
+pub const DIRS_CMD: &str = "find . -mindepth 1 -type d | LC_ALL=C sort";
 
 /// A batch script whose one task per node records what it sees of sluice in `<out>/<node>/`:
 /// `env` (its SLUICE_* variables), `stage_dir`, for each dataset NAME `sums-NAME` and `dirs-NAME`,
@@ -96,29 +99,12 @@ touch "$o/done"
     )
 }
 
-/// Describes how two `sha256sum` listings differ: files missing, extra, or with other content.
+/// Describes how two `sha256sum` listings differ (see [`diff_trees`]), and how the actual one
+/// starts (a listing of error messages tells more than its differences).
 pub fn diff_listings(expected: &str, actual: &str) -> String {
-    let parse = |s: &str| -> BTreeMap<String, String> {
-        s.lines()
-            .filter_map(|l| l.split_once("  "))
-            .map(|(h, p)| (p.to_string(), h.to_string()))
-            .collect()
-    };
-    let (e, a) = (parse(expected), parse(actual));
-    let (ek, ak): (BTreeSet<_>, BTreeSet<_>) = (e.keys().collect(), a.keys().collect());
-    let missing: Vec<_> = ek.difference(&ak).take(10).collect();
-    let extra: Vec<_> = ak.difference(&ek).take(10).collect();
-    let changed: Vec<_> = e
-        .iter()
-        .filter(|(p, h)| a.get(*p).is_some_and(|x| x != *h))
-        .map(|(p, _)| p)
-        .take(10)
-        .collect();
     format!(
-        "{} files expected, {} staged; missing (first 10): {missing:?}; unexpected: {extra:?}; other content: {changed:?}\n\
-         staged listing starts with:\n{}",
-        e.len(),
-        a.len(),
+        "{}\nthe listing starts with:\n{}",
+        diff_trees(&parse_sums(expected), &parse_sums(actual)),
         actual.lines().take(5).collect::<Vec<_>>().join("\n")
     )
 }
@@ -144,7 +130,8 @@ impl SplitMix64 {
     }
 }
 
-/// `sha256  ./path` lines → path (without `./`) → hash.
+/// `sha256  ./path` lines (what [`SUMS_CMD`] prints) → path → hash. The path loses its `./`, so it
+/// reads as [`hash_tree`]'s and a MANIFEST's paths do.
 pub fn parse_sums(text: &str) -> BTreeMap<String, String> {
     text.lines()
         .filter_map(|l| l.split_once("  "))
@@ -183,20 +170,35 @@ pub fn hash_tree(dir: &Path) -> BTreeMap<String, String> {
     out
 }
 
+/// How two path → hash maps differ: the counts, then (at most 10 of each) the paths missing, those
+/// unexpected, and those with other content.
 pub fn diff_trees(
     expected: &BTreeMap<String, String>,
     actual: &BTreeMap<String, String>,
 ) -> String {
-    let mut lines = Vec::new();
-    for (p, h) in expected {
-        match actual.get(p) {
-            None => lines.push(format!("missing {p}")),
-            Some(a) if a != h => lines.push(format!("differs {p}: {a} instead of {h}")),
-            Some(_) => {}
-        }
-    }
-    for p in actual.keys().filter(|p| !expected.contains_key(*p)) {
-        lines.push(format!("extra {p}: {}", actual[p]));
-    }
-    lines.join("; ")
+    let (ek, ak): (BTreeSet<_>, BTreeSet<_>) = (expected.keys().collect(), actual.keys().collect());
+    let missing: Vec<_> = ek.difference(&ak).take(10).collect();
+    let extra: Vec<_> = ak.difference(&ek).take(10).collect();
+    let changed: Vec<_> = expected
+        .iter()
+        .filter(|(p, h)| actual.get(*p).is_some_and(|a| a != *h))
+        .map(|(p, h)| format!("{p}: {} instead of {h}", actual[p]))
+        .take(10)
+        .collect();
+    format!(
+        "{} files expected, {} found; missing: {missing:?}; unexpected: {extra:?}; other content: {changed:?}",
+        expected.len(),
+        actual.len()
+    )
+}
+
+/// The names in a directory (empty if it is gone or unreadable).
+pub fn entries(dir: &Path) -> BTreeSet<String> {
+    fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
 }
