@@ -1,6 +1,7 @@
 //! The agent's configuration: TOML into a raw serde struct (unknown keys refused), then validated into
 //! [`Config`]. `%n` in paths becomes the node name, so one file serves every node.
 
+use object_store::{BackoffConfig, RetryConfig};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -26,7 +27,20 @@ struct RawConfig {
     #[serde(default)]
     ckpt: RawCkpt,
     #[serde(default)]
+    retry: RawRetry,
+    #[serde(default)]
     store: Vec<StoreProfile>,
+}
+
+/// object_store's retry policy for every object-store request; unset keys keep object_store's
+/// defaults.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRetry {
+    max_retries: Option<usize>,
+    timeout: Option<String>,
+    initial_backoff: Option<String>,
+    max_backoff: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -63,6 +77,7 @@ struct RawAgent {
     socket: String,
     state_dir: String,
     squeue: Option<String>,
+    drain_timeout: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -147,12 +162,20 @@ pub struct Config {
     pub node: String,
     /// `squeue`, asked after a restart whether journaled jobs still run; `None` = never ask.
     pub squeue: Option<PathBuf>,
+    /// How long a stopping agent waits for its requests and background work to return (they resume
+    /// from the journal on the next start).
+    pub drain_timeout: Duration,
     pub socket: PathBuf,
     pub state_dir: PathBuf,
     pub hot_root: PathBuf,
     pub stage: StageConfig,
     pub ckpt: CkptConfig,
     pub stores: Vec<StoreProfile>,
+    /// How every object-store client built from this config retries a failed request (5xx, 429,
+    /// connection errors, timeouts of idempotent requests): the one retry policy of the agent and
+    /// the CLI. Work re-queued after a request finally failed waits on top of it, never in a loop
+    /// around it.
+    pub retry: RetryConfig,
 }
 
 fn duration(what: &str, v: Option<&str>, default: Duration) -> Result<Duration, String> {
@@ -187,6 +210,55 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(mult)
         .ok_or_else(|| format!("size '{s}' is too large"))
+}
+
+/// The `[retry]` section as object_store's policy. At least one retry, so that an error reported
+/// as "after retries" was retried; at most 15 minutes, because retries reuse the signed request
+/// and S3 refuses a signature older than that (object_store advises staying under 5 minutes).
+fn retry_config(raw: &RawRetry) -> Result<RetryConfig, String> {
+    let d = RetryConfig::default();
+    let r = RetryConfig {
+        max_retries: raw.max_retries.unwrap_or(d.max_retries),
+        retry_timeout: duration("retry.timeout", raw.timeout.as_deref(), d.retry_timeout)?,
+        backoff: BackoffConfig {
+            init_backoff: duration(
+                "retry.initial_backoff",
+                raw.initial_backoff.as_deref(),
+                d.backoff.init_backoff,
+            )?,
+            max_backoff: duration(
+                "retry.max_backoff",
+                raw.max_backoff.as_deref(),
+                d.backoff.max_backoff,
+            )?,
+            base: d.backoff.base,
+        },
+    };
+    if !(1..=100).contains(&r.max_retries) {
+        return Err(format!(
+            "retry.max_retries must be 1..=100, got {}",
+            r.max_retries
+        ));
+    }
+    if !(Duration::from_secs(1)..=Duration::from_secs(15 * 60)).contains(&r.retry_timeout) {
+        return Err(format!(
+            "retry.timeout must be between 1s and 15min (retries reuse the signed request), got {}",
+            humantime::format_duration(r.retry_timeout)
+        ));
+    }
+    let b = &r.backoff;
+    if b.init_backoff < Duration::from_millis(1)
+        || b.init_backoff > b.max_backoff
+        || b.max_backoff > r.retry_timeout
+    {
+        return Err(format!(
+            "retry backoff must satisfy 1ms <= retry.initial_backoff ({}) <= retry.max_backoff ({}) <= retry.timeout ({})",
+            humantime::format_duration(b.init_backoff),
+            humantime::format_duration(b.max_backoff),
+            humantime::format_duration(r.retry_timeout)
+        ));
+    }
+    Ok(r)
 }
 
 fn substitute(s: &str, node: &str) -> PathBuf {
@@ -351,8 +423,14 @@ impl Config {
                 ));
             }
         }
+        let retry = retry_config(&raw.retry)?;
         Ok(Config {
             node: node.to_string(),
+            drain_timeout: duration(
+                "agent.drain_timeout",
+                raw.agent.drain_timeout.as_deref(),
+                Duration::from_secs(5),
+            )?,
             squeue: match raw.agent.squeue.as_deref() {
                 None => Some(PathBuf::from("squeue")),
                 Some("") => None,
@@ -364,6 +442,7 @@ impl Config {
             stage,
             ckpt,
             stores: raw.store,
+            retry,
         })
     }
 
@@ -397,6 +476,16 @@ mod tests {
         assert!(c.store_for("azure://c/x").unwrap().use_emulator);
         assert!(c.store_for("gs://b").is_none());
         assert_eq!(c.stage.allow.len(), 3);
+        // The example spells out object_store's defaults.
+        let d = RetryConfig::default();
+        assert_eq!(
+            (c.retry.max_retries, c.retry.retry_timeout),
+            (d.max_retries, d.retry_timeout)
+        );
+        assert_eq!(
+            (c.retry.backoff.init_backoff, c.retry.backoff.max_backoff),
+            (d.backoff.init_backoff, d.backoff.max_backoff)
+        );
     }
 
     #[test]
@@ -420,5 +509,52 @@ mod tests {
         assert!(e.contains("absolute"), "{e}");
         assert_eq!(parse_size("2GiB"), Ok(2 << 30));
         assert!(parse_size("x").is_err());
+    }
+
+    #[test]
+    fn the_retry_policy_defaults_to_object_stores_and_is_checked() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        let d = RetryConfig::default();
+        let c = Config::parse(base, "n1").unwrap();
+        assert_eq!(
+            (c.retry.max_retries, c.retry.retry_timeout),
+            (d.max_retries, d.retry_timeout)
+        );
+        assert_eq!(
+            (c.retry.backoff.init_backoff, c.retry.backoff.max_backoff),
+            (d.backoff.init_backoff, d.backoff.max_backoff)
+        );
+        let c = Config::parse(
+            &format!("{base}[retry]\nmax_retries=3\ntimeout='1min'\ninitial_backoff='50ms'\nmax_backoff='5s'\n"),
+            "n1",
+        )
+        .unwrap();
+        assert_eq!(c.retry.max_retries, 3);
+        assert_eq!(c.retry.retry_timeout, Duration::from_secs(60));
+        assert_eq!(c.retry.backoff.init_backoff, Duration::from_millis(50));
+        assert_eq!(c.retry.backoff.max_backoff, Duration::from_secs(5));
+        let bad =
+            |retry: &str| Config::parse(&format!("{base}[retry]\n{retry}\n"), "n1").unwrap_err();
+        let e = bad("max_retries=0");
+        assert!(e.contains("retry.max_retries must be 1..=100"), "{e}");
+        let e = bad("timeout='1h'");
+        assert!(
+            e.contains("retry.timeout must be between 1s and 15min"),
+            "{e}"
+        );
+        let e = bad("initial_backoff='20s'");
+        assert!(
+            e.contains("retry.initial_backoff (20s) <= retry.max_backoff (15s)"),
+            "{e}"
+        );
+        let e = bad("timeout='10s'");
+        assert!(
+            e.contains("retry.max_backoff (15s) <= retry.timeout (10s)"),
+            "{e}"
+        );
+        let e = bad("timeout='soon'");
+        assert!(e.contains("retry.timeout 'soon'"), "{e}");
+        let e = bad("max_retry=3");
+        assert!(e.contains("unknown field"), "{e}");
     }
 }

@@ -1,5 +1,6 @@
-//! Object-store clients built from the admin's store profiles. Credentials live here, in the agent
-//! (root), and are never handed to jobs or written to logs.
+//! Object-store clients built from the admin's store profiles, each with the site's one retry
+//! policy ([`Config::retry`]).
+//! Credentials live here, in the agent (root), and are never handed to jobs or written to logs.
 
 use crate::config::{Config, StoreProfile};
 use object_store::ObjectStore;
@@ -18,11 +19,14 @@ pub fn open(
 ) -> object_store::Result<Arc<dyn ObjectStore>> {
     let url = format!("{}://{bucket}/", scheme.url_scheme());
     let profile = cfg.store_for(&url);
+    let retry = cfg.retry.clone();
     Ok(match scheme {
-        ObjectScheme::S3 => Arc::new(s3(profile, bucket).build()?),
-        ObjectScheme::Azure => Arc::new(azure(profile, bucket).build()?),
+        ObjectScheme::S3 => Arc::new(s3(profile, bucket).with_retry(retry).build()?),
+        ObjectScheme::Azure => Arc::new(azure(profile, bucket).with_retry(retry).build()?),
         ObjectScheme::Gcs => {
-            let mut b = GoogleCloudStorageBuilder::from_env().with_bucket_name(bucket);
+            let mut b = GoogleCloudStorageBuilder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(retry);
             if let Some(p) = profile.and_then(|p| p.service_account_path.as_ref()) {
                 b = b.with_service_account_path(p);
             }
