@@ -72,15 +72,8 @@ with open(os.path.join(OUT, "env"), "w") as f:
             f.write(f"{k}={os.environ[k]}\n")
 
 
-def log(event):
-    with open(os.path.join(OUT, "events"), "a") as f:
-        f.write(f"{time.time():.3f} rank {RANK}: {event}\n")
-
-
-def fail(msg):
-    log("FAILED " + msg)
-    print(f"train.py rank {RANK} on {NODE}: {msg}", file=sys.stderr, flush=True)
-    sys.exit(1)
+WHO = f"train.py rank {RANK}"
+# sluice-e2e: log, fail
 
 
 def train_step():
@@ -287,7 +280,7 @@ impl Plan {
                 "files": s.files.iter().map(|(n, k, z)| json!([n, k, z])).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         });
-        fs::write(work.join("train.py"), TRAIN_PY).unwrap();
+        fs::write(work.join("train.py"), with_py_helpers(TRAIN_PY)).unwrap();
         fs::write(work.join("plan.json"), plan.to_string()).unwrap();
         let script = format!(
             "#!/bin/bash\nsrun --ntasks-per-node=1 python3 {w}/train.py {w} {w}/plan.json\n",

@@ -30,7 +30,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// Seed job: one small checkpoint, archived.
 const SEED_TIMEOUT: Duration = Duration::from_secs(120);
@@ -66,15 +66,8 @@ SUMS = "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum"
 DIRS = "find . -mindepth 1 -type d | LC_ALL=C sort"
 
 
-def log(event):
-    with open(os.path.join(OUT, "events"), "a") as f:
-        f.write(f"{time.time():.3f} rank {RANK}: {event}\n")
-
-
-def fail(msg):
-    log("FAILED " + msg)
-    print(f"task.py run {RUN} rank {RANK} on {NODE}: {msg}", file=sys.stderr, flush=True)
-    sys.exit(1)
+WHO = f"task.py run {RUN} rank {RANK}"
+# sluice-e2e: log, fail
 
 
 def record(name, text):
@@ -191,17 +184,6 @@ log("done")
 record("done", "")
 "#;
 
-/// The `sluice` CLI built next to the tests (`cargo build --workspace`).
-fn cli() -> PathBuf {
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/sluice");
-    assert!(
-        built.is_file(),
-        "no {}: run cargo build --workspace (run-e2e.sh does)",
-        built.display()
-    );
-    built
-}
-
 /// The batch script: says which run this is in the job output, records what the batch step sees
 /// (before any step), then runs one task per node.
 fn batch_script(work: &Path, task: &Path, cli: &Path, run: Option<&str>) -> String {
@@ -226,158 +208,86 @@ exit $rc
     )
 }
 
-fn entries(dir: &Path) -> BTreeSet<String> {
-    fs::read_dir(dir)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
+/// What each run's tasks must find when they start (see [`TASK_PY`]): the dataset staged whole,
+/// alone in the stage directory, and one checkpoint restored as it was written, alone in
+/// `$SLUICE_CKPT_DIR`.
+struct AtStart<'a> {
+    ds_sums: &'a str,
+    ds_dirs: &'a str,
+    restored: &'a str,
+    written: &'a BTreeMap<String, String>,
 }
 
-fn now_s() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
-/// The archive below `garage:ckpt/<base>`, read directly (not through sluice).
-struct Archive {
-    url: String,
-    remote: String,
-    bucket: String,
-    base: String,
-}
-
-impl Archive {
-    fn new(cluster: &Cluster) -> Archive {
-        let base = format!("{}/e2e-requeue-{}", cluster.user, unique());
-        Archive {
-            url: format!("s3://ckpt/{base}"),
-            remote: format!("garage:ckpt/{base}"),
-            bucket: "ckpt".into(),
-            base,
-        }
-    }
-
-    /// key (relative to the archive) → size.
-    fn objects(&self, cluster: &Cluster) -> BTreeMap<String, u64> {
-        let out = cluster.rclone(&["lsjson", "-R", "--files-only", &self.remote]);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        if !out.status.success() {
-            if stderr.contains("directory not found") {
-                return BTreeMap::new();
-            }
-            panic!("rclone lsjson {}: {stderr}", self.remote);
-        }
-        let list: Vec<Value> = serde_json::from_slice(&out.stdout).expect("rclone lsjson output");
-        list.iter()
-            .map(|o| {
-                (
-                    o["Path"].as_str().unwrap().to_string(),
-                    o["Size"].as_u64().unwrap(),
-                )
-            })
-            .collect()
-    }
-
-    fn read(&self, cluster: &Cluster, key: &str) -> Vec<u8> {
-        let path = format!("{}/{key}", self.remote);
-        let out = cluster.rclone(&["cat", &path]);
-        assert!(
-            out.status.success(),
-            "rclone cat {path}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out.stdout
-    }
-
-    /// Multipart uploads still open below the archive: keys.
-    fn open_uploads(&self, cluster: &Cluster) -> Vec<String> {
-        let out = cluster.rclone(&[
-            "backend",
-            "list-multipart-uploads",
-            &format!("garage:{}", self.bucket),
-        ]);
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        v[&self.bucket]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|u| u["Key"].as_str())
-                    .filter(|k| k.starts_with(&self.base))
-                    .map(String::from)
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-}
-
-/// The objects of one tag (`TAG/...`), relative to `TAG/`.
-fn of_tag(objects: &BTreeMap<String, u64>, tag: &str) -> BTreeMap<String, u64> {
-    objects
-        .iter()
-        .filter_map(|(k, s)| Some((k.strip_prefix(&format!("{tag}/"))?.to_string(), *s)))
-        .collect()
-}
-
-/// Checks a MANIFEST as the archive engine does (it names the tag, and every file it lists has its
-/// data object with the recorded stored size); returns it parsed.
-fn check_manifest(objects: &BTreeMap<String, u64>, tag: &str, bytes: &[u8]) -> Value {
-    let m: Value =
-        serde_json::from_slice(bytes).unwrap_or_else(|e| panic!("{tag}/MANIFEST is not JSON: {e}"));
-    assert_eq!(m["format"], "sluice-checkpoint", "{tag}/MANIFEST: {m}");
-    assert_eq!(m["tag"], tag, "{tag}/MANIFEST");
-    let files = m["files"].as_array().expect("MANIFEST files");
-    for f in files {
-        let path = f["path"].as_str().unwrap();
+impl AtStart<'_> {
+    /// Checks what run `run`'s task on `node` recorded below `out`; `left` says what the run before
+    /// left behind, for the messages.
+    fn assert_seen(&self, out: &Path, run: &str, node: &str, left: &str, ev: &dyn Fn() -> String) {
+        let dir = out.join(run);
+        let file = |name: &str| task_file(&dir, node, name);
+        let (tag, what) = (self.restored, format!("run {run} on {node} ({left})"));
         assert_eq!(
-            objects.get(&format!("{tag}/data/{path}")).copied(),
-            f["stored_size"].as_u64(),
-            "{tag}/MANIFEST lists {path}: its data object is missing or of another size"
+            file("restored").trim(),
+            tag,
+            "SLUICE_RESTORED_TAG in {what}\n{}",
+            ev()
         );
+        assert_eq!(
+            file("ckpt-ls"),
+            format!("{tag}\n"),
+            "$SLUICE_CKPT_DIR at the start of {what}\n{}",
+            ev()
+        );
+        let restored = parse_sums(&file("restored-sums"));
+        assert!(
+            &restored == self.written,
+            "{tag} as {what} found it differs from what was written: {}\n{}",
+            diff_trees(self.written, &restored),
+            ev()
+        );
+        assert_eq!(file("stage-ls"), "ds\n", "the stage dir of {what}");
+        let sums = file("sums-ds");
+        assert!(
+            sums == self.ds_sums,
+            "the staged dataset of {what} differs from its source: {}\n{}",
+            diff_listings(self.ds_sums, &sums),
+            ev()
+        );
+        assert_eq!(file("dirs-ds"), self.ds_dirs, "the directories of {what}");
     }
-    m
 }
 
-/// `sluice ckpt restore URL TAG DIR` as root; the restored tree.
-fn cli_restore(cluster: &Cluster, url: &str, tag: &str) -> BTreeMap<String, String> {
-    let dest = PathBuf::from(cluster.var("SLUICE_TEST_ROOT"))
-        .join(format!("requeue-restore-{tag}-{}", unique()));
-    let out = Command::new(cli())
-        .args(["ckpt", "restore", url, tag])
-        .arg(&dest)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "sluice ckpt restore {url} {tag}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let got = hash_tree(&dest);
-    let _ = fs::remove_dir_all(&dest);
-    got
-}
-
-/// The first whitespace-separated `NAME=value` of `scontrol show job -o`.
-fn field(raw: &str, name: &str) -> Option<String> {
-    raw.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
-        .map(String::from)
-}
-
-/// `scontrol show hostnames` of the job's node list.
-fn job_nodes(cluster: &Cluster, job: &Job) -> Vec<String> {
-    let list = cluster
-        .job_field(job, "NodeList")
-        .unwrap_or_else(|| panic!("no NodeList for job {}", job.id));
-    run(Command::new("scontrol").args(["show", "hostnames", &list]))
-        .lines()
-        .map(String::from)
+/// Every node's record `sums-TAG` of one run, merged: the whole checkpoint as written.
+fn written_by(out: &Path, nodes: &[String], tag: &str) -> BTreeMap<String, String> {
+    nodes
+        .iter()
+        .flat_map(|n| parse_sums(&task_file(out, n, &format!("sums-{tag}"))))
         .collect()
+}
+
+/// The archive holds exactly the checkpoints `tags`, and `tag`'s MANIFEST is complete and names
+/// the job; returns the MANIFEST's bytes.
+fn assert_archived(
+    cluster: &Cluster,
+    archive: &Archive,
+    objects: &BTreeMap<String, u64>,
+    tags: &[&str],
+    job: &Job,
+) -> Vec<u8> {
+    assert_eq!(
+        tags_in(objects),
+        tags.iter().copied().collect(),
+        "{}: {objects:?}",
+        archive.url
+    );
+    let tag = tags[tags.len() - 1];
+    let bytes = archive.read(cluster, &format!("{tag}/MANIFEST"));
+    let m = check_manifest(objects, tag, &bytes).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        m["job"]["job_id"].as_u64(),
+        Some(job.id as u64),
+        "{tag} MANIFEST job"
+    );
+    bytes
 }
 
 #[test]
@@ -396,14 +306,12 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
     let prefix = format!("e2e/{}/ds", unique());
     cluster.upload(&ds_dir, "garage", &format!("datasets/{prefix}"));
 
-    let archive = Archive::new(&cluster);
+    let archive = Archive::new(&cluster, Backend::Garage, "requeue");
     let work = cluster.workdir("requeue");
     let out = work.join("out");
-    let cli_dir = cluster.data_dir("requeue-cli");
-    let job_cli = cli_dir.join("sluice");
-    fs::copy(cli(), &job_cli).unwrap();
+    let job_cli = cluster.user_cli();
     let task = work.join("task.py");
-    fs::write(&task, TASK_PY).unwrap();
+    fs::write(&task, with_py_helpers(TASK_PY)).unwrap();
     let archive_opt = format!("--ckpt-archive={}", archive.url);
 
     // Seed: `--ckpt-restore=latest` needs a checkpoint in the archive for the first run.
@@ -412,14 +320,8 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         &["-N1", &archive_opt, "--job-name=requeue-seed"],
         &batch_script(&work, &task, &job_cli, Some("seed")),
     );
-    let end = cluster.wait_end(&seed, SEED_TIMEOUT);
-    assert_eq!(
-        (end.state.as_str(), end.exit_code.as_str()),
-        ("COMPLETED", "0:0"),
-        "the seed job\n{}",
-        cluster.evidence(&seed)
-    );
-    let seed_node = job_nodes(&cluster, &seed).remove(0);
+    cluster.assert_completes(&seed, SEED_TIMEOUT, "the seed job");
+    let seed_node = cluster.job_nodes(&seed).remove(0);
     let s0 = parse_sums(&task_file(&out.join("seed"), &seed_node, "sums-s0"));
     assert_eq!(s0.len(), 1, "the seed job recorded no s0 files");
     let t_seeded = Instant::now();
@@ -458,7 +360,7 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
             state == "RUNNING"
         },
     );
-    let nodes = job_nodes(&cluster, &job);
+    let nodes = cluster.job_nodes(&job);
     assert_eq!(nodes.len(), 2, "{nodes:?}");
     let run1 = out.join("1");
     cluster.wait_for(
@@ -480,63 +382,22 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
     let t_ready = Instant::now();
 
     // Run 1 saw its dataset whole and s0 restored.
+    let ev = || cluster.evidence(&job);
+    let run1_start = AtStart {
+        ds_sums: &ds_sums,
+        ds_dirs: &ds_dirs,
+        restored: "s0",
+        written: &s0,
+    };
     for n in &nodes {
-        let ev = || cluster.evidence(&job);
-        assert_eq!(
-            task_file(&run1, n, "restored").trim(),
-            "s0",
-            "run 1 on {n}\n{}",
-            ev()
-        );
-        assert_eq!(
-            task_file(&run1, n, "ckpt-ls"),
-            "s0\n",
-            "run 1's $SLUICE_CKPT_DIR on {n}"
-        );
-        assert_eq!(
-            parse_sums(&task_file(&run1, n, "restored-sums")),
-            s0,
-            "s0 as run 1 saw it on {n}"
-        );
-        assert_eq!(
-            task_file(&run1, n, "stage-ls"),
-            "ds\n",
-            "run 1's stage dir on {n}"
-        );
-        let sums = task_file(&run1, n, "sums-ds");
-        assert!(
-            sums == ds_sums,
-            "run 1's staged dataset on {n} differs from its source: {}",
-            diff_listings(&ds_sums, &sums)
-        );
-        assert_eq!(
-            task_file(&run1, n, "dirs-ds"),
-            ds_dirs,
-            "run 1's directories on {n}"
-        );
+        run1_start.assert_seen(&out, "1", n, "the first run", &ev);
     }
-    let s1_written: BTreeMap<String, String> = nodes
-        .iter()
-        .flat_map(|n| parse_sums(&task_file(&run1, n, "sums-s1")))
-        .collect();
+    let s1_written = written_by(&run1, &nodes, "s1");
     assert_eq!(s1_written.len(), 4, "run 1 recorded s1: {s1_written:?}");
 
     // s1 is in the archive, once, complete.
     let before = archive.objects(&cluster);
-    let tags: BTreeSet<&str> = before.keys().filter_map(|k| k.split('/').next()).collect();
-    assert_eq!(
-        tags,
-        BTreeSet::from(["s0", "s1"]),
-        "{}: {before:?}",
-        archive.url
-    );
-    let s1_manifest = archive.read(&cluster, "s1/MANIFEST");
-    let m1 = check_manifest(&before, "s1", &s1_manifest);
-    assert_eq!(
-        m1["job"]["job_id"].as_u64(),
-        Some(job.id as u64),
-        "s1 MANIFEST job"
-    );
+    let s1_manifest = assert_archived(&cluster, &archive, &before, &["s0", "s1"], &job);
     let s0_objects = of_tag(&before, "s0");
     let s1_objects = of_tag(&before, "s1");
     let leftovers: BTreeMap<&String, String> = nodes
@@ -566,13 +427,13 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         let state = cluster
             .job_state(&job)
             .unwrap_or_else(|| panic!("Slurm forgot job {} after the requeue", job.id));
-        let restarts = field(&state.raw, "Restarts").unwrap_or_default();
+        let restarts = state.field("Restarts").unwrap_or_default();
         if state.state == "PENDING" && t_pending.is_none() {
             t_pending = Some(Instant::now());
             pending_seen = format!(
                 "Reason={} EligibleTime={} Restarts={restarts} (at {:.3})",
                 state.reason.clone().unwrap_or_default(),
-                field(&state.raw, "EligibleTime").unwrap_or_default(),
+                state.field("EligibleTime").unwrap_or_default(),
                 now_s()
             );
         }
@@ -607,17 +468,14 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
     };
     let t_run2 = Instant::now();
 
-    let end = cluster.wait_end(&job, RUN2_TIMEOUT);
-    let t_end = Instant::now();
-    let ev = || cluster.evidence(&job);
-    assert_eq!(
-        (end.state.as_str(), end.exit_code.as_str()),
-        ("COMPLETED", "0:0"),
-        "the requeued job (run 2 started in state {run2_state})\n{}",
-        ev()
+    let end = cluster.assert_completes(
+        &job,
+        RUN2_TIMEOUT,
+        &format!("the requeued job (run 2 started in state {run2_state})"),
     );
+    let t_end = Instant::now();
     assert_eq!(
-        field(&end.raw, "Restarts").as_deref(),
+        end.field("Restarts").as_deref(),
         Some("1"),
         "restart count of the job\n{}",
         ev()
@@ -634,7 +492,7 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
             ev()
         );
     }
-    let nodes2 = job_nodes(&cluster, &job);
+    let nodes2 = cluster.job_nodes(&job);
     assert_eq!(nodes2, nodes, "run 2's nodes\n{}", ev());
 
     // Run 2: the dataset staged again, whole, with nothing of run 1; s1 restored, alone.
@@ -646,70 +504,32 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         "what run 2's batch script saw first ($SLUICE_RESTORED_TAG, then $SLUICE_CKPT_DIR)\n{}",
         ev()
     );
+    let run2_start = AtStart {
+        restored: "s1",
+        written: &s1_written,
+        ..run1_start
+    };
+    let left = format!("run 1 left {leftovers:?}");
     for n in &nodes2 {
         assert!(
             run2.join(n).join("done").exists(),
             "run 2 did not finish on {n}\n{}",
             ev()
         );
-        assert_eq!(
-            task_file(&run2, n, "restored").trim(),
-            "s1",
-            "SLUICE_RESTORED_TAG in run 2 on {n}"
-        );
         assert!(
             task_file(&run2, n, "env").contains("SLURM_RESTART_COUNT=1"),
             "run 2 on {n} does not know it is a restart: {}",
             task_file(&run2, n, "env")
         );
-        assert_eq!(
-            task_file(&run2, n, "ckpt-ls"),
-            "s1\n",
-            "$SLUICE_CKPT_DIR on {n} at the start of run 2 (run 1 left {:?})\n{}",
-            leftovers,
-            ev()
-        );
-        let restored = parse_sums(&task_file(&run2, n, "restored-sums"));
-        assert!(
-            restored == s1_written,
-            "s1 as run 2 found it on {n} differs from what run 1 wrote: {}\n{}",
-            diff_trees(&s1_written, &restored),
-            ev()
-        );
-        assert_eq!(
-            task_file(&run2, n, "stage-ls"),
-            "ds\n",
-            "run 2's stage dir on {n} (run 1 left {leftovers:?})"
-        );
-        let sums = task_file(&run2, n, "sums-ds");
-        assert!(
-            sums == ds_sums,
-            "run 2's staged dataset on {n} differs from its source (run 1 left {leftovers:?}): {}\n{}",
-            diff_listings(&ds_sums, &sums),
-            ev()
-        );
-        assert_eq!(
-            task_file(&run2, n, "dirs-ds"),
-            ds_dirs,
-            "run 2's directories on {n}"
-        );
+        run2_start.assert_seen(&out, "2", n, &left, &ev);
     }
-    let s2_written: BTreeMap<String, String> = nodes2
-        .iter()
-        .flat_map(|n| parse_sums(&task_file(&run2, n, "sums-s2")))
-        .collect();
+    let s2_written = written_by(&run2, &nodes2, "s2");
     assert_eq!(s2_written.len(), 4, "run 2 recorded s2: {s2_written:?}");
 
     // The archive: s0 and s1 exactly as before the requeue (s1's MANIFEST not published again),
     // s2 made of the same objects as s1 (same files), nothing else, no upload left open.
     let after = archive.objects(&cluster);
-    let tags: BTreeSet<&str> = after.keys().filter_map(|k| k.split('/').next()).collect();
-    assert_eq!(
-        tags,
-        BTreeSet::from(["s0", "s1", "s2"]),
-        "{}: {after:?}",
-        archive.url
-    );
+    assert_archived(&cluster, &archive, &after, &["s0", "s1", "s2"], &job);
     assert_eq!(of_tag(&after, "s0"), s0_objects, "s0's objects changed");
     assert_eq!(
         of_tag(&after, "s1"),
@@ -726,23 +546,17 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         s1_objects.keys().collect::<Vec<_>>(),
         "s2 (one archive by run 2) and s1 (one archive by run 1) hold the same files, so the same keys"
     );
-    let m2 = check_manifest(&after, "s2", &archive.read(&cluster, "s2/MANIFEST"));
-    assert_eq!(
-        m2["job"]["job_id"].as_u64(),
-        Some(job.id as u64),
-        "s2 MANIFEST job"
-    );
     let manifest_count = after.keys().filter(|k| k.ends_with("MANIFEST")).count();
     assert_eq!(manifest_count, 3, "MANIFESTs in {}: {after:?}", archive.url);
     assert_eq!(
-        archive.open_uploads(&cluster),
-        Vec::<String>::new(),
+        archive.multipart_uploads(&cluster),
+        Vec::new(),
         "open multipart uploads"
     );
 
     // Both checkpoints restore (checksums checked by sluice) to what was written.
     for (tag, written) in [("s1", &s1_written), ("s2", &s2_written)] {
-        let got = cli_restore(&cluster, &archive.url, tag);
+        let got = cluster.restore_with_cli(&archive.url, tag);
         assert!(
             &got == written,
             "sluice ckpt restore {} {tag} differs from what the job wrote: {}",

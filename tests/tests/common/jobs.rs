@@ -304,6 +304,27 @@ pub fn marker_script(work: &Path) -> (String, PathBuf) {
     )
 }
 
+/// Python that the job scripts of the tests share, put in place of their line `# sluice-e2e: log,
+/// fail`: `log(event)` appends a timed line to `OUT/events`; `fail(msg)` logs it, says on stderr who
+/// failed (`WHO`, on `NODE`) and exits 1. The script imports `os`, `sys` and `time`.
+pub fn with_py_helpers(script: &str) -> String {
+    const MARK: &str = "\n# sluice-e2e: log, fail\n";
+    const HELPERS: &str = r#"
+
+def log(event):
+    with open(os.path.join(OUT, "events"), "a") as f:
+        f.write(f"{time.time():.3f} rank {RANK}: {event}\n")
+
+
+def fail(msg):
+    log("FAILED " + msg)
+    print(f"{WHO} on {NODE}: {msg}", file=sys.stderr, flush=True)
+    sys.exit(1)
+"#;
+    assert!(script.contains(MARK), "the job script has no {MARK:?} line");
+    script.replacen(MARK, HELPERS, 1)
+}
+
 /// The `sluice` CLI built next to the test binaries (`cargo build --workspace`), for root.
 pub fn built_cli() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
