@@ -105,6 +105,29 @@ impl Fake {
         self.lines(Level::Error)
     }
 
+    /// The first error line, which must be there.
+    #[track_caller]
+    fn first_error(&self) -> String {
+        let errors = self.errors();
+        assert!(
+            !errors.is_empty(),
+            "no error logged: {:?}",
+            self.logs.borrow()
+        );
+        errors[0].clone()
+    }
+
+    /// Asserts that the first error line holds `part` (showing every error line when not).
+    #[track_caller]
+    fn assert_first_error_has(&self, part: &str) {
+        let first = self.first_error();
+        assert!(
+            first.contains(part),
+            "{part:?} is not in {:?}",
+            self.errors()
+        );
+    }
+
     fn log(&self, level: Level, msg: &str) {
         self.logs.borrow_mut().push((level, msg.to_string()));
     }
@@ -204,14 +227,7 @@ impl FakeAgent {
     }
 
     fn ready() -> FakeAgent {
-        FakeAgent::answering(|_| {
-            Ok(Response::Ready(JobDirs {
-                stage_dir: "/nvme/sluice/n2/jobs/42/stage".into(),
-                ckpt_dir: "/nvme/sluice/n2/jobs/42/ckpt".into(),
-                restored_tag: None,
-                notes: Vec::new(),
-            }))
-        })
+        FakeAgent::answering(|_| Ok(ready()))
     }
 
     fn failing(code: ErrorCode, message: &'static str) -> FakeAgent {
@@ -219,12 +235,7 @@ impl FakeAgent {
     }
 
     fn unreachable() -> FakeAgent {
-        FakeAgent::answering(|_| {
-            Err(ClientError::Connect {
-                path: "/run/sluice/n2.sock".into(),
-                source: io::Error::from(io::ErrorKind::NotFound),
-            })
-        })
+        FakeAgent::answering(|_| Err(cannot_connect(io::ErrorKind::NotFound)))
     }
 
     fn calls(&self) -> Vec<(PathBuf, Request, Duration)> {
@@ -244,6 +255,32 @@ impl Agent for FakeAgent {
             .borrow_mut()
             .push((socket.to_path_buf(), request, timeout));
         reply
+    }
+}
+
+/// The agent's answer to a task whose data is staged: job 42's directories on n2.
+fn ready() -> Response {
+    Response::Ready(JobDirs {
+        stage_dir: "/nvme/sluice/n2/jobs/42/stage".into(),
+        ckpt_dir: "/nvme/sluice/n2/jobs/42/ckpt".into(),
+        restored_tag: None,
+        notes: Vec::new(),
+    })
+}
+
+/// Connecting to n2's agent failed with `kind`.
+fn cannot_connect(kind: io::ErrorKind) -> ClientError {
+    ClientError::Connect {
+        path: "/run/sluice/n2.sock".into(),
+        source: io::Error::from(kind),
+    }
+}
+
+/// The connection to n2's agent broke off (or timed out) with `kind`.
+fn broken_off(kind: io::ErrorKind) -> ClientError {
+    ClientError::Frame {
+        path: "/run/sluice/n2.sock".into(),
+        source: FrameError::Io(io::Error::from(kind)),
     }
 }
 
@@ -295,11 +332,7 @@ fn init_never_fails_even_when_registration_does() {
             "a failing init in {context:?} could drain the node"
         );
         assert_eq!(sp.errors().len(), 6);
-        assert!(
-            sp.errors()[0].contains("cannot register option --stage-in"),
-            "{:?}",
-            sp.errors()
-        );
+        sp.assert_first_error_has("cannot register option --stage-in");
     }
 }
 
@@ -308,20 +341,13 @@ fn slurmd_init_reports_a_misconfigured_plugstack_line_and_tasks_stay_quiet_about
     let mut sp = Fake::new(Context::Slurmd);
     init(&mut sp, &argv(&["sokcet=/x"]));
     assert_eq!(sp.errors().len(), 1);
-    assert!(sp.errors()[0].contains("unknown plugin argument 'sokcet=/x'"));
+    sp.assert_first_error_has("unknown plugin argument 'sokcet=/x'");
     let mut sp = Fake::new(Context::Allocator);
     init(&mut sp, &argv(&["sokcet=/x"]));
     assert!(
         sp.errors().is_empty(),
         "users of sbatch cannot fix plugstack.conf"
     );
-}
-
-fn stage_in_val() -> i32 {
-    names::ALL
-        .iter()
-        .position(|n| *n == names::STAGE_IN)
-        .unwrap() as i32
 }
 
 fn val_of(name: &str) -> i32 {
@@ -332,22 +358,15 @@ fn val_of(name: &str) -> i32 {
 fn bad_option_values_are_refused_at_submit_with_the_reason() {
     let log = Fake::new(Context::Allocator);
     let mut acc = Vec::new();
-    assert_eq!(
-        on_option(&log, &mut acc, val_of("stage-tier"), Some("nvme"), false),
-        FAIL
-    );
-    assert_eq!(
-        on_option(&log, &mut acc, stage_in_val(), Some("data/x"), false),
-        FAIL
-    );
-    assert_eq!(
-        on_option(&log, &mut acc, val_of("ckpt-keep"), Some("0"), false),
-        FAIL
-    );
-    assert_eq!(
-        on_option(&log, &mut acc, val_of("ckpt-keep"), None, false),
-        FAIL
-    );
+    for (name, value) in [
+        ("stage-tier", Some("nvme")),
+        (names::STAGE_IN, Some("data/x")),
+        ("ckpt-keep", Some("0")),
+        ("ckpt-keep", None),
+    ] {
+        let got = on_option(&log, &mut acc, val_of(name), value, false);
+        assert_eq!(got, FAIL, "--{name} {value:?}");
+    }
     let errors = log.errors();
     assert_eq!(errors.len(), 4);
     assert!(
@@ -369,34 +388,15 @@ fn bad_option_values_are_refused_at_submit_with_the_reason() {
 fn good_values_pass_and_every_stage_in_is_kept() {
     let log = Fake::new(Context::Allocator);
     let mut acc = Vec::new();
-    assert_eq!(
-        on_option(&log, &mut acc, stage_in_val(), Some("/lustre/a"), false),
-        OK
-    );
-    assert_eq!(
-        on_option(&log, &mut acc, val_of("stage-tier"), Some("shared"), false),
-        OK
-    );
-    assert_eq!(
-        on_option(
-            &log,
-            &mut acc,
-            stage_in_val(),
-            Some("w=s3://b/weights,/lustre/c"),
-            false
-        ),
-        OK
-    );
-    assert_eq!(
-        on_option(
-            &log,
-            &mut acc,
-            val_of("ckpt-restore"),
-            Some("latest"),
-            false
-        ),
-        OK
-    );
+    for (name, value) in [
+        (names::STAGE_IN, "/lustre/a"),
+        ("stage-tier", "shared"),
+        (names::STAGE_IN, "w=s3://b/weights,/lustre/c"),
+        ("ckpt-restore", "latest"),
+    ] {
+        let got = on_option(&log, &mut acc, val_of(name), Some(value), false);
+        assert_eq!(got, OK, "--{name} {value}");
+    }
     assert_eq!(acc, ["/lustre/a", "w=s3://b/weights,/lustre/c"]);
     assert!(log.errors().is_empty());
 }
@@ -452,11 +452,7 @@ fn a_name_used_twice_across_repeated_options_is_refused() {
         init_post_opt(&mut sp, &argv(&["/lustre/a/data", "s3://b/data"])),
         FAIL
     );
-    assert!(
-        sp.errors()[0].contains("dataset NAME 'data' is used twice"),
-        "{:?}",
-        sp.errors()
-    );
+    sp.assert_first_error_has("dataset NAME 'data' is used twice");
     assert!(sp.control_set.is_empty());
 }
 
@@ -466,7 +462,7 @@ fn values_too_long_together_are_refused_at_submit_not_by_the_agent() {
     let values: Vec<String> = (0..40).map(|i| format!("d{i}={long}")).collect();
     let mut sp = Fake::new(Context::Allocator);
     assert_eq!(init_post_opt(&mut sp, &values), FAIL);
-    assert!(sp.errors()[0].contains("at most 4096"), "{:?}", sp.errors());
+    sp.assert_first_error_has("at most 4096");
 }
 
 #[test]
@@ -486,11 +482,7 @@ fn post_opt_fails_the_submission_when_slurm_refuses_the_variable() {
     let mut sp = Fake::new(Context::Allocator);
     sp.control_error = Some(SpankError::BadArg);
     assert_eq!(init_post_opt(&mut sp, &argv(&["/a/x"])), FAIL);
-    assert!(
-        sp.errors()[0].contains("cannot pass --stage-in to the job"),
-        "{:?}",
-        sp.errors()
-    );
+    sp.assert_first_error_has("cannot pass --stage-in to the job");
 }
 
 // ---- reading options in job_script context ----------------------------------------------------
@@ -659,51 +651,50 @@ fn prolog_failures_are_logged_and_never_drain_the_node() {
         let sp = Fake::job_script(&[(STAGE_IN_VAR, "/a/x")]);
         assert_eq!(job_prolog(&sp, &agent, &[]), OK);
         let errors = sp.errors();
-        assert_eq!(errors.len(), 1, "{errors:?}");
-        assert!(errors[0].starts_with("job 42: job_prolog"), "{}", errors[0]);
-        assert!(errors[0].contains(needle), "{}", errors[0]);
+        let [error] = &errors[..] else {
+            panic!("one error line expected: {errors:?}")
+        };
         assert!(
-            errors[0].ends_with("the job's tasks will fail"),
-            "{}",
-            errors[0]
+            error.starts_with("job 42: job_prolog")
+                && error.contains(needle)
+                && error.ends_with("the job's tasks will fail"),
+            "{error}"
         );
     }
 }
 
 #[test]
 fn prolog_does_not_guess_when_the_job_is_unclear() {
-    let mut sp = Fake::job_script(&[(STAGE_IN_VAR, "/a/x")]);
-    sp.process_env
-        .insert("SLURM_NODELIST".into(), "n[1-".into());
-    let agent = FakeAgent::ok();
-    assert_eq!(job_prolog(&sp, &agent, &[]), OK);
-    assert!(agent.calls().is_empty());
-    assert!(
-        sp.errors()[0].contains("cannot expand the job's node list"),
-        "{:?}",
-        sp.errors()
-    );
-
-    let mut sp = Fake::job_script(&[(STAGE_IN_VAR, "/a/x")]);
-    sp.process_env.remove("SLURM_JOB_USER");
-    assert_eq!(job_prolog(&sp, &agent, &[]), OK);
-    assert!(agent.calls().is_empty());
-    assert!(
-        sp.errors()[0].contains("SLURM_JOB_USER is not set"),
-        "{:?}",
-        sp.errors()
-    );
-
-    let mut sp = Fake::job_script(&[(STAGE_IN_VAR, "/a/x")]);
-    sp.process_env.remove("SLURM_JOB_ID");
-    sp.job_id = Err(SpankError::NotAvail);
-    assert_eq!(job_prolog(&sp, &agent, &[]), OK);
-    assert!(agent.calls().is_empty());
-    assert!(
-        sp.errors()[0].contains("cannot tell the job id"),
-        "{:?}",
-        sp.errors()
-    );
+    let cases: [(fn(&mut Fake), &str); 3] = [
+        (
+            |sp| {
+                sp.process_env
+                    .insert("SLURM_NODELIST".into(), "n[1-".into());
+            },
+            "cannot expand the job's node list",
+        ),
+        (
+            |sp| {
+                sp.process_env.remove("SLURM_JOB_USER");
+            },
+            "SLURM_JOB_USER is not set",
+        ),
+        (
+            |sp| {
+                sp.process_env.remove("SLURM_JOB_ID");
+                sp.job_id = Err(SpankError::NotAvail);
+            },
+            "cannot tell the job id",
+        ),
+    ];
+    for (make_unclear, reason) in cases {
+        let mut sp = Fake::job_script(&[(STAGE_IN_VAR, "/a/x")]);
+        make_unclear(&mut sp);
+        let agent = FakeAgent::ok();
+        assert_eq!(job_prolog(&sp, &agent, &[]), OK);
+        assert!(agent.calls().is_empty(), "{reason}");
+        sp.assert_first_error_has(reason);
+    }
 }
 
 fn empty_status() -> sluice_proto::msg::NodeStatus {
@@ -804,18 +795,9 @@ fn task_init_fails_the_job_when_the_agent_is_missing_or_silent() {
         FAIL
     );
     assert!(unreachable.calls().len() >= 2, "no reconnect attempt");
-    assert!(
-        sp.errors()[0].contains("cannot reach the sluice agent at /run/sluice/n2.sock"),
-        "{:?}",
-        sp.errors()
-    );
+    sp.assert_first_error_has("cannot reach the sluice agent at /run/sluice/n2.sock");
 
-    let silent = FakeAgent::answering(|_| {
-        Err(ClientError::Frame {
-            path: "/run/sluice/n2.sock".into(),
-            source: FrameError::Io(io::Error::from(io::ErrorKind::WouldBlock)),
-        })
-    });
+    let silent = FakeAgent::answering(|_| Err(broken_off(io::ErrorKind::WouldBlock)));
     let mut sp = Fake::task(&[("stage-in", "/a/x")]);
     assert_eq!(
         task_init(
@@ -834,11 +816,7 @@ fn task_init_fails_the_job_when_the_agent_is_missing_or_silent() {
 
     let mut sp = Fake::task(&[("stage-in", "/a/x")]);
     assert_eq!(task_init(&mut sp, &FakeAgent::ok(), &[]), FAIL);
-    assert!(
-        sp.errors()[0].contains("unexpected reply"),
-        "{:?}",
-        sp.errors()
-    );
+    sp.assert_first_error_has("unexpected reply");
 }
 
 #[test]
@@ -847,7 +825,8 @@ fn task_init_fails_the_job_when_slurm_will_not_set_the_variables() {
     sp.setenv_error = Some(SpankError::NotRemote);
     assert_eq!(task_init(&mut sp, &FakeAgent::ready(), &[]), FAIL);
     assert!(
-        sp.errors()[0].starts_with("job 42: cannot set SLUICE_STAGE_DIR="),
+        sp.first_error()
+            .starts_with("job 42: cannot set SLUICE_STAGE_DIR="),
         "{:?}",
         sp.errors()
     );
@@ -857,11 +836,7 @@ fn task_init_fails_the_job_when_slurm_will_not_set_the_variables() {
     let agent = FakeAgent::ready();
     assert_eq!(task_init(&mut sp, &agent, &[]), FAIL);
     assert!(agent.calls().is_empty());
-    assert!(
-        sp.errors()[0].contains("cannot read the job id"),
-        "{:?}",
-        sp.errors()
-    );
+    sp.assert_first_error_has("cannot read the job id");
 }
 
 // ---- node names -------------------------------------------------------------------------------
@@ -910,7 +885,7 @@ fn a_task_without_a_node_name_fails_the_job_not_the_node() {
     sp.process_env.clear();
     sp.hostname = None;
     assert_eq!(task_init(&mut sp, &FakeAgent::ready(), &[]), FAIL);
-    assert!(sp.errors()[0].contains("cannot tell this node's name"));
+    sp.assert_first_error_has("cannot tell this node's name");
 }
 
 // ---- job_epilog -------------------------------------------------------------------------------
@@ -939,7 +914,7 @@ fn epilog_failures_are_logged_and_never_drain_the_node() {
         OK
     );
     assert!(
-        sp.errors()[0]
+        sp.first_error()
             .starts_with("job 42: job_epilog could not report the job's end: cannot reach"),
         "{:?}",
         sp.errors()
@@ -955,7 +930,7 @@ fn epilog_failures_are_logged_and_never_drain_the_node() {
         OK
     );
     assert!(
-        sp.errors()[0].ends_with("no job 42 on n2"),
+        sp.first_error().ends_with("no job 42 on n2"),
         "{:?}",
         sp.errors()
     );
@@ -1016,20 +991,9 @@ fn a_task_outlives_an_agent_restart() {
     let agent = FakeAgent::answering(move |_| {
         n.set(n.get() + 1);
         match n.get() {
-            1 => Err(ClientError::Frame {
-                path: "/run/sluice/n2.sock".into(),
-                source: FrameError::Io(io::Error::from(io::ErrorKind::UnexpectedEof)),
-            }),
-            2 => Err(ClientError::Connect {
-                path: "/run/sluice/n2.sock".into(),
-                source: io::Error::from(io::ErrorKind::ConnectionRefused),
-            }),
-            _ => Ok(Response::Ready(JobDirs {
-                stage_dir: "/nvme/sluice/n2/jobs/42/stage".into(),
-                ckpt_dir: "/nvme/sluice/n2/jobs/42/ckpt".into(),
-                restored_tag: None,
-                notes: Vec::new(),
-            })),
+            1 => Err(broken_off(io::ErrorKind::UnexpectedEof)),
+            2 => Err(cannot_connect(io::ErrorKind::ConnectionRefused)),
+            _ => Ok(ready()),
         }
     });
     let mut sp = Fake::task(&[("stage-in", "/a/x")]);
