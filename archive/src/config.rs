@@ -212,9 +212,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size '{s}' is too large"))
 }
 
-/// The `[retry]` section as object_store's policy. At least one retry, so that an error reported
-/// as "after retries" was retried; at most 15 minutes, because retries reuse the signed request
-/// and S3 refuses a signature older than that (object_store advises staying under 5 minutes).
+/// The `[retry]` section as object_store's policy. At least one retry, and a timeout no shorter
+/// than object_store's 30 s request timeout, so that an error reported as "after retries" was
+/// retried (a request that timed out after the retry timeout is not retried); at most 15
+/// minutes, because retries reuse the signed request and S3 refuses a signature older than that
+/// (object_store advises staying under 5 minutes).
 fn retry_config(raw: &RawRetry) -> Result<RetryConfig, String> {
     let d = RetryConfig::default();
     let r = RetryConfig {
@@ -240,9 +242,9 @@ fn retry_config(raw: &RawRetry) -> Result<RetryConfig, String> {
             r.max_retries
         ));
     }
-    if !(Duration::from_secs(1)..=Duration::from_secs(15 * 60)).contains(&r.retry_timeout) {
+    if !(Duration::from_secs(30)..=Duration::from_secs(15 * 60)).contains(&r.retry_timeout) {
         return Err(format!(
-            "retry.timeout must be between 1s and 15min (retries reuse the signed request), got {}",
+            "retry.timeout must be between 30s (a request's own timeout) and 15min (retries reuse the signed request), got {}",
             humantime::format_duration(r.retry_timeout)
         ));
     }
@@ -537,19 +539,18 @@ mod tests {
             |retry: &str| Config::parse(&format!("{base}[retry]\n{retry}\n"), "n1").unwrap_err();
         let e = bad("max_retries=0");
         assert!(e.contains("retry.max_retries must be 1..=100"), "{e}");
-        let e = bad("timeout='1h'");
-        assert!(
-            e.contains("retry.timeout must be between 1s and 15min"),
-            "{e}"
-        );
+        for timeout in ["1h", "10s"] {
+            let e = bad(&format!("timeout='{timeout}'"));
+            assert!(e.contains("retry.timeout must be between 30s"), "{e}");
+        }
         let e = bad("initial_backoff='20s'");
         assert!(
             e.contains("retry.initial_backoff (20s) <= retry.max_backoff (15s)"),
             "{e}"
         );
-        let e = bad("timeout='10s'");
+        let e = bad("timeout='30s'\nmax_backoff='1min'");
         assert!(
-            e.contains("retry.max_backoff (15s) <= retry.timeout (10s)"),
+            e.contains("retry.max_backoff (1m) <= retry.timeout (30s)"),
             "{e}"
         );
         let e = bad("timeout='soon'");
