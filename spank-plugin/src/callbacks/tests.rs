@@ -665,7 +665,8 @@ fn prolog_failures_are_logged_and_never_drain_the_node() {
 
 #[test]
 fn prolog_does_not_guess_when_the_job_is_unclear() {
-    let cases: [(fn(&mut Fake), &str); 3] = [
+    type MakeUnclear = fn(&mut Fake);
+    let cases: [(MakeUnclear, &str); 3] = [
         (
             |sp| {
                 sp.process_env
