@@ -3,20 +3,31 @@
 //! Authorisation happens here, from the peer credentials the server read off the socket — never from
 //! anything inside a message. Root (the plugin's prolog/epilog, an admin) may do everything; a user may
 //! wait for and look at their own jobs only.
+//!
+//! The parts it drives own their state: [`HotTier`] the directory layout, [`Policy`] who may stage or
+//! archive what, [`crate::stage`] the downloads and their budget, [`crate::ckpt`] the checkpoints
+//! (commit, the per-job [`CkptWorker`], restore, retention), [`Journal`] what survives a restart, and
+//! [`Workers`] the background loops. `Agent` keeps the job table and dispatches requests.
 
-use crate::job::Job;
-use crate::journal::{CkptRecord, JobRecord, Journal, RECORD_VERSION};
-use crate::stage::{self, StageCtx};
+use crate::ckpt::{self, CkptEntry, CkptWorker, CommitError, RestoreError};
+use crate::hot_tier::{HotTier, HotTierError};
+use crate::job::{self, Job};
+use crate::journal::{CkptRecord, JobRecord, Journal, JournalError, RECORD_VERSION};
+use crate::policy::{Policy, PolicyError, Requester};
+use crate::stage::{self, StageCtx, StageError};
+use crate::worker::{StatusCell, Worker, WorkerStatus, Workers};
 use sluice_archive::config::Config;
-use sluice_archive::safefs::{self, Owner};
+use sluice_archive::rt::{blocking, lock, now_secs};
+use sluice_archive::safefs::{Owner, SafeFsError};
 use sluice_proto::msg::{
-    ErrorCode, ErrorReply, JobDirs, JobId, JobStart, JobState, NodeStatus, Request, Response,
+    ErrorCode, ErrorReply, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
-use sluice_proto::options::{self, StageMode, StageTier};
+use sluice_proto::options::{self, OptionError, StageMode, StageTier};
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// Who is on the other end of the socket, from `SO_PEERCRED`.
@@ -39,136 +50,134 @@ const MAX_WAIT: Duration = Duration::from_secs(48 * 3600);
 /// Most `(name, value)` option pairs accepted in one JobStart.
 const MAX_OPTION_PAIRS: usize = 32;
 
-pub struct Agent {
-    pub cfg: Arc<Config>,
-    jobs: Mutex<HashMap<JobId, Arc<Job>>>,
-    pub(crate) journal: Journal,
-    pub tracker: TaskTracker,
-    /// Cancelled when the agent stops: background workers return (their work resumes from the journal).
-    pub(crate) stopping: tokio_util::sync::CancellationToken,
-    /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
-    pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
-    /// The node-wide stage-in download budget (`stage.concurrency`, `stage.memory`), shared by all jobs.
-    stage_budget: Arc<stage::Budget>,
-    /// The `sluiced` binary that runs `copy-as-user` (the running executable, unless a test says otherwise).
-    helper_exe: std::path::PathBuf,
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    HotTier(#[from] HotTierError),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error("cannot find the running sluiced binary for copy-as-user: {0}")]
+    HelperExe(#[source] std::io::Error),
 }
 
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+/// Why a job could not be set up on this node (staged, restored). The message is what its tasks
+/// show; the job fails, the node stays up.
+#[derive(Debug, thiserror::Error)]
+enum SetupError {
+    #[error("invalid sluice option: {0}")]
+    Options(OptionError),
+    #[error(transparent)]
+    Policy(PolicyError),
+    #[error(
+        "--stage-tier=shared: no shared tier is configured on this cluster; use --stage-tier=local"
+    )]
+    SharedTier,
+    #[error(
+        "--stage-mode=shard is not supported by this sluice version yet; use --stage-mode=replicate"
+    )]
+    Shard,
+    #[error("sluice could not prepare the job directory on node {node}: {source}")]
+    JobDir { node: String, source: SafeFsError },
+    #[error("stage-in failed on node {node}: {source}")]
+    Stage { node: String, source: StageError },
+    #[error(transparent)]
+    Restore(#[from] RestoreError),
+    #[error(
+        "stage-in on node {node} did not finish within {limit} (the admin's stage timeout); {progress}"
+    )]
+    Timeout {
+        node: String,
+        limit: String,
+        progress: String,
+    },
 }
 
 fn reply(code: ErrorCode, message: impl Into<String>) -> Response {
     Response::Error(ErrorReply::new(code, message))
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(f)
-        .await
-        .expect("blocking task panicked")
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    #[error("hot tier {path}: {source}")]
-    HotTier {
-        path: String,
-        source: safefs::SafeFsError,
-    },
-    #[error("hot tier {path}: {source}")]
-    HotTierIo {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    Journal(#[from] crate::journal::JournalError),
+pub struct Agent {
+    pub(crate) cfg: Arc<Config>,
+    pub(crate) hot: HotTier,
+    policy: Policy,
+    jobs: Mutex<HashMap<JobId, Arc<Job>>>,
+    journal: Journal,
+    /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
+    pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
+    /// The node-wide stage-in download budget (`stage.concurrency`, `stage.memory`), shared by all jobs.
+    stage_budget: Arc<stage::Budget>,
+    /// The `sluiced` binary that runs `copy-as-user`.
+    helper_exe: PathBuf,
+    /// The agent's one cancellation: every job's token and every worker's is a child of it.
+    cancel: CancellationToken,
+    /// Every task the agent starts (requests, staging, workers), waited for when it stops.
+    tracker: TaskTracker,
+    workers: Workers,
 }
 
 impl Agent {
-    /// Prepares the hot tier (`<root>/jobs`, root-owned, 0711: users may traverse to their own job
-    /// directory but not list others) and opens the journal.
-    pub fn new(cfg: Arc<Config>) -> Result<Arc<Agent>, AgentError> {
-        let root = cfg.hot_root.display().to_string();
-        std::fs::create_dir_all(&cfg.hot_root).map_err(|source| AgentError::HotTierIo {
-            path: root.clone(),
-            source,
-        })?;
-        let root_fd =
-            safefs::open_root_dir(&cfg.hot_root).map_err(|source| AgentError::HotTier {
-                path: root.clone(),
-                source,
-            })?;
-        let jobs = safefs::ensure_dir(&root_fd, "jobs", Some(Owner { uid: 0, gid: 0 }), 0o711)
-            .map_err(|source| AgentError::HotTier {
-                path: format!("{root}/jobs"),
-                source,
-            })?;
-        nix::sys::stat::fchmod(&jobs, nix::sys::stat::Mode::from_bits_truncate(0o711)).map_err(
-            |e| AgentError::HotTierIo {
-                path: format!("{root}/jobs"),
-                source: e.into(),
-            },
-        )?;
+    /// Prepares the hot tier and opens the journal. Nothing runs until [`Agent::recover`].
+    pub(crate) fn new(
+        cfg: Arc<Config>,
+        helper_exe: PathBuf,
+        cancel: CancellationToken,
+        tracker: TaskTracker,
+    ) -> Result<Arc<Agent>, AgentError> {
+        let hot = HotTier::open(&cfg.hot_root, cfg.ckpt.high_water)?;
         let journal = Journal::open(&cfg.state_dir)?;
-        let helper_exe = std::env::current_exe().map_err(|source| AgentError::HotTierIo {
-            path: "/proc/self/exe".into(),
-            source,
-        })?;
-        let bandwidth = cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new);
         Ok(Arc::new(Agent {
-            stopping: tokio_util::sync::CancellationToken::new(),
-            bandwidth,
+            hot,
+            policy: Policy::new(&cfg),
+            bandwidth: cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new),
             stage_budget: stage::Budget::new(&cfg.stage),
-            cfg,
             jobs: Mutex::new(HashMap::new()),
             journal,
-            tracker: TaskTracker::new(),
             helper_exe,
+            workers: Workers::new(tracker.clone(), cancel.clone()),
+            cancel,
+            tracker,
+            cfg,
         }))
     }
 
-    /// Like [`Agent::new`], with the `sluiced` binary used for user-identity copies given explicitly.
-    pub fn with_helper(
-        cfg: Arc<Config>,
-        helper_exe: std::path::PathBuf,
-    ) -> Result<Arc<Agent>, AgentError> {
-        let agent = Agent::new(cfg)?;
-        let mut agent = Arc::into_inner(agent).expect("just created");
-        agent.helper_exe = helper_exe;
-        Ok(Arc::new(agent))
+    /// Starts a task the agent waits for when it stops.
+    pub(crate) fn spawn<T: Send + 'static>(
+        &self,
+        task: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        self.tracker.spawn(task)
     }
 
-    /// Stops all staging (it resumes from the journal when the agent starts again). Call before exit
-    /// and wait for [`Agent::tracker`] so no copy helper outlives the agent.
-    pub fn shutdown(&self) {
-        self.stopping.cancel();
-        for job in self.jobs().values() {
-            job.cancel.cancel();
-        }
-        self.tracker.close();
+    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
+        lock(&self.jobs)
     }
 
-    pub(crate) fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
-        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn job(&self, job_id: JobId) -> Option<Arc<Job>> {
+    fn job(&self, job_id: JobId) -> Option<Arc<Job>> {
         self.jobs().get(&job_id).cloned()
+    }
+
+    /// Every job in the table, at this moment.
+    pub(crate) fn jobs_snapshot(&self) -> Vec<Arc<Job>> {
+        self.jobs().values().cloned().collect()
+    }
+
+    /// What the background loops are doing.
+    pub fn worker_statuses(&self) -> Vec<WorkerStatus> {
+        self.workers.statuses()
     }
 
     /// Resumes the jobs recorded in the journal: staging that was cut short starts again; jobs that
     /// were already staged stay as they are (their tasks may be using the data); pending checkpoint
-    /// archives continue.
-    pub fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
+    /// archives continue. Starts housekeeping.
+    pub(crate) fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
         let (records, bad) = self.journal.load()?;
         for e in bad {
             tracing::error!("{e}; left in place for inspection");
         }
         let n = records.len();
-        self.spawn_housekeeping();
+        self.workers.spawn(Housekeeper {
+            agent: self.clone(),
+        });
         for r in records {
             tracing::info!(
                 job_id = r.start.job_id,
@@ -183,7 +192,7 @@ impl Agent {
                 // The job may have ended while the agent was down (its epilog found no agent):
                 // ask Slurm, and end it here too if Slurm no longer runs it.
                 let this = self.clone();
-                self.tracker.spawn(async move {
+                drop(self.spawn(async move {
                     if slurm_job_gone(&squeue, job_id).await {
                         tracing::info!(
                             job_id,
@@ -191,47 +200,10 @@ impl Agent {
                         );
                         this.job_end(job_id).await;
                     }
-                });
+                }));
             }
         }
         Ok(n)
-    }
-
-    /// Every minute: when the hot tier is above its high-water mark, trims the checkpoints that ended
-    /// jobs left on it (archived ones only, never a job's newest archived one).
-    fn spawn_housekeeping(self: &Arc<Self>) {
-        let this = self.clone();
-        self.tracker.spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_secs(60)) => {}
-                    _ = this.stopping.cancelled() => return,
-                }
-                if !this.above_high_water().await {
-                    continue;
-                }
-                let mut ended: Vec<Arc<Job>> = this
-                    .jobs()
-                    .values()
-                    .filter(|j| j.is_ended())
-                    .cloned()
-                    .collect();
-                ended.sort_by_key(|j| j.started_at);
-                for job in ended {
-                    this.trim(&job).await;
-                }
-            }
-        });
-    }
-
-    fn dirs(&self, job_id: JobId) -> JobDirs {
-        let base = self.cfg.hot_root.join("jobs").join(job_id.to_string());
-        JobDirs {
-            stage_dir: base.join("stage").display().to_string(),
-            ckpt_dir: base.join("ckpt").display().to_string(),
-            restored_tag: None,
-            notes: Vec::new(),
-        }
     }
 
     pub async fn handle(self: &Arc<Self>, peer: Peer, request: Request) -> Response {
@@ -307,21 +279,15 @@ impl Agent {
             );
         }
         if let Some(existing) = self.job(start.job_id) {
-            if existing.state() != JobState::Ended
-                && !existing.is_ended()
-                && existing.start == start
-            {
+            if !existing.has_ended() && existing.start == start {
                 return Response::Ok; // a repeated prolog: idempotent
             }
         }
-        let archive_url = match self.check_sources(&start).await {
-            Ok(()) => self.resolve_archive(&start).await,
-            Err(refusal) => Err(refusal),
-        };
+        let archive_url = self.apply_policy(&start).await;
         let record = JobRecord {
             version: RECORD_VERSION,
             start,
-            started_at: now(),
+            started_at: now_secs(),
             ready: false,
             ended: false,
             archive_url: archive_url.clone().ok().flatten(),
@@ -343,77 +309,23 @@ impl Agent {
         Response::Ok
     }
 
-    /// Object-store sources must be allowed for the job's user by `[[stage.allow]]`: the agent reads
-    /// them with its own credentials, so this is what keeps one user from staging another's data.
-    async fn check_sources(&self, start: &JobStart) -> Result<(), String> {
-        let lookup = |name: &str| {
-            start
-                .options
-                .iter()
-                .rev()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
+    /// The site's policy for a starting job: its object-store sources must be allowed, and its
+    /// archive URL is resolved (`Err`: refused, with the reason the job will show). Options that do
+    /// not parse are reported when the job is set up.
+    async fn apply_policy(&self, start: &JobStart) -> Result<Option<String>, PolicyError> {
+        let Ok(opts) = job::parse_options(start) else {
+            return Ok(None);
         };
-        let Ok(opts) = options::parse_job_options(lookup) else {
-            return Ok(());
-        }; // reported by run_job
-        let objects: Vec<String> = opts
-            .stage_in
-            .iter()
-            .filter(|s| matches!(s.source, options::Source::Object { .. }))
-            .map(|s| s.source.to_string())
-            .collect();
-        if objects.is_empty() {
-            return Ok(());
-        }
-        let (user, gid) = (start.user.clone(), start.gid);
-        let groups = blocking(move || user_groups(&user, gid)).await;
-        let rules = &self.cfg.stage.allow;
-        for url in objects {
-            if !crate::ckpt::allowed_by(
-                rules,
-                &url,
-                &start.user,
-                &groups,
-                start.job_id,
-                &start.job_name,
-            ) {
-                return Err(format!(
-                    "--stage-in={url} is not allowed by the site's policy for user {} (sluice reads object stores with the site's credentials); ask your admin to allow that prefix",
-                    start.user
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// The job's archive URL under the site's policy (`Err` = refused, with the reason).
-    async fn resolve_archive(&self, start: &JobStart) -> Result<Option<String>, String> {
-        let lookup = |name: &str| {
-            start
-                .options
-                .iter()
-                .rev()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-        };
-        let requested = match lookup(options::names::CKPT_ARCHIVE)
-            .map(|v| options::parse_ckpt_archive(&v))
+        let s = start.clone();
+        let who = blocking(move || Requester::of(&s)).await;
+        self.policy.check_stage(&who, &opts)?;
+        let requested = opts
+            .ckpt_archive
+            .as_deref()
+            .map(options::parse_ckpt_archive)
             .transpose()
-        {
-            Ok(r) => r,
-            Err(e) => return Err(e.to_string()),
-        };
-        let (user, gid) = (start.user.clone(), start.gid);
-        let groups = blocking(move || user_groups(&user, gid)).await;
-        crate::ckpt::resolve_archive(
-            &self.cfg.ckpt,
-            requested.as_deref(),
-            &start.user,
-            &groups,
-            start.job_id,
-            &start.job_name,
-        )
+            .map_err(|e| PolicyError::BadArchive(e.to_string()))?;
+        self.policy.archive_url(&who, requested.as_deref())
     }
 
     /// Puts a job in the table; starts its staging and restore (unless a recovered job was already
@@ -421,29 +333,20 @@ impl Agent {
     fn register(
         self: &Arc<Self>,
         record: JobRecord,
-        archive_url: Result<Option<String>, String>,
+        archive_url: Result<Option<String>, PolicyError>,
         fresh_dirs: bool,
     ) {
         let start = record.start.clone();
-        let lookup = |name: &str| {
-            start
-                .options
-                .iter()
-                .rev()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-        };
-        let options = options::parse_job_options(lookup).map_err(|e| e.to_string());
         let job = Arc::new(Job::new(
             start.clone(),
-            options,
-            self.dirs(start.job_id),
+            self.hot.task_dirs(start.job_id),
             record.started_at,
             archive_url,
             self.cfg.ckpt.keep,
+            self.cancel.child_token(),
         ));
         for c in &record.ckpts {
-            let entry = Arc::new(crate::ckpt::CkptEntry::new(&c.tag, c.committed_at));
+            let entry = Arc::new(CkptEntry::new(&c.tag, c.committed_at));
             if let Some(at) = c.archived_at {
                 entry.set_archived(at);
             }
@@ -451,16 +354,14 @@ impl Agent {
             job.ckpts.insert(entry);
         }
         if record.ended {
-            job.ended.store(true, std::sync::atomic::Ordering::Relaxed);
+            job.mark_ended();
         }
         {
             let mut jobs = self.jobs();
             if let Some(old) = jobs.insert(start.job_id, job.clone()) {
                 // A new run of the same job id (requeue): the old run's worker must stop before it
                 // trims, finalises or journals anything, since those act on paths keyed by the id.
-                old.cancel.cancel();
-                old.ended.store(true, std::sync::atomic::Ordering::Relaxed);
-                old.set_ended();
+                old.finish();
                 old.ckpts.wake.notify_one();
             }
             prune_ended(&mut jobs);
@@ -468,102 +369,96 @@ impl Agent {
         if record.ready || record.ended {
             job.set_ready();
         } else {
-            let this = self.clone();
-            let j = job.clone();
-            self.tracker
-                .spawn(async move { this.run_job(j, fresh_dirs).await });
+            let (this, j) = (self.clone(), job.clone());
+            drop(self.spawn(async move {
+                if let Err(e) = this.set_up(&j, fresh_dirs).await {
+                    tracing::warn!(job_id = j.start.job_id, "{e}");
+                    j.cancel.cancel();
+                    j.set_failed(e);
+                }
+            }));
         }
-        let this = self.clone();
-        self.tracker
-            .spawn(async move { this.ckpt_worker(job).await });
+        self.workers.spawn(CkptWorker::new(self.clone(), job));
     }
 
-    async fn run_job(self: Arc<Self>, job: Arc<Job>, fresh_dirs: bool) {
+    /// Stages the job's datasets and restores its checkpoint, within the admin's stage timeout.
+    async fn set_up(&self, job: &Arc<Job>, fresh_dirs: bool) -> Result<(), SetupError> {
         let job_id = job.start.job_id;
         let node = self.cfg.node.clone();
-        let options = match &job.options {
-            Ok(o) => o.clone(),
-            Err(m) => return job.set_failed(format!("invalid sluice option: {m}")),
-        };
-        if let Err(m) = &job.archive_url {
-            return job.set_failed(m.clone());
+        let options = job.options.clone().map_err(SetupError::Options)?;
+        if let Some(refusal) = job.archive_refusal() {
+            return Err(SetupError::Policy(refusal.clone()));
         }
         if options.stage_tier == StageTier::Shared {
-            return job.set_failed("--stage-tier=shared: no shared tier is configured on this cluster; use --stage-tier=local".into());
+            return Err(SetupError::SharedTier);
         }
         if options.stage_mode == StageMode::Shard {
-            return job.set_failed("--stage-mode=shard is not supported by this sluice version yet; use --stage-mode=replicate".into());
+            return Err(SetupError::Shard);
         }
         let owner = Owner {
             uid: job.start.uid,
             gid: job.start.gid,
         };
-        let hot_root = self.cfg.hot_root.clone();
-        let (stage_fd, ckpt_fd) =
-            match blocking(move || prepare_job_dirs(&hot_root, job_id, owner, fresh_dirs)).await {
-                Ok((s, c)) => (Arc::new(s), Arc::new(c)),
-                Err(e) => {
-                    tracing::error!(job_id, "preparing job directories: {e}");
-                    return job.set_failed(format!(
-                        "sluice could not prepare the job directory on node {node}: {e}"
-                    ));
+        let hot = self.hot.clone();
+        let (stage_fd, ckpt_fd) = blocking(move || hot.prepare_job(job_id, owner, fresh_dirs))
+            .await
+            .map_err(|source| {
+                tracing::error!(job_id, "preparing job directories: {source}");
+                SetupError::JobDir {
+                    node: node.clone(),
+                    source,
                 }
-            };
+            })?;
         let ctx = StageCtx {
             cfg: self.cfg.clone(),
             owner,
             user: job.start.user.clone(),
             stage_path: job.dirs.stage_dir.clone().into(),
-            stage_fd,
+            stage_fd: Arc::new(stage_fd),
             helper_exe: self.helper_exe.clone(),
             cancel: job.cancel.child_token(),
             budget: self.stage_budget.clone(),
         };
-        let staging = futures::future::try_join_all(
-            options
-                .stage_in
-                .iter()
-                .zip(&job.stages)
-                .map(|(spec, progress)| stage::stage(&ctx, spec, progress.clone())),
-        );
         let staging = async {
-            staging
-                .await
-                .map(drop)
-                .map_err(|e| format!("stage-in failed on node {node}: {e}"))
+            futures::future::try_join_all(
+                options
+                    .stage_in
+                    .iter()
+                    .zip(&job.stages)
+                    .map(|(spec, progress)| stage::stage(&ctx, spec, progress.clone())),
+            )
+            .await
+            .map(drop)
+            .map_err(|source| SetupError::Stage {
+                node: node.clone(),
+                source,
+            })
         };
+        let ckpt_fd = Arc::new(ckpt_fd);
         let restoring = async {
-            match (&options.ckpt_restore, job.archive_url.clone().ok().flatten()) {
-                (None, _) => Ok(()),
-                (Some(_), None) => Err("--ckpt-restore needs --ckpt-archive (or an admin default archive) to restore from".to_string()),
-                (Some(which), Some(url)) => {
-                    let (tag, notes) = self.restore_ckpt(&job, &url, which, ckpt_fd.clone()).await?;
-                    job.set_restored(Some(tag), notes);
-                    self.persist(&job).await;
-                    Ok(())
-                }
-            }
+            let Some(which) = &options.ckpt_restore else {
+                return Ok::<(), SetupError>(());
+            };
+            let url = job.archive_url().ok_or(RestoreError::NoArchive)?;
+            let (tag, notes) = ckpt::restore(self, job, url, which, ckpt_fd.clone()).await?;
+            job.set_restored(Some(tag), notes);
+            self.persist(job).await;
+            Ok(())
         };
         let limit = self.cfg.stage.timeout;
         match tokio::time::timeout(limit, futures::future::try_join(staging, restoring)).await {
             Ok(Ok(_)) => {
                 tracing::info!(job_id, "staged {} dataset(s)", options.stage_in.len());
                 job.set_ready();
-                self.persist(&job).await;
+                self.persist(job).await;
+                Ok(())
             }
-            Ok(Err(e)) => {
-                tracing::warn!(job_id, "{e}");
-                job.cancel.cancel();
-                job.set_failed(e);
-            }
-            Err(_) => {
-                job.cancel.cancel();
-                job.set_failed(format!(
-                    "stage-in on node {node} did not finish within {} (the admin's stage timeout); {}",
-                    humantime::format_duration(limit),
-                    progress_summary(&job)
-                ));
-            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(SetupError::Timeout {
+                node,
+                limit: humantime::format_duration(limit).to_string(),
+                progress: job.progress_summary(),
+            }),
         }
     }
 
@@ -578,8 +473,8 @@ impl Agent {
             start: job.start.clone(),
             started_at: job.started_at,
             ready: job.state() == JobState::Ready,
-            ended: job.is_ended(),
-            archive_url: job.archive_url.clone().ok().flatten(),
+            ended: job.has_ended(),
+            archive_url: job.archive_url().map(String::from),
             ckpts: job
                 .ckpts
                 .entries()
@@ -614,51 +509,48 @@ impl Agent {
         }
     }
 
+    /// `sluice ckpt commit TAG`: record the commit and wake the job's checkpoint worker.
+    async fn ckpt_commit(&self, job: &Arc<Job>, tag: &str) -> Response {
+        let committed = if job.has_ended() {
+            Err(CommitError::JobEnded(job.start.job_id))
+        } else {
+            ckpt::commit(self, job, tag).await
+        };
+        if let Err(e) = committed {
+            return reply(ErrorCode::BadRequest, e.to_string());
+        }
+        if job.archive_url().is_none() {
+            return reply(
+                ErrorCode::BadRequest,
+                format!(
+                    "checkpoint {tag} is committed but will not be archived: the job has no --ckpt-archive and the site sets no default"
+                ),
+            );
+        }
+        Response::Ok
+    }
+
     /// Ends a job on this node: stops staging, removes the staged data at once, then gives pending
     /// checkpoint archives up to `ckpt.epilog_wait`; the checkpoint worker finishes the rest (trim,
     /// removal of the job directory) in the background.
     async fn job_end(self: &Arc<Self>, job_id: JobId) -> Response {
+        let node = &self.cfg.node;
         let Some(job) = self.job(job_id) else {
             // Unknown (e.g. the agent lost its state): remove whatever the job left.
-            let hot_root = self.cfg.hot_root.clone();
-            let removed = blocking(move || {
-                let root = safefs::open_root_dir(&hot_root)?;
-                let jobs = safefs::open_dir(&root, "jobs")?;
-                safefs::remove_tree(&jobs, &job_id.to_string())
-            })
-            .await;
-            return match removed {
+            let hot = self.hot.clone();
+            return match blocking(move || hot.remove_job(job_id)).await {
                 Ok(_) => Response::Ok,
                 Err(e) => reply(
                     ErrorCode::Internal,
-                    format!(
-                        "removing job {job_id}'s data on node {}: {e}",
-                        self.cfg.node
-                    ),
+                    format!("removing job {job_id}'s data on node {node}: {e}"),
                 ),
             };
         };
-        job.cancel.cancel();
-        job.ended.store(true, std::sync::atomic::Ordering::Relaxed);
+        job.mark_ended();
         // Staged data goes now, in a task of its own so that it finishes even if the epilog gives up.
-        let hot_root = self.cfg.hot_root.clone();
+        let hot = self.hot.clone();
         let removed = self
-            .tracker
-            .spawn(blocking(move || {
-                let root = safefs::open_root_dir(&hot_root)?;
-                let jobs = safefs::open_dir(&root, "jobs")?;
-                // The checkpoint worker may be removing the whole job directory meanwhile: what is
-                // already gone is removed.
-                let gone = |e: &safefs::SafeFsError| e.errno() == Some(nix::errno::Errno::ENOENT);
-                match safefs::open_dir(&jobs, &job_id.to_string()) {
-                    Ok(dir) => match safefs::remove_tree(&dir, "stage") {
-                        Err(e) if gone(&e) => Ok(Default::default()),
-                        other => other,
-                    },
-                    Err(e) if gone(&e) => Ok(Default::default()),
-                    Err(e) => Err(e),
-                }
-            }))
+            .spawn(blocking(move || hot.remove_staged(job_id)))
             .await;
         match &removed {
             Ok(Ok(r)) => tracing::info!(job_id, "job ended; removed {} staged entries", r.entries),
@@ -678,10 +570,7 @@ impl Agent {
             Ok(Ok(_)) => Response::Ok,
             Ok(Err(e)) => reply(
                 ErrorCode::Internal,
-                format!(
-                    "removing job {job_id}'s staged data on node {}: {e}",
-                    self.cfg.node
-                ),
+                format!("removing job {job_id}'s staged data on node {node}: {e}"),
             ),
             Err(e) => reply(ErrorCode::Internal, format!("cleanup task failed: {e}")),
         }
@@ -724,7 +613,7 @@ impl Agent {
                 format!(
                     "stage-in on node {node} did not finish within {} s ({}); the job stops here — raise the plugin's stage_timeout or stage less data",
                     limit.as_secs(),
-                    progress_summary(&job)
+                    job.progress_summary()
                 ),
             ),
         }
@@ -744,26 +633,53 @@ impl Agent {
             .flat_map(|j| j.stages.iter())
             .map(|s| s.bytes_done)
             .sum();
-        let root = self.cfg.hot_root.clone();
-        let (total, free) = blocking(move || {
-            nix::sys::statvfs::statvfs(&root)
-                .map(|s| {
-                    (
-                        s.blocks() * s.fragment_size(),
-                        s.blocks_available() * s.fragment_size(),
-                    )
-                })
-                .unwrap_or((0, 0))
-        })
-        .await;
+        let hot = self.hot.clone();
+        let usage = blocking(move || hot.usage()).await;
         NodeStatus {
             node: self.cfg.node.clone(),
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
-            hot_root: self.cfg.hot_root.display().to_string(),
-            hot_total_bytes: total,
-            hot_free_bytes: free,
+            hot_root: self.hot.root().display().to_string(),
+            hot_total_bytes: usage.total_bytes,
+            hot_free_bytes: usage.free_bytes,
             hot_used_bytes,
             jobs,
+        }
+    }
+}
+
+/// Every minute: when the hot tier is above its high-water mark, trims the checkpoints that ended
+/// jobs left on it (archived ones only, never a job's newest archived one).
+struct Housekeeper {
+    agent: Arc<Agent>,
+}
+
+impl Worker for Housekeeper {
+    fn name(&self) -> String {
+        "housekeeping".into()
+    }
+
+    async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
+        loop {
+            status.set("idle");
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+                _ = cancel.cancelled() => return,
+            }
+            let hot = self.agent.hot.clone();
+            if blocking(move || hot.above_high_water()).await {
+                status.set("trimming");
+                let mut ended: Vec<Arc<Job>> = self
+                    .agent
+                    .jobs_snapshot()
+                    .into_iter()
+                    .filter(|j| j.has_ended())
+                    .collect();
+                ended.sort_by_key(|j| j.started_at);
+                for job in ended {
+                    ckpt::trim(&self.agent, &job).await;
+                }
+            }
+            status.turn(None);
         }
     }
 }
@@ -809,31 +725,6 @@ async fn slurm_job_gone(squeue: &std::path::Path, job_id: JobId) -> bool {
         )
 }
 
-/// Where each dataset's staging stands, for timeout messages.
-fn progress_summary(job: &Job) -> String {
-    let parts: Vec<String> = job
-        .stages
-        .iter()
-        .map(|p| {
-            let s = p.snapshot();
-            let total = s.bytes_total.map_or("?".to_string(), |b| b.to_string());
-            format!(
-                "{} ({}): {}, {}/{} bytes",
-                s.name,
-                s.source,
-                s.state.as_str(),
-                s.bytes_done,
-                total
-            )
-        })
-        .collect();
-    if parts.is_empty() {
-        "no dataset".into()
-    } else {
-        parts.join("; ")
-    }
-}
-
 /// Shape checks on a JobStart beyond what serde does: it comes from root, but from a process that
 /// read user-controlled environment.
 fn check_job_start(s: &JobStart) -> Result<(), String> {
@@ -861,51 +752,10 @@ fn check_job_start(s: &JobStart) -> Result<(), String> {
     Ok(())
 }
 
-/// Creates `<hot>/jobs/<id>/{stage,ckpt}` owned by the job user. A fresh start removes anything a
-/// previous run of the same job id left (a requeued job must not trust stale data); a recovery keeps
-/// `ckpt` and re-creates only `stage`.
-fn prepare_job_dirs(
-    hot_root: &std::path::Path,
-    job_id: JobId,
-    owner: Owner,
-    fresh: bool,
-) -> Result<(OwnedFd, OwnedFd), safefs::SafeFsError> {
-    let root = safefs::open_root_dir(hot_root)?;
-    let jobs = safefs::open_dir(&root, "jobs")?;
-    let name = job_id.to_string();
-    let job_dir = if fresh {
-        safefs::remove_tree(&jobs, &name)?;
-        safefs::create_dir(&jobs, &name, Some(owner), 0o700)?
-    } else {
-        safefs::ensure_dir(&jobs, &name, Some(owner), 0o700)?
-    };
-    safefs::remove_tree(&job_dir, "stage")?;
-    let stage = safefs::create_dir(&job_dir, "stage", Some(owner), 0o755)?;
-    let ckpt = safefs::ensure_dir(&job_dir, "ckpt", Some(owner), 0o755)?;
-    Ok((stage, ckpt))
-}
-
-/// Names of the groups `user` belongs to (for the archive allow-list). Empty if unknown.
-fn user_groups(user: &str, gid: u32) -> Vec<String> {
-    let Ok(name) = std::ffi::CString::new(user) else {
-        return Vec::new();
-    };
-    nix::unistd::getgrouplist(&name, nix::unistd::Gid::from_raw(gid))
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|g| {
-            nix::unistd::Group::from_gid(g)
-                .ok()
-                .flatten()
-                .map(|g| g.name)
-        })
-        .collect()
-}
-
 fn prune_ended(jobs: &mut HashMap<JobId, Arc<Job>>) {
     let mut ended: Vec<_> = jobs
         .values()
-        .filter(|j| j.state() == JobState::Ended)
+        .filter(|j| j.is_finished())
         .map(|j| (j.started_at, j.start.job_id))
         .collect();
     if ended.len() > KEEP_ENDED {

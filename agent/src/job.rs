@@ -1,43 +1,66 @@
 //! One job on this node: its identity, directories, staging progress and state.
+//!
+//! A job's life on a node: `Staging` → `Ready` or `Failed` (what its tasks wait for) while it runs;
+//! then Slurm ends it (the epilog: [`Job::mark_ended`]), its checkpoint worker finishes pending
+//! archives and cleans up, and it is *finished* here ([`Job::finish`], state `Ended`). "Ended in
+//! Slurm" and "finished on this node" are two steps of one lifecycle, kept by this type alone:
+//! finishing implies ended.
 
 use crate::ckpt::JobCkpts;
+use crate::policy::PolicyError;
 use crate::stage::Progress;
+use sluice_archive::rt::lock;
 use sluice_proto::msg::{JobDirs, JobStart, JobState, JobStatus};
-use sluice_proto::options::JobOptions;
+use sluice_proto::options::{self, JobOptions, OptionError};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+/// The job's sluice options, parsed from what the prolog forwarded (the last value of a repeated
+/// option wins, as on the command line).
+pub fn parse_options(start: &JobStart) -> Result<JobOptions, OptionError> {
+    options::parse_job_options(|name: &str| {
+        start
+            .options
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    })
+}
+
 pub struct Job {
     pub start: JobStart,
-    /// Parsed and validated on the root side; `Err` holds the message the job will fail with.
-    pub options: Result<JobOptions, String>,
+    /// Parsed and validated on the root side; `Err` is what the job will fail with.
+    pub options: Result<JobOptions, OptionError>,
     pub dirs: JobDirs,
     pub started_at: u64,
     pub stages: Vec<Arc<Progress>>,
     state: watch::Sender<JobState>,
     error: Mutex<Option<String>>,
-    /// Cancelled when the job ends: stops its staging.
+    /// Cancelled when the job ends (or the agent stops): stops its staging.
     pub cancel: CancellationToken,
-    /// Where committed checkpoints are archived (`Ok(None)`: nowhere configured; `Err`: refused by policy).
-    pub archive_url: Result<Option<String>, String>,
+    /// Where committed checkpoints are archived (`Ok(None)`: nowhere configured; `Err`: refused).
+    archive: Result<Option<String>, PolicyError>,
     /// Committed checkpoints kept on the hot tier once archived.
     pub keep: u32,
     pub ckpts: JobCkpts,
-    /// Set by the epilog; the checkpoint worker then finishes pending archives and cleans up.
-    pub ended: std::sync::atomic::AtomicBool,
+    /// Slurm ended the job (the epilog came, or the job was replaced by a newer run).
+    ended: AtomicBool,
     restored: Mutex<(Option<String>, Vec<String>)>,
 }
 
 impl Job {
     pub fn new(
         start: JobStart,
-        options: Result<JobOptions, String>,
         dirs: JobDirs,
         started_at: u64,
-        archive_url: Result<Option<String>, String>,
+        archive: Result<Option<String>, PolicyError>,
         default_keep: u32,
+        cancel: CancellationToken,
     ) -> Job {
+        let options = parse_options(&start);
         let keep = options
             .as_ref()
             .ok()
@@ -60,11 +83,11 @@ impl Job {
             stages,
             state,
             error: Mutex::new(None),
-            cancel: CancellationToken::new(),
-            archive_url,
+            cancel,
+            archive,
             keep,
             ckpts: JobCkpts::default(),
-            ended: std::sync::atomic::AtomicBool::new(false),
+            ended: AtomicBool::new(false),
             restored: Mutex::new((None, Vec::new())),
         }
     }
@@ -78,43 +101,63 @@ impl Job {
     }
 
     pub fn error(&self) -> Option<String> {
-        self.error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        lock(&self.error).clone()
     }
 
     pub fn set_ready(&self) {
         self.state.send_replace(JobState::Ready);
     }
 
-    pub fn set_failed(&self, message: String) {
-        *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+    /// Staging or restore failed: `message` is what the job's tasks show.
+    pub fn set_failed(&self, message: impl std::fmt::Display) {
+        *lock(&self.error) = Some(message.to_string());
         self.state.send_replace(JobState::Failed);
     }
 
-    pub fn is_ended(&self) -> bool {
-        self.ended.load(std::sync::atomic::Ordering::Relaxed)
+    /// The archive URL, if the job has one.
+    pub fn archive_url(&self) -> Option<&str> {
+        self.archive.as_ref().ok().and_then(|u| u.as_deref())
+    }
+
+    /// Why the policy refused the job's archive, if it did.
+    pub fn archive_refusal(&self) -> Option<&PolicyError> {
+        self.archive.as_ref().err()
+    }
+
+    /// Slurm ended the job: no new commits, staging stops, the checkpoint worker winds down.
+    pub fn mark_ended(&self) {
+        self.ended.store(true, Ordering::Relaxed);
+        self.cancel.cancel();
+    }
+
+    /// Whether Slurm ended the job (it may still be finishing here).
+    pub fn has_ended(&self) -> bool {
+        self.ended.load(Ordering::Relaxed)
+    }
+
+    /// Nothing is left to do for the job on this node (or a newer run replaced it).
+    pub fn finish(&self) {
+        self.mark_ended();
+        self.state.send_replace(JobState::Ended);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.state() == JobState::Ended
     }
 
     /// Records what `--ckpt-restore` placed in the checkpoint directory, and notes for the job output.
     pub fn set_restored(&self, tag: Option<String>, notes: Vec<String>) {
-        *self.restored.lock().unwrap_or_else(|e| e.into_inner()) = (tag, notes);
+        *lock(&self.restored) = (tag, notes);
     }
 
     /// The directories, restored tag and notes the job's tasks get.
     pub fn task_dirs(&self) -> JobDirs {
-        let (tag, notes) = self
-            .restored
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let (tag, notes) = lock(&self.restored).clone();
         JobDirs {
             restored_tag: tag,
             notes,
             ..self.dirs.clone()
         }
-    }
-
-    pub fn set_ended(&self) {
-        self.state.send_replace(JobState::Ended);
     }
 
     pub fn status(&self) -> JobStatus {
@@ -134,11 +177,32 @@ impl Job {
     }
 
     pub fn ckpt_statuses(&self) -> Vec<sluice_proto::msg::CkptStatus> {
-        let url = self.archive_url.clone().ok().flatten().unwrap_or_default();
-        self.ckpts
-            .entries()
+        let url = self.archive_url().unwrap_or_default();
+        self.ckpts.entries().iter().map(|e| e.status(url)).collect()
+    }
+
+    /// Where each dataset's staging stands, for timeout messages.
+    pub fn progress_summary(&self) -> String {
+        let parts: Vec<String> = self
+            .stages
             .iter()
-            .map(|e| e.status(&url))
-            .collect()
+            .map(|p| {
+                let s = p.snapshot();
+                let total = s.bytes_total.map_or("?".to_string(), |b| b.to_string());
+                format!(
+                    "{} ({}): {}, {}/{} bytes",
+                    s.name,
+                    s.source,
+                    s.state.as_str(),
+                    s.bytes_done,
+                    total
+                )
+            })
+            .collect();
+        if parts.is_empty() {
+            "no dataset".into()
+        } else {
+            parts.join("; ")
+        }
     }
 }

@@ -1,16 +1,79 @@
 //! sluice-agent: the engine of `sluiced`, the per-node agent.
 //!
-//! One module per job the agent does: [`server`] (the socket), [`agent`] (jobs and authorisation),
-//! [`stage`] (origin → hot tier), [`posix_copy`] (the user-identity copy helper), [`journal`] (durable
-//! state). The archive engine, the site config, store clients and root-safe file access live in
+//! [`run`] is the one entry point, used by `sluiced` and by the in-process tests alike: it prepares
+//! the hot tier, recovers the journal, serves the socket until `shutdown` is cancelled, then drains.
+//! The parts, each owning its state (docs/ARCHITECTURE.md draws them):
+//!
+//! - [`server`]: the socket — admission from peer credentials, framing, one task per request;
+//! - [`agent`]: the job table and the request dispatch; a job's set-up (stage + restore) and end;
+//! - [`job`]: one job's identity, options, state and lifecycle;
+//! - [`hot_tier`]: the node-local tier's layout (`jobs/<id>/{stage,ckpt}`), usage and watermark;
+//! - [`policy`]: who may stage what, and where a job's checkpoints are archived;
+//! - [`stage`]: origin → hot tier (object stores, POSIX through a user-identity helper, the budget);
+//! - [`ckpt`]: checkpoints — commit and signals, the per-job worker (archive, publish, retention,
+//!   clean-up), restore;
+//! - [`journal`]: durable per-job records; [`worker`]: the shape of background loops; [`backoff`]:
+//!   the pause before re-queued work is tried again.
+//!
+//! The archive engine, the site config, store clients and root-safe file access live in
 //! `sluice-archive`, shared with the CLI.
 #![forbid(unsafe_code)]
 
 pub mod agent;
+pub mod backoff;
 pub mod ckpt;
-mod ckpt_worker;
+pub mod hot_tier;
 pub mod job;
 pub mod journal;
-pub mod posix_copy;
+pub mod policy;
 pub mod server;
 pub mod stage;
+pub mod worker;
+
+pub use agent::AgentError;
+
+use sluice_archive::config::Config;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio::net::UnixListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Runs the agent on `listener` until `shutdown` is cancelled, then waits up to the configured
+/// `agent.drain_timeout` for requests, staging and workers to return (what they leave resumes
+/// from the journal on the next start). POSIX staging runs the running executable's
+/// `copy-as-user`.
+pub async fn run(
+    cfg: Arc<Config>,
+    listener: UnixListener,
+    shutdown: CancellationToken,
+) -> Result<(), AgentError> {
+    let helper = std::env::current_exe().map_err(AgentError::HelperExe)?;
+    run_with_helper(cfg, listener, shutdown, helper).await
+}
+
+/// [`run`] with the `sluiced` binary for user-identity copies given explicitly (tests run the agent
+/// inside the test binary).
+pub async fn run_with_helper(
+    cfg: Arc<Config>,
+    listener: UnixListener,
+    shutdown: CancellationToken,
+    helper_exe: PathBuf,
+) -> Result<(), AgentError> {
+    let tracker = TaskTracker::new();
+    let agent = agent::Agent::new(cfg.clone(), helper_exe, shutdown.clone(), tracker.clone())?;
+    let recovered = agent.recover()?;
+    tracing::info!(node = %cfg.node, socket = %cfg.socket.display(), recovered, "sluiced ready");
+    server::run(agent, listener, shutdown).await;
+    tracker.close();
+    if tokio::time::timeout(cfg.drain_timeout, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "work still running after the drain deadline ({}); it resumes from the journal",
+            humantime::format_duration(cfg.drain_timeout)
+        );
+    }
+    Ok(())
+}

@@ -72,11 +72,11 @@ pub async fn run(agent: Arc<Agent>, listener: UnixListener, shutdown: Cancellati
                 continue; // dropping the stream closes it: the client reads end-of-file
             }
         };
-        let agent = agent.clone();
-        agent.tracker.clone().spawn(async move {
-            serve(agent, peer, stream).await;
+        let served = agent.clone();
+        drop(agent.spawn(async move {
+            serve(served, peer, stream).await;
             drop(slot);
-        });
+        }));
     }
 }
 
@@ -236,7 +236,6 @@ async fn serve(agent: Arc<Agent>, peer: Peer, mut stream: UnixStream) {
     let work = {
         let agent = agent.clone();
         agent
-            .tracker
             .clone()
             .spawn(async move { agent.handle(peer, request).await })
     };

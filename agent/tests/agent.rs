@@ -4,7 +4,6 @@
 //! Needs root (the agent's identity in production): it creates files owned by another user. Object
 //! stores are covered by the end-to-end tests against Garage and Azurite.
 
-use sluice_agent::{agent::Agent, server};
 use sluice_archive::config::Config;
 use sluice_proto::client::{self, ClientError};
 use sluice_proto::msg::{ErrorCode, JobStart, JobState, Request, Response};
@@ -23,12 +22,16 @@ struct TestAgent {
     hot: PathBuf,
     data: PathBuf,
     shutdown: CancellationToken,
-    handle: tokio::task::JoinHandle<()>,
-    agent: Arc<Agent>,
+    handle: tokio::task::JoinHandle<Result<(), sluice_agent::AgentError>>,
 }
 
-fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
+/// Every test here needs root, like sluiced itself (the job's files belong to another user), so each
+/// is `#[ignore]`d with that reason and run by tests/harness/run-e2e.sh (as root, `--ignored`); run
+/// by hand without root, it fails here rather than passing without having run.
+const NEEDS_ROOT: &str = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does";
+
+fn require_root() {
+    assert!(nix::unistd::geteuid().is_root(), "this test {NEEDS_ROOT}");
 }
 
 async fn start(tmp: tempfile::TempDir) -> TestAgent {
@@ -40,7 +43,7 @@ async fn start_with_squeue(tmp: tempfile::TempDir, squeue: &str) -> TestAgent {
     let root = tmp.path().to_path_buf();
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
     let cfg = format!(
-        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
+        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\ndrain_timeout = '60s'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
          [ckpt]\nscan_interval = '200ms'\nepilog_wait = '20s'\npart_size = '5MiB'\n",
         r = root.display()
     );
@@ -51,15 +54,18 @@ async fn start_with_squeue(tmp: tempfile::TempDir, squeue: &str) -> TestAgent {
         std::fs::Permissions::from_mode(0o755),
     )
     .unwrap();
-    let agent = Agent::with_helper(cfg.clone(), env!("CARGO_BIN_EXE_sluiced").into()).unwrap();
-    agent.recover().unwrap();
     let _ = std::fs::remove_file(&cfg.socket); // left by a previous agent on the same state
     let listener = tokio::net::UnixListener::bind(&cfg.socket).unwrap();
     std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
     let shutdown = CancellationToken::new();
-    let handle = tokio::spawn(server::run(agent.clone(), listener, shutdown.clone()));
+    // The agent's one entry point, as sluiced runs it; the helper is the test's own sluiced build.
+    let handle = tokio::spawn(sluice_agent::run_with_helper(
+        cfg.clone(),
+        listener,
+        shutdown.clone(),
+        env!("CARGO_BIN_EXE_sluiced").into(),
+    ));
     TestAgent {
-        agent,
         socket: cfg.socket.clone(),
         hot: cfg.hot_root.clone(),
         data: root.join("data"),
@@ -126,9 +132,7 @@ impl TestAgent {
     /// Stops like sluiced on SIGTERM; returns the temp dir holding its state.
     async fn stop(self) -> tempfile::TempDir {
         self.shutdown.cancel();
-        self.handle.await.unwrap();
-        self.agent.shutdown();
-        self.agent.tracker.wait().await;
+        self.handle.await.unwrap().unwrap();
         self._tmp
     }
 }
@@ -161,11 +165,9 @@ fn make_dataset(dir: &Path) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn stages_a_posix_dataset_as_the_job_user_and_cleans_up() {
-    if !is_root() {
-        eprintln!("skipped: needs root, like sluiced itself");
-        return;
-    }
+    require_root();
     let t = start(tempfile::tempdir().unwrap()).await;
     make_dataset(&t.data);
     assert_eq!(
@@ -261,11 +263,9 @@ async fn stages_a_posix_dataset_as_the_job_user_and_cleans_up() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn a_missing_or_unreadable_dataset_fails_the_job_with_a_clear_message() {
-    if !is_root() {
-        eprintln!("skipped: needs root, like sluiced itself");
-        return;
-    }
+    require_root();
     let t = start(tempfile::tempdir().unwrap()).await;
     t.call(job_start(21, "/nonexistent/imagenet"))
         .await
@@ -318,11 +318,9 @@ async fn a_missing_or_unreadable_dataset_fails_the_job_with_a_clear_message() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn a_restarted_agent_resumes_staging_from_its_journal() {
-    if !is_root() {
-        eprintln!("skipped: needs root, like sluiced itself");
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let keep = tmp.path().to_path_buf();
     let t = start(tmp).await;
@@ -412,12 +410,10 @@ async fn wait_for_state(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn checkpoints_are_committed_archived_trimmed_and_restored() {
     use sluice_proto::msg::CkptState;
-    if !is_root() {
-        eprintln!("skipped: needs root, like sluiced itself");
-        return;
-    }
+    require_root();
     let t = start(tempfile::tempdir().unwrap()).await;
     let archive_dir = t.data.parent().unwrap().join("archive");
     let url = format!("file://{}", archive_dir.display());
@@ -573,11 +569,9 @@ async fn checkpoints_are_committed_archived_trimmed_and_restored() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn a_client_that_hangs_up_mid_request_harms_nothing() {
-    if !is_root() {
-        eprintln!("skipped: needs root, like sluiced itself");
-        return;
-    }
+    require_root();
     use std::io::Write;
     let t = start(tempfile::tempdir().unwrap()).await;
     make_dataset(&t.data);
@@ -611,11 +605,9 @@ async fn a_client_that_hangs_up_mid_request_harms_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn a_job_that_ended_while_the_agent_was_down_is_cleaned_up_after_restart() {
-    if !is_root() {
-        eprintln!("skipped: needs root, like sluiced itself");
-        return;
-    }
+    require_root();
     let t = start(tempfile::tempdir().unwrap()).await;
     make_dataset(&t.data);
     t.call(job_start(61, &t.data.display().to_string()))
@@ -668,12 +660,10 @@ fn ckpt_job_as(
 /// B neither restores A's checkpoint (by `latest` or by its tag) nor overwrites it by committing
 /// the same tag, and A's `latest` passes over the newer checkpoint B published there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn restore_gives_only_the_users_own_checkpoints_from_a_shared_prefix() {
     use sluice_proto::msg::CkptState;
-    if !is_root() {
-        eprintln!("skipped: needs root, like sluiced itself");
-        return;
-    }
+    require_root();
     let t = start(tempfile::tempdir().unwrap()).await;
     let archive_dir = t.data.parent().unwrap().join("archive");
     let url = format!("file://{}", archive_dir.display());
@@ -806,11 +796,9 @@ async fn restore_gives_only_the_users_own_checkpoints_from_a_shared_prefix() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn a_requeued_run_is_never_cleaned_up_by_the_run_it_replaced() {
-    if !is_root() {
-        eprintln!("skipped: needs root, like sluiced itself");
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let keep = tmp.path().to_path_buf();
     let t = start(tmp).await;

@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use sluice_agent::{agent::Agent, posix_copy, server};
+use sluice_agent::stage::copy_as_user;
 use sluice_archive::config;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -55,12 +55,12 @@ fn main() -> ExitCode {
         dst,
     }) = args.command
     {
-        if let Err(e) = posix_copy::become_user(uid, gid, &user) {
+        if let Err(e) = copy_as_user::become_user(uid, gid, &user) {
             eprintln!("{e}");
-            return ExitCode::from(posix_copy::EXIT_OTHER as u8);
+            return ExitCode::from(copy_as_user::EXIT_OTHER as u8);
         }
         let mut out = std::io::stdout().lock();
-        return match posix_copy::copy_tree(&src, &dst, &mut out) {
+        return match copy_as_user::copy_tree(&src, &dst, &mut out) {
             Ok(()) => ExitCode::SUCCESS,
             Err((code, message)) => {
                 eprintln!("{message}");
@@ -100,14 +100,13 @@ fn run(args: Args) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let agent = Agent::new(cfg.clone())?;
-        let recovered = agent.recover()?;
         let listener = bind(&cfg.socket)?;
-        tracing::info!(node = %cfg.node, socket = %cfg.socket.display(), recovered, "sluiced ready");
         let shutdown = CancellationToken::new();
         let stop = shutdown.clone();
         tokio::spawn(async move {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
             tokio::select! {
                 _ = term.recv() => {}
                 _ = tokio::signal::ctrl_c() => {}
@@ -115,12 +114,9 @@ fn run(args: Args) -> anyhow::Result<()> {
             tracing::info!("shutting down");
             stop.cancel();
         });
-        server::run(agent.clone(), listener, shutdown).await;
-        agent.shutdown();
-        // Give in-flight requests a moment; staging resumes from the journal on the next start.
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), agent.tracker.wait()).await;
+        let ran = sluice_agent::run(cfg.clone(), listener, shutdown).await;
         let _ = std::fs::remove_file(&cfg.socket);
-        Ok(())
+        Ok(ran?)
     })
 }
 

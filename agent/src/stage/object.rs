@@ -1,271 +1,19 @@
-//! Stage-in: copying a job's datasets from their origin onto this node's hot tier.
-//!
-//! - Object stores (`s3://`, `az://`, `gs://`) are read by the agent itself, because only the agent holds
-//!   the credentials. Listing is pipelined with the downloads; objects larger than the part size are
-//!   fetched as parallel ranged GETs. Every response body streams through a reused buffer from the
-//!   node's one [`Budget`] and is written at its offset, so the agent's memory is bounded by the
-//!   budget, not by part sizes, datasets or jobs. Files are written as root with fd-relative,
-//!   no-follow operations ([`sluice_archive::safefs`]) and owned by the job user.
-//! - POSIX sources are read by a helper process running with the job user's identity
-//!   ([`crate::posix_copy`]), so a user can stage only what they could read themselves.
-//!
-//! Object keys are not file paths: [`map_key`] is the single place that decides where a key lands.
+//! Stage-in from object stores: pipelined listing, one download task per object, parallel ranged
+//! GETs for large objects, every body streamed through a [`Budget`] buffer to its offset.
 
+use super::{Budget, Lease, Progress, StageCtx, StageError, is_no_space};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
-use sluice_archive::config::Config;
+use sluice_archive::rt::blocking;
 use sluice_archive::safefs::{self, Owner};
-use sluice_archive::store;
-use sluice_proto::msg::{StageProgress, StageState};
-use sluice_proto::options::{Source, StageSpec};
+use sluice_proto::msg::StageState;
+use sluice_proto::options::StageSpec;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt};
-use tokio::sync::Semaphore;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum StageError {
-    #[error("dataset {dataset} not found — check the path (and the bucket or container name)")]
-    NotFound { dataset: String },
-    #[error("access to dataset {dataset} was denied: {detail}")]
-    Denied { dataset: String, detail: String },
-    #[error(
-        "the hot tier of node {node} is full while staging {dataset} — stage less data, or ask your admin for room"
-    )]
-    NoSpace { node: String, dataset: String },
-    #[error("reading {dataset}: {detail}")]
-    Origin { dataset: String, detail: String },
-    #[error("writing {path} on the hot tier: {detail}")]
-    HotTier { path: String, detail: String },
-    #[error(
-        "{dataset}: {count} object key(s) cannot be file names and were not staged (e.g. '{example}'); rename them"
-    )]
-    BadKeys {
-        dataset: String,
-        count: u64,
-        example: String,
-    },
-    #[error(
-        "{dataset} holds object keys with '.' or '..' segments, which cannot be file names; it was not staged — rename those objects"
-    )]
-    UnsafeKeys { dataset: String },
-    #[error(
-        "cannot reach the object store holding {dataset} (connection failed, after retries) — the store may be down; resubmit later, or ask your admin"
-    )]
-    Unreachable { dataset: String },
-    #[error("staging {dataset} was cancelled (the job ended or the agent stopped)")]
-    Cancelled { dataset: String },
-}
-
-/// Live counters of one dataset's staging, read by status requests while workers update them.
-#[derive(Debug)]
-pub struct Progress {
-    pub name: String,
-    pub source: String,
-    state: Mutex<StageState>,
-    files_done: AtomicU64,
-    files_total: AtomicU64,
-    bytes_done: AtomicU64,
-    bytes_total: AtomicU64,
-    started: Mutex<Option<Instant>>,
-    elapsed_ms: AtomicU64,
-    error: Mutex<Option<String>>,
-}
-
-const UNKNOWN: u64 = u64::MAX;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Progress {
-    pub fn new(spec: &StageSpec) -> Progress {
-        Progress {
-            name: spec.name.clone(),
-            source: spec.source.to_string(),
-            state: Mutex::new(StageState::Pending),
-            files_done: AtomicU64::new(0),
-            files_total: AtomicU64::new(UNKNOWN),
-            bytes_done: AtomicU64::new(0),
-            bytes_total: AtomicU64::new(UNKNOWN),
-            started: Mutex::new(None),
-            elapsed_ms: AtomicU64::new(0),
-            error: Mutex::new(None),
-        }
-    }
-
-    fn set_state(&self, state: StageState) {
-        if state == StageState::Listing {
-            *lock(&self.started) = Some(Instant::now());
-        }
-        if matches!(state, StageState::Done | StageState::Failed) {
-            if let Some(t) = *lock(&self.started) {
-                self.elapsed_ms
-                    .store(t.elapsed().as_millis() as u64, Ordering::Relaxed);
-            }
-        }
-        *lock(&self.state) = state;
-    }
-
-    fn fail(&self, e: &StageError) {
-        *lock(&self.error) = Some(e.to_string());
-        self.set_state(StageState::Failed);
-    }
-
-    pub fn snapshot(&self) -> StageProgress {
-        let state = *lock(&self.state);
-        let elapsed_ms = match (state, *lock(&self.started)) {
-            (StageState::Listing | StageState::Copying, Some(t)) => t.elapsed().as_millis() as u64,
-            _ => self.elapsed_ms.load(Ordering::Relaxed),
-        };
-        let known = |v: u64| (v != UNKNOWN).then_some(v);
-        StageProgress {
-            name: self.name.clone(),
-            source: self.source.clone(),
-            state,
-            files_done: self.files_done.load(Ordering::Relaxed),
-            files_total: known(self.files_total.load(Ordering::Relaxed)),
-            bytes_done: self.bytes_done.load(Ordering::Relaxed),
-            bytes_total: known(self.bytes_total.load(Ordering::Relaxed)),
-            elapsed_ms,
-            error: lock(&self.error).clone(),
-        }
-    }
-}
-
-/// The node's budget for stage-in downloads, shared by every dataset of every job the agent
-/// stages: at most `requests` object-store requests in flight, each streaming its response body
-/// through one buffer of `buffer` bytes. Buffers are reused rather than freed, so the memory they
-/// take is at most `requests × buffer` for the agent's lifetime, whatever the sizes of the parts
-/// and objects (a fresh allocation per response body is what let the allocator's arenas grow).
-pub struct Budget {
-    requests: Arc<Semaphore>,
-    buffer: usize,
-    /// Buffers not in use; never more than `requests` of them exist.
-    idle: Mutex<Vec<Vec<u8>>>,
-}
-
-impl std::fmt::Debug for Budget {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Budget")
-            .field("requests_free", &self.requests.available_permits())
-            .field("buffer", &self.buffer)
-            .finish()
-    }
-}
-
-impl Budget {
-    /// The budget `[stage]` configures: `concurrency` requests, `memory` bytes of buffers.
-    pub fn new(cfg: &sluice_archive::config::StageConfig) -> Arc<Budget> {
-        Budget::with(
-            cfg.concurrency,
-            (cfg.memory / cfg.concurrency as u64) as usize,
-        )
-    }
-
-    fn with(requests: usize, buffer: usize) -> Arc<Budget> {
-        Arc::new(Budget {
-            requests: Arc::new(Semaphore::new(requests)),
-            buffer: buffer.max(1),
-            idle: Mutex::new(Vec::new()),
-        })
-    }
-
-    /// Waits for a request slot and returns it with its buffer (empty, with `buffer` bytes of
-    /// capacity); both go back to the budget when the [`Lease`] is dropped.
-    pub async fn lease(self: &Arc<Self>) -> Lease {
-        let permit = self
-            .requests
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the budget's semaphore is never closed");
-        let buf = lock(&self.idle)
-            .pop()
-            .unwrap_or_else(|| Vec::with_capacity(self.buffer));
-        Lease {
-            buf,
-            budget: self.clone(),
-            _permit: permit,
-        }
-    }
-}
-
-/// One request's share of the [`Budget`]: a slot and a buffer.
-pub struct Lease {
-    buf: Vec<u8>,
-    budget: Arc<Budget>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let mut buf = std::mem::take(&mut self.buf);
-        // A buffer lent to a blocking write that failed may be gone; a smaller one is not reused.
-        if buf.capacity() == self.budget.buffer {
-            buf.clear();
-            lock(&self.budget.idle).push(buf);
-        }
-    }
-}
-
-/// What a staging run needs to know about its job.
-pub struct StageCtx {
-    pub cfg: Arc<Config>,
-    pub owner: Owner,
-    pub user: String,
-    /// `<hot>/jobs/<id>/stage`, as a path (for the user-identity helper) and as an fd (for root).
-    pub stage_path: PathBuf,
-    pub stage_fd: Arc<OwnedFd>,
-    /// The `sluiced` binary, for `copy-as-user`.
-    pub helper_exe: PathBuf,
-    pub cancel: CancellationToken,
-    /// The node's download budget, shared by every staging run of the agent.
-    pub budget: Arc<Budget>,
-}
-
-/// Stages one dataset into `$SLUICE_STAGE_DIR/NAME`, updating `progress`.
-pub async fn stage(
-    ctx: &StageCtx,
-    spec: &StageSpec,
-    progress: Arc<Progress>,
-) -> Result<(), StageError> {
-    progress.set_state(StageState::Listing);
-    let run = async {
-        match &spec.source {
-            Source::Posix { path } => stage_posix(ctx, spec, path, &progress).await,
-            Source::Object {
-                scheme,
-                bucket,
-                prefix,
-            } => {
-                let source = spec.source.to_string();
-                let store =
-                    store::open(&ctx.cfg, *scheme, bucket).map_err(|e| StageError::Origin {
-                        dataset: source.clone(),
-                        detail: e.to_string(),
-                    })?;
-                stage_objects(ctx, spec, store, prefix, progress.clone()).await
-            }
-        }
-    };
-    let result = tokio::select! {
-        r = run => r,
-        _ = ctx.cancel.cancelled() => Err(StageError::Cancelled { dataset: spec.source.to_string() }),
-    };
-    match &result {
-        Ok(()) => progress.set_state(StageState::Done),
-        Err(e) => progress.fail(e),
-    }
-    result
-}
 
 /// Where an object key lands, relative to the dataset directory.
 #[derive(Debug, PartialEq, Eq)]
@@ -352,7 +100,7 @@ fn origin_error(source: &str, e: object_store::Error) -> StageError {
 }
 
 /// A request that never got an HTTP answer (refused, reset, DNS, TLS): the store is unreachable.
-pub fn is_unreachable(error_text: &str) -> bool {
+pub(crate) fn is_unreachable(error_text: &str) -> bool {
     [
         "error sending request",
         "Connection refused",
@@ -366,7 +114,7 @@ pub fn is_unreachable(error_text: &str) -> bool {
 
 /// A store's error for people: the S3/Azure error code instead of the raw XML body, and no retry
 /// bookkeeping.
-pub fn concise(error_text: &str) -> String {
+pub(crate) fn concise(error_text: &str) -> String {
     let code = |tag: &str| {
         let open = format!("<{tag}>");
         let start = error_text.find(&open)? + open.len();
@@ -384,18 +132,6 @@ pub fn concise(error_text: &str) -> String {
         (Some(c), None) => format!("{head}: {c}"),
         _ => head.to_string(),
     }
-}
-
-fn is_no_space(errno: Option<i32>) -> bool {
-    errno == Some(nix::errno::Errno::ENOSPC as i32)
-        || errno == Some(nix::errno::Errno::EDQUOT as i32)
-}
-
-/// Runs blocking file work on the blocking pool, never on a runtime worker.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(f)
-        .await
-        .expect("blocking file task panicked")
 }
 
 /// Downloads objects of one dataset; shared by its download tasks.
@@ -572,7 +308,7 @@ impl Fetcher {
     }
 }
 
-async fn stage_objects(
+pub(super) async fn stage(
     ctx: &StageCtx,
     spec: &StageSpec,
     store: Arc<dyn ObjectStore>,
@@ -664,79 +400,6 @@ async fn stage_objects(
     Ok(())
 }
 
-/// Copies a POSIX source with the job user's identity, through `sluiced copy-as-user`.
-async fn stage_posix(
-    ctx: &StageCtx,
-    spec: &StageSpec,
-    path: &str,
-    progress: &Progress,
-) -> Result<(), StageError> {
-    let source = spec.source.to_string();
-    let dest = ctx.stage_path.join(&spec.name);
-    let mut child = tokio::process::Command::new(&ctx.helper_exe)
-        .arg("copy-as-user")
-        .arg("--uid")
-        .arg(ctx.owner.uid.to_string())
-        .arg("--gid")
-        .arg(ctx.owner.gid.to_string())
-        .arg("--user")
-        .arg(&ctx.user)
-        .arg("--src")
-        .arg(path)
-        .arg("--dst")
-        .arg(&dest)
-        .env_clear()
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| StageError::Origin {
-            dataset: source.clone(),
-            detail: format!("cannot start the copy helper: {e}"),
-        })?;
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let mut stderr = child.stderr.take().expect("stderr is piped");
-    let mut lines = tokio::io::BufReader::new(stdout).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        if let Some(event) = crate::posix_copy::Event::parse(&line) {
-            event.apply(
-                &progress.files_done,
-                &progress.files_total,
-                &progress.bytes_done,
-                &progress.bytes_total,
-            );
-            if matches!(event, crate::posix_copy::Event::Total { .. }) {
-                progress.set_state(StageState::Copying);
-            }
-        }
-    }
-    let mut err_text = String::new();
-    let _ = (&mut stderr)
-        .take(64 * 1024)
-        .read_to_string(&mut err_text)
-        .await;
-    let status = child.wait().await.map_err(|e| StageError::Origin {
-        dataset: source.clone(),
-        detail: e.to_string(),
-    })?;
-    if status.success() {
-        return Ok(());
-    }
-    let message = err_text
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("copy helper failed")
-        .to_string();
-    Err(crate::posix_copy::classify(
-        &source,
-        &ctx.cfg.node,
-        status.code(),
-        message,
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -752,34 +415,6 @@ mod tests {
         );
         assert!(is_unreachable("HTTP error: error sending request for url"));
         assert!(!is_unreachable("404 Not Found"));
-    }
-
-    #[tokio::test]
-    async fn the_budget_bounds_requests_and_reuses_buffers() {
-        let budget = Budget::with(2, 1024);
-        let a = budget.lease().await;
-        let b = budget.lease().await;
-        assert_eq!((a.buf.capacity(), b.buf.capacity()), (1024, 1024));
-        let a_ptr = a.buf.as_ptr();
-        // A third request waits for a slot, whichever dataset or job it belongs to.
-        let third = budget.lease();
-        tokio::pin!(third);
-        assert!(futures::poll!(third.as_mut()).is_pending());
-        drop(a);
-        let c = third.await;
-        assert_eq!(c.buf.as_ptr(), a_ptr, "the freed buffer is reused");
-        assert!(c.buf.is_empty());
-        drop((b, c));
-        assert_eq!(lock(&budget.idle).len(), 2, "never more buffers than slots");
-
-        let cfg = Config::parse(
-            "[agent]\nsocket='/s'\nstate_dir='/t'\n[hot_tier]\nroot='/h'\n[stage]\nconcurrency=4\nmemory='8MiB'\n",
-            "n1",
-        )
-        .unwrap();
-        let budget = Budget::new(&cfg.stage);
-        assert_eq!(budget.buffer, 2 << 20);
-        assert_eq!(budget.requests.available_permits(), 4);
     }
 
     fn fetcher(store: Arc<dyn ObjectStore>, part_size: u64, budget: Arc<Budget>) -> Arc<Fetcher> {
@@ -821,8 +456,9 @@ mod tests {
         assert_eq!(std::fs::read(dir.path().join("x.bin")).unwrap(), data);
         let p = f.progress.snapshot();
         assert_eq!((p.files_done, p.bytes_done), (1, 300_001));
-        assert_eq!(budget.requests.available_permits(), 3);
-        assert!(lock(&budget.idle).len() <= 3);
+        let (slots, buffers) = budget.free();
+        assert_eq!(slots, 3);
+        assert!(buffers <= 3);
 
         // The object shrank after it was listed: the short range is an error, not a short file.
         let listed_bigger = ObjectMeta {

@@ -1,4 +1,6 @@
-//! `sluiced copy-as-user`: copies a POSIX dataset with the job user's identity.
+//! `sluiced copy-as-user`: copies a POSIX dataset with the job user's identity. This is the helper
+//! process; the agent's side (starting it, reading its progress, classifying its exit) is
+//! [`super::posix`].
 //!
 //! The agent starts this helper as root; before touching any file it takes the job user's groups, gid
 //! and uid for good (`initgroups`, `setresgid`, `setresuid`) and checks that root cannot be regained.
@@ -51,52 +53,6 @@ impl Event {
             "progress" => Some(Event::Progress { files, bytes }),
             _ => None,
         }
-    }
-
-    pub fn apply(
-        self,
-        files_done: &AtomicU64,
-        files_total: &AtomicU64,
-        bytes_done: &AtomicU64,
-        bytes_total: &AtomicU64,
-    ) {
-        match self {
-            Event::Total { files, bytes } => {
-                files_total.store(files, Ordering::Relaxed);
-                bytes_total.store(bytes, Ordering::Relaxed);
-            }
-            Event::Progress { files, bytes } => {
-                files_done.store(files, Ordering::Relaxed);
-                bytes_done.store(bytes, Ordering::Relaxed);
-            }
-        }
-    }
-}
-
-/// Turns the helper's exit into the error the job will show.
-pub fn classify(
-    source: &str,
-    node: &str,
-    code: Option<i32>,
-    message: String,
-) -> crate::stage::StageError {
-    use crate::stage::StageError;
-    match code {
-        Some(EXIT_NOT_FOUND) => StageError::NotFound {
-            dataset: source.to_string(),
-        },
-        Some(EXIT_DENIED) => StageError::Denied {
-            dataset: source.to_string(),
-            detail: message,
-        },
-        Some(EXIT_NO_SPACE) => StageError::NoSpace {
-            node: node.to_string(),
-            dataset: source.to_string(),
-        },
-        _ => StageError::Origin {
-            dataset: source.to_string(),
-            detail: message,
-        },
     }
 }
 

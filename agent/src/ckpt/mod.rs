@@ -1,0 +1,301 @@
+//! Checkpoints of a job on this node: commit, archive scheduling, retention.
+//!
+//! A checkpoint is the directory `$SLUICE_CKPT_DIR/TAG`. It becomes *committed* by `sluice ckpt commit`
+//! or by a framework's completion signal, found by rescanning (never by file-system events alone):
+//! DeepSpeed's `latest` file, Megatron's `latest_checkpointed_iteration.txt`, and the `.metadata` file
+//! that `torch.distributed.checkpoint` writes last. Only committed checkpoints are archived, restored
+//! or counted by retention.
+//!
+//! Multi-node jobs: every node archives its own files of a checkpoint as one *part*; the archive's
+//! MANIFEST is published when every node's part is there. A node learns about a commit made on another
+//! node from the archive itself (a tag with parts but without this node's part), so one commit, or one
+//! framework signal on one node, is enough.
+//!
+//! Retention keeps the newest `--ckpt-keep` archived checkpoints on the hot tier and deletes older
+//! archived ones. It never deletes a checkpoint that is not archived, never the newest archived one
+//! (keep >= 1), and never an uncommitted directory while the job runs.
+//!
+//! Parts: this module (a checkpoint's entry and a job's set of them, with the commit and retention
+//! rules), [`signals`] (commit checks and frameworks' completion signals), `worker` (the per-job
+//! loop from commit to MANIFEST, retention and clean-up), `restore` (`--ckpt-restore`).
+
+mod restore;
+mod signals;
+mod worker;
+
+pub(crate) use restore::{RestoreError, restore};
+pub use signals::{CommitError, check_commit_dir, scan_signals};
+pub(crate) use worker::{CkptWorker, commit, trim};
+
+use sluice_archive::rt::lock;
+use sluice_proto::msg::{CkptState, CkptStatus};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Automatic re-reads of a checkpoint whose files changed while it was archived.
+pub(crate) const MAX_MODIFIED_RETRIES: u64 = 4;
+
+/// One committed checkpoint.
+#[derive(Debug)]
+pub struct CkptEntry {
+    pub tag: String,
+    pub committed_at: u64,
+    state: Mutex<CkptState>,
+    archived_at: Mutex<Option<u64>>,
+    error: Mutex<Option<String>>,
+    on_hot: AtomicBool,
+    /// Bumped by every (re-)commit: an archive attempt of an older generation is discarded.
+    generation: AtomicU64,
+    files: AtomicU64,
+    raw_bytes: AtomicU64,
+    stored_bytes: AtomicU64,
+    bytes_done: AtomicU64,
+    /// Attempts since the last success, for backoff.
+    failures: AtomicU64,
+    /// Refused by the archive (a symlink, a hard link, a foreign file): not a checkpoint sluice will
+    /// keep; deleted with the job's uncommitted directories when the job ends.
+    refused: AtomicBool,
+}
+
+impl CkptEntry {
+    pub fn new(tag: &str, committed_at: u64) -> CkptEntry {
+        CkptEntry {
+            tag: tag.to_string(),
+            committed_at,
+            state: Mutex::new(CkptState::Committed),
+            archived_at: Mutex::new(None),
+            error: Mutex::new(None),
+            on_hot: AtomicBool::new(true),
+            generation: AtomicU64::new(1),
+            files: AtomicU64::new(0),
+            raw_bytes: AtomicU64::new(0),
+            stored_bytes: AtomicU64::new(0),
+            bytes_done: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            refused: AtomicBool::new(false),
+        }
+    }
+
+    pub fn state(&self) -> CkptState {
+        *lock(&self.state)
+    }
+
+    pub fn set_state(&self, state: CkptState) {
+        *lock(&self.state) = state;
+        if matches!(
+            state,
+            CkptState::Archived | CkptState::WaitingForNodes | CkptState::Archiving
+        ) {
+            *lock(&self.error) = None;
+        }
+    }
+
+    pub fn set_error(&self, state: CkptState, message: String) {
+        *lock(&self.state) = state;
+        *lock(&self.error) = Some(message);
+    }
+
+    /// A failed attempt (archive, publish): counts towards backoff and the modified-retry limit.
+    pub fn note_failure(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Attempts since the last success.
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Refused for its content or its owner: no automatic retry, not kept after the job, until the
+    /// user commits it again. `message` is what `sluice ckpt list` shows.
+    pub fn refuse(&self, message: String) {
+        self.failures
+            .store(MAX_MODIFIED_RETRIES + 1, Ordering::Relaxed);
+        self.refused.store(true, Ordering::Relaxed);
+        self.set_error(CkptState::Modified, message);
+    }
+
+    pub fn is_refused(&self) -> bool {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Files changed while they were read: retried a few times, then it waits for a new commit.
+    pub fn retries_modified(&self) -> bool {
+        self.state() == CkptState::Modified && self.failures() <= MAX_MODIFIED_RETRIES
+    }
+
+    /// What was archived (or restored): files and their raw and stored sizes.
+    pub fn set_sizes(&self, files: u64, raw_bytes: u64, stored_bytes: u64) {
+        self.files.store(files, Ordering::Relaxed);
+        self.raw_bytes.store(raw_bytes, Ordering::Relaxed);
+        self.stored_bytes.store(stored_bytes, Ordering::Relaxed);
+    }
+
+    pub fn set_bytes_done(&self, bytes: u64) {
+        self.bytes_done.store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn set_archived(&self, at: u64) {
+        *lock(&self.archived_at) = Some(at);
+        self.failures.store(0, Ordering::Relaxed);
+        self.set_state(CkptState::Archived);
+    }
+
+    pub fn archived_at(&self) -> Option<u64> {
+        *lock(&self.archived_at)
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
+
+    pub fn on_hot(&self) -> bool {
+        self.on_hot.load(Ordering::Relaxed)
+    }
+
+    pub fn set_on_hot(&self, v: bool) {
+        self.on_hot.store(v, Ordering::Relaxed);
+    }
+
+    /// Needs (another) upload attempt from this node.
+    pub fn needs_upload(&self) -> bool {
+        matches!(
+            self.state(),
+            CkptState::Committed | CkptState::Archiving | CkptState::Retrying
+        )
+    }
+
+    pub fn status(&self, archive_url: &str) -> CkptStatus {
+        CkptStatus {
+            tag: self.tag.clone(),
+            state: self.state(),
+            on_hot_tier: self.on_hot(),
+            archive_url: archive_url.to_string(),
+            files: self.files.load(Ordering::Relaxed),
+            raw_bytes: self.raw_bytes.load(Ordering::Relaxed),
+            stored_bytes: self.stored_bytes.load(Ordering::Relaxed),
+            bytes_done: self.bytes_done.load(Ordering::Relaxed),
+            committed_at: self.committed_at,
+            archived_at: self.archived_at(),
+            error: lock(&self.error).clone(),
+        }
+    }
+}
+
+/// A job's checkpoints on this node.
+#[derive(Debug, Default)]
+pub struct JobCkpts {
+    entries: Mutex<BTreeMap<String, Arc<CkptEntry>>>,
+    /// Wakes the job's checkpoint worker (a commit arrived, the job ended).
+    pub wake: tokio::sync::Notify,
+}
+
+/// What a commit request did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum CommitOutcome {
+    New,
+    /// Committed again after files changed during its archive: archived anew.
+    Recommitted,
+    /// Already committed and not yet archived: nothing to do.
+    AlreadyPending,
+}
+
+impl JobCkpts {
+    pub fn entries(&self) -> Vec<Arc<CkptEntry>> {
+        let mut v: Vec<_> = lock(&self.entries).values().cloned().collect();
+        v.sort_by(|a, b| (a.committed_at, &a.tag).cmp(&(b.committed_at, &b.tag)));
+        v
+    }
+
+    pub fn get(&self, tag: &str) -> Option<Arc<CkptEntry>> {
+        lock(&self.entries).get(tag).cloned()
+    }
+
+    pub fn insert(&self, entry: Arc<CkptEntry>) {
+        lock(&self.entries).insert(entry.tag.clone(), entry);
+    }
+
+    /// Records a commit of `tag`. An already archived tag is refused: archives are immutable, so a
+    /// changed checkpoint needs a new tag.
+    pub fn commit(&self, tag: &str, now: u64) -> Result<CommitOutcome, CommitError> {
+        let mut entries = lock(&self.entries);
+        match entries.get(tag) {
+            None => {
+                entries.insert(tag.to_string(), Arc::new(CkptEntry::new(tag, now)));
+                Ok(CommitOutcome::New)
+            }
+            Some(e) => match e.state() {
+                CkptState::Modified => {
+                    e.generation.fetch_add(1, Ordering::Relaxed);
+                    e.failures.store(0, Ordering::Relaxed);
+                    e.refused.store(false, Ordering::Relaxed);
+                    e.set_state(CkptState::Committed);
+                    Ok(CommitOutcome::Recommitted)
+                }
+                CkptState::Archived | CkptState::WaitingForNodes => Err(CommitError::Immutable {
+                    tag: tag.to_string(),
+                }),
+                _ => Ok(CommitOutcome::AlreadyPending),
+            },
+        }
+    }
+
+    /// Any checkpoint that still needs work from this node (upload, or waiting for other nodes).
+    pub fn pending(&self) -> bool {
+        lock(&self.entries)
+            .values()
+            .any(|e| !matches!(e.state(), CkptState::Archived | CkptState::Modified))
+    }
+
+    /// Tags retention removes now: archived ones on the hot tier beyond the newest `keep`.
+    pub fn to_trim(&self, keep: u32) -> Vec<Arc<CkptEntry>> {
+        let archived: Vec<_> = self
+            .entries()
+            .into_iter()
+            .filter(|e| e.state() == CkptState::Archived && e.on_hot())
+            .collect();
+        let excess = archived.len().saturating_sub(keep.max(1) as usize);
+        archived.into_iter().take(excess).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_and_retention_rules() {
+        let c = JobCkpts::default();
+        for (i, t) in ["a", "b", "c"].iter().enumerate() {
+            assert_eq!(c.commit(t, i as u64).unwrap(), CommitOutcome::New);
+        }
+        assert_eq!(c.commit("a", 9).unwrap(), CommitOutcome::AlreadyPending);
+        assert!(
+            c.to_trim(1).is_empty(),
+            "nothing is archived yet: nothing may be trimmed"
+        );
+        c.get("a").unwrap().set_archived(10);
+        c.get("b").unwrap().set_archived(11);
+        // c is not archived: with keep=1 only a goes (b is the newest archived).
+        assert_eq!(
+            c.to_trim(1)
+                .iter()
+                .map(|e| e.tag.clone())
+                .collect::<Vec<_>>(),
+            vec!["a"]
+        );
+        assert!(c.to_trim(2).is_empty());
+        assert!(
+            c.commit("b", 12)
+                .unwrap_err()
+                .to_string()
+                .contains("immutable")
+        );
+        c.get("c")
+            .unwrap()
+            .set_error(CkptState::Modified, "changed".into());
+        assert_eq!(c.commit("c", 13).unwrap(), CommitOutcome::Recommitted);
+        assert_eq!(c.get("c").unwrap().generation(), 2);
+        assert!(c.pending());
+    }
+}

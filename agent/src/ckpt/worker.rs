@@ -1,0 +1,475 @@
+//! The per-job checkpoint worker: turns commits into archives, publishes manifests, applies
+//! retention, and cleans up after the job — also after the job ended and after a restart.
+
+use super::{CkptEntry, CommitError, CommitOutcome, check_commit_dir, scan_signals};
+use crate::agent::Agent;
+use crate::backoff::{Backoff, Schedule};
+use crate::job::Job;
+use crate::worker::{StatusCell, Worker};
+use sluice_archive::rt::{blocking, now_secs};
+use sluice_archive::{self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta};
+use sluice_proto::msg::CkptState;
+use std::sync::Arc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Records a commit of `tag` for `job` (from `sluice ckpt commit`, a framework signal, or another
+/// node through the archive) and wakes the job's worker.
+pub(crate) async fn commit(
+    agent: &Agent,
+    job: &Arc<Job>,
+    tag: &str,
+) -> Result<CommitOutcome, CommitError> {
+    let (hot, id, uid, t) = (
+        agent.hot.clone(),
+        job.start.job_id,
+        job.start.uid,
+        tag.to_string(),
+    );
+    blocking(move || {
+        let dir = hot.open_ckpt(id).map_err(CommitError::NoCkptDir)?;
+        check_commit_dir(&dir, &t, uid)
+    })
+    .await?;
+    let outcome = job.ckpts.commit(tag, now_secs())?;
+    if outcome != CommitOutcome::AlreadyPending {
+        tracing::info!(job_id = id, tag, ?outcome, "checkpoint committed");
+        agent.persist(job).await;
+        job.ckpts.wake.notify_one();
+    }
+    Ok(outcome)
+}
+
+/// Retention: removes archived checkpoints beyond the newest `keep` from the hot tier; above the
+/// high-water mark, every archived checkpoint but the newest.
+pub(crate) async fn trim(agent: &Agent, job: &Job) {
+    if agent.replaced(job) {
+        return;
+    }
+    let hot = agent.hot.clone();
+    let keep = if blocking(move || hot.above_high_water()).await {
+        1
+    } else {
+        job.keep
+    };
+    let victims = job.ckpts.to_trim(keep);
+    if victims.is_empty() {
+        return;
+    }
+    let (hot, id) = (agent.hot.clone(), job.start.job_id);
+    let tags: Vec<String> = victims.iter().map(|e| e.tag.clone()).collect();
+    let results = blocking(move || {
+        let dir = hot.open_ckpt(id)?;
+        Ok::<_, sluice_archive::safefs::SafeFsError>(
+            tags.iter()
+                .map(|t| sluice_archive::safefs::remove_tree(&dir, t))
+                .collect::<Vec<_>>(),
+        )
+    })
+    .await;
+    match results {
+        Ok(results) => {
+            for (entry, r) in victims.iter().zip(results) {
+                match r {
+                    Ok(_) => {
+                        entry.set_on_hot(false);
+                        tracing::info!(
+                            job_id = id,
+                            tag = entry.tag,
+                            "trimmed from the hot tier (archived)"
+                        );
+                    }
+                    Err(e) => tracing::warn!(job_id = id, tag = entry.tag, "trimming: {e}"),
+                }
+            }
+            agent.persist(job).await;
+        }
+        Err(e) => tracing::warn!(job_id = id, "trimming: {e}"),
+    }
+}
+
+/// The loop of one job's checkpoints on this node, from its start until nothing is left to do
+/// after it ended (or the agent stops: the journal carries the rest).
+pub(crate) struct CkptWorker {
+    agent: Arc<Agent>,
+    job: Arc<Job>,
+    archiver: Option<Arc<Archiver>>,
+    /// When each tag whose attempts failed may be tried again.
+    retries: Schedule<String>,
+    last_remote_scan: Option<Instant>,
+    ended_at: Option<Instant>,
+}
+
+impl Worker for CkptWorker {
+    fn name(&self) -> String {
+        format!("ckpt job {}", self.job.start.job_id)
+    }
+
+    async fn run(mut self, cancel: CancellationToken, status: Arc<StatusCell>) {
+        loop {
+            if self.job.is_finished() {
+                return; // replaced by a newer run of the same job id
+            }
+            status.set("scanning");
+            self.adopt_framework_signals().await;
+            if let Some(url) = self.job.archive_url().map(String::from) {
+                if let Some(archiver) = self.archiver(&url) {
+                    status.set("archiving");
+                    self.archive_pending(&archiver).await;
+                }
+            }
+            trim(&self.agent, &self.job).await;
+            if self.job.has_ended() && self.wind_down().await {
+                return;
+            }
+            status.turn(self.first_error());
+            status.set("idle");
+            tokio::select! {
+                _ = self.job.ckpts.wake.notified() => {}
+                _ = tokio::time::sleep(self.agent.cfg.ckpt.scan_interval) => {}
+                _ = cancel.cancelled() => return,
+            }
+        }
+    }
+}
+
+impl CkptWorker {
+    pub(crate) fn new(agent: Arc<Agent>, job: Arc<Job>) -> CkptWorker {
+        CkptWorker {
+            agent,
+            job,
+            archiver: None,
+            retries: Schedule::new(Backoff::ARCHIVE),
+            last_remote_scan: None,
+            ended_at: None,
+        }
+    }
+
+    fn first_error(&self) -> Option<String> {
+        self.job.ckpt_statuses().into_iter().find_map(|c| c.error)
+    }
+
+    /// Framework completion signals, while the job runs and its directories exist.
+    async fn adopt_framework_signals(&self) {
+        let job = &self.job;
+        if job.has_ended() || job.state() != sluice_proto::msg::JobState::Ready {
+            return;
+        }
+        let (hot, id, uid) = (self.agent.hot.clone(), job.start.job_id, job.start.uid);
+        let tags = blocking(move || {
+            hot.open_ckpt(id)
+                .map(|d| scan_signals(&d, uid))
+                .unwrap_or_default()
+        })
+        .await;
+        for tag in tags {
+            if job.ckpts.get(&tag).is_none() {
+                let _ = commit(&self.agent, job, &tag).await;
+            }
+        }
+    }
+
+    /// The archive, opened at the first turn that needs it (a failure is shown on every pending
+    /// checkpoint and tried again at the next turn).
+    fn archiver(&mut self, url: &str) -> Option<Arc<Archiver>> {
+        if self.archiver.is_none() {
+            match archive::open_archive(&self.agent.cfg, url) {
+                Ok(a) => {
+                    self.archiver = Some(Arc::new(match &self.agent.bandwidth {
+                        Some(bw) => a.with_bandwidth(bw),
+                        None => a,
+                    }))
+                }
+                Err(e) => {
+                    tracing::warn!(job_id = self.job.start.job_id, "archive {url}: {e}");
+                    for entry in self.job.ckpts.entries().iter().filter(|e| e.needs_upload()) {
+                        entry.set_error(
+                            CkptState::Retrying,
+                            format!("cannot open the archive: {e}"),
+                        );
+                    }
+                }
+            }
+        }
+        self.archiver.clone()
+    }
+
+    /// One turn of uploads and publishes, each tag at its own backoff.
+    async fn archive_pending(&mut self, archiver: &Arc<Archiver>) {
+        let job = self.job.clone();
+        // Commits made on the job's other nodes reach this node through the archive.
+        let due = self
+            .last_remote_scan
+            .is_none_or(|t| t.elapsed() >= self.agent.cfg.ckpt.scan_interval * 3);
+        if job.start.nodes.len() > 1 && due {
+            self.last_remote_scan = Some(Instant::now());
+            self.adopt_remote_commits(archiver).await;
+        }
+        for entry in job.ckpts.entries() {
+            if !self.retries.ready(entry.tag.as_str(), Instant::now()) {
+                continue;
+            }
+            // A checkpoint that changed while being read is retried a few times after a pause (a
+            // commit seen through the archive may arrive before this node's writes finish), then
+            // waits for an explicit commit.
+            if entry.needs_upload() || entry.retries_modified() {
+                self.archive_part(&entry, archiver).await;
+            }
+            if entry.state() == CkptState::WaitingForNodes {
+                self.publish(&entry, archiver).await;
+            }
+            self.retries
+                .update(entry.tag.clone(), entry.failures(), Instant::now());
+        }
+    }
+
+    /// After the job ended: true once nothing is pending and the job is cleaned up. A commit made
+    /// on another node just before the end may not have reached this node yet: a multi-node job's
+    /// uncommitted directories wait out `ckpt.epilog_wait` (while commits are adopted from the
+    /// archive) before they are deleted.
+    async fn wind_down(&mut self) -> bool {
+        let job = self.job.clone();
+        let has_archive = job.archive_url().is_some();
+        if has_archive && job.ckpts.pending() {
+            return false;
+        }
+        let ended_at = *self.ended_at.get_or_insert_with(Instant::now);
+        let wait = has_archive
+            && job.start.nodes.len() > 1
+            && ended_at.elapsed() < self.agent.cfg.ckpt.epilog_wait
+            && self.has_uncommitted_dirs().await;
+        if wait {
+            self.last_remote_scan = None; // adopt at the next turn
+            return false;
+        }
+        self.finalize().await;
+        true
+    }
+
+    /// Uploads this node's files of one checkpoint.
+    async fn archive_part(&self, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
+        let job = &self.job;
+        let job_id = job.start.job_id;
+        let generation = entry.generation();
+        entry.set_state(CkptState::Archiving);
+        let (hot, tag) = (self.agent.hot.clone(), entry.tag.clone());
+        let dir =
+            blocking(move || sluice_archive::safefs::open_dir(hot.open_ckpt(job_id)?, &tag)).await;
+        let dir = match dir {
+            Ok(d) => Arc::new(d),
+            Err(e) => {
+                return entry.set_error(
+                    CkptState::Modified,
+                    format!("the checkpoint directory is gone or unusable ({e}); commit it again once it is complete"),
+                );
+            }
+        };
+        // A prefix several users may archive into (an allow rule without `{user}`): never
+        // overwrite another user's checkpoint of the same tag (their restore would then get ours,
+        // or nothing). A refusal is final for this commit, as for a refused tree. Their restores
+        // never pick ours anyway: restore checks the owner (F2 in docs/SECURITY.md).
+        if let Ok(m) = archiver.manifest(&entry.tag).await {
+            if m.job.user != job.start.user {
+                let message = format!(
+                    "checkpoint {} in {} was archived by user {}; sluice does not overwrite \
+                     another user's checkpoint: commit it under another tag, or archive under a \
+                     prefix of your own",
+                    entry.tag,
+                    archiver.url(),
+                    m.job.user
+                );
+                tracing::warn!(job_id, tag = entry.tag, "{message}");
+                return entry.refuse(message);
+            }
+        }
+        let progress = ArchiveProgress::default();
+        let result = archiver
+            .upload_part(
+                &entry.tag,
+                &self.agent.cfg.node,
+                dir,
+                job.start.uid,
+                &progress,
+            )
+            .await;
+        entry.set_bytes_done(progress.snapshot().bytes_done);
+        if entry.generation() != generation {
+            return entry.set_state(CkptState::Committed); // re-committed meanwhile: upload again
+        }
+        match result {
+            Ok(part) => {
+                entry.set_sizes(
+                    part.files.len() as u64,
+                    part.raw_bytes(),
+                    part.stored_bytes(),
+                );
+                entry.set_state(CkptState::WaitingForNodes);
+                tracing::info!(job_id, tag = entry.tag, "checkpoint part uploaded");
+            }
+            Err(e @ ArchiveError::Refused { .. }) => {
+                // A symlink, a hard link, another user's file: retrying cannot help. It is not a
+                // checkpoint sluice keeps: it goes with the uncommitted directories at job end,
+                // unless the user fixes it and commits it again before.
+                tracing::warn!(job_id, tag = entry.tag, "{e}");
+                entry.refuse(format!("{e}; fix the checkpoint and commit it again"));
+            }
+            Err(e) if e.is_modified() => {
+                tracing::warn!(job_id, tag = entry.tag, "{e}");
+                entry.note_failure();
+                entry.set_error(
+                    CkptState::Modified,
+                    format!("{e}; sluice retries a few times, then waits for the next commit of this tag"),
+                );
+            }
+            Err(e) => {
+                tracing::warn!(job_id, tag = entry.tag, "archive attempt failed: {e}");
+                entry.note_failure();
+                let text = e.to_string();
+                let message = if crate::stage::is_unreachable(&text) {
+                    format!(
+                        "the archive store is unreachable; retrying ({})",
+                        crate::stage::concise(&text)
+                    )
+                } else {
+                    crate::stage::concise(&text)
+                };
+                entry.set_error(CkptState::Retrying, message);
+            }
+        }
+    }
+
+    /// Publishes the MANIFEST once every node's part is in the archive.
+    async fn publish(&self, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
+        let job = &self.job;
+        let meta = JobMeta {
+            job_id: job.start.job_id,
+            user: job.start.user.clone(),
+            job_name: job.start.job_name.clone(),
+        };
+        match archiver
+            .try_publish(&entry.tag, &job.start.nodes, meta)
+            .await
+        {
+            Ok(Some(_)) => {
+                entry.set_archived(now_secs());
+                tracing::info!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "checkpoint archived"
+                );
+                self.agent.persist(job).await;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                entry.note_failure();
+                tracing::warn!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "publishing: {e}"
+                );
+            }
+        }
+    }
+
+    /// Commits, on this node, checkpoints that another node of the job committed (seen as a tag in the
+    /// archive with parts but no MANIFEST) and that this node holds.
+    async fn adopt_remote_commits(&self, archiver: &Arc<Archiver>) {
+        let job = &self.job;
+        let Ok(list) = archiver.list().await else {
+            return;
+        };
+        for info in list
+            .into_iter()
+            .filter(|i| i.state == archive::CheckpointState::Partial)
+        {
+            if job.ckpts.get(&info.tag).is_some() {
+                continue;
+            }
+            let (hot, id, uid, t) = (
+                self.agent.hot.clone(),
+                job.start.job_id,
+                job.start.uid,
+                info.tag.clone(),
+            );
+            let here = blocking(move || {
+                hot.open_ckpt(id)
+                    .map(|d| check_commit_dir(&d, &t, uid).is_ok())
+                    .unwrap_or(false)
+            })
+            .await;
+            if here {
+                tracing::info!(
+                    job_id = id,
+                    tag = info.tag,
+                    "committed on another node of the job"
+                );
+                let _ = commit(&self.agent, job, &info.tag).await;
+            }
+        }
+    }
+
+    /// Whether the job's checkpoint directory holds directories that are not committed checkpoints.
+    async fn has_uncommitted_dirs(&self) -> bool {
+        let (hot, id) = (self.agent.hot.clone(), self.job.start.job_id);
+        let committed: Vec<String> = self
+            .job
+            .ckpts
+            .entries()
+            .iter()
+            .map(|e| e.tag.clone())
+            .collect();
+        blocking(move || {
+            hot.ckpt_subdirs(id)
+                .iter()
+                .any(|name| !committed.contains(name))
+        })
+        .await
+    }
+
+    /// After the job ended and nothing is pending: remove what is not a kept checkpoint. The job
+    /// directory (and the journal record) stay while committed checkpoints remain on the hot tier.
+    async fn finalize(&self) {
+        let job = &self.job;
+        let id = job.start.job_id;
+        if self.agent.replaced(job) {
+            // Requeued: `jobs/<id>` and the journal record belong to the new run now.
+            tracing::info!(
+                job_id = id,
+                "job finished on this node; a newer run replaced it"
+            );
+            return;
+        }
+        let keep: Vec<String> = job
+            .ckpts
+            .entries()
+            .iter()
+            .filter(|e| e.on_hot() && !e.is_refused())
+            .map(|e| e.tag.clone())
+            .collect();
+        let keep_any = !keep.is_empty();
+        let hot = self.agent.hot.clone();
+        // Uncommitted leftovers (torn saves, framework marker files) go; committed ones stay.
+        let removed = blocking(move || {
+            if keep_any {
+                hot.remove_ckpt_except(id, &keep)
+            } else {
+                hot.remove_job(id).map(drop)
+            }
+        })
+        .await;
+        if let Err(e) = removed {
+            tracing::error!(job_id = id, "cleaning up after the job: {e}");
+        }
+        if keep_any {
+            self.agent.persist(job).await;
+        } else if !self.agent.replaced(job) {
+            self.agent.forget(id).await;
+        }
+        job.finish();
+        tracing::info!(
+            job_id = id,
+            retained = keep_any,
+            "job finished on this node"
+        );
+    }
+}

@@ -1,0 +1,277 @@
+//! The node's hot tier (node-local NVMe): the only place that knows its layout.
+//!
+//! ```text
+//! <root>/jobs/                 root-owned, 0711: users traverse to their own job, never list others
+//! <root>/jobs/<id>/            the job user's, 0700
+//! <root>/jobs/<id>/stage/      $SLUICE_STAGE_DIR: staged datasets, removed at job end
+//! <root>/jobs/<id>/ckpt/       $SLUICE_CKPT_DIR: checkpoints, kept by retention after the job
+//! ```
+//!
+//! Every directory is opened fd-relative without following links ([`safefs`]); the paths handed to
+//! tasks ([`HotTier::task_dirs`]) are for the job's own processes, never for root's file operations.
+//! Blocking calls: run them on the blocking pool.
+
+use sluice_archive::safefs::{self, Owner, Removed, SafeFsError};
+use sluice_proto::msg::{JobDirs, JobId};
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+
+const JOBS: &str = "jobs";
+const STAGE: &str = "stage";
+const CKPT: &str = "ckpt";
+
+#[derive(Debug, thiserror::Error)]
+pub enum HotTierError {
+    #[error("hot tier {path}: {source}")]
+    Create {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("hot tier {path}: {source}")]
+    Open {
+        path: String,
+        #[source]
+        source: SafeFsError,
+    },
+}
+
+/// Size and free space of the hot tier's file system.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub total_bytes: u64,
+    /// Available to unprivileged writers (what a job can still write).
+    pub free_bytes: u64,
+    /// Used by anyone, root's reserve excluded.
+    pub used_bytes: u64,
+}
+
+impl Usage {
+    /// Whether more than `percent` of the file system is used.
+    pub fn above(&self, percent: u8) -> bool {
+        self.total_bytes > 0 && self.used_bytes * 100 > self.total_bytes * u64::from(percent)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct HotTier {
+    root: PathBuf,
+    /// Percent of the hot tier above which retention keeps only each job's newest archived checkpoint.
+    high_water: u8,
+}
+
+impl HotTier {
+    /// Prepares `<root>/jobs` (root-owned, 0711, whatever mode it had).
+    pub fn open(root: &Path, high_water: u8) -> Result<HotTier, HotTierError> {
+        let shown = root.display().to_string();
+        let open = |path: String| move |source| HotTierError::Open { path, source };
+        std::fs::create_dir_all(root).map_err(|source| HotTierError::Create {
+            path: shown.clone(),
+            source,
+        })?;
+        let root_fd = safefs::open_root_dir(root).map_err(open(shown.clone()))?;
+        let jobs = safefs::ensure_dir(&root_fd, JOBS, Some(Owner { uid: 0, gid: 0 }), 0o711)
+            .map_err(open(format!("{shown}/{JOBS}")))?;
+        nix::sys::stat::fchmod(&jobs, nix::sys::stat::Mode::from_bits_truncate(0o711))
+            .map_err(|errno| SafeFsError::Sys {
+                op: "fchmod",
+                path: JOBS.into(),
+                errno,
+            })
+            .map_err(open(format!("{shown}/{JOBS}")))?;
+        Ok(HotTier {
+            root: root.to_path_buf(),
+            high_water,
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn jobs(&self) -> Result<OwnedFd, SafeFsError> {
+        safefs::open_dir(safefs::open_root_dir(&self.root)?, JOBS)
+    }
+
+    /// The directories a job's tasks see (`SLUICE_STAGE_DIR`, `SLUICE_CKPT_DIR`).
+    pub fn task_dirs(&self, job_id: JobId) -> JobDirs {
+        let base = self.root.join(JOBS).join(job_id.to_string());
+        JobDirs {
+            stage_dir: base.join(STAGE).display().to_string(),
+            ckpt_dir: base.join(CKPT).display().to_string(),
+            restored_tag: None,
+            notes: Vec::new(),
+        }
+    }
+
+    /// Creates `jobs/<id>/{stage,ckpt}` owned by the job user. `fresh` (a job starting) removes
+    /// anything a previous run of the same job id left (a requeued job must not trust stale data); a
+    /// recovery keeps `ckpt` and re-creates only `stage`. Returns the (stage, ckpt) directories.
+    pub fn prepare_job(
+        &self,
+        job_id: JobId,
+        owner: Owner,
+        fresh: bool,
+    ) -> Result<(OwnedFd, OwnedFd), SafeFsError> {
+        let jobs = self.jobs()?;
+        let name = job_id.to_string();
+        let job_dir = if fresh {
+            safefs::remove_tree(&jobs, &name)?;
+            safefs::create_dir(&jobs, &name, Some(owner), 0o700)?
+        } else {
+            safefs::ensure_dir(&jobs, &name, Some(owner), 0o700)?
+        };
+        safefs::remove_tree(&job_dir, STAGE)?;
+        let stage = safefs::create_dir(&job_dir, STAGE, Some(owner), 0o755)?;
+        let ckpt = safefs::ensure_dir(&job_dir, CKPT, Some(owner), 0o755)?;
+        Ok((stage, ckpt))
+    }
+
+    /// `jobs/<id>/ckpt`, opened without following links.
+    pub fn open_ckpt(&self, job_id: JobId) -> Result<OwnedFd, SafeFsError> {
+        safefs::open_dir(safefs::open_dir(self.jobs()?, &job_id.to_string())?, CKPT)
+    }
+
+    /// Removes `jobs/<id>` with everything in it.
+    pub fn remove_job(&self, job_id: JobId) -> Result<Removed, SafeFsError> {
+        safefs::remove_tree(self.jobs()?, &job_id.to_string())
+    }
+
+    /// Removes `jobs/<id>/stage`. What is already gone (the checkpoint worker may be removing the
+    /// whole job directory meanwhile) counts as removed.
+    pub fn remove_staged(&self, job_id: JobId) -> Result<Removed, SafeFsError> {
+        let gone = |e: &SafeFsError| e.errno() == Some(nix::errno::Errno::ENOENT);
+        match safefs::open_dir(self.jobs()?, &job_id.to_string()) {
+            Ok(dir) => match safefs::remove_tree(&dir, STAGE) {
+                Err(e) if gone(&e) => Ok(Removed::default()),
+                other => other,
+            },
+            Err(e) if gone(&e) => Ok(Removed::default()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes everything in `jobs/<id>/ckpt` but the entries named in `keep`.
+    pub fn remove_ckpt_except(&self, job_id: JobId, keep: &[String]) -> Result<(), SafeFsError> {
+        let ckpt = self.open_ckpt(job_id)?;
+        for name in list_names(&ckpt)?.iter().filter(|n| !keep.contains(n)) {
+            safefs::remove_tree(&ckpt, name)?;
+        }
+        Ok(())
+    }
+
+    /// The directories in `jobs/<id>/ckpt` (checkpoints and torn saves alike); empty if it is gone.
+    pub fn ckpt_subdirs(&self, job_id: JobId) -> Vec<String> {
+        let Ok(dir) = self.open_ckpt(job_id) else {
+            return Vec::new();
+        };
+        let Ok(mut d) = nix::dir::Dir::from_fd(dir) else {
+            return Vec::new();
+        };
+        d.iter()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type() == Some(nix::dir::Type::Directory))
+            .filter_map(|e| e.file_name().to_str().ok().map(String::from))
+            .filter(|n| n != "." && n != "..")
+            .collect()
+    }
+
+    /// Size and free space of the file system (zeros if it cannot be read).
+    pub fn usage(&self) -> Usage {
+        nix::sys::statvfs::statvfs(&self.root)
+            .map(|s| {
+                let frag = s.fragment_size();
+                Usage {
+                    total_bytes: s.blocks() * frag,
+                    free_bytes: s.blocks_available() * frag,
+                    used_bytes: s.blocks().saturating_sub(s.blocks_free()) * frag,
+                }
+            })
+            .unwrap_or_default()
+    }
+
+    /// Whether the hot tier is fuller than its high-water mark (`ckpt.high_water`).
+    pub fn above_high_water(&self) -> bool {
+        self.usage().above(self.high_water)
+    }
+}
+
+/// The names in a directory, `.` and `..` left out.
+fn list_names(dir: &OwnedFd) -> Result<Vec<String>, SafeFsError> {
+    let dup = nix::unistd::dup(dir).map_err(|errno| SafeFsError::Sys {
+        op: "dup",
+        path: CKPT.into(),
+        errno,
+    })?;
+    Ok(nix::dir::Dir::from_fd(dup)
+        .map(|mut d| {
+            d.iter()
+                .filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str().ok().map(String::from))
+                .filter(|n| n != "." && n != "..")
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_and_cleanup() {
+        let tmp = tempfile::tempdir().unwrap();
+        let me = Owner {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+        };
+        let hot = HotTier::open(tmp.path(), 90).unwrap();
+        let dirs = hot.task_dirs(7);
+        assert_eq!(
+            dirs.stage_dir,
+            tmp.path().join("jobs/7/stage").display().to_string()
+        );
+        assert_eq!(
+            dirs.ckpt_dir,
+            tmp.path().join("jobs/7/ckpt").display().to_string()
+        );
+        hot.prepare_job(7, me, true).unwrap();
+        std::fs::create_dir(tmp.path().join("jobs/7/ckpt/s1")).unwrap();
+        std::fs::create_dir(tmp.path().join("jobs/7/ckpt/torn")).unwrap();
+        std::fs::write(tmp.path().join("jobs/7/stage/x"), b"x").unwrap();
+        // A recovery keeps checkpoints and re-creates the stage directory empty.
+        hot.prepare_job(7, me, false).unwrap();
+        assert!(!tmp.path().join("jobs/7/stage/x").exists());
+        let mut subdirs = hot.ckpt_subdirs(7);
+        subdirs.sort();
+        assert_eq!(subdirs, ["s1", "torn"]);
+        hot.remove_ckpt_except(7, &["s1".into()]).unwrap();
+        assert_eq!(hot.ckpt_subdirs(7), ["s1"]);
+        hot.remove_staged(7).unwrap();
+        assert!(!tmp.path().join("jobs/7/stage").exists());
+        hot.remove_job(7).unwrap();
+        assert!(!tmp.path().join("jobs/7").exists());
+        // Already gone counts as removed for staged data.
+        hot.remove_staged(7).unwrap();
+        // A fresh start of the same id removes what the previous run left.
+        hot.prepare_job(8, me, true).unwrap();
+        std::fs::create_dir(tmp.path().join("jobs/8/ckpt/old")).unwrap();
+        hot.prepare_job(8, me, true).unwrap();
+        assert!(hot.ckpt_subdirs(8).is_empty());
+    }
+
+    #[test]
+    fn high_water() {
+        let u = Usage {
+            total_bytes: 100,
+            free_bytes: 5,
+            used_bytes: 91,
+        };
+        assert!(u.above(90));
+        assert!(!u.above(91));
+        assert!(
+            !Usage::default().above(0),
+            "an unreadable file system is never full"
+        );
+    }
+}

@@ -1,0 +1,273 @@
+//! The site's policy: who may stage what, and where a job's checkpoints are archived.
+//!
+//! The agent reads object stores with the site's credentials, so `[[stage.allow]]` is what keeps one
+//! user from staging another's data; `[[ckpt.allow]]` restricts archive URLs the same way. POSIX
+//! sources need no rule: they are read with the job user's own permissions. A rule applies to a user
+//! by name or through one of their groups; the groups are looked up once per job ([`Requester`]).
+
+use sluice_archive::config::{AllowRule, CkptConfig, Config};
+use sluice_proto::msg::JobStart;
+use sluice_proto::options::{JobOptions, Source};
+
+/// A request the policy refuses. The message is what the job's output shows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error(
+        "--stage-in={url} is not allowed by the site's policy for user {user} (sluice reads object stores with the site's credentials); ask your admin to allow that prefix"
+    )]
+    StageNotAllowed { url: String, user: String },
+    #[error("archive URL {url} may not hold '..'")]
+    ArchiveDotDot { url: String },
+    #[error("--ckpt-archive={url} is not allowed by the site's policy; allowed for you: {allowed}")]
+    ArchiveNotAllowed { url: String, allowed: String },
+    /// The job's own `--ckpt-archive` value does not parse.
+    #[error("{0}")]
+    BadArchive(String),
+}
+
+/// The job, as the policy sees it: its user (and their groups, looked up once), id and name.
+#[derive(Debug, Clone)]
+pub struct Requester {
+    pub user: String,
+    pub groups: Vec<String>,
+    pub job_id: u32,
+    pub job_name: String,
+}
+
+impl Requester {
+    /// Looks the user's groups up (blocking: NSS may ask a directory server).
+    pub fn of(start: &JobStart) -> Requester {
+        Requester {
+            user: start.user.clone(),
+            groups: user_groups(&start.user, start.gid),
+            job_id: start.job_id,
+            job_name: start.job_name.clone(),
+        }
+    }
+
+    fn is_named_by(&self, rule: &AllowRule) -> bool {
+        (rule.users.is_empty() && rule.groups.is_empty())
+            || rule.users.contains(&self.user)
+            || rule.groups.iter().any(|g| self.groups.contains(g))
+    }
+
+    /// The rule's prefix with `{user}`, `{job_id}`, `{job_name}` filled in for this job.
+    fn prefix(&self, rule: &AllowRule) -> String {
+        expand(&rule.prefix, &self.user, self.job_id, &self.job_name)
+    }
+
+    /// Whether `url` lies under a rule of `rules` that applies to this job.
+    fn allowed(&self, rules: &[AllowRule], url: &str) -> bool {
+        let with_slash = format!("{}/", url.trim_end_matches('/'));
+        rules
+            .iter()
+            .any(|r| self.is_named_by(r) && with_slash.starts_with(&self.prefix(r)))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Policy {
+    stage_allow: Vec<AllowRule>,
+    ckpt: CkptConfig,
+}
+
+impl Policy {
+    pub fn new(cfg: &Config) -> Policy {
+        Policy {
+            stage_allow: cfg.stage.allow.clone(),
+            ckpt: cfg.ckpt.clone(),
+        }
+    }
+
+    /// Every object-store source of the job must be allowed for its user by `[[stage.allow]]`.
+    pub fn check_stage(&self, who: &Requester, opts: &JobOptions) -> Result<(), PolicyError> {
+        for spec in &opts.stage_in {
+            if !matches!(spec.source, Source::Object { .. }) {
+                continue;
+            }
+            let url = spec.source.to_string();
+            if !who.allowed(&self.stage_allow, &url) {
+                return Err(PolicyError::StageNotAllowed {
+                    url,
+                    user: who.user.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The job's archive URL: its `--ckpt-archive` (`requested`), else the admin default, checked
+    /// against `[[ckpt.allow]]`. `None`: no archive configured anywhere.
+    pub fn archive_url(
+        &self,
+        who: &Requester,
+        requested: Option<&str>,
+    ) -> Result<Option<String>, PolicyError> {
+        let url = match (requested, &self.ckpt.default_archive) {
+            (Some(u), _) => u.trim_end_matches('/').to_string(),
+            (None, Some(t)) => expand(t, &who.user, who.job_id, &sanitize_name(&who.job_name))
+                .trim_end_matches('/')
+                .to_string(),
+            (None, None) => return Ok(None),
+        };
+        if url.split('/').any(|seg| seg == "..") {
+            return Err(PolicyError::ArchiveDotDot { url });
+        }
+        if self.ckpt.allow.is_empty() || who.allowed(&self.ckpt.allow, &url) {
+            return Ok(Some(url));
+        }
+        let yours: Vec<String> = self
+            .ckpt
+            .allow
+            .iter()
+            .filter(|r| who.is_named_by(r))
+            .map(|r| who.prefix(r))
+            .collect();
+        Err(PolicyError::ArchiveNotAllowed {
+            url,
+            allowed: if yours.is_empty() {
+                "none (ask your admin)".to_string()
+            } else {
+                yours.join(", ")
+            },
+        })
+    }
+}
+
+/// Replaces `{user}`, `{job_id}`, `{job_name}` in an archive URL template or an allow prefix.
+fn expand(template: &str, user: &str, job_id: u32, job_name: &str) -> String {
+    template
+        .replace("{user}", user)
+        .replace("{job_id}", &job_id.to_string())
+        .replace("{job_name}", job_name)
+}
+
+/// Job names become one object-key segment.
+fn sanitize_name(name: &str) -> String {
+    let s: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(128)
+        .collect();
+    if s.is_empty() || s == "." || s == ".." {
+        "job".into()
+    } else {
+        s
+    }
+}
+
+/// Names of the groups `user` belongs to. Empty if unknown.
+fn user_groups(user: &str, gid: u32) -> Vec<String> {
+    let Ok(name) = std::ffi::CString::new(user) else {
+        return Vec::new();
+    };
+    nix::unistd::getgrouplist(&name, nix::unistd::Gid::from_raw(gid))
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|g| {
+            nix::unistd::Group::from_gid(g)
+                .ok()
+                .flatten()
+                .map(|g| g.name)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_proto::options::parse_stage_in;
+
+    const BASE: &str = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+
+    fn who(user: &str, groups: &[&str]) -> Requester {
+        Requester {
+            user: user.into(),
+            groups: groups.iter().map(|g| g.to_string()).collect(),
+            job_id: 7,
+            job_name: "my run".into(),
+        }
+    }
+
+    fn policy(allow: Vec<AllowRule>) -> Policy {
+        let mut cfg = Config::parse(BASE, "n1").unwrap();
+        cfg.ckpt.allow = allow;
+        cfg.ckpt.default_archive = Some("s3://ckpt/{user}/{job_name}".into());
+        Policy::new(&cfg)
+    }
+
+    #[test]
+    fn archive_policy() {
+        let p = policy(vec![
+            AllowRule {
+                prefix: "s3://ckpt/{user}/".into(),
+                ..Default::default()
+            },
+            AllowRule {
+                prefix: "s3://team/".into(),
+                groups: vec!["ml".into()],
+                ..Default::default()
+            },
+        ]);
+        let alice = who("alice", &[]);
+        assert_eq!(
+            p.archive_url(&alice, None).unwrap().unwrap(),
+            "s3://ckpt/alice/my_run"
+        );
+        assert!(p.archive_url(&alice, Some("s3://ckpt/alice/x/")).is_ok());
+        let e = p
+            .archive_url(&alice, Some("s3://ckpt/bob/x"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not allowed") && e.contains("s3://ckpt/alice/"),
+            "{e}"
+        );
+        assert!(
+            p.archive_url(&who("alice", &["ml"]), Some("s3://team/x"))
+                .is_ok()
+        );
+        assert!(p.archive_url(&alice, Some("s3://team/x")).is_err());
+        // "s3://ckpt/alice" must not admit "s3://ckpt/alice2".
+        assert!(p.archive_url(&alice, Some("s3://ckpt/alice2/x")).is_err());
+        assert_eq!(
+            p.archive_url(&alice, Some("s3://ckpt/alice/../bob")),
+            Err(PolicyError::ArchiveDotDot {
+                url: "s3://ckpt/alice/../bob".into()
+            })
+        );
+    }
+
+    /// The example config's `[[stage.allow]]` rules, as the admin reads them.
+    #[test]
+    fn example_stage_rules() {
+        let text = include_str!("../../slurm-conf/sluice.toml");
+        let p = Policy::new(&Config::parse(text, "n2").unwrap());
+        let opts = |url: &str| JobOptions {
+            stage_in: parse_stage_in([url]).unwrap(),
+            ..Default::default()
+        };
+        let alice = who("alice", &[]);
+        assert!(p.check_stage(&alice, &opts("s3://ckpt/alice/run1")).is_ok());
+        let e = p
+            .check_stage(&alice, &opts("s3://ckpt/bob/run1"))
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("not allowed by the site's policy for user alice")
+        );
+        assert!(
+            p.check_stage(&who("alice", &["vision"]), &opts("s3://vision-data/x"))
+                .is_ok()
+        );
+        assert!(p.check_stage(&alice, &opts("s3://vision-data/x")).is_err());
+        // POSIX sources are read as the user: no rule needed.
+        assert!(p.check_stage(&alice, &opts("/lustre/x")).is_ok());
+    }
+}

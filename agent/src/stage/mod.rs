@@ -1,0 +1,216 @@
+//! Stage-in: copying a job's datasets from their origin onto this node's hot tier.
+//!
+//! - Object stores (`s3://`, `az://`, `gs://`) are read by the agent itself, because only the agent holds
+//!   the credentials. Listing is pipelined with the downloads; objects larger than the part size are
+//!   fetched as parallel ranged GETs. Every response body streams through a reused buffer from the
+//!   node's one [`Budget`] and is written at its offset, so the agent's memory is bounded by the
+//!   budget, not by part sizes, datasets or jobs. Files are written as root with fd-relative,
+//!   no-follow operations ([`sluice_archive::safefs`]) and owned by the job user.
+//! - POSIX sources are read by a helper process running with the job user's identity
+//!   ([`copy_as_user`]), so a user can stage only what they could read themselves.
+//!
+//! Object keys are not file paths: [`map_key`] is the single place that decides where a key lands.
+//!
+//! Parts: [`budget`] (the node-wide download budget), [`object`] (object-store listings and ranged
+//! downloads), [`posix`] (the parent side of a POSIX copy: starting the helper, reading its progress,
+//! classifying its exit), [`copy_as_user`] (the helper itself, a separate process as the job user).
+
+mod budget;
+pub mod copy_as_user;
+mod object;
+mod posix;
+
+pub use budget::{Budget, Lease};
+pub use object::{KeyPath, map_key};
+pub(crate) use object::{concise, is_unreachable};
+
+use sluice_archive::config::Config;
+use sluice_archive::rt::lock;
+use sluice_archive::safefs::Owner;
+use sluice_proto::msg::{StageProgress, StageState};
+use sluice_proto::options::{Source, StageSpec};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StageError {
+    #[error("dataset {dataset} not found — check the path (and the bucket or container name)")]
+    NotFound { dataset: String },
+    #[error("access to dataset {dataset} was denied: {detail}")]
+    Denied { dataset: String, detail: String },
+    #[error(
+        "the hot tier of node {node} is full while staging {dataset} — stage less data, or ask your admin for room"
+    )]
+    NoSpace { node: String, dataset: String },
+    #[error("reading {dataset}: {detail}")]
+    Origin { dataset: String, detail: String },
+    #[error("writing {path} on the hot tier: {detail}")]
+    HotTier { path: String, detail: String },
+    #[error(
+        "{dataset}: {count} object key(s) cannot be file names and were not staged (e.g. '{example}'); rename them"
+    )]
+    BadKeys {
+        dataset: String,
+        count: u64,
+        example: String,
+    },
+    #[error(
+        "{dataset} holds object keys with '.' or '..' segments, which cannot be file names; it was not staged — rename those objects"
+    )]
+    UnsafeKeys { dataset: String },
+    #[error(
+        "cannot reach the object store holding {dataset} (connection failed, after retries) — the store may be down; resubmit later, or ask your admin"
+    )]
+    Unreachable { dataset: String },
+    #[error("staging {dataset} was cancelled (the job ended or the agent stopped)")]
+    Cancelled { dataset: String },
+}
+
+/// Live counters of one dataset's staging, read by status requests while workers update them.
+#[derive(Debug)]
+pub struct Progress {
+    pub name: String,
+    pub source: String,
+    state: Mutex<StageState>,
+    files_done: AtomicU64,
+    files_total: AtomicU64,
+    bytes_done: AtomicU64,
+    bytes_total: AtomicU64,
+    started: Mutex<Option<Instant>>,
+    elapsed_ms: AtomicU64,
+    error: Mutex<Option<String>>,
+}
+
+const UNKNOWN: u64 = u64::MAX;
+
+impl Progress {
+    pub fn new(spec: &StageSpec) -> Progress {
+        Progress {
+            name: spec.name.clone(),
+            source: spec.source.to_string(),
+            state: Mutex::new(StageState::Pending),
+            files_done: AtomicU64::new(0),
+            files_total: AtomicU64::new(UNKNOWN),
+            bytes_done: AtomicU64::new(0),
+            bytes_total: AtomicU64::new(UNKNOWN),
+            started: Mutex::new(None),
+            elapsed_ms: AtomicU64::new(0),
+            error: Mutex::new(None),
+        }
+    }
+
+    fn set_state(&self, state: StageState) {
+        if state == StageState::Listing {
+            *lock(&self.started) = Some(Instant::now());
+        }
+        if matches!(state, StageState::Done | StageState::Failed) {
+            if let Some(t) = *lock(&self.started) {
+                self.elapsed_ms
+                    .store(t.elapsed().as_millis() as u64, Ordering::Relaxed);
+            }
+        }
+        *lock(&self.state) = state;
+    }
+
+    fn fail(&self, e: &StageError) {
+        *lock(&self.error) = Some(e.to_string());
+        self.set_state(StageState::Failed);
+    }
+
+    /// Takes in a progress line of the copy helper.
+    fn apply(&self, event: copy_as_user::Event) {
+        use copy_as_user::Event;
+        match event {
+            Event::Total { files, bytes } => {
+                self.files_total.store(files, Ordering::Relaxed);
+                self.bytes_total.store(bytes, Ordering::Relaxed);
+            }
+            Event::Progress { files, bytes } => {
+                self.files_done.store(files, Ordering::Relaxed);
+                self.bytes_done.store(bytes, Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub fn snapshot(&self) -> StageProgress {
+        let state = *lock(&self.state);
+        let elapsed_ms = match (state, *lock(&self.started)) {
+            (StageState::Listing | StageState::Copying, Some(t)) => t.elapsed().as_millis() as u64,
+            _ => self.elapsed_ms.load(Ordering::Relaxed),
+        };
+        let known = |v: u64| (v != UNKNOWN).then_some(v);
+        StageProgress {
+            name: self.name.clone(),
+            source: self.source.clone(),
+            state,
+            files_done: self.files_done.load(Ordering::Relaxed),
+            files_total: known(self.files_total.load(Ordering::Relaxed)),
+            bytes_done: self.bytes_done.load(Ordering::Relaxed),
+            bytes_total: known(self.bytes_total.load(Ordering::Relaxed)),
+            elapsed_ms,
+            error: lock(&self.error).clone(),
+        }
+    }
+}
+
+/// What a staging run needs to know about its job.
+pub struct StageCtx {
+    pub cfg: Arc<Config>,
+    pub owner: Owner,
+    pub user: String,
+    /// `<hot>/jobs/<id>/stage`, as a path (for the user-identity helper) and as an fd (for root).
+    pub stage_path: PathBuf,
+    pub stage_fd: Arc<OwnedFd>,
+    /// The `sluiced` binary, for `copy-as-user`.
+    pub helper_exe: PathBuf,
+    pub cancel: CancellationToken,
+    /// The node's download budget, shared by every staging run of the agent.
+    pub budget: Arc<Budget>,
+}
+
+/// Stages one dataset into `$SLUICE_STAGE_DIR/NAME`, updating `progress`.
+pub async fn stage(
+    ctx: &StageCtx,
+    spec: &StageSpec,
+    progress: Arc<Progress>,
+) -> Result<(), StageError> {
+    progress.set_state(StageState::Listing);
+    let run = async {
+        match &spec.source {
+            Source::Posix { path } => posix::stage(ctx, spec, path, &progress).await,
+            Source::Object {
+                scheme,
+                bucket,
+                prefix,
+            } => {
+                let source = spec.source.to_string();
+                let store =
+                    sluice_archive::store::open(&ctx.cfg, *scheme, bucket).map_err(|e| {
+                        StageError::Origin {
+                            dataset: source.clone(),
+                            detail: e.to_string(),
+                        }
+                    })?;
+                object::stage(ctx, spec, store, prefix, progress.clone()).await
+            }
+        }
+    };
+    let result = tokio::select! {
+        r = run => r,
+        _ = ctx.cancel.cancelled() => Err(StageError::Cancelled { dataset: spec.source.to_string() }),
+    };
+    match &result {
+        Ok(()) => progress.set_state(StageState::Done),
+        Err(e) => progress.fail(e),
+    }
+    result
+}
+
+fn is_no_space(errno: Option<i32>) -> bool {
+    errno == Some(nix::errno::Errno::ENOSPC as i32)
+        || errno == Some(nix::errno::Errno::EDQUOT as i32)
+}
