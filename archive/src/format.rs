@@ -409,6 +409,22 @@ fn zstd_decode(input: &[u8], len: usize, out: &mut Vec<u8>) -> Result<(), String
     zstd_decode_append(input, len, out)
 }
 
+/// Decompresses `input` into `out`, which it must fill exactly.
+fn zstd_decode_to(input: &[u8], out: &mut [u8]) -> Result<(), String> {
+    let n = DECOMPRESSOR.with_borrow_mut(|slot| {
+        if slot.is_none() {
+            *slot = Some(zstd::bulk::Decompressor::new().map_err(|e| format!("zstd: {e}"))?);
+        }
+        let d = slot.as_mut().expect("just set");
+        d.decompress_to_buffer(input, out)
+            .map_err(|e| format!("zstd: {e}"))
+    })?;
+    if n != out.len() {
+        return Err(format!("decompressed to {n} bytes, expected {}", out.len()));
+    }
+    Ok(())
+}
+
 /// Decompresses `input`, which must come to exactly `len` bytes, at the end of `out`.
 fn zstd_decode_append(input: &[u8], len: usize, out: &mut Vec<u8>) -> Result<(), String> {
     let at = out.len();
@@ -558,21 +574,48 @@ pub fn decode_chunk_into(
     expected: &Expected,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
-    decode_chunk_at(frame, expected, out, 0)
+    let (codec, transform, payload) = check_frame(frame, expected)?;
+    let raw_len = expected.raw_len as usize;
+    match (codec, transform) {
+        // Appended into the spare capacity, which is not zeroed first.
+        (Codec::Stored, Transform::None) if payload.len() == raw_len => {
+            out.clear();
+            out.extend_from_slice(payload);
+            Ok(())
+        }
+        (Codec::Zstd, Transform::None) => {
+            out.clear();
+            zstd_decode_append(payload, raw_len, out)
+        }
+        _ => {
+            // A reused buffer of the same length is overwritten without being zeroed first.
+            out.truncate(raw_len);
+            out.resize(raw_len, 0);
+            decode_checked(codec, transform, payload, out)
+        }
+    }
 }
 
-/// [`decode_chunk_into`] at `at`: `out[..at]` is kept (its bytes are whatever they were), the
-/// chunk's raw bytes follow. Never reallocates `out` when its capacity is `at` plus the chunk's raw
-/// length, so a caller can place the chunk at an aligned address (for `O_DIRECT` writes).
-pub fn decode_chunk_at(
-    frame: &[u8],
-    expected: &Expected,
-    out: &mut Vec<u8>,
-    at: usize,
-) -> Result<(), String> {
-    if out.len() < at {
-        out.resize(at, 0);
+/// [`decode_chunk_into`] a buffer of exactly the chunk's raw length (`expected.raw_len`), such as
+/// an aligned one for `O_DIRECT` writes: nothing is allocated or moved. A buffer of another length
+/// is an error.
+pub fn decode_chunk_to(frame: &[u8], expected: &Expected, out: &mut [u8]) -> Result<(), String> {
+    let (codec, transform, payload) = check_frame(frame, expected)?;
+    if out.len() as u64 != expected.raw_len {
+        return Err(format!(
+            "a buffer of {} bytes for a chunk of {}",
+            out.len(),
+            expected.raw_len
+        ));
     }
+    decode_checked(codec, transform, payload, out)
+}
+
+/// Checks a frame's checksum and header against the manifest; its codec, transform and payload.
+fn check_frame<'a>(
+    frame: &'a [u8],
+    expected: &Expected,
+) -> Result<(Codec, Transform, &'a [u8]), String> {
     if blake3::hash(frame) != expected.blake3 {
         return Err("checksum mismatch (the stored bytes were changed or damaged)".into());
     }
@@ -591,39 +634,42 @@ pub fn decode_chunk_at(
     {
         return Err("frame header disagrees with the manifest".into());
     }
-    let raw_len = raw_len as usize;
+    Ok((codec, transform, payload))
+}
+
+/// Decodes the payload of a checked frame into `out`, the chunk's raw length.
+fn decode_checked(
+    codec: Codec,
+    transform: Transform,
+    payload: &[u8],
+    out: &mut [u8],
+) -> Result<(), String> {
+    let raw_len = out.len();
     match (codec, transform) {
-        (Codec::Stored, Transform::None) if payload_len == raw_len => {
-            out.truncate(at);
-            out.extend_from_slice(payload);
+        (Codec::Stored, Transform::None) if payload.len() == raw_len => {
+            out.copy_from_slice(payload);
             Ok(())
         }
         (Codec::Stored, _) => Err("malformed stored frame".into()),
-        (Codec::Zstd, Transform::None) => {
-            out.truncate(at);
-            zstd_decode_append(payload, raw_len, out)
-        }
+        (Codec::Zstd, Transform::None) => zstd_decode_to(payload, out),
         // Written by manifest version 1: one zstd frame of all the planes.
         (Codec::Zstd, t) => SCRATCH.with_borrow_mut(|grouped| {
             zstd_decode(payload, raw_len, grouped)?;
             let w = t.width();
             let n = raw_len / w;
             let planes: Vec<&[u8]> = grouped[..n * w].chunks_exact(n.max(1)).collect();
-            fill(out, at, &planes, &grouped[n * w..], raw_len);
+            fill(out, &planes, &grouped[n * w..]);
             Ok(())
         }),
         (Codec::ZstdPlanes, Transform::None) => Err("plane-wise frame without planes".into()),
-        (Codec::ZstdPlanes, t) => decode_planes(payload, raw_len, t.width(), out, at),
+        (Codec::ZstdPlanes, t) => decode_planes(payload, raw_len, t.width(), out),
     }
 }
 
-/// Sets `out[at..]` to the interleaved `planes` followed by `tail`, `raw_len` bytes in all. A
-/// reused buffer of the same length is overwritten without being zeroed first.
-fn fill(out: &mut Vec<u8>, at: usize, planes: &[&[u8]], tail: &[u8], raw_len: usize) {
-    out.truncate(at + raw_len);
-    out.resize(at + raw_len, 0);
-    let body = at + raw_len - tail.len();
-    interleave(planes, &mut out[at..body]);
+/// Sets `out` to the interleaved `planes` followed by `tail`.
+fn fill(out: &mut [u8], planes: &[&[u8]], tail: &[u8]) {
+    let body = out.len() - tail.len();
+    interleave(planes, &mut out[..body]);
     out[body..].copy_from_slice(tail);
 }
 
@@ -632,8 +678,7 @@ fn decode_planes(
     payload: &[u8],
     raw_len: usize,
     width: usize,
-    out: &mut Vec<u8>,
-    start: usize,
+    out: &mut [u8],
 ) -> Result<(), String> {
     let n = raw_len / width;
     let table_len = width * PLANE_ENTRY;
@@ -677,7 +722,7 @@ fn decode_planes(
                 _ => *data,
             })
             .collect();
-        fill(out, start, &planes, tail, raw_len);
+        fill(out, &planes, tail);
         Ok(())
     })
 }
@@ -917,6 +962,45 @@ pub(crate) mod tests {
         assert_eq!(decode_chunk(&f.bytes, &expected(&f)).unwrap(), noise);
         let empty = encode_chunk(&[], FileCompression::STORED);
         assert_eq!(decode_chunk(&empty.bytes, &expected(&empty)).unwrap(), b"");
+    }
+
+    #[test]
+    fn every_codec_decodes_the_same_into_a_slice_and_into_a_reused_vec() {
+        // An odd number of bf16 values: the 4-byte grouping leaves a tail.
+        let bf16 = bf16_weights(100_003, 21);
+        let mut r = Rng::new(5);
+        let noise: Vec<u8> = (0..30_000).map(|_| r.next_u64() as u8).collect();
+        let zstd = |transform| FileCompression {
+            codec: Codec::Zstd,
+            level: 1,
+            transform,
+        };
+        let mut frames: Vec<(Frame, &[u8])> = Transform::ALL
+            .into_iter()
+            .map(|t| (encode_chunk(&bf16, zstd(t)), &bf16[..]))
+            .collect();
+        frames.push((v1_frame(&bf16, zstd(Transform::Bytegroup4)), &bf16));
+        frames.push((encode_chunk(&noise, zstd(Transform::None)), &noise));
+        let kinds: Vec<_> = frames.iter().map(|(f, _)| (f.codec, f.transform)).collect();
+        for kind in [
+            (Codec::Zstd, Transform::None),
+            (Codec::ZstdPlanes, Transform::Bytegroup2),
+            (Codec::Zstd, Transform::Bytegroup4),
+            (Codec::Stored, Transform::None),
+        ] {
+            assert!(kinds.contains(&kind), "{kind:?} not covered: {kinds:?}");
+        }
+        let mut reused = vec![0xee; 100];
+        for (f, raw) in &frames {
+            let exp = expected(f);
+            let mut out = vec![0xee; raw.len()];
+            decode_chunk_to(&f.bytes, &exp, &mut out).unwrap();
+            assert_eq!(&out, raw, "{:?} into a slice", (f.codec, f.transform));
+            decode_chunk_into(&f.bytes, &exp, &mut reused).unwrap();
+            assert_eq!(&reused, raw, "{:?} into a reused vec", (f.codec, f.transform));
+            let e = decode_chunk_to(&f.bytes, &exp, &mut out[1..]).unwrap_err();
+            assert!(e.contains("buffer of"), "{e}");
+        }
     }
 
     #[test]
