@@ -267,8 +267,8 @@ impl Agent {
     }
 
     async fn job_start(self: &Arc<Self>, start: JobStart) -> Response {
-        if let Err(m) = check_job_start(&start) {
-            return reply(ErrorCode::BadRequest, m);
+        if let Err(e) = check_job_start(&start) {
+            return reply(ErrorCode::BadRequest, e.to_string());
         }
         if start.node != self.cfg.node {
             tracing::warn!(
@@ -725,9 +725,22 @@ async fn slurm_job_gone(squeue: &std::path::Path, job_id: JobId) -> bool {
         )
 }
 
+/// A JobStart that fails the shape checks beyond serde's.
+#[derive(Debug, thiserror::Error)]
+enum BadJobStart {
+    #[error("invalid user name {0:?}")]
+    User(String),
+    #[error("sluice does not stage data for root jobs")]
+    Root,
+    #[error("{0} option values; at most {MAX_OPTION_PAIRS} are accepted")]
+    TooManyOptions(usize),
+    #[error("invalid node list")]
+    Nodes,
+}
+
 /// Shape checks on a JobStart beyond what serde does: it comes from root, but from a process that
 /// read user-controlled environment.
-fn check_job_start(s: &JobStart) -> Result<(), String> {
+fn check_job_start(s: &JobStart) -> Result<(), BadJobStart> {
     if s.user.is_empty()
         || s.user.len() > 64
         || !s
@@ -735,19 +748,16 @@ fn check_job_start(s: &JobStart) -> Result<(), String> {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '$'))
     {
-        return Err(format!("invalid user name {:?}", s.user));
+        return Err(BadJobStart::User(s.user.clone()));
     }
     if s.uid == 0 {
-        return Err("sluice does not stage data for root jobs".into());
+        return Err(BadJobStart::Root);
     }
     if s.options.len() > MAX_OPTION_PAIRS {
-        return Err(format!(
-            "{} option values; at most {MAX_OPTION_PAIRS} are accepted",
-            s.options.len()
-        ));
+        return Err(BadJobStart::TooManyOptions(s.options.len()));
     }
     if s.nodes.len() > 65536 || s.nodes.iter().any(|n| n.is_empty() || n.len() > 255) {
-        return Err("invalid node list".into());
+        return Err(BadJobStart::Nodes);
     }
     Ok(())
 }
