@@ -1,5 +1,5 @@
 //! Object-store clients built from the admin's store profiles, each with the site's one retry
-//! policy ([`Config::retry`]).
+//! policy ([`Config::retry`]), and what their errors mean ([`classify`], [`describe`]).
 //! Credentials live here, in the agent (root), and are never handed to jobs or written to logs.
 
 use crate::config::{Config, StoreProfile};
@@ -9,6 +9,10 @@ use object_store::azure::MicrosoftAzureBuilder;
 use object_store::gcp::GoogleCloudStorageBuilder;
 use sluice_proto::options::ObjectScheme;
 use std::sync::Arc;
+
+mod error;
+
+pub use error::{StoreErrorKind, classify, describe};
 
 /// Builds a client for `scheme://bucket`, using the profile with the longest matching prefix. Without
 /// a profile, the provider's usual environment (instance credentials, ...) is used.
