@@ -20,10 +20,7 @@
 use sluice_proto::PROTO_VERSION;
 use sluice_proto::hostlist;
 use sluice_proto::msg::{JobStart, Request, Response};
-use sluice_proto::options::{
-    self, JobOptions, MAX_CKPT_KEEP, MAX_NAME_LEN, MAX_OPTION_LEN, MAX_STAGE_SOURCES, Restore,
-    Source, names,
-};
+use sluice_proto::options::{self, MAX_NAME_LEN, MAX_OPTION_LEN, MAX_STAGE_SOURCES, Source, names};
 use sluice_proto::wire::{self, Envelope, FrameError, MAX_FRAME};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -603,109 +600,10 @@ const OPTION_SEEDS: &[(&str, &str)] = &[
     (names::CKPT_ARCHIVE, "s3://ckpt/alice/.. /"),
 ];
 
-fn no_dotdot(what: &str, s: &str) {
-    assert!(
-        !s.split('/').any(|seg| seg == ".."),
-        "{what} accepted with a '..' segment: {s:?}"
-    );
-}
-
-fn plain_text(what: &str, s: &str) {
-    assert!(
-        !s.chars().any(char::is_control),
-        "{what} accepted with a control character: {s:?}"
-    );
-    assert!(
-        s.len() <= MAX_OPTION_LEN,
-        "{what} accepted at {} bytes",
-        s.len()
-    );
-}
-
-/// Everything that must hold for options the agent accepted (it acts on them as root).
-fn check_accepted(opts: &JobOptions) {
-    assert!(opts.stage_in.len() <= MAX_STAGE_SOURCES);
-    let mut names_seen = std::collections::BTreeSet::new();
-    for spec in &opts.stage_in {
-        let n = &spec.name;
-        assert!(
-            options::validate_name(n).is_ok(),
-            "accepted dataset name {n:?} fails validate_name"
-        );
-        assert!(!n.is_empty() && n.len() <= MAX_NAME_LEN && n != "." && n != "..");
-        assert!(
-            !n.contains(['/', '\0']),
-            "dataset name {n:?} is not one component"
-        );
-        assert!(
-            names_seen.insert(n.clone()),
-            "dataset name {n:?} accepted twice"
-        );
-        match &spec.source {
-            Source::Posix { path } => {
-                assert!(path.starts_with('/'), "relative POSIX source {path:?}");
-                no_dotdot("POSIX source", path);
-                plain_text("POSIX source", path);
-            }
-            Source::Object { bucket, prefix, .. } => {
-                assert!(
-                    !bucket.is_empty()
-                        && bucket
-                            .chars()
-                            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')),
-                    "bucket {bucket:?}"
-                );
-                assert!(
-                    prefix.is_empty()
-                        || !prefix
-                            .split('/')
-                            .any(|s| s.is_empty() || s == "." || s == ".."),
-                    "object prefix {prefix:?}"
-                );
-                plain_text("object prefix", prefix);
-            }
-        }
-    }
-    if let Some(url) = &opts.ckpt_archive {
-        no_dotdot("--ckpt-archive", url);
-        plain_text("--ckpt-archive", url);
-        // Normalised: parsing the result gives the result (F8: whitespace around segments is
-        // refused, so the trimming of the whole value cannot change a segment the second time).
-        match options::parse_ckpt_archive(url) {
-            Ok(again) => assert_eq!(&again, url, "--ckpt-archive does not round-trip"),
-            Err(e) => {
-                panic!("the accepted --ckpt-archive {url:?} is refused when parsed again: {e}")
-            }
-        }
-    }
-    if let Some(k) = opts.ckpt_keep {
-        assert!((1..=MAX_CKPT_KEEP).contains(&k));
-    }
-    if let Some(Restore::Tag(t)) = &opts.ckpt_restore {
-        assert!(
-            options::validate_tag("ckpt-restore", t).is_ok(),
-            "restore tag {t:?}"
-        );
-        assert!(!t.starts_with('.') && !t.contains('/'));
-    }
-    // Round trip of the stage-in set: rendering NAME=SOURCE (the sources' own display, which is
-    // what messages and the allow-list check use) and parsing again gives the same specs.
-    if !opts.stage_in.is_empty() {
-        let rendered: Vec<String> = opts
-            .stage_in
-            .iter()
-            .map(|s| format!("{}={}", s.name, s.source))
-            .collect();
-        let joined = rendered.join(",");
-        match options::parse_stage_in([joined.as_str()]) {
-            Ok(again) => assert_eq!(
-                again, opts.stage_in,
-                "stage-in does not round-trip via {joined:?}"
-            ),
-            Err(e) => panic!("re-parsing the accepted stage-in as {joined:?}: {e}"),
-        }
-    }
-}
+// The properties of accepted options, shared with the `job_options` fuzz target.
+#[path = "../../fuzz/props/options.rs"]
+mod props;
+use props::{check_accepted, no_dotdot};
 
 #[test]
 fn option_parser_survives_mutated_values() {
@@ -803,89 +701,67 @@ fn oversized_and_control_character_options_are_refused() {
         .collect::<Vec<_>>()
         .join(",");
     let long_name = format!("{}=/data/x", "n".repeat(MAX_NAME_LEN + 1));
-    let cases: Vec<(&str, String, &str)> = vec![
-        (names::STAGE_IN, long_path.clone(), "at most 4096"),
-        (names::STAGE_IN, many, "more than 64 sources"),
-        (names::STAGE_IN, long_name, "longer than 128"),
-        (names::STAGE_IN, "/data/a\nb".into(), "control character"),
-        (names::STAGE_IN, "/data/a\0b".into(), "control character"),
+    let long_archive = format!("s3://ckpt/{}", "a".repeat(MAX_OPTION_LEN));
+    let long_mode = "x".repeat(MAX_OPTION_LEN + 1);
+    // (option, [(value, what the refusal says)]).
+    let cases: [(&str, Vec<(&str, &str)>); 6] = [
         (
             names::STAGE_IN,
-            "/data/\x1b[31mred".into(),
-            "control character",
-        ),
-        (
-            names::STAGE_IN,
-            "/data/a\u{85}b".into(),
-            "control character",
-        ),
-        (
-            names::STAGE_IN,
-            "/data/../etc/shadow".into(),
-            "'..' is not allowed",
-        ),
-        (names::STAGE_IN, "s3://b/../x".into(), "'..' segments"),
-        (names::STAGE_IN, "s3://b/a/./x".into(), "'..' segments"),
-        (
-            names::STAGE_IN,
-            "x=s3://b\\..\\/p".into(),
-            "not a valid bucket",
-        ),
-        (names::STAGE_IN, "..=/data/x".into(), "is not allowed"),
-        (names::STAGE_IN, "a/b=/data/x".into(), "relative path"),
-        (
-            names::CKPT_ARCHIVE,
-            format!("s3://ckpt/{}", "a".repeat(MAX_OPTION_LEN)),
-            "at most 4096",
+            vec![
+                (&long_path, "at most 4096"),
+                (&many, "more than 64 sources"),
+                (&long_name, "longer than 128"),
+                ("/data/a\nb", "control character"),
+                ("/data/a\0b", "control character"),
+                ("/data/\x1b[31mred", "control character"),
+                ("/data/a\u{85}b", "control character"),
+                ("/data/../etc/shadow", "'..' is not allowed"),
+                ("s3://b/../x", "'..' segments"),
+                ("s3://b/a/./x", "'..' segments"),
+                ("x=s3://b\\..\\/p", "not a valid bucket"),
+                ("..=/data/x", "is not allowed"),
+                ("a/b=/data/x", "relative path"),
+            ],
         ),
         (
             names::CKPT_ARCHIVE,
-            "s3://ckpt/alice/../bob".into(),
-            "'..' segments",
-        ),
-        (
-            names::CKPT_ARCHIVE,
-            "s3://ckpt/al\nice".into(),
-            "control character",
-        ),
-        (
-            names::CKPT_ARCHIVE,
-            "/lustre/../etc".into(),
-            "'..' is not allowed",
+            vec![
+                (&long_archive, "at most 4096"),
+                ("s3://ckpt/alice/../bob", "'..' segments"),
+                ("s3://ckpt/al\nice", "control character"),
+                ("/lustre/../etc", "'..' is not allowed"),
+            ],
         ),
         (
             names::CKPT_RESTORE,
-            "../../etc".into(),
-            "not a valid checkpoint tag",
+            vec![
+                ("../../etc", "not a valid checkpoint tag"),
+                (".hidden", "not a valid checkpoint tag"),
+                ("a/b", "may only hold"),
+                ("t\u{0}", "control character"),
+            ],
         ),
-        (
-            names::CKPT_RESTORE,
-            ".hidden".into(),
-            "not a valid checkpoint tag",
-        ),
-        (names::CKPT_RESTORE, "a/b".into(), "may only hold"),
-        (names::CKPT_RESTORE, "t\u{0}".into(), "control character"),
-        (names::CKPT_KEEP, "0".into(), "out of range"),
-        (names::CKPT_KEEP, "1001".into(), "out of range"),
         (
             names::CKPT_KEEP,
-            "99999999999999999999".into(),
-            "not a number",
+            vec![
+                ("0", "out of range"),
+                ("1001", "out of range"),
+                ("99999999999999999999", "not a number"),
+                ("2\n", "control character"),
+            ],
         ),
-        (names::CKPT_KEEP, "2\n".into(), "control character"),
-        (names::STAGE_TIER, "local\0".into(), "control character"),
-        (
-            names::STAGE_MODE,
-            "x".repeat(MAX_OPTION_LEN + 1),
-            "at most 4096",
-        ),
+        (names::STAGE_TIER, vec![("local\0", "control character")]),
+        (names::STAGE_MODE, vec![(&long_mode, "at most 4096")]),
     ];
+    let cases = cases
+        .iter()
+        .flat_map(|(name, values)| values.iter().map(move |(v, needle)| (*name, *v, *needle)));
     for (name, value, needle) in cases {
         let shown = show(value.as_bytes());
-        let plugin = options::validate_option(name, &value)
+        let plugin = options::validate_option(name, value)
             .err()
             .unwrap_or_else(|| panic!("the plugin accepts --{name}={shown}"));
-        let agent = options::parse_job_options(|n| (n == name).then(|| value.clone()))
+        let agent = options::parse_job_options(|n| (n == name).then(|| value.to_string()))
             .err()
             .unwrap_or_else(|| panic!("the agent accepts --{name}={shown}"));
         assert_eq!(plugin, agent, "--{name}: plugin and agent disagree");
