@@ -31,7 +31,7 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 # bench/ is its own workspace (so the root's `cargo test --workspace` never builds it): same gates.
 step "cargo fmt --check, cargo clippy --all-targets -- -D warnings for bench/"
-cargo fmt --manifest-path bench/Cargo.toml --all --check
+cargo fmt --manifest-path bench/Cargo.toml --check
 cargo clippy --manifest-path bench/Cargo.toml --all-targets -- -D warnings
 
 step "cargo test --workspace"
