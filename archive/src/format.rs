@@ -997,7 +997,12 @@ pub(crate) mod tests {
             decode_chunk_to(&f.bytes, &exp, &mut out).unwrap();
             assert_eq!(&out, raw, "{:?} into a slice", (f.codec, f.transform));
             decode_chunk_into(&f.bytes, &exp, &mut reused).unwrap();
-            assert_eq!(&reused, raw, "{:?} into a reused vec", (f.codec, f.transform));
+            assert_eq!(
+                &reused,
+                raw,
+                "{:?} into a reused vec",
+                (f.codec, f.transform)
+            );
             let e = decode_chunk_to(&f.bytes, &exp, &mut out[1..]).unwrap_err();
             assert!(e.contains("buffer of"), "{e}");
         }
