@@ -580,8 +580,7 @@ impl Drop for SafetyWatch {
 /// A 3-node job writes three checkpoints and commits them three ways; then the archive, the hot
 /// tiers and three restore jobs (latest, an explicit tag, latest after damage) are checked.
 fn round_trip(backend: Backend) {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     if backend == Backend::Garage {
         cluster.require_s3();
     }
@@ -877,8 +876,7 @@ fn ckpt_round_trip_three_nodes_file() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let archive = Archive::new(&cluster, Backend::Garage, "kill");
     let work = cluster.workdir("ckpt-kill");
@@ -1003,8 +1001,7 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
 fn ckpt_object_store_outage_delays_archive_not_training() {
     // Long enough for the job to end inside it: the epilog waits up to 20 s for pending archives.
     const OUTAGE: Duration = Duration::from_secs(35);
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     // Slow replies (1 s each) make step-1's archive take a few seconds, so the outage starts in
     // the middle of it.
@@ -1150,8 +1147,7 @@ fn ckpt_object_store_outage_delays_archive_not_training() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn ckpt_restore_from_a_damaged_archive_keeps_the_intact_hot_copy() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let archive = Archive::new(&cluster, Backend::Garage, "hotcopy");
     let work = cluster.workdir("ckpt-hotcopy");
@@ -1226,8 +1222,7 @@ fn ckpt_restore_from_a_damaged_archive_keeps_the_intact_hot_copy() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn ckpt_committed_just_before_the_job_ends_is_archived_from_every_node() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let archive = Archive::new(&cluster, Backend::Garage, "final");
     let work = cluster.workdir("ckpt-final");

@@ -14,8 +14,7 @@ const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cancelled_job_leaves_no_data_and_running_job_data_is_private() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let data = cluster.data_dir("cancel").join("train");
     make_dataset(&data, false);
     let work = cluster.workdir("cancel");

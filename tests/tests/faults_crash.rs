@@ -29,8 +29,7 @@ enum Victim {
 }
 
 fn crash_loop_during_stage_in(test: &str, victim: Victim) {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let (mut dice, seed) = Dice::new();
     let dir = cluster.data_dir(test).join("train");
     make_dataset(&dir, false);

@@ -21,9 +21,8 @@ use common::*;
 use sluice_proto::msg::CkptState;
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 const KILLS: usize = 6;
 const TAGS: [&str; 4] = ["s1", "s2", "s3", "s4"];
@@ -34,34 +33,6 @@ const SLOW: &str = "slow=0.5";
 const ARCHIVE_TIMEOUT: Duration = Duration::from_secs(240);
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// A seeded schedule (SplitMix64): the seed is printed, and `SLUICE_TEST_SEED` replays it.
-struct Schedule(u64);
-
-impl Schedule {
-    fn new() -> (Schedule, u64) {
-        let seed = std::env::var("SLUICE_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        (Schedule(seed), seed)
-    }
-
-    fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        let span = (hi - lo).as_millis().max(1) as u64;
-        lo + Duration::from_millis(z % span)
-    }
-}
 
 /// The job: one task per node writes its shard of each checkpoint and records its sha256 sums; at a
 /// file barrier rank 0 commits it, retrying while the agent is down; `committed` once all are.
@@ -98,33 +69,14 @@ while [ ! -e $w/stop ]; do sleep 0.2; done
     )
 }
 
-fn cli() -> PathBuf {
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/sluice");
-    assert!(
-        built.is_file(),
-        "no {}: run cargo build --workspace (run-e2e.sh does)",
-        built.display()
-    );
-    built
-}
-
-/// The CLI for the job, where the test user can run it.
-fn cli_for_job(cluster: &Cluster) -> PathBuf {
-    let dest = cluster.data_dir("crash-archive-cli").join("sluice");
-    fs::copy(cli(), &dest).unwrap();
-    dest
-}
-
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_written() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
-    let (mut dice, seed) = Schedule::new();
-    let base = format!("{}/e2e-crash-archive-{}", cluster.user, unique());
-    let url = format!("s3://ckpt-faulty/{base}");
-    let remote = format!("garage:ckpt-faulty/{base}");
+    let (mut dice, seed) = Dice::new();
+    let archive = Archive::new(&cluster, Backend::FaultyGarage, "crash-archive");
+    let url = archive.url.clone();
     let proxy = FaultProxy::start(&cluster);
     proxy.set(SLOW);
 
@@ -138,14 +90,11 @@ fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_w
             &format!("--ckpt-keep={KEEP}"),
             "--job-name=crash-archive",
         ],
-        &job_script(&work, &cli_for_job(&cluster)),
+        &job_script(&work, &cluster.user_cli()),
     );
     cluster.wait_running(&job, Duration::from_secs(60));
     let node = cluster.job_field(&job, "BatchHost").expect("BatchHost");
-    let nodes: Vec<String> = {
-        let list = cluster.job_field(&job, "NodeList").expect("NodeList");
-        sluice_proto::hostlist::expand(&list).expect("NodeList")
-    };
+    let nodes = cluster.job_nodes(&job);
     // Rank 0 (the batch host's task) commits: wait for the first commit on its agent.
     cluster.wait_for(
         &format!("the first commit on {node}"),
@@ -199,29 +148,20 @@ fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_w
 
     // Left running: every checkpoint reaches its MANIFEST.
     proxy.set("pass");
-    let manifests = |have: &str| {
-        TAGS.iter()
-            .all(|t| have.lines().any(|l| l == format!("{t}/MANIFEST")))
-    };
-    let mut listing = String::new();
     cluster.wait_for(
         &format!("the MANIFESTs of {TAGS:?} in {url}"),
         ARCHIVE_TIMEOUT,
         Some(&job),
         || {
-            let o = cluster.rclone(&["lsf", "-R", "--files-only", &remote]);
-            listing = String::from_utf8_lossy(&o.stdout).into_owned();
-            manifests(&listing)
+            let have = archive.manifests(&cluster);
+            TAGS.iter().all(|t| have.contains(*t))
         },
     );
     fs::write(work.join("stop"), "").unwrap();
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
-    assert_eq!(
-        end.state,
-        "COMPLETED",
-        "the job whose agent was killed {} times\n{}",
-        kills.len(),
-        cluster.evidence(&job)
+    cluster.assert_completes(
+        &job,
+        JOB_TIMEOUT,
+        &format!("the job whose agent was killed {} times", kills.len()),
     );
 
     // What the job wrote, per node and checkpoint.
@@ -244,20 +184,7 @@ fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_w
 
     // Every checkpoint restores, checksums checked, to exactly what was written.
     for tag in TAGS {
-        let dest = PathBuf::from(cluster.var("SLUICE_TEST_ROOT"))
-            .join(format!("crash-archive-restore-{tag}-{}", unique()));
-        let restored = Command::new(cli())
-            .args(["ckpt", "restore", &url, tag])
-            .arg(&dest)
-            .output()
-            .unwrap();
-        assert!(
-            restored.status.success(),
-            "sluice ckpt restore {url} {tag}: {}{}",
-            String::from_utf8_lossy(&restored.stdout),
-            String::from_utf8_lossy(&restored.stderr)
-        );
-        let got = hash_tree(&dest);
+        let got = cluster.restore_with_cli(&url, tag);
         let want = union(tag);
         assert!(
             got == want,
@@ -265,7 +192,6 @@ fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_w
             diff_trees(&want, &got),
             cluster.evidence(&job)
         );
-        let _ = fs::remove_dir_all(&dest);
     }
 
     // Nothing of the job on a hot tier but the kept checkpoints, exactly as written: no partial,
@@ -308,14 +234,9 @@ fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_w
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 
     // Reported, not asserted: objects outside the MANIFESTs a killed upload may have left.
-    let objects = cluster.rclone(&["lsf", "-R", "--files-only", &remote]);
-    let keys: Vec<String> = String::from_utf8_lossy(&objects.stdout)
-        .lines()
-        .map(String::from)
-        .collect();
     eprintln!(
         "{} objects in {url} after the job; proxy: {}",
-        keys.len(),
+        archive.objects(&cluster).len(),
         proxy.stats()
     );
     drop(proxy);

@@ -83,8 +83,7 @@ impl Drop for SmallHotTier {
 
 /// Stages `source` (about 66 MiB) with a 3-node job while FULL_NODE's hot tier holds 32 MiB.
 fn full_hot_tier_fails_the_job(test: &str, source: &str) {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let tier = SmallHotTier::mount(&cluster, FULL_NODE, SMALL_TIER);
     let work = cluster.workdir(test);
     let started = Instant::now();

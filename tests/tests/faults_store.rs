@@ -18,9 +18,6 @@ const ARCHIVE_AFTER_RECOVERY: Duration = Duration::from_secs(180);
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 const TAG: &str = "step-1";
 
-/// `sha256  ./path` of every file below the current directory, as in the job scripts.
-const SUMS: &str = "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum";
-
 /// A one-node training job: writes checkpoint TAG in `$SLUICE_CKPT_DIR` (a 6.2 MB file, so it is a
 /// multipart upload, a 1 MB file, a nested one) and commits it the way torch.distributed.checkpoint
 /// does (`TAG/.metadata` written last); then "trains" for `steps` seconds, one progress line per
@@ -37,7 +34,7 @@ head -c 6500000 /dev/urandom > "$ck/model.bin"
 head -c 1000000 /dev/urandom > "$ck/optim.bin"
 echo "rng state" > "$ck/extra/rng.txt"
 echo "{{\"tag\": \"{TAG}\"}}" > "$ck/.metadata"
-(cd "$ck" && {SUMS}) > "$w/ckpt.sums"
+(cd "$ck" && {SUMS_CMD}) > "$w/ckpt.sums"
 echo "$SLUICE_CKPT_DIR" > "$w/ckpt_dir"
 date +%s.%N > "$w/committed"
 for i in $(seq 1 {steps}); do
@@ -91,8 +88,7 @@ struct Phase {
 /// checkpoint stays on the hot tier while unarchived, the MANIFEST appears after recovery, and a
 /// restore from the archive gives back the bytes the job wrote.
 fn archive_survives(test: &str, phases: &[Phase]) {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let proxy = FaultProxy::start(&cluster);
     let prefix = format!("{}/{test}-{}", cluster.user, unique());
     let archive = format!("s3://ckpt-faulty/{prefix}");
@@ -194,12 +190,10 @@ fn archive_survives(test: &str, phases: &[Phase]) {
     );
 
     // The job itself never noticed: it ran to the end, on time, its loop never stalled.
-    let end = cluster.wait_end(&job, Duration::from_secs(u64::from(steps) + 120));
-    assert_eq!(
-        (end.state.as_str(), end.exit_code.as_str()),
-        ("COMPLETED", "0:0"),
-        "the job must not suffer from the store's faults\n{}",
-        cluster.evidence(&job)
+    let end = cluster.assert_completes(
+        &job,
+        Duration::from_secs(u64::from(steps) + 120),
+        "the job, which must not suffer from the store's faults,",
     );
     let progress = std::fs::read_to_string(work.join("progress")).unwrap_or_default();
     let (gaps, span) = progress_gaps(&progress);
@@ -234,7 +228,7 @@ fn archive_survives(test: &str, phases: &[Phase]) {
             &format!("--ckpt-restore={TAG}"),
         ],
         &format!(
-            "#!/bin/bash\nsrun --ntasks=1 /bin/bash -c 'cd \"$SLUICE_CKPT_DIR/{TAG}\" && {SUMS} > \"{}/restored.sums\"'\n",
+            "#!/bin/bash\nsrun --ntasks=1 /bin/bash -c 'cd \"$SLUICE_CKPT_DIR/{TAG}\" && {SUMS_CMD} > \"{}/restored.sums\"'\n",
             rwork.display()
         ),
     );
@@ -285,66 +279,75 @@ fn faults_store_outage_delays_the_archive_not_the_job() {
     );
 }
 
-/// Staging from a store that refuses every connection must fail the job — with a message that says
-/// which dataset could not be read — before the plugin's stage_timeout (120 s), without running the
-/// job script, draining a node or leaving anything on a hot tier.
-#[test]
-#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
-fn faults_stage_in_from_an_unreachable_store_fails_the_job_in_time() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+/// Stages a small dataset (`files` files) from `s3://ckpt-faulty` with a job on `nodes` nodes while
+/// the fault proxy answers in `mode`, and checks what every such failure must be: the job FAILED
+/// (`why` it must have), before its script ran, within the stage timeout, and left no node out of
+/// service and nothing on a hot tier. Returns the job's output and the dataset's URL, for the test's
+/// own checks.
+fn stage_in_fails(test: &str, mode: &str, nodes: usize, files: u8, why: &str) -> (String, String) {
+    let cluster = Cluster::for_sluice();
     let proxy = FaultProxy::start(&cluster);
     // The dataset exists: what fails is reaching the store, not the user's path.
-    let data = cluster.data_dir("faults-nostore").join("ds");
+    let data = cluster.data_dir(test).join("ds");
     std::fs::create_dir_all(&data).unwrap();
-    for i in 0..5 {
-        std::fs::write(data.join(format!("part-{i}.bin")), vec![i as u8; 10_000]).unwrap();
+    for i in 0..files {
+        std::fs::write(data.join(format!("part-{i}.bin")), vec![i; 10_000]).unwrap();
     }
-    let prefix = format!("{}/faults-nostore-{}/ds", cluster.user, unique());
+    let prefix = format!("{}/{test}-{}/ds", cluster.user, unique());
     cluster.upload(&data, "garage", &format!("ckpt-faulty/{prefix}"));
     let source = format!("s3://ckpt-faulty/{prefix}");
 
-    proxy.set("refuse");
-    let work = cluster.workdir("faults-nostore");
-    let ran = work.join("script-ran");
+    proxy.set(mode);
+    let work = cluster.workdir(test);
+    let (script, ran) = marker_script(&work);
     let started = Instant::now();
     let job = cluster.submit(
         &work,
-        &["-N3", &format!("--stage-in=ds={source}")],
-        &format!("#!/bin/bash\ntouch '{}'\nsrun true\n", ran.display()),
+        &[&format!("-N{nodes}"), &format!("--stage-in=ds={source}")],
+        &script,
     );
     let end = cluster.wait_end(&job, Duration::from_secs(240));
     let took = started.elapsed();
     let output = job.output_text();
     eprintln!(
-        "[faults-nostore] job {} {} ({}) after {:.1} s; output:\n{output}",
+        "[{test}] job {} {} ({}) after {:.1} s; proxy {}; output:\n{output}",
         job.id,
         end.state,
         end.exit_code,
-        took.as_secs_f64()
+        took.as_secs_f64(),
+        proxy.stats()
     );
-    assert_eq!(
-        end.state,
-        "FAILED",
-        "staging from an unreachable store cannot succeed\n{}",
-        cluster.evidence(&job)
-    );
-    assert!(
-        !ran.exists(),
-        "the job script ran although stage-in failed\n{}",
-        cluster.evidence(&job)
-    );
+    cluster.assert_ended(&job, &end, "FAILED", why);
+    cluster.assert_script_did_not_run(&job, &ran, "stage-in failed");
     // The plugin's stage_timeout is 120 s; a few seconds for Slurm to start and end the job.
     assert!(
         took < Duration::from_secs(135),
         "the job took {took:?} to fail; the stage timeout is 120 s\n{}",
         cluster.evidence(&job)
     );
-    let lower = output.to_lowercase();
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    (output, source)
+}
+
+/// Staging from a store that refuses every connection must fail the job — with a message that says
+/// which dataset could not be read — before the plugin's stage_timeout (120 s), without running the
+/// job script, draining a node or leaving anything on a hot tier.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn faults_stage_in_from_an_unreachable_store_fails_the_job_in_time() {
+    let (output, source) = stage_in_fails(
+        "faults-nostore",
+        "refuse",
+        3,
+        5,
+        "staging from an unreachable store cannot succeed",
+    );
     assert!(
         output.contains(&source),
         "the job output must name the dataset that could not be staged ({source}):\n{output}"
     );
+    let lower = output.to_lowercase();
     // What the user must learn: the store could not be reached (not that a request failed after
     // some retries, which is the client library's view).
     assert!(
@@ -365,9 +368,6 @@ fn faults_stage_in_from_an_unreachable_store_fails_the_job_in_time() {
         !output.contains("<?xml") && !output.contains("<Error>"),
         "the job output passes on a raw store reply:\n{output}"
     );
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    drop(proxy);
 }
 
 /// Staging from a store that accepts connections but never answers (every response held back for
@@ -376,53 +376,15 @@ fn faults_stage_in_from_an_unreachable_store_fails_the_job_in_time() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn faults_stage_in_from_a_hung_store_fails_at_the_stage_timeout() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
-    let proxy = FaultProxy::start(&cluster);
-    let data = cluster.data_dir("faults-hung").join("ds");
-    std::fs::create_dir_all(&data).unwrap();
-    std::fs::write(data.join("part-0.bin"), vec![7u8; 10_000]).unwrap();
-    let prefix = format!("{}/faults-hung-{}/ds", cluster.user, unique());
-    cluster.upload(&data, "garage", &format!("ckpt-faulty/{prefix}"));
-    let source = format!("s3://ckpt-faulty/{prefix}");
-
-    proxy.set("slow=600");
-    let work = cluster.workdir("faults-hung");
-    let ran = work.join("script-ran");
-    let started = Instant::now();
-    let job = cluster.submit(
-        &work,
-        &["-N2", &format!("--stage-in=ds={source}")],
-        &format!("#!/bin/bash\ntouch '{}'\nsrun true\n", ran.display()),
-    );
-    let end = cluster.wait_end(&job, Duration::from_secs(240));
-    let took = started.elapsed();
-    let output = job.output_text();
-    eprintln!(
-        "[faults-hung] job {} {} ({}) after {:.1} s; proxy {}; output:\n{output}",
-        job.id,
-        end.state,
-        end.exit_code,
-        took.as_secs_f64(),
-        proxy.stats()
-    );
-    assert_eq!(
-        end.state,
-        "FAILED",
-        "staging from a store that never answers cannot succeed\n{}",
-        cluster.evidence(&job)
-    );
-    assert!(
-        !ran.exists(),
-        "the job script ran although stage-in failed\n{}",
-        cluster.evidence(&job)
-    );
-    assert!(
-        took < Duration::from_secs(135),
-        "the job took {took:?} to fail; the stage timeout is 120 s\n{}",
-        cluster.evidence(&job)
+    let (output, _) = stage_in_fails(
+        "faults-hung",
+        "slow=600",
+        2,
+        1,
+        "staging from a store that never answers cannot succeed",
     );
     let lower = output.to_lowercase();
+    let cluster = Cluster::get();
     assert!(
         (lower.contains("did not finish") || lower.contains("timed out"))
             && cluster
@@ -431,7 +393,4 @@ fn faults_stage_in_from_a_hung_store_fails_at_the_stage_timeout() {
                 .any(|n| output.contains(&format!("node {n}"))),
         "the job output must say that stage-in on a node ran out of time:\n{output}"
     );
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    drop(proxy);
 }

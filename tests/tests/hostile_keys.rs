@@ -35,8 +35,7 @@ fn normalize(p: &Path) -> PathBuf {
 /// everything inside `stage/ds` or failed naming the dataset — and that no file reached any place
 /// a hostile key points to.
 fn assert_keys_stay_inside(test: &str, hostile: impl Fn(usize, &str) -> String) {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let u = unique();
     let prefix = format!("e2e/{u}/ds");

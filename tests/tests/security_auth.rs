@@ -10,6 +10,7 @@ mod security_support;
 use common::*;
 use security_support::*;
 use serde_json::{Value, json};
+use sluice_proto::msg::CkptState;
 use std::path::Path;
 use std::time::Duration;
 
@@ -38,58 +39,50 @@ fn requests_about(job_id: u32, a_uid: u32, a_user: &str) -> Value {
     ])
 }
 
+/// Runs a job of B's (the other user, who has no work directory) to its end: the job, its end, and
+/// its output (whose file is removed).
+fn run_as_other(
+    cluster: &Cluster,
+    test: &str,
+    args: &[&str],
+    script: &str,
+) -> (Job, JobEnd, String) {
+    let job = cluster.submit_as(&cluster.other_user, test, args, script);
+    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let text = job.output_text();
+    let _ = std::fs::remove_file(&job.output);
+    (job, end, text)
+}
+
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_is_refused_everything_about_a_running_job() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let u = unique();
     let data = cluster.data_dir("sec-auth");
     let marker = format!("STAGED-FOR-A-{u}");
     std::fs::write(data.join("hello.txt"), &marker).unwrap();
     let work = cluster.workdir("sec-auth");
-    let (ready, go) = (work.join("ready"), work.join("go"));
     // A's job: stage a dataset, write an (uncommitted) checkpoint, wait for the test's "go", then
     // show that the staged data is still there and the checkpoint was not committed by anyone.
-    let script = format!(
-        r#"#!/bin/bash
-srun -N1 -n1 bash -c '
-mkdir -p "$SLUICE_CKPT_DIR/t1" && echo weights > "$SLUICE_CKPT_DIR/t1/model.bin"
-touch {ready}
-for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
-echo "staged: $(cat "$SLUICE_STAGE_DIR/ds/hello.txt")"
-'
-"#,
-        ready = ready.display(),
-        go = go.display()
-    );
-    let job = cluster.submit(
+    let held = HeldJob::start(
+        &cluster,
         &work,
-        &[
-            "-N1",
-            &format!("--nodelist={NODE}"),
-            &format!("--stage-in=ds={}", data.display()),
-        ],
-        &script,
+        NODE,
+        &[&format!("--stage-in=ds={}", data.display())],
+        r#"mkdir -p "$SLUICE_CKPT_DIR/t1" && echo weights > "$SLUICE_CKPT_DIR/t1/model.bin""#,
+        r#"echo "staged: $(cat "$SLUICE_STAGE_DIR/ds/hello.txt")""#,
     );
-    cluster.wait_for(
-        "A's job to be staged and running",
-        JOB_TIMEOUT,
-        Some(&job),
-        || ready.exists(),
-    );
+    let job = &held.job;
 
     let a = cluster.user.clone();
     let b = cluster.other_user.clone();
-    let a_uid: u32 = run(std::process::Command::new("id").args(["-u", &a]))
-        .trim()
-        .parse()
-        .unwrap();
-    let socket = socket_of(&cluster, NODE);
+    let a_uid = cluster.ids_of(&a).0;
+    let socket = cluster.agent_socket(NODE);
     let mut failures = Vec::new();
 
     // 1. The CLI, as B: refused with the agent's message, exit status non-zero.
-    let sluice = cli(&cluster);
+    let sluice = cluster.user_cli();
     let sluice = sluice.to_str().unwrap();
     let sock = socket.to_str().unwrap();
     let id = job.id.to_string();
@@ -204,24 +197,23 @@ echo "staged: $(cat "$SLUICE_STAGE_DIR/ds/hello.txt")"
         ));
     }
 
-    std::fs::write(&go, b"").unwrap();
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let end = held.release(&cluster);
     let output = job.output_text();
     assert!(
         failures.is_empty(),
         "user {b} got further than it should with {a}'s job {}:\n{}\n{}",
         job.id,
         failures.join("\n"),
-        cluster.evidence(&job)
+        cluster.evidence(job)
     );
-    assert_eq!(end.state, "COMPLETED", "{}", cluster.evidence(&job));
+    cluster.assert_ended(job, &end, "COMPLETED", "A's job");
     assert!(
         output.contains(&format!("staged: {marker}")),
         "A's staged data must survive B's job_end attempts:\n{}",
-        cluster.evidence(&job)
+        cluster.evidence(job)
     );
-    cluster.assert_hot_tier_cleaned(&job, Duration::from_secs(60));
-    cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
+    cluster.assert_hot_tier_cleaned(job, Duration::from_secs(60));
+    cluster.assert_nodes_return_idle(job, Duration::from_secs(60));
 }
 
 /// The archive allow-list (`[[ckpt.allow]] prefix = "s3://ckpt/{user}/"`) is what keeps B out of A's
@@ -230,48 +222,23 @@ echo "staged: $(cat "$SLUICE_STAGE_DIR/ds/hello.txt")"
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_cannot_archive_into_or_restore_from_anothers_prefix() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let a = cluster.user.clone();
     let b = cluster.other_user.clone();
-    // B has no home e2e directory helper; its job writes nothing, output goes to /tmp.
+    // sbatch accepts it: the refusal belongs to the agent, at job start.
     let u = unique();
-    let out = format!("/tmp/sluice-sec-restore-{u}.out");
-    let script = "#!/bin/bash\nls -la \"$SLUICE_CKPT_DIR\"\n";
-    let sub = cluster.as_someone(
-        &b,
-        Path::new("/tmp"),
-        "sbatch",
+    let (job, end, text) = run_as_other(
+        &cluster,
+        "sec-restore",
         &[
-            "--parsable",
             "-N1",
-            &format!("--output={out}"),
             &format!("--ckpt-archive=s3://ckpt/{a}/victim-{u}"),
             "--ckpt-restore=latest",
         ],
-        Some(script),
+        "#!/bin/bash\nls -la \"$SLUICE_CKPT_DIR\"\n",
     );
-    assert!(
-        sub.status.success(),
-        "sbatch as {b} failed (the refusal belongs to the agent, at job start): {}",
-        String::from_utf8_lossy(&sub.stderr)
-    );
-    let id: u32 = String::from_utf8_lossy(&sub.stdout)
-        .trim()
-        .split(';')
-        .next()
-        .and_then(|s| s.parse().ok())
-        .expect("job id");
-    let job = Job {
-        id,
-        output: out.clone().into(),
-        submit_stderr: String::new(),
-    };
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
-    let text = job.output_text();
-    let _ = std::fs::remove_file(&out);
-    assert_eq!(end.state, "FAILED", "{}", cluster.evidence(&job));
+    cluster.assert_ended(&job, &end, "FAILED", "B's job into A's archive");
     assert!(
         text.contains("not allowed by the site's policy")
             && text.contains(&format!("s3://ckpt/{b}/")),
@@ -288,8 +255,7 @@ fn security_other_user_cannot_archive_into_or_restore_from_anothers_prefix() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_cannot_stage_in_anothers_archive() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let a = cluster.user.clone();
     let b = cluster.other_user.clone();
@@ -298,46 +264,19 @@ fn security_other_user_cannot_stage_in_anothers_archive() {
     let secret = format!("A-PRIVATE-CHECKPOINT-BYTES-{u}");
     let key = format!("{a}/f1-{u}/step-1/data/model.bin");
     cluster.put_object("ckpt", &key, secret.as_bytes());
-    let out = format!("/tmp/sluice-sec-f1-{u}.out");
-    let script =
-        "#!/bin/bash\nsrun -n1 bash -c 'find \"$SLUICE_STAGE_DIR\" -type f -exec cat {} +'\n";
-    let sub = cluster.as_someone(
-        &b,
-        Path::new("/tmp"),
-        "sbatch",
-        &[
-            "--parsable",
-            "-N1",
-            &format!("--output={out}"),
-            &format!("--stage-in=loot=s3://ckpt/{a}/f1-{u}"),
-        ],
-        Some(script),
+    let (job, end, text) = run_as_other(
+        &cluster,
+        "sec-f1",
+        &["-N1", &format!("--stage-in=loot=s3://ckpt/{a}/f1-{u}")],
+        "#!/bin/bash\nsrun -n1 bash -c 'find \"$SLUICE_STAGE_DIR\" -type f -exec cat {} +'\n",
     );
-    assert!(
-        sub.status.success(),
-        "{}",
-        String::from_utf8_lossy(&sub.stderr)
-    );
-    let id: u32 = String::from_utf8_lossy(&sub.stdout)
-        .trim()
-        .split(';')
-        .next()
-        .and_then(|s| s.parse().ok())
-        .expect("job id");
-    let job = Job {
-        id,
-        output: out.clone().into(),
-        submit_stderr: String::new(),
-    };
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
-    let text = job.output_text();
-    let _ = std::fs::remove_file(&out);
     assert!(
         !text.contains(&secret),
-        "user {b} staged user {a}'s archive object s3://ckpt/{key} (job {id} ended {}):\n{text}",
+        "user {b} staged user {a}'s archive object s3://ckpt/{key} (job {} ended {}):\n{text}",
+        job.id,
         end.state
     );
-    assert_eq!(end.state, "FAILED", "{}", cluster.evidence(&job));
+    cluster.assert_ended(&job, &end, "FAILED", "B's stage-in of A's archive");
     cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
 }
 
@@ -349,8 +288,7 @@ fn security_other_user_cannot_stage_in_anothers_archive() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_cannot_restore_anothers_checkpoint_from_a_shared_prefix() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let a = cluster.user.clone();
     let b = cluster.other_user.clone();
     let u = unique();
@@ -360,79 +298,37 @@ fn security_other_user_cannot_restore_anothers_checkpoint_from_a_shared_prefix()
     );
     let secret = format!("A-CHECKPOINT-{u}");
     let b_secret = format!("B-CHECKPOINT-{u}");
-    let sluice = cli(&cluster);
+    let sluice = cluster.user_cli();
     let work = cluster.workdir("sec-f2");
-    let go = work.join("go");
     let archived = |job: &Job, tag: &str| {
-        matches!(
-            sluice_proto::client::call(
-                &socket_of(&cluster, NODE),
-                sluice_proto::msg::Request::CkptList { job_id: job.id },
-                Duration::from_secs(5)
-            ),
-            Ok(sluice_proto::msg::Response::Ckpts { ckpts })
-                if ckpts.iter().any(|c| c.tag == tag && c.state == sluice_proto::msg::CkptState::Archived)
-        )
+        cluster
+            .agent_ckpt(NODE, job, tag)
+            .is_some_and(|c| c.state == CkptState::Archived)
     };
-    let script = format!(
-        r#"#!/bin/bash
-srun -N1 -n1 bash -c '
-mkdir -p "$SLUICE_CKPT_DIR/s1" && echo {secret} > "$SLUICE_CKPT_DIR/s1/model.bin"
-{sluice} ckpt commit s1
-for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
-'
-"#,
-        sluice = sluice.display(),
-        go = go.display()
-    );
-    let a_job = cluster.submit(
+    let archive_opt = format!("--ckpt-archive={url}");
+    let a_job = HeldJob::start(
+        &cluster,
         &work,
-        &[
-            "-N1",
-            &format!("--nodelist={NODE}"),
-            &format!("--ckpt-archive={url}"),
-        ],
-        &script,
+        NODE,
+        &[&archive_opt],
+        &format!(
+            "mkdir -p \"$SLUICE_CKPT_DIR/s1\" && echo {secret} > \"$SLUICE_CKPT_DIR/s1/model.bin\"\n\
+             {} ckpt commit s1",
+            sluice.display()
+        ),
+        "",
     );
     cluster.wait_for(
         "A's checkpoint to be archived",
         JOB_TIMEOUT,
-        Some(&a_job),
-        || archived(&a_job, "s1"),
+        Some(&a_job.job),
+        || archived(&a_job.job, "s1"),
     );
-    std::fs::write(&go, b"").unwrap();
-    cluster.wait_end(&a_job, JOB_TIMEOUT);
+    a_job.release(&cluster);
 
-    // B's jobs write their output to /tmp (B has no e2e directory).
-    let b_submit = |args: &[&str], script: &str| -> Job {
-        let out = format!("/tmp/sluice-sec-f2-{u}-{}.out", unique());
-        let mut all = vec![
-            "--parsable".to_string(),
-            "-N1".into(),
-            format!("--nodelist={NODE}"),
-            format!("--output={out}"),
-            format!("--ckpt-archive={url}"),
-        ];
-        all.extend(args.iter().map(|s| s.to_string()));
-        let all: Vec<&str> = all.iter().map(String::as_str).collect();
-        let sub = cluster.as_someone(&b, Path::new("/tmp"), "sbatch", &all, Some(script));
-        assert!(
-            sub.status.success(),
-            "{}",
-            String::from_utf8_lossy(&sub.stderr)
-        );
-        let id: u32 = String::from_utf8_lossy(&sub.stdout)
-            .trim()
-            .split(';')
-            .next()
-            .and_then(|s| s.parse().ok())
-            .expect("job id");
-        Job {
-            id,
-            output: out.into(),
-            submit_stderr: String::new(),
-        }
-    };
+    // B's jobs, on the same node, into the same archive.
+    let nodelist = format!("--nodelist={NODE}");
+    let b_args = ["-N1", nodelist.as_str(), archive_opt.as_str()];
     let cat = "#!/bin/bash\nsrun -n1 bash -c 'cat \"$SLUICE_CKPT_DIR\"/*/model.bin'\n";
 
     // B asks for the newest checkpoint of the shared prefix, then for A's by its tag.
@@ -449,22 +345,15 @@ for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
         ),
     ];
     for (option, reason, detail) in cases {
-        let b_job = b_submit(&[option], cat);
-        let end = cluster.wait_end(&b_job, JOB_TIMEOUT);
-        let text = b_job.output_text();
-        let _ = std::fs::remove_file(&b_job.output);
+        let (b_job, end, text) =
+            run_as_other(&cluster, "sec-f2", &[&b_args[..], &[option]].concat(), cat);
         assert!(
             !text.contains(&secret),
             "user {b} restored user {a}'s checkpoint from {url} with {option} (job {} ended {}):\n{text}",
             b_job.id,
             end.state
         );
-        assert_eq!(
-            end.state,
-            "FAILED",
-            "{option}: {}",
-            cluster.evidence(&b_job)
-        );
+        cluster.assert_ended(&b_job, &end, "FAILED", option);
         assert!(
             text.contains(&reason) && text.contains(&detail),
             "{option}: the job output must say whose checkpoint it is and what to do:\n{text}"
@@ -486,21 +375,13 @@ for i in $(seq 600); do [ -e {b_go} ] && break; sleep 0.2; done
 "#,
         sluice = sluice.display(),
     );
-    let b_job = b_submit(&[], &b_script);
+    let b_job = cluster.submit_as(&b, "sec-f2", &b_args, &b_script);
     cluster.wait_for("B's s2 to be archived", JOB_TIMEOUT, Some(&b_job), || {
         archived(&b_job, "s2")
     });
-    let b_ckpts = match sluice_proto::client::call(
-        &socket_of(&cluster, NODE),
-        sluice_proto::msg::Request::CkptList { job_id: b_job.id },
-        Duration::from_secs(5),
-    ) {
-        Ok(sluice_proto::msg::Response::Ckpts { ckpts }) => ckpts,
-        other => panic!("ckpt_list of B's job: {other:?}"),
-    };
-    let b_s1 = b_ckpts.iter().find(|c| c.tag == "s1").expect("B's s1");
+    let b_s1 = cluster.agent_ckpt(NODE, &b_job, "s1").expect("B's s1");
     assert!(
-        b_s1.state != sluice_proto::msg::CkptState::Archived
+        b_s1.state != CkptState::Archived
             && b_s1.error.as_deref().is_some_and(|e| e.contains(&format!(
                 "was archived by user {a}; sluice does not overwrite another user's checkpoint"
             ))),
@@ -521,9 +402,8 @@ for i in $(seq 600); do [ -e {b_go} ] && break; sleep 0.2; done
         ],
         "#!/bin/bash\nsrun -n1 bash -c 'echo \"tag=$SLUICE_RESTORED_TAG\"; cat \"$SLUICE_CKPT_DIR\"/*/model.bin'\n",
     );
-    let end = cluster.wait_end(&a_restore, JOB_TIMEOUT);
+    cluster.assert_completes(&a_restore, JOB_TIMEOUT, "A's restore job");
     let text = a_restore.output_text();
-    assert_eq!(end.state, "COMPLETED", "{}", cluster.evidence(&a_restore));
     assert!(
         text.contains("tag=s1") && text.contains(&secret) && !text.contains(&b_secret),
         "A's latest must restore A's own s1:\n{text}"

@@ -12,34 +12,22 @@ mod security_support;
 
 use common::*;
 use security_support::*;
-use sluice_proto::msg::{CkptState, CkptStatus, Request, Response};
-use std::collections::BTreeMap;
+use sluice_proto::msg::{CkptState, CkptStatus};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const JOB_TIMEOUT: Duration = Duration::from_secs(240);
 const NODE: &str = "n3";
 
 fn ckpts(cluster: &Cluster, job: &Job) -> Result<BTreeMap<String, CkptStatus>, String> {
-    let socket = socket_of(cluster, NODE);
-    match sluice_proto::client::call(
-        &socket,
-        Request::CkptList { job_id: job.id },
-        Duration::from_secs(10),
-    ) {
-        Ok(Response::Ckpts { ckpts }) => {
-            Ok(ckpts.into_iter().map(|c| (c.tag.clone(), c)).collect())
-        }
-        Ok(other) => Err(format!("unexpected reply {other:?}")),
-        Err(e) => Err(e.to_string()),
-    }
+    let list = cluster.agent_ckpts(NODE, job)?;
+    Ok(list.into_iter().map(|c| (c.tag.clone(), c)).collect())
 }
 
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_symlinks_and_hardlinks_in_a_checkpoint_never_reach_the_archive() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let (secret, secret_text) = root_secret(&cluster, "ckpt");
     let protected_hardlinks = std::fs::read_to_string("/proc/sys/fs/protected_hardlinks")
@@ -52,17 +40,14 @@ fn security_symlinks_and_hardlinks_in_a_checkpoint_never_reach_the_archive() {
     let archive = format!("s3://ckpt/{prefix}");
     let work = cluster.workdir("sec-ckpt-links");
     let out = work.join("out");
-    let go = work.join("go");
-    let sluice = cli(&cluster);
+    let sluice = cluster.user_cli();
     let good_marker = format!("GOOD-CHECKPOINT-{u}");
     // t1: a symlink to the secret (and, where the kernel allows it, a hard link to it);
     // t2: a hard link to the user's own file (two links: refused, it could be anyone's);
     // t3: a symlink to a directory outside; t4: the checkpoint directory itself a symlink;
     // good: plain files only.
-    let script = format!(
-        r#"#!/bin/bash
-srun -N1 -n1 bash -c '
-set -u
+    let commits = format!(
+        r#"set -u
 o={out}; mkdir -p $o; c="$SLUICE_CKPT_DIR"
 mkdir -p "$c/t1" && head -c 8192 /dev/urandom > "$c/t1/model.bin"
 ln -s {secret} "$c/t1/link"
@@ -73,35 +58,22 @@ ln -s {secret_dir} "$c/t4"
 mkdir -p "$c/good/sub" && echo {good} > "$c/good/model.bin" && echo {good} > "$c/good/sub/opt.bin"
 for t in t1 t2 t3 t4 good; do
   {sluice} ckpt commit $t > $o/commit-$t 2>&1; echo "exit $?" >> $o/commit-$t
-done
-touch $o/committed
-for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
-'
-"#,
+done"#,
         out = out.display(),
         secret = secret.display(),
         secret_dir = secret.parent().unwrap().display(),
         good = good_marker,
         sluice = sluice.display(),
-        go = go.display(),
     );
-    let job = cluster.submit(
-        &work,
-        &[
-            "-N1",
-            &format!("--nodelist={NODE}"),
-            &format!("--ckpt-archive={archive}"),
-        ],
-        &script,
-    );
-    cluster.wait_for("the job's commits", JOB_TIMEOUT, Some(&job), || {
-        out.join("committed").exists()
-    });
+    // Once its task has committed them all, the job waits until the test has looked.
+    let archive_opt = format!("--ckpt-archive={archive}");
+    let held = HeldJob::start(&cluster, &work, NODE, &[&archive_opt], &commits, "");
+    let job = &held.job;
 
     // Wait until the clean checkpoint is archived and each hostile one has been refused.
     let deadline = Instant::now() + Duration::from_secs(120);
     let list = loop {
-        let list = ckpts(&cluster, &job);
+        let list = ckpts(&cluster, job);
         let settled = list.as_ref().is_ok_and(|l| {
             l.get("good")
                 .is_some_and(|g| g.state == CkptState::Archived)
@@ -123,7 +95,7 @@ for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
             sluice.to_str().unwrap(),
             &[
                 "--socket",
-                socket_of(&cluster, NODE).to_str().unwrap(),
+                cluster.agent_socket(NODE).to_str().unwrap(),
                 "ckpt",
                 "list",
                 "--job",
@@ -144,14 +116,13 @@ for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
         }
         std::thread::sleep(Duration::from_millis(700));
     }
-    std::fs::write(&go, b"").unwrap();
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let end = held.release(&cluster);
 
     let shown = format!("{list:#?}");
     let evidence = || {
         format!(
             "checkpoints: {shown}\nsluice ckpt list as {a}:\n{user_view}\n{}",
-            cluster.evidence(&job)
+            cluster.evidence(job)
         )
     };
     let list = list.unwrap_or_else(|e| panic!("CkptList: {e}\n{}", evidence()));
@@ -219,7 +190,7 @@ for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
     }
 
     // The bucket: only the clean checkpoint, with its MANIFEST; nothing of t1-t4; no secret bytes.
-    let keys = list_keys(&cluster, &prefix);
+    let keys = cluster.list_objects("garage", &format!("ckpt/{prefix}"));
     let foreign: Vec<&String> = keys.iter().filter(|k| !k.starts_with("good/")).collect();
     if !foreign.is_empty() {
         failures.push(format!(
@@ -232,16 +203,11 @@ for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
         ));
     }
     let download = tempdir_under(&cluster, "sec-ckpt-download");
-    let copied = cluster.rclone(&[
+    cluster.rclone_ok(&[
         "copy",
         &format!("garage:ckpt/{prefix}"),
         download.to_str().unwrap(),
     ]);
-    assert!(
-        copied.status.success(),
-        "rclone copy: {}",
-        String::from_utf8_lossy(&copied.stderr)
-    );
     let leaked = files_containing(&download, secret_text.trim().as_bytes());
     if !leaked.is_empty() {
         failures.push(format!(
@@ -264,30 +230,20 @@ for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
         evidence()
     );
     assert_eq!(end.state, "COMPLETED", "{}", evidence());
-    cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
+    cluster.assert_nodes_return_idle(job, Duration::from_secs(60));
     // F3: a refusal is final for that commit. After the job, the refused checkpoints are gone from
     // the hot tier with everything else that was not archived; the archived `good` checkpoint is
     // what retention keeps (--ckpt-keep defaults to 2, and it is the only archived one), exactly as
     // written; and each refused tag was walked once, never retried.
-    let ckpt_dir = cluster.job_dir(NODE, &job).join("ckpt");
-    let entries = || -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&ckpt_dir)
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
-    };
+    let ckpt_dir = cluster.job_dir(NODE, job).join("ckpt");
+    let kept_only = BTreeSet::from(["good".to_string()]);
     let deadline = Instant::now() + Duration::from_secs(90);
-    while entries() != ["good"] && Instant::now() < deadline {
+    while entries(&ckpt_dir) != kept_only && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(500));
     }
     assert_eq!(
-        entries(),
-        ["good"],
+        entries(&ckpt_dir),
+        kept_only,
         "{}: after the job only the archived checkpoint retention keeps may stay\n{}",
         ckpt_dir.display(),
         evidence()
@@ -307,8 +263,7 @@ for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
     );
     // A retried refusal would show within a few seconds (the old backoff started at 2 s).
     std::thread::sleep(Duration::from_secs(5));
-    let log = std::path::PathBuf::from(cluster.var("SLUICE_TEST_SLUICE_LOG_DIR"))
-        .join(format!("{NODE}.log"));
+    let log = cluster.agent_log(NODE);
     let log_text = std::fs::read_to_string(&log).unwrap_or_default();
     for t in ["t1", "t2", "t3"] {
         let attempts: Vec<&str> = log_text
@@ -327,29 +282,6 @@ for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done
         );
     }
     let _ = std::fs::remove_file(&secret);
-}
-
-/// Object keys below `ckpt/<prefix>/` in Garage, relative to it.
-fn list_keys(cluster: &Cluster, prefix: &str) -> Vec<String> {
-    let out = cluster.rclone(&[
-        "lsf",
-        "-R",
-        "--files-only",
-        &format!("garage:ckpt/{prefix}"),
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        if stderr.contains("directory not found") {
-            return Vec::new();
-        }
-        panic!("rclone lsf: {stderr}");
-    }
-    let mut keys: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(String::from)
-        .collect();
-    keys.sort();
-    keys
 }
 
 /// Every regular file below `dir`: relative path → content.

@@ -9,33 +9,36 @@ mod security_support;
 use common::*;
 use security_support::*;
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(180);
 const NODE: &str = "n2";
 const MAX_FRAME: usize = sluice_proto::wire::MAX_FRAME;
 
-fn agent_pid(node: &str) -> u32 {
-    let file = run_dir_of_env().join(format!("sluiced-{node}.pid"));
-    std::fs::read_to_string(&file)
-        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-fn run_dir_of_env() -> PathBuf {
-    let env = std::env::var("SLUICE_TEST_ENV").unwrap_or_else(|_| DEFAULT_ENV_FILE.to_string());
-    Path::new(&env).parent().unwrap().to_path_buf()
-}
-
-fn panics_in_log(cluster: &Cluster, node: &str) -> usize {
-    let log = PathBuf::from(cluster.var("SLUICE_TEST_SLUICE_LOG_DIR")).join(format!("{node}.log"));
-    std::fs::read_to_string(log)
+/// How often `needle` occurs in the agent log of `node`.
+fn in_agent_log(cluster: &Cluster, node: &str, needle: &str) -> usize {
+    std::fs::read_to_string(cluster.agent_log(node))
         .unwrap_or_default()
-        .matches("panicked")
+        .matches(needle)
         .count()
+}
+
+/// No failure was recorded while `what` ran against the agent of NODE, and it is still the same
+/// process (`pid`).
+fn assert_agent_unhurt(cluster: &Cluster, failures: &[String], what: &str, pid: u32) {
+    assert!(
+        failures.is_empty(),
+        "{what} on {}:\n{}\n{}",
+        cluster.agent_socket(NODE).display(),
+        failures.join("\n"),
+        cluster.log_tails()
+    );
+    assert_eq!(
+        cluster.agent_pid(NODE),
+        pid,
+        "the agent of {NODE} was restarted"
+    );
 }
 
 /// (case, what the agent's bad_request message must say).
@@ -99,12 +102,10 @@ fn hostile_frames() -> Vec<(Value, &'static str)> {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_oversized_and_malformed_frames_are_refused_and_the_agent_keeps_serving() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let b = cluster.other_user.clone();
-    let socket = socket_of(&cluster, NODE);
-    let pid = agent_pid(NODE);
-    let panics = panics_in_log(&cluster, NODE);
+    let (socket, pid) = (cluster.agent_socket(NODE), cluster.agent_pid(NODE));
+    let panics = in_agent_log(&cluster, NODE, "panicked");
 
     let cases = hostile_frames();
     let spec: Vec<Value> = cases.iter().map(|(c, _)| c.clone()).collect();
@@ -173,21 +174,14 @@ fn security_oversized_and_malformed_frames_are_refused_and_the_agent_keeps_servi
             after[0].value
         ));
     }
-    assert!(
-        failures.is_empty(),
-        "hostile frames as {b} on {}:\n{}\n{}",
-        socket.display(),
-        failures.join("\n"),
-        cluster.log_tails()
-    );
-    assert_eq!(agent_pid(NODE), pid, "the agent of {NODE} was restarted");
+    assert_agent_unhurt(&cluster, &failures, &format!("hostile frames as {b}"), pid);
     assert!(
         Path::new(&format!("/proc/{pid}")).exists(),
         "the agent of {NODE} (pid {pid}) died:\n{}",
         cluster.log_tails()
     );
     assert_eq!(
-        panics_in_log(&cluster, NODE),
+        in_agent_log(&cluster, NODE, "panicked"),
         panics,
         "the agent of {NODE} logged a panic:\n{}",
         cluster.log_tails()
@@ -206,8 +200,7 @@ fn security_oversized_and_malformed_frames_are_refused_and_the_agent_keeps_servi
         ],
         "#!/bin/bash\nsrun -n1 bash -c 'cat \"$SLUICE_STAGE_DIR/ds/f.txt\"'\n",
     );
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
-    assert_eq!(end.state, "COMPLETED", "{}", cluster.evidence(&job));
+    cluster.assert_completes(&job, JOB_TIMEOUT, "a staging job after the hostile frames");
     assert!(
         job.output_text().contains("still serving"),
         "{}",
@@ -239,18 +232,10 @@ fn socket_fds(pid: u32) -> usize {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_idle_connections_of_one_user_do_not_starve_others() {
     const PER_USER: usize = 64; // agent/src/server.rs: MAX_PER_USER
-    let cluster = Cluster::get();
-    cluster.require_sluice();
-    let socket = socket_of(&cluster, NODE);
-    let pid = agent_pid(NODE);
+    let cluster = Cluster::for_sluice();
+    let (socket, pid) = (cluster.agent_socket(NODE), cluster.agent_pid(NODE));
     let sockets_before = socket_fds(pid);
-    let log = PathBuf::from(cluster.var("SLUICE_TEST_SLUICE_LOG_DIR")).join(format!("{NODE}.log"));
-    let refusals_logged = || {
-        std::fs::read_to_string(&log)
-            .unwrap_or_default()
-            .matches("connections to the agent")
-            .count()
-    };
+    let refusals_logged = || in_agent_log(&cluster, NODE, "connections to the agent");
     let logged_before = refusals_logged();
     // B: 1100 connections (raising its fd limit to hold them), each reopened as soon as the agent
     // closes it, for 10 s; then a JSON line of counts.
@@ -373,17 +358,11 @@ print(json.dumps(st), flush=True)
     if after[0].result() != Some("status") {
         failures.push(format!("{b}'s own status afterwards: {}", after[0].value));
     }
-    assert!(
-        failures.is_empty(),
-        "with {b} holding idle connections to {}:\n{}\n{}",
-        socket.display(),
-        failures.join("\n"),
-        cluster.log_tails()
-    );
-    assert_eq!(agent_pid(NODE), pid, "the agent of {NODE} was restarted");
+    let what = format!("{b} holding idle connections");
+    assert_agent_unhurt(&cluster, &failures, &what, pid);
     assert!(
         refusals_logged() > logged_before,
         "the agent did not log the refused connections in {}",
-        log.display()
+        cluster.agent_log(NODE).display()
     );
 }

@@ -13,7 +13,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-const JOB_TIMEOUT: Duration = Duration::from_secs(180);
 const NODE: &str = "n1";
 
 /// Runs `script` with bash as `user`; returns (exit status 0, stdout + stderr).
@@ -41,8 +40,7 @@ fn last_job_id() -> u32 {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_cannot_precreate_or_enter_job_directories() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let b = cluster.other_user.clone();
     let a = cluster.user.clone();
     let jobs = cluster.hot_root(NODE).join("jobs");
@@ -81,31 +79,20 @@ fn security_other_user_cannot_precreate_or_enter_job_directories() {
     let data = cluster.data_dir("sec-jobdir");
     std::fs::write(data.join("private.txt"), b"A's staged data\n").unwrap();
     let work = cluster.workdir("sec-jobdir");
-    let (ready, go) = (work.join("ready"), work.join("go"));
-    let script = format!(
-        r#"#!/bin/bash
-srun -N1 -n1 bash -c '
-stat -c "%U %a" "$SLUICE_STAGE_DIR/.." > {w}/jobdir
-stat -c "%U %a" "$SLUICE_STAGE_DIR" "$SLUICE_CKPT_DIR" > {w}/subdirs
-cat "$SLUICE_STAGE_DIR/ds/private.txt" > {w}/staged
-touch {ready}
-for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
-'
-"#,
-        w = work.display(),
-        ready = ready.display(),
-        go = go.display()
-    );
-    let job = cluster.submit(
+    let held = HeldJob::start(
+        &cluster,
         &work,
-        &[
-            "-N1",
-            &format!("--nodelist={NODE}"),
-            &format!("--stage-in=ds={}", data.display()),
-        ],
-        &script,
+        NODE,
+        &[&format!("--stage-in=ds={}", data.display())],
+        &format!(
+            r#"stat -c "%U %a" "$SLUICE_STAGE_DIR/.." > {w}/jobdir
+stat -c "%U %a" "$SLUICE_STAGE_DIR" "$SLUICE_CKPT_DIR" > {w}/subdirs
+cat "$SLUICE_STAGE_DIR/ds/private.txt" > {w}/staged"#,
+            w = work.display()
+        ),
+        "",
     );
-    cluster.wait_for("A's job to run", JOB_TIMEOUT, Some(&job), || ready.exists());
+    let job = &held.job;
     if !candidates.contains(&job.id) {
         eprintln!(
             "note: job {} was not among the ids {b} tried ({}..{}); its attempts were all denied anyway",
@@ -114,7 +101,7 @@ for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
             candidates[candidates.len() - 1]
         );
     }
-    let dir = cluster.job_dir(NODE, &job);
+    let dir = cluster.job_dir(NODE, job);
     // While it runs, B cannot enter, read or add to it.
     for (what, cmd) in [
         ("list the job directory", format!("ls '{}'", dir.display())),
@@ -136,16 +123,15 @@ for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
             failures.push(format!("{b} could {what}: {text}"));
         }
     }
-    std::fs::write(&go, b"").unwrap();
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let end = held.release(&cluster);
     let read = |n: &str| std::fs::read_to_string(work.join(n)).unwrap_or_default();
     assert!(
         failures.is_empty(),
         "{}\n{}",
         failures.join("\n"),
-        cluster.evidence(&job)
+        cluster.evidence(job)
     );
-    assert_eq!(end.state, "COMPLETED", "{}", cluster.evidence(&job));
+    cluster.assert_ended(job, &end, "COMPLETED", "A's job");
     assert_eq!(
         read("jobdir").trim(),
         format!("{a} 700"),
@@ -157,7 +143,7 @@ for i in $(seq 600); do [ -e {go} ] && break; sleep 0.2; done
         "stage and ckpt directories"
     );
     assert_eq!(read("staged"), "A's staged data\n");
-    cluster.assert_hot_tier_cleaned(&job, Duration::from_secs(60));
-    cluster.assert_nodes_return_idle(&job, Duration::from_secs(60));
+    cluster.assert_hot_tier_cleaned(job, Duration::from_secs(60));
+    cluster.assert_nodes_return_idle(job, Duration::from_secs(60));
     assert_eq!(owner_mode(&jobs), "root 711", "jobs/ after the job");
 }

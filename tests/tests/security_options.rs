@@ -22,8 +22,7 @@ const JOB_TIMEOUT: Duration = Duration::from_secs(180);
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_oversized_and_control_character_options_are_refused_at_submit() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let work = cluster.workdir("sec-options");
     let long = format!("--stage-in=/{}", "a".repeat(5000));
     let huge = format!("--stage-in=/{}", "b".repeat(100_000));
@@ -198,8 +197,7 @@ fn user_slurm_conf(cluster: &Cluster) -> PathBuf {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_stage_in_smuggled_past_the_submit_check_is_refused_by_the_agent() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let conf = user_slurm_conf(&cluster);
     let work = cluster.workdir("sec-smuggle");
     // (value smuggled into SPANK_SLUICE_STAGE_IN, what the agent's refusal says)

@@ -46,13 +46,7 @@ fn big_dataset(cluster: &Cluster) -> &'static Dataset {
 /// Checks what each task recorded (see [`listing_script`]) against the datasets, then that the job
 /// left nothing behind and no node out of service.
 fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, datasets: &[(&str, &Dataset)]) {
-    let end = cluster.wait_end(job, STAGE_JOB_TIMEOUT);
-    assert_eq!(
-        (end.state.as_str(), end.exit_code.as_str()),
-        ("COMPLETED", "0:0"),
-        "the staging job did not complete\n{}",
-        cluster.evidence(job)
-    );
+    cluster.assert_completes(job, STAGE_JOB_TIMEOUT, "the staging job");
     for node in &cluster.nodes {
         let file = |name: &str| task_file(out, node, name);
         assert!(
@@ -102,61 +96,76 @@ fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, datasets: &[(&str, &D
     cluster.assert_nodes_return_idle(job, CLEANUP_TIMEOUT);
 }
 
+/// Runs a job (`directives` in its script, `args` to sbatch) whose tasks list what they see of each
+/// dataset of `datasets` (see [`listing_script`]), and checks that with [`assert_staged`].
+fn stage(
+    cluster: &Cluster,
+    test: &str,
+    directives: &str,
+    args: &[&str],
+    datasets: &[(&str, &Dataset)],
+) {
+    let work = cluster.workdir(test);
+    let out = work.join("out");
+    let names: Vec<&str> = datasets.iter().map(|(name, _)| *name).collect();
+    let script = listing_script(&out, &names).replacen(
+        "#!/bin/bash\n",
+        &format!("#!/bin/bash\n{directives}"),
+        1,
+    );
+    let job = cluster.submit(&work, args, &script);
+    assert_staged(cluster, &job, &out, datasets);
+}
+
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_posix_directory_to_three_nodes() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let ds = big_dataset(&cluster);
-    let work = cluster.workdir("stage-posix");
-    let out = work.join("out");
     let stage_in = format!("--stage-in=train={}", ds.dir.display());
-    let job = cluster.submit(
-        &work,
+    stage(
+        &cluster,
+        "stage-posix",
+        "",
         &["-N3", &stage_in],
-        &listing_script(&out, &["train"]),
+        &[("train", ds)],
     );
-    assert_staged(&cluster, &job, &out, &[("train", ds)]);
 }
 
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_s3_prefix_to_three_nodes() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let ds = big_dataset(&cluster);
     let prefix = format!("e2e/{}/train", unique());
     cluster.upload(&ds.dir, "garage", &format!("datasets/{prefix}"));
-    let work = cluster.workdir("stage-s3");
-    let out = work.join("out");
     // No NAME=: the dataset is named after the last component of the prefix.
     let stage_in = format!("--stage-in=s3://datasets/{prefix}");
-    let job = cluster.submit(
-        &work,
+    stage(
+        &cluster,
+        "stage-s3",
+        "",
         &["-N3", &stage_in],
-        &listing_script(&out, &["train"]),
+        &[("train", ds)],
     );
-    assert_staged(&cluster, &job, &out, &[("train", ds)]);
 }
 
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_azure_prefix_to_three_nodes() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let ds = big_dataset(&cluster);
     let prefix = format!("e2e/{}/train", unique());
     cluster.upload(&ds.dir, "azurite", &format!("datasets/{prefix}"));
-    let work = cluster.workdir("stage-az");
-    let out = work.join("out");
     let stage_in = format!("--stage-in=imagenet=az://datasets/{prefix}");
-    let job = cluster.submit(
-        &work,
+    stage(
+        &cluster,
+        "stage-az",
+        "",
         &["-N3", &stage_in],
-        &listing_script(&out, &["imagenet"]),
+        &[("imagenet", ds)],
     );
-    assert_staged(&cluster, &job, &out, &[("imagenet", ds)]);
 }
 
 /// `--stage-in` is repeatable and comma-separated (DESIGN.md): every source given either way lands
@@ -164,29 +173,22 @@ fn stage_azure_prefix_to_three_nodes() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn several_sources_from_repeated_and_comma_separated_options() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let ds = Dataset::new(&cluster, "stage-several", false);
     let prefix = format!("e2e/{}/small", unique());
     cluster.upload(&ds.dir, "garage", &format!("datasets/{prefix}"));
     cluster.upload(&ds.dir, "azurite", &format!("datasets/{prefix}"));
-    let work = cluster.workdir("stage-several");
-    let out = work.join("out");
     let first = format!(
         "--stage-in=local={},objects=s3://datasets/{prefix}",
         ds.dir.display()
     );
     let second = format!("--stage-in=blobs=azure://datasets/{prefix}");
-    let job = cluster.submit(
-        &work,
-        &["-N3", &first, &second],
-        &listing_script(&out, &["local", "objects", "blobs"]),
-    );
-    assert_staged(
+    stage(
         &cluster,
-        &job,
-        &out,
+        "stage-several",
+        "",
+        &["-N3", &first, &second],
         &[("local", &ds), ("objects", &ds), ("blobs", &ds)],
     );
 }
@@ -195,21 +197,19 @@ fn several_sources_from_repeated_and_comma_separated_options() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_in_from_an_sbatch_directive() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let ds = Dataset::new(&cluster, "stage-directive", false);
-    let work = cluster.workdir("stage-directive");
-    let out = work.join("out");
-    let script = listing_script(&out, &["data"]).replacen(
-        "#!/bin/bash\n",
-        &format!(
-            "#!/bin/bash\n#SBATCH -N3\n#SBATCH --stage-in=data={}\n",
-            ds.dir.display()
-        ),
-        1,
+    let directives = format!(
+        "#SBATCH -N3\n#SBATCH --stage-in=data={}\n",
+        ds.dir.display()
     );
-    let job = cluster.submit(&work, &[], &script);
-    assert_staged(&cluster, &job, &out, &[("data", &ds)]);
+    stage(
+        &cluster,
+        "stage-directive",
+        &directives,
+        &[],
+        &[("data", &ds)],
+    );
 }
 
 /// `sbatch --export=NONE` drops the submitter's environment, and with it the copy of the options
@@ -217,16 +217,9 @@ fn stage_in_from_an_sbatch_directive() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_in_with_export_none() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let ds = Dataset::new(&cluster, "stage-export-none", false);
-    let work = cluster.workdir("stage-export-none");
-    let out = work.join("out");
     let stage_in = format!("--stage-in=data={}", ds.dir.display());
-    let job = cluster.submit(
-        &work,
-        &["-N3", "--export=NONE", &stage_in],
-        &listing_script(&out, &["data"]),
-    );
-    assert_staged(&cluster, &job, &out, &[("data", &ds)]);
+    let args = ["-N3", "--export=NONE", &stage_in];
+    stage(&cluster, "stage-export-none", "", &args, &[("data", &ds)]);
 }

@@ -51,8 +51,7 @@ fn bad_cases() -> Vec<(Vec<&'static str>, &'static str, &'static str)> {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn sbatch_refuses_bad_options_with_a_helpful_message() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let work = cluster.workdir("bad-options");
     let mut failures = Vec::new();
     for (i, (args, option, needle)) in bad_cases().into_iter().enumerate() {
@@ -85,8 +84,7 @@ fn sbatch_refuses_bad_options_with_a_helpful_message() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn srun_refuses_bad_options_with_a_helpful_message() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let work = cluster.workdir("bad-srun");
     let name = format!("e2e-bad-srun-{}", unique());
     let job_name = format!("--job-name={name}");
@@ -116,8 +114,7 @@ fn srun_refuses_bad_options_with_a_helpful_message() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn sbatch_help_lists_the_sluice_options() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let out = cluster.as_user(&cluster.user_home(), "sbatch", &["--help"], None);
     let help = String::from_utf8_lossy(&out.stdout);
     let missing: Vec<_> = sluice_proto::options::names::ALL

@@ -81,8 +81,7 @@ fn relay_one(mut client: UnixStream, real: &Path) -> Option<()> {
 #[test]
 #[ignore = "needs the local Slurm cluster: tests/harness/run-e2e.sh"]
 fn a_plugin_of_another_protocol_version_fails_the_job_with_a_clear_message_and_the_node_stays_up() {
-    let cluster = Cluster::get();
-    cluster.require_sluice();
+    let cluster = Cluster::for_sluice();
     let test = "version_skew";
     let data = cluster.data_dir(test).join("train");
     make_dataset(&data, false);

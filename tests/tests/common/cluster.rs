@@ -56,6 +56,13 @@ impl Cluster {
         }
     }
 
+    /// [`Cluster::get`] for a test of sluice itself: it fails unless the plugin and agents run.
+    pub fn for_sluice() -> Cluster {
+        let cluster = Cluster::get();
+        cluster.require_sluice();
+        cluster
+    }
+
     pub fn var(&self, key: &str) -> &str {
         self.vars
             .get(key)

@@ -1,6 +1,6 @@
 //! What the security tests share on top of `common`: speaking the agent's socket protocol byte by
 //! byte as an unprivileged user (a small Python client, since the test process is root and the
-//! agent authorises from `SO_PEERCRED`), the `sluice` CLI as any user, and root-only secrets.
+//! agent authorises from `SO_PEERCRED`), jobs held running while a test acts, and root-only secrets.
 #![allow(dead_code)] // each security test binary uses a different subset
 
 use crate::common::*;
@@ -9,6 +9,7 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 /// Connects to an agent socket once per case and sends exactly the bytes the case describes, then
 /// reads one reply frame. Reads a JSON spec on stdin, prints one JSON result per case on stdout.
@@ -126,40 +127,49 @@ pub fn raw_requests(cluster: &Cluster, user: &str, socket: &Path, cases: Value) 
         .collect()
 }
 
-/// The socket of one node's agent.
-pub fn socket_of(cluster: &Cluster, node: &str) -> PathBuf {
-    PathBuf::from(cluster.var("SLUICE_TEST_SOCKET").replace("%n", node))
+/// A job of the test user on one node whose single task runs `before` (bash), tells the test it is
+/// there and waits until the test lets it go on ([`HeldJob::release`], at most 3 minutes), then
+/// runs `after`: for tests that act while a job runs. Neither part may hold a single quote.
+pub struct HeldJob {
+    pub job: Job,
+    go: PathBuf,
 }
 
-/// The `sluice` CLI, copied where every user may run it (the build tree may not be readable). One
-/// copy per build (named by the binary's size and modification time), reused across tests and runs.
-pub fn cli(cluster: &Cluster) -> PathBuf {
-    use std::os::unix::fs::MetadataExt;
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/sluice");
-    let md = fs::metadata(&built).unwrap_or_else(|e| {
-        panic!(
-            "no {} ({e}): run 'cargo build --workspace' (tests/harness/run-e2e.sh does)",
-            built.display()
-        )
-    });
-    let dir = PathBuf::from(cluster.var("SLUICE_TEST_ROOT")).join("e2e-bin");
-    fs::create_dir_all(&dir).unwrap();
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
-    let dest = dir.join(format!("sluice-{}-{}", md.mtime(), md.len()));
-    if fs::metadata(&dest).is_ok_and(|d| d.len() == md.len()) {
-        return dest;
+impl HeldJob {
+    /// Submits it on `node` (with `args` besides) from `work`, and waits until its task is ready.
+    pub fn start(
+        cluster: &Cluster,
+        work: &Path,
+        node: &str,
+        args: &[&str],
+        before: &str,
+        after: &str,
+    ) -> HeldJob {
+        let (ready, go) = (work.join("ready"), work.join("go"));
+        let script = format!(
+            "#!/bin/bash\nsrun -N1 -n1 bash -c '\n{before}\ntouch {ready}\n\
+             for i in $(seq 900); do [ -e {go} ] && break; sleep 0.2; done\n{after}\n'\n",
+            ready = ready.display(),
+            go = go.display()
+        );
+        let nodelist = format!("--nodelist={node}");
+        let mut all = vec!["-N1", nodelist.as_str()];
+        all.extend_from_slice(args);
+        let job = cluster.submit(work, &all, &script);
+        cluster.wait_for(
+            &format!("the task of job {} to be ready on {node}", job.id),
+            Duration::from_secs(240),
+            Some(&job),
+            || ready.exists(),
+        );
+        HeldJob { job, go }
     }
-    // Replace older copies, then copy under a temporary name and rename (tests may race).
-    for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
-        if e.file_name().to_string_lossy().starts_with("sluice-") {
-            let _ = fs::remove_file(e.path());
-        }
+
+    /// Lets the task go on and waits for the job to end.
+    pub fn release(&self, cluster: &Cluster) -> JobEnd {
+        fs::write(&self.go, b"").unwrap();
+        cluster.wait_end(&self.job, Duration::from_secs(240))
     }
-    let tmp = dir.join(format!(".sluice-{}", unique()));
-    fs::copy(&built, &tmp).unwrap_or_else(|e| panic!("copy {}: {e}", built.display()));
-    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)).unwrap();
-    fs::rename(&tmp, &dest).unwrap();
-    dest
 }
 
 /// A root-only file (0600) with unique content, outside every job tree: what a hostile job tries to
