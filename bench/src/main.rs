@@ -34,8 +34,11 @@ struct Common {
     root: PathBuf,
 }
 
+/// One operation on behalf of a job user.
 #[derive(clap::Args, Clone)]
 struct Job {
+    #[command(flatten)]
+    common: Common,
     #[arg(long)]
     uid: u32,
     #[arg(long)]
@@ -44,75 +47,87 @@ struct Job {
     user: String,
 }
 
+/// What to stage, and how.
+#[derive(clap::Args, Clone)]
+struct Staging {
+    #[arg(long)]
+    stage_dir: PathBuf,
+    /// sluiced (the copy-as-user helper for POSIX sources).
+    #[arg(long)]
+    helper: PathBuf,
+    /// NAME=URL, as --stage-in takes it; repeatable.
+    #[arg(long = "source", required = true)]
+    sources: Vec<String>,
+}
+
+/// Which checkpoint to archive, and where.
+#[derive(clap::Args, Clone)]
+struct Archiving {
+    #[arg(long)]
+    url: String,
+    #[arg(long)]
+    tag: String,
+    #[arg(long)]
+    dir: PathBuf,
+}
+
+/// `sluice-bench run`'s options (bench/run passes them).
+#[derive(clap::Args)]
+struct RunOpts {
+    #[command(flatten)]
+    common: Common,
+    /// The repository (for the commit in the JSON).
+    #[arg(long, default_value = ".")]
+    repo: PathBuf,
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Downloads kept across runs (the model package).
+    #[arg(long, default_value = "/var/lib/sluice-bench/cache")]
+    cache: PathBuf,
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Tiny data, for the test command.
+    #[arg(long)]
+    smoke: bool,
+    /// The full sizes (2 GiB objects, 1 GiB compression inputs, 4 GiB staged for RSS).
+    #[arg(long)]
+    full: bool,
+    #[arg(long)]
+    sluiced: PathBuf,
+    #[arg(long)]
+    rclone: PathBuf,
+    #[arg(long, default_value = "sluiceuser")]
+    user: String,
+    /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss.
+    #[arg(long, value_delimiter = ',')]
+    cases: Option<Vec<String>>,
+    #[arg(long, default_value = "/etc/slurm/plugstack.conf")]
+    plugstack: PathBuf,
+    /// Which build this is (for the report).
+    #[arg(long, default_value = "release")]
+    build: String,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the benchmark.
-    Run {
-        #[command(flatten)]
-        common: Common,
-        /// The repository (for the commit in the JSON).
-        #[arg(long, default_value = ".")]
-        repo: PathBuf,
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Downloads kept across runs (the model package).
-        #[arg(long, default_value = "/var/lib/sluice-bench/cache")]
-        cache: PathBuf,
-        #[arg(long, default_value_t = 3)]
-        reps: usize,
-        /// Tiny data, for the test command.
-        #[arg(long)]
-        smoke: bool,
-        /// The full sizes (2 GiB objects, 1 GiB compression inputs, 4 GiB staged for RSS).
-        #[arg(long)]
-        full: bool,
-        #[arg(long)]
-        sluiced: PathBuf,
-        #[arg(long)]
-        rclone: PathBuf,
-        #[arg(long, default_value = "sluiceuser")]
-        user: String,
-        /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss.
-        #[arg(long, value_delimiter = ',')]
-        cases: Option<Vec<String>>,
-        #[arg(long, default_value = "/etc/slurm/plugstack.conf")]
-        plugstack: PathBuf,
-        /// Which build this is (for the report).
-        #[arg(long, default_value = "release")]
-        build: String,
-    },
+    Run(RunOpts),
     /// Stage datasets into a stage directory with the agent's staging code.
     Stage {
         #[command(flatten)]
-        common: Common,
-        #[arg(long)]
-        stage_dir: PathBuf,
-        #[command(flatten)]
         job: Job,
-        /// sluiced (the copy-as-user helper for POSIX sources).
-        #[arg(long)]
-        helper: PathBuf,
-        /// NAME=URL, as --stage-in takes it; repeatable.
-        #[arg(long = "source", required = true)]
-        sources: Vec<String>,
+        #[command(flatten)]
+        staging: Staging,
     },
     /// Archive a checkpoint directory as one node's part, and publish it.
     Archive {
         #[command(flatten)]
-        common: Common,
-        #[arg(long)]
-        url: String,
-        #[arg(long)]
-        tag: String,
-        #[arg(long)]
-        dir: PathBuf,
-        #[command(flatten)]
         job: Job,
+        #[command(flatten)]
+        archiving: Archiving,
     },
     /// Restore a checkpoint into an empty directory.
     Restore {
-        #[command(flatten)]
-        common: Common,
         #[arg(long)]
         url: String,
         #[arg(long)]
@@ -125,21 +140,11 @@ enum Cmd {
     /// Stage and archive at once; report peak RSS.
     Rss {
         #[command(flatten)]
-        common: Common,
-        #[arg(long)]
-        stage_dir: PathBuf,
-        #[command(flatten)]
         job: Job,
-        #[arg(long)]
-        helper: PathBuf,
-        #[arg(long = "source", required = true)]
-        sources: Vec<String>,
-        #[arg(long)]
-        url: String,
-        #[arg(long)]
-        tag: String,
-        #[arg(long)]
-        dir: PathBuf,
+        #[command(flatten)]
+        staging: Staging,
+        #[command(flatten)]
+        archiving: Archiving,
     },
     /// Print the table of result files (merging runs of different --cases).
     Table { files: Vec<PathBuf> },
@@ -171,75 +176,41 @@ fn main() -> ExitCode {
 
 fn real_main() -> Result<bool> {
     match Cli::parse().cmd {
-        Cmd::Run {
-            common,
-            repo,
-            out,
-            cache,
-            reps,
-            smoke,
-            full,
-            sluiced,
-            rclone,
-            user,
-            cases,
-            plugstack,
-            build,
-        } => {
-            let mode = match (smoke, full) {
+        Cmd::Run(r) => {
+            let mode = match (r.smoke, r.full) {
                 (true, _) => run::Mode::Smoke,
                 (false, true) => run::Mode::Full,
                 _ => run::Mode::Scaled,
             };
             let args = run::Args {
-                env: common.env,
-                root: common.root,
-                repo,
-                out,
-                cache,
-                reps: if smoke { 1 } else { reps.max(1) },
+                env: r.common.env,
+                root: r.common.root,
+                repo: r.repo,
+                out: r.out,
+                cache: r.cache,
+                reps: if r.smoke { 1 } else { r.reps.max(1) },
                 mode,
-                sluiced,
-                rclone,
-                user,
-                cases,
-                plugstack,
-                build,
+                sluiced: r.sluiced,
+                rclone: r.rclone,
+                user: r.user,
+                cases: r.cases,
+                plugstack: r.plugstack,
+                build: r.build,
             };
             run::Bench::new(args)?.run()
         }
-        Cmd::Stage {
-            common,
-            stage_dir,
-            job,
-            helper,
-            sources,
-        } => engine::stage(stage_job(common, stage_dir, job, helper, sources)).map(|_| true),
-        Cmd::Archive {
-            common,
-            url,
-            tag,
-            dir,
-            job,
-        } => engine::archive(engine::ArchiveJob {
-            env: common.env,
-            root: common.root,
-            url,
-            tag,
-            dir,
-            uid: job.uid,
-            user: job.user,
-        })
-        .map(|_| true),
+        Cmd::Stage { job, staging } => engine::stage(stage_job(job, staging)).map(|_| true),
+        Cmd::Archive { job, archiving } => {
+            engine::archive(archive_job(job, archiving)).map(|_| true)
+        }
         Cmd::Restore {
-            common,
             url,
             tag,
             dest,
             job,
         } => engine::restore(engine::RestoreJob {
-            env: common.env,
-            root: common.root,
+            env: job.common.env,
+            root: job.common.root,
             url,
             tag,
             dest,
@@ -248,25 +219,12 @@ fn real_main() -> Result<bool> {
         })
         .map(|_| true),
         Cmd::Rss {
-            common,
-            stage_dir,
             job,
-            helper,
-            sources,
-            url,
-            tag,
-            dir,
+            staging,
+            archiving,
         } => {
-            let archive = engine::ArchiveJob {
-                env: common.env.clone(),
-                root: common.root.clone(),
-                url,
-                tag,
-                dir,
-                uid: job.uid,
-                user: job.user.clone(),
-            };
-            engine::rss(stage_job(common, stage_dir, job, helper, sources), archive).map(|_| true)
+            let archive = archive_job(job.clone(), archiving);
+            engine::rss(stage_job(job, staging), archive).map(|_| true)
         }
         Cmd::Table { files } => run::print_tables(&files).map(|_| true),
         Cmd::Compress {
@@ -278,21 +236,27 @@ fn real_main() -> Result<bool> {
     }
 }
 
-fn stage_job(
-    common: Common,
-    stage_dir: PathBuf,
-    job: Job,
-    helper: PathBuf,
-    sources: Vec<String>,
-) -> engine::StageJob {
+fn stage_job(job: Job, staging: Staging) -> engine::StageJob {
     engine::StageJob {
-        env: common.env,
-        root: common.root,
-        stage_dir,
+        env: job.common.env,
+        root: job.common.root,
+        stage_dir: staging.stage_dir,
         uid: job.uid,
         gid: job.gid,
         user: job.user,
-        helper,
-        sources,
+        helper: staging.helper,
+        sources: staging.sources,
+    }
+}
+
+fn archive_job(job: Job, archiving: Archiving) -> engine::ArchiveJob {
+    engine::ArchiveJob {
+        env: job.common.env,
+        root: job.common.root,
+        url: archiving.url,
+        tag: archiving.tag,
+        dir: archiving.dir,
+        uid: job.uid,
+        user: job.user,
     }
 }

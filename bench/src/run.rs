@@ -425,14 +425,27 @@ impl Bench {
         c
     }
 
-    fn owner_args(&self, c: &mut Command) {
-        c.args([
-            "--uid",
-            &self.uid.to_string(),
-            "--gid",
-            &self.gid.to_string(),
-        ])
-        .args(["--user", &self.a.user]);
+    /// `sluice-bench SUB` on behalf of the job user (`--uid`, `--gid`, `--user`).
+    fn engine_as_job(&self, sub: &str) -> Command {
+        let mut c = self.engine(sub);
+        c.args(["--uid", &self.uid.to_string()])
+            .args(["--gid", &self.gid.to_string()])
+            .args(["--user", &self.a.user]);
+        c
+    }
+
+    /// `sluice-bench SUB` staging `sources` (NAME=URL each) into `stage_dir` as the job user, POSIX
+    /// sources through the real copy helper.
+    fn staging(&self, sub: &str, stage_dir: &Path, sources: &[String]) -> Command {
+        let mut c = self.engine_as_job(sub);
+        c.arg("--stage-dir")
+            .arg(stage_dir)
+            .arg("--helper")
+            .arg(&self.a.sluiced);
+        for s in sources {
+            c.args(["--source", s]);
+        }
+        c
     }
 
     // ------------------------------------------------------------------------------------ data
@@ -444,18 +457,17 @@ impl Bench {
         data::cached(&big, &format!("big {}", s.big), |d| {
             data::write_file(&d.join("big.bin"), Kind::Random, s.big, 1)
         })?;
-        let small = self.data.join("small");
-        data::cached(
-            &small,
-            &format!("small {} {}", s.small_count, s.small_size),
-            |d| data::random_tree(d, s.small_count, s.small_size),
-        )?;
-        let psmall = self.data.join("posix-small");
-        data::cached(
-            &psmall,
-            &format!("posix-small {} {}", s.posix_small_count, s.posix_small_size),
-            |d| data::random_tree(d, s.posix_small_count, s.posix_small_size),
-        )?;
+        // Many small files: the object-store datasets' and the POSIX ones.
+        let (small, psmall) = (self.data.join("small"), self.data.join("posix-small"));
+        for (dir, count, size) in [
+            (&small, s.small_count, s.small_size),
+            (&psmall, s.posix_small_count, s.posix_small_size),
+        ] {
+            let name = dir.file_name().unwrap().to_string_lossy();
+            data::cached(dir, &format!("{name} {count} {size}"), |d| {
+                data::random_tree(d, count, size)
+            })?;
+        }
         let ckpt = self.data.join("ckpt");
         data::cached(&ckpt, &format!("ckpt {}", s.ckpt), |d| {
             data::checkpoint(d, s.ckpt).map(drop)
@@ -552,16 +564,7 @@ impl Bench {
         let mut tools = vec![Tool {
             name: "sluice".into(),
             prepare: Box::new(|_| fresh_dir(&sluice_dir, Some(owner))),
-            command: Box::new(|_| {
-                let mut c = self.engine("stage");
-                c.arg("--stage-dir").arg(&sluice_dir);
-                self.owner_args(&mut c);
-                c.arg("--helper")
-                    .arg(&self.a.sluiced)
-                    .arg("--source")
-                    .arg(format!("ds={source}"));
-                c
-            }),
+            command: Box::new(|_| self.staging("stage", &sluice_dir, &[format!("ds={source}")])),
             after: Box::new(|_, _| {
                 check_tree(&sluice_dir.join("ds"), want)?;
                 remove(&sluice_dir)
@@ -698,7 +701,7 @@ impl Bench {
                 name: "sluice".into(),
                 prepare: Box::new(|_| Ok(())),
                 command: Box::new(|rep| {
-                    let mut c = self.engine("archive");
+                    let mut c = self.engine_as_job("archive");
                     c.args([
                         "--url",
                         "s3://ckpt/bench/sluice",
@@ -707,7 +710,6 @@ impl Bench {
                     ])
                     .arg("--dir")
                     .arg(&ckpt);
-                    self.owner_args(&mut c);
                     c
                 }),
                 after: Box::new(|rep, s| {
@@ -790,11 +792,10 @@ impl Bench {
                 name: "sluice".into(),
                 prepare: Box::new(|_| fresh_dir(&sluice_dir, Some(owner))),
                 command: Box::new(|_| {
-                    let mut c = self.engine("restore");
+                    let mut c = self.engine_as_job("restore");
                     c.args(["--url", "s3://ckpt/bench/sluice", "--tag", "r0"])
                         .arg("--dest")
                         .arg(&sluice_dir);
-                    self.owner_args(&mut c);
                     c
                 }),
                 after: Box::new(|_, _| {
@@ -1193,14 +1194,9 @@ impl Bench {
             name: "sluice".into(),
             prepare: Box::new(|_| fresh_dir(&sluice_dir, Some(owner))),
             command: Box::new(|rep| {
-                let mut c = self.engine("rss");
-                c.arg("--stage-dir").arg(&sluice_dir);
-                self.owner_args(&mut c);
-                c.arg("--helper")
-                    .arg(&self.a.sluiced)
-                    .args(["--source", "a=s3://datasets/bench/big"])
-                    .args(["--source", "b=s3://datasets/bench/big"])
-                    .args(["--url", "s3://ckpt/bench/rss", "--tag", &format!("r{rep}")])
+                let sources = ["a", "b"].map(|n| format!("{n}=s3://datasets/bench/big"));
+                let mut c = self.staging("rss", &sluice_dir, &sources);
+                c.args(["--url", "s3://ckpt/bench/rss", "--tag", &format!("r{rep}")])
                     .arg("--dir")
                     .arg(&ckpt);
                 c
