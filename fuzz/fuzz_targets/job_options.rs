@@ -27,13 +27,7 @@ fuzz_target!(|data: &[u8]| {
         let name = names::ALL[*first as usize % names::ALL.len()];
         values.push((name, String::from_utf8_lossy(rest).into_owned()));
     }
-    let lookup = |n: &str| {
-        values
-            .iter()
-            .rev()
-            .find(|(k, _)| *k == n)
-            .map(|(_, v)| v.clone())
-    };
+    let lookup = |n: &str| props::last_value(&values, n);
     // The plugin's submit-time check and the agent's root-side parse agree, value by value.
     for name in names::ALL {
         if let Some(v) = lookup(name) {

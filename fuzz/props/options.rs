@@ -7,6 +7,15 @@ use sluice_proto::options::{
     Source,
 };
 
+/// The value of option `name` among `values` (in the order given): the last one wins, as with Slurm.
+pub fn last_value(values: &[(&str, String)], name: &str) -> Option<String> {
+    values
+        .iter()
+        .rev()
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.clone())
+}
+
 pub fn no_dotdot(what: &str, s: &str) {
     assert!(
         !s.split('/').any(|seg| seg == ".."),

@@ -632,13 +632,7 @@ fn option_parser_survives_mutated_values() {
             // the agent must not rely on it, so NULs stay in.
             values.push((name, String::from_utf8_lossy(&v).into_owned()));
         }
-        let lookup = |n: &str| {
-            values
-                .iter()
-                .rev()
-                .find(|(k, _)| *k == n)
-                .map(|(_, v)| v.clone())
-        };
+        let lookup = |n: &str| props::last_value(&values, n);
         match options::parse_job_options(lookup) {
             Ok(opts) => {
                 accepted += 1;
