@@ -1,7 +1,7 @@
 //! Engine tests against an in-memory store. The same behaviour against real stores (file://, Garage,
 //! Azurite) is `tests/archive_conformance.rs`.
 
-use super::walk::tests::{chown_tree, test_uid};
+use super::walk::tests::{assert_root, chown_tree, test_uid};
 use super::*;
 use crate::safefs::{self, Owner};
 use crate::synth::{bf16_weights, fp32_values};
@@ -54,6 +54,13 @@ async fn upload(
     let fd = Arc::new(safefs::open_root_dir(dir).unwrap());
     a.upload_part(tag, node, fd, test_uid(), &ArchiveProgress::default())
         .await
+}
+
+/// Uploads `dir` as node n1's part of `tag` and publishes it with n1 as the only node.
+async fn publish_alone(a: &Archiver, tag: &str, dir: &Path) -> Manifest {
+    upload(a, tag, "n1", dir).await.unwrap();
+    let published = a.try_publish(tag, &nodes(&["n1"]), job()).await.unwrap();
+    published.unwrap_or_else(|| panic!("{tag} was not published"))
 }
 
 fn nodes(n: &[&str]) -> Vec<String> {
@@ -166,10 +173,7 @@ async fn archive_publish_restore_round_trip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root (the tree is another user's, the link's target root's); run as root with --ignored, as tests/harness/run-e2e.sh does"]
 async fn hostile_tree_uploads_nothing() {
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "this test needs root: the tree must belong to another user and the link's target to root"
-    );
+    assert_root("the tree must belong to another user and the link's target to root");
     let outside = tempfile::tempdir().unwrap();
     std::fs::write(outside.path().join("secret"), b"root's secret").unwrap();
     let src = tempfile::tempdir().unwrap();
@@ -235,13 +239,7 @@ async fn file_changing_while_read_is_not_published() {
         None
     );
     // Once the file is stable, a retry succeeds.
-    upload(&a, "step2", "n1", src.path()).await.unwrap();
-    assert!(
-        a.try_publish("step2", &nodes(&["n1"]), job())
-            .await
-            .unwrap()
-            .is_some()
-    );
+    publish_alone(&a, "step2", src.path()).await;
 }
 
 /// The cap holds the upload to the configured rate (virtual time).
@@ -357,12 +355,7 @@ async fn publishing_twice_keeps_the_first_manifest() {
     write_tree(src.path());
     let store = Arc::new(InMemory::new());
     let a = archiver(store.clone(), small_cfg());
-    upload(&a, "step5", "n1", src.path()).await.unwrap();
-    let m = a
-        .try_publish("step5", &nodes(&["n1"]), job())
-        .await
-        .unwrap()
-        .unwrap();
+    let m = publish_alone(&a, "step5", src.path()).await;
     // InMemory refuses a second create-only put: the existing, identical manifest is returned.
     assert_eq!(a.put_manifest(&m).await.unwrap(), m);
     let other = Manifest {
@@ -471,12 +464,7 @@ async fn version_1_archives_still_restore() {
     write_tree(src.path());
     let store = Arc::new(InMemory::new());
     let a = archiver(store.clone(), small_cfg());
-    upload(&a, "step1", "n1", src.path()).await.unwrap();
-    let mut m = a
-        .try_publish("step1", &nodes(&["n1"]), job())
-        .await
-        .unwrap()
-        .unwrap();
+    let mut m = publish_alone(&a, "step1", src.path()).await;
     let mut rewritten = 0;
     for f in &mut m.files {
         if f.compression.transform == Transform::None {
@@ -532,11 +520,7 @@ async fn any_chunk_size_restores() {
                 ..small_cfg()
             },
         );
-        upload(&a, tag, "n1", src.path()).await.unwrap();
-        a.try_publish(tag, &nodes(&["n1"]), job())
-            .await
-            .unwrap()
-            .unwrap();
+        publish_alone(&a, tag, src.path()).await;
         let m = restore_and_compare(&a, tag, src.path()).await;
         let weights = m.files.iter().find(|f| f.path == "model/weights.bf16");
         assert!(weights.unwrap().chunks.len() > 2, "{tag}");

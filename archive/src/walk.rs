@@ -336,6 +336,16 @@ pub(crate) mod tests {
         }
     }
 
+    /// Fails the test, saying why it needs root, unless it runs as root. Such tests are also
+    /// `#[ignore]`d, so that a plain `cargo test` reports them ignored; run-e2e.sh runs them as root.
+    #[track_caller]
+    pub fn assert_root(why: &str) {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test needs root: {why}"
+        );
+    }
+
     pub fn chown_tree(path: &Path, uid: u32) {
         if !nix::unistd::geteuid().is_root() {
             return;
@@ -383,10 +393,7 @@ pub(crate) mod tests {
     #[test]
     #[ignore = "needs root (the trees are another user's, the link targets root's); run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn hostile_trees_are_refused() {
-        assert!(
-            nix::unistd::geteuid().is_root(),
-            "this test needs root: the trees must belong to another user and the link targets to root"
-        );
+        assert_root("the trees must belong to another user and the link targets to root");
         let uid = test_uid();
         let outside = tempfile::tempdir().unwrap();
         let secret = outside.path().join("secret");
