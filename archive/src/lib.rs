@@ -38,12 +38,15 @@
 //! aligned blocks with `O_DIRECT` (no page-cache copy; the restored files are not left in the page
 //! cache) where the file system allows it, and fsyncs every file before it returns.
 
-#![forbid(unsafe_code)]
+// `deny`, not `forbid`: the aligned-buffer module alone is allowed `unsafe` (each block argued).
+#![deny(unsafe_code)]
 
 pub mod config;
 mod download;
 pub mod durable;
 pub mod format;
+#[allow(unsafe_code)]
+pub mod iobuf;
 pub mod manifest;
 pub mod rt;
 pub mod safefs;
@@ -192,11 +195,13 @@ pub enum ArchiveError {
         detail: String,
         errno: Option<i32>,
     },
+    /// A store request failed (after object_store's retries); [`ArchiveError::store_kind`] says how.
     #[error("{url}: {op} '{key}': {error}")]
     Store {
         url: String,
         op: &'static str,
         key: String,
+        #[source]
         error: Box<object_store::Error>,
     },
     #[error("checkpoint {tag} is not archived at {url}: it has no MANIFEST (partial or missing)")]
@@ -278,6 +283,31 @@ impl ArchiveError {
             self,
             ArchiveError::Corrupt { .. } | ArchiveError::BadManifest { .. }
         )
+    }
+
+    /// What a failed store request means (unreachable, not found, ...); `None` for errors that are
+    /// not a store request's.
+    pub fn store_kind(&self) -> Option<store::StoreErrorKind> {
+        match self {
+            ArchiveError::Store { error, .. } => Some(store::classify(error)),
+            _ => None,
+        }
+    }
+
+    /// This error for people: a store's error code and message instead of its raw XML reply, and
+    /// no retry bookkeeping ([`store::describe`]); other errors as they display.
+    pub fn describe(&self) -> String {
+        match self {
+            ArchiveError::Store {
+                url,
+                op,
+                key,
+                error,
+            } => {
+                format!("{url}: {op} '{key}': {}", store::describe(error))
+            }
+            other => other.to_string(),
+        }
     }
 }
 

@@ -295,6 +295,24 @@ mod tests {
             "{d}"
         );
         assert!(d.contains("(Connection refused"), "{d}");
+
+        // The archive's error keeps it as its source and says the same.
+        let archive = crate::ArchiveError::Store {
+            url: "s3://data".into(),
+            op: "get",
+            key: "ds/a.bin".into(),
+            error: Box::new(e),
+        };
+        assert_eq!(archive.store_kind(), Some(StoreErrorKind::Unreachable));
+        assert_eq!(
+            archive.describe(),
+            format!("s3://data: get 'ds/a.bin': {d}")
+        );
+        let source = StdError::source(&archive).expect("the store error is the source");
+        assert_eq!(source.to_string(), text);
+        let other = crate::ArchiveError::Stopped { tag: "t".into() };
+        assert_eq!(other.store_kind(), None);
+        assert_eq!(other.describe(), other.to_string());
     }
 
     #[tokio::test]
