@@ -45,6 +45,15 @@ fn archiver(store: Arc<InMemory>, cfg: ArchiveConfig) -> Archiver {
     Archiver::new(store, "alice/run1", cfg).unwrap()
 }
 
+/// `write_tree` in a fresh directory, an empty in-memory store, and an archiver on it.
+fn tree_and_store() -> (tempfile::TempDir, Arc<InMemory>, Archiver) {
+    let src = tempfile::tempdir().unwrap();
+    write_tree(src.path());
+    let store = Arc::new(InMemory::new());
+    let a = archiver(store.clone(), small_cfg());
+    (src, store, a)
+}
+
 async fn upload(
     a: &Archiver,
     tag: &str,
@@ -80,10 +89,7 @@ async fn keys(store: &InMemory) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archive_publish_restore_round_trip() {
-    let src = tempfile::tempdir().unwrap();
-    write_tree(src.path());
-    let store = Arc::new(InMemory::new());
-    let a = archiver(store.clone(), small_cfg());
+    let (src, store, a) = tree_and_store();
     let progress = ArchiveProgress::default();
     let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
     let part = a
@@ -351,10 +357,7 @@ fn container_beats_plain_zstd_on_bf16_weights() {
 /// and the existing one wins when it is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publishing_twice_keeps_the_first_manifest() {
-    let src = tempfile::tempdir().unwrap();
-    write_tree(src.path());
-    let store = Arc::new(InMemory::new());
-    let a = archiver(store.clone(), small_cfg());
+    let (src, _store, a) = tree_and_store();
     let m = publish_alone(&a, "step5", src.path()).await;
     // InMemory refuses a second create-only put: the existing, identical manifest is returned.
     assert_eq!(a.put_manifest(&m).await.unwrap(), m);
@@ -460,10 +463,7 @@ async fn restore_and_compare(a: &Archiver, tag: &str, src: &Path) -> Manifest {
 /// frame) still verify and restore. The archive is rewritten here exactly as version 1 wrote it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn version_1_archives_still_restore() {
-    let src = tempfile::tempdir().unwrap();
-    write_tree(src.path());
-    let store = Arc::new(InMemory::new());
-    let a = archiver(store.clone(), small_cfg());
+    let (src, store, a) = tree_and_store();
     let mut m = publish_alone(&a, "step1", src.path()).await;
     let mut rewritten = 0;
     for f in &mut m.files {
