@@ -133,7 +133,7 @@ impl Target {
     }
 }
 
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 struct Row {
     case: String,
     size: String,
@@ -767,8 +767,6 @@ impl Bench {
             peer_name: "rclone (tuned)".into(),
             peer: Some(ps / MIB as f64),
             ratio: Some(ps / ss),
-            sluice_cpu_s_per_gib: None,
-            peer_cpu_s_per_gib: None,
             target: format!("{} (<= 0.85x)", Target::Gain(1.0 / 0.85).text()),
             met: Some(ss <= 0.85 * ps),
             note: format!(
@@ -778,9 +776,7 @@ impl Bench {
             ),
             sluice_samples: stored(&samples[0]),
             peer_samples: stored(&samples[1]),
-            sluice_cpu_s: Vec::new(),
-            peer_cpu_s: Vec::new(),
-            sluice_extra: Vec::new(),
+            ..Row::default()
         });
 
         let case = "checkpoint restore from S3";
@@ -1025,7 +1021,7 @@ impl Bench {
                     peer_samples: pv,
                     sluice_cpu_s: cpu(&samples[0]),
                     peer_cpu_s: cpu(&samples[1]),
-                    sluice_extra: Vec::new(),
+                    ..Row::default()
                 });
             }
         }
@@ -1162,8 +1158,6 @@ impl Bench {
                     peer_name: "plain Slurm".into(),
                     peer: Some(p),
                     ratio: Some(gain),
-                    sluice_cpu_s_per_gib: None,
-                    peer_cpu_s_per_gib: None,
                     target: format!("{} (<= 1.05x)", Target::Gain(1.0 / 1.05).text()),
                     met: Some(w <= 1.05 * p),
                     note: format!(
@@ -1173,9 +1167,7 @@ impl Bench {
                     ),
                     sluice_samples: with,
                     peer_samples: without,
-                    sluice_cpu_s: Vec::new(),
-                    peer_cpu_s: Vec::new(),
-                    sluice_extra: Vec::new(),
+                    ..Row::default()
                 });
             }
             Err(e) => r.error(case, e),
@@ -1230,10 +1222,7 @@ impl Bench {
                     unit: "MiB".into(),
                     sluice: worst,
                     peer_name: "-".into(),
-                    peer: None,
-                    ratio: None,
                     sluice_cpu_s_per_gib: Some(median(&s[0].iter().map(|s| s.cpu_s).collect::<Vec<_>>()) / (bytes as f64 / GIB)),
-                    peer_cpu_s_per_gib: None,
                     target: Target::AtMost(256.0).text() + " MiB",
                     met: Some(worst <= 256.0),
                     note: format!(
@@ -1241,10 +1230,9 @@ impl Bench {
                         hwm.len()
                     ),
                     sluice_samples: hwm,
-                    peer_samples: Vec::new(),
                     sluice_cpu_s: s[0].iter().map(|s| s.cpu_s).collect(),
-                    peer_cpu_s: Vec::new(),
                     sluice_extra: s[0].iter().map(|s| s.extra.clone()).collect(),
+                    ..Row::default()
                 });
             }
             Err(e) => r.error(case, e),
