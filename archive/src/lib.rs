@@ -369,7 +369,8 @@ impl ArchiveProgress {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(tag = "state", rename_all = "lowercase")]
 pub enum CheckpointState {
     /// A valid MANIFEST: restorable.
     Complete,
@@ -379,10 +380,12 @@ pub enum CheckpointState {
     Invalid { reason: String },
 }
 
-/// One tag of an archive, as [`Archiver::list`] reports it.
-#[derive(Debug, Clone, PartialEq)]
+/// One tag of an archive, as [`Archiver::list`] reports it (and `sluice ckpt list --json` prints
+/// it: the state as `"state": "complete" | "partial" | "invalid"`, with `"reason"` for an invalid one).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct CheckpointInfo {
     pub tag: String,
+    #[serde(flatten)]
     pub state: CheckpointState,
     pub files: u64,
     /// Raw bytes (for a partial tag: of the parts written so far).

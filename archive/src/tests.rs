@@ -526,3 +526,33 @@ async fn any_chunk_size_restores() {
         assert!(weights.unwrap().chunks.len() > 2, "{tag}");
     }
 }
+
+/// `sluice ckpt list --json` prints [`CheckpointInfo`] as it is: the state as one word, and the
+/// reason beside it for an invalid checkpoint.
+#[test]
+fn a_listing_serialises_as_the_cli_prints_it() {
+    let info = |state| CheckpointInfo {
+        tag: "s1".into(),
+        state,
+        files: 2,
+        raw_bytes: 10,
+        stored_bytes: 5,
+        ratio: Some(2.0),
+        created_unix_ms: 7,
+        job: None,
+        nodes: vec!["n1".into()],
+    };
+    let v = serde_json::to_value(info(CheckpointState::Invalid {
+        reason: "bad MANIFEST".into(),
+    }))
+    .unwrap();
+    assert_eq!(v["state"], "invalid");
+    assert_eq!(v["reason"], "bad MANIFEST");
+    assert_eq!(
+        (v["tag"].as_str(), v["files"].as_u64()),
+        (Some("s1"), Some(2))
+    );
+    let v = serde_json::to_value(info(CheckpointState::Complete)).unwrap();
+    assert_eq!(v["state"], "complete");
+    assert!(v.get("reason").is_none());
+}

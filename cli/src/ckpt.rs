@@ -10,8 +10,8 @@ use serde::Serialize;
 use sluice_archive::config::{Config, ConfigError};
 use sluice_archive::safefs::{self, Owner};
 use sluice_archive::{
-    ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, CheckpointState,
-    JobMeta, check_name, open_archive, parse_archive_url,
+    ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, check_name,
+    open_archive, parse_archive_url,
 };
 use sluice_proto::msg::{CkptStatus, JobId};
 use std::ffi::OsString;
@@ -171,48 +171,10 @@ async fn resolve_tag(a: &Archiver, tag: &str, exclude: &[String]) -> anyhow::Res
 
 // ------------------------------------------------------------------------------------ list
 
-/// One tag of an archive, for `--json`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ArchivedCkpt {
-    pub tag: String,
-    /// `complete`, `partial` or `invalid`.
-    pub state: &'static str,
-    /// Why an invalid checkpoint is.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-    pub files: u64,
-    pub raw_bytes: u64,
-    pub stored_bytes: u64,
-    pub ratio: Option<f64>,
-    pub created_unix_ms: u64,
-    pub job: Option<JobMeta>,
-    pub nodes: Vec<String>,
-}
-
-impl From<&CheckpointInfo> for ArchivedCkpt {
-    fn from(c: &CheckpointInfo) -> ArchivedCkpt {
-        ArchivedCkpt {
-            tag: c.tag.clone(),
-            state: crate::render::archive_state(&c.state),
-            reason: match &c.state {
-                CheckpointState::Invalid { reason } => Some(reason.clone()),
-                _ => None,
-            },
-            files: c.files,
-            raw_bytes: c.raw_bytes,
-            stored_bytes: c.stored_bytes,
-            ratio: c.ratio,
-            created_unix_ms: c.created_unix_ms,
-            job: c.job.clone(),
-            nodes: c.nodes.clone(),
-        }
-    }
-}
-
 #[derive(Debug, Serialize)]
 pub struct ArchiveListing {
     pub url: String,
-    pub ckpts: Vec<ArchivedCkpt>,
+    pub ckpts: Vec<CheckpointInfo>,
 }
 
 #[derive(Debug, Serialize)]
@@ -451,7 +413,7 @@ pub async fn restore(
 /// A failed restore: the error, then what became of `dest`.
 fn fail(e: anyhow::Error, dest: &Dest) -> anyhow::Error {
     let left = dest.discard();
-    anyhow!("{e:#}; {left}")
+    anyhow!("{}; {left}", crate::render::error_text(&e))
 }
 
 /// Drives `fut`, showing `progress` on stderr twice a second (for a terminal).

@@ -232,7 +232,7 @@ fn run_ckpt(
             Ok(if as_json {
                 json(&ckpt::ArchiveListing {
                     url: archiver.url().to_string(),
-                    ckpts: list.iter().map(ckpt::ArchivedCkpt::from).collect(),
+                    ckpts: list,
                 })?
             } else {
                 render::archive_ckpts(archiver.url(), &list)
@@ -304,7 +304,7 @@ fn main() -> ExitCode {
     let out = match run(cli) {
         Ok(out) => out,
         Err(e) => {
-            eprintln!("sluice: {e:#}");
+            eprintln!("sluice: {}", render::error_text(&e));
             return ExitCode::FAILURE;
         }
     };

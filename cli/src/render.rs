@@ -541,10 +541,38 @@ pub fn progress_line(label: &str, p: &ProgressSnapshot) -> String {
     )
 }
 
+/// An error and its causes on one line, as `{:#}` prints them, but without the causes whose text
+/// the message already holds: object_store's errors repeat their source's text, and an archive
+/// error says what its store error was in a shorter form.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1).map(|c| c.to_string()) {
+        if !text.contains(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::fixtures;
+
+    #[test]
+    fn an_error_says_each_cause_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("503 Service Unavailable")]
+        struct Inner;
+        #[derive(Debug, thiserror::Error)]
+        #[error("Generic S3 error: after 3 retries: {0}")]
+        struct Repeats(#[source] Inner);
+        let e = anyhow::Error::new(Repeats(Inner)).context("listing s3://b/x");
+        assert_eq!(
+            error_text(&e),
+            "listing s3://b/x: Generic S3 error: after 3 retries: 503 Service Unavailable"
+        );
+    }
 
     #[test]
     fn human_sizes() {

@@ -7,6 +7,7 @@ use crate::backoff::{Backoff, Schedule};
 use crate::job::Job;
 use crate::worker::{StatusCell, Worker};
 use sluice_archive::rt::{blocking, now_secs};
+use sluice_archive::store::StoreErrorKind;
 use sluice_archive::{self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta};
 use sluice_proto::msg::CkptState;
 use std::sync::Arc;
@@ -324,14 +325,14 @@ impl CkptWorker {
             Err(e) => {
                 tracing::warn!(job_id, tag = entry.tag, "archive attempt failed: {e}");
                 entry.note_failure();
-                let text = e.to_string();
-                let message = if crate::stage::is_unreachable(&text) {
-                    format!(
-                        "the archive store is unreachable; retrying ({})",
-                        crate::stage::concise(&text)
-                    )
-                } else {
-                    crate::stage::concise(&text)
+                let message = match e.store_kind() {
+                    Some(StoreErrorKind::Unreachable | StoreErrorKind::TimedOut) => {
+                        format!(
+                            "the archive store is unreachable; retrying ({})",
+                            e.describe()
+                        )
+                    }
+                    _ => e.describe(),
                 };
                 entry.set_error(CkptState::Retrying, message);
             }

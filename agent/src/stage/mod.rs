@@ -22,7 +22,6 @@ mod posix;
 
 pub use budget::{Budget, Lease};
 pub use object::{KeyPath, map_key};
-pub(crate) use object::{concise, is_unreachable};
 
 use sluice_archive::config::Config;
 use sluice_archive::rt::lock;

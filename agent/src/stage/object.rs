@@ -7,6 +7,7 @@ use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
 use sluice_archive::rt::blocking;
 use sluice_archive::safefs::{self, Owner};
+use sluice_archive::store::{self, StoreErrorKind};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use std::os::fd::OwnedFd;
@@ -59,78 +60,28 @@ pub fn map_key(prefix: &str, key: &str) -> KeyPath {
     }
 }
 
+/// The store's error as the job will show it, decided from its kind (never its text).
 fn origin_error(source: &str, e: object_store::Error) -> StageError {
-    match e {
-        object_store::Error::NotFound { .. } => StageError::NotFound {
-            dataset: source.to_string(),
-        },
-        object_store::Error::PermissionDenied { source: s, .. }
-        | object_store::Error::Unauthenticated { source: s, .. } => StageError::Denied {
-            dataset: source.to_string(),
-            detail: s.to_string(),
-        },
-        // A missing bucket or container is the user's mistake, like a missing prefix; the store's
-        // raw XML reply helps nobody.
-        object_store::Error::Generic { source: s, .. }
-            if ["NoSuchBucket", "ContainerNotFound", "NoSuchContainer"]
-                .iter()
-                .any(|c| s.to_string().contains(c)) =>
-        {
-            StageError::NotFound {
-                dataset: source.to_string(),
-            }
-        }
-        object_store::Error::InvalidPath { .. } => StageError::UnsafeKeys {
-            dataset: source.to_string(),
-        },
-        other => {
-            let text = other.to_string();
-            if is_unreachable(&text) {
-                StageError::Unreachable {
-                    dataset: source.to_string(),
-                }
-            } else {
-                StageError::Origin {
-                    dataset: source.to_string(),
-                    detail: concise(&text),
-                }
-            }
-        }
+    let dataset = source.to_string();
+    // A key with '.' or '..' segments is the dataset's problem, whatever the store says.
+    if let object_store::Error::InvalidPath { .. } = e {
+        return StageError::UnsafeKeys { dataset };
     }
-}
-
-/// A request that never got an HTTP answer (refused, reset, DNS, TLS): the store is unreachable.
-pub(crate) fn is_unreachable(error_text: &str) -> bool {
-    [
-        "error sending request",
-        "Connection refused",
-        "connection refused",
-        "dns error",
-        "tcp connect error",
-    ]
-    .iter()
-    .any(|needle| error_text.contains(needle))
-}
-
-/// A store's error for people: the S3/Azure error code instead of the raw XML body, and no retry
-/// bookkeeping.
-pub(crate) fn concise(error_text: &str) -> String {
-    let code = |tag: &str| {
-        let open = format!("<{tag}>");
-        let start = error_text.find(&open)? + open.len();
-        let end = error_text[start..].find('<')? + start;
-        Some(error_text[start..end].to_string())
-    };
-    let head = error_text.split("<?xml").next().unwrap_or(error_text);
-    let head = head
-        .split(", after ")
-        .next()
-        .unwrap_or(head)
-        .trim_end_matches([' ', ':', '-']);
-    match (code("Code"), code("Message")) {
-        (Some(c), Some(m)) => format!("{head}: {c}: {m}"),
-        (Some(c), None) => format!("{head}: {c}"),
-        _ => head.to_string(),
+    match store::classify(&e) {
+        // A missing bucket or container is the user's mistake, like a missing prefix.
+        StoreErrorKind::NotFound => StageError::NotFound { dataset },
+        StoreErrorKind::Denied => StageError::Denied {
+            dataset,
+            detail: store::describe(&e),
+        },
+        // No answer, after object_store's retries ([retry] keeps max_retries >= 1).
+        StoreErrorKind::Unreachable | StoreErrorKind::TimedOut => {
+            StageError::Unreachable { dataset }
+        }
+        StoreErrorKind::Throttled | StoreErrorKind::Other => StageError::Origin {
+            dataset,
+            detail: store::describe(&e),
+        },
     }
 }
 
@@ -403,19 +354,6 @@ pub(super) async fn stage(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn store_errors_read_like_sentences() {
-        let xml = "Generic S3 error: Error performing PUT http://h/b/k in 1.2s, after 3 retries, max_retries: 10, retry_timeout: 180s - Server returned non-2xx status code: 503 Service Unavailable: <?xml version=\"1.0\"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>";
-        let c = concise(xml);
-        assert!(!c.contains("<?xml") && !c.contains("retries"), "{c}");
-        assert!(
-            c.ends_with("SlowDown: Please reduce your request rate."),
-            "{c}"
-        );
-        assert!(is_unreachable("HTTP error: error sending request for url"));
-        assert!(!is_unreachable("404 Not Found"));
-    }
 
     fn fetcher(store: Arc<dyn ObjectStore>, part_size: u64, budget: Arc<Budget>) -> Arc<Fetcher> {
         let spec = StageSpec {
