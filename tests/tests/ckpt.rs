@@ -575,19 +575,23 @@ impl Drop for SafetyWatch {
     }
 }
 
+/// What every test here starts with: the cluster, a fresh archive on `backend` and a fresh work
+/// directory (`ckpt-<name>`) whose `out/` the job's tasks write to.
+fn start(backend: Backend, name: &str) -> (Cluster, Archive, PathBuf, PathBuf) {
+    let cluster = Cluster::for_sluice();
+    let archive = Archive::new(&cluster, backend, name);
+    let work = cluster.workdir(&format!("ckpt-{name}"));
+    let out = work.join("out");
+    (cluster, archive, work, out)
+}
+
 // ----------------------------------------------------------------------- 1 + 2: round trips
 
 /// A 3-node job writes three checkpoints and commits them three ways; then the archive, the hot
 /// tiers and three restore jobs (latest, an explicit tag, latest after damage) are checked.
 fn round_trip(backend: Backend) {
-    let cluster = Cluster::for_sluice();
-    if backend == Backend::Garage {
-        cluster.require_s3();
-    }
     let name = format!("{backend:?}").to_lowercase();
-    let archive = Archive::new(&cluster, backend, &format!("rt-{name}"));
-    let work = cluster.workdir(&format!("ckpt-rt-{name}"));
-    let out = work.join("out");
+    let (cluster, archive, work, out) = start(backend, &format!("rt-{name}"));
     let tags = ["step-1", "step-2", "step-3"];
     let steps = [
         ("step-1", "cli"),
@@ -697,22 +701,37 @@ fn round_trip(backend: Backend) {
     }
 
     // An explicit tag restores that checkpoint (from the archive: no node keeps step-1 any more).
-    let restored = restore_job(&cluster, &archive, "step-1", &nodes[..1], &name);
-    restored.assert_restored(&cluster, "step-1", &written.union("step-1"));
+    assert_restores(
+        &cluster,
+        &archive,
+        ("step-1", &nodes[..1]),
+        "step-1",
+        &written,
+    );
 
     // A second job with --ckpt-restore=latest finds the newest checkpoint, whole and identical,
     // before its first line runs, on every node. (Two of the three nodes: the restore leaves its
     // verified copy on their hot tiers, which later restores there would take instead of the
     // archive; the third node is kept for the damaged-archive case below.)
-    let restored = restore_job(&cluster, &archive, "latest", &nodes[..2], &name);
-    restored.assert_restored(&cluster, "step-3", &written.union("step-3"));
+    assert_restores(
+        &cluster,
+        &archive,
+        ("latest", &nodes[..2]),
+        "step-3",
+        &written,
+    );
 
     // Damage one archived object of the newest checkpoint (same size, one byte flipped, so only
     // the checksums can tell): on a node without a verified copy, `latest` says so in the job
     // output and falls back to step-2, whole and identical.
     let victim = damage_object(&cluster, &archive, "step-3", "zero/");
-    let restored = restore_job(&cluster, &archive, "latest", &nodes[2..], &name);
-    restored.assert_restored(&cluster, "step-2", &written.union("step-2"));
+    let restored = assert_restores(
+        &cluster,
+        &archive,
+        ("latest", &nodes[2..]),
+        "step-2",
+        &written,
+    );
     restored.assert_note(&cluster, &["step-3", &victim_file(&victim)]);
 }
 
@@ -750,15 +769,23 @@ struct Restored {
     nodes: Vec<String>,
 }
 
-/// Runs a `--ckpt-restore=WHICH` job on exactly `nodes` and waits for it to complete.
-fn restore_job(
+/// Runs a `--ckpt-restore=WHICH` job on exactly `nodes`, waits for it to complete and checks that
+/// it restored `tag` as the writer job recorded it (see [`Restored::assert_restored`]).
+fn assert_restores(
     cluster: &Cluster,
     archive: &Archive,
-    which: &str,
-    nodes: &[String],
-    name: &str,
+    (which, nodes): (&str, &[String]),
+    tag: &str,
+    written: &Written,
 ) -> Restored {
-    let work = cluster.workdir(&format!("ckpt-restore-{name}"));
+    let restored = restore_job(cluster, archive, which, nodes);
+    restored.assert_restored(cluster, tag, &written.union(tag));
+    restored
+}
+
+/// Runs a `--ckpt-restore=WHICH` job on exactly `nodes` and waits for it to complete.
+fn restore_job(cluster: &Cluster, archive: &Archive, which: &str, nodes: &[String]) -> Restored {
+    let work = cluster.workdir(&format!("ckpt-restore-{which}"));
     let out = work.join("out");
     fs::create_dir_all(&out).unwrap();
     run(Command::new("chown")
@@ -876,11 +903,7 @@ fn ckpt_round_trip_three_nodes_file() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let archive = Archive::new(&cluster, Backend::Garage, "kill");
-    let work = cluster.workdir("ckpt-kill");
-    let out = work.join("out");
+    let (cluster, archive, work, out) = start(Backend::Garage, "kill");
     // step-2 is large and in many files so that its upload takes a while: ~60 MiB per node.
     let mut big: Vec<(String, &str, u64)> = (0..16)
         .map(|i| (format!("shard_{{r}}_{i:02}.fp32"), "fp32", 3 * MIB))
@@ -985,8 +1008,13 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
     }
     // Every byte made it: a restore of step-2 is identical to what the job wrote.
     let written = Written::read(&out, &nodes, &["step-2"]);
-    let restored = restore_job(&cluster, &archive, "step-2", &nodes[..1], "kill");
-    restored.assert_restored(&cluster, "step-2", &written.union("step-2"));
+    let restored = assert_restores(
+        &cluster,
+        &archive,
+        ("step-2", &nodes[..1]),
+        "step-2",
+        &written,
+    );
     cluster.assert_nodes_return_idle(&restored.job, Duration::from_secs(30));
 }
 
@@ -1001,15 +1029,11 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
 fn ckpt_object_store_outage_delays_archive_not_training() {
     // Long enough for the job to end inside it: the epilog waits up to 20 s for pending archives.
     const OUTAGE: Duration = Duration::from_secs(35);
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let (cluster, archive, work, out) = start(Backend::FaultyGarage, "outage");
     // Slow replies (1 s each) make step-1's archive take a few seconds, so the outage starts in
     // the middle of it.
     let proxy = FaultProxy::start(&cluster);
     proxy.set("slow=1");
-    let archive = Archive::new(&cluster, Backend::FaultyGarage, "outage");
-    let work = cluster.workdir("ckpt-outage");
-    let out = work.join("out");
     let files = vec![
         ("model_{r}.bf16".to_string(), "bf16", 4 * MIB),
         ("optim_{r}.fp32".to_string(), "fp32", 8 * MIB),
@@ -1128,14 +1152,8 @@ fn ckpt_object_store_outage_delays_archive_not_training() {
         proxy.stats()
     );
     let written = Written::read(&out, std::slice::from_ref(&node), &["step-1", "step-2"]);
-    let restored = restore_job(
-        &cluster,
-        &archive,
-        "step-1",
-        std::slice::from_ref(&node),
-        "outage",
-    );
-    restored.assert_restored(&cluster, "step-1", &written.union("step-1"));
+    let on_node = std::slice::from_ref(&node);
+    assert_restores(&cluster, &archive, ("step-1", on_node), "step-1", &written);
 }
 
 // ------------------------------------------------ a damaged archive and the copy on the hot tier
@@ -1147,11 +1165,7 @@ fn ckpt_object_store_outage_delays_archive_not_training() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn ckpt_restore_from_a_damaged_archive_keeps_the_intact_hot_copy() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let archive = Archive::new(&cluster, Backend::Garage, "hotcopy");
-    let work = cluster.workdir("ckpt-hotcopy");
-    let out = work.join("out");
+    let (cluster, archive, work, out) = start(Backend::Garage, "hotcopy");
     let steps = ["step-1", "step-2"].map(|tag| Step::new(tag, "cli", shard_files()));
     let plan = Plan::until_archived(steps.into(), Duration::from_secs(200));
     let job = plan.submit(&cluster, &work, &archive, 2, "ckpt-hotcopy");
@@ -1164,14 +1178,14 @@ fn ckpt_restore_from_a_damaged_archive_keeps_the_intact_hot_copy() {
     let victim = damage_object(&cluster, &archive, "step-2", "zero/bf16_zero_pp_rank_1_");
     let file = victim_file(&victim);
     let intact = written.node("step-2", &holder)[&file].clone();
-    let restored = restore_job(
+    let on_holder = std::slice::from_ref(&holder);
+    let restored = assert_restores(
         &cluster,
         &archive,
-        "latest",
-        std::slice::from_ref(&holder),
-        "hotcopy",
+        ("latest", on_holder),
+        "step-1",
+        &written,
     );
-    restored.assert_restored(&cluster, "step-1", &written.union("step-1"));
     restored.assert_note(&cluster, &["step-2"]);
 
     // Wherever the agent keeps it now, the intact file must still be on the holder's hot tier.
@@ -1222,11 +1236,7 @@ fn ckpt_restore_from_a_damaged_archive_keeps_the_intact_hot_copy() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn ckpt_committed_just_before_the_job_ends_is_archived_from_every_node() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let archive = Archive::new(&cluster, Backend::Garage, "final");
-    let work = cluster.workdir("ckpt-final");
-    let out = work.join("out");
+    let (cluster, archive, work, out) = start(Backend::Garage, "final");
     let plan = Plan::ending_after_commit(
         vec![Step::new("final", "cli", shard_files())],
         Duration::from_secs(120),

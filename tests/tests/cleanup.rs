@@ -15,8 +15,7 @@ const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cancelled_job_leaves_no_data_and_running_job_data_is_private() {
     let cluster = Cluster::for_sluice();
-    let data = cluster.data_dir("cancel").join("train");
-    make_dataset(&data, false);
+    let data = cluster.dataset("cancel", false);
     let work = cluster.workdir("cancel");
     let out = work.join("out");
     // Record what the tasks see, then keep the allocation until the test cancels it.
@@ -89,7 +88,7 @@ fn cancelled_job_leaves_no_data_and_running_job_data_is_private() {
         String::from_utf8_lossy(&cancel.stderr)
     );
     let end = cluster.wait_end(&job, CLEANUP_TIMEOUT);
-    assert_eq!(end.state, "CANCELLED", "{}", cluster.evidence(&job));
+    cluster.assert_ended(&job, &end, "CANCELLED", "the cancelled job");
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }

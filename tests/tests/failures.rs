@@ -22,23 +22,14 @@ const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 fn assert_job_fails_cleanly(cluster: &Cluster, test: &str, source: &str, explanations: &[&str]) {
     cluster.require_sluice();
     let work = cluster.workdir(test);
-    let ran = work.join("script-ran");
-    let script = format!("#!/bin/bash\ntouch '{}'\nsrun true\n", ran.display());
+    let (script, ran) = marker_script(&work);
     let started = Instant::now();
     let job = cluster.submit(&work, &["-N3", &format!("--stage-in=ds={source}")], &script);
     let end = cluster.wait_end(&job, JOB_TIMEOUT);
     let took = started.elapsed();
-    assert_eq!(
-        end.state,
-        "FAILED",
-        "staging {source} cannot have succeeded\n{}",
-        cluster.evidence(&job)
-    );
-    assert!(
-        !ran.exists(),
-        "the job script ran although staging {source} failed\n{}",
-        cluster.evidence(&job)
-    );
+    let why = format!("staging {source} cannot have succeeded");
+    cluster.assert_ended(&job, &end, "FAILED", &why);
+    cluster.assert_script_did_not_run(&job, &ran, &format!("staging {source} failed"));
 
     let output = job.output_text();
     let lower = output.to_lowercase();
@@ -69,6 +60,43 @@ const NOT_FOUND: &[&str] = &[
     "empty",
 ];
 
+/// Object-store sources that do not exist.
+#[derive(Clone, Copy)]
+enum Missing {
+    S3Prefix,
+    S3Bucket,
+    AzurePrefix,
+}
+
+impl Missing {
+    /// [`assert_job_fails_cleanly`] for this missing source.
+    fn fails_the_job_cleanly(self) {
+        let cluster = Cluster::get();
+        let u = unique();
+        let (test, source, explanations) = match self {
+            Missing::S3Prefix => (
+                "missing-s3",
+                format!("s3://datasets/e2e/{u}/no-such-dataset"),
+                NOT_FOUND.to_vec(),
+            ),
+            Missing::S3Bucket => (
+                "missing-bucket",
+                format!("s3://no-such-bucket-{}/data", std::process::id()),
+                [NOT_FOUND, &["bucket"]].concat(),
+            ),
+            Missing::AzurePrefix => (
+                "missing-az",
+                format!("az://datasets/e2e/{u}/no-such-dataset"),
+                NOT_FOUND.to_vec(),
+            ),
+        };
+        if source.starts_with("s3://") {
+            cluster.require_s3();
+        }
+        assert_job_fails_cleanly(&cluster, test, &source, &explanations);
+    }
+}
+
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn missing_posix_directory_fails_the_job_not_the_node() {
@@ -85,32 +113,19 @@ fn missing_posix_directory_fails_the_job_not_the_node() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn missing_s3_prefix_fails_the_job_not_the_node() {
-    let cluster = Cluster::get();
-    cluster.require_s3();
-    let source = format!("s3://datasets/e2e/{}/no-such-dataset", unique());
-    assert_job_fails_cleanly(&cluster, "missing-s3", &source, NOT_FOUND);
+    Missing::S3Prefix.fails_the_job_cleanly();
 }
 
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn missing_s3_bucket_fails_the_job_not_the_node() {
-    let cluster = Cluster::get();
-    cluster.require_s3();
-    let source = format!("s3://no-such-bucket-{}/data", std::process::id());
-    assert_job_fails_cleanly(
-        &cluster,
-        "missing-bucket",
-        &source,
-        &[NOT_FOUND, &["bucket"]].concat(),
-    );
+    Missing::S3Bucket.fails_the_job_cleanly();
 }
 
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn missing_azure_prefix_fails_the_job_not_the_node() {
-    let cluster = Cluster::get();
-    let source = format!("az://datasets/e2e/{}/no-such-dataset", unique());
-    assert_job_fails_cleanly(&cluster, "missing-az", &source, NOT_FOUND);
+    Missing::AzurePrefix.fails_the_job_cleanly();
 }
 
 /// The agent runs as root but must read POSIX sources as the job user: a directory only root may

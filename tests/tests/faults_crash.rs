@@ -31,8 +31,7 @@ enum Victim {
 fn crash_loop_during_stage_in(test: &str, victim: Victim) {
     let cluster = Cluster::for_sluice();
     let (mut dice, seed) = Dice::new();
-    let dir = cluster.data_dir(test).join("train");
-    make_dataset(&dir, false);
+    let dir = cluster.dataset(test, false);
     let sums = checksums(&dir);
     let prefix = format!("{}/{test}-{}/train", cluster.user, unique());
     cluster.upload(&dir, "garage", &format!("ckpt-faulty/{prefix}"));
@@ -137,15 +136,8 @@ fn crash_loop_during_stage_in(test: &str, victim: Victim) {
     proxy.set("pass");
     std::fs::write(&go, "").unwrap();
 
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
-    let output = job.output_text();
-    eprintln!(
-        "[{test}] job {} {} ({}) {:.1} s after the first kill; output:\n{output}",
-        job.id,
-        end.state,
-        end.exit_code,
-        started.elapsed().as_secs_f64()
-    );
+    let (end, output) =
+        cluster.wait_end_and_report(test, &job, JOB_TIMEOUT, ("the first kill", started));
     // With no task waiting while the agent crashed, nothing excuses a failure: the restarted agent
     // resumes from its journal and the job runs on a complete copy.
     if victim == Victim::OtherNodeBeforeTasks {

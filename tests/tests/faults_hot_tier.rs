@@ -92,21 +92,10 @@ fn full_hot_tier_fails_the_job(test: &str, source: &str) {
         &["-N3", &format!("--stage-in=train={source}")],
         "#!/bin/bash\nsrun true\n",
     );
-    let end = cluster.wait_end(&job, JOB_TIMEOUT);
-    let output = job.output_text();
-    eprintln!(
-        "[{test}] job {} {} ({}) after {:.1} s; output:\n{output}",
-        job.id,
-        end.state,
-        end.exit_code,
-        started.elapsed().as_secs_f64()
-    );
-    assert_eq!(
-        end.state,
-        "FAILED",
-        "{FULL_NODE}'s hot tier cannot hold the dataset\n{}",
-        cluster.evidence(&job)
-    );
+    let (end, output) =
+        cluster.wait_end_and_report(test, &job, JOB_TIMEOUT, ("its submission", started));
+    let why = format!("{FULL_NODE}'s hot tier cannot hold the dataset");
+    cluster.assert_ended(&job, &end, "FAILED", &why);
     let lower = output.to_lowercase();
     assert!(
         lower.contains("full")
@@ -136,8 +125,7 @@ fn full_hot_tier_fails_the_job(test: &str, source: &str) {
 fn faults_hot_tier_full_while_staging_from_s3() {
     let cluster = Cluster::get();
     cluster.require_s3();
-    let dir = cluster.data_dir("faults-full-s3").join("train");
-    make_dataset(&dir, true);
+    let dir = cluster.dataset("faults-full-s3", true);
     let prefix = format!("e2e/faults-full-{}/train", unique());
     cluster.upload(&dir, "garage", &format!("datasets/{prefix}"));
     full_hot_tier_fails_the_job("faults-full-s3", &format!("s3://datasets/{prefix}"));
@@ -147,7 +135,6 @@ fn faults_hot_tier_full_while_staging_from_s3() {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn faults_hot_tier_full_while_staging_from_posix() {
     let cluster = Cluster::get();
-    let dir = cluster.data_dir("faults-full-posix").join("train");
-    make_dataset(&dir, true);
+    let dir = cluster.dataset("faults-full-posix", true);
     full_hot_tier_fails_the_job("faults-full-posix", dir.to_str().unwrap());
 }

@@ -306,17 +306,14 @@ fn stage_in_fails(test: &str, mode: &str, nodes: usize, files: u8, why: &str) ->
         &[&format!("-N{nodes}"), &format!("--stage-in=ds={source}")],
         &script,
     );
-    let end = cluster.wait_end(&job, Duration::from_secs(240));
-    let took = started.elapsed();
-    let output = job.output_text();
-    eprintln!(
-        "[{test}] job {} {} ({}) after {:.1} s; proxy {}; output:\n{output}",
-        job.id,
-        end.state,
-        end.exit_code,
-        took.as_secs_f64(),
-        proxy.stats()
+    let (end, output) = cluster.wait_end_and_report(
+        test,
+        &job,
+        Duration::from_secs(240),
+        ("its submission", started),
     );
+    let took = started.elapsed();
+    eprintln!("[{test}] fault proxy: {}", proxy.stats());
     cluster.assert_ended(&job, &end, "FAILED", why);
     cluster.assert_script_did_not_run(&job, &ran, "stage-in failed");
     // The plugin's stage_timeout is 120 s; a few seconds for Slurm to start and end the job.

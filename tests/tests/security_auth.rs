@@ -59,24 +59,21 @@ fn run_as_other(
 fn security_other_user_is_refused_everything_about_a_running_job() {
     let cluster = Cluster::for_sluice();
     let u = unique();
-    let data = cluster.data_dir("sec-auth");
     let marker = format!("STAGED-FOR-A-{u}");
-    std::fs::write(data.join("hello.txt"), &marker).unwrap();
     let work = cluster.workdir("sec-auth");
     // A's job: stage a dataset, write an (uncommitted) checkpoint, wait for the test's "go", then
     // show that the staged data is still there and the checkpoint was not committed by anyone.
-    let held = HeldJob::start(
+    let held = HeldJob::staging(
         &cluster,
         &work,
         NODE,
-        &[&format!("--stage-in=ds={}", data.display())],
+        ("hello.txt", marker.as_bytes()),
         r#"mkdir -p "$SLUICE_CKPT_DIR/t1" && echo weights > "$SLUICE_CKPT_DIR/t1/model.bin""#,
         r#"echo "staged: $(cat "$SLUICE_STAGE_DIR/ds/hello.txt")""#,
     );
     let job = &held.job;
 
-    let a = cluster.user.clone();
-    let b = cluster.other_user.clone();
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
     let a_uid = cluster.ids_of(&a).0;
     let socket = cluster.agent_socket(NODE);
     let mut failures = Vec::new();
@@ -224,16 +221,14 @@ fn security_other_user_is_refused_everything_about_a_running_job() {
 fn security_other_user_cannot_archive_into_or_restore_from_anothers_prefix() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
-    let a = cluster.user.clone();
-    let b = cluster.other_user.clone();
     // sbatch accepts it: the refusal belongs to the agent, at job start.
-    let u = unique();
+    let victim = format!("s3://ckpt/{}/victim-{}", cluster.user, unique());
     let (job, end, text) = run_as_other(
         &cluster,
         "sec-restore",
         &[
             "-N1",
-            &format!("--ckpt-archive=s3://ckpt/{a}/victim-{u}"),
+            &format!("--ckpt-archive={victim}"),
             "--ckpt-restore=latest",
         ],
         "#!/bin/bash\nls -la \"$SLUICE_CKPT_DIR\"\n",
@@ -241,7 +236,7 @@ fn security_other_user_cannot_archive_into_or_restore_from_anothers_prefix() {
     cluster.assert_ended(&job, &end, "FAILED", "B's job into A's archive");
     assert!(
         text.contains("not allowed by the site's policy")
-            && text.contains(&format!("s3://ckpt/{b}/")),
+            && text.contains(&format!("s3://ckpt/{}/", cluster.other_user)),
         "the job output must say the archive is not allowed and what is:\n{text}"
     );
     cluster.assert_hot_tier_cleaned(&job, Duration::from_secs(60));
@@ -257,8 +252,7 @@ fn security_other_user_cannot_archive_into_or_restore_from_anothers_prefix() {
 fn security_other_user_cannot_stage_in_anothers_archive() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
-    let a = cluster.user.clone();
-    let b = cluster.other_user.clone();
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
     let u = unique();
     // Where A's checkpoints go under the site's policy (s3://ckpt/{user}/...): an object of A's.
     let secret = format!("A-PRIVATE-CHECKPOINT-BYTES-{u}");
@@ -289,8 +283,7 @@ fn security_other_user_cannot_stage_in_anothers_archive() {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_cannot_restore_anothers_checkpoint_from_a_shared_prefix() {
     let cluster = Cluster::for_sluice();
-    let a = cluster.user.clone();
-    let b = cluster.other_user.clone();
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
     let u = unique();
     let url = format!(
         "file://{}/shared/f2-{u}",

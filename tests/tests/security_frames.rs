@@ -277,8 +277,7 @@ print(json.dumps(st), flush=True)
 "#,
         sock = socket.display()
     );
-    let b = cluster.other_user.clone();
-    let a = cluster.user.clone();
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
     let hog_proc = std::process::Command::new("runuser")
         .args(["-u", &b, "--", "/usr/bin/python3", "-c", &hog])
         .stdout(std::process::Stdio::piped())

@@ -41,8 +41,7 @@ fn last_job_id() -> u32 {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_other_user_cannot_precreate_or_enter_job_directories() {
     let cluster = Cluster::for_sluice();
-    let b = cluster.other_user.clone();
-    let a = cluster.user.clone();
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
     let jobs = cluster.hot_root(NODE).join("jobs");
     assert_eq!(owner_mode(&jobs), "root 711", "{}", jobs.display());
     let mut failures = Vec::new();
@@ -76,14 +75,12 @@ fn security_other_user_cannot_precreate_or_enter_job_directories() {
     }
 
     // A's job, staged and running.
-    let data = cluster.data_dir("sec-jobdir");
-    std::fs::write(data.join("private.txt"), b"A's staged data\n").unwrap();
     let work = cluster.workdir("sec-jobdir");
-    let held = HeldJob::start(
+    let held = HeldJob::staging(
         &cluster,
         &work,
         NODE,
-        &[&format!("--stage-in=ds={}", data.display())],
+        ("private.txt", b"A's staged data\n"),
         &format!(
             r#"stat -c "%U %a" "$SLUICE_STAGE_DIR/.." > {w}/jobdir
 stat -c "%U %a" "$SLUICE_STAGE_DIR" "$SLUICE_CKPT_DIR" > {w}/subdirs

@@ -27,13 +27,22 @@ struct Dataset {
 
 impl Dataset {
     fn new(cluster: &Cluster, test: &str, big: bool) -> Dataset {
-        let dir = cluster.data_dir(test).join("train");
-        make_dataset(&dir, big);
+        let dir = cluster.dataset(test, big);
         Dataset {
             sums: checksums(&dir),
             dirs: directories(&dir),
             dir,
         }
+    }
+
+    /// Uploads it to `datasets/e2e/<unique>/train` of each remote (`garage`, `azurite`), the
+    /// prefix the harness's `[[stage.allow]]` rules open; returns that prefix.
+    fn upload(&self, cluster: &Cluster, remotes: &[&str]) -> String {
+        let prefix = format!("e2e/{}/train", unique());
+        for remote in remotes {
+            cluster.upload(&self.dir, remote, &format!("datasets/{prefix}"));
+        }
+        prefix
     }
 }
 
@@ -117,55 +126,55 @@ fn stage(
     assert_staged(cluster, &job, &out, datasets);
 }
 
+/// Where the large dataset is staged from.
+#[derive(Clone, Copy)]
+enum Origin {
+    Posix,
+    Garage,
+    Azurite,
+}
+
+/// The large dataset staged to three nodes from one kind of origin; the tasks must find it under
+/// `$SLUICE_STAGE_DIR/NAME`.
+fn stage_big_dataset_from(origin: Origin, name: &str) {
+    let cluster = Cluster::for_sluice();
+    let ds = big_dataset(&cluster);
+    let (test, source) = match origin {
+        Origin::Posix => ("stage-posix", format!("{name}={}", ds.dir.display())),
+        Origin::Garage => {
+            cluster.require_s3();
+            // No NAME=: the dataset is named after the last component of the prefix, `train`.
+            let prefix = ds.upload(&cluster, &["garage"]);
+            ("stage-s3", format!("s3://datasets/{prefix}"))
+        }
+        Origin::Azurite => {
+            let prefix = ds.upload(&cluster, &["azurite"]);
+            ("stage-az", format!("{name}=az://datasets/{prefix}"))
+        }
+    };
+    let stage_in = format!("--stage-in={source}");
+    stage(&cluster, test, "", &["-N3", &stage_in], &[(name, ds)]);
+}
+
+/// From a POSIX directory, read as the job user.
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_posix_directory_to_three_nodes() {
-    let cluster = Cluster::for_sluice();
-    let ds = big_dataset(&cluster);
-    let stage_in = format!("--stage-in=train={}", ds.dir.display());
-    stage(
-        &cluster,
-        "stage-posix",
-        "",
-        &["-N3", &stage_in],
-        &[("train", ds)],
-    );
+    stage_big_dataset_from(Origin::Posix, "train");
 }
 
+/// From a Garage (S3) prefix, the dataset named after its last component.
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_s3_prefix_to_three_nodes() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let ds = big_dataset(&cluster);
-    let prefix = format!("e2e/{}/train", unique());
-    cluster.upload(&ds.dir, "garage", &format!("datasets/{prefix}"));
-    // No NAME=: the dataset is named after the last component of the prefix.
-    let stage_in = format!("--stage-in=s3://datasets/{prefix}");
-    stage(
-        &cluster,
-        "stage-s3",
-        "",
-        &["-N3", &stage_in],
-        &[("train", ds)],
-    );
+    stage_big_dataset_from(Origin::Garage, "train");
 }
 
+/// From an Azurite (Azure Blob) prefix, under the NAME the option gives.
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_azure_prefix_to_three_nodes() {
-    let cluster = Cluster::for_sluice();
-    let ds = big_dataset(&cluster);
-    let prefix = format!("e2e/{}/train", unique());
-    cluster.upload(&ds.dir, "azurite", &format!("datasets/{prefix}"));
-    let stage_in = format!("--stage-in=imagenet=az://datasets/{prefix}");
-    stage(
-        &cluster,
-        "stage-az",
-        "",
-        &["-N3", &stage_in],
-        &[("imagenet", ds)],
-    );
+    stage_big_dataset_from(Origin::Azurite, "imagenet");
 }
 
 /// `--stage-in` is repeatable and comma-separated (DESIGN.md): every source given either way lands
@@ -176,9 +185,7 @@ fn several_sources_from_repeated_and_comma_separated_options() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let ds = Dataset::new(&cluster, "stage-several", false);
-    let prefix = format!("e2e/{}/small", unique());
-    cluster.upload(&ds.dir, "garage", &format!("datasets/{prefix}"));
-    cluster.upload(&ds.dir, "azurite", &format!("datasets/{prefix}"));
+    let prefix = ds.upload(&cluster, &["garage", "azurite"]);
     let first = format!(
         "--stage-in=local={},objects=s3://datasets/{prefix}",
         ds.dir.display()

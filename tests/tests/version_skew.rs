@@ -83,11 +83,9 @@ fn relay_one(mut client: UnixStream, real: &Path) -> Option<()> {
 fn a_plugin_of_another_protocol_version_fails_the_job_with_a_clear_message_and_the_node_stays_up() {
     let cluster = Cluster::for_sluice();
     let test = "version_skew";
-    let data = cluster.data_dir(test).join("train");
-    make_dataset(&data, false);
+    let data = cluster.dataset(test, false);
     let work = cluster.workdir(test);
-    let ran = work.join("script-ran");
-    let staged_script = format!("#!/bin/bash\ntouch '{}'\nsrun true\n", ran.display());
+    let (staged_script, ran) = marker_script(&work);
     let stage = format!("--stage-in=train={}", data.display());
     let on_node = format!("--nodelist={NODE}");
 
@@ -98,26 +96,18 @@ fn a_plugin_of_another_protocol_version_fails_the_job_with_a_clear_message_and_t
         // A job without sluice options never talks to the agent: a skew must not touch it.
         let plain = cluster.submit(&work, &["-N1", &on_node], "#!/bin/bash\nsrun true\n");
         let plain_end = cluster.wait_end(&plain, JOB_TIMEOUT);
-        assert_eq!(
-            plain_end.state,
+        cluster.assert_ended(
+            &plain,
+            &plain_end,
             "COMPLETED",
-            "a plain job failed during the skew\n{}",
-            cluster.evidence(&plain)
+            "a plain job failed during the skew",
         );
         (job, end)
     };
     let (job, end) = skewed;
-    assert_eq!(
-        end.state,
-        "FAILED",
-        "a job staged through a plugin of another protocol version cannot succeed\n{}",
-        cluster.evidence(&job)
-    );
-    assert!(
-        !ran.exists(),
-        "the job script ran without its dataset\n{}",
-        cluster.evidence(&job)
-    );
+    let why = "a job staged through a plugin of another protocol version cannot succeed";
+    cluster.assert_ended(&job, &end, "FAILED", why);
+    cluster.assert_script_did_not_run(&job, &ran, "it has no dataset");
     let output = job.output_text();
     let expected = format!(
         "protocol version {} is not supported",
@@ -134,11 +124,11 @@ fn a_plugin_of_another_protocol_version_fails_the_job_with_a_clear_message_and_t
     std::fs::remove_file(&ran).ok();
     let again = cluster.submit(&work, &["-N1", &on_node, &stage], &staged_script);
     let again_end = cluster.wait_end(&again, JOB_TIMEOUT);
-    assert_eq!(
-        again_end.state,
+    cluster.assert_ended(
+        &again,
+        &again_end,
         "COMPLETED",
-        "after the skew the node's agent must serve jobs again\n{}",
-        cluster.evidence(&again)
+        "after the skew the node's agent must serve jobs again",
     );
     assert!(ran.exists(), "the job script did not run after the skew");
     cluster.assert_nodes_return_idle(&again, CLEANUP_TIMEOUT);

@@ -122,6 +122,29 @@ impl Cluster {
         }
     }
 
+    /// Waits for the job to end (see [`Cluster::wait_end`]) and prints, for the test log, how it
+    /// ended, how long after `since` (`what` names that moment), and its output; returns the end
+    /// and the output.
+    pub fn wait_end_and_report(
+        &self,
+        test: &str,
+        job: &Job,
+        timeout: Duration,
+        since: (&str, Instant),
+    ) -> (JobEnd, String) {
+        let end = self.wait_end(job, timeout);
+        let output = job.output_text();
+        eprintln!(
+            "[{test}] job {} {} ({}) {:.1} s after {}; output:\n{output}",
+            job.id,
+            end.state,
+            end.exit_code,
+            since.1.elapsed().as_secs_f64(),
+            since.0
+        );
+        (end, output)
+    }
+
     /// Waits for the job to end (see [`Cluster::wait_end`]) and asserts it COMPLETED with exit code
     /// 0; `what` names the job in the failure message.
     pub fn assert_completes(&self, job: &Job, timeout: Duration, what: &str) -> JobEnd {

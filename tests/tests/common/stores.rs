@@ -198,8 +198,11 @@ pub struct Archive {
 
 impl Archive {
     /// A fresh archive `e2e-<name>-<unique>` below the test user's prefix of `backend`, the one the
-    /// harness's `[[ckpt.allow]]` rules open to that user.
+    /// harness's `[[ckpt.allow]]` rules open to that user. An archive on Garage needs Garage.
     pub fn new(cluster: &Cluster, backend: Backend, name: &str) -> Archive {
+        if matches!(backend, Backend::Garage | Backend::FaultyGarage) {
+            cluster.require_s3();
+        }
         let base = format!("{}/e2e-{name}-{}", cluster.user, unique());
         let (url, remote) = match backend {
             Backend::Garage => (

@@ -2,10 +2,10 @@
 //! made the same way on the source and in a job's tasks, the listing script the tasks run, and
 //! path → sha256 maps of whole trees with readable differences.
 
-use super::cluster::run;
+use super::cluster::{Cluster, run};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 // ---------------------------------------------------------------------------------- test datasets
@@ -49,6 +49,15 @@ pub fn make_dataset(dir: &Path, big: bool) {
         .status()
         .unwrap();
     assert!(status.success());
+}
+
+impl Cluster {
+    /// A fresh test dataset (see [`make_dataset`]), `<data dir of test>/train`.
+    pub fn dataset(&self, test: &str, big: bool) -> PathBuf {
+        let dir = self.data_dir(test).join("train");
+        make_dataset(&dir, big);
+        dir
+    }
 }
 
 /// `sha256  ./path` for every file under `dir`, sorted by path: the same command the job's tasks run

@@ -165,6 +165,22 @@ impl HeldJob {
         HeldJob { job, go }
     }
 
+    /// [`HeldJob::start`] of a job that also stages a dataset `ds` of one file, `file` with
+    /// `content`, from a fresh POSIX directory.
+    pub fn staging(
+        cluster: &Cluster,
+        work: &Path,
+        node: &str,
+        (file, content): (&str, &[u8]),
+        before: &str,
+        after: &str,
+    ) -> HeldJob {
+        let data = cluster.data_dir("held");
+        fs::write(data.join(file), content).unwrap();
+        let stage_in = format!("--stage-in=ds={}", data.display());
+        HeldJob::start(cluster, work, node, &[&stage_in], before, after)
+    }
+
     /// Lets the task go on and waits for the job to end.
     pub fn release(&self, cluster: &Cluster) -> JobEnd {
         fs::write(&self.go, b"").unwrap();
