@@ -430,7 +430,7 @@ write_env_file() {
   [[ ${SLUICE_NO_PLUGIN:-0} == 1 ]] && plugin=0
   [[ ${SLUICE_NO_AGENTS:-0} == 1 ]] && agents=0
   cat >"$ENV_FILE.new" <<EOF
-# Written by tests/harness/cluster.sh up; read by the end-to-end tests (tests/tests/common/mod.rs).
+# Written by tests/harness/cluster.sh up; read by the end-to-end tests (tests/tests/common/cluster.rs).
 SLUICE_TEST_PLUGIN='$plugin'
 SLUICE_TEST_AGENTS='$agents'
 SLUICE_TEST_NODES='${NODES[*]}'

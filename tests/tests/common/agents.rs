@@ -1,6 +1,6 @@
 //! The nodes' agents and the faults tests inflict on them: the agent process as the harness started
-//! it (kill it, start it again exactly so), requests to its socket, the fault-injecting proxy in
-//! front of Garage, and a seeded source of random fault timing.
+//! it (kill it, start it again exactly so), requests to its socket (a job's state, its checkpoints),
+//! the fault-injecting proxy in front of Garage, and a seeded source of random fault timing.
 
 use super::cluster::{Cluster, run, run_dir, tail_of, write_atomically};
 use super::jobs::Job;

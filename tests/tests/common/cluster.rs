@@ -1,7 +1,7 @@
 //! The running test cluster as `tests/harness/cluster.sh up` described it in its env file: its
 //! users, nodes and paths, fresh work and data directories, bounded waits on the nodes' state, and
 //! the evidence a failed test prints (Slurm's view of a job, its output, log tails). Also the small
-//! shell helpers everything else uses (`run`, `unique`, `write_atomically`).
+//! helpers everything else uses (`run`, `unique`, `write_atomically`, `tail_of`, `now_s`).
 
 use super::jobs::Job;
 use std::collections::BTreeMap;
