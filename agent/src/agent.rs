@@ -441,7 +441,7 @@ impl Agent {
             };
             let url = job.archive_url().ok_or(RestoreError::NoArchive)?;
             let (tag, notes) = ckpt::restore(self, job, url, which, ckpt_fd.clone()).await?;
-            job.set_restored(Some(tag), notes);
+            job.set_restored(tag, notes);
             self.persist(job).await;
             Ok(())
         };
@@ -519,13 +519,29 @@ impl Agent {
         if let Err(e) = committed {
             return reply(ErrorCode::BadRequest, e.to_string());
         }
-        if job.archive_url().is_none() {
+        let Some(url) = job.archive_url() else {
             return reply(
                 ErrorCode::BadRequest,
                 format!(
                     "checkpoint {tag} is committed but will not be archived: the job has no --ckpt-archive and the site sets no default"
                 ),
             );
+        };
+        // The job's other nodes learn of the commit from the archive: note it there before the
+        // command returns, so a job that ends right after its last commit still has every node
+        // answer it. (The checkpoint worker notes it again before uploading, if this fails.)
+        if job.start.nodes.len() > 1 {
+            let announced = match sluice_archive::open_archive(&self.cfg, url) {
+                Ok(a) => {
+                    a.for_job(job.start.job_id)
+                        .announce_commit(tag, &self.cfg.node)
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = announced {
+                tracing::warn!(job_id = job.start.job_id, tag, "announcing the commit: {e}");
+            }
         }
         Response::Ok
     }
@@ -536,10 +552,18 @@ impl Agent {
     async fn job_end(self: &Arc<Self>, job_id: JobId) -> Response {
         let node = &self.cfg.node;
         let Some(job) = self.job(job_id) else {
-            // Unknown (e.g. the agent lost its state): remove whatever the job left.
+            // Unknown (e.g. its journal record could not be read): its staged data goes, but its
+            // checkpoints may not be archived, so they stay for the admin (issue 10, defect 5).
             let hot = self.hot.clone();
-            return match blocking(move || hot.remove_job(job_id)).await {
-                Ok(_) => Response::Ok,
+            return match blocking(move || hot.remove_unknown_job(job_id)).await {
+                Ok(false) => Response::Ok,
+                Ok(true) => {
+                    tracing::warn!(
+                        job_id,
+                        "job end for a job this agent has no record of: its staged data was                          removed; its checkpoint directory is kept (it may hold checkpoints that                          are not archived) — check it and remove it by hand"
+                    );
+                    Response::Ok
+                }
                 Err(e) => reply(
                     ErrorCode::Internal,
                     format!("removing job {job_id}'s data on node {node}: {e}"),

@@ -151,6 +151,22 @@ impl HotTier {
         }
     }
 
+    /// Cleans up after a job the agent has no record of: its staged data goes; its checkpoint
+    /// directory stays unless it is empty (the agent cannot know whether what it holds is
+    /// archived). Returns whether something was kept.
+    pub fn remove_unknown_job(&self, job_id: JobId) -> Result<bool, SafeFsError> {
+        self.remove_staged(job_id)?;
+        let kept = match self.open_ckpt(job_id) {
+            Ok(ckpt) => !list_names(&ckpt)?.is_empty(),
+            Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => false,
+            Err(e) => return Err(e),
+        };
+        if !kept {
+            self.remove_job(job_id)?;
+        }
+        Ok(kept)
+    }
+
     /// Removes everything in `jobs/<id>/ckpt` but the entries named in `keep`.
     pub fn remove_ckpt_except(&self, job_id: JobId, keep: &[String]) -> Result<(), SafeFsError> {
         let ckpt = self.open_ckpt(job_id)?;
@@ -253,6 +269,17 @@ mod tests {
         assert!(!tmp.path().join("jobs/7").exists());
         // Already gone counts as removed for staged data.
         hot.remove_staged(7).unwrap();
+        // An unknown job's checkpoints stay; an empty one goes whole.
+        hot.prepare_job(9, me, true).unwrap();
+        std::fs::write(tmp.path().join("jobs/9/stage/x"), b"x").unwrap();
+        std::fs::create_dir(tmp.path().join("jobs/9/ckpt/s1")).unwrap();
+        assert!(hot.remove_unknown_job(9).unwrap(), "kept");
+        assert!(tmp.path().join("jobs/9/ckpt/s1").exists());
+        assert!(!tmp.path().join("jobs/9/stage").exists());
+        std::fs::remove_dir(tmp.path().join("jobs/9/ckpt/s1")).unwrap();
+        assert!(!hot.remove_unknown_job(9).unwrap());
+        assert!(!tmp.path().join("jobs/9").exists());
+        assert!(!hot.remove_unknown_job(10).unwrap(), "never there");
         // A fresh start of the same id removes what the previous run left.
         hot.prepare_job(8, me, true).unwrap();
         std::fs::create_dir(tmp.path().join("jobs/8/ckpt/old")).unwrap();

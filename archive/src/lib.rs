@@ -420,6 +420,38 @@ pub struct Archiver {
     url: String,
     cfg: ArchiveConfig,
     throttle: Option<Arc<Throttle>>,
+    /// The job this archiver writes and publishes for (parts and commit markers carry it).
+    job: Option<u32>,
+}
+
+/// What [`Archiver::try_publish`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Publish {
+    /// The MANIFEST is there (written now, or before).
+    Published(Manifest),
+    /// These nodes of the job have not written their part for this job yet.
+    Waiting { missing: Vec<String> },
+}
+
+impl Publish {
+    /// The MANIFEST, once published.
+    pub fn into_manifest(self) -> Option<Manifest> {
+        match self {
+            Publish::Published(m) => Some(m),
+            Publish::Waiting { .. } => None,
+        }
+    }
+}
+
+/// A node's note that its job committed a tag: `BASE/TAG/commits/<node>.json`, written at the
+/// commit, before any data. The job's other nodes read it to learn of the commit, and a node that
+/// holds nothing of the tag answers with an empty part, so a checkpoint that only some nodes wrote
+/// is published too.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct CommitMarker {
+    job_id: u32,
+    node: String,
+    at_unix_ms: u64,
 }
 
 /// Checks a tag or node name: it becomes one component of object keys and of hot-tier paths.
@@ -491,7 +523,14 @@ impl Archiver {
             url,
             throttle: cfg.bandwidth_limit.map(|r| Arc::new(Throttle::new(r))),
             cfg,
+            job: None,
         })
+    }
+
+    /// Writes and publishes for `job_id`: parts carry it, and publishing merges only its parts.
+    pub fn for_job(mut self, job_id: u32) -> Archiver {
+        self.job = Some(job_id);
+        self
     }
 
     /// Shares one bandwidth cap among archivers (all the archives of a node), instead of the
@@ -531,6 +570,101 @@ impl Archiver {
 
     fn manifest_key(&self, tag: &str) -> ObjPath {
         self.key([tag, "MANIFEST"])
+    }
+
+    fn commit_key(&self, tag: &str, node: &str) -> ObjPath {
+        self.key([tag, "commits", &format!("{node}.json")])
+    }
+
+    fn job_id(&self) -> Result<u32, ArchiveError> {
+        self.job.ok_or(ArchiveError::BadConfig(
+            "this archiver writes for no job (Archiver::for_job)".into(),
+        ))
+    }
+
+    /// Notes in the archive that `node` of this archiver's job committed `tag` (see
+    /// [`CommitMarker`]); the job's other nodes find it with [`Archiver::commits_of_job`].
+    pub async fn announce_commit(&self, tag: &str, node: &str) -> Result<(), ArchiveError> {
+        check_name("checkpoint tag", tag)?;
+        check_name("node name", node)?;
+        let marker = CommitMarker {
+            job_id: self.job_id()?,
+            node: node.into(),
+            at_unix_ms: unix_ms_now(),
+        };
+        let key = self.commit_key(tag, node);
+        let json = serde_json::to_vec(&marker).expect("a marker serialises");
+        self.store
+            .put(&key, PutPayload::from(json))
+            .await
+            .map_err(self.store_err("put", &key))?;
+        Ok(())
+    }
+
+    /// The tags this archiver's job committed on some node and that are not published yet.
+    pub async fn commits_of_job(&self) -> Result<Vec<String>, ArchiveError> {
+        let job_id = self.job_id()?;
+        let base = (!self.base.as_ref().is_empty()).then_some(&self.base);
+        let listing = self
+            .store
+            .list_with_delimiter(base)
+            .await
+            .map_err(self.store_err("list", &self.base))?;
+        let mut tags = Vec::new();
+        for tag in listing
+            .common_prefixes
+            .iter()
+            .filter_map(|p| p.filename())
+            .filter(|t| check_name("checkpoint tag", t).is_ok())
+        {
+            let prefix = self.key([tag, "commits"]);
+            let markers = self
+                .store
+                .list_with_delimiter(Some(&prefix))
+                .await
+                .map_err(self.store_err("list", &prefix))?;
+            let mut ours = false;
+            for o in markers.objects.iter().filter(|o| o.size < 4096) {
+                let Ok(Some(bytes)) = self.get_opt(&o.location, tag, "commit marker").await else {
+                    continue;
+                };
+                ours |= serde_json::from_slice::<CommitMarker>(&bytes)
+                    .is_ok_and(|m| m.job_id == job_id);
+            }
+            if !ours {
+                continue;
+            }
+            match self.store.head(&self.manifest_key(tag)).await {
+                Ok(_) => {}
+                Err(object_store::Error::NotFound { .. }) => tags.push(tag.to_string()),
+                Err(e) => return Err(self.store_err("head", &self.manifest_key(tag))(e)),
+            }
+        }
+        Ok(tags)
+    }
+
+    /// Writes `node`'s part of `tag` for this archiver's job with no files: the node holds nothing
+    /// of the checkpoint, so publishing need not wait for it.
+    pub async fn put_empty_part(&self, tag: &str, node: &str) -> Result<(), ArchiveError> {
+        check_name("checkpoint tag", tag)?;
+        check_name("node name", node)?;
+        let part = PartManifest {
+            format: manifest::PART_FORMAT.into(),
+            version: manifest::VERSION,
+            tag: tag.into(),
+            node: node.into(),
+            job_id: Some(self.job_id()?),
+            created_unix_ms: unix_ms_now(),
+            chunk_size: self.cfg.chunk_size as u64,
+            dirs: Vec::new(),
+            files: Vec::new(),
+        };
+        let key = self.part_key(tag, node);
+        self.store
+            .put(&key, PutPayload::from(part.to_json()))
+            .await
+            .map_err(self.store_err("put", &key))?;
+        Ok(())
     }
 
     fn store_err(
@@ -724,15 +858,16 @@ impl Archiver {
         }
     }
 
-    /// Publishes checkpoint `tag` once the parts of all `nodes` exist: merges them and writes
-    /// MANIFEST, last. `Ok(None)` while a part is missing. Any node may call this, any number of
-    /// times; an existing MANIFEST is returned as it is.
+    /// Publishes `tag`'s MANIFEST once every node of `nodes` wrote its part — for this archiver's
+    /// job, when it has one: a part another job left under a reused tag counts as missing. A node
+    /// that holds nothing of the tag writes an empty part ([`Archiver::put_empty_part`]); the
+    /// MANIFEST names the nodes that contributed files. Publishing is idempotent.
     pub async fn try_publish(
         &self,
         tag: &str,
         nodes: &[String],
         job: JobMeta,
-    ) -> Result<Option<Manifest>, ArchiveError> {
+    ) -> Result<Publish, ArchiveError> {
         check_name("checkpoint tag", tag)?;
         if nodes.is_empty() {
             return Err(ArchiveError::BadName {
@@ -744,14 +879,18 @@ impl Archiver {
             check_name("node name", n)?;
         }
         if let Some(m) = self.manifest_opt(tag).await? {
-            return Ok(Some(m));
+            return Ok(Publish::Published(m));
         }
         let mut parts = Vec::with_capacity(nodes.len());
+        let mut missing = Vec::new();
         for node in nodes {
             match self.part_opt(tag, node).await? {
-                Some(p) => parts.push(p),
-                None => return Ok(None),
+                Some(p) if self.job.is_none() || p.job_id == self.job => parts.push(p),
+                _ => missing.push(node.clone()),
             }
+        }
+        if !missing.is_empty() {
+            return Ok(Publish::Waiting { missing });
         }
         let m = manifest::merge(tag, job, parts).map_err(|c| ArchiveError::Conflict {
             tag: tag.into(),
@@ -765,9 +904,10 @@ impl Archiver {
             tag,
             url = self.url,
             files = m.files.len(),
+            nodes = ?m.nodes,
             "checkpoint published"
         );
-        Ok(Some(m))
+        Ok(Publish::Published(m))
     }
 
     /// The tags under the base prefix, oldest first.

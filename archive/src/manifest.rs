@@ -99,6 +99,11 @@ pub struct PartManifest {
     pub version: u32,
     pub tag: String,
     pub node: String,
+    /// The job whose node wrote the part: a publisher merges only its own job's parts (a tag
+    /// reused by a later job under the same prefix never mixes in an earlier job's files).
+    /// Absent in parts written before job ids were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<u32>,
     /// When the part was completed (Unix time, milliseconds, this node's clock).
     pub created_unix_ms: u64,
     pub chunk_size: u64,
@@ -315,7 +320,20 @@ pub fn merge(tag: &str, job: JobMeta, mut parts: Vec<PartManifest>) -> Result<Ma
         tag: tag.into(),
         created_unix_ms: parts.iter().map(|p| p.created_unix_ms).max().unwrap_or(0),
         job,
-        nodes: parts.iter().map(|p| p.node.clone()).collect(),
+        // The nodes that contributed files or directories; a node that held nothing of the tag
+        // wrote an empty part only to say so.
+        nodes: {
+            let holding: Vec<String> = parts
+                .iter()
+                .filter(|p| !p.files.is_empty() || !p.dirs.is_empty())
+                .map(|p| p.node.clone())
+                .collect();
+            if holding.is_empty() {
+                parts.iter().map(|p| p.node.clone()).collect()
+            } else {
+                holding
+            }
+        },
         raw_bytes: merged.iter().map(|f| f.size).sum(),
         stored_bytes: merged.iter().map(|f| f.stored_size).sum(),
         dirs,
@@ -363,6 +381,7 @@ mod tests {
 
     fn part(node: &str, files: Vec<FileEntry>, t: u64) -> PartManifest {
         PartManifest {
+            job_id: None,
             format: PART_FORMAT.into(),
             version: VERSION,
             tag: "step10".into(),

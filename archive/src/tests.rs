@@ -68,7 +68,11 @@ async fn upload(
 /// Uploads `dir` as node n1's part of `tag` and publishes it with n1 as the only node.
 async fn publish_alone(a: &Archiver, tag: &str, dir: &Path) -> Manifest {
     upload(a, tag, "n1", dir).await.unwrap();
-    let published = a.try_publish(tag, &nodes(&["n1"]), job()).await.unwrap();
+    let published = a
+        .try_publish(tag, &nodes(&["n1"]), job())
+        .await
+        .unwrap()
+        .into_manifest();
     published.unwrap_or_else(|| panic!("{tag} was not published"))
 }
 
@@ -116,6 +120,7 @@ async fn archive_publish_restore_round_trip() {
         .try_publish("step10", &nodes(&["n1"]), job())
         .await
         .unwrap()
+        .into_manifest()
         .expect("the only part is there");
     assert!(m.ratio() > 1.1, "ratio {}", m.ratio());
     assert!(
@@ -127,7 +132,8 @@ async fn archive_publish_restore_round_trip() {
     assert_eq!(
         a.try_publish("step10", &nodes(&["n1"]), job())
             .await
-            .unwrap(),
+            .unwrap()
+            .into_manifest(),
         Some(m.clone())
     );
     // A published checkpoint is immutable: uploading again returns the existing part.
@@ -241,7 +247,8 @@ async fn file_changing_while_read_is_not_published() {
     assert_eq!(
         a.try_publish("step2", &nodes(&["n1"]), job())
             .await
-            .unwrap(),
+            .unwrap()
+            .into_manifest(),
         None
     );
     // Once the file is stable, a retry succeeds.
@@ -555,4 +562,66 @@ fn a_listing_serialises_as_the_cli_prints_it() {
     let v = serde_json::to_value(info(CheckpointState::Complete)).unwrap();
     assert_eq!(v["state"], "complete");
     assert!(v.get("reason").is_none());
+}
+
+/// Issue 10, defect 1: a checkpoint only some of the job's nodes wrote (rank 0's `torch.save`) is
+/// published once the other nodes answer the commit with empty parts; a part another job left
+/// under the same tag never counts as this job's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_written_on_one_node_of_three_is_published() {
+    let (src, store, _) = tree_and_store();
+    let for_job = |id| archiver(store.clone(), small_cfg()).for_job(id);
+    let (n1, n2, n3) = (for_job(7), for_job(7), for_job(7));
+    let all = nodes(&["n1", "n2", "n3"]);
+    // A part of n2 that an earlier job (6) left under the reused tag.
+    let earlier = for_job(6);
+    earlier.announce_commit("s1", "n2").await.unwrap();
+    earlier.put_empty_part("s1", "n2").await.unwrap();
+    assert!(
+        n1.commits_of_job().await.unwrap().is_empty(),
+        "job 6's commit is not job 7's"
+    );
+
+    n1.announce_commit("s1", "n1").await.unwrap();
+    upload(&n1, "s1", "n1", src.path()).await.unwrap();
+    assert_eq!(n2.commits_of_job().await.unwrap(), ["s1"]);
+    assert_eq!(
+        n1.try_publish("s1", &all, job()).await.unwrap(),
+        Publish::Waiting {
+            missing: nodes(&["n2", "n3"])
+        },
+        "n2's part is job 6's: it does not count"
+    );
+    n2.put_empty_part("s1", "n2").await.unwrap();
+    n3.put_empty_part("s1", "n3").await.unwrap();
+    let m = n1
+        .try_publish("s1", &all, job())
+        .await
+        .unwrap()
+        .into_manifest()
+        .expect("every node answered");
+    assert_eq!(
+        m.nodes,
+        ["n1"],
+        "the MANIFEST names the node that holds files"
+    );
+    assert_eq!(m.files.len(), 4);
+    assert!(
+        n2.commits_of_job().await.unwrap().is_empty(),
+        "published: nothing to answer"
+    );
+    let restored = tempfile::tempdir().unwrap();
+    let dest = Arc::new(safefs::open_root_dir(restored.path()).unwrap());
+    let owner = Owner {
+        uid: test_uid(),
+        gid: nix::unistd::getegid().as_raw(),
+    };
+    n3.restore("s1", dest, owner, &ArchiveProgress::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(restored.path().join("model/weights.bf16")).unwrap(),
+        std::fs::read(src.path().join("model/weights.bf16")).unwrap(),
+        "a node that held nothing restores the whole checkpoint"
+    );
 }

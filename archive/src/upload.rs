@@ -793,6 +793,7 @@ impl Archiver {
             version: VERSION,
             tag: tag.into(),
             node: node.into(),
+            job_id: self.job,
             created_unix_ms: unix_ms_now(),
             chunk_size: self.cfg.chunk_size as u64,
             dirs,

@@ -514,6 +514,7 @@ async fn suite(b: &Backend, h: &Harness) {
         .try_publish("step100", &nodes(&["n1"]), job(1))
         .await
         .unwrap()
+        .into_manifest()
         .unwrap_or_else(|| panic!("{name}: the only part is written, publish must succeed"));
     assert_eq!(m.files.len(), files.len(), "{name}");
     let weights = m
@@ -602,7 +603,8 @@ async fn suite(b: &Backend, h: &Harness) {
         h.archiver
             .try_publish("step200", &both, job(2))
             .await
-            .unwrap(),
+            .unwrap()
+            .into_manifest(),
         None
     );
     assert!(
@@ -621,6 +623,7 @@ async fn suite(b: &Backend, h: &Harness) {
         .try_publish("step200", &both, job(2))
         .await
         .unwrap()
+        .into_manifest()
         .unwrap();
     assert_eq!(m2.nodes, both);
     let by_node: Vec<(&str, &str)> = m2
@@ -637,7 +640,8 @@ async fn suite(b: &Backend, h: &Harness) {
         h.archiver
             .try_publish("step200", &both, job(2))
             .await
-            .unwrap(),
+            .unwrap()
+            .into_manifest(),
         Some(m2.clone())
     );
     let (dest2, r) = restore(h, "step200").await;
@@ -737,7 +741,8 @@ async fn suite(b: &Backend, h: &Harness) {
         h.archiver
             .try_publish("step400", &nodes(&["n1"]), job(4))
             .await
-            .unwrap(),
+            .unwrap()
+            .into_manifest(),
         None
     );
     // A retry completes it; two nodes racing to publish agree on one MANIFEST (a create-only put
@@ -748,7 +753,10 @@ async fn suite(b: &Backend, h: &Harness) {
         h.archiver.try_publish("step400", &one, job(4)),
         h.archiver.try_publish("step400", &one, job(4))
     );
-    let (x, y) = (x.unwrap().unwrap(), y.unwrap().unwrap());
+    let (x, y) = (
+        x.unwrap().into_manifest().unwrap(),
+        y.unwrap().into_manifest().unwrap(),
+    );
     assert_eq!(x, y, "{name}");
     assert_eq!(h.archiver.manifest("step400").await.unwrap(), x, "{name}");
     h.archiver.verify("step400").await.unwrap();

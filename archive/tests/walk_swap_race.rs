@@ -209,6 +209,7 @@ async fn a_directory_swapped_for_a_symlink_during_the_walk_never_leaks_root_file
                     .try_publish(&tag, &["n1".to_string()], job.clone())
                     .await
                     .unwrap()
+                    .into_manifest()
                     .expect("the only part is there");
                 let dest = base.join(format!("restore-{tag}"));
                 std::fs::create_dir(&dest).unwrap();

@@ -186,7 +186,11 @@ async fn run_archive(job: &ArchiveJob, cfg: &Config) -> Result<(u64, u64, u64)> 
         user: job.user.clone(),
         job_name: "sluice-bench".into(),
     };
-    let Some(m) = archiver.try_publish(&job.tag, &["n1".into()], meta).await? else {
+    let Some(m) = archiver
+        .try_publish(&job.tag, &["n1".into()], meta)
+        .await?
+        .into_manifest()
+    else {
         bail!("checkpoint {} was not published", job.tag);
     };
     Ok((m.files.len() as u64, m.raw_bytes, m.stored_bytes))

@@ -497,7 +497,8 @@ mod archive {
                 let published = archiver
                     .try_publish(tag, &nodes, job.clone())
                     .await
-                    .unwrap();
+                    .unwrap()
+                    .into_manifest();
                 assert_eq!(published.is_some(), tag == "step100");
             }
         });

@@ -38,8 +38,6 @@ pub enum RestoreError {
         #[source]
         source: Box<ArchiveError>,
     },
-    #[error("--ckpt-restore=latest: no archived checkpoint in {url}")]
-    Empty { url: String },
     #[error(
         "--ckpt-restore=latest: no checkpoint of yours in {url} ({note}); archive under a prefix of your own, or submit without --ckpt-restore"
     )]
@@ -101,14 +99,16 @@ enum HotCopy {
 }
 
 /// Restores `which` from the job's archive `url` into `ckpt_dir`. Returns the restored tag and notes
-/// for the job's output (checkpoints `latest` passed over, and why).
+/// for the job's output (checkpoints `latest` passed over, and why). `latest` on an archive that
+/// holds no checkpoint yet restores nothing (`None`) and says so: the first run of a job that
+/// always asks for `latest` (a `--requeue` job) starts fresh. A named tag that is not there fails.
 pub(crate) async fn restore(
     agent: &Agent,
     job: &Arc<Job>,
     url: &str,
     which: &Restore,
     ckpt_dir: Arc<OwnedFd>,
-) -> Result<(String, Vec<String>), RestoreError> {
+) -> Result<(Option<String>, Vec<String>), RestoreError> {
     let archiver = archive::open_archive(&agent.cfg, url).map_err(|e| RestoreError::Open {
         url: url.into(),
         source: Box::new(e),
@@ -139,14 +139,19 @@ pub(crate) async fn restore(
         if !foreign.is_empty() {
             notes.insert(0, foreign_note(url, foreign));
         }
-        Ok((tag, notes))
+        Ok((Some(tag), notes))
     };
     loop {
         let tag = match which {
             Restore::Tag(t) => t.clone(),
             Restore::Latest => match archiver.latest(&exclude).await.map_err(list_error)? {
                 Some(t) => t,
-                None if exclude.is_empty() => return Err(RestoreError::Empty { url: url.into() }),
+                None if exclude.is_empty() => {
+                    notes.push(format!(
+                        "--ckpt-restore=latest: {url} holds no checkpoint yet; the job starts fresh"
+                    ));
+                    return Ok((None, notes));
+                }
                 None if notes.is_empty() => {
                     return Err(RestoreError::NoneOfYours {
                         url: url.into(),

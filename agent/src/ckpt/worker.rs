@@ -8,8 +8,9 @@ use crate::job::Job;
 use crate::worker::{StatusCell, Worker};
 use sluice_archive::rt::{blocking, now_secs};
 use sluice_archive::store::StoreErrorKind;
-use sluice_archive::{self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta};
+use sluice_archive::{self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Publish};
 use sluice_proto::msg::CkptState;
+use std::collections::HashSet;
 use std::sync::Arc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -99,6 +100,8 @@ pub(crate) struct CkptWorker {
     retries: Schedule<String>,
     last_remote_scan: Option<Instant>,
     ended_at: Option<Instant>,
+    /// Tags other nodes committed that this node answered with an empty part.
+    answered_empty: HashSet<String>,
 }
 
 impl Worker for CkptWorker {
@@ -143,6 +146,7 @@ impl CkptWorker {
             retries: Schedule::new(Backoff::ARCHIVE),
             last_remote_scan: None,
             ended_at: None,
+            answered_empty: HashSet::new(),
         }
     }
 
@@ -176,6 +180,7 @@ impl CkptWorker {
         if self.archiver.is_none() {
             match archive::open_archive(&self.agent.cfg, url) {
                 Ok(a) => {
+                    let a = a.for_job(self.job.start.job_id);
                     self.archiver = Some(Arc::new(match &self.agent.bandwidth {
                         Some(bw) => a.with_bandwidth(bw),
                         None => a,
@@ -235,10 +240,14 @@ impl CkptWorker {
             return false;
         }
         let ended_at = *self.ended_at.get_or_insert_with(Instant::now);
-        let wait = has_archive
-            && job.start.nodes.len() > 1
-            && ended_at.elapsed() < self.agent.cfg.ckpt.epilog_wait
-            && self.has_uncommitted_dirs().await;
+        let multi_node = has_archive && job.start.nodes.len() > 1;
+        // Another node's last commit may reach the archive just after this node's end: a node
+        // answers (with its part, or an empty one) for two more scans before it is done.
+        let grace = self.agent.cfg.ckpt.scan_interval * 2;
+        let wait = multi_node
+            && (ended_at.elapsed() < grace
+                || (ended_at.elapsed() < self.agent.cfg.ckpt.epilog_wait
+                    && self.has_uncommitted_dirs().await));
         if wait {
             self.last_remote_scan = None; // adopt at the next turn
             return false;
@@ -253,6 +262,16 @@ impl CkptWorker {
         let job_id = job.start.job_id;
         let generation = entry.generation();
         entry.set_state(CkptState::Archiving);
+        // First tell the job's other nodes (they answer with their parts, or with an empty one).
+        if job.start.nodes.len() > 1 {
+            if let Err(e) = archiver
+                .announce_commit(&entry.tag, &self.agent.cfg.node)
+                .await
+            {
+                entry.note_failure();
+                return entry.set_error(CkptState::Retrying, e.describe());
+            }
+        }
         let (hot, tag) = (self.agent.hot.clone(), entry.tag.clone());
         let dir =
             blocking(move || sluice_archive::safefs::open_dir(hot.open_ckpt(job_id)?, &tag)).await;
@@ -351,7 +370,7 @@ impl CkptWorker {
             .try_publish(&entry.tag, &job.start.nodes, meta)
             .await
         {
-            Ok(Some(_)) => {
+            Ok(Publish::Published(_)) => {
                 entry.set_archived(now_secs());
                 tracing::info!(
                     job_id = job.start.job_id,
@@ -360,7 +379,13 @@ impl CkptWorker {
                 );
                 self.agent.persist(job).await;
             }
-            Ok(None) => {}
+            Ok(Publish::Waiting { missing }) => entry.set_error(
+                CkptState::WaitingForNodes,
+                format!(
+                    "waiting for the part of node(s) {} of the job",
+                    missing.join(", ")
+                ),
+            ),
             Err(e) => {
                 entry.note_failure();
                 tracing::warn!(
@@ -372,39 +397,56 @@ impl CkptWorker {
         }
     }
 
-    /// Commits, on this node, checkpoints that another node of the job committed (seen as a tag in the
-    /// archive with parts but no MANIFEST) and that this node holds.
-    async fn adopt_remote_commits(&self, archiver: &Arc<Archiver>) {
-        let job = &self.job;
-        let Ok(list) = archiver.list().await else {
-            return;
+    /// Answers the commits another node of the job announced in the archive
+    /// ([`Archiver::commits_of_job`]): a tag this node holds is committed here too (its part is
+    /// uploaded); for a tag it does not hold at all it writes an empty part, so the checkpoint is
+    /// published without waiting for this node (e.g. `torch.save` on rank 0 only).
+    async fn adopt_remote_commits(&mut self, archiver: &Arc<Archiver>) {
+        let job = self.job.clone();
+        let tags = match archiver.commits_of_job().await {
+            Ok(tags) => tags,
+            Err(e) => {
+                tracing::warn!(job_id = job.start.job_id, "reading the job's commits: {e}");
+                return;
+            }
         };
-        for info in list
-            .into_iter()
-            .filter(|i| i.state == archive::CheckpointState::Partial)
-        {
-            if job.ckpts.get(&info.tag).is_some() {
+        for tag in tags {
+            if job.ckpts.get(&tag).is_some() || self.answered_empty.contains(&tag) {
                 continue;
             }
             let (hot, id, uid, t) = (
                 self.agent.hot.clone(),
                 job.start.job_id,
                 job.start.uid,
-                info.tag.clone(),
+                tag.clone(),
             );
             let here = blocking(move || {
                 hot.open_ckpt(id)
-                    .map(|d| check_commit_dir(&d, &t, uid).is_ok())
-                    .unwrap_or(false)
+                    .map_err(CommitError::NoCkptDir)
+                    .and_then(|d| check_commit_dir(&d, &t, uid))
             })
             .await;
-            if here {
-                tracing::info!(
-                    job_id = id,
-                    tag = info.tag,
-                    "committed on another node of the job"
-                );
-                let _ = commit(&self.agent, job, &info.tag).await;
+            match here {
+                Ok(()) => {
+                    tracing::info!(job_id = id, tag, "committed on another node of the job");
+                    let _ = commit(&self.agent, &job, &tag).await;
+                }
+                Err(CommitError::Missing { .. }) => {
+                    match archiver.put_empty_part(&tag, &self.agent.cfg.node).await {
+                        Ok(()) => {
+                            tracing::info!(
+                                job_id = id,
+                                tag,
+                                "committed on another node; this node holds none of it"
+                            );
+                            self.answered_empty.insert(tag);
+                        }
+                        Err(e) => tracing::warn!(job_id = id, tag, "answering a commit: {e}"),
+                    }
+                }
+                // A directory this node cannot archive (a symlink, another owner): publishing
+                // waits for it, and `sluice ckpt list` on the committing node names this node.
+                Err(e) => tracing::warn!(job_id = id, tag, "committed on another node: {e}"),
             }
         }
     }
