@@ -30,6 +30,51 @@ struct TestAgent {
 /// by hand without root, it fails here rather than passing without having run.
 const NEEDS_ROOT: &str = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does";
 
+/// A fresh agent with the test dataset in place, and the path of its temp directory (for a test
+/// that starts another agent on the same state).
+async fn agent_with_dataset() -> (TestAgent, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().to_path_buf();
+    let t = start(tmp).await;
+    make_dataset(&t.data);
+    (t, path)
+}
+
+/// Waits up to 10 s for `path` to be removed; panics with `what` if it stays.
+async fn wait_gone(path: &Path, what: &str) {
+    for _ in 0..100 {
+        if !path.exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what}: {} is still there", path.display());
+}
+
+/// A fresh agent on a new temp directory.
+async fn root_agent() -> TestAgent {
+    start(tempfile::tempdir().unwrap()).await
+}
+
+/// A root-only test: the agent's own runtime shape, `#[ignore]`d with [`NEEDS_ROOT`]'s reason (an
+/// attribute takes only a literal), failing at once when run without root.
+macro_rules! root_test {
+    ($(#[$meta:meta])* async fn $name:ident() $body:block) => {
+        $(#[$meta])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
+        async fn $name() {
+            require_root();
+            $body
+        }
+    };
+}
+
+/// Asserts that one of the notes the job's tasks get matches.
+fn assert_note(dirs: &sluice_proto::msg::JobDirs, matches: impl Fn(&str) -> bool) {
+    assert!(dirs.notes.iter().any(|n| matches(n)), "{:?}", dirs.notes);
+}
+
 fn require_root() {
     assert!(nix::unistd::geteuid().is_root(), "this test {NEEDS_ROOT}");
 }
@@ -121,6 +166,30 @@ impl TestAgent {
         }
     }
 
+    /// Waits for a job whose set-up must fail; returns the error its tasks get.
+    async fn set_up_fails(&self, job_id: u32) -> sluice_proto::msg::ErrorReply {
+        self.refused(Request::WaitStaged {
+            job_id,
+            timeout_ms: 20_000,
+        })
+        .await
+    }
+
+    /// Starts a job whose set-up must fail; returns why it failed, as its tasks see it.
+    async fn fails_to_set_up(&self, start: Request) -> String {
+        let Request::JobStart(ref js) = start else {
+            panic!("not a job start: {start:?}")
+        };
+        let job_id = js.job_id;
+        self.job(start).await;
+        self.set_up_fails(job_id).await.message
+    }
+
+    /// Starts a job (as the prolog does); panics unless the agent takes it.
+    async fn job(&self, start: Request) {
+        assert_eq!(self.call(start).await.unwrap(), Response::Ok);
+    }
+
     /// Sends a request the agent must refuse; returns its error.
     async fn refused(&self, req: Request) -> sluice_proto::msg::ErrorReply {
         match self.call(req.clone()).await {
@@ -137,7 +206,8 @@ impl TestAgent {
     }
 }
 
-fn job_start(job_id: u32, stage_in: &str) -> Request {
+/// A job of user nobody on node n1 with these sluice options, as its prolog announces it.
+fn nobody_job(job_id: u32, job_name: &str, options: Vec<(String, String)>) -> Request {
     Request::JobStart(JobStart {
         job_id,
         uid: NOBODY,
@@ -145,9 +215,13 @@ fn job_start(job_id: u32, stage_in: &str) -> Request {
         user: "nobody".into(),
         node: "n1".into(),
         nodes: vec!["n1".into()],
-        job_name: "test".into(),
-        options: vec![("stage-in".into(), stage_in.into())],
+        job_name: job_name.into(),
+        options,
     })
+}
+
+fn job_start(job_id: u32, stage_in: &str) -> Request {
+    nobody_job(job_id, "test", vec![("stage-in".into(), stage_in.into())])
 }
 
 fn make_dataset(dir: &Path) {
@@ -164,202 +238,176 @@ fn make_dataset(dir: &Path) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn stages_a_posix_dataset_as_the_job_user_and_cleans_up() {
-    require_root();
-    let t = start(tempfile::tempdir().unwrap()).await;
-    make_dataset(&t.data);
-    assert_eq!(
-        t.call(job_start(11, &format!("ds={}", t.data.display())))
-            .await
-            .unwrap(),
-        Response::Ok
-    );
-
-    let Response::Ready(dirs) = t
-        .call(Request::WaitStaged {
-            job_id: 11,
-            timeout_ms: 20_000,
-        })
-        .await
-        .unwrap()
-    else {
-        panic!("not ready")
-    };
-    let staged = Path::new(&dirs.stage_dir).join("ds");
-    assert_eq!(
-        std::fs::read(staged.join("train/shard-0/a.bin")).unwrap(),
-        vec![1u8; 300_000]
-    );
-    assert_eq!(std::fs::read(staged.join("train/empty")).unwrap(), b"");
-    assert_eq!(
-        std::fs::read(staged.join("labels.txt")).unwrap(),
-        b"cat\ndog\n"
-    );
-    for p in [
-        staged.join("labels.txt"),
-        staged.clone(),
-        PathBuf::from(&dirs.stage_dir),
-        PathBuf::from(&dirs.ckpt_dir),
-    ] {
+root_test! {
+    async fn stages_a_posix_dataset_as_the_job_user_and_cleans_up() {
+        let t = root_agent().await;
+        make_dataset(&t.data);
         assert_eq!(
-            std::fs::metadata(&p).unwrap().uid(),
-            NOBODY,
-            "{}",
-            p.display()
+            t.call(job_start(11, &format!("ds={}", t.data.display())))
+                .await
+                .unwrap(),
+            Response::Ok
         );
-    }
-    let job_dir = t.hot.join("jobs/11");
-    assert_eq!(std::fs::metadata(&job_dir).unwrap().mode() & 0o777, 0o700);
 
-    // Progress is visible to the owner and to root.
-    let Response::Job(status) = t.call(Request::Job { job_id: 11 }).await.unwrap() else {
-        panic!()
-    };
-    assert_eq!(status.state, JobState::Ready);
-    assert_eq!(status.stages[0].files_done, 3);
-    assert_eq!(status.stages[0].bytes_total, Some(300_008));
-
-    // Another user may neither look at nor wait for the job, nor announce or end jobs.
-    let other = 65533;
-    for req in [
-        Request::Job { job_id: 11 },
-        Request::WaitStaged {
-            job_id: 11,
-            timeout_ms: 10,
-        },
-        Request::JobEnd { job_id: 11 },
-        job_start(12, "/x"),
-    ] {
-        match t.call_as(other, req.clone()).unwrap() {
-            Response::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{req:?}: {e:?}"),
-            r => panic!("{req:?} was allowed: {r:?}"),
+        let Response::Ready(dirs) = t
+            .call(Request::WaitStaged {
+                job_id: 11,
+                timeout_ms: 20_000,
+            })
+            .await
+            .unwrap()
+        else {
+            panic!("not ready")
+        };
+        let staged = Path::new(&dirs.stage_dir).join("ds");
+        assert_eq!(
+            std::fs::read(staged.join("train/shard-0/a.bin")).unwrap(),
+            vec![1u8; 300_000]
+        );
+        assert_eq!(std::fs::read(staged.join("train/empty")).unwrap(), b"");
+        assert_eq!(
+            std::fs::read(staged.join("labels.txt")).unwrap(),
+            b"cat\ndog\n"
+        );
+        for p in [
+            staged.join("labels.txt"),
+            staged.clone(),
+            PathBuf::from(&dirs.stage_dir),
+            PathBuf::from(&dirs.ckpt_dir),
+        ] {
+            assert_eq!(
+                std::fs::metadata(&p).unwrap().uid(),
+                NOBODY,
+                "{}",
+                p.display()
+            );
         }
-    }
-    // The owner may wait for it; a user's status shows only their own jobs.
-    assert!(matches!(
-        t.call_as(
-            NOBODY,
+        let job_dir = t.hot.join("jobs/11");
+        assert_eq!(std::fs::metadata(&job_dir).unwrap().mode() & 0o777, 0o700);
+
+        // Progress is visible to the owner and to root.
+        let Response::Job(status) = t.call(Request::Job { job_id: 11 }).await.unwrap() else {
+            panic!()
+        };
+        assert_eq!(status.state, JobState::Ready);
+        assert_eq!(status.stages[0].files_done, 3);
+        assert_eq!(status.stages[0].bytes_total, Some(300_008));
+
+        // Another user may neither look at nor wait for the job, nor announce or end jobs.
+        let other = 65533;
+        for req in [
+            Request::Job { job_id: 11 },
             Request::WaitStaged {
                 job_id: 11,
-                timeout_ms: 1000
+                timeout_ms: 10,
+            },
+            Request::JobEnd { job_id: 11 },
+            job_start(12, "/x"),
+        ] {
+            match t.call_as(other, req.clone()).unwrap() {
+                Response::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{req:?}: {e:?}"),
+                r => panic!("{req:?} was allowed: {r:?}"),
             }
-        )
-        .unwrap(),
-        Response::Ready(_)
-    ));
-    let Response::Status(s) = t.call_as(other, Request::Status).unwrap() else {
-        panic!()
-    };
-    assert!(s.jobs.is_empty());
+        }
+        // The owner may wait for it; a user's status shows only their own jobs.
+        assert!(matches!(
+            t.call_as(
+                NOBODY,
+                Request::WaitStaged {
+                    job_id: 11,
+                    timeout_ms: 1000
+                }
+            )
+            .unwrap(),
+            Response::Ready(_)
+        ));
+        let Response::Status(s) = t.call_as(other, Request::Status).unwrap() else {
+            panic!()
+        };
+        assert!(s.jobs.is_empty());
 
-    assert_eq!(
-        t.call(Request::JobEnd { job_id: 11 }).await.unwrap(),
-        Response::Ok
-    );
-    assert!(!job_dir.exists(), "job directory left behind");
-    t.stop().await;
+        assert_eq!(
+            t.call(Request::JobEnd { job_id: 11 }).await.unwrap(),
+            Response::Ok
+        );
+        assert!(!job_dir.exists(), "job directory left behind");
+        t.stop().await;
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn a_missing_or_unreadable_dataset_fails_the_job_with_a_clear_message() {
-    require_root();
-    let t = start(tempfile::tempdir().unwrap()).await;
-    t.call(job_start(21, "/nonexistent/imagenet"))
-        .await
-        .unwrap();
-    let e = t
-        .call(Request::WaitStaged {
-            job_id: 21,
-            timeout_ms: 20_000,
-        })
-        .await
-        .unwrap_err();
-    let ClientError::Agent(e) = e else {
-        panic!("{e}")
-    };
-    assert_eq!(e.code, ErrorCode::StageFailed);
-    assert!(
-        e.message.contains("/nonexistent/imagenet not found"),
-        "{}",
-        e.message
-    );
+root_test! {
+    async fn a_missing_or_unreadable_dataset_fails_the_job_with_a_clear_message() {
+        let t = root_agent().await;
+        t.job(job_start(21, "/nonexistent/imagenet")).await;
+        let e = t
+            .call(Request::WaitStaged {
+                job_id: 21,
+                timeout_ms: 20_000,
+            })
+            .await
+            .unwrap_err();
+        let ClientError::Agent(e) = e else {
+            panic!("{e}")
+        };
+        assert_eq!(e.code, ErrorCode::StageFailed);
+        assert!(
+            e.message.contains("/nonexistent/imagenet not found"),
+            "{}",
+            e.message
+        );
 
-    // Root-only files are not readable by the job user, so they cannot be staged through sluice.
-    let secret = t.data.join("secret");
-    std::fs::create_dir_all(&secret).unwrap();
-    std::fs::set_permissions(&t.data, std::fs::Permissions::from_mode(0o755)).unwrap();
-    std::fs::write(secret.join("key"), b"root only").unwrap();
-    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).unwrap();
-    t.call(job_start(22, &secret.display().to_string()))
-        .await
-        .unwrap();
-    let e = t
-        .refused(Request::WaitStaged {
-            job_id: 22,
-            timeout_ms: 20_000,
-        })
-        .await;
-    assert!(e.message.contains("denied"), "{}", e.message);
-    assert!(!t.hot.join("jobs/22/stage/secret/key").exists());
+        // Root-only files are not readable by the job user, so they cannot be staged through sluice.
+        let secret = t.data.join("secret");
+        std::fs::create_dir_all(&secret).unwrap();
+        std::fs::set_permissions(&t.data, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(secret.join("key"), b"root only").unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).unwrap();
+        t.job(job_start(22, &secret.display().to_string())).await;
+        let e = t.set_up_fails(22).await;
+        assert!(e.message.contains("denied"), "{}", e.message);
+        assert!(!t.hot.join("jobs/22/stage/secret/key").exists());
 
-    // Options are re-validated on the root side.
-    t.call(job_start(23, "relative/path")).await.unwrap();
-    let e = t
-        .refused(Request::WaitStaged {
-            job_id: 23,
-            timeout_ms: 5_000,
-        })
-        .await;
-    assert!(e.message.contains("relative path"), "{}", e.message);
-    t.stop().await;
+        // Options are re-validated on the root side.
+        t.job(job_start(23, "relative/path")).await;
+        let e = t
+            .refused(Request::WaitStaged {
+                job_id: 23,
+                timeout_ms: 5_000,
+            })
+            .await;
+        assert!(e.message.contains("relative path"), "{}", e.message);
+        t.stop().await;
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn a_restarted_agent_resumes_staging_from_its_journal() {
-    require_root();
-    let tmp = tempfile::tempdir().unwrap();
-    let keep = tmp.path().to_path_buf();
-    let t = start(tmp).await;
-    make_dataset(&t.data);
-    t.call(job_start(31, &t.data.display().to_string()))
-        .await
-        .unwrap();
-    // Stop the agent at once (staging may or may not have finished) and start a new one on the same
-    // state: the job must come back and be (or become) ready.
-    let t2 = start(t.stop().await).await;
-    let dirs = t2.ready(31).await;
-    assert_eq!(
-        std::fs::read(Path::new(&dirs.stage_dir).join("data/labels.txt")).unwrap(),
-        b"cat\ndog\n"
-    );
-    t2.call(Request::JobEnd { job_id: 31 }).await.unwrap();
-    assert!(
-        std::fs::read_dir(keep.join("state/n1/jobs"))
-            .unwrap()
-            .next()
-            .is_none(),
-        "journal record left behind"
-    );
-    t2.stop().await;
+root_test! {
+    async fn a_restarted_agent_resumes_staging_from_its_journal() {
+        let (t, keep) = agent_with_dataset().await;
+        t.job(job_start(31, &t.data.display().to_string())).await;
+        // Stop the agent at once (staging may or may not have finished) and start a new one on the same
+        // state: the job must come back and be (or become) ready.
+        let t2 = start(t.stop().await).await;
+        let dirs = t2.ready(31).await;
+        assert_eq!(
+            std::fs::read(Path::new(&dirs.stage_dir).join("data/labels.txt")).unwrap(),
+            b"cat\ndog\n"
+        );
+        t2.call(Request::JobEnd { job_id: 31 }).await.unwrap();
+        assert!(
+            std::fs::read_dir(keep.join("state/n1/jobs"))
+                .unwrap()
+                .next()
+                .is_none(),
+            "journal record left behind"
+        );
+        t2.stop().await;
+    }
 }
 
 fn ckpt_job(job_id: u32, archive: &str, extra: &[(&str, &str)]) -> Request {
     let mut options = vec![("ckpt-archive".to_string(), archive.to_string())];
     options.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    Request::JobStart(JobStart {
-        job_id,
-        uid: NOBODY,
-        gid: NOBODY,
-        user: "nobody".into(),
-        node: "n1".into(),
-        nodes: vec!["n1".into()],
-        job_name: "train".into(),
-        options,
-    })
+    nobody_job(job_id, "train", options)
 }
 
 /// Writes a checkpoint directory as the job user would (owned by the user).
@@ -409,234 +457,192 @@ async fn wait_for_state(
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn checkpoints_are_committed_archived_trimmed_and_restored() {
-    use sluice_proto::msg::CkptState;
-    require_root();
-    let t = start(tempfile::tempdir().unwrap()).await;
-    let archive_dir = t.data.parent().unwrap().join("archive");
-    let url = format!("file://{}", archive_dir.display());
-    t.call(ckpt_job(41, &url, &[("ckpt-keep", "1")]))
-        .await
-        .unwrap();
-    let dirs = t.ready(41).await;
-    let ckpt = PathBuf::from(&dirs.ckpt_dir);
+root_test! {
+    async fn checkpoints_are_committed_archived_trimmed_and_restored() {
+        use sluice_proto::msg::CkptState;
+        let t = root_agent().await;
+        let archive_dir = t.data.parent().unwrap().join("archive");
+        let url = format!("file://{}", archive_dir.display());
+        t.job(ckpt_job(41, &url, &[("ckpt-keep", "1")])).await;
+        let dirs = t.ready(41).await;
+        let ckpt = PathBuf::from(&dirs.ckpt_dir);
 
-    // Explicit commit.
-    write_ckpt(&ckpt, "step-1", 3, false);
-    assert_eq!(
-        t.call(Request::CkptCommit {
-            job_id: 41,
-            tag: "step-1".into()
-        })
-        .await
-        .unwrap(),
-        Response::Ok
-    );
-    let c1 = wait_for_state(&t, 41, "step-1", CkptState::Archived).await;
-    assert!(c1.stored_bytes < c1.raw_bytes, "{c1:?}");
-    // A framework signal commits without any call (DCP's .metadata), and retention (keep=1) then
-    // trims the older archived checkpoint from the hot tier.
-    write_ckpt(&ckpt, "step-2", 5, true);
-    wait_for_state(&t, 41, "step-2", CkptState::Archived).await;
-    for _ in 0..100 {
-        if !ckpt.join("step-1").exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Explicit commit.
+        write_ckpt(&ckpt, "step-1", 3, false);
+        assert_eq!(
+            t.call(Request::CkptCommit {
+                job_id: 41,
+                tag: "step-1".into()
+            })
+            .await
+            .unwrap(),
+            Response::Ok
+        );
+        let c1 = wait_for_state(&t, 41, "step-1", CkptState::Archived).await;
+        assert!(c1.stored_bytes < c1.raw_bytes, "{c1:?}");
+        // A framework signal commits without any call (DCP's .metadata), and retention (keep=1) then
+        // trims the older archived checkpoint from the hot tier.
+        write_ckpt(&ckpt, "step-2", 5, true);
+        wait_for_state(&t, 41, "step-2", CkptState::Archived).await;
+        wait_gone(&ckpt.join("step-1"), "older archived checkpoint not trimmed").await;
+        assert!(
+            ckpt.join("step-2/shards/rank0.bin").exists(),
+            "newest archived checkpoint trimmed"
+        );
+        // Errors a user can act on.
+        let e = t
+            .refused(Request::CkptCommit {
+                job_id: 41,
+                tag: "nope".into(),
+            })
+            .await;
+        assert!(
+            e.message.contains("no checkpoint directory"),
+            "{}",
+            e.message
+        );
+        let e = t
+            .refused(Request::CkptCommit {
+                job_id: 41,
+                tag: "step-2".into(),
+            })
+            .await;
+        assert!(e.message.contains("immutable"), "{}", e.message);
+
+        // An uncommitted (torn) checkpoint is never archived and goes at job end; the newest archived
+        // one stays on the hot tier.
+        std::fs::create_dir_all(ckpt.join("step-3")).unwrap();
+        assert_eq!(
+            t.call(Request::JobEnd { job_id: 41 }).await.unwrap(),
+            Response::Ok
+        );
+        assert!(!ckpt.join("step-3").exists());
+        assert!(ckpt.join("step-2/optim.pt").exists());
+        assert!(!PathBuf::from(&dirs.stage_dir).exists());
+
+        // A second job restores the newest checkpoint before its tasks start: from this node's hot tier,
+        // where job 41 left it, after verifying it against the archive's MANIFEST.
+        let optim = std::fs::read(ckpt.join("step-2/optim.pt")).unwrap();
+        let rank0 = std::fs::read(ckpt.join("step-2/shards/rank0.bin")).unwrap();
+        t.job(ckpt_job(42, &url, &[("ckpt-restore", "latest")]))
+            .await;
+        let dirs2 = t.ready(42).await;
+        assert_eq!(dirs2.restored_tag.as_deref(), Some("step-2"));
+        assert!(
+            dirs2.notes.iter().any(|n| n.contains("hot tier")),
+            "{:?}",
+            dirs2.notes
+        );
+        let restored = PathBuf::from(&dirs2.ckpt_dir).join("step-2");
+        assert_eq!(std::fs::read(restored.join("optim.pt")).unwrap(), optim);
+        assert_eq!(
+            std::fs::read(restored.join("shards/rank0.bin")).unwrap(),
+            rank0
+        );
+        assert_eq!(
+            std::fs::metadata(restored.join("optim.pt")).unwrap().uid(),
+            NOBODY
+        );
+        assert!(
+            !ckpt.join("step-2").exists(),
+            "the hot-tier copy is moved, not duplicated"
+        );
+        // Job 42 ends keeping step-2 (restored = archived). A copy tampered with afterwards is not
+        // trusted: the next restore comes from the archive.
+        assert_eq!(
+            t.call(Request::JobEnd { job_id: 42 }).await.unwrap(),
+            Response::Ok
+        );
+        std::fs::write(restored.join("optim.pt"), b"tampered").unwrap();
+        std::os::unix::fs::lchown(restored.join("optim.pt"), Some(NOBODY), Some(NOBODY)).unwrap();
+        t.job(ckpt_job(45, &url, &[("ckpt-restore", "step-2")]))
+            .await;
+        let d = t.ready(45).await;
+        assert!(
+            !d.notes.iter().any(|n| n.contains("hot tier")),
+            "{:?}",
+            d.notes
+        );
+        assert_eq!(
+            std::fs::read(PathBuf::from(&d.ckpt_dir).join("step-2/optim.pt")).unwrap(),
+            optim
+        );
+
+        // Corrupt the newest archived object: `latest` falls back to step-1 and says so.
+        let victim = archive_dir.join("step-2/data/optim.pt");
+        let mut bytes = std::fs::read(&victim).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff;
+        std::fs::write(&victim, bytes).unwrap();
+        t.job(ckpt_job(43, &url, &[("ckpt-restore", "latest")]))
+            .await;
+        let dirs3 = t.ready(43).await;
+        assert_eq!(dirs3.restored_tag.as_deref(), Some("step-1"));
+        assert_note(&dirs3, |n| {
+            n.contains("step-2") && n.contains("falling back")
+        });
+        // Asking for the corrupted tag by name fails the job with the reason.
+        let m = t.fails_to_set_up(ckpt_job(44, &url, &[("ckpt-restore", "step-2")])).await;
+
+        assert!(m.contains("step-2"), "{m}");
+        t.stop().await;
     }
-    assert!(
-        !ckpt.join("step-1").exists(),
-        "older archived checkpoint not trimmed"
-    );
-    assert!(
-        ckpt.join("step-2/shards/rank0.bin").exists(),
-        "newest archived checkpoint trimmed"
-    );
-    // Errors a user can act on.
-    let e = t
-        .refused(Request::CkptCommit {
-            job_id: 41,
-            tag: "nope".into(),
-        })
-        .await;
-    assert!(
-        e.message.contains("no checkpoint directory"),
-        "{}",
-        e.message
-    );
-    let e = t
-        .refused(Request::CkptCommit {
-            job_id: 41,
-            tag: "step-2".into(),
-        })
-        .await;
-    assert!(e.message.contains("immutable"), "{}", e.message);
-
-    // An uncommitted (torn) checkpoint is never archived and goes at job end; the newest archived
-    // one stays on the hot tier.
-    std::fs::create_dir_all(ckpt.join("step-3")).unwrap();
-    assert_eq!(
-        t.call(Request::JobEnd { job_id: 41 }).await.unwrap(),
-        Response::Ok
-    );
-    assert!(!ckpt.join("step-3").exists());
-    assert!(ckpt.join("step-2/optim.pt").exists());
-    assert!(!PathBuf::from(&dirs.stage_dir).exists());
-
-    // A second job restores the newest checkpoint before its tasks start: from this node's hot tier,
-    // where job 41 left it, after verifying it against the archive's MANIFEST.
-    let optim = std::fs::read(ckpt.join("step-2/optim.pt")).unwrap();
-    let rank0 = std::fs::read(ckpt.join("step-2/shards/rank0.bin")).unwrap();
-    t.call(ckpt_job(42, &url, &[("ckpt-restore", "latest")]))
-        .await
-        .unwrap();
-    let dirs2 = t.ready(42).await;
-    assert_eq!(dirs2.restored_tag.as_deref(), Some("step-2"));
-    assert!(
-        dirs2.notes.iter().any(|n| n.contains("hot tier")),
-        "{:?}",
-        dirs2.notes
-    );
-    let restored = PathBuf::from(&dirs2.ckpt_dir).join("step-2");
-    assert_eq!(std::fs::read(restored.join("optim.pt")).unwrap(), optim);
-    assert_eq!(
-        std::fs::read(restored.join("shards/rank0.bin")).unwrap(),
-        rank0
-    );
-    assert_eq!(
-        std::fs::metadata(restored.join("optim.pt")).unwrap().uid(),
-        NOBODY
-    );
-    assert!(
-        !ckpt.join("step-2").exists(),
-        "the hot-tier copy is moved, not duplicated"
-    );
-    // Job 42 ends keeping step-2 (restored = archived). A copy tampered with afterwards is not
-    // trusted: the next restore comes from the archive.
-    assert_eq!(
-        t.call(Request::JobEnd { job_id: 42 }).await.unwrap(),
-        Response::Ok
-    );
-    std::fs::write(restored.join("optim.pt"), b"tampered").unwrap();
-    std::os::unix::fs::lchown(restored.join("optim.pt"), Some(NOBODY), Some(NOBODY)).unwrap();
-    t.call(ckpt_job(45, &url, &[("ckpt-restore", "step-2")]))
-        .await
-        .unwrap();
-    let d = t.ready(45).await;
-    assert!(
-        !d.notes.iter().any(|n| n.contains("hot tier")),
-        "{:?}",
-        d.notes
-    );
-    assert_eq!(
-        std::fs::read(PathBuf::from(&d.ckpt_dir).join("step-2/optim.pt")).unwrap(),
-        optim
-    );
-
-    // Corrupt the newest archived object: `latest` falls back to step-1 and says so.
-    let victim = archive_dir.join("step-2/data/optim.pt");
-    let mut bytes = std::fs::read(&victim).unwrap();
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0xff;
-    std::fs::write(&victim, bytes).unwrap();
-    t.call(ckpt_job(43, &url, &[("ckpt-restore", "latest")]))
-        .await
-        .unwrap();
-    let dirs3 = t.ready(43).await;
-    assert_eq!(dirs3.restored_tag.as_deref(), Some("step-1"));
-    assert!(
-        dirs3
-            .notes
-            .iter()
-            .any(|n| n.contains("step-2") && n.contains("falling back")),
-        "{:?}",
-        dirs3.notes
-    );
-    // Asking for the corrupted tag by name fails the job with the reason.
-    t.call(ckpt_job(44, &url, &[("ckpt-restore", "step-2")]))
-        .await
-        .unwrap();
-    let e = t
-        .refused(Request::WaitStaged {
-            job_id: 44,
-            timeout_ms: 20_000,
-        })
-        .await;
-    assert!(e.message.contains("step-2"), "{}", e.message);
-    t.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn a_client_that_hangs_up_mid_request_harms_nothing() {
-    require_root();
-    use std::io::Write;
-    let t = start(tempfile::tempdir().unwrap()).await;
-    make_dataset(&t.data);
-    t.call(job_start(51, &t.data.display().to_string()))
-        .await
-        .unwrap();
-    // A task that gives up while waiting (killed, timed out), and a client that sends half a frame.
-    for bytes in [
-        sluice_proto::wire::encode(&sluice_proto::wire::Envelope::new(Request::WaitStaged {
-            job_id: 51,
-            timeout_ms: 60_000,
-        }))
-        .unwrap(),
-        vec![0, 0, 0, 200, b'{'],
-    ] {
-        let mut s = std::os::unix::net::UnixStream::connect(&t.socket).unwrap();
-        s.write_all(&bytes).unwrap();
-        drop(s);
+root_test! {
+    async fn a_client_that_hangs_up_mid_request_harms_nothing() {
+        use std::io::Write;
+        let t = start(tempfile::tempdir().unwrap()).await;
+        make_dataset(&t.data);
+        t.job(job_start(51, &t.data.display().to_string())).await;
+        // A task that gives up while waiting (killed, timed out), and a client that sends half a frame.
+        for bytes in [
+            sluice_proto::wire::encode(&sluice_proto::wire::Envelope::new(Request::WaitStaged {
+                job_id: 51,
+                timeout_ms: 60_000,
+            }))
+            .unwrap(),
+            vec![0, 0, 0, 200, b'{'],
+        ] {
+            let mut s = std::os::unix::net::UnixStream::connect(&t.socket).unwrap();
+            s.write_all(&bytes).unwrap();
+            drop(s);
+        }
+        // The agent goes on serving, and the job's staging is unaffected.
+        let dirs = t.ready(51).await;
+        assert_eq!(
+            std::fs::read(Path::new(&dirs.stage_dir).join("data/labels.txt")).unwrap(),
+            b"cat\ndog\n"
+        );
+        assert!(matches!(
+            t.call(Request::Status).await.unwrap(),
+            Response::Status(_)
+        ));
+        t.stop().await;
     }
-    // The agent goes on serving, and the job's staging is unaffected.
-    let dirs = t.ready(51).await;
-    assert_eq!(
-        std::fs::read(Path::new(&dirs.stage_dir).join("data/labels.txt")).unwrap(),
-        b"cat\ndog\n"
-    );
-    assert!(matches!(
-        t.call(Request::Status).await.unwrap(),
-        Response::Status(_)
-    ));
-    t.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn a_job_that_ended_while_the_agent_was_down_is_cleaned_up_after_restart() {
-    require_root();
-    let t = start(tempfile::tempdir().unwrap()).await;
-    make_dataset(&t.data);
-    t.call(job_start(61, &t.data.display().to_string()))
-        .await
+root_test! {
+    async fn a_job_that_ended_while_the_agent_was_down_is_cleaned_up_after_restart() {
+        let t = root_agent().await;
+        make_dataset(&t.data);
+        t.job(job_start(61, &t.data.display().to_string())).await;
+        t.ready(61).await;
+        let hot = t.hot.clone();
+        let tmp = t.stop().await;
+        assert!(hot.join("jobs/61/stage/data").exists());
+        // The epilog found no agent; Slurm no longer knows the job (what squeue says for a purged job).
+        let squeue = tmp.path().join("squeue");
+        std::fs::write(
+            &squeue,
+            "#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n",
+        )
         .unwrap();
-    t.ready(61).await;
-    let hot = t.hot.clone();
-    let tmp = t.stop().await;
-    assert!(hot.join("jobs/61/stage/data").exists());
-    // The epilog found no agent; Slurm no longer knows the job (what squeue says for a purged job).
-    let squeue = tmp.path().join("squeue");
-    std::fs::write(
-        &squeue,
-        "#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&squeue, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let t = start_with_squeue(tmp, &squeue.display().to_string()).await;
-    for _ in 0..100 {
-        if !hot.join("jobs/61").exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        std::fs::set_permissions(&squeue, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let t = start_with_squeue(tmp, &squeue.display().to_string()).await;
+        wait_gone(&hot.join("jobs/61"), "staged data of an ended job left behind").await;
+        t.stop().await;
     }
-    assert!(
-        !hot.join("jobs/61").exists(),
-        "staged data of an ended job left behind"
-    );
-    t.stop().await;
 }
 
 /// A second local user for the checkpoint-ownership test (F2 in docs/SECURITY.md).
@@ -656,235 +662,178 @@ fn ckpt_job_as(
     Request::JobStart(start)
 }
 
-/// F2 in docs/SECURITY.md: under an allow rule without `{user}` two users archive into one prefix.
-/// B neither restores A's checkpoint (by `latest` or by its tag) nor overwrites it by committing
-/// the same tag, and A's `latest` passes over the newer checkpoint B published there.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn restore_gives_only_the_users_own_checkpoints_from_a_shared_prefix() {
-    use sluice_proto::msg::CkptState;
-    require_root();
-    let t = start(tempfile::tempdir().unwrap()).await;
-    let archive_dir = t.data.parent().unwrap().join("archive");
-    let url = format!("file://{}", archive_dir.display());
-    let chown_tree = |dir: &Path, uid: u32| {
-        for e in walk(dir) {
-            std::os::unix::fs::lchown(&e, Some(uid), Some(uid)).unwrap();
-        }
-    };
+root_test! {
+    /// F2 in docs/SECURITY.md: under an allow rule without `{user}` two users archive into one prefix.
+    /// B neither restores A's checkpoint (by `latest` or by its tag) nor overwrites it by committing
+    /// the same tag, and A's `latest` passes over the newer checkpoint B published there.
+    async fn restore_gives_only_the_users_own_checkpoints_from_a_shared_prefix() {
+        use sluice_proto::msg::CkptState;
+        let t = root_agent().await;
+        let archive_dir = t.data.parent().unwrap().join("archive");
+        let url = format!("file://{}", archive_dir.display());
+        let chown_tree = |dir: &Path, uid: u32| {
+            for e in walk(dir) {
+                std::os::unix::fs::lchown(&e, Some(uid), Some(uid)).unwrap();
+            }
+        };
 
-    // A (nobody) archives step-1.
-    t.call(ckpt_job(61, &url, &[])).await.unwrap();
-    let a_ckpt = PathBuf::from(t.ready(61).await.ckpt_dir);
-    write_ckpt(&a_ckpt, "step-1", 3, false);
-    let a_optim = std::fs::read(a_ckpt.join("step-1/optim.pt")).unwrap();
-    t.call(Request::CkptCommit {
-        job_id: 61,
-        tag: "step-1".into(),
-    })
-    .await
-    .unwrap();
-    wait_for_state(&t, 61, "step-1", CkptState::Archived).await;
-    t.call(Request::JobEnd { job_id: 61 }).await.unwrap();
-
-    // B asks for the newest checkpoint of the shared prefix: there is none of B's.
-    t.call(ckpt_job_as(
-        62,
-        OTHER,
-        "other",
-        &url,
-        &[("ckpt-restore", "latest")],
-    ))
-    .await
-    .unwrap();
-    let e = t
-        .refused(Request::WaitStaged {
-            job_id: 62,
-            timeout_ms: 20_000,
-        })
-        .await;
-    assert!(
-        e.message.contains("no checkpoint of yours")
-            && e.message.contains("archived by other users (step-1)"),
-        "{}",
-        e.message
-    );
-    // B names A's tag: refused, saying whose it is and what to do.
-    t.call(ckpt_job_as(
-        63,
-        OTHER,
-        "other",
-        &url,
-        &[("ckpt-restore", "step-1")],
-    ))
-    .await
-    .unwrap();
-    let e = t
-        .refused(Request::WaitStaged {
-            job_id: 63,
-            timeout_ms: 20_000,
-        })
-        .await;
-    assert!(
-        e.message
-            .contains("was archived by user nobody, not by other; sluice restores only your own")
-            && e.message.contains("{user}"),
-        "{}",
-        e.message
-    );
-    // None of A's bytes reached B's job directories.
-    for id in [62, 63] {
-        let leaked: Vec<PathBuf> = walk(&t.hot.join(format!("jobs/{id}")))
-            .into_iter()
-            .filter(|p| p.is_file() && std::fs::read(p).is_ok_and(|b| b == a_optim))
-            .collect();
-        assert!(leaked.is_empty(), "job {id} got A's file: {leaked:?}");
-    }
-
-    // B archives into the same prefix: its own step-2 is published, but its step-1 would overwrite
-    // A's and is refused.
-    t.call(ckpt_job_as(64, OTHER, "other", &url, &[]))
-        .await
-        .unwrap();
-    let b_ckpt = PathBuf::from(t.ready(64).await.ckpt_dir);
-    write_ckpt(&b_ckpt, "step-1", 7, false);
-    write_ckpt(&b_ckpt, "step-2", 9, false);
-    chown_tree(&b_ckpt.join("step-1"), OTHER);
-    chown_tree(&b_ckpt.join("step-2"), OTHER);
-    for tag in ["step-1", "step-2"] {
+        // A (nobody) archives step-1.
+        t.job(ckpt_job(61, &url, &[])).await;
+        let a_ckpt = PathBuf::from(t.ready(61).await.ckpt_dir);
+        write_ckpt(&a_ckpt, "step-1", 3, false);
+        let a_optim = std::fs::read(a_ckpt.join("step-1/optim.pt")).unwrap();
         t.call(Request::CkptCommit {
-            job_id: 64,
-            tag: tag.into(),
+            job_id: 61,
+            tag: "step-1".into(),
         })
         .await
         .unwrap();
-    }
-    wait_for_state(&t, 64, "step-2", CkptState::Archived).await;
-    let refused = wait_for_state(&t, 64, "step-1", CkptState::Modified).await;
-    let why = refused.error.unwrap_or_default();
-    assert!(
-        why.contains("was archived by user nobody; sluice does not overwrite"),
-        "{why}"
-    );
-    t.call(Request::JobEnd { job_id: 64 }).await.unwrap();
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(archive_dir.join("step-1/MANIFEST")).unwrap())
-            .unwrap();
-    assert_eq!(
-        manifest["job"]["user"], "nobody",
-        "A's step-1 was overwritten"
-    );
+        wait_for_state(&t, 61, "step-1", CkptState::Archived).await;
+        t.call(Request::JobEnd { job_id: 61 }).await.unwrap();
 
-    // A's `latest` restores A's step-1, whole, not B's newer step-2, and says it skipped it.
-    t.call(ckpt_job(65, &url, &[("ckpt-restore", "latest")]))
-        .await
-        .unwrap();
-    let d = t.ready(65).await;
-    assert_eq!(d.restored_tag.as_deref(), Some("step-1"));
-    assert!(
-        d.notes
-            .iter()
-            .any(|n| n.contains("skipped 1 checkpoint(s)") && n.contains("(step-2)")),
-        "{:?}",
-        d.notes
-    );
-    assert_eq!(
-        std::fs::read(PathBuf::from(&d.ckpt_dir).join("step-1/optim.pt")).unwrap(),
-        a_optim
-    );
-    t.stop().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn a_requeued_run_is_never_cleaned_up_by_the_run_it_replaced() {
-    require_root();
-    let tmp = tempfile::tempdir().unwrap();
-    let keep = tmp.path().to_path_buf();
-    let t = start(tmp).await;
-    make_dataset(&t.data);
-    let src = t.data.display().to_string();
-    t.call(job_start(91, &src)).await.unwrap();
-    t.ready(91).await;
-    // Slurm requeues the job and its new run's prolog arrives (with other options): the old run is
-    // over, and its checkpoint worker has every reason to clean up `jobs/91` — which is the new
-    // run's directory now.
-    t.call(job_start(91, &format!("again={src}")))
-        .await
-        .unwrap();
-    let dirs = t.ready(91).await;
-    let staged = Path::new(&dirs.stage_dir).join("again/labels.txt");
-    let journal = keep.join("state/n1/jobs");
-    for _ in 0..30 {
-        assert_eq!(
-            std::fs::read(&staged).ok().as_deref(),
-            Some(&b"cat\ndog\n"[..]),
-            "the replaced run removed the new run's staged data"
-        );
+        // B asks for the newest checkpoint of the shared prefix: there is none of B's.
+        let b_restores = |job_id, which| {
+            ckpt_job_as(job_id, OTHER, "other", &url, &[("ckpt-restore", which)])
+        };
+        let m = t.fails_to_set_up(b_restores(62, "latest")).await;
         assert!(
-            journal.join("91.json").exists(),
-            "the replaced run removed the new run's journal record"
+            m.contains("no checkpoint of yours") && m.contains("archived by other users (step-1)"),
+            "{m}"
         );
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        // B names A's tag: refused, saying whose it is and what to do.
+        let m = t.fails_to_set_up(b_restores(63, "step-1")).await;
+        assert!(
+            m.contains("was archived by user nobody, not by other; sluice restores only your own")
+                && m.contains("{user}"),
+            "{m}"
+        );
+        // None of A's bytes reached B's job directories.
+        for id in [62, 63] {
+            let leaked: Vec<PathBuf> = walk(&t.hot.join(format!("jobs/{id}")))
+                .into_iter()
+                .filter(|p| p.is_file() && std::fs::read(p).is_ok_and(|b| b == a_optim))
+                .collect();
+            assert!(leaked.is_empty(), "job {id} got A's file: {leaked:?}");
+        }
+
+        // B archives into the same prefix: its own step-2 is published, but its step-1 would overwrite
+        // A's and is refused.
+        t.job(ckpt_job_as(64, OTHER, "other", &url, &[])).await;
+        let b_ckpt = PathBuf::from(t.ready(64).await.ckpt_dir);
+        write_ckpt(&b_ckpt, "step-1", 7, false);
+        write_ckpt(&b_ckpt, "step-2", 9, false);
+        chown_tree(&b_ckpt.join("step-1"), OTHER);
+        chown_tree(&b_ckpt.join("step-2"), OTHER);
+        for tag in ["step-1", "step-2"] {
+            t.call(Request::CkptCommit {
+                job_id: 64,
+                tag: tag.into(),
+            })
+            .await
+            .unwrap();
+        }
+        wait_for_state(&t, 64, "step-2", CkptState::Archived).await;
+        let refused = wait_for_state(&t, 64, "step-1", CkptState::Modified).await;
+        let why = refused.error.unwrap_or_default();
+        assert!(
+            why.contains("was archived by user nobody; sluice does not overwrite"),
+            "{why}"
+        );
+        t.call(Request::JobEnd { job_id: 64 }).await.unwrap();
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(archive_dir.join("step-1/MANIFEST")).unwrap())
+                .unwrap();
+        assert_eq!(
+            manifest["job"]["user"], "nobody",
+            "A's step-1 was overwritten"
+        );
+
+        // A's `latest` restores A's step-1, whole, not B's newer step-2, and says it skipped it.
+        t.job(ckpt_job(65, &url, &[("ckpt-restore", "latest")]))
+            .await;
+        let d = t.ready(65).await;
+        assert_eq!(d.restored_tag.as_deref(), Some("step-1"));
+        assert_note(&d, |n| {
+            n.contains("skipped 1 checkpoint(s)") && n.contains("(step-2)")
+        });
+        assert_eq!(
+            std::fs::read(PathBuf::from(&d.ckpt_dir).join("step-1/optim.pt")).unwrap(),
+            a_optim
+        );
+        t.stop().await;
     }
-    t.call(Request::JobEnd { job_id: 91 }).await.unwrap();
-    t.stop().await;
 }
 
-/// Issue 10: `--ckpt-restore=latest` on an archive that holds nothing yet starts the job fresh and
-/// says so (the first run of a `--requeue` job); a named tag that is not there still fails the job.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn restore_latest_from_an_empty_archive_starts_fresh_with_a_note() {
-    require_root();
-    let t = start(tempfile::tempdir().unwrap()).await;
-    let archive_dir = t.data.parent().unwrap().join("archive");
-    let url = format!("file://{}", archive_dir.display());
-    t.call(ckpt_job(61, &url, &[("ckpt-restore", "latest")]))
-        .await
-        .unwrap();
-    let dirs = t.ready(61).await;
-    assert_eq!(dirs.restored_tag, None);
-    assert!(
-        dirs.notes
-            .iter()
-            .any(|n| n.contains("holds no checkpoint yet; the job starts fresh")),
-        "{:?}",
-        dirs.notes
-    );
-    t.call(ckpt_job(62, &url, &[("ckpt-restore", "step-9")]))
-        .await
-        .unwrap();
-    let e = t
-        .refused(Request::WaitStaged {
-            job_id: 62,
-            timeout_ms: 20_000,
-        })
-        .await;
-    assert!(e.message.contains("--ckpt-restore=step-9"), "{}", e.message);
-    t.stop().await;
+root_test! {
+    async fn a_requeued_run_is_never_cleaned_up_by_the_run_it_replaced() {
+        let (t, keep) = agent_with_dataset().await;
+        let src = t.data.display().to_string();
+        t.job(job_start(91, &src)).await;
+        t.ready(91).await;
+        // Slurm requeues the job and its new run's prolog arrives (with other options): the old run is
+        // over, and its checkpoint worker has every reason to clean up `jobs/91` — which is the new
+        // run's directory now.
+        t.job(job_start(91, &format!("again={src}"))).await;
+        let dirs = t.ready(91).await;
+        let staged = Path::new(&dirs.stage_dir).join("again/labels.txt");
+        let journal = keep.join("state/n1/jobs");
+        for _ in 0..30 {
+            assert_eq!(
+                std::fs::read(&staged).ok().as_deref(),
+                Some(&b"cat\ndog\n"[..]),
+                "the replaced run removed the new run's staged data"
+            );
+            assert!(
+                journal.join("91.json").exists(),
+                "the replaced run removed the new run's journal record"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        t.call(Request::JobEnd { job_id: 91 }).await.unwrap();
+        t.stop().await;
+    }
 }
 
-/// Issue 10, defect 5: the end of a job the agent has no record of (its journal record was lost)
-/// removes its staged data but never its checkpoints, which may not be archived.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-async fn the_end_of_an_unknown_job_keeps_its_checkpoints() {
-    require_root();
-    let t = start(tempfile::tempdir().unwrap()).await;
-    let job = t.hot.join("jobs/77");
-    std::fs::create_dir_all(job.join("stage/ds")).unwrap();
-    std::fs::create_dir_all(job.join("ckpt/step-3")).unwrap();
-    std::fs::write(job.join("ckpt/step-3/model.pt"), b"weights").unwrap();
-    assert_eq!(
-        t.call(Request::JobEnd { job_id: 77 }).await.unwrap(),
-        Response::Ok
-    );
-    assert!(!job.join("stage").exists(), "staged data is removed");
-    assert_eq!(
-        std::fs::read(job.join("ckpt/step-3/model.pt")).unwrap(),
-        b"weights",
-        "an unknown job's checkpoint is kept"
-    );
-    t.stop().await;
+root_test! {
+    /// Issue 10: `--ckpt-restore=latest` on an archive that holds nothing yet starts the job fresh and
+    /// says so (the first run of a `--requeue` job); a named tag that is not there still fails the job.
+    async fn restore_latest_from_an_empty_archive_starts_fresh_with_a_note() {
+        let t = root_agent().await;
+        let archive_dir = t.data.parent().unwrap().join("archive");
+        let url = format!("file://{}", archive_dir.display());
+        t.job(ckpt_job(61, &url, &[("ckpt-restore", "latest")]))
+            .await;
+        let dirs = t.ready(61).await;
+        assert_eq!(dirs.restored_tag, None);
+        assert_note(&dirs, |n| {
+            n.contains("holds no checkpoint yet; the job starts fresh")
+        });
+        let m = t.fails_to_set_up(ckpt_job(62, &url, &[("ckpt-restore", "step-9")])).await;
+
+        assert!(m.contains("--ckpt-restore=step-9"), "{m}");
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 10, defect 5: the end of a job the agent has no record of (its journal record was lost)
+    /// removes its staged data but never its checkpoints, which may not be archived.
+    async fn the_end_of_an_unknown_job_keeps_its_checkpoints() {
+        let t = root_agent().await;
+        let job = t.hot.join("jobs/77");
+        std::fs::create_dir_all(job.join("stage/ds")).unwrap();
+        std::fs::create_dir_all(job.join("ckpt/step-3")).unwrap();
+        std::fs::write(job.join("ckpt/step-3/model.pt"), b"weights").unwrap();
+        assert_eq!(
+            t.call(Request::JobEnd { job_id: 77 }).await.unwrap(),
+            Response::Ok
+        );
+        assert!(!job.join("stage").exists(), "staged data is removed");
+        assert_eq!(
+            std::fs::read(job.join("ckpt/step-3/model.pt")).unwrap(),
+            b"weights",
+            "an unknown job's checkpoint is kept"
+        );
+        t.stop().await;
+    }
 }
