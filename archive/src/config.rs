@@ -184,6 +184,20 @@ fn duration(what: &str, v: Option<&str>, default: Duration) -> Result<Duration, 
         .map(|d| d.unwrap_or(default))
 }
 
+/// `Err("{what}, got {v}")` unless `v` lies in `range`: the one shape of every range check of the
+/// configuration and the archive settings.
+pub(crate) fn within<T: PartialOrd + std::fmt::Display>(
+    v: T,
+    range: std::ops::RangeInclusive<T>,
+    what: &str,
+) -> Result<(), String> {
+    if range.contains(&v) {
+        Ok(())
+    } else {
+        Err(format!("{what}, got {v}"))
+    }
+}
+
 /// Parses a size such as `16MiB`, `1GB`, `4096`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
@@ -236,12 +250,7 @@ fn retry_config(raw: &RawRetry) -> Result<RetryConfig, String> {
             base: d.backoff.base,
         },
     };
-    if !(1..=100).contains(&r.max_retries) {
-        return Err(format!(
-            "retry.max_retries must be 1..=100, got {}",
-            r.max_retries
-        ));
-    }
+    within(r.max_retries, 1..=100, "retry.max_retries must be 1..=100")?;
     if !(Duration::from_secs(30)..=Duration::from_secs(15 * 60)).contains(&r.retry_timeout) {
         return Err(format!(
             "retry.timeout must be between 30s (a request's own timeout) and 15min (retries reuse the signed request), got {}",
@@ -331,18 +340,16 @@ impl Config {
                 .unwrap_or(Duration::from_secs(7200)),
             allow: raw.stage.allow.clone(),
         };
-        if !(1..=1024).contains(&stage.concurrency) {
-            return Err(format!(
-                "stage.concurrency must be 1..=1024, got {}",
-                stage.concurrency
-            ));
-        }
-        if !(64 << 10..=5 << 30).contains(&stage.part_size) {
-            return Err(format!(
-                "stage.part_size must be between 64KiB and 5GiB, got {}",
-                stage.part_size
-            ));
-        }
+        within(
+            stage.concurrency,
+            1..=1024,
+            "stage.concurrency must be 1..=1024",
+        )?;
+        within(
+            stage.part_size,
+            64 << 10..=5 << 30,
+            "stage.part_size must be between 64KiB and 5GiB",
+        )?;
         if stage.memory < stage.concurrency as u64 * (64 << 10) || stage.memory > 64 << 30 {
             return Err(format!(
                 "stage.memory must be at least 64KiB per request in flight ({} for stage.concurrency = {}) and at most 64GiB, got {}",
@@ -390,33 +397,23 @@ impl Config {
                 .filter(|b| *b > 0),
             high_water: c.high_water.unwrap_or(90),
         };
-        if !(1..=1000).contains(&ckpt.keep) {
-            return Err(format!("ckpt.keep must be 1..=1000, got {}", ckpt.keep));
-        }
-        if !(5 << 20..=5 << 30).contains(&ckpt.part_size) {
-            return Err(format!(
-                "ckpt.part_size must be between 5MiB (S3's minimum part) and 5GiB, got {}",
-                ckpt.part_size
-            ));
-        }
-        if !(1..=256).contains(&ckpt.concurrency) {
-            return Err(format!(
-                "ckpt.concurrency must be 1..=256, got {}",
-                ckpt.concurrency
-            ));
-        }
-        if !(1..=22).contains(&ckpt.zstd_level) {
-            return Err(format!(
-                "ckpt.zstd_level must be 1..=22, got {}",
-                ckpt.zstd_level
-            ));
-        }
-        if !(1..=100).contains(&ckpt.high_water) {
-            return Err(format!(
-                "ckpt.high_water must be a percentage 1..=100, got {}",
-                ckpt.high_water
-            ));
-        }
+        within(ckpt.keep, 1..=1000, "ckpt.keep must be 1..=1000")?;
+        within(
+            ckpt.part_size,
+            5 << 20..=5 << 30,
+            "ckpt.part_size must be between 5MiB (S3's minimum part) and 5GiB",
+        )?;
+        within(
+            ckpt.concurrency,
+            1..=256,
+            "ckpt.concurrency must be 1..=256",
+        )?;
+        within(ckpt.zstd_level, 1..=22, "ckpt.zstd_level must be 1..=22")?;
+        within(
+            ckpt.high_water,
+            1..=100,
+            "ckpt.high_water must be a percentage 1..=100",
+        )?;
         for rule in &ckpt.allow {
             if !rule.prefix.contains("://") {
                 return Err(format!(
@@ -479,15 +476,7 @@ mod tests {
         assert!(c.store_for("gs://b").is_none());
         assert_eq!(c.stage.allow.len(), 3);
         // The example spells out object_store's defaults.
-        let d = RetryConfig::default();
-        assert_eq!(
-            (c.retry.max_retries, c.retry.retry_timeout),
-            (d.max_retries, d.retry_timeout)
-        );
-        assert_eq!(
-            (c.retry.backoff.init_backoff, c.retry.backoff.max_backoff),
-            (d.backoff.init_backoff, d.backoff.max_backoff)
-        );
+        assert_default_retry(&c);
     }
 
     #[test]
@@ -513,11 +502,8 @@ mod tests {
         assert!(parse_size("x").is_err());
     }
 
-    #[test]
-    fn the_retry_policy_defaults_to_object_stores_and_is_checked() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+    fn assert_default_retry(c: &Config) {
         let d = RetryConfig::default();
-        let c = Config::parse(base, "n1").unwrap();
         assert_eq!(
             (c.retry.max_retries, c.retry.retry_timeout),
             (d.max_retries, d.retry_timeout)
@@ -526,6 +512,13 @@ mod tests {
             (c.retry.backoff.init_backoff, c.retry.backoff.max_backoff),
             (d.backoff.init_backoff, d.backoff.max_backoff)
         );
+    }
+
+    #[test]
+    fn the_retry_policy_defaults_to_object_stores_and_is_checked() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        let c = Config::parse(base, "n1").unwrap();
+        assert_default_retry(&c);
         let c = Config::parse(
             &format!("{base}[retry]\nmax_retries=3\ntimeout='1min'\ninitial_backoff='50ms'\nmax_backoff='5s'\n"),
             "n1",

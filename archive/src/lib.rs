@@ -62,6 +62,7 @@ pub use format::{Codec, FileCompression, Transform};
 pub use manifest::{ChunkEntry, FileEntry, JobMeta, Manifest, PartManifest};
 pub use url::{ArchiveLocation, ArchiveStore, open_archive, open_archive_with, parse_archive_url};
 
+use config::within;
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
@@ -119,24 +120,13 @@ impl Default for ArchiveConfig {
 
 impl ArchiveConfig {
     pub fn validate(&self) -> Result<(), String> {
-        if !(64 << 10..=5 << 30).contains(&self.part_size) {
-            return Err(format!(
-                "part size must be between 64KiB and 5GiB, got {}",
-                self.part_size
-            ));
-        }
-        if !(1..=1024).contains(&self.concurrency) {
-            return Err(format!(
-                "concurrency must be 1..=1024, got {}",
-                self.concurrency
-            ));
-        }
-        if !(0..=19).contains(&self.zstd_level) {
-            return Err(format!(
-                "zstd level must be 0 (off) to 19, got {}",
-                self.zstd_level
-            ));
-        }
+        within(
+            self.part_size,
+            64 << 10..=5 << 30,
+            "part size must be between 64KiB and 5GiB",
+        )?;
+        within(self.concurrency, 1..=1024, "concurrency must be 1..=1024")?;
+        within(self.zstd_level, 0..=19, "zstd level must be 0 (off) to 19")?;
         if self.chunk_size < 64 << 10
             || self.chunk_size > format::MAX_CHUNK
             || self.chunk_size % 4096 != 0
@@ -146,12 +136,11 @@ impl ArchiveConfig {
                 self.chunk_size
             ));
         }
-        if !(1..=256).contains(&self.compress_threads) {
-            return Err(format!(
-                "compress threads must be 1..=256, got {}",
-                self.compress_threads
-            ));
-        }
+        within(
+            self.compress_threads,
+            1..=256,
+            "compress threads must be 1..=256",
+        )?;
         if self.bandwidth_limit == Some(0) {
             return Err("a bandwidth limit of 0 would never upload anything".into());
         }
@@ -401,6 +390,23 @@ pub struct CheckpointInfo {
     pub nodes: Vec<String>,
 }
 
+impl CheckpointInfo {
+    /// A tag whose MANIFEST cannot be used, and why.
+    pub fn invalid(tag: String, reason: String) -> CheckpointInfo {
+        CheckpointInfo {
+            tag,
+            state: CheckpointState::Invalid { reason },
+            files: 0,
+            raw_bytes: 0,
+            stored_bytes: 0,
+            ratio: None,
+            created_unix_ms: 0,
+            job: None,
+            nodes: Vec::new(),
+        }
+    }
+}
+
 /// An upload bandwidth cap (bytes per second) that several archivers can share.
 #[derive(Debug, Clone)]
 pub struct Bandwidth(Arc<Throttle>);
@@ -604,19 +610,9 @@ impl Archiver {
     /// The tags this archiver's job committed on some node and that are not published yet.
     pub async fn commits_of_job(&self) -> Result<Vec<String>, ArchiveError> {
         let job_id = self.job_id()?;
-        let base = (!self.base.as_ref().is_empty()).then_some(&self.base);
-        let listing = self
-            .store
-            .list_with_delimiter(base)
-            .await
-            .map_err(self.store_err("list", &self.base))?;
         let mut tags = Vec::new();
-        for tag in listing
-            .common_prefixes
-            .iter()
-            .filter_map(|p| p.filename())
-            .filter(|t| check_name("checkpoint tag", t).is_ok())
-        {
+        for tag in self.tags().await? {
+            let tag = tag.as_str();
             let prefix = self.key([tag, "commits"]);
             let markers = self
                 .store
@@ -920,20 +916,25 @@ impl Archiver {
             .collect())
     }
 
-    async fn scan(&self) -> Result<Vec<(CheckpointInfo, Option<Manifest>)>, ArchiveError> {
+    /// The names below the base prefix that can be tags.
+    async fn tags(&self) -> Result<Vec<String>, ArchiveError> {
         let base = (!self.base.as_ref().is_empty()).then_some(&self.base);
         let listing = self
             .store
             .list_with_delimiter(base)
             .await
             .map_err(self.store_err("list", &self.base))?;
-        let tags: Vec<String> = listing
+        Ok(listing
             .common_prefixes
             .iter()
             .filter_map(|p| p.filename())
             .filter(|t| check_name("checkpoint tag", t).is_ok())
             .map(String::from)
-            .collect();
+            .collect())
+    }
+
+    async fn scan(&self) -> Result<Vec<(CheckpointInfo, Option<Manifest>)>, ArchiveError> {
+        let tags = self.tags().await?;
         let mut out: Vec<(CheckpointInfo, Option<Manifest>)> = futures::stream::iter(tags)
             .map(|tag| async move { self.info(tag).await })
             .buffer_unordered(self.cfg.concurrency)
@@ -1003,20 +1004,7 @@ impl Archiver {
                 let ArchiveError::BadManifest { reason, .. } = e else {
                     unreachable!()
                 };
-                Ok((
-                    CheckpointInfo {
-                        tag,
-                        state: CheckpointState::Invalid { reason },
-                        files: 0,
-                        raw_bytes: 0,
-                        stored_bytes: 0,
-                        ratio: None,
-                        created_unix_ms: 0,
-                        job: None,
-                        nodes: Vec::new(),
-                    },
-                    None,
-                ))
+                Ok((CheckpointInfo::invalid(tag, reason), None))
             }
             Err(e) => Err(e),
         }

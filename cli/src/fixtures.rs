@@ -196,18 +196,6 @@ pub fn archive_listing() -> Vec<CheckpointInfo> {
             job: None,
             nodes: vec!["gpu07".into()],
         },
-        CheckpointInfo {
-            tag: "step150".into(),
-            state: CheckpointState::Invalid {
-                reason: "unsupported version 9".into(),
-            },
-            files: 0,
-            raw_bytes: 0,
-            stored_bytes: 0,
-            ratio: None,
-            created_unix_ms: 0,
-            job: None,
-            nodes: Vec::new(),
-        },
+        CheckpointInfo::invalid("step150".into(), "unsupported version 9".into()),
     ]
 }

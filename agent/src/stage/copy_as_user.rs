@@ -424,19 +424,18 @@ fn copy_files(
         while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
             finished.recv_timeout(Duration::from_millis(200))
         {
-            writeln!(
-                out,
-                "progress {} {}",
-                files_done.load(Ordering::Relaxed),
-                bytes_done.load(Ordering::Relaxed)
-            )
-            .ok();
-            out.flush().ok();
+            report_progress(out, &files_done, &bytes_done);
         }
     });
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
+    report_progress(out, &files_done, &bytes_done);
+    Ok(())
+}
+
+/// One `progress F B` line for the agent (a reader that went away is not the copy's problem).
+fn report_progress(out: &mut impl Write, files_done: &AtomicU64, bytes_done: &AtomicU64) {
     writeln!(
         out,
         "progress {} {}",
@@ -445,7 +444,6 @@ fn copy_files(
     )
     .ok();
     out.flush().ok();
-    Ok(())
 }
 
 #[cfg(test)]
