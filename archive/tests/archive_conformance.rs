@@ -466,6 +466,15 @@ fn job(id: u32) -> JobMeta {
     }
 }
 
+/// `try_publish`'s MANIFEST, or `None` while a part is missing; panics on an error.
+async fn publish(h: &Harness, tag: &str, nodes: &[String], job: JobMeta) -> Option<Manifest> {
+    h.archiver
+        .try_publish(tag, nodes, job)
+        .await
+        .unwrap()
+        .into_manifest()
+}
+
 fn nodes(n: &[&str]) -> Vec<String> {
     n.iter().map(|s| s.to_string()).collect()
 }
@@ -599,14 +608,7 @@ async fn suite(b: &Backend, h: &Harness) {
     write_ckpt(bdir.path(), &files_b);
     let both = nodes(&["n1", "n2"]);
     upload(h, "step200", "n1", a.path()).await.unwrap();
-    assert_eq!(
-        h.archiver
-            .try_publish("step200", &both, job(2))
-            .await
-            .unwrap()
-            .into_manifest(),
-        None
-    );
+    assert_eq!(publish(h, "step200", &both, job(2)).await, None);
     assert!(
         !h.exists("step200/MANIFEST").await,
         "{name}: MANIFEST before every part"
@@ -636,14 +638,7 @@ async fn suite(b: &Backend, h: &Harness) {
         [("latest", "n1"), ("rank0.bf16", "n1"), ("rank1.bf16", "n2")]
     );
     // The other node publishing too agrees on the same manifest.
-    assert_eq!(
-        h.archiver
-            .try_publish("step200", &both, job(2))
-            .await
-            .unwrap()
-            .into_manifest(),
-        Some(m2.clone())
-    );
+    assert_eq!(publish(h, "step200", &both, job(2)).await, Some(m2.clone()));
     let (dest2, r) = restore(h, "step200").await;
     r.unwrap();
     assert_same_tree(a.path(), dest2.path(), &files_a);
@@ -737,14 +732,7 @@ async fn suite(b: &Backend, h: &Harness) {
     );
     assert!(!h.exists("step400/data/optim/exp_avg.fp32").await, "{name}");
     assert!(!h.exists("step400/parts/n1.json").await, "{name}");
-    assert_eq!(
-        h.archiver
-            .try_publish("step400", &nodes(&["n1"]), job(4))
-            .await
-            .unwrap()
-            .into_manifest(),
-        None
-    );
+    assert_eq!(publish(h, "step400", &nodes(&["n1"]), job(4)).await, None);
     // A retry completes it; two nodes racing to publish agree on one MANIFEST (a create-only put
     // where the store has one — Azurite, file:// — and identical bytes where it does not: Garage).
     upload(h, "step400", "n1", src.path()).await.unwrap();
