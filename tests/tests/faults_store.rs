@@ -12,7 +12,7 @@ use common::*;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// The agent retries a failing archive with a backoff capped at 120 s (ckpt_worker.rs MAX_BACKOFF),
+/// The agent retries a failing archive with a backoff capped at 120 s (agent backoff.rs ARCHIVE),
 /// and one attempt may itself spend a while in the client's request retries.
 const ARCHIVE_AFTER_RECOVERY: Duration = Duration::from_secs(180);
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);

@@ -269,7 +269,8 @@ done"#,
         let attempts: Vec<&str> = log_text
             .lines()
             .filter(|l| {
-                l.contains("ckpt_worker")
+                // The checkpoint worker's lines (its tracing target is the module's path).
+                l.contains("sluice_agent::ckpt")
                     && l.ends_with(&format!("job_id={} tag=\"{t}\"", job.id))
                     && (l.contains("nothing was archived") || l.contains("archive attempt failed"))
             })
