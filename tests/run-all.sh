@@ -4,7 +4,8 @@
 # reused), then runs, in order, stopping at the first failure:
 #   1. cargo fmt --check, cargo clippy -D warnings          (the gates, for the workspace and for
 #                                                            bench/, a workspace of its own)
-#   2. cargo test --workspace                               (unit tests, in-process agent tests)
+#   2. cargo test --workspace                               (unit tests, in-process agent tests),
+#      then the same binaries as the test user               (root-only tests must say "ignored")
 #   3. tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
 #                                                            end-to-end jobs, archive conformance)
 #   4. bench/run --smoke                                    (the benchmark harness on tiny data)
@@ -36,6 +37,9 @@ cargo clippy --manifest-path bench/Cargo.toml --all-targets -- -D warnings
 
 step "cargo test --workspace"
 cargo test --workspace
+
+step "the same test binaries as the unprivileged test user (root-only tests must report ignored)"
+tests/harness/unit-as-user.sh
 
 # The test cluster is one per machine (fixed ports, /etc/slurm): hold its lock while using it. Tools
 # that take the lock themselves (bench/run) see SLUICE_CLUSTER_LOCK_HELD and do not wait for it.

@@ -758,8 +758,7 @@ mod tests {
     #[test]
     fn aligned_blocks_are_written_directly_and_the_rest_through_the_page_cache() {
         use std::io::Read;
-        let exe = std::env::current_exe().unwrap();
-        let dir = tempfile::tempdir_in(exe.parent().unwrap()).unwrap();
+        let dir = crate::iobuf::tests::direct_io_dir();
         let path = dir.path().join("restored");
         let out = Output::new(File::create_new(&path).unwrap());
         let block = iobuf::ALIGN;

@@ -233,7 +233,7 @@ impl fmt::Debug for AlignedBuf {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     const SIZES: [usize; 9] = [0, 1, 100, 4095, 4096, 4097, 65536, 1 << 20, (4 << 20) + 5];
@@ -314,6 +314,16 @@ mod tests {
         assert_eq!(back.len(), ALIGN);
     }
 
+    /// A temporary directory for `O_DIRECT` tests: beside the test binary (the target directory),
+    /// since `/tmp` is often a tmpfs, which refuses `O_DIRECT`; the temp directory where the
+    /// target directory is not writable (another user runs the binaries).
+    pub(crate) fn direct_io_dir() -> tempfile::TempDir {
+        let exe = std::env::current_exe().unwrap();
+        tempfile::tempdir_in(exe.parent().unwrap())
+            .or_else(|_| tempfile::tempdir())
+            .unwrap()
+    }
+
     /// Writes whole aligned blocks from an `AlignedBuf` with `O_DIRECT` and reads them back. The
     /// temporary file sits in the target directory (beside the test binary), not in `/tmp`, which is
     /// often a tmpfs: tmpfs refuses `O_DIRECT` with `EINVAL`, which the restore path answers by
@@ -323,8 +333,7 @@ mod tests {
     fn an_aligned_buffer_can_be_written_with_o_direct() {
         use std::io::Read;
         use std::os::unix::fs::{FileExt, OpenOptionsExt};
-        let exe = std::env::current_exe().unwrap();
-        let dir = tempfile::tempdir_in(exe.parent().unwrap()).unwrap();
+        let dir = direct_io_dir();
         let path = dir.path().join("direct");
         let mut buf = AlignedBuf::new(3 * ALIGN);
         for (i, b) in buf.iter_mut().enumerate() {

@@ -128,7 +128,9 @@ pub fn parse_archive_url(url: &str) -> Result<ArchiveLocation, ArchiveError> {
 /// must live where only root can change anything: every component of `path` a real directory (no
 /// symlink) owned by the agent's user and not writable by others — except sticky directories such as
 /// `/tmp`, where nobody can replace another user's entry. Otherwise a user could redirect root's
-/// writes with a symlink.
+/// writes with a symlink. A process that is not root (a user's `sluice ckpt list|restore
+/// file:///…`) also accepts root's directories: only root or the caller can change them, and the
+/// caller has no privilege for anyone to redirect.
 ///
 /// The walk is fd-relative from `/`: each component is opened `O_NOFOLLOW | O_DIRECTORY` below the
 /// fd of its already-checked parent and checked on the opened fd, and a missing one is created with
@@ -153,7 +155,7 @@ fn open_local_root(
     };
     let check = |fd: &std::os::fd::OwnedFd, p: &std::path::Path| -> Result<(), String> {
         let st = fstat(fd).map_err(|e| format!("{}: {e}", p.display()))?;
-        if st.st_uid != me {
+        if st.st_uid != me && st.st_uid != 0 {
             return Err(refuse(p, &format!("is owned by uid {}", st.st_uid)));
         }
         if st.st_mode & 0o022 != 0 && st.st_mode & 0o1000 == 0 {
