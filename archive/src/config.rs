@@ -465,6 +465,7 @@ mod tests {
         let text = include_str!("../../slurm-conf/sluice.toml");
         let c = Config::parse(text, "n2").unwrap();
         assert_eq!(c.socket, PathBuf::from("/run/sluice/n2.sock"));
+        assert_eq!(c.drain_timeout, Duration::from_secs(5));
         assert_eq!(c.hot_root, PathBuf::from("/var/lib/sluice/n2/hot"));
         assert_eq!(c.stage.part_size, 8 << 20);
         assert_eq!(c.stage.timeout, Duration::from_secs(7200));

@@ -10,10 +10,18 @@
 //! Below the archive URL's base prefix (`s3://ckpt/alice/run1` → bucket `ckpt`, base `alice/run1`):
 //!
 //! ```text
+//! BASE/TAG/commits/<node>.json  a node's note that its job committed TAG (job id, time): first
 //! BASE/TAG/data/<relpath>       one object per file: its chunks' frames (format.rs)
-//! BASE/TAG/parts/<node>.json    what one node archived (PartManifest), after its data objects
+//! BASE/TAG/parts/<node>.json    what one node archived (PartManifest, with its job id), after its
+//!                               data objects; empty for a node that holds none of the tag
 //! BASE/TAG/MANIFEST             the checkpoint (Manifest): written last, after every part
 //! ```
+//!
+//! **Any subset of nodes.** A multi-node job's node that commits a tag notes it under `commits/`;
+//! the job's other nodes see the note ([`Archiver::commits_of_job`]) and answer with their part, or
+//! with an empty part when they hold nothing of the tag (rank 0's `torch.save`), so publishing
+//! never waits for files a node does not have. Parts and notes carry the job id, and a publisher
+//! merges only its own job's parts: a tag reused under a shared prefix never mixes jobs.
 //!
 //! **Publish last.** A node writes its part manifest only after every one of its data objects is
 //! durable (each `put` / multipart `complete` returned); any node that finds all parts present merges

@@ -8,8 +8,9 @@
 //!
 //! Multi-node jobs: every node archives its own files of a checkpoint as one *part*; the archive's
 //! MANIFEST is published when every node's part is there. A node learns about a commit made on another
-//! node from the archive itself (a tag with parts but without this node's part), so one commit, or one
-//! framework signal on one node, is enough.
+//! node from the archive itself (the committing node's note under `TAG/commits/`), so one commit, or
+//! one framework signal on one node, is enough; a node that holds none of the tag answers with an
+//! empty part, so a checkpoint written on some nodes only (rank 0's `torch.save`) is archived too.
 //!
 //! Retention keeps the newest `--ckpt-keep` archived checkpoints on the hot tier and deletes older
 //! archived ones. It never deletes a checkpoint that is not archived, never the newest archived one
