@@ -837,3 +837,51 @@ root_test! {
         t.stop().await;
     }
 }
+
+root_test! {
+    /// Issue 10, defect 2: a later job that reuses an archived tag under the same archive (the
+    /// default `{job_name}` prefix of a rerun) is refused unless its content is identical, and its
+    /// copy stays on the hot tier, unarchived and never trimmed; identical content is archived.
+    async fn a_reused_tag_with_other_content_is_refused_and_kept() {
+        use sluice_proto::msg::CkptState;
+        let t = root_agent().await;
+        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let commit = |job_id: u32| Request::CkptCommit {
+            job_id,
+            tag: "s1".into(),
+        };
+        // Job 71 archives s1.
+        t.job(ckpt_job(71, &url, &[])).await;
+        write_ckpt(Path::new(&t.ready(71).await.ckpt_dir), "s1", 3, false);
+        assert_eq!(t.call(commit(71)).await.unwrap(), Response::Ok);
+        wait_for_state(&t, 71, "s1", CkptState::Archived).await;
+        t.call(Request::JobEnd { job_id: 71 }).await.unwrap();
+        // Job 72 commits other bytes under the same tag.
+        t.job(ckpt_job(72, &url, &[("ckpt-keep", "1")])).await;
+        let ckpt72 = PathBuf::from(t.ready(72).await.ckpt_dir);
+        write_ckpt(&ckpt72, "s1", 4, false);
+        assert_eq!(t.call(commit(72)).await.unwrap(), Response::Ok);
+        let refused = wait_for_state(&t, 72, "s1", CkptState::Refused).await;
+        let why = refused.error.unwrap_or_default();
+        assert!(
+            why.contains("already archived") && why.contains("by job 71") && why.contains("new tag"),
+            "{why}"
+        );
+        let manifest: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(t.data.parent().unwrap().join("archive/s1/MANIFEST")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(manifest["job"]["job_id"], 71, "the archive keeps job 71's s1");
+        t.call(Request::JobEnd { job_id: 72 }).await.unwrap();
+        assert!(
+            ckpt72.join("s1/shards/rank0.bin").exists(),
+            "the refused copy is the only one of its bytes: it must stay"
+        );
+        // Job 73 commits the very bytes job 71 archived: nothing to refuse.
+        t.job(ckpt_job(73, &url, &[])).await;
+        write_ckpt(Path::new(&t.ready(73).await.ckpt_dir), "s1", 3, false);
+        assert_eq!(t.call(commit(73)).await.unwrap(), Response::Ok);
+        wait_for_state(&t, 73, "s1", CkptState::Archived).await;
+        t.stop().await;
+    }
+}

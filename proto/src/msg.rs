@@ -85,6 +85,9 @@ pub enum CkptState {
     Retrying,
     /// Files changed while being archived: archived again after the next commit of this tag.
     Modified,
+    /// The archive already holds this tag with other content (archives are immutable): not
+    /// archived, kept on the hot tier (never trimmed); save the state under a new tag.
+    Refused,
 }
 
 impl CkptState {
@@ -96,6 +99,7 @@ impl CkptState {
             CkptState::Archived => "archived",
             CkptState::Retrying => "retrying",
             CkptState::Modified => "modified",
+            CkptState::Refused => "refused",
         }
     }
 }

@@ -116,6 +116,12 @@ impl CkptEntry {
         self.set_error(CkptState::Modified, message);
     }
 
+    /// The archive holds this tag with other content: it stays here, unarchived and never
+    /// trimmed, and is not retried (`message` says what to do).
+    pub fn conflict(&self, message: String) {
+        self.set_error(CkptState::Refused, message);
+    }
+
     pub fn is_refused(&self) -> bool {
         self.refused.load(Ordering::Relaxed)
     }
@@ -233,9 +239,11 @@ impl JobCkpts {
                     e.set_state(CkptState::Committed);
                     Ok(CommitOutcome::Recommitted)
                 }
-                CkptState::Archived | CkptState::WaitingForNodes => Err(CommitError::Immutable {
-                    tag: tag.to_string(),
-                }),
+                CkptState::Archived | CkptState::WaitingForNodes | CkptState::Refused => {
+                    Err(CommitError::Immutable {
+                        tag: tag.to_string(),
+                    })
+                }
                 _ => Ok(CommitOutcome::AlreadyPending),
             },
         }
@@ -243,9 +251,12 @@ impl JobCkpts {
 
     /// Any checkpoint that still needs work from this node (upload, or waiting for other nodes).
     pub fn pending(&self) -> bool {
-        lock(&self.entries)
-            .values()
-            .any(|e| !matches!(e.state(), CkptState::Archived | CkptState::Modified))
+        lock(&self.entries).values().any(|e| {
+            !matches!(
+                e.state(),
+                CkptState::Archived | CkptState::Modified | CkptState::Refused
+            )
+        })
     }
 
     /// Tags retention removes now: archived ones on the hot tier beyond the newest `keep`.

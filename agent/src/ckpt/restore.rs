@@ -69,7 +69,7 @@ pub enum RestoreError {
 
 /// Why a local copy of a checkpoint is not the archived one.
 #[derive(Debug, thiserror::Error)]
-enum VerifyError {
+pub(crate) enum VerifyError {
     #[error("the local copy does not hold exactly the archived files (a multi-node checkpoint?)")]
     Files,
     #[error("{0} differs from the archived file")]
@@ -279,7 +279,7 @@ async fn from_hot_tier(
                 errno,
             }
         })?;
-        Ok(match verify_local(&dest, &t, uid, &manifest) {
+        Ok(match verify_local(&dest, &t, uid, &manifest, None) {
             Ok(()) => HotCopy::Taken,
             Err(e) if nix::fcntl::renameat(&*dest, t.as_str(), &old_dir, t.as_str()).is_ok() => {
                 HotCopy::PutBack(e)
@@ -368,13 +368,15 @@ fn refuse_foreign(
     }
 }
 
-/// Checks that the checkpoint directory `tag` below `dir` holds exactly the MANIFEST's files, with
-/// their sizes and BLAKE3 content hashes (read fd-relative, without following links).
-fn verify_local(
+/// Checks that the checkpoint directory `tag` below `dir` holds exactly the MANIFEST's files — those
+/// of `node` only, when given (this node's part) — with their sizes and BLAKE3 content hashes (read
+/// fd-relative, without following links).
+pub(crate) fn verify_local(
     dir: &OwnedFd,
     tag: &str,
     uid: u32,
     manifest: &Manifest,
+    node: Option<&str>,
 ) -> Result<(), VerifyError> {
     use std::io::Read;
     let root = safefs::open_dir(dir, tag)?;
@@ -382,6 +384,7 @@ fn verify_local(
     let mut want: Vec<(&str, u64)> = manifest
         .files
         .iter()
+        .filter(|f| node.is_none_or(|n| f.node == n))
         .map(|f| (f.path.as_str(), f.size))
         .collect();
     want.sort();

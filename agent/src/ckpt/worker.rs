@@ -1,6 +1,7 @@
 //! The per-job checkpoint worker: turns commits into archives, publishes manifests, applies
 //! retention, and cleans up after the job — also after the job ended and after a restart.
 
+use super::restore::{VerifyError, verify_local};
 use super::{CkptEntry, CommitError, CommitOutcome, check_commit_dir, scan_signals};
 use crate::agent::Agent;
 use crate::backoff::{Backoff, Schedule};
@@ -8,7 +9,9 @@ use crate::job::Job;
 use crate::worker::{StatusCell, Worker};
 use sluice_archive::rt::{blocking, now_secs};
 use sluice_archive::store::StoreErrorKind;
-use sluice_archive::{self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Publish};
+use sluice_archive::{
+    self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Manifest, Publish,
+};
 use sluice_proto::msg::CkptState;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -301,6 +304,10 @@ impl CkptWorker {
                 tracing::warn!(job_id, tag = entry.tag, "{message}");
                 return entry.refuse(message);
             }
+            // Archives are immutable: the tag is archived already (by an earlier job under a
+            // reused prefix, an earlier run of this one, or this job's other nodes). This node's
+            // files are compared with what the MANIFEST holds of this node's part.
+            return self.compare_with_archived(entry, &m, archiver.url()).await;
         }
         let progress = ArchiveProgress::default();
         let result = archiver
@@ -354,6 +361,53 @@ impl CkptWorker {
                     _ => e.describe(),
                 };
                 entry.set_error(CkptState::Retrying, message);
+            }
+        }
+    }
+
+    /// The archive already holds `entry`'s tag: identical content counts as archived (a re-upload
+    /// after a crash); other content is refused and kept on the hot tier, never trimmed as if it
+    /// were archived (issue 10, defect 2).
+    async fn compare_with_archived(&self, entry: &Arc<CkptEntry>, m: &Manifest, url: &str) {
+        let job = &self.job;
+        let (hot, id, uid, tag, node, manifest) = (
+            self.agent.hot.clone(),
+            job.start.job_id,
+            job.start.uid,
+            entry.tag.clone(),
+            self.agent.cfg.node.clone(),
+            m.clone(),
+        );
+        let same = blocking(move || {
+            let ckpt = hot.open_ckpt(id)?;
+            Ok::<_, VerifyError>(verify_local(&ckpt, &tag, uid, &manifest, Some(&node)))
+        })
+        .await;
+        match same {
+            Ok(Ok(())) => {
+                entry.set_sizes(m.files.len() as u64, m.raw_bytes, m.stored_bytes);
+                entry.set_archived(now_secs());
+                tracing::info!(
+                    job_id = id,
+                    tag = entry.tag,
+                    "identical to the archived checkpoint"
+                );
+                self.agent.persist(job).await;
+            }
+            Ok(Err(e)) => {
+                let message = format!(
+                    "checkpoint {} is already archived in {url} (by job {}) with other content                      ({e}); archives are immutable: this copy is kept on the hot tier, not                      archived — save the state under a new tag",
+                    entry.tag, m.job.job_id
+                );
+                tracing::warn!(job_id = id, tag = entry.tag, "{message}");
+                entry.conflict(message);
+            }
+            Err(e) => {
+                entry.note_failure();
+                entry.set_error(
+                    CkptState::Retrying,
+                    format!("the checkpoint directory: {e}"),
+                );
             }
         }
     }
