@@ -356,15 +356,35 @@ impl Agent {
         if record.ended {
             job.mark_ended();
         }
-        {
+        let replaced = {
             let mut jobs = self.jobs();
-            if let Some(old) = jobs.insert(start.job_id, job.clone()) {
+            let old = jobs.insert(start.job_id, job.clone());
+            if let Some(old) = &old {
                 // A new run of the same job id (requeue): the old run's worker must stop before it
                 // trims, finalises or journals anything, since those act on paths keyed by the id.
                 old.finish();
                 old.ckpts.wake.notify_one();
             }
             prune_ended(&mut jobs);
+            old
+        };
+        // The new run inherits the old run's committed checkpoints that are still on this node
+        // (issue 10, defect 3): the unarchived ones are archived by the new run's worker, and none
+        // is removed as stale data. A recovered record carries its own.
+        if let Some(old) = replaced.filter(|_| record.ckpts.is_empty()) {
+            for e in old.ckpts.entries() {
+                if e.on_hot() && !e.is_refused() {
+                    let entry = Arc::new(CkptEntry::new(&e.tag, e.committed_at));
+                    if let Some(at) = e.archived_at() {
+                        entry.set_archived(at);
+                    }
+                    job.ckpts.insert(entry);
+                }
+            }
+            if !job.ckpts.entries().is_empty() {
+                let (this, j) = (self.clone(), job.clone());
+                drop(self.spawn(async move { this.persist(&j).await }));
+            }
         }
         if record.ready || record.ended {
             job.set_ready();
@@ -400,15 +420,24 @@ impl Agent {
             gid: job.start.gid,
         };
         let hot = self.hot.clone();
-        let (stage_fd, ckpt_fd) = blocking(move || hot.prepare_job(job_id, owner, fresh_dirs))
-            .await
-            .map_err(|source| {
-                tracing::error!(job_id, "preparing job directories: {source}");
-                SetupError::JobDir {
-                    node: node.clone(),
-                    source,
-                }
-            })?;
+        // A fresh start removes what an earlier run of the job id left, except the committed
+        // checkpoints this run inherited.
+        let inherited: Vec<String> = job.ckpts.entries().iter().map(|e| e.tag.clone()).collect();
+        let (stage_fd, ckpt_fd) = blocking(move || {
+            let dirs = hot.prepare_job(job_id, owner, fresh_dirs && inherited.is_empty())?;
+            if fresh_dirs && !inherited.is_empty() {
+                hot.remove_ckpt_except(job_id, &inherited)?;
+            }
+            Ok(dirs)
+        })
+        .await
+        .map_err(|source| {
+            tracing::error!(job_id, "preparing job directories: {source}");
+            SetupError::JobDir {
+                node: node.clone(),
+                source,
+            }
+        })?;
         let ctx = StageCtx {
             cfg: self.cfg.clone(),
             owner,

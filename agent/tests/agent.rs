@@ -885,3 +885,46 @@ root_test! {
         t.stop().await;
     }
 }
+
+root_test! {
+    /// Issue 10, defect 3: a requeued run (same job id, same node) inherits the committed
+    /// checkpoints the run it replaces had not archived yet, instead of removing them as stale
+    /// data, and archives them; torn, uncommitted directories still go.
+    async fn a_requeued_run_keeps_and_archives_the_unarchived_checkpoints_of_the_run_before() {
+        use sluice_proto::msg::CkptState;
+        let t = root_agent().await;
+        // An archive the agent refuses to open for now (a user owns its directory): commits pile up.
+        let archive_dir = t.data.parent().unwrap().join("archive");
+        std::fs::create_dir_all(&archive_dir).unwrap();
+        std::os::unix::fs::chown(&archive_dir, Some(NOBODY), Some(NOBODY)).unwrap();
+        let url = format!("file://{}", archive_dir.display());
+        t.job(ckpt_job(95, &url, &[])).await;
+        let ckpt = PathBuf::from(t.ready(95).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 5, false);
+        std::fs::create_dir_all(ckpt.join("torn")).unwrap();
+        std::os::unix::fs::chown(ckpt.join("torn"), Some(NOBODY), Some(NOBODY)).unwrap();
+        assert_eq!(
+            t.call(Request::CkptCommit {
+                job_id: 95,
+                tag: "s1".into()
+            })
+            .await
+            .unwrap(),
+            Response::Ok
+        );
+        wait_for_state(&t, 95, "s1", CkptState::Retrying).await;
+        // Slurm requeues the job onto this node: the new run's prolog comes.
+        t.job(ckpt_job(95, &url, &[("ckpt-keep", "2")])).await;
+        t.ready(95).await;
+        assert!(
+            ckpt.join("s1/shards/rank0.bin").exists(),
+            "the new run removed a committed checkpoint that was not archived"
+        );
+        assert!(!ckpt.join("torn").exists(), "a torn save of the old run stays");
+        // The archive becomes usable: the new run archives what it inherited.
+        std::os::unix::fs::chown(&archive_dir, Some(0), Some(0)).unwrap();
+        wait_for_state(&t, 95, "s1", CkptState::Archived).await;
+        assert!(archive_dir.join("s1/MANIFEST").exists());
+        t.stop().await;
+    }
+}
