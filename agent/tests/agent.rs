@@ -928,3 +928,35 @@ root_test! {
         t.stop().await;
     }
 }
+
+root_test! {
+    /// Issue 10, defect 6: an error retrying cannot fix (here an unreadable MANIFEST already under
+    /// the tag) ends the checkpoint's attempts with a `refused` state that says so, and the copy
+    /// stays on the hot tier; before, it was retried forever.
+    async fn a_permanent_archive_error_is_final_and_keeps_the_copy() {
+        use sluice_proto::msg::CkptState;
+        let t = root_agent().await;
+        let archive_dir = t.data.parent().unwrap().join("archive");
+        std::fs::create_dir_all(archive_dir.join("s1")).unwrap();
+        std::fs::write(archive_dir.join("s1/MANIFEST"), b"not a manifest").unwrap();
+        let url = format!("file://{}", archive_dir.display());
+        t.job(ckpt_job(96, &url, &[])).await;
+        let ckpt = PathBuf::from(t.ready(96).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 6, false);
+        let commit = Request::CkptCommit {
+            job_id: 96,
+            tag: "s1".into(),
+        };
+        assert_eq!(t.call(commit.clone()).await.unwrap(), Response::Ok);
+        let refused = wait_for_state(&t, 96, "s1", CkptState::Refused).await;
+        let why = refused.error.unwrap_or_default();
+        assert!(why.contains("retrying cannot help"), "{why}");
+        assert!(
+            t.refused(commit).await.message.contains("immutable"),
+            "a refused tag is not committed again"
+        );
+        t.call(Request::JobEnd { job_id: 96 }).await.unwrap();
+        assert!(ckpt.join("s1/shards/rank0.bin").exists(), "the only copy was removed");
+        t.stop().await;
+    }
+}

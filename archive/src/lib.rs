@@ -274,6 +274,22 @@ impl ArchiveError {
         matches!(self, ArchiveError::Modified { .. })
     }
 
+    /// Retrying cannot help: the archive holds something this checkpoint cannot be published over
+    /// (another MANIFEST, nodes that disagree on a file, a manifest larger than readers accept, one
+    /// that cannot be read), or the request itself is malformed. A store error or a file that
+    /// changed is never permanent.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            ArchiveError::AlreadyPublished { .. }
+                | ArchiveError::Conflict { .. }
+                | ArchiveError::ManifestTooLarge { .. }
+                | ArchiveError::BadManifest { .. }
+                | ArchiveError::BadName { .. }
+                | ArchiveError::BadConfig(_)
+        )
+    }
+
     /// Damaged or missing data: the caller may fall back to an older checkpoint.
     pub fn is_corrupt(&self) -> bool {
         matches!(

@@ -340,6 +340,12 @@ impl CkptWorker {
                 tracing::warn!(job_id, tag = entry.tag, "{e}");
                 entry.refuse(format!("{e}; fix the checkpoint and commit it again"));
             }
+            Err(e) if e.is_permanent() => {
+                tracing::warn!(job_id, tag = entry.tag, "archive refused: {e}");
+                entry.conflict(format!(
+                    "{e}; retrying cannot help: this copy is kept on the hot tier, not archived —                      save the state under a new tag"
+                ));
+            }
             Err(e) if e.is_modified() => {
                 tracing::warn!(job_id, tag = entry.tag, "{e}");
                 entry.note_failure();
@@ -440,8 +446,19 @@ impl CkptWorker {
                     missing.join(", ")
                 ),
             ),
+            Err(e) if e.is_permanent() => {
+                tracing::warn!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "publishing: {e}"
+                );
+                entry.conflict(format!(
+                    "{e}; the checkpoint cannot be published and is kept on the hot tier of each                      node — save the state under a new tag"
+                ));
+            }
             Err(e) => {
                 entry.note_failure();
+                entry.set_error(CkptState::WaitingForNodes, e.describe());
                 tracing::warn!(
                     job_id = job.start.job_id,
                     tag = entry.tag,
