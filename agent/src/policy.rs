@@ -20,6 +20,10 @@ pub enum PolicyError {
     ArchiveDotDot { url: String },
     #[error("--ckpt-archive={url} is not allowed by the site's policy; allowed for you: {allowed}")]
     ArchiveNotAllowed { url: String, allowed: String },
+    #[error(
+        "--ckpt-archive={url} is not allowed: this site allows no archive location yet (no [[ckpt.allow]] rule); ask your admin"
+    )]
+    NoArchiveRule { url: String },
     /// The job's own `--ckpt-archive` value does not parse.
     #[error("{0}")]
     BadArchive(String),
@@ -56,14 +60,18 @@ impl Requester {
         expand(&rule.prefix, &self.user, self.job_id, &self.job_name)
     }
 
-    /// Whether `url` lies under a rule of `rules` that applies to this job.
+    /// Whether `url` lies under a rule of `rules` that applies to this job. A rule whose prefix is
+    /// [`ANY_URL`] admits every URL: the admin's explicit choice, never a default.
     fn allowed(&self, rules: &[AllowRule], url: &str) -> bool {
         let with_slash = format!("{}/", url.trim_end_matches('/'));
-        rules
-            .iter()
-            .any(|r| self.is_named_by(r) && with_slash.starts_with(&self.prefix(r)))
+        rules.iter().any(|r| {
+            self.is_named_by(r) && (r.prefix == ANY_URL || with_slash.starts_with(&self.prefix(r)))
+        })
     }
 }
+
+/// The prefix of an allow rule that admits any URL.
+pub const ANY_URL: &str = "*";
 
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -113,7 +121,12 @@ impl Policy {
         if url.split('/').any(|seg| seg == "..") {
             return Err(PolicyError::ArchiveDotDot { url });
         }
-        if self.ckpt.allow.is_empty() || who.allowed(&self.ckpt.allow, &url) {
+        // Fails closed, like [[stage.allow]]: without a rule no archive URL is allowed (the agent
+        // writes archives as root, with the site's credentials).
+        if self.ckpt.allow.is_empty() {
+            return Err(PolicyError::NoArchiveRule { url });
+        }
+        if who.allowed(&self.ckpt.allow, &url) {
             return Ok(Some(url));
         }
         let yours: Vec<String> = self
@@ -242,6 +255,20 @@ mod tests {
                 url: "s3://ckpt/alice/../bob".into()
             })
         );
+        // No rule at all: nothing is allowed (issue 10: it used to allow any URL, file:// too).
+        let none = policy(Vec::new());
+        let e = none.archive_url(&alice, Some("file:///var/x")).unwrap_err();
+        assert!(e.to_string().contains("no [[ckpt.allow]] rule"), "{e}");
+        assert!(
+            none.archive_url(&alice, None).is_err(),
+            "nor the default archive"
+        );
+        // Any URL only where the admin says so.
+        let any = policy(vec![AllowRule {
+            prefix: ANY_URL.into(),
+            ..Default::default()
+        }]);
+        assert!(any.archive_url(&alice, Some("file:///var/x")).is_ok());
     }
 
     /// The example config's `[[stage.allow]]` rules, as the admin reads them.

@@ -89,7 +89,8 @@ async fn start_with_squeue(tmp: tempfile::TempDir, squeue: &str) -> TestAgent {
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
     let cfg = format!(
         "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\ndrain_timeout = '60s'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
-         [ckpt]\nscan_interval = '200ms'\nepilog_wait = '20s'\npart_size = '5MiB'\n",
+         [ckpt]\nscan_interval = '200ms'\nepilog_wait = '20s'\npart_size = '5MiB'\n\
+         [[ckpt.allow]]\nprefix = 'file://{r}/'\n",
         r = root.display()
     );
     let cfg = Arc::new(Config::parse(&cfg, "n1").unwrap());

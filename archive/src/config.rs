@@ -415,9 +415,9 @@ impl Config {
             "ckpt.high_water must be a percentage 1..=100",
         )?;
         for rule in &ckpt.allow {
-            if !rule.prefix.contains("://") {
+            if !rule.prefix.contains("://") && rule.prefix != "*" {
                 return Err(format!(
-                    "ckpt.allow prefix '{}' must be a URL prefix such as s3://ckpt/{{user}}/",
+                    "ckpt.allow prefix '{}' must be a URL prefix such as s3://ckpt/{{user}}/ (or \"*\" for any URL)",
                     rule.prefix
                 ));
             }
