@@ -712,14 +712,19 @@ impl Worker for Housekeeper {
     }
 
     async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
+        // Every 30 checkpoint scans: a minute with the default 2 s.
+        let period = self.agent.cfg.ckpt.scan_interval * 30;
+        let above = || {
+            let hot = self.agent.hot.clone();
+            blocking(move || hot.above_high_water())
+        };
         loop {
             status.set("idle");
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+                _ = tokio::time::sleep(period) => {}
                 _ = cancel.cancelled() => return,
             }
-            let hot = self.agent.hot.clone();
-            if blocking(move || hot.above_high_water()).await {
+            if above().await {
                 status.set("trimming");
                 let mut ended: Vec<Arc<Job>> = self
                     .agent
@@ -728,8 +733,15 @@ impl Worker for Housekeeper {
                     .filter(|j| j.has_ended())
                     .collect();
                 ended.sort_by_key(|j| j.started_at);
-                for job in ended {
-                    ckpt::trim(&self.agent, &job).await;
+                for job in &ended {
+                    ckpt::trim(&self.agent, job).await;
+                }
+                // Still above: the archived copies finished jobs keep go too, oldest job first.
+                for job in ended.iter().filter(|j| j.is_finished()) {
+                    if !above().await {
+                        break;
+                    }
+                    ckpt::release(&self.agent, job).await;
                 }
             }
             status.turn(None);
@@ -815,10 +827,13 @@ fn check_job_start(s: &JobStart) -> Result<(), BadJobStart> {
     Ok(())
 }
 
+/// Forgets the oldest finished jobs beyond [`KEEP_ENDED`] — only those that hold nothing on the hot
+/// tier any more: a job with checkpoints there stays in the table (its count is bounded by the hot
+/// tier itself), so retention and high-water trimming keep seeing them (issue 10, defect 4).
 fn prune_ended(jobs: &mut HashMap<JobId, Arc<Job>>) {
     let mut ended: Vec<_> = jobs
         .values()
-        .filter(|j| j.is_finished())
+        .filter(|j| j.is_finished() && !j.ckpts.entries().iter().any(|e| e.on_hot()))
         .map(|j| (j.started_at, j.start.job_id))
         .collect();
     if ended.len() > KEEP_ENDED {

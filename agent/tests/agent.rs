@@ -40,9 +40,9 @@ async fn agent_with_dataset() -> (TestAgent, PathBuf) {
     (t, path)
 }
 
-/// Waits up to 10 s for `path` to be removed; panics with `what` if it stays.
+/// Waits up to 15 s for `path` to be removed; panics with `what` if it stays.
 async fn wait_gone(path: &Path, what: &str) {
-    for _ in 0..100 {
+    for _ in 0..150 {
         if !path.exists() {
             return;
         }
@@ -85,11 +85,16 @@ async fn start(tmp: tempfile::TempDir) -> TestAgent {
 
 /// `squeue`: the program asked after a restart whether journaled jobs still run ("" = never ask).
 async fn start_with_squeue(tmp: tempfile::TempDir, squeue: &str) -> TestAgent {
+    start_with(tmp, squeue, "").await
+}
+
+/// `ckpt`: more `[ckpt]` settings.
+async fn start_with(tmp: tempfile::TempDir, squeue: &str, ckpt: &str) -> TestAgent {
     let root = tmp.path().to_path_buf();
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
     let cfg = format!(
         "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\ndrain_timeout = '60s'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
-         [ckpt]\nscan_interval = '200ms'\nepilog_wait = '20s'\npart_size = '5MiB'\n\
+         [ckpt]\nscan_interval = '200ms'\nepilog_wait = '20s'\npart_size = '5MiB'\n{ckpt}\n\
          [[ckpt.allow]]\nprefix = 'file://{r}/'\n",
         r = root.display()
     );
@@ -197,6 +202,11 @@ impl TestAgent {
             Err(ClientError::Agent(e)) => e,
             other => panic!("{req:?} was not refused: {other:?}"),
         }
+    }
+
+    /// The agent's journal directory (`state_dir`).
+    fn keep_state(&self) -> PathBuf {
+        self._tmp.path().join("state/n1")
     }
 
     /// Stops like sluiced on SIGTERM; returns the temp dir holding its state.
@@ -958,6 +968,36 @@ root_test! {
         );
         t.call(Request::JobEnd { job_id: 96 }).await.unwrap();
         assert!(ckpt.join("s1/shards/rank0.bin").exists(), "the only copy was removed");
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 10, defect 4: above the high-water mark, the archived checkpoints that finished jobs
+    /// keep on the hot tier are removed (they are safe in the archive), the job's directory and
+    /// journal record with them; before, a job past the 64 the agent remembers kept them forever.
+    async fn above_the_high_water_mark_finished_jobs_give_back_their_archived_copies() {
+        use sluice_proto::msg::CkptState;
+        // Any file system is more than 1 % full: always above the mark.
+        let t = start_with(tempfile::tempdir().unwrap(), "", "high_water = 1").await;
+        let archive_dir = t.data.parent().unwrap().join("archive");
+        let url = format!("file://{}", archive_dir.display());
+        t.job(ckpt_job(81, &url, &[])).await;
+        let ckpt = PathBuf::from(t.ready(81).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 8, false);
+        t.call(Request::CkptCommit {
+            job_id: 81,
+            tag: "s1".into(),
+        })
+        .await
+        .unwrap();
+        wait_for_state(&t, 81, "s1", CkptState::Archived).await;
+        assert!(ckpt.join("s1").exists(), "a running job keeps its newest archived checkpoint");
+        t.call(Request::JobEnd { job_id: 81 }).await.unwrap();
+        // Housekeeping runs every 30 scans (6 s here).
+        wait_gone(&t.hot.join("jobs/81"), "the finished job's directory").await;
+        assert!(archive_dir.join("s1/MANIFEST").exists(), "the archive keeps s1");
+        wait_gone(&t.keep_state().join("jobs/81.json"), "its journal record").await;
         t.stop().await;
     }
 }

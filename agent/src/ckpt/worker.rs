@@ -93,6 +93,55 @@ pub(crate) async fn trim(agent: &Agent, job: &Job) {
     }
 }
 
+/// Frees what a finished job keeps on the hot tier when the tier is above its high-water mark: the
+/// hot copies of its archived checkpoints (safe in the archive). Never an unarchived or a refused
+/// one. When nothing of the job is left there, its directory and journal record go too.
+pub(crate) async fn release(agent: &Agent, job: &Arc<Job>) {
+    if agent.replaced(job) {
+        return;
+    }
+    let id = job.start.job_id;
+    let archived: Vec<Arc<CkptEntry>> = job
+        .ckpts
+        .entries()
+        .into_iter()
+        .filter(|e| e.on_hot() && e.state() == CkptState::Archived)
+        .collect();
+    let (hot, tags) = (
+        agent.hot.clone(),
+        archived.iter().map(|e| e.tag.clone()).collect::<Vec<_>>(),
+    );
+    let removed = blocking(move || {
+        let dir = hot.open_ckpt(id)?;
+        Ok::<_, sluice_archive::safefs::SafeFsError>(
+            tags.iter()
+                .map(|t| sluice_archive::safefs::remove_tree(&dir, t).is_ok())
+                .collect::<Vec<_>>(),
+        )
+    })
+    .await;
+    let Ok(removed) = removed else { return };
+    for (entry, ok) in archived.iter().zip(removed) {
+        if ok {
+            entry.set_on_hot(false);
+            tracing::info!(
+                job_id = id,
+                tag = entry.tag,
+                "hot tier above its high-water mark: archived copy of a finished job removed"
+            );
+        }
+    }
+    if job.ckpts.entries().iter().any(|e| e.on_hot()) {
+        agent.persist(job).await;
+    } else {
+        let hot = agent.hot.clone();
+        if let Err(e) = blocking(move || hot.remove_job(id)).await {
+            tracing::warn!(job_id = id, "removing the job directory: {e}");
+        }
+        agent.forget(id).await;
+    }
+}
+
 /// The loop of one job's checkpoints on this node, from its start until nothing is left to do
 /// after it ended (or the agent stops: the journal carries the rest).
 pub(crate) struct CkptWorker {
