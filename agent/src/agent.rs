@@ -161,6 +161,11 @@ impl Agent {
         self.jobs().values().cloned().collect()
     }
 
+    /// Tasks the agent runs now: requests, set-ups, workers.
+    pub fn tasks_in_flight(&self) -> usize {
+        self.tracker.len()
+    }
+
     /// What the background loops are doing.
     pub fn worker_statuses(&self) -> Vec<WorkerStatus> {
         self.workers.statuses()
