@@ -191,6 +191,15 @@ impl TestAgent {
         self.set_up_fails(job_id).await.message
     }
 
+    /// `sluice ckpt commit TAG` of job `job_id`; panics unless the agent takes it.
+    async fn commit(&self, job_id: u32, tag: &str) {
+        let commit = Request::CkptCommit {
+            job_id,
+            tag: tag.into(),
+        };
+        assert_eq!(self.call(commit).await.unwrap(), Response::Ok);
+    }
+
     /// Starts a job (as the prolog does); panics unless the agent takes it.
     async fn job(&self, start: Request) {
         assert_eq!(self.call(start).await.unwrap(), Response::Ok);
@@ -480,15 +489,7 @@ root_test! {
 
         // Explicit commit.
         write_ckpt(&ckpt, "step-1", 3, false);
-        assert_eq!(
-            t.call(Request::CkptCommit {
-                job_id: 41,
-                tag: "step-1".into()
-            })
-            .await
-            .unwrap(),
-            Response::Ok
-        );
+        t.commit(41, "step-1").await;
         let c1 = wait_for_state(&t, 41, "step-1", CkptState::Archived).await;
         assert!(c1.stored_bytes < c1.raw_bytes, "{c1:?}");
         // A framework signal commits without any call (DCP's .metadata), and retention (keep=1) then
@@ -693,12 +694,7 @@ root_test! {
         let a_ckpt = PathBuf::from(t.ready(61).await.ckpt_dir);
         write_ckpt(&a_ckpt, "step-1", 3, false);
         let a_optim = std::fs::read(a_ckpt.join("step-1/optim.pt")).unwrap();
-        t.call(Request::CkptCommit {
-            job_id: 61,
-            tag: "step-1".into(),
-        })
-        .await
-        .unwrap();
+        t.commit(61, "step-1").await;
         wait_for_state(&t, 61, "step-1", CkptState::Archived).await;
         t.call(Request::JobEnd { job_id: 61 }).await.unwrap();
 
@@ -914,15 +910,7 @@ root_test! {
         write_ckpt(&ckpt, "s1", 5, false);
         std::fs::create_dir_all(ckpt.join("torn")).unwrap();
         std::os::unix::fs::chown(ckpt.join("torn"), Some(NOBODY), Some(NOBODY)).unwrap();
-        assert_eq!(
-            t.call(Request::CkptCommit {
-                job_id: 95,
-                tag: "s1".into()
-            })
-            .await
-            .unwrap(),
-            Response::Ok
-        );
+        t.commit(95, "s1").await;
         wait_for_state(&t, 95, "s1", CkptState::Retrying).await;
         // Slurm requeues the job onto this node: the new run's prolog comes.
         t.job(ckpt_job(95, &url, &[("ckpt-keep", "2")])).await;
@@ -985,12 +973,7 @@ root_test! {
         t.job(ckpt_job(81, &url, &[])).await;
         let ckpt = PathBuf::from(t.ready(81).await.ckpt_dir);
         write_ckpt(&ckpt, "s1", 8, false);
-        t.call(Request::CkptCommit {
-            job_id: 81,
-            tag: "s1".into(),
-        })
-        .await
-        .unwrap();
+        t.commit(81, "s1").await;
         wait_for_state(&t, 81, "s1", CkptState::Archived).await;
         assert!(ckpt.join("s1").exists(), "a running job keeps its newest archived checkpoint");
         t.call(Request::JobEnd { job_id: 81 }).await.unwrap();
