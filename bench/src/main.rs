@@ -39,12 +39,8 @@ struct Common {
 struct Job {
     #[command(flatten)]
     common: Common,
-    #[arg(long)]
-    uid: u32,
-    #[arg(long)]
-    gid: u32,
-    #[arg(long)]
-    user: String,
+    #[command(flatten)]
+    who: sluice_agent::stage::copy_as_user::JobUser,
 }
 
 /// What to stage, and how.
@@ -214,8 +210,8 @@ fn real_main() -> Result<bool> {
             url,
             tag,
             dest,
-            uid: job.uid,
-            gid: job.gid,
+            uid: job.who.uid,
+            gid: job.who.gid,
         })
         .map(|_| true),
         Cmd::Rss {
@@ -241,9 +237,9 @@ fn stage_job(job: Job, staging: Staging) -> engine::StageJob {
         env: job.common.env,
         root: job.common.root,
         stage_dir: staging.stage_dir,
-        uid: job.uid,
-        gid: job.gid,
-        user: job.user,
+        uid: job.who.uid,
+        gid: job.who.gid,
+        user: job.who.user,
         helper: staging.helper,
         sources: staging.sources,
     }
@@ -256,7 +252,7 @@ fn archive_job(job: Job, archiving: Archiving) -> engine::ArchiveJob {
         url: archiving.url,
         tag: archiving.tag,
         dir: archiving.dir,
-        uid: job.uid,
-        user: job.user,
+        uid: job.who.uid,
+        user: job.who.user,
     }
 }

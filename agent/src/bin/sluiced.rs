@@ -32,12 +32,8 @@ enum Command {
     /// Internal: copy a POSIX dataset with a job user's identity (started by the agent).
     #[command(hide = true)]
     CopyAsUser {
-        #[arg(long)]
-        uid: u32,
-        #[arg(long)]
-        gid: u32,
-        #[arg(long)]
-        user: String,
+        #[command(flatten)]
+        who: copy_as_user::JobUser,
         #[arg(long)]
         src: PathBuf,
         #[arg(long)]
@@ -47,15 +43,8 @@ enum Command {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if let Some(Command::CopyAsUser {
-        uid,
-        gid,
-        user,
-        src,
-        dst,
-    }) = args.command
-    {
-        if let Err(e) = copy_as_user::become_user(uid, gid, &user) {
+    if let Some(Command::CopyAsUser { who, src, dst }) = args.command {
+        if let Err(e) = copy_as_user::become_user(who.uid, who.gid, &who.user) {
             eprintln!("{e}");
             return ExitCode::from(copy_as_user::EXIT_OTHER as u8);
         }

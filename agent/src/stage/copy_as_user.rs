@@ -56,6 +56,18 @@ impl Event {
     }
 }
 
+/// The identity the helper takes: `--uid --gid --user`, as the agent passes them (and as the
+/// benchmark's driver takes them for the same work).
+#[derive(Debug, Clone, clap::Args)]
+pub struct JobUser {
+    #[arg(long)]
+    pub uid: u32,
+    #[arg(long)]
+    pub gid: u32,
+    #[arg(long)]
+    pub user: String,
+}
+
 /// Why the helper could not take the job user's identity; it exits before touching a file.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
