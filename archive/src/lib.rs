@@ -931,13 +931,18 @@ impl Archiver {
     }
 
     /// The tags under the base prefix, oldest first.
+    ///
+    /// Memory stays bounded whatever the archive holds: MANIFESTs (up to 64 MiB each) are read
+    /// `concurrency` at a time and each is dropped once its summary is taken (issue 10, defect 7).
     pub async fn list(&self) -> Result<Vec<CheckpointInfo>, ArchiveError> {
-        Ok(self
-            .scan()
-            .await?
-            .into_iter()
-            .map(|(info, _)| info)
-            .collect())
+        let tags = self.tags().await?;
+        let mut out: Vec<CheckpointInfo> = futures::stream::iter(tags)
+            .map(|tag| async move { self.info(tag).await })
+            .buffer_unordered(self.cfg.concurrency)
+            .try_collect()
+            .await?;
+        out.sort_by(|a, b| (a.created_unix_ms, &a.tag).cmp(&(b.created_unix_ms, &b.tag)));
+        Ok(out)
     }
 
     /// The names below the base prefix that can be tags.
@@ -957,33 +962,19 @@ impl Archiver {
             .collect())
     }
 
-    async fn scan(&self) -> Result<Vec<(CheckpointInfo, Option<Manifest>)>, ArchiveError> {
-        let tags = self.tags().await?;
-        let mut out: Vec<(CheckpointInfo, Option<Manifest>)> = futures::stream::iter(tags)
-            .map(|tag| async move { self.info(tag).await })
-            .buffer_unordered(self.cfg.concurrency)
-            .try_collect()
-            .await?;
-        out.sort_by(|a, b| (a.0.created_unix_ms, &a.0.tag).cmp(&(b.0.created_unix_ms, &b.0.tag)));
-        Ok(out)
-    }
-
-    async fn info(&self, tag: String) -> Result<(CheckpointInfo, Option<Manifest>), ArchiveError> {
+    async fn info(&self, tag: String) -> Result<CheckpointInfo, ArchiveError> {
         match self.manifest_opt(&tag).await {
-            Ok(Some(m)) => Ok((
-                CheckpointInfo {
-                    tag,
-                    state: CheckpointState::Complete,
-                    files: m.files.len() as u64,
-                    raw_bytes: m.raw_bytes,
-                    stored_bytes: m.stored_bytes,
-                    ratio: Some(m.ratio()),
-                    created_unix_ms: m.created_unix_ms,
-                    job: Some(m.job.clone()),
-                    nodes: m.nodes.clone(),
-                },
-                Some(m),
-            )),
+            Ok(Some(m)) => Ok(CheckpointInfo {
+                tag,
+                state: CheckpointState::Complete,
+                files: m.files.len() as u64,
+                raw_bytes: m.raw_bytes,
+                stored_bytes: m.stored_bytes,
+                ratio: Some(m.ratio()),
+                created_unix_ms: m.created_unix_ms,
+                job: Some(m.job.clone()),
+                nodes: m.nodes.clone(),
+            }),
             Ok(None) => {
                 let data = self.object_sizes(&self.data_prefix(&tag)).await?;
                 let parts_prefix = self.key([tag.as_str(), "parts"]);
@@ -1004,31 +995,28 @@ impl Archiver {
                     }
                 }
                 nodes.sort();
-                Ok((
-                    CheckpointInfo {
-                        tag,
-                        state: CheckpointState::Partial,
-                        files: data.len() as u64,
-                        raw_bytes: raw,
-                        stored_bytes: data.values().map(|(s, _)| s).sum(),
-                        ratio: None,
-                        created_unix_ms: data
-                            .values()
-                            .chain(part_objects.values())
-                            .map(|(_, t)| *t)
-                            .max()
-                            .unwrap_or(0),
-                        job: None,
-                        nodes,
-                    },
-                    None,
-                ))
+                Ok(CheckpointInfo {
+                    tag,
+                    state: CheckpointState::Partial,
+                    files: data.len() as u64,
+                    raw_bytes: raw,
+                    stored_bytes: data.values().map(|(s, _)| s).sum(),
+                    ratio: None,
+                    created_unix_ms: data
+                        .values()
+                        .chain(part_objects.values())
+                        .map(|(_, t)| *t)
+                        .max()
+                        .unwrap_or(0),
+                    job: None,
+                    nodes,
+                })
             }
             Err(e @ ArchiveError::BadManifest { .. }) => {
                 let ArchiveError::BadManifest { reason, .. } = e else {
                     unreachable!()
                 };
-                Ok((CheckpointInfo::invalid(tag, reason), None))
+                Ok(CheckpointInfo::invalid(tag, reason))
             }
             Err(e) => Err(e),
         }
@@ -1037,14 +1025,21 @@ impl Archiver {
     /// The newest complete checkpoint (by manifest time) that is not in `exclude` and whose data
     /// objects are all present with the right sizes. A restore that then finds damaged content
     /// fails with [`ArchiveError::Corrupt`]; call again with that tag excluded to fall back.
+    /// Reads the MANIFESTs as [`Archiver::list`] does, then again one at a time, newest first,
+    /// stopping at the first intact one: never more than `concurrency` in memory.
     pub async fn latest(&self, exclude: &[String]) -> Result<Option<String>, ArchiveError> {
-        let mut all = self.scan().await?;
+        let mut all = self.list().await?;
         all.reverse();
-        for (info, m) in all {
-            let Some(m) = m else { continue };
-            if exclude.contains(&info.tag) {
+        for info in all {
+            if info.state != CheckpointState::Complete || exclude.contains(&info.tag) {
                 continue;
             }
+            // Gone or replaced since the listing: the next one.
+            let m = match self.manifest_opt(&info.tag).await {
+                Ok(Some(m)) => m,
+                Ok(None) | Err(ArchiveError::BadManifest { .. }) => continue,
+                Err(e) => return Err(e),
+            };
             match self.check_objects(&m).await {
                 Ok(()) => return Ok(Some(info.tag)),
                 Err(e) if e.is_corrupt() => {
