@@ -3,9 +3,9 @@
 //!
 //! One 2-node job is submitted with `--requeue`, a dataset from Garage (`--stage-in`), an archive
 //! (`--ckpt-archive`), `--ckpt-keep=1` and `--ckpt-restore=latest`; its output file is opened in
-//! append mode so that it shows both runs. A small seed job archives `s0` first, because
-//! `--ckpt-restore=latest` fails a job whose archive is empty, and a requeued job keeps the options of
-//! its first run.
+//! append mode so that it shows both runs. A small seed job archives `s0` first, so that run 1 has a
+//! checkpoint to restore (on an empty archive `latest` starts the job fresh with a note), and a
+//! requeued job keeps the options of its first run.
 //!
 //! Run 1 checks its staged dataset (sha256) and that `s0` was restored, writes checkpoint `s1` on each
 //! node, commits it, waits until its node's agent reports it archived, then leaves what a run killed
