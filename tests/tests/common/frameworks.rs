@@ -1,0 +1,93 @@
+//! Real training frameworks in jobs: the PyTorch venv that `tests/harness/install.sh` builds outside
+//! the clone (checked as the test user, who runs it), the Python job scripts of
+//! `tests/harness/frameworks/` (compiled in, written into a test's work directory), and free ports
+//! for gloo's rendezvous.
+
+use super::cluster::Cluster;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// Where install.sh puts the venv unless `SLUICE_TORCH_VENV` says otherwise (the same variable).
+pub const DEFAULT_TORCH_VENV: &str = "/opt/sluice-test/torch-venv";
+
+/// The job scripts, by file name: the shared checks and one script per framework.
+pub const FRAMEWORK_SCRIPTS: [(&str, &str); 5] = [
+    (
+        "fwcheck.py",
+        include_str!("../../harness/frameworks/fwcheck.py"),
+    ),
+    ("dcp.py", include_str!("../../harness/frameworks/dcp.py")),
+    ("ddp.py", include_str!("../../harness/frameworks/ddp.py")),
+    (
+        "deepspeed_ckpt.py",
+        include_str!("../../harness/frameworks/deepspeed_ckpt.py"),
+    ),
+    (
+        "megatron.py",
+        include_str!("../../harness/frameworks/megatron.py"),
+    ),
+];
+
+/// The PyTorch venv: `SLUICE_TORCH_VENV`, or install.sh's default.
+pub fn torch_venv() -> PathBuf {
+    std::env::var_os("SLUICE_TORCH_VENV").map_or_else(|| DEFAULT_TORCH_VENV.into(), PathBuf::from)
+}
+
+impl Cluster {
+    /// The venv's python, once the test user has imported torch with it; panics saying how to
+    /// install it otherwise (a framework test never passes without running its framework).
+    pub fn torch_python(&self) -> PathBuf {
+        let py = torch_venv().join("bin/python");
+        let probe = "import torch; print(torch.__version__)";
+        let out = self.as_user(Path::new("/"), &py.to_string_lossy(), &["-c", probe], None);
+        assert!(
+            out.status.success(),
+            "PyTorch is not installed where the test user can run it ({}): run tests/harness/install.sh \
+             as root, without SLUICE_NO_TORCH=1 (it installs torch into {}, or SLUICE_TORCH_VENV). \
+             The test user's `python -c 'import torch'` said: {}",
+            py.display(),
+            torch_venv().display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        eprintln!(
+            "torch {} from {}",
+            String::from_utf8_lossy(&out.stdout).trim(),
+            py.display()
+        );
+        py
+    }
+
+    /// Whether the test user can import `deepspeed` with the venv's python (install.sh installs it
+    /// only where it builds and imports on CPU).
+    pub fn has_deepspeed(&self, py: &Path) -> bool {
+        let out = self.as_user(
+            Path::new("/"),
+            "/usr/bin/env",
+            &[
+                "DS_ACCELERATOR=cpu",
+                &py.to_string_lossy(),
+                "-c",
+                "import deepspeed",
+            ],
+            None,
+        );
+        out.status.success()
+    }
+}
+
+/// Writes the job scripts into `dir` (readable by the job user, who cannot read the clone).
+pub fn write_framework_scripts(dir: &Path) {
+    for (name, text) in FRAMEWORK_SCRIPTS {
+        let path = dir.join(name);
+        fs::write(&path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    }
+}
+
+/// A port on 127.0.0.1 that nothing listens on right now (the kernel's choice), for one job's
+/// gloo rendezvous.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind 127.0.0.1:0")
+}
