@@ -1,4 +1,5 @@
-//! The agent's configuration: TOML into a raw serde struct (unknown keys refused), then validated into
+//! The site's configuration (`sluice.toml`, read by the agent and by the CLI's URL mode): TOML into a
+//! raw serde struct (unknown keys refused), then validated into
 //! [`Config`]. `%n` in paths becomes the node name, so one file serves every node.
 
 use object_store::{BackoffConfig, RetryConfig};
