@@ -475,6 +475,13 @@ impl Agent {
             };
             let url = job.archive_url().ok_or(RestoreError::NoArchive)?;
             let (tag, notes) = ckpt::restore(self, job, url, which, ckpt_fd.clone()).await?;
+            if let Some(t) = tag.clone() {
+                let dir = ckpt_fd.clone();
+                if let Err(e) = blocking(move || ckpt::write_restored_signal(&dir, &t, owner)).await
+                {
+                    tracing::warn!(job_id, "writing the restored checkpoint's signal file: {e}");
+                }
+            }
             job.set_restored(tag, notes);
             self.persist(job).await;
             Ok(())

@@ -281,7 +281,7 @@ impl Framework {
 
     /// Runs a `--ckpt-restore=latest` job whose every rank loads `tag` with the framework's loader
     /// and compares it with what was saved; checks what each rank saw: `SLUICE_RESTORED_TAG`, only
-    /// `tag` in `$SLUICE_CKPT_DIR`, every file of the checkpoint with the bytes written, at least
+    /// `tag` (and its framework's signal file) in `$SLUICE_CKPT_DIR`, every file of the checkpoint with the bytes written, at least
     /// `min_tensors` tensors compared equal.
     fn assert_restores(
         &self,
@@ -303,9 +303,18 @@ impl Framework {
                 "SLUICE_RESTORED_TAG on {node}\n{}",
                 ev()
             );
+            // The tag, and the completion signal its framework leaves beside it (restored so that
+            // loading "the latest checkpoint of the directory" finds it).
+            let mut entries = vec![tag.to_string()];
+            if tag.starts_with("global_step") {
+                entries.push("latest".into());
+            } else if tag.starts_with("iter_") {
+                entries.push("latest_checkpointed_iteration.txt".into());
+            }
+            entries.sort();
             assert_eq!(
                 r["ckpt_dir_entries"],
-                serde_json::json!([tag]),
+                serde_json::json!(entries),
                 "$SLUICE_CKPT_DIR on {node} before the first step\n{}",
                 ev()
             );

@@ -25,7 +25,7 @@ mod signals;
 mod worker;
 
 pub(crate) use restore::{RestoreError, restore};
-pub use signals::{CommitError, check_commit_dir, scan_signals};
+pub use signals::{CommitError, check_commit_dir, scan_signals, write_restored_signal};
 pub(crate) use worker::{CkptWorker, commit, release, trim};
 
 use sluice_archive::rt::lock;

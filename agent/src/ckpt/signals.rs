@@ -3,7 +3,7 @@
 //! files the job user owns count).
 
 use nix::errno::Errno;
-use sluice_archive::safefs::{self, SafeFsError};
+use sluice_archive::safefs::{self, Owner, SafeFsError};
 use sluice_proto::options::validate_tag;
 use std::os::fd::{AsFd, OwnedFd};
 
@@ -59,6 +59,39 @@ pub fn check_commit_dir(ckpt_dir: &OwnedFd, tag: &str, uid: u32) -> Result<(), C
         return Err(CommitError::NotOwned { tag: tag_owned() });
     }
     Ok(())
+}
+
+/// After `--ckpt-restore` placed `tag`, writes the completion signal its framework would have left
+/// beside it, so that loading "the latest checkpoint of this directory" finds it, as it did in the
+/// job that saved it: DeepSpeed's `latest` (holding the tag) for `global_stepN`, Megatron's
+/// `latest_checkpointed_iteration.txt` (holding N) for `iter_NNNNNNN`. Other tags get none. The file
+/// is the job user's; one already there is replaced.
+pub fn write_restored_signal(
+    ckpt_dir: &OwnedFd,
+    tag: &str,
+    owner: Owner,
+) -> Result<(), SafeFsError> {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let (name, content) = match (tag.strip_prefix("global_step"), tag.strip_prefix("iter_")) {
+        (Some(n), _) if digits(n) => ("latest", tag.to_string()),
+        (_, Some(n)) if n.len() == 7 && digits(n) => (
+            "latest_checkpointed_iteration.txt",
+            n.trim_start_matches('0').to_string(),
+        ),
+        _ => return Ok(()),
+    };
+    let content = if content.is_empty() {
+        "0".to_string()
+    } else {
+        content
+    };
+    safefs::remove_tree(ckpt_dir, name)?;
+    let mut f = safefs::create_file(ckpt_dir, name, Some(owner), 0o644)?;
+    std::io::Write::write_all(&mut f, content.as_bytes()).map_err(|e| SafeFsError::Sys {
+        op: "write",
+        path: name.into(),
+        errno: Errno::from_raw(e.raw_os_error().unwrap_or(0)),
+    })
 }
 
 /// Reads a small completion-signal file without following links; `None` if absent or unusable.
@@ -165,5 +198,40 @@ mod tests {
         std::os::unix::fs::symlink("/etc/hostname", d.join("latest_checkpointed_iteration.txt"))
             .unwrap();
         assert_eq!(scan_signals(&fd, uid), vec!["dcp-300"]);
+    }
+
+    #[test]
+    fn a_restored_checkpoint_gets_its_frameworks_signal_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let me = Owner {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+        };
+        let d = tmp.path();
+        let fd = safefs::open_root_dir(d).unwrap();
+        for tag in ["global_step100", "iter_0000200", "step-3"] {
+            std::fs::create_dir_all(d.join(tag)).unwrap();
+            write_restored_signal(&fd, tag, me).unwrap();
+        }
+        assert_eq!(
+            std::fs::read_to_string(d.join("latest")).unwrap(),
+            "global_step100"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("latest_checkpointed_iteration.txt")).unwrap(),
+            "200"
+        );
+        // The frameworks' readers (and sluice's own scan) find exactly what was restored.
+        assert_eq!(
+            scan_signals(&fd, me.uid),
+            vec!["global_step100", "iter_0000200"]
+        );
+        // A later restore replaces the signal.
+        std::fs::create_dir_all(d.join("global_step7")).unwrap();
+        write_restored_signal(&fd, "global_step7", me).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.join("latest")).unwrap(),
+            "global_step7"
+        );
     }
 }

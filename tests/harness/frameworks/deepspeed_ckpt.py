@@ -5,7 +5,7 @@ zero_pp_rank_R_mp_rank_00_optim_states.pt, each written by rank R on its own nod
 
 `python deepspeed_ckpt.py PHASE WORK PORT real` uses the real `deepspeed` package (CPU accelerator,
 gloo): `save` trains ten steps and calls engine.save_checkpoint; `load` builds a fresh engine (other
-seed) and calls engine.load_checkpoint with the restored tag on every rank.
+seed) and calls engine.load_checkpoint on the directory (no tag: the restored `latest` names it) on every rank.
 
 `... stand-in` is for machines where `deepspeed` does not install: the same files written by this
 script with torch.save, in the same places and with the same kind of content (the module's state dict
@@ -81,11 +81,11 @@ def load_real(r):
     r.init_gloo()
     eng = engine(r, seed=1)
     r.must_differ(f"engine-rank{r.rank}", engine_state(eng))
-    if not os.path.exists(os.path.join(r.ckpt, "latest")):
-        r.note("no `latest` after the restore: load_checkpoint(dir) without a tag would start from scratch")
-    path, _ = eng.load_checkpoint(r.ckpt, tag=tag)
-    if path is None:
-        raise fwcheck.Failure(f"engine.load_checkpoint({r.ckpt}, tag={tag}) loaded nothing")
+    # Without a tag, as a training script resuming "the latest checkpoint" does: sluice restores
+    # DeepSpeed's `latest` beside the checkpoint.
+    path, _ = eng.load_checkpoint(r.ckpt)
+    if path is None or os.path.basename(os.path.dirname(path)) != tag:
+        raise fwcheck.Failure(f"engine.load_checkpoint({r.ckpt}) loaded {path}, not {tag}")
     r.check(f"engine-rank{r.rank}", engine_state(eng))
     r.check_files(tag, files(r)[0])
     r.record_files(tag)

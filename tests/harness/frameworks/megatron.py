@@ -85,8 +85,12 @@ def load(r):
     r.init_gloo()
     model, master, opt = shard(r, seed=1)
     r.must_differ(f"rank{r.rank}", {"model": model.state_dict()})
-    if not os.path.exists(os.path.join(r.ckpt, "latest_checkpointed_iteration.txt")):
-        r.note("no latest_checkpointed_iteration.txt after the restore: Megatron's --load of the directory would start from scratch")
+    # Megatron's --load of the directory reads the iteration from its signal file, which sluice
+    # restores beside the checkpoint.
+    with open(os.path.join(r.ckpt, "latest_checkpointed_iteration.txt")) as f:
+        found = "iter_%07d" % int(f.read().strip())
+    if found != tag:
+        raise fwcheck.Failure(f"latest_checkpointed_iteration.txt names {found}, not {tag}")
     state = fwcheck.load_pt(os.path.join(r.ckpt, tag, names(r)[r.rank]))
     if state["iteration"] != ITERATION:
         raise fwcheck.Failure(f"iteration {state['iteration']} in {tag}")
