@@ -783,6 +783,9 @@ async fn slurm_job_gone(squeue: &std::path::Path, job_id: JobId) -> bool {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
+        // The one place the agent reads another program's message: squeue exits 1 both for a job
+        // id it no longer knows and for a controller it cannot reach, and only its text tells them
+        // apart. Anything else counts as running.
         return stderr.contains("Invalid job id");
     }
     let state = stdout.trim();
