@@ -601,7 +601,9 @@ impl Agent {
                 Ok(true) => {
                     tracing::warn!(
                         job_id,
-                        "job end for a job this agent has no record of: its staged data was                          removed; its checkpoint directory is kept (it may hold checkpoints that                          are not archived) — check it and remove it by hand"
+                        "job end for a job this agent has no record of: its staged data was \
+                         removed; its checkpoint directory is kept (it may hold checkpoints that \
+                         are not archived) — check it and remove it by hand"
                     );
                     Response::Ok
                 }

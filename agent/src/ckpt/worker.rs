@@ -392,7 +392,8 @@ impl CkptWorker {
             Err(e) if e.is_permanent() => {
                 tracing::warn!(job_id, tag = entry.tag, "archive refused: {e}");
                 entry.conflict(format!(
-                    "{e}; retrying cannot help: this copy is kept on the hot tier, not archived —                      save the state under a new tag"
+                    "{e}; retrying cannot help: this copy is kept on the hot tier, not archived — \
+                     save the state under a new tag"
                 ));
             }
             Err(e) if e.is_modified() => {
@@ -451,7 +452,9 @@ impl CkptWorker {
             }
             Ok(Err(e)) => {
                 let message = format!(
-                    "checkpoint {} is already archived in {url} (by job {}) with other content                      ({e}); archives are immutable: this copy is kept on the hot tier, not                      archived — save the state under a new tag",
+                    "checkpoint {} is already archived in {url} (by job {}) with other content \
+                     ({e}); archives are immutable: this copy is kept on the hot tier, not \
+                     archived — save the state under a new tag",
                     entry.tag, m.job.job_id
                 );
                 tracing::warn!(job_id = id, tag = entry.tag, "{message}");
@@ -502,7 +505,8 @@ impl CkptWorker {
                     "publishing: {e}"
                 );
                 entry.conflict(format!(
-                    "{e}; the checkpoint cannot be published and is kept on the hot tier of each                      node — save the state under a new tag"
+                    "{e}; the checkpoint cannot be published and is kept on the hot tier of each \
+                     node — save the state under a new tag"
                 ));
             }
             Err(e) => {
