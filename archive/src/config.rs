@@ -51,6 +51,7 @@ struct RawCkpt {
     keep: Option<u32>,
     scan_interval: Option<String>,
     epilog_wait: Option<String>,
+    publish_wait: Option<String>,
     part_size: Option<String>,
     concurrency: Option<usize>,
     zstd_level: Option<i32>,
@@ -149,6 +150,9 @@ pub struct CkptConfig {
     pub scan_interval: Duration,
     /// How long job end waits for pending archives before leaving them to the agent.
     pub epilog_wait: Duration,
+    /// How long a node whose part is archived waits for the parts of the job's other nodes before
+    /// it gives the checkpoint up as incomplete (kept on the hot tier, never trimmed).
+    pub publish_wait: Duration,
     pub part_size: u64,
     pub concurrency: usize,
     pub zstd_level: i32,
@@ -381,6 +385,11 @@ impl Config {
                 "ckpt.epilog_wait",
                 c.epilog_wait.as_deref(),
                 Duration::from_secs(20),
+            )?,
+            publish_wait: duration(
+                "ckpt.publish_wait",
+                c.publish_wait.as_deref(),
+                Duration::from_secs(3600),
             )?,
             part_size: c
                 .part_size

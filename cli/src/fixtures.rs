@@ -122,6 +122,7 @@ pub const CKPT_JOB: u32 = 4242;
 
 fn ckpt(tag: &str, state: CkptState, minutes: u64) -> CkptStatus {
     CkptStatus {
+        action_needed: false,
         tag: tag.into(),
         state,
         on_hot_tier: true,

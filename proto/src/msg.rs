@@ -88,6 +88,9 @@ pub enum CkptState {
     /// The archive already holds this tag with other content (archives are immutable): not
     /// archived, kept on the hot tier (never trimmed); save the state under a new tag.
     Refused,
+    /// Some node of the job never sent its part within `ckpt.publish_wait`: not archived, kept on
+    /// the hot tier (never trimmed); the error names the nodes.
+    Incomplete,
 }
 
 impl CkptState {
@@ -100,6 +103,7 @@ impl CkptState {
             CkptState::Retrying => "retrying",
             CkptState::Modified => "modified",
             CkptState::Refused => "refused",
+            CkptState::Incomplete => "incomplete",
         }
     }
 }
@@ -120,6 +124,22 @@ pub struct CkptStatus {
     pub committed_at: u64,
     pub archived_at: Option<u64>,
     pub error: Option<String>,
+    /// sluice will not archive it by itself: the error says what the user has to do (commit it
+    /// again, save under a new tag, bring a node back).
+    #[serde(default)]
+    pub action_needed: bool,
+}
+
+impl CkptStatus {
+    /// What the job's user must read about this checkpoint in the job output, if anything: a
+    /// refusal or a final failure (not a transient error, which is retried).
+    pub fn problem(&self) -> Option<String> {
+        if !self.action_needed {
+            return None;
+        }
+        let why = self.error.as_deref().unwrap_or(self.state.as_str());
+        Some(format!("checkpoint {} is NOT archived: {why}", self.tag))
+    }
 }
 
 /// Stable error codes; the message says what to do.

@@ -122,8 +122,23 @@ impl CkptEntry {
         self.set_error(CkptState::Refused, message);
     }
 
+    /// Some node of the job never sent its part: kept here unarchived (never trimmed) until the
+    /// user commits it again; `message` names the nodes.
+    pub fn incomplete(&self, message: String) {
+        self.set_error(CkptState::Incomplete, message);
+    }
+
     pub fn is_refused(&self) -> bool {
         self.refused.load(Ordering::Relaxed)
+    }
+
+    /// sluice will not archive it by itself: the user has to act (the job output says so).
+    pub fn action_needed(&self) -> bool {
+        match self.state() {
+            CkptState::Refused | CkptState::Incomplete => true,
+            CkptState::Modified => self.is_refused() || !self.retries_modified(),
+            _ => false,
+        }
     }
 
     /// Files changed while they were read: retried a few times, then it waits for a new commit.
@@ -185,6 +200,7 @@ impl CkptEntry {
             committed_at: self.committed_at,
             archived_at: self.archived_at(),
             error: lock(&self.error).clone(),
+            action_needed: self.action_needed(),
         }
     }
 }
@@ -201,7 +217,8 @@ pub struct JobCkpts {
 #[derive(Debug, PartialEq, Eq)]
 pub enum CommitOutcome {
     New,
-    /// Committed again after files changed during its archive: archived anew.
+    /// Committed again after files changed during its archive (or after it was given up as
+    /// incomplete): archived anew.
     Recommitted,
     /// Already committed and not yet archived: nothing to do.
     AlreadyPending,
@@ -232,7 +249,7 @@ impl JobCkpts {
                 Ok(CommitOutcome::New)
             }
             Some(e) => match e.state() {
-                CkptState::Modified => {
+                CkptState::Modified | CkptState::Incomplete => {
                     e.generation.fetch_add(1, Ordering::Relaxed);
                     e.failures.store(0, Ordering::Relaxed);
                     e.refused.store(false, Ordering::Relaxed);
@@ -254,7 +271,10 @@ impl JobCkpts {
         lock(&self.entries).values().any(|e| {
             !matches!(
                 e.state(),
-                CkptState::Archived | CkptState::Modified | CkptState::Refused
+                CkptState::Archived
+                    | CkptState::Modified
+                    | CkptState::Refused
+                    | CkptState::Incomplete
             )
         })
     }

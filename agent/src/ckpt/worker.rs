@@ -13,7 +13,7 @@ use sluice_archive::{
     self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Manifest, Publish,
 };
 use sluice_proto::msg::CkptState;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -154,6 +154,9 @@ pub(crate) struct CkptWorker {
     ended_at: Option<Instant>,
     /// Tags other nodes committed that this node answered with an empty part.
     answered_empty: HashSet<String>,
+    /// Since when each tag whose part is archived waits for other nodes' parts (bounded by
+    /// `ckpt.publish_wait`).
+    waiting_since: HashMap<String, Instant>,
 }
 
 impl Worker for CkptWorker {
@@ -199,6 +202,7 @@ impl CkptWorker {
             last_remote_scan: None,
             ended_at: None,
             answered_empty: HashSet::new(),
+            waiting_since: HashMap::new(),
         }
     }
 
@@ -470,8 +474,11 @@ impl CkptWorker {
         }
     }
 
-    /// Publishes the MANIFEST once every node's part is in the archive.
-    async fn publish(&self, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
+    /// Publishes the MANIFEST once every node's part is in the archive. While parts are missing it
+    /// asks again at the archive backoff (the last node to upload publishes at once by itself), for
+    /// `ckpt.publish_wait` at most: then the checkpoint is incomplete, kept here and named in the
+    /// job output.
+    async fn publish(&mut self, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
         let job = &self.job;
         let meta = JobMeta {
             job_id: job.start.job_id,
@@ -491,13 +498,38 @@ impl CkptWorker {
                 );
                 self.agent.persist(job).await;
             }
-            Ok(Publish::Waiting { missing }) => entry.set_error(
-                CkptState::WaitingForNodes,
-                format!(
-                    "waiting for the part of node(s) {} of the job",
-                    missing.join(", ")
-                ),
-            ),
+            Ok(Publish::Waiting { missing }) => {
+                let limit = self.agent.cfg.ckpt.publish_wait;
+                let waited = self
+                    .waiting_since
+                    .entry(entry.tag.clone())
+                    .or_insert_with(Instant::now)
+                    .elapsed();
+                let nodes = missing.join(", ");
+                if waited >= limit {
+                    let message = format!(
+                        "node(s) {nodes} of the job never sent their part (waited {}, \
+                         ckpt.publish_wait); this node's files are kept on its hot tier, not \
+                         archived — bring the node's agent back and commit the tag again, or \
+                         save the state under a new tag",
+                        humantime::format_duration(limit)
+                    );
+                    tracing::warn!(job_id = job.start.job_id, tag = entry.tag, "{message}");
+                    self.waiting_since.remove(&entry.tag);
+                    entry.incomplete(message);
+                    self.agent.persist(job).await;
+                } else {
+                    entry.note_failure(); // asks again at the backoff, not every scan
+                    let left = limit.saturating_sub(waited).as_secs();
+                    entry.set_error(
+                        CkptState::WaitingForNodes,
+                        format!(
+                            "waiting for the part of node(s) {nodes} of the job (at most {} more)",
+                            humantime::format_duration(std::time::Duration::from_secs(left))
+                        ),
+                    );
+                }
+            }
             Err(e) if e.is_permanent() => {
                 tracing::warn!(
                     job_id = job.start.job_id,
