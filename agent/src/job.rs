@@ -150,9 +150,12 @@ impl Job {
         *lock(&self.restored) = (tag, notes);
     }
 
-    /// The directories, restored tag and notes the job's tasks get.
+    /// The directories, restored tag and notes the job's tasks get. The notes include every
+    /// checkpoint that sluice will not archive by itself, so each step's output says so while the
+    /// job runs (the batch step's end prints them again in the job summary).
     pub fn task_dirs(&self) -> JobDirs {
-        let (tag, notes) = lock(&self.restored).clone();
+        let (tag, mut notes) = lock(&self.restored).clone();
+        notes.extend(self.ckpt_statuses().iter().filter_map(|c| c.problem()));
         JobDirs {
             restored_tag: tag,
             notes,

@@ -879,6 +879,12 @@ root_test! {
         )
         .unwrap();
         assert_eq!(manifest["job"]["job_id"], 71, "the archive keeps job 71's s1");
+        // The job's output says so: the next step's tasks get it as a note (issue 10: final errors
+        // reach the job's output while it runs; the batch step's end prints it again).
+        assert!(refused.action_needed, "s1 is refused but not marked for the user");
+        assert_note(&t.ready(72).await, |n| {
+            n.starts_with("checkpoint s1 is NOT archived: ") && n.contains("by job 71")
+        });
         t.call(Request::JobEnd { job_id: 72 }).await.unwrap();
         assert!(
             ckpt72.join("s1/shards/rank0.bin").exists(),
@@ -888,7 +894,9 @@ root_test! {
         t.job(ckpt_job(73, &url, &[])).await;
         write_ckpt(Path::new(&t.ready(73).await.ckpt_dir), "s1", 3, false);
         assert_eq!(t.call(commit(73)).await.unwrap(), Response::Ok);
-        wait_for_state(&t, 73, "s1", CkptState::Archived).await;
+        let archived = wait_for_state(&t, 73, "s1", CkptState::Archived).await;
+        assert!(!archived.action_needed, "{archived:?}");
+        assert!(t.ready(73).await.notes.is_empty());
         t.stop().await;
     }
 }
@@ -981,6 +989,57 @@ root_test! {
         wait_gone(&t.hot.join("jobs/81"), "the finished job's directory").await;
         assert!(archive_dir.join("s1/MANIFEST").exists(), "the archive keeps s1");
         wait_gone(&t.keep_state().join("jobs/81.json"), "its journal record").await;
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 10, "how long publishing waits for a node that does [hold files] — bounded, and visible
+    /// in `sluice ckpt list`": a node whose part is archived waits `ckpt.publish_wait` for a node
+    /// that never answers (its agent is gone), says how long in the listing, then gives the
+    /// checkpoint up as incomplete — kept on the hot tier after the job, named in the job's notes —
+    /// and a new commit of the tag tries again.
+    async fn a_part_that_never_comes_makes_the_checkpoint_incomplete_and_kept() {
+        use sluice_proto::msg::CkptState;
+        let tmp = tempfile::tempdir().unwrap();
+        let t = start_with(tmp, "", "publish_wait = '3s'").await;
+        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let Request::JobStart(mut start) = ckpt_job(81, &url, &[]) else {
+            unreachable!()
+        };
+        start.nodes = vec!["n1".into(), "ghost".into()]; // ghost's agent never answers
+        t.job(Request::JobStart(start)).await;
+        let ckpt = PathBuf::from(t.ready(81).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 3, false);
+        t.commit(81, "s1").await;
+        let waiting = wait_for_state(&t, 81, "s1", CkptState::WaitingForNodes).await;
+        let why = waiting.error.unwrap_or_default();
+        assert!(why.contains("ghost") && why.contains("at most"), "{why}");
+        assert!(!waiting.action_needed);
+        let gave_up = wait_for_state(&t, 81, "s1", CkptState::Incomplete).await;
+        let why = gave_up.error.clone().unwrap_or_default();
+        assert!(
+            gave_up.action_needed && why.contains("ghost") && why.contains("never sent their part"),
+            "{gave_up:?}"
+        );
+        assert_note(&t.ready(81).await, |n| {
+            n.starts_with("checkpoint s1 is NOT archived: node(s) ghost")
+        });
+        assert!(
+            !t.data.parent().unwrap().join("archive/s1/MANIFEST").exists(),
+            "an incomplete checkpoint must not be published"
+        );
+        // Committed again (the user brought the node back, or just tries again): it waits anew.
+        t.commit(81, "s1").await;
+        wait_for_state(&t, 81, "s1", CkptState::WaitingForNodes).await;
+        wait_for_state(&t, 81, "s1", CkptState::Incomplete).await;
+        // The job ends: the only copy of s1's bytes stays on the hot tier.
+        t.call(Request::JobEnd { job_id: 81 }).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            ckpt.join("s1/shards/rank0.bin").exists(),
+            "an unarchived checkpoint was removed at job end"
+        );
         t.stop().await;
     }
 }

@@ -198,11 +198,13 @@ fn run_ckpt(
             ckpt::check_tag(&tag)?;
             let agent = agent()?;
             agent.ckpt_commit(job_id, &tag)?;
-            // Only to say where it goes: the commit is done whatever this answers.
-            let url = agent
-                .ckpt_list(job_id)
-                .ok()
-                .and_then(|ckpts| ckpt::archive_url_of(&ckpts, &tag));
+            // Only to say where it goes, and what the user must know about the job's other
+            // checkpoints (refused, given up): the commit is done whatever this answers.
+            let ckpts = agent.ckpt_list(job_id).unwrap_or_default();
+            for problem in ckpts.iter().filter_map(|c| c.problem()) {
+                eprintln!("sluice: {problem}");
+            }
+            let url = ckpt::archive_url_of(&ckpts, &tag);
             let node = ckpt::node_name(env, socket::system_hostname);
             Ok(render::committed(&tag, job_id, node.as_deref(), url.as_deref()).into())
         }

@@ -18,21 +18,7 @@ const MAX_NODES_CELL: usize = 32;
 /// Nodes listed by name in the job view before the rest are counted.
 const MAX_NODES_SHOWN: usize = 16;
 
-/// Bytes in binary units: `512 B`, `1.5 KiB`, `931.3 GiB`.
-pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut value = n as f64 / 1024.0;
-    let mut unit = 0;
-    // 1023.95 would print as "1024.0"; move to the next unit instead.
-    while value >= 1023.95 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.1} {}", UNITS[unit])
-}
+pub use sluice_proto::summary::bytes;
 
 /// A transfer rate; `-` when nothing has moved yet.
 pub fn rate(bytes_per_sec: u64) -> String {

@@ -6,6 +6,7 @@
 //! - [`msg`]: request and response types that cross the agent's Unix socket.
 //! - [`wire`]: length-prefixed, versioned frames with hard size limits.
 //! - [`hostlist`]: expansion of Slurm node lists (`n[1-3]`), capped.
+//! - [`summary`]: what a job's user reads about sluice in the job output (and human byte sizes).
 //! - [`client`]: a small blocking client with deadlines, usable from slurmstepd (no threads, no tokio).
 // Unsafe code is refused outside tests (one test resets a signal disposition).
 #![cfg_attr(not(test), forbid(unsafe_code))]
@@ -15,6 +16,7 @@ pub mod client;
 pub mod hostlist;
 pub mod msg;
 pub mod options;
+pub mod summary;
 pub mod wire;
 
 /// Version of the socket protocol. The agent refuses frames of any other version with a clear error,

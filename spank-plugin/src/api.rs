@@ -71,6 +71,9 @@ pub struct OptionSpec {
 /// Slurm's log (`slurm_error` & co). Where a line ends up depends on the context: the user's terminal
 /// in sbatch/srun, the job's output from a task, slurmd's log in prolog and epilog.
 pub trait Log {
+    /// A line for the job's output without Slurm's `error:` prefix (`slurm_spank_log`): how the
+    /// end-of-job summary speaks, in the batch step's slurmstepd.
+    fn report(&self, msg: &str);
     fn error(&self, msg: &str);
     fn info(&self, msg: &str);
     fn verbose(&self, msg: &str);
@@ -84,6 +87,9 @@ pub trait SpankApi: Log {
     /// The option's value when the job used it (`spank_option_getopt`); `None` when it did not.
     fn getopt(&self, name: &str) -> Result<Option<String>, SpankError>;
     fn job_id(&self) -> Result<u32, SpankError>;
+    /// The step this slurmstepd runs (remote context): [`crate::callbacks::BATCH_STEP`] for the
+    /// batch script.
+    fn step_id(&self) -> Result<u32, SpankError>;
     fn job_uid(&self) -> Result<u32, SpankError>;
     fn job_gid(&self) -> Result<u32, SpankError>;
     /// A variable of the job's environment (remote context only); `None` when it is not set.

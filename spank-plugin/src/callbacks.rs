@@ -10,6 +10,7 @@
 //! | `init_post_opt` | sbatch/srun/salloc | validates all `--stage-in`, forwards them joined | submission |
 //! | `job_prolog` | job_script, root | "job J starts here" → agent | nothing: always 0 (≠0 drains the node) |
 //! | `task_init` | remote, job user | waits until staged, exports `SLUICE_*` | job, not the node |
+//! | `exit` | remote (batch step), root | prints the job's summary from the agent | nothing: always 0 |
 //! | `job_epilog` | job_script, root | "job J ended" → agent | nothing: always 0 |
 //!
 //! A job that uses no sluice option never reaches the agent: it runs exactly as without the plugin.
@@ -18,8 +19,9 @@ use crate::api::{Agent, Context, Log, OptionSpec, SpankApi};
 use crate::args::Args;
 use sluice_proto::client::ClientError;
 use sluice_proto::hostlist;
-use sluice_proto::msg::{JobId, JobStart, Request, Response};
+use sluice_proto::msg::{ErrorCode, JobId, JobStart, Request, Response};
 use sluice_proto::options::{self, names};
+use sluice_proto::summary;
 use sluice_proto::wire::FrameError;
 use std::io;
 use std::time::{Duration, Instant};
@@ -350,6 +352,46 @@ fn job_uses_sluice(sp: &impl SpankApi) -> bool {
         matches!(sp.getopt(name), Ok(Some(_)))
             || matches!(sp.getenv(&job_env_option_var(name)), Ok(Some(v)) if !v.is_empty())
     })
+}
+
+/// The step id of a batch script (`SLURM_BATCH_SCRIPT` in slurm.h; 4294967291 as seen on 22.05).
+pub const BATCH_STEP: u32 = 0xFFFF_FFFB;
+
+/// `slurm_spank_exit` in the batch step's slurmstepd, once the batch script ended and before the
+/// epilog: prints the job's checkpoint summary from this node's agent into the job's output (the
+/// epilog's output reaches no user), once per job. What is archived, what continues after the job,
+/// and every checkpoint sluice refused or gave up with the reason. Always 0.
+pub fn exit(sp: &impl SpankApi, agent: &impl Agent, argv: &[String]) -> i32 {
+    if sp.context() != Context::Remote || !job_uses_sluice(sp) {
+        return OK;
+    }
+    if sp.step_id() != Ok(BATCH_STEP) {
+        return OK;
+    }
+    let args = parse_args(sp, argv);
+    let (Ok(job_id), Some(node)) = (sp.job_id(), node_name(sp)) else {
+        return OK;
+    };
+    let socket = args.socket_path(&node);
+    match agent.call(&socket, Request::Job { job_id }, args.connect_timeout) {
+        Ok(Response::Job(status)) => {
+            for line in summary::job_end(&status) {
+                sp.report(&line);
+            }
+        }
+        // A job the agent never saw (it failed before reaching it) has nothing to sum up.
+        Err(ClientError::Agent(e)) if e.code == ErrorCode::NotFound => {}
+        Ok(other) => sp.report(&format!(
+            "job {job_id}: no checkpoint summary: unexpected reply from the agent at {}: {other:?}",
+            socket.display()
+        )),
+        Err(e) => sp.report(&format!(
+            "job {job_id}: no checkpoint summary (are the checkpoints archived? ask `sluice ckpt \
+             list` later): {}",
+            describe(&e, args.connect_timeout)
+        )),
+    }
+    OK
 }
 
 /// `slurm_spank_job_epilog`: tells the agent the job ended, so it can archive and trim. Always 0.

@@ -126,6 +126,11 @@ spank_callback!(
 );
 
 spank_callback!(
+    /// Remote context, as the batch step ends: prints the job's checkpoint summary. Never fails.
+    slurm_spank_exit, on_panic = OK, |spank, args| callbacks::exit(&spank, &SocketAgent, &args)
+);
+
+spank_callback!(
     /// job_script context, root, on each node: reports the job's end. Never fails.
     slurm_spank_job_epilog, on_panic = OK, |spank, args| callbacks::job_epilog(&spank, &SocketAgent, &args)
 );
@@ -199,6 +204,7 @@ mod tests {
     struct Lines(RefCell<Vec<String>>);
 
     impl Log for Lines {
+        fn report(&self, _: &str) {}
         fn error(&self, msg: &str) {
             self.0.borrow_mut().push(msg.to_string());
         }

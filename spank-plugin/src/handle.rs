@@ -50,6 +50,9 @@ impl SlurmLog {
 }
 
 impl Log for SlurmLog {
+    fn report(&self, msg: &str) {
+        Self::emit(sys::slurm_spank_log, msg);
+    }
     fn error(&self, msg: &str) {
         Self::emit(sys::slurm_error, msg);
     }
@@ -79,15 +82,18 @@ impl Spank {
 
     fn get_u32_item(&self, item: sys::spank_item_t) -> Result<u32, SpankError> {
         let mut value: u32 = 0;
-        // SAFETY: `raw` is the live handle (see `from_raw`). For S_JOB_ID, S_JOB_UID and S_JOB_GID
-        // spank.h documents one out-argument of type `uint32_t *`, `uid_t *`, `gid_t *`, all
-        // 32-bit unsigned on Linux; it points to a local that lives across the call.
+        // SAFETY: `raw` is the live handle (see `from_raw`). For S_JOB_ID, S_JOB_STEPID, S_JOB_UID and
+        // S_JOB_GID spank.h documents one out-argument of type `uint32_t *`, `uint32_t *`,
+        // `uid_t *`, `gid_t *`, all 32-bit unsigned on Linux; it points to a local that lives across the call.
         check(unsafe { sys::spank_get_item(self.raw, item, &mut value as *mut u32) })?;
         Ok(value)
     }
 }
 
 impl Log for Spank {
+    fn report(&self, msg: &str) {
+        SlurmLog.report(msg)
+    }
     fn error(&self, msg: &str) {
         SlurmLog.error(msg)
     }
@@ -170,6 +176,10 @@ impl SpankApi for Spank {
 
     fn job_id(&self) -> Result<u32, SpankError> {
         self.get_u32_item(sys::S_JOB_ID)
+    }
+
+    fn step_id(&self) -> Result<u32, SpankError> {
+        self.get_u32_item(sys::S_JOB_STEPID)
     }
 
     fn job_uid(&self) -> Result<u32, SpankError> {

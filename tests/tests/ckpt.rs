@@ -605,6 +605,19 @@ fn round_trip(backend: Backend) {
     cluster.assert_completes(&job, WRITER_TIMEOUT, "the checkpoint-writing job");
     let nodes = cluster.job_nodes(&job);
     assert_eq!(nodes.len(), 3, "{nodes:?}");
+    // The job's output ends with one summary, from the batch step's node: all three archived.
+    let output = job.output_text();
+    let summaries: Vec<&str> = output
+        .lines()
+        .filter(|l| l.starts_with(&format!("sluice: job {} on ", job.id)))
+        .collect();
+    assert!(
+        summaries.len() == 1
+            && summaries[0].contains("3 of 3 checkpoint(s) archived (newest step-3: ")
+            && summaries[0].ends_with(&format!(" in {}", archive.url)),
+        "the job's checkpoint summary: {summaries:#?}\n{}",
+        cluster.evidence(&job)
+    );
     let written = Written::read(&out, &nodes, &tags);
     for tag in tags {
         for n in &nodes {

@@ -222,6 +222,42 @@ done"#,
     }
     let _ = std::fs::remove_dir_all(&download);
     assert_secret_intact(&secret, &secret_text);
+    // The job's output says what was refused and why, without the user asking (issue 10: every
+    // refusal reaches the job's output): the batch step's end prints the node's summary once,
+    // one line per refused checkpoint.
+    let output = job.output_text();
+    let summary: Vec<&str> = output
+        .lines()
+        .filter(|l| l.starts_with("sluice: "))
+        .collect();
+    let heads: Vec<&&str> = summary
+        .iter()
+        .filter(|l| l.contains(&format!("job {} on {NODE}: ", job.id)))
+        .collect();
+    if heads.len() != 1 || !heads[0].contains("1 of 4 checkpoint(s) archived") {
+        failures.push(format!(
+            "the job's output must hold one summary saying 1 of 4 checkpoints archived: {summary:#?}"
+        ));
+    }
+    for (t, why) in [("t2", "own-link"), ("t3", "dirlink")] {
+        let line = format!("sluice: checkpoint {t} is NOT archived: ");
+        if !summary
+            .iter()
+            .any(|l| l.starts_with(&line) && l.contains(why))
+        {
+            failures.push(format!(
+                "the job's output does not say that {t} is not archived ({why}): {summary:#?}"
+            ));
+        }
+    }
+    if !summary
+        .iter()
+        .any(|l| l.starts_with("sluice: checkpoint t1 is NOT archived: "))
+    {
+        failures.push(format!(
+            "the job's output does not say that t1 is not archived: {summary:#?}"
+        ));
+    }
 
     assert!(
         failures.is_empty(),

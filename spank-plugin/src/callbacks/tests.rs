@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Level {
+    Report,
     Error,
     Info,
     Verbose,
@@ -21,6 +22,7 @@ struct Fake {
     /// Options the job used, as spank_option_getopt would return them.
     used: HashMap<String, String>,
     job_id: Result<u32, SpankError>,
+    step_id: Result<u32, SpankError>,
     uid: Result<u32, SpankError>,
     gid: Result<u32, SpankError>,
     job_env: HashMap<String, String>,
@@ -41,6 +43,7 @@ impl Fake {
             context,
             used: HashMap::new(),
             job_id: Err(SpankError::NotAvail),
+            step_id: Err(SpankError::NotAvail),
             uid: Err(SpankError::NotAvail),
             gid: Err(SpankError::NotAvail),
             job_env: HashMap::new(),
@@ -134,6 +137,9 @@ impl Fake {
 }
 
 impl Log for Fake {
+    fn report(&self, msg: &str) {
+        self.log(Level::Report, msg)
+    }
     fn error(&self, msg: &str) {
         self.log(Level::Error, msg)
     }
@@ -165,6 +171,9 @@ impl SpankApi for Fake {
     }
     fn job_id(&self) -> Result<u32, SpankError> {
         self.job_id
+    }
+    fn step_id(&self) -> Result<u32, SpankError> {
+        self.step_id
     }
     fn job_uid(&self) -> Result<u32, SpankError> {
         self.uid
@@ -1002,4 +1011,107 @@ fn a_task_outlives_an_agent_restart() {
     assert_eq!(agent.calls().len(), 3);
     assert!(sp.errors().is_empty(), "{:?}", sp.errors());
     assert_eq!(sp.env_set[0].1, "/nvme/sluice/n2/jobs/42/stage");
+}
+
+/// The batch step of job 42 on n2 as its script ended, with a sluice option.
+fn batch_step_end() -> Fake {
+    let mut sp = Fake::task(&[("ckpt-archive", "s3://ckpt/alice")]);
+    sp.step_id = Ok(BATCH_STEP);
+    sp
+}
+
+fn job_with_ckpts(ckpts: Vec<sluice_proto::msg::CkptStatus>) -> Response {
+    use sluice_proto::msg::{JobState, JobStatus};
+    let Response::Ready(dirs) = ready() else {
+        unreachable!()
+    };
+    Response::Job(JobStatus {
+        job_id: 42,
+        user: "alice".into(),
+        uid: 1001,
+        node: "n2".into(),
+        nodes: vec!["n2".into()],
+        state: JobState::Ready,
+        dirs,
+        stages: Vec::new(),
+        started_at: 0,
+        error: None,
+        ckpts,
+    })
+}
+
+fn ckpt(tag: &str, state: sluice_proto::msg::CkptState) -> sluice_proto::msg::CkptStatus {
+    sluice_proto::msg::CkptStatus {
+        tag: tag.into(),
+        state,
+        on_hot_tier: true,
+        archive_url: "s3://ckpt/alice".into(),
+        files: 1,
+        raw_bytes: 2048,
+        stored_bytes: 1024,
+        bytes_done: 0,
+        committed_at: 1,
+        archived_at: None,
+        error: None,
+        action_needed: false,
+    }
+}
+
+#[test]
+fn the_batch_steps_end_prints_the_checkpoint_summary_without_error_prefixes() {
+    use sluice_proto::msg::CkptState;
+    let sp = batch_step_end();
+    let mut refused = ckpt("s2", CkptState::Refused);
+    refused.error = Some("the archive holds s2 with other content".into());
+    refused.action_needed = true;
+    let agent = FakeAgent::answering(move |_| {
+        Ok(job_with_ckpts(vec![
+            ckpt("s1", CkptState::Archived),
+            refused.clone(),
+        ]))
+    });
+    assert_eq!(exit(&sp, &agent, &[]), OK);
+    assert_eq!(agent.calls()[0].1, Request::Job { job_id: 42 });
+    assert_eq!(agent.calls()[0].0, PathBuf::from("/run/sluice/n2.sock"));
+    let lines = sp.lines(Level::Report);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[0].starts_with("job 42 on n2: 1 of 2 checkpoint(s) archived"));
+    assert_eq!(
+        lines[1],
+        "checkpoint s2 is NOT archived: the archive holds s2 with other content"
+    );
+    assert!(sp.errors().is_empty());
+}
+
+#[test]
+fn only_the_batch_step_of_a_sluice_job_prints_a_summary() {
+    // An srun step, a job without sluice options, and the local (srun) side: no call at all.
+    let mut step = batch_step_end();
+    step.step_id = Ok(0);
+    let mut plain = Fake::task(&[]);
+    plain.step_id = Ok(BATCH_STEP);
+    let mut local = batch_step_end();
+    local.context = Context::Local;
+    for sp in [step, plain, local] {
+        let agent = FakeAgent::ok();
+        assert_eq!(exit(&sp, &agent, &[]), OK);
+        assert!(agent.calls().is_empty());
+        assert!(sp.logs.borrow().is_empty());
+    }
+}
+
+#[test]
+fn a_summary_that_cannot_be_had_says_so_and_never_fails() {
+    let sp = batch_step_end();
+    assert_eq!(exit(&sp, &FakeAgent::unreachable(), &[]), OK);
+    let lines = sp.lines(Level::Report);
+    assert!(
+        lines.len() == 1 && lines[0].starts_with("job 42: no checkpoint summary"),
+        "{lines:?}"
+    );
+    // A job the agent does not know (it failed before it reached the agent): nothing to say.
+    let sp = batch_step_end();
+    let agent = FakeAgent::failing(ErrorCode::NotFound, "no job 42 on n2");
+    assert_eq!(exit(&sp, &agent, &[]), OK);
+    assert!(sp.logs.borrow().is_empty());
 }

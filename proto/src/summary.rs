@@ -1,0 +1,153 @@
+//! What a job's user reads about sluice in the job output, and the units it is written in. One
+//! place, so that the plugin's end-of-job summary and the CLI say the same things the same way.
+
+use crate::msg::{CkptState, CkptStatus, JobStatus};
+
+/// Bytes in binary units: `512 B`, `1.5 KiB`, `931.3 GiB`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64 / 1024.0;
+    let mut unit = 0;
+    // 1023.95 would print as "1024.0"; move to the next unit instead.
+    while value >= 1023.95 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// The job's checkpoints on this node when its batch script ended: what is archived, what is still
+/// on its way (and continues after the job), and every checkpoint sluice will not archive by itself
+/// with the reason. Nothing when the job committed no checkpoint here.
+pub fn job_end(status: &JobStatus) -> Vec<String> {
+    let ckpts = &status.ckpts;
+    if ckpts.is_empty() {
+        return Vec::new();
+    }
+    let url = ckpts
+        .iter()
+        .map(|c| c.archive_url.as_str())
+        .find(|u| !u.is_empty())
+        .unwrap_or("");
+    let archived: Vec<&CkptStatus> = ckpts
+        .iter()
+        .filter(|c| c.state == CkptState::Archived)
+        .collect();
+    let mut lines = Vec::new();
+    let mut head = format!(
+        "job {} on {}: {} of {} checkpoint(s) archived",
+        status.job_id,
+        status.node,
+        archived.len(),
+        ckpts.len()
+    );
+    if let Some(newest) = archived.iter().max_by_key(|c| (c.committed_at, &c.tag)) {
+        head.push_str(&format!(
+            " (newest {}: {} → {} stored)",
+            newest.tag,
+            bytes(newest.raw_bytes),
+            bytes(newest.stored_bytes)
+        ));
+    }
+    if !url.is_empty() {
+        head.push_str(&format!(" in {url}"));
+    }
+    lines.push(head);
+    for c in ckpts {
+        if let Some(problem) = c.problem() {
+            lines.push(problem);
+        } else if c.state != CkptState::Archived {
+            let why = c
+                .error
+                .as_deref()
+                .map_or(String::new(), |e| format!(": {e}"));
+            lines.push(format!(
+                "checkpoint {} is {}{why}; archiving continues after the job — follow it with \
+                 `sluice ckpt list {url}`",
+                c.tag,
+                c.state.as_str()
+            ));
+        }
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::msg::{JobDirs, JobState};
+
+    fn ckpt(tag: &str, state: CkptState, at: u64) -> CkptStatus {
+        CkptStatus {
+            tag: tag.into(),
+            state,
+            on_hot_tier: true,
+            archive_url: "s3://ckpt/alice/train".into(),
+            files: 2,
+            raw_bytes: 3 << 30,
+            stored_bytes: 2 << 30,
+            bytes_done: 0,
+            committed_at: at,
+            archived_at: None,
+            error: None,
+            action_needed: false,
+        }
+    }
+
+    fn job(ckpts: Vec<CkptStatus>) -> JobStatus {
+        JobStatus {
+            job_id: 12,
+            user: "alice".into(),
+            uid: 1001,
+            node: "n1".into(),
+            nodes: vec!["n1".into()],
+            state: JobState::Ready,
+            dirs: JobDirs {
+                stage_dir: String::new(),
+                ckpt_dir: String::new(),
+                restored_tag: None,
+                notes: Vec::new(),
+            },
+            stages: Vec::new(),
+            started_at: 0,
+            error: None,
+            ckpts,
+        }
+    }
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes((1 << 20) - 1), "1.0 MiB");
+    }
+
+    #[test]
+    fn end_summary_says_what_is_archived_pending_and_refused() {
+        assert!(job_end(&job(Vec::new())).is_empty());
+        let mut refused = ckpt("s3", CkptState::Refused, 3);
+        refused.error = Some("the archive holds s3 with other content".into());
+        refused.action_needed = true;
+        let mut retrying = ckpt("s4", CkptState::Retrying, 4);
+        retrying.error = Some("the archive store is unreachable".into());
+        let lines = job_end(&job(vec![
+            ckpt("s1", CkptState::Archived, 1),
+            ckpt("s2", CkptState::Archived, 2),
+            refused,
+            retrying,
+        ]));
+        assert_eq!(
+            lines,
+            vec![
+                "job 12 on n1: 2 of 4 checkpoint(s) archived (newest s2: 3.0 GiB → 2.0 GiB \
+                 stored) in s3://ckpt/alice/train",
+                "checkpoint s3 is NOT archived: the archive holds s3 with other content",
+                "checkpoint s4 is retrying: the archive store is unreachable; archiving continues \
+                 after the job — follow it with `sluice ckpt list s3://ckpt/alice/train`",
+            ]
+        );
+    }
+}
