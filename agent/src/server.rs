@@ -267,6 +267,10 @@ async fn serve(agent: Arc<Agent>, peer: Peer, mut stream: UnixStream) {
         _ = rd.read(&mut probe) => {
             if ends_with_client {
                 work.abort();
+            } else {
+                // Runs to its end, still holding the connection's admission slot: a uid's work in
+                // flight stays within its per-user cap, hang-ups or not.
+                let _ = work.await;
             }
         }
     }
