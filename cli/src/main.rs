@@ -10,23 +10,26 @@ mod agent;
 mod ckpt;
 #[cfg(test)]
 mod fixtures;
+mod generate;
 mod render;
 mod socket;
 
 use agent::Agent;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use sluice_archive::safefs::Owner;
 use sluice_proto::msg::JobId;
 use std::io::{self, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::OnceLock;
 use std::time::{Duration, SystemTime};
 
 #[derive(Debug, Parser)]
 #[command(
     name = "sluice",
-    version,
+    version = version(),
     about = "Stage datasets and checkpoints around Slurm jobs",
+    after_help = generate::exit_status_help(EXIT_CODES),
     max_term_width = 100
 )]
 struct Cli {
@@ -44,7 +47,8 @@ struct Cli {
 }
 
 /// One variant per command. Planned next to these, under the same global options: `cache`, `trim`,
-/// `doctor`, `config check`.
+/// `doctor`, `config check`. (`sluice generate`, for the install steps, is parsed apart: see
+/// [`generate`].)
 #[derive(Debug, Subcommand)]
 enum Command {
     /// This node's agent: hot tier, and the jobs you may see with their staging progress
@@ -301,9 +305,52 @@ fn open_archive(config: Option<PathBuf>, url: &str) -> anyhow::Result<sluice_arc
     ckpt::open(&cfg, url)
 }
 
+/// `sluice --version`: this build, and the socket protocol it speaks (the plugin, the agent and the
+/// CLI of one installation must speak the same).
+fn version() -> &'static str {
+    static VERSION: OnceLock<String> = OnceLock::new();
+    VERSION.get_or_init(|| {
+        format!(
+            "{} (protocol {})",
+            env!("CARGO_PKG_VERSION"),
+            sluice_proto::PROTO_VERSION
+        )
+    })
+}
+
+/// What `main` returns, as `sluice --help` and the man pages document it. 2 is clap's, for a
+/// command line it cannot parse.
+const EXIT_CODES: generate::ExitCodes = &[
+    (0, "success"),
+    (
+        1,
+        "failure (stderr says why): a request failed or was refused, or ckpt verify found a damaged file",
+    ),
+    (
+        2,
+        "usage error: an unknown command or option, or a bad value",
+    ),
+];
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let out = match run(cli) {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if generate::is_internal(&args) {
+        let generate::InternalCommand::Generate(what) =
+            generate::Internal::parse_from(args).command;
+        let manual = generate::Manual {
+            section: "1",
+            manual: "sluice manual",
+            source: format!("sluice {}", env!("CARGO_PKG_VERSION")),
+            exit_codes: EXIT_CODES,
+        };
+        return finish(generate::run(what, Cli::command(), &manual).map(Output::from));
+    }
+    finish(run(Cli::parse_from(args)))
+}
+
+/// Prints what a command produced, or its error, and says how it went in the exit status.
+fn finish(result: anyhow::Result<Output>) -> ExitCode {
+    let out = match result {
         Ok(out) => out,
         Err(e) => {
             eprintln!("sluice: {}", render::error_text(&e));
@@ -329,7 +376,6 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
 
     #[test]
     fn cli_definition_is_consistent() {

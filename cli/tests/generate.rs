@@ -1,0 +1,438 @@
+//! What the README's install steps put on a node, checked the way a user meets it: `sluice generate
+//! man DIR` writes a page for every command `sluice --help` lists, which man(1) renders without a
+//! warning and whose NAME and SYNOPSIS name that command; `sluice generate completions SHELL` gives
+//! scripts that bash, zsh and fish accept and that complete sluice's commands; `sluice --version`
+//! names the protocol and `sluice --help` the exit statuses sluice really returns.
+//!
+//! A check that needs a program this machine lacks (man, zsh, fish) says so on stderr, which the test
+//! harness does not capture, and does not count it as checked.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn sluice(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .env_remove("SLUICE_SOCKET")
+        .env_remove("SLURMD_NODENAME")
+        .env_remove("SLURM_JOB_ID")
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+/// The stdout of a run that must have succeeded.
+#[track_caller]
+fn succeeded(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+#[track_caller]
+fn assert_has(text: &str, part: &str) {
+    assert!(text.contains(part), "{part:?} is not in:\n{text}");
+}
+
+/// Whether `program` is on PATH; if not, says on the real stderr which check it skips and why.
+fn have(program: &str, check: &str) -> bool {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(program).is_file()));
+    if !found {
+        // Not `eprintln!`: the test harness captures that, and a skip must be seen.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED {check}: {program} is not installed (install it to check this)"
+        );
+    }
+    found
+}
+
+/// The commands `sluice ARGS --help` lists under "Commands:", without `help`.
+fn listed_commands(args: &[&str]) -> Vec<String> {
+    let mut all = args.to_vec();
+    all.push("--help");
+    let help = succeeded(&sluice(&all));
+    help.lines()
+        .skip_while(|l| *l != "Commands:")
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every command a user can reach from `sluice --help`, as its words: [], ["status"], ["ckpt",
+/// "list"], ...
+fn all_commands(prefix: Vec<String>, into: &mut Vec<Vec<String>>) {
+    let args: Vec<&str> = prefix.iter().map(String::as_str).collect();
+    for sub in listed_commands(&args) {
+        let mut words = prefix.clone();
+        words.push(sub);
+        all_commands(words, into);
+    }
+    into.push(prefix);
+}
+
+/// `sluice generate man` into a fresh directory: the directory and the pages it printed.
+fn generate_pages() -> (tempfile::TempDir, Vec<PathBuf>) {
+    let dir = tempfile::tempdir().unwrap();
+    let man1 = dir.path().join("share/man/man1");
+    let out = succeeded(&sluice(&["generate", "man", man1.to_str().unwrap()]));
+    let printed = out.lines().map(PathBuf::from).collect();
+    (dir, printed)
+}
+
+fn page_name(words: &[String]) -> String {
+    std::iter::once("sluice")
+        .chain(words.iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+#[test]
+fn every_command_in_help_has_its_man_page_and_nothing_else_has_one() {
+    let mut commands = Vec::new();
+    all_commands(Vec::new(), &mut commands);
+    let expected: BTreeSet<String> = commands
+        .iter()
+        .map(|words| format!("{}.1", page_name(words)))
+        .collect();
+    // The help parsing found the tree, not just the top.
+    for page in [
+        "sluice",
+        "sluice-status",
+        "sluice-job",
+        "sluice-ckpt",
+        "sluice-ckpt-commit",
+        "sluice-ckpt-list",
+        "sluice-ckpt-verify",
+        "sluice-ckpt-restore",
+    ] {
+        let page = format!("{page}.1");
+        assert!(expected.contains(&page), "{page} in {expected:?}");
+    }
+
+    let (dir, printed) = generate_pages();
+    let man1 = dir.path().join("share/man/man1");
+    let written: BTreeSet<String> = std::fs::read_dir(&man1)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    // No page for `generate` (an install step, not a user's command) or for `help`.
+    assert_eq!(written, expected);
+    let printed: BTreeSet<PathBuf> = printed.into_iter().collect();
+    let paths: BTreeSet<PathBuf> = written.iter().map(|p| man1.join(p)).collect();
+    assert_eq!(
+        printed, paths,
+        "sluice generate man prints the files it wrote"
+    );
+
+    // The pages' own source names the command in NAME, and each is cross-referenced.
+    for words in &commands {
+        let name = page_name(words);
+        let page = std::fs::read_to_string(man1.join(format!("{name}.1"))).unwrap();
+        assert_has(&page, &format!(".TH {name} 1 \"\" \"sluice "));
+        assert_has(
+            &page,
+            &format!(".SH NAME\n{} \\- ", name.replace('-', "\\-")),
+        );
+        assert_has(&page, ".SH \"EXIT STATUS\"");
+        if !words.is_empty() {
+            assert_has(&page, ".SH \"SEE ALSO\"");
+        }
+    }
+}
+
+/// `man -l PAGE` as a user runs it: the text, after checking that man and groff had nothing to
+/// warn about.
+fn man(page: &Path) -> String {
+    let out = Command::new("man")
+        .args(["--warnings", "-l"])
+        .arg(page)
+        .env("MANWIDTH", "80")
+        .env("MANPAGER", "cat")
+        .env("LC_ALL", "C.UTF-8")
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert!(
+        out.status.success() && stderr.is_empty(),
+        "man -l {}: {:?}\n{stderr}",
+        page.display(),
+        out.status
+    );
+    text(&out.stdout)
+}
+
+/// The text of section `heading` in a rendered page, its words joined by single spaces (man
+/// justifies lines with more).
+fn section(rendered: &str, heading: &str) -> String {
+    rendered
+        .lines()
+        .skip_while(|l| *l != heading)
+        .skip(1)
+        .take_while(|l| l.is_empty() || l.starts_with(' '))
+        .flat_map(str::split_whitespace)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn man_renders_every_page_without_warnings_naming_its_command() {
+    if !have("man", "rendering the man pages with man -l") {
+        return;
+    }
+    let mut commands = Vec::new();
+    all_commands(Vec::new(), &mut commands);
+    let (dir, _) = generate_pages();
+    let man1 = dir.path().join("share/man/man1");
+    for words in &commands {
+        let name = page_name(words);
+        let rendered = man(&man1.join(format!("{name}.1")));
+        let first_line = rendered.lines().next().unwrap_or_default();
+        assert!(
+            first_line.starts_with(&format!("{name}(1)")) && first_line.contains("sluice manual"),
+            "{first_line}"
+        );
+        let title = section(&rendered, "NAME");
+        assert!(
+            title.starts_with(&format!("{name} - ")),
+            "NAME of {name}: {title}"
+        );
+        let invocation = std::iter::once("sluice")
+            .chain(words.iter().map(String::as_str))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let synopsis = section(&rendered, "SYNOPSIS");
+        assert!(
+            synopsis.starts_with(&format!("{invocation} ")),
+            "SYNOPSIS of {name}: {synopsis}"
+        );
+        let exit = section(&rendered, "EXIT STATUS");
+        for code in ["0 success", "1 failure", "2 usage error"] {
+            assert!(
+                exit.contains(code),
+                "EXIT STATUS of {name} lacks {code:?}: {exit}"
+            );
+        }
+    }
+
+    let top = man(&man1.join("sluice.1"));
+    assert_eq!(
+        section(&top, "VERSION"),
+        format!(
+            "v{} (protocol {})",
+            env!("CARGO_PKG_VERSION"),
+            sluice_proto::PROTO_VERSION
+        )
+    );
+    let subcommands = section(&top, "SUBCOMMANDS");
+    for page in ["sluice-status(1)", "sluice-job(1)", "sluice-ckpt(1)"] {
+        assert_has(&subcommands, page);
+    }
+    assert!(!top.contains("generate"), "{top}");
+    let ckpt = section(&man(&man1.join("sluice-ckpt.1")), "SEE ALSO");
+    assert_has(&ckpt, "sluice(1)");
+    assert_has(&ckpt, "sluice-ckpt-restore(1)");
+}
+
+/// `sluice generate completions SHELL`, written to a file in `dir`.
+fn completion_script(shell: &str, dir: &Path) -> PathBuf {
+    let script = succeeded(&sluice(&["generate", "completions", shell]));
+    let path = dir.join(format!("sluice.{shell}"));
+    std::fs::write(&path, script).unwrap();
+    path
+}
+
+/// What bash offers for the command line `words` (the last one the word being completed, "" after
+/// a space), with the completion script loaded as bash-completion would: source it, ask `complete`
+/// which function it registered for sluice, and call that with COMP_WORDS and COMP_CWORD set.
+fn bash_complete(script: &Path, words: &[&str]) -> Vec<String> {
+    let driver = r#"
+        script=$1; shift
+        source "$script" || exit 1
+        spec=$(complete -p sluice) || exit 1
+        [[ $spec =~ -F\ ([^ ]+) ]] || { echo "no completion function in: $spec" >&2; exit 1; }
+        COMP_WORDS=("$@")
+        COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 ))
+        COMP_LINE="${COMP_WORDS[*]}"
+        COMP_POINT=${#COMP_LINE}
+        prev=""
+        (( COMP_CWORD > 0 )) && prev=${COMP_WORDS[COMP_CWORD-1]}
+        "${BASH_REMATCH[1]}" sluice "${COMP_WORDS[COMP_CWORD]}" "$prev"
+        printf '%s\n' "${COMPREPLY[@]}"
+    "#;
+    let out = Command::new("bash")
+        .args(["--norc", "--noprofile", "-c", driver, "bash"])
+        .arg(script)
+        .args(words)
+        .output()
+        .unwrap();
+    succeeded(&out).lines().map(str::to_string).collect()
+}
+
+#[track_caller]
+fn assert_offers(offered: &[String], words: &[&str]) {
+    for w in words {
+        assert!(
+            offered.iter().any(|o| o == w),
+            "{w:?} is not offered: {offered:?}"
+        );
+    }
+}
+
+#[test]
+fn bash_completion_parses_and_completes_commands_and_options() {
+    if !have("bash", "the bash completion") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = completion_script("bash", dir.path());
+    succeeded(
+        &Command::new("bash")
+            .arg("-n")
+            .arg(&script)
+            .output()
+            .unwrap(),
+    );
+
+    let top = bash_complete(&script, &["sluice", ""]);
+    assert_offers(&top, &["status", "job", "ckpt", "--socket", "--timeout"]);
+    assert!(!top.iter().any(|w| w == "generate"), "{top:?}");
+
+    let ckpt = bash_complete(&script, &["sluice", "ckpt", ""]);
+    assert_offers(&ckpt, &["commit", "list", "verify", "restore"]);
+
+    // A prefix narrows it, and a command's own options come after it.
+    assert_eq!(
+        bash_complete(&script, &["sluice", "ckpt", "re"]),
+        ["restore"]
+    );
+    let list = bash_complete(&script, &["sluice", "ckpt", "list", "--"]);
+    assert_offers(&list, &["--job", "--config", "--json", "--socket"]);
+    assert!(!list.iter().any(|w| w == "commit"), "{list:?}");
+}
+
+#[test]
+fn zsh_completion_parses() {
+    if !have("zsh", "the zsh completion") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = completion_script("zsh", dir.path());
+    let source = std::fs::read_to_string(&script).unwrap();
+    assert!(source.starts_with("#compdef sluice\n"), "{source}");
+    succeeded(
+        &Command::new("zsh")
+            .args(["-n", "-f"])
+            .arg(&script)
+            .output()
+            .unwrap(),
+    );
+    // Loading it defines the completion function zsh's compinit would call for `sluice`.
+    let out = Command::new("zsh")
+        .args([
+            "-f",
+            "-c",
+            "source \"$1\" 2>/dev/null; whence -w _sluice",
+            "zsh",
+        ])
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert_eq!(succeeded(&out).trim(), "_sluice: function");
+}
+
+#[test]
+fn fish_completion_parses_and_offers_the_ckpt_commands() {
+    if !have("fish", "the fish completion") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = completion_script("fish", dir.path());
+    succeeded(
+        &Command::new("fish")
+            .arg("--no-execute")
+            .arg(&script)
+            .output()
+            .unwrap(),
+    );
+    let out = Command::new("fish")
+        .args([
+            "--no-config",
+            "-c",
+            "source $argv[1]; complete -C 'sluice ckpt '",
+        ])
+        .arg(&script)
+        .env("HOME", dir.path())
+        .output()
+        .unwrap();
+    let offered: Vec<String> = succeeded(&out)
+        .lines()
+        .filter_map(|l| l.split('\t').next())
+        .map(str::to_string)
+        .collect();
+    assert_offers(&offered, &["commit", "list", "verify", "restore"]);
+}
+
+#[test]
+fn version_names_the_protocol() {
+    let out = sluice(&["--version"]);
+    assert_eq!(
+        succeeded(&out),
+        format!(
+            "sluice {} (protocol {})\n",
+            env!("CARGO_PKG_VERSION"),
+            sluice_proto::PROTO_VERSION
+        )
+    );
+}
+
+#[test]
+fn help_documents_the_exit_statuses_sluice_returns() {
+    for flag in ["--help", "-h"] {
+        let help = succeeded(&sluice(&[flag]));
+        let exit: Vec<&str> = help
+            .lines()
+            .skip_while(|l| *l != "Exit status:")
+            .skip(1)
+            .collect();
+        assert!(exit[0].starts_with("  0  success"), "{help}");
+        assert!(exit[1].starts_with("  1  failure"), "{help}");
+        assert!(exit[1].contains("ckpt verify"), "{help}");
+        assert!(exit[2].starts_with("  2  usage error"), "{help}");
+    }
+    // And they are what sluice returns: a usage error, and a failure (no agent on that socket).
+    let usage = sluice(&["no-such-command"]);
+    assert_eq!(usage.status.code(), Some(2), "{}", text(&usage.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("none.sock");
+    let failed = sluice(&["--socket", socket.to_str().unwrap(), "status"]);
+    assert_eq!(failed.status.code(), Some(1), "{}", text(&failed.stderr));
+    assert_has(&text(&failed.stderr), "sluice: ");
+}
+
+#[test]
+fn generate_is_kept_out_of_the_help_and_fails_like_any_command() {
+    let help = succeeded(&sluice(&["--help"]));
+    assert!(!help.contains("generate"), "{help}");
+    let bad = sluice(&["generate", "completions", "tcsh"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, "").unwrap();
+    let out = sluice(&["generate", "man", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert_has(&text(&out.stderr), &format!("creating {}", file.display()));
+}
