@@ -1,0 +1,374 @@
+//! The peer client: fetches one unit of a job from the node that owns it, and trusts nothing it
+//! has not checked.
+//!
+//! Every request is MAC'd with the job's key (see `auth`). An answer counts only when its MAC
+//! verifies for this very request: a unit's data then has to match the MAC'd length and BLAKE3
+//! hash before [`PeerClient::fetch`] returns it. A user process that bound the peer port, or a
+//! relay that changed a byte, therefore yields [`PeerError::Corrupt`], never wrong data; answers it
+//! could forge without the key (401, 403, 404, 410) only ever make the caller read the origin
+//! itself.
+//!
+//! `fetch` waits for a unit the owner is still reading (the server's long polls, each bounded
+//! by the poll window plus the read timeout, so a silent owner is told apart from a busy one), and
+//! for a peer that does not know the job yet (its prolog may run a little later) up to the join
+//! grace. Budget: at most `concurrency` fetches at once, each holding at most one unit
+//! (`max_unit` bytes) in memory; the body is read into one buffer of the unit's length, refused
+//! from its `Content-Length` before anything is read if that is not the unit's length.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper::header::CONTENT_LENGTH;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use sluice_archive::config::PeerConfig;
+use sluice_archive::rt::{blocking, now_secs};
+use sluice_proto::msg::JobId;
+use tokio::sync::Semaphore;
+use tokio::time::{Instant, timeout};
+
+use super::auth::{HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, TIME_HEADER, parse_hash};
+use super::server::unit_query;
+use super::{LONG_POLL, Unit};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a unit did not come from a peer, and so what the caller does next.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    /// No connection, no answer within the timeouts, or the connection broke mid-body (the peer's
+    /// agent died or hangs): route around it, read the unit from the origin.
+    #[error("peer {addr} is unreachable: {source}")]
+    Unreachable {
+        addr: String,
+        #[source]
+        source: BoxError,
+    },
+    /// The peer refused the request (401, 403, 400, ...): this node is not an agent of the job in
+    /// the peer's eyes — another cluster secret, another node list, a clock off by more than the
+    /// allowed skew. A configuration error on one side; read the origin and tell the admin.
+    #[error("peer {addr} refused the request for job {job} ({status}): {reason}")]
+    Refused {
+        addr: String,
+        job: JobId,
+        status: u16,
+        reason: String,
+    },
+    /// The peer does not know the job, even after the join grace (its prolog never registered it,
+    /// or its agent restarted and lost it).
+    #[error("peer {addr} does not know job {job}")]
+    UnknownJob { addr: String, job: JobId },
+    /// The job ended on the peer.
+    #[error("job {job} has ended on peer {addr}")]
+    Gone { addr: String, job: JobId },
+    /// The peer says it does not own the unit: the nodes disagree on the node list or unit size.
+    #[error("peer {addr} does not own unit {unit} of job {job}")]
+    NotOwner {
+        addr: String,
+        job: JobId,
+        unit: String,
+    },
+    /// The owner could not read the unit from the origin.
+    #[error("peer {addr} could not read unit {unit} from the origin: {reason}")]
+    Failed {
+        addr: String,
+        unit: String,
+        reason: String,
+    },
+    /// What arrived is not what the owner read (a bad or missing MAC, a wrong length or hash): a
+    /// forged server or a tampering relay. Nothing of it is returned; fetch again, or read the
+    /// origin.
+    #[error("unit {unit} from peer {addr} is corrupt: {what}")]
+    Corrupt {
+        addr: String,
+        unit: String,
+        what: String,
+    },
+    /// The owner was still reading the unit after `max_wait`.
+    #[error("peer {addr} did not have unit {unit} after {waited:?}")]
+    TimedOut {
+        addr: String,
+        unit: String,
+        waited: Duration,
+    },
+    /// The caller asked for a unit larger than the client's budget allows.
+    #[error("unit {unit} of {len} bytes is larger than the peer unit limit of {max} bytes")]
+    TooLarge { unit: String, len: u64, max: u64 },
+}
+
+/// How the client runs; [`ClientConfig::from_config`] takes it from `[peer]`.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Fetches in flight at once.
+    pub concurrency: usize,
+    /// The largest unit fetched (the configured unit size).
+    pub max_unit: u64,
+    pub connect_timeout: Duration,
+    /// The longest silence while a body arrives, and the margin over the poll window while
+    /// waiting for an answer.
+    pub read_timeout: Duration,
+    /// The server's long-poll window (the same `[peer]` on every node).
+    pub poll: Duration,
+    /// How long a peer that does not know the job yet is asked again.
+    pub join_grace: Duration,
+    /// The longest a fetch waits for an owner still reading the unit.
+    pub max_wait: Duration,
+}
+
+impl ClientConfig {
+    /// `max_wait` is the stage timeout: a fetch never outlives the staging it serves.
+    pub fn from_config(cfg: &PeerConfig, max_wait: Duration) -> ClientConfig {
+        ClientConfig {
+            concurrency: cfg.concurrency,
+            max_unit: cfg.unit_size,
+            connect_timeout: cfg.connect_timeout,
+            read_timeout: cfg.read_timeout,
+            poll: LONG_POLL,
+            join_grace: Duration::from_secs(60),
+            max_wait,
+        }
+    }
+}
+
+/// Fetches units from the other agents of a job. One per node; cheap to share behind an `Arc`.
+pub struct PeerClient {
+    http: Client<HttpConnector, Empty<Bytes>>,
+    /// This node's name, as the job's node list spells it.
+    node: String,
+    cfg: ClientConfig,
+    fetches: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for PeerClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerClient")
+            .field("node", &self.node)
+            .field("fetches_free", &self.fetches.available_permits())
+            .finish()
+    }
+}
+
+/// One answer of the peer to one request.
+enum Answer {
+    Data(Bytes),
+    Pending,
+    UnknownJob,
+}
+
+impl PeerClient {
+    /// The client of node `node` (its name in the jobs' node lists).
+    pub fn new(node: impl Into<String>, cfg: ClientConfig) -> PeerClient {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(cfg.connect_timeout));
+        connector.set_nodelay(true);
+        // Idle connections go before the server's idle timeout closes them under a new request.
+        let http = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(5))
+            .pool_max_idle_per_host(cfg.concurrency.max(1))
+            .build(connector);
+        PeerClient {
+            http,
+            node: node.into(),
+            fetches: Arc::new(Semaphore::new(cfg.concurrency.max(1))),
+            cfg,
+        }
+    }
+
+    /// Fetches `unit` of `job` from the agent at `addr` (`host:port`, from
+    /// [`PeerConfig::addr_of`]), waiting while the owner still reads it, and returns its bytes
+    /// once their length and BLAKE3 hash match what the owner MAC'd. Dropping the future cancels
+    /// the fetch.
+    pub async fn fetch(&self, addr: &str, job: &JobKey, unit: &Unit) -> Result<Bytes, PeerError> {
+        if unit.len > self.cfg.max_unit {
+            return Err(PeerError::TooLarge {
+                unit: unit.key(),
+                len: unit.len,
+                max: self.cfg.max_unit,
+            });
+        }
+        let _slot = self
+            .fetches
+            .acquire()
+            .await
+            .expect("the fetch semaphore is never closed");
+        let start = Instant::now();
+        let mut pause = Duration::from_millis(100);
+        loop {
+            match self.once(addr, job, unit).await? {
+                Answer::Data(b) => return Ok(b),
+                Answer::Pending if start.elapsed() < self.cfg.max_wait => {}
+                Answer::Pending => {
+                    return Err(PeerError::TimedOut {
+                        addr: addr.into(),
+                        unit: unit.key(),
+                        waited: start.elapsed(),
+                    });
+                }
+                Answer::UnknownJob if start.elapsed() + pause <= self.cfg.join_grace => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                Answer::UnknownJob => {
+                    return Err(PeerError::UnknownJob {
+                        addr: addr.into(),
+                        job: job.job(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// One request and its answer.
+    async fn once(&self, addr: &str, job: &JobKey, unit: &Unit) -> Result<Answer, PeerError> {
+        let unreachable = |source: BoxError| PeerError::Unreachable {
+            addr: addr.into(),
+            source,
+        };
+        let corrupt = |what: String| PeerError::Corrupt {
+            addr: addr.into(),
+            unit: unit.key(),
+            what,
+        };
+        let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(unit));
+        let time = now_secs();
+        let mac = job.request_mac("GET", &pq, &self.node, time);
+        let req = Request::get(format!("http://{addr}{pq}"))
+            .header(NODE_HEADER, self.node.as_str())
+            .header(TIME_HEADER, time)
+            .header(MAC_HEADER, mac.to_hex().as_str())
+            .body(Empty::new())
+            .map_err(|e| unreachable(Box::new(e)))?;
+        let wait = self.cfg.poll + self.cfg.read_timeout;
+        let res: Response<Incoming> = timeout(wait, self.http.request(req))
+            .await
+            .map_err(|_| unreachable(format!("no answer within {wait:?}").into()))?
+            .map_err(|e| unreachable(Box::new(e)))?;
+        let status = res.status();
+        let their_mac = parse_hash(res.headers().get(MAC_HEADER));
+        if status == StatusCode::OK {
+            let hash = parse_hash(res.headers().get(HASH_HEADER))
+                .ok_or_else(|| corrupt("the answer has no unit hash".into()))?;
+            if their_mac != Some(job.response_mac(200, unit, Some(&hash), b"", &mac)) {
+                return Err(corrupt(
+                    "the answer's MAC does not verify: not an agent of this job, or changed on the way"
+                        .into(),
+                ));
+            }
+            let len = res
+                .headers()
+                .get(CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            if len != Some(unit.len) {
+                return Err(corrupt(format!(
+                    "the answer's length is {len:?}, the unit's {}",
+                    unit.len
+                )));
+            }
+            let body = self
+                .read_body(res, unit.len as usize)
+                .await
+                .map_err(|e| match e {
+                    BodyError::Io(source) => unreachable(source),
+                    BodyError::TooLong => corrupt("the body is longer than the unit".into()),
+                })?;
+            if body.len() as u64 != unit.len {
+                return Err(corrupt(format!(
+                    "the body has {} bytes, the unit {}",
+                    body.len(),
+                    unit.len
+                )));
+            }
+            let (body, got) = if body.len() >= 64 << 10 {
+                blocking(move || {
+                    let h = blake3::hash(&body);
+                    (body, h)
+                })
+                .await
+            } else {
+                let h = blake3::hash(&body);
+                (body, h)
+            };
+            if got != hash {
+                return Err(corrupt(format!(
+                    "its BLAKE3 hash is {got}, the owner read {hash}"
+                )));
+            }
+            return Ok(Answer::Data(body));
+        }
+        // An error answer: a short reason, MAC'd when the peer authenticated the request.
+        let reason = match self.read_body(res, REASON_MAX).await {
+            Ok(b) => b,
+            Err(BodyError::TooLong) => Bytes::new(),
+            Err(BodyError::Io(source)) => return Err(unreachable(source)),
+        };
+        let text = String::from_utf8_lossy(&reason).into_owned();
+        let signed =
+            their_mac == Some(job.response_mac(status.as_u16(), unit, None, &reason, &mac));
+        let (addr, job_id) = (addr.to_string(), job.job());
+        match (signed, status) {
+            (true, StatusCode::SERVICE_UNAVAILABLE) => Ok(Answer::Pending),
+            (true, StatusCode::CONFLICT) => Err(PeerError::NotOwner {
+                addr,
+                job: job_id,
+                unit: unit.key(),
+            }),
+            (true, StatusCode::BAD_GATEWAY) => Err(PeerError::Failed {
+                addr,
+                unit: unit.key(),
+                reason: text,
+            }),
+            (_, StatusCode::GONE) => Err(PeerError::Gone { addr, job: job_id }),
+            (false, StatusCode::NOT_FOUND) => Ok(Answer::UnknownJob),
+            (false, s) if s.is_client_error() => Err(PeerError::Refused {
+                addr,
+                job: job_id,
+                status: s.as_u16(),
+                reason: text,
+            }),
+            (signed, s) => Err(corrupt(format!(
+                "an unexpected {}answer {s}: {text}",
+                if signed { "" } else { "unauthenticated " }
+            ))),
+        }
+    }
+
+    /// Reads a body of at most `max` bytes, none silent for longer than the read timeout.
+    async fn read_body(&self, res: Response<Incoming>, max: usize) -> Result<Bytes, BodyError> {
+        let mut body = res.into_body();
+        let mut buf = BytesMut::with_capacity(max);
+        loop {
+            let frame = timeout(self.cfg.read_timeout, body.frame())
+                .await
+                .map_err(|_| {
+                    BodyError::Io(
+                        format!("the body stalled for {:?}", self.cfg.read_timeout).into(),
+                    )
+                })?;
+            let Some(frame) = frame else {
+                return Ok(buf.freeze());
+            };
+            let frame = frame.map_err(|e| BodyError::Io(Box::new(e)))?;
+            if let Ok(data) = frame.into_data() {
+                if buf.len() + data.len() > max {
+                    return Err(BodyError::TooLong);
+                }
+                buf.extend_from_slice(&data);
+            }
+        }
+    }
+}
+
+/// The longest error reason read.
+const REASON_MAX: usize = 4096;
+
+enum BodyError {
+    Io(BoxError),
+    TooLong,
+}

@@ -1,0 +1,58 @@
+//! Peer transfers: the agents of one job's nodes share the dataset so that each byte is read
+//! from the origin once per job, however many nodes the job has.
+//!
+//! This module owns the peer layer; the stager decides what to fetch from whom.
+//!
+//! - [`owner`]: units (ranges of a file) and who owns each — rendezvous hashing over the job's
+//!   node list, the same answer on every node;
+//! - [`auth`]: the root-only cluster secret, the per-job key derived from it, the MACs on requests
+//!   and responses;
+//! - [`server`]: [`PeerServer`] serves this node's units of each registered job from the
+//!   stager's [`UnitSource`], waiting for units the owner is still reading;
+//! - [`client`]: [`PeerClient::fetch`] takes one unit from its owner and checks its length, hash
+//!   and MAC before returning it.
+//!
+//! # On the wire
+//!
+//! HTTP/1.1 over TCP (hyper), on the address `[peer]` gives each node:
+//!
+//! ```text
+//! GET /v1/jobs/{job}/units?file={percent-encoded}&offset={n}&len={n}
+//! x-sluice-node: n2                  the requesting node, as the job's node list names it
+//! x-sluice-time: 1718000000          its clock, seconds since the epoch
+//! x-sluice-mac:  {hex}               keyed BLAKE3 (job key) over method, path+query, job, node, time
+//!
+//! 200  content-length: {len}, x-sluice-blake3: {hex}, x-sluice-mac: {hex}, body: the unit's bytes
+//! 503  pending     the owner has not read the unit within the poll window; ask again
+//! 409  not owner   502  the owner's origin read failed   410  the job ended here
+//!      (each MAC'd over status, job, unit, hash or reason, and the request's MAC)
+//! 401  unauthenticated (no or bad MAC, clock skew)   403  node not in the job
+//! 404  unknown job   400  malformed   405  not GET  (no MAC, no data, connection closed)
+//! ```
+//!
+//! A unit's hash is the owner's, computed when it read the unit from the origin; the requester
+//! compares it with the bytes it received, so a unit is checked end to end. Peer traffic is
+//! authenticated and integrity-checked, not encrypted (docs/SECURITY.md, "Peer transfers").
+
+pub mod auth;
+pub mod client;
+pub mod owner;
+pub mod server;
+
+#[cfg(test)]
+mod tests;
+
+use std::time::Duration;
+
+pub use auth::{ClusterSecret, JobKey, SecretError};
+pub use client::{ClientConfig, PeerClient, PeerError};
+pub use owner::{Unit, owner_of, units_of};
+pub use server::{
+    PeerServer, PeerServerError, PeerService, ServerConfig, UnitData, UnitError, UnitSource,
+};
+
+/// How long the server holds a request for a unit the owner is still reading before it answers
+/// `pending`; the client's wait for an answer is this plus its read timeout.
+pub const LONG_POLL: Duration = Duration::from_secs(20);
+/// The largest difference between a request's clock and the server's.
+pub const MAX_SKEW: Duration = Duration::from_secs(120);

@@ -1,0 +1,889 @@
+//! The peer layer in process: real servers on 127.0.0.1 ports, the real client, in-memory unit
+//! sources standing in for the stager, and small TCP relays and fake servers for the attacks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use sluice_archive::rt::{lock, now_secs};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use super::server::unit_query;
+use super::*;
+
+const JOB: u32 = 4242;
+const UNIT: u64 = 4096;
+
+fn names(n: &[&str]) -> Vec<String> {
+    n.iter().map(|s| s.to_string()).collect()
+}
+
+fn secret() -> ClusterSecret {
+    ClusterSecret::from_bytes(*b"0123456789abcdef0123456789abcdef")
+}
+
+/// Bytes no refusal may contain: every test file is made of them.
+const MARK: &[u8] = b"SLUICE-UNIT-DATA";
+
+fn content(len: usize, seed: u8) -> Bytes {
+    (0..len)
+        .map(|i| MARK[i % MARK.len()].wrapping_add(seed * ((i / MARK.len()) % 2) as u8))
+        .collect()
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The stager's stand-in: units put in as "read from the origin", waited for until then.
+#[derive(Default)]
+struct MemSource {
+    units: Mutex<HashMap<Unit, Result<UnitData, UnitError>>>,
+    arrived: Notify,
+    /// When set, `unit()` waits for a permit of it (the test opens the gate).
+    gate: Option<Arc<Semaphore>>,
+    /// Requests that reached `ready()`.
+    asked: AtomicUsize,
+    entered: AtomicUsize,
+    active: AtomicUsize,
+    max_active: AtomicUsize,
+}
+
+impl MemSource {
+    fn put(&self, unit: &Unit, bytes: Bytes) {
+        assert_eq!(bytes.len() as u64, unit.len);
+        let data = UnitData {
+            hash: blake3::hash(&bytes),
+            bytes,
+        };
+        lock(&self.units).insert(unit.clone(), Ok(data));
+        self.arrived.notify_waiters();
+    }
+
+    fn fail(&self, unit: &Unit, e: UnitError) {
+        lock(&self.units).insert(unit.clone(), Err(e));
+        self.arrived.notify_waiters();
+    }
+}
+
+#[async_trait::async_trait]
+impl UnitSource for MemSource {
+    async fn ready(&self, unit: &Unit) -> Result<(), UnitError> {
+        self.asked.fetch_add(1, Ordering::SeqCst);
+        loop {
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            match lock(&self.units).get(unit) {
+                Some(Ok(_)) => return Ok(()),
+                Some(Err(e)) => return Err(e.clone()),
+                None => {}
+            }
+            arrived.await;
+        }
+    }
+
+    async fn unit(&self, unit: &Unit) -> Result<UnitData, UnitError> {
+        self.entered.fetch_add(1, Ordering::SeqCst);
+        let now = self.active.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_active.fetch_max(now, Ordering::SeqCst);
+        if let Some(gate) = &self.gate {
+            gate.acquire().await.unwrap().forget();
+        }
+        self.active.fetch_sub(1, Ordering::SeqCst);
+        lock(&self.units)
+            .get(unit)
+            .cloned()
+            .unwrap_or(Err(UnitError::NotOwner))
+    }
+}
+
+fn server_cfg() -> ServerConfig {
+    ServerConfig {
+        concurrency: 4,
+        max_unit: UNIT,
+        max_skew: Duration::from_secs(120),
+        poll: Duration::from_millis(200),
+        max_connections: 64,
+        idle_timeout: Duration::from_secs(5),
+    }
+}
+
+fn client_cfg() -> ClientConfig {
+    ClientConfig {
+        concurrency: 8,
+        max_unit: UNIT,
+        connect_timeout: Duration::from_secs(1),
+        read_timeout: Duration::from_secs(2),
+        poll: Duration::from_millis(200),
+        join_grace: Duration::from_millis(600),
+        max_wait: Duration::from_secs(20),
+    }
+}
+
+/// A running peer server; stops when dropped.
+struct Running {
+    server: PeerServer,
+    addr: String,
+    _stop: tokio_util::sync::DropGuard,
+}
+
+async fn start(cfg: ServerConfig) -> Running {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let server = PeerServer::new(secret(), cfg);
+    let stop = CancellationToken::new();
+    let s = server.clone();
+    let token = stop.clone();
+    tokio::spawn(async move { s.serve(listener, token).await });
+    Running {
+        server,
+        addr,
+        _stop: stop.drop_guard(),
+    }
+}
+
+/// One server serving one unit of job JOB (nodes n1, n2) from a fresh source.
+async fn one_unit() -> (Running, Arc<MemSource>, Unit, Bytes) {
+    let r = start(server_cfg()).await;
+    let src = Arc::new(MemSource::default());
+    r.server.register(
+        JOB,
+        &names(&["n1", "n2"]),
+        src.clone() as Arc<dyn UnitSource>,
+    );
+    let unit = Unit {
+        file: "train/shard 0.bin".into(),
+        offset: 0,
+        len: 3000,
+    };
+    let bytes = content(3000, 1);
+    src.put(&unit, bytes.clone());
+    (r, src, unit, bytes)
+}
+
+fn key() -> JobKey {
+    secret().job_key(JOB, &names(&["n1", "n2"]))
+}
+
+/// A GET sent by hand, as any process on the node could; returns the status and the body.
+async fn raw_get(addr: &str, path_and_query: &str, headers: &[(&str, String)]) -> (u16, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut req = format!("GET {path_and_query} HTTP/1.1\r\nhost: {addr}\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("connection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out))
+        .await
+        .expect("the server closes the connection")
+        .unwrap();
+    let end = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head");
+    let status = std::str::from_utf8(&out[9..12]).unwrap().parse().unwrap();
+    (status, out[end + 4..].to_vec())
+}
+
+fn signed_headers(key: &JobKey, pq: &str, node: &str, time: u64) -> Vec<(&'static str, String)> {
+    vec![
+        ("x-sluice-node", node.to_string()),
+        ("x-sluice-time", time.to_string()),
+        (
+            "x-sluice-mac",
+            key.request_mac("GET", pq, node, time).to_hex().to_string(),
+        ),
+    ]
+}
+
+fn unit_path(unit: &Unit) -> String {
+    format!("/v1/jobs/{JOB}/units?{}", unit_query(unit))
+}
+
+#[tokio::test]
+async fn two_nodes_serve_their_own_units_and_every_node_gets_identical_bytes() {
+    let nodes = names(&["n1", "n2"]);
+    let servers = [start(server_cfg()).await, start(server_cfg()).await];
+    let sources = [
+        Arc::new(MemSource::default()),
+        Arc::new(MemSource::default()),
+    ];
+    for (r, s) in servers.iter().zip(&sources) {
+        r.server
+            .register(JOB, &nodes, s.clone() as Arc<dyn UnitSource>);
+    }
+    // Files of every shape: empty, one byte, one unit, many units with a short tail; names that
+    // need percent-encoding.
+    let files: Vec<(String, Bytes)> = [
+        ("empty", 0),
+        ("one", 1),
+        ("exact.bin", UNIT as usize),
+        ("dir with space/ü+%&=?.tar", 3 * UNIT as usize + 5),
+        ("big@1/x", 9 * UNIT as usize + 77),
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, (f, len))| (f.to_string(), content(*len, i as u8)))
+    .collect();
+    // Each owner "reads the origin" for its units only.
+    let mut owned = [0usize; 2];
+    for (f, bytes) in &files {
+        for u in units_of(f, bytes.len() as u64, UNIT) {
+            let o = owner_of(&u.key(), &nodes);
+            owned[o] += 1;
+            let range = u.offset as usize..(u.offset + u.len) as usize;
+            sources[o].put(&u, bytes.slice(range));
+        }
+    }
+    assert!(
+        owned[0] > 0 && owned[1] > 0,
+        "both nodes own units: {owned:?}"
+    );
+    // Each node assembles every file from the owners (itself included, over the wire too).
+    for me in &nodes {
+        let client = PeerClient::new(me.clone(), client_cfg());
+        let key = secret().job_key(JOB, &nodes);
+        for (f, bytes) in &files {
+            let mut got = Vec::new();
+            for u in units_of(f, bytes.len() as u64, UNIT) {
+                let owner = owner_of(&u.key(), &nodes);
+                let b = client.fetch(&servers[owner].addr, &key, &u).await.unwrap();
+                assert_eq!(b.len() as u64, u.len);
+                got.extend_from_slice(&b);
+            }
+            assert!(got == bytes.as_ref(), "{me}: {f} differs");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_unit_is_served_as_soon_as_its_owner_has_read_it() {
+    let mut cfg = server_cfg();
+    cfg.poll = Duration::from_secs(1);
+    let r = start(cfg).await;
+    let src = Arc::new(MemSource::default());
+    r.server.register(
+        JOB,
+        &names(&["n1", "n2"]),
+        src.clone() as Arc<dyn UnitSource>,
+    );
+    let unit = Unit {
+        file: "later.bin".into(),
+        offset: UNIT * 5,
+        len: UNIT,
+    };
+    let mut ccfg = client_cfg();
+    ccfg.poll = Duration::from_secs(1);
+    let client = Arc::new(PeerClient::new("n2", ccfg));
+    let (c, a, u) = (client.clone(), r.addr.clone(), unit.clone());
+    let fetch = tokio::spawn(async move { c.fetch(&a, &key(), &u).await });
+    // Two long-poll windows pass while the owner is still reading; it reads the unit halfway
+    // through the third.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(!fetch.is_finished(), "the fetch waits for the owner");
+    assert!(
+        src.asked.load(Ordering::SeqCst) >= 3,
+        "asked again after each window"
+    );
+    let bytes = content(UNIT as usize, 9);
+    let arrived = tokio::time::Instant::now();
+    src.put(&unit, bytes.clone());
+    let got = fetch.await.unwrap().unwrap();
+    assert_eq!(got, bytes);
+    assert!(
+        arrived.elapsed() < Duration::from_millis(400),
+        "sent when it arrived, not at the next poll: {:?}",
+        arrived.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn requests_without_the_job_key_get_refusals_and_no_data() {
+    let (r, _src, unit, _) = one_unit().await;
+    let pq = unit_path(&unit);
+    let now = now_secs();
+    // A user process that knows the protocol but not the secret.
+    let (status, body) = raw_get(&r.addr, &pq, &[]).await;
+    assert_eq!(status, 401);
+    assert!(!contains(&body, MARK) && body.len() < 200, "{body:?}");
+    let forged = ClusterSecret::from_bytes([9u8; 32]).job_key(JOB, &names(&["n1", "n2"]));
+    let mut bad_mac = signed_headers(&key(), &pq, "n2", now);
+    bad_mac[2].1 = blake3::hash(b"guess").to_hex().to_string();
+    let stale = signed_headers(&key(), &pq, "n2", now - 1000);
+    let other_unit = Unit {
+        offset: 4096,
+        ..unit.clone()
+    };
+    for (what, pq, headers, want, reason) in [
+        (
+            "another secret",
+            pq.clone(),
+            signed_headers(&forged, &pq, "n2", now),
+            401,
+            "does not verify",
+        ),
+        ("a guessed MAC", pq.clone(), bad_mac, 401, "does not verify"),
+        ("a stale timestamp", pq.clone(), stale, 401, "clock"),
+        (
+            "a MAC for another unit",
+            unit_path(&other_unit),
+            signed_headers(&key(), &pq, "n2", now),
+            401,
+            "does not verify",
+        ),
+        (
+            "a node outside the job",
+            pq.clone(),
+            signed_headers(&key(), &pq, "n9", now),
+            403,
+            "not a node of job",
+        ),
+        (
+            "the job key of another node list",
+            pq.clone(),
+            signed_headers(
+                &secret().job_key(JOB, &names(&["n1", "n2", "n9"])),
+                &pq,
+                "n9",
+                now,
+            ),
+            401,
+            "does not verify",
+        ),
+    ] {
+        let (status, body) = raw_get(&r.addr, &pq, &headers).await;
+        let text = String::from_utf8_lossy(&body);
+        assert_eq!(status, want, "{what}: {text}");
+        assert!(text.contains(reason), "{what}: {text}");
+        assert!(!contains(&body, MARK), "{what}: data in a refusal");
+    }
+    // The same through the client: a refusal, not data and not a retry.
+    let c = PeerClient::new("n2", client_cfg());
+    let e = c.fetch(&r.addr, &forged, &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 401, .. }), "{e}");
+    let outsider = PeerClient::new("n9", client_cfg());
+    let e = outsider.fetch(&r.addr, &key(), &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 403, .. }), "{e}");
+    // And the right key, for comparison, gets the data.
+    assert!(c.fetch(&r.addr, &key(), &unit).await.is_ok());
+}
+
+#[tokio::test]
+async fn another_jobs_key_never_gets_this_jobs_data() {
+    let (r, _src, unit, _) = one_unit().await;
+    let other = secret().job_key(JOB + 1, &names(&["n1", "n2"]));
+    let c = PeerClient::new("n2", client_cfg());
+    // Job JOB+1 is not served here at all...
+    let e = c.fetch(&r.addr, &other, &unit).await.unwrap_err();
+    assert!(
+        matches!(e, PeerError::UnknownJob { job, .. } if job == JOB + 1),
+        "{e}"
+    );
+    // ...and its key on JOB's path is refused.
+    let pq = unit_path(&unit);
+    let (status, body) =
+        raw_get(&r.addr, &pq, &signed_headers(&other, &pq, "n2", now_secs())).await;
+    assert_eq!(status, 401);
+    assert!(!contains(&body, MARK));
+}
+
+#[tokio::test]
+async fn an_unknown_job_waits_for_a_late_registration_then_gives_up() {
+    let r = start(server_cfg()).await;
+    let unit = Unit {
+        file: "f".into(),
+        offset: 0,
+        len: 10,
+    };
+    let c = Arc::new(PeerClient::new("n2", client_cfg()));
+    // Never registered: UnknownJob after the join grace (0.6 s).
+    let t = tokio::time::Instant::now();
+    let e = c.fetch(&r.addr, &key(), &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::UnknownJob { job: JOB, .. }), "{e}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
+    // Registered 0.3 s after the first request (the owner's prolog ran later): served.
+    let (cc, a, u) = (c.clone(), r.addr.clone(), unit.clone());
+    let fetch = tokio::spawn(async move { cc.fetch(&a, &key(), &u).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let src = Arc::new(MemSource::default());
+    src.put(&unit, content(10, 0));
+    r.server
+        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    assert_eq!(fetch.await.unwrap().unwrap(), content(10, 0));
+}
+
+#[tokio::test]
+async fn an_ended_job_is_gone_and_its_waiting_requests_end_at_once() {
+    let r = start(server_cfg()).await;
+    let src = Arc::new(MemSource::default());
+    r.server
+        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let unit = Unit {
+        file: "never".into(),
+        offset: 0,
+        len: 10,
+    };
+    let c = Arc::new(PeerClient::new("n2", client_cfg()));
+    let (cc, a, u) = (c.clone(), r.addr.clone(), unit.clone());
+    let fetch = tokio::spawn(async move { cc.fetch(&a, &key(), &u).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    r.server.unregister(JOB);
+    let e = tokio::time::timeout(Duration::from_secs(2), fetch)
+        .await
+        .expect("the waiting fetch ends with the job")
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Gone { job: JOB, .. }), "{e}");
+    let e = c.fetch(&r.addr, &key(), &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::Gone { job: JOB, .. }), "{e}");
+}
+
+#[tokio::test]
+async fn the_owners_failures_reach_the_requester_authenticated() {
+    let (r, src, unit, _) = one_unit().await;
+    let c = PeerClient::new("n2", client_cfg());
+    src.fail(&unit, UnitError::Failed("s3://b/x: 503 Slow Down".into()));
+    let e = c.fetch(&r.addr, &key(), &unit).await.unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Failed { reason, .. } if reason.contains("Slow Down")),
+        "{e}"
+    );
+    src.fail(&unit, UnitError::NotOwner);
+    let e = c.fetch(&r.addr, &key(), &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::NotOwner { .. }), "{e}");
+    // A unit larger than the server's unit size is refused, not allocated.
+    let mut big = client_cfg();
+    big.max_unit = 1 << 30;
+    let c = PeerClient::new("n2", big);
+    let huge = Unit {
+        len: 1 << 30,
+        ..unit.clone()
+    };
+    let e = c.fetch(&r.addr, &key(), &huge).await.unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Refused { status: 400, reason, .. } if reason.contains("larger")),
+        "{e}"
+    );
+    // The client's own limit holds before anything is sent.
+    let c = PeerClient::new("n2", client_cfg());
+    let e = c.fetch(&r.addr, &key(), &huge).await.unwrap_err();
+    assert!(matches!(e, PeerError::TooLarge { .. }), "{e}");
+}
+
+/// What a relay between the nodes changes in the server's answers.
+#[derive(Clone, Copy)]
+enum Tamper {
+    /// One bit of the 11th body byte.
+    BodyByte,
+    /// One hex digit of the unit hash header.
+    HashHeader,
+}
+
+/// A TCP relay to `upstream` that changes one byte of the first answer on each connection.
+async fn tampering_relay(upstream: String, how: Tamper) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        loop {
+            let (down, _) = l.accept().await.unwrap();
+            let up = TcpStream::connect(&upstream).await.unwrap();
+            let (mut down_r, mut down_w) = down.into_split();
+            let (mut up_r, mut up_w) = up.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut down_r, &mut up_w).await });
+            tokio::spawn(async move {
+                let (mut head, mut target, mut pos, mut buf) =
+                    (Vec::new(), None::<usize>, 0usize, vec![0u8; 64 << 10]);
+                loop {
+                    let n = match up_r.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let mut data = if target.is_none() {
+                        head.extend_from_slice(&buf[..n]);
+                        let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            continue;
+                        };
+                        target = Some(match how {
+                            Tamper::BodyByte => end + 4 + 10,
+                            Tamper::HashHeader => {
+                                head.windows(17)
+                                    .position(|w| w == b"x-sluice-blake3: ")
+                                    .unwrap()
+                                    + 17
+                            }
+                        });
+                        std::mem::take(&mut head)
+                    } else {
+                        buf[..n].to_vec()
+                    };
+                    if let Some(t) = target.filter(|t| (pos..pos + data.len()).contains(t)) {
+                        let b = &mut data[t - pos];
+                        *b = match how {
+                            Tamper::BodyByte => *b ^ 1,
+                            Tamper::HashHeader if *b == b'0' => b'1',
+                            Tamper::HashHeader => b'0',
+                        };
+                    }
+                    pos += data.len();
+                    if down_w.write_all(&data).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_relay_that_changes_a_byte_is_detected() {
+    let (r, _src, unit, bytes) = one_unit().await;
+    let c = PeerClient::new("n2", client_cfg());
+    let relay = tampering_relay(r.addr.clone(), Tamper::BodyByte).await;
+    let e = c.fetch(&relay, &key(), &unit).await.unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Corrupt { what, .. } if what.contains("BLAKE3")),
+        "{e}"
+    );
+    // Changing the hash to match the changed body needs the job key: the MAC catches it.
+    let relay = tampering_relay(r.addr.clone(), Tamper::HashHeader).await;
+    let e = c.fetch(&relay, &key(), &unit).await.unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Corrupt { what, .. } if what.contains("MAC")),
+        "{e}"
+    );
+    // Re-fetched directly, the unit is intact.
+    assert_eq!(c.fetch(&r.addr, &key(), &unit).await.unwrap(), bytes);
+}
+
+/// A process that is not an agent listening where a peer should be: answers every request with
+/// `answer(request head)` and closes.
+async fn fake_server(answer: impl Fn(&str) -> Vec<u8> + Send + Sync + 'static) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let answer = Arc::new(answer);
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = l.accept().await.unwrap();
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s.write_all(&answer(&String::from_utf8_lossy(&head))).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_forged_server_on_the_peer_port_cannot_plant_data_or_stall_a_fetch() {
+    let unit = Unit {
+        file: "f".into(),
+        offset: 0,
+        len: 16,
+    };
+    let c = PeerClient::new("n2", client_cfg());
+    // Plausible data with its true hash, but without the job key for the MAC.
+    let evil = b"EVIL-EVIL-EVIL!!".to_vec();
+    let hash = blake3::hash(&evil).to_hex().to_string();
+    let mac = blake3::hash(b"guess").to_hex().to_string();
+    let addr = fake_server(move |_| {
+        let mut r = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: 16\r\nx-sluice-blake3: {hash}\r\nx-sluice-mac: {mac}\r\n\r\n"
+        )
+        .into_bytes();
+        r.extend_from_slice(&evil);
+        r
+    })
+    .await;
+    let e = c.fetch(&addr, &key(), &unit).await.unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Corrupt { what, .. } if what.contains("MAC")),
+        "{e}"
+    );
+    // "Pending" without a MAC would keep the fetch waiting: it is refused as corrupt at once.
+    let addr = fake_server(|_| {
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 7\r\n\r\npending".to_vec()
+    })
+    .await;
+    let t = tokio::time::Instant::now();
+    let e = c.fetch(&addr, &key(), &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::Corrupt { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(1));
+}
+
+#[tokio::test]
+async fn a_peer_that_dies_mid_transfer_is_unreachable_not_corrupt() {
+    let unit = Unit {
+        file: "f".into(),
+        offset: 0,
+        len: 4000,
+    };
+    let c = PeerClient::new("n2", client_cfg());
+    // The agent of the job (it has the key) sends a correct head, then half the body, and dies.
+    let body = content(4000, 3);
+    let hash = blake3::hash(&body);
+    let addr = fake_server(move |head| {
+        let line = |name: &str| {
+            head.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        let pq = head.split(' ').nth(1).unwrap().to_string();
+        let req_mac = key().request_mac("GET", &pq, &line("x-sluice-node:"), line("x-sluice-time:").parse().unwrap());
+        let u = super::server::parse_query(pq.split_once('?').unwrap().1).unwrap();
+        let mac = key().response_mac(200, &u, Some(&hash), b"", &req_mac);
+        let mut r = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: 4000\r\nx-sluice-blake3: {}\r\nx-sluice-mac: {}\r\n\r\n",
+            hash.to_hex(),
+            mac.to_hex()
+        )
+        .into_bytes();
+        r.extend_from_slice(&body[..2000]);
+        r
+    })
+    .await;
+    let e = c.fetch(&addr, &key(), &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::Unreachable { .. }), "{e}");
+    // Nobody listening at all.
+    let closed = {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let e = c.fetch(&closed, &key(), &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::Unreachable { .. }), "{e}");
+}
+
+async fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t = tokio::time::Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_server_holds_at_most_concurrency_unit_responses() {
+    let mut cfg = server_cfg();
+    cfg.concurrency = 2;
+    let r = start(cfg).await;
+    let gate = Arc::new(Semaphore::new(0));
+    let src = Arc::new(MemSource {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
+    r.server.register(
+        JOB,
+        &names(&["n1", "n2"]),
+        src.clone() as Arc<dyn UnitSource>,
+    );
+    let units: Vec<Unit> = units_of("many", 6 * UNIT, UNIT);
+    for (i, u) in units.iter().enumerate() {
+        src.put(u, content(UNIT as usize, i as u8));
+    }
+    let c = Arc::new(PeerClient::new("n2", client_cfg()));
+    let fetches: Vec<_> = units
+        .iter()
+        .map(|u| {
+            let (c, a, u) = (c.clone(), r.addr.clone(), u.clone());
+            tokio::spawn(async move { c.fetch(&a, &key(), &u).await })
+        })
+        .collect();
+    wait_until("two responses start", || {
+        src.entered.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    // Several poll windows later, the other four still wait for a slot.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(src.entered.load(Ordering::SeqCst), 2);
+    assert_eq!(r.server.responses_in_flight(), 2);
+    gate.add_permits(units.len());
+    for (i, f) in fetches.into_iter().enumerate() {
+        assert_eq!(f.await.unwrap().unwrap(), content(UNIT as usize, i as u8));
+    }
+    assert_eq!(src.max_active.load(Ordering::SeqCst), 2);
+    wait_until("every slot returned", || {
+        r.server.responses_in_flight() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_client_holds_at_most_concurrency_fetches() {
+    let r = start(server_cfg()).await;
+    let src = Arc::new(MemSource::default());
+    r.server.register(
+        JOB,
+        &names(&["n1", "n2"]),
+        src.clone() as Arc<dyn UnitSource>,
+    );
+    let mut cfg = client_cfg();
+    cfg.concurrency = 1;
+    let c = Arc::new(PeerClient::new("n2", cfg));
+    let slow = Unit {
+        file: "slow".into(),
+        offset: 0,
+        len: 100,
+    };
+    let ready = Unit {
+        file: "ready".into(),
+        offset: 0,
+        len: 100,
+    };
+    src.put(&ready, content(100, 1));
+    let (c1, a1, u1) = (c.clone(), r.addr.clone(), slow.clone());
+    let first = tokio::spawn(async move { c1.fetch(&a1, &key(), &u1).await });
+    wait_until("the first fetch waits at the server", || {
+        src.asked.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let (c2, a2, u2) = (c.clone(), r.addr.clone(), ready.clone());
+    let second = tokio::spawn(async move { c2.fetch(&a2, &key(), &u2).await });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!second.is_finished(), "the one fetch slot is taken");
+    src.put(&slow, content(100, 2));
+    assert_eq!(first.await.unwrap().unwrap(), content(100, 2));
+    assert_eq!(second.await.unwrap().unwrap(), content(100, 1));
+}
+
+#[tokio::test]
+async fn a_unit_of_many_slices_arrives_whole() {
+    let big = (3 << 20) + 5;
+    let mut cfg = server_cfg();
+    cfg.max_unit = 4 << 20;
+    let r = start(cfg).await;
+    let src = Arc::new(MemSource::default());
+    r.server.register(
+        JOB,
+        &names(&["n1", "n2"]),
+        src.clone() as Arc<dyn UnitSource>,
+    );
+    let unit = Unit {
+        file: "big".into(),
+        offset: 4 << 20,
+        len: big,
+    };
+    let bytes = content(big as usize, 5);
+    src.put(&unit, bytes.clone());
+    let mut ccfg = client_cfg();
+    ccfg.max_unit = 4 << 20;
+    let c = PeerClient::new("n1", ccfg);
+    assert_eq!(c.fetch(&r.addr, &key(), &unit).await.unwrap(), bytes);
+    wait_until("the response slot is back", || {
+        r.server.responses_in_flight() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_peer_service_runs_and_stops_as_an_agent_worker() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let server = PeerServer::new(secret(), server_cfg());
+    let src = Arc::new(MemSource::default());
+    let unit = Unit {
+        file: "f".into(),
+        offset: 0,
+        len: 5,
+    };
+    src.put(&unit, content(5, 0));
+    server.register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let (tracker, cancel) = (
+        tokio_util::task::TaskTracker::new(),
+        CancellationToken::new(),
+    );
+    let workers = crate::worker::Workers::new(tracker.clone(), cancel.clone());
+    workers.spawn(PeerService {
+        server: server.clone(),
+        listener,
+    });
+    let c = PeerClient::new("n2", client_cfg());
+    // The node's own key for the job comes from the server's secret.
+    let k = server.job_key(JOB, &names(&["n2", "n1"]));
+    assert_eq!(c.fetch(&addr, &k, &unit).await.unwrap(), content(5, 0));
+    let s = workers.statuses();
+    assert_eq!(s[0].name, format!("peer server {addr}"));
+    assert_eq!(s[0].state, "serving");
+    cancel.cancel();
+    tracker.close();
+    tokio::time::timeout(Duration::from_secs(2), tracker.wait())
+        .await
+        .expect("the peer server stops with the agent");
+    let e = c.fetch(&addr, &k, &unit).await.unwrap_err();
+    assert!(matches!(e, PeerError::Unreachable { .. }), "{e}");
+}
+
+#[test]
+fn the_peer_section_configures_both_sides() {
+    let text = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
+                [peer]\nunit_size='32MiB'\nconcurrency=4\nread_timeout='10s'\n";
+    let cfg = sluice_archive::config::Config::parse(text, "n1").unwrap();
+    let p = cfg.peer.as_ref().unwrap();
+    let s = ServerConfig::from_config(p);
+    assert_eq!((s.concurrency, s.max_unit), (4, 32 << 20));
+    let c = ClientConfig::from_config(p, cfg.stage.timeout);
+    assert_eq!((c.concurrency, c.max_unit), (4, 32 << 20));
+    assert_eq!(c.read_timeout, Duration::from_secs(10));
+    assert_eq!(c.max_wait, cfg.stage.timeout);
+    assert_eq!(
+        c.poll, s.poll,
+        "the client waits as long as the server holds a poll"
+    );
+}
+
+/// Reads from `s` until the server closes it; panics unless that happens within `within`.
+async fn closed_within(s: &mut TcpStream, within: Duration) {
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(within, s.read(&mut buf))
+        .await
+        .expect("the server closes the connection")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "nothing is sent on a connection without a request");
+}
+
+#[tokio::test]
+async fn idle_and_excess_connections_are_closed() {
+    let mut cfg = server_cfg();
+    cfg.idle_timeout = Duration::from_secs(1);
+    cfg.max_connections = 2;
+    let r = start(cfg).await;
+    let mut idle = [
+        TcpStream::connect(&r.addr).await.unwrap(),
+        TcpStream::connect(&r.addr).await.unwrap(),
+    ];
+    // Both slots taken: a third connection is closed at once.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut third = TcpStream::connect(&r.addr).await.unwrap();
+    closed_within(&mut third, Duration::from_millis(500)).await;
+    // Connections that send no request are closed after the idle timeout, freeing the slots.
+    for s in &mut idle {
+        closed_within(s, Duration::from_secs(3)).await;
+    }
+    let (status, _) = raw_get(&r.addr, "/v1/jobs/1/units", &[]).await;
+    assert_eq!(status, 401, "a slot is free again");
+}
