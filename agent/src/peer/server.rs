@@ -208,7 +208,8 @@ impl PeerServer {
     }
 
     /// Serves `job`'s units from `source` to the agents of `nodes` (the job's whole node list).
-    /// A second registration of the job replaces the first.
+    /// A second registration of the job replaces the first; requests waiting on the first answer
+    /// 410 (gone), and their requesters read those units elsewhere.
     pub fn register(&self, job: JobId, nodes: &[String], source: Arc<dyn UnitSource>) {
         let entry = Arc::new(JobEntry {
             key: self.inner.secret.job_key(job, nodes),
