@@ -58,12 +58,14 @@ pub enum AgentError {
     Journal(#[from] JournalError),
     #[error("cannot find the running sluiced binary for copy-as-user: {0}")]
     HelperExe(#[source] std::io::Error),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
 }
 
 /// Why a job could not be set up on this node (staged, restored). The message is what its tasks
 /// show; the job fails, the node stays up.
 #[derive(Debug, thiserror::Error)]
-enum SetupError {
+pub(crate) enum SetupError {
     #[error("invalid sluice option: {0}")]
     Options(OptionError),
     #[error(transparent)]
@@ -113,6 +115,8 @@ pub struct Agent {
     /// Every task the agent starts (requests, staging, workers), waited for when it stops.
     tracker: TaskTracker,
     workers: Workers,
+    /// What the Prometheus endpoint counts (recorded whether or not `[metrics]` serves it).
+    pub(crate) metrics: crate::metrics::Metrics,
 }
 
 impl Agent {
@@ -134,6 +138,7 @@ impl Agent {
             journal,
             helper_exe,
             workers: Workers::new(tracker.clone(), cancel.clone()),
+            metrics: Default::default(),
             cancel,
             tracker,
             cfg,
@@ -397,6 +402,7 @@ impl Agent {
             let (this, j) = (self.clone(), job.clone());
             drop(self.spawn(async move {
                 if let Err(e) = this.set_up(&j, fresh_dirs).await {
+                    this.metrics.set_up_done(&j, Err(&e));
                     tracing::warn!(job_id = j.start.job_id, "{e}");
                     j.cancel.cancel();
                     j.set_failed(e);
@@ -474,7 +480,9 @@ impl Agent {
                 return Ok::<(), SetupError>(());
             };
             let url = job.archive_url().ok_or(RestoreError::NoArchive)?;
+            let started = std::time::Instant::now();
             let (tag, notes) = ckpt::restore(self, job, url, which, ckpt_fd.clone()).await?;
+            self.metrics.restored(tag.as_deref(), started.elapsed());
             if let Some(t) = tag.clone() {
                 let dir = ckpt_fd.clone();
                 if let Err(e) = blocking(move || ckpt::write_restored_signal(&dir, &t, owner)).await
@@ -490,6 +498,7 @@ impl Agent {
         match tokio::time::timeout(limit, futures::future::try_join(staging, restoring)).await {
             Ok(Ok(_)) => {
                 tracing::info!(job_id, "staged {} dataset(s)", options.stage_in.len());
+                self.metrics.set_up_done(job, Ok(()));
                 job.set_ready();
                 self.persist(job).await;
                 Ok(())

@@ -71,6 +71,7 @@ pub async fn run(agent: Arc<Agent>, listener: UnixListener, shutdown: Cancellati
             Ok(slot) => slot,
             Err(refused) => {
                 admission.note_refusal(refused);
+                agent.metrics.refused(refused);
                 continue; // dropping the stream closes it: the client reads end-of-file
             }
         };

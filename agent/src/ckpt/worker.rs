@@ -363,6 +363,7 @@ impl CkptWorker {
             return self.compare_with_archived(entry, &m, archiver.url()).await;
         }
         let progress = ArchiveProgress::default();
+        let started = Instant::now();
         let result = archiver
             .upload_part(
                 &entry.tag,
@@ -372,6 +373,7 @@ impl CkptWorker {
                 &progress,
             )
             .await;
+        self.agent.metrics.part_uploaded(started.elapsed(), &result);
         entry.set_bytes_done(progress.snapshot().bytes_done);
         if entry.generation() != generation {
             return entry.set_state(CkptState::Committed); // re-committed meanwhile: upload again

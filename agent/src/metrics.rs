@@ -1,0 +1,741 @@
+//! The agent's Prometheus endpoint: `GET /metrics` in the Prometheus text format (0.0.4), on the
+//! address `[metrics]` gives (off without the section: no listener at all).
+//!
+//! Two kinds of numbers, kept apart on purpose:
+//!
+//! - **Events** ([`Metrics`]): counters and histograms bumped at the one place each event happens —
+//!   a job's set-up ending (bytes and files staged, stage durations, set-up failures), a restore, a
+//!   checkpoint part uploaded or failing, a connection refused by admission. The agent holds one
+//!   `Metrics` and records into it whether or not the endpoint is on; recording is a few atomics.
+//! - **State** ([`Snapshot`], a [`Collector`]): gauges read from what the agent already owns at
+//!   the moment of the scrape — the job table, each job's checkpoint entries, the hot tier's file
+//!   system — so they can never drift from what `sluice status` shows.
+//!
+//! Labels are bounded by construction: a source kind, an operation and a stable error code
+//! (`*_code` below, one exhaustive match per error type), an admission reason, a job state. Never
+//! a job id, a user, a tag or a path: those belong in `sluice status`, not in a time series.
+//!
+//! Peer and cache bytes get their own counters when the stager can read from peers and caches;
+//! until then every staged byte was read from its origin, and `sluice_origin_bytes_total` says so.
+//!
+//! The scrape runs on the blocking pool (statvfs, and a walk of each checkpoint still waiting
+//! for its archive whose size is not known yet, remembered per commit). The listener serves at
+//! most [`MAX_CONNECTIONS`] connections at once, each given [`HEADER_TIMEOUT`] to send a request.
+
+use crate::agent::{Agent, SetupError};
+use crate::ckpt::RestoreError;
+use crate::job::Job;
+use crate::server::Refused;
+use crate::stage::StageError;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Registry, Unit};
+use sluice_archive::config::MetricsConfig;
+use sluice_archive::rt::{blocking, lock};
+use sluice_archive::store::StoreErrorKind;
+use sluice_archive::{ArchiveError, PartManifest};
+use sluice_proto::msg::{CkptState, JobId, JobState, StageState};
+use sluice_proto::options::{ObjectScheme, Source};
+use std::collections::{HashMap, HashSet};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Scrape connections served at once; more are closed at once (Prometheus needs one per server).
+pub const MAX_CONNECTIONS: usize = 8;
+/// How long a connection may take to send its request's headers (also between keep-alive requests).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("[metrics] listen = {addr}: cannot listen there: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabels {
+    /// `s3`, `azure`, `gcs` or `posix`.
+    source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FailureLabels {
+    /// `setup`, `stage`, `restore` or `archive`.
+    operation: &'static str,
+    code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    /// `user_limit` or `full`.
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    protocol: String,
+}
+
+const SOURCES: [&str; 4] = ["s3", "azure", "gcs", "posix"];
+
+/// Durations from half a second to a little over two hours, doubling.
+fn duration_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(0.5, 2.0, 15))
+}
+
+/// The agent's event counters. Cloning shares them.
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    stage_bytes: Family<SourceLabels, Counter>,
+    stage_files: Family<SourceLabels, Counter>,
+    origin_bytes: Family<SourceLabels, Counter>,
+    stage_duration: Family<SourceLabels, Histogram, fn() -> Histogram>,
+    restore_duration: Histogram,
+    archive_duration: Histogram,
+    archive_bytes: Counter,
+    archive_stored_bytes: Counter,
+    failures: Family<FailureLabels, Counter>,
+    refused: Family<ReasonLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        let m = Metrics {
+            stage_bytes: Family::default(),
+            stage_files: Family::default(),
+            origin_bytes: Family::default(),
+            stage_duration: Family::new_with_constructor(duration_buckets),
+            restore_duration: duration_buckets(),
+            archive_duration: duration_buckets(),
+            archive_bytes: Counter::default(),
+            archive_stored_bytes: Counter::default(),
+            failures: Family::default(),
+            refused: Family::default(),
+        };
+        // Every series of a bounded label set exists from the start, at 0, so that `increase()`
+        // sees the first event and a dashboard shows 0 rather than nothing.
+        for source in SOURCES {
+            let l = SourceLabels { source };
+            drop(m.stage_bytes.get_or_create(&l));
+            drop(m.stage_files.get_or_create(&l));
+            drop(m.origin_bytes.get_or_create(&l));
+            drop(m.stage_duration.get_or_create(&l));
+        }
+        for reason in ["user_limit", "full"] {
+            drop(m.refused.get_or_create(&ReasonLabels { reason }));
+        }
+        m
+    }
+}
+
+impl Metrics {
+    /// A job's set-up (staging and restore) ended: what each dataset put on the hot tier, how long
+    /// the completed ones took, and why the set-up failed, if it did. Bytes of a dataset cut short
+    /// count too: they were read and written.
+    pub(crate) fn set_up_done(&self, job: &Job, result: Result<(), &SetupError>) {
+        if let Ok(options) = &job.options {
+            for (spec, progress) in options.stage_in.iter().zip(&job.stages) {
+                let l = SourceLabels {
+                    source: source_kind(&spec.source),
+                };
+                let p = progress.snapshot();
+                self.stage_bytes.get_or_create(&l).inc_by(p.bytes_done);
+                self.stage_files.get_or_create(&l).inc_by(p.files_done);
+                self.origin_bytes.get_or_create(&l).inc_by(p.bytes_done);
+                if p.state == StageState::Done {
+                    self.stage_duration
+                        .get_or_create(&l)
+                        .observe(p.elapsed_ms as f64 / 1000.0);
+                }
+            }
+        }
+        if let Err(e) = result {
+            let (operation, code) = setup_code(e);
+            self.failure(operation, code);
+        }
+    }
+
+    /// `--ckpt-restore` put `tag` in place (nothing when there was nothing to restore).
+    pub(crate) fn restored(&self, tag: Option<&str>, took: Duration) {
+        if tag.is_some() {
+            self.restore_duration.observe(took.as_secs_f64());
+        }
+    }
+
+    /// One attempt to upload this node's part of a checkpoint ended.
+    pub(crate) fn part_uploaded(
+        &self,
+        took: Duration,
+        result: &Result<PartManifest, ArchiveError>,
+    ) {
+        match result {
+            Ok(part) => {
+                self.archive_duration.observe(took.as_secs_f64());
+                self.archive_bytes.inc_by(part.raw_bytes());
+                self.archive_stored_bytes.inc_by(part.stored_bytes());
+            }
+            Err(e) => self.failure("archive", archive_code(e)),
+        }
+    }
+
+    /// Admission closed a connection to the agent's socket.
+    pub(crate) fn refused(&self, why: Refused) {
+        let reason = match why {
+            Refused::UserLimit { .. } => "user_limit",
+            Refused::Full { .. } => "full",
+        };
+        self.refused.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    fn failure(&self, operation: &'static str, code: &'static str) {
+        self.failures
+            .get_or_create(&FailureLabels { operation, code })
+            .inc();
+    }
+
+    /// The registry of the event metrics and the build info, under the `sluice_` prefix. The
+    /// endpoint adds the scrape-time [`Snapshot`].
+    fn registry(&self) -> Registry {
+        let mut r = Registry::with_prefix("sluice");
+        r.register(
+            "build",
+            "The running agent's version and the socket protocol version it speaks",
+            Info::new(BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+                protocol: sluice_proto::PROTO_VERSION.to_string(),
+            }),
+        );
+        r.register_with_unit(
+            "stage",
+            "Bytes staged onto the hot tier, by the kind of the dataset's source",
+            Unit::Bytes,
+            self.stage_bytes.clone(),
+        );
+        r.register(
+            "stage_files",
+            "Files staged onto the hot tier, by the kind of the dataset's source",
+            self.stage_files.clone(),
+        );
+        r.register_with_unit(
+            "origin",
+            "Bytes read from datasets' origins (object stores, POSIX file systems) for staging",
+            Unit::Bytes,
+            self.origin_bytes.clone(),
+        );
+        r.register_with_unit(
+            "stage_duration",
+            "Time to stage one dataset completely, by the kind of its source",
+            Unit::Seconds,
+            self.stage_duration.clone(),
+        );
+        r.register_with_unit(
+            "restore_duration",
+            "Time to put a job's --ckpt-restore checkpoint in place",
+            Unit::Seconds,
+            self.restore_duration.clone(),
+        );
+        r.register_with_unit(
+            "archive_duration",
+            "Time to upload this node's part of a checkpoint (read, compress, hash, upload)",
+            Unit::Seconds,
+            self.archive_duration.clone(),
+        );
+        r.register_with_unit(
+            "archive",
+            "Bytes of checkpoint files this node archived, as read from the hot tier",
+            Unit::Bytes,
+            self.archive_bytes.clone(),
+        );
+        r.register_with_unit(
+            "archive_stored",
+            "Bytes this node wrote to archives for those files, after compression",
+            Unit::Bytes,
+            self.archive_stored_bytes.clone(),
+        );
+        r.register(
+            "failures",
+            "Failed set-ups, stagings, restores and archive attempts, by stable error code",
+            self.failures.clone(),
+        );
+        r.register(
+            "connections_refused",
+            "Connections to the agent's socket closed by admission (per-user or total limit)",
+            self.refused.clone(),
+        );
+        r
+    }
+}
+
+/// The label value of a dataset's source.
+fn source_kind(source: &Source) -> &'static str {
+    match source {
+        Source::Posix { .. } => "posix",
+        Source::Object { scheme, .. } => match scheme {
+            ObjectScheme::S3 => "s3",
+            ObjectScheme::Azure => "azure",
+            ObjectScheme::Gcs => "gcs",
+        },
+    }
+}
+
+/// `(operation, code)` of a failed set-up: the staging or the restore that failed, or the step
+/// before them.
+fn setup_code(e: &SetupError) -> (&'static str, &'static str) {
+    match e {
+        SetupError::Options(_) => ("setup", "options"),
+        SetupError::Policy(_) => ("setup", "policy"),
+        SetupError::SharedTier => ("setup", "shared_tier"),
+        SetupError::Shard => ("setup", "shard"),
+        SetupError::JobDir { .. } => ("setup", "job_dir"),
+        SetupError::Stage { source, .. } => ("stage", stage_code(source)),
+        SetupError::Restore(e) => ("restore", restore_code(e)),
+        SetupError::Timeout { .. } => ("stage", "timeout"),
+    }
+}
+
+fn stage_code(e: &StageError) -> &'static str {
+    match e {
+        StageError::NotFound { .. } => "not_found",
+        StageError::Denied { .. } => "denied",
+        StageError::NoSpace { .. } => "no_space",
+        StageError::Origin { .. } => "origin",
+        StageError::HotTier { .. } => "hot_tier",
+        StageError::BadKeys { .. } => "bad_keys",
+        StageError::UnsafeKeys { .. } => "unsafe_keys",
+        StageError::Unreachable { .. } => "unreachable",
+        StageError::Cancelled { .. } => "cancelled",
+    }
+}
+
+fn restore_code(e: &RestoreError) -> &'static str {
+    match e {
+        RestoreError::NoArchive => "no_archive",
+        RestoreError::Open { source, .. }
+        | RestoreError::List { source, .. }
+        | RestoreError::Restore { source, .. } => archive_code(source),
+        RestoreError::NoneOfYours { .. } => "none_of_yours",
+        RestoreError::NoneIntact { .. } => "none_intact",
+        RestoreError::Foreign { .. } => "foreign",
+        RestoreError::CreateDir { .. } => "create_dir",
+    }
+}
+
+fn archive_code(e: &ArchiveError) -> &'static str {
+    match e {
+        ArchiveError::BadUrl { .. } => "bad_url",
+        ArchiveError::BadConfig(_) => "bad_config",
+        ArchiveError::BadName { .. } => "bad_name",
+        ArchiveError::Refused { .. } => "refused",
+        ArchiveError::Modified { .. } => "modified",
+        ArchiveError::Read { .. } => "read",
+        ArchiveError::Write { errno, .. } => {
+            let full = [nix::errno::Errno::ENOSPC, nix::errno::Errno::EDQUOT];
+            if full.iter().any(|f| *errno == Some(*f as i32)) {
+                "no_space"
+            } else {
+                "write"
+            }
+        }
+        ArchiveError::Store { .. } => match e.store_kind() {
+            Some(StoreErrorKind::NotFound) => "store_not_found",
+            Some(StoreErrorKind::Denied) => "store_denied",
+            Some(StoreErrorKind::Throttled) => "store_throttled",
+            Some(StoreErrorKind::Unreachable) => "store_unreachable",
+            Some(StoreErrorKind::TimedOut) => "store_timed_out",
+            Some(StoreErrorKind::Other) | None => "store_other",
+        },
+        ArchiveError::NotArchived { .. } => "not_archived",
+        ArchiveError::BadManifest { .. } => "bad_manifest",
+        ArchiveError::Corrupt { .. } => "corrupt",
+        ArchiveError::Conflict { .. } => "conflict",
+        ArchiveError::ManifestTooLarge { .. } => "manifest_too_large",
+        ArchiveError::Stopped { .. } => "stopped",
+        ArchiveError::AlreadyPublished { .. } => "already_published",
+    }
+}
+
+/// The gauges read from the agent at each scrape.
+struct Snapshot {
+    agent: Arc<Agent>,
+    /// Sizes of checkpoints waiting for their archive, by (job, tag, commit generation): a
+    /// committed checkpoint's files do not change (if they do, it is committed again), so each is
+    /// walked once, not at every scrape.
+    sizes: Mutex<HashMap<(JobId, String, u64), u64>>,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot").finish_non_exhaustive()
+    }
+}
+
+/// Checkpoints committed on this node and not archived yet.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Backlog {
+    /// Still being worked on: waiting for an upload, uploading, waiting for other nodes' parts,
+    /// retrying after a failure.
+    checkpoints: u64,
+    bytes: u64,
+    /// Given up until the user acts (refused, incomplete, changed too often).
+    blocked: u64,
+}
+
+impl Snapshot {
+    /// Blocks: may walk checkpoint directories.
+    fn backlog(&self) -> Backlog {
+        let mut b = Backlog::default();
+        let mut sizes = lock(&self.sizes);
+        let mut seen = HashSet::new();
+        for job in self.agent.jobs_snapshot() {
+            for e in job.ckpts.entries() {
+                if e.state() == CkptState::Archived {
+                    continue;
+                }
+                if e.action_needed() {
+                    b.blocked += 1;
+                    continue;
+                }
+                b.checkpoints += 1;
+                let key = (job.start.job_id, e.tag.clone(), e.generation());
+                let known = e.status("").raw_bytes;
+                let size = match sizes.get(&key) {
+                    Some(s) => *s,
+                    None if known > 0 => known,
+                    None => {
+                        let s = self.ckpt_size(&job, &e.tag);
+                        sizes.insert(key.clone(), s);
+                        s
+                    }
+                };
+                seen.insert(key);
+                b.bytes += size;
+            }
+        }
+        sizes.retain(|k, _| seen.contains(k));
+        b
+    }
+
+    /// The bytes of files in a job's checkpoint directory `tag` (0 if it cannot be read: the
+    /// archive attempt will say why).
+    fn ckpt_size(&self, job: &Job, tag: &str) -> u64 {
+        let dir = self
+            .agent
+            .hot
+            .open_ckpt(job.start.job_id)
+            .and_then(|d| sluice_archive::safefs::open_dir(d, tag));
+        let Ok(dir) = dir else { return 0 };
+        sluice_archive::walk::walk(&dir, job.start.uid)
+            .map(|t| t.files.iter().map(|f| f.size).sum())
+            .unwrap_or(0)
+    }
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let usage = self.agent.hot.usage();
+        let high_water = f64::from(self.agent.cfg.ckpt.high_water) / 100.0;
+        let backlog = self.backlog();
+        let mut jobs: HashMap<&'static str, u64> = HashMap::new();
+        for j in self.agent.jobs_snapshot() {
+            *jobs.entry(j.state().as_str()).or_default() += 1;
+        }
+        let mut gauge = |name: &str, help: &str, unit: Option<&Unit>, v: ConstGauge<u64>| {
+            let m = enc.encode_descriptor(name, help, unit, v.metric_type())?;
+            v.encode(m)
+        };
+        gauge(
+            "hot_tier_used",
+            "Bytes used on the hot tier's file system (by anyone)",
+            Some(&Unit::Bytes),
+            ConstGauge::new(usage.used_bytes),
+        )?;
+        gauge(
+            "hot_tier_capacity",
+            "Size of the hot tier's file system",
+            Some(&Unit::Bytes),
+            ConstGauge::new(usage.total_bytes),
+        )?;
+        gauge(
+            "archive_backlog_checkpoints",
+            "Checkpoints committed on this node and not archived yet that sluice is working on",
+            None,
+            ConstGauge::new(backlog.checkpoints),
+        )?;
+        gauge(
+            "archive_backlog",
+            "Bytes of those checkpoints on this node",
+            Some(&Unit::Bytes),
+            ConstGauge::new(backlog.bytes),
+        )?;
+        gauge(
+            "archive_blocked_checkpoints",
+            "Committed checkpoints sluice will not archive until their user acts (refused, incomplete, changing)",
+            None,
+            ConstGauge::new(backlog.blocked),
+        )?;
+        let ratio = ConstGauge::new(high_water);
+        let m = enc.encode_descriptor(
+            "hot_tier_high_water_ratio",
+            "ckpt.high_water: above this fraction of the hot tier, archived checkpoints are trimmed",
+            None,
+            ratio.metric_type(),
+        )?;
+        ratio.encode(m)?;
+        let mut family = enc.encode_descriptor(
+            "jobs",
+            "Jobs in the agent's table, by state",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for state in [
+            JobState::Staging,
+            JobState::Ready,
+            JobState::Failed,
+            JobState::Ended,
+        ] {
+            let name = state.as_str();
+            let v = ConstGauge::new(jobs.get(name).copied().unwrap_or(0));
+            v.encode(family.encode_family(&StateLabels { state: name })?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Binds `[metrics] listen`, before the agent starts anything: a wrong address stops the agent
+/// with the reason instead of leaving it unwatched.
+pub async fn bind(cfg: &MetricsConfig) -> Result<TcpListener, MetricsError> {
+    TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|source| MetricsError::Listen {
+            addr: cfg.listen,
+            source,
+        })
+}
+
+/// Serves `GET /metrics` on `listener` until `cancel` is cancelled, then waits for the connections
+/// it started (each ends with the same token).
+pub(crate) async fn serve(agent: Arc<Agent>, listener: TcpListener, cancel: CancellationToken) {
+    let mut registry = agent.metrics.registry();
+    registry.register_collector(Box::new(Snapshot {
+        agent: agent.clone(),
+        sizes: Mutex::new(HashMap::new()),
+    }));
+    drop(agent);
+    let registry = Arc::new(registry);
+    let conns = TaskTracker::new();
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    if let Ok(a) = listener.local_addr() {
+        tracing::info!("metrics: serving http://{a}/metrics");
+    }
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = cancel.cancelled() => break,
+        };
+        let (stream, remote) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("metrics: accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!("metrics: connection from {remote} closed: all slots in use");
+            continue;
+        };
+        let (registry, cancel) = (registry.clone(), cancel.clone());
+        conns.spawn(async move {
+            let _slot = slot;
+            let svc = hyper::service::service_fn(move |req| {
+                let registry = registry.clone();
+                async move { Ok::<_, Infallible>(answer(req, registry).await) }
+            });
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .max_buf_size(16 << 10);
+            let conn = http.serve_connection(TokioIo::new(stream), svc);
+            tokio::select! {
+                r = conn => if let Err(e) = r {
+                    tracing::debug!("metrics connection from {remote}: {e}");
+                },
+                _ = cancel.cancelled() => {}
+            }
+        });
+    }
+    conns.close();
+    conns.wait().await;
+}
+
+async fn answer(req: Request<Incoming>, registry: Arc<Registry>) -> Response<Full<Bytes>> {
+    let reply = |status: StatusCode, text: &'static str| {
+        let mut r = Response::new(Full::new(Bytes::from_static(text.as_bytes())));
+        *r.status_mut() = status;
+        r
+    };
+    if req.uri().path() != "/metrics" {
+        return reply(StatusCode::NOT_FOUND, "sluice serves GET /metrics only\n");
+    }
+    if req.method() != Method::GET {
+        return reply(StatusCode::METHOD_NOT_ALLOWED, "GET /metrics\n");
+    }
+    let text = blocking(move || {
+        let mut s = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut s, &registry).map(|()| s)
+    })
+    .await;
+    match text {
+        Ok(text) => {
+            let mut r = Response::new(Full::new(Bytes::from(text)));
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(
+                    prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+                ),
+            );
+            r
+        }
+        Err(_) => reply(StatusCode::INTERNAL_SERVER_ERROR, "encoding failed\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The series of an exposition: `name{labels}` → value.
+    fn series(text: &str) -> HashMap<String, f64> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| l.rsplit_once(' '))
+            .map(|(k, v)| (k.to_string(), v.parse().expect("a number")))
+            .collect()
+    }
+
+    fn exposition(m: &Metrics) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut s, &m.registry()).unwrap();
+        s
+    }
+
+    #[test]
+    fn the_names_and_labels_admins_query() {
+        let m = Metrics::default();
+        m.part_uploaded(
+            Duration::from_millis(1500),
+            &Err(ArchiveError::Modified {
+                tag: "t".into(),
+                path: "p".into(),
+            }),
+        );
+        m.refused(Refused::UserLimit { uid: 1000 });
+        m.restored(Some("step-1"), Duration::from_secs(3));
+        m.restored(None, Duration::from_secs(1));
+        let text = exposition(&m);
+        let s = series(&text);
+        let v = |k: &str| *s.get(k).unwrap_or_else(|| panic!("no {k} in\n{text}"));
+        let version = env!("CARGO_PKG_VERSION");
+        assert_eq!(
+            v(&format!(
+                "sluice_build_info{{version=\"{version}\",protocol=\"1\"}}"
+            )),
+            1.0
+        );
+        for source in SOURCES {
+            for name in [
+                "sluice_stage_bytes_total",
+                "sluice_stage_files_total",
+                "sluice_origin_bytes_total",
+            ] {
+                assert_eq!(v(&format!("{name}{{source=\"{source}\"}}")), 0.0);
+            }
+            assert_eq!(
+                v(&format!(
+                    "sluice_stage_duration_seconds_count{{source=\"{source}\"}}"
+                )),
+                0.0
+            );
+        }
+        assert_eq!(
+            v("sluice_failures_total{operation=\"archive\",code=\"modified\"}"),
+            1.0
+        );
+        assert_eq!(
+            v("sluice_connections_refused_total{reason=\"user_limit\"}"),
+            1.0
+        );
+        assert_eq!(v("sluice_connections_refused_total{reason=\"full\"}"), 0.0);
+        assert_eq!(v("sluice_restore_duration_seconds_count"), 1.0);
+        assert_eq!(v("sluice_restore_duration_seconds_sum"), 3.0);
+        assert_eq!(v("sluice_archive_duration_seconds_count"), 0.0);
+        assert_eq!(v("sluice_archive_bytes_total"), 0.0);
+        assert!(
+            text.contains("# TYPE sluice_stage_bytes_total counter\n")
+                && text.contains("# TYPE sluice_restore_duration_seconds histogram\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn error_codes_are_stable_words() {
+        let store = ArchiveError::Store {
+            url: "s3://b/".into(),
+            op: "put",
+            key: "k".into(),
+            error: Box::new(object_store::Error::NotFound {
+                path: "k".into(),
+                source: "gone".into(),
+            }),
+        };
+        assert_eq!(archive_code(&store), "store_not_found");
+        let full = ArchiveError::Write {
+            tag: "t".into(),
+            path: "p".into(),
+            detail: "full".into(),
+            errno: Some(nix::errno::Errno::ENOSPC as i32),
+        };
+        assert_eq!(archive_code(&full), "no_space");
+        assert_eq!(
+            restore_code(&RestoreError::Restore {
+                tag: "t".into(),
+                source: Box::new(full),
+            }),
+            "no_space"
+        );
+        assert_eq!(
+            setup_code(&SetupError::Stage {
+                node: "n1".into(),
+                source: StageError::NotFound {
+                    dataset: "s3://b/x".into()
+                },
+            }),
+            ("stage", "not_found")
+        );
+    }
+}

@@ -1,0 +1,370 @@
+//! The agent's Prometheus endpoint, in-process: what an admin's Prometheus would scrape after the
+//! agent staged a dataset, archived a checkpoint, failed to archive another and failed a job —
+//! and, without `[metrics]`, no TCP listener at all.
+//!
+//! Needs root, like sluiced (staging writes files owned by the job user); run as root with
+//! `--ignored`, as tests/harness/run-e2e.sh does.
+
+use sluice_archive::config::Config;
+use sluice_proto::client;
+use sluice_proto::msg::{CkptState, JobStart, Request, Response};
+use std::collections::{BTreeMap, HashSet};
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const NOBODY: u32 = 65534;
+/// What [`make_dataset`] writes: 300,000 + 0 + 8 bytes in 3 files.
+const DATASET_BYTES: f64 = 300_008.0;
+/// What [`write_ckpt`] writes: 3,000,000 + 4,096 bytes.
+const CKPT_BYTES: f64 = 3_004_096.0;
+
+/// A root-only test, `#[ignore]`d with the reason, failing at once when run without root (the
+/// convention of agent/tests/agent.rs).
+macro_rules! root_test {
+    ($(#[$meta:meta])* async fn $name:ident() $body:block) => {
+        $(#[$meta])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
+        async fn $name() {
+            assert!(nix::unistd::geteuid().is_root(), "this test needs root, like sluiced");
+            $body
+        }
+    };
+}
+
+struct TestAgent {
+    root: PathBuf,
+    socket: PathBuf,
+    shutdown: CancellationToken,
+    handle: tokio::task::JoinHandle<Result<(), sluice_agent::AgentError>>,
+}
+
+/// Starts an agent in a new directory `root` with `extra` appended to its configuration.
+async fn start(root: &Path, extra: &str) -> TestAgent {
+    std::fs::create_dir_all(root).unwrap();
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cfg = format!(
+        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = ''\n\
+         [hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
+         [ckpt]\nscan_interval = '200ms'\npart_size = '5MiB'\n\
+         [[ckpt.allow]]\nprefix = 'file://{r}/'\n{extra}",
+        r = root.display()
+    );
+    let cfg = Arc::new(Config::parse(&cfg, "n1").unwrap());
+    std::fs::create_dir_all(cfg.hot_root.parent().unwrap()).unwrap();
+    std::fs::set_permissions(
+        cfg.hot_root.parent().unwrap(),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    let _ = std::fs::remove_file(&cfg.socket);
+    let listener = tokio::net::UnixListener::bind(&cfg.socket).unwrap();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn(sluice_agent::run_with_helper(
+        cfg.clone(),
+        listener,
+        shutdown.clone(),
+        env!("CARGO_BIN_EXE_sluiced").into(),
+    ));
+    TestAgent {
+        root: root.to_path_buf(),
+        socket: cfg.socket.clone(),
+        shutdown,
+        handle,
+    }
+}
+
+impl TestAgent {
+    async fn call(&self, req: Request) -> Response {
+        let socket = self.socket.clone();
+        tokio::task::spawn_blocking(move || client::call(&socket, req, Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| match e {
+                client::ClientError::Agent(e) => Response::Error(e),
+                e => panic!("calling the agent: {e}"),
+            })
+    }
+
+    async fn job(&self, job_id: u32, options: &[(&str, String)]) {
+        let start = JobStart {
+            job_id,
+            uid: NOBODY,
+            gid: NOBODY,
+            user: "nobody".into(),
+            node: "n1".into(),
+            nodes: vec!["n1".into()],
+            job_name: "metrics".into(),
+            options: options
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+        };
+        assert_eq!(self.call(Request::JobStart(start)).await, Response::Ok);
+    }
+
+    /// Waits for the job's set-up; returns what its tasks get.
+    async fn wait(&self, job_id: u32) -> Response {
+        self.call(Request::WaitStaged {
+            job_id,
+            timeout_ms: 20_000,
+        })
+        .await
+    }
+
+    async fn wait_for_ckpt(&self, job_id: u32, tag: &str, want: CkptState) {
+        for _ in 0..200 {
+            if let Response::Ckpts { ckpts } = self.call(Request::CkptList { job_id }).await {
+                if ckpts.iter().any(|c| c.tag == tag && c.state == want) {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "checkpoint {tag} of job {job_id} never reached {want:?}: {:?}",
+            self.call(Request::CkptList { job_id }).await
+        );
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.handle.await.unwrap().unwrap();
+    }
+}
+
+fn make_dataset(dir: &Path) {
+    std::fs::create_dir_all(dir.join("train/shard-0")).unwrap();
+    std::fs::write(dir.join("train/shard-0/a.bin"), vec![1u8; 300_000]).unwrap();
+    std::fs::write(dir.join("train/empty"), b"").unwrap();
+    std::fs::write(dir.join("labels.txt"), b"cat\ndog\n").unwrap();
+    for p in [
+        dir.to_path_buf(),
+        dir.join("train"),
+        dir.join("train/shard-0"),
+    ] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+}
+
+/// A checkpoint directory as the job user writes it.
+fn write_ckpt(dir: &Path, tag: &str) {
+    let d = dir.join(tag);
+    std::fs::create_dir_all(d.join("shards")).unwrap();
+    let weights: Vec<u8> = (0..3_000_000u32).map(|i| (i >> 7) as u8).collect();
+    std::fs::write(d.join("shards/rank0.bin"), weights).unwrap();
+    std::fs::write(d.join("optim.pt"), vec![7u8; 4096]).unwrap();
+    for p in [
+        d.clone(),
+        d.join("shards"),
+        d.join("shards/rank0.bin"),
+        d.join("optim.pt"),
+    ] {
+        std::os::unix::fs::lchown(&p, Some(NOBODY), Some(NOBODY)).unwrap();
+    }
+}
+
+/// Inodes of the TCP sockets this process listens on (`/proc/net/tcp{,6}` state 0A, matched
+/// against this process's descriptors).
+fn tcp_listeners() -> HashSet<String> {
+    let ours: HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    ["/proc/self/net/tcp", "/proc/self/net/tcp6"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .flat_map(|t| {
+            t.lines()
+                .skip(1)
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    (f.get(3) == Some(&"0A")).then(|| f.get(9).map(|s| s.to_string()))?
+                })
+                .collect::<Vec<_>>()
+        })
+        .filter(|inode| ours.contains(inode))
+        .collect()
+}
+
+/// A port nothing listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET /metrics` as Prometheus sends it: (status line, content type, body).
+fn get(port: u16, path: &str) -> (String, String, String) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))
+        .unwrap_or_else(|e| panic!("connecting to the metrics port {port}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/plain\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP response");
+    let content_type = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-type: ")
+                .map(String::from)
+        })
+        .unwrap_or_default();
+    (
+        head.lines().next().unwrap().to_string(),
+        content_type,
+        body.to_string(),
+    )
+}
+
+/// The series of a scrape: `name{labels}` → value.
+async fn scrape(port: u16) -> (BTreeMap<String, f64>, String) {
+    let (status, content_type, body) = tokio::task::spawn_blocking(move || get(port, "/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+    assert!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "{content_type}"
+    );
+    let series = body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (k, v) = l
+                .rsplit_once(' ')
+                .unwrap_or_else(|| panic!("bad line {l:?}"));
+            (
+                k.to_string(),
+                v.parse().unwrap_or_else(|_| panic!("bad value in {l:?}")),
+            )
+        })
+        .collect();
+    (series, body)
+}
+
+fn value(series: &(BTreeMap<String, f64>, String), key: &str) -> f64 {
+    *series
+        .0
+        .get(key)
+        .unwrap_or_else(|| panic!("no {key} in the scrape:\n{}", series.1))
+}
+
+root_test! {
+    async fn prometheus_sees_what_the_agent_did_and_nothing_listens_without_metrics() {
+        let tmp = tempfile::tempdir().unwrap();
+
+        // Off by default: an agent without [metrics] listens on no TCP port.
+        let off = start(&tmp.path().join("off"), "").await;
+        make_dataset(&off.root.join("data"));
+        off.job(11, &[("stage-in", format!("ds={}", off.root.join("data").display()))]).await;
+        assert!(matches!(off.wait(11).await, Response::Ready(_)));
+        assert_eq!(tcp_listeners(), HashSet::new(), "an agent without [metrics] listens on TCP");
+        off.stop().await;
+
+        let port = free_port();
+        let t = start(
+            &tmp.path().join("on"),
+            &format!("[metrics]\nlisten = '127.0.0.1:{port}'\n"),
+        )
+        .await;
+        // The listener is there once the agent answers its socket.
+        assert!(matches!(t.call(Request::Status).await, Response::Status(_)));
+        assert_eq!(tcp_listeners().len(), 1, "one listener: the metrics port");
+        let s = scrape(port).await;
+        assert_eq!(value(&s, "sluice_stage_bytes_total{source=\"posix\"}"), 0.0);
+        assert_eq!(
+            value(&s, &format!("sluice_build_info{{version=\"{}\",protocol=\"1\"}}", env!("CARGO_PKG_VERSION"))),
+            1.0
+        );
+        assert!(value(&s, "sluice_hot_tier_capacity_bytes") > 0.0);
+        assert!(value(&s, "sluice_hot_tier_used_bytes") > 0.0);
+        assert_eq!(value(&s, "sluice_hot_tier_high_water_ratio"), 0.9);
+
+        // A staged POSIX dataset: its bytes and files, read from its origin, in one duration.
+        let data = t.root.join("data");
+        make_dataset(&data);
+        t.job(21, &[("stage-in", format!("ds={}", data.display()))]).await;
+        assert!(matches!(t.wait(21).await, Response::Ready(_)));
+        let s = scrape(port).await;
+        assert_eq!(value(&s, "sluice_stage_bytes_total{source=\"posix\"}"), DATASET_BYTES);
+        assert_eq!(value(&s, "sluice_stage_files_total{source=\"posix\"}"), 3.0);
+        assert_eq!(value(&s, "sluice_origin_bytes_total{source=\"posix\"}"), DATASET_BYTES);
+        assert_eq!(value(&s, "sluice_stage_bytes_total{source=\"s3\"}"), 0.0);
+        assert_eq!(value(&s, "sluice_stage_duration_seconds_count{source=\"posix\"}"), 1.0);
+        assert_eq!(value(&s, "sluice_jobs{state=\"ready\"}"), 1.0);
+
+        // A dataset that is not there: the job fails, counted by its code.
+        t.job(22, &[("stage-in", format!("ds={}/missing", t.root.display()))]).await;
+        assert!(matches!(t.wait(22).await, Response::Error(_)));
+        let s = scrape(port).await;
+        assert_eq!(value(&s, "sluice_failures_total{operation=\"stage\",code=\"not_found\"}"), 1.0);
+        assert_eq!(value(&s, "sluice_jobs{state=\"failed\"}"), 1.0);
+
+        // A checkpoint archived: its bytes and one upload duration; nothing waits.
+        let archive = format!("file://{}/archive", t.root.display());
+        t.job(23, &[("ckpt-archive", archive)]).await;
+        let Response::Ready(dirs) = t.wait(23).await else { panic!("job 23 not ready") };
+        write_ckpt(Path::new(&dirs.ckpt_dir), "step-1");
+        let commit = Request::CkptCommit { job_id: 23, tag: "step-1".into() };
+        assert_eq!(t.call(commit).await, Response::Ok);
+        t.wait_for_ckpt(23, "step-1", CkptState::Archived).await;
+        let s = scrape(port).await;
+        assert_eq!(value(&s, "sluice_archive_bytes_total"), CKPT_BYTES);
+        let stored = value(&s, "sluice_archive_stored_bytes_total");
+        assert!(stored > 0.0 && stored < CKPT_BYTES, "compressed: {stored}");
+        assert_eq!(value(&s, "sluice_archive_duration_seconds_count"), 1.0);
+        assert_eq!(value(&s, "sluice_archive_backlog_checkpoints"), 0.0);
+        assert_eq!(value(&s, "sluice_archive_backlog_bytes"), 0.0);
+
+        // A checkpoint whose archive cannot be written (where its files go, the archive holds a
+        // regular file): it waits, with its size, and each failed upload attempt is counted.
+        let blocked = t.root.join("blocked");
+        std::fs::create_dir_all(&blocked).unwrap();
+        std::fs::write(blocked.join("step-1"), b"not a directory").unwrap();
+        let blocked = format!("file://{}", blocked.display());
+        t.job(24, &[("ckpt-archive", blocked)]).await;
+        let Response::Ready(dirs) = t.wait(24).await else { panic!("job 24 not ready") };
+        write_ckpt(Path::new(&dirs.ckpt_dir), "step-1");
+        let commit = Request::CkptCommit { job_id: 24, tag: "step-1".into() };
+        assert_eq!(t.call(commit).await, Response::Ok);
+        t.wait_for_ckpt(24, "step-1", CkptState::Retrying).await;
+        let s = scrape(port).await;
+        assert_eq!(value(&s, "sluice_archive_backlog_checkpoints"), 1.0);
+        assert_eq!(value(&s, "sluice_archive_backlog_bytes"), CKPT_BYTES);
+        // A local file system's error is no classified store error: `store_other`. Attempts
+        // repeat at the archive backoff (2 s, 4 s, ...), so there may be more than one by now.
+        let failed = value(
+            &s,
+            "sluice_failures_total{operation=\"archive\",code=\"store_other\"}",
+        );
+        assert!(failed >= 1.0, "no failed archive attempt counted:\n{}", s.1);
+        assert_eq!(value(&s, "sluice_archive_bytes_total"), CKPT_BYTES, "nothing more archived");
+
+        // Anything but GET /metrics is refused.
+        let (status, _, _) = tokio::task::spawn_blocking(move || get(port, "/")).await.unwrap();
+        assert_eq!(status, "HTTP/1.1 404 Not Found");
+
+        // The endpoint stops with the agent.
+        t.stop().await;
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+            "the metrics port still answers after the agent stopped"
+        );
+    }
+}
