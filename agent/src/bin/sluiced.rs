@@ -2,35 +2,56 @@
 #![forbid(unsafe_code)]
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
+use clap_mangen::Man;
+use clap_mangen::roff::{Roff, bold, roman};
 use sluice_agent::stage::copy_as_user;
 use sluice_archive::config;
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use tokio_util::sync::CancellationToken;
 
+/// The agent's interface: what `sluiced --help`, its man page and its completions show.
 #[derive(Parser)]
-#[command(name = "sluiced", version, about = "sluice per-node agent")]
+#[command(
+    name = "sluiced",
+    version = version(),
+    about = "sluice per-node agent",
+    long_about = "The sluice agent: one per node, run as root and started before slurmd \
+        (slurm-conf/sluiced.service). It stages datasets onto the node's hot tier for the SPANK \
+        plugin, archives committed checkpoints, trims the hot tier, and answers the sluice command \
+        on its Unix socket (`socket` in the configuration).\n\n\
+        It logs to stderr; SLUICE_LOG chooses what, as a tracing filter (default: info).",
+    after_help = exit_status_help()
+)]
 struct Args {
     /// Configuration file.
-    #[arg(long, default_value = "/etc/sluice/sluice.toml")]
+    #[arg(long, value_name = "PATH", default_value = "/etc/sluice/sluice.toml")]
     config: PathBuf,
     /// This node's Slurm name (replaces %n in the config); default: the short host name.
-    #[arg(long)]
+    #[arg(long, value_name = "NAME")]
     node: Option<String>,
     /// Check the configuration and exit.
     #[arg(long)]
     check: bool,
+}
+
+/// Commands only the agent itself (`copy-as-user`) and the install steps (`generate`) run: parsed
+/// apart from [`Args`], when the first argument names one, so that neither `--help`, the man page
+/// nor the completions offer them (clap_complete completes even hidden subcommands).
+#[derive(Parser)]
+#[command(name = "sluiced")]
+struct Internal {
     #[command(subcommand)]
-    command: Option<Command>,
+    command: InternalCommand,
 }
 
 #[derive(Subcommand)]
-enum Command {
-    /// Internal: copy a POSIX dataset with a job user's identity (started by the agent).
-    #[command(hide = true)]
+enum InternalCommand {
+    /// Copy a POSIX dataset with a job user's identity (started by the agent).
     CopyAsUser {
         #[command(flatten)]
         who: copy_as_user::JobUser,
@@ -39,24 +60,117 @@ enum Command {
         #[arg(long)]
         dst: PathBuf,
     },
+    /// Render the man page or the shell completions.
+    #[command(subcommand)]
+    Generate(Generate),
+}
+
+#[derive(Subcommand)]
+enum Generate {
+    /// Write the man page sluiced.8 into DIR, creating it if needed, and print its path.
+    Man {
+        /// Where the page goes, e.g. /usr/local/share/man/man8
+        dir: PathBuf,
+    },
+    /// Print the completion script for SHELL on stdout.
+    Completions {
+        /// The shell: bash, zsh, fish, elvish or powershell
+        shell: clap_complete::Shell,
+    },
+}
+
+/// `sluiced --version`: this build, and the socket protocol it speaks (the plugin, the agent and
+/// the CLI of one installation must speak the same).
+fn version() -> &'static str {
+    static VERSION: OnceLock<String> = OnceLock::new();
+    VERSION.get_or_init(|| {
+        format!(
+            "{} (protocol {})",
+            env!("CARGO_PKG_VERSION"),
+            sluice_proto::PROTO_VERSION
+        )
+    })
+}
+
+/// What `main` returns for the agent (`copy-as-user` has its own, read by the agent), as
+/// `--help` and the man page document it. 2 is clap's, for a command line it cannot parse.
+const EXIT_CODES: &[(u8, &str)] = &[
+    (
+        0,
+        "stopped by SIGTERM or SIGINT, or --check found the configuration valid",
+    ),
+    (
+        1,
+        "failure (stderr and the log say why): a bad configuration, a socket it cannot bind, or an error that stopped the agent",
+    ),
+    (2, "usage error: an unknown option or a bad value"),
+];
+
+fn exit_status_help() -> String {
+    let mut text = String::from("Exit status:");
+    for (code, meaning) in EXIT_CODES {
+        text += &format!("\n  {code}  {meaning}");
+    }
+    text
+}
+
+/// Runs `sluiced generate`, returning what goes to stdout.
+fn generate(what: Generate) -> anyhow::Result<String> {
+    let mut cmd = Args::command();
+    match what {
+        Generate::Man { dir } => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let path = dir.join("sluiced.8");
+            std::fs::write(&path, man_page(cmd)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+            Ok(format!("{}\n", path.display()))
+        }
+        Generate::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "sluiced", &mut script);
+            String::from_utf8(script).context("the completion script is not UTF-8")
+        }
+    }
+}
+
+/// clap_mangen's sections, in the order of man-pages(7), with EXIT STATUS (in place of the
+/// after-help, which clap_mangen would print as "EXTRA") and SEE ALSO.
+fn man_page(cmd: clap::Command) -> std::io::Result<Vec<u8>> {
+    let man = Man::new(cmd);
+    let mut out = Vec::new();
+    // clap_mangen writes an empty date as nothing, which shifts the source and manual into the
+    // date's and source's places in man's header and footer.
+    writeln!(
+        out,
+        ".TH sluiced 8 \"\" \"sluice {}\" \"sluice manual\"",
+        env!("CARGO_PKG_VERSION")
+    )?;
+    man.render_name_section(&mut out)?;
+    man.render_synopsis_section(&mut out)?;
+    man.render_description_section(&mut out)?;
+    man.render_options_section(&mut out)?;
+    let mut roff = Roff::new();
+    roff.control("SH", ["EXIT STATUS"]);
+    for (code, meaning) in EXIT_CODES {
+        roff.control("TP", []);
+        roff.text([bold(code.to_string())]);
+        roff.text([roman(*meaning)]);
+    }
+    roff.to_writer(&mut out)?;
+    man.render_version_section(&mut out)?;
+    let mut roff = Roff::new();
+    roff.control("SH", ["SEE ALSO"]);
+    roff.text([roman("sluice(1)")]);
+    roff.to_writer(&mut out)?;
+    Ok(out)
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    if let Some(Command::CopyAsUser { who, src, dst }) = args.command {
-        if let Err(e) = copy_as_user::become_user(who.uid, who.gid, &who.user) {
-            eprintln!("{e}");
-            return ExitCode::from(copy_as_user::EXIT_OTHER as u8);
-        }
-        let mut out = std::io::stdout().lock();
-        return match copy_as_user::copy_tree(&src, &dst, &mut out) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err((code, message)) => {
-                eprintln!("{message}");
-                ExitCode::from(code as u8)
-            }
-        };
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if is_internal(&argv) {
+        return run_internal(Internal::parse_from(argv).command);
     }
+    let args = Args::parse_from(argv);
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG")
@@ -71,6 +185,47 @@ fn main() -> ExitCode {
             eprintln!("sluiced: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Whether `argv` is one of [`Internal`]'s commands: its first argument names one.
+fn is_internal(argv: &[std::ffi::OsString]) -> bool {
+    argv.get(1).and_then(|a| a.to_str()).is_some_and(|first| {
+        Internal::command()
+            .get_subcommands()
+            .any(|c| c.get_name() == first)
+    })
+}
+
+fn run_internal(command: InternalCommand) -> ExitCode {
+    match command {
+        InternalCommand::CopyAsUser { who, src, dst } => {
+            if let Err(e) = copy_as_user::become_user(who.uid, who.gid, &who.user) {
+                eprintln!("{e}");
+                return ExitCode::from(copy_as_user::EXIT_OTHER as u8);
+            }
+            let mut out = std::io::stdout().lock();
+            match copy_as_user::copy_tree(&src, &dst, &mut out) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err((code, message)) => {
+                    eprintln!("{message}");
+                    ExitCode::from(code as u8)
+                }
+            }
+        }
+        InternalCommand::Generate(what) => match generate(what) {
+            Ok(text) => match std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("sluiced: writing to stdout: {e}");
+                    ExitCode::FAILURE
+                }
+            },
+            Err(e) => {
+                eprintln!("sluiced: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 
@@ -143,5 +298,56 @@ fn raise_fd_limit() {
         ),
         Ok(_) => {}
         Err(e) => tracing::warn!("cannot read the open-file limit: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_definitions_are_consistent() {
+        Args::command().debug_assert();
+        Internal::command().debug_assert();
+    }
+
+    #[test]
+    fn the_agent_starts_copy_as_user_as_it_always_has() {
+        // stage::posix runs `sluiced copy-as-user --uid --gid --user --src --dst`.
+        let parsed = Internal::try_parse_from([
+            "sluiced",
+            "copy-as-user",
+            "--uid",
+            "1000",
+            "--gid",
+            "100",
+            "--user",
+            "alice",
+            "--src",
+            "/data/a",
+            "--dst",
+            "/hot/a",
+        ])
+        .unwrap();
+        let InternalCommand::CopyAsUser { who, src, dst } = parsed.command else {
+            panic!("not copy-as-user");
+        };
+        assert_eq!((who.uid, who.gid, who.user.as_str()), (1000, 100, "alice"));
+        assert_eq!(
+            (src, dst),
+            (PathBuf::from("/data/a"), PathBuf::from("/hot/a"))
+        );
+        // It is no part of the agent's own interface, and only the first argument selects it.
+        assert!(Args::try_parse_from(["sluiced", "copy-as-user"]).is_err());
+        let argv = |a: &[&str]| a.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        assert!(is_internal(&argv(&[
+            "sluiced",
+            "copy-as-user",
+            "--uid",
+            "1"
+        ])));
+        assert!(is_internal(&argv(&["sluiced", "generate", "man", "/d"])));
+        assert!(!is_internal(&argv(&["sluiced", "--node", "generate"])));
+        assert!(!is_internal(&argv(&["sluiced"])));
     }
 }
