@@ -436,3 +436,101 @@ fn generate_is_kept_out_of_the_help_and_fails_like_any_command() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     assert_has(&text(&out.stderr), &format!("creating {}", file.display()));
 }
+
+/// `path` as it lands under `root` when it is absolute (the README's install steps write to /usr).
+fn under(root: &Path, path: &str) -> PathBuf {
+    match path.strip_prefix('/') {
+        Some(relative) => root.join(relative),
+        None => PathBuf::from(path),
+    }
+}
+
+/// The README's install steps for sluice (its `sluice generate …` lines, with their `> FILE`), run as
+/// an admin runs them but with every absolute path under `root`. Also checks that the steps'
+/// `install -d` creates the directory of every `> FILE`.
+fn run_readme_install_steps(root: &Path) {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let lines: Vec<&str> = readme.lines().map(str::trim).collect();
+    let created: Vec<&str> = lines
+        .iter()
+        .position(|l| l.starts_with("install -d "))
+        .map(|i| {
+            let mut words = Vec::new();
+            for line in &lines[i..] {
+                words.extend(line.trim_end_matches('\\').split_whitespace());
+                if !line.ends_with('\\') {
+                    break;
+                }
+            }
+            words.split_off(2)
+        })
+        .unwrap_or_default();
+    let steps: Vec<&str> = lines
+        .iter()
+        .filter(|l| l.starts_with("sluice generate "))
+        .map(|l| l.split(" #").next().unwrap().trim())
+        .collect();
+    assert!(
+        steps.len() >= 3,
+        "the README's install steps for sluice: {steps:?}"
+    );
+    for step in steps {
+        let (command, target) = match step.split_once(" > ") {
+            Some((command, target)) => (command, Some(target.trim())),
+            None => (step, None),
+        };
+        let args: Vec<String> = command
+            .split_whitespace()
+            .skip(1)
+            .map(|a| under(root, a).to_str().unwrap().to_string())
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = succeeded(&sluice(&args));
+        if let Some(target) = target {
+            let parent = Path::new(target).parent().unwrap().to_str().unwrap();
+            assert!(
+                created.contains(&parent),
+                "the README's install -d does not create {parent} for `{step}`: {created:?}"
+            );
+            let file = under(root, target);
+            std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+            std::fs::write(file, out).unwrap();
+        }
+    }
+}
+
+#[test]
+fn the_readme_install_steps_put_pages_and_completions_where_man_bash_and_zsh_look() {
+    let root = tempfile::tempdir().unwrap();
+    run_readme_install_steps(root.path());
+    for file in [
+        "usr/local/share/man/man1/sluice.1",
+        "usr/local/share/man/man1/sluice-ckpt-restore.1",
+        "usr/local/share/zsh/site-functions/_sluice",
+    ] {
+        assert!(root.path().join(file).is_file(), "{file} is not installed");
+    }
+    // bash-completion loads completions/NAME when NAME is first completed: the file must be
+    // sluice's, and complete.
+    let bash = root
+        .path()
+        .join("usr/share/bash-completion/completions/sluice");
+    if have("bash", "the installed bash completion") {
+        assert_offers(
+            &bash_complete(&bash, &["sluice", "ckpt", ""]),
+            &["commit", "list", "verify", "restore"],
+        );
+    }
+    if have("man", "man finding the installed page through MANPATH") {
+        let out = Command::new("man")
+            .args(["--warnings", "sluice-ckpt-list"])
+            .env("MANPATH", root.path().join("usr/local/share/man"))
+            .env("MANWIDTH", "80")
+            .env("MANPAGER", "cat")
+            .env("LC_ALL", "C.UTF-8")
+            .output()
+            .unwrap();
+        assert_has(&section(&succeeded(&out), "NAME"), "sluice-ckpt-list - ");
+    }
+}
