@@ -13,7 +13,8 @@
 //! - [`ckpt`]: checkpoints — commit and signals, the per-job worker (archive, publish, retention,
 //!   clean-up), restore;
 //! - [`journal`]: durable per-job records; [`worker`]: the shape of background loops; [`backoff`]:
-//!   the pause before re-queued work is tried again.
+//!   the pause before re-queued work is tried again;
+//! - [`metrics`]: the Prometheus endpoint (`[metrics]`), its counters and scrape-time gauges.
 //!
 //! The archive engine, the site config, store clients and root-safe file access live in
 //! `sluice-archive`, shared with the CLI.
@@ -25,6 +26,8 @@ pub mod ckpt;
 pub mod hot_tier;
 pub mod job;
 pub mod journal;
+pub mod metrics;
+pub mod peer;
 pub mod policy;
 pub mod server;
 pub mod stage;
@@ -60,9 +63,16 @@ pub async fn run_with_helper(
     shutdown: CancellationToken,
     helper_exe: PathBuf,
 ) -> Result<(), AgentError> {
+    let metrics_listener = match &cfg.metrics {
+        Some(m) => Some(metrics::bind(m).await?),
+        None => None,
+    };
     let tracker = TaskTracker::new();
     let agent = agent::Agent::new(cfg.clone(), helper_exe, shutdown.clone(), tracker.clone())?;
     let recovered = agent.recover()?;
+    if let Some(listener) = metrics_listener {
+        drop(agent.spawn(metrics::serve(agent.clone(), listener, shutdown.clone())));
+    }
     tracing::info!(node = %cfg.node, socket = %cfg.socket.display(), recovered, "sluiced ready");
     server::run(agent, listener, shutdown).await;
     tracker.close();

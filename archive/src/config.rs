@@ -4,6 +4,7 @@
 
 use object_store::{BackoffConfig, RetryConfig};
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -31,6 +32,32 @@ struct RawConfig {
     retry: RawRetry,
     #[serde(default)]
     store: Vec<StoreProfile>,
+    peer: Option<RawPeer>,
+    metrics: Option<RawMetrics>,
+}
+
+/// `[metrics]`: the Prometheus endpoint; off without the section.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMetrics {
+    listen: String,
+    #[serde(default)]
+    nodes: BTreeMap<String, String>,
+}
+
+/// `[peer]`: transfers between the agents of a job's nodes; off without the section.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPeer {
+    listen: Option<String>,
+    secret_file: Option<String>,
+    unit_size: Option<String>,
+    concurrency: Option<usize>,
+    addr: Option<String>,
+    connect_timeout: Option<String>,
+    read_timeout: Option<String>,
+    #[serde(default)]
+    nodes: BTreeMap<String, String>,
 }
 
 /// object_store's retry policy for every object-store request; unset keys keep object_store's
@@ -181,6 +208,148 @@ pub struct Config {
     /// the CLI. Work re-queued after a request finally failed waits on top of it, never in a loop
     /// around it.
     pub retry: RetryConfig,
+    /// Peer transfers between the agents of a job; `None` = off (every node reads the origin).
+    pub peer: Option<PeerConfig>,
+    /// The Prometheus endpoint; `None` = off (no listener).
+    pub metrics: Option<MetricsConfig>,
+}
+
+/// `[metrics]`: where this node's agent serves `GET /metrics` (Prometheus text format).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsConfig {
+    /// `listen`, or this node's entry of `[metrics.nodes]` (several agents on one host).
+    pub listen: std::net::SocketAddr,
+}
+
+fn metrics_config(raw: &RawMetrics, node: &str) -> Result<MetricsConfig, String> {
+    let (what, addr) = match raw.nodes.get(node) {
+        Some(a) => (format!("metrics.nodes.{node}"), a.as_str()),
+        None => ("metrics.listen".to_string(), raw.listen.as_str()),
+    };
+    let listen: std::net::SocketAddr = addr.parse().map_err(|_| {
+        format!("{what} must be IP:port (e.g. \"0.0.0.0:9464\" or \"[::]:9464\"), got '{addr}'")
+    })?;
+    if listen.port() == 0 {
+        return Err(format!(
+            "{what} needs a fixed port for Prometheus to scrape, got '{addr}'"
+        ));
+    }
+    Ok(MetricsConfig { listen })
+}
+
+/// `[peer]`: how this node's agent serves and fetches units of a job's datasets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerConfig {
+    /// `host:port` this node's agent listens on for peers; by default this node's own peer address.
+    pub listen: String,
+    /// The cluster secret: root's, mode 0600, the same file on every node.
+    pub secret_file: PathBuf,
+    /// Files are split into units of this size, each read from the origin by one owner node.
+    pub unit_size: u64,
+    /// Unit transfers at once on each side (served, fetched); each holds up to `unit_size` bytes.
+    pub concurrency: usize,
+    pub connect_timeout: Duration,
+    /// The longest silence while a unit's bytes arrive.
+    pub read_timeout: Duration,
+    /// `host:port` of a node's agent, `%n` for the node name.
+    addr: String,
+    /// Addresses of named nodes, taking precedence over `addr`.
+    nodes: BTreeMap<String, String>,
+}
+
+impl PeerConfig {
+    /// Where the agent of `node` listens for peers.
+    pub fn addr_of(&self, node: &str) -> String {
+        self.nodes
+            .get(node)
+            .cloned()
+            .unwrap_or_else(|| self.addr.replace("%n", node))
+    }
+}
+
+/// Checks that `addr` is `host:port` (a `[v6]` host in brackets), the shape every peer address has.
+fn check_host_port(what: &str, addr: &str) -> Result<(), String> {
+    let port = addr
+        .rsplit_once(':')
+        .filter(|(host, _)| !host.is_empty() && !host.contains(char::is_whitespace))
+        .and_then(|(_, port)| port.parse::<u16>().ok())
+        .filter(|p| *p > 0);
+    match port {
+        Some(_) => Ok(()),
+        None => Err(format!(
+            "{what} must be host:port (e.g. \"%n:7070\" or \"127.0.0.1:7071\"), got '{addr}'"
+        )),
+    }
+}
+
+fn peer_config(raw: &RawPeer, node: &str) -> Result<PeerConfig, String> {
+    let addr = raw.addr.clone().unwrap_or_else(|| "%n:7070".to_string());
+    check_host_port("peer.addr", &addr.replace("%n", node))?;
+    for (name, a) in &raw.nodes {
+        check_host_port(&format!("peer.nodes.{name}"), a)?;
+    }
+    let mut cfg = PeerConfig {
+        listen: String::new(),
+        secret_file: substitute(
+            raw.secret_file.as_deref().unwrap_or("/etc/sluice/peer.key"),
+            node,
+        ),
+        unit_size: raw
+            .unit_size
+            .as_deref()
+            .map(parse_size)
+            .transpose()?
+            .unwrap_or(64 << 20),
+        concurrency: raw.concurrency.unwrap_or(8),
+        connect_timeout: duration(
+            "peer.connect_timeout",
+            raw.connect_timeout.as_deref(),
+            Duration::from_secs(5),
+        )?,
+        read_timeout: duration(
+            "peer.read_timeout",
+            raw.read_timeout.as_deref(),
+            Duration::from_secs(30),
+        )?,
+        addr,
+        nodes: raw.nodes.clone(),
+    };
+    cfg.listen = match &raw.listen {
+        Some(l) => l.replace("%n", node),
+        None => cfg.addr_of(node),
+    };
+    check_host_port("peer.listen", &cfg.listen)?;
+    if !cfg.secret_file.is_absolute() {
+        return Err(format!(
+            "peer.secret_file must be an absolute path, got '{}'",
+            cfg.secret_file.display()
+        ));
+    }
+    within(
+        cfg.unit_size,
+        1 << 20..=1 << 30,
+        "peer.unit_size must be between 1MiB and 1GiB",
+    )?;
+    within(cfg.concurrency, 1..=256, "peer.concurrency must be 1..=256")?;
+    if cfg.unit_size * cfg.concurrency as u64 > 16 << 30 {
+        return Err(format!(
+            "peer.unit_size × peer.concurrency is the memory peer transfers may hold on each side and must be at most 16GiB, got {} × {}",
+            cfg.unit_size, cfg.concurrency
+        ));
+    }
+    if !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&cfg.connect_timeout) {
+        return Err(format!(
+            "peer.connect_timeout must be between 100ms and 1min, got {}",
+            humantime::format_duration(cfg.connect_timeout)
+        ));
+    }
+    if !(Duration::from_secs(1)..=Duration::from_secs(600)).contains(&cfg.read_timeout) {
+        return Err(format!(
+            "peer.read_timeout must be between 1s and 10min, got {}",
+            humantime::format_duration(cfg.read_timeout)
+        ));
+    }
+    Ok(cfg)
 }
 
 fn duration(what: &str, v: Option<&str>, default: Duration) -> Result<Duration, String> {
@@ -452,6 +621,16 @@ impl Config {
             ckpt,
             stores: raw.store,
             retry,
+            peer: raw
+                .peer
+                .as_ref()
+                .map(|p| peer_config(p, node))
+                .transpose()?,
+            metrics: raw
+                .metrics
+                .as_ref()
+                .map(|m| metrics_config(m, node))
+                .transpose()?,
         })
     }
 
@@ -511,6 +690,144 @@ mod tests {
         assert!(e.contains("absolute"), "{e}");
         assert_eq!(parse_size("2GiB"), Ok(2 << 30));
         assert!(parse_size("x").is_err());
+    }
+
+    #[test]
+    fn metrics_are_off_unless_configured_and_each_node_may_have_its_port() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        assert!(Config::parse(base, "n1").unwrap().metrics.is_none());
+        let text = format!(
+            "{base}[metrics]\nlisten='0.0.0.0:9464'\n[metrics.nodes]\nn2='127.0.0.1:9472'\n"
+        );
+        let listen = |node| Config::parse(&text, node).unwrap().metrics.unwrap().listen;
+        assert_eq!(listen("n1"), "0.0.0.0:9464".parse().unwrap());
+        assert_eq!(listen("n2"), "127.0.0.1:9472".parse().unwrap());
+        let bad = |m: &str| Config::parse(&format!("{base}[metrics]\n{m}\n"), "n1").unwrap_err();
+        for (m, want) in [
+            ("listen='localhost:9464'", "metrics.listen must be IP:port"),
+            ("listen='9464'", "metrics.listen must be IP:port"),
+            ("listen='127.0.0.1:0'", "needs a fixed port"),
+            (
+                "listen='[::]:9464'\n[metrics.nodes]\nn1='x'",
+                "metrics.nodes.n1 must be IP:port",
+            ),
+            ("port=9464", "unknown field"),
+            ("", "missing field `listen`"),
+        ] {
+            let e = bad(m);
+            assert!(e.contains(want), "{m}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_example_metrics_section_parses_once_uncommented() {
+        let text = include_str!("../../slurm-conf/sluice.toml");
+        let start = text
+            .find("# [metrics]\n")
+            .expect("the example has a [metrics] section");
+        let block = &text[start..start + text[start..].find("\n\n").unwrap()];
+        // Its TOML lines, not its prose: `# [table]` and `# key = value`.
+        let toml: Vec<&str> = block
+            .lines()
+            .map(|l| l.strip_prefix("# ").unwrap_or(l))
+            .filter(|l| l.starts_with('[') || l.contains(" = "))
+            .collect();
+        let uncommented = text.replace(block, &toml.join("\n"));
+        let listen = |node| {
+            Config::parse(&uncommented, node)
+                .unwrap()
+                .metrics
+                .unwrap()
+                .listen
+        };
+        assert_eq!(listen("n9"), "0.0.0.0:9464".parse().unwrap());
+        assert_eq!(listen("n2"), "127.0.0.1:9472".parse().unwrap());
+    }
+
+    #[test]
+    fn peer_transfers_are_off_unless_configured_and_checked() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        assert!(Config::parse(base, "n1").unwrap().peer.is_none());
+        // The test cluster: three agents on one host, each on its own port.
+        let c = Config::parse(
+            &format!("{base}[peer]\nsecret_file='/etc/sluice/peer.key'\nunit_size='16MiB'\n[peer.nodes]\nn1='127.0.0.1:7071'\nn2='127.0.0.1:7072'\n"),
+            "n2",
+        )
+        .unwrap();
+        let p = c.peer.unwrap();
+        assert_eq!(
+            p.listen, "127.0.0.1:7072",
+            "listens where its peers reach it"
+        );
+        assert_eq!(p.addr_of("n1"), "127.0.0.1:7071");
+        assert_eq!(p.addr_of("n9"), "n9:7070", "other nodes by the %n pattern");
+        assert_eq!((p.unit_size, p.concurrency), (16 << 20, 8));
+        assert_eq!(p.read_timeout, Duration::from_secs(30));
+        let c = Config::parse(
+            &format!("{base}[peer]\naddr='%n-ib:7000'\nlisten='0.0.0.0:7000'\n"),
+            "n1",
+        )
+        .unwrap();
+        let p = c.peer.unwrap();
+        assert_eq!(
+            (p.listen.as_str(), p.addr_of("n3")),
+            ("0.0.0.0:7000", "n3-ib:7000".into())
+        );
+        assert_eq!(p.unit_size, 64 << 20);
+        assert_eq!(p.secret_file, PathBuf::from("/etc/sluice/peer.key"));
+        // The example's commented [peer] section, switched on, is valid as written.
+        let example = include_str!("../../slurm-conf/sluice.toml");
+        fn key_line(l: &str) -> Option<&str> {
+            l.strip_prefix("# ").filter(|t| {
+                t.starts_with('[') || t.split_once(" = ").is_some_and(|(k, _)| !k.contains(' '))
+            })
+        }
+        let (head, tail) = example.split_once("# [peer]\n").unwrap();
+        let (peer, rest) = tail.split_once("\n[retry]").unwrap();
+        let peer: String = peer
+            .lines()
+            .filter_map(key_line)
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let on = Config::parse(&format!("{head}[peer]\n{peer}\n[retry]{rest}"), "n2").unwrap();
+        let p = on.peer.unwrap();
+        assert_eq!(
+            (p.listen.as_str(), p.addr_of("n3")),
+            ("0.0.0.0:7070", "127.0.0.1:7073".into())
+        );
+        assert_eq!(p.secret_file, PathBuf::from("/etc/sluice/peer.key"));
+        let bad = |peer: &str| Config::parse(&format!("{base}[peer]\n{peer}\n"), "n1").unwrap_err();
+        for (peer, want) in [
+            (
+                "unit_size='4KiB'",
+                "peer.unit_size must be between 1MiB and 1GiB, got 4096",
+            ),
+            ("concurrency=0", "peer.concurrency must be 1..=256"),
+            ("unit_size='1GiB'\nconcurrency=64", "must be at most 16GiB"),
+            ("addr='%n'", "peer.addr must be host:port"),
+            ("addr='%n:0'", "peer.addr must be host:port"),
+            ("listen='7070'", "peer.listen must be host:port"),
+            (
+                "[peer.nodes]\nn2='127.0.0.1'",
+                "peer.nodes.n2 must be host:port",
+            ),
+            (
+                "secret_file='peer.key'",
+                "peer.secret_file must be an absolute path",
+            ),
+            (
+                "connect_timeout='5min'",
+                "peer.connect_timeout must be between 100ms and 1min",
+            ),
+            (
+                "read_timeout='0s'",
+                "peer.read_timeout must be between 1s and 10min",
+            ),
+            ("port=7070", "unknown field"),
+        ] {
+            let e = bad(peer);
+            assert!(e.contains(want), "{peer}: {e}");
+        }
     }
 
     fn assert_default_retry(c: &Config) {
