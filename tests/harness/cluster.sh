@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The sluice test cluster on one machine (SLURM-TESTBED.md): munge, slurmctld and three virtual nodes
-# n1-n3 (one slurmd each), Garage (S3), Azurite (Azure Blob) and one sluice agent per node.
+# n1-n3 (one slurmd each), Garage (S3), Azurite (Azure Blob), one sluice agent per node, and a
+# Prometheus server that scrapes the agents' metrics every second.
 #
 #   cluster.sh up       stop whatever an earlier run left, wipe job state, start everything fresh
 #   cluster.sh down     stop everything `up` started (also after a failed `up`); safe to call twice
@@ -23,6 +24,10 @@ AGENT_CONFIG=/etc/sluice/sluice.toml
 GARAGE_DIR=$TEST_ROOT/garage
 GARAGE_CONF=$GARAGE_DIR/garage.toml
 AZURITE_DIR=$TEST_ROOT/azurite
+PROMETHEUS_DIR=$TEST_ROOT/prometheus
+PROMETHEUS_PORT=9470
+# Each agent's [metrics] port: n1 9471, n2 9472, n3 9473 (three agents on one host).
+metrics_port() { echo $((PROMETHEUS_PORT + ${1#n})); }
 # ckpt-faulty is reached through tests' fault-injecting proxy on 127.0.0.1:$FAULT_PROXY_PORT.
 S3_BUCKETS=(datasets ckpt ckpt-faulty)
 FAULT_PROXY_PORT=3911
@@ -372,7 +377,15 @@ EOF
 [[store]]
 prefix = "az://"
 use_emulator = true
+
+# Prometheus (cluster.sh's own, on 127.0.0.1:$PROMETHEUS_PORT) scrapes each agent on its own port.
+[metrics]
+listen = "127.0.0.1:9464"
+
+[metrics.nodes]
 EOF
+    local n
+    for n in "${NODES[@]}"; do printf '%s = "127.0.0.1:%s"\n' "$n" "$(metrics_port "$n")"; done
   } >"$AGENT_CONFIG.new"
   chmod 0600 "$AGENT_CONFIG.new"
   mv -f "$AGENT_CONFIG.new" "$AGENT_CONFIG"
@@ -417,6 +430,37 @@ start_agents() {
   log "agent: sockets $(ls /run/sluice/*.sock | tr '\n' ' ')"
 }
 
+# ---------------------------------------------------------------------------------------------- prometheus
+
+start_prometheus() {
+  [[ -x /usr/bin/prometheus ]] || die "no Prometheus at /usr/bin/prometheus: run tests/harness/install.sh"
+  local n
+  require_port_free "$PROMETHEUS_PORT" Prometheus
+  mkdir -p "$PROMETHEUS_DIR/data"
+  {
+    cat <<EOF
+# Written by sluice's tests/harness/cluster.sh — scrapes the three agents' [metrics] every second.
+global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+scrape_configs:
+  - job_name: sluice
+    static_configs:
+EOF
+    for n in "${NODES[@]}"; do
+      printf '      - targets: ["127.0.0.1:%s"]\n        labels: {node: %s}\n' "$(metrics_port "$n")" "$n"
+    done
+  } >"$PROMETHEUS_DIR/prometheus.yml"
+  /usr/bin/promtool check config "$PROMETHEUS_DIR/prometheus.yml" >/dev/null \
+    || die "promtool rejects $PROMETHEUS_DIR/prometheus.yml"
+  log "prometheus: starting on 127.0.0.1:$PROMETHEUS_PORT"
+  spawn "$RUN_DIR/prometheus.pid" "$SLUICE_LOG_DIR/prometheus.log" /usr/bin/prometheus \
+    --config.file="$PROMETHEUS_DIR/prometheus.yml" --storage.tsdb.path="$PROMETHEUS_DIR/data" \
+    --storage.tsdb.retention.time=1d --web.listen-address="127.0.0.1:$PROMETHEUS_PORT"
+  WAIT_SECONDS=30 wait_until curl -fsS "http://127.0.0.1:$PROMETHEUS_PORT/-/ready" \
+    || { tail_logs "$SLUICE_LOG_DIR/prometheus.log"; die "Prometheus is not ready on $PROMETHEUS_PORT after 30 s"; }
+}
+
 stop_agents() {
   local n
   for n in "${NODES[@]}"; do stop_pidfile "$RUN_DIR/sluiced-$n.pid" sluiced "sluiced $n"; done
@@ -439,6 +483,8 @@ SLUICE_TEST_OTHER_USER='$OTHER_USER'
 SLUICE_TEST_ROOT='$TEST_ROOT'
 SLUICE_TEST_HOT_ROOT='$TEST_ROOT/%n/hot'
 SLUICE_TEST_SOCKET='/run/sluice/%n.sock'
+SLUICE_TEST_PROMETHEUS_URL='http://127.0.0.1:$PROMETHEUS_PORT'
+SLUICE_TEST_METRICS_ADDRS='$(for n in "${NODES[@]}"; do printf '%s=127.0.0.1:%s ' "$n" "$(metrics_port "$n")"; done)'
 SLUICE_TEST_SLURM_LOG_DIR='$SLURM_LOG_DIR'
 SLUICE_TEST_SLUICE_LOG_DIR='$SLUICE_LOG_DIR'
 SLUICE_TEST_RCLONE='$(harness_rclone)'
@@ -465,6 +511,7 @@ EOF
 
 cmd_down() {
   need_root
+  stop_pidfile "$RUN_DIR/prometheus.pid" prometheus Prometheus
   stop_agents
   stop_slurm
   stop_pidfile "$RUN_DIR/garage.pid" garage Garage
@@ -474,7 +521,7 @@ cmd_down() {
   rm -rf /var/spool/slurmctld/* /var/spool/slurmd/n[1-3] "$ENV_FILE"
   local n
   for n in "${NODES[@]}"; do rm -rf "${TEST_ROOT:?}/$n"; done
-  rm -rf "${TEST_ROOT:?}/garage" "${TEST_ROOT:?}/azurite" "${TEST_ROOT:?}/e2e"
+  rm -rf "${TEST_ROOT:?}/garage" "${TEST_ROOT:?}/azurite" "${TEST_ROOT:?}/e2e" "${TEST_ROOT:?}/prometheus"
   log "down: done"
 }
 
@@ -500,6 +547,7 @@ cmd_up() {
   prepare_node_dirs
   write_agent_config
   if [[ ${SLUICE_NO_AGENTS:-0} == 1 ]]; then log "agent: skipped (SLUICE_NO_AGENTS=1)"; else start_agents; fi
+  start_prometheus
   start_slurm
   write_env_file
   log "up: done"
@@ -515,6 +563,7 @@ cmd_status() {
   check "$RUN_DIR/garage.pid" garage garage
   check "$RUN_DIR/azurite.pid" azurite azurite
   for n in "${NODES[@]}"; do check "$RUN_DIR/sluiced-$n.pid" sluiced "sluiced $n"; done
+  check "$RUN_DIR/prometheus.pid" prometheus prometheus
   echo "sinfo:"
   sinfo 2>&1 | sed 's/^/  /' || rc=1
   echo "agent sockets:"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the end-to-end tests need on a Debian 12 machine, as root, reusing whatever is there:
 # Slurm + munge (SLURM-TESTBED.md), the headers bindgen needs, the peer tools (fio, zstd, rsync),
+# Debian's Prometheus (it scrapes the agents' metrics in tests/tests/metrics.rs),
 # Azurite (npm), rclone 1.75 + azure-storage-blob (PyPI), Garage 2.5.0 (crates.io, built once into
 # $CARGO_HOME/bin and never rebuilt while the right version is there), PyTorch (+ DeepSpeed when it
 # builds) in a venv outside the clone for the framework tests, and the two test users.
@@ -31,6 +32,17 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 else
   log "apt: all packages present"
+fi
+
+# Prometheus: Debian's package, without its recommended node exporter. Whether or not the package's
+# own service starts (it does not without an init system), cluster.sh runs a separate instance with
+# the tests' configuration, port and data directory.
+if dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q 'install ok installed'; then
+  log "prometheus: present ($(prometheus --version 2>/dev/null | head -1))"
+else
+  log "apt: installing prometheus"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
 if command -v azurite-blob >/dev/null 2>&1; then
