@@ -15,8 +15,9 @@
 //! (`*_code` below, one exhaustive match per error type), an admission reason, a job state. Never
 //! a job id, a user, a tag or a path: those belong in `sluice status`, not in a time series.
 //!
-//! Peer and cache bytes get their own counters when the stager can read from peers and caches;
-//! until then every staged byte was read from its origin, and `sluice_origin_bytes_total` says so.
+//! Staged bytes come from the dataset's origin or, with `[peer]`, from the job's other nodes:
+//! `sluice_origin_bytes_total` and `sluice_peer_bytes_total` split `sluice_stage_bytes_total`, so
+//! their ratio is the origin traffic peers saved. (A cache gets its counter when there is one.)
 //!
 //! The scrape runs on the blocking pool (statvfs, and a walk of each checkpoint still waiting
 //! for its archive whose size is not known yet, remembered per commit). The listener serves at
@@ -114,6 +115,7 @@ pub struct Metrics {
     stage_bytes: Family<SourceLabels, Counter>,
     stage_files: Family<SourceLabels, Counter>,
     origin_bytes: Family<SourceLabels, Counter>,
+    peer_bytes: Family<SourceLabels, Counter>,
     stage_duration: Family<SourceLabels, Histogram, fn() -> Histogram>,
     restore_duration: Histogram,
     archive_duration: Histogram,
@@ -129,6 +131,7 @@ impl Default for Metrics {
             stage_bytes: Family::default(),
             stage_files: Family::default(),
             origin_bytes: Family::default(),
+            peer_bytes: Family::default(),
             stage_duration: Family::new_with_constructor(duration_buckets),
             restore_duration: duration_buckets(),
             archive_duration: duration_buckets(),
@@ -144,6 +147,7 @@ impl Default for Metrics {
             drop(m.stage_bytes.get_or_create(&l));
             drop(m.stage_files.get_or_create(&l));
             drop(m.origin_bytes.get_or_create(&l));
+            drop(m.peer_bytes.get_or_create(&l));
             drop(m.stage_duration.get_or_create(&l));
         }
         for reason in ["user_limit", "full"] {
@@ -166,7 +170,10 @@ impl Metrics {
                 let p = progress.snapshot();
                 self.stage_bytes.get_or_create(&l).inc_by(p.bytes_done);
                 self.stage_files.get_or_create(&l).inc_by(p.files_done);
-                self.origin_bytes.get_or_create(&l).inc_by(p.bytes_done);
+                // What did not come from a peer came from the origin (POSIX sources never do).
+                let origin = p.bytes_done.saturating_sub(p.peer_bytes);
+                self.origin_bytes.get_or_create(&l).inc_by(origin);
+                self.peer_bytes.get_or_create(&l).inc_by(p.peer_bytes);
                 if p.state == StageState::Done {
                     self.stage_duration
                         .get_or_create(&l)
@@ -246,6 +253,12 @@ impl Metrics {
             "Bytes read from datasets' origins (object stores, POSIX file systems) for staging",
             Unit::Bytes,
             self.origin_bytes.clone(),
+        );
+        r.register_with_unit(
+            "peer",
+            "Of the bytes staged, those taken from the job's other nodes instead of the origin",
+            Unit::Bytes,
+            self.peer_bytes.clone(),
         );
         r.register_with_unit(
             "stage_duration",
@@ -672,6 +685,7 @@ mod tests {
                 "sluice_stage_bytes_total",
                 "sluice_stage_files_total",
                 "sluice_origin_bytes_total",
+                "sluice_peer_bytes_total",
             ] {
                 assert_eq!(v(&format!("{name}{{source=\"{source}\"}}")), 0.0);
             }

@@ -305,6 +305,7 @@ root_test! {
         assert_eq!(value(&s, "sluice_stage_bytes_total{source=\"posix\"}"), DATASET_BYTES);
         assert_eq!(value(&s, "sluice_stage_files_total{source=\"posix\"}"), 3.0);
         assert_eq!(value(&s, "sluice_origin_bytes_total{source=\"posix\"}"), DATASET_BYTES);
+        assert_eq!(value(&s, "sluice_peer_bytes_total{source=\"posix\"}"), 0.0);
         assert_eq!(value(&s, "sluice_stage_bytes_total{source=\"s3\"}"), 0.0);
         assert_eq!(value(&s, "sluice_stage_duration_seconds_count{source=\"posix\"}"), 1.0);
         assert_eq!(value(&s, "sluice_jobs{state=\"ready\"}"), 1.0);
