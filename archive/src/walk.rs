@@ -61,6 +61,10 @@ pub struct TreeFile {
     pub size: u64,
     pub mode: u32,
     pub ino: u64,
+    /// Modification and status-change times (ns since the epoch) from the walk's `fstatat`: with
+    /// `ino` and `size`, what tells a resumed upload that the file is the one it already stored.
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
 }
 
 impl TreeFile {
@@ -224,6 +228,8 @@ fn walk_dir(
                     size: st.st_size as u64,
                     mode: (st.st_mode & 0o7777) as u32,
                     ino: st.st_ino,
+                    mtime_ns: nanos(st.st_mtime as i64, st.st_mtime_nsec as i64),
+                    ctime_ns: nanos(st.st_ctime as i64, st.st_ctime_nsec as i64),
                 });
             }
             other => {
@@ -268,7 +274,20 @@ pub struct Snapshot {
     pub ctime: (i64, i64),
 }
 
+/// A `stat` time as nanoseconds since the epoch (saturating: past 2262 every time is the same).
+fn nanos(sec: i64, nsec: i64) -> i64 {
+    sec.saturating_mul(1_000_000_000).saturating_add(nsec)
+}
+
 impl Snapshot {
+    pub fn mtime_ns(&self) -> i64 {
+        nanos(self.mtime.0, self.mtime.1)
+    }
+
+    pub fn ctime_ns(&self) -> i64 {
+        nanos(self.ctime.0, self.ctime.1)
+    }
+
     pub fn of(file: &File, rel: &str) -> Result<Snapshot, WalkError> {
         let st = fstat(file).map_err(io(rel))?;
         Ok(Snapshot {
