@@ -11,9 +11,11 @@
 //! `fetch` waits for a unit the owner is still reading (the server's long polls, each bounded
 //! by the poll window plus the read timeout, so a silent owner is told apart from a busy one), and
 //! for a peer that does not know the job yet (its prolog may run a little later) up to the join
-//! grace. Budget: at most `concurrency` fetches at once, each holding at most one unit
-//! (`max_unit` bytes) in memory; the body is read into one buffer of the unit's length, refused
-//! from its `Content-Length` before anything is read if that is not the unit's length.
+//! grace. Budget: at most `concurrency` fetches at once. [`PeerClient::fetch`] holds each unit
+//! (`max_unit` bytes at most) in one buffer of the unit's length; [`PeerClient::fetch_into`]
+//! hands the body to a [`UnitSink`] as it arrives (the stager writes it through its own budget's
+//! buffers), so a fetch holds no more than the sink does. Either way a body is refused from its
+//! `Content-Length` before anything is read if that is not the unit's length.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -99,6 +101,57 @@ pub enum PeerError {
     /// The caller asked for a unit larger than the client's budget allows.
     #[error("unit {unit} of {len} bytes is larger than the peer unit limit of {max} bytes")]
     TooLarge { unit: String, len: u64, max: u64 },
+    /// The [`UnitSink`] could not take the bytes (e.g. the hot tier is full); the sink knows why.
+    #[error("unit {unit}: {source}")]
+    Sink {
+        unit: String,
+        #[source]
+        source: BoxError,
+    },
+}
+
+/// Where [`PeerClient::fetch_into`] puts a unit's bytes as they arrive.
+///
+/// The bytes are the peer's until the fetch returns `Ok`: a fetch that fails after some bytes
+/// arrived (the peer died mid-body, the hash does not match) leaves what the sink took unverified,
+/// and the caller must write the unit again from elsewhere before anyone reads it.
+#[async_trait::async_trait]
+pub trait UnitSink: Send {
+    /// The next bytes of the unit, in order, at most the unit's length in all.
+    async fn write(&mut self, bytes: Bytes) -> Result<(), BoxError>;
+    /// Every byte of the unit was written: their BLAKE3 hash, which the fetch compares with the
+    /// owner's. (Hashing belongs to the sink so that it can run where the bytes are written, on a
+    /// blocking thread, never on the runtime's workers.)
+    async fn finish(&mut self) -> Result<blake3::Hash, BoxError>;
+}
+
+/// The sink of [`PeerClient::fetch`]: one buffer of the unit's length.
+struct MemorySink {
+    buf: BytesMut,
+}
+
+#[async_trait::async_trait]
+impl UnitSink for MemorySink {
+    async fn write(&mut self, bytes: Bytes) -> Result<(), BoxError> {
+        self.buf.extend_from_slice(&bytes);
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<blake3::Hash, BoxError> {
+        let body = std::mem::take(&mut self.buf);
+        let (body, hash) = if body.len() >= 64 << 10 {
+            blocking(move || {
+                let h = blake3::hash(&body);
+                (body, h)
+            })
+            .await
+        } else {
+            let h = blake3::hash(&body);
+            (body, h)
+        };
+        self.buf = body;
+        Ok(hash)
+    }
 }
 
 /// How the client runs; [`ClientConfig::from_config`] takes it from `[peer]`.
@@ -155,7 +208,8 @@ impl std::fmt::Debug for PeerClient {
 
 /// One answer of the peer to one request.
 enum Answer {
-    Data(Bytes),
+    /// The unit went into the sink, whole and verified.
+    Delivered,
     Pending,
     UnknownJob,
 }
@@ -186,11 +240,27 @@ impl PeerClient {
     /// the fetch.
     pub async fn fetch(&self, addr: &str, job: &JobKey, unit: &Unit) -> Result<Bytes, PeerError> {
         if unit.len > self.cfg.max_unit {
-            return Err(PeerError::TooLarge {
-                unit: unit.key(),
-                len: unit.len,
-                max: self.cfg.max_unit,
-            });
+            return Err(self.too_large(unit));
+        }
+        let mut sink = MemorySink {
+            buf: BytesMut::with_capacity(unit.len as usize),
+        };
+        self.fetch_into(addr, job, unit, &mut sink).await?;
+        Ok(sink.buf.freeze())
+    }
+
+    /// [`fetch`](Self::fetch), with the body handed to `sink` as it arrives instead of held in
+    /// memory. `Ok` means the sink took exactly the unit's bytes and its hash is the owner's; on
+    /// an error after bytes arrived, what the sink took is not to be trusted (see [`UnitSink`]).
+    pub async fn fetch_into(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        unit: &Unit,
+        sink: &mut dyn UnitSink,
+    ) -> Result<(), PeerError> {
+        if unit.len > self.cfg.max_unit {
+            return Err(self.too_large(unit));
         }
         let _slot = self
             .fetches
@@ -200,8 +270,8 @@ impl PeerClient {
         let start = Instant::now();
         let mut pause = Duration::from_millis(100);
         loop {
-            match self.once(addr, job, unit).await? {
-                Answer::Data(b) => return Ok(b),
+            match self.once(addr, job, unit, sink).await? {
+                Answer::Delivered => return Ok(()),
                 Answer::Pending if start.elapsed() < self.cfg.max_wait => {}
                 Answer::Pending => {
                     return Err(PeerError::TimedOut {
@@ -224,8 +294,22 @@ impl PeerClient {
         }
     }
 
+    fn too_large(&self, unit: &Unit) -> PeerError {
+        PeerError::TooLarge {
+            unit: unit.key(),
+            len: unit.len,
+            max: self.cfg.max_unit,
+        }
+    }
+
     /// One request and its answer.
-    async fn once(&self, addr: &str, job: &JobKey, unit: &Unit) -> Result<Answer, PeerError> {
+    async fn once(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        unit: &Unit,
+        sink: &mut dyn UnitSink,
+    ) -> Result<Answer, PeerError> {
         let unreachable = |source: BoxError| PeerError::Unreachable {
             addr: addr.into(),
             source,
@@ -271,36 +355,30 @@ impl PeerClient {
                     unit.len
                 )));
             }
-            let body = self
-                .read_body(res, unit.len as usize)
+            let got = self
+                .stream_body(res, unit, sink)
                 .await
                 .map_err(|e| match e {
-                    BodyError::Io(source) => unreachable(source),
-                    BodyError::TooLong => corrupt("the body is longer than the unit".into()),
+                    StreamError::Io(source) => unreachable(source),
+                    StreamError::TooLong => corrupt("the body is longer than the unit".into()),
+                    StreamError::Sink(source) => PeerError::Sink {
+                        unit: unit.key(),
+                        source,
+                    },
                 })?;
-            if body.len() as u64 != unit.len {
+            if got.0 != unit.len {
                 return Err(corrupt(format!(
                     "the body has {} bytes, the unit {}",
-                    body.len(),
-                    unit.len
+                    got.0, unit.len
                 )));
             }
-            let (body, got) = if body.len() >= 64 << 10 {
-                blocking(move || {
-                    let h = blake3::hash(&body);
-                    (body, h)
-                })
-                .await
-            } else {
-                let h = blake3::hash(&body);
-                (body, h)
-            };
-            if got != hash {
+            if got.1 != hash {
                 return Err(corrupt(format!(
-                    "its BLAKE3 hash is {got}, the owner read {hash}"
+                    "its BLAKE3 hash is {}, the owner read {hash}",
+                    got.1
                 )));
             }
-            return Ok(Answer::Data(body));
+            return Ok(Answer::Delivered);
         }
         // An error answer: a short reason, MAC'd when the peer authenticated the request.
         let reason = match self.read_body(res, REASON_MAX).await {
@@ -339,6 +417,42 @@ impl PeerClient {
         }
     }
 
+    /// Hands a data body to `sink` frame by frame, none silent for longer than the read timeout
+    /// (the sink's own time does not count), refusing more than the unit's length; returns the
+    /// bytes received and the sink's hash of them.
+    async fn stream_body(
+        &self,
+        res: Response<Incoming>,
+        unit: &Unit,
+        sink: &mut dyn UnitSink,
+    ) -> Result<(u64, blake3::Hash), StreamError> {
+        let mut body = res.into_body();
+        let mut got = 0u64;
+        loop {
+            let frame = timeout(self.cfg.read_timeout, body.frame())
+                .await
+                .map_err(|_| {
+                    StreamError::Io(
+                        format!("the body stalled for {:?}", self.cfg.read_timeout).into(),
+                    )
+                })?;
+            let Some(frame) = frame else {
+                let hash = sink.finish().await.map_err(StreamError::Sink)?;
+                return Ok((got, hash));
+            };
+            let frame = frame.map_err(|e| StreamError::Io(Box::new(e)))?;
+            if let Ok(data) = frame.into_data() {
+                got += data.len() as u64;
+                if got > unit.len {
+                    return Err(StreamError::TooLong);
+                }
+                if !data.is_empty() {
+                    sink.write(data).await.map_err(StreamError::Sink)?;
+                }
+            }
+        }
+    }
+
     /// Reads a body of at most `max` bytes, none silent for longer than the read timeout.
     async fn read_body(&self, res: Response<Incoming>, max: usize) -> Result<Bytes, BodyError> {
         let mut body = res.into_body();
@@ -371,4 +485,10 @@ const REASON_MAX: usize = 4096;
 enum BodyError {
     Io(BoxError),
     TooLong,
+}
+
+enum StreamError {
+    Io(BoxError),
+    TooLong,
+    Sink(BoxError),
 }

@@ -45,7 +45,7 @@ mod tests;
 use std::time::Duration;
 
 pub use auth::{ClusterSecret, JobKey, SecretError};
-pub use client::{ClientConfig, PeerClient, PeerError};
+pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
 pub use owner::{Unit, owner_of, units_of};
 pub use server::{
     PeerServer, PeerServerError, PeerService, ServerConfig, UnitData, UnitError, UnitSource,
