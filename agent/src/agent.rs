@@ -14,7 +14,7 @@ use crate::hot_tier::{HotTier, HotTierError};
 use crate::job::{self, Job};
 use crate::journal::{CkptRecord, JobRecord, Journal, JournalError, RECORD_VERSION};
 use crate::policy::{Policy, PolicyError, Requester};
-use crate::stage::{self, StageCtx, StageError};
+use crate::stage::{self, JobPeers, NodePeers, StageCtx, StageError};
 use crate::worker::{StatusCell, Worker, WorkerStatus, Workers};
 use sluice_archive::config::Config;
 use sluice_archive::rt::{blocking, lock, now_secs};
@@ -25,7 +25,7 @@ use sluice_proto::msg::{
 use sluice_proto::options::{self, OptionError, StageMode, StageTier};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -117,6 +117,8 @@ pub struct Agent {
     workers: Workers,
     /// What the Prometheus endpoint counts (recorded whether or not `[metrics]` serves it).
     pub(crate) metrics: crate::metrics::Metrics,
+    /// Peer transfers with the other agents of multi-node jobs (`[peer]`), once started.
+    peers: OnceLock<NodePeers>,
 }
 
 impl Agent {
@@ -139,10 +141,20 @@ impl Agent {
             helper_exe,
             workers: Workers::new(tracker.clone(), cancel.clone()),
             metrics: Default::default(),
+            peers: OnceLock::new(),
             cancel,
             tracker,
             cfg,
         }))
+    }
+
+    /// Starts serving peers (the job's other nodes fetch units of its datasets from this node) and
+    /// shares the object-store datasets of multi-node jobs from now on. Call before
+    /// [`Agent::recover`], so that recovered jobs are shared too.
+    pub(crate) fn start_peers(&self, peers: NodePeers, service: crate::peer::PeerService) {
+        if self.peers.set(peers).is_ok() {
+            self.workers.spawn(service);
+        }
     }
 
     /// Starts a task the agent waits for when it stops.
@@ -397,6 +409,12 @@ impl Agent {
             }
         }
         if record.ready || record.ended {
+            // Staged before a restart: this node holds the data but not the hashes of what it
+            // read, so it serves none of it; peers still staging are told at once (not after the
+            // join grace) and read those units elsewhere.
+            if let Some(peers) = self.peers.get() {
+                peers.leave(start.job_id);
+            }
             job.set_ready();
         } else {
             let (this, j) = (self.clone(), job.clone());
@@ -430,6 +448,17 @@ impl Agent {
             uid: job.start.uid,
             gid: job.start.gid,
         };
+        // Replicate (the only mode so far): the job's nodes share its object-store datasets.
+        let object_datasets = options
+            .stage_in
+            .iter()
+            .filter(|s| matches!(s.source, options::Source::Object { .. }))
+            .count();
+        let peers = ClosePeers(
+            self.peers
+                .get()
+                .and_then(|p| p.join(job_id, &job.start.nodes, owner, object_datasets)),
+        );
         let hot = self.hot.clone();
         // A fresh start removes what an earlier run of the job id left, except the committed
         // checkpoints this run inherited.
@@ -460,13 +489,15 @@ impl Agent {
             budget: self.stage_budget.clone(),
         };
         let staging = async {
-            futures::future::try_join_all(
-                options
-                    .stage_in
-                    .iter()
-                    .zip(&job.stages)
-                    .map(|(spec, progress)| stage::stage(&ctx, spec, progress.clone())),
-            )
+            futures::future::try_join_all(options.stage_in.iter().zip(&job.stages).map(
+                |(spec, progress)| {
+                    let peers = match spec.source {
+                        options::Source::Object { .. } => peers.0.as_ref(),
+                        options::Source::Posix { .. } => None,
+                    };
+                    stage::stage_with_peers(&ctx, spec, progress.clone(), peers)
+                },
+            ))
             .await
             .map(drop)
             .map_err(|source| SetupError::Stage {
@@ -498,6 +529,9 @@ impl Agent {
         match tokio::time::timeout(limit, futures::future::try_join(staging, restoring)).await {
             Ok(Ok(_)) => {
                 tracing::info!(job_id, "staged {} dataset(s)", options.stage_in.len());
+                if let Some(p) = &peers.0 {
+                    job.add_stage_notes(p.notes());
+                }
                 self.metrics.set_up_done(job, Ok(()));
                 job.set_ready();
                 self.persist(job).await;
@@ -623,6 +657,10 @@ impl Agent {
             };
         };
         job.mark_ended();
+        // Peers get no more of its units from here (requests waiting for one are answered `gone`).
+        if let Some(peers) = self.peers.get() {
+            peers.leave(job_id);
+        }
         // Staged data goes now, in a task of its own so that it finishes even if the epilog gives up.
         let hot = self.hot.clone();
         let removed = self
@@ -719,6 +757,19 @@ impl Agent {
             hot_free_bytes: usage.free_bytes,
             hot_used_bytes,
             jobs,
+        }
+    }
+}
+
+/// A job's peer state while its set-up runs: however the set-up ends (staged, failed, timed out,
+/// cancelled), dropping it tells the job's other nodes that the units this node never got will not
+/// come, so none of them waits for this node. Units it holds are served until the job ends.
+struct ClosePeers(Option<Arc<JobPeers>>);
+
+impl Drop for ClosePeers {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            p.close("its set-up on that node ended");
         }
     }
 }

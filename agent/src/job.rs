@@ -49,6 +49,8 @@ pub struct Job {
     /// Slurm ended the job (the epilog came, or the job was replaced by a newer run).
     ended: AtomicBool,
     restored: Mutex<(Option<String>, Vec<String>)>,
+    /// Notes from staging for the job output (e.g. a peer routed around).
+    stage_notes: Mutex<Vec<String>>,
 }
 
 impl Job {
@@ -89,6 +91,7 @@ impl Job {
             ckpts: JobCkpts::default(),
             ended: AtomicBool::new(false),
             restored: Mutex::new((None, Vec::new())),
+            stage_notes: Mutex::new(Vec::new()),
         }
     }
 
@@ -150,11 +153,17 @@ impl Job {
         *lock(&self.restored) = (tag, notes);
     }
 
-    /// The directories, restored tag and notes the job's tasks get. The notes include every
-    /// checkpoint that sluice will not archive by itself, so each step's output says so while the
-    /// job runs (the batch step's end prints them again in the job summary).
+    /// Records what staging has to tell the job's user (the job's data is complete either way).
+    pub fn add_stage_notes(&self, notes: Vec<String>) {
+        lock(&self.stage_notes).extend(notes);
+    }
+
+    /// The directories, restored tag and notes the job's tasks get. The notes include staging's
+    /// and every checkpoint that sluice will not archive by itself, so each step's output says so
+    /// while the job runs (the batch step's end prints them again in the job summary).
     pub fn task_dirs(&self) -> JobDirs {
         let (tag, mut notes) = lock(&self.restored).clone();
+        notes.splice(0..0, lock(&self.stage_notes).iter().cloned());
         notes.extend(self.ckpt_statuses().iter().filter_map(|c| c.problem()));
         JobDirs {
             restored_tag: tag,

@@ -9,7 +9,9 @@
 //! - [`job`]: one job's identity, options, state and lifecycle;
 //! - [`hot_tier`]: the node-local tier's layout (`jobs/<id>/{stage,ckpt}`), usage and watermark;
 //! - [`policy`]: who may stage what, and where a job's checkpoints are archived;
-//! - [`stage`]: origin → hot tier (object stores, POSIX through a user-identity helper, the budget);
+//! - [`stage`]: origin → hot tier (object stores, POSIX through a user-identity helper, the budget,
+//!   datasets shared with the job's other nodes);
+//! - [`peer`]: transfers between the agents of a job (ownership, per-job keys, server, client);
 //! - [`ckpt`]: checkpoints — commit and signals, the per-job worker (archive, publish, retention,
 //!   clean-up), restore;
 //! - [`journal`]: durable per-job records; [`worker`]: the shape of background loops; [`backoff`]:
@@ -67,8 +69,13 @@ pub async fn run_with_helper(
         Some(m) => Some(metrics::bind(m).await?),
         None => None,
     };
+    // Without its secret or its port, a node stages on its own (logged); its peers route around it.
+    let peers = stage::NodePeers::bind(&cfg).await;
     let tracker = TaskTracker::new();
     let agent = agent::Agent::new(cfg.clone(), helper_exe, shutdown.clone(), tracker.clone())?;
+    if let Some((peers, service)) = peers {
+        agent.start_peers(peers, service);
+    }
     let recovered = agent.recover()?;
     if let Some(listener) = metrics_listener {
         drop(agent.spawn(metrics::serve(agent.clone(), listener, shutdown.clone())));

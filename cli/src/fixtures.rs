@@ -47,6 +47,8 @@ fn stage(name: &str, source: &str, state: StageState) -> StageProgress {
         files_total: None,
         bytes_done: 0,
         bytes_total: None,
+        origin_bytes: 0,
+        peer_bytes: 0,
         elapsed_ms: 0,
         error: None,
     }

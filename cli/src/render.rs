@@ -318,6 +318,15 @@ pub fn job_detail(job: &JobStatus, now: SystemTime) -> String {
             rate(s.rate_bps()),
             duration_ms(s.elapsed_ms),
         ));
+        // Where the bytes came from, once the job's other nodes supplied some (peer transfers):
+        // what this node read from the origin itself is what the origin served it.
+        if s.peer_bytes > 0 {
+            out.push_str(&format!(
+                "    from     {} origin, {} peers\n",
+                bytes(s.origin_bytes),
+                bytes(s.peer_bytes)
+            ));
+        }
         if let Some(e) = &s.error {
             out.push_str(&format!("    error    {}\n", clean(e)));
         }
@@ -661,6 +670,23 @@ datasets (2)
     elapsed  16.0s
 ";
         assert_eq!(job_detail(&fixtures::staging_job(), now), want);
+    }
+
+    /// A dataset shared with the job's other nodes says how much of it came from the origin.
+    #[test]
+    fn job_view_shows_origin_and_peer_bytes() {
+        let mut job = fixtures::staging_job();
+        job.stages[0].origin_bytes = 3 * (1 << 30);
+        job.stages[0].peer_bytes = 6 * (1 << 30);
+        let text = job_detail(&job, UNIX_EPOCH);
+        assert!(
+            text.contains(
+                "    elapsed  16.0s\n    from     3.0 GiB origin, 6.0 GiB peers\n  weights  listing\n"
+            ),
+            "{text}"
+        );
+        // Without peer transfers there is no such line (every byte came from the origin).
+        assert!(!job_detail(&fixtures::staging_job(), UNIX_EPOCH).contains("    from "));
     }
 
     #[test]

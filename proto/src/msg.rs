@@ -232,6 +232,13 @@ pub struct StageProgress {
     pub files_total: Option<u64>,
     pub bytes_done: u64,
     pub bytes_total: Option<u64>,
+    /// Of `bytes_done`: the bytes this node read from the origin itself, and those it took from
+    /// the job's other nodes (peer transfers, `[peer]`). An agent before peer transfers sends
+    /// neither.
+    #[serde(default)]
+    pub origin_bytes: u64,
+    #[serde(default)]
+    pub peer_bytes: u64,
     /// Milliseconds spent so far (or in total, once done).
     pub elapsed_ms: u64,
     pub error: Option<String>,

@@ -9,19 +9,29 @@
 //! - POSIX sources are read by a helper process running with the job user's identity
 //!   ([`copy_as_user`]), so a user can stage only what they could read themselves.
 //!
+//! - With `[peer]`, a multi-node job's object-store datasets are shared by its nodes ([`peers`]):
+//!   each `peer.unit_size` range of each object is read from the origin by one owner node and
+//!   fetched from it by the others as it arrives, so the origin serves each byte once per job.
+//!   Every node still lists the dataset itself (metadata only) and ends with the whole dataset;
+//!   a fetched unit's bytes stream through the same [`Budget`] buffers as an origin read's.
+//!
 //! Object keys are not file paths: [`map_key`] is the single place that decides where a key lands.
 //!
 //! Parts: [`budget`] (the node-wide download budget), [`object`] (object-store listings and ranged
-//! downloads), [`posix`] (the parent side of a POSIX copy: starting the helper, reading its progress,
-//! classifying its exit), [`copy_as_user`] (the helper itself, a separate process as the job user).
+//! downloads, each range from the origin or a peer), [`peers`] (the job's units on this node, what
+//! the peer server serves from), [`posix`] (the parent side of a POSIX copy: starting the helper,
+//! reading its progress, classifying its exit), [`copy_as_user`] (the helper itself, a separate
+//! process as the job user).
 
 mod budget;
 pub mod copy_as_user;
 mod object;
+pub mod peers;
 mod posix;
 
 pub use budget::{Budget, Lease};
 pub use object::{KeyPath, map_key};
+pub use peers::{JobPeers, NodePeers};
 
 use sluice_archive::config::Config;
 use sluice_archive::rt::lock;
@@ -79,6 +89,9 @@ pub struct Progress {
     files_total: AtomicU64,
     bytes_done: AtomicU64,
     bytes_total: AtomicU64,
+    /// Of `bytes_done`: read from the origin by this node, and taken from the job's other nodes.
+    origin_bytes: AtomicU64,
+    peer_bytes: AtomicU64,
     started: Mutex<Option<Instant>>,
     elapsed_ms: AtomicU64,
     error: Mutex<Option<String>>,
@@ -96,6 +109,8 @@ impl Progress {
             files_total: AtomicU64::new(UNKNOWN),
             bytes_done: AtomicU64::new(0),
             bytes_total: AtomicU64::new(UNKNOWN),
+            origin_bytes: AtomicU64::new(0),
+            peer_bytes: AtomicU64::new(0),
             started: Mutex::new(None),
             elapsed_ms: AtomicU64::new(0),
             error: Mutex::new(None),
@@ -131,6 +146,8 @@ impl Progress {
             Event::Progress { files, bytes } => {
                 self.files_done.store(files, Ordering::Relaxed);
                 self.bytes_done.store(bytes, Ordering::Relaxed);
+                // Every node reads a POSIX source itself.
+                self.origin_bytes.store(bytes, Ordering::Relaxed);
             }
         }
     }
@@ -150,6 +167,8 @@ impl Progress {
             files_total: known(self.files_total.load(Ordering::Relaxed)),
             bytes_done: self.bytes_done.load(Ordering::Relaxed),
             bytes_total: known(self.bytes_total.load(Ordering::Relaxed)),
+            origin_bytes: self.origin_bytes.load(Ordering::Relaxed),
+            peer_bytes: self.peer_bytes.load(Ordering::Relaxed),
             elapsed_ms,
             error: lock(&self.error).clone(),
         }
@@ -177,6 +196,18 @@ pub async fn stage(
     spec: &StageSpec,
     progress: Arc<Progress>,
 ) -> Result<(), StageError> {
+    stage_with_peers(ctx, spec, progress, None).await
+}
+
+/// [`stage`], sharing an object-store dataset with the job's other nodes through `peers` (POSIX
+/// sources are read by every node). `peers` counts the job's object-store datasets, and each
+/// must be staged through it exactly once.
+pub async fn stage_with_peers(
+    ctx: &StageCtx,
+    spec: &StageSpec,
+    progress: Arc<Progress>,
+    peers: Option<&Arc<JobPeers>>,
+) -> Result<(), StageError> {
     progress.set_state(StageState::Listing);
     let run = async {
         match &spec.source {
@@ -194,7 +225,7 @@ pub async fn stage(
                             detail: e.to_string(),
                         }
                     })?;
-                object::stage(ctx, spec, store, prefix, progress.clone()).await
+                object::stage(ctx, spec, store, prefix, progress.clone(), peers.cloned()).await
             }
         }
     };

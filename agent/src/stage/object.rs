@@ -1,7 +1,14 @@
 //! Stage-in from object stores: pipelined listing, one download task per object, parallel ranged
 //! GETs for large objects, every body streamed through a [`Budget`] buffer to its offset.
+//!
+//! Shared with the job's other nodes ([`JobPeers`]), an object's ranges are its peer units: this
+//! node GETs the ones it owns, hashing them as they arrive, and fetches the others from their
+//! owners, through the same budget buffers; a unit its owner cannot serve is taken from the next
+//! owner, or read from the origin (see `unit_from_peers` for which answer leads where).
 
-use super::{Budget, Lease, Progress, StageCtx, StageError, is_no_space};
+use super::peers::Trouble;
+use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
+use crate::peer::{PeerError, Unit, UnitSink, units_of};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
@@ -13,7 +20,7 @@ use sluice_proto::options::StageSpec;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::task::JoinSet;
 
 /// Where an object key lands, relative to the dataset directory.
@@ -95,6 +102,19 @@ struct Fetcher {
     part_size: u64,
     owner: Owner,
     progress: Arc<Progress>,
+    /// The job's peers, when the dataset is shared with the job's other nodes.
+    peers: Option<Arc<JobPeers>>,
+    /// The dataset's name: unit file names are `NAME/path` (`NAME` for a single object).
+    name: String,
+}
+
+/// Where an object's staged copy is, for serving its units to peers: the directory its path is
+/// relative to, its path below it, and its unit file name.
+struct Staged {
+    root: Arc<OwnedFd>,
+    unit_file: String,
+    /// Where the path below `root` starts in `unit_file`.
+    rel_at: usize,
 }
 
 impl Fetcher {
@@ -125,6 +145,11 @@ impl Fetcher {
     ) -> Result<(), StageError> {
         let rel = parts.join("/");
         let owner = self.owner;
+        let staged = Staged {
+            root: root.clone(),
+            unit_file: format!("{}/{rel}", self.name),
+            rel_at: self.name.len() + 1,
+        };
         let file = blocking(move || {
             let (file_name, dirs) = parts
                 .split_last()
@@ -135,11 +160,13 @@ impl Fetcher {
         })
         .await
         .map_err(|e| self.safefs_error(&rel, e))?;
-        self.fill(Arc::new(file), &rel, meta).await
+        self.fill(Arc::new(file), &rel, meta, staged).await
     }
 
     /// GETs `range` of the object and writes it at the same offset of `file`, streaming the body
-    /// through the lease's buffer. Fails unless exactly `range`'s bytes arrive.
+    /// through the lease's buffer; with `hasher`, hashes the bytes as they are written and returns
+    /// their hash (a peer unit's, as its owner read it). Fails unless exactly `range`'s bytes
+    /// arrive.
     async fn get_part(
         &self,
         mut lease: Lease,
@@ -147,7 +174,8 @@ impl Fetcher {
         rel: &str,
         location: &ObjPath,
         range: std::ops::Range<u64>,
-    ) -> Result<(), StageError> {
+        mut hasher: Option<blake3::Hasher>,
+    ) -> Result<Option<blake3::Hash>, StageError> {
         let dataset = || format!("{}: {location}", self.source);
         let wrong_size = |got: u64| StageError::Origin {
             dataset: dataset(),
@@ -167,6 +195,7 @@ impl Fetcher {
             .await
             .map_err(|e| origin_error(&dataset(), e))?
             .into_stream();
+        let origin = &self.progress.origin_bytes;
         // The buffer's bytes belong at `at`; everything before `at` is written.
         let mut at = range.start;
         let mut buf = std::mem::take(&mut lease.buf);
@@ -183,51 +212,73 @@ impl Fetcher {
                 buf.extend_from_slice(&rest[..n]);
                 rest = &rest[n..];
                 if buf.len() == cap {
-                    buf = self.write_at(&file, rel, buf, &mut at).await?;
+                    buf = self
+                        .write_at(&file, rel, buf, &mut at, &mut hasher, origin)
+                        .await?;
                 }
             }
         }
         if !buf.is_empty() {
-            buf = self.write_at(&file, rel, buf, &mut at).await?;
+            buf = self
+                .write_at(&file, rel, buf, &mut at, &mut hasher, origin)
+                .await?;
         }
         lease.buf = buf;
         if at != range.end {
             return Err(wrong_size(at - range.start));
         }
-        Ok(())
+        Ok(hasher.map(|h| h.finalize()))
     }
 
-    /// Writes `buf` at `*at` of `file` on a blocking thread, advances `*at`, and hands the buffer
-    /// back empty.
+    /// Writes `buf` at `*at` of `file` on a blocking thread (hashing it there too, with a
+    /// `hasher`), advances `*at`, counts the bytes as done and in `from`, and hands the buffer back
+    /// empty.
     async fn write_at(
         &self,
         file: &Arc<std::fs::File>,
         rel: &str,
         buf: Vec<u8>,
         at: &mut u64,
+        hasher: &mut Option<blake3::Hasher>,
+        from: &AtomicU64,
     ) -> Result<Vec<u8>, StageError> {
-        let (f, offset) = (file.clone(), *at);
-        let (mut buf, written) = blocking(move || {
+        let (f, offset, mut h) = (file.clone(), *at, hasher.take());
+        let (mut buf, h, written) = blocking(move || {
             let r = f.write_all_at(&buf, offset);
-            (buf, r)
+            if let (Ok(()), Some(h)) = (&r, h.as_mut()) {
+                h.update(&buf);
+            }
+            (buf, h, r)
         })
         .await;
+        *hasher = h;
         written.map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
         let n = buf.len() as u64;
         *at += n;
         self.progress.bytes_done.fetch_add(n, Ordering::Relaxed);
+        from.fetch_add(n, Ordering::Relaxed);
         buf.clear();
         Ok(buf)
     }
 
+    /// Takes back the count of bytes written by an attempt whose bytes will be written again.
+    fn uncount(&self, n: u64, from: &AtomicU64) {
+        self.progress.bytes_done.fetch_sub(n, Ordering::Relaxed);
+        from.fetch_sub(n, Ordering::Relaxed);
+    }
+
     /// Writes the object's bytes into `file`: one GET for small objects, parallel ranged GETs of
-    /// `part_size` for large ones.
+    /// `part_size` for large ones; or, shared with the job's peers, unit by unit.
     async fn fill(
         self: Arc<Self>,
         file: Arc<std::fs::File>,
         rel: &str,
         meta: ObjectMeta,
+        staged: Staged,
     ) -> Result<(), StageError> {
+        if let Some(peers) = self.peers.clone() {
+            return self.fill_shared(&peers, file, rel, meta, staged).await;
+        }
         let size = meta.size;
         if size > self.part_size {
             let f = file.clone();
@@ -243,8 +294,9 @@ impl Fetcher {
             let (this, file, location) = (self.clone(), file.clone(), meta.location.clone());
             let rel = rel.to_string();
             parts.spawn(async move {
-                this.get_part(lease, file, &rel, &location, offset..end)
+                this.get_part(lease, file, &rel, &location, offset..end, None)
                     .await
+                    .map(drop)
             });
             offset = end;
             while let Some(done) = parts.try_join_next() {
@@ -257,6 +309,284 @@ impl Fetcher {
         self.progress.files_done.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+
+    /// [`fill`](Self::fill) for a dataset shared with the job's other nodes: the object's units
+    /// this node owns are GETs from the origin, the others fetches from their owners, all at once
+    /// (a fetch waits for its owner's read without holding a budget buffer).
+    async fn fill_shared(
+        self: Arc<Self>,
+        peers: &Arc<JobPeers>,
+        file: Arc<std::fs::File>,
+        rel: &str,
+        meta: ObjectMeta,
+        staged: Staged,
+    ) -> Result<(), StageError> {
+        let (size, unit_size) = (meta.size, peers.unit_size());
+        if size > unit_size {
+            let f = file.clone();
+            blocking(move || f.set_len(size))
+                .await
+                .map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
+        }
+        if size > 0 {
+            let units = units_of(&staged.unit_file, size, unit_size);
+            peers.add_object(staged.root, staged.rel_at, &units);
+            let mut tasks = JoinSet::new();
+            for unit in units {
+                let (this, file, location) = (self.clone(), file.clone(), meta.location.clone());
+                let rel = rel.to_string();
+                match peers.route(&unit) {
+                    None => {
+                        let lease = self.budget.lease().await;
+                        tasks.spawn(async move {
+                            this.unit_from_origin(lease, &file, &rel, &location, &unit)
+                                .await
+                        });
+                    }
+                    Some(node) => {
+                        tasks.spawn(async move {
+                            this.unit_from_peers(&file, &rel, &location, unit, node)
+                                .await
+                        });
+                    }
+                }
+                while let Some(done) = tasks.try_join_next() {
+                    done.expect("unit task panicked")?;
+                }
+            }
+            while let Some(done) = tasks.join_next().await {
+                done.expect("unit task panicked")?;
+            }
+        }
+        self.progress.files_done.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// GETs `unit` from the origin, hashing it, and tells the job's peers this node holds it.
+    async fn unit_from_origin(
+        &self,
+        lease: Lease,
+        file: &Arc<std::fs::File>,
+        rel: &str,
+        location: &ObjPath,
+        unit: &Unit,
+    ) -> Result<(), StageError> {
+        let peers = self.peers.as_ref().expect("a shared dataset has peers");
+        let range = unit.offset..unit.offset + unit.len;
+        let hasher = Some(blake3::Hasher::new());
+        match self
+            .get_part(lease, file.clone(), rel, location, range, hasher)
+            .await
+        {
+            Ok(hash) => {
+                peers.held(unit, hash.expect("hashed as it was read"));
+                Ok(())
+            }
+            Err(e) => {
+                peers.failed(unit, e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// Fetches `unit` from `node`, its owner, and writes it at its offset. Which answer leads
+    /// where (docs/SECURITY.md, "Peer transfers"):
+    /// - the node cannot be used (unreachable or died mid-transfer, silent past the read timeout,
+    ///   does not know the job after the join grace, ended it, refused this node, still reading
+    ///   after the stage timeout): it is routed around for the rest of the job, and the unit goes
+    ///   to its next owner among the rest: another node, or this one, which then reads the origin;
+    /// - a corrupt unit (its hash or MAC does not verify): fetched again once from the same node,
+    ///   then that node is routed around like a lost one;
+    /// - the node says it does not own the unit, or its own origin read failed: this node reads
+    ///   the origin, with a note.
+    ///
+    /// Every origin read goes through the node's budget, so a lost node's units reach the origin
+    /// no faster than `stage.concurrency` requests at a time, whatever the number of waiting units.
+    async fn unit_from_peers(
+        &self,
+        file: &Arc<std::fs::File>,
+        rel: &str,
+        location: &ObjPath,
+        unit: Unit,
+        mut node: String,
+    ) -> Result<(), StageError> {
+        let peers = self.peers.as_ref().expect("a shared dataset has peers");
+        let mut corrupt_once: Option<String> = None;
+        loop {
+            let mut sink = PeerSink::new(self, file, rel, unit.offset);
+            let fetched = peers.fetch(&node, &unit, &mut sink).await;
+            let (written, hash) = (sink.written, sink.hash);
+            let sink_error = sink.close();
+            let e = match fetched {
+                Ok(()) => {
+                    peers.held(&unit, hash.expect("a finished sink has a hash"));
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            self.uncount(written, &self.progress.peer_bytes);
+            let why = e.to_string();
+            match e {
+                PeerError::Sink { .. } => {
+                    let e = sink_error.unwrap_or_else(|| StageError::HotTier {
+                        path: rel.to_string(),
+                        detail: why,
+                    });
+                    peers.failed(&unit, e.to_string());
+                    return Err(e);
+                }
+                PeerError::Corrupt { .. } if corrupt_once.as_deref() != Some(node.as_str()) => {
+                    tracing::warn!("{}: {why}; fetching it again", self.source);
+                    corrupt_once = Some(node.clone());
+                    continue;
+                }
+                PeerError::Corrupt { .. } => peers.lose(&node, Trouble::Corrupt, &why),
+                PeerError::Unreachable { .. }
+                | PeerError::Refused { .. }
+                | PeerError::UnknownJob { .. }
+                | PeerError::Gone { .. }
+                | PeerError::TimedOut { .. } => peers.lose(&node, Trouble::Lost, &why),
+                PeerError::NotOwner { .. }
+                | PeerError::Failed { .. }
+                | PeerError::TooLarge { .. } => {
+                    tracing::warn!("{}: {why}; reading it from the origin", self.source);
+                    peers.note(
+                        &node,
+                        Trouble::Unit,
+                        format!("peer transfers: {why}; this node read that data from the origin instead"),
+                    );
+                    return self.unit_from_origin_now(file, rel, location, &unit).await;
+                }
+            }
+            match peers.route(&unit) {
+                Some(next) => node = next,
+                None => return self.unit_from_origin_now(file, rel, location, &unit).await,
+            }
+        }
+    }
+
+    /// [`unit_from_origin`](Self::unit_from_origin), once a budget slot is free.
+    async fn unit_from_origin_now(
+        &self,
+        file: &Arc<std::fs::File>,
+        rel: &str,
+        location: &ObjPath,
+        unit: &Unit,
+    ) -> Result<(), StageError> {
+        let lease = self.budget.lease().await;
+        self.unit_from_origin(lease, file, rel, location, unit)
+            .await
+    }
+}
+
+/// Where a unit fetched from a peer goes: at its offset of the staged file, through a budget
+/// buffer taken when the first bytes arrive (so a fetch waiting for its owner holds none), hashed
+/// on the blocking thread that writes it. Counted as peer bytes as written.
+struct PeerSink<'a> {
+    fetcher: &'a Fetcher,
+    file: &'a Arc<std::fs::File>,
+    rel: &'a str,
+    at: u64,
+    lease: Option<Lease>,
+    buf: Vec<u8>,
+    hasher: Option<blake3::Hasher>,
+    /// Bytes written to the file so far (taken back if the fetch fails).
+    written: u64,
+    hash: Option<blake3::Hash>,
+    /// Why a write failed, for the job (the client only carries a message).
+    error: Option<StageError>,
+}
+
+impl<'a> PeerSink<'a> {
+    fn new(fetcher: &'a Fetcher, file: &'a Arc<std::fs::File>, rel: &'a str, at: u64) -> Self {
+        PeerSink {
+            fetcher,
+            file,
+            rel,
+            at,
+            lease: None,
+            buf: Vec::new(),
+            hasher: Some(blake3::Hasher::new()),
+            written: 0,
+            hash: None,
+            error: None,
+        }
+    }
+
+    async fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let buf = std::mem::take(&mut self.buf);
+        let n = buf.len() as u64;
+        let peer = &self.fetcher.progress.peer_bytes;
+        match self
+            .fetcher
+            .write_at(
+                self.file,
+                self.rel,
+                buf,
+                &mut self.at,
+                &mut self.hasher,
+                peer,
+            )
+            .await
+        {
+            Ok(buf) => {
+                self.buf = buf;
+                self.written += n;
+                Ok(())
+            }
+            Err(e) => {
+                let message = e.to_string();
+                self.error = Some(e);
+                Err(message.into())
+            }
+        }
+    }
+
+    /// Gives the buffer back to the budget; returns why a write failed, if one did.
+    fn close(mut self) -> Option<StageError> {
+        if let Some(lease) = self.lease.as_mut() {
+            lease.buf = std::mem::take(&mut self.buf);
+        }
+        self.lease = None;
+        self.error.take()
+    }
+}
+
+#[async_trait::async_trait]
+impl UnitSink for PeerSink<'_> {
+    async fn write(
+        &mut self,
+        bytes: bytes::Bytes,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        if self.lease.is_none() {
+            let mut lease = self.fetcher.budget.lease().await;
+            self.buf = std::mem::take(&mut lease.buf);
+            self.lease = Some(lease);
+        }
+        let cap = self.buf.capacity();
+        let mut rest = &bytes[..];
+        while !rest.is_empty() {
+            let n = rest.len().min(cap - self.buf.len());
+            self.buf.extend_from_slice(&rest[..n]);
+            rest = &rest[n..];
+            if self.buf.len() == cap {
+                self.flush().await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<blake3::Hash, Box<dyn std::error::Error + Send + Sync>> {
+        if !self.buf.is_empty() {
+            self.flush().await?;
+        }
+        let hash = self
+            .hasher
+            .take()
+            .map_or_else(|| blake3::hash(b""), |h| h.finalize());
+        self.hash = Some(hash);
+        Ok(hash)
+    }
 }
 
 pub(super) async fn stage(
@@ -265,8 +595,11 @@ pub(super) async fn stage(
     store: Arc<dyn ObjectStore>,
     prefix: &str,
     progress: Arc<Progress>,
+    peers: Option<Arc<JobPeers>>,
 ) -> Result<(), StageError> {
     let source = spec.source.to_string();
+    // However this ends, the job's peers learn that this node knows every unit it will.
+    let _done = peers.clone().map(DatasetDone);
     let fetcher = Arc::new(Fetcher {
         store: store.clone(),
         budget: ctx.budget.clone(),
@@ -275,6 +608,8 @@ pub(super) async fn stage(
         part_size: ctx.cfg.stage.part_size,
         owner: ctx.owner,
         progress: progress.clone(),
+        peers,
+        name: spec.name.clone(),
     });
     let (fd, name, owner) = (ctx.stage_fd.clone(), spec.name.clone(), ctx.owner);
 
@@ -285,10 +620,18 @@ pub(super) async fn stage(
                 progress.files_total.store(1, Ordering::Relaxed);
                 progress.bytes_total.store(meta.size, Ordering::Relaxed);
                 progress.set_state(StageState::Copying);
+                let staged = Staged {
+                    root: fd.clone(),
+                    unit_file: name.clone(),
+                    rel_at: 0,
+                };
                 let file = blocking(move || safefs::create_file(&*fd, &name, Some(owner), 0o644))
                     .await
                     .map_err(|e| fetcher.safefs_error(&spec.name, e))?;
-                return fetcher.clone().fill(Arc::new(file), &spec.name, meta).await;
+                return fetcher
+                    .clone()
+                    .fill(Arc::new(file), &spec.name, meta, staged)
+                    .await;
             }
             Err(object_store::Error::NotFound { .. }) => {}
             Err(e) => return Err(origin_error(&source, e)),
@@ -351,6 +694,15 @@ pub(super) async fn stage(
     Ok(())
 }
 
+/// Tells the job's peers that one of its datasets is staged here, when dropped.
+struct DatasetDone(Arc<JobPeers>);
+
+impl Drop for DatasetDone {
+    fn drop(&mut self) {
+        self.0.dataset_done();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -373,7 +725,17 @@ mod tests {
                 gid: nix::unistd::getgid().as_raw(),
             },
             progress: Arc::new(Progress::new(&spec)),
+            peers: None,
+            name: "ds".into(),
         })
+    }
+
+    fn staged(dir: &std::path::Path, name: &str) -> Staged {
+        Staged {
+            root: Arc::new(safefs::open_root_dir(dir).unwrap()),
+            unit_file: name.into(),
+            rel_at: 0,
+        }
     }
 
     #[tokio::test]
@@ -390,7 +752,10 @@ mod tests {
         let budget = Budget::with(3, 4096);
         let f = fetcher(store.clone(), 64 << 10, budget.clone());
         let file = Arc::new(std::fs::File::create(dir.path().join("x.bin")).unwrap());
-        f.clone().fill(file, "x.bin", meta.clone()).await.unwrap();
+        f.clone()
+            .fill(file, "x.bin", meta.clone(), staged(dir.path(), "x.bin"))
+            .await
+            .unwrap();
         assert_eq!(std::fs::read(dir.path().join("x.bin")).unwrap(), data);
         let p = f.progress.snapshot();
         assert_eq!((p.files_done, p.bytes_done), (1, 300_001));
@@ -404,7 +769,10 @@ mod tests {
             ..meta
         };
         let file = Arc::new(std::fs::File::create(dir.path().join("y.bin")).unwrap());
-        let e = f.fill(file, "y.bin", listed_bigger).await.unwrap_err();
+        let e = f
+            .fill(file, "y.bin", listed_bigger, staged(dir.path(), "y.bin"))
+            .await
+            .unwrap_err();
         assert!(
             e.to_string().contains("object changed while staging"),
             "{e}"

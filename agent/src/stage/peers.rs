@@ -1,0 +1,493 @@
+//! Stage-in shared by the nodes of a job (`--stage-mode=replicate` with `[peer]`): each unit of an
+//! object-store dataset is read from the origin once per job, by its owner, and every other node
+//! of the job takes it from the owner as it arrives.
+//!
+//! [`NodePeers`] is the node's side, built once at agent start: the peer server (serving units to
+//! the other agents), one client (fetching units from them) and `[peer]`. [`JobPeers`] is one job
+//! on this node: the units of its datasets as this node lists them, which of them it holds (with
+//! the BLAKE3 hash of what it read), the nodes it routed around, and the notes for the job output.
+//! It is the [`UnitSource`] the peer server answers the job's other nodes from. `object` decides,
+//! unit by unit, whether this node reads the origin or a peer.
+//!
+//! Rules, so that every node of the job ends with identical data and the origin is read once:
+//!
+//! - **Ownership** is rendezvous hashing of the unit (`NAME/key@offset`) over the job's node list,
+//!   minus the nodes this node has routed around ([`JobPeers::route`]). A node that fails a fetch
+//!   (unreachable, died mid-body, does not know the job, sent a corrupt unit twice) is lost for the
+//!   job on this node: its units go to the survivors by the same hashing, so each lost unit is read
+//!   from the origin by one survivor, which the others then ask, and never by every node at once.
+//! - **Waiting is deadlock-free.** A node serves a unit once it holds it, from the origin or from a
+//!   peer, and waits for any unit it will hold. A node asks X for a unit only when X has the highest
+//!   weight among the nodes it still counts, itself included; so along any chain of waiting nodes
+//!   the weights rise strictly, and no chain closes into a cycle.
+//! - **Checked end to end.** A unit's hash is the owner's, taken from the bytes as they came from
+//!   the origin; a fetched unit counts only when its bytes hash to it (the peer client checks), and
+//!   the fetching node then serves it under that same hash. Bytes that fail the check are written
+//!   over (from a second fetch or the origin) before the job's tasks may see the dataset.
+//! - **Served from the staged copy**, reopened fd-relative without following links, and only if it
+//!   is a regular file of the job user with one link: a user can make a node serve their own bytes
+//!   (which the requester's hash check refuses), never a file they could not read themselves.
+
+use super::Owner;
+use crate::peer::{
+    ClientConfig, ClusterSecret, JobKey, PeerClient, PeerError, PeerServer, PeerService, Unit,
+    UnitData, UnitError, UnitSink, UnitSource, owner_of,
+};
+use bytes::Bytes;
+use nix::fcntl::{OFlag, openat};
+use nix::sys::stat::{Mode, SFlag, fstat};
+use sluice_archive::config::{Config, PeerConfig};
+use sluice_archive::rt::{blocking, lock};
+use sluice_archive::safefs;
+use sluice_proto::msg::JobId;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// This node's peer transfers: the server other agents fetch from, the client this node fetches
+/// with, and `[peer]`.
+pub struct NodePeers {
+    node: String,
+    cfg: PeerConfig,
+    server: PeerServer,
+    client: Arc<PeerClient>,
+}
+
+impl std::fmt::Debug for NodePeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodePeers")
+            .field("node", &self.node)
+            .field("listen", &self.cfg.listen)
+            .finish()
+    }
+}
+
+impl NodePeers {
+    /// Loads the cluster secret and binds the peer port `[peer]` configures. `None` (with an error
+    /// in the log) when either fails: this node then reads every dataset from the origin itself,
+    /// and the job's other nodes route around it.
+    pub async fn bind(cfg: &Config) -> Option<(NodePeers, PeerService)> {
+        let peer = cfg.peer.as_ref()?;
+        let secret = match ClusterSecret::load(&peer.secret_file) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("peer transfers are off on this node: {e}");
+                return None;
+            }
+        };
+        match PeerServer::bind(peer, secret).await {
+            Ok((server, listener)) => Some(NodePeers::with(cfg, peer, server, listener)),
+            Err(e) => {
+                tracing::error!("peer transfers are off on this node: {e}");
+                None
+            }
+        }
+    }
+
+    /// The node's peers from a server and listener already in hand (tests bind port 0).
+    pub fn with(
+        cfg: &Config,
+        peer: &PeerConfig,
+        server: PeerServer,
+        listener: TcpListener,
+    ) -> (NodePeers, PeerService) {
+        let client = PeerClient::new(
+            cfg.node.clone(),
+            ClientConfig::from_config(peer, cfg.stage.timeout),
+        );
+        tracing::info!(
+            node = %cfg.node,
+            listen = %listener.local_addr().map_or_else(|_| peer.listen.clone(), |a| a.to_string()),
+            "peer transfers on"
+        );
+        let service = PeerService {
+            server: server.clone(),
+            listener,
+        };
+        (
+            NodePeers {
+                node: cfg.node.clone(),
+                cfg: peer.clone(),
+                server,
+                client: Arc::new(client),
+            },
+            service,
+        )
+    }
+
+    /// Starts sharing `job`'s object-store datasets with the job's other nodes: registers the
+    /// job's [`JobPeers`] with the peer server. `None` when the job has one node, this node is not
+    /// in its node list, or it stages nothing from object stores.
+    pub fn join(
+        &self,
+        job: JobId,
+        nodes: &[String],
+        owner: Owner,
+        object_datasets: usize,
+    ) -> Option<Arc<JobPeers>> {
+        let mut nodes = nodes.to_vec();
+        nodes.sort();
+        nodes.dedup();
+        if nodes.len() < 2 || object_datasets == 0 {
+            return None;
+        }
+        if !nodes.contains(&self.node) {
+            tracing::warn!(
+                job_id = job,
+                "this node ({}) is not in the job's node list {nodes:?}; it stages without peers",
+                self.node
+            );
+            return None;
+        }
+        let (changed, _) = watch::channel(0);
+        let peers = Arc::new(JobPeers {
+            job,
+            node: self.node.clone(),
+            key: self.server.job_key(job, &nodes),
+            nodes,
+            owner,
+            cfg: self.cfg.clone(),
+            client: self.client.clone(),
+            state: Mutex::new(State {
+                objects: HashMap::new(),
+                listing: object_datasets,
+                closed: None,
+                lost: BTreeMap::new(),
+                notes: BTreeMap::new(),
+            }),
+            changed,
+        });
+        self.server
+            .register(job, &peers.nodes, peers.clone() as Arc<dyn UnitSource>);
+        Some(peers)
+    }
+
+    /// The job ended here (or staged without peers after a restart): requests for its units are
+    /// answered `gone` from now on, so its other nodes read them elsewhere at once.
+    pub fn leave(&self, job: JobId) {
+        self.server.unregister(job);
+    }
+}
+
+/// Whether this node holds a unit.
+#[derive(Debug, Clone)]
+enum Held {
+    /// Not yet: its owner reads it, or this node fetches it.
+    Pending,
+    /// Written to the staged copy; the hash of the bytes its owner read from the origin.
+    Yes(blake3::Hash),
+    /// Never will: why.
+    Failed(String),
+}
+
+/// One object of a dataset as this node stages it.
+struct Object {
+    /// The directory its path is relative to: the dataset's directory, or the stage directory for
+    /// a dataset that is a single object.
+    root: Arc<OwnedFd>,
+    /// Where the path below `root` starts in the unit file name (`NAME/` is not part of it).
+    rel_at: usize,
+    /// Its units in order: unit `i` starts at `i × unit_size`.
+    units: Vec<(u64, Held)>,
+}
+
+struct State {
+    /// By unit file name (`NAME/key`, or `NAME` for a single-object dataset).
+    objects: HashMap<String, Object>,
+    /// Object-store datasets of the job still being listed and staged here; while any is, a unit
+    /// this node does not know yet may still come.
+    listing: usize,
+    /// Staging ended on this node: why units it never held will not come.
+    closed: Option<String>,
+    /// Nodes routed around, and why.
+    lost: BTreeMap<String, String>,
+    /// Notes for the job output, one per node and kind of trouble.
+    notes: BTreeMap<(String, &'static str), String>,
+}
+
+/// Which kind of trouble with a peer a note is about (one note per node and kind).
+#[derive(Debug, Clone, Copy)]
+pub enum Trouble {
+    /// Unreachable, dead mid-transfer, did not know the job, ended it, or refused this node.
+    Lost,
+    /// Sent a unit that failed its check twice.
+    Corrupt,
+    /// Could not serve one unit (not its owner in its view, or its origin read failed).
+    Unit,
+}
+
+/// One job's units on this node; see the module header.
+pub struct JobPeers {
+    job: JobId,
+    node: String,
+    /// The job's nodes, sorted.
+    nodes: Vec<String>,
+    key: JobKey,
+    /// The job user: a staged copy served to peers must be theirs.
+    owner: Owner,
+    cfg: PeerConfig,
+    client: Arc<PeerClient>,
+    state: Mutex<State>,
+    /// Bumped on every change of `state` that a waiting request may care about.
+    changed: watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for JobPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobPeers")
+            .field("job", &self.job)
+            .field("node", &self.node)
+            .field("nodes", &self.nodes)
+            .finish()
+    }
+}
+
+impl JobPeers {
+    pub fn unit_size(&self) -> u64 {
+        self.cfg.unit_size
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// Records the units of one object this node stages (`units` from
+    /// [`units_of`](crate::peer::units_of) with [`unit_size`](Self::unit_size)); `root` and
+    /// `rel_at` say where its staged copy is, for serving it.
+    pub(super) fn add_object(&self, root: Arc<OwnedFd>, rel_at: usize, units: &[Unit]) {
+        let Some(first) = units.first() else { return };
+        let object = Object {
+            root,
+            rel_at,
+            units: units.iter().map(|u| (u.len, Held::Pending)).collect(),
+        };
+        lock(&self.state).objects.insert(first.file.clone(), object);
+        self.bump();
+    }
+
+    /// One object-store dataset of the job is listed and staged here (or gave up).
+    pub(super) fn dataset_done(&self) {
+        let mut st = lock(&self.state);
+        st.listing = st.listing.saturating_sub(1);
+        drop(st);
+        self.bump();
+    }
+
+    /// The node to fetch `unit` from, or `None` when this node reads it from the origin: the
+    /// unit's owner among the job's nodes this node has not routed around.
+    pub(super) fn route(&self, unit: &Unit) -> Option<String> {
+        let key = unit.key();
+        let st = lock(&self.state);
+        let owner = if st.lost.is_empty() {
+            self.nodes[owner_of(&key, &self.nodes)].clone()
+        } else {
+            let alive: Vec<String> = self
+                .nodes
+                .iter()
+                .filter(|n| !st.lost.contains_key(*n))
+                .cloned()
+                .collect();
+            alive[owner_of(&key, &alive)].clone()
+        };
+        (owner != self.node).then_some(owner)
+    }
+
+    fn set(&self, unit: &Unit, held: Held) {
+        let mut st = lock(&self.state);
+        if let Some(slot) = slot_mut(&mut st, unit, self.cfg.unit_size) {
+            slot.1 = held;
+        }
+        drop(st);
+        self.bump();
+    }
+
+    /// This node wrote `unit` to its staged copy; `hash` is what its owner read.
+    pub(super) fn held(&self, unit: &Unit, hash: blake3::Hash) {
+        self.set(unit, Held::Yes(hash));
+    }
+
+    /// This node will not hold `unit` (its origin read failed): peers asking for it are told why.
+    pub(super) fn failed(&self, unit: &Unit, why: String) {
+        self.set(unit, Held::Failed(why));
+    }
+
+    /// Routes around `node` for the rest of the job: its units go to the other nodes.
+    pub(super) fn lose(&self, node: &str, kind: Trouble, why: &str) {
+        let mut st = lock(&self.state);
+        if st.lost.contains_key(node) || node == self.node {
+            return;
+        }
+        st.lost.insert(node.to_string(), why.to_string());
+        drop(st);
+        tracing::warn!(
+            job_id = self.job,
+            "peer {node} is routed around for the rest of the job: {why}"
+        );
+        let text = match kind {
+            Trouble::Corrupt => format!(
+                "peer transfers: data from node {node} failed its checksum twice ({why}); that data was fetched again from the origin, and this node stopped taking data from {node}"
+            ),
+            _ => format!(
+                "peer transfers: node {node}'s agent could not be used ({why}); this node took {node}'s share of the datasets from the origin or the other nodes instead"
+            ),
+        };
+        self.note(node, kind, text);
+    }
+
+    /// A note for the job output about `node`; the first of each kind per node is kept.
+    pub(super) fn note(&self, node: &str, kind: Trouble, text: String) {
+        let tag = match kind {
+            Trouble::Lost => "lost",
+            Trouble::Corrupt => "corrupt",
+            Trouble::Unit => "unit",
+        };
+        lock(&self.state)
+            .notes
+            .entry((node.to_string(), tag))
+            .or_insert(text);
+    }
+
+    /// The notes for the job's output so far.
+    pub fn notes(&self) -> Vec<String> {
+        lock(&self.state).notes.values().cloned().collect()
+    }
+
+    /// Fetches `unit` from `node` into `sink` (see [`PeerClient::fetch_into`]).
+    pub(super) async fn fetch(
+        &self,
+        node: &str,
+        unit: &Unit,
+        sink: &mut dyn UnitSink,
+    ) -> Result<(), PeerError> {
+        self.client
+            .fetch_into(&self.cfg.addr_of(node), &self.key, unit, sink)
+            .await
+    }
+
+    /// Staging ended on this node (`why`: done, failed, cut short): the units it never held will
+    /// not come, and peers waiting for them are told so. Units it holds are still served until
+    /// the job ends ([`NodePeers::leave`]).
+    pub fn close(&self, why: &str) {
+        let mut st = lock(&self.state);
+        st.listing = 0;
+        if st.closed.is_none() {
+            st.closed = Some(why.to_string());
+        }
+        for object in st.objects.values_mut() {
+            for slot in &mut object.units {
+                if matches!(slot.1, Held::Pending) {
+                    slot.1 = Held::Failed(format!("staging ended on this node: {why}"));
+                }
+            }
+        }
+        drop(st);
+        self.bump();
+    }
+
+    /// What this node can say about `unit` now: `Some` is final, `None` means wait.
+    fn answer(&self, unit: &Unit) -> Option<Result<blake3::Hash, UnitError>> {
+        let mut st = lock(&self.state);
+        let (listing, closed) = (st.listing, st.closed.is_some());
+        let known_file = st.objects.contains_key(&unit.file);
+        match slot_mut(&mut st, unit, self.cfg.unit_size) {
+            Some((_, Held::Yes(h))) => Some(Ok(*h)),
+            Some((_, Held::Failed(why))) => Some(Err(UnitError::Failed(why.clone()))),
+            Some((_, Held::Pending)) => None,
+            // A unit this node will never know: another listing, another unit size, or not one
+            // of the job's units at all. A file not listed here yet may still come.
+            None if known_file || listing == 0 || closed => Some(Err(UnitError::NotOwner)),
+            None => None,
+        }
+    }
+}
+
+/// The slot of `unit` if it is exactly one of the recorded units (file, offset and length).
+fn slot_mut<'a>(st: &'a mut State, unit: &Unit, unit_size: u64) -> Option<&'a mut (u64, Held)> {
+    if unit.offset % unit_size != 0 {
+        return None;
+    }
+    let object = st.objects.get_mut(&unit.file)?;
+    let slot = object.units.get_mut((unit.offset / unit_size) as usize)?;
+    (slot.0 == unit.len).then_some(slot)
+}
+
+#[async_trait::async_trait]
+impl UnitSource for JobPeers {
+    async fn ready(&self, unit: &Unit) -> Result<(), UnitError> {
+        // Subscribed before looking, so no change between the look and the wait is missed; the
+        // receiver is dropped with the future, which leaves this node's own staging untouched.
+        let mut changes = self.changed.subscribe();
+        loop {
+            if let Some(answer) = self.answer(unit) {
+                return answer.map(drop);
+            }
+            if changes.changed().await.is_err() {
+                return Err(UnitError::Gone);
+            }
+        }
+    }
+
+    async fn unit(&self, unit: &Unit) -> Result<UnitData, UnitError> {
+        let (hash, root, rel) = {
+            let mut st = lock(&self.state);
+            let hash = match slot_mut(&mut st, unit, self.cfg.unit_size) {
+                Some((_, Held::Yes(h))) => *h,
+                Some((_, Held::Failed(why))) => return Err(UnitError::Failed(why.clone())),
+                _ => return Err(UnitError::NotOwner),
+            };
+            let object = &st.objects[&unit.file];
+            (
+                hash,
+                object.root.clone(),
+                unit.file[object.rel_at..].to_string(),
+            )
+        };
+        let (offset, len, owner) = (unit.offset, unit.len as usize, self.owner);
+        let bytes = blocking(move || read_staged(&root, &rel, offset, len, owner))
+            .await
+            .map_err(|e| UnitError::Failed(format!("reading this node's staged copy: {e}")))?;
+        Ok(UnitData {
+            bytes: Bytes::from(bytes),
+            hash,
+        })
+    }
+}
+
+/// Reads `len` bytes at `offset` of the staged file `rel` below `root`: every component opened
+/// without following links, the file only if it is a regular file of `owner` with one link (a user
+/// cannot have the agent read a hard link to someone else's file, or hang on a FIFO).
+fn read_staged(
+    root: &OwnedFd,
+    rel: &str,
+    offset: u64,
+    len: usize,
+    owner: Owner,
+) -> std::io::Result<Vec<u8>> {
+    let parts: Vec<&str> = rel.split('/').collect();
+    let (name, dirs) = parts.split_last().expect("split yields one part");
+    let mut dir = root.try_clone()?;
+    for d in dirs {
+        dir = safefs::open_dir(&dir, d).map_err(std::io::Error::other)?;
+    }
+    safefs::check_component(name).map_err(std::io::Error::other)?;
+    let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+    let fd = openat(&dir, *name, flags, Mode::empty()).map_err(std::io::Error::from)?;
+    let st = fstat(&fd).map_err(std::io::Error::from)?;
+    let regular = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG;
+    if !regular || st.st_uid != owner.uid || st.st_nlink != 1 {
+        return Err(std::io::Error::other(format!(
+            "'{rel}' is no longer the file this node staged"
+        )));
+    }
+    let file = File::from(fd);
+    let mut buf = vec![0u8; len];
+    file.read_exact_at(&mut buf, offset)?;
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,514 @@
+//! Three nodes of one job in one process: the real stager, peer servers on 127.0.0.1 ports and
+//! the real client, staging from one in-memory object store that counts the bytes it serves. What
+//! a job would see: every node's copy identical to the origin, and the origin read once.
+
+use super::*;
+use crate::peer::{PeerServer, PeerService, ServerConfig};
+use crate::stage::{Budget, Progress, StageCtx};
+use futures::stream::BoxStream;
+use object_store::path::Path as ObjPath;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+use sluice_archive::config::Config;
+use sluice_proto::options::{StageSpec, parse_stage_entry};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+const JOB: u32 = 77;
+
+/// The origin: an in-memory store that counts the object bytes its GETs return.
+#[derive(Debug)]
+struct CountingStore {
+    inner: object_store::memory::InMemory,
+    served: AtomicU64,
+}
+
+impl std::fmt::Display for CountingStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CountingStore({})", self.inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for CountingStore {
+    async fn put_opts(
+        &self,
+        location: &ObjPath,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &ObjPath,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &ObjPath,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        let head = options.head;
+        let r = self.inner.get_opts(location, options).await?;
+        if !head {
+            self.served
+                .fetch_add(r.range.end - r.range.start, Ordering::SeqCst);
+        }
+        Ok(r)
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<ObjPath>>,
+    ) -> BoxStream<'static, object_store::Result<ObjPath>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&ObjPath>,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&ObjPath>,
+    ) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &ObjPath,
+        to: &ObjPath,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+/// The dataset `ds/`: one object of several units (and a short last one), small objects, an
+/// empty one, a nested one. Returns the store and the dataset's files and their bytes.
+async fn origin() -> (Arc<CountingStore>, BTreeMap<String, Vec<u8>>) {
+    let store = Arc::new(CountingStore {
+        inner: object_store::memory::InMemory::new(),
+        served: AtomicU64::new(0),
+    });
+    let mut files = BTreeMap::new();
+    let big: Vec<u8> = (0..(5 << 20) + 12_345u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    files.insert("big.bin".to_string(), big);
+    for i in 0..40u32 {
+        let n = 1000 + i as usize * 997;
+        files.insert(
+            format!("small/part-{i:03}.bin"),
+            (0..n).map(|j| (j as u32 ^ i) as u8).collect(),
+        );
+    }
+    files.insert("empty".to_string(), Vec::new());
+    files.insert("a/b/c/deep.txt".to_string(), b"deep".to_vec());
+    for (k, v) in &files {
+        store
+            .inner
+            .put(&ObjPath::from(format!("ds/{k}")), v.clone().into())
+            .await
+            .unwrap();
+    }
+    (store, files)
+}
+
+fn dataset_bytes(files: &BTreeMap<String, Vec<u8>>) -> u64 {
+    files.values().map(|v| v.len() as u64).sum()
+}
+
+/// One node of the job: its config, peers, stage directory and progress.
+struct Node {
+    name: String,
+    ctx: StageCtx,
+    peers: NodePeers,
+    dir: tempfile::TempDir,
+    progress: Arc<Progress>,
+    stop: CancellationToken,
+}
+
+fn spec() -> StageSpec {
+    parse_stage_entry("ds=s3://b/ds").unwrap()
+}
+
+fn me() -> Owner {
+    Owner {
+        uid: nix::unistd::getuid().as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
+    }
+}
+
+/// The `[peer.nodes]` table of `addrs`.
+fn peer_section(addrs: &BTreeMap<String, String>) -> String {
+    let mut s = "[peer]\nsecret_file = '/nonexistent/peer.key'\nunit_size = '1MiB'\n\
+                 concurrency = 4\nconnect_timeout = '1s'\nread_timeout = '3s'\n[peer.nodes]\n"
+        .to_string();
+    for (n, a) in addrs {
+        s.push_str(&format!("{n} = '{a}'\n"));
+    }
+    s
+}
+
+/// Starts node `name`'s peer server on `listener`; `addrs` is how this node reaches every node
+/// (a test may route one peer through a relay).
+async fn node(name: &str, listener: TcpListener, addrs: &BTreeMap<String, String>) -> Node {
+    let text = format!(
+        "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
+         [stage]\nconcurrency = 4\nmemory = '1MiB'\ntimeout = '60s'\n{}",
+        peer_section(addrs)
+    );
+    let cfg = Arc::new(Config::parse(&text, name).unwrap());
+    let peer_cfg = cfg.peer.clone().unwrap();
+    let server = PeerServer::new(
+        ClusterSecret::from_bytes(*b"an in-process test secret, 32 b!"),
+        ServerConfig::from_config(&peer_cfg),
+    );
+    let (peers, PeerService { server, listener }) =
+        NodePeers::with(&cfg, &peer_cfg, server, listener);
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move { server.serve(listener, s).await });
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = StageCtx {
+        cfg: cfg.clone(),
+        owner: me(),
+        user: "me".into(),
+        stage_path: dir.path().into(),
+        stage_fd: Arc::new(safefs::open_root_dir(dir.path()).unwrap()),
+        helper_exe: "/bin/false".into(),
+        cancel: CancellationToken::new(),
+        budget: Budget::new(&cfg.stage),
+    };
+    Node {
+        name: name.into(),
+        ctx,
+        peers,
+        dir,
+        progress: Arc::new(Progress::new(&spec())),
+        stop,
+    }
+}
+
+fn job_nodes() -> Vec<String> {
+    ["n1", "n2", "n3"].map(String::from).to_vec()
+}
+
+/// Binds a port for each of n1..n3.
+async fn listeners() -> (Vec<TcpListener>, BTreeMap<String, String>) {
+    let mut ls = Vec::new();
+    let mut addrs = BTreeMap::new();
+    for n in job_nodes() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.insert(n, l.local_addr().unwrap().to_string());
+        ls.push(l);
+    }
+    (ls, addrs)
+}
+
+/// Stages the dataset on `nodes` at once, each sharing it with the job's three nodes, the way
+/// the agent's set-up does (join, stage, close); returns each node's result and job peers. The
+/// stager is handed the test's counting store directly (the agent opens it from the config).
+async fn stage_all(
+    nodes: &[&Node],
+    store: &Arc<CountingStore>,
+) -> Vec<(Result<(), crate::stage::StageError>, Arc<JobPeers>)> {
+    let runs = nodes.iter().map(|n| {
+        let store = store.clone() as Arc<dyn ObjectStore>;
+        async move {
+            let peers = n.peers.join(JOB, &job_nodes(), me(), 1).unwrap();
+            let spec = spec();
+            let run = crate::stage::object::stage(
+                &n.ctx,
+                &spec,
+                store,
+                "ds",
+                n.progress.clone(),
+                Some(peers.clone()),
+            );
+            let r = tokio::time::timeout(Duration::from_secs(60), run)
+                .await
+                .unwrap_or_else(|_| panic!("{} did not finish staging", n.name));
+            peers.close("done");
+            (r, peers)
+        }
+    });
+    futures::future::join_all(runs).await
+}
+
+/// Every file of `dir/ds`, relative, with its bytes.
+fn read_tree(dir: &std::path::Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let root = dir.join("ds");
+    let mut stack = vec![root.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            let p = e.path();
+            if e.file_type().unwrap().is_dir() {
+                stack.push(p);
+            } else {
+                let rel = p
+                    .strip_prefix(&root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned();
+                out.insert(rel, std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Checks each node's copy against the origin; returns the nodes' origin and peer byte counts.
+fn assert_identical(nodes: &[&Node], files: &BTreeMap<String, Vec<u8>>) -> Vec<(u64, u64)> {
+    nodes
+        .iter()
+        .map(|n| {
+            let got = read_tree(n.dir.path());
+            assert_eq!(
+                got.keys().collect::<Vec<_>>(),
+                files.keys().collect::<Vec<_>>(),
+                "the files staged on {}",
+                n.name
+            );
+            for (k, v) in files {
+                assert!(got[k] == *v, "{k} on {} differs from the origin", n.name);
+            }
+            let p = n.progress.snapshot();
+            assert_eq!(
+                (p.bytes_done, p.files_done),
+                (dataset_bytes(files), files.len() as u64),
+                "{}'s progress",
+                n.name
+            );
+            assert_eq!(
+                p.origin_bytes + p.peer_bytes,
+                p.bytes_done,
+                "{}: every byte came from the origin or a peer",
+                n.name
+            );
+            (p.origin_bytes, p.peer_bytes)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_read_the_origin_once_and_each_ends_with_the_whole_dataset() {
+    let (store, files) = origin().await;
+    let (ls, addrs) = listeners().await;
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().iter().zip(ls) {
+        nodes.push(node(name, l, &addrs).await);
+    }
+    let all: Vec<&Node> = nodes.iter().collect();
+    for (r, peers) in stage_all(&all, &store).await {
+        r.unwrap();
+        assert!(peers.notes().is_empty(), "{:?}", peers.notes());
+    }
+    let counts = assert_identical(&all, &files);
+    let total = dataset_bytes(&files);
+    assert_eq!(
+        store.served.load(Ordering::SeqCst),
+        total,
+        "the origin served each byte of the dataset exactly once"
+    );
+    // Each node read its own share and took the rest from the others.
+    assert_eq!(counts.iter().map(|c| c.0).sum::<u64>(), total);
+    for (n, (origin, peer)) in all.iter().zip(&counts) {
+        assert!(*origin > 0 && *peer > 0, "{}: {origin} + {peer}", n.name);
+    }
+    for n in &nodes {
+        n.stop.cancel();
+    }
+}
+
+/// n3's agent is not there (nothing listens on its port): n1 and n2 route around it and split its
+/// share, so the job still gets identical data, the origin still serves each byte once, and the
+/// job output gets a note.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_without_an_agent_is_routed_around_and_the_origin_still_read_once() {
+    let (store, files) = origin().await;
+    let (mut ls, addrs) = listeners().await;
+    drop(ls.pop()); // n3's port: closed
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().iter().zip(ls) {
+        nodes.push(node(name, l, &addrs).await);
+    }
+    let two: Vec<&Node> = nodes.iter().collect();
+    for (r, peers) in stage_all(&two, &store).await {
+        r.unwrap();
+        let notes = peers.notes();
+        assert!(
+            notes.len() == 1 && notes[0].contains("node n3's agent could not be used"),
+            "{notes:?}"
+        );
+    }
+    assert_identical(&two, &files);
+    assert_eq!(store.served.load(Ordering::SeqCst), dataset_bytes(&files));
+}
+
+/// A relay between n1 and n2 that changes bytes: n1 detects it (the owner's hash), fetches again
+/// once, then routes around n2; its copy is still identical to the origin, with a note. n3, which
+/// reaches n2 directly, is not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tampering_relay_is_detected_and_its_units_fetched_elsewhere() {
+    let (store, files) = origin().await;
+    let (ls, addrs) = listeners().await;
+    let relay = tampering_relay(addrs["n2"].clone()).await;
+    let mut via_relay = addrs.clone();
+    via_relay.insert("n2".into(), relay);
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().iter().zip(ls) {
+        let seen = if name == "n1" { &via_relay } else { &addrs };
+        nodes.push(node(name, l, seen).await);
+    }
+    let all: Vec<&Node> = nodes.iter().collect();
+    let results = stage_all(&all, &store).await;
+    for (i, (r, peers)) in results.iter().enumerate() {
+        assert!(r.is_ok(), "{}: {r:?}", all[i].name);
+        let notes = peers.notes();
+        if i == 0 {
+            assert!(
+                notes.len() == 1
+                    && notes[0].contains("data from node n2 failed its checksum twice"),
+                "{notes:?}"
+            );
+        } else {
+            assert!(notes.is_empty(), "{}: {notes:?}", all[i].name);
+        }
+    }
+    assert_identical(&all, &files);
+    // n2's units that n1 now owns were read twice (by n2, then n1): never more than the dataset
+    // plus n2's share.
+    let served = store.served.load(Ordering::SeqCst);
+    let n2_share = nodes[1].progress.snapshot().origin_bytes;
+    assert!(
+        served <= dataset_bytes(&files) + n2_share,
+        "{served} > {} + {n2_share}",
+        dataset_bytes(&files)
+    );
+}
+
+/// A peer asking for a unit this node has not listed yet waits for it; once every dataset is
+/// listed, a unit this node does not know is refused as not its own; a closed staging fails the
+/// units it never got.
+#[tokio::test]
+async fn the_source_waits_for_units_it_will_hold_and_refuses_others() {
+    let (ls, addrs) = listeners().await;
+    let mut ls = ls.into_iter();
+    let n = node("n1", ls.next().unwrap(), &addrs).await;
+    let peers = n.peers.join(JOB, &job_nodes(), me(), 1).unwrap();
+    let unit = |file: &str, offset: u64, len: u64| Unit {
+        file: file.into(),
+        offset,
+        len,
+    };
+    let pending = |u: Unit| {
+        let p = peers.clone();
+        async move { p.ready(&u).await }
+    };
+    // Not listed yet: waits.
+    let early = tokio::spawn(pending(unit("ds/x", 0, 10)));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!early.is_finished());
+    let root = n.ctx.stage_fd.clone();
+    std::fs::write(n.dir.path().join("x"), b"0123456789").unwrap();
+    peers.add_object(root, 3, &[unit("ds/x", 0, 10)]);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!early.is_finished(), "listed but not held: still waits");
+    peers.held(&unit("ds/x", 0, 10), blake3::hash(b"0123456789"));
+    assert_eq!(early.await.unwrap(), Ok(()));
+    let data = peers.unit(&unit("ds/x", 0, 10)).await.unwrap();
+    assert_eq!(&data.bytes[..], b"0123456789");
+    // Another length or offset of a known file is not one of the job's units.
+    assert_eq!(
+        peers.unit(&unit("ds/x", 0, 9)).await.unwrap_err(),
+        UnitError::NotOwner
+    );
+    assert_eq!(
+        peers.ready(&unit("ds/x", 5, 5)).await.unwrap_err(),
+        UnitError::NotOwner
+    );
+    // A path that walks out of the dataset is never opened: it is not a recorded unit.
+    assert_eq!(
+        peers
+            .unit(&unit("ds/../../etc/passwd", 0, 10))
+            .await
+            .unwrap_err(),
+        UnitError::NotOwner
+    );
+    let late = tokio::spawn(pending(unit("ds/y", 0, 4)));
+    peers.add_object(n.ctx.stage_fd.clone(), 3, &[unit("ds/y", 0, 4)]);
+    peers.close("node n1 failed");
+    let e = late.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, UnitError::Failed(why) if why.contains("node n1 failed")),
+        "{e:?}"
+    );
+    // Listed everything (closed): an unknown unit is refused at once.
+    assert_eq!(
+        peers.ready(&unit("ds/z", 0, 4)).await.unwrap_err(),
+        UnitError::NotOwner
+    );
+    // The staged copy replaced by something else (here a symlink) is not served.
+    std::fs::remove_file(n.dir.path().join("x")).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", n.dir.path().join("x")).unwrap();
+    let e = peers.unit(&unit("ds/x", 0, 10)).await.unwrap_err();
+    assert!(matches!(e, UnitError::Failed(_)), "{e:?}");
+}
+
+/// Relays TCP to `upstream`, changing one byte in every 64 KiB its answers carry.
+async fn tampering_relay(upstream: String) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = l.accept().await {
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.split();
+                let (mut sr, mut sw) = server.split();
+                let up = tokio::io::copy(&mut cr, &mut sw);
+                let down = async {
+                    let mut buf = vec![0u8; 16 << 10];
+                    let mut seen = 0u64;
+                    loop {
+                        let n = match sr.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        for (i, b) in buf[..n].iter_mut().enumerate() {
+                            if (seen + i as u64) % (64 << 10) == (64 << 10) - 1 {
+                                *b ^= 0x5a;
+                            }
+                        }
+                        seen += n as u64;
+                        if cw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                };
+                let _ = tokio::join!(up, down);
+            });
+        }
+    });
+    addr
+}
