@@ -18,7 +18,8 @@ DEEPSPEED_VERSION=0.19.8
 
 APT_PACKAGES=(slurmd slurmctld slurm-client libslurm-dev slurm-wlm-plugins-dev munge
               libclang-dev clang fio zstd rsync build-essential pkg-config procps iproute2 python3-venv curl
-              python3-dev)
+              python3-dev
+              man-db zsh fish)  # sluice generate: the man pages and completions are checked with them
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
