@@ -22,6 +22,7 @@
 
 use super::format::{self, FileCompression, Frame};
 use super::manifest::{ChunkEntry, FileEntry, PART_FORMAT, PartManifest, VERSION};
+use super::resume::{Identity, Journal, Pending};
 use super::walk::{self, Snapshot, TreeFile, WalkError};
 use super::{ArchiveError, ArchiveProgress, Archiver, check_name, unix_ms_now};
 use crate::rt::blocking;
@@ -209,10 +210,11 @@ enum ReadItem {
         hash: HashBy,
         compression: Choice,
     },
-    /// `hash`: the file's, when the reader hashed it (or it is empty).
+    /// `hash`: the file's, when the reader hashed it (or it is empty). `read`: the version read.
     End {
         index: usize,
         hash: Option<blake3::Hash>,
+        read: Snapshot,
     },
 }
 
@@ -226,6 +228,7 @@ enum Encoded {
     End {
         index: usize,
         hash: Option<blake3::Hash>,
+        read: Snapshot,
     },
 }
 
@@ -350,6 +353,7 @@ impl Reader {
         self.send(ReadItem::End {
             index,
             hash: (f.size == 0 || matches!(hash, HashBy::Reader)).then(|| hasher.finalize()),
+            read: after,
         })
     }
 }
@@ -382,7 +386,8 @@ enum PartMsg {
         payload: PutPayload,
         permit: OwnedSemaphorePermit,
     },
-    Finish,
+    /// The last part was sent; note the object in the resume log once it is complete.
+    Finish(Option<Pending>),
 }
 
 /// The file being assembled into its object.
@@ -414,6 +419,8 @@ struct Assembler<'a> {
     tasks: FuturesUnordered<JoinHandle<Result<(), ArchiveError>>>,
     cur: Option<Current>,
     done: Vec<FileEntry>,
+    /// The resume log, when the upload keeps one.
+    journal: Option<Journal>,
 }
 
 impl Assembler<'_> {
@@ -494,10 +501,10 @@ impl Assembler<'_> {
                     rest = &rest[n..];
                 }
             }
-            Encoded::End { index, hash } => {
+            Encoded::End { index, hash, read } => {
                 let cur = self.cur.take().expect("an end follows its file's start");
                 debug_assert_eq!(cur.index, index);
-                self.finish_file(cur, hash).await?;
+                self.finish_file(cur, hash, read).await?;
             }
         }
         Ok(())
@@ -550,13 +557,14 @@ impl Assembler<'_> {
         &mut self,
         mut cur: Current,
         hash: Option<blake3::Hash>,
+        read: Snapshot,
     ) -> Result<(), ArchiveError> {
         let f = &self.files[cur.index];
         let chunk = self.archiver.cfg.chunk_size as u64;
         let hash = hash
             .or(cur.whole)
             .unwrap_or_else(|| super::download::file_hash(&cur.subtrees, chunk, f.size));
-        self.done.push(FileEntry {
+        let entry = FileEntry {
             path: f.rel.clone(),
             node: self.node.clone(),
             size: f.size,
@@ -565,7 +573,12 @@ impl Assembler<'_> {
             compression: cur.compression,
             stored_size: cur.stored,
             chunks: std::mem::take(&mut cur.chunks),
-        });
+        };
+        let pending = self
+            .journal
+            .as_ref()
+            .map(|j| j.pending(Identity::read(&read), entry.clone()));
+        self.done.push(entry);
         let permit = self.permit().await;
         let payload = match cur.buf.take() {
             Some(b) if small_piece(b.buf.len(), cur.part_size) => {
@@ -578,7 +591,9 @@ impl Assembler<'_> {
             tx.send(PartMsg::Part { payload, permit })
                 .await
                 .map_err(|_| self.stopped())?;
-            tx.send(PartMsg::Finish).await.map_err(|_| self.stopped())?;
+            tx.send(PartMsg::Finish(pending))
+                .await
+                .map_err(|_| self.stopped())?;
         } else {
             let (store, key, throttle, progress, cancel) = (
                 self.archiver.store.clone(),
@@ -598,15 +613,17 @@ impl Assembler<'_> {
                     store.put(&key, payload).await
                 };
                 let r = tokio::select! {
-                    r = put => r.map(|_| ()).map_err(err),
+                    r = put => r.map_err(err),
                     _ = cancel.cancelled() => Err(stopped),
                 };
                 drop(permit);
-                if r.is_ok() {
-                    progress.stored(n);
-                    progress.file_done();
+                let put = r?;
+                progress.stored(n);
+                progress.file_done();
+                if let Some(p) = pending {
+                    p.stored(put.e_tag);
                 }
-                r
+                Ok(())
             }));
         }
         self.poll_errors()
@@ -677,6 +694,7 @@ impl MultipartTask {
         let part_err = self.store_err("upload part");
         let mut inflight = FuturesUnordered::new();
         let mut finished = false;
+        let mut pending = None;
         let result = loop {
             if finished && inflight.is_empty() {
                 break Ok(());
@@ -705,7 +723,10 @@ impl MultipartTask {
                             r
                         });
                     }
-                    Some(PartMsg::Finish) => finished = true,
+                    Some(PartMsg::Finish(p)) => {
+                        finished = true;
+                        pending = p;
+                    }
                     None => break Err(ArchiveError::Stopped { tag: self.tag.clone() }),
                 },
             }
@@ -715,13 +736,15 @@ impl MultipartTask {
                 .upload
                 .complete()
                 .await
-                .map(|_| ())
                 .map_err(self.store_err("complete multipart upload")),
             Err(e) => Err(e),
         };
         match result {
-            Ok(()) => {
+            Ok(done) => {
                 self.progress.file_done();
+                if let Some(p) = pending {
+                    p.stored(done.e_tag);
+                }
                 Ok(())
             }
             Err(e) => {
@@ -746,6 +769,9 @@ impl Archiver {
     /// `BASE/TAG/parts/<node>.json`. Idempotent: a rerun uploads again. A file that changes while it
     /// is read fails the upload with [`ArchiveError::Modified`] (retry later); no part manifest is
     /// written then. Once the checkpoint is published, returns the node's existing part.
+    ///
+    /// With a resume directory ([`Archiver::with_resume_dir`]) a rerun after an interruption
+    /// uploads only the files whose objects it did not store yet (see [`super::resume`]).
     pub async fn upload_part(
         &self,
         tag: &str,
@@ -756,8 +782,12 @@ impl Archiver {
     ) -> Result<PartManifest, ArchiveError> {
         check_name("checkpoint tag", tag)?;
         check_name("node name", node)?;
+        let resume = self.resume_log(tag, node);
         // A published checkpoint is immutable.
         if self.manifest_opt(tag).await?.is_some() {
+            if let Some(log) = &resume {
+                log.remove().await;
+            }
             return self
                 .part_opt(tag, node)
                 .await?
@@ -783,10 +813,33 @@ impl Archiver {
             tree.files.iter().map(|f| f.size).sum(),
         );
         let dirs = tree.dirs;
-        let files = Arc::new(tree.files);
-        let entries = self
-            .upload_files(tag, node, dir, expected_uid, files, progress.clone())
-            .await?;
+        let (mut entries, files, journal) = match &resume {
+            Some(log) => {
+                let plan = self
+                    .resume_plan(log, tag, node, tree.files, progress)
+                    .await?;
+                (plan.resumed, plan.upload, plan.journal)
+            }
+            None => (Vec::new(), tree.files, None),
+        };
+        let (journal, writer) = journal.unzip();
+        let uploaded = self
+            .upload_files(
+                tag,
+                node,
+                dir,
+                expected_uid,
+                Arc::new(files),
+                progress.clone(),
+                journal,
+            )
+            .await;
+        // Every upload task is done: the log holds each object they stored.
+        if let Some(w) = writer {
+            w.finish().await;
+        }
+        entries.extend(uploaded?);
+        entries.sort_by(|a, b| a.path.cmp(&b.path));
 
         let part = PartManifest {
             format: PART_FORMAT.into(),
@@ -806,6 +859,9 @@ impl Archiver {
             .put(&part_key, PutPayload::from(json))
             .await
             .map_err(self.store_err("put", &part_key))?;
+        if let Some(log) = &resume {
+            log.remove().await;
+        }
         tracing::info!(
             tag,
             node,
@@ -818,6 +874,8 @@ impl Archiver {
         Ok(part)
     }
 
+    /// Uploads `files`, noting each object stored in `journal`; returns their entries.
+    #[allow(clippy::too_many_arguments)]
     async fn upload_files(
         &self,
         tag: &str,
@@ -826,6 +884,7 @@ impl Archiver {
         uid: u32,
         files: Arc<Vec<TreeFile>>,
         progress: ArchiveProgress,
+        journal: Option<Journal>,
     ) -> Result<Vec<FileEntry>, ArchiveError> {
         let cancel = CancellationToken::new();
         // If this future is dropped, the upload tasks stop and abort their multipart uploads.
@@ -871,7 +930,7 @@ impl Archiver {
                         .await;
                         Encoded::Chunk(frame, hash)
                     }
-                    ReadItem::End { index, hash } => Encoded::End { index, hash },
+                    ReadItem::End { index, hash, read } => Encoded::End { index, hash, read },
                 })
             }
         })
@@ -888,6 +947,7 @@ impl Archiver {
             tasks: FuturesUnordered::new(),
             cur: None,
             done: Vec::new(),
+            journal,
         };
         let result = async {
             let mut encoded = std::pin::pin!(encoded);
