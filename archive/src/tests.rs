@@ -625,3 +625,5 @@ async fn a_checkpoint_written_on_one_node_of_three_is_published() {
         "a node that held nothing restores the whole checkpoint"
     );
 }
+
+mod resume;
