@@ -10,15 +10,17 @@
 //! Below the archive URL's base prefix (`s3://ckpt/alice/run1` → bucket `ckpt`, base `alice/run1`):
 //!
 //! ```text
-//! BASE/TAG/commits/<node>.json  a node's note that its job committed TAG (job id, time): first
+//! BASE/.jobs/<job>/TAG/<node>.json  a node's note that job <job> committed TAG (time): first;
+//!                               removed once TAG is published (not a tag: tags never start with '.')
 //! BASE/TAG/data/<relpath>       one object per file: its chunks' frames (format.rs)
 //! BASE/TAG/parts/<node>.json    what one node archived (PartManifest, with its job id), after its
 //!                               data objects; empty for a node that holds none of the tag
 //! BASE/TAG/MANIFEST             the checkpoint (Manifest): written last, after every part
 //! ```
 //!
-//! **Any subset of nodes.** A multi-node job's node that commits a tag notes it under `commits/`;
-//! the job's other nodes see the note ([`Archiver::commits_of_job`]) and answer with their part, or
+//! **Any subset of nodes.** A multi-node job's node that commits a tag notes it under
+//! `.jobs/<job>/` (one listing of the job's own notes, however many tags the prefix holds); the
+//! job's other nodes see the note ([`Archiver::commits_of_job`]) and answer with their part, or
 //! with an empty part when they hold nothing of the tag (rank 0's `torch.save`), so publishing
 //! never waits for files a node does not have. Parts and notes carry the job id, and a publisher
 //! merges only its own job's parts: a tag reused under a shared prefix never mixes jobs.
@@ -56,6 +58,7 @@ pub mod format;
 #[allow(unsafe_code)]
 pub mod iobuf;
 pub mod manifest;
+mod resume;
 pub mod rt;
 pub mod safefs;
 pub mod store;
@@ -68,13 +71,14 @@ pub mod walk;
 pub use download::VerifyReport;
 pub use format::{Codec, FileCompression, Transform};
 pub use manifest::{ChunkEntry, FileEntry, JobMeta, Manifest, PartManifest};
+pub use resume::prune_resume_logs;
 pub use url::{ArchiveLocation, ArchiveStore, open_archive, open_archive_with, parse_archive_url};
 
 use config::within;
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
-use std::collections::HashMap;
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use throttle::Throttle;
@@ -452,6 +456,8 @@ pub struct Archiver {
     throttle: Option<Arc<Throttle>>,
     /// The job this archiver writes and publishes for (parts and commit markers carry it).
     job: Option<u32>,
+    /// Where uploads keep their resume logs ([`Archiver::with_resume_dir`]).
+    resume_dir: Option<std::path::PathBuf>,
 }
 
 /// What [`Archiver::try_publish`] found.
@@ -473,8 +479,8 @@ impl Publish {
     }
 }
 
-/// A node's note that its job committed a tag: `BASE/TAG/commits/<node>.json`, written at the
-/// commit, before any data. The job's other nodes read it to learn of the commit, and a node that
+/// A node's note that its job committed a tag: `BASE/.jobs/<job>/TAG/<node>.json`, written at
+/// the commit, before any data, and removed once the tag is published. The job's other nodes read it to learn of the commit, and a node that
 /// holds nothing of the tag answers with an empty part, so a checkpoint that only some nodes wrote
 /// is published too.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -554,6 +560,7 @@ impl Archiver {
             throttle: cfg.bandwidth_limit.map(|r| Arc::new(Throttle::new(r))),
             cfg,
             job: None,
+            resume_dir: None,
         })
     }
 
@@ -567,6 +574,15 @@ impl Archiver {
     /// per-archiver one `bandwidth_limit` sets.
     pub fn with_bandwidth(mut self, cap: &Bandwidth) -> Archiver {
         self.throttle = Some(cap.0.clone());
+        self
+    }
+
+    /// Lets [`Archiver::upload_part`] resume an interrupted upload per data object: it logs each
+    /// object once stored in `dir` (root's agent state, created 0700 if missing; one log per
+    /// archive, tag and node, removed when the part is written) and reuses what the log, the
+    /// files and the store agree on. See `resume.rs`.
+    pub fn with_resume_dir(mut self, dir: std::path::PathBuf) -> Archiver {
+        self.resume_dir = Some(dir);
         self
     }
 
@@ -602,8 +618,13 @@ impl Archiver {
         self.key([tag, "MANIFEST"])
     }
 
-    fn commit_key(&self, tag: &str, node: &str) -> ObjPath {
-        self.key([tag, "commits", &format!("{node}.json")])
+    /// Where the commit notes of `job` live: listed in one call by [`Archiver::commits_of_job`].
+    fn commits_prefix(&self, job: u32) -> ObjPath {
+        self.key([".jobs", &job.to_string()])
+    }
+
+    fn commit_key(&self, job: u32, tag: &str, node: &str) -> ObjPath {
+        self.key([".jobs", &job.to_string(), tag, &format!("{node}.json")])
     }
 
     fn job_id(&self) -> Result<u32, ArchiveError> {
@@ -622,7 +643,7 @@ impl Archiver {
             node: node.into(),
             at_unix_ms: unix_ms_now(),
         };
-        let key = self.commit_key(tag, node);
+        let key = self.commit_key(marker.job_id, tag, node);
         let json = serde_json::to_vec(&marker).expect("a marker serialises");
         self.store
             .put(&key, PutPayload::from(json))
@@ -631,36 +652,58 @@ impl Archiver {
         Ok(())
     }
 
-    /// The tags this archiver's job committed on some node and that are not published yet.
+    /// The tags this archiver's job committed on some node and that are not published yet: one
+    /// listing of the job's notes, then a MANIFEST check per noted tag (a job's own few tags, never
+    /// every tag under the prefix).
     pub async fn commits_of_job(&self) -> Result<Vec<String>, ArchiveError> {
         let job_id = self.job_id()?;
-        let mut tags = Vec::new();
-        for tag in self.tags().await? {
-            let tag = tag.as_str();
-            let prefix = self.key([tag, "commits"]);
-            let markers = self
-                .store
-                .list_with_delimiter(Some(&prefix))
-                .await
-                .map_err(self.store_err("list", &prefix))?;
-            let mut ours = false;
-            for o in markers.objects.iter().filter(|o| o.size < 4096) {
-                let Ok(Some(bytes)) = self.get_opt(&o.location, tag, "commit marker").await else {
-                    continue;
-                };
-                ours |= serde_json::from_slice::<CommitMarker>(&bytes)
-                    .is_ok_and(|m| m.job_id == job_id);
-            }
-            if !ours {
+        let prefix = self.commits_prefix(job_id);
+        let depth = prefix.parts().count();
+        let notes: Vec<ObjectMeta> = self
+            .store
+            .list(Some(&prefix))
+            .try_collect()
+            .await
+            .map_err(self.store_err("list", &prefix))?;
+        let mut noted = BTreeSet::new();
+        for o in notes.iter().filter(|o| o.size < 4096) {
+            let parts: Vec<_> = o.location.parts().skip(depth).collect();
+            let [tag, _node] = parts.as_slice() else {
+                continue;
+            };
+            let tag = tag.as_ref();
+            if check_name("checkpoint tag", tag).is_err() || noted.contains(tag) {
                 continue;
             }
-            match self.store.head(&self.manifest_key(tag)).await {
+            let Ok(Some(bytes)) = self.get_opt(&o.location, tag, "commit marker").await else {
+                continue;
+            };
+            if serde_json::from_slice::<CommitMarker>(&bytes).is_ok_and(|m| m.job_id == job_id) {
+                noted.insert(tag.to_string());
+            }
+        }
+        let mut tags = Vec::new();
+        for tag in noted {
+            match self.store.head(&self.manifest_key(&tag)).await {
                 Ok(_) => {}
-                Err(object_store::Error::NotFound { .. }) => tags.push(tag.to_string()),
-                Err(e) => return Err(self.store_err("head", &self.manifest_key(tag))(e)),
+                Err(object_store::Error::NotFound { .. }) => tags.push(tag),
+                Err(e) => return Err(self.store_err("head", &self.manifest_key(&tag))(e)),
             }
         }
         Ok(tags)
+    }
+
+    /// Removes the job's commit notes of a published tag (best effort: a leftover note is a few
+    /// bytes, and [`Archiver::commits_of_job`] skips published tags anyway).
+    async fn remove_commit_notes(&self, tag: &str) {
+        let Some(job_id) = self.job else { return };
+        let prefix = self.key([".jobs", &job_id.to_string(), tag]);
+        let notes: Result<Vec<ObjectMeta>, _> = self.store.list(Some(&prefix)).try_collect().await;
+        for o in notes.unwrap_or_default() {
+            if let Err(e) = self.store.delete(&o.location).await {
+                tracing::debug!(url = self.url, key = %o.location, "removing a commit note: {e}");
+            }
+        }
     }
 
     /// Writes `node`'s part of `tag` for this archiver's job with no files: the node holds nothing
@@ -927,6 +970,7 @@ impl Archiver {
             nodes = ?m.nodes,
             "checkpoint published"
         );
+        self.remove_commit_notes(tag).await;
         Ok(Publish::Published(m))
     }
 

@@ -610,6 +610,24 @@ async fn a_checkpoint_written_on_one_node_of_three_is_published() {
         n2.commits_of_job().await.unwrap().is_empty(),
         "published: nothing to answer"
     );
+    // The job's notes live under `.jobs/7/`, found with one listing however many tags the prefix
+    // holds, and go once the tag is published; `.jobs` is never taken for a tag.
+    let keys: Vec<String> = store
+        .list(None)
+        .map_ok(|o| o.location.to_string())
+        .try_collect()
+        .await
+        .unwrap();
+    assert!(
+        !keys.iter().any(|k| k.contains("/.jobs/7/")),
+        "job 7's commit notes outlived the publish: {keys:?}"
+    );
+    assert!(
+        keys.iter().any(|k| k.ends_with("/.jobs/6/s1/n2.json")),
+        "job 6's note is job 6's to remove: {keys:?}"
+    );
+    let tags: Vec<String> = n1.list().await.unwrap().into_iter().map(|c| c.tag).collect();
+    assert_eq!(tags, ["s1"]);
     let restored = tempfile::tempdir().unwrap();
     let dest = Arc::new(safefs::open_root_dir(restored.path()).unwrap());
     let owner = Owner {
