@@ -798,6 +798,14 @@ impl Worker for Housekeeper {
                 _ = tokio::time::sleep(period) => {}
                 _ = cancel.cancelled() => return,
             }
+            let dir = ckpt::resume_dir(&self.agent.cfg);
+            match blocking(move || sluice_archive::prune_resume_logs(&dir, ckpt::RESUME_LOG_AGE))
+                .await
+            {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(removed = n, "old upload resume logs removed"),
+                Err(e) => tracing::warn!("pruning upload resume logs: {e}"),
+            }
             if above().await {
                 status.set("trimming");
                 let mut ended: Vec<Arc<Job>> = self

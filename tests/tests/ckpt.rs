@@ -939,13 +939,16 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
 
     fs::write(work.join("go-2"), "").unwrap();
     wait_archiving(&cluster, &first, &job, "step-2");
-    // Kill it once the first of its step-2 objects is in the store (or after 2 s at the latest).
+    // Kill it once a few of its step-2 objects are in the store (or after 2 s at the latest): the
+    // committing node starts first (the other learns of the commit from the archive a scan later).
     let archiving = Instant::now();
     while archiving.elapsed() < Duration::from_secs(2)
-        && !archive
+        && archive
             .objects(&cluster)
             .keys()
-            .any(|k| k.starts_with("step-2/data/"))
+            .filter(|k| k.starts_with("step-2/data/"))
+            .count()
+            < 3
     {}
     let agent = cluster.kill_agent(&first);
     let killed_at = now_s();
@@ -986,6 +989,30 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
         agent.pid
     );
     wait_complete_manifests(&cluster, &archive, &["step-1", "step-2"], &job);
+    // The restarted agent resumed step-2 per object (issue 10, defect 8): the objects the killed
+    // one had stored are not uploaded again.
+    let log = fs::read_to_string(cluster.agent_log(&first)).unwrap_or_default();
+    let resumed = log
+        .lines()
+        .filter(|l| l.contains("resuming the checkpoint's upload") && l.contains("tag=\"step-2\""))
+        .filter_map(|l| {
+            let field = |name: &str| -> Option<u64> {
+                let v = l.split(&format!(" {name}=")).nth(1)?;
+                v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+            };
+            Some((field("files")?, field("to_upload")?))
+        })
+        .last();
+    match resumed {
+        Some((files, to_upload)) if files >= 1 && files + to_upload == 17 => eprintln!(
+            "restarted agent of {first}: {files} of step-2's 17 files resumed, {to_upload} uploaded"
+        ),
+        other => panic!(
+            "the restarted agent of {first} did not resume step-2 per object ({other:?}; {data_at_kill} \
+             step-2 objects were in the archive at the kill)\n{}",
+            cluster.evidence(&job)
+        ),
+    }
     // Retention trims step-1 on every node once step-2 is archived; the job still runs.
     for n in &nodes {
         cluster.wait_for(

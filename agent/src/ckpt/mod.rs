@@ -26,7 +26,7 @@ mod worker;
 
 pub(crate) use restore::{RestoreError, restore};
 pub use signals::{CommitError, check_commit_dir, scan_signals, write_restored_signal};
-pub(crate) use worker::{CkptWorker, commit, release, trim};
+pub(crate) use worker::{CkptWorker, RESUME_LOG_AGE, commit, release, resume_dir, trim};
 
 use sluice_archive::rt::lock;
 use sluice_proto::msg::{CkptState, CkptStatus};

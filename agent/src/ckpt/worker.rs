@@ -18,6 +18,16 @@ use std::sync::Arc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+/// Where interrupted uploads keep what they stored, so that an agent restarted mid-archive resumes
+/// per data object instead of from the start (issue 10, defect 8). Root-only agent state.
+pub(crate) fn resume_dir(cfg: &sluice_archive::config::Config) -> std::path::PathBuf {
+    cfg.state_dir.join("uploads")
+}
+
+/// How long a resume log nobody wrote to is kept (a tag given up, a job long gone).
+pub(crate) const RESUME_LOG_AGE: std::time::Duration =
+    std::time::Duration::from_secs(7 * 24 * 3600);
+
 /// Records a commit of `tag` for `job` (from `sluice ckpt commit`, a framework signal, or another
 /// node through the archive) and wakes the job's worker.
 pub(crate) async fn commit(
@@ -236,7 +246,9 @@ impl CkptWorker {
         if self.archiver.is_none() {
             match archive::open_archive(&self.agent.cfg, url) {
                 Ok(a) => {
-                    let a = a.for_job(self.job.start.job_id);
+                    let a = a
+                        .for_job(self.job.start.job_id)
+                        .with_resume_dir(resume_dir(&self.agent.cfg));
                     self.archiver = Some(Arc::new(match &self.agent.bandwidth {
                         Some(bw) => a.with_bandwidth(bw),
                         None => a,
