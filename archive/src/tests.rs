@@ -626,7 +626,13 @@ async fn a_checkpoint_written_on_one_node_of_three_is_published() {
         keys.iter().any(|k| k.ends_with("/.jobs/6/s1/n2.json")),
         "job 6's note is job 6's to remove: {keys:?}"
     );
-    let tags: Vec<String> = n1.list().await.unwrap().into_iter().map(|c| c.tag).collect();
+    let tags: Vec<String> = n1
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.tag)
+        .collect();
     assert_eq!(tags, ["s1"]);
     let restored = tempfile::tempdir().unwrap();
     let dest = Arc::new(safefs::open_root_dir(restored.path()).unwrap());
