@@ -425,7 +425,7 @@ impl Fetcher {
                 Err(e) => e,
             };
             self.uncount(written, &self.progress.peer_bytes);
-            let why = e.to_string();
+            let why = with_causes(&e);
             match e {
                 PeerError::Sink { .. } => {
                     let e = sink_error.unwrap_or_else(|| StageError::HotTier {
@@ -692,6 +692,21 @@ pub(super) async fn stage(
         });
     }
     Ok(())
+}
+
+/// `e` and its causes, `: `-separated ("unreachable: client error: connection refused"), for the
+/// log and the job's notes.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let next = c.to_string();
+        if !text.contains(&next) {
+            text = format!("{text}: {next}");
+        }
+        cause = c.source();
+    }
+    text
 }
 
 /// Tells the job's peers that one of its datasets is staged here, when dropped.
