@@ -28,9 +28,16 @@ PROMETHEUS_DIR=$TEST_ROOT/prometheus
 PROMETHEUS_PORT=9470
 # Each agent's [metrics] port: n1 9471, n2 9472, n3 9473 (three agents on one host).
 metrics_port() { echo $((PROMETHEUS_PORT + ${1#n})); }
-# ckpt-faulty is reached through tests' fault-injecting proxy on 127.0.0.1:$FAULT_PROXY_PORT.
-S3_BUCKETS=(datasets ckpt ckpt-faulty)
+# ckpt-faulty is reached through tests' fault-injecting proxy on 127.0.0.1:$FAULT_PROXY_PORT, and
+# datasets-relayed through a test's byte-counting relay on 127.0.0.1:$ORIGIN_RELAY_PORT (what the
+# origin served, counted on its side).
+S3_BUCKETS=(datasets ckpt ckpt-faulty datasets-relayed)
 FAULT_PROXY_PORT=3911
+ORIGIN_RELAY_PORT=3912
+# Peer transfers between the agents: the cluster secret (root's, 0600, like munge.key), and each
+# agent's peer port: n1 7071, n2 7072, n3 7073 (three agents on one host).
+PEER_SECRET=/etc/sluice/peer.key
+peer_port() { echo $((7070 + ${1#n})); }
 S3_ENDPOINT=http://127.0.0.1:3900
 AZ_CONTAINERS=(datasets ckpt)
 # The Azurite account every Azure SDK knows (public, documented by Microsoft; not a secret).
@@ -332,8 +339,19 @@ allow_http = true
 EOF
 }
 
+# The cluster secret of peer transfers, fresh for each `up`: 32 random bytes, root's, mode 0600 (the
+# agents refuse anything others could read).
+write_peer_secret() {
+  mkdir -p "$(dirname "$PEER_SECRET")"
+  (umask 077 && head -c 32 /dev/urandom >"$PEER_SECRET.new")
+  chown root:root "$PEER_SECRET.new"
+  chmod 0600 "$PEER_SECRET.new"
+  mv -f "$PEER_SECRET.new" "$PEER_SECRET"
+}
+
 write_agent_config() {
   mkdir -p "$(dirname "$AGENT_CONFIG")"
+  write_peer_secret
   {
     cat <<EOF
 # Written by sluice's tests/harness/cluster.sh — one file for the three virtual nodes (%n = node name).
@@ -366,11 +384,13 @@ EOF
     allow_rules ckpt "file://$TEST_ROOT/archive/shared/"
     # Object-store datasets users may stage (the agent reads them with its own credentials).
     allow_rules stage "s3://datasets/" "az://datasets/" "s3://ckpt/{user}/" "az://ckpt/{user}/" \
-      "s3://ckpt-faulty/"
+      "s3://ckpt-faulty/" "s3://datasets-relayed/"
     if [[ -n ${S3_KEY_ID:-} ]]; then
       s3_store "s3://" "$S3_ENDPOINT"
       # The same Garage behind the tests' fault-injecting proxy (503/429/outages on demand).
       s3_store "s3://ckpt-faulty" "http://127.0.0.1:$FAULT_PROXY_PORT"
+      # ... and behind a test's byte-counting relay.
+      s3_store "s3://datasets-relayed" "http://127.0.0.1:$ORIGIN_RELAY_PORT"
     fi
     cat <<EOF
 
@@ -386,6 +406,17 @@ listen = "127.0.0.1:9464"
 EOF
     local n
     for n in "${NODES[@]}"; do printf '%s = "127.0.0.1:%s"\n' "$n" "$(metrics_port "$n")"; done
+    cat <<EOF
+
+# Peer transfers: the nodes of a job share its object-store datasets (each unit read from the
+# origin once per job). 16 MiB units, so a test's 200 MiB object spreads over the three nodes.
+[peer]
+secret_file = "$PEER_SECRET"
+unit_size = "16MiB"
+
+[peer.nodes]
+EOF
+    for n in "${NODES[@]}"; do printf '%s = "127.0.0.1:%s"\n' "$n" "$(peer_port "$n")"; done
   } >"$AGENT_CONFIG.new"
   chmod 0600 "$AGENT_CONFIG.new"
   mv -f "$AGENT_CONFIG.new" "$AGENT_CONFIG"
@@ -408,6 +439,8 @@ prepare_node_dirs() {
 start_agents() {
   [[ -x $SLUICED ]] || die "no agent at $SLUICED: run 'cargo build --workspace' first (or SLUICE_NO_AGENTS=1)"
   local n
+  # An agent whose peer port is taken stages without peers (logged); here that is a broken cluster.
+  for n in "${NODES[@]}"; do require_port_free "$(peer_port "$n")" "the peer port of sluiced $n"; done
   for n in "${NODES[@]}"; do
     log "agent: starting sluiced --node $n"
     spawn "$RUN_DIR/sluiced-$n.pid" "$SLUICE_LOG_DIR/$n.log" \
@@ -495,6 +528,8 @@ SLUICE_TEST_S3_KEY_ID='${S3_KEY_ID:-}'
 SLUICE_TEST_S3_SECRET='${S3_SECRET:-}'
 SLUICE_TEST_S3_BUCKETS='${S3_BUCKETS[*]}'
 SLUICE_TEST_FAULT_PROXY_PORT='$FAULT_PROXY_PORT'
+SLUICE_TEST_ORIGIN_RELAY_PORT='$ORIGIN_RELAY_PORT'
+SLUICE_TEST_PEER_ADDRS='$(for n in "${NODES[@]}"; do printf '%s=127.0.0.1:%s ' "$n" "$(peer_port "$n")"; done)'
 SLUICE_TEST_ARCHIVE_ROOT='$TEST_ROOT/archive'
 SLUICE_TEST_AZ_ACCOUNT='$AZ_ACCOUNT'
 SLUICE_TEST_AZ_KEY='$AZ_KEY'

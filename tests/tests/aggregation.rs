@@ -1,0 +1,528 @@
+//! Aggregation (issue 11) as a user sees it: a 3-node job stages an object-store dataset once per
+//! job, not once per node. Every node's `$SLUICE_STAGE_DIR/NAME` is byte-identical to the source,
+//! owned by the job user as always, and the origin serves each byte about once: counted on the
+//! origin's side by a relay in front of Garage, which the agents' `s3://datasets-relayed` store
+//! profile points at. The agents' peer port gives a user process nothing; a node whose agent dies
+//! mid-transfer is routed around, and the job still gets identical data, with a note.
+
+mod common;
+
+use common::*;
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Staging 3 × 200 MiB on a 2-core machine: generous, but bounded.
+const STAGE_JOB_TIMEOUT: Duration = Duration::from_secs(300);
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
+/// The large object: 200 MiB and a bit, so it is 13 peer units of 16 MiB with a short last one.
+const BIG: u64 = (200 << 20) + 4321;
+/// What "read once" allows on top of the dataset's bytes: listings and response headers.
+const ORIGIN_SLACK: f64 = 1.02;
+
+// ------------------------------------------------------------------------------------ the relay
+
+/// A TCP relay in front of Garage on the port of the agents' `s3://datasets-relayed` profile,
+/// counting the bytes Garage sends back (object bodies, listings, headers): what the origin served.
+/// It can pace the origin: all its connections together then carry at most a set number of bytes
+/// a second, so staging lasts long enough for a test to act while it runs. Stops (and cuts its
+/// connections) when dropped.
+struct OriginRelay {
+    served: Arc<AtomicU64>,
+    pace: Arc<Pace>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+    port: u16,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl OriginRelay {
+    fn start(cluster: &Cluster) -> OriginRelay {
+        cluster.require_s3();
+        let port: u16 = cluster
+            .var("SLUICE_TEST_ORIGIN_RELAY_PORT")
+            .parse()
+            .expect("SLUICE_TEST_ORIGIN_RELAY_PORT");
+        let upstream = cluster
+            .var("SLUICE_TEST_S3_ENDPOINT")
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string();
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap_or_else(|e| {
+            panic!(
+                "cannot listen on 127.0.0.1:{port} for the origin relay (a relay left over?): {e}"
+            )
+        });
+        let served = Arc::new(AtomicU64::new(0));
+        let pace = Arc::new(Pace::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (s, p, st, c) = (served.clone(), pace.clone(), stop.clone(), conns.clone());
+        let accept = std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if st.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                {
+                    let mut c = c.lock().unwrap();
+                    c.push(client.try_clone().unwrap());
+                    c.push(server.try_clone().unwrap());
+                }
+                let (cr, sw) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || pipe(cr, sw, None, None));
+                let (s, p) = (s.clone(), p.clone());
+                std::thread::spawn(move || pipe(server, client, Some(&s), Some(&p)));
+            }
+        });
+        OriginRelay {
+            served,
+            pace,
+            stop,
+            conns,
+            port,
+            accept: Some(accept),
+        }
+    }
+
+    fn served(&self) -> u64 {
+        self.served.load(Ordering::SeqCst)
+    }
+
+    /// At most `bytes_per_sec` from the origin, over all connections together (0: unpaced).
+    fn set_pace(&self, bytes_per_sec: u64) {
+        self.pace.rate.store(bytes_per_sec, Ordering::SeqCst);
+    }
+}
+
+/// The relay's one bandwidth limit: each chunk relayed back waits for its slot in one timeline.
+#[derive(Default)]
+struct Pace {
+    rate: AtomicU64,
+    next: Mutex<Option<Instant>>,
+}
+
+impl Pace {
+    fn wait(&self, n: usize) {
+        let rate = self.rate.load(Ordering::SeqCst);
+        if rate == 0 {
+            return;
+        }
+        let until = {
+            let mut next = self.next.lock().unwrap();
+            let start = next.map_or_else(Instant::now, |t| t.max(Instant::now()));
+            let end = start + Duration::from_secs_f64(n as f64 / rate as f64);
+            *next = Some(end);
+            end
+        };
+        std::thread::sleep(until.saturating_duration_since(Instant::now()));
+    }
+}
+
+/// Copies `from` to `to` until either side closes, counting into `count`, paced by `pace`.
+fn pipe(mut from: TcpStream, mut to: TcpStream, count: Option<&AtomicU64>, pace: Option<&Pace>) {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if let Some(c) = count {
+            c.fetch_add(n as u64, Ordering::SeqCst);
+        }
+        if let Some(p) = pace {
+            p.wait(n);
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
+}
+
+impl Drop for OriginRelay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------- datasets
+
+/// The test dataset (nested directories, an empty file, a few hundred small files, odd names)
+/// plus one 200 MiB object, with its listings and its size in bytes.
+struct Dataset {
+    dir: PathBuf,
+    sums: String,
+    dirs: String,
+    bytes: u64,
+}
+
+impl Dataset {
+    fn new(cluster: &Cluster, test: &str, big: bool) -> Dataset {
+        let dir = cluster.dataset(test, false);
+        if big {
+            let path = dir.join("big/weights.bin");
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            run(std::process::Command::new("bash").arg("-c").arg(format!(
+                "head -c {BIG} /dev/urandom > '{}' && chmod -R u=rwX,go=rX '{}'",
+                path.display(),
+                dir.display()
+            )));
+        }
+        let bytes = hash_tree_bytes(&dir);
+        Dataset {
+            sums: checksums(&dir),
+            dirs: directories(&dir),
+            bytes,
+            dir,
+        }
+    }
+
+    /// Uploads it straight to Garage (not through the relay) at `bucket/e2e/<unique>/train`;
+    /// returns the prefix below the bucket.
+    fn upload(&self, cluster: &Cluster, bucket: &str) -> String {
+        let prefix = format!("e2e/{}/train", unique());
+        cluster.upload(&self.dir, "garage", &format!("{bucket}/{prefix}"));
+        prefix
+    }
+}
+
+/// The bytes of every file below `dir`.
+fn hash_tree_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            let md = e.metadata().unwrap();
+            if md.is_dir() {
+                stack.push(e.path());
+            } else {
+                total += md.len();
+            }
+        }
+    }
+    total
+}
+
+/// The listing script (see `listing_script`), with each node's `sluice job` view of the job too.
+fn script_with_job_view(cluster: &Cluster, out: &Path, names: &[&str]) -> String {
+    let cli = cluster.user_cli();
+    listing_script(out, names).replacen(
+        "touch \"$o/done\"",
+        &format!(
+            "{} job \"$SLURM_JOB_ID\" > \"$o/job\" 2>&1\ntouch \"$o/done\"",
+            cli.display()
+        ),
+        1,
+    )
+}
+
+/// What each node's task saw: the dataset identical to its source, owned by the job user, in a
+/// job directory of mode 0700; then the job's directories go and the nodes return to service.
+fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, name: &str, ds: &Dataset) {
+    for node in &cluster.nodes {
+        let file = |f: &str| task_file(out, node, f);
+        assert!(
+            out.join(node).join("done").exists(),
+            "no task ran to the end on {node}\n{}",
+            cluster.evidence(job)
+        );
+        let sums = file(&format!("sums-{name}"));
+        assert!(
+            sums == ds.sums,
+            "dataset {name} on {node} differs from its source: {}",
+            diff_listings(&ds.sums, &sums)
+        );
+        assert_eq!(
+            file(&format!("dirs-{name}")),
+            ds.dirs,
+            "directories on {node}"
+        );
+        let owners = file("owners");
+        let foreign: Vec<&str> = owners
+            .lines()
+            .filter(|l| !l.starts_with(&format!("{} ", cluster.user)))
+            .take(10)
+            .collect();
+        assert!(
+            foreign.is_empty() && !owners.is_empty(),
+            "entries under SLUICE_STAGE_DIR on {node} not owned by {}: {foreign:?}",
+            cluster.user
+        );
+        assert_eq!(
+            file("jobdir").trim(),
+            format!("{} 700", cluster.user),
+            "the job directory on {node}"
+        );
+    }
+}
+
+/// What each node's agent counted for the job's one dataset: (origin bytes, peer bytes).
+fn byte_sources(cluster: &Cluster, job: &Job, ds: &Dataset) -> Vec<(u64, u64)> {
+    cluster
+        .nodes
+        .iter()
+        .map(|node| {
+            let status = cluster
+                .agent_job(node, job)
+                .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
+            let s = &status.stages[0];
+            assert_eq!(
+                (s.bytes_done, s.origin_bytes + s.peer_bytes),
+                (ds.bytes, ds.bytes),
+                "{node}: every byte staged, each from the origin or a peer: {s:?}"
+            );
+            (s.origin_bytes, s.peer_bytes)
+        })
+        .collect()
+}
+
+// --------------------------------------------------------------------------------------- tests
+
+/// A 3-node replicate job from S3: every node has the whole dataset, and the origin served it
+/// about once (≤ 1.02×; without peers it is 3×), counted at the origin. Each node read a share of
+/// it from the origin and took the rest from the other nodes, and `sluice job` in the job says so.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_replicate_from_s3_reads_the_origin_once() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let ds = Dataset::new(&cluster, "aggregation-replicate", true);
+    let prefix = ds.upload(&cluster, "datasets-relayed");
+    let relay = OriginRelay::start(&cluster);
+
+    let work = cluster.workdir("aggregation-replicate");
+    let out = work.join("out");
+    let script = script_with_job_view(&cluster, &out, &["train"]);
+    let stage_in = format!("--stage-in=train=s3://datasets-relayed/{prefix}");
+    let started = Instant::now();
+    let job = cluster.submit(
+        &work,
+        &["-N3", &stage_in, "--stage-mode=replicate"],
+        &script,
+    );
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the replicate job");
+    assert_staged(&cluster, &job, &out, "train", &ds);
+
+    let served = relay.served();
+    let ratio = served as f64 / ds.bytes as f64;
+    eprintln!(
+        "[aggregation] 3-node replicate of {} bytes: the origin served {served} bytes ({ratio:.4}x) \
+         in {:.1} s",
+        ds.bytes,
+        started.elapsed().as_secs_f64()
+    );
+    assert!(
+        served >= ds.bytes,
+        "the relay saw {served} bytes, less than the dataset's {}: the agents did not read the \
+         origin through it",
+        ds.bytes
+    );
+    assert!(
+        ratio <= ORIGIN_SLACK,
+        "the origin served {served} bytes for a {}-byte dataset on 3 nodes ({ratio:.3}x, at most \
+         {ORIGIN_SLACK}x allowed)\n{}",
+        ds.bytes,
+        cluster.evidence(&job)
+    );
+    let sources = byte_sources(&cluster, &job, &ds);
+    let origin_total: u64 = sources.iter().map(|s| s.0).sum();
+    assert!(
+        origin_total as f64 <= ds.bytes as f64 * ORIGIN_SLACK,
+        "the agents read {origin_total} bytes from the origin together: {sources:?}"
+    );
+    for (node, (origin, peer)) in cluster.nodes.iter().zip(&sources) {
+        assert!(
+            *origin > 0 && *peer > 0,
+            "{node} read {origin} bytes from the origin and took {peer} from peers: each node \
+             should own a share"
+        );
+        let view = task_file(&out, node, "job");
+        assert!(
+            view.contains(" origin, ") && view.contains(" peers\n"),
+            "sluice job on {node} does not say where the bytes came from:\n{view}"
+        );
+    }
+    let output = job.output_text();
+    assert!(
+        !output.contains("note: peer transfers"),
+        "no peer was routed around, yet the job output says:\n{output}"
+    );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
+
+/// A user process on a node, during a job that is being served there, connects to every agent's
+/// peer port and asks for a unit of the job's dataset: without headers, with a forged MAC, and with
+/// a POST. It gets refusals (401, 405) and none of the dataset's bytes.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_peer_port_gives_a_user_process_nothing() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let ds = Dataset::new(&cluster, "aggregation-foreign", false);
+    let prefix = ds.upload(&cluster, "datasets");
+    let file = "nested/a/sibling.bin";
+    let content = fs::read(ds.dir.join(file)).unwrap();
+    // Every 32-byte run of the file: an answer holding any of them carries the dataset's bytes.
+    let runs: std::collections::HashSet<&[u8]> = content.windows(32).collect();
+    let work = cluster.workdir("aggregation-foreign");
+    let out = work.join("out");
+    let addrs: Vec<(String, String)> = cluster
+        .var("SLUICE_TEST_PEER_ADDRS")
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(n, a)| (n.to_string(), a.to_string()))
+        .collect();
+    assert_eq!(addrs.len(), 3, "SLUICE_TEST_PEER_ADDRS");
+    let query = format!(
+        "file=ds%2F{}&offset=0&len={}",
+        file.replace('/', "%2F"),
+        content.len()
+    );
+    // Each task probes every peer port three ways; curl prints the status, the body goes to a file.
+    let mut probes = String::new();
+    for (peer, addr) in &addrs {
+        let url = format!("http://{addr}/v1/jobs/$SLURM_JOB_ID/units?{query}");
+        for (how, args) in [
+            ("plain", String::new()),
+            (
+                "forged",
+                format!(
+                    "-H 'x-sluice-node: {peer}' -H \"x-sluice-time: $(date +%s)\" -H 'x-sluice-mac: {}'",
+                    "ab".repeat(32)
+                ),
+            ),
+            ("post", "-X POST".to_string()),
+        ] {
+            probes.push_str(&format!(
+                "curl -sS --max-time 20 -o \"$o/{peer}-{how}.body\" -w \"%{{http_code}}\" {args} \"{url}\" > \"$o/{peer}-{how}.code\" 2>&1\n"
+            ));
+        }
+    }
+    let script = format!(
+        "#!/bin/bash\nsrun --ntasks-per-node=1 /bin/bash -c '\no=\"{out}/$SLURMD_NODENAME\"\nmkdir -p \"$o\"\n\
+         test -s \"$SLUICE_STAGE_DIR/ds/{file}\" && echo staged > \"$o/staged\"\n{probes}touch \"$o/done\"\n'\n",
+        out = out.display(),
+        probes = probes.replace('\'', "'\\''"),
+    );
+    let stage_in = format!("--stage-in=ds=s3://datasets/{prefix}");
+    let job = cluster.submit(&work, &["-N3", &stage_in], &script);
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the probing job");
+    for node in &cluster.nodes {
+        assert_eq!(
+            task_file(&out, node, "staged").trim(),
+            "staged",
+            "the dataset was not staged on {node}, so the probes ran against nothing\n{}",
+            cluster.evidence(&job)
+        );
+        for (peer, _) in &addrs {
+            for (how, want) in [("plain", "401"), ("forged", "401"), ("post", "405")] {
+                let code = task_file(&out, node, &format!("{peer}-{how}.code"));
+                assert_eq!(
+                    code.trim(),
+                    want,
+                    "a {how} request from a user process on {node} to {peer}'s peer port"
+                );
+                let body =
+                    fs::read(out.join(node).join(format!("{peer}-{how}.body"))).unwrap_or_default();
+                assert!(
+                    body.len() < 1024 && !body.windows(32).any(|w| runs.contains(w)),
+                    "the {how} answer of {peer} to a user process on {node} carries data: {:?}",
+                    String::from_utf8_lossy(&body)
+                );
+            }
+        }
+    }
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+}
+
+/// The agent of one node is SIGKILLed while the job's nodes share the dataset (the origin paced so
+/// staging lasts a while), and started again as the harness started it. The other nodes route
+/// around it — its share of the units is read from the origin by them — the restarted agent
+/// stages again from its journal, and every node ends with the dataset identical to its source;
+/// the job output says that a node was routed around.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_an_agent_killed_mid_transfer_is_routed_around() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let ds = Dataset::new(&cluster, "aggregation-kill", true);
+    let prefix = ds.upload(&cluster, "datasets-relayed");
+    let relay = OriginRelay::start(&cluster);
+    // 20 MB/s for everyone: about 10 s to read the dataset once.
+    relay.set_pace(20_000_000);
+
+    let work = cluster.workdir("aggregation-kill");
+    let out = work.join("out");
+    // The tasks wait for the test's go, so none of them waits on the agent while it is down.
+    let go = work.join("go");
+    let script = listing_script(&out, &["train"]).replacen(
+        "#!/bin/bash\n",
+        &format!(
+            "#!/bin/bash\nwhile [ ! -e '{}' ]; do sleep 0.2; done\n",
+            go.display()
+        ),
+        1,
+    );
+    let stage_in = format!("--stage-in=train=s3://datasets-relayed/{prefix}");
+    let job = cluster.submit(&work, &["-N3", &stage_in], &script);
+    cluster.wait_running(&job, Duration::from_secs(60));
+    let nodes = cluster.job_nodes(&job);
+    let victim = nodes.last().unwrap().clone();
+    // Mid-transfer: the victim has some of the dataset, far from all of it.
+    let mid = |b: u64| b > ds.bytes / 10 && b < ds.bytes / 2;
+    cluster.wait_for(
+        &format!("{victim} to be staging, a tenth of the dataset in"),
+        Duration::from_secs(120),
+        Some(&job),
+        || {
+            cluster
+                .agent_job(&victim, &job)
+                .is_ok_and(|s| s.stages.first().is_some_and(|p| mid(p.bytes_done)))
+        },
+    );
+    let agent = cluster.kill_agent(&victim);
+    eprintln!(
+        "[aggregation] killed the agent of {victim} (pid {})",
+        agent.pid
+    );
+    // Long enough for the others to notice (their fetches from it break at once).
+    std::thread::sleep(Duration::from_secs(2));
+    cluster.start_agent(&agent);
+    relay.set_pace(0);
+    fs::write(&go, "").unwrap();
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the job whose agent was killed");
+    assert_staged(&cluster, &job, &out, "train", &ds);
+    let output = job.output_text();
+    assert!(
+        output.contains(&format!(
+            "note: peer transfers: node {victim}'s agent could not be used"
+        )),
+        "the job output does not say that {victim} was routed around:\n{output}"
+    );
+    eprintln!(
+        "[aggregation] with {victim} killed and restarted, the origin served {} bytes ({:.2}x)",
+        relay.served(),
+        relay.served() as f64 / ds.bytes as f64
+    );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
