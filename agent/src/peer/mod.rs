@@ -49,6 +49,7 @@ pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
 pub use owner::{Unit, owner_of, units_of};
 pub use server::{
     PeerServer, PeerServerError, PeerService, ServerConfig, UnitData, UnitError, UnitSource,
+    UnitStream,
 };
 
 /// How long the server holds a request for a unit the owner is still reading before it answers

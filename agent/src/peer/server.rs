@@ -14,9 +14,11 @@
 //! pending` and the client asks again, so a silent peer is told apart from a busy one by the
 //! client's read timeout. Budgets: at most `concurrency` unit responses hold data at once (a
 //! semaphore taken before the source is asked for the bytes, released when the body is sent or
-//! dropped), so response memory is at most `concurrency × max_unit`; bodies go out in 1 MiB
-//! slices of the one buffer; at most `max_connections` connections, and one that sends no request
-//! headers within `idle_timeout` is closed (an idle keep-alive connection too).
+//! dropped). A source that streams ([`UnitSource::unit_stream`], the stager's, reading its staged
+//! copy as the body goes out) holds about one slice per response; one that answers with the whole
+//! unit ([`UnitSource::unit`]) holds up to `max_unit`, sent in 1 MiB slices of the one buffer. At
+//! most `max_connections` connections, and one that sends no request headers within
+//! `idle_timeout` is closed (an idle keep-alive connection too).
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -51,6 +53,35 @@ use crate::worker::{StatusCell, Worker};
 pub struct UnitData {
     pub bytes: Bytes,
     pub hash: blake3::Hash,
+}
+
+/// A unit's bytes as slices produced while its response goes out, with its length and the BLAKE3
+/// hash of what this node read from the origin. A slice that cannot be produced ends the stream
+/// early: the response is then shorter than its length, the connection is cut, and the requester
+/// reads the unit elsewhere.
+pub struct UnitStream {
+    pub len: u64,
+    pub hash: blake3::Hash,
+    pub body: futures::stream::BoxStream<'static, Bytes>,
+}
+
+impl From<UnitData> for UnitStream {
+    fn from(d: UnitData) -> UnitStream {
+        let len = d.bytes.len() as u64;
+        // The one buffer, in slices of CHUNK (no second copy on the write path).
+        let slices = futures::stream::unfold(d.bytes, |mut rest| async move {
+            if rest.is_empty() {
+                return None;
+            }
+            let chunk = rest.split_to(rest.len().min(CHUNK));
+            Some((chunk, rest))
+        });
+        UnitStream {
+            len,
+            hash: d.hash,
+            body: Box::pin(slices),
+        }
+    }
 }
 
 /// Why a node cannot serve a unit.
@@ -89,6 +120,13 @@ pub trait UnitSource: Send + Sync + 'static {
     /// it allocates (e.g. a read of the staged file) is bounded by the server's budget; it should
     /// not wait for the origin.
     async fn unit(&self, unit: &Unit) -> Result<UnitData, UnitError>;
+
+    /// The unit as a stream of slices, what the server sends: by default [`unit`](Self::unit) in
+    /// slices of its one buffer. A source that can read the unit piece by piece (the stager, from
+    /// its staged copy) overrides it, so a response holds a slice rather than the whole unit.
+    async fn unit_stream(&self, unit: &Unit) -> Result<UnitStream, UnitError> {
+        self.unit(unit).await.map(UnitStream::from)
+    }
 }
 
 /// How the server runs; [`ServerConfig::from_config`] takes it from `[peer]`.
@@ -354,24 +392,24 @@ impl Signer<'_> {
         self.status(status, &e.to_string())
     }
 
-    fn data(&self, data: UnitData, permit: OwnedSemaphorePermit) -> Response<Body> {
+    fn data(&self, data: UnitStream, permit: OwnedSemaphorePermit) -> Response<Body> {
+        use futures::StreamExt;
         let mac = self
             .key
             .response_mac(200, self.unit, Some(&data.hash), b"", &self.request);
-        let len = data.bytes.len();
+        let len = data.len;
         // The permit lives in the body: released once the last slice is handed over (or the
         // client hangs up and the body is dropped).
-        let slices = futures::stream::unfold(
-            (data.bytes, Some(permit)),
-            |(mut rest, permit)| async move {
-                if rest.is_empty() {
-                    drop(permit);
-                    return None;
+        let slices =
+            futures::stream::unfold((data.body, Some(permit)), |(mut body, permit)| async move {
+                match body.next().await {
+                    Some(chunk) => Some((Ok::<_, Infallible>(Frame::data(chunk)), (body, permit))),
+                    None => {
+                        drop(permit);
+                        None
+                    }
                 }
-                let chunk = rest.split_to(rest.len().min(CHUNK));
-                Some((Ok::<_, Infallible>(Frame::data(chunk)), (rest, permit)))
-            },
-        );
+            });
         let mut r = Response::new(StreamBody::new(slices).boxed_unsync());
         let h = r.headers_mut();
         h.insert(CONTENT_LENGTH, len.into());
@@ -559,12 +597,11 @@ impl Inner {
             Ok(Err(e)) => return signer.error(&e),
             Ok(Ok(p)) => p,
         };
-        match entry.source.unit(&unit).await {
-            Ok(data) if data.bytes.len() as u64 == unit.len => signer.data(data, permit),
+        match entry.source.unit_stream(&unit).await {
+            Ok(data) if data.len == unit.len => signer.data(data, permit),
             Ok(data) => signer.error(&UnitError::Failed(format!(
                 "the owner holds {} bytes of a {}-byte unit",
-                data.bytes.len(),
-                unit.len
+                data.len, unit.len
             ))),
             Err(e) => signer.error(&e),
         }

@@ -26,12 +26,19 @@
 //!   over (from a second fetch or the origin) before the job's tasks may see the dataset.
 //! - **Served from the staged copy**, reopened fd-relative without following links, and only if it
 //!   is a regular file of the job user with one link: a user can make a node serve their own bytes
-//!   (which the requester's hash check refuses), never a file they could not read themselves.
+//!   (which the requester's hash check refuses), never a file they could not read themselves. It
+//!   is read a 1 MiB slice at a time as the response goes out, so serving holds about a slice per
+//!   response slot (`peer.concurrency`), not a unit. Serving takes nothing from the stage budget:
+//!   a node's fetches hold budget buffers while their bytes arrive, and if the bytes they wait for
+//!   needed the serving node's budget in turn, two nodes could each hold all of theirs.
+//! - **Memory**: every byte this node writes, from the origin or a peer, goes through its stage
+//!   [`Budget`](super::Budget) buffers; a fetch takes its buffer when its first bytes arrive, not
+//!   while it waits for the owner.
 
 use super::Owner;
 use crate::peer::{
     ClientConfig, ClusterSecret, JobKey, PeerClient, PeerError, PeerServer, PeerService, Unit,
-    UnitData, UnitError, UnitSink, UnitSource, owner_of,
+    UnitData, UnitError, UnitSink, UnitSource, UnitStream, owner_of,
 };
 use bytes::Bytes;
 use nix::fcntl::{OFlag, openat};
@@ -432,41 +439,91 @@ impl UnitSource for JobPeers {
     }
 
     async fn unit(&self, unit: &Unit) -> Result<UnitData, UnitError> {
-        let (hash, root, rel) = {
-            let mut st = lock(&self.state);
-            let hash = match slot_mut(&mut st, unit, self.cfg.unit_size) {
-                Some((_, Held::Yes(h))) => *h,
-                Some((_, Held::Failed(why))) => return Err(UnitError::Failed(why.clone())),
-                _ => return Err(UnitError::NotOwner),
-            };
-            let object = &st.objects[&unit.file];
-            (
-                hash,
-                object.root.clone(),
-                unit.file[object.rel_at..].to_string(),
-            )
-        };
+        let (hash, root, rel) = self.staged(unit)?;
         let (offset, len, owner) = (unit.offset, unit.len as usize, self.owner);
-        let bytes = blocking(move || read_staged(&root, &rel, offset, len, owner))
-            .await
-            .map_err(|e| UnitError::Failed(format!("reading this node's staged copy: {e}")))?;
+        let bytes = blocking(move || {
+            let file = open_staged(&root, &rel, owner)?;
+            let mut buf = vec![0u8; len];
+            file.read_exact_at(&mut buf, offset)?;
+            Ok::<_, std::io::Error>(buf)
+        })
+        .await
+        .map_err(|e| UnitError::Failed(format!("reading this node's staged copy: {e}")))?;
         Ok(UnitData {
             bytes: Bytes::from(bytes),
             hash,
         })
     }
+
+    /// The unit read from the staged copy a slice at a time as the response goes out, so serving
+    /// holds about one slice per response (the server's slots bound how many), never a unit.
+    async fn unit_stream(&self, unit: &Unit) -> Result<UnitStream, UnitError> {
+        let (hash, root, rel) = self.staged(unit)?;
+        let owner = self.owner;
+        let file = blocking(move || open_staged(&root, &rel, owner))
+            .await
+            .map_err(|e| UnitError::Failed(format!("reading this node's staged copy: {e}")))?;
+        let (file, job, name) = (Arc::new(file), self.job, unit.key());
+        let end = unit.offset + unit.len;
+        let slices = futures::stream::unfold(unit.offset, move |at| {
+            let (file, name) = (file.clone(), name.clone());
+            async move {
+                if at >= end {
+                    return None;
+                }
+                let n = (end - at).min(SERVE_SLICE) as usize;
+                let read = blocking(move || {
+                    let mut buf = vec![0u8; n];
+                    file.read_exact_at(&mut buf, at).map(|()| buf)
+                })
+                .await;
+                match read {
+                    Ok(buf) => Some((Bytes::from(buf), at + n as u64)),
+                    Err(e) => {
+                        // Ending early cuts the response short: the requester reads it elsewhere.
+                        tracing::warn!(
+                            job_id = job,
+                            "serving unit {name}: reading the staged copy: {e}"
+                        );
+                        None
+                    }
+                }
+            }
+        });
+        Ok(UnitStream {
+            len: unit.len,
+            hash,
+            body: Box::pin(slices),
+        })
+    }
 }
 
-/// Reads `len` bytes at `offset` of the staged file `rel` below `root`: every component opened
-/// without following links, the file only if it is a regular file of `owner` with one link (a user
-/// cannot have the agent read a hard link to someone else's file, or hang on a FIFO).
-fn read_staged(
-    root: &OwnedFd,
-    rel: &str,
-    offset: u64,
-    len: usize,
-    owner: Owner,
-) -> std::io::Result<Vec<u8>> {
+/// The slices a served unit is read in.
+const SERVE_SLICE: u64 = 1 << 20;
+
+impl JobPeers {
+    /// Where the staged copy of `unit` is, once this node holds it: its hash, the directory, the
+    /// path below it.
+    fn staged(&self, unit: &Unit) -> Result<(blake3::Hash, Arc<OwnedFd>, String), UnitError> {
+        let mut st = lock(&self.state);
+        let hash = match slot_mut(&mut st, unit, self.cfg.unit_size) {
+            Some((_, Held::Yes(h))) => *h,
+            Some((_, Held::Failed(why))) => return Err(UnitError::Failed(why.clone())),
+            _ => return Err(UnitError::NotOwner),
+        };
+        let object = &st.objects[&unit.file];
+        Ok((
+            hash,
+            object.root.clone(),
+            unit.file[object.rel_at..].to_string(),
+        ))
+    }
+}
+
+/// Opens the staged file `rel` below `root` for reading: every component opened without
+/// following links, the file only if it is a regular file of `owner` with one link (a user cannot
+/// have the agent read a hard link to someone else's file, or hang on a FIFO).
+fn open_staged(root: &OwnedFd, rel: &str, owner: Owner) -> std::io::Result<File> {
     let parts: Vec<&str> = rel.split('/').collect();
     let (name, dirs) = parts.split_last().expect("split yields one part");
     let mut dir = root.try_clone()?;
@@ -483,10 +540,7 @@ fn read_staged(
             "'{rel}' is no longer the file this node staged"
         )));
     }
-    let file = File::from(fd);
-    let mut buf = vec![0u8; len];
-    file.read_exact_at(&mut buf, offset)?;
-    Ok(buf)
+    Ok(File::from(fd))
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 use super::*;
 use crate::peer::{PeerServer, PeerService, ServerConfig};
 use crate::stage::{Budget, Progress, StageCtx};
+use futures::StreamExt;
 use futures::stream::BoxStream;
 use object_store::path::Path as ObjPath;
 use object_store::{
@@ -156,7 +157,7 @@ fn me() -> Owner {
 
 /// The `[peer.nodes]` table of `addrs`.
 fn peer_section(addrs: &BTreeMap<String, String>) -> String {
-    let mut s = "[peer]\nsecret_file = '/nonexistent/peer.key'\nunit_size = '1MiB'\n\
+    let mut s = "[peer]\nsecret_file = '/nonexistent/peer.key'\nunit_size = '2MiB'\n\
                  concurrency = 4\nconnect_timeout = '1s'\nread_timeout = '3s'\n[peer.nodes]\n"
         .to_string();
     for (n, a) in addrs {
@@ -436,6 +437,10 @@ async fn the_source_waits_for_units_it_will_hold_and_refuses_others() {
     assert_eq!(early.await.unwrap(), Ok(()));
     let data = peers.unit(&unit("ds/x", 0, 10)).await.unwrap();
     assert_eq!(&data.bytes[..], b"0123456789");
+    let streamed = peers.unit_stream(&unit("ds/x", 0, 10)).await.unwrap();
+    assert_eq!((streamed.len, streamed.hash), (10, data.hash));
+    let slices: Vec<Bytes> = streamed.body.collect().await;
+    assert_eq!(slices.concat(), b"0123456789");
     // Another length or offset of a known file is not one of the job's units.
     assert_eq!(
         peers.unit(&unit("ds/x", 0, 9)).await.unwrap_err(),
