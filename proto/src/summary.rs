@@ -19,6 +19,40 @@ pub fn bytes(n: u64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
+/// What this node staged for the job, once its data is ready: datasets, bytes, files, time and
+/// rate, and with peers how much came from the origin and how much from the job's other nodes.
+/// Nothing when the job stages nothing.
+pub fn job_start(status: &JobStatus) -> Vec<String> {
+    let stages = &status.stages;
+    if stages.is_empty() {
+        return Vec::new();
+    }
+    let bytes_done: u64 = stages.iter().map(|s| s.bytes_done).sum();
+    let files: u64 = stages.iter().map(|s| s.files_done).sum();
+    let peer: u64 = stages.iter().map(|s| s.peer_bytes).sum();
+    // Datasets stage side by side: the job waited for the slowest.
+    let ms = stages.iter().map(|s| s.elapsed_ms).max().unwrap_or(0);
+    let rate = bytes_done
+        .saturating_mul(1000)
+        .checked_div(ms)
+        .map_or(String::new(), |r| format!(" ({}/s)", bytes(r)));
+    let mut line = format!(
+        "staged {} dataset(s) on {}: {}, {files} file(s) in {:.1} s{rate}",
+        stages.len(),
+        status.node,
+        bytes(bytes_done),
+        ms as f64 / 1000.0
+    );
+    if peer > 0 && bytes_done > 0 {
+        let from_peers = peer.min(bytes_done) * 100 / bytes_done;
+        line.push_str(&format!(
+            "; {} % from the origin, {from_peers} % from the job's other nodes",
+            100 - from_peers
+        ));
+    }
+    vec![line]
+}
+
 /// The job's checkpoints on this node when its batch script ended: what is archived, what is still
 /// on its way (and continues after the job), and every checkpoint sluice will not archive by itself
 /// with the reason. Nothing when the job committed no checkpoint here.
@@ -116,6 +150,39 @@ mod tests {
             error: None,
             ckpts,
         }
+    }
+
+    #[test]
+    fn start_summary_sums_the_datasets_and_names_the_peers_share() {
+        use crate::msg::{StageProgress, StageState};
+        let stage = |name: &str, bytes: u64, peer: u64, ms: u64| StageProgress {
+            name: name.into(),
+            source: format!("s3://b/{name}"),
+            state: StageState::Done,
+            files_done: 10,
+            files_total: Some(10),
+            bytes_done: bytes,
+            bytes_total: Some(bytes),
+            origin_bytes: bytes - peer,
+            peer_bytes: peer,
+            elapsed_ms: ms,
+            error: None,
+        };
+        let mut st = job(Vec::new());
+        assert!(job_start(&st).is_empty());
+        st.stages = vec![stage("a", 2 << 30, 0, 4000), stage("b", 1 << 30, 0, 2000)];
+        assert_eq!(
+            job_start(&st),
+            ["staged 2 dataset(s) on n1: 3.0 GiB, 20 file(s) in 4.0 s (768.0 MiB/s)"]
+        );
+        st.stages = vec![stage("a", 3 << 30, 2 << 30, 3000)];
+        assert_eq!(
+            job_start(&st),
+            [
+                "staged 1 dataset(s) on n1: 3.0 GiB, 10 file(s) in 3.0 s (1.0 GiB/s); 34 % from \
+              the origin, 66 % from the job's other nodes"
+            ]
+        );
     }
 
     #[test]

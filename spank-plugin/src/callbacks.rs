@@ -338,6 +338,17 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
         for note in &dirs.notes {
             sp.error(&format!("note: {note}"));
         }
+        // What was staged, once per job: from the batch step (a failure to ask costs nothing but
+        // the line).
+        if sp.step_id() == Ok(BATCH_STEP) {
+            if let Ok(Response::Job(status)) =
+                agent.call(&socket, Request::Job { job_id }, args.connect_timeout)
+            {
+                for line in summary::job_start(&status) {
+                    sp.report(&line);
+                }
+            }
+        }
     }
     OK
 }

@@ -56,6 +56,21 @@ fn big_dataset(cluster: &Cluster) -> &'static Dataset {
 /// left nothing behind and no node out of service.
 fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, datasets: &[(&str, &Dataset)]) {
     cluster.assert_completes(job, STAGE_JOB_TIMEOUT, "the staging job");
+    // One summary of what was staged, once per job (from the batch step), with every dataset.
+    let output = job.output_text();
+    let summaries: Vec<&str> = output
+        .lines()
+        .filter(|l| l.starts_with("sluice: staged "))
+        .collect();
+    let files: usize = datasets.iter().map(|(_, ds)| ds.sums.lines().count()).sum();
+    assert!(
+        summaries.len() == 1
+            && summaries[0]
+                .starts_with(&format!("sluice: staged {} dataset(s) on ", datasets.len()))
+            && summaries[0].contains(&format!(", {files} file(s) in ")),
+        "the job's staging summary: {summaries:#?}\n{}",
+        cluster.evidence(job)
+    );
     for node in &cluster.nodes {
         let file = |name: &str| task_file(out, node, name);
         assert!(

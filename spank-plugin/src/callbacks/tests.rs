@@ -1115,3 +1115,55 @@ fn a_summary_that_cannot_be_had_says_so_and_never_fails() {
     assert_eq!(exit(&sp, &agent, &[]), OK);
     assert!(sp.logs.borrow().is_empty());
 }
+
+#[test]
+fn the_batch_steps_first_task_prints_what_was_staged_once() {
+    use sluice_proto::msg::{StageProgress, StageState};
+    let staged = || {
+        let Response::Job(mut status) = job_with_ckpts(Vec::new()) else {
+            unreachable!()
+        };
+        status.stages = vec![StageProgress {
+            name: "x".into(),
+            source: "/a/x".into(),
+            state: StageState::Done,
+            files_done: 3,
+            files_total: Some(3),
+            bytes_done: 3 << 20,
+            bytes_total: Some(3 << 20),
+            origin_bytes: 3 << 20,
+            peer_bytes: 0,
+            elapsed_ms: 1500,
+            error: None,
+        }];
+        Response::Job(status)
+    };
+    let agent = || {
+        FakeAgent::answering(move |r| match r {
+            Request::Job { .. } => Ok(staged()),
+            _ => Ok(ready()),
+        })
+    };
+    let task = |step: u32, localid: &str| {
+        let mut sp = Fake::task(&[("stage-in", "/a/x")]);
+        sp.step_id = Ok(step);
+        sp.job_env.insert("SLURM_LOCALID".into(), localid.into());
+        sp
+    };
+    let mut sp = task(BATCH_STEP, "0");
+    let a = agent();
+    assert_eq!(task_init(&mut sp, &a, &[]), OK);
+    assert_eq!(
+        sp.lines(Level::Report),
+        ["staged 1 dataset(s) on n2: 3.0 MiB, 3 file(s) in 1.5 s (2.0 MiB/s)"]
+    );
+    assert_eq!(a.calls()[1].1, Request::Job { job_id: 42 });
+    // srun steps and the other tasks stay quiet: one summary per job.
+    for (step, localid) in [(0, "0"), (BATCH_STEP, "1")] {
+        let mut sp = task(step, localid);
+        let a = agent();
+        assert_eq!(task_init(&mut sp, &a, &[]), OK);
+        assert!(sp.lines(Level::Report).is_empty());
+        assert_eq!(a.calls().len(), 1, "only the wait");
+    }
+}
