@@ -994,6 +994,7 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
     let log = fs::read_to_string(cluster.agent_log(&first)).unwrap_or_default();
     let resumed = log
         .lines()
+        .rev()
         .filter(|l| l.contains("resuming the checkpoint's upload") && l.contains("tag=\"step-2\""))
         .filter_map(|l| {
             let field = |name: &str| -> Option<u64> {
@@ -1002,7 +1003,7 @@ fn ckpt_agent_killed_mid_archive_resumes_after_restart() {
             };
             Some((field("files")?, field("to_upload")?))
         })
-        .last();
+        .next();
     match resumed {
         Some((files, to_upload)) if files >= 1 && files + to_upload == 17 => eprintln!(
             "restarted agent of {first}: {files} of step-2's 17 files resumed, {to_upload} uploaded"
