@@ -8,6 +8,7 @@
 
 mod agent;
 mod ckpt;
+mod doctor;
 #[cfg(test)]
 mod fixtures;
 mod generate;
@@ -46,8 +47,7 @@ struct Cli {
     command: Command,
 }
 
-/// One variant per command. Planned next to these, under the same global options: `cache`, `trim`,
-/// `doctor`, `config check`. (`sluice generate`, for the install steps, is parsed apart: see
+/// One variant per command. Planned next to these, under the same global options: `cache`, `trim`. (`sluice generate`, for the install steps, is parsed apart: see
 /// [`generate`].)
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -68,6 +68,39 @@ enum Command {
     /// Checkpoints: commit one from a job, list a job's or an archive's, verify and restore archived ones
     #[command(subcommand)]
     Ckpt(CkptCommand),
+    /// Check this node's sluice set-up: config, agent, Slurm plugin, hot tier, stores, squeue.
+    ///
+    /// Prints PASS, WARN or FAIL per check with what it found and, unless it passed, the fix.
+    /// Run it as root (the config is root's). Exits 1 when a check fails (warnings do not).
+    Doctor {
+        /// The agent's configuration
+        #[arg(long, value_name = "PATH", default_value = "/etc/sluice/sluice.toml")]
+        config: PathBuf,
+        /// This node's name, for %n in the configuration [default: the short hostname]
+        #[arg(long, value_name = "NAME")]
+        node: Option<String>,
+        /// Slurm's plugstack file [default: PlugStackConfig, else /etc/slurm/plugstack.conf]
+        #[arg(long, value_name = "PATH")]
+        plugstack: Option<PathBuf>,
+        /// Print the checks as JSON: [{check, status, detail, fix}] (stable for scripts)
+        #[arg(long)]
+        json: bool,
+    },
+    /// The agent's configuration file
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Validate FILE as the agent does, and summarise it; exits 1 with the error when it is invalid
+    Check {
+        /// The configuration file
+        file: PathBuf,
+        /// The node to read it for (%n) [default: the short hostname]
+        #[arg(long, value_name = "NAME")]
+        node: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -189,6 +222,34 @@ fn run(cli: Cli) -> anyhow::Result<Output> {
             json: false,
         } => render::job_detail(&agent()?.job(job_id)?, SystemTime::now()).into(),
         Command::Ckpt(c) => return run_ckpt(c, agent),
+        Command::Doctor {
+            config,
+            node,
+            plugstack,
+            json: as_json,
+        } => {
+            let opts = doctor::Options {
+                config,
+                node: node.unwrap_or_else(sluice_archive::config::default_node_name),
+                socket: cli.socket,
+                plugstack,
+                timeout: cli.timeout,
+            };
+            let findings = doctor::run(&opts)?;
+            let text = if as_json {
+                json(&findings)?
+            } else {
+                doctor::render(&findings)
+            };
+            Output {
+                text,
+                ok: doctor::healthy(&findings),
+            }
+        }
+        Command::Config(ConfigCommand::Check { file, node }) => {
+            let node = node.unwrap_or_else(sluice_archive::config::default_node_name);
+            doctor::config_check(&file, &node)?.into()
+        }
     })
 }
 
