@@ -765,7 +765,7 @@ pub fn judge_store(profile: &StoreProfile, results: &[(String, Result<(), Probe>
         StoreErrorKind::Unreachable => (
             "unreachable",
             format!(
-                "check endpoint{endpoint} of profile {p} and that the store is up and reachable from this node"
+                "check the endpoint{endpoint} of profile {p} and that the store is up and reachable from this node"
             ),
         ),
         StoreErrorKind::TimedOut => (
