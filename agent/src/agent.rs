@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 /// Who is on the other end of the socket, from `SO_PEERCRED`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -418,14 +419,20 @@ impl Agent {
             job.set_ready();
         } else {
             let (this, j) = (self.clone(), job.clone());
-            drop(self.spawn(async move {
-                if let Err(e) = this.set_up(&j, fresh_dirs).await {
-                    this.metrics.set_up_done(&j, Err(&e));
-                    tracing::warn!(job_id = j.start.job_id, "{e}");
-                    j.cancel.cancel();
-                    j.set_failed(e);
-                }
-            }));
+            let span = job.span();
+            drop(
+                self.spawn(
+                    async move {
+                        if let Err(e) = this.set_up(&j, fresh_dirs).await {
+                            this.metrics.set_up_done(&j, Err(&e));
+                            tracing::warn!(job_id = j.start.job_id, "{e}");
+                            j.cancel.cancel();
+                            j.set_failed(e);
+                        }
+                    }
+                    .instrument(span),
+                ),
+            );
         }
         self.workers.spawn(CkptWorker::new(self.clone(), job));
     }

@@ -95,6 +95,12 @@ impl Job {
         }
     }
 
+    /// The span of everything the agent does for this job: every log line inside carries the
+    /// job's id and user (`[agent] log_format = "json"` puts them in each line's `span`).
+    pub fn span(&self) -> tracing::Span {
+        tracing::info_span!("job", job_id = self.start.job_id, user = %self.start.user)
+    }
+
     pub fn state(&self) -> JobState {
         *self.state.borrow()
     }

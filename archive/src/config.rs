@@ -107,6 +107,7 @@ struct RawAgent {
     state_dir: String,
     squeue: Option<String>,
     drain_timeout: Option<String>,
+    log_format: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -189,9 +190,20 @@ pub struct CkptConfig {
     pub high_water: u8,
 }
 
+/// How `sluiced` writes its log (`[agent] log_format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// Human-readable lines (the default).
+    #[default]
+    Text,
+    /// One JSON object per line, for log shippers.
+    Json,
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub node: String,
+    pub log_format: LogFormat,
     /// `squeue`, asked after a restart whether journaled jobs still run; `None` = never ask.
     pub squeue: Option<PathBuf>,
     /// How long a stopping agent waits for its requests and background work to return (they resume
@@ -604,6 +616,15 @@ impl Config {
         let retry = retry_config(&raw.retry)?;
         Ok(Config {
             node: node.to_string(),
+            log_format: match raw.agent.log_format.as_deref() {
+                None | Some("text") => LogFormat::Text,
+                Some("json") => LogFormat::Json,
+                Some(other) => {
+                    return Err(format!(
+                        "agent.log_format must be \"text\" or \"json\", got '{other}'"
+                    ));
+                }
+            },
             drain_timeout: duration(
                 "agent.drain_timeout",
                 raw.agent.drain_timeout.as_deref(),
@@ -655,6 +676,7 @@ mod tests {
         let c = Config::parse(text, "n2").unwrap();
         assert_eq!(c.socket, PathBuf::from("/run/sluice/n2.sock"));
         assert_eq!(c.drain_timeout, Duration::from_secs(5));
+        assert_eq!(c.log_format, LogFormat::Text);
         assert_eq!(c.hot_root, PathBuf::from("/var/lib/sluice/n2/hot"));
         assert_eq!(c.stage.part_size, 8 << 20);
         assert_eq!(c.stage.timeout, Duration::from_secs(7200));
@@ -678,6 +700,23 @@ mod tests {
         assert!(e.contains("unknown size unit"), "{e}");
         let c = Config::parse(base, "n1").unwrap();
         assert_eq!((c.stage.concurrency, c.stage.memory), (16, 32 << 20));
+        let with_format = |f: &str| {
+            base.replace(
+                "state_dir='/st'\n",
+                &format!("state_dir='/st'\nlog_format='{f}'\n"),
+            )
+        };
+        assert_eq!(
+            Config::parse(&with_format("json"), "n1")
+                .unwrap()
+                .log_format,
+            LogFormat::Json
+        );
+        let e = Config::parse(&with_format("xml"), "n1").unwrap_err();
+        assert!(
+            e.contains("agent.log_format must be \"text\" or \"json\", got 'xml'"),
+            "{e}"
+        );
         let e = Config::parse(
             &format!("{base}[stage]\nconcurrency=64\nmemory='1MiB'\n"),
             "n1",

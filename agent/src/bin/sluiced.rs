@@ -171,13 +171,6 @@ fn main() -> ExitCode {
         return run_internal(Internal::parse_from(argv).command);
     }
     let args = Args::parse_from(argv);
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -239,6 +232,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    init_logging(cfg.log_format);
     raise_fd_limit();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -262,6 +256,21 @@ fn run(args: Args) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(&cfg.socket);
         Ok(ran?)
     })
+}
+
+/// The log on stderr, as `[agent] log_format` says: text lines, or one JSON object per line (with
+/// the fields of every enclosing span, so a job's lines carry its job id and user). `SLUICE_LOG`
+/// chooses what, as a tracing filter (default: info).
+fn init_logging(format: config::LogFormat) {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| "info".into());
+    let log = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        config::LogFormat::Text => log.init(),
+        config::LogFormat::Json => log.json().flatten_event(true).init(),
+    }
 }
 
 /// Binds the agent socket, replacing a stale socket file. Mode 0666: every user may connect;

@@ -17,6 +17,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// Where interrupted uploads keep what they stored, so that an agent restarted mid-archive resumes
 /// per data object instead of from the start (issue 10, defect 8). Root-only agent state.
@@ -174,7 +175,14 @@ impl Worker for CkptWorker {
         format!("ckpt job {}", self.job.start.job_id)
     }
 
-    async fn run(mut self, cancel: CancellationToken, status: Arc<StatusCell>) {
+    async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
+        let span = self.job.span();
+        self.turns(cancel, status).instrument(span).await
+    }
+}
+
+impl CkptWorker {
+    async fn turns(mut self, cancel: CancellationToken, status: Arc<StatusCell>) {
         loop {
             if self.job.is_finished() {
                 return; // replaced by a newer run of the same job id
