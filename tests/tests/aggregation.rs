@@ -526,3 +526,230 @@ fn aggregation_an_agent_killed_mid_transfer_is_routed_around() {
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
+
+/// Relays TCP to `upstream`, changing one byte in the body of every answer longer than 4 KiB that
+/// `upstream` sends back (headers and short answers pass as they are, so what the requester sees
+/// is well-formed HTTP with wrong data): a tampering hop between two agents. Stops when dropped.
+struct TamperingRelay {
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+    port: u16,
+    accept: Option<JoinHandle<()>>,
+    changed: Arc<AtomicU64>,
+}
+
+impl TamperingRelay {
+    fn start(upstream: String) -> TamperingRelay {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the tampering relay");
+        let port = listener.local_addr().unwrap().port();
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let changed = Arc::new(AtomicU64::new(0));
+        let (st, c, ch) = (stop.clone(), conns.clone(), changed.clone());
+        let accept = std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if st.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                {
+                    let mut c = c.lock().unwrap();
+                    c.push(client.try_clone().unwrap());
+                    c.push(server.try_clone().unwrap());
+                }
+                let (cr, sw) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || pipe(cr, sw, None, None));
+                let ch = ch.clone();
+                std::thread::spawn(move || tamper(server, client, &ch));
+            }
+        });
+        TamperingRelay {
+            stop,
+            conns,
+            port,
+            accept: Some(accept),
+            changed,
+        }
+    }
+}
+
+impl Drop for TamperingRelay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Copies HTTP answers from `from` to `to`, changing the 4096th body byte of each answer whose
+/// `content-length` is larger than that; counts the changes.
+fn tamper(mut from: TcpStream, mut to: TcpStream, changed: &AtomicU64) {
+    let mut head: Vec<u8> = Vec::new();
+    // Body bytes still to come of the current answer, and how many of it went by.
+    let (mut left, mut at, mut len) = (0u64, 0u64, 0u64);
+    let mut buf = vec![0u8; 16 << 10];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let mut out = Vec::with_capacity(n);
+        let mut i = 0;
+        while i < n {
+            if left > 0 {
+                let take = ((n - i) as u64).min(left) as usize;
+                let start = out.len();
+                out.extend_from_slice(&buf[i..i + take]);
+                if len > 4096 && at <= 4095 && at + take as u64 > 4095 {
+                    out[start + (4095 - at) as usize] ^= 0x5a;
+                    changed.fetch_add(1, Ordering::SeqCst);
+                }
+                at += take as u64;
+                left -= take as u64;
+                i += take;
+                continue;
+            }
+            head.push(buf[i]);
+            i += 1;
+            if head.ends_with(b"\r\n\r\n") {
+                let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                len = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                (left, at) = (len, 0);
+                out.append(&mut head);
+            }
+        }
+        if to.write_all(&out).is_err() {
+            break;
+        }
+    }
+    let _ = to.write_all(&head);
+    let _ = to.shutdown(Shutdown::Write);
+}
+
+/// An agent running with another config file for a while; the harness's agent is back when
+/// dropped (also when the test fails).
+struct AgentWithConfig<'a> {
+    cluster: &'a Cluster,
+    original: AgentProcess,
+}
+
+/// Kills the agent of `node` and waits until its peer and metrics ports are closed: a SIGKILLed
+/// agent the test started itself is a zombie until reaped, and its last threads may still hold
+/// its listeners then, so an agent started at once could not bind them.
+fn kill_agent_and_its_ports(cluster: &Cluster, node: &str) -> AgentProcess {
+    let agent = cluster.kill_agent(node);
+    let ports: Vec<String> = ["SLUICE_TEST_PEER_ADDRS", "SLUICE_TEST_METRICS_ADDRS"]
+        .iter()
+        .flat_map(|var| {
+            cluster
+                .var(var)
+                .split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .filter(|(n, _)| *n == node)
+                .map(|(_, a)| a.to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    cluster.wait_for(
+        &format!("the ports {ports:?} of {node}'s killed agent to close"),
+        Duration::from_secs(20),
+        None,
+        || ports.iter().all(|a| TcpStream::connect(a).is_err()),
+    );
+    agent
+}
+
+impl<'a> AgentWithConfig<'a> {
+    fn start(cluster: &'a Cluster, node: &str, config: &Path) -> AgentWithConfig<'a> {
+        let original = kill_agent_and_its_ports(cluster, node);
+        let mut changed = original.clone();
+        let at = changed
+            .argv
+            .iter()
+            .position(|a| a == "--config")
+            .expect("the agent runs with --config");
+        changed.argv[at + 1] = config.display().to_string();
+        cluster.start_agent(&changed);
+        AgentWithConfig { cluster, original }
+    }
+}
+
+impl Drop for AgentWithConfig<'_> {
+    fn drop(&mut self) {
+        kill_agent_and_its_ports(self.cluster, &self.original.node);
+        self.cluster.start_agent(&self.original);
+    }
+}
+
+/// A relay between two agents that changes bytes (n1 reaches n2 only through it): n1 finds every
+/// unit from n2 corrupt (the hash the owner took from the origin does not match), fetches each
+/// again once, then routes around n2 and takes its share from n3 or the origin. Every node still
+/// ends with the dataset identical to its source, and the job output says what happened.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_a_tampering_relay_between_agents_is_detected() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let ds = Dataset::new(&cluster, "aggregation-tamper", true);
+    let prefix = ds.upload(&cluster, "datasets");
+    let addrs: std::collections::BTreeMap<String, String> = cluster
+        .var("SLUICE_TEST_PEER_ADDRS")
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(n, a)| (n.to_string(), a.to_string()))
+        .collect();
+    let relay = TamperingRelay::start(addrs["n2"].clone());
+    // n1's config: the cluster's, with n2's peer address pointing at the relay.
+    let config = PathBuf::from("/etc/sluice/sluice.toml");
+    let text = fs::read_to_string(&config).unwrap();
+    let n2_line = format!("n2 = \"{}\"", addrs["n2"]);
+    assert!(
+        text.contains(&n2_line),
+        "no '{n2_line}' in {}",
+        config.display()
+    );
+    let tampered = text.replace(&n2_line, &format!("n2 = \"127.0.0.1:{}\"", relay.port));
+    let n1_config = PathBuf::from(cluster.var("SLUICE_TEST_ROOT")).join("e2e-n1-tampered.toml");
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&n1_config)
+            .unwrap();
+        f.write_all(tampered.as_bytes()).unwrap();
+    }
+    let _n1 = AgentWithConfig::start(&cluster, "n1", &n1_config);
+
+    let work = cluster.workdir("aggregation-tamper");
+    let out = work.join("out");
+    let script = listing_script(&out, &["train"]);
+    let stage_in = format!("--stage-in=train=s3://datasets/{prefix}");
+    let job = cluster.submit(&work, &["-N3", "-w", "n[1-3]", &stage_in], &script);
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the job behind a tampering relay");
+    assert_staged(&cluster, &job, &out, "train", &ds);
+    assert!(
+        relay.changed.load(Ordering::SeqCst) > 0,
+        "the relay changed no byte: n1 never fetched from n2 through it"
+    );
+    let output = job.output_text();
+    assert!(
+        output.contains("note: peer transfers: data from node n2 failed its checksum twice"),
+        "the job output does not say that n2's data was refused:\n{output}"
+    );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+}
