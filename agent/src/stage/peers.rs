@@ -336,7 +336,7 @@ impl JobPeers {
         );
         let text = match kind {
             Trouble::Corrupt => format!(
-                "peer transfers: data from node {node} failed its checksum twice ({why}); that data was fetched again from the origin, and this node stopped taking data from {node}"
+                "peer transfers: data from node {node} failed its checksum twice ({why}); this node took that data again from another node or the origin, and no more data from {node}"
             ),
             _ => format!(
                 "peer transfers: node {node}'s agent could not be used ({why}); this node took {node}'s share of the datasets from the origin or the other nodes instead"
