@@ -57,6 +57,22 @@ pub async fn run(
     run_with_helper(cfg, listener, shutdown, helper).await
 }
 
+/// Binds a TCP listener (the metrics and peer ports). An agent restarted right after a crash may
+/// find its port still held by the dying process for a moment: it tries again for up to 5 s
+/// before the address counts as taken.
+pub(crate) async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let mut tries = 0;
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 20 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            bound => return bound,
+        }
+    }
+}
+
 /// [`run`] with the `sluiced` binary for user-identity copies given explicitly (tests run the agent
 /// inside the test binary).
 pub async fn run_with_helper(

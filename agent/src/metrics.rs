@@ -542,7 +542,7 @@ impl Collector for Snapshot {
 /// Binds `[metrics] listen`, before the agent starts anything: a wrong address stops the agent
 /// with the reason instead of leaving it unwatched.
 pub async fn bind(cfg: &MetricsConfig) -> Result<TcpListener, MetricsError> {
-    TcpListener::bind(cfg.listen)
+    crate::bind_tcp(&cfg.listen.to_string())
         .await
         .map_err(|source| MetricsError::Listen {
             addr: cfg.listen,

@@ -228,7 +228,7 @@ impl PeerServer {
         secret: ClusterSecret,
     ) -> Result<(PeerServer, TcpListener), PeerServerError> {
         let listener =
-            TcpListener::bind(&cfg.listen)
+            crate::bind_tcp(&cfg.listen)
                 .await
                 .map_err(|source| PeerServerError::Listen {
                     addr: cfg.listen.clone(),

@@ -271,14 +271,18 @@ impl Cluster {
             .args(["-KILL", &agent.pid.to_string()])
             .stderr(Stdio::piped()));
         let proc_dir = PathBuf::from(format!("/proc/{}", agent.pid));
-        // Gone, or a zombie of ours (an agent this test process restarted earlier).
+        // Gone, or a zombie of ours (an agent this test process restarted earlier) whose other
+        // threads are gone too: until the last thread exits, the process still holds its
+        // listeners, and a restart could not bind them.
         let gone = || {
-            fs::read_to_string(proc_dir.join("stat"))
+            let zombie = fs::read_to_string(proc_dir.join("stat"))
                 .map(|s| {
                     s.rsplit_once(')')
                         .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
                 })
-                .unwrap_or(true)
+                .unwrap_or(true);
+            let threads = fs::read_dir(proc_dir.join("task")).map_or(0, |d| d.count());
+            zombie && threads <= 1
         };
         self.wait_for(
             &format!("the agent of {node} (pid {}) to die", agent.pid),
