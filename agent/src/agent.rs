@@ -22,7 +22,7 @@ use sluice_archive::safefs::{Owner, SafeFsError};
 use sluice_proto::msg::{
     ErrorCode, ErrorReply, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
-use sluice_proto::options::{self, OptionError, StageMode, StageTier};
+use sluice_proto::options::{self, OptionError, StageTier};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -75,10 +75,6 @@ pub(crate) enum SetupError {
         "--stage-tier=shared: no shared tier is configured on this cluster; use --stage-tier=local"
     )]
     SharedTier,
-    #[error(
-        "--stage-mode=shard is not supported by this sluice version yet; use --stage-mode=replicate"
-    )]
-    Shard,
     #[error("sluice could not prepare the job directory on node {node}: {source}")]
     JobDir { node: String, source: SafeFsError },
     #[error("stage-in failed on node {node}: {source}")]
@@ -447,9 +443,6 @@ impl Agent {
         }
         if options.stage_tier == StageTier::Shared {
             return Err(SetupError::SharedTier);
-        }
-        if options.stage_mode == StageMode::Shard {
-            return Err(SetupError::Shard);
         }
         let owner = Owner {
             uid: job.start.uid,

@@ -102,9 +102,10 @@ pub enum StageTier {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StageMode {
+    /// Every node gets the whole dataset (with `[peer]`, read from the origin once per job). The
+    /// only mode so far: `shard` is refused at submission until it is built (issue 11).
     #[default]
     Replicate,
-    Shard,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -400,10 +401,15 @@ pub fn parse_stage_tier(value: &str) -> Result<StageTier, OptionError> {
 pub fn parse_stage_mode(value: &str) -> Result<StageMode, OptionError> {
     match value.trim() {
         "replicate" => Ok(StageMode::Replicate),
-        "shard" => Ok(StageMode::Shard),
+        // Refused at submission, not after the job waited in the queue.
+        "shard" => Err(err(
+            names::STAGE_MODE,
+            "shard is not available in this sluice version yet; use replicate (the default: every \
+             node gets the whole dataset)",
+        )),
         other => Err(err(
             names::STAGE_MODE,
-            format!("unknown mode '{other}'; accepted: replicate (default), shard"),
+            format!("unknown mode '{other}'; accepted: replicate (the default)"),
         )),
     }
 }
@@ -643,7 +649,13 @@ mod tests {
             parse_stage_mode("stripe")
                 .unwrap_err()
                 .message
-                .contains("replicate (default), shard")
+                .contains("accepted: replicate (the default)")
+        );
+        assert!(
+            parse_stage_mode("shard")
+                .unwrap_err()
+                .message
+                .contains("shard is not available in this sluice version yet; use replicate")
         );
         assert_eq!(parse_ckpt_restore("latest"), Ok(Restore::Latest));
         assert_eq!(

@@ -60,9 +60,9 @@ pub fn option_specs() -> Vec<OptionSpec> {
                      fast tier)",
                 ),
                 names::STAGE_MODE => (
-                    "replicate|shard",
-                    "sluice: replicate (every node gets the whole dataset, default) or shard (each node gets its \
-                     share of the files plus a manifest)",
+                    "replicate",
+                    "sluice: replicate (the default and, so far, the only mode): every node gets the whole \
+                     dataset, read from the origin once per job where the site configured [peer]",
                 ),
                 names::CKPT_ARCHIVE => (
                     "URL",

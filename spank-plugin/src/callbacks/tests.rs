@@ -321,7 +321,7 @@ fn init_registers_all_six_options_with_their_accepted_values() {
         by_name("stage-tier").usage.contains("local")
             && by_name("stage-tier").usage.contains("shared")
     );
-    assert_eq!(by_name("stage-mode").arginfo, "replicate|shard");
+    assert_eq!(by_name("stage-mode").arginfo, "replicate");
     assert_eq!(by_name("ckpt-restore").arginfo, "latest|TAG");
     assert!(
         by_name("stage-in").usage.contains("s3://") && by_name("stage-in").usage.contains("/path")
