@@ -26,6 +26,7 @@ pub mod agent;
 pub mod backoff;
 pub mod ckpt;
 pub mod hot_tier;
+mod http;
 pub mod job;
 pub mod journal;
 pub mod metrics;

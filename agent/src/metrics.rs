@@ -32,7 +32,6 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
@@ -48,14 +47,11 @@ use sluice_archive::{ArchiveError, PartManifest};
 use sluice_proto::msg::{CkptState, JobId, JobState, StageState};
 use sluice_proto::options::{ObjectScheme, Source};
 use std::collections::{HashMap, HashSet};
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 /// Scrape connections served at once; more are closed at once (Prometheus needs one per server).
 pub const MAX_CONNECTIONS: usize = 8;
@@ -559,50 +555,18 @@ pub(crate) async fn serve(agent: Arc<Agent>, listener: TcpListener, cancel: Canc
     }));
     drop(agent);
     let registry = Arc::new(registry);
-    let conns = TaskTracker::new();
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     if let Ok(a) = listener.local_addr() {
         tracing::info!("metrics: serving http://{a}/metrics");
     }
-    loop {
-        let accepted = tokio::select! {
-            r = listener.accept() => r,
-            _ = cancel.cancelled() => break,
-        };
-        let (stream, remote) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!("metrics: accept: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::debug!("metrics: connection from {remote} closed: all slots in use");
-            continue;
-        };
-        let (registry, cancel) = (registry.clone(), cancel.clone());
-        conns.spawn(async move {
-            let _slot = slot;
-            let svc = hyper::service::service_fn(move |req| {
-                let registry = registry.clone();
-                async move { Ok::<_, Infallible>(answer(req, registry).await) }
-            });
-            let mut http = hyper::server::conn::http1::Builder::new();
-            http.timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .max_buf_size(16 << 10);
-            let conn = http.serve_connection(TokioIo::new(stream), svc);
-            tokio::select! {
-                r = conn => if let Err(e) = r {
-                    tracing::debug!("metrics connection from {remote}: {e}");
-                },
-                _ = cancel.cancelled() => {}
-            }
-        });
-    }
-    conns.close();
-    conns.wait().await;
+    let limits = crate::http::Limits {
+        max_connections: MAX_CONNECTIONS,
+        header_timeout: HEADER_TIMEOUT,
+        max_buf_size: 16 << 10,
+    };
+    crate::http::serve("metrics", listener, cancel, limits, move |req, _remote| {
+        answer(req, registry.clone())
+    })
+    .await;
 }
 
 async fn answer(req: Request<Incoming>, registry: Arc<Registry>) -> Response<Full<Bytes>> {

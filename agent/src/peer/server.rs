@@ -32,14 +32,12 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{CONNECTION, CONTENT_LENGTH, HeaderMap};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioIo, TokioTimer};
 use sluice_archive::config::PeerConfig;
 use sluice_archive::rt::{lock, now_secs};
 use sluice_proto::msg::JobId;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
 use super::auth::{
@@ -282,51 +280,23 @@ impl PeerServer {
     /// Accepts peer connections on `listener` until `cancel` is cancelled, then waits for the
     /// connections it started (each is cut short by the same token).
     pub async fn serve(&self, listener: TcpListener, cancel: CancellationToken) {
-        let conns = TaskTracker::new();
-        let slots = Arc::new(Semaphore::new(self.inner.cfg.max_connections.max(1)));
-        loop {
-            let accepted = tokio::select! {
-                r = listener.accept() => r,
-                _ = cancel.cancelled() => break,
-            };
-            let (stream, remote) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors, or a connection reset before accept: pause, go on.
-                    warn!("peer server: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
-                debug!("peer server: connection from {remote} dropped: all slots in use");
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let inner = self.inner.clone();
-            let cancel = cancel.clone();
-            let idle = self.inner.cfg.idle_timeout;
-            conns.spawn(async move {
-                let _slot = slot;
-                let svc = hyper::service::service_fn(move |req| {
-                    let inner = inner.clone();
-                    async move { Ok::<_, Infallible>(inner.answer(req, remote).await) }
-                });
-                let mut http = hyper::server::conn::http1::Builder::new();
-                http.timer(TokioTimer::new())
-                    .header_read_timeout(idle)
-                    .max_buf_size(64 << 10);
-                let conn = http.serve_connection(TokioIo::new(stream), svc);
-                tokio::select! {
-                    r = conn => if let Err(e) = r {
-                        debug!("peer connection from {remote}: {e}");
-                    },
-                    _ = cancel.cancelled() => {}
-                }
-            });
-        }
-        conns.close();
-        conns.wait().await;
+        let limits = crate::http::Limits {
+            max_connections: self.inner.cfg.max_connections,
+            header_timeout: self.inner.cfg.idle_timeout,
+            max_buf_size: 64 << 10,
+        };
+        let inner = self.inner.clone();
+        crate::http::serve(
+            "peer server",
+            listener,
+            cancel,
+            limits,
+            move |req, remote| {
+                let inner = inner.clone();
+                async move { inner.answer(req, remote).await }
+            },
+        )
+        .await;
     }
 }
 
