@@ -512,6 +512,7 @@ impl CkptWorker {
             .await
         {
             Ok(Publish::Published(_)) => {
+                self.waiting_since.remove(&entry.tag);
                 entry.set_archived(now_secs());
                 tracing::info!(
                     job_id = job.start.job_id,
