@@ -34,6 +34,7 @@ struct RawConfig {
     store: Vec<StoreProfile>,
     peer: Option<RawPeer>,
     metrics: Option<RawMetrics>,
+    shared_tier: Option<RawSharedTier>,
 }
 
 /// `[metrics]`: the Prometheus endpoint; off without the section.
@@ -224,6 +225,9 @@ pub struct Config {
     pub peer: Option<PeerConfig>,
     /// The Prometheus endpoint; `None` = off (no listener).
     pub metrics: Option<MetricsConfig>,
+    /// The shared fast tier for `--stage-tier=shared`; `None` = none on this node (such jobs are
+    /// refused).
+    pub shared_tier: Option<SharedTierConfig>,
 }
 
 /// `[metrics]`: where this node's agent serves `GET /metrics` (Prometheus text format).
@@ -362,6 +366,167 @@ fn peer_config(raw: &RawPeer, node: &str) -> Result<PeerConfig, String> {
         ));
     }
     Ok(cfg)
+}
+
+/// `[shared_tier]`: a directory every node of a job sees (Lustre, BeeOND), for
+/// `--stage-tier=shared`; none without the section.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSharedTier {
+    job_dir: String,
+    lfs: Option<String>,
+    #[serde(default)]
+    stripe: Vec<RawStripe>,
+}
+
+/// `[[shared_tier.stripe]]`: one file-size class's Lustre layout.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStripe {
+    min_size: String,
+    count: i64,
+    size: String,
+}
+
+/// `[shared_tier]`: where `--stage-tier=shared` jobs get their datasets. Each file is written once,
+/// by its owner node, into the job's directory, which all of the job's nodes see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedTierConfig {
+    /// As written: an absolute path whose last component holds `%j` (the job id), e.g.
+    /// `/lustre/scratch/sluice/%j`. sluice creates the job's directory and removes it at job end.
+    pub job_dir: String,
+    /// `lfs`, run as the job user to give each staged file its Lustre stripe layout; a bare name is
+    /// looked up on PATH when it runs.
+    pub lfs: PathBuf,
+    /// Stripe layouts by file size, `min_size` strictly increasing. Empty: every file keeps the
+    /// job directory's default layout (also the only choice off Lustre).
+    pub stripes: Vec<StripeClass>,
+}
+
+impl SharedTierConfig {
+    /// The job's directory: `job_dir` with `%j` replaced by the job id.
+    pub fn job_dir_for(&self, job_id: u32) -> PathBuf {
+        self.root().join(self.job_dir_name(job_id))
+    }
+
+    /// The directory the jobs' directories are made in (`job_dir` without its last component):
+    /// the admin's, shared by every node; it must exist.
+    pub fn root(&self) -> &Path {
+        Path::new(&self.job_dir).parent().unwrap_or(Path::new("/"))
+    }
+
+    /// The job's directory's name in [`root`](Self::root): one path component, `%j` replaced.
+    pub fn job_dir_name(&self, job_id: u32) -> String {
+        let name = Path::new(&self.job_dir)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        name.replace("%j", &job_id.to_string())
+    }
+}
+
+/// One `[[shared_tier.stripe]]`: files of at least `min_size` bytes (and below the next class's)
+/// are striped over `count` OSTs in stripes of `size` bytes (`lfs setstripe -c COUNT -S SIZE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StripeClass {
+    pub min_size: u64,
+    /// OSTs to stripe over: 1..=2000, or -1 for all of them.
+    pub count: i32,
+    /// Bytes per stripe: a multiple of 64 KiB below 4 GiB (Lustre's rule).
+    pub size: u64,
+}
+
+impl StripeClass {
+    /// The class for a file of `size` bytes: the one with the largest `min_size` ≤ `size`. `None`
+    /// for a file smaller than every class's `min_size` (it keeps the directory's default layout).
+    pub fn for_size(classes: &[StripeClass], size: u64) -> Option<&StripeClass> {
+        classes
+            .iter()
+            .filter(|c| c.min_size <= size)
+            .max_by_key(|c| c.min_size)
+    }
+}
+
+fn shared_tier_config(raw: &RawSharedTier) -> Result<SharedTierConfig, String> {
+    let j = &raw.job_dir;
+    let path = Path::new(j);
+    let example = "e.g. \"/lustre/scratch/sluice/%j\"";
+    if !path.is_absolute() {
+        return Err(format!(
+            "shared_tier.job_dir must be an absolute path ({example}), got '{j}'"
+        ));
+    }
+    if path
+        .components()
+        .any(|c| c == std::path::Component::ParentDir)
+    {
+        return Err(format!(
+            "shared_tier.job_dir must not contain '..' ({example}), got '{j}'"
+        ));
+    }
+    if j.contains("%n") {
+        return Err(format!(
+            "shared_tier.job_dir is one directory for all of a job's nodes, so it cannot contain %n: write the path every node sees it at ({example}), got '{j}'"
+        ));
+    }
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let parent = path.parent().unwrap_or(Path::new("/"));
+    if !name.contains("%j") || parent.to_string_lossy().contains("%j") {
+        return Err(format!(
+            "shared_tier.job_dir must end in a directory per job: %j (the job id) in its last component and nowhere else ({example}); sluice creates that directory for each job and removes it at job end. Got '{j}'"
+        ));
+    }
+    if parent == Path::new("/") {
+        return Err(format!(
+            "shared_tier.job_dir must be in a directory of the shared file system, not in / ({example}), got '{j}'"
+        ));
+    }
+    let lfs = PathBuf::from(raw.lfs.as_deref().unwrap_or("lfs"));
+    let bare = lfs.components().count() == 1 && !lfs.is_absolute();
+    if lfs.as_os_str().is_empty() || !(bare || lfs.is_absolute()) {
+        return Err(format!(
+            "shared_tier.lfs must be an absolute path (e.g. \"/usr/bin/lfs\") or a command name looked up on PATH (\"lfs\"), got '{}'",
+            lfs.display()
+        ));
+    }
+    let mut stripes = Vec::with_capacity(raw.stripe.len());
+    for s in &raw.stripe {
+        let what = format!("[[shared_tier.stripe]] with min_size = \"{}\"", s.min_size);
+        let min_size = parse_size(&s.min_size).map_err(|e| format!("{what}: min_size {e}"))?;
+        let count = i32::try_from(s.count)
+            .ok()
+            .filter(|c| *c == -1 || (1..=2000).contains(c))
+            .ok_or_else(|| {
+                format!(
+                    "{what}: count must be -1 (all OSTs) or a number of OSTs 1..=2000, got {}",
+                    s.count
+                )
+            })?;
+        let size = parse_size(&s.size).map_err(|e| format!("{what}: size {e}"))?;
+        if size == 0 || size % (64 << 10) != 0 || size >= 4 << 30 {
+            return Err(format!(
+                "{what}: size must be a multiple of 64KiB below 4GiB (Lustre's rule), e.g. \"1MiB\" or \"4MiB\", got '{}' ({size} bytes)",
+                s.size
+            ));
+        }
+        stripes.push(StripeClass {
+            min_size,
+            count,
+            size,
+        });
+    }
+    stripes.sort_by_key(|c| c.min_size);
+    if let Some(w) = stripes.windows(2).find(|w| w[0].min_size == w[1].min_size) {
+        return Err(format!(
+            "two [[shared_tier.stripe]] classes have min_size {} bytes: give each class its own min_size",
+            w[0].min_size
+        ));
+    }
+    Ok(SharedTierConfig {
+        job_dir: j.clone(),
+        lfs,
+        stripes,
+    })
 }
 
 fn duration(what: &str, v: Option<&str>, default: Duration) -> Result<Duration, String> {
@@ -652,6 +817,11 @@ impl Config {
                 .as_ref()
                 .map(|m| metrics_config(m, node))
                 .transpose()?,
+            shared_tier: raw
+                .shared_tier
+                .as_ref()
+                .map(shared_tier_config)
+                .transpose()?,
         })
     }
 
@@ -917,5 +1087,196 @@ mod tests {
         assert!(e.contains("retry.timeout 'soon'"), "{e}");
         let e = bad("max_retry=3");
         assert!(e.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn the_shared_tier_is_off_unless_configured_and_its_job_dir_is_per_job() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        assert!(Config::parse(base, "n1").unwrap().shared_tier.is_none());
+        let c = Config::parse(
+            &format!("{base}[shared_tier]\njob_dir='/lustre/scratch/sluice/job-%j'\n"),
+            "n1",
+        )
+        .unwrap();
+        let t = c.shared_tier.unwrap();
+        assert_eq!(
+            t.job_dir_for(4242),
+            PathBuf::from("/lustre/scratch/sluice/job-4242")
+        );
+        assert_eq!(t.root(), Path::new("/lustre/scratch/sluice"));
+        assert_eq!(t.job_dir_name(7), "job-7");
+        assert_eq!(t.lfs, PathBuf::from("lfs"), "looked up on PATH by default");
+        assert!(t.stripes.is_empty(), "the directory's default layout");
+        let lfs = |l: &str| {
+            Config::parse(
+                &format!("{base}[shared_tier]\njob_dir='/beeond/%j'\nlfs='{l}'\n"),
+                "n1",
+            )
+            .map(|c| c.shared_tier.unwrap().lfs)
+        };
+        assert_eq!(lfs("/usr/bin/lfs"), Ok(PathBuf::from("/usr/bin/lfs")));
+        let bad =
+            |t: &str| Config::parse(&format!("{base}[shared_tier]\n{t}\n"), "n1").unwrap_err();
+        for (t, want) in [
+            (
+                "job_dir='lustre/%j'",
+                "shared_tier.job_dir must be an absolute path (e.g. \"/lustre/scratch/sluice/%j\"), got 'lustre/%j'",
+            ),
+            (
+                "job_dir='/lustre/../etc/%j'",
+                "shared_tier.job_dir must not contain '..'",
+            ),
+            (
+                "job_dir='/lustre/sluice'",
+                "shared_tier.job_dir must end in a directory per job: %j (the job id) in its last component",
+            ),
+            (
+                "job_dir='/lustre/%j/stage'",
+                "shared_tier.job_dir must end in a directory per job",
+            ),
+            (
+                "job_dir='/lustre/%j/%j'",
+                "shared_tier.job_dir must end in a directory per job",
+            ),
+            (
+                "job_dir='/lustre/%n/%j'",
+                "shared_tier.job_dir is one directory for all of a job's nodes, so it cannot contain %n",
+            ),
+            (
+                "job_dir='/%j'",
+                "must be in a directory of the shared file system, not in /",
+            ),
+            ("", "missing field `job_dir`"),
+            ("job_dir='/l/%j'\nstripe_count=1", "unknown field"),
+        ] {
+            let e = bad(t);
+            assert!(e.contains(want), "{t}: {e}");
+        }
+        for l in ["bin/lfs", ""] {
+            let e = lfs(l).unwrap_err();
+            assert!(
+                e.contains("shared_tier.lfs must be an absolute path (e.g. \"/usr/bin/lfs\") or a command name"),
+                "{l}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn stripe_classes_are_checked_sorted_and_chosen_by_file_size() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n[shared_tier]\njob_dir='/lustre/sluice/%j'\n";
+        let class = |min: &str, count: i64, size: &str| {
+            format!("[[shared_tier.stripe]]\nmin_size='{min}'\ncount={count}\nsize='{size}'\n")
+        };
+        // Written out of order: sorted by min_size.
+        let text = format!(
+            "{base}{}{}{}",
+            class("1GiB", -1, "4MiB"),
+            class("0", 1, "1MiB"),
+            class("64MiB", 4, "1MiB")
+        );
+        let stripes = Config::parse(&text, "n1")
+            .unwrap()
+            .shared_tier
+            .unwrap()
+            .stripes;
+        let want = |min_size, count, size| StripeClass {
+            min_size,
+            count,
+            size,
+        };
+        assert_eq!(
+            stripes,
+            vec![
+                want(0, 1, 1 << 20),
+                want(64 << 20, 4, 1 << 20),
+                want(1 << 30, -1, 4 << 20)
+            ]
+        );
+        let pick = |size| StripeClass::for_size(&stripes, size).map(|c| c.count);
+        assert_eq!(pick(0), Some(1));
+        assert_eq!(pick((64 << 20) - 1), Some(1));
+        assert_eq!(pick(64 << 20), Some(4), "min_size itself is in the class");
+        assert_eq!(pick(200 << 30), Some(-1));
+        // Below the smallest class: the directory's default layout.
+        assert_eq!(StripeClass::for_size(&stripes[1..], 4096), None);
+        assert_eq!(StripeClass::for_size(&[], 4096), None);
+
+        let bad = |classes: &str| Config::parse(&format!("{base}{classes}"), "n1").unwrap_err();
+        for (classes, want) in [
+            (
+                class("0", 0, "1MiB"),
+                "[[shared_tier.stripe]] with min_size = \"0\": count must be -1 (all OSTs) or a number of OSTs 1..=2000, got 0",
+            ),
+            (class("0", -2, "1MiB"), "count must be -1 (all OSTs)"),
+            (class("0", 2001, "1MiB"), "count must be -1 (all OSTs)"),
+            (class("0", 1 << 40, "1MiB"), "count must be -1 (all OSTs)"),
+            (
+                class("1GiB", 1, "100000"),
+                "[[shared_tier.stripe]] with min_size = \"1GiB\": size must be a multiple of 64KiB below 4GiB (Lustre's rule), e.g. \"1MiB\" or \"4MiB\", got '100000' (100000 bytes)",
+            ),
+            (class("0", 1, "0"), "size must be a multiple of 64KiB"),
+            (class("0", 1, "4GiB"), "size must be a multiple of 64KiB"),
+            (class("0", 1, "1 furlong"), "size unknown size unit"),
+            (class("big", 1, "1MiB"), "min_size 'big' is not a size"),
+            (
+                format!(
+                    "{}{}",
+                    class("1GiB", 1, "1MiB"),
+                    class("1024MiB", 2, "1MiB")
+                ),
+                "two [[shared_tier.stripe]] classes have min_size 1073741824 bytes: give each class its own min_size",
+            ),
+            (
+                "[[shared_tier.stripe]]\nmin_size='0'\ncount=1\n".to_string(),
+                "missing field `size`",
+            ),
+            (
+                format!("{}pool='flash'\n", class("0", 1, "1MiB")),
+                "unknown field",
+            ),
+        ] {
+            let e = bad(&classes);
+            assert!(e.contains(want), "{classes}: {e}");
+        }
+        // Lustre's largest stripe below 4GiB is accepted.
+        assert!(Config::parse(&format!("{base}{}", class("0", 1, "4194240KiB")), "n1").is_ok());
+    }
+
+    #[test]
+    fn the_example_shared_tier_section_parses_once_uncommented() {
+        let text = include_str!("../../slurm-conf/sluice.toml");
+        let start = text
+            .find("# [shared_tier]\n")
+            .expect("the example has a [shared_tier] section");
+        let block = &text[start..start + text[start..].find("\n\n").unwrap()];
+        let toml: Vec<&str> = block
+            .lines()
+            .map(|l| l.strip_prefix("# ").unwrap_or(l))
+            .filter(|l| l.starts_with('[') || l.contains(" = "))
+            .collect();
+        let t = Config::parse(&text.replace(block, &toml.join("\n")), "n2")
+            .unwrap()
+            .shared_tier
+            .unwrap();
+        assert_eq!(
+            t.job_dir_for(12),
+            PathBuf::from("/lustre/scratch/sluice/12")
+        );
+        assert_eq!(t.lfs, PathBuf::from("/usr/bin/lfs"));
+        assert_eq!(
+            t.stripes,
+            vec![
+                StripeClass {
+                    min_size: 0,
+                    count: 1,
+                    size: 1 << 20
+                },
+                StripeClass {
+                    min_size: 1 << 30,
+                    count: -1,
+                    size: 4 << 20
+                }
+            ]
+        );
     }
 }
