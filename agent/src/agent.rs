@@ -14,7 +14,7 @@ use crate::hot_tier::{HotTier, HotTierError};
 use crate::job::{self, Job};
 use crate::journal::{CkptRecord, JobRecord, Journal, JournalError, RECORD_VERSION};
 use crate::policy::{Policy, PolicyError, Requester};
-use crate::stage::{self, JobPeers, NodePeers, StageCtx, StageError};
+use crate::stage::{self, JobPeers, NodePeers, ShardPlan, Sharing, StageCtx, StageError};
 use crate::worker::{StatusCell, Worker, WorkerStatus, Workers};
 use sluice_archive::config::Config;
 use sluice_archive::rt::{blocking, lock, now_secs};
@@ -22,7 +22,7 @@ use sluice_archive::safefs::{Owner, SafeFsError};
 use sluice_proto::msg::{
     ErrorCode, ErrorReply, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
-use sluice_proto::options::{self, OptionError, StageTier};
+use sluice_proto::options::{self, OptionError, StageMode, StageTier};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -75,6 +75,10 @@ pub(crate) enum SetupError {
         "--stage-tier=shared: no shared tier is configured on this cluster; use --stage-tier=local"
     )]
     SharedTier,
+    #[error(
+        "--stage-mode=shard: this node ({node}) is not in the job's node list ({nodes}); the job start named a node outside the job"
+    )]
+    NotInJob { node: String, nodes: String },
     #[error("sluice could not prepare the job directory on node {node}: {source}")]
     JobDir { node: String, source: SafeFsError },
     #[error("stage-in failed on node {node}: {source}")]
@@ -448,17 +452,31 @@ impl Agent {
             uid: job.start.uid,
             gid: job.start.gid,
         };
-        // Replicate (the only mode so far): the job's nodes share its object-store datasets.
+        // Shard: each node stages the files it owns. Replicate: the job's nodes share its
+        // object-store datasets through their peers.
+        let shard = match options.stage_mode {
+            StageMode::Shard => Some(
+                ShardPlan::new(&job.start.nodes, &job.start.node).ok_or_else(|| {
+                    SetupError::NotInJob {
+                        node: job.start.node.clone(),
+                        nodes: job.start.nodes.join(","),
+                    }
+                })?,
+            ),
+            StageMode::Replicate => None,
+        };
         let object_datasets = options
             .stage_in
             .iter()
             .filter(|s| matches!(s.source, options::Source::Object { .. }))
             .count();
-        let peers = ClosePeers(
-            self.peers
+        let peers = ClosePeers(match shard {
+            Some(_) => None,
+            None => self
+                .peers
                 .get()
                 .and_then(|p| p.join(job_id, &job.start.nodes, owner, object_datasets)),
-        );
+        });
         let hot = self.hot.clone();
         // A fresh start removes what an earlier run of the job id left, except the committed
         // checkpoints this run inherited.
@@ -491,11 +509,12 @@ impl Agent {
         let staging = async {
             futures::future::try_join_all(options.stage_in.iter().zip(&job.stages).map(
                 |(spec, progress)| {
-                    let peers = match spec.source {
-                        options::Source::Object { .. } => peers.0.as_ref(),
-                        options::Source::Posix { .. } => None,
+                    let sharing = match (&shard, &peers.0, &spec.source) {
+                        (Some(plan), _, _) => Sharing::Shard(plan),
+                        (None, Some(p), options::Source::Object { .. }) => Sharing::Peers(p),
+                        _ => Sharing::Alone,
                     };
-                    stage::stage_with_peers(&ctx, spec, progress.clone(), peers)
+                    stage::stage_with(&ctx, spec, progress.clone(), sharing)
                 },
             ))
             .await

@@ -101,6 +101,7 @@ impl HotTier {
             ckpt_dir: base.join(CKPT).display().to_string(),
             restored_tag: None,
             notes: Vec::new(),
+            env: Vec::new(),
         }
     }
 

@@ -8,10 +8,10 @@
 
 use crate::ckpt::JobCkpts;
 use crate::policy::PolicyError;
-use crate::stage::Progress;
+use crate::stage::{Progress, ShardPlan};
 use sluice_archive::rt::lock;
 use sluice_proto::msg::{JobDirs, JobStart, JobState, JobStatus};
-use sluice_proto::options::{self, JobOptions, OptionError};
+use sluice_proto::options::{self, JobOptions, OptionError, StageMode};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
@@ -171,9 +171,16 @@ impl Job {
         let (tag, mut notes) = lock(&self.restored).clone();
         notes.splice(0..0, lock(&self.stage_notes).iter().cloned());
         notes.extend(self.ckpt_statuses().iter().filter_map(|c| c.problem()));
+        let shard = matches!(&self.options, Ok(o) if o.stage_mode == StageMode::Shard);
+        let env = shard
+            .then(|| ShardPlan::new(&self.start.nodes, &self.start.node))
+            .flatten()
+            .map(|plan| plan.env())
+            .unwrap_or_default();
         JobDirs {
             restored_tag: tag,
             notes,
+            env,
             ..self.dirs.clone()
         }
     }

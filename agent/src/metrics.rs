@@ -319,6 +319,7 @@ fn setup_code(e: &SetupError) -> (&'static str, &'static str) {
         SetupError::Options(_) => ("setup", "options"),
         SetupError::Policy(_) => ("setup", "policy"),
         SetupError::SharedTier => ("setup", "shared_tier"),
+        SetupError::NotInJob { .. } => ("setup", "not_in_job"),
         SetupError::JobDir { .. } => ("setup", "job_dir"),
         SetupError::Stage { source, .. } => ("stage", stage_code(source)),
         SetupError::Restore(e) => ("restore", restore_code(e)),

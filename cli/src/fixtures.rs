@@ -30,6 +30,7 @@ fn job(
             ckpt_dir: format!("{dir}/ckpt"),
             restored_tag: None,
             notes: Vec::new(),
+            env: Vec::new(),
         },
         stages,
         started_at: STARTED_AT,

@@ -68,6 +68,10 @@ pub struct JobDirs {
     /// Things the job's user should read in the job output (e.g. a restore that fell back).
     #[serde(default)]
     pub notes: Vec<String>,
+    /// More variables for the job's tasks (`SLUICE_SHARD_INDEX`, ...). The plugin sets only
+    /// names that start with `SLUICE_`.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -102,11 +102,16 @@ pub enum StageTier {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StageMode {
-    /// Every node gets the whole dataset (with `[peer]`, read from the origin once per job). The
-    /// only mode so far: `shard` is refused at submission until it is built (issue 11).
+    /// Every node gets the whole dataset (with `[peer]`, read from the origin once per job).
     #[default]
     Replicate,
+    /// Each node gets the files it owns (rendezvous hashing over the job's nodes), read from the
+    /// origin by it alone, plus `$SLUICE_STAGE_DIR/NAME.shard.json` saying which node holds what.
+    Shard,
 }
+
+/// The suffix of a shard manifest's file name, next to its dataset: no dataset may be named so.
+pub const SHARD_MANIFEST_SUFFIX: &str = ".shard.json";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", content = "tag", rename_all = "snake_case")]
@@ -191,6 +196,15 @@ pub fn validate_name(name: &str) -> Result<(), OptionError> {
         return Err(err(
             names::STAGE_IN,
             format!("dataset NAME '{name}' is not allowed"),
+        ));
+    }
+    if name.ends_with(SHARD_MANIFEST_SUFFIX) {
+        return Err(err(
+            names::STAGE_IN,
+            format!(
+                "dataset NAME '{name}' ends in '{SHARD_MANIFEST_SUFFIX}', which is kept for shard \
+                 manifests; choose another NAME"
+            ),
         ));
     }
     if !name
@@ -401,15 +415,10 @@ pub fn parse_stage_tier(value: &str) -> Result<StageTier, OptionError> {
 pub fn parse_stage_mode(value: &str) -> Result<StageMode, OptionError> {
     match value.trim() {
         "replicate" => Ok(StageMode::Replicate),
-        // Refused at submission, not after the job waited in the queue.
-        "shard" => Err(err(
-            names::STAGE_MODE,
-            "shard is not available in this sluice version yet; use replicate (the default: every \
-             node gets the whole dataset)",
-        )),
+        "shard" => Ok(StageMode::Shard),
         other => Err(err(
             names::STAGE_MODE,
-            format!("unknown mode '{other}'; accepted: replicate (the default)"),
+            format!("unknown mode '{other}'; accepted: replicate (the default), shard"),
         )),
     }
 }
@@ -649,13 +658,14 @@ mod tests {
             parse_stage_mode("stripe")
                 .unwrap_err()
                 .message
-                .contains("accepted: replicate (the default)")
+                .contains("accepted: replicate (the default), shard")
         );
+        assert_eq!(parse_stage_mode("shard"), Ok(StageMode::Shard));
         assert!(
-            parse_stage_mode("shard")
+            parse_stage_entry("ds.shard.json=s3://b/ds")
                 .unwrap_err()
                 .message
-                .contains("shard is not available in this sluice version yet; use replicate")
+                .contains("kept for shard manifests")
         );
         assert_eq!(parse_ckpt_restore("latest"), Ok(Restore::Latest));
         assert_eq!(

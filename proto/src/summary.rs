@@ -144,6 +144,7 @@ mod tests {
                 ckpt_dir: String::new(),
                 restored_tag: None,
                 notes: Vec::new(),
+                env: Vec::new(),
             },
             stages: Vec::new(),
             started_at: 0,

@@ -60,9 +60,10 @@ pub fn option_specs() -> Vec<OptionSpec> {
                      fast tier)",
                 ),
                 names::STAGE_MODE => (
-                    "replicate",
-                    "sluice: replicate (the default and, so far, the only mode): every node gets the whole \
-                     dataset, read from the origin once per job where the site configured [peer]",
+                    "replicate|shard",
+                    "sluice: replicate (default): every node gets the whole dataset; shard: each node gets its \
+                     share of the files plus $SLUICE_STAGE_DIR/NAME.shard.json (file -> node, size) and \
+                     SLUICE_SHARD_INDEX/SLUICE_SHARD_COUNT; either way the origin is read once per job",
                 ),
                 names::CKPT_ARCHIVE => (
                     "URL",
@@ -317,6 +318,16 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
         (STAGE_DIR_VAR, &dirs.stage_dir),
         (CKPT_DIR_VAR, &dirs.ckpt_dir),
     ] {
+        if let Err(e) = sp.setenv(var, value, true) {
+            sp.error(&format!(
+                "job {job_id}: cannot set {var}={value} for the task: {e}"
+            ));
+            return FAIL;
+        }
+    }
+    // The agent's extra variables (`SLUICE_SHARD_INDEX`, ...): sluice's own names only, so an
+    // agent can never override a task's PATH or LD_PRELOAD.
+    for (var, value) in dirs.env.iter().filter(|(v, _)| v.starts_with("SLUICE_")) {
         if let Err(e) = sp.setenv(var, value, true) {
             sp.error(&format!(
                 "job {job_id}: cannot set {var}={value} for the task: {e}"

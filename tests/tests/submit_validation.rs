@@ -45,11 +45,10 @@ fn bad_cases() -> Vec<(Vec<&'static str>, &'static str, &'static str)> {
             "--stage-mode",
             "unknown mode 'stripe'",
         ),
-        // Not built yet: refused at submission, never after the job waited in the queue.
         (
-            vec!["--stage-mode=shard"],
-            "--stage-mode",
-            "shard is not available in this sluice version yet",
+            vec!["--stage-in=ds.shard.json=s3://datasets/train"],
+            "--stage-in",
+            "kept for shard manifests",
         ),
     ]
 }

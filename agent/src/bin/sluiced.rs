@@ -59,6 +59,8 @@ enum InternalCommand {
         src: PathBuf,
         #[arg(long)]
         dst: PathBuf,
+        #[command(flatten)]
+        shard: copy_as_user::ShardArgs,
     },
     /// Render the man page or the shell completions.
     #[command(subcommand)]
@@ -192,13 +194,29 @@ fn is_internal(argv: &[std::ffi::OsString]) -> bool {
 
 fn run_internal(command: InternalCommand) -> ExitCode {
     match command {
-        InternalCommand::CopyAsUser { who, src, dst } => {
+        InternalCommand::CopyAsUser {
+            who,
+            src,
+            dst,
+            shard,
+        } => {
             if let Err(e) = copy_as_user::become_user(who.uid, who.gid, &who.user) {
                 eprintln!("{e}");
                 return ExitCode::from(copy_as_user::EXIT_OTHER as u8);
             }
+            let shard = match shard.shard() {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(copy_as_user::EXIT_OTHER as u8);
+                }
+            };
             let mut out = std::io::stdout().lock();
-            match copy_as_user::copy_tree(&src, &dst, &mut out) {
+            let copied = match &shard {
+                Some(s) => copy_as_user::copy_shard(&src, &dst, s, &mut out),
+                None => copy_as_user::copy_tree(&src, &dst, &mut out),
+            };
+            match copied {
                 Ok(()) => ExitCode::SUCCESS,
                 Err((code, message)) => {
                     eprintln!("{message}");

@@ -8,6 +8,7 @@
 //! The helper reports progress as lines on stdout (`total F B`, `progress F B`) and its error as the
 //! last line on stderr, with an exit code that classifies it.
 
+use super::shard::{ShardManifest, ShardPlan};
 use nix::unistd::{Gid, Uid, geteuid, initgroups, setresgid, setresuid};
 use std::ffi::CString;
 use std::fs;
@@ -199,35 +200,116 @@ fn umask() -> u32 {
         .unwrap_or(0o777) // unknown: always chmod
 }
 
+/// `--stage-mode=shard` for the helper: copy only the files this node owns, and write the
+/// manifest of the whole dataset next to it (see [`super::shard`]).
+#[derive(Debug, Clone)]
+pub struct Shard {
+    pub plan: ShardPlan,
+    /// The dataset's NAME (the first component of every manifest path).
+    pub dataset: String,
+    /// The source as the job gave it, for the manifest.
+    pub source: String,
+}
+
+/// The helper's `--shard-nodes`/`--shard-node`/`--dataset`/`--source`, as the agent passes them.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ShardArgs {
+    /// The job's nodes, comma-separated: copy only this node's share.
+    #[arg(long, requires_all = ["shard_node", "dataset", "source"])]
+    pub shard_nodes: Option<String>,
+    #[arg(long)]
+    pub shard_node: Option<String>,
+    #[arg(long)]
+    pub dataset: Option<String>,
+    #[arg(long)]
+    pub source: Option<String>,
+}
+
+impl ShardArgs {
+    /// The shard to copy, `None` for the whole dataset; an error when this node is not one of the
+    /// nodes given.
+    pub fn shard(self) -> Result<Option<Shard>, String> {
+        let (Some(nodes), Some(node), Some(dataset), Some(source)) =
+            (self.shard_nodes, self.shard_node, self.dataset, self.source)
+        else {
+            return Ok(None);
+        };
+        let nodes: Vec<String> = nodes.split(',').map(String::from).collect();
+        let plan = ShardPlan::new(&nodes, &node)
+            .ok_or_else(|| format!("node {node} is not one of the job's nodes {nodes:?}"))?;
+        Ok(Some(Shard {
+            plan,
+            dataset,
+            source,
+        }))
+    }
+}
+
 /// Copies `src` (a file or a directory tree) to `dst`, which must not exist. Returns an exit code and
 /// message on failure. Symlinks inside the tree are copied as symlinks. Nothing is fsynced: staged
 /// data can be fetched again from its origin, and job end deletes it.
 pub fn copy_tree(src: &Path, dst: &Path, out: &mut impl Write) -> Result<(), (i32, String)> {
-    copy_tree_in_pieces(src, dst, PIECE, out)
+    copy_tree_in_pieces(src, dst, PIECE, None, out)
 }
 
-/// [`copy_tree`], with files larger than `piece` bytes copied as several pieces.
+/// [`copy_tree`] of this node's share of the files only, with the manifest of all of them
+/// written next to `dst` (`NAME.shard.json`).
+pub fn copy_shard(
+    src: &Path,
+    dst: &Path,
+    shard: &Shard,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    copy_tree_in_pieces(src, dst, PIECE, Some(shard), out)
+}
+
+/// [`copy_tree`], with files larger than `piece` bytes copied as several pieces; with `shard`, only
+/// the files this node owns.
 fn copy_tree_in_pieces(
     src: &Path,
     dst: &Path,
     piece: u64,
+    shard: Option<&Shard>,
     out: &mut impl Write,
 ) -> Result<(), (i32, String)> {
     let top = fs::metadata(src).map_err(|e| (io_exit(&e), format!("{}: {e}", src.display())))?;
     let umask = umask();
+    let mut manifest = shard.map(|s| ShardManifest::new(&s.plan, &s.dataset, &s.source));
+    // Whether this node copies the file at `rel` below the dataset ("" for a dataset that is one
+    // file), listing it in the manifest.
+    let mut mine = |rel: &Path, size: u64| match (shard, manifest.as_mut()) {
+        (Some(s), Some(m)) => {
+            let path = if rel.as_os_str().is_empty() {
+                s.dataset.clone()
+            } else {
+                format!("{}/{}", s.dataset, rel.to_string_lossy())
+            };
+            let owned = s.plan.owns(&path);
+            m.add(&s.plan, path, size);
+            owned
+        }
+        _ => true,
+    };
     let mut files = Vec::new();
     if top.is_file() {
-        files.push(FileJob {
-            src: src.to_path_buf(),
-            dst: dst.to_path_buf(),
-            size: top.len(),
-            mode: top.mode() & 0o7777,
-        });
-        writeln!(out, "total 1 {}", top.len()).ok();
+        if mine(Path::new(""), top.len()) {
+            files.push(FileJob {
+                src: src.to_path_buf(),
+                dst: dst.to_path_buf(),
+                size: top.len(),
+                mode: top.mode() & 0o7777,
+            });
+        }
+        let bytes: u64 = files.iter().map(|f| f.size).sum();
+        writeln!(out, "total {} {bytes}", files.len()).ok();
         out.flush().ok();
     } else if top.is_dir() {
         let mut entries = Vec::new();
         walk(src, Path::new(""), &mut entries)?;
+        entries.retain(|e| match e {
+            Entry::File(rel, size, _) => mine(rel, *size),
+            _ => true,
+        });
         let (count, bytes) = entries.iter().fold((0u64, 0u64), |(f, b), e| match e {
             Entry::File(_, n, _) => (f + 1, b + n),
             _ => (f, b),
@@ -278,7 +360,31 @@ fn copy_tree_in_pieces(
             format!("{} is neither a file nor a directory", src.display()),
         ));
     }
-    copy_files(&files, umask, piece, out)
+    copy_files(&files, umask, piece, out)?;
+    match (shard, manifest) {
+        (Some(s), Some(m)) => write_manifest(dst, &s.dataset, m),
+        _ => Ok(()),
+    }
+}
+
+/// Writes a shard's manifest next to the dataset at `dst`, as the job user, never through a link.
+fn write_manifest(
+    dst: &Path,
+    dataset: &str,
+    mut manifest: ShardManifest,
+) -> Result<(), (i32, String)> {
+    let path = dst
+        .parent()
+        .unwrap_or(Path::new("/"))
+        .join(super::shard::manifest_name(dataset));
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(&path)
+        .and_then(|mut f| f.write_all(&manifest.to_json()))
+        .map_err(|e| job_error("writing", &path, e))
 }
 
 /// Reorders `files` to take one file from each directory in turn, so that copy threads mostly
@@ -509,7 +615,7 @@ mod tests {
         fs::set_permissions(src.path().join("small"), fs::Permissions::from_mode(0o640)).unwrap();
         let mut out = Vec::new();
         // 4 KiB pieces: the big file is 25 pieces, copied by several threads.
-        copy_tree_in_pieces(src.path(), &dst.path().join("ds"), 4096, &mut out).unwrap();
+        copy_tree_in_pieces(src.path(), &dst.path().join("ds"), 4096, None, &mut out).unwrap();
         let big = dst.path().join("ds/big");
         assert_eq!(fs::read(&big).unwrap(), data);
         assert_eq!(fs::metadata(&big).unwrap().mode() & 0o7777, 0o444);
@@ -530,10 +636,77 @@ mod tests {
             &src.path().join("big"),
             &dst.path().join("one"),
             4096,
+            None,
             &mut Vec::new(),
         )
         .unwrap();
         assert_eq!(fs::read(dst.path().join("one")).unwrap(), data);
+    }
+
+    #[test]
+    fn a_shard_copies_the_nodes_own_files_and_the_whole_manifest() {
+        let src = tempfile::tempdir().unwrap();
+        for i in 0..30 {
+            let d = src.path().join(format!("d{}", i % 3));
+            fs::create_dir_all(&d).unwrap();
+            fs::write(d.join(format!("f{i}")), vec![i as u8; 100 + i]).unwrap();
+        }
+        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
+        let mut union = std::collections::BTreeSet::new();
+        let mut manifests = Vec::new();
+        for node in &nodes {
+            let stage = tempfile::tempdir().unwrap();
+            let shard = ShardArgs {
+                shard_nodes: Some(nodes.join(",")),
+                shard_node: Some(node.clone()),
+                dataset: Some("ds".into()),
+                source: Some(src.path().display().to_string()),
+            }
+            .shard()
+            .unwrap()
+            .unwrap();
+            let mut out = Vec::new();
+            copy_shard(src.path(), &stage.path().join("ds"), &shard, &mut out).unwrap();
+            let manifest = fs::read(stage.path().join("ds.shard.json")).unwrap();
+            let parsed: ShardManifest = serde_json::from_slice(&manifest).unwrap();
+            assert_eq!(parsed.files.len(), 30);
+            let mine: Vec<_> = parsed.files.iter().filter(|f| &f.node == node).collect();
+            // Every directory is there; of the files, exactly the ones the manifest gives this node.
+            for d in 0..3 {
+                assert!(stage.path().join(format!("ds/d{d}")).is_dir());
+            }
+            let mut held = 0;
+            for f in &parsed.files {
+                let here = stage.path().join(&f.path);
+                assert_eq!(here.exists(), &f.node == node, "{}", f.path);
+                if here.exists() {
+                    assert_eq!(fs::metadata(&here).unwrap().len(), f.size);
+                    assert!(union.insert(f.path.clone()), "{} twice", f.path);
+                    held += 1;
+                }
+            }
+            assert_eq!(held, mine.len());
+            let bytes: u64 = mine.iter().map(|f| f.size).sum();
+            let text = String::from_utf8(out).unwrap();
+            assert_eq!(
+                Event::parse(text.lines().next().unwrap()),
+                Some(Event::Total {
+                    files: mine.len() as u64,
+                    bytes
+                }),
+                "{node} reports its own share"
+            );
+            manifests.push(manifest);
+        }
+        assert_eq!(union.len(), 30);
+        assert_eq!(manifests[0], manifests[1]);
+        let outside = ShardArgs {
+            shard_nodes: Some("n1,n2".into()),
+            shard_node: Some("n9".into()),
+            dataset: Some("ds".into()),
+            source: Some("/x".into()),
+        };
+        assert!(outside.shard().unwrap_err().contains("n9 is not one of"));
     }
 
     #[test]

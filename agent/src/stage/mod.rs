@@ -15,6 +15,9 @@
 //!   Every node still lists the dataset itself (metadata only) and ends with the whole dataset;
 //!   a fetched unit's bytes stream through the same [`Budget`] buffers as an origin read's.
 //!
+//! - With `--stage-mode=shard`, each node stages only the files it owns and writes a manifest of
+//!   the whole dataset ([`shard`]); object-store and POSIX sources alike.
+//!
 //! Object keys are not file paths: [`map_key`] is the single place that decides where a key lands.
 //!
 //! Parts: [`budget`] (the node-wide download budget), [`object`] (object-store listings and ranged
@@ -25,13 +28,16 @@
 
 mod budget;
 pub mod copy_as_user;
+pub mod lustre;
 mod object;
 pub mod peers;
 mod posix;
+pub mod shard;
 
 pub use budget::{Budget, Lease};
 pub use object::{KeyPath, map_key};
 pub use peers::{JobPeers, NodePeers};
+pub use shard::ShardPlan;
 
 use sluice_archive::config::Config;
 use sluice_archive::rt::lock;
@@ -190,28 +196,43 @@ pub struct StageCtx {
     pub budget: Arc<Budget>,
 }
 
+/// How a dataset is staged with respect to the job's other nodes.
+#[derive(Clone, Copy)]
+pub enum Sharing<'a> {
+    /// This node reads the whole dataset from the origin.
+    Alone,
+    /// The whole dataset, each unit read from the origin by one node of the job and taken from it
+    /// by the others (object stores only). `peers` counts the job's object-store datasets, and
+    /// each must be staged through it exactly once.
+    Peers(&'a Arc<JobPeers>),
+    /// Only the files this node owns, plus the manifest of the whole dataset.
+    Shard(&'a ShardPlan),
+}
+
 /// Stages one dataset into `$SLUICE_STAGE_DIR/NAME`, updating `progress`.
 pub async fn stage(
     ctx: &StageCtx,
     spec: &StageSpec,
     progress: Arc<Progress>,
 ) -> Result<(), StageError> {
-    stage_with_peers(ctx, spec, progress, None).await
+    stage_with(ctx, spec, progress, Sharing::Alone).await
 }
 
-/// [`stage`], sharing an object-store dataset with the job's other nodes through `peers` (POSIX
-/// sources are read by every node). `peers` counts the job's object-store datasets, and each
-/// must be staged through it exactly once.
-pub async fn stage_with_peers(
+/// [`stage`], shared with the job's other nodes as `sharing` says.
+pub async fn stage_with(
     ctx: &StageCtx,
     spec: &StageSpec,
     progress: Arc<Progress>,
-    peers: Option<&Arc<JobPeers>>,
+    sharing: Sharing<'_>,
 ) -> Result<(), StageError> {
     progress.set_state(StageState::Listing);
+    let shard = match sharing {
+        Sharing::Shard(plan) => Some(plan),
+        _ => None,
+    };
     let run = async {
         match &spec.source {
-            Source::Posix { path } => posix::stage(ctx, spec, path, &progress).await,
+            Source::Posix { path } => posix::stage(ctx, spec, path, &progress, shard).await,
             Source::Object {
                 scheme,
                 bucket,
@@ -225,7 +246,11 @@ pub async fn stage_with_peers(
                             detail: e.to_string(),
                         }
                     })?;
-                object::stage(ctx, spec, store, prefix, progress.clone(), peers.cloned()).await
+                let peers = match sharing {
+                    Sharing::Peers(p) => Some(p.clone()),
+                    _ => None,
+                };
+                object::stage(ctx, spec, store, prefix, progress.clone(), peers, shard).await
             }
         }
     };

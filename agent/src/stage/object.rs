@@ -7,6 +7,7 @@
 //! owner, or read from the origin (see `unit_from_peers` for which answer leads where).
 
 use super::peers::Trouble;
+use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
 use crate::peer::{PeerError, Unit, UnitSink, units_of};
 use futures::StreamExt;
@@ -596,8 +597,10 @@ pub(super) async fn stage(
     prefix: &str,
     progress: Arc<Progress>,
     peers: Option<Arc<JobPeers>>,
+    shard: Option<&ShardPlan>,
 ) -> Result<(), StageError> {
     let source = spec.source.to_string();
+    let mut manifest = shard.map(|plan| ShardManifest::new(plan, &spec.name, &source));
     // However this ends, the job's peers learn that this node knows every unit it will.
     let _done = peers.clone().map(DatasetDone);
     let fetcher = Arc::new(Fetcher {
@@ -617,6 +620,14 @@ pub(super) async fn stage(
     if !prefix.is_empty() {
         match store.head(&ObjPath::from(prefix)).await {
             Ok(meta) => {
+                if let (Some(plan), Some(m)) = (shard, manifest.as_mut()) {
+                    m.add(plan, spec.name.clone(), meta.size);
+                    if !plan.owns(&spec.name) {
+                        progress.files_total.store(0, Ordering::Relaxed);
+                        progress.bytes_total.store(0, Ordering::Relaxed);
+                        return write_manifest(ctx, &fetcher, manifest).await;
+                    }
+                }
                 progress.files_total.store(1, Ordering::Relaxed);
                 progress.bytes_total.store(meta.size, Ordering::Relaxed);
                 progress.set_state(StageState::Copying);
@@ -628,10 +639,11 @@ pub(super) async fn stage(
                 let file = blocking(move || safefs::create_file(&*fd, &name, Some(owner), 0o644))
                     .await
                     .map_err(|e| fetcher.safefs_error(&spec.name, e))?;
-                return fetcher
+                fetcher
                     .clone()
                     .fill(Arc::new(file), &spec.name, meta, staged)
-                    .await;
+                    .await?;
+                return write_manifest(ctx, &fetcher, manifest).await;
             }
             Err(object_store::Error::NotFound { .. }) => {}
             Err(e) => return Err(origin_error(&source, e)),
@@ -661,6 +673,14 @@ pub(super) async fn stage(
                 continue;
             }
         };
+        if let (Some(plan), Some(m)) = (shard, manifest.as_mut()) {
+            let path = format!("{}/{}", spec.name, parts.join("/"));
+            let mine = plan.owns(&path);
+            m.add(plan, path, meta.size);
+            if !mine {
+                continue;
+            }
+        }
         files += 1;
         bytes += meta.size;
         if files == 1 {
@@ -681,7 +701,8 @@ pub(super) async fn stage(
     while let Some(done) = tasks.join_next().await {
         done.expect("stage task panicked")?;
     }
-    if files == 0 && bad == 0 {
+    let listed = manifest.as_ref().map_or(files, |m| m.files.len() as u64);
+    if listed == 0 && bad == 0 {
         return Err(StageError::NotFound { dataset: source });
     }
     if bad > 0 {
@@ -691,7 +712,29 @@ pub(super) async fn stage(
             example,
         });
     }
-    Ok(())
+    write_manifest(ctx, &fetcher, manifest).await
+}
+
+/// Writes a shard dataset's manifest next to it (`$SLUICE_STAGE_DIR/NAME.shard.json`), owned by
+/// the job user; nothing without one.
+async fn write_manifest(
+    ctx: &StageCtx,
+    fetcher: &Fetcher,
+    manifest: Option<ShardManifest>,
+) -> Result<(), StageError> {
+    let Some(mut manifest) = manifest else {
+        return Ok(());
+    };
+    let name = super::shard::manifest_name(&fetcher.name);
+    let (fd, owner, bytes) = (ctx.stage_fd.clone(), ctx.owner, manifest.to_json());
+    let file_name = name.clone();
+    let written = blocking(move || {
+        let mut f = safefs::create_file(&*fd, &file_name, Some(owner), 0o644)
+            .map_err(|e| (e.errno().map(|e| e as i32), e.to_string()))?;
+        std::io::Write::write_all(&mut f, &bytes).map_err(|e| (e.raw_os_error(), e.to_string()))
+    })
+    .await;
+    written.map_err(|(errno, detail)| fetcher.hot_error(&name, errno, detail))
 }
 
 /// `e` and its causes, `: `-separated ("unreachable: client error: connection refused"), for the

@@ -3,22 +3,36 @@
 //! into [`Progress`], and its exit code and last error line into the [`StageError`] the job shows.
 
 use super::copy_as_user::{EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event};
-use super::{Progress, StageCtx, StageError};
+use super::{Progress, ShardPlan, StageCtx, StageError};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 
-/// Copies a POSIX source with the job user's identity, through `sluiced copy-as-user`.
+/// Copies a POSIX source with the job user's identity, through `sluiced copy-as-user`; with
+/// `shard`, only this node's share of its files, and the manifest.
 pub(super) async fn stage(
     ctx: &StageCtx,
     spec: &StageSpec,
     path: &str,
     progress: &Progress,
+    shard: Option<&ShardPlan>,
 ) -> Result<(), StageError> {
     let source = spec.source.to_string();
     let dest = ctx.stage_path.join(&spec.name);
-    let mut child = tokio::process::Command::new(&ctx.helper_exe)
-        .arg("copy-as-user")
+    let mut command = tokio::process::Command::new(&ctx.helper_exe);
+    command.arg("copy-as-user");
+    if let Some(plan) = shard {
+        command
+            .arg("--shard-nodes")
+            .arg(plan.nodes_arg())
+            .arg("--shard-node")
+            .arg(plan.node())
+            .arg("--dataset")
+            .arg(&spec.name)
+            .arg("--source")
+            .arg(&source);
+    }
+    let mut child = command
         .arg("--uid")
         .arg(ctx.owner.uid.to_string())
         .arg("--gid")

@@ -274,6 +274,7 @@ fn ready() -> Response {
         ckpt_dir: "/nvme/sluice/n2/jobs/42/ckpt".into(),
         restored_tag: None,
         notes: Vec::new(),
+        env: Vec::new(),
     })
 }
 
@@ -321,7 +322,7 @@ fn init_registers_all_six_options_with_their_accepted_values() {
         by_name("stage-tier").usage.contains("local")
             && by_name("stage-tier").usage.contains("shared")
     );
-    assert_eq!(by_name("stage-mode").arginfo, "replicate");
+    assert_eq!(by_name("stage-mode").arginfo, "replicate|shard");
     assert_eq!(by_name("ckpt-restore").arginfo, "latest|TAG");
     assert!(
         by_name("stage-in").usage.contains("s3://") && by_name("stage-in").usage.contains("/path")
@@ -766,6 +767,34 @@ fn a_task_waits_for_staging_and_sees_its_directories() {
         ]
     );
     assert!(sp.errors().is_empty());
+}
+
+#[test]
+fn a_shard_jobs_tasks_get_the_agents_sluice_variables_and_no_others() {
+    let mut sp = Fake::task(&[("stage-mode", "shard")]);
+    let agent = FakeAgent::answering(|_| {
+        let Response::Ready(mut dirs) = ready() else {
+            unreachable!()
+        };
+        dirs.env = vec![
+            ("SLUICE_SHARD_INDEX".into(), "1".into()),
+            ("SLUICE_SHARD_COUNT".into(), "3".into()),
+            ("LD_PRELOAD".into(), "/tmp/evil.so".into()),
+        ];
+        Ok(Response::Ready(dirs))
+    });
+    assert_eq!(task_init(&mut sp, &agent, &[]), OK);
+    let set: Vec<&str> = sp.env_set.iter().map(|(k, _, _)| k.as_str()).collect();
+    assert_eq!(
+        set,
+        [
+            "SLUICE_STAGE_DIR",
+            "SLUICE_CKPT_DIR",
+            "SLUICE_SHARD_INDEX",
+            "SLUICE_SHARD_COUNT"
+        ]
+    );
+    assert_eq!(sp.env_set[2].1, "1");
 }
 
 #[test]

@@ -241,6 +241,7 @@ async fn stage_all(
                 "ds",
                 n.progress.clone(),
                 Some(peers.clone()),
+                None,
             );
             let r = tokio::time::timeout(Duration::from_secs(60), run)
                 .await
@@ -334,6 +335,82 @@ async fn three_nodes_read_the_origin_once_and_each_ends_with_the_whole_dataset()
     for (n, (origin, peer)) in all.iter().zip(&counts) {
         assert!(*origin > 0 && *peer > 0, "{}: {origin} + {peer}", n.name);
     }
+    for n in &nodes {
+        n.stop.cancel();
+    }
+}
+
+/// `--stage-mode=shard` on three nodes: each holds exactly the files it owns, together they hold
+/// the dataset once, the origin served it once, and every node wrote the same manifest (which
+/// names the holder of each file).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_shard_nodes_hold_the_dataset_once_and_write_the_same_manifest() {
+    use crate::stage::shard::{ShardManifest, ShardPlan};
+    let (store, files) = origin().await;
+    let (ls, addrs) = listeners().await;
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().iter().zip(ls) {
+        nodes.push(node(name, l, &addrs).await);
+    }
+    let runs = nodes.iter().map(|n| {
+        let store = store.clone() as Arc<dyn ObjectStore>;
+        async move {
+            let plan = ShardPlan::new(&job_nodes(), &n.name).unwrap();
+            let spec = spec();
+            crate::stage::object::stage(
+                &n.ctx,
+                &spec,
+                store,
+                "ds",
+                n.progress.clone(),
+                None,
+                Some(&plan),
+            )
+            .await
+        }
+    });
+    for r in futures::future::join_all(runs).await {
+        r.unwrap();
+    }
+    assert_eq!(
+        store.served.load(Ordering::SeqCst),
+        dataset_bytes(&files),
+        "the origin served each byte of the dataset exactly once"
+    );
+    let manifests: Vec<Vec<u8>> = nodes
+        .iter()
+        .map(|n| std::fs::read(n.dir.path().join("ds.shard.json")).unwrap())
+        .collect();
+    assert!(
+        manifests.iter().all(|m| *m == manifests[0]),
+        "manifests differ"
+    );
+    let manifest: ShardManifest = serde_json::from_slice(&manifests[0]).unwrap();
+    assert_eq!(manifest.nodes, job_nodes());
+    assert_eq!(manifest.source, "s3://b/ds");
+    let listed: BTreeMap<String, (String, u64)> = manifest
+        .files
+        .iter()
+        .map(|f| (f.path.clone(), (f.node.clone(), f.size)))
+        .collect();
+    assert_eq!(listed.len(), files.len());
+    let mut union = BTreeMap::new();
+    for n in &nodes {
+        let held = read_tree(n.dir.path());
+        assert!(!held.is_empty(), "{} holds no file", n.name);
+        let p = n.progress.snapshot();
+        assert_eq!(p.files_done, held.len() as u64, "{}'s progress", n.name);
+        assert_eq!(p.files_total, Some(held.len() as u64));
+        for (k, v) in held {
+            let (holder, size) = &listed[&format!("ds/{k}")];
+            assert_eq!((holder, *size), (&n.name, v.len() as u64), "{k}");
+            assert!(union.insert(k.clone(), v).is_none(), "{k} is on two nodes");
+        }
+    }
+    assert_eq!(
+        union, files,
+        "the nodes together hold the dataset, byte for byte"
+    );
     for n in &nodes {
         n.stop.cancel();
     }
