@@ -13,13 +13,13 @@ mod slurm;
 
 use crate::socket::{self, Socket};
 use serde::Serialize;
-use sluice_archive::config::{Config, StoreProfile};
+use sluice_archive::config::{Config, SharedTierConfig, StoreProfile};
 use sluice_proto::client::{self, ClientError};
 use sluice_proto::msg::{Request, Response};
 use sluice_proto::options::ObjectScheme;
 use std::fmt::Write as _;
 use std::io::{self, ErrorKind};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -110,6 +110,9 @@ pub fn run(opts: &Options) -> anyhow::Result<Vec<Finding>> {
         Some(cfg) => check_hot_tier(cfg, is_root),
         None => not_checked("hot tier"),
     });
+    if let Some(tier) = cfg.as_ref().and_then(|c| c.shared_tier.as_ref()) {
+        out.push(check_shared_tier(tier, is_root));
+    }
     match &cfg {
         Some(cfg) => out.extend(rt.block_on(check_stores(cfg, opts.timeout))),
         None => out.push(not_checked("stores")),
@@ -584,7 +587,146 @@ pub fn judge_hot_tier(
     Finding::new(check, status, found.join(", "), fix)
 }
 
-// ---- 7. stores --------------------------------------------------------------------------------
+// ---- 7. shared tier ---------------------------------------------------------------------------
+
+/// What the shared tier's root (the directory the jobs' directories are made in) is.
+#[derive(Debug)]
+pub struct SharedTierFacts {
+    pub is_dir: bool,
+    /// File system type and mount point, from /proc/self/mounts.
+    pub mount: Option<(String, PathBuf)>,
+    /// Where `shared_tier.lfs` was found (asked on Lustre only).
+    pub lfs: Option<PathBuf>,
+}
+
+fn check_shared_tier(tier: &SharedTierConfig, is_root: bool) -> Finding {
+    let root = tier.root();
+    let facts = std::fs::metadata(root).map(|m| {
+        let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+        let mount = std::fs::read_to_string("/proc/self/mounts")
+            .ok()
+            .and_then(|m| mount_of(&m, &canonical));
+        let lfs = match &mount {
+            Some((fs, _)) if fs == "lustre" => {
+                find_program(&tier.lfs, &crate::env("PATH").unwrap_or_default())
+            }
+            _ => None,
+        };
+        SharedTierFacts {
+            is_dir: m.is_dir(),
+            mount,
+            lfs,
+        }
+    });
+    judge_shared_tier(tier, facts, is_root)
+}
+
+/// `program` if it is an executable file, else the first executable `program` in `path`'s
+/// directories when it is a bare name (as the agent's `Command` looks it up).
+pub fn find_program(program: &Path, path: &std::ffi::OsStr) -> Option<PathBuf> {
+    let runnable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.components().count() != 1 || program.is_absolute() {
+        return runnable(program).then(|| program.to_path_buf());
+    }
+    std::env::split_paths(path)
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(|d| d.join(program))
+        .find(|p| runnable(p))
+}
+
+/// The root exists and is a directory (FAIL otherwise, with the fix); on Lustre, `lfs` is found
+/// when stripe classes need it; off Lustre a WARN (right for BeeOND or a stand-in, but no layouts).
+pub fn judge_shared_tier(
+    tier: &SharedTierConfig,
+    facts: io::Result<SharedTierFacts>,
+    is_root: bool,
+) -> Finding {
+    let check = "shared tier";
+    let r = tier.root().display();
+    let j = &tier.job_dir;
+    let create = format!(
+        "create it on the shared file system, the same path on every node (install -d -m 0755 {r}), or correct shared_tier.job_dir (now \"{j}\")"
+    );
+    let facts = match facts {
+        Ok(f) => f,
+        Err(e) if e.kind() == ErrorKind::PermissionDenied && !is_root => {
+            return Finding::new(
+                check,
+                Status::Warn,
+                format!("cannot look at {r} as this user: {e}"),
+                Some("run doctor as root".into()),
+            );
+        }
+        Err(e) => {
+            return Finding::new(
+                check,
+                Status::Fail,
+                format!("{r} (where each job's {j} is made): {e}"),
+                Some(create),
+            );
+        }
+    };
+    if !facts.is_dir {
+        return Finding::new(
+            check,
+            Status::Fail,
+            format!("{r} (where each job's {j} is made) is not a directory"),
+            Some(create),
+        );
+    }
+    let classes = tier.stripes.len();
+    match &facts.mount {
+        Some((fs, at)) if fs == "lustre" => {
+            let on = format!("{r} on Lustre (mounted at {})", at.display());
+            let lfs = tier.lfs.display();
+            match (&facts.lfs, classes) {
+                (Some(found), _) => Finding::new(
+                    check,
+                    Status::Pass,
+                    format!(
+                        "{on}, {lfs} at {}, {classes} stripe class(es)",
+                        found.display()
+                    ),
+                    None,
+                ),
+                (None, 0) => Finding::new(
+                    check,
+                    Status::Pass,
+                    format!("{on}, no stripe classes: files keep the directory's default layout ({lfs} not needed)"),
+                    None,
+                ),
+                (None, _) => Finding::new(
+                    check,
+                    Status::Fail,
+                    format!("{on}, but {lfs} is not found, and the {classes} stripe class(es) need it: staging to the shared tier would fail"),
+                    Some("install Lustre's client tools on this node, or set shared_tier.lfs to lfs's path".into()),
+                ),
+            }
+        }
+        mount => {
+            let on = match mount {
+                Some((fs, at)) => format!("{r} on {fs} (mounted at {}), not Lustre", at.display()),
+                None => format!("{r} (file system unknown), not Lustre"),
+            };
+            let unused = match classes {
+                0 => String::new(),
+                n => format!("; the {n} stripe class(es) are not applied"),
+            };
+            Finding::new(
+                check,
+                Status::Warn,
+                format!("{on}: files keep the directory's default layout{unused}"),
+                Some(format!(
+                    "fine for BeeOND or a stand-in directory, if {r} is the same directory on every node; for Lustre, point shared_tier.job_dir at a Lustre mount"
+                )),
+            )
+        }
+    }
+}
+
+// ---- 8. stores --------------------------------------------------------------------------------
 
 /// A bucket to list for a profile, and the prefix in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -786,7 +928,7 @@ pub fn judge_store(profile: &StoreProfile, results: &[(String, Result<(), Probe>
     )
 }
 
-// ---- 8. squeue --------------------------------------------------------------------------------
+// ---- 9. squeue --------------------------------------------------------------------------------
 
 async fn check_squeue(squeue: Option<&Path>, timeout: Duration) -> Finding {
     let Some(squeue) = squeue else {
@@ -858,8 +1000,16 @@ pub fn config_summary(cfg: &Config) -> String {
     } else {
         stores.join(", ")
     };
+    let shared = match &cfg.shared_tier {
+        None => String::new(),
+        Some(t) => format!(
+            "  shared:     {} ({} stripe class(es))\n",
+            t.job_dir,
+            t.stripes.len()
+        ),
+    };
     format!(
-        "OK (node {})\n  socket:     {}\n  hot tier:   {}\n  stores:     {stores}\n  rules:      {} stage allow, {} archive allow\n  archive:    {}\n",
+        "OK (node {})\n  socket:     {}\n  hot tier:   {}\n{shared}  stores:     {stores}\n  rules:      {} stage allow, {} archive allow\n  archive:    {}\n",
         cfg.node,
         cfg.socket.display(),
         cfg.hot_root.display(),

@@ -323,4 +323,123 @@ fn config_check_summarises_what_the_agent_would_use() {
         "{s}"
     );
     assert!(s.contains("2 stage allow, 1 archive allow"), "{s}");
+    assert!(!s.contains("shared:"), "no shared tier configured: {s}");
+    let with = Config::parse(
+        &format!("{CONFIG}[shared_tier]\njob_dir='/lustre/sluice/%j'\n"),
+        "n1",
+    )
+    .unwrap();
+    let s = config_summary(&with);
+    assert!(
+        s.contains("hot tier:   /var/lib/sluice/n1/hot\n  shared:     /lustre/sluice/%j (0 stripe class(es))\n"),
+        "{s}"
+    );
+}
+
+fn shared_tier(job_dir: &str, stripes: bool) -> SharedTierConfig {
+    let classes = if stripes {
+        "[[shared_tier.stripe]]\nmin_size='0'\ncount=1\nsize='1MiB'\n[[shared_tier.stripe]]\nmin_size='1GiB'\ncount=-1\nsize='4MiB'\n"
+    } else {
+        ""
+    };
+    let text = format!("{CONFIG}[shared_tier]\njob_dir='{job_dir}'\n{classes}");
+    Config::parse(&text, "n1").unwrap().shared_tier.unwrap()
+}
+
+fn on(fs: &str, lfs: Option<&str>) -> io::Result<SharedTierFacts> {
+    Ok(SharedTierFacts {
+        is_dir: true,
+        mount: Some((fs.into(), "/lustre".into())),
+        lfs: lfs.map(PathBuf::from),
+    })
+}
+
+#[test]
+fn shared_tier_on_lustre_passes_with_lfs_and_fails_without_it_when_classes_need_it() {
+    let tier = shared_tier("/lustre/scratch/sluice/%j", true);
+    let f = judge_shared_tier(&tier, on("lustre", Some("/usr/bin/lfs")), true);
+    assert_eq!(f.status, Status::Pass, "{f:?}");
+    assert_eq!(
+        f.detail,
+        "/lustre/scratch/sluice on Lustre (mounted at /lustre), lfs at /usr/bin/lfs, 2 stripe class(es)"
+    );
+    let f = judge_shared_tier(&tier, on("lustre", None), true);
+    assert_eq!(f.status, Status::Fail, "{f:?}");
+    assert!(f.detail.contains("but lfs is not found"), "{f:?}");
+    assert!(f.fix.unwrap().contains("set shared_tier.lfs"));
+    // Without classes lfs is never run.
+    let plain = shared_tier("/lustre/scratch/sluice/%j", false);
+    let f = judge_shared_tier(&plain, on("lustre", None), true);
+    assert_eq!(f.status, Status::Pass, "{f:?}");
+    assert!(f.detail.contains("lfs not needed"), "{f:?}");
+}
+
+#[test]
+fn shared_tier_off_lustre_warns_and_a_missing_root_fails_with_the_fix() {
+    let tier = shared_tier("/beeond/sluice/%j", true);
+    let f = judge_shared_tier(&tier, on("beegfs", None), true);
+    assert_eq!(f.status, Status::Warn, "{f:?}");
+    assert_eq!(
+        f.detail,
+        "/beeond/sluice on beegfs (mounted at /lustre), not Lustre: files keep the directory's default layout; the 2 stripe class(es) are not applied"
+    );
+    assert!(f.fix.unwrap().starts_with("fine for BeeOND or a stand-in"));
+
+    let gone = judge_shared_tier(&tier, Err(Error::from(ErrorKind::NotFound)), true);
+    assert_eq!(gone.status, Status::Fail);
+    assert!(
+        gone.detail
+            .starts_with("/beeond/sluice (where each job's /beeond/sluice/%j is made): "),
+        "{gone:?}"
+    );
+    assert_eq!(
+        gone.fix.as_deref(),
+        Some(
+            "create it on the shared file system, the same path on every node (install -d -m 0755 /beeond/sluice), or correct shared_tier.job_dir (now \"/beeond/sluice/%j\")"
+        )
+    );
+    let file = SharedTierFacts {
+        is_dir: false,
+        mount: None,
+        lfs: None,
+    };
+    let f = judge_shared_tier(&tier, Ok(file), true);
+    assert_eq!(f.status, Status::Fail);
+    assert!(f.detail.ends_with("is not a directory"), "{f:?}");
+    let denied = judge_shared_tier(&tier, Err(Error::from(ErrorKind::PermissionDenied)), false);
+    assert_eq!(denied.status, Status::Warn);
+    assert_eq!(denied.fix.as_deref(), Some("run doctor as root"));
+}
+
+#[test]
+fn shared_tier_check_reads_the_directory_a_stand_in_is_not_lustre() {
+    // This machine has no Lustre: a temporary directory is the stand-in, as in the test cluster.
+    let tmp = tempfile::tempdir().unwrap();
+    let tier = shared_tier(&format!("{}/%j", tmp.path().display()), false);
+    let f = check_shared_tier(&tier, true);
+    assert_eq!(f.status, Status::Warn, "{f:?}");
+    assert!(f.detail.contains("not Lustre"), "{f:?}");
+    let gone = shared_tier(&format!("{}/missing/%j", tmp.path().display()), false);
+    assert_eq!(check_shared_tier(&gone, true).status, Status::Fail);
+}
+
+#[test]
+fn lfs_is_found_by_path_or_on_path_if_executable() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    std::fs::write(a.join("lfs"), "not executable").unwrap();
+    std::fs::write(b.join("lfs"), "#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(b.join("lfs"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = std::env::join_paths([&a, &b]).unwrap();
+    assert_eq!(find_program(Path::new("lfs"), &path), Some(b.join("lfs")));
+    assert_eq!(
+        find_program(&b.join("lfs"), "".as_ref()),
+        Some(b.join("lfs"))
+    );
+    assert_eq!(find_program(&a.join("lfs"), &path), None);
+    assert_eq!(find_program(Path::new("lfs"), a.as_os_str()), None);
+    assert_eq!(find_program(Path::new("lfs"), "".as_ref()), None);
 }
