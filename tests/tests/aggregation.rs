@@ -753,3 +753,119 @@ fn aggregation_a_tampering_relay_between_agents_is_detected() {
     );
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
 }
+
+/// `--stage-mode=shard` on 3 nodes from S3 (through the counting relay), Azure Blob and a POSIX
+/// directory in one job: each node holds exactly the files the manifest gives it, the nodes
+/// together hold every dataset once and byte-identical to its source, every node has the same
+/// `$SLUICE_STAGE_DIR/NAME.shard.json`, the tasks see `SLUICE_SHARD_INDEX`/`SLUICE_SHARD_COUNT`,
+/// and the S3 origin served its dataset about once (a replicate job without peers reads it 3×).
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let big = Dataset::new(&cluster, "aggregation-shard-s3", true);
+    let s3 = big.upload(&cluster, "datasets-relayed");
+    let small = Dataset::new(&cluster, "aggregation-shard-az", false);
+    let az = format!("e2e/{}/train", unique());
+    cluster.upload(&small.dir, "azurite", &format!("datasets/{az}"));
+    let relay = OriginRelay::start(&cluster);
+
+    let work = cluster.workdir("aggregation-shard");
+    let out = work.join("out");
+    let names = ["s3ds", "azds", "posixds"];
+    let script = listing_script(&out, &names).replacen(
+        "touch \"$o/done\"",
+        "for n in s3ds azds posixds; do cp \"$SLUICE_STAGE_DIR/$n.shard.json\" \"$o/manifest-$n\"; done\ntouch \"$o/done\"",
+        1,
+    );
+    let stage_in = format!(
+        "--stage-in=s3ds=s3://datasets-relayed/{s3},azds=az://datasets/{az},posixds={}",
+        small.dir.display()
+    );
+    let job = cluster.submit(&work, &["-N3", &stage_in, "--stage-mode=shard"], &script);
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the shard job");
+
+    let mut nodes = cluster.nodes.clone();
+    nodes.sort();
+    for (name, ds) in [("s3ds", &big), ("azds", &small), ("posixds", &small)] {
+        let source = parse_sums(&ds.sums);
+        let manifest = task_file(&out, &nodes[0], &format!("manifest-{name}"));
+        let parsed: serde_json::Value = serde_json::from_str(&manifest)
+            .unwrap_or_else(|e| panic!("{name}'s manifest on {}: {e}\n{manifest}", nodes[0]));
+        assert_eq!(parsed["nodes"], serde_json::json!(nodes), "{name}: nodes");
+        // Manifest path → holder, for every file of the source with its size.
+        let mut holder = std::collections::BTreeMap::new();
+        for f in parsed["files"].as_array().expect("files") {
+            let path = f["path"].as_str().unwrap();
+            let rel = path
+                .strip_prefix(&format!("{name}/"))
+                .unwrap_or_else(|| panic!("{name}: manifest path {path}"));
+            let size = fs::metadata(ds.dir.join(rel)).map(|m| m.len());
+            assert_eq!(size.ok(), f["size"].as_u64(), "{name}: size of {rel}");
+            holder.insert(rel.to_string(), f["node"].as_str().unwrap().to_string());
+        }
+        assert_eq!(
+            holder.keys().collect::<Vec<_>>(),
+            source.keys().collect::<Vec<_>>(),
+            "{name}: the manifest lists every file of the source"
+        );
+        let mut union = std::collections::BTreeMap::new();
+        for (index, node) in nodes.iter().enumerate() {
+            assert_eq!(
+                task_file(&out, node, &format!("manifest-{name}")),
+                manifest,
+                "{name}: {node}'s manifest differs from {}'s",
+                nodes[0]
+            );
+            let env = task_file(&out, node, "env");
+            assert!(
+                env.contains(&format!("SLUICE_SHARD_INDEX={index}\n"))
+                    && env.contains("SLUICE_SHARD_COUNT=3\n"),
+                "{node}'s task environment:\n{env}"
+            );
+            let held = parse_sums(&task_file(&out, node, &format!("sums-{name}")));
+            let given: Vec<&String> = holder
+                .iter()
+                .filter(|(_, n)| *n == node)
+                .map(|(p, _)| p)
+                .collect();
+            assert_eq!(
+                held.keys().collect::<Vec<_>>(),
+                given,
+                "{name}: the files {node} holds are the ones the manifest gives it"
+            );
+            assert!(!held.is_empty(), "{name}: {node} holds no file");
+            union.extend(held);
+        }
+        assert!(
+            union == source,
+            "{name}: the nodes together differ from the source: {}",
+            diff_trees(&source, &union)
+        );
+        for node in &nodes {
+            let owners = task_file(&out, node, "owners");
+            assert!(
+                owners
+                    .lines()
+                    .all(|l| l.starts_with(&format!("{} ", cluster.user))),
+                "entries under SLUICE_STAGE_DIR on {node} not owned by {}:\n{owners}",
+                cluster.user
+            );
+        }
+    }
+    let served = relay.served();
+    let ratio = served as f64 / big.bytes as f64;
+    eprintln!(
+        "[aggregation] 3-node shard of {} bytes: the origin served {served} bytes ({ratio:.4}x)",
+        big.bytes
+    );
+    assert!(
+        served >= big.bytes && ratio <= ORIGIN_SLACK,
+        "the S3 origin served {served} bytes for a {}-byte dataset sharded on 3 nodes ({ratio:.3}x)\n{}",
+        big.bytes,
+        cluster.evidence(&job)
+    );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}

@@ -356,7 +356,13 @@ mod tests {
             "/hot/a",
         ])
         .unwrap();
-        let InternalCommand::CopyAsUser { who, src, dst } = parsed.command else {
+        let InternalCommand::CopyAsUser {
+            who,
+            src,
+            dst,
+            shard,
+        } = parsed.command
+        else {
             panic!("not copy-as-user");
         };
         assert_eq!((who.uid, who.gid, who.user.as_str()), (1000, 100, "alice"));
@@ -364,6 +370,25 @@ mod tests {
             (src, dst),
             (PathBuf::from("/data/a"), PathBuf::from("/hot/a"))
         );
+        assert!(shard.shard().unwrap().is_none(), "the whole dataset");
+        // A shard needs all four of its arguments.
+        let partial = Internal::try_parse_from([
+            "sluiced",
+            "copy-as-user",
+            "--uid",
+            "1",
+            "--gid",
+            "1",
+            "--user",
+            "a",
+            "--src",
+            "/s",
+            "--dst",
+            "/d",
+            "--shard-nodes",
+            "n1,n2",
+        ]);
+        assert!(partial.is_err());
         // It is no part of the agent's own interface, and only the first argument selects it.
         assert!(Args::try_parse_from(["sluiced", "copy-as-user"]).is_err());
         let argv = |a: &[&str]| a.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
