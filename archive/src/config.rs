@@ -148,6 +148,12 @@ pub struct StoreProfile {
     pub access_key: Option<String>,
     /// GCS: path of a service-account JSON file.
     pub service_account_path: Option<String>,
+    /// The storage class (S3: `STANDARD_IA`, `GLACIER_IR`, ...; GCS: `NEARLINE`, ...) or access
+    /// tier (Azure: `Hot`, `Cool`, `Cold`, `Archive`) of the checkpoint data objects written to
+    /// archives in this profile's buckets; MANIFESTs stay in the default class. Checked against
+    /// the prefix's store and spelled as the store spells it once parsed
+    /// ([`crate::store::check_data_class`]).
+    pub data_class: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -623,6 +629,16 @@ fn retry_config(raw: &RawRetry) -> Result<RetryConfig, String> {
     Ok(r)
 }
 
+/// Checks each profile's `data_class` for the store its prefix names, spelling it as the store does.
+fn with_data_classes(mut stores: Vec<StoreProfile>) -> Result<Vec<StoreProfile>, String> {
+    for s in &mut stores {
+        if let Some(class) = &s.data_class {
+            s.data_class = Some(crate::store::check_data_class(&s.prefix, class)?);
+        }
+    }
+    Ok(stores)
+}
+
 fn substitute(s: &str, node: &str) -> PathBuf {
     PathBuf::from(s.replace("%n", node))
 }
@@ -805,7 +821,7 @@ impl Config {
             hot_root: abs("hot_tier.root", substitute(&raw.hot_tier.root, node))?,
             stage,
             ckpt,
-            stores: raw.store,
+            stores: with_data_classes(raw.store)?,
             retry,
             peer: raw
                 .peer
@@ -1037,6 +1053,44 @@ mod tests {
             let e = bad(peer);
             assert!(e.contains(want), "{peer}: {e}");
         }
+    }
+
+    #[test]
+    fn a_store_profile_may_name_the_class_of_checkpoint_data() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        let c = Config::parse(
+            &format!("{base}[[store]]\nprefix='s3://'\n[[store]]\nprefix='s3://cold'\ndata_class='standard_ia'\n[[store]]\nprefix='az://'\nuse_emulator=true\ndata_class='cool'\n"),
+            "n1",
+        )
+        .unwrap();
+        let class = |url| c.store_for(url).and_then(|p| p.data_class.as_deref());
+        // Spelled as the store spells it once parsed.
+        assert_eq!(class("s3://cold/alice"), Some("STANDARD_IA"));
+        assert_eq!(class("az://ckpt/alice"), Some("Cool"));
+        assert_eq!(class("s3://ckpt/alice"), None);
+        let bad =
+            |store: &str| Config::parse(&format!("{base}[[store]]\n{store}\n"), "n1").unwrap_err();
+        let e = bad("prefix='az://'\ndata_class='STANDARD_IA'");
+        assert!(
+            e.contains("[[store]] prefix 'az://': data_class 'STANDARD_IA' is not an Azure access tier; use one of Hot, Cool, Cold, Archive"),
+            "{e}"
+        );
+        let e = bad("prefix='s3://'\ndata_class='COOL'");
+        assert!(e.contains("is not an S3 storage class"), "{e}");
+        let e = bad("prefix='s3://'\ndata_class=3");
+        assert!(e.contains("data_class"), "{e}");
+        // The example's commented data_class lines are valid once uncommented.
+        let example = include_str!("../../slurm-conf/sluice.toml")
+            .replace("# data_class = ", "data_class = ");
+        let c = Config::parse(&example, "n1").unwrap();
+        assert_eq!(
+            c.store_for("s3://ckpt/").unwrap().data_class.as_deref(),
+            Some("STANDARD_IA")
+        );
+        assert_eq!(
+            c.store_for("az://ckpt/").unwrap().data_class.as_deref(),
+            Some("Cool")
+        );
     }
 
     fn assert_default_retry(c: &Config) {

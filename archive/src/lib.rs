@@ -18,6 +18,11 @@
 //! BASE/TAG/MANIFEST             the checkpoint (Manifest): written last, after every part
 //! ```
 //!
+//! **Tiering.** Data objects are written in the storage class (S3, GCS) or access tier (Azure) of
+//! the store profile's `data_class` ([`Archiver::with_data_class`]), and each file's manifest entry
+//! records it; notes, parts and MANIFESTs, which listing, publishing and restore read first, are
+//! always written in the store's default class.
+//!
 //! **Any subset of nodes.** A multi-node job's node that commits a tag notes it under
 //! `.jobs/<job>/` (one listing of the job's own notes, however many tags the prefix holds); the
 //! job's other nodes see the note ([`Archiver::commits_of_job`]) and answer with their part, or
@@ -416,6 +421,10 @@ pub struct CheckpointInfo {
     pub job: Option<JobMeta>,
     /// Complete: the nodes of the checkpoint. Partial: the nodes whose parts are written.
     pub nodes: Vec<String>,
+    /// The storage classes (S3, GCS) or access tiers (Azure) its data objects were written with,
+    /// from the manifests (no request per object): sorted, `"default"` for objects written without
+    /// one; empty for a checkpoint without files and an invalid one.
+    pub data_classes: Vec<String>,
 }
 
 impl CheckpointInfo {
@@ -431,6 +440,7 @@ impl CheckpointInfo {
             created_unix_ms: 0,
             job: None,
             nodes: Vec::new(),
+            data_classes: Vec::new(),
         }
     }
 }
@@ -458,6 +468,8 @@ pub struct Archiver {
     job: Option<u32>,
     /// Where uploads keep their resume logs ([`Archiver::with_resume_dir`]).
     resume_dir: Option<std::path::PathBuf>,
+    /// The storage class data objects are written with ([`Archiver::with_data_class`]).
+    data_class: Option<String>,
 }
 
 /// What [`Archiver::try_publish`] found.
@@ -561,6 +573,7 @@ impl Archiver {
             cfg,
             job: None,
             resume_dir: None,
+            data_class: None,
         })
     }
 
@@ -584,6 +597,21 @@ impl Archiver {
     pub fn with_resume_dir(mut self, dir: std::path::PathBuf) -> Archiver {
         self.resume_dir = Some(dir);
         self
+    }
+
+    /// Writes data objects with this storage class (S3, GCS) or access tier (Azure), e.g.
+    /// `STANDARD_IA` or `Cool` (the store profile's `data_class`, checked when the config is
+    /// read); `None` leaves them in the store's default class. Only data objects: part
+    /// manifests, MANIFESTs and commit notes, which listing, publishing and restore read first,
+    /// stay in the default class. Each file's manifest entry records the class it was written
+    /// with. A store that does not take the attribute (a `file://` archive) must not be given one.
+    pub fn with_data_class(mut self, class: Option<String>) -> Archiver {
+        self.data_class = class;
+        self
+    }
+
+    pub fn data_class(&self) -> Option<&str> {
+        self.data_class.as_deref()
     }
 
     pub fn url(&self) -> &str {
@@ -1018,6 +1046,7 @@ impl Archiver {
                 created_unix_ms: m.created_unix_ms,
                 job: Some(m.job.clone()),
                 nodes: m.nodes.clone(),
+                data_classes: manifest::storage_classes(&m.files),
             }),
             Ok(None) => {
                 let data = self.object_sizes(&self.data_prefix(&tag)).await?;
@@ -1025,6 +1054,7 @@ impl Archiver {
                 let part_objects = self.object_sizes(&parts_prefix).await?;
                 let mut nodes = Vec::new();
                 let mut raw = 0;
+                let mut classes = BTreeSet::new();
                 for key in part_objects.keys() {
                     let Some(node) = key.filename().and_then(|f| f.strip_suffix(".json")) else {
                         continue;
@@ -1036,6 +1066,7 @@ impl Archiver {
                     if let Ok(Some(p)) = self.part_opt(&tag, node).await {
                         raw += p.raw_bytes();
                         nodes.push(node.to_string());
+                        classes.extend(manifest::storage_classes(&p.files));
                     }
                 }
                 nodes.sort();
@@ -1054,6 +1085,7 @@ impl Archiver {
                         .unwrap_or(0),
                     job: None,
                     nodes,
+                    data_classes: classes.into_iter().collect(),
                 })
             }
             Err(e @ ArchiveError::BadManifest { .. }) => {

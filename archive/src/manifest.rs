@@ -71,6 +71,11 @@ pub struct FileEntry {
     /// Size of the data object.
     pub stored_size: u64,
     pub chunks: Vec<ChunkEntry>,
+    /// The storage class (S3, GCS) or access tier (Azure) its data object was written with: the
+    /// store profile's `data_class`. Absent when none was asked for (the store's default), and
+    /// in manifests written before classes were recorded, which means the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_class: Option<String>,
 }
 
 impl FileEntry {
@@ -79,13 +84,16 @@ impl FileEntry {
         blake3::Hash::from_hex(&self.blake3).unwrap_or(blake3::Hash::from([0; 32]))
     }
 
-    /// Identical content and encoding, whichever node archived it.
+    /// Identical content and encoding, whichever node archived it (and with whichever class: the
+    /// nodes share its one data object).
     fn same_object(&self, other: &FileEntry) -> bool {
         FileEntry {
             node: String::new(),
+            storage_class: None,
             ..self.clone()
         } == FileEntry {
             node: String::new(),
+            storage_class: None,
             ..other.clone()
         }
     }
@@ -200,6 +208,19 @@ impl PartManifest {
     }
 }
 
+/// What `ckpt list` shows for a storage class never asked for: the store's default class.
+pub const DEFAULT_CLASS: &str = "default";
+
+/// The classes the data objects of `files` were written with, sorted and distinct,
+/// [`DEFAULT_CLASS`] for those written without one; empty when there are no files.
+pub fn storage_classes<'a>(files: impl IntoIterator<Item = &'a FileEntry>) -> Vec<String> {
+    let classes: std::collections::BTreeSet<&str> = files
+        .into_iter()
+        .map(|f| f.storage_class.as_deref().unwrap_or(DEFAULT_CLASS))
+        .collect();
+    classes.into_iter().map(String::from).collect()
+}
+
 pub fn ratio(raw: u64, stored: u64) -> f64 {
     if stored == 0 {
         1.0
@@ -260,6 +281,12 @@ fn validate_files(files: &[FileEntry], dirs: &[String]) -> Result<(), String> {
         if blake3::Hash::from_hex(&f.blake3).is_err() {
             return bad("invalid checksum");
         }
+        if f.storage_class
+            .as_deref()
+            .is_some_and(|c| !plausible_class(c))
+        {
+            return bad("invalid storage class");
+        }
         let (mut offset, mut raw) = (0u64, 0u64);
         for c in &f.chunks {
             if c.offset != offset
@@ -280,6 +307,12 @@ fn validate_files(files: &[FileEntry], dirs: &[String]) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A storage class as a store names one (`STANDARD_IA`, `Cool`): what `sluice ckpt list` may print
+/// from an untrusted manifest.
+fn plausible_class(c: &str) -> bool {
+    (1..=64).contains(&c.len()) && c.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// Two nodes archived the same path with different contents.
@@ -376,6 +409,7 @@ mod tests {
             compression: c,
             stored_size: offset,
             chunks,
+            storage_class: None,
         }
     }
 
@@ -473,6 +507,59 @@ mod tests {
         assert!(e.contains("chunk"), "{e}");
         v["raw_bytes"] = 1.into();
         assert!(Manifest::parse(&serde_json::to_vec(&v).unwrap(), "step10").is_err());
+    }
+
+    #[test]
+    fn the_storage_class_is_recorded_per_file_and_old_manifests_read_as_default() {
+        let w = bf16_weights(3000, 1);
+        let mut cold = file("a.bin", "n1", &w);
+        cold.storage_class = Some("STANDARD_IA".into());
+        let m = merge(
+            "step10",
+            job(),
+            vec![part("n1", vec![cold, file("b", "n1", b"x")], 1)],
+        )
+        .unwrap();
+        let json = m.to_json();
+        let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+        assert_eq!(v["files"][0]["storage_class"], "STANDARD_IA");
+        // Written without a class, a file's entry has no such field: manifests of archives
+        // without data_class keep the bytes they had before classes were recorded.
+        assert!(v["files"][1].get("storage_class").is_none(), "{v}");
+        let back = Manifest::parse(&json, "step10").unwrap();
+        assert_eq!(back, m);
+        assert_eq!(storage_classes(&back.files), ["STANDARD_IA", "default"]);
+        assert!(storage_classes(&[]).is_empty());
+        // A manifest from before classes were recorded reads as the store's default.
+        let mut old = v.clone();
+        old["files"][0]
+            .as_object_mut()
+            .unwrap()
+            .remove("storage_class");
+        let old = Manifest::parse(&serde_json::to_vec(&old).unwrap(), "step10").unwrap();
+        assert_eq!(storage_classes(&old.files), ["default"]);
+        // The class is printed by `ckpt list`: an untrusted manifest cannot put anything there.
+        for bad in ["", "STANDARD IA", "\u{1b}[2J", &"X".repeat(65)] {
+            let mut x = v.clone();
+            x["files"][0]["storage_class"] = bad.into();
+            let e = Manifest::parse(&serde_json::to_vec(&x).unwrap(), "step10").unwrap_err();
+            assert!(e.contains("invalid storage class"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn nodes_sharing_a_file_need_not_agree_on_its_class() {
+        let mut a = file("cfg.json", "n1", b"{}");
+        a.storage_class = Some("Cool".into());
+        let b = file("cfg.json", "n2", b"{}");
+        let m = merge(
+            "step10",
+            job(),
+            vec![part("n2", vec![b], 1), part("n1", vec![a], 1)],
+        )
+        .unwrap();
+        assert_eq!(m.files.len(), 1);
+        assert_eq!(m.files[0].storage_class.as_deref(), Some("Cool"));
     }
 
     #[test]

@@ -31,7 +31,10 @@ use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use futures::stream::{FuturesUnordered, StreamExt};
 use object_store::path::Path as ObjPath;
-use object_store::{MultipartUpload, ObjectStoreExt, PutPayload};
+use object_store::{
+    Attribute, Attributes, MultipartUpload, ObjectStoreExt, PutMultipartOptions, PutOptions,
+    PutPayload,
+};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
@@ -531,10 +534,14 @@ impl Assembler<'_> {
     async fn start_multipart(&mut self) -> Result<(), ArchiveError> {
         let cur = self.cur.as_mut().expect("a current file");
         let key = cur.key.clone();
+        let opts = PutMultipartOptions {
+            attributes: self.archiver.data_attributes(),
+            ..Default::default()
+        };
         let upload = self
             .archiver
             .store
-            .put_multipart(&key)
+            .put_multipart_opts(&key, opts)
             .await
             .map_err(self.archiver.store_err("start multipart upload", &key))?;
         let (tx, rx) = mpsc::channel(1);
@@ -573,6 +580,7 @@ impl Assembler<'_> {
             compression: cur.compression,
             stored_size: cur.stored,
             chunks: std::mem::take(&mut cur.chunks),
+            storage_class: self.archiver.data_class.clone(),
         };
         let pending = self
             .journal
@@ -603,6 +611,10 @@ impl Assembler<'_> {
                 self.cancel.clone(),
             );
             let err = self.archiver.store_err("put", &key);
+            let opts = PutOptions {
+                attributes: self.archiver.data_attributes(),
+                ..Default::default()
+            };
             let stopped = self.stopped();
             self.tasks.push(tokio::spawn(async move {
                 let n = payload.content_length() as u64;
@@ -610,7 +622,7 @@ impl Assembler<'_> {
                     if let Some(t) = &throttle {
                         t.acquire(n).await;
                     }
-                    store.put(&key, payload).await
+                    store.put_opts(&key, payload, opts).await
                 };
                 let r = tokio::select! {
                     r = put => r.map_err(err),
@@ -764,6 +776,17 @@ impl MultipartTask {
 }
 
 impl Archiver {
+    /// The attributes of a data object's PUT or multipart upload: its storage class, if one is
+    /// configured (object_store sends it as `x-amz-storage-class` to S3, `x-ms-access-tier` to
+    /// Azure, `x-goog-storage-class` to GCS). Manifests and notes are written without.
+    fn data_attributes(&self) -> Attributes {
+        let mut a = Attributes::new();
+        if let Some(class) = &self.data_class {
+            a.insert(Attribute::StorageClass, class.clone().into());
+        }
+        a
+    }
+
     /// Uploads this node's files of checkpoint `tag` — the directory `dir`, whose files must all
     /// belong to `expected_uid` (see [`super::walk`]) — to `BASE/TAG/data/<relpath>`, then writes
     /// `BASE/TAG/parts/<node>.json`. Idempotent: a rerun uploads again. A file that changes while it

@@ -215,9 +215,10 @@ pub fn open_archive(cfg: &Config, url: &str) -> Result<Archiver, ArchiveError> {
 }
 
 /// Opens the archive at `url`: object stores through the agent's store profiles
-/// ([`crate::store`]), `file://` as a local directory in a root-controlled tree (missing
-/// directories are created, mode 0700: users read their archives through the agent; writes are
-/// fsynced so "put returned" means durable, as on object stores).
+/// ([`crate::store`]; data objects in the profile's `data_class`), `file://` as a local directory
+/// in a root-controlled tree (missing directories are created, mode 0700: users read their
+/// archives through the agent; writes are fsynced so "put returned" means durable, as on object
+/// stores).
 pub fn open_archive_with(
     cfg: &Config,
     url: &str,
@@ -225,6 +226,11 @@ pub fn open_archive_with(
 ) -> Result<Archiver, ArchiveError> {
     let loc = parse_archive_url(url)?;
     let shown = loc.to_string();
+    // Object stores only: a file:// archive has no storage classes (LocalFileSystem refuses them).
+    let data_class = match &loc.store {
+        ArchiveStore::Object { scheme, bucket } => store::data_class(cfg, *scheme, bucket),
+        ArchiveStore::Local(_) => None,
+    };
     let store: Arc<dyn ObjectStore> = match &loc.store {
         ArchiveStore::Local(path) => {
             let bad = |reason: String| ArchiveError::BadUrl {
@@ -255,7 +261,7 @@ pub fn open_archive_with(
             })?
         }
     };
-    Archiver::with_url(store, &loc.prefix, archive_cfg, shown)
+    Ok(Archiver::with_url(store, &loc.prefix, archive_cfg, shown)?.with_data_class(data_class))
 }
 
 #[cfg(test)]
