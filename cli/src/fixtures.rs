@@ -170,7 +170,8 @@ pub fn job_ckpts() -> Vec<CkptStatus> {
     ]
 }
 
-/// An archive holding one complete checkpoint, one still being archived, one with a broken MANIFEST.
+/// An archive holding one complete checkpoint (its data in STANDARD_IA), one still being archived,
+/// one with a broken MANIFEST.
 pub fn archive_listing() -> Vec<CheckpointInfo> {
     let ms = |minutes: u64| (STARTED_AT + minutes * 60) * 1000 + 250;
     vec![
@@ -188,6 +189,7 @@ pub fn archive_listing() -> Vec<CheckpointInfo> {
                 job_name: "train".into(),
             }),
             nodes: vec!["gpu07".into(), "gpu08".into()],
+            data_classes: vec!["STANDARD_IA".into()],
         },
         CheckpointInfo {
             tag: "step200".into(),
@@ -199,6 +201,7 @@ pub fn archive_listing() -> Vec<CheckpointInfo> {
             created_unix_ms: ms(21),
             job: None,
             nodes: vec!["gpu07".into()],
+            data_classes: vec!["default".into()],
         },
         CheckpointInfo::invalid("step150".into(), "unsupported version 9".into()),
     ]
