@@ -299,10 +299,21 @@ impl Archiver {
     /// every chunk's checksum and header, every file's content checksum. Fails with
     /// [`ArchiveError::Corrupt`] naming every damaged file.
     pub async fn verify(&self, tag: &str) -> Result<VerifyReport, ArchiveError> {
+        self.verify_with_progress(tag, &ArchiveProgress::default())
+            .await
+    }
+
+    /// [`Archiver::verify`], counting what it has checked in `progress` (the totals are set once
+    /// the MANIFEST is read), for a caller that shows how far it is.
+    pub async fn verify_with_progress(
+        &self,
+        tag: &str,
+        progress: &ArchiveProgress,
+    ) -> Result<VerifyReport, ArchiveError> {
         let m = self.manifest(tag).await?;
+        progress.set_totals(m.files.len() as u64, m.raw_bytes);
         self.check_objects(&m).await?;
-        self.read_back(&m, Sink::Verify, ArchiveProgress::default())
-            .await?;
+        self.read_back(&m, Sink::Verify, progress.clone()).await?;
         Ok(VerifyReport {
             tag: tag.into(),
             files: m.files.len() as u64,
@@ -323,8 +334,8 @@ impl Archiver {
         progress: &ArchiveProgress,
     ) -> Result<Manifest, ArchiveError> {
         let m = self.manifest(tag).await?;
-        self.check_objects(&m).await?;
         progress.set_totals(m.files.len() as u64, m.raw_bytes);
+        self.check_objects(&m).await?;
         let (d, dirs, t) = (dest.clone(), m.dirs.clone(), tag.to_string());
         blocking(move || {
             for dir in &dirs {

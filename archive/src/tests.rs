@@ -175,6 +175,13 @@ async fn archive_publish_restore_round_trip() {
     }
     assert!(dest.path().join("empty-dir").is_dir());
     assert_eq!(a.verify("step10").await.unwrap().files, 4);
+    // Verify counts what it checked the way restore does, for the CLI's progress.
+    let vp = ArchiveProgress::default();
+    a.verify_with_progress("step10", &vp).await.unwrap();
+    let p = vp.snapshot();
+    assert_eq!((p.files_done, p.files_total), (4, 4));
+    assert_eq!((p.bytes_done, p.bytes_total), (m.raw_bytes, m.raw_bytes));
+    assert_eq!(p.stored_bytes, m.stored_bytes);
     let list = a.list().await.unwrap();
     assert_eq!(list.len(), 1);
     assert_eq!(list[0].state, CheckpointState::Complete);

@@ -5,6 +5,7 @@
 //! Choices that need the environment (`$SLURM_JOB_ID`, the node's name, the config file) are pure
 //! functions of their inputs here, so they are unit-tested; `main` passes the real environment.
 
+use crate::progress::{self, Mode};
 use anyhow::{Context, anyhow, bail};
 use serde::Serialize;
 use sluice_archive::config::{Config, ConfigError};
@@ -19,7 +20,6 @@ use std::io::ErrorKind;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Set by Slurm in every job environment.
 pub const JOB_ID_ENV: &str = "SLURM_JOB_ID";
@@ -207,9 +207,10 @@ pub struct Verified {
     pub damaged: Vec<DamagedFile>,
 }
 
-/// Reads every object of the checkpoint and checks it against the MANIFEST. Damage is an answer,
-/// not an error; a missing MANIFEST or an unreachable store is an error.
-pub async fn verify(a: &Archiver, tag: &str) -> anyhow::Result<Verified> {
+/// Reads every object of the checkpoint and checks it against the MANIFEST, showing how far it is
+/// as `progress` says. Damage is an answer, not an error; a missing MANIFEST or an unreachable
+/// store is an error.
+pub async fn verify(a: &Archiver, tag: &str, progress: Mode) -> anyhow::Result<Verified> {
     let tag = resolve_tag(a, tag, &[]).await?;
     let m = a.manifest(&tag).await?;
     let mut out = Verified {
@@ -221,7 +222,17 @@ pub async fn verify(a: &Archiver, tag: &str) -> anyhow::Result<Verified> {
         stored_bytes: m.stored_bytes,
         damaged: Vec::new(),
     };
-    match a.verify(&tag).await {
+    let counters = ArchiveProgress::default();
+    let checked = progress::show(
+        progress,
+        &format!("verify {tag}"),
+        &counters,
+        // Damage found is a verify that went through everything.
+        |r| matches!(r, Ok(_) | Err(ArchiveError::Corrupt { .. })),
+        a.verify_with_progress(&tag, &counters),
+    )
+    .await;
+    match checked {
         Ok(_) => Ok(out),
         Err(ArchiveError::Corrupt { damaged, .. }) => {
             out.ok = false;
@@ -264,26 +275,51 @@ fn entries(dir: &OwnedFd) -> anyhow::Result<Vec<OsString>> {
     Ok(names)
 }
 
+/// Why a restore refuses a destination, worded once for the restore and its dry run.
+enum Refusal {
+    Symlink,
+    NotDir,
+    Theirs(u32),
+    NotEmpty,
+}
+
+impl Refusal {
+    fn text(&self, path: &Path) -> String {
+        let shown = path.display();
+        let again = "give the path of a new or empty directory";
+        match self {
+            Refusal::Symlink => format!("{shown} is a symbolic link; {again}"),
+            Refusal::NotDir => format!("{shown} exists and is not a directory; {again}"),
+            Refusal::Theirs(owner) => {
+                format!("{shown} belongs to uid {owner}; restore into a directory of your own")
+            }
+            Refusal::NotEmpty => format!("{shown} is not empty; {again}"),
+        }
+    }
+}
+
+/// `path` cannot be created, for `e`.
+fn cannot_create(path: &Path, e: &std::io::Error) -> String {
+    let hint = if e.kind() == ErrorKind::NotFound {
+        "; create its parent directory first"
+    } else {
+        ""
+    };
+    format!("cannot create {}: {e}{hint}", path.display())
+}
+
 /// Opens `path` for a restore by user `uid`: created when missing (its parent must exist), else
 /// an empty directory of that user. Never a symlink.
 pub fn prepare_dest(path: &Path, uid: u32) -> anyhow::Result<Dest> {
     let shown = path.display();
-    let again = "give the path of a new or empty directory";
     let created = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == ErrorKind::NotFound => {
-            std::fs::create_dir(path).map_err(|e| {
-                let hint = if e.kind() == ErrorKind::NotFound {
-                    "; create its parent directory first"
-                } else {
-                    ""
-                };
-                anyhow!("cannot create {shown}: {e}{hint}")
-            })?;
+            std::fs::create_dir(path).map_err(|e| anyhow!(cannot_create(path, &e)))?;
             true
         }
         Err(e) => bail!("{shown}: {e}"),
-        Ok(m) if m.file_type().is_symlink() => bail!("{shown} is a symbolic link; {again}"),
-        Ok(m) if !m.is_dir() => bail!("{shown} exists and is not a directory; {again}"),
+        Ok(m) if m.file_type().is_symlink() => bail!(Refusal::Symlink.text(path)),
+        Ok(m) if !m.is_dir() => bail!(Refusal::NotDir.text(path)),
         Ok(_) => false,
     };
     let fd = safefs::open_root_dir(path).with_context(|| format!("opening {shown}"))?;
@@ -296,7 +332,7 @@ pub fn prepare_dest(path: &Path, uid: u32) -> anyhow::Result<Dest> {
         .with_context(|| format!("{shown}"))?
         .st_uid;
     if owner != uid {
-        let why = format!("{shown} belongs to uid {owner}; restore into a directory of your own");
+        let why = Refusal::Theirs(owner).text(path);
         // Only a directory this call made (and someone swapped meanwhile) is cleaned up; an
         // existing one is left exactly as it is.
         if dest.created {
@@ -305,9 +341,103 @@ pub fn prepare_dest(path: &Path, uid: u32) -> anyhow::Result<Dest> {
         bail!(why);
     }
     if !created && !entries(&dest.fd)?.is_empty() {
-        bail!("{shown} is not empty; {again}");
+        bail!(Refusal::NotEmpty.text(path));
     }
     Ok(dest)
+}
+
+/// What a restore would make of its destination, found without changing anything (`--dry-run`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "dest_state", rename_all = "lowercase")]
+pub enum DestCheck {
+    /// It does not exist: the restore creates it.
+    Create,
+    /// An empty directory of the caller's: the restore fills it.
+    Empty,
+    /// The restore would refuse it, saying `reason`.
+    Refused { reason: String },
+}
+
+/// [`prepare_dest`]'s decision for user `uid`, with the same words, but touching nothing: a
+/// missing `path` is checked for a parent directory the user may create it in.
+pub fn check_dest(path: &Path, uid: u32) -> DestCheck {
+    use std::os::unix::fs::MetadataExt;
+    let refused = |reason: String| DestCheck::Refused { reason };
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            let parent = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let usable = match std::fs::metadata(parent) {
+                Ok(m) if !m.is_dir() => Err(std::io::Error::from_raw_os_error(nix::libc::ENOTDIR)),
+                Ok(_) => {
+                    use nix::unistd::{AccessFlags, access};
+                    access(parent, AccessFlags::W_OK | AccessFlags::X_OK)
+                        .map_err(|errno| std::io::Error::from_raw_os_error(errno as i32))
+                }
+                Err(e) => Err(e),
+            };
+            match usable {
+                Ok(()) => DestCheck::Create,
+                Err(e) => refused(cannot_create(path, &e)),
+            }
+        }
+        Err(e) => refused(format!("{}: {e}", path.display())),
+        Ok(m) if m.file_type().is_symlink() => refused(Refusal::Symlink.text(path)),
+        Ok(m) if !m.is_dir() => refused(Refusal::NotDir.text(path)),
+        Ok(m) if m.uid() != uid => refused(Refusal::Theirs(m.uid()).text(path)),
+        Ok(_) => match std::fs::read_dir(path).map(|mut d| d.next().is_none()) {
+            Ok(true) => DestCheck::Empty,
+            Ok(false) => refused(Refusal::NotEmpty.text(path)),
+            Err(e) => refused(format!("{}: {e}", path.display())),
+        },
+    }
+}
+
+/// What `sluice ckpt restore --dry-run` found; `--json` prints it as it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RestorePlan {
+    /// Always true: tells this answer from a restore's.
+    pub dry_run: bool,
+    pub url: String,
+    /// The checkpoint a restore would take now (`latest` resolved).
+    pub tag: String,
+    pub dest: PathBuf,
+    #[serde(flatten)]
+    pub dest_check: DestCheck,
+    pub files: u64,
+    pub raw_bytes: u64,
+    /// What a restore would download.
+    pub stored_bytes: u64,
+}
+
+/// What restoring `tag` into `dest` as user `uid` would do, without writing anything: the
+/// checkpoint (`latest` resolved to the newest whose objects are all there), its size, and what
+/// becomes of `dest`. Its checksums are not read: a restore checks them as the data arrives.
+pub async fn plan_restore(
+    a: &Archiver,
+    tag: &str,
+    dest: &Path,
+    uid: u32,
+) -> anyhow::Result<RestorePlan> {
+    let dest_check = check_dest(dest, uid);
+    let resolved = resolve_tag(a, tag, &[]).await?;
+    let m = a.manifest(&resolved).await?;
+    if tag != LATEST {
+        // `latest` found its objects all there already.
+        a.check_objects(&m).await?;
+    }
+    Ok(RestorePlan {
+        dry_run: true,
+        url: a.url().to_string(),
+        tag: resolved,
+        dest: dest.to_path_buf(),
+        dest_check,
+        files: m.files.len() as u64,
+        raw_bytes: m.raw_bytes,
+        stored_bytes: m.stored_bytes,
+    })
 }
 
 impl Dest {
@@ -357,15 +487,16 @@ pub struct Restored {
 }
 
 /// Restores `tag` (or the newest intact checkpoint, for `latest`) into `dest`, every file owned by
-/// `owner` and checked against its checksums. `latest` falls back past damaged checkpoints,
-/// telling `note` about each; a named tag does not. On failure `dest` is left as it was found.
+/// `owner` and checked against its checksums, showing how far it is as `progress` says. `latest`
+/// falls back past damaged checkpoints, telling `note` about each; a named tag does not. On
+/// failure `dest` is left as it was found.
 pub async fn restore(
     a: &Archiver,
     tag: &str,
     dest: &Dest,
     owner: Owner,
     mut note: impl FnMut(&str),
-    show_progress: bool,
+    progress: Mode,
 ) -> anyhow::Result<Restored> {
     let mut skipped: Vec<String> = Vec::new();
     loop {
@@ -373,14 +504,15 @@ pub async fn restore(
             Ok(t) => t,
             Err(e) => return Err(fail(e, dest)),
         };
-        let progress = ArchiveProgress::default();
-        let label = format!("restoring {t}");
-        let restore = a.restore(&t, dest.fd.clone(), owner, &progress);
-        let result = if show_progress {
-            with_progress(restore, &progress, &label).await
-        } else {
-            restore.await
-        };
+        let counters = ArchiveProgress::default();
+        let result = progress::show(
+            progress,
+            &format!("restore {t}"),
+            &counters,
+            Result::is_ok,
+            a.restore(&t, dest.fd.clone(), owner, &counters),
+        )
+        .await;
         match result {
             Ok(m) => {
                 return Ok(Restored {
@@ -414,24 +546,6 @@ pub async fn restore(
 fn fail(e: anyhow::Error, dest: &Dest) -> anyhow::Error {
     let left = dest.discard();
     anyhow!("{}; {left}", crate::render::error_text(&e))
-}
-
-/// Drives `fut`, showing `progress` on stderr twice a second (for a terminal).
-async fn with_progress<F: Future>(fut: F, progress: &ArchiveProgress, label: &str) -> F::Output {
-    let mut fut = std::pin::pin!(fut);
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    tick.tick().await;
-    loop {
-        tokio::select! {
-            out = &mut fut => {
-                eprint!("\r\x1b[K");
-                return out;
-            }
-            _ = tick.tick() => {
-                eprint!("\r\x1b[K{}", crate::render::progress_line(label, &progress.snapshot()));
-            }
-        }
-    }
 }
 
 #[cfg(test)]

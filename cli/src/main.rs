@@ -12,6 +12,7 @@ mod doctor;
 #[cfg(test)]
 mod fixtures;
 mod generate;
+mod progress;
 mod render;
 mod socket;
 
@@ -19,7 +20,7 @@ use agent::Agent;
 use clap::{CommandFactory, Parser, Subcommand};
 use sluice_archive::safefs::Owner;
 use sluice_proto::msg::JobId;
-use std::io::{self, IsTerminal, Write};
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::OnceLock;
@@ -135,7 +136,8 @@ enum CkptCommand {
     },
     /// Re-check an archived checkpoint against its MANIFEST: every object, chunk and file checksum.
     ///
-    /// Exits 1 when a file is damaged, naming every damaged file.
+    /// Exits 1 when a file is damaged, naming every damaged file. Shows its progress on stderr: a
+    /// bar on a terminal, else a line every few seconds and a last one.
     Verify {
         /// The archive URL (s3://, az://, gs://, file:///)
         url: String,
@@ -147,12 +149,16 @@ enum CkptCommand {
         /// Print JSON (stable for scripts)
         #[arg(long)]
         json: bool,
+        /// No progress on stderr (warnings and errors are still printed)
+        #[arg(long, short)]
+        quiet: bool,
     },
     /// Restore an archived checkpoint into a directory, checking every checksum.
     ///
     /// DEST must not exist or be empty; it is created, and every file is owned, by you. With
     /// `latest`, damaged checkpoints are skipped (and named on stderr). A failed restore leaves
-    /// DEST as it was; an interrupted one leaves a partial DEST to remove.
+    /// DEST as it was; an interrupted one leaves a partial DEST to remove. Shows its progress on
+    /// stderr: a bar on a terminal, else a line every few seconds and a last one.
     Restore {
         /// The archive URL (s3://, az://, gs://, file:///)
         url: String,
@@ -166,6 +172,13 @@ enum CkptCommand {
         /// Print JSON (stable for scripts)
         #[arg(long)]
         json: bool,
+        /// No progress on stderr (warnings and errors are still printed)
+        #[arg(long, short)]
+        quiet: bool,
+        /// Only say what would be restored (checkpoint, files, bytes) and whether DEST would be
+        /// accepted; write nothing, create nothing. Exits 1 when DEST would be refused
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -311,9 +324,11 @@ fn run_ckpt(
             tag,
             config,
             json: as_json,
+            quiet,
         } => {
             let archiver = open_archive(config, &url)?;
-            let verified = ckpt::runtime()?.block_on(ckpt::verify(&archiver, &tag))?;
+            let progress = progress::Mode::for_stderr(quiet);
+            let verified = ckpt::runtime()?.block_on(ckpt::verify(&archiver, &tag, progress))?;
             let text = if as_json {
                 json(&verified)?
             } else {
@@ -330,6 +345,8 @@ fn run_ckpt(
             dest,
             config,
             json: as_json,
+            quiet,
+            dry_run,
         } => {
             if tag != ckpt::LATEST {
                 ckpt::check_tag(&tag)?;
@@ -340,9 +357,19 @@ fn run_ckpt(
                 gid: nix::unistd::getegid().as_raw(),
             };
             let rt = ckpt::runtime()?;
+            if dry_run {
+                let plan = rt.block_on(ckpt::plan_restore(&archiver, &tag, &dest, owner.uid))?;
+                let ok = !matches!(plan.dest_check, ckpt::DestCheck::Refused { .. });
+                let text = if as_json {
+                    json(&plan)?
+                } else {
+                    render::restore_plan(&plan)
+                };
+                return Ok(Output { text, ok });
+            }
             let dest = ckpt::prepare_dest(&dest, owner.uid)?;
             let note = |n: &str| eprintln!("sluice: {n}");
-            let progress = !as_json && io::stderr().is_terminal();
+            let progress = progress::Mode::for_stderr(quiet);
             // The archive's errors name the checkpoint and the archive.
             let restored =
                 rt.block_on(ckpt::restore(&archiver, &tag, &dest, owner, note, progress))?;

@@ -6,8 +6,8 @@
 //! Strings from the agent (user names, sources, error messages from object stores) are printed
 //! through [`clean`], so a control character in them cannot garble the table or the terminal.
 
-use crate::ckpt::{Restored, Verified};
-use sluice_archive::{CheckpointInfo, CheckpointState, ProgressSnapshot};
+use crate::ckpt::{DestCheck, RestorePlan, Restored, Verified};
+use sluice_archive::{CheckpointInfo, CheckpointState};
 use sluice_proto::msg::{CkptState, CkptStatus, JobId, JobStatus, NodeStatus, StageProgress};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -523,16 +523,26 @@ pub fn restored(r: &Restored) -> String {
     )
 }
 
-/// The live line of a restore on a terminal: `restoring step100: 3/12 files, 1.2 GiB/3.0 GiB (40%)`.
-pub fn progress_line(label: &str, p: &ProgressSnapshot) -> String {
+/// `sluice ckpt restore --dry-run`: what a restore would take, and what it would make of DEST.
+pub fn restore_plan(p: &RestorePlan) -> String {
+    let dest = clean(&p.dest.display().to_string());
+    let what = match &p.dest_check {
+        DestCheck::Create => format!("{dest} does not exist: the restore would create it"),
+        DestCheck::Empty => {
+            format!("{dest} is an empty directory of yours: the restore would fill it")
+        }
+        DestCheck::Refused { reason } => format!("the restore would be refused: {}", clean(reason)),
+    };
     format!(
-        "{}: {}/{} files, {}/{}{}",
-        clean(label),
-        p.files_done,
-        p.files_total,
-        bytes(p.bytes_done),
-        bytes(p.bytes_total),
-        percent(p.bytes_done, Some(p.bytes_total))
+        "dry run: would restore {} from {} into {dest}\n  \
+           {} file(s), {} ({} to download)\n  \
+           {what}\n\
+         Nothing was written; checksums are checked as a restore reads the data.\n",
+        clean(&p.tag),
+        clean(&p.url),
+        p.files,
+        bytes(p.raw_bytes),
+        bytes(p.stored_bytes),
     )
 }
 
@@ -896,20 +906,32 @@ step150: unusable MANIFEST (unsupported version 9); it is never restored
             "restored step200 from s3://ckpt/alice/train into /scratch/alice/step200: \
              12 file(s), 3.0 GiB, checksums verified\n"
         );
-        let p = ProgressSnapshot {
-            files_done: 3,
-            files_total: 12,
-            bytes_done: 1 << 30,
-            bytes_total: 4 << 30,
-            stored_bytes: 0,
+        let mut plan = RestorePlan {
+            dry_run: true,
+            url: "s3://ckpt/alice/train".into(),
+            tag: "step200".into(),
+            dest: "/scratch/alice/step200".into(),
+            dest_check: DestCheck::Create,
+            files: 12,
+            raw_bytes: 3 << 30,
+            stored_bytes: 2 << 30,
         };
         assert_eq!(
-            progress_line("restoring step200", &p),
-            "restoring step200: 3/12 files, 1.0 GiB/4.0 GiB (25%)"
+            restore_plan(&plan),
+            "dry run: would restore step200 from s3://ckpt/alice/train into /scratch/alice/step200\n  \
+               12 file(s), 3.0 GiB (2.0 GiB to download)\n  \
+               /scratch/alice/step200 does not exist: the restore would create it\n\
+             Nothing was written; checksums are checked as a restore reads the data.\n"
         );
-        assert_eq!(
-            progress_line("restoring x", &ProgressSnapshot::default()),
-            "restoring x: 0/0 files, 0 B/0 B"
-        );
+        plan.dest_check = DestCheck::Empty;
+        assert!(restore_plan(&plan).contains(
+            "\n  /scratch/alice/step200 is an empty directory of yours: the restore would fill it\n"
+        ));
+        plan.dest_check = DestCheck::Refused {
+            reason: "/scratch/alice/step200 is not empty\x1b[2J".into(),
+        };
+        assert!(restore_plan(&plan).contains(
+            "\n  the restore would be refused: /scratch/alice/step200 is not empty [2J\n"
+        ));
     }
 }

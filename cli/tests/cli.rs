@@ -667,4 +667,311 @@ mod archive {
         let stdout = succeeded(&sluice(&["ckpt", "list", &url, "--config", cfg], &[]));
         assert_eq!(stdout, format!("archive {url}\n\nNo checkpoints there.\n"));
     }
+
+    /// The progress lines of `label` in `stderr`, checked: plain text (no escape codes), every line
+    /// about `label`, the last one the final line with `counts` (`1.4 MiB of 1.4 MiB, 4 of 4 files`),
+    /// a rate and `done in`/`stopped after` with the time. Returns the lines.
+    #[track_caller]
+    fn assert_progress(stderr: &str, label: &str, counts: &str, how: &str) -> Vec<String> {
+        assert!(
+            !stderr.contains('\x1b'),
+            "escape codes off a terminal: {stderr:?}"
+        );
+        let lines: Vec<String> = stderr
+            .lines()
+            .filter(|l| l.starts_with(&format!("{label}: ")))
+            .map(String::from)
+            .collect();
+        let last = lines
+            .last()
+            .unwrap_or_else(|| panic!("no progress line for {label} in:\n{stderr}"));
+        assert!(
+            last.starts_with(&format!("{label}: {counts}")),
+            "{last:?} is not the final line of {label}: {counts}"
+        );
+        let (counted, time) = last
+            .split_once(&format!(", {how} "))
+            .unwrap_or_else(|| panic!("{last:?} does not say '{how}'"));
+        let rate = counted.rsplit(", ").next().unwrap();
+        assert!(rate.ends_with("B/s"), "{last:?}: rate {rate:?}");
+        assert!(
+            time.ends_with('s') && time.len() > 2,
+            "{last:?}: time {time:?}"
+        );
+        lines
+    }
+
+    /// Off a terminal (stderr is a pipe here), restore and verify print plain progress lines on
+    /// stderr, at least the final one; `--quiet` prints none; stdout, text or `--json`, holds the
+    /// result alone, as before.
+    #[test]
+    fn progress_off_a_terminal_and_with_quiet() {
+        let f = archive();
+        let url = f.url.as_str();
+        let all = "1.4 MiB of 1.4 MiB, 4 of 4 files";
+
+        let dest = f.tmp.path().join("restored");
+        let out = f.run(&["restore", url, "step100", dest.to_str().unwrap()]);
+        let stdout = succeeded(&out);
+        assert_eq!(
+            stdout,
+            format!(
+                "restored step100 from {url} into {}: 4 file(s), 1.4 MiB, checksums verified\n",
+                dest.display()
+            )
+        );
+        let stderr = text(&out.stderr);
+        let lines = assert_progress(&stderr, "restore step100", all, "done in");
+        assert_eq!(lines.len(), stderr.lines().count(), "{stderr}");
+        assert_restored(&dest);
+
+        let quiet = f.tmp.path().join("quiet");
+        let out = f.run(&[
+            "restore",
+            url,
+            "step100",
+            quiet.to_str().unwrap(),
+            "--quiet",
+        ]);
+        assert!(succeeded(&out).starts_with("restored step100 from "));
+        assert_eq!(text(&out.stderr), "");
+        assert_restored(&quiet);
+
+        // --json: the same document on stdout (no progress in it), the progress on stderr.
+        let json_dest = f.tmp.path().join("json");
+        let out = f.run(&[
+            "restore",
+            url,
+            "latest",
+            json_dest.to_str().unwrap(),
+            "--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            [
+                "dest",
+                "files",
+                "raw_bytes",
+                "skipped",
+                "stored_bytes",
+                "tag",
+                "url"
+            ]
+        );
+        assert_eq!(
+            (
+                v["tag"].as_str(),
+                v["files"].as_u64(),
+                v["raw_bytes"].as_u64()
+            ),
+            (Some("step100"), Some(4), Some(1_500_008))
+        );
+        assert_eq!(v["dest"], json_dest.to_str().unwrap());
+        assert_progress(&text(&out.stderr), "restore step100", all, "done in");
+        let quiet_json = f.tmp.path().join("quiet-json");
+        let dest_arg = quiet_json.to_str().unwrap();
+        let out = f.run(&["restore", url, "latest", dest_arg, "--json", "-q"]);
+        let mut q: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
+        assert_eq!(text(&out.stderr), "");
+        q["dest"] = v["dest"].clone();
+        assert_eq!(q, v);
+
+        // verify: the same, its result alone on stdout.
+        let out = f.run(&["verify", url, "step100"]);
+        assert!(succeeded(&out).starts_with(&format!("checkpoint step100 at {url}: OK\n")));
+        assert_progress(&text(&out.stderr), "verify step100", all, "done in");
+        let out = f.run(&["verify", url, "step100", "--json", "--quiet"]);
+        let v: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
+        assert_eq!(
+            (v["ok"].as_bool(), v["files"].as_u64()),
+            (Some(true), Some(4))
+        );
+        assert_eq!(text(&out.stderr), "");
+
+        // Damaged: verify reads everything and counts the intact files; a restore says where it
+        // stopped, before its error.
+        let object = f.archive_dir().join("step100/data/model/weights.bf16");
+        let mut bytes = std::fs::read(&object).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0x40;
+        std::fs::write(&object, &bytes).unwrap();
+        let out = f.run(&["verify", url, "step100"]);
+        let stderr = failed(&out);
+        let counts = "of 1.4 MiB, 3 of 4 files";
+        let last = assert_progress(&stderr, "verify step100", "", "done in")
+            .pop()
+            .unwrap();
+        assert_has(&last, counts);
+        let broken = f.tmp.path().join("broken");
+        let stderr = failed(&f.run(&["restore", url, "step100", broken.to_str().unwrap()]));
+        let last = assert_progress(&stderr, "restore step100", "", "stopped after").pop();
+        assert_has(&last.unwrap(), " of 1.4 MiB, ");
+        assert!(stderr.ends_with("was removed again\n"), "{stderr}");
+        assert!(!broken.exists());
+    }
+
+    /// Every path below `dir` with its size and modification time: what a run that writes nothing
+    /// leaves as it was.
+    fn tree(dir: &Path) -> Vec<(PathBuf, u64, i64)> {
+        let mut all = Vec::new();
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                let m = p.symlink_metadata().unwrap();
+                if m.is_dir() {
+                    todo.push(p.clone());
+                }
+                all.push((p, m.len(), m.mtime_nsec() + m.mtime() * 1_000_000_000));
+            }
+        }
+        all.sort();
+        all
+    }
+
+    /// `restore --dry-run` says which checkpoint, how many files and bytes, and what it would make
+    /// of DEST; it writes nothing (DEST is not created) and shows no progress; it exits 1 when DEST
+    /// would be refused, with the restore's own words.
+    #[test]
+    fn restore_dry_run_writes_nothing() {
+        let f = archive();
+        let url = f.url.as_str();
+        let list: serde_json::Value =
+            serde_json::from_slice(&f.run(&["list", url, "--json"]).stdout).unwrap();
+        let step100 = list["ckpts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["tag"] == "step100")
+            .unwrap()
+            .clone();
+        let stored = step100["stored_bytes"].as_u64().unwrap();
+        let before = tree(f.tmp.path());
+
+        let dest = f.tmp.path().join("new");
+        let out = f.run(&[
+            "restore",
+            url,
+            "latest",
+            dest.to_str().unwrap(),
+            "--dry-run",
+        ]);
+        let shown = dest.display();
+        assert_eq!(
+            succeeded(&out),
+            format!(
+                "dry run: would restore step100 from {url} into {shown}\n  \
+                   4 file(s), 1.4 MiB ({} to download)\n  \
+                   {shown} does not exist: the restore would create it\n\
+                 Nothing was written; checksums are checked as a restore reads the data.\n",
+                sluice_proto::summary::bytes(stored)
+            )
+        );
+        assert_eq!(text(&out.stderr), "", "no progress for a dry run");
+        assert!(!dest.exists(), "a dry run created {shown}");
+
+        let out = f.run(&[
+            "restore",
+            url,
+            "step100",
+            dest.to_str().unwrap(),
+            "--dry-run",
+            "--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
+        assert_eq!(v["dry_run"], true);
+        assert_eq!(v["tag"], "step100");
+        assert_eq!(v["dest"], dest.to_str().unwrap());
+        assert_eq!(v["dest_state"], "create");
+        assert_eq!(
+            (
+                v["files"].as_u64(),
+                v["raw_bytes"].as_u64(),
+                v["stored_bytes"].as_u64()
+            ),
+            (Some(4), Some(1_500_008), Some(stored))
+        );
+        assert_eq!(v["url"], url);
+        assert!(!dest.exists());
+        assert_eq!(tree(f.tmp.path()), before, "a dry run changed something");
+
+        // An empty directory would be filled, and stays empty.
+        let empty = f.tmp.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let stdout = succeeded(&f.run(&[
+            "restore",
+            url,
+            "step100",
+            empty.to_str().unwrap(),
+            "--dry-run",
+        ]));
+        assert_has(
+            &stdout,
+            &format!(
+                "\n  {} is an empty directory of yours: the restore would fill it\n",
+                empty.display()
+            ),
+        );
+        assert!(std::fs::read_dir(&empty).unwrap().next().is_none());
+
+        // Refused, as the restore would refuse it, and left alone: not empty, a missing parent.
+        std::fs::write(empty.join("keep"), b"mine").unwrap();
+        let out = f.run(&[
+            "restore",
+            url,
+            "step100",
+            empty.to_str().unwrap(),
+            "--dry-run",
+        ]);
+        failed(&out);
+        let why = format!(
+            "{} is not empty; give the path of a new or empty directory",
+            empty.display()
+        );
+        assert_has(
+            &text(&out.stdout),
+            &format!("\n  the restore would be refused: {why}\n"),
+        );
+        assert_eq!(std::fs::read(empty.join("keep")).unwrap(), b"mine");
+        let real = failed(&f.run(&["restore", url, "step100", empty.to_str().unwrap()]));
+        assert_has(&real, &why);
+        let out = f.run(&[
+            "restore",
+            url,
+            "step100",
+            empty.to_str().unwrap(),
+            "--dry-run",
+            "--json",
+        ]);
+        failed(&out);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            (v["dest_state"].as_str(), v["reason"].as_str()),
+            (Some("refused"), Some(why.as_str()))
+        );
+        let orphan = f.tmp.path().join("no/such/dir");
+        let out = f.run(&[
+            "restore",
+            url,
+            "step100",
+            orphan.to_str().unwrap(),
+            "--dry-run",
+        ]);
+        failed(&out);
+        assert_has(&text(&out.stdout), "create its parent directory first\n");
+        assert!(!f.tmp.path().join("no").exists());
+
+        // A checkpoint that cannot be restored is an error, as for the restore.
+        let stderr = failed(&f.run(&[
+            "restore",
+            url,
+            "step200",
+            dest.to_str().unwrap(),
+            "--dry-run",
+        ]));
+        assert_has(&stderr, "has no MANIFEST");
+        assert!(!dest.exists());
+    }
 }
