@@ -360,9 +360,17 @@ impl Agent {
         fresh_dirs: bool,
     ) {
         let start = record.start.clone();
+        let mut dirs = self.hot.task_dirs(start.job_id);
+        if let (Some(shared), Ok(o)) = (&self.cfg.shared_tier, crate::job::parse_options(&start)) {
+            if o.stage_tier == StageTier::Shared {
+                dirs.stage_dir = stage::shared::stage_dir(shared, start.job_id)
+                    .display()
+                    .to_string();
+            }
+        }
         let job = Arc::new(Job::new(
             start.clone(),
-            self.hot.task_dirs(start.job_id),
+            dirs,
             record.started_at,
             archive_url,
             self.cfg.ckpt.keep,
@@ -445,17 +453,19 @@ impl Agent {
         if let Some(refusal) = job.archive_refusal() {
             return Err(SetupError::Policy(refusal.clone()));
         }
-        if options.stage_tier == StageTier::Shared {
-            return Err(SetupError::SharedTier);
-        }
+        let shared_tier = match (options.stage_tier, &self.cfg.shared_tier) {
+            (StageTier::Shared, None) => return Err(SetupError::SharedTier),
+            (StageTier::Shared, Some(cfg)) => Some(cfg.clone()),
+            (StageTier::Local, _) => None,
+        };
         let owner = Owner {
             uid: job.start.uid,
             gid: job.start.gid,
         };
-        // Shard: each node stages the files it owns. Replicate: the job's nodes share its
-        // object-store datasets through their peers.
-        let shard = match options.stage_mode {
-            StageMode::Shard => Some(
+        // Shard, and the shared tier: each node stages the files it owns. Replicate: the job's
+        // nodes share its object-store datasets through their peers.
+        let shard = match (options.stage_mode, &shared_tier) {
+            (StageMode::Shard, _) | (_, Some(_)) => Some(
                 ShardPlan::new(&job.start.nodes, &job.start.node).ok_or_else(|| {
                     SetupError::NotInJob {
                         node: job.start.node.clone(),
@@ -463,7 +473,7 @@ impl Agent {
                     }
                 })?,
             ),
-            StageMode::Replicate => None,
+            (StageMode::Replicate, None) => None,
         };
         let object_datasets = options
             .stage_in
@@ -496,6 +506,39 @@ impl Agent {
                 source,
             }
         })?;
+        // On the shared tier the datasets go into the job's shared directory, not this node's.
+        let shared_job = match &shared_tier {
+            Some(cfg) => {
+                let (cfg, this_node) = (cfg.clone(), job.start.node.clone());
+                let opened = blocking(move || {
+                    stage::shared::SharedJob::open(&cfg, job_id, &this_node, owner, fresh_dirs)
+                })
+                .await
+                .map_err(|source| {
+                    tracing::error!(
+                        job_id,
+                        "preparing the job's shared-tier directory: {source}"
+                    );
+                    SetupError::JobDir {
+                        node: node.clone(),
+                        source,
+                    }
+                })?;
+                Some(Arc::new(opened))
+            }
+            None => None,
+        };
+        let stage_fd = match &shared_job {
+            Some(s) => s.stage.try_clone().map_err(|e| SetupError::JobDir {
+                node: node.clone(),
+                source: SafeFsError::Sys {
+                    op: "dup",
+                    path: job.dirs.stage_dir.clone(),
+                    errno: nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0)),
+                },
+            })?,
+            None => stage_fd,
+        };
         let ctx = StageCtx {
             cfg: self.cfg.clone(),
             owner,
@@ -505,8 +548,13 @@ impl Agent {
             helper_exe: self.helper_exe.clone(),
             cancel: job.cancel.child_token(),
             budget: self.stage_budget.clone(),
+            shared_tier: shared_job.is_some(),
         };
-        let staging = async {
+        let own_share = async {
+            if shared_job.as_ref().is_some_and(|s| s.done) {
+                // A restarted agent: this node's share is written, and tasks may be reading it.
+                return Ok(());
+            }
             futures::future::try_join_all(options.stage_in.iter().zip(&job.stages).map(
                 |(spec, progress)| {
                     let sharing = match (&shard, &peers.0, &spec.source) {
@@ -519,7 +567,21 @@ impl Agent {
             ))
             .await
             .map(drop)
-            .map_err(|source| SetupError::Stage {
+        };
+        let staging = async {
+            let mut result = own_share.await;
+            if let (Some(shared), Some(plan)) = (&shared_job, &shard) {
+                // The job's other nodes learn how this node's share went, then this node waits
+                // for theirs: its tasks see the whole dataset or fail.
+                let (s, n, r) = (shared.clone(), job.start.node.clone(), result.clone());
+                if let Err(e) = blocking(move || s.mark(&n, r.as_ref().map(|_| ()))).await {
+                    tracing::error!(job_id, "marking this node's share on the shared tier: {e}");
+                }
+                if result.is_ok() {
+                    result = shared.wait_for_all(plan, &ctx.cancel).await;
+                }
+            }
+            result.map_err(|source| SetupError::Stage {
                 node: node.clone(),
                 source,
             })
@@ -680,10 +742,27 @@ impl Agent {
         if let Some(peers) = self.peers.get() {
             peers.leave(job_id);
         }
-        // Staged data goes now, in a task of its own so that it finishes even if the epilog gives up.
+        // Staged data goes now, in a task of its own so that it finishes even if the epilog gives
+        // up; on the shared tier the job's directory there too (every node of the job tries).
         let hot = self.hot.clone();
+        let shared = self
+            .cfg
+            .shared_tier
+            .clone()
+            .filter(|_| matches!(&job.options, Ok(o) if o.stage_tier == StageTier::Shared));
         let removed = self
-            .spawn(blocking(move || hot.remove_staged(job_id)))
+            .spawn(blocking(move || {
+                let mut r = hot.remove_staged(job_id)?;
+                if let Some(cfg) = shared {
+                    match stage::shared::remove(&cfg, job_id) {
+                        Ok(s) => r.entries += s.entries,
+                        Err(e) => {
+                            tracing::error!(job_id, "removing the job's shared-tier directory: {e}")
+                        }
+                    }
+                }
+                Ok::<_, SafeFsError>(r)
+            }))
             .await;
         match &removed {
             Ok(Ok(r)) => tracing::info!(job_id, "job ended; removed {} staged entries", r.entries),

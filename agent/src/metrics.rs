@@ -338,6 +338,7 @@ fn stage_code(e: &StageError) -> &'static str {
         StageError::UnsafeKeys { .. } => "unsafe_keys",
         StageError::Unreachable { .. } => "unreachable",
         StageError::Cancelled { .. } => "cancelled",
+        StageError::SharedPeer { .. } => "shared_peer",
     }
 }
 

@@ -37,6 +37,8 @@ ORIGIN_RELAY_PORT=3912
 # Peer transfers between the agents: the cluster secret (root's, 0600, like munge.key), and each
 # agent's peer port: n1 7071, n2 7072, n3 7073 (three agents on one host).
 PEER_SECRET=/etc/sluice/peer.key
+# The shared tier's stand-in (see write_agent_config).
+SHARED_TIER_ROOT=$TEST_ROOT/shared
 peer_port() { echo $((7070 + ${1#n})); }
 S3_ENDPOINT=http://127.0.0.1:3900
 AZ_CONTAINERS=(datasets ckpt)
@@ -417,6 +419,13 @@ unit_size = "16MiB"
 [peer.nodes]
 EOF
     for n in "${NODES[@]}"; do printf '%s = "127.0.0.1:%s"\n' "$n" "$(peer_port "$n")"; done
+    cat <<EOF
+
+# STAND-IN for a shared fast tier (Lustre or BeeOND, which cannot run here): one local directory
+# that the three virtual nodes see, since they share this host. No stripe classes (not Lustre).
+[shared_tier]
+job_dir = "$SHARED_TIER_ROOT/sluice-%j"
+EOF
   } >"$AGENT_CONFIG.new"
   chmod 0600 "$AGENT_CONFIG.new"
   mv -f "$AGENT_CONFIG.new" "$AGENT_CONFIG"
@@ -432,8 +441,8 @@ prepare_node_dirs() {
     chmod 0755 "$TEST_ROOT/$n" "$TEST_ROOT/$n/hot"
     chmod 0700 "$TEST_ROOT/$n/state"
   done
-  mkdir -p /run/sluice
-  chmod 0755 /run/sluice
+  mkdir -p /run/sluice "$SHARED_TIER_ROOT"
+  chmod 0755 /run/sluice "$SHARED_TIER_ROOT"
 }
 
 start_agents() {
@@ -531,6 +540,7 @@ SLUICE_TEST_FAULT_PROXY_PORT='$FAULT_PROXY_PORT'
 SLUICE_TEST_ORIGIN_RELAY_PORT='$ORIGIN_RELAY_PORT'
 SLUICE_TEST_PEER_ADDRS='$(for n in "${NODES[@]}"; do printf '%s=127.0.0.1:%s ' "$n" "$(peer_port "$n")"; done)'
 SLUICE_TEST_ARCHIVE_ROOT='$TEST_ROOT/archive'
+SLUICE_TEST_SHARED_TIER='$SHARED_TIER_ROOT/sluice-%j'
 SLUICE_TEST_AZ_ACCOUNT='$AZ_ACCOUNT'
 SLUICE_TEST_AZ_KEY='$AZ_KEY'
 SLUICE_TEST_AZ_ENDPOINT='$AZ_ENDPOINT'

@@ -869,3 +869,96 @@ fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
+
+/// `--stage-tier=shared` on 3 nodes, from S3 (through the counting relay), Azure Blob and a POSIX
+/// directory. The shared tier here is a STAND-IN: one local directory all three virtual nodes see
+/// (they share a host), where a site has Lustre or BeeOND. Every task sees the same
+/// `$SLUICE_STAGE_DIR` in the job's shared directory with every dataset whole and identical to its
+/// source, owned by the job user; each file was written once, by its owner node (the S3 origin
+/// served the dataset about once); the job's shared directory is gone after the job.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let big = Dataset::new(&cluster, "aggregation-shared-s3", true);
+    let s3 = big.upload(&cluster, "datasets-relayed");
+    let small = Dataset::new(&cluster, "aggregation-shared-az", false);
+    let az = format!("e2e/{}/train", unique());
+    cluster.upload(&small.dir, "azurite", &format!("datasets/{az}"));
+    let relay = OriginRelay::start(&cluster);
+
+    let work = cluster.workdir("aggregation-shared");
+    let out = work.join("out");
+    let script = listing_script(&out, &["s3ds", "azds", "posixds"]);
+    let stage_in = format!(
+        "--stage-in=s3ds=s3://datasets-relayed/{s3},azds=az://datasets/{az},posixds={}",
+        small.dir.display()
+    );
+    let job = cluster.submit(&work, &["-N3", &stage_in, "--stage-tier=shared"], &script);
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the shared-tier job");
+
+    let job_dir = PathBuf::from(
+        cluster
+            .var("SLUICE_TEST_SHARED_TIER")
+            .replace("%j", &job.id.to_string()),
+    );
+    for node in &cluster.nodes {
+        assert_eq!(
+            task_file(&out, node, "stage_dir").trim(),
+            job_dir.join("stage").display().to_string(),
+            "SLUICE_STAGE_DIR on {node}"
+        );
+        for (name, ds) in [("s3ds", &big), ("azds", &small), ("posixds", &small)] {
+            let sums = task_file(&out, node, &format!("sums-{name}"));
+            assert!(
+                sums == ds.sums,
+                "{name} on {node} differs from its source: {}\n{}",
+                diff_listings(&ds.sums, &sums),
+                cluster.evidence(&job)
+            );
+        }
+        let owners = task_file(&out, node, "owners");
+        assert!(
+            !owners.is_empty()
+                && owners
+                    .lines()
+                    .all(|l| l.starts_with(&format!("{} ", cluster.user))),
+            "entries under SLUICE_STAGE_DIR on {node} not owned by {}:\n{owners}",
+            cluster.user
+        );
+    }
+    let served = relay.served();
+    let ratio = served as f64 / big.bytes as f64;
+    eprintln!(
+        "[aggregation] 3-node shared tier of {} bytes: the origin served {served} bytes ({ratio:.4}x)",
+        big.bytes
+    );
+    assert!(
+        served >= big.bytes && ratio <= ORIGIN_SLACK,
+        "the S3 origin served {served} bytes for a {}-byte dataset on the shared tier of 3 nodes \
+         ({ratio:.3}x): each file should be written once, by one node\n{}",
+        big.bytes,
+        cluster.evidence(&job)
+    );
+    // Each node wrote its share only: together the agents read the S3 dataset once.
+    let origin: u64 = cluster
+        .nodes
+        .iter()
+        .map(|node| {
+            let status = cluster
+                .agent_job(node, &job)
+                .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
+            status.stages[0].origin_bytes
+        })
+        .sum();
+    assert_eq!(origin, big.bytes, "bytes the three agents read from S3");
+    cluster.wait_for(
+        &format!("the job's shared directory {} to go", job_dir.display()),
+        CLEANUP_TIMEOUT,
+        Some(&job),
+        || !job_dir.exists(),
+    );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}

@@ -209,6 +209,10 @@ pub struct Shard {
     pub dataset: String,
     /// The source as the job gave it, for the manifest.
     pub source: String,
+    /// Into the job's directory on the shared tier, which the job's other nodes write into too:
+    /// directories may exist, a file left by an earlier run is replaced, and no manifest is
+    /// written (every node sees every file).
+    pub shared_tier: bool,
 }
 
 /// The helper's `--shard-nodes`/`--shard-node`/`--dataset`/`--source`, as the agent passes them.
@@ -223,6 +227,9 @@ pub struct ShardArgs {
     pub dataset: Option<String>,
     #[arg(long)]
     pub source: Option<String>,
+    /// `--dst` is on the shared tier (with the shard arguments).
+    #[arg(long, requires = "shard_nodes")]
+    pub shared_tier: bool,
 }
 
 impl ShardArgs {
@@ -241,6 +248,7 @@ impl ShardArgs {
             plan,
             dataset,
             source,
+            shared_tier: self.shared_tier,
         }))
     }
 }
@@ -319,19 +327,26 @@ fn copy_tree_in_pieces(
 
         // Directories are created owner-writable (the copy needs to write into them), with their
         // final mode at once; chmod only where the umask strips bits.
+        let shared_tier = shard.is_some_and(|s| s.shared_tier);
         let mkdir = |p: &Path, mode: u32| {
             let mode = mode | 0o700;
-            fs::DirBuilder::new()
-                .mode(mode)
-                .create(p)
-                .and_then(|_| {
-                    if mode & umask != 0 {
-                        fs::set_permissions(p, fs::Permissions::from_mode(mode))
-                    } else {
-                        Ok(())
-                    }
-                })
-                .map_err(|e| (io_exit(&e), format!("creating {}: {e}", p.display())))
+            let made = fs::DirBuilder::new().mode(mode).create(p);
+            // On the shared tier another node of the job may have made it (a directory of the
+            // job user's: this process is the job user and creates nothing through a link).
+            if shared_tier
+                && matches!(&made, Err(e) if e.kind() == io::ErrorKind::AlreadyExists)
+                && fs::symlink_metadata(p).is_ok_and(|m| m.is_dir())
+            {
+                return Ok(());
+            }
+            made.and_then(|_| {
+                if mode & umask != 0 {
+                    fs::set_permissions(p, fs::Permissions::from_mode(mode))
+                } else {
+                    Ok(())
+                }
+            })
+            .map_err(|e| (io_exit(&e), format!("creating {}: {e}", p.display())))
         };
         mkdir(dst, top.mode() & 0o7777)?;
         for e in entries {
@@ -360,9 +375,20 @@ fn copy_tree_in_pieces(
             format!("{} is neither a file nor a directory", src.display()),
         ));
     }
+    if shard.is_some_and(|s| s.shared_tier) {
+        // This node owns these names now: what an earlier run of the job id left goes.
+        for f in &files {
+            match fs::remove_file(&f.dst) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    return Err(job_error("replacing", &f.dst, e));
+                }
+                _ => {}
+            }
+        }
+    }
     copy_files(&files, umask, piece, out)?;
     match (shard, manifest) {
-        (Some(s), Some(m)) => write_manifest(dst, &s.dataset, m),
+        (Some(s), Some(m)) if !s.shared_tier => write_manifest(dst, &s.dataset, m),
         _ => Ok(()),
     }
 }
@@ -661,6 +687,7 @@ mod tests {
                 shard_node: Some(node.clone()),
                 dataset: Some("ds".into()),
                 source: Some(src.path().display().to_string()),
+                shared_tier: false,
             }
             .shard()
             .unwrap()
@@ -705,6 +732,7 @@ mod tests {
             shard_node: Some("n9".into()),
             dataset: Some("ds".into()),
             source: Some("/x".into()),
+            shared_tier: false,
         };
         assert!(outside.shard().unwrap_err().contains("n9 is not one of"));
     }

@@ -33,6 +33,7 @@ mod object;
 pub mod peers;
 mod posix;
 pub mod shard;
+pub mod shared;
 
 pub use budget::{Budget, Lease};
 pub use object::{KeyPath, map_key};
@@ -83,6 +84,8 @@ pub enum StageError {
     Unreachable { dataset: String },
     #[error("staging {dataset} was cancelled (the job ended or the agent stopped)")]
     Cancelled { dataset: String },
+    #[error("node {node} of the job could not stage its share into the shared tier: {detail}")]
+    SharedPeer { node: String, detail: String },
 }
 
 /// Live counters of one dataset's staging, read by status requests while workers update them.
@@ -194,6 +197,10 @@ pub struct StageCtx {
     pub cancel: CancellationToken,
     /// The node's download budget, shared by every staging run of the agent.
     pub budget: Arc<Budget>,
+    /// `stage_fd` is the job's directory on the shared tier ([`shared`]), which the job's other
+    /// nodes write into too: directories may exist already, a file left by an earlier run of the
+    /// job id is replaced, and no shard manifest is written (every node sees every file).
+    pub shared_tier: bool,
 }
 
 /// How a dataset is staged with respect to the job's other nodes.

@@ -107,6 +107,8 @@ struct Fetcher {
     peers: Option<Arc<JobPeers>>,
     /// The dataset's name: unit file names are `NAME/path` (`NAME` for a single object).
     name: String,
+    /// Staging into the job's directory on the shared tier (see [`StageCtx::shared_tier`]).
+    shared_tier: bool,
 }
 
 /// Where an object's staged copy is, for serving its units to peers: the directory its path is
@@ -151,13 +153,14 @@ impl Fetcher {
             unit_file: format!("{}/{rel}", self.name),
             rel_at: self.name.len() + 1,
         };
+        let shared_tier = self.shared_tier;
         let file = blocking(move || {
             let (file_name, dirs) = parts
                 .split_last()
                 .expect("map_key yields at least one component");
             let dirs: Vec<&str> = dirs.iter().map(String::as_str).collect();
             let d = safefs::ensure_dirs(&root, &dirs, Some(owner))?;
-            safefs::create_file(&d, file_name, Some(owner), 0o644)
+            new_file(&d, file_name, owner, shared_tier)
         })
         .await
         .map_err(|e| self.safefs_error(&rel, e))?;
@@ -613,15 +616,22 @@ pub(super) async fn stage(
         progress: progress.clone(),
         peers,
         name: spec.name.clone(),
+        shared_tier: ctx.shared_tier,
     });
     let (fd, name, owner) = (ctx.stage_fd.clone(), spec.name.clone(), ctx.owner);
+    // On the shared tier every node sees every file: no manifest.
+    if ctx.shared_tier {
+        manifest = None;
+    }
 
     // A prefix may name one object rather than a "directory": then NAME is that file.
     if !prefix.is_empty() {
         match store.head(&ObjPath::from(prefix)).await {
             Ok(meta) => {
-                if let (Some(plan), Some(m)) = (shard, manifest.as_mut()) {
-                    m.add(plan, spec.name.clone(), meta.size);
+                if let Some(plan) = shard {
+                    if let Some(m) = manifest.as_mut() {
+                        m.add(plan, spec.name.clone(), meta.size);
+                    }
                     if !plan.owns(&spec.name) {
                         progress.files_total.store(0, Ordering::Relaxed);
                         progress.bytes_total.store(0, Ordering::Relaxed);
@@ -636,7 +646,8 @@ pub(super) async fn stage(
                     unit_file: name.clone(),
                     rel_at: 0,
                 };
-                let file = blocking(move || safefs::create_file(&*fd, &name, Some(owner), 0o644))
+                let shared_tier = fetcher.shared_tier;
+                let file = blocking(move || new_file(&*fd, &name, owner, shared_tier))
                     .await
                     .map_err(|e| fetcher.safefs_error(&spec.name, e))?;
                 fetcher
@@ -650,14 +661,24 @@ pub(super) async fn stage(
         }
     }
 
-    let root = blocking(move || safefs::create_dir(&*fd, &name, Some(owner), 0o755))
-        .await
-        .map(Arc::new)
-        .map_err(|e| fetcher.safefs_error(&spec.name, e))?;
+    let shared_tier = ctx.shared_tier;
+    let root = blocking(move || {
+        if shared_tier {
+            // The job's other nodes make it too.
+            safefs::ensure_dir(&*fd, &name, Some(owner), 0o755)
+        } else {
+            safefs::create_dir(&*fd, &name, Some(owner), 0o755)
+        }
+    })
+    .await
+    .map(Arc::new)
+    .map_err(|e| fetcher.safefs_error(&spec.name, e))?;
     let list_prefix = (!prefix.is_empty()).then(|| ObjPath::from(prefix));
     let mut listing = store.list(list_prefix.as_ref());
     let mut tasks: JoinSet<Result<(), StageError>> = JoinSet::new();
     let (mut files, mut bytes, mut bad, mut example) = (0u64, 0u64, 0u64, String::new());
+    // Files of the dataset, this node's or not (a shard node may own none of them).
+    let mut listed = 0u64;
     // Objects waiting for a download slot; bounds the tasks (and listing read-ahead) in memory.
     let max_pending = ctx.cfg.stage.concurrency * 4;
     while let Some(item) = listing.next().await {
@@ -673,10 +694,13 @@ pub(super) async fn stage(
                 continue;
             }
         };
-        if let (Some(plan), Some(m)) = (shard, manifest.as_mut()) {
+        listed += 1;
+        if let Some(plan) = shard {
             let path = format!("{}/{}", spec.name, parts.join("/"));
             let mine = plan.owns(&path);
-            m.add(plan, path, meta.size);
+            if let Some(m) = manifest.as_mut() {
+                m.add(plan, path, meta.size);
+            }
             if !mine {
                 continue;
             }
@@ -701,7 +725,6 @@ pub(super) async fn stage(
     while let Some(done) = tasks.join_next().await {
         done.expect("stage task panicked")?;
     }
-    let listed = manifest.as_ref().map_or(files, |m| m.files.len() as u64);
     if listed == 0 && bad == 0 {
         return Err(StageError::NotFound { dataset: source });
     }
@@ -713,6 +736,20 @@ pub(super) async fn stage(
         });
     }
     write_manifest(ctx, &fetcher, manifest).await
+}
+
+/// Creates the staged file `name` in `dir`, owned by the job user. On the shared tier a file of
+/// that name left by an earlier run of the job id is removed first: this node owns the name now.
+fn new_file(
+    dir: impl std::os::fd::AsFd,
+    name: &str,
+    owner: Owner,
+    shared_tier: bool,
+) -> Result<std::fs::File, safefs::SafeFsError> {
+    if shared_tier {
+        safefs::remove_tree(dir.as_fd(), name)?;
+    }
+    safefs::create_file(dir, name, Some(owner), 0o644)
 }
 
 /// Writes a shard dataset's manifest next to it (`$SLUICE_STAGE_DIR/NAME.shard.json`), owned by
@@ -785,6 +822,7 @@ mod tests {
             progress: Arc::new(Progress::new(&spec)),
             peers: None,
             name: "ds".into(),
+            shared_tier: false,
         })
     }
 

@@ -31,6 +31,9 @@ pub(super) async fn stage(
             .arg(&spec.name)
             .arg("--source")
             .arg(&source);
+        if ctx.shared_tier {
+            command.arg("--shared-tier");
+        }
     }
     let mut child = command
         .arg("--uid")
