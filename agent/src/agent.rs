@@ -548,7 +548,7 @@ impl Agent {
             helper_exe: self.helper_exe.clone(),
             cancel: job.cancel.child_token(),
             budget: self.stage_budget.clone(),
-            shared_tier: shared_job.is_some(),
+            shared_tier: shared_job.as_ref().map(|s| Arc::new(s.layout.clone())),
         };
         let own_share = async {
             if shared_job.as_ref().is_some_and(|s| s.done) {

@@ -137,7 +137,7 @@ async fn run_stage(job: &StageJob, cfg: Arc<Config>) -> Result<(u64, u64)> {
         cancel: CancellationToken::new(),
         // As the agent: one budget for the node (this process), from the agent's defaults.
         budget: stage::Budget::new(&cfg.stage),
-        shared_tier: false,
+        shared_tier: None,
     };
     let progress: Vec<Arc<Progress>> = specs.iter().map(|s| Arc::new(Progress::new(s))).collect();
     futures::future::try_join_all(

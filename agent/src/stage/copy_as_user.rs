@@ -10,11 +10,13 @@
 
 use super::shard::{ShardManifest, ShardPlan};
 use nix::unistd::{Gid, Uid, geteuid, initgroups, setresgid, setresuid};
+use sluice_archive::config::StripeClass;
 use std::ffi::CString;
 use std::fs;
 use std::io::{self, Read, Seek, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -174,6 +176,8 @@ struct FileJob {
     dst: PathBuf,
     size: u64,
     mode: u32,
+    /// On a Lustre shared tier: `lfs` and the stripe layout the file is created with.
+    stripe: Option<(Arc<PathBuf>, StripeClass)>,
 }
 
 /// A byte range of one file, the unit a copy thread takes. Files up to [`PIECE`] are one piece;
@@ -213,6 +217,14 @@ pub struct Shard {
     /// directories may exist, a file left by an earlier run is replaced, and no manifest is
     /// written (every node sees every file).
     pub shared_tier: bool,
+    /// On a Lustre shared tier: `lfs`, and the stripe classes files are created with.
+    pub stripes: Option<(Arc<PathBuf>, Vec<StripeClass>)>,
+}
+
+/// The stripe layout a copied file of `size` bytes is created with, if any.
+fn stripe_for(shard: Option<&Shard>, size: u64) -> Option<(Arc<PathBuf>, StripeClass)> {
+    let (lfs, classes) = shard?.stripes.as_ref()?;
+    StripeClass::for_size(classes, size).map(|c| (lfs.clone(), *c))
 }
 
 /// The helper's `--shard-nodes`/`--shard-node`/`--dataset`/`--source`, as the agent passes them.
@@ -230,6 +242,13 @@ pub struct ShardArgs {
     /// `--dst` is on the shared tier (with the shard arguments).
     #[arg(long, requires = "shard_nodes")]
     pub shared_tier: bool,
+    /// `lfs`, for `--stripe` (a Lustre shared tier).
+    #[arg(long, requires = "shared_tier")]
+    pub lfs: Option<PathBuf>,
+    /// A stripe class, `MIN_SIZE:COUNT:SIZE` in bytes: files of at least MIN_SIZE bytes (and below
+    /// the next class's) are created with `lfs setstripe -c COUNT -S SIZE`.
+    #[arg(long, requires = "lfs")]
+    pub stripe: Vec<String>,
 }
 
 impl ShardArgs {
@@ -244,11 +263,31 @@ impl ShardArgs {
         let nodes: Vec<String> = nodes.split(',').map(String::from).collect();
         let plan = ShardPlan::new(&nodes, &node)
             .ok_or_else(|| format!("node {node} is not one of the job's nodes {nodes:?}"))?;
+        let mut classes = Vec::new();
+        for c in &self.stripe {
+            let bad = || format!("--stripe {c}: expected MIN_SIZE:COUNT:SIZE in bytes");
+            let mut it = c.split(':');
+            let (Some(min), Some(count), Some(size), None) =
+                (it.next(), it.next(), it.next(), it.next())
+            else {
+                return Err(bad());
+            };
+            classes.push(StripeClass {
+                min_size: min.parse().map_err(|_| bad())?,
+                count: count.parse().map_err(|_| bad())?,
+                size: size.parse().map_err(|_| bad())?,
+            });
+        }
+        let stripes = self
+            .lfs
+            .filter(|_| !classes.is_empty())
+            .map(|lfs| (Arc::new(lfs), classes));
         Ok(Some(Shard {
             plan,
             dataset,
             source,
             shared_tier: self.shared_tier,
+            stripes,
         }))
     }
 }
@@ -306,6 +345,7 @@ fn copy_tree_in_pieces(
                 dst: dst.to_path_buf(),
                 size: top.len(),
                 mode: top.mode() & 0o7777,
+                stripe: stripe_for(shard, top.len()),
             });
         }
         let bytes: u64 = files.iter().map(|f| f.size).sum();
@@ -365,6 +405,7 @@ fn copy_tree_in_pieces(
                     dst: dst.join(&rel),
                     size,
                     mode,
+                    stripe: stripe_for(shard, size),
                 }),
             }
         }
@@ -435,6 +476,34 @@ fn create_pair(
     umask: u32,
 ) -> Result<(fs::File, fs::File), (i32, String)> {
     let src = fs::File::open(&job.src).map_err(|e| job_error("opening", &job.src, e))?;
+    if let Some((lfs, class)) = &job.stripe {
+        // `lfs setstripe` creates the empty file with its layout (this process is the job user:
+        // it can do nothing through the path that the user could not do themselves).
+        let out = std::process::Command::new(lfs.as_path())
+            .args(super::lustre::setstripe_args(class, job.dst.as_os_str()))
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map_err(|e| (EXIT_OTHER, format!("running {}: {e}", lfs.display())))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            return Err((
+                EXIT_OTHER,
+                format!(
+                    "{} setstripe for {} failed: {}",
+                    lfs.display(),
+                    job.dst.display(),
+                    err.lines().last().unwrap_or("").trim()
+                ),
+            ));
+        }
+        let dst = fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+            .open(&job.dst)
+            .map_err(|e| job_error("opening", &job.dst, e))?;
+        set_mode(&dst, job, mode)?;
+        return Ok((src, dst));
+    }
     let dst = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -688,6 +757,8 @@ mod tests {
                 dataset: Some("ds".into()),
                 source: Some(src.path().display().to_string()),
                 shared_tier: false,
+                lfs: None,
+                stripe: Vec::new(),
             }
             .shard()
             .unwrap()
@@ -733,8 +804,83 @@ mod tests {
             dataset: Some("ds".into()),
             source: Some("/x".into()),
             shared_tier: false,
+            lfs: None,
+            stripe: Vec::new(),
         };
         assert!(outside.shard().unwrap_err().contains("n9 is not one of"));
+    }
+
+    /// The shared tier: directories another node made are used, a file an earlier run left is
+    /// replaced, no manifest is written, and on Lustre a file of a striped class is created by
+    /// `lfs setstripe` (a fake `lfs` here: neither Lustre nor the real `lfs` exist where this runs).
+    #[test]
+    fn a_shared_tier_copy_joins_other_nodes_and_stripes_big_files() {
+        let src = tempfile::tempdir().unwrap();
+        fs::create_dir_all(src.path().join("d")).unwrap();
+        fs::write(src.path().join("d/big"), vec![3u8; 5000]).unwrap();
+        fs::set_permissions(src.path().join("d/big"), fs::Permissions::from_mode(0o640)).unwrap();
+        fs::write(src.path().join("d/small"), b"tiny").unwrap();
+        let stage = tempfile::tempdir().unwrap();
+        let dst = stage.path().join("ds");
+        // Another node made the directories; an earlier run left a stale copy of the big file.
+        fs::create_dir_all(dst.join("d")).unwrap();
+        fs::write(dst.join("d/big"), b"stale").unwrap();
+        let bin = tempfile::tempdir().unwrap();
+        let (lfs, record) = (bin.path().join("lfs"), bin.path().join("args"));
+        fs::write(
+            &lfs,
+            format!(
+                "#!/bin/sh\nprintf '%s ' \"$@\" >> '{}'\nfor a; do last=$a; done\n: > \"$last\"\n",
+                record.display()
+            ),
+        )
+        .unwrap();
+        fs::set_permissions(&lfs, fs::Permissions::from_mode(0o755)).unwrap();
+        let shard = ShardArgs {
+            shard_nodes: Some("n1".into()),
+            shard_node: Some("n1".into()),
+            dataset: Some("ds".into()),
+            source: Some(src.path().display().to_string()),
+            shared_tier: true,
+            lfs: Some(lfs),
+            stripe: vec!["4096:2:1048576".into()],
+        }
+        .shard()
+        .unwrap()
+        .unwrap();
+        let mut copied = Err((0, String::new()));
+        for _ in 0..50 {
+            // A fork elsewhere in the test binary may briefly hold the fresh script open.
+            let _ = fs::remove_file(dst.join("d/small"));
+            copied = copy_shard(src.path(), &dst, &shard, &mut Vec::new());
+            if !matches!(&copied, Err((_, m)) if m.contains("Text file busy")) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        copied.unwrap();
+        assert_eq!(fs::read(dst.join("d/big")).unwrap(), vec![3u8; 5000]);
+        assert_eq!(
+            fs::metadata(dst.join("d/big")).unwrap().mode() & 0o7777,
+            0o640
+        );
+        assert_eq!(fs::read(dst.join("d/small")).unwrap(), b"tiny");
+        assert_eq!(
+            fs::read_to_string(&record).unwrap(),
+            format!("setstripe -c 2 -S 1048576 {} ", dst.join("d/big").display()),
+            "only the file of the striped class goes through lfs"
+        );
+        assert!(!stage.path().join("ds.shard.json").exists());
+        let bad = ShardArgs {
+            shard_nodes: Some("n1".into()),
+            shard_node: Some("n1".into()),
+            dataset: Some("ds".into()),
+            source: Some("/x".into()),
+            shared_tier: true,
+            lfs: Some("/bin/lfs".into()),
+            stripe: vec!["1:2".into()],
+        };
+        assert!(bad.shard().unwrap_err().contains("MIN_SIZE:COUNT:SIZE"));
     }
 
     #[test]
@@ -744,6 +890,7 @@ mod tests {
             dst: PathBuf::from("/d").join(p),
             size: 1,
             mode: 0o644,
+            stripe: None,
         };
         let files = ["a/1", "a/2", "a/3", "b/1", "b/2", "top"].map(job).into();
         let order: Vec<PathBuf> = interleave_directories(files)

@@ -16,7 +16,9 @@
 //!   a fetched unit's bytes stream through the same [`Budget`] buffers as an origin read's.
 //!
 //! - With `--stage-mode=shard`, each node stages only the files it owns and writes a manifest of
-//!   the whole dataset ([`shard`]); object-store and POSIX sources alike.
+//!   the whole dataset ([`shard`]); object-store and POSIX sources alike. With
+//!   `--stage-tier=shared`, each node writes the files it owns into the job's directory on the
+//!   shared tier, which every node of the job sees ([`shared`]).
 //!
 //! Object keys are not file paths: [`map_key`] is the single place that decides where a key lands.
 //!
@@ -24,7 +26,9 @@
 //! downloads, each range from the origin or a peer), [`peers`] (the job's units on this node, what
 //! the peer server serves from), [`posix`] (the parent side of a POSIX copy: starting the helper,
 //! reading its progress, classifying its exit), [`copy_as_user`] (the helper itself, a separate
-//! process as the job user).
+//! process as the job user), [`shard`] (which node owns which file, the shard manifest),
+//! [`shared`] (the job's directory on the shared tier: each node's share, the wait for all of
+//! them, removal), [`lustre`] (Lustre detection and stripe layouts).
 
 mod budget;
 pub mod copy_as_user;
@@ -197,10 +201,11 @@ pub struct StageCtx {
     pub cancel: CancellationToken,
     /// The node's download budget, shared by every staging run of the agent.
     pub budget: Arc<Budget>,
-    /// `stage_fd` is the job's directory on the shared tier ([`shared`]), which the job's other
-    /// nodes write into too: directories may exist already, a file left by an earlier run of the
-    /// job id is replaced, and no shard manifest is written (every node sees every file).
-    pub shared_tier: bool,
+    /// `Some`: `stage_fd` is the job's directory on the shared tier ([`shared`]), which the job's
+    /// other nodes write into too: directories may exist already, a file left by an earlier run of
+    /// the job id is replaced, files get the layout of their size class, and no shard manifest is
+    /// written (every node sees every file).
+    pub shared_tier: Option<Arc<shared::Layout>>,
 }
 
 /// How a dataset is staged with respect to the job's other nodes.

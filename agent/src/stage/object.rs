@@ -108,7 +108,7 @@ struct Fetcher {
     /// The dataset's name: unit file names are `NAME/path` (`NAME` for a single object).
     name: String,
     /// Staging into the job's directory on the shared tier (see [`StageCtx::shared_tier`]).
-    shared_tier: bool,
+    shared_tier: Option<Arc<super::shared::Layout>>,
 }
 
 /// Where an object's staged copy is, for serving its units to peers: the directory its path is
@@ -153,17 +153,17 @@ impl Fetcher {
             unit_file: format!("{}/{rel}", self.name),
             rel_at: self.name.len() + 1,
         };
-        let shared_tier = self.shared_tier;
+        let (shared_tier, size) = (self.shared_tier.clone(), meta.size);
         let file = blocking(move || {
             let (file_name, dirs) = parts
                 .split_last()
                 .expect("map_key yields at least one component");
             let dirs: Vec<&str> = dirs.iter().map(String::as_str).collect();
-            let d = safefs::ensure_dirs(&root, &dirs, Some(owner))?;
-            new_file(&d, file_name, owner, shared_tier)
+            let d = safefs::ensure_dirs(&root, &dirs, Some(owner)).map_err(errno_text)?;
+            new_file(&d, file_name, size, owner, shared_tier.as_deref())
         })
         .await
-        .map_err(|e| self.safefs_error(&rel, e))?;
+        .map_err(|(errno, detail)| self.hot_error(&rel, errno, detail))?;
         self.fill(Arc::new(file), &rel, meta, staged).await
     }
 
@@ -616,11 +616,11 @@ pub(super) async fn stage(
         progress: progress.clone(),
         peers,
         name: spec.name.clone(),
-        shared_tier: ctx.shared_tier,
+        shared_tier: ctx.shared_tier.clone(),
     });
     let (fd, name, owner) = (ctx.stage_fd.clone(), spec.name.clone(), ctx.owner);
     // On the shared tier every node sees every file: no manifest.
-    if ctx.shared_tier {
+    if ctx.shared_tier.is_some() {
         manifest = None;
     }
 
@@ -646,10 +646,11 @@ pub(super) async fn stage(
                     unit_file: name.clone(),
                     rel_at: 0,
                 };
-                let shared_tier = fetcher.shared_tier;
-                let file = blocking(move || new_file(&*fd, &name, owner, shared_tier))
-                    .await
-                    .map_err(|e| fetcher.safefs_error(&spec.name, e))?;
+                let (shared_tier, size) = (fetcher.shared_tier.clone(), meta.size);
+                let file =
+                    blocking(move || new_file(&fd, &name, size, owner, shared_tier.as_deref()))
+                        .await
+                        .map_err(|(errno, detail)| fetcher.hot_error(&spec.name, errno, detail))?;
                 fetcher
                     .clone()
                     .fill(Arc::new(file), &spec.name, meta, staged)
@@ -661,7 +662,7 @@ pub(super) async fn stage(
         }
     }
 
-    let shared_tier = ctx.shared_tier;
+    let shared_tier = ctx.shared_tier.is_some();
     let root = blocking(move || {
         if shared_tier {
             // The job's other nodes make it too.
@@ -738,18 +739,27 @@ pub(super) async fn stage(
     write_manifest(ctx, &fetcher, manifest).await
 }
 
-/// Creates the staged file `name` in `dir`, owned by the job user. On the shared tier a file of
-/// that name left by an earlier run of the job id is removed first: this node owns the name now.
+/// Creates the staged file `name` (of `size` bytes) in `dir`, owned by the job user. On the shared
+/// tier a file of that name left by an earlier run of the job id is removed first (this node owns
+/// the name now), and the file gets its size class's layout. Errors as (errno, text).
 fn new_file(
-    dir: impl std::os::fd::AsFd,
+    dir: &OwnedFd,
     name: &str,
+    size: u64,
     owner: Owner,
-    shared_tier: bool,
-) -> Result<std::fs::File, safefs::SafeFsError> {
-    if shared_tier {
-        safefs::remove_tree(dir.as_fd(), name)?;
+    shared_tier: Option<&super::shared::Layout>,
+) -> Result<std::fs::File, (Option<i32>, String)> {
+    match shared_tier {
+        None => safefs::create_file(dir, name, Some(owner), 0o644).map_err(errno_text),
+        Some(layout) => {
+            safefs::remove_tree(dir, name).map_err(errno_text)?;
+            super::shared::create_file(dir, name, size, owner, layout).map_err(|e| (None, e))
+        }
     }
-    safefs::create_file(dir, name, Some(owner), 0o644)
+}
+
+fn errno_text(e: safefs::SafeFsError) -> (Option<i32>, String) {
+    (e.errno().map(|e| e as i32), e.to_string())
 }
 
 /// Writes a shard dataset's manifest next to it (`$SLUICE_STAGE_DIR/NAME.shard.json`), owned by
@@ -822,7 +832,7 @@ mod tests {
             progress: Arc::new(Progress::new(&spec)),
             peers: None,
             name: "ds".into(),
-            shared_tier: false,
+            shared_tier: None,
         })
     }
 

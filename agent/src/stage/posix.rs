@@ -31,8 +31,8 @@ pub(super) async fn stage(
             .arg(&spec.name)
             .arg("--source")
             .arg(&source);
-        if ctx.shared_tier {
-            command.arg("--shared-tier");
+        if let Some(layout) = &ctx.shared_tier {
+            command.arg("--shared-tier").args(layout.helper_args());
         }
     }
     let mut child = command

@@ -22,7 +22,7 @@
 //! on no node at all may find that run's marks of the other nodes.
 
 use super::{ShardPlan, StageError};
-use sluice_archive::config::SharedTierConfig;
+use sluice_archive::config::{SharedTierConfig, StripeClass};
 use sluice_archive::safefs::{self, Owner, SafeFsError};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
@@ -38,12 +38,73 @@ pub fn stage_dir(cfg: &SharedTierConfig, job_id: u32) -> PathBuf {
     cfg.job_dir_for(job_id).join(STAGE)
 }
 
+/// How staged files are laid out in the job's shared directory: on Lustre, the stripe layout of
+/// each file's size class (`[[shared_tier.stripe]]`, set with `lfs setstripe` as the job user
+/// before the file's bytes are written); elsewhere the directory's default.
+#[derive(Debug, Clone, Default)]
+pub struct Layout {
+    pub lfs: PathBuf,
+    /// Empty off Lustre, or when no class is configured.
+    pub stripes: Vec<StripeClass>,
+}
+
+impl Layout {
+    /// The stripe class of a file of `size` bytes, if it gets one.
+    pub fn for_size(&self, size: u64) -> Option<&StripeClass> {
+        StripeClass::for_size(&self.stripes, size)
+    }
+
+    /// The helper's `--lfs`/`--stripe MIN:COUNT:SIZE` arguments for a POSIX copy.
+    pub fn helper_args(&self) -> Vec<String> {
+        if self.stripes.is_empty() {
+            return Vec::new();
+        }
+        let mut args = vec!["--lfs".to_string(), self.lfs.display().to_string()];
+        for c in &self.stripes {
+            args.push("--stripe".into());
+            args.push(format!("{}:{}:{}", c.min_size, c.count, c.size));
+        }
+        args
+    }
+}
+
+/// Creates the staged file `name` in the job user's directory `dir` on the shared tier: with the
+/// stripe layout of its size class (`lfs` as the job user, see [`super::lustre`]), then opened
+/// without following links and only if it is a regular file of the user with one link; else
+/// plainly, as on the hot tier. Blocking.
+pub fn create_file(
+    dir: &OwnedFd,
+    name: &str,
+    size: u64,
+    owner: Owner,
+    layout: &Layout,
+) -> Result<std::fs::File, String> {
+    let Some(class) = layout.for_size(size) else {
+        return safefs::create_file(dir, name, Some(owner), 0o644).map_err(|e| e.to_string());
+    };
+    super::lustre::create_striped(&layout.lfs, dir, name, class, owner.uid, owner.gid)
+        .map_err(|e| e.to_string())?;
+    use nix::fcntl::{OFlag, openat};
+    use nix::sys::stat::{Mode, SFlag, fstat};
+    let flags = OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+    let fd = openat(dir, name, flags, Mode::empty()).map_err(|e| format!("open '{name}': {e}"))?;
+    let st = fstat(&fd).map_err(|e| format!("stat '{name}': {e}"))?;
+    let regular = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG;
+    if !regular || st.st_uid != owner.uid || st.st_nlink != 1 {
+        return Err(format!(
+            "'{name}' is not the file lfs setstripe created (replaced while staging?)"
+        ));
+    }
+    Ok(std::fs::File::from(fd))
+}
+
 /// One job's directory on the shared tier, as this node holds it open.
 pub struct SharedJob {
     pub stage: OwnedFd,
     marks: OwnedFd,
     /// This node's share is already written (a restarted agent found its "ok" mark).
     pub done: bool,
+    pub layout: Layout,
 }
 
 impl SharedJob {
@@ -64,7 +125,27 @@ impl SharedJob {
             safefs::remove_tree(&marks, node)?;
         }
         let done = read_mark(&marks, node).as_deref() == Some(OK);
-        Ok(SharedJob { stage, marks, done })
+        let lustre = super::lustre::is_lustre(&stage).unwrap_or(false);
+        if !lustre && !cfg.stripes.is_empty() {
+            tracing::info!(
+                job_id,
+                "the shared tier is not Lustre here: [[shared_tier.stripe]] layouts are not applied"
+            );
+        }
+        let layout = Layout {
+            lfs: cfg.lfs.clone(),
+            stripes: if lustre {
+                cfg.stripes.clone()
+            } else {
+                Vec::new()
+            },
+        };
+        Ok(SharedJob {
+            stage,
+            marks,
+            done,
+            layout,
+        })
     }
 
     /// Marks this node's share written (`Ok`) or failed, for the job's other nodes. Blocking.
@@ -210,6 +291,84 @@ mod tests {
             uid: nix::unistd::getuid().as_raw(),
             gid: nix::unistd::getgid().as_raw(),
         }
+    }
+
+    /// The real `lfs` and Lustre are not exercised here: a fake `lfs` records its arguments and
+    /// creates the file, as `lfs setstripe` does.
+    #[test]
+    fn files_of_a_striped_class_are_created_by_lfs_then_opened_checked() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let (lfs, record) = (tmp.path().join("lfs"), tmp.path().join("args"));
+        std::fs::write(
+            &lfs,
+            format!(
+                "#!/bin/sh\nprintf '%s ' \"$@\" > '{}'\nfor a; do last=$a; done\n: > \"$last\"\n",
+                record.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&lfs, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir_path = tmp.path().join("d");
+        std::fs::create_dir(&dir_path).unwrap();
+        let dir = safefs::open_root_dir(&dir_path).unwrap();
+        let layout = Layout {
+            lfs: lfs.clone(),
+            stripes: vec![StripeClass {
+                min_size: 1 << 20,
+                count: -1,
+                size: 4 << 20,
+            }],
+        };
+        // Below every class: a plain file, lfs not run.
+        create_file(&dir, "small", 10, me(), &layout).unwrap();
+        assert!(!record.exists());
+        // In the class: lfs makes it, then it is written through the checked open.
+        let mut f = (0..50)
+            .find_map(|_| match create_file(&dir, "big", 2 << 20, me(), &layout) {
+                Err(e) if e.contains("Text file busy") => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    None
+                }
+                other => Some(other),
+            })
+            .unwrap()
+            .unwrap();
+        std::io::Write::write_all(&mut f, b"bytes").unwrap();
+        assert_eq!(std::fs::read(dir_path.join("big")).unwrap(), b"bytes");
+        assert_eq!(
+            std::fs::read_to_string(&record).unwrap(),
+            "setstripe -c -1 -S 4194304 /proc/self/fd/0/big "
+        );
+        assert_eq!(
+            layout.helper_args(),
+            [
+                "--lfs",
+                &lfs.display().to_string(),
+                "--stripe",
+                "1048576:-1:4194304"
+            ]
+        );
+        // A name lfs did not leave as a plain file of the user is refused, not written through.
+        std::os::unix::fs::symlink("/etc/passwd", dir_path.join("link")).unwrap();
+        let lying = tmp.path().join("lying-lfs");
+        std::fs::write(&lying, "#!/bin/sh\nexit 0\n").unwrap();
+        std::fs::set_permissions(&lying, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let liar = Layout {
+            lfs: lying,
+            ..layout
+        };
+        let e = (0..50)
+            .find_map(|_| match create_file(&dir, "link", 2 << 20, me(), &liar) {
+                Err(e) if e.contains("Text file busy") => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    None
+                }
+                other => Some(other),
+            })
+            .unwrap()
+            .unwrap_err();
+        assert!(e.contains("open 'link'"), "{e}");
     }
 
     #[tokio::test]

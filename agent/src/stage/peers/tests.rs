@@ -195,7 +195,7 @@ async fn node(name: &str, listener: TcpListener, addrs: &BTreeMap<String, String
         helper_exe: "/bin/false".into(),
         cancel: CancellationToken::new(),
         budget: Budget::new(&cfg.stage),
-        shared_tier: false,
+        shared_tier: None,
     };
     Node {
         name: name.into(),
