@@ -4,6 +4,7 @@
 //! - `stage`, `archive`, `restore`, `rss`, `compress`: one sluice operation each, through the agent's
 //!   own engine, so the orchestrator can measure it like any other command (`engine.rs`).
 
+mod aggregation;
 mod data;
 mod engine;
 mod measure;
@@ -94,7 +95,7 @@ struct RunOpts {
     rclone: PathBuf,
     #[arg(long, default_value = "sluiceuser")]
     user: String,
-    /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss.
+    /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss, agg.
     #[arg(long, value_delimiter = ',')]
     cases: Option<Vec<String>>,
     #[arg(long, default_value = "/etc/slurm/plugstack.conf")]

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-const GIB: f64 = (1u64 << 30) as f64;
-const MIB: u64 = 1 << 20;
+pub(crate) const GIB: f64 = (1u64 << 30) as f64;
+pub(crate) const MIB: u64 = 1 << 20;
 const KIB: u64 = 1 << 10;
 
 /// rclone's tuned flags, as the issue gives them (its defaults are 4 transfers, 4 streams, 8 checkers).
@@ -59,7 +59,7 @@ pub struct Args {
 }
 
 #[derive(Debug, Clone, Serialize)]
-struct Sizes {
+pub(crate) struct Sizes {
     /// One big object / file (S3, Azure, POSIX).
     big: u64,
     small_count: u64,
@@ -71,6 +71,8 @@ struct Sizes {
     comp: u64,
     /// Trivial jobs per side (short, so more of them than other cases' repetitions).
     job_reps: usize,
+    /// The aggregation case's paced origin, bytes/s for all clients together.
+    pub(crate) agg_pace: u64,
 }
 
 impl Sizes {
@@ -85,6 +87,7 @@ impl Sizes {
                 ckpt: 28 * MIB,
                 comp: 8 * MIB,
                 job_reps: reps.max(1),
+                agg_pace: 8 * MIB,
             },
             Mode::Scaled => Sizes {
                 big: 1 << 30,
@@ -95,6 +98,7 @@ impl Sizes {
                 ckpt: 1 << 30,
                 comp: 256 * MIB,
                 job_reps: reps * 3,
+                agg_pace: 100 * MIB,
             },
             Mode::Full => Sizes {
                 big: 2 << 30,
@@ -105,6 +109,7 @@ impl Sizes {
                 ckpt: 1 << 30,
                 comp: 1 << 30,
                 job_reps: reps * 3,
+                agg_pace: 100 * MIB,
             },
         }
     }
@@ -134,28 +139,28 @@ impl Target {
 }
 
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
-struct Row {
-    case: String,
-    size: String,
-    bytes: u64,
+pub(crate) struct Row {
+    pub(crate) case: String,
+    pub(crate) size: String,
+    pub(crate) bytes: u64,
     /// What the sluice and peer columns hold.
-    unit: String,
-    sluice: f64,
-    peer_name: String,
-    peer: Option<f64>,
+    pub(crate) unit: String,
+    pub(crate) sluice: f64,
+    pub(crate) peer_name: String,
+    pub(crate) peer: Option<f64>,
     /// > 1 favours sluice.
-    ratio: Option<f64>,
-    sluice_cpu_s_per_gib: Option<f64>,
-    peer_cpu_s_per_gib: Option<f64>,
-    target: String,
-    met: Option<bool>,
-    note: String,
-    sluice_samples: Vec<f64>,
-    peer_samples: Vec<f64>,
-    sluice_cpu_s: Vec<f64>,
-    peer_cpu_s: Vec<f64>,
+    pub(crate) ratio: Option<f64>,
+    pub(crate) sluice_cpu_s_per_gib: Option<f64>,
+    pub(crate) peer_cpu_s_per_gib: Option<f64>,
+    pub(crate) target: String,
+    pub(crate) met: Option<bool>,
+    pub(crate) note: String,
+    pub(crate) sluice_samples: Vec<f64>,
+    pub(crate) peer_samples: Vec<f64>,
+    pub(crate) sluice_cpu_s: Vec<f64>,
+    pub(crate) peer_cpu_s: Vec<f64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    sluice_extra: Vec<serde_json::Value>,
+    pub(crate) sluice_extra: Vec<serde_json::Value>,
 }
 
 type Prep<'a> = Box<dyn Fn(usize) -> Result<()> + 'a>;
@@ -169,7 +174,7 @@ struct Tool<'a> {
     after: After<'a>,
 }
 
-fn size_label(bytes: u64) -> String {
+pub(crate) fn size_label(bytes: u64) -> String {
     if bytes >= 1 << 30 {
         format!("{:.1} GiB", bytes as f64 / GIB)
     } else if bytes >= MIB {
@@ -193,7 +198,7 @@ fn uid_gid(user: &str) -> Result<(u32, u32)> {
     Ok((id("-u")?, id("-g")?))
 }
 
-fn remove(path: &Path) -> Result<()> {
+pub(crate) fn remove(path: &Path) -> Result<()> {
     match std::fs::symlink_metadata(path) {
         Ok(md) if md.is_dir() => {
             std::fs::remove_dir_all(path).with_context(|| format!("removing {}", path.display()))
@@ -236,38 +241,38 @@ fn warm(path: &Path) {
     }
 }
 
-fn log(msg: impl AsRef<str>) {
+pub(crate) fn log(msg: impl AsRef<str>) {
     eprintln!("[bench] {}", msg.as_ref());
 }
 
 /// Everything a case needs to know (shared by the tools' closures).
 pub struct Bench {
-    a: Args,
-    sizes: Sizes,
+    pub(crate) a: Args,
+    pub(crate) sizes: Sizes,
     env: BTreeMap<String, String>,
-    uid: u32,
-    gid: u32,
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
     exe: PathBuf,
-    data: PathBuf,
+    pub(crate) data: PathBuf,
     hot: PathBuf,
 }
 
 /// What the cases found.
 #[derive(Default)]
-struct Report {
-    rows: Vec<Row>,
+pub(crate) struct Report {
+    pub(crate) rows: Vec<Row>,
     errors: Vec<String>,
     notes: Vec<String>,
 }
 
 impl Report {
-    fn error(&mut self, case: &str, e: anyhow::Error) {
+    pub(crate) fn error(&mut self, case: &str, e: anyhow::Error) {
         let msg = format!("{case}: {e:#}");
         log(format!("ERROR {msg}"));
         self.errors.push(msg);
     }
 
-    fn note(&mut self, msg: String) {
+    pub(crate) fn note(&mut self, msg: String) {
         log(&msg);
         self.notes.push(msg);
     }
@@ -360,7 +365,7 @@ impl Bench {
             .is_none_or(|c| c.iter().any(|x| x == case))
     }
 
-    fn env(&self, k: &str) -> String {
+    pub(crate) fn env(&self, k: &str) -> String {
         self.env.get(k).cloned().unwrap_or_default()
     }
 
@@ -391,7 +396,7 @@ impl Bench {
         c
     }
 
-    fn rclone_tuned(&self, args: &[&str]) -> Command {
+    pub(crate) fn rclone_tuned(&self, args: &[&str]) -> Command {
         let mut c = self.rclone(args);
         c.args(RCLONE_TUNED);
         c
@@ -1318,6 +1323,7 @@ impl Bench {
             ("compress", Box::new(|b, r| b.compression_cases(r))),
             ("job", Box::new(|b, r| b.job_case(r))),
             ("rss", Box::new(|b, r| b.rss_case(r))),
+            ("agg", Box::new(|b, r| b.agg_cases(r))),
         ];
         for (name, case) in cases {
             if self.wants(name) {
