@@ -5,9 +5,9 @@
 
 use crate::msg::{ErrorReply, Request, Response};
 use crate::wire::{self, Envelope, FrameError};
-use nix::sys::socket::{MsgFlags, send};
-use std::io::Write;
-use std::os::fd::AsRawFd;
+use nix::sys::socket::{ControlMessage, MsgFlags, send, sendmsg};
+use std::io::{IoSlice, Write};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,6 +27,19 @@ pub enum ClientError {
 
 /// Sends one request and waits at most `timeout` for each of connect, write and read.
 pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Response, ClientError> {
+    call_with(socket, request, None, timeout, timeout)
+}
+
+/// [`call`], with the open descriptor `fd` passed along with the request (`SCM_RIGHTS`, attached
+/// to its first byte) when given, and `answer` as the longest wait for the answer (a restore the
+/// agent runs may take hours; connect and send still have `timeout`).
+pub fn call_with(
+    socket: &Path,
+    request: Request,
+    fd: Option<BorrowedFd<'_>>,
+    timeout: Duration,
+    answer: Duration,
+) -> Result<Response, ClientError> {
     let frame_err = |source| ClientError::Frame {
         path: socket.to_path_buf(),
         source,
@@ -37,8 +50,24 @@ pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Respon
     })?;
     let io_err = |e: std::io::Error| frame_err(FrameError::Io(e));
     stream.set_write_timeout(Some(timeout)).map_err(io_err)?;
-    stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
-    wire::write_frame(&mut NoSigPipe(&stream), &Envelope::new(request)).map_err(frame_err)?;
+    stream.set_read_timeout(Some(answer)).map_err(io_err)?;
+    let frame = wire::encode(&Envelope::new(request)).map_err(frame_err)?;
+    let mut sent = 0;
+    if let Some(fd) = fd {
+        let fds = [fd.as_raw_fd()];
+        let cmsg = [ControlMessage::ScmRights(&fds)];
+        sent = sendmsg::<()>(
+            stream.as_raw_fd(),
+            &[IoSlice::new(&frame)],
+            &cmsg,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .map_err(|e| io_err(e.into()))?;
+    }
+    NoSigPipe(&stream)
+        .write_all(&frame[sent..])
+        .map_err(io_err)?;
     let body = wire::read_frame(&mut stream).map_err(frame_err)?;
     match wire::decode_response(&body).map_err(frame_err)? {
         Response::Error(e) => Err(ClientError::Agent(e)),

@@ -44,6 +44,23 @@ pub enum Request {
     CkptCommit { job_id: JobId, tag: String },
     /// Owner or root: the job's checkpoints on this node and their archive state.
     CkptList { job_id: JobId },
+    /// Anyone: the checkpoints in the archive at `url` that the peer may see (root: all; a user:
+    /// those their own jobs archived, at a URL the site's `[[ckpt.allow]]` rules allow them). The
+    /// agent reads the archive with the site's credentials, for users who cannot read its
+    /// configuration.
+    ArchiveList { url: String },
+    /// As [`Request::ArchiveList`]: re-check one of the peer's archived checkpoints (`latest`: the
+    /// newest intact one) against its MANIFEST.
+    ArchiveVerify { url: String, tag: String },
+    /// As [`Request::ArchiveList`]: restore one of the peer's checkpoints into the directory whose
+    /// open descriptor travels with the request (`SCM_RIGHTS`); it must be the peer's own and
+    /// empty. With `dry_run`, no descriptor: only which checkpoint it would be, and its size.
+    ArchiveRestore {
+        url: String,
+        tag: String,
+        #[serde(default)]
+        dry_run: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,7 +71,71 @@ pub enum Response {
     Status(NodeStatus),
     Job(JobStatus),
     Ckpts { ckpts: Vec<CkptStatus> },
+    Archive(ArchiveListing),
+    Verified(ArchiveVerified),
+    Restored(ArchiveRestored),
     Error(ErrorReply),
+}
+
+/// The checkpoints of an archive the peer may see ([`Request::ArchiveList`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArchiveListing {
+    /// The archive, as the agent names it (no credentials).
+    pub url: String,
+    /// Oldest first.
+    pub ckpts: Vec<ArchivedCkpt>,
+    /// Older checkpoints not sent (an answer must fit one frame).
+    #[serde(default)]
+    pub left_out: u64,
+}
+
+/// One checkpoint of an archive, with what `sluice ckpt list URL` shows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArchivedCkpt {
+    pub tag: String,
+    /// `complete`, `partial` or `invalid`.
+    pub state: String,
+    /// Why an invalid checkpoint cannot be used.
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub files: u64,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    /// Unix milliseconds.
+    pub created_unix_ms: u64,
+    /// The job that archived it, from its MANIFEST.
+    pub job_id: Option<JobId>,
+    pub user: Option<String>,
+    pub job_name: Option<String>,
+    pub nodes: Vec<String>,
+    pub data_classes: Vec<String>,
+}
+
+/// What a verify through the agent found ([`Request::ArchiveVerify`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArchiveVerified {
+    pub url: String,
+    /// The checkpoint checked (`latest` resolved).
+    pub tag: String,
+    pub ok: bool,
+    pub files: u64,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    /// `(path, what is wrong)` of every damaged file.
+    pub damaged: Vec<(String, String)>,
+}
+
+/// What a restore through the agent did, or would do ([`Request::ArchiveRestore`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArchiveRestored {
+    pub url: String,
+    /// The checkpoint restored (`latest` resolved).
+    pub tag: String,
+    pub files: u64,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    /// Damaged newer checkpoints of the peer's that `latest` passed over.
+    pub skipped: Vec<String>,
 }
 
 /// The directories a job's tasks see.
