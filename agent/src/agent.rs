@@ -267,6 +267,12 @@ impl Agent {
                 },
                 Err(e) => Response::Error(e),
             },
+            // The socket server sends these there itself, with the restore directory passed.
+            r @ (Request::ArchiveList { .. }
+            | Request::ArchiveVerify { .. }
+            | Request::ArchiveRestore { .. }) => {
+                crate::archive_access::handle(self, peer, r, None).await
+            }
         }
     }
 

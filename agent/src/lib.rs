@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
+mod archive_access;
 pub mod backoff;
 pub mod ckpt;
 pub mod hot_tier;

@@ -49,6 +49,17 @@ impl Requester {
         }
     }
 
+    /// A user outside any job (`sluice ckpt list|verify|restore URL` through the agent): in allow
+    /// prefixes, `{job_id}` and `{job_name}` then stand for any one path segment.
+    pub fn user(user: &str, gid: u32) -> Requester {
+        Requester {
+            user: user.to_string(),
+            groups: user_groups(user, gid),
+            job_id: 0,
+            job_name: String::new(),
+        }
+    }
+
     fn is_named_by(&self, rule: &AllowRule) -> bool {
         (rule.users.is_empty() && rule.groups.is_empty())
             || rule.users.contains(&self.user)
@@ -145,6 +156,66 @@ impl Policy {
             },
         })
     }
+}
+
+impl Policy {
+    /// Whether user `who` may read the archive at `url` through the agent: it must be a URL a job
+    /// of theirs could archive to under `[[ckpt.allow]]` (the same rules, `{job_id}` and
+    /// `{job_name}` matching any one segment). Which of its checkpoints they see is decided by
+    /// their owners, apart from this.
+    pub fn check_archive_read(&self, who: &Requester, url: &str) -> Result<(), PolicyError> {
+        let url = url.trim_end_matches('/');
+        if url.split('/').any(|seg| seg == "..") {
+            return Err(PolicyError::ArchiveDotDot { url: url.into() });
+        }
+        if self.ckpt.allow.is_empty() {
+            return Err(PolicyError::NoArchiveRule { url: url.into() });
+        }
+        let with_slash = format!("{url}/");
+        let mine: Vec<&AllowRule> = self
+            .ckpt
+            .allow
+            .iter()
+            .filter(|r| who.is_named_by(r))
+            .collect();
+        let admits = |r: &AllowRule| {
+            r.prefix == ANY_URL
+                || prefix_matches(&r.prefix.replace("{user}", &who.user), &with_slash)
+        };
+        if mine.iter().any(|r| admits(r)) {
+            return Ok(());
+        }
+        Err(PolicyError::ArchiveNotAllowed {
+            url: url.into(),
+            allowed: if mine.is_empty() {
+                "none (ask your admin)".to_string()
+            } else {
+                let shown: Vec<String> = mine
+                    .iter()
+                    .map(|r| r.prefix.replace("{user}", &who.user))
+                    .collect();
+                shown.join(", ")
+            },
+        })
+    }
+}
+
+/// Whether `s` starts with `prefix`, where `{job_id}` and `{job_name}` in `prefix` each match one
+/// non-empty run of characters without `/`.
+fn prefix_matches(prefix: &str, s: &str) -> bool {
+    let next = ["{job_id}", "{job_name}"]
+        .iter()
+        .filter_map(|p| prefix.find(p).map(|i| (i, p.len())))
+        .min();
+    let Some((at, len)) = next else {
+        return s.starts_with(prefix);
+    };
+    let (literal, rest) = (&prefix[..at], &prefix[at + len..]);
+    let Some(tail) = s.strip_prefix(literal) else {
+        return false;
+    };
+    let segment = tail.find('/').unwrap_or(tail.len());
+    (1..=segment).any(|n| tail.is_char_boundary(n) && prefix_matches(rest, &tail[n..]))
 }
 
 /// Replaces `{user}`, `{job_id}`, `{job_name}` in an archive URL template or an allow prefix.
@@ -269,6 +340,61 @@ mod tests {
             ..Default::default()
         }]);
         assert!(any.archive_url(&alice, Some("file:///var/x")).is_ok());
+    }
+
+    #[test]
+    fn reading_an_archive_outside_a_job_takes_the_same_rules() {
+        let p = policy(vec![
+            AllowRule {
+                prefix: "s3://ckpt/{user}/".into(),
+                ..Default::default()
+            },
+            AllowRule {
+                prefix: "s3://runs/{user}/{job_id}-{job_name}/".into(),
+                ..Default::default()
+            },
+            AllowRule {
+                prefix: "s3://team/".into(),
+                groups: vec!["ml".into()],
+                ..Default::default()
+            },
+        ]);
+        let alice = who("alice", &[]);
+        assert!(p.check_archive_read(&alice, "s3://ckpt/alice/run1").is_ok());
+        assert!(
+            p.check_archive_read(&alice, "s3://ckpt/alice/run1/")
+                .is_ok()
+        );
+        assert!(
+            p.check_archive_read(&alice, "s3://runs/alice/7-train")
+                .is_ok()
+        );
+        // The placeholders are one segment each, not a way to widen the prefix.
+        assert!(p.check_archive_read(&alice, "s3://runs/alice/").is_err());
+        assert!(p.check_archive_read(&alice, "s3://runs/alice/7").is_err());
+        let e = p
+            .check_archive_read(&alice, "s3://ckpt/bob/run1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not allowed") && e.contains("s3://ckpt/alice/"),
+            "{e}"
+        );
+        assert!(p.check_archive_read(&alice, "s3://ckpt/alice2/x").is_err());
+        assert!(p.check_archive_read(&alice, "s3://team/x").is_err());
+        assert!(
+            p.check_archive_read(&who("alice", &["ml"]), "s3://team/x")
+                .is_ok()
+        );
+        assert!(matches!(
+            p.check_archive_read(&alice, "s3://ckpt/alice/../bob"),
+            Err(PolicyError::ArchiveDotDot { .. })
+        ));
+        let none = policy(Vec::new());
+        assert!(matches!(
+            none.check_archive_read(&alice, "s3://ckpt/alice/x"),
+            Err(PolicyError::NoArchiveRule { .. })
+        ));
     }
 
     /// The example config's `[[stage.allow]]` rules, as the admin reads them.

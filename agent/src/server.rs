@@ -20,6 +20,7 @@ use crate::agent::{Agent, Peer};
 use sluice_proto::msg::{ErrorCode, ErrorReply, Request, Response};
 use sluice_proto::wire;
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -223,7 +224,7 @@ impl Drop for Slot {
 }
 
 async fn serve(agent: Arc<Agent>, peer: Peer, mut stream: UnixStream) {
-    let request = match read_request(&mut stream).await {
+    let (request, passed_fd) = match read_request(&mut stream).await {
         Ok(r) => r,
         Err(ReadError::Frame(e)) => {
             let _ = write_response(
@@ -245,12 +246,26 @@ async fn serve(agent: Arc<Agent>, peer: Peer, mut stream: UnixStream) {
             | Request::Status
             | Request::Job { .. }
             | Request::CkptList { .. }
+            // Archive requests read, or write into the caller's own directory: a hang-up cancels
+            // them (a restore stops where it is).
+            | Request::ArchiveList { .. }
+            | Request::ArchiveVerify { .. }
+            | Request::ArchiveRestore { .. }
     );
     let mut work = {
         let agent = agent.clone();
-        agent
-            .clone()
-            .spawn(async move { agent.handle(peer, request).await })
+        agent.clone().spawn(async move {
+            match request {
+                // The restore directory travels beside the request, not in it: these go to their
+                // module with it (`Agent::handle` sends them there without one).
+                r @ (Request::ArchiveList { .. }
+                | Request::ArchiveVerify { .. }
+                | Request::ArchiveRestore { .. }) => {
+                    crate::archive_access::handle(&agent, peer, r, passed_fd).await
+                }
+                r => agent.handle(peer, r).await,
+            }
+        })
     };
     // Answer when the work is done; stop waiting if the client goes away (it sends nothing more, so
     // any readable event is its hang-up).
@@ -283,11 +298,20 @@ enum ReadError {
     Frame(wire::FrameError),
 }
 
-/// Reads one request: its header within [`HEADER_TIMEOUT`], all of it within [`READ_TIMEOUT`].
-async fn read_request(stream: &mut UnixStream) -> Result<sluice_proto::msg::Request, ReadError> {
+/// Reads one request, and the descriptor its client passed with it, if any: its header within
+/// [`HEADER_TIMEOUT`], all of it within [`READ_TIMEOUT`].
+async fn read_request(stream: &mut UnixStream) -> Result<(Request, Option<OwnedFd>), ReadError> {
     let started = tokio::time::Instant::now();
     let mut header = [0u8; 4];
-    match tokio::time::timeout(HEADER_TIMEOUT, stream.read_exact(&mut header)).await {
+    let first = async {
+        let (n, fd) = recv_with_fd(stream, &mut header).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        stream.read_exact(&mut header[n..]).await?;
+        Ok::<_, std::io::Error>(fd)
+    };
+    let passed_fd = match tokio::time::timeout(HEADER_TIMEOUT, first).await {
         Ok(r) => r.map_err(|e| ReadError::Frame(e.into()))?,
         Err(_) => return Err(ReadError::TimedOut),
     };
@@ -297,7 +321,42 @@ async fn read_request(stream: &mut UnixStream) -> Result<sluice_proto::msg::Requ
         Ok(r) => r.map_err(|e| ReadError::Frame(e.into()))?,
         Err(_) => return Err(ReadError::TimedOut),
     };
-    wire::decode_request(&body).map_err(ReadError::Frame)
+    let request = wire::decode_request(&body).map_err(ReadError::Frame)?;
+    Ok((request, passed_fd))
+}
+
+/// The first bytes of a request, with `recvmsg`: a client passes a descriptor (the directory of
+/// `sluice ckpt restore`) attached to the first byte of its request, and a plain read would let
+/// the kernel drop it. One descriptor is kept; the kernel closes any beyond the buffer's room
+/// (`MSG_CTRUNC`), and any passed with later bytes (plain reads take no ancillary data).
+async fn recv_with_fd(
+    stream: &UnixStream,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Option<OwnedFd>)> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    loop {
+        stream.readable().await?;
+        let received = stream.try_io(tokio::io::Interest::READABLE, || {
+            let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let mut iov = [std::io::IoSliceMut::new(buf)];
+            let msg = rustix::net::recvmsg(stream, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC)
+                .map_err(std::io::Error::from)?;
+            let mut fds: Vec<OwnedFd> = Vec::new();
+            for m in control.drain() {
+                if let RecvAncillaryMessage::ScmRights(passed) = m {
+                    fds.extend(passed);
+                }
+            }
+            // More than one is no sluice client: none is used (dropping them closes them).
+            let fd = if fds.len() == 1 { fds.pop() } else { None };
+            Ok((msg.bytes, fd))
+        });
+        match received {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            other => return other,
+        }
+    }
 }
 
 async fn write_response(
@@ -426,6 +485,52 @@ mod tests {
         let r = read_request(&mut server).await;
         assert!(r.is_ok(), "a request that started in time was dropped");
         drop(writer.await.unwrap());
+    }
+
+    /// `sluice ckpt restore` through the agent: the directory the client passes with its request
+    /// (SCM_RIGHTS on its first byte) arrives as a descriptor of that same directory; a request
+    /// sent without one brings none.
+    #[tokio::test]
+    async fn a_descriptor_passed_with_a_request_is_received() {
+        use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+        use std::os::fd::AsRawFd;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = std::fs::File::open(tmp.path()).unwrap();
+        let frame = wire::encode(&wire::Envelope::new(Request::ArchiveRestore {
+            url: "file:///a".into(),
+            tag: "t".into(),
+            dry_run: false,
+        }))
+        .unwrap();
+        let (client, server) = std::os::unix::net::UnixStream::pair().unwrap();
+        let fds = [dir.as_raw_fd()];
+        let sent = sendmsg::<()>(
+            client.as_raw_fd(),
+            &[std::io::IoSlice::new(&frame)],
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(sent, frame.len());
+        server.set_nonblocking(true).unwrap();
+        let mut server = UnixStream::from_std(server).unwrap();
+        let Ok((request, Some(fd))) = read_request(&mut server).await else {
+            panic!("no request with a descriptor");
+        };
+        assert!(matches!(request, Request::ArchiveRestore { .. }));
+        let (a, b) = (
+            nix::sys::stat::fstat(&fd).unwrap(),
+            nix::sys::stat::fstat(&dir).unwrap(),
+        );
+        assert_eq!((a.st_dev, a.st_ino), (b.st_dev, b.st_ino));
+        // The same request without a descriptor.
+        let (mut client, mut server) = UnixStream::pair().unwrap();
+        client.write_all(&frame).await.unwrap();
+        let Ok((_, fd)) = read_request(&mut server).await else {
+            panic!("request not read");
+        };
+        assert!(fd.is_none());
     }
 
     /// Issue 10, item 9: a client that asks to wait for staging and hangs up leaves no waiting
