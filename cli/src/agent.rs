@@ -9,6 +9,7 @@ use sluice_proto::client::{self, ClientError};
 use sluice_proto::msg::{CkptStatus, JobId, JobStatus, NodeStatus, Request, Response};
 use sluice_proto::wire::FrameError;
 use std::io::ErrorKind;
+use std::os::fd::BorrowedFd;
 use std::time::Duration;
 
 pub struct Agent {
@@ -55,6 +56,18 @@ impl Agent {
         client::call(&self.socket.path, request, self.timeout).map_err(|e| self.explain(e))
     }
 
+    /// One request with the descriptor `fd` passed along (see [`client::call_with`]), its answer
+    /// awaited up to `answer` (connect and send keep `--timeout`).
+    pub fn call_with(
+        &self,
+        request: Request,
+        fd: Option<BorrowedFd<'_>>,
+        answer: Duration,
+    ) -> anyhow::Result<Response> {
+        client::call_with(&self.socket.path, request, fd, self.timeout, answer)
+            .map_err(|e| self.explain(e))
+    }
+
     fn explain(&self, error: ClientError) -> anyhow::Error {
         let socket = &self.socket;
         let hint = match socket.origin {
@@ -91,13 +104,16 @@ impl Agent {
         }
     }
 
-    fn unexpected(&self, asked: &str, got: &Response) -> anyhow::Error {
+    pub fn unexpected(&self, asked: &str, got: &Response) -> anyhow::Error {
         let got = match got {
             Response::Ok => "ok",
             Response::Ready(_) => "ready",
             Response::Status(_) => "status",
             Response::Job(_) => "job",
             Response::Ckpts { .. } => "checkpoints",
+            Response::Archive(_) => "archive listing",
+            Response::Verified(_) => "verify report",
+            Response::Restored(_) => "restore report",
             Response::Error(_) => "error",
         };
         anyhow!(

@@ -1,6 +1,8 @@
 //! `sluice ckpt`: checkpoints of a job through this node's agent (`commit`, `list`), and archives
 //! reached directly by URL (`list URL`, `verify`, `restore`) with the agent's own archive engine
-//! and store profiles — how admins inspect and rescue what is in object storage.
+//! and store profiles — how admins inspect and rescue what is in object storage. Users who may not
+//! read the agent's configuration reach their own archived checkpoints through the agent instead
+//! ([`route`], [`crate::remote`]).
 //!
 //! Choices that need the environment (`$SLURM_JOB_ID`, the node's name, the config file) are pure
 //! functions of their inputs here, so they are unit-tested; `main` passes the real environment.
@@ -123,6 +125,34 @@ pub fn load_config(
             ))
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// How `sluice ckpt list|verify|restore URL` reaches an archive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// With the agent's configuration and store profiles, in this process.
+    Direct,
+    /// Through this node's agent, which holds the credentials and shows only the caller's own
+    /// checkpoints ([`crate::remote`]).
+    Agent,
+}
+
+/// Direct when `--config` names a file, when the caller is root, or when the agent's
+/// configuration can be read or does not exist (a login node: credentials then come from the
+/// environment, as before); through the agent when the caller may not read it — a user on a node
+/// whose configuration is root's. `open` tries to read a file.
+pub fn route(
+    flag: Option<&Path>,
+    is_root: bool,
+    open: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Route {
+    if flag.is_some() || is_root {
+        return Route::Direct;
+    }
+    match open(Path::new(DEFAULT_CONFIG)) {
+        Err(e) if e.kind() == ErrorKind::PermissionDenied => Route::Agent,
+        _ => Route::Direct,
     }
 }
 
@@ -441,6 +471,12 @@ pub async fn plan_restore(
 }
 
 impl Dest {
+    /// The open directory (passed to the agent for a restore through it).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
     /// Removes what a failed restore left below the directory (symlink-safe, never leaving it).
     fn clear(&self) -> Result<(), String> {
         let names = entries(&self.fd).map_err(|e| e.to_string())?;
@@ -543,7 +579,7 @@ pub async fn restore(
 }
 
 /// A failed restore: the error, then what became of `dest`.
-fn fail(e: anyhow::Error, dest: &Dest) -> anyhow::Error {
+pub fn fail(e: anyhow::Error, dest: &Dest) -> anyhow::Error {
     let left = dest.discard();
     anyhow!("{}; {left}", crate::render::error_text(&e))
 }
@@ -655,6 +691,22 @@ mod tests {
             assert!(note.unwrap().contains("--config PATH"));
             assert!(load_config(None, "file:///x", "n1").unwrap().1.is_none());
         }
+    }
+
+    #[test]
+    fn users_who_cannot_read_the_config_go_through_the_agent() {
+        use std::io::Error;
+        let denied = |_: &Path| Err(Error::from(ErrorKind::PermissionDenied));
+        let missing = |_: &Path| Err(Error::from(ErrorKind::NotFound));
+        let readable = |_: &Path| Ok(());
+        assert_eq!(route(None, false, denied), Route::Agent);
+        assert_eq!(route(None, false, readable), Route::Direct);
+        // A login node without the agent's config: credentials from the environment, as before.
+        assert_eq!(route(None, false, missing), Route::Direct);
+        // Root, and an explicit --config, read directly whatever the default file is.
+        assert_eq!(route(None, true, denied), Route::Direct);
+        let flag = Path::new("/etc/mine.toml");
+        assert_eq!(route(Some(flag), false, denied), Route::Direct);
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! over its Unix socket through the blocking client of `sluice-proto`; the agent decides what the
 //! caller may see from the socket's peer credentials, so the CLI needs no privileges of its own.
 //! `sluice ckpt list|verify|restore URL` open archives directly with the agent's archive engine,
-//! with the caller's own access to the store (and to the agent's configuration).
+//! with the caller's own access to the store (and to the agent's configuration); a user who may
+//! not read that configuration is served by the node's agent instead, which shows them only their
+//! own checkpoints ([`ckpt::route`], [`remote`]).
 #![forbid(unsafe_code)]
 
 mod agent;
@@ -13,6 +15,7 @@ mod doctor;
 mod fixtures;
 mod generate;
 mod progress;
+mod remote;
 mod render;
 mod socket;
 
@@ -120,7 +123,11 @@ enum CkptCommand {
         #[arg(long)]
         local: bool,
     },
-    /// A job's checkpoints on this node, or every checkpoint in an archive
+    /// A job's checkpoints on this node, or the checkpoints in an archive.
+    ///
+    /// With a URL, root (or whoever may read the agent's configuration, or gives --config) reads
+    /// the archive directly and sees every checkpoint; any other user is answered by this node's
+    /// agent, which reads it with the site's credentials and shows only their own checkpoints.
     List {
         /// An archive URL (s3://, az://, gs://, file:///) to read directly instead of asking the agent
         url: Option<String>,
@@ -137,7 +144,9 @@ enum CkptCommand {
     /// Re-check an archived checkpoint against its MANIFEST: every object, chunk and file checksum.
     ///
     /// Exits 1 when a file is damaged, naming every damaged file. Shows its progress on stderr: a
-    /// bar on a terminal, else a line every few seconds and a last one.
+    /// bar on a terminal, else a line every few seconds and a last one. Root (or whoever may read
+    /// the agent's configuration, or gives --config) reads the archive directly; any other user
+    /// asks this node's agent, which verifies only their own checkpoints (no progress is shown).
     Verify {
         /// The archive URL (s3://, az://, gs://, file:///)
         url: String,
@@ -158,7 +167,10 @@ enum CkptCommand {
     /// DEST must not exist or be empty; it is created, and every file is owned, by you. With
     /// `latest`, damaged checkpoints are skipped (and named on stderr). A failed restore leaves
     /// DEST as it was; an interrupted one leaves a partial DEST to remove. Shows its progress on
-    /// stderr: a bar on a terminal, else a line every few seconds and a last one.
+    /// stderr: a bar on a terminal, else a line every few seconds and a last one. Root (or whoever
+    /// may read the agent's configuration, or gives --config) reads the archive directly; any other
+    /// user asks this node's agent, which restores only their own checkpoints, into the directory
+    /// this command opened as them (no progress is shown).
     Restore {
         /// The archive URL (s3://, az://, gs://, file:///)
         url: String,
@@ -307,15 +319,21 @@ fn run_ckpt(
             json: as_json,
             ..
         } => {
-            let archiver = open_archive(config, &url)?;
-            let list = ckpt::runtime()?.block_on(ckpt::list(&archiver))?;
+            let listing = match route(config.as_deref()) {
+                ckpt::Route::Agent => remote::list(&agent()?, &url)?,
+                ckpt::Route::Direct => {
+                    let archiver = open_archive(config, &url)?;
+                    let list = ckpt::runtime()?.block_on(ckpt::list(&archiver))?;
+                    ckpt::ArchiveListing {
+                        url: archiver.url().to_string(),
+                        ckpts: list,
+                    }
+                }
+            };
             Ok(if as_json {
-                json(&ckpt::ArchiveListing {
-                    url: archiver.url().to_string(),
-                    ckpts: list,
-                })?
+                json(&listing)?
             } else {
-                render::archive_ckpts(archiver.url(), &list)
+                render::archive_ckpts(&listing.url, &listing.ckpts)
             }
             .into())
         }
@@ -326,9 +344,19 @@ fn run_ckpt(
             json: as_json,
             quiet,
         } => {
-            let archiver = open_archive(config, &url)?;
-            let progress = progress::Mode::for_stderr(quiet);
-            let verified = ckpt::runtime()?.block_on(ckpt::verify(&archiver, &tag, progress))?;
+            let verified = match route(config.as_deref()) {
+                ckpt::Route::Agent => {
+                    if tag != ckpt::LATEST {
+                        ckpt::check_tag(&tag)?;
+                    }
+                    remote::verify(&agent()?, &url, &tag)?
+                }
+                ckpt::Route::Direct => {
+                    let archiver = open_archive(config, &url)?;
+                    let progress = progress::Mode::for_stderr(quiet);
+                    ckpt::runtime()?.block_on(ckpt::verify(&archiver, &tag, progress))?
+                }
+            };
             let text = if as_json {
                 json(&verified)?
             } else {
@@ -351,11 +379,34 @@ fn run_ckpt(
             if tag != ckpt::LATEST {
                 ckpt::check_tag(&tag)?;
             }
-            let archiver = open_archive(config, &url)?;
             let owner = Owner {
                 uid: nix::unistd::geteuid().as_raw(),
                 gid: nix::unistd::getegid().as_raw(),
             };
+            if route(config.as_deref()) == ckpt::Route::Agent {
+                let agent = agent()?;
+                let (text, ok) = if dry_run {
+                    let plan = remote::plan_restore(&agent, &url, &tag, &dest, owner.uid)?;
+                    let ok = !matches!(plan.dest_check, ckpt::DestCheck::Refused { .. });
+                    let text = if as_json {
+                        json(&plan)?
+                    } else {
+                        render::restore_plan(&plan)
+                    };
+                    (text, ok)
+                } else {
+                    let dest = ckpt::prepare_dest(&dest, owner.uid)?;
+                    let restored = remote::restore(&agent, &url, &tag, &dest)?;
+                    let text = if as_json {
+                        json(&restored)?
+                    } else {
+                        render::restored(&restored)
+                    };
+                    (text, true)
+                };
+                return Ok(Output { text, ok });
+            }
+            let archiver = open_archive(config, &url)?;
             let rt = ckpt::runtime()?;
             if dry_run {
                 let plan = rt.block_on(ckpt::plan_restore(&archiver, &tag, &dest, owner.uid))?;
@@ -381,6 +432,13 @@ fn run_ckpt(
             .into())
         }
     }
+}
+
+/// Whether `ckpt list|verify|restore URL` reads the archive itself or asks the agent
+/// ([`ckpt::route`]).
+fn route(config: Option<&std::path::Path>) -> ckpt::Route {
+    let is_root = nix::unistd::geteuid().is_root();
+    ckpt::route(config, is_root, |p| std::fs::File::open(p).map(drop))
 }
 
 /// Opens an archive by URL with the agent's configuration (see [`ckpt::load_config`]).
