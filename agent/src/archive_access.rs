@@ -665,6 +665,87 @@ mod tests {
         assert_eq!(l.left_out, 0);
     }
 
+    /// An in-memory archive in which alice published `a1` and then `a2`, bob `b1` in between.
+    async fn shared_archive() -> Archiver {
+        let a = Archiver::new(
+            Arc::new(object_store::memory::InMemory::new()),
+            "shared/run",
+            sluice_archive::ArchiveConfig::default(),
+        )
+        .unwrap();
+        let me = nix::unistd::geteuid().as_raw();
+        for (tag, user) in [("a1", "alice"), ("b1", "bob"), ("a2", "alice")] {
+            let src = tempfile::tempdir().unwrap();
+            std::fs::create_dir(src.path().join("sub")).unwrap();
+            std::fs::write(src.path().join("sub/model.bin"), format!("{tag} of {user}")).unwrap();
+            let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
+            a.upload_part(tag, "n1", fd, me, &ArchiveProgress::default())
+                .await
+                .unwrap();
+            let job = JobMeta {
+                job_id: 7,
+                user: user.into(),
+                job_name: "train".into(),
+            };
+            a.try_publish(tag, &["n1".to_string()], job).await.unwrap();
+            // MANIFEST times are in milliseconds: keep the order unambiguous.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        a
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_users_checkpoint_reads_as_a_missing_one() {
+        let a = shared_archive().await;
+        let (alice, bob) = (user("alice"), user("bob"));
+        let missing = resolve(&a, &bob, "zz", &[]).await.unwrap_err();
+        let foreign = resolve(&a, &bob, "a1", &[]).await.unwrap_err();
+        assert_eq!(foreign.code, ErrorCode::NotFound);
+        assert_eq!(
+            foreign.message.replace("a1", "TAG"),
+            missing.message.replace("zz", "TAG"),
+            "a foreign tag must be answered as a missing one"
+        );
+        assert!(
+            foreign
+                .message
+                .contains("no archived checkpoint a1 of yours")
+        );
+        // `latest` is the newest of the caller's own, not the archive's newest.
+        assert_eq!(resolve(&a, &bob, LATEST, &[]).await.unwrap(), "b1");
+        assert_eq!(resolve(&a, &alice, LATEST, &[]).await.unwrap(), "a2");
+        assert!(resolve(&a, &user("carol"), LATEST, &[]).await.is_err());
+        assert!(verify(&a, &bob, "a1").await.is_err());
+        let v = verify(&a, &alice, "a1").await.unwrap();
+        assert!(v.ok && v.files == 1, "{v:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restore_gives_only_the_callers_own_files_owned_by_them() {
+        let a = shared_archive().await;
+        let dest = tempfile::tempdir().unwrap();
+        let open = || Arc::new(safefs::open_root_dir(dest.path()).unwrap());
+        let me = Owner {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+        };
+        let as_me = |name: &str| Caller {
+            owner: me,
+            ..user(name)
+        };
+        // Bob asks for alice's checkpoint: refused, nothing written.
+        let e = restore(&a, &as_me("bob"), "a1", open()).await.unwrap_err();
+        assert!(e.message.contains("of yours"), "{e:?}");
+        assert_eq!(std::fs::read_dir(dest.path()).unwrap().count(), 0);
+        // Alice's `latest`: her a2, in place, hers.
+        let r = restore(&a, &as_me("alice"), LATEST, open()).await.unwrap();
+        assert_eq!((r.tag.as_str(), r.files), ("a2", 1));
+        let f = dest.path().join("sub/model.bin");
+        assert_eq!(std::fs::read_to_string(&f).unwrap(), "a2 of alice");
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(std::fs::metadata(&f).unwrap().uid(), me.uid);
+    }
+
     #[test]
     fn a_long_listing_keeps_the_newest() {
         let all: Vec<_> = (0..MAX_LISTED + 3)
