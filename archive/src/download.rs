@@ -740,6 +740,7 @@ mod tests {
                     blake3: blake3::hash(b"").to_hex().to_string(),
                 })
                 .collect(),
+            storage_class: None,
         };
         // One chunk per range; files of 3, 1, 0 and 2 ranges, two files at a time.
         let files = [file("a", 3), file("b", 1), file("c", 0), file("d", 2)];

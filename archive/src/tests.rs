@@ -555,6 +555,7 @@ fn a_listing_serialises_as_the_cli_prints_it() {
         created_unix_ms: 7,
         job: None,
         nodes: vec!["n1".into()],
+        data_classes: vec!["STANDARD_IA".into()],
     };
     let v = serde_json::to_value(info(CheckpointState::Invalid {
         reason: "bad MANIFEST".into(),
@@ -569,6 +570,7 @@ fn a_listing_serialises_as_the_cli_prints_it() {
     let v = serde_json::to_value(info(CheckpointState::Complete)).unwrap();
     assert_eq!(v["state"], "complete");
     assert!(v.get("reason").is_none());
+    assert_eq!(v["data_classes"], serde_json::json!(["STANDARD_IA"]));
 }
 
 /// Issue 10, defect 1: a checkpoint only some of the job's nodes wrote (rank 0's `torch.save`) is
@@ -658,3 +660,4 @@ async fn a_checkpoint_written_on_one_node_of_three_is_published() {
 }
 
 mod resume;
+mod tiering;
