@@ -30,11 +30,7 @@ fn call(
     wait: Duration,
 ) -> anyhow::Result<Response> {
     agent.call_with(request, fd, wait).map_err(|e| {
-        // An agent before this request answers any unknown one as a malformed frame.
-        let old = e.downcast_ref::<ErrorReply>().is_some_and(|r| {
-            r.code == ErrorCode::BadRequest && r.message.contains("unknown variant")
-        });
-        if old {
+        if too_old(&e) {
             anyhow!(
                 "the sluice agent at {} is older than this CLI and cannot read archives for users; \
                  ask your admin to update sluiced on this node (root can read the archive directly)",
@@ -44,6 +40,13 @@ fn call(
             e
         }
     })
+}
+
+/// Whether the agent refused the request for not knowing it: an agent before these requests
+/// answers any unknown one as a malformed frame.
+fn too_old(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<ErrorReply>()
+        .is_some_and(|r| r.code == ErrorCode::BadRequest && r.message.contains("unknown variant"))
 }
 
 /// The caller's checkpoints in the archive at `url`.
@@ -191,6 +194,22 @@ pub fn restore(agent: &Agent, url: &str, tag: &str, dest: &Dest) -> anyhow::Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What an agent that predates a request answers (`server.rs:serve` sends the decode error
+    /// as `bad_request`), told apart from other refusals.
+    #[test]
+    fn an_agent_too_old_for_the_request_is_recognised() {
+        let body = br#"{"version":1,"request":{"op":"archive_frobnicate","url":"s3://b/x"}}"#;
+        let e = sluice_proto::wire::decode_request(body).unwrap_err();
+        let old = anyhow::Error::new(ErrorReply::new(ErrorCode::BadRequest, e.to_string()));
+        assert!(too_old(&old), "{old}");
+        let refused = anyhow::Error::new(ErrorReply::new(
+            ErrorCode::Forbidden,
+            "s3://b/x is not an archive location the site's policy gives you",
+        ));
+        assert!(!too_old(&refused));
+        assert!(!too_old(&anyhow!("cannot reach the sluice agent")));
+    }
 
     #[test]
     fn the_agents_listing_reads_as_the_archive_engines() {
