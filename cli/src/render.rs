@@ -7,6 +7,7 @@
 //! through [`clean`], so a control character in them cannot garble the table or the terminal.
 
 use crate::ckpt::{DestCheck, RestorePlan, Restored, Verified};
+use sluice_archive::store::is_offline_class;
 use sluice_archive::{CheckpointInfo, CheckpointState};
 use sluice_proto::msg::{CkptState, CkptStatus, JobId, JobStatus, NodeStatus, StageProgress};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -418,7 +419,18 @@ pub fn archive_state(state: &CheckpointState) -> &'static str {
     }
 }
 
-/// `sluice ckpt list URL`: every tag of an archive, oldest first, with why an invalid one is.
+/// The storage classes of a checkpoint's data: `STANDARD_IA`, `Cool+default` (written with
+/// different classes), `-` (no data objects).
+fn data_classes(classes: &[String]) -> String {
+    if classes.is_empty() {
+        "-".to_string()
+    } else {
+        truncate(&clean(&classes.join("+")), MAX_NODES_CELL)
+    }
+}
+
+/// `sluice ckpt list URL`: every tag of an archive, oldest first, with why an invalid one is and
+/// which must come back from an offline storage class before it can be restored.
 pub fn archive_ckpts(url: &str, list: &[CheckpointInfo]) -> String {
     let mut out = format!("archive {}\n\n", clean(url));
     if list.is_empty() {
@@ -446,6 +458,7 @@ pub fn archive_ckpts(url: &str, list: &[CheckpointInfo]) -> String {
                     bytes(c.stored_bytes)
                 },
                 ratio(c.ratio),
+                data_classes(&c.data_classes),
                 timestamp(c.created_unix_ms / 1000),
                 c.job.as_ref().map_or_else(dash, |j| j.job_id.to_string()),
                 nodes,
@@ -454,7 +467,7 @@ pub fn archive_ckpts(url: &str, list: &[CheckpointInfo]) -> String {
         .collect();
     out.push_str(&table(
         &[
-            "TAG", "STATE", "FILES", "SIZE", "STORED", "RATIO", "CREATED", "JOB", "NODES",
+            "TAG", "STATE", "FILES", "SIZE", "STORED", "RATIO", "CLASS", "CREATED", "JOB", "NODES",
         ],
         &rows,
     ));
@@ -467,7 +480,22 @@ pub fn archive_ckpts(url: &str, list: &[CheckpointInfo]) -> String {
                 clean(&c.tag),
                 clean(reason)
             )),
-            _ => None,
+            _ => {
+                let offline: Vec<&str> = c
+                    .data_classes
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|k| is_offline_class(k))
+                    .collect();
+                (!offline.is_empty()).then(|| {
+                    format!(
+                        "{}: its data is in {}: have the store restore (rehydrate) it before \
+                         `sluice ckpt restore` or --ckpt-restore can read it\n",
+                        clean(&c.tag),
+                        clean(&offline.join(", "))
+                    )
+                })
+            }
         })
         .collect();
     if partial || !notes.is_empty() {
@@ -820,10 +848,10 @@ step500  archiving          yes  -        -        -      2026-05-01T10:50:00Z  
         let want = "\
 archive s3://ckpt/alice/train
 
-TAG      STATE     FILES  SIZE     STORED     RATIO  CREATED               JOB   NODES
-step100  complete  24     6.0 GiB  4.1 GiB    1.46x  2026-05-01T10:11:00Z  4242  gpu07,gpu08
-step200  partial   9      3.0 GiB  953.7 MiB  -      2026-05-01T10:21:00Z  -     gpu07
-step150  invalid   -      -        -          -      -                     -     -
+TAG      STATE     FILES  SIZE     STORED     RATIO  CLASS        CREATED               JOB   NODES
+step100  complete  24     6.0 GiB  4.1 GiB    1.46x  STANDARD_IA  2026-05-01T10:11:00Z  4242  gpu07,gpu08
+step200  partial   9      3.0 GiB  953.7 MiB  -      default      2026-05-01T10:21:00Z  -     gpu07
+step150  invalid   -      -        -          -      -            -                     -     -
 
 partial: no MANIFEST yet (still archiving, or an archive that failed); never restored
 step150: unusable MANIFEST (unsupported version 9); it is never restored
@@ -847,6 +875,22 @@ step150: unusable MANIFEST (unsupported version 9); it is never restored
         let text = archive_ckpts("file:///a", &list);
         assert!(
             text.ends_with("  node001,node002,node003,node004…\n"),
+            "{text}"
+        );
+        // Data in an offline class (written by nodes configured differently here) is listed
+        // with what it takes to restore it; a manifest's class cannot garble the table.
+        list[0].nodes = vec!["n1".into()];
+        list[0].data_classes = vec!["DEEP_ARCHIVE".into(), "Archive".into(), "x\x1b[2J".into()];
+        let text = archive_ckpts("s3://a", &list);
+        assert!(
+            text.contains("  1.46x  DEEP_ARCHIVE+Archive+x [2J  2026-"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with(
+                "\nstep100: its data is in DEEP_ARCHIVE, Archive: have the store restore \
+                 (rehydrate) it before `sluice ckpt restore` or --ckpt-restore can read it\n"
+            ),
             "{text}"
         );
     }

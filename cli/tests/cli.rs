@@ -536,6 +536,8 @@ mod archive {
         assert_eq!(&cells[1..3], ["complete", "4"], "{line}");
         let ratio: f64 = cells[7].strip_suffix('x').unwrap().parse().unwrap();
         assert!(ratio > 1.1, "{line}");
+        // A file:// archive has no storage classes: its data is in the "default" one.
+        assert_eq!(cells[8], "default", "{line}");
         assert_eq!(&cells[cells.len() - 2..], ["4242", "n1"], "{line}");
         assert!(
             stdout.lines().any(|l| l.starts_with("step200  partial ")),
@@ -556,6 +558,7 @@ mod archive {
             .unwrap();
         assert_eq!(step100["state"], "complete");
         assert_eq!(step100["files"], 4);
+        assert_eq!(step100["data_classes"], serde_json::json!(["default"]));
         assert_eq!(step100["raw_bytes"], 1_500_008);
         assert_eq!(step100["job"]["job_id"], 4242);
         assert!(step100["ratio"].as_f64().unwrap() > 1.1);
