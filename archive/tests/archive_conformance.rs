@@ -1150,3 +1150,53 @@ async fn tiering_garage_s3() {
 async fn tiering_azurite_blob() {
     tiering("az", "cool", "Cool").await;
 }
+
+/// Data in Azure's Archive tier is offline: the checkpoint publishes and lists (its MANIFEST is
+/// Hot), but reading its data fails with the store's own reason until the blobs are rehydrated —
+/// what README's "Archive tiering" tells admins. (Garage has no offline class to try.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test cluster: tests/harness/run-e2e.sh"]
+async fn tiering_azurite_archive_tier_lists_but_is_not_read() {
+    let env = cluster_env();
+    let b = Backend {
+        name: "az",
+        url: format!("az://ckpt/{}", unique_base("tiering-archive")),
+        cfg: agent_config_with_class(Some(&env), "", "archive"),
+        _dir: None,
+    };
+    let h = harness(&b);
+    let r = std::panic::AssertUnwindSafe(async {
+        let src = tempfile::tempdir().unwrap();
+        let files: Vec<(&str, Vec<u8>)> = vec![("model.bin", bf16_weights(100_000, 3))];
+        write_ckpt(src.path(), &files);
+        upload(&h, "step1", "n1", src.path()).await.unwrap();
+        publish(&h, "step1", &nodes(&["n1"]), job(1)).await.unwrap();
+        let key = h.key("step1/data/model.bin").to_string();
+        assert_eq!(stored_class(&env, "az", &key).as_deref(), Some("Archive"));
+        let plain = open_archive_with(&b.cfg, &b.url, archive_cfg()).unwrap();
+        let list = plain.list().await.unwrap();
+        assert_eq!(
+            (&list[0].state, list[0].data_classes.as_slice()),
+            (
+                &CheckpointState::Complete,
+                ["Archive".to_string()].as_slice()
+            )
+        );
+        let (_dest, r) = restore(&h, "step1").await;
+        let e = r.unwrap_err();
+        let shown = e.describe();
+        eprintln!("restoring Archive-tier data: {shown}");
+        assert!(
+            shown.contains("model.bin'")
+                && shown.contains("its data is in an offline storage class")
+                && shown.contains("(BlobArchived: "),
+            "{shown}"
+        );
+        assert!(!e.is_corrupt(), "offline data is not damaged data: {e}");
+    });
+    let outcome = futures::FutureExt::catch_unwind(r).await;
+    h.clean_up().await;
+    if let Err(p) = outcome {
+        std::panic::resume_unwind(p);
+    }
+}

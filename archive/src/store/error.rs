@@ -60,9 +60,25 @@ const STORE_CODES: &[(&str, StoreErrorKind)] = &[
     ("Throttling", StoreErrorKind::Throttled),
 ];
 
+/// The stores' answers to a read of an object whose data is in an offline storage class (see
+/// [`crate::store::is_offline_class`]): S3's 403 `InvalidObjectState` (GLACIER, DEEP_ARCHIVE), Azure's
+/// 409 `BlobArchived` (the Archive tier). object_store makes them `PermissionDenied` and
+/// `AlreadyExists`, neither of which is what happened.
+const OFFLINE_CODES: &[&str] = &["InvalidObjectState", "BlobArchived"];
+
+/// The store refused to read the object because its data is offline (archived): it must be
+/// restored (rehydrated) in the store first.
+fn offline(e: &object_store::Error) -> Option<StoreReply> {
+    store_reply(e).filter(|r| OFFLINE_CODES.contains(&r.code.as_str()))
+}
+
 /// What `e` means for sluice: from its variant, then the transport error in its source chain,
-/// then the store's error code (see the module doc).
+/// then the store's error code (see the module doc). Data in an offline class is `Other`, not
+/// denied: the credentials are fine.
 pub fn classify(e: &object_store::Error) -> StoreErrorKind {
+    if offline(e).is_some() {
+        return StoreErrorKind::Other;
+    }
     match e {
         object_store::Error::NotFound { .. } => return StoreErrorKind::NotFound,
         object_store::Error::PermissionDenied { .. }
@@ -90,7 +106,15 @@ pub fn classify(e: &object_store::Error) -> StoreErrorKind {
 
 /// `e` for people: object_store's message with the store's error code and message in place of the
 /// raw XML body, and without the retry bookkeeping ("after 3 retries, max_retries: 10, ...").
+/// For data in an offline class, what to do instead of object_store's reading of the status.
 pub fn describe(e: &object_store::Error) -> String {
+    if let Some(StoreReply { code, message }) = offline(e) {
+        let message = message.map(|m| format!(": {m}")).unwrap_or_default();
+        return format!(
+            "its data is in an offline storage class (an archive tier) and cannot be read until \
+             the store restores (rehydrates) it ({code}{message})"
+        );
+    }
     let text = e.to_string();
     let mut head = match ["<?xml", "<Error"]
         .iter()
@@ -386,6 +410,40 @@ mod tests {
             "{d}"
         );
         assert!(!d.contains("retries") && !d.contains("<?xml"), "{d}");
+    }
+
+    /// Reads of data in S3's GLACIER / DEEP_ARCHIVE or Azure's Archive tier say what it takes,
+    /// not "permission denied" or "already exists" (object_store's readings of 403 and 409).
+    #[tokio::test]
+    async fn data_in_an_offline_class_says_it_must_be_restored_first() {
+        let server = Canned::start(
+            "403 Forbidden",
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>InvalidObjectState</Code><Message>The operation is not valid for the object's storage class</Message><StorageClass>GLACIER</StorageClass></Error>",
+        );
+        let e = get_error(&*s3(server.port, 1)).await;
+        assert_eq!(classify(&e), StoreErrorKind::Other, "{e}");
+        assert_eq!(
+            describe(&e),
+            "its data is in an offline storage class (an archive tier) and cannot be read until \
+             the store restores (rehydrates) it (InvalidObjectState: The operation is not valid \
+             for the object's storage class)"
+        );
+        let server = Canned::start(
+            "409 This operation is not permitted on an archived blob.",
+            "\u{feff}<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>BlobArchived</Code><Message>This operation is not permitted on an archived blob.\nRequestId:8d5f\nTime:2024-01-01T00:00:00.0000000Z</Message></Error>",
+        );
+        let cfg = config(server.port, 1);
+        let store = crate::store::open(&cfg, ObjectScheme::Azure, "data").unwrap();
+        let e = get_error(&*store).await;
+        assert_eq!(classify(&e), StoreErrorKind::Other, "{e}");
+        let d = describe(&e);
+        assert!(
+            d.starts_with("its data is in an offline storage class")
+                && d.ends_with(
+                    "(BlobArchived: This operation is not permitted on an archived blob.)"
+                ),
+            "{d}"
+        );
     }
 
     #[tokio::test]
