@@ -31,6 +31,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+mod step;
+
 /// Who is on the other end of the socket, from `SO_PEERCRED`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Peer {
@@ -249,8 +251,27 @@ impl Agent {
                 }
                 self.job_end(job_id).await
             }
-            Request::WaitStaged { job_id, timeout_ms } => {
-                self.wait_staged(peer, job_id, timeout_ms).await
+            Request::WaitStaged {
+                job_id,
+                timeout_ms,
+                step,
+            } => {
+                let limit = Duration::from_millis(timeout_ms).min(MAX_WAIT);
+                let step_plan = match step {
+                    Some(step) => match self.stage_step(peer, job_id, *step, limit).await {
+                        Ok(plan) => plan,
+                        Err(refused) => return Response::Error(refused),
+                    },
+                    None => None,
+                };
+                match self.wait_staged(peer, job_id, timeout_ms).await {
+                    // A step that sharded its own datasets: its tasks' place among its nodes.
+                    Response::Ready(mut dirs) if step_plan.is_some() => {
+                        dirs.env = step_plan.map(|p| p.env()).unwrap_or_default();
+                        Response::Ready(dirs)
+                    }
+                    other => other,
+                }
             }
             Request::Job { job_id } => match self.authorised_job(peer, job_id) {
                 Ok(job) => Response::Job(job.status()),
@@ -321,6 +342,8 @@ impl Agent {
             ended: false,
             archive_url: archive_url.clone().ok().flatten(),
             ckpts: Vec::new(),
+            step_stage_in: Vec::new(),
+            from_step: false,
         };
         let journal = self.journal.clone();
         let saved = record.clone();
@@ -392,6 +415,20 @@ impl Agent {
         }
         if record.ended {
             job.mark_ended();
+        }
+        job.from_step
+            .store(record.from_step, std::sync::atomic::Ordering::Relaxed);
+        for spec in &record.step_stage_in {
+            let (state, _) = tokio::sync::watch::channel(job::ExtraState::Done);
+            let progress = Arc::new(stage::Progress::new(spec));
+            lock(&job.extras).insert(
+                spec.name.clone(),
+                Arc::new(job::Extra {
+                    spec: spec.clone(),
+                    progress,
+                    state,
+                }),
+            );
         }
         let replaced = {
             let mut jobs = self.jobs();
@@ -657,6 +694,12 @@ impl Agent {
                     on_hot: e.on_hot(),
                 })
                 .collect(),
+            step_stage_in: lock(&job.extras)
+                .values()
+                .filter(|e| *e.state.borrow() == job::ExtraState::Done)
+                .map(|e| e.spec.clone())
+                .collect(),
+            from_step: job.from_step.load(std::sync::atomic::Ordering::Relaxed),
         };
         let journal = self.journal.clone();
         if let Err(e) = blocking(move || journal.save(&record)).await {
@@ -910,6 +953,7 @@ impl Worker for Housekeeper {
                 Ok(n) => tracing::info!(removed = n, "old upload resume logs removed"),
                 Err(e) => tracing::warn!("pruning upload resume logs: {e}"),
             }
+            self.agent.end_gone_step_jobs().await;
             if above().await {
                 status.set("trimming");
                 let mut ended: Vec<Arc<Job>> = self

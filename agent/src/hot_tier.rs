@@ -128,6 +128,11 @@ impl HotTier {
         Ok((stage, ckpt))
     }
 
+    /// `jobs/<id>/stage`, opened without following links.
+    pub fn open_stage(&self, job_id: JobId) -> Result<OwnedFd, SafeFsError> {
+        safefs::open_dir(safefs::open_dir(self.jobs()?, &job_id.to_string())?, STAGE)
+    }
+
     /// `jobs/<id>/ckpt`, opened without following links.
     pub fn open_ckpt(&self, job_id: JobId) -> Result<OwnedFd, SafeFsError> {
         safefs::open_dir(safefs::open_dir(self.jobs()?, &job_id.to_string())?, CKPT)

@@ -51,6 +51,25 @@ pub struct Job {
     restored: Mutex<(Option<String>, Vec<String>)>,
     /// Notes from staging for the job output (e.g. a peer routed around).
     stage_notes: Mutex<Vec<String>>,
+    /// Datasets the job's steps added on this node (`srun --stage-in` in the allocation), by NAME.
+    pub extras: Mutex<std::collections::BTreeMap<String, Arc<Extra>>>,
+    /// The agent learnt of the job from a step (no job-level option, so no prolog or epilog call):
+    /// housekeeping ends it once Slurm no longer runs it.
+    pub from_step: AtomicBool,
+}
+
+/// A dataset a step of the job added: its spec, progress, and how its staging went.
+pub struct Extra {
+    pub spec: options::StageSpec,
+    pub progress: Arc<Progress>,
+    pub state: watch::Sender<ExtraState>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExtraState {
+    Staging,
+    Done,
+    Failed(String),
 }
 
 impl Job {
@@ -92,6 +111,8 @@ impl Job {
             ended: AtomicBool::new(false),
             restored: Mutex::new((None, Vec::new())),
             stage_notes: Mutex::new(Vec::new()),
+            extras: Mutex::new(std::collections::BTreeMap::new()),
+            from_step: AtomicBool::new(false),
         }
     }
 
@@ -194,7 +215,12 @@ impl Job {
             nodes: self.start.nodes.clone(),
             state: self.state(),
             dirs: self.dirs.clone(),
-            stages: self.stages.iter().map(|p| p.snapshot()).collect(),
+            stages: self
+                .stages
+                .iter()
+                .chain(lock(&self.extras).values().map(|e| &e.progress))
+                .map(|p| p.snapshot())
+                .collect(),
             started_at: self.started_at,
             error: self.error(),
             ckpts: self.ckpt_statuses(),

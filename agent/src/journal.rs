@@ -39,6 +39,13 @@ pub struct JobRecord {
     /// Committed checkpoints of the job on this node.
     #[serde(default)]
     pub ckpts: Vec<CkptRecord>,
+    /// Datasets the job's steps added and this node staged (`srun --stage-in`): after a restart
+    /// they are in use and must not be staged again.
+    #[serde(default)]
+    pub step_stage_in: Vec<sluice_proto::options::StageSpec>,
+    /// The agent learnt of the job from a step, not from the prolog (see `Job::from_step`).
+    #[serde(default)]
+    pub from_step: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -146,6 +153,8 @@ mod tests {
 
     fn record(job_id: JobId) -> JobRecord {
         JobRecord {
+            step_stage_in: Vec::new(),
+            from_step: false,
             version: RECORD_VERSION,
             start: JobStart {
                 job_id,

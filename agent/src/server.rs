@@ -585,6 +585,7 @@ mod tests {
         let wait = wire::encode(&wire::Envelope::new(Request::WaitStaged {
             job_id: 5,
             timeout_ms: 3_600_000,
+            step: None,
         }))
         .unwrap();
         for _ in 0..20 {

@@ -164,6 +164,7 @@ impl TestAgent {
             .call(Request::WaitStaged {
                 job_id,
                 timeout_ms: 20_000,
+                step: None,
             })
             .await
         {
@@ -177,6 +178,7 @@ impl TestAgent {
         self.refused(Request::WaitStaged {
             job_id,
             timeout_ms: 20_000,
+            step: None,
         })
         .await
     }
@@ -273,6 +275,7 @@ root_test! {
             .call(Request::WaitStaged {
                 job_id: 11,
                 timeout_ms: 20_000,
+            step: None,
             })
             .await
             .unwrap()
@@ -320,6 +323,7 @@ root_test! {
             Request::WaitStaged {
                 job_id: 11,
                 timeout_ms: 10,
+            step: None,
             },
             Request::JobEnd { job_id: 11 },
             job_start(12, "/x"),
@@ -335,7 +339,8 @@ root_test! {
                 NOBODY,
                 Request::WaitStaged {
                     job_id: 11,
-                    timeout_ms: 1000
+                    timeout_ms: 1000,
+                    step: None,
                 }
             )
             .unwrap(),
@@ -363,6 +368,7 @@ root_test! {
             .call(Request::WaitStaged {
                 job_id: 21,
                 timeout_ms: 20_000,
+            step: None,
             })
             .await
             .unwrap_err();
@@ -393,6 +399,7 @@ root_test! {
             .refused(Request::WaitStaged {
                 job_id: 23,
                 timeout_ms: 5_000,
+            step: None,
             })
             .await;
         assert!(e.message.contains("relative path"), "{}", e.message);
@@ -612,6 +619,7 @@ root_test! {
             sluice_proto::wire::encode(&sluice_proto::wire::Envelope::new(Request::WaitStaged {
                 job_id: 51,
                 timeout_ms: 60_000,
+            step: None,
             }))
             .unwrap(),
             vec![0, 0, 0, 200, b'{'],

@@ -112,6 +112,7 @@ impl TestAgent {
         self.call(Request::WaitStaged {
             job_id,
             timeout_ms: 20_000,
+            step: None,
         })
         .await
     }

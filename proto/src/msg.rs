@@ -27,6 +27,14 @@ pub struct JobStart {
     pub options: Vec<(String, String)>,
 }
 
+/// A job step as its tasks see it: the step id, and the job as seen from the step (`nodes` are the
+/// step's nodes, `options` the step's sluice options, raw).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepStart {
+    pub step_id: u32,
+    pub start: JobStart,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
@@ -34,8 +42,16 @@ pub enum Request {
     JobStart(JobStart),
     /// Root only: the job ended on this node (from `job_epilog`).
     JobEnd { job_id: JobId },
-    /// Owner or root: wait until this node finished staging the job, at most `timeout_ms`.
-    WaitStaged { job_id: JobId, timeout_ms: u64 },
+    /// Owner or root: wait until this node finished staging the job, at most `timeout_ms`. With
+    /// `step` (a task of a step other than the batch script), also the datasets the step's own
+    /// options add (`srun --stage-in` inside an allocation), staged on the step's nodes; an agent
+    /// that predates it ignores the field.
+    WaitStaged {
+        job_id: JobId,
+        timeout_ms: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        step: Option<Box<StepStart>>,
+    },
     /// Anyone: this node's state; users see their own jobs only.
     Status,
     /// Owner or root: one job's state on this node.

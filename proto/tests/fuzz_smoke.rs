@@ -253,6 +253,7 @@ fn seed_requests() -> Vec<Request> {
         Request::WaitStaged {
             job_id: 42,
             timeout_ms: 120_000,
+            step: None,
         },
         Request::CkptCommit {
             job_id: 42,
@@ -366,6 +367,7 @@ fn hostile_request(rng: &mut Rng, corpus: &[Vec<u8>]) -> Request {
         3 => Request::WaitStaged {
             job_id: id,
             timeout_ms: *rng.pick(&[0, u64::MAX, r]),
+            step: None,
         },
         4 => Request::CkptCommit {
             job_id: id,

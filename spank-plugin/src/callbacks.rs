@@ -19,7 +19,7 @@ use crate::api::{Agent, Context, Log, OptionSpec, SpankApi};
 use crate::args::Args;
 use sluice_proto::client::ClientError;
 use sluice_proto::hostlist;
-use sluice_proto::msg::{ErrorCode, JobId, JobStart, Request, Response};
+use sluice_proto::msg::{ErrorCode, JobId, JobStart, Request, Response, StepStart};
 use sluice_proto::options::{self, names};
 use sluice_proto::summary;
 use sluice_proto::wire::FrameError;
@@ -294,10 +294,13 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
     // resumes the job from its journal, so the task reconnects and keeps waiting.
     let wait = args.stage_timeout + args.connect_timeout;
     let deadline = Instant::now() + args.stage_timeout;
+    // A step of its own (srun in an allocation, not the batch script) may add datasets.
+    let step = step_start(sp, job_id, &node).map(Box::new);
     let answer = call_until(agent, &socket, deadline, args.connect_timeout, |left| {
         Request::WaitStaged {
             job_id,
             timeout_ms: left.as_millis() as u64,
+            step: step.clone(),
         }
     });
     let dirs = match answer {
@@ -362,6 +365,38 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
         }
     }
     OK
+}
+
+/// The task's step with its own sluice options, for a step other than the batch script (whose
+/// options are the job's): the agent stages what they add. `None` when the step's identity cannot
+/// be read (the agent then stages the job's datasets only, as for the batch script).
+fn step_start(sp: &impl SpankApi, job_id: JobId, node: &str) -> Option<StepStart> {
+    let step_id = sp.step_id().ok().filter(|&s| s != BATCH_STEP)?;
+    let env = |name: &str| sp.getenv(name).ok().flatten().filter(|v| !v.is_empty());
+    let options: Vec<(String, String)> = names::ALL
+        .iter()
+        .filter_map(|&name| match sp.getopt(name) {
+            Ok(Some(v)) if !v.is_empty() => Some((name.to_string(), v)),
+            _ => env(&job_env_option_var(name)).map(|v| (name.to_string(), v)),
+        })
+        .collect();
+    let nodes = env("SLURM_STEP_NODELIST")
+        .or_else(|| env("SLURM_JOB_NODELIST"))
+        .and_then(|list| hostlist::expand(&list).ok())
+        .unwrap_or_else(|| vec![node.to_string()]);
+    Some(StepStart {
+        step_id,
+        start: JobStart {
+            job_id,
+            uid: sp.job_uid().ok()?,
+            gid: sp.job_gid().ok()?,
+            user: env("SLURM_JOB_USER").or_else(|| env("USER"))?,
+            node: node.to_string(),
+            nodes,
+            job_name: env("SLURM_JOB_NAME").unwrap_or_default(),
+            options,
+        },
+    })
 }
 
 /// Whether the job of this task used a sluice option, without asking the agent (jobs without

@@ -49,6 +49,8 @@ struct Internal {
     command: InternalCommand,
 }
 
+// Parsed once per process: the size of the largest variant costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum InternalCommand {
     /// Copy a POSIX dataset with a job user's identity (started by the agent).

@@ -741,6 +741,7 @@ fn a_task_waits_for_staging_and_sees_its_directories() {
     let Request::WaitStaged {
         job_id: 42,
         timeout_ms,
+        ..
     } = calls[0].1
     else {
         panic!("{:?}", calls[0].1)
@@ -767,6 +768,54 @@ fn a_task_waits_for_staging_and_sees_its_directories() {
         ]
     );
     assert!(sp.errors().is_empty());
+}
+
+#[test]
+fn a_step_of_its_own_sends_its_options_and_nodes_and_the_batch_step_does_not() {
+    let mut sp = Fake::task(&[("stage-in", "extra=s3://b/x")]);
+    sp.step_id = Ok(3);
+    sp.uid = Ok(1000);
+    sp.gid = Ok(100);
+    for (k, v) in [
+        ("SLURM_STEP_NODELIST", "n[2-3]"),
+        ("SLURM_JOB_USER", "alice"),
+        ("SLURM_JOB_NAME", "train"),
+    ] {
+        sp.job_env.insert(k.into(), v.into());
+    }
+    let agent = FakeAgent::ready();
+    assert_eq!(task_init(&mut sp, &agent, &[]), OK);
+    let Request::WaitStaged {
+        step: Some(step), ..
+    } = &agent.calls()[0].1
+    else {
+        panic!("no step in {:?}", agent.calls()[0].1)
+    };
+    assert_eq!(step.step_id, 3);
+    assert_eq!(
+        (
+            step.start.job_id,
+            step.start.uid,
+            step.start.gid,
+            step.start.user.as_str()
+        ),
+        (42, 1000, 100, "alice")
+    );
+    assert_eq!(step.start.nodes, ["n2", "n3"]);
+    assert_eq!(step.start.node, "n2");
+    assert_eq!(
+        step.start.options,
+        [("stage-in".to_string(), "extra=s3://b/x".to_string())]
+    );
+
+    let mut batch = Fake::task(&[("stage-in", "s3://b/x")]);
+    batch.step_id = Ok(BATCH_STEP);
+    let agent = FakeAgent::ready();
+    assert_eq!(task_init(&mut batch, &agent, &[]), OK);
+    assert!(matches!(
+        agent.calls()[0].1,
+        Request::WaitStaged { step: None, .. }
+    ));
 }
 
 #[test]
