@@ -5,10 +5,12 @@
 //! text, versions, flags), unit-tested with fakes; [`run`] does the reading.
 //!
 //! Nothing here writes anywhere but one probe file in the hot tier (created and removed at once,
-//! to see whether O_DIRECT opens work); the stores are only listed, one page per bucket.
+//! to see whether O_DIRECT opens work); the stores are only listed, one page per bucket, and each
+//! store endpoint gets one unauthenticated `HEAD` for its clock ([`clock`]).
 //!
 //! Also `sluice config check FILE`: the agent's own validation ([`Config::parse`]) and a summary.
 
+mod clock;
 mod slurm;
 
 use crate::socket::{self, Socket};
@@ -114,7 +116,10 @@ pub fn run(opts: &Options) -> anyhow::Result<Vec<Finding>> {
         out.push(check_shared_tier(tier, is_root));
     }
     match &cfg {
-        Some(cfg) => out.extend(rt.block_on(check_stores(cfg, opts.timeout))),
+        Some(cfg) => {
+            out.extend(rt.block_on(check_stores(cfg, opts.timeout)));
+            out.extend(rt.block_on(clock::check_clocks(&cfg.stores, opts.timeout)));
+        }
         None => out.push(not_checked("stores")),
     }
     let squeue = match &cfg {
