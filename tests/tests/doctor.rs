@@ -132,6 +132,14 @@ fn doctor_passes_on_a_healthy_node_and_names_each_fault_with_its_fix() {
         "store az://",
         "squeue",
     ]);
+    // The clocks of Garage and Azurite are this machine's: each endpoint's check passes.
+    let s3 = cluster.var("SLUICE_TEST_S3_ENDPOINT");
+    healthy.assert_pass(&[
+        &format!("clock vs {}", s3.trim_end_matches('/')),
+        "clock vs http://127.0.0.1:10000",
+    ]);
+    // The shared tier's stand-in is a plain directory: a warning (not Lustre), never a failure.
+    assert_eq!(healthy.status("shared tier"), "warn", "{}", healthy.text);
     assert!(
         healthy.ok,
         "doctor failed on a healthy node:\n{}",
