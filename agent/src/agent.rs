@@ -231,7 +231,25 @@ impl Agent {
         Ok(n)
     }
 
+    /// Answers one request. What it logs about a job it knows carries the job's id and user (the
+    /// job's span), like the job's staging and checkpoint work.
     pub async fn handle(self: &Arc<Self>, peer: Peer, request: Request) -> Response {
+        let job_id = match &request {
+            Request::JobEnd { job_id }
+            | Request::WaitStaged { job_id, .. }
+            | Request::Job { job_id }
+            | Request::CkptCommit { job_id, .. }
+            | Request::CkptList { job_id } => Some(*job_id),
+            Request::JobStart(start) => Some(start.job_id),
+            _ => None,
+        };
+        let span = job_id
+            .and_then(|id| self.job(id))
+            .map_or_else(tracing::Span::none, |job| job.span());
+        self.answer(peer, request).instrument(span).await
+    }
+
+    async fn answer(self: &Arc<Self>, peer: Peer, request: Request) -> Response {
         match request {
             Request::JobStart(start) => {
                 if !peer.is_root() {

@@ -37,7 +37,8 @@ fn the_agent_logs_json_lines_when_asked() {
     let started = Instant::now();
     let mut ready = None;
     let mut seen = Vec::new();
-    for line in stderr.lines() {
+    let mut stderr_lines = stderr.lines();
+    for line in stderr_lines.by_ref() {
         let line = line.unwrap();
         let parsed: serde_json::Value =
             serde_json::from_str(&line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
@@ -50,10 +51,49 @@ fn the_agent_logs_json_lines_when_asked() {
             break;
         }
     }
-    let _ = agent.kill();
-    let _ = agent.wait();
     let ready = ready.unwrap_or_else(|| panic!("no 'sluiced ready' line: {seen:#?}"));
     assert_eq!(ready["level"], "INFO", "{ready}");
     assert_eq!(ready["node"], "n7", "{ready}");
     assert!(ready["timestamp"].is_string(), "{ready}");
+
+    // A job starts and ends: what the agent logs while answering its requests (here the job end)
+    // carries the job's id and user, like its staging does.
+    use sluice_proto::msg::{JobStart, Request, Response};
+    let socket = tmp.path().join("n7.sock");
+    let call = |r: Request| sluice_proto::client::call(&socket, r, Duration::from_secs(10));
+    let start = JobStart {
+        job_id: 4242,
+        uid: 65534,
+        gid: 65534,
+        user: "nobody".into(),
+        node: "n7".into(),
+        nodes: vec!["n7".into()],
+        job_name: "logs".into(),
+        options: vec![("ckpt-keep".into(), "2".into())],
+    };
+    assert!(matches!(call(Request::JobStart(start)), Ok(Response::Ok)));
+    assert!(matches!(
+        call(Request::JobEnd { job_id: 4242 }),
+        Ok(Response::Ok)
+    ));
+    let mut ended = None;
+    let mut lines = stderr_lines;
+    while started.elapsed() < Duration::from_secs(30) {
+        let Some(Ok(line)) = lines.next() else { break };
+        let parsed: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        if parsed["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("job ended; removed"))
+        {
+            ended = Some(parsed);
+            break;
+        }
+        seen.push(line);
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let ended = ended.unwrap_or_else(|| panic!("no 'job ended' line: {seen:#?}"));
+    assert_eq!(ended["span"]["job_id"], 4242, "{ended}");
+    assert_eq!(ended["span"]["user"], "nobody", "{ended}");
 }
