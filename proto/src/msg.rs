@@ -124,6 +124,7 @@ pub struct ArchivedCkpt {
     pub user: Option<String>,
     pub job_name: Option<String>,
     pub nodes: Vec<String>,
+    #[serde(default)]
     pub data_classes: Vec<String>,
 }
 
