@@ -541,13 +541,18 @@ impl Agent {
             .iter()
             .filter(|s| matches!(s.source, options::Source::Object { .. }))
             .count();
-        let peers = ClosePeers(match shard {
-            Some(_) => None,
-            None => self
-                .peers
+        // The pieces of work the job's nodes share: each object-store dataset (replicate), and
+        // the restore (`--ckpt-restore`: each file of the checkpoint read by one node).
+        let restores = usize::from(options.ckpt_restore.is_some());
+        let shared_work = match shard {
+            Some(_) => restores,
+            None => object_datasets + restores,
+        };
+        let peers = ClosePeers(
+            self.peers
                 .get()
-                .and_then(|p| p.join(job_id, &job.start.nodes, owner, object_datasets)),
-        });
+                .and_then(|p| p.join(job_id, &job.start.nodes, owner, shared_work)),
+        );
         let hot = self.hot.clone();
         // A fresh start removes what an earlier run of the job id left, except the committed
         // checkpoints this run inherited.
@@ -654,7 +659,8 @@ impl Agent {
             };
             let url = job.archive_url().ok_or(RestoreError::NoArchive)?;
             let started = std::time::Instant::now();
-            let (tag, notes) = ckpt::restore(self, job, url, which, ckpt_fd.clone()).await?;
+            let (tag, notes) =
+                ckpt::restore(self, job, url, which, ckpt_fd.clone(), peers.0.clone()).await?;
             self.metrics.restored(tag.as_deref(), started.elapsed());
             if let Some(t) = tag.clone() {
                 let dir = ckpt_fd.clone();

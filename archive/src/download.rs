@@ -333,7 +333,29 @@ impl Archiver {
         owner: Owner,
         progress: &ArchiveProgress,
     ) -> Result<Manifest, ArchiveError> {
-        let m = self.manifest(tag).await?;
+        self.restore_files(tag, dest, owner, progress, &|_| true)
+            .await
+    }
+
+    /// [`Archiver::restore`] of the files `keep` selects only (every directory is made): a node of
+    /// a multi-node job restores its share from the archive and takes the rest from the job's
+    /// other nodes. Returns the whole MANIFEST.
+    pub async fn restore_files(
+        &self,
+        tag: &str,
+        dest: Arc<OwnedFd>,
+        owner: Owner,
+        progress: &ArchiveProgress,
+        keep: &(dyn Fn(&FileEntry) -> bool + Sync),
+    ) -> Result<Manifest, ArchiveError> {
+        let whole = self.manifest(tag).await?;
+        let files: Vec<FileEntry> = whole.files.iter().filter(|f| keep(f)).cloned().collect();
+        let m = Manifest {
+            raw_bytes: files.iter().map(|f| f.size).sum(),
+            stored_bytes: files.iter().map(|f| f.stored_size).sum(),
+            files,
+            ..whole.clone()
+        };
         progress.set_totals(m.files.len() as u64, m.raw_bytes);
         self.check_objects(&m).await?;
         let (d, dirs, t) = (dest.clone(), m.dirs.clone(), tag.to_string());
@@ -359,7 +381,7 @@ impl Archiver {
             files = m.files.len(),
             "checkpoint restored"
         );
-        Ok(m)
+        Ok(whole)
     }
 
     /// The shared pipeline of verify and restore. Verify goes on past damaged files to name them

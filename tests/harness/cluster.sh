@@ -380,7 +380,7 @@ part_size = "5MiB"
 concurrency = 8
 EOF
     allow_rules ckpt "s3://ckpt/{user}/" "s3://ckpt-faulty/{user}/" "az://ckpt/{user}/" \
-      "file://$TEST_ROOT/archive/{user}/"
+      "file://$TEST_ROOT/archive/{user}/" "s3://datasets-relayed/{user}/"
     # Deliberately shared by every user (no {user}): the weak configuration of docs/SECURITY.md F2,
     # kept so a test can show that restore still gives a job only its own user's checkpoints.
     allow_rules ckpt "file://$TEST_ROOT/archive/shared/"

@@ -962,3 +962,99 @@ fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
+
+/// `--ckpt-restore` on 3 nodes reads the archive once per job: a checkpoint archived through the
+/// counting relay by a one-node job (three big files and a few dozen small ones) is restored by a
+/// 3-node job; every node's `$SLUICE_CKPT_DIR/TAG` is byte-identical to what was written, the
+/// archive served the checkpoint about once (each node alone would read it 3×), and the job output
+/// says how much came from the job's other nodes.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_restore_reads_the_archive_once() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let archive = Archive::new(&cluster, Backend::RelayedGarage, "restore-agg");
+    let work = cluster.workdir("aggregation-restore");
+    let src = work.join("ckpt-src");
+    fs::create_dir_all(src.join("shards")).unwrap();
+    run(std::process::Command::new("bash").arg("-c").arg(format!(
+        "cd '{s}' && head -c 31457280 /dev/urandom > model.bin && head -c 20971520 /dev/urandom > optim.bin \
+         && head -c 10485760 /dev/urandom > extra.bin && for i in $(seq 1 40); do head -c $((i * 997)) /dev/urandom > shards/s$i.pt; done \
+         && chmod -R a+rX '{s}'",
+        s = src.display()
+    )));
+    let sums = checksums(&src);
+    let cli = cluster.user_cli();
+    // Job 1, on one node: writes the checkpoint, commits it, and the agent archives it.
+    let write = format!(
+        "#!/bin/bash\nset -e\nmkdir -p \"$SLUICE_CKPT_DIR/step-1\"\ncp -r '{s}/.' \"$SLUICE_CKPT_DIR/step-1/\"\n{cli} ckpt commit step-1\n",
+        s = src.display(),
+        cli = cli.display()
+    );
+    let archive_arg = format!("--ckpt-archive={}", archive.url);
+    // The relay carries the archive's traffic (its profile points there) from the start.
+    let relay = OriginRelay::start(&cluster);
+    let first = cluster.submit(&work, &["-N1", &archive_arg], &write);
+    cluster.assert_completes(&first, STAGE_JOB_TIMEOUT, "the job that archives step-1");
+    cluster.wait_for(
+        "step-1's MANIFEST in the archive",
+        STAGE_JOB_TIMEOUT,
+        Some(&first),
+        || archive.manifests(&cluster).contains("step-1"),
+    );
+    let stored: u64 = archive
+        .objects(&cluster)
+        .iter()
+        .filter(|(k, _)| k.starts_with("step-1/"))
+        .map(|(_, n)| n)
+        .sum();
+
+    // Job 2, on three nodes, restores it; the relay counts what the archive serves meanwhile.
+    let before = relay.served();
+    let out = work.join("out");
+    let script = format!(
+        r#"#!/bin/bash
+srun --ntasks-per-node=1 /bin/bash -c '
+o="{out}/$SLURMD_NODENAME"; mkdir -p "$o"
+echo "${{SLUICE_RESTORED_TAG-<unset>}}" > "$o/tag"
+(cd "$SLUICE_CKPT_DIR/step-1" && {SUMS_CMD}) > "$o/sums" 2>&1
+touch "$o/done"
+'
+"#,
+        out = out.display()
+    );
+    let job = cluster.submit(
+        &work,
+        &["-N3", &archive_arg, "--ckpt-restore=latest"],
+        &script,
+    );
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the 3-node restore job");
+    let served = relay.served() - before;
+    for node in &cluster.nodes {
+        assert_eq!(task_file(&out, node, "tag").trim(), "step-1", "on {node}");
+        let got = task_file(&out, node, "sums");
+        assert!(
+            got == sums,
+            "step-1 restored on {node} differs from what was written: {}\n{}",
+            diff_listings(&sums, &got),
+            cluster.evidence(&job)
+        );
+    }
+    let ratio = served as f64 / stored as f64;
+    eprintln!(
+        "[aggregation] 3-node restore of {stored} stored bytes: the archive served {served} bytes ({ratio:.4}x)"
+    );
+    assert!(
+        served >= stored && ratio <= ORIGIN_SLACK,
+        "the archive served {served} bytes for a {stored}-byte checkpoint restored on 3 nodes \
+         ({ratio:.3}x, at most {ORIGIN_SLACK}x allowed)\n{}",
+        cluster.evidence(&job)
+    );
+    let output = job.output_text();
+    assert!(
+        output.contains("checkpoint step-1 restored: ")
+            && output.contains("from the job's other nodes"),
+        "the job output does not say where the restored bytes came from:\n{output}"
+    );
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}

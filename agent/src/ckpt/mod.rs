@@ -21,6 +21,7 @@
 //! loop from commit to MANIFEST, retention and clean-up), `restore` (`--ckpt-restore`).
 
 mod restore;
+mod shared_restore;
 mod signals;
 mod worker;
 

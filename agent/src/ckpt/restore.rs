@@ -13,6 +13,7 @@
 use super::CkptEntry;
 use crate::agent::Agent;
 use crate::job::Job;
+use crate::stage::JobPeers;
 use sluice_archive::rt::{blocking, now_secs};
 use sluice_archive::safefs::{self, Owner, SafeFsError};
 use sluice_archive::{self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Manifest};
@@ -108,7 +109,11 @@ pub(crate) async fn restore(
     url: &str,
     which: &Restore,
     ckpt_dir: Arc<OwnedFd>,
+    peers: Option<Arc<JobPeers>>,
 ) -> Result<(Option<String>, Vec<String>), RestoreError> {
+    // With the job's other nodes, the first checkpoint tried is restored together (each file
+    // read from the archive by one node); a fallback one, by each node alone.
+    let mut shared = peers.map(super::shared_restore::Done);
     let archiver = archive::open_archive(&agent.cfg, url).map_err(|e| RestoreError::Open {
         url: url.into(),
         source: Box::new(e),
@@ -182,6 +187,14 @@ pub(crate) async fn restore(
         if let Some(note) = from_hot_tier(agent, job, url, &tag, &archiver, ckpt_dir.clone()).await
         {
             notes.push(note);
+            // This node has the whole checkpoint: it serves its share to the job's other nodes.
+            if let Some(share) = shared.take() {
+                let (dir, t) = (ckpt_dir.clone(), tag.clone());
+                let opened = blocking(move || safefs::open_dir(&*dir, &t)).await;
+                if let (Ok(dir), Ok(m)) = (opened, archiver.manifest(&tag).await) {
+                    super::shared_restore::offer(&m, &Arc::new(dir), owner, share).await;
+                }
+            }
             return done(tag, notes, &foreign);
         }
         let (dir, t) = (ckpt_dir.clone(), tag.clone());
@@ -195,9 +208,21 @@ pub(crate) async fn restore(
             source,
         })?;
         let progress = ArchiveProgress::default();
-        let restored = archiver
-            .restore(&tag, Arc::new(dest), owner, &progress)
-            .await;
+        let dest = Arc::new(dest);
+        let restored = match shared.take() {
+            Some(done) => {
+                let r =
+                    super::shared_restore::restore(&archiver, &tag, dest, owner, done, &progress)
+                        .await;
+                r.map(|(m, sources)| {
+                    if sources.peers > 0 {
+                        notes.push(super::shared_restore::note(&tag, sources));
+                    }
+                    m
+                })
+            }
+            None => archiver.restore(&tag, dest, owner, &progress).await,
+        };
         // The MANIFEST the restore used may have been replaced since the check above.
         let other_owner = restored
             .as_ref()

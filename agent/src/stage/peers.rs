@@ -258,6 +258,17 @@ impl JobPeers {
         self.cfg.unit_size
     }
 
+    /// This node's name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The node that owns `key` among all of the job's nodes (none routed around): for work one
+    /// node does for all whatever the others' trouble, such as restoring a checkpoint's file.
+    pub fn owner_among_all(&self, key: &str) -> &str {
+        &self.nodes[owner_of(key, &self.nodes)]
+    }
+
     fn bump(&self) {
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
@@ -265,7 +276,7 @@ impl JobPeers {
     /// Records the units of one object this node stages (`units` from
     /// [`units_of`](crate::peer::units_of) with [`unit_size`](Self::unit_size)); `root` and
     /// `rel_at` say where its staged copy is, for serving it.
-    pub(super) fn add_object(&self, root: Arc<OwnedFd>, rel_at: usize, units: &[Unit]) {
+    pub(crate) fn add_object(&self, root: Arc<OwnedFd>, rel_at: usize, units: &[Unit]) {
         let Some(first) = units.first() else { return };
         let object = Object {
             root,
@@ -277,7 +288,7 @@ impl JobPeers {
     }
 
     /// One object-store dataset of the job is listed and staged here (or gave up).
-    pub(super) fn dataset_done(&self) {
+    pub(crate) fn dataset_done(&self) {
         let mut st = lock(&self.state);
         st.listing = st.listing.saturating_sub(1);
         drop(st);
@@ -313,12 +324,12 @@ impl JobPeers {
     }
 
     /// This node wrote `unit` to its staged copy; `hash` is what its owner read.
-    pub(super) fn held(&self, unit: &Unit, hash: blake3::Hash) {
+    pub(crate) fn held(&self, unit: &Unit, hash: blake3::Hash) {
         self.set(unit, Held::Yes(hash));
     }
 
     /// This node will not hold `unit` (its origin read failed): peers asking for it are told why.
-    pub(super) fn failed(&self, unit: &Unit, why: String) {
+    pub(crate) fn failed(&self, unit: &Unit, why: String) {
         self.set(unit, Held::Failed(why));
     }
 
@@ -364,7 +375,7 @@ impl JobPeers {
     }
 
     /// Fetches `unit` from `node` into `sink` (see [`PeerClient::fetch_into`]).
-    pub(super) async fn fetch(
+    pub(crate) async fn fetch(
         &self,
         node: &str,
         unit: &Unit,
@@ -523,7 +534,7 @@ impl JobPeers {
 /// Opens the staged file `rel` below `root` for reading: every component opened without
 /// following links, the file only if it is a regular file of `owner` with one link (a user cannot
 /// have the agent read a hard link to someone else's file, or hang on a FIFO).
-fn open_staged(root: &OwnedFd, rel: &str, owner: Owner) -> std::io::Result<File> {
+pub(crate) fn open_staged(root: &OwnedFd, rel: &str, owner: Owner) -> std::io::Result<File> {
     let parts: Vec<&str> = rel.split('/').collect();
     let (name, dirs) = parts.split_last().expect("split yields one part");
     let mut dir = root.try_clone()?;

@@ -185,6 +185,9 @@ pub enum Backend {
     File,
     /// Garage behind the fault proxy (`s3://ckpt-faulty/...`); listed and read directly.
     FaultyGarage,
+    /// Garage behind a test's byte-counting relay (`s3://datasets-relayed/USER/...`, the relay
+    /// port of tests/tests/aggregation.rs); listed and read directly.
+    RelayedGarage,
 }
 
 /// One checkpoint archive: its URL and how a test reads it behind the agents' back (rclone for the
@@ -200,7 +203,10 @@ impl Archive {
     /// A fresh archive `e2e-<name>-<unique>` below the test user's prefix of `backend`, the one the
     /// harness's `[[ckpt.allow]]` rules open to that user. An archive on Garage needs Garage.
     pub fn new(cluster: &Cluster, backend: Backend, name: &str) -> Archive {
-        if matches!(backend, Backend::Garage | Backend::FaultyGarage) {
+        if matches!(
+            backend,
+            Backend::Garage | Backend::FaultyGarage | Backend::RelayedGarage
+        ) {
             cluster.require_s3();
         }
         let base = format!("{}/e2e-{name}-{}", cluster.user, unique());
@@ -212,6 +218,10 @@ impl Archive {
             Backend::FaultyGarage => (
                 format!("s3://ckpt-faulty/{base}"),
                 Ok(format!("garage:ckpt-faulty/{base}")),
+            ),
+            Backend::RelayedGarage => (
+                format!("s3://datasets-relayed/{base}"),
+                Ok(format!("garage:datasets-relayed/{base}")),
             ),
             Backend::Azurite => (
                 format!("az://ckpt/{base}"),
