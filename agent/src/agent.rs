@@ -1007,21 +1007,9 @@ impl Worker for Housekeeper {
 /// (squeue missing, slurmctld unreachable) counts as running: cleaning up a running job's data
 /// would be far worse than a late cleanup.
 async fn slurm_job_gone(squeue: &std::path::Path, job_id: JobId) -> bool {
-    let out = tokio::time::timeout(
-        Duration::from_secs(15),
-        tokio::process::Command::new(squeue)
-            .args([
-                "--noheader",
-                "--jobs",
-                &job_id.to_string(),
-                "--format",
-                "%T",
-            ])
-            .stdin(std::process::Stdio::null())
-            .output(),
-    )
-    .await;
-    let Ok(Ok(out)) = out else { return false };
+    let Some(out) = squeue_job(squeue, job_id, "%T").await else {
+        return false;
+    };
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
@@ -1082,6 +1070,28 @@ fn check_job_start(s: &JobStart) -> Result<(), BadJobStart> {
         return Err(BadJobStart::Nodes);
     }
     Ok(())
+}
+
+/// `squeue --noheader --jobs JOB --format FORMAT`, within 15 s; `None` when it could not run.
+async fn squeue_job(
+    squeue: &std::path::Path,
+    job_id: JobId,
+    format: &str,
+) -> Option<std::process::Output> {
+    let run = tokio::process::Command::new(squeue)
+        .args([
+            "--noheader",
+            "--jobs",
+            &job_id.to_string(),
+            "--format",
+            format,
+        ])
+        .stdin(std::process::Stdio::null())
+        .output();
+    tokio::time::timeout(Duration::from_secs(15), run)
+        .await
+        .ok()?
+        .ok()
 }
 
 /// Forgets the oldest finished jobs beyond [`KEEP_ENDED`] — only those that hold nothing on the hot

@@ -754,6 +754,39 @@ fn aggregation_a_tampering_relay_between_agents_is_detected() {
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
 }
 
+/// The datasets of the shard and shared-tier tests: the big dataset on S3 (read through the
+/// counting relay, which runs from here on), the small one on Azure Blob and as a POSIX directory;
+/// with the `--stage-in` naming them `s3ds`, `azds` and `posixds`.
+fn three_sources(cluster: &Cluster, test: &str) -> (Dataset, Dataset, String, OriginRelay) {
+    cluster.require_s3();
+    let big = Dataset::new(cluster, &format!("{test}-s3"), true);
+    let s3 = big.upload(cluster, "datasets-relayed");
+    let small = Dataset::new(cluster, &format!("{test}-az"), false);
+    let az = format!("e2e/{}/train", unique());
+    cluster.upload(&small.dir, "azurite", &format!("datasets/{az}"));
+    let stage_in = format!(
+        "--stage-in=s3ds=s3://datasets-relayed/{s3},azds=az://datasets/{az},posixds={}",
+        small.dir.display()
+    );
+    (big, small, stage_in, OriginRelay::start(cluster))
+}
+
+/// The origin behind `relay` served a `bytes`-byte dataset about once (at most [`ORIGIN_SLACK`]
+/// times) for a 3-node job staging it in `mode`.
+fn assert_origin_once(cluster: &Cluster, job: &Job, relay: &OriginRelay, bytes: u64, mode: &str) {
+    let served = relay.served();
+    let ratio = served as f64 / bytes as f64;
+    eprintln!(
+        "[aggregation] 3-node {mode} of {bytes} bytes: the origin served {served} bytes ({ratio:.4}x)"
+    );
+    assert!(
+        served >= bytes && ratio <= ORIGIN_SLACK,
+        "the S3 origin served {served} bytes for a {bytes}-byte dataset ({mode}, 3 nodes, \
+         {ratio:.3}x): each file should be read once, by one node\n{}",
+        cluster.evidence(job)
+    );
+}
+
 /// `--stage-mode=shard` on 3 nodes from S3 (through the counting relay), Azure Blob and a POSIX
 /// directory in one job: each node holds exactly the files the manifest gives it, the nodes
 /// together hold every dataset once and byte-identical to its source, every node has the same
@@ -763,13 +796,7 @@ fn aggregation_a_tampering_relay_between_agents_is_detected() {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
     let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let big = Dataset::new(&cluster, "aggregation-shard-s3", true);
-    let s3 = big.upload(&cluster, "datasets-relayed");
-    let small = Dataset::new(&cluster, "aggregation-shard-az", false);
-    let az = format!("e2e/{}/train", unique());
-    cluster.upload(&small.dir, "azurite", &format!("datasets/{az}"));
-    let relay = OriginRelay::start(&cluster);
+    let (big, small, stage_in, relay) = three_sources(&cluster, "aggregation-shard");
 
     let work = cluster.workdir("aggregation-shard");
     let out = work.join("out");
@@ -778,10 +805,6 @@ fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
         "touch \"$o/done\"",
         "for n in s3ds azds posixds; do cp \"$SLUICE_STAGE_DIR/$n.shard.json\" \"$o/manifest-$n\"; done\ntouch \"$o/done\"",
         1,
-    );
-    let stage_in = format!(
-        "--stage-in=s3ds=s3://datasets-relayed/{s3},azds=az://datasets/{az},posixds={}",
-        small.dir.display()
     );
     let job = cluster.submit(&work, &["-N3", &stage_in, "--stage-mode=shard"], &script);
     cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the shard job");
@@ -844,28 +867,10 @@ fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
             diff_trees(&source, &union)
         );
         for node in &nodes {
-            let owners = task_file(&out, node, "owners");
-            assert!(
-                owners
-                    .lines()
-                    .all(|l| l.starts_with(&format!("{} ", cluster.user))),
-                "entries under SLUICE_STAGE_DIR on {node} not owned by {}:\n{owners}",
-                cluster.user
-            );
+            cluster.assert_staged_owned_by_user(&out, node);
         }
     }
-    let served = relay.served();
-    let ratio = served as f64 / big.bytes as f64;
-    eprintln!(
-        "[aggregation] 3-node shard of {} bytes: the origin served {served} bytes ({ratio:.4}x)",
-        big.bytes
-    );
-    assert!(
-        served >= big.bytes && ratio <= ORIGIN_SLACK,
-        "the S3 origin served {served} bytes for a {}-byte dataset sharded on 3 nodes ({ratio:.3}x)\n{}",
-        big.bytes,
-        cluster.evidence(&job)
-    );
+    assert_origin_once(&cluster, &job, &relay, big.bytes, "shard");
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
@@ -880,21 +885,11 @@ fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
     let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let big = Dataset::new(&cluster, "aggregation-shared-s3", true);
-    let s3 = big.upload(&cluster, "datasets-relayed");
-    let small = Dataset::new(&cluster, "aggregation-shared-az", false);
-    let az = format!("e2e/{}/train", unique());
-    cluster.upload(&small.dir, "azurite", &format!("datasets/{az}"));
-    let relay = OriginRelay::start(&cluster);
+    let (big, small, stage_in, relay) = three_sources(&cluster, "aggregation-shared");
 
     let work = cluster.workdir("aggregation-shared");
     let out = work.join("out");
     let script = listing_script(&out, &["s3ds", "azds", "posixds"]);
-    let stage_in = format!(
-        "--stage-in=s3ds=s3://datasets-relayed/{s3},azds=az://datasets/{az},posixds={}",
-        small.dir.display()
-    );
     let job = cluster.submit(&work, &["-N3", &stage_in, "--stage-tier=shared"], &script);
     cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the shared-tier job");
 
@@ -918,29 +913,9 @@ fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
                 cluster.evidence(&job)
             );
         }
-        let owners = task_file(&out, node, "owners");
-        assert!(
-            !owners.is_empty()
-                && owners
-                    .lines()
-                    .all(|l| l.starts_with(&format!("{} ", cluster.user))),
-            "entries under SLUICE_STAGE_DIR on {node} not owned by {}:\n{owners}",
-            cluster.user
-        );
+        cluster.assert_staged_owned_by_user(&out, node);
     }
-    let served = relay.served();
-    let ratio = served as f64 / big.bytes as f64;
-    eprintln!(
-        "[aggregation] 3-node shared tier of {} bytes: the origin served {served} bytes ({ratio:.4}x)",
-        big.bytes
-    );
-    assert!(
-        served >= big.bytes && ratio <= ORIGIN_SLACK,
-        "the S3 origin served {served} bytes for a {}-byte dataset on the shared tier of 3 nodes \
-         ({ratio:.3}x): each file should be written once, by one node\n{}",
-        big.bytes,
-        cluster.evidence(&job)
-    );
+    assert_origin_once(&cluster, &job, &relay, big.bytes, "shared tier");
     // Each node wrote its share only: together the agents read the S3 dataset once.
     let origin: u64 = cluster
         .nodes

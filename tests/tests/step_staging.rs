@@ -55,15 +55,7 @@ fn srun_stage_in_in_a_job_without_options_stages_for_the_step() {
             diff_listings(&sums, &got),
             cluster.evidence(&job)
         );
-        let owners = task_file(&out, node, "owners");
-        assert!(
-            !owners.is_empty()
-                && owners
-                    .lines()
-                    .all(|l| l.starts_with(&format!("{} ", cluster.user))),
-            "entries under SLUICE_STAGE_DIR on {node} not owned by {}:\n{owners}",
-            cluster.user
-        );
+        cluster.assert_staged_owned_by_user(&out, node);
     }
     assert!(
         !out.join("n3").exists(),

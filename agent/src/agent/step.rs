@@ -319,22 +319,7 @@ impl Agent {
 
 /// The uid Slurm runs job `job_id` as, if it runs it (`squeue --format %U`).
 async fn slurm_job_uid(squeue: &std::path::Path, job_id: JobId) -> Option<u32> {
-    let out = tokio::time::timeout(
-        Duration::from_secs(15),
-        tokio::process::Command::new(squeue)
-            .args([
-                "--noheader",
-                "--jobs",
-                &job_id.to_string(),
-                "--format",
-                "%U",
-            ])
-            .stdin(std::process::Stdio::null())
-            .output(),
-    )
-    .await
-    .ok()?
-    .ok()?;
+    let out = squeue_job(squeue, job_id, "%U").await?;
     if !out.status.success() {
         return None;
     }

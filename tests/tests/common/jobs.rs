@@ -391,6 +391,20 @@ impl Cluster {
 }
 
 /// Reads one file a task wrote under `<out>/<node>/`.
+impl Cluster {
+    /// Every entry under `$SLUICE_STAGE_DIR` that the task on `node` listed (`owners`, see
+    /// `listing_script`) is the job user's, and there is at least one.
+    pub fn assert_staged_owned_by_user(&self, out: &Path, node: &str) {
+        let owners = task_file(out, node, "owners");
+        let mine = format!("{} ", self.user);
+        assert!(
+            !owners.is_empty() && owners.lines().all(|l| l.starts_with(&mine)),
+            "entries under SLUICE_STAGE_DIR on {node} not owned by {}:\n{owners}",
+            self.user
+        );
+    }
+}
+
 pub fn task_file(out: &Path, node: &str, name: &str) -> String {
     let path = out.join(node).join(name);
     fs::read_to_string(&path).unwrap_or_else(|e| format!("(missing {}: {e})", path.display()))
