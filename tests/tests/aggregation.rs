@@ -35,10 +35,7 @@ const ORIGIN_SLACK: f64 = 1.02;
 struct OriginRelay {
     served: Arc<AtomicU64>,
     pace: Arc<Pace>,
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-    port: u16,
-    accept: Option<JoinHandle<()>>,
+    _relay: Relay,
 }
 
 impl OriginRelay {
@@ -60,36 +57,14 @@ impl OriginRelay {
         });
         let served = Arc::new(AtomicU64::new(0));
         let pace = Arc::new(Pace::default());
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let (s, p, st, c) = (served.clone(), pace.clone(), stop.clone(), conns.clone());
-        let accept = std::thread::spawn(move || {
-            for client in listener.incoming() {
-                if st.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(client) = client else { continue };
-                let Ok(server) = TcpStream::connect(&upstream) else {
-                    continue;
-                };
-                {
-                    let mut c = c.lock().unwrap();
-                    c.push(client.try_clone().unwrap());
-                    c.push(server.try_clone().unwrap());
-                }
-                let (cr, sw) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || pipe(cr, sw, None, None));
-                let (s, p) = (s.clone(), p.clone());
-                std::thread::spawn(move || pipe(server, client, Some(&s), Some(&p)));
-            }
+        let (s, p) = (served.clone(), pace.clone());
+        let relay = Relay::start(listener, upstream, move |server, client| {
+            pipe(server, client, Some(&s), Some(&p))
         });
         OriginRelay {
             served,
             pace,
-            stop,
-            conns,
-            port,
-            accept: Some(accept),
+            _relay: relay,
         }
     }
 
@@ -148,7 +123,55 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, count: Option<&AtomicU64>, pace:
     let _ = to.shutdown(Shutdown::Write);
 }
 
-impl Drop for OriginRelay {
+/// A TCP relay from `listener` to `upstream`: each connection's requests pass as they are, its
+/// answers go through `back(server, client)`. Stops (and cuts its connections) when dropped.
+struct Relay {
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+    port: u16,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl Relay {
+    fn start(
+        listener: TcpListener,
+        upstream: String,
+        back: impl Fn(TcpStream, TcpStream) + Clone + Send + 'static,
+    ) -> Relay {
+        let port = listener.local_addr().unwrap().port();
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (st, c) = (stop.clone(), conns.clone());
+        let accept = std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if st.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                {
+                    let mut c = c.lock().unwrap();
+                    c.push(client.try_clone().unwrap());
+                    c.push(server.try_clone().unwrap());
+                }
+                let (cr, sw) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || pipe(cr, sw, None, None));
+                let back = back.clone();
+                std::thread::spawn(move || back(server, client));
+            }
+        });
+        Relay {
+            stop,
+            conns,
+            port,
+            accept: Some(accept),
+        }
+    }
+}
+
+impl Drop for Relay {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         for c in self.conns.lock().unwrap().drain(..) {
@@ -531,61 +554,19 @@ fn aggregation_an_agent_killed_mid_transfer_is_routed_around() {
 /// `upstream` sends back (headers and short answers pass as they are, so what the requester sees
 /// is well-formed HTTP with wrong data): a tampering hop between two agents. Stops when dropped.
 struct TamperingRelay {
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-    port: u16,
-    accept: Option<JoinHandle<()>>,
+    relay: Relay,
     changed: Arc<AtomicU64>,
 }
 
 impl TamperingRelay {
     fn start(upstream: String) -> TamperingRelay {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind the tampering relay");
-        let port = listener.local_addr().unwrap().port();
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let changed = Arc::new(AtomicU64::new(0));
-        let (st, c, ch) = (stop.clone(), conns.clone(), changed.clone());
-        let accept = std::thread::spawn(move || {
-            for client in listener.incoming() {
-                if st.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(client) = client else { continue };
-                let Ok(server) = TcpStream::connect(&upstream) else {
-                    continue;
-                };
-                {
-                    let mut c = c.lock().unwrap();
-                    c.push(client.try_clone().unwrap());
-                    c.push(server.try_clone().unwrap());
-                }
-                let (cr, sw) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || pipe(cr, sw, None, None));
-                let ch = ch.clone();
-                std::thread::spawn(move || tamper(server, client, &ch));
-            }
+        let ch = changed.clone();
+        let relay = Relay::start(listener, upstream, move |server, client| {
+            tamper(server, client, &ch)
         });
-        TamperingRelay {
-            stop,
-            conns,
-            port,
-            accept: Some(accept),
-            changed,
-        }
-    }
-}
-
-impl Drop for TamperingRelay {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
-            let _ = c.shutdown(Shutdown::Both);
-        }
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
+        TamperingRelay { relay, changed }
     }
 }
 
@@ -720,7 +701,10 @@ fn aggregation_a_tampering_relay_between_agents_is_detected() {
         "no '{n2_line}' in {}",
         config.display()
     );
-    let tampered = text.replace(&n2_line, &format!("n2 = \"127.0.0.1:{}\"", relay.port));
+    let tampered = text.replace(
+        &n2_line,
+        &format!("n2 = \"127.0.0.1:{}\"", relay.relay.port),
+    );
     let n1_config = PathBuf::from(cluster.var("SLUICE_TEST_ROOT")).join("e2e-n1-tampered.toml");
     {
         use std::os::unix::fs::OpenOptionsExt;
