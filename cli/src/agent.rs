@@ -114,6 +114,9 @@ impl Agent {
             Response::Archive(_) => "archive listing",
             Response::Verified(_) => "verify report",
             Response::Restored(_) => "restore report",
+            Response::Cache(_) => "cache listing",
+            Response::CacheWarmed(_) => "cache warm report",
+            Response::CacheEvicted(_) => "cache evict report",
             Response::Error(_) => "error",
         };
         anyhow!(

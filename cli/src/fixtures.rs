@@ -3,7 +3,8 @@
 
 use sluice_archive::{CheckpointInfo, CheckpointState, JobMeta};
 use sluice_proto::msg::{
-    CkptState, CkptStatus, JobDirs, JobState, JobStatus, NodeStatus, StageProgress, StageState,
+    CacheEntry, CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptState, CkptStatus,
+    JobDirs, JobState, JobStatus, NodeStatus, StageProgress, StageState,
 };
 
 /// 2026-05-01T10:00:00Z.
@@ -50,6 +51,7 @@ fn stage(name: &str, source: &str, state: StageState) -> StageProgress {
         bytes_total: None,
         origin_bytes: 0,
         peer_bytes: 0,
+        cache_bytes: 0,
         elapsed_ms: 0,
         error: None,
     }
@@ -109,6 +111,7 @@ pub fn node_status() -> NodeStatus {
         hot_total_bytes: 1_920_383_410_176,
         hot_free_bytes: 1_310_000_000_000,
         hot_used_bytes: 47_800_000_000,
+        cache: None,
         jobs: vec![
             staging_job(),
             failed_job(),
@@ -205,4 +208,69 @@ pub fn archive_listing() -> Vec<CheckpointInfo> {
         },
         CheckpointInfo::invalid("step150".into(), "unsupported version 9".into()),
     ]
+}
+
+/// gpu07's cache: 100 GiB, a third full, after a few sweeps.
+pub fn cache_stats() -> CacheStats {
+    CacheStats {
+        root: "/var/lib/sluice/gpu07/hot/cache".into(),
+        capacity_bytes: 100 * GIB,
+        high_water_bytes: 90 * GIB,
+        low_water_bytes: 75 * GIB,
+        used_bytes: 33 * GIB,
+        entries: 3,
+        hits: 7,
+        misses: 1,
+        hit_bytes: 56 * GIB,
+        filled_bytes: 45 * GIB,
+        evictions: 2,
+        evicted_bytes: 12 * GIB,
+    }
+}
+
+/// Its entries, least recently used first; the newest one a job is reading.
+pub fn cache_listing() -> CacheListing {
+    let entry = |url: &str, size: u64, minutes: u64, in_use: bool| CacheEntry {
+        url: url.into(),
+        etag: Some("\"5d41402abc4b2a76\"".into()),
+        version: None,
+        size,
+        last_use: STARTED_AT + minutes * 60,
+        in_use,
+    };
+    CacheListing {
+        node: "gpu07".into(),
+        stats: cache_stats(),
+        entries: vec![
+            entry("s3://datasets/corpus/v1.tar", 2 * GIB, 5, false),
+            entry("s3://datasets/imagenet/train.tar", 30 * GIB, 20, false),
+            entry("az://models/llama-8b/model.safetensors", GIB, 42, true),
+        ],
+    }
+}
+
+/// A warm of a dataset half of which was cached, one object too large for the cache.
+pub fn cache_warmed() -> CacheWarmed {
+    CacheWarmed {
+        node: "gpu07".into(),
+        url: "s3://datasets/imagenet/".into(),
+        files: 1000,
+        bytes: 10 * GIB,
+        cached_files: 500,
+        cached_bytes: 4 * GIB,
+        skipped: vec![
+            "s3://datasets/imagenet/all.tar: 120.0 GiB is larger than the cache (100.0 GiB)".into(),
+        ],
+    }
+}
+
+/// An eviction under a prefix that left one entry a job reads.
+pub fn cache_evicted(dry_run: bool) -> CacheEvicted {
+    CacheEvicted {
+        node: "gpu07".into(),
+        entries: 2,
+        bytes: 32 * GIB,
+        in_use: 1,
+        dry_run,
+    }
 }

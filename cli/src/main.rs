@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 mod agent;
+mod cache;
 mod ckpt;
 mod doctor;
 #[cfg(test)]
@@ -51,8 +52,8 @@ struct Cli {
     command: Command,
 }
 
-/// One variant per command. Planned next to these, under the same global options: `cache`, `trim`. (`sluice generate`, for the install steps, is parsed apart: see
-/// [`generate`].)
+/// One variant per command. Planned next to these, under the same global options: `trim`.
+/// (`sluice generate`, for the install steps, is parsed apart: see [`generate`].)
 #[derive(Debug, Subcommand)]
 enum Command {
     /// This node's agent: hot tier, and the jobs you may see with their staging progress
@@ -72,6 +73,9 @@ enum Command {
     /// Checkpoints: commit one from a job, list a job's or an archive's, verify and restore archived ones
     #[command(subcommand)]
     Ckpt(CkptCommand),
+    /// This node's cross-job cache, for admins (root): list, stats, warm, evict
+    #[command(subcommand)]
+    Cache(CacheCommand),
     /// Check this node's sluice set-up: config, agent, Slurm plugin, hot tier, stores, squeue.
     ///
     /// Prints PASS, WARN or FAIL per check with what it found and, unless it passed, the fix.
@@ -104,6 +108,58 @@ enum ConfigCommand {
         /// The node to read it for (%n) [default: the short hostname]
         #[arg(long, value_name = "NAME")]
         node: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum CacheCommand {
+    /// The cache's entries, least recently used (the next to be evicted) first, under a header
+    /// with its size and hit ratio
+    List {
+        /// Only the entries whose source URL starts with PREFIX, e.g. s3://datasets/imagenet/
+        prefix: Option<String>,
+        /// Print the agent's answer as JSON (stable for scripts)
+        #[arg(long)]
+        json: bool,
+    },
+    /// The cache's size, watermarks and counters since the agent started: hits, misses, hit
+    /// ratio, bytes served from the cache (the origin traffic it saved), filled, evicted
+    Stats {
+        /// Print JSON (stable for scripts)
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put the dataset at URL into this node's cache, as a job staging it would, before the jobs
+    /// that read it.
+    ///
+    /// Waits until it is done, then prints what was cached, what was there already, and what
+    /// could not be cached and why. To warm several nodes, run it on each (pdsh -w NODES sluice
+    /// cache warm URL). The answer is awaited up to 12 hours (--timeout bounds connecting and
+    /// sending).
+    Warm {
+        /// The dataset's URL, as --stage-in names it (s3://bucket/prefix, az://..., gs://...)
+        url: String,
+        /// Print the agent's answer as JSON (stable for scripts)
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove the entries whose source URL starts with PREFIX (or every entry, with --all).
+    ///
+    /// Entries a job is reading or filling right now stay, and are counted. The answer is awaited
+    /// up to 10 minutes (--timeout bounds connecting and sending).
+    #[command(group = clap::ArgGroup::new("what").required(true).args(["prefix", "all"]))]
+    Evict {
+        /// The source URL prefix, e.g. s3://datasets/imagenet/
+        prefix: Option<String>,
+        /// Every entry of the cache
+        #[arg(long)]
+        all: bool,
+        /// Only say what would be removed; remove nothing
+        #[arg(long)]
+        dry_run: bool,
+        /// Print the agent's answer as JSON (stable for scripts)
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -247,6 +303,10 @@ fn run(cli: Cli) -> anyhow::Result<Output> {
             json: false,
         } => render::job_detail(&agent()?.job(job_id)?, SystemTime::now()).into(),
         Command::Ckpt(c) => return run_ckpt(c, agent),
+        Command::Cache(c) => {
+            cache::require_admin(nix::unistd::geteuid().is_root())?;
+            run_cache(c, &agent()?)?.into()
+        }
         Command::Doctor {
             config,
             node,
@@ -276,6 +336,53 @@ fn run(cli: Cli) -> anyhow::Result<Output> {
             doctor::config_check(&file, &node)?.into()
         }
     })
+}
+
+fn run_cache(command: CacheCommand, agent: &Agent) -> anyhow::Result<String> {
+    match command {
+        CacheCommand::List { prefix, json: j } => {
+            let listing = cache::list(agent, prefix.clone(), true)?;
+            if j {
+                json(&listing)
+            } else {
+                Ok(render::cache_list(&listing, prefix.as_deref()))
+            }
+        }
+        CacheCommand::Stats { json: j } => {
+            let listing = cache::list(agent, None, false)?;
+            if j {
+                json(&cache::StatsReport::from(listing))
+            } else {
+                Ok(render::cache_stats(&listing))
+            }
+        }
+        CacheCommand::Warm { url, json: j } => {
+            let warmed = cache::warm(agent, url)?;
+            if j {
+                json(&warmed)
+            } else {
+                Ok(render::cache_warmed(&warmed))
+            }
+        }
+        CacheCommand::Evict {
+            prefix,
+            all: _,
+            dry_run,
+            json: j,
+        } => {
+            if prefix.as_deref() == Some("") {
+                anyhow::bail!("the PREFIX is empty; to evict every entry, say --all");
+            }
+            // --all is the empty prefix: every URL starts with it.
+            let prefix = prefix.unwrap_or_default();
+            let evicted = cache::evict(agent, prefix.clone(), dry_run)?;
+            if j {
+                json(&evicted)
+            } else {
+                Ok(render::cache_evicted(&evicted, &prefix))
+            }
+        }
+    }
 }
 
 fn run_ckpt(

@@ -44,7 +44,7 @@ fn call(
 
 /// Whether the agent refused the request for not knowing it: an agent before these requests
 /// answers any unknown one as a malformed frame.
-fn too_old(e: &anyhow::Error) -> bool {
+pub(crate) fn too_old(e: &anyhow::Error) -> bool {
     e.downcast_ref::<ErrorReply>()
         .is_some_and(|r| r.code == ErrorCode::BadRequest && r.message.contains("unknown variant"))
 }

@@ -9,7 +9,10 @@
 use crate::ckpt::{DestCheck, RestorePlan, Restored, Verified};
 use sluice_archive::store::is_offline_class;
 use sluice_archive::{CheckpointInfo, CheckpointState};
-use sluice_proto::msg::{CkptState, CkptStatus, JobId, JobStatus, NodeStatus, StageProgress};
+use sluice_proto::msg::{
+    CacheEntry, CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptState, CkptStatus, JobId,
+    JobStatus, NodeStatus, StageProgress,
+};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Longest DATASETS cell in the status table; the detail view shows every name.
@@ -199,7 +202,7 @@ pub fn node_status(status: &NodeStatus) -> String {
          hot tier  {}\n  \
            size    {}\n  \
            free    {}{free_pct}\n  \
-           used    {} by sluice jobs\n\n",
+           used    {} by sluice jobs\n",
         clean(&status.node),
         clean(&status.agent_version),
         clean(&status.hot_root),
@@ -207,6 +210,10 @@ pub fn node_status(status: &NodeStatus) -> String {
         bytes(status.hot_free_bytes),
         bytes(status.hot_used_bytes),
     );
+    if let Some(cache) = &status.cache {
+        out.push_str(&status_cache(cache));
+    }
+    out.push('\n');
     if status.jobs.is_empty() {
         out.push_str("No sluice jobs on this node that you may see.\n");
         return out;
@@ -236,6 +243,27 @@ pub fn node_status(status: &NodeStatus) -> String {
         &rows,
     ));
     out
+}
+
+/// `sluice status`'s lines on the cross-job cache: how full it is, how often it hits, what it saved
+/// and what it had to give up.
+fn status_cache(c: &CacheStats) -> String {
+    format!(
+        "cache     {}\n  \
+           used    {} of {}{}, {}\n  \
+           hits    {}\n  \
+           served  {} from the cache (not read from the origin again)\n  \
+           evicted {}, {}\n",
+        clean(&c.root),
+        bytes(c.used_bytes),
+        bytes(c.capacity_bytes),
+        percent(c.used_bytes, Some(c.capacity_bytes)),
+        entries(c.entries),
+        lookups(c),
+        bytes(c.hit_bytes),
+        entries(c.evictions),
+        bytes(c.evicted_bytes),
+    )
 }
 
 fn started(started_at: u64, now: SystemTime) -> String {
@@ -319,14 +347,18 @@ pub fn job_detail(job: &JobStatus, now: SystemTime) -> String {
             rate(s.rate_bps()),
             duration_ms(s.elapsed_ms),
         ));
-        // Where the bytes came from, once the job's other nodes supplied some (peer transfers):
-        // what this node read from the origin itself is what the origin served it.
-        if s.peer_bytes > 0 {
-            out.push_str(&format!(
-                "    from     {} origin, {} peers\n",
-                bytes(s.origin_bytes),
-                bytes(s.peer_bytes)
-            ));
+        // Where the bytes came from, once the job's other nodes (peer transfers) or this node's
+        // cache supplied some: what this node read from the origin itself is what the origin
+        // served it.
+        if s.peer_bytes > 0 || s.cache_bytes > 0 {
+            let mut from = format!("{} origin", bytes(s.origin_bytes));
+            if s.peer_bytes > 0 {
+                from.push_str(&format!(", {} peers", bytes(s.peer_bytes)));
+            }
+            if s.cache_bytes > 0 {
+                from.push_str(&format!(", {} this node's cache", bytes(s.cache_bytes)));
+            }
+            out.push_str(&format!("    from     {from}\n"));
         }
         if let Some(e) = &s.error {
             out.push_str(&format!("    error    {}\n", clean(e)));
@@ -572,6 +604,215 @@ pub fn restore_plan(p: &RestorePlan) -> String {
         bytes(p.raw_bytes),
         bytes(p.stored_bytes),
     )
+}
+
+// ------------------------------------------------------------------------------------------ cache
+
+/// `1 entry`, `3 entries`.
+fn entries(n: u64) -> String {
+    if n == 1 {
+        "1 entry".to_string()
+    } else {
+        format!("{n} entries")
+    }
+}
+
+/// Hits over lookups: `87.5%`; `-` before the first lookup.
+fn hit_ratio(c: &CacheStats) -> String {
+    c.hit_ratio()
+        .map_or_else(|| "-".to_string(), |r| format!("{:.1}%", r * 100.0))
+}
+
+/// `87.5% of 8 lookups (7 hits, 1 miss)`, or that there was none yet.
+fn lookups(c: &CacheStats) -> String {
+    let lookups = c.hits.saturating_add(c.misses);
+    if lookups == 0 {
+        return "no lookups yet".to_string();
+    }
+    let misses = if c.misses == 1 { "miss" } else { "misses" };
+    format!(
+        "{} of {lookups} lookups ({} hits, {} {misses})",
+        hit_ratio(c),
+        c.hits,
+        c.misses
+    )
+}
+
+/// The one line that heads `sluice cache list`: where the cache is, how full, how useful.
+fn cache_head(l: &CacheListing) -> String {
+    let c = &l.stats;
+    format!(
+        "cache on {} ({}): {} of {}{}, {}; {}\n",
+        clean(&l.node),
+        clean(&c.root),
+        bytes(c.used_bytes),
+        bytes(c.capacity_bytes),
+        percent(c.used_bytes, Some(c.capacity_bytes)),
+        entries(c.entries),
+        match c.hit_ratio() {
+            Some(_) => format!("hit ratio {}", hit_ratio(c)),
+            None => "no lookups yet".to_string(),
+        },
+    )
+}
+
+/// `sluice cache list [PREFIX]`: the entries as the agent sends them, least recently used (the
+/// next to be evicted) first.
+pub fn cache_list(l: &CacheListing, prefix: Option<&str>) -> String {
+    let mut out = cache_head(l);
+    out.push('\n');
+    if l.entries.is_empty() {
+        match prefix {
+            Some(p) => out.push_str(&format!("No entries under {}.\n", clean(p))),
+            None => out.push_str("The cache is empty.\n"),
+        }
+        return out;
+    }
+    let rows: Vec<Vec<String>> = l
+        .entries
+        .iter()
+        .map(|e: &CacheEntry| {
+            vec![
+                clean(&e.url),
+                bytes(e.size),
+                timestamp(e.last_use),
+                if e.in_use { "yes" } else { "no" }.to_string(),
+            ]
+        })
+        .collect();
+    out.push_str(&table(&["URL", "SIZE", "LAST USE", "IN USE"], &rows));
+    if let Some(p) = prefix {
+        let size = l.entries.iter().fold(0u64, |a, e| a.saturating_add(e.size));
+        out.push_str(&format!(
+            "\n{} under {}, {}\n",
+            entries(l.entries.len() as u64),
+            clean(p),
+            bytes(size)
+        ));
+    }
+    if l.entries.iter().any(|e| e.in_use) {
+        out.push_str(
+            "\nIN USE yes: a job is reading it right now; it is not evicted until the job is done.\n",
+        );
+    }
+    out
+}
+
+/// `sluice cache stats`: every counter, with what it means.
+pub fn cache_stats(l: &CacheListing) -> String {
+    let c = &l.stats;
+    let of_capacity = |n: u64| format!("{}{}", bytes(n), percent(n, Some(c.capacity_bytes)));
+    format!(
+        "cache on {}\n  \
+           root        {}\n  \
+           capacity    {}\n  \
+           high water  {}: filling past it evicts the least recently used entries\n  \
+           low water   {}: eviction stops there\n  \
+           used        {} in {}\n  \
+           hits        {}\n  \
+           misses      {}\n  \
+           hit ratio   {}\n  \
+           from cache  {} placed into jobs: bytes the origin did not serve again\n  \
+           filled      {} written into new entries\n  \
+           evictions   {}, {}\n",
+        clean(&l.node),
+        clean(&c.root),
+        bytes(c.capacity_bytes),
+        of_capacity(c.high_water_bytes),
+        of_capacity(c.low_water_bytes),
+        of_capacity(c.used_bytes),
+        entries(c.entries),
+        c.hits,
+        c.misses,
+        hit_ratio(c),
+        bytes(c.hit_bytes),
+        bytes(c.filled_bytes),
+        entries(c.evictions),
+        bytes(c.evicted_bytes),
+    )
+}
+
+/// `sluice cache warm URL`: what is in the cache now, what was there already, what was read for it
+/// and what could not be cached. `files`/`bytes` are the dataset's objects the cache holds now
+/// (cached before, or filled by this warm); the skipped ones are counted in neither.
+pub fn cache_warmed(w: &CacheWarmed) -> String {
+    let mut out = format!(
+        "warmed {} on {}: {} object(s), {} in the cache\n  \
+           already there  {} object(s), {}\n  \
+           filled now     {} object(s), {} read from the origin\n",
+        clean(&w.url),
+        clean(&w.node),
+        w.files,
+        bytes(w.bytes),
+        w.cached_files,
+        bytes(w.cached_bytes),
+        w.files.saturating_sub(w.cached_files),
+        bytes(w.bytes.saturating_sub(w.cached_bytes)),
+    );
+    if !w.skipped.is_empty() {
+        out.push_str(&format!(
+            "  skipped        {} object(s), not cached (jobs read them from the origin):\n",
+            w.skipped.len()
+        ));
+        for s in &w.skipped {
+            out.push_str(&format!("    {}\n", clean(s)));
+        }
+    }
+    out
+}
+
+/// `sluice cache evict PREFIX|--all [--dry-run]`: what went (or would go), and what stays because
+/// a job uses it.
+pub fn cache_evicted(e: &CacheEvicted, prefix: &str) -> String {
+    let under = if prefix.is_empty() {
+        String::new()
+    } else {
+        format!(" under {}", clean(prefix))
+    };
+    let node = clean(&e.node);
+    let mut out = if e.entries == 0 && e.in_use == 0 {
+        format!("no cache entries{under} on {node}; nothing to evict\n")
+    } else if e.dry_run {
+        format!(
+            "dry run: would evict {} ({}){under} from the cache on {node}\n",
+            entries(e.entries),
+            bytes(e.bytes)
+        )
+    } else {
+        format!(
+            "evicted {} ({}){under} from the cache on {node}\n",
+            entries(e.entries),
+            bytes(e.bytes)
+        )
+    };
+    if e.in_use > 0 {
+        let (what, verb, who) = match (e.in_use, e.dry_run) {
+            (1, false) => (
+                "1 more entry matches",
+                "stays",
+                "a job is reading or filling it",
+            ),
+            (1, true) => (
+                "1 more entry matches",
+                "would stay",
+                "a job is reading or filling it",
+            ),
+            (_, false) => ("", "stay", "jobs are reading or filling them"),
+            (_, true) => ("", "would stay", "jobs are reading or filling them"),
+        };
+        let what = if what.is_empty() {
+            format!("{} more entries match", e.in_use)
+        } else {
+            what.to_string()
+        };
+        out.push_str(&format!(
+            "  {what} and {verb}: {who} (evict again once the job is done)\n"
+        ));
+    }
+    if e.dry_run {
+        out.push_str("Nothing was removed.\n");
+    }
+    out
 }
 
 /// An error and its causes on one line, as `{:#}` prints them, but without the causes whose text
@@ -977,5 +1218,181 @@ step150: unusable MANIFEST (unsupported version 9); it is never restored
         assert!(restore_plan(&plan).contains(
             "\n  the restore would be refused: /scratch/alice/step200 is not empty [2J\n"
         ));
+    }
+
+    #[test]
+    fn status_view_with_a_cache() {
+        let mut status = fixtures::node_status();
+        status.cache = Some(fixtures::cache_stats());
+        let want = "\
+node      gpu07
+agent     sluiced 0.1.0
+hot tier  /var/lib/sluice/gpu07/hot
+  size    1.7 TiB
+  free    1.2 TiB (68%)
+  used    44.5 GiB by sluice jobs
+cache     /var/lib/sluice/gpu07/hot/cache
+  used    33.0 GiB of 100.0 GiB (33%), 3 entries
+  hits    87.5% of 8 lookups (7 hits, 1 miss)
+  served  56.0 GiB from the cache (not read from the origin again)
+  evicted 2 entries, 12.0 GiB
+
+JOBID  USER   STATE    DATASETS  ";
+        assert!(
+            node_status(&status).starts_with(want),
+            "{}",
+            node_status(&status)
+        );
+        // A fresh cache, and one without lookups: no ratio to show.
+        status.cache = Some(CacheStats {
+            root: "/c".into(),
+            capacity_bytes: 1 << 30,
+            ..CacheStats::default()
+        });
+        let text = node_status(&status);
+        assert!(
+            text.contains(
+                "cache     /c\n  used    0 B of 1.0 GiB (0%), 0 entries\n  hits    no lookups yet\n  \
+                 served  0 B from the cache (not read from the origin again)\n  \
+                 evicted 0 entries, 0 B\n\nJOBID  "
+            ),
+            "{text}"
+        );
+        // Without a cache (or from an agent before it), no cache lines.
+        assert!(!node_status(&fixtures::node_status()).contains("cache"));
+    }
+
+    #[test]
+    fn job_view_shows_bytes_from_the_cache() {
+        let mut job = fixtures::staging_job();
+        job.stages[0].origin_bytes = 1 << 30;
+        job.stages[0].cache_bytes = 7 * (1 << 30);
+        let text = job_detail(&job, UNIX_EPOCH);
+        assert!(
+            text.contains(
+                "    elapsed  16.0s\n    from     1.0 GiB origin, 7.0 GiB this node's cache\n"
+            ),
+            "{text}"
+        );
+        job.stages[0].peer_bytes = 1 << 29;
+        assert!(
+            job_detail(&job, UNIX_EPOCH).contains(
+                "    from     1.0 GiB origin, 512.0 MiB peers, 7.0 GiB this node's cache\n"
+            )
+        );
+    }
+
+    #[test]
+    fn cache_list_view() {
+        let want = "\
+cache on gpu07 (/var/lib/sluice/gpu07/hot/cache): 33.0 GiB of 100.0 GiB (33%), 3 entries; hit ratio 87.5%
+
+URL                                     SIZE      LAST USE              IN USE
+s3://datasets/corpus/v1.tar             2.0 GiB   2026-05-01T10:05:00Z  no
+s3://datasets/imagenet/train.tar        30.0 GiB  2026-05-01T10:20:00Z  no
+az://models/llama-8b/model.safetensors  1.0 GiB   2026-05-01T10:42:00Z  yes
+
+IN USE yes: a job is reading it right now; it is not evicted until the job is done.
+";
+        assert_eq!(cache_list(&fixtures::cache_listing(), None), want);
+    }
+
+    #[test]
+    fn cache_list_under_a_prefix_and_empty() {
+        let mut l = fixtures::cache_listing();
+        l.entries.retain(|e| e.url.starts_with("s3://datasets/"));
+        let text = cache_list(&l, Some("s3://datasets/"));
+        assert!(
+            text.ends_with(
+                "\ns3://datasets/imagenet/train.tar  30.0 GiB  2026-05-01T10:20:00Z  no\n\n\
+                 2 entries under s3://datasets/, 32.0 GiB\n"
+            ),
+            "{text}"
+        );
+        l.entries.clear();
+        assert!(
+            cache_list(&l, Some("s3://none/\x1b[2J"))
+                .ends_with("3 entries; hit ratio 87.5%\n\nNo entries under s3://none/ [2J.\n")
+        );
+        l.stats = CacheStats::default();
+        assert_eq!(
+            cache_list(&l, None),
+            "cache on gpu07 (): 0 B of 0 B, 0 entries; no lookups yet\n\nThe cache is empty.\n"
+        );
+    }
+
+    #[test]
+    fn cache_stats_view() {
+        let want = "\
+cache on gpu07
+  root        /var/lib/sluice/gpu07/hot/cache
+  capacity    100.0 GiB
+  high water  90.0 GiB (90%): filling past it evicts the least recently used entries
+  low water   75.0 GiB (75%): eviction stops there
+  used        33.0 GiB (33%) in 3 entries
+  hits        7
+  misses      1
+  hit ratio   87.5%
+  from cache  56.0 GiB placed into jobs: bytes the origin did not serve again
+  filled      45.0 GiB written into new entries
+  evictions   2 entries, 12.0 GiB
+";
+        assert_eq!(cache_stats(&fixtures::cache_listing()), want);
+    }
+
+    #[test]
+    fn cache_warm_view() {
+        let want = "\
+warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB in the cache
+  already there  500 object(s), 4.0 GiB
+  filled now     500 object(s), 6.0 GiB read from the origin
+  skipped        1 object(s), not cached (jobs read them from the origin):
+    s3://datasets/imagenet/all.tar: 120.0 GiB is larger than the cache (100.0 GiB)
+";
+        assert_eq!(cache_warmed(&fixtures::cache_warmed()), want);
+        // Everything there already: nothing read, nothing skipped.
+        let mut w = fixtures::cache_warmed();
+        (w.cached_files, w.cached_bytes) = (w.files, w.bytes);
+        w.skipped.clear();
+        assert!(
+            cache_warmed(&w).ends_with(
+                "  already there  1000 object(s), 10.0 GiB\n  \
+                 filled now     0 object(s), 0 B read from the origin\n"
+            ),
+            "{}",
+            cache_warmed(&w)
+        );
+    }
+
+    #[test]
+    fn cache_evict_views() {
+        assert_eq!(
+            cache_evicted(&fixtures::cache_evicted(false), "s3://datasets/"),
+            "evicted 2 entries (32.0 GiB) under s3://datasets/ from the cache on gpu07\n  \
+             1 more entry matches and stays: a job is reading or filling it (evict again once \
+             the job is done)\n"
+        );
+        assert_eq!(
+            cache_evicted(&fixtures::cache_evicted(true), ""),
+            "dry run: would evict 2 entries (32.0 GiB) from the cache on gpu07\n  \
+             1 more entry matches and would stay: a job is reading or filling it (evict again \
+             once the job is done)\nNothing was removed.\n"
+        );
+        let mut e = fixtures::cache_evicted(false);
+        e.in_use = 3;
+        assert!(cache_evicted(&e, "s3://d/").ends_with(
+            "\n  3 more entries match and stay: jobs are reading or filling them (evict again \
+             once the job is done)\n"
+        ));
+        (e.entries, e.bytes, e.in_use) = (1, 1024, 0);
+        assert_eq!(
+            cache_evicted(&e, "s3://d/x"),
+            "evicted 1 entry (1.0 KiB) under s3://d/x from the cache on gpu07\n"
+        );
+        (e.entries, e.bytes) = (0, 0);
+        assert_eq!(
+            cache_evicted(&e, "s3://typo/"),
+            "no cache entries under s3://typo/ on gpu07; nothing to evict\n"
+        );
     }
 }

@@ -10,7 +10,8 @@
 mod fixtures;
 
 use sluice_proto::msg::{
-    CkptStatus, ErrorCode, ErrorReply, JobStatus, NodeStatus, Request, Response,
+    CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptStatus, ErrorCode, ErrorReply,
+    JobStatus, NodeStatus, Request, Response,
 };
 use sluice_proto::wire;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -407,6 +408,236 @@ fn list_outside_a_job_and_conflicting_arguments() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let out = sluice(&["ckpt", "list", "--job", "x"], &[]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}
+
+// ------------------------------------------------------------------------------------ cache
+
+#[test]
+fn status_shows_the_cache_when_the_node_has_one() {
+    let mut status = fixtures::node_status();
+    status.cache = Some(fixtures::cache_stats());
+    let (_, out) = ask(Response::Status(status.clone()), &["status"], &[]);
+    let stdout = succeeded(&out);
+    assert_has(
+        &stdout,
+        "\ncache     /var/lib/sluice/gpu07/hot/cache\n  used    33.0 GiB of 100.0 GiB (33%), 3 entries\n  \
+         hits    87.5% of 8 lookups (7 hits, 1 miss)\n  \
+         served  56.0 GiB from the cache (not read from the origin again)\n  \
+         evicted 2 entries, 12.0 GiB\n\nJOBID  ",
+    );
+    let (_, out) = ask(Response::Status(status.clone()), &["status", "--json"], &[]);
+    let parsed: NodeStatus = serde_json::from_slice(succeeded(&out).as_bytes()).unwrap();
+    assert_eq!(parsed, status);
+}
+
+#[test]
+fn cache_list_asks_for_the_entries_under_the_prefix() {
+    let (request, out) = ask(
+        Response::Cache(fixtures::cache_listing()),
+        &["cache", "list", "s3://datasets/"],
+        &[],
+    );
+    assert_eq!(
+        request,
+        Request::CacheList {
+            prefix: Some("s3://datasets/".into()),
+            entries: true
+        }
+    );
+    let stdout = succeeded(&out);
+    assert!(
+        stdout.starts_with(
+            "cache on gpu07 (/var/lib/sluice/gpu07/hot/cache): 33.0 GiB of 100.0 GiB (33%), 3 \
+             entries; hit ratio 87.5%\n\nURL                                     SIZE      LAST USE              IN USE\n\
+             s3://datasets/corpus/v1.tar             2.0 GiB   2026-05-01T10:05:00Z  no\n"
+        ),
+        "{stdout}"
+    );
+    // Without a prefix, all of them; --json is the agent's answer.
+    let (request, out) = ask(
+        Response::Cache(fixtures::cache_listing()),
+        &["cache", "list", "--json"],
+        &[],
+    );
+    assert_eq!(
+        request,
+        Request::CacheList {
+            prefix: None,
+            entries: true
+        }
+    );
+    let parsed: CacheListing = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(parsed, fixtures::cache_listing());
+    assert!(out.stderr.is_empty());
+}
+
+#[test]
+fn cache_stats_asks_for_the_counters_only() {
+    let mut listing = fixtures::cache_listing();
+    listing.entries.clear();
+    let (request, out) = ask(Response::Cache(listing.clone()), &["cache", "stats"], &[]);
+    assert_eq!(
+        request,
+        Request::CacheList {
+            prefix: None,
+            entries: false
+        }
+    );
+    let stdout = succeeded(&out);
+    assert!(stdout.starts_with("cache on gpu07\n  root        /var/lib/sluice/gpu07/hot/cache\n  capacity    100.0 GiB\n"), "{stdout}");
+    assert_has(&stdout, "\n  hit ratio   87.5%\n");
+    assert_has(
+        &stdout,
+        "\n  from cache  56.0 GiB placed into jobs: bytes the origin did not serve again\n",
+    );
+    let (_, out) = ask(Response::Cache(listing), &["cache", "stats", "--json"], &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["node"], "gpu07");
+    assert_eq!(v["hit_ratio"], 0.875);
+    let stats: CacheStats = serde_json::from_value(v["stats"].clone()).unwrap();
+    assert_eq!(stats, fixtures::cache_stats());
+}
+
+#[test]
+fn cache_warm_says_what_it_cached_and_fails_on_an_error() {
+    let url = "s3://datasets/imagenet/";
+    let (request, out) = ask(
+        Response::CacheWarmed(fixtures::cache_warmed()),
+        &["cache", "warm", url],
+        &[],
+    );
+    assert_eq!(request, Request::CacheWarm { url: url.into() });
+    let stdout = succeeded(&out);
+    assert!(
+        stdout.starts_with(
+            "warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB in the cache\n  \
+             already there  500 object(s), 4.0 GiB\n"
+        ),
+        "{stdout}"
+    );
+    assert_has(
+        &stdout,
+        "\n    s3://datasets/imagenet/all.tar: 120.0 GiB is larger than the cache (100.0 GiB)\n",
+    );
+    let (_, out) = ask(
+        Response::CacheWarmed(fixtures::cache_warmed()),
+        &["cache", "warm", url, "--json"],
+        &[],
+    );
+    let parsed: CacheWarmed = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(parsed, fixtures::cache_warmed());
+
+    let message = "dataset s3://datasets/nothing/ not found — check the path";
+    let (_, out) = ask(
+        Response::Error(ErrorReply::new(ErrorCode::NotFound, message)),
+        &["cache", "warm", "s3://datasets/nothing/"],
+        &[],
+    );
+    assert_eq!(failed(&out), format!("sluice: {message}\n"));
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn cache_evict_by_prefix_all_and_dry_run() {
+    let (request, out) = ask(
+        Response::CacheEvicted(fixtures::cache_evicted(false)),
+        &["cache", "evict", "s3://datasets/"],
+        &[],
+    );
+    assert_eq!(
+        request,
+        Request::CacheEvict {
+            prefix: "s3://datasets/".into(),
+            dry_run: false
+        }
+    );
+    assert_eq!(
+        succeeded(&out),
+        "evicted 2 entries (32.0 GiB) under s3://datasets/ from the cache on gpu07\n  \
+         1 more entry matches and stays: a job is reading or filling it (evict again once the \
+         job is done)\n"
+    );
+    let (request, out) = ask(
+        Response::CacheEvicted(fixtures::cache_evicted(true)),
+        &["cache", "evict", "--all", "--dry-run", "--json"],
+        &[],
+    );
+    assert_eq!(
+        request,
+        Request::CacheEvict {
+            prefix: String::new(),
+            dry_run: true
+        }
+    );
+    let parsed: CacheEvicted = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(parsed, fixtures::cache_evicted(true));
+
+    // What to evict must be said, once: a usage error; an empty PREFIX is refused before the
+    // agent is asked (nobody listens on this socket).
+    let d = temp_socket();
+    for args in [
+        &["cache", "evict"][..],
+        &["cache", "evict", "--all", "s3://d/"],
+    ] {
+        let out = d.sluice(args, &[]);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    let stderr = failed(&d.sluice(&["cache", "evict", ""], &[]));
+    assert_eq!(
+        stderr,
+        "sluice: the PREFIX is empty; to evict every entry, say --all\n"
+    );
+}
+
+/// A user who is not root is told the cache is for admins, before anything is asked of the
+/// agent (nobody listens on the socket: asking would fail otherwise).
+#[test]
+fn cache_commands_are_for_admins() {
+    use std::os::unix::process::CommandExt;
+    let d = temp_socket();
+    for args in [
+        &["cache", "list"][..],
+        &["cache", "stats"],
+        &["cache", "warm", "s3://datasets/imagenet/"],
+        &["cache", "evict", "--all"],
+    ] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        cmd.arg("--socket").arg(&d.socket).args(args);
+        if nix::unistd::geteuid().is_root() {
+            cmd.uid(65534).gid(65534);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = failed(&out);
+        assert!(
+            stderr.starts_with("sluice: sluice cache commands are for admins: ")
+                && stderr.contains("sudo sluice cache"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+/// An agent from before the cache answers the request as one it cannot parse.
+#[test]
+fn an_agent_without_a_cache_is_named_as_too_old() {
+    // The agent sends the decode error as `bad_request` (`server.rs:serve`): serde's words for
+    // an op it does not know, as this build says them of one it does not know either.
+    let body = br#"{"version":1,"request":{"op":"cache_frobnicate"}}"#;
+    let message = wire::decode_request(body).unwrap_err().to_string();
+    let (_, out) = ask(
+        Response::Error(ErrorReply::new(ErrorCode::BadRequest, message)),
+        &["cache", "stats"],
+        &[],
+    );
+    let stderr = failed(&out);
+    assert!(
+        stderr.contains("is older than this CLI and has no cache; update sluiced"),
+        "{stderr}"
+    );
 }
 
 // ------------------------------------------------------------------------------------ ckpt, URL

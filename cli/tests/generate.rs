@@ -118,6 +118,11 @@ fn every_command_in_help_has_its_man_page_and_nothing_else_has_one() {
         "sluice-ckpt-list",
         "sluice-ckpt-verify",
         "sluice-ckpt-restore",
+        "sluice-cache",
+        "sluice-cache-list",
+        "sluice-cache-stats",
+        "sluice-cache-warm",
+        "sluice-cache-evict",
     ] {
         let page = format!("{page}.1");
         assert!(expected.contains(&page), "{page} in {expected:?}");
@@ -308,7 +313,12 @@ fn bash_completion_parses_and_completes_commands_and_options() {
     );
 
     let top = bash_complete(&script, &["sluice", ""]);
-    assert_offers(&top, &["status", "job", "ckpt", "--socket", "--timeout"]);
+    assert_offers(
+        &top,
+        &["status", "job", "ckpt", "cache", "--socket", "--timeout"],
+    );
+    let cache = bash_complete(&script, &["sluice", "cache", ""]);
+    assert_offers(&cache, &["list", "stats", "warm", "evict"]);
     assert!(!top.iter().any(|w| w == "generate"), "{top:?}");
 
     let ckpt = bash_complete(&script, &["sluice", "ckpt", ""]);

@@ -1,0 +1,129 @@
+//! `sluice cache list|stats|warm|evict`: this node's cross-job cache (`[cache]`), for admins.
+//!
+//! The cache holds every user's datasets, so its entries and its control are root's: the agent
+//! answers these requests for root only, and this command says so before it asks (a user reads the
+//! cache's counters in `sluice status`). Each command is one request to the node's agent; to warm
+//! or clear the cache of several nodes, run it on each (`pdsh -w gpu[01-08] sluice cache warm URL`).
+
+use crate::agent::Agent;
+use anyhow::{anyhow, bail};
+use serde::Serialize;
+use sluice_proto::msg::{CacheEvicted, CacheListing, CacheStats, CacheWarmed, Request, Response};
+use std::time::Duration;
+
+/// How long a warm's answer is awaited: the agent answers once the whole dataset is in the cache
+/// (or skipped), which for a large one takes as long as staging it.
+const WARM_WAIT: Duration = Duration::from_secs(12 * 3600 + 60);
+/// How long an evict's answer is awaited: removing many entries takes a while on a busy disk.
+const EVICT_WAIT: Duration = Duration::from_secs(10 * 60);
+
+/// Refuses a caller other than root, before anything is asked of the agent.
+pub fn require_admin(is_root: bool) -> anyhow::Result<()> {
+    if !is_root {
+        bail!(
+            "sluice cache commands are for admins: the cache holds every user's data, so only root \
+             may list, warm or evict it (sudo sluice cache ...); `sluice status` shows its hit \
+             ratio and size to everyone"
+        );
+    }
+    Ok(())
+}
+
+/// `sluice cache stats --json`: the agent's counters, with the hit ratio worked out.
+#[derive(Debug, Serialize)]
+pub struct StatsReport {
+    pub node: String,
+    pub stats: CacheStats,
+    /// Hits over lookups, 0..=1; null before the first lookup.
+    pub hit_ratio: Option<f64>,
+}
+
+impl From<CacheListing> for StatsReport {
+    fn from(l: CacheListing) -> StatsReport {
+        StatsReport {
+            node: l.node,
+            hit_ratio: l.stats.hit_ratio(),
+            stats: l.stats,
+        }
+    }
+}
+
+/// Sends one cache request, waiting `wait` for its answer, and names an agent that predates the
+/// cache as such.
+fn call(agent: &Agent, request: Request, wait: Duration) -> anyhow::Result<Response> {
+    agent.call_with(request, None, wait).map_err(|e| {
+        if crate::remote::too_old(&e) {
+            anyhow!(
+                "the sluice agent at {} is older than this CLI and has no cache; update sluiced on \
+                 this node",
+                agent.socket
+            )
+        } else {
+            e
+        }
+    })
+}
+
+/// The cache's counters and, with `entries`, the entries under `prefix` (all without one), least
+/// recently used first.
+pub fn list(agent: &Agent, prefix: Option<String>, entries: bool) -> anyhow::Result<CacheListing> {
+    let asked = if entries { "cache list" } else { "cache stats" };
+    match call(agent, Request::CacheList { prefix, entries }, agent.timeout)? {
+        Response::Cache(listing) => Ok(listing),
+        other => Err(agent.unexpected(asked, &other)),
+    }
+}
+
+/// Fills this node's cache with the dataset at `url`; returns once the agent is done.
+pub fn warm(agent: &Agent, url: String) -> anyhow::Result<CacheWarmed> {
+    match call(agent, Request::CacheWarm { url }, WARM_WAIT)? {
+        Response::CacheWarmed(w) => Ok(w),
+        other => Err(agent.unexpected("cache warm", &other)),
+    }
+}
+
+/// Removes (with `dry_run`, counts) the entries under `prefix`; `""` is every entry.
+pub fn evict(agent: &Agent, prefix: String, dry_run: bool) -> anyhow::Result<CacheEvicted> {
+    match call(agent, Request::CacheEvict { prefix, dry_run }, EVICT_WAIT)? {
+        Response::CacheEvicted(e) => Ok(e),
+        other => Err(agent.unexpected("cache evict", &other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_root_may_use_the_cache_commands() {
+        assert!(require_admin(true).is_ok());
+        let e = require_admin(false).unwrap_err().to_string();
+        assert!(
+            e.starts_with("sluice cache commands are for admins") && e.contains("sudo"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_stats_report_carries_the_hit_ratio() {
+        let listing = CacheListing {
+            node: "n1".into(),
+            stats: CacheStats {
+                hits: 3,
+                misses: 1,
+                ..CacheStats::default()
+            },
+            entries: Vec::new(),
+        };
+        let v = serde_json::to_value(StatsReport::from(listing)).unwrap();
+        assert_eq!(v["hit_ratio"], 0.75);
+        assert_eq!(v["stats"]["hits"], 3);
+        assert_eq!(v["node"], "n1");
+        let none = StatsReport::from(CacheListing {
+            node: "n1".into(),
+            stats: CacheStats::default(),
+            entries: Vec::new(),
+        });
+        assert!(serde_json::to_value(none).unwrap()["hit_ratio"].is_null());
+    }
+}
