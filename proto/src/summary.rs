@@ -20,8 +20,8 @@ pub fn bytes(n: u64) -> String {
 }
 
 /// What this node staged for the job, once its data is ready: datasets, bytes, files, time and
-/// rate, and with peers how much came from the origin and how much from the job's other nodes.
-/// Nothing when the job stages nothing.
+/// rate, and, when the job's other nodes (peers) or this node's cache supplied some of it, the
+/// share of each source. Nothing when the job stages nothing.
 pub fn job_start(status: &JobStatus) -> Vec<String> {
     let stages = &status.stages;
     if stages.is_empty() {
@@ -30,6 +30,7 @@ pub fn job_start(status: &JobStatus) -> Vec<String> {
     let bytes_done: u64 = stages.iter().map(|s| s.bytes_done).sum();
     let files: u64 = stages.iter().map(|s| s.files_done).sum();
     let peer: u64 = stages.iter().map(|s| s.peer_bytes).sum();
+    let cache: u64 = stages.iter().map(|s| s.cache_bytes).sum();
     // Datasets stage side by side: the job waited for the slowest.
     let ms = stages.iter().map(|s| s.elapsed_ms).max().unwrap_or(0);
     let rate = bytes_done
@@ -43,14 +44,50 @@ pub fn job_start(status: &JobStatus) -> Vec<String> {
         bytes(bytes_done),
         ms as f64 / 1000.0
     );
-    if peer > 0 && bytes_done > 0 {
-        let from_peers = peer.min(bytes_done) * 100 / bytes_done;
-        line.push_str(&format!(
-            "; {} % from the origin, {from_peers} % from the job's other nodes",
-            100 - from_peers
-        ));
+    if let Some(shares) = shares(bytes_done, peer, cache) {
+        line.push_str("; ");
+        line.push_str(&shares);
     }
     vec![line]
+}
+
+/// Where `done` bytes came from, when not all from the origin: `34 % from the origin, 66 % from
+/// the job's other nodes`, `100 % from this node's cache`. The shares add up to 100: peers' and
+/// the cache's are rounded down and the origin gets the rest when it served anything, so
+/// rounding never claims more saved than was; when it served nothing, the rest goes to whichever
+/// of the two lost more to rounding. The origin is named whenever it served anything, and next
+/// to peers always (it is what peers save); the cache when it supplied anything.
+fn shares(done: u64, peer: u64, cache: u64) -> Option<String> {
+    if done == 0 || (peer == 0 && cache == 0) {
+        return None;
+    }
+    let (done, peer) = (u128::from(done), u128::from(peer).min(u128::from(done)));
+    // Counters of another agent could overlap; never more than the whole.
+    let cache = u128::from(cache).min(done - peer);
+    let (mut from_peers, mut from_cache) = (peer * 100 / done, cache * 100 / done);
+    let origin_served = peer + cache < done;
+    let rest = 100 - from_peers - from_cache;
+    let from_origin = if origin_served {
+        rest
+    } else {
+        if (peer * 100) % done >= (cache * 100) % done {
+            from_peers += rest;
+        } else {
+            from_cache += rest;
+        }
+        0
+    };
+    let mut parts = Vec::new();
+    if origin_served || peer > 0 {
+        parts.push(format!("{from_origin} % from the origin"));
+    }
+    if peer > 0 {
+        parts.push(format!("{from_peers} % from the job's other nodes"));
+    }
+    if cache > 0 {
+        parts.push(format!("{from_cache} % from this node's cache"));
+    }
+    Some(parts.join(", "))
 }
 
 /// The job's checkpoints on this node when its batch script ended: what is archived, what is still
@@ -166,6 +203,7 @@ mod tests {
             bytes_total: Some(bytes),
             origin_bytes: bytes - peer,
             peer_bytes: peer,
+            cache_bytes: 0,
             elapsed_ms: ms,
             error: None,
         };
@@ -184,6 +222,75 @@ mod tests {
               the origin, 66 % from the job's other nodes"
             ]
         );
+    }
+
+    #[test]
+    fn start_summary_names_what_came_from_this_nodes_cache() {
+        use crate::msg::{StageProgress, StageState};
+        const GIB: u64 = 1 << 30;
+        let stage = |bytes: u64, peer: u64, cache: u64| StageProgress {
+            name: "ds".into(),
+            source: "s3://b/ds".into(),
+            state: StageState::Done,
+            files_done: 4,
+            files_total: Some(4),
+            bytes_done: bytes,
+            bytes_total: Some(bytes),
+            origin_bytes: bytes - peer - cache,
+            peer_bytes: peer,
+            cache_bytes: cache,
+            elapsed_ms: 500,
+            error: None,
+        };
+        let mut st = job(Vec::new());
+        let line = |st: &JobStatus| job_start(st).pop().unwrap();
+        // The issue's case: a second job on the same data reads nothing from the origin.
+        st.stages = vec![stage(2 * GIB, 0, 2 * GIB)];
+        assert_eq!(
+            line(&st),
+            "staged 1 dataset(s) on n1: 2.0 GiB, 4 file(s) in 0.5 s (4.0 GiB/s); 100 % from \
+             this node's cache"
+        );
+        // Part of it: the origin keeps what rounding leaves (never overstating the saving).
+        st.stages = vec![stage(3 * GIB, 0, 2 * GIB)];
+        assert!(
+            line(&st).ends_with("; 34 % from the origin, 66 % from this node's cache"),
+            "{}",
+            line(&st)
+        );
+        // A sliver from the origin still shows as the origin's.
+        st.stages = vec![stage(1000, 0, 999)];
+        assert!(line(&st).ends_with("; 1 % from the origin, 99 % from this node's cache"));
+        // All three sources: the shares add up to 100.
+        st.stages = vec![stage(10 * GIB, 3 * GIB, 5 * GIB)];
+        assert!(
+            line(&st).ends_with(
+                "; 20 % from the origin, 30 % from the job's other nodes, 50 % from this node's cache"
+            ),
+            "{}",
+            line(&st)
+        );
+        // Peers and the cache only: nothing is put on the origin's account by rounding.
+        st.stages = vec![stage(3 * GIB, GIB, 2 * GIB)];
+        assert!(
+            line(&st).ends_with(
+                "; 0 % from the origin, 33 % from the job's other nodes, 67 % from this node's cache"
+            ),
+            "{}",
+            line(&st)
+        );
+        // Summed over datasets, one from the cache and one from the origin.
+        st.stages = vec![stage(GIB, 0, GIB), stage(3 * GIB, 0, 0)];
+        assert!(line(&st).ends_with("; 75 % from the origin, 25 % from this node's cache"));
+        // Counters that overlap (another agent's) never make a share above 100.
+        assert_eq!(
+            shares(100, 80, 80).as_deref(),
+            Some(
+                "0 % from the origin, 80 % from the job's other nodes, 20 % from this node's cache"
+            )
+        );
+        assert_eq!(shares(0, 0, 0), None);
+        assert_eq!(shares(100, 0, 0), None);
     }
 
     #[test]
