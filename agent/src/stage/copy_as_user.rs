@@ -9,15 +9,17 @@
 //! last line on stderr, with an exit code that classifies it.
 
 use super::shard::{ShardManifest, ShardPlan};
+use crate::peer::{Unit, units_of};
 use nix::unistd::{Gid, Uid, geteuid, initgroups, setresgid, setresuid};
 use sluice_archive::config::StripeClass;
 use std::ffi::CString;
 use std::fs;
 use std::io::{self, Read, Seek, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::Duration;
 
 /// Exit codes of the helper.
@@ -178,6 +180,9 @@ struct FileJob {
     mode: u32,
     /// On a Lustre shared tier: `lfs` and the stripe layout the file is created with.
     stripe: Option<(Arc<PathBuf>, StripeClass)>,
+    /// A replica's file with units this node does not copy: made before its pieces, and given its
+    /// mode by the agent once it wrote the other units (see [`copy_replica`]).
+    partial: bool,
 }
 
 /// A byte range of one file, the unit a copy thread takes. Files up to [`PIECE`] are one piece;
@@ -187,8 +192,10 @@ struct Piece {
     offset: u64,
     /// `None`: to the end of the file.
     len: Option<u64>,
-    /// One of several pieces of its file, which [`copy_files`] created.
+    /// Of a file made before its pieces are copied ([`copy_files`] makes those of several pieces).
     shared: bool,
+    /// A peer unit of the file listed as this: copied through a buffer, hashed, and reported.
+    unit: Option<usize>,
 }
 
 /// The process' umask, so that files and directories are created with their final mode and need no
@@ -219,6 +226,19 @@ pub struct Shard {
     pub shared_tier: bool,
     /// On a Lustre shared tier: `lfs`, and the stripe classes files are created with.
     pub stripes: Option<(Arc<PathBuf>, Vec<StripeClass>)>,
+    /// `Some`: not a shard but `--stage-mode=replicate` through the job's peers (see
+    /// [`copy_replica`]): every file is made here, and of its bytes this node copies the
+    /// `peer.unit_size` units it owns among `plan`'s nodes.
+    pub peers: Option<PeerCopy>,
+}
+
+/// How the helper takes part in a dataset the job's nodes share through their peers.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerCopy {
+    pub unit_size: u64,
+    /// Copy the units the agent names on stdin into the files an earlier run made (the units of
+    /// a peer that was routed around), rather than the dataset.
+    pub repair: bool,
 }
 
 /// The stripe layout a copied file of `size` bytes is created with, if any.
@@ -249,6 +269,15 @@ pub struct ShardArgs {
     /// the next class's) are created with `lfs setstripe -c COUNT -S SIZE`.
     #[arg(long, requires = "lfs")]
     pub stripe: Vec<String>,
+    /// Not a shard: every file of the dataset is made here, and of its bytes only the units of
+    /// this many bytes that this node owns among `--shard-nodes` are copied (replicate through
+    /// the job's peers; the agent fetches the rest from their owners).
+    #[arg(long, requires = "shard_nodes", conflicts_with = "shared_tier")]
+    pub peer_unit_size: Option<u64>,
+    /// With `--peer-unit-size`: copy the units named on stdin (`IDX OFFSET LEN "PATH"` lines)
+    /// into the files an earlier run made.
+    #[arg(long, requires = "peer_unit_size")]
+    pub peer_repair: bool,
 }
 
 impl ShardArgs {
@@ -282,12 +311,20 @@ impl ShardArgs {
             .lfs
             .filter(|_| !classes.is_empty())
             .map(|lfs| (Arc::new(lfs), classes));
+        if self.peer_unit_size == Some(0) {
+            return Err("--peer-unit-size must be at least 1".into());
+        }
+        let peers = self.peer_unit_size.map(|unit_size| PeerCopy {
+            unit_size,
+            repair: self.peer_repair,
+        });
         Ok(Some(Shard {
             plan,
             dataset,
             source,
             shared_tier: self.shared_tier,
             stripes,
+            peers,
         }))
     }
 }
@@ -300,74 +337,74 @@ pub fn copy_tree(src: &Path, dst: &Path, out: &mut impl Write) -> Result<(), (i3
 }
 
 /// [`copy_tree`] of this node's share of the files only, with the manifest of all of them
-/// written next to `dst` (`NAME.shard.json`).
+/// written next to `dst` (`NAME.shard.json`); or, with [`Shard::peers`], this node's part of a
+/// replica shared through the job's peers ([`copy_replica`], [`copy_repair`]).
 pub fn copy_shard(
     src: &Path,
     dst: &Path,
     shard: &Shard,
     out: &mut impl Write,
 ) -> Result<(), (i32, String)> {
-    copy_tree_in_pieces(src, dst, PIECE, Some(shard), out)
+    match shard.peers {
+        Some(PeerCopy { repair: true, .. }) => copy_repair(src, dst, io::stdin().lock(), out),
+        Some(PeerCopy { unit_size, .. }) => copy_replica(src, dst, shard, unit_size, out),
+        None => copy_tree_in_pieces(src, dst, PIECE, Some(shard), out),
+    }
 }
 
-/// [`copy_tree`], with files larger than `piece` bytes copied as several pieces; with `shard`, only
-/// the files this node owns.
-fn copy_tree_in_pieces(
-    src: &Path,
-    dst: &Path,
-    piece: u64,
-    shard: Option<&Shard>,
-    out: &mut impl Write,
-) -> Result<(), (i32, String)> {
-    let top = fs::metadata(src).map_err(|e| (io_exit(&e), format!("{}: {e}", src.display())))?;
-    let umask = umask();
-    let mut manifest = shard.map(|s| ShardManifest::new(&s.plan, &s.dataset, &s.source));
-    // Whether this node copies the file at `rel` below the dataset ("" for a dataset that is one
-    // file), listing it in the manifest.
-    let mut mine = |rel: &Path, size: u64| match (shard, manifest.as_mut()) {
-        (Some(s), Some(m)) => {
-            let path = if rel.as_os_str().is_empty() {
-                s.dataset.clone()
-            } else {
-                format!("{}/{}", s.dataset, rel.to_string_lossy())
-            };
-            let owned = s.plan.owns(&path);
-            m.add(&s.plan, path, size);
-            owned
-        }
-        _ => true,
-    };
-    let mut files = Vec::new();
-    if top.is_file() {
-        if mine(Path::new(""), top.len()) {
-            files.push(FileJob {
-                src: src.to_path_buf(),
-                dst: dst.to_path_buf(),
-                size: top.len(),
-                mode: top.mode() & 0o7777,
-                stripe: stripe_for(shard, top.len()),
-            });
-        }
-        let bytes: u64 = files.iter().map(|f| f.size).sum();
-        writeln!(out, "total {} {bytes}", files.len()).ok();
-        out.flush().ok();
-    } else if top.is_dir() {
-        let mut entries = Vec::new();
-        walk(src, Path::new(""), &mut entries)?;
-        entries.retain(|e| match e {
-            Entry::File(rel, size, _) => mine(rel, *size),
-            _ => true,
-        });
-        let (count, bytes) = entries.iter().fold((0u64, 0u64), |(f, b), e| match e {
-            Entry::File(_, n, _) => (f + 1, b + n),
-            _ => (f, b),
-        });
-        writeln!(out, "total {count} {bytes}").ok();
-        out.flush().ok();
+/// `src` as the walk found it: a directory (its mode, and every entry below it) or one file
+/// (a single [`Entry::File`] at the empty path).
+struct Tree {
+    dir: Option<u32>,
+    entries: Vec<Entry>,
+}
 
-        // Directories are created owner-writable (the copy needs to write into them), with their
-        // final mode at once; chmod only where the umask strips bits.
-        let shared_tier = shard.is_some_and(|s| s.shared_tier);
+impl Tree {
+    fn read(src: &Path) -> Result<Tree, (i32, String)> {
+        let top =
+            fs::metadata(src).map_err(|e| (io_exit(&e), format!("{}: {e}", src.display())))?;
+        if top.is_file() {
+            let file = Entry::File(PathBuf::new(), top.len(), top.mode() & 0o7777);
+            Ok(Tree {
+                dir: None,
+                entries: vec![file],
+            })
+        } else if top.is_dir() {
+            let mut entries = Vec::new();
+            walk(src, Path::new(""), &mut entries)?;
+            Ok(Tree {
+                dir: Some(top.mode() & 0o7777),
+                entries,
+            })
+        } else {
+            Err((
+                EXIT_OTHER,
+                format!("{} is neither a file nor a directory", src.display()),
+            ))
+        }
+    }
+
+    /// The regular files: path below the source, size, mode.
+    fn files(&self) -> impl Iterator<Item = (&Path, u64, u32)> {
+        self.entries.iter().filter_map(|e| match e {
+            Entry::File(rel, size, mode) => Some((rel.as_path(), *size, *mode)),
+            _ => None,
+        })
+    }
+
+    /// Creates the directories and symbolic links of a directory tree below `dst` (nothing for a
+    /// file). Directories are created owner-writable (the copy needs to write into them), with
+    /// their final mode at once; chmod only where the umask strips bits.
+    fn make(
+        &self,
+        src: &Path,
+        dst: &Path,
+        umask: u32,
+        shared_tier: bool,
+    ) -> Result<(), (i32, String)> {
+        let Some(top_mode) = self.dir else {
+            return Ok(());
+        };
         let mkdir = |p: &Path, mode: u32| {
             let mode = mode | 0o700;
             let made = fs::DirBuilder::new().mode(mode).create(p);
@@ -388,35 +425,83 @@ fn copy_tree_in_pieces(
             })
             .map_err(|e| (io_exit(&e), format!("creating {}: {e}", p.display())))
         };
-        mkdir(dst, top.mode() & 0o7777)?;
-        for e in entries {
+        mkdir(dst, top_mode)?;
+        for e in &self.entries {
             match e {
-                Entry::Dir(rel, mode) => mkdir(&dst.join(rel), mode)?,
+                Entry::Dir(rel, mode) => mkdir(&dst.join(rel), *mode)?,
                 Entry::Link(rel) => {
-                    let target = fs::read_link(src.join(&rel)).map_err(|e| {
+                    let target = fs::read_link(src.join(rel)).map_err(|e| {
                         (io_exit(&e), format!("reading link {}: {e}", rel.display()))
                     })?;
-                    std::os::unix::fs::symlink(target, dst.join(&rel)).map_err(|e| {
+                    std::os::unix::fs::symlink(target, dst.join(rel)).map_err(|e| {
                         (io_exit(&e), format!("creating link {}: {e}", rel.display()))
                     })?;
                 }
-                Entry::File(rel, size, mode) => files.push(FileJob {
-                    src: src.join(&rel),
-                    dst: dst.join(&rel),
-                    size,
-                    mode,
-                    stripe: stripe_for(shard, size),
-                }),
+                Entry::File(..) => {}
             }
         }
-        files = interleave_directories(files);
-    } else {
-        return Err((
-            EXIT_OTHER,
-            format!("{} is neither a file nor a directory", src.display()),
-        ));
+        Ok(())
     }
-    if shard.is_some_and(|s| s.shared_tier) {
+}
+
+/// `root/rel`, or `root` itself for the empty path (a dataset that is one file).
+fn below(root: &Path, rel: &Path) -> PathBuf {
+    if rel.as_os_str().is_empty() {
+        root.to_path_buf()
+    } else {
+        root.join(rel)
+    }
+}
+
+/// [`copy_tree`], with files larger than `piece` bytes copied as several pieces; with `shard`, only
+/// the files this node owns.
+fn copy_tree_in_pieces(
+    src: &Path,
+    dst: &Path,
+    piece: u64,
+    shard: Option<&Shard>,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    let tree = Tree::read(src)?;
+    let umask = umask();
+    let mut manifest = shard.map(|s| ShardManifest::new(&s.plan, &s.dataset, &s.source));
+    // Whether this node copies the file at `rel` below the dataset ("" for a dataset that is one
+    // file), listing it in the manifest.
+    let mut mine = |rel: &Path, size: u64| match (shard, manifest.as_mut()) {
+        (Some(s), Some(m)) => {
+            let path = if rel.as_os_str().is_empty() {
+                s.dataset.clone()
+            } else {
+                format!("{}/{}", s.dataset, rel.to_string_lossy())
+            };
+            let owned = s.plan.owns(&path);
+            m.add(&s.plan, path, size);
+            owned
+        }
+        _ => true,
+    };
+    let mut files: Vec<FileJob> = Vec::new();
+    for (rel, size, mode) in tree.files() {
+        if mine(rel, size) {
+            files.push(FileJob {
+                src: below(src, rel),
+                dst: below(dst, rel),
+                size,
+                mode,
+                stripe: stripe_for(shard, size),
+                partial: false,
+            });
+        }
+    }
+    let bytes: u64 = files.iter().map(|f| f.size).sum();
+    writeln!(out, "total {} {bytes}", files.len()).ok();
+    out.flush().ok();
+    let shared_tier = shard.is_some_and(|s| s.shared_tier);
+    tree.make(src, dst, umask, shared_tier)?;
+    if tree.dir.is_some() {
+        files = interleave_directories(files);
+    }
+    if shared_tier {
         // This node owns these names now: what an earlier run of the job id left goes.
         for f in &files {
             match fs::remove_file(&f.dst) {
@@ -431,6 +516,212 @@ fn copy_tree_in_pieces(
     match (shard, manifest) {
         (Some(s), Some(m)) if !s.shared_tier => write_manifest(dst, &s.dataset, m),
         _ => Ok(()),
+    }
+}
+
+/// The unit file name of the file at `rel` below a dataset named `dataset` (`NAME/rel`, or
+/// `NAME` for a dataset that is one file), as the agents of the job name its units to each other.
+pub fn peer_unit_file(dataset: &str, rel: &str) -> String {
+    if rel.is_empty() {
+        dataset.to_string()
+    } else {
+        format!("{dataset}/{rel}")
+    }
+}
+
+/// Whether this node's helper copies `unit` from the origin: the units this node owns among
+/// `plan`'s nodes, and every empty one (nothing to read, so every node makes its own). The
+/// agent decides with this too which units it must fetch from the job's other nodes.
+pub fn copies_unit(plan: &ShardPlan, unit: &Unit) -> bool {
+    unit.len == 0 || plan.owns(&unit.key())
+}
+
+/// `--stage-mode=replicate` through the job's peers, the helper's part. It makes the whole tree
+/// as the job user: every directory and link, and every file, each opened for reading first, so
+/// the user's own permission on every file gates the dataset on every node. Of the bytes, it
+/// copies the `unit_size` units this node owns ([`copies_unit`]), hashing each as it copies it.
+/// The files with units it does not copy are made owner-writable and left to the agent, which
+/// writes the other units into them (fetched from their owners) and gives them their mode.
+///
+/// On `out`, after `total F B` (the whole dataset): `file IDX SIZE MODE "PATH"` for every file
+/// (MODE octal, PATH JSON-quoted, below the dataset), once the files the agent writes into are
+/// made; then `unit IDX OFFSET HASH` for each unit copied (BLAKE3, hex) as it is done, and the
+/// usual `progress F B` (F counting the files written whole here). A file whose name is not UTF-8
+/// cannot be a unit's name: it is copied whole here, as on every node, and not listed.
+fn copy_replica(
+    src: &Path,
+    dst: &Path,
+    shard: &Shard,
+    unit_size: u64,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    let tree = Tree::read(src)?;
+    let umask = umask();
+    let mut files: Vec<FileJob> = Vec::new();
+    for (rel, size, mode) in tree.files() {
+        files.push(FileJob {
+            src: below(src, rel),
+            dst: below(dst, rel),
+            size,
+            mode,
+            stripe: None,
+            partial: false,
+        });
+    }
+    let bytes: u64 = files.iter().map(|f| f.size).sum();
+    writeln!(out, "total {} {bytes}", files.len()).ok();
+    out.flush().ok();
+    tree.make(src, dst, umask, false)?;
+    if tree.dir.is_some() {
+        files = interleave_directories(files);
+    }
+    let mut pieces = Vec::new();
+    let mut listed = Vec::new();
+    for (i, f) in files.iter_mut().enumerate() {
+        let rel = f.src.strip_prefix(src).unwrap_or(Path::new(""));
+        let Some(rel) = rel.to_str() else {
+            pieces.push(Piece {
+                file: i,
+                offset: 0,
+                len: None,
+                shared: false,
+                unit: None,
+            });
+            continue;
+        };
+        let units = units_of(&peer_unit_file(&shard.dataset, rel), f.size, unit_size);
+        let here: Vec<&Unit> = units
+            .iter()
+            .filter(|u| copies_unit(&shard.plan, u))
+            .collect();
+        f.partial = here.len() < units.len();
+        // Made now: the files the agent writes into (before it hears of them), and those of
+        // several units (each unit opens the file).
+        let made = f.partial || here.len() > 1;
+        if made {
+            create_pair(f, f.mode | 0o200, umask)?;
+        }
+        let idx = listed.len();
+        for u in here {
+            pieces.push(Piece {
+                file: i,
+                offset: u.offset,
+                len: Some(u.len),
+                shared: made,
+                unit: Some(idx),
+            });
+        }
+        listed.push((f.size, f.mode, rel.to_string()));
+    }
+    for (idx, (size, mode, rel)) in listed.iter().enumerate() {
+        let quoted = serde_json::to_string(rel).expect("a string serializes");
+        writeln!(out, "file {idx} {size} {mode:o} {quoted}").ok();
+    }
+    out.flush().ok();
+    run_pieces(&files, &pieces, umask, out)
+}
+
+/// The repair run of a replica: copies, as the job user, the units the agent names on `input`
+/// (`IDX OFFSET LEN "PATH"` lines; PATH JSON-quoted, below the dataset, "" for a dataset that
+/// is one file) into the files the first run made, hashing each; reports `total`, then
+/// `unit IDX OFFSET HASH` per unit as [`copy_replica`] does. The agent asks for these when the
+/// node that owns them was routed around.
+fn copy_repair(
+    src: &Path,
+    dst: &Path,
+    input: impl io::BufRead,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    let bad = |line: &str| {
+        (
+            EXIT_OTHER,
+            format!("bad unit request from the agent: {line:?}"),
+        )
+    };
+    let (mut files, mut pieces) = (Vec::new(), Vec::new());
+    for line in input.lines() {
+        let line = line.map_err(|e| (EXIT_OTHER, format!("reading the agent's requests: {e}")))?;
+        let mut it = line.splitn(4, ' ');
+        let (Some(idx), Some(offset), Some(len), Some(quoted)) =
+            (it.next(), it.next(), it.next(), it.next())
+        else {
+            return Err(bad(&line));
+        };
+        let (Ok(idx), Ok(offset), Ok(len), Ok(rel)) = (
+            idx.parse::<usize>(),
+            offset.parse::<u64>(),
+            len.parse::<u64>(),
+            serde_json::from_str::<String>(quoted),
+        ) else {
+            return Err(bad(&line));
+        };
+        let rel = Path::new(&rel);
+        if rel
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(bad(&line));
+        }
+        pieces.push(Piece {
+            file: files.len(),
+            offset,
+            len: Some(len),
+            shared: true,
+            unit: Some(idx),
+        });
+        files.push(FileJob {
+            src: below(src, rel),
+            dst: below(dst, rel),
+            size: len,
+            mode: 0,
+            stripe: None,
+            partial: true,
+        });
+    }
+    let bytes: u64 = files.iter().map(|f| f.size).sum();
+    writeln!(out, "total {} {bytes}", files.len()).ok();
+    out.flush().ok();
+    run_pieces(&files, &pieces, umask(), out)
+}
+
+/// A line of a replica run beyond [`Event`]'s (see [`copy_replica`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerLine {
+    /// A file of the dataset, made (if the agent writes into it) and listed as `idx`.
+    File {
+        idx: usize,
+        size: u64,
+        mode: u32,
+        path: String,
+    },
+    /// A unit of file `idx` (or, in a repair run, of request `idx`) is copied, with its hash.
+    Unit {
+        idx: usize,
+        offset: u64,
+        hash: blake3::Hash,
+    },
+}
+
+impl PeerLine {
+    pub fn parse(line: &str) -> Option<PeerLine> {
+        let mut it = line.splitn(5, ' ');
+        match it.next()? {
+            "file" => Some(PeerLine::File {
+                idx: it.next()?.parse().ok()?,
+                size: it.next()?.parse().ok()?,
+                mode: u32::from_str_radix(it.next()?, 8).ok()?,
+                path: serde_json::from_str(it.next()?).ok()?,
+            }),
+            "unit" => {
+                let line = PeerLine::Unit {
+                    idx: it.next()?.parse().ok()?,
+                    offset: it.next()?.parse().ok()?,
+                    hash: blake3::Hash::from_hex(it.next()?).ok()?,
+                };
+                it.next().is_none().then_some(line)
+            }
+            _ => None,
+        }
     }
 }
 
@@ -536,27 +827,78 @@ fn copy_range(mut src: &fs::File, mut dst: &fs::File, len: Option<u64>) -> io::R
     }
 }
 
-/// Copies one piece: whole small files from scratch; pieces of a big file (created by
-/// [`copy_files`]) through their own descriptors, at their offset.
-fn copy_piece(job: &FileJob, p: &Piece, umask: u32) -> Result<u64, (i32, String)> {
+/// Copies one piece: whole small files from scratch; pieces of a file made before (by
+/// [`copy_files`], or the first run of a replica) through their own descriptors, at their offset.
+/// A peer unit goes through `buf` and is hashed on the way.
+fn copy_piece(
+    job: &FileJob,
+    p: &Piece,
+    umask: u32,
+    buf: &mut Vec<u8>,
+) -> Result<(u64, Option<blake3::Hash>), (i32, String)> {
     let copy_err = |e: io::Error| job_error("copying", &job.src, e);
-    if !p.shared {
-        let (src, dst) = create_pair(job, job.mode, umask)?;
-        return copy_range(&src, &dst, p.len).map_err(copy_err);
+    let (src, dst) = if p.shared {
+        let src = fs::File::open(&job.src).map_err(|e| job_error("opening", &job.src, e))?;
+        let dst = fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+            .open(&job.dst)
+            .map_err(|e| job_error("opening", &job.dst, e))?;
+        (src, dst)
+    } else {
+        create_pair(job, job.mode, umask)?
+    };
+    if p.unit.is_some() {
+        let len = p.len.expect("a unit has a length");
+        if buf.is_empty() {
+            buf.resize(UNIT_BUF, 0);
+        }
+        return copy_hashed(&src, &dst, p.offset, len, buf)
+            .map(|h| (len, Some(h)))
+            .map_err(copy_err);
     }
-    let src = fs::File::open(&job.src).map_err(|e| job_error("opening", &job.src, e))?;
-    let dst = fs::OpenOptions::new()
-        .write(true)
-        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
-        .open(&job.dst)
-        .map_err(|e| job_error("opening", &job.dst, e))?;
-    (&src)
-        .seek(io::SeekFrom::Start(p.offset))
-        .map_err(copy_err)?;
-    (&dst)
-        .seek(io::SeekFrom::Start(p.offset))
-        .map_err(copy_err)?;
-    copy_range(&src, &dst, p.len).map_err(copy_err)
+    if p.shared {
+        (&src)
+            .seek(io::SeekFrom::Start(p.offset))
+            .map_err(copy_err)?;
+        (&dst)
+            .seek(io::SeekFrom::Start(p.offset))
+            .map_err(copy_err)?;
+    }
+    copy_range(&src, &dst, p.len)
+        .map(|n| (n, None))
+        .map_err(copy_err)
+}
+
+/// The buffer a copy thread reads peer units through.
+const UNIT_BUF: usize = 1 << 20;
+
+/// Copies `len` bytes at `offset` from `src` to the same offset of `dst` through `buf`, and
+/// returns their BLAKE3 hash. A source shorter than that is an error: the unit's length is what
+/// every node of the job expects.
+fn copy_hashed(
+    src: &fs::File,
+    dst: &fs::File,
+    offset: u64,
+    len: u64,
+    buf: &mut [u8],
+) -> io::Result<blake3::Hash> {
+    let mut hasher = blake3::Hasher::new();
+    let (mut at, end) = (offset, offset + len);
+    while at < end {
+        let n = ((end - at) as usize).min(buf.len());
+        let got = src.read_at(&mut buf[..n], at)?;
+        if got == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("the file ends at {at} bytes, shorter than when it was listed"),
+            ));
+        }
+        hasher.update(&buf[..got]);
+        dst.write_all_at(&buf[..got], at)?;
+        at += got as u64;
+    }
+    Ok(hasher.finalize())
 }
 
 /// Copies `files` with [`copy_threads`] threads, reporting progress on `out` every 200 ms and once
@@ -570,7 +912,6 @@ fn copy_files(
     // Files of several pieces are created here, owner-writable so that every piece can open them;
     // the thread that finishes a file's last piece gives it its final mode.
     let mut pieces = Vec::with_capacity(files.len());
-    let mut pieces_left = Vec::with_capacity(files.len());
     for (i, f) in files.iter().enumerate() {
         let n = f.size.div_ceil(piece).max(1);
         if n > 1 {
@@ -582,43 +923,64 @@ fn copy_files(
                 offset: k * piece,
                 len: (k + 1 < n).then_some(piece),
                 shared: n > 1,
+                unit: None,
             });
         }
-        pieces_left.push(AtomicU64::new(n));
     }
+    run_pieces(files, &pieces, umask, out)
+}
 
+/// Copies `pieces` of `files` with [`copy_threads`] threads, reporting progress on `out` every
+/// 200 ms and once more when the last piece is done, and each peer unit's hash as it is done.
+fn run_pieces(
+    files: &[FileJob],
+    pieces: &[Piece],
+    umask: u32,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    let pieces_left: Vec<AtomicU64> = {
+        let mut n = vec![0u64; files.len()];
+        for p in pieces {
+            n[p.file] += 1;
+        }
+        n.into_iter().map(AtomicU64::new).collect()
+    };
     let next = AtomicUsize::new(0);
     let (files_done, bytes_done) = (AtomicU64::new(0), AtomicU64::new(0));
     let failed = AtomicBool::new(false);
     let first_error: std::sync::Mutex<Option<(i32, String)>> = std::sync::Mutex::new(None);
-    let run_piece = |p: &Piece| -> Result<u64, (i32, String)> {
+    let run_piece = |p: &Piece, buf: &mut Vec<u8>, lines: &mpsc::Sender<String>| {
         let job = &files[p.file];
-        let n = copy_piece(job, p, umask)?;
-        if pieces_left[p.file].fetch_sub(1, Ordering::AcqRel) == 1 {
+        let (n, hash) = copy_piece(job, p, umask, buf)?;
+        if let (Some(idx), Some(hash)) = (p.unit, hash) {
+            lines.send(format!("unit {idx} {} {hash}", p.offset)).ok();
+        }
+        // The agent finishes a partial file: it writes the rest and gives it its mode.
+        if pieces_left[p.file].fetch_sub(1, Ordering::AcqRel) == 1 && !job.partial {
             if p.shared && job.mode & 0o200 == 0 {
                 fs::set_permissions(&job.dst, fs::Permissions::from_mode(job.mode))
                     .map_err(|e| job_error("setting the mode of", &job.dst, e))?;
             }
             files_done.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(n)
+        Ok::<u64, (i32, String)>(n)
     };
     std::thread::scope(|s| {
         // Every copy thread holds a sender; the channel closes when the last one ends, which wakes
-        // the progress loop at once rather than at its next tick.
-        let (alive, finished) = std::sync::mpsc::channel::<()>();
+        // the reporting loop at once rather than at its next tick.
+        let (lines, finished) = mpsc::channel::<String>();
         for _ in 0..copy_threads().min(pieces.len()) {
-            let alive = alive.clone();
+            let lines = lines.clone();
             let run_piece = &run_piece;
-            let (next, pieces) = (&next, &pieces);
+            let next = &next;
             let (bytes_done, failed, first_error) = (&bytes_done, &failed, &first_error);
             s.spawn(move || {
-                let _alive = alive;
+                let mut buf = Vec::new();
                 while !failed.load(Ordering::Relaxed) {
                     let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
                         break;
                     };
-                    match run_piece(p) {
+                    match run_piece(p, &mut buf, &lines) {
                         Ok(n) => {
                             bytes_done.fetch_add(n, Ordering::Relaxed);
                         }
@@ -632,12 +994,28 @@ fn copy_files(
                 }
             });
         }
-        drop(alive);
-        // Report progress while the copy threads work.
-        while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-            finished.recv_timeout(Duration::from_millis(200))
-        {
-            report_progress(out, &files_done, &bytes_done);
+        drop(lines);
+        // Pass on the units done and report progress while the copy threads work.
+        let mut last = std::time::Instant::now();
+        loop {
+            let wait = TICK
+                .saturating_sub(last.elapsed())
+                .max(Duration::from_millis(1));
+            match finished.recv_timeout(wait) {
+                Ok(line) => {
+                    writeln!(out, "{line}").ok();
+                    while let Ok(line) = finished.try_recv() {
+                        writeln!(out, "{line}").ok();
+                    }
+                    out.flush().ok();
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+            if last.elapsed() >= TICK {
+                report_progress(out, &files_done, &bytes_done);
+                last = std::time::Instant::now();
+            }
         }
     });
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
@@ -646,6 +1024,9 @@ fn copy_files(
     report_progress(out, &files_done, &bytes_done);
     Ok(())
 }
+
+/// How often the helper reports progress.
+const TICK: Duration = Duration::from_millis(200);
 
 /// One `progress F B` line for the agent (a reader that went away is not the copy's problem).
 fn report_progress(out: &mut impl Write, files_done: &AtomicU64, bytes_done: &AtomicU64) {
@@ -759,6 +1140,8 @@ mod tests {
                 shared_tier: false,
                 lfs: None,
                 stripe: Vec::new(),
+                peer_unit_size: None,
+                peer_repair: false,
             }
             .shard()
             .unwrap()
@@ -806,6 +1189,8 @@ mod tests {
             shared_tier: false,
             lfs: None,
             stripe: Vec::new(),
+            peer_unit_size: None,
+            peer_repair: false,
         };
         assert!(outside.shard().unwrap_err().contains("n9 is not one of"));
     }
@@ -844,6 +1229,8 @@ mod tests {
             shared_tier: true,
             lfs: Some(lfs),
             stripe: vec!["4096:2:1048576".into()],
+            peer_unit_size: None,
+            peer_repair: false,
         }
         .shard()
         .unwrap()
@@ -879,8 +1266,211 @@ mod tests {
             shared_tier: true,
             lfs: Some("/bin/lfs".into()),
             stripe: vec!["1:2".into()],
+            peer_unit_size: None,
+            peer_repair: false,
         };
         assert!(bad.shard().unwrap_err().contains("MIN_SIZE:COUNT:SIZE"));
+    }
+
+    /// What one node's helper did for a replica: its lines, parsed.
+    struct ReplicaRun {
+        total: Option<Event>,
+        files: Vec<(usize, u64, u32, String)>,
+        units: Vec<(usize, u64, blake3::Hash)>,
+        last: Option<Event>,
+    }
+
+    fn parse_run(out: Vec<u8>) -> ReplicaRun {
+        let text = String::from_utf8(out).unwrap();
+        let mut run = ReplicaRun {
+            total: None,
+            files: Vec::new(),
+            units: Vec::new(),
+            last: None,
+        };
+        for line in text.lines() {
+            match (Event::parse(line), PeerLine::parse(line)) {
+                (Some(e @ Event::Total { .. }), _) => run.total = Some(e),
+                (Some(e), _) => run.last = Some(e),
+                (
+                    None,
+                    Some(PeerLine::File {
+                        idx,
+                        size,
+                        mode,
+                        path,
+                    }),
+                ) => {
+                    assert!(run.units.is_empty(), "every file is listed before a unit");
+                    run.files.push((idx, size, mode, path))
+                }
+                (None, Some(PeerLine::Unit { idx, offset, hash })) => {
+                    run.units.push((idx, offset, hash))
+                }
+                (None, None) => panic!("a line the agent cannot read: {line:?}"),
+            }
+        }
+        run
+    }
+
+    fn replica_args(nodes: &[&str], node: &str, src: &Path, repair: bool) -> Shard {
+        ShardArgs {
+            shard_nodes: Some(nodes.join(",")),
+            shard_node: Some(node.into()),
+            dataset: Some("ds".into()),
+            source: Some(src.display().to_string()),
+            shared_tier: false,
+            lfs: None,
+            stripe: Vec::new(),
+            peer_unit_size: Some(4096),
+            peer_repair: repair,
+        }
+        .shard()
+        .unwrap()
+        .unwrap()
+    }
+
+    /// A replica on 3 nodes: each node makes the whole tree and copies exactly the units it owns
+    /// (every empty file on every node), reporting each with the hash of the source's bytes; the
+    /// three together copy every unit once. The files with others' units are owner-writable for
+    /// the agent; the others have their mode. A repair run then copies named units into them.
+    #[test]
+    fn a_replica_copies_the_nodes_units_hashed_and_makes_every_file() {
+        let src = tempfile::tempdir().unwrap();
+        fs::create_dir_all(src.path().join("d/e")).unwrap();
+        let big: Vec<u8> = (0..3 * 4096 + 123u32).map(|i| (i % 249) as u8).collect();
+        fs::write(src.path().join("d/big"), &big).unwrap();
+        fs::set_permissions(src.path().join("d/big"), fs::Permissions::from_mode(0o444)).unwrap();
+        for i in 0..12 {
+            fs::write(src.path().join(format!("d/e/s{i}")), vec![i as u8; 100 + i]).unwrap();
+        }
+        fs::set_permissions(src.path().join("d/e/s1"), fs::Permissions::from_mode(0o600)).unwrap();
+        fs::write(src.path().join("empty"), b"").unwrap();
+        std::os::unix::fs::symlink("d/big", src.path().join("link")).unwrap();
+        let nodes = ["n1", "n2", "n3"];
+        let mut copied = std::collections::BTreeMap::new();
+        let mut stages = Vec::new();
+        for node in nodes {
+            let stage = tempfile::tempdir().unwrap();
+            let dst = stage.path().join("ds");
+            let shard = replica_args(&nodes, node, src.path(), false);
+            let mut out = Vec::new();
+            copy_shard(src.path(), &dst, &shard, &mut out).unwrap();
+            let run = parse_run(out);
+            assert_eq!(
+                run.total,
+                Some(Event::Total {
+                    files: 14,
+                    bytes: big.len() as u64 + (0..12).map(|i| 100 + i).sum::<u64>()
+                }),
+                "{node}: the whole dataset"
+            );
+            assert_eq!(run.files.len(), 14);
+            assert_eq!(fs::read_link(dst.join("link")).unwrap(), Path::new("d/big"));
+            for (idx, size, mode, path) in &run.files {
+                let here = dst.join(path);
+                let want_mode = fs::metadata(src.path().join(path)).unwrap().mode() & 0o7777;
+                assert_eq!(*mode, want_mode, "{path}");
+                let units = units_of(&peer_unit_file("ds", path), *size, 4096);
+                let mine: Vec<&Unit> = units
+                    .iter()
+                    .filter(|u| copies_unit(&shard.plan, u))
+                    .collect();
+                let reported: Vec<u64> = run
+                    .units
+                    .iter()
+                    .filter(|u| u.0 == *idx)
+                    .map(|u| u.1)
+                    .collect();
+                assert_eq!(
+                    reported,
+                    mine.iter().map(|u| u.offset).collect::<Vec<_>>(),
+                    "{node}: {path}"
+                );
+                let source = fs::read(src.path().join(path)).unwrap();
+                if mine.is_empty() {
+                    assert!(here.is_file(), "{node}: {path} made for the agent");
+                } else {
+                    let copy = fs::read(&here).unwrap();
+                    for u in &mine {
+                        let r = u.offset as usize..(u.offset + u.len) as usize;
+                        assert_eq!(copy[r.clone()], source[r.clone()], "{node}: {path}");
+                        let (_, _, hash) = run
+                            .units
+                            .iter()
+                            .find(|x| x.0 == *idx && x.1 == u.offset)
+                            .unwrap();
+                        assert_eq!(*hash, blake3::hash(&source[r]), "{node}: {path}");
+                        copied
+                            .entry((path.clone(), u.offset))
+                            .or_insert_with(Vec::new)
+                            .push(node);
+                    }
+                }
+                let mode_here = fs::metadata(&here).unwrap().mode() & 0o7777;
+                if mine.len() < units.len() {
+                    assert_eq!(
+                        mode_here,
+                        want_mode | 0o200,
+                        "{node}: {path} is the agent's"
+                    );
+                } else {
+                    assert_eq!(mode_here, want_mode, "{node}: {path}");
+                }
+            }
+            stages.push((stage, shard));
+        }
+        // Every unit copied once in the job, the empty file's by every node.
+        let all: usize = 4 + 12 + 1;
+        assert_eq!(copied.len(), all);
+        for ((path, offset), by) in &copied {
+            let want = if path == "empty" { 3 } else { 1 };
+            assert_eq!(by.len(), want, "{path}@{offset}: {by:?}");
+        }
+
+        // n1 repairs the units of d/big it did not copy (their owner was routed around).
+        let (stage, shard) = &stages[0];
+        let dst = stage.path().join("ds");
+        let missing: Vec<Unit> = units_of("ds/d/big", big.len() as u64, 4096)
+            .into_iter()
+            .filter(|u| !copies_unit(&shard.plan, u))
+            .collect();
+        assert!(
+            !missing.is_empty(),
+            "n1 owns some of d/big's units but not all"
+        );
+        let requests: String = missing
+            .iter()
+            .enumerate()
+            .map(|(i, u)| format!("{} {} {} \"d/big\"\n", i + 7, u.offset, u.len))
+            .collect();
+        let mut out = Vec::new();
+        copy_repair(src.path(), &dst, requests.as_bytes(), &mut out).unwrap();
+        let run = parse_run(out);
+        assert_eq!(run.units.len(), missing.len());
+        for (i, u) in missing.iter().enumerate() {
+            let r = u.offset as usize..(u.offset + u.len) as usize;
+            assert!(
+                run.units
+                    .contains(&(i + 7, u.offset, blake3::hash(&big[r]))),
+                "unit {u:?}: {:?}",
+                run.units
+            );
+        }
+        let copy = fs::read(dst.join("d/big")).unwrap();
+        for u in &missing {
+            let r = u.offset as usize..(u.offset + u.len) as usize;
+            assert_eq!(copy[r.clone()], big[r]);
+        }
+        let bad = copy_repair(src.path(), &dst, &b"0 0 1 \"../x\"\n"[..], &mut Vec::new());
+        assert!(bad.unwrap_err().1.contains("bad unit request"));
+        let e = copy_repair(
+            src.path(),
+            &dst,
+            &b"0 0 9999 \"d/e/s2\"\n"[..],
+            &mut Vec::new(),
+        );
+        assert!(e.unwrap_err().1.contains("shorter than when it was listed"));
     }
 
     #[test]
@@ -891,6 +1481,7 @@ mod tests {
             size: 1,
             mode: 0o644,
             stripe: None,
+            partial: false,
         };
         let files = ["a/1", "a/2", "a/3", "b/1", "b/2", "top"].map(job).into();
         let order: Vec<PathBuf> = interleave_directories(files)
