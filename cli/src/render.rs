@@ -732,14 +732,19 @@ pub fn cache_stats(l: &CacheListing) -> String {
     )
 }
 
-/// `sluice cache warm URL`: what is in the cache now, what was there already, what was read for it
-/// and what could not be cached. `files`/`bytes` are the dataset's objects the cache holds now
-/// (cached before, or filled by this warm); the skipped ones are counted in neither.
+/// `sluice cache warm URL`: the dataset's objects, which of them were cached before (nothing read),
+/// which were not (read from the origin into the cache), and which of those could not be cached
+/// and why. The agent counts the skipped objects in `files`/`bytes`, not in `cached_*`.
 pub fn cache_warmed(w: &CacheWarmed) -> String {
+    let but = if w.skipped.is_empty() {
+        ""
+    } else {
+        ", but for the skipped ones"
+    };
     let mut out = format!(
-        "warmed {} on {}: {} object(s), {} in the cache\n  \
-           already there  {} object(s), {}\n  \
-           filled now     {} object(s), {} read from the origin\n",
+        "warmed {} on {}: {} object(s), {}\n  \
+           cached before  {} object(s), {} (nothing read)\n  \
+           new            {} object(s), {}, read from the origin into the cache{but}\n",
         clean(&w.url),
         clean(&w.node),
         w.files,
@@ -1343,9 +1348,9 @@ cache on gpu07
     #[test]
     fn cache_warm_view() {
         let want = "\
-warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB in the cache
-  already there  500 object(s), 4.0 GiB
-  filled now     500 object(s), 6.0 GiB read from the origin
+warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB
+  cached before  500 object(s), 4.0 GiB (nothing read)
+  new            500 object(s), 6.0 GiB, read from the origin into the cache, but for the skipped ones
   skipped        1 object(s), not cached (jobs read them from the origin):
     s3://datasets/imagenet/all.tar: 120.0 GiB is larger than the cache (100.0 GiB)
 ";
@@ -1356,8 +1361,8 @@ warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB in the cache
         w.skipped.clear();
         assert!(
             cache_warmed(&w).ends_with(
-                "  already there  1000 object(s), 10.0 GiB\n  \
-                 filled now     0 object(s), 0 B read from the origin\n"
+                "  cached before  1000 object(s), 10.0 GiB (nothing read)\n  \
+                 new            0 object(s), 0 B, read from the origin into the cache\n"
             ),
             "{}",
             cache_warmed(&w)

@@ -510,8 +510,8 @@ fn cache_warm_says_what_it_cached_and_fails_on_an_error() {
     let stdout = succeeded(&out);
     assert!(
         stdout.starts_with(
-            "warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB in the cache\n  \
-             already there  500 object(s), 4.0 GiB\n"
+            "warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB\n  \
+             cached before  500 object(s), 4.0 GiB (nothing read)\n"
         ),
         "{stdout}"
     );
