@@ -63,6 +63,8 @@ pub enum AgentError {
     HelperExe(#[source] std::io::Error),
     #[error(transparent)]
     Metrics(#[from] crate::metrics::MetricsError),
+    #[error(transparent)]
+    Cache(#[from] crate::cache::CacheError),
 }
 
 /// Why a job could not be set up on this node (staged, restored). The message is what its tasks
@@ -122,6 +124,8 @@ pub struct Agent {
     pub(crate) metrics: crate::metrics::Metrics,
     /// Peer transfers with the other agents of multi-node jobs (`[peer]`), once started.
     peers: OnceLock<NodePeers>,
+    /// The cross-job cache (`[cache]`).
+    pub(crate) cache: Option<Arc<crate::cache::Cache>>,
 }
 
 impl Agent {
@@ -134,7 +138,9 @@ impl Agent {
     ) -> Result<Arc<Agent>, AgentError> {
         let hot = HotTier::open(&cfg.hot_root, cfg.ckpt.high_water)?;
         let journal = Journal::open(&cfg.state_dir)?;
+        let cache = crate::cache::Cache::open(&cfg)?;
         Ok(Arc::new(Agent {
+            cache,
             hot,
             policy: Policy::new(&cfg),
             bandwidth: cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new),
@@ -312,6 +318,9 @@ impl Agent {
             | Request::ArchiveRestore { .. }) => {
                 crate::archive_access::handle(self, peer, r, None).await
             }
+            r @ (Request::CacheList { .. }
+            | Request::CacheWarm { .. }
+            | Request::CacheEvict { .. }) => self.cache_request(peer, r).await,
         }
     }
 
@@ -615,6 +624,7 @@ impl Agent {
             cancel: job.cancel.child_token(),
             budget: self.stage_budget.clone(),
             shared_tier: shared_job.as_ref().map(|s| Arc::new(s.layout.clone())),
+            cache: self.cache.clone(),
         };
         let own_share = async {
             if shared_job.as_ref().is_some_and(|s| s.done) {
@@ -904,6 +914,49 @@ impl Agent {
         }
     }
 
+    /// `sluice cache list|warm|evict`: root's, like the cache's files.
+    async fn cache_request(self: &Arc<Self>, peer: Peer, request: Request) -> Response {
+        if !peer.is_root() {
+            return reply(
+                ErrorCode::Forbidden,
+                "the cache is the node's, not a job's: sluice cache commands are for admins (run them as root)",
+            );
+        }
+        let Some(cache) = self.cache.clone() else {
+            return reply(
+                ErrorCode::NotFound,
+                format!(
+                    "node {} has no cache: add a [cache] section to the agent's configuration",
+                    self.cfg.node
+                ),
+            );
+        };
+        match request {
+            Request::CacheList { prefix, entries } => {
+                Response::Cache(sluice_proto::msg::CacheListing {
+                    node: self.cfg.node.clone(),
+                    stats: cache.stats(),
+                    entries: if entries {
+                        cache.entries(prefix.as_deref())
+                    } else {
+                        Vec::new()
+                    },
+                })
+            }
+            Request::CacheEvict { prefix, dry_run } => {
+                Response::CacheEvicted(blocking(move || cache.evict_prefix(&prefix, dry_run)).await)
+            }
+            Request::CacheWarm { url } => {
+                let (cfg, budget) = (self.cfg.clone(), self.stage_budget.clone());
+                match stage::warm(cfg, budget, cache, self.cancel.child_token(), &url).await {
+                    Ok(warmed) => Response::CacheWarmed(warmed),
+                    Err(e) => reply(ErrorCode::StageFailed, e.to_string()),
+                }
+            }
+            _ => unreachable!("only cache requests come here"),
+        }
+    }
+
     async fn status(&self, peer: Peer) -> NodeStatus {
         let mut jobs: Vec<_> = self
             .jobs()
@@ -928,6 +981,7 @@ impl Agent {
             hot_free_bytes: usage.free_bytes,
             hot_used_bytes,
             jobs,
+            cache: self.cache.as_ref().map(|c| c.stats()),
         }
     }
 }
@@ -978,6 +1032,16 @@ impl Worker for Housekeeper {
                 Err(e) => tracing::warn!("pruning upload resume logs: {e}"),
             }
             self.agent.end_gone_step_jobs().await;
+            // The cache gives way first: jobs' checkpoints matter more than later jobs' speed.
+            if let Some(cache) = self.agent.cache.clone() {
+                while above().await {
+                    status.set("evicting cache entries");
+                    let c = cache.clone();
+                    if blocking(move || c.yield_space(1 << 30)).await == 0 {
+                        break;
+                    }
+                }
+            }
             if above().await {
                 status.set("trimming");
                 let mut ended: Vec<Arc<Job>> = self

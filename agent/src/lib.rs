@@ -25,6 +25,7 @@
 pub mod agent;
 mod archive_access;
 pub mod backoff;
+pub mod cache;
 pub mod ckpt;
 pub mod hot_tier;
 mod http;

@@ -35,6 +35,18 @@ struct RawConfig {
     peer: Option<RawPeer>,
     metrics: Option<RawMetrics>,
     shared_tier: Option<RawSharedTier>,
+    cache: Option<RawCache>,
+}
+
+/// `[cache]`: the cross-job cache on the hot tier; off without the section.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCache {
+    #[serde(default)]
+    size: Option<String>,
+    high_water: Option<u8>,
+    low_water: Option<u8>,
+    min_free: Option<u8>,
 }
 
 /// `[metrics]`: the Prometheus endpoint; off without the section.
@@ -234,6 +246,89 @@ pub struct Config {
     /// The shared fast tier for `--stage-tier=shared`; `None` = none on this node (such jobs are
     /// refused).
     pub shared_tier: Option<SharedTierConfig>,
+    /// The cross-job cache on the hot tier; `None` = off (every job stages from the origin).
+    pub cache: Option<CacheConfig>,
+}
+
+/// `[cache]`: datasets staged on this node are kept in `<hot_tier.root>/cache` for later jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    pub size: CacheSize,
+    /// Percent of the size: a fill that would pass `high_water` first evicts the least recently
+    /// used entries down to `low_water`.
+    pub high_water: u8,
+    pub low_water: u8,
+    /// Percent of the hot tier's file system the cache always leaves free (for staging and
+    /// checkpoints): a fill that would take it below evicts, or is not cached.
+    pub min_free: u8,
+}
+
+/// How large the cache may grow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheSize {
+    /// Bytes.
+    Bytes(u64),
+    /// Percent of the hot tier's file-system size.
+    Percent(u8),
+}
+
+impl CacheConfig {
+    /// The size limit in bytes, on a hot tier of `fs_bytes`.
+    pub fn capacity(&self, fs_bytes: u64) -> u64 {
+        match self.size {
+            CacheSize::Bytes(b) => b,
+            CacheSize::Percent(p) => fs_bytes / 100 * p as u64,
+        }
+    }
+}
+
+fn cache_config(raw: &RawCache) -> Result<CacheConfig, String> {
+    let size = match raw.size.as_deref().map(str::trim) {
+        None => CacheSize::Percent(50),
+        Some(s) => match s.strip_suffix('%') {
+            Some(p) => {
+                let p: u8 = p.trim().parse().map_err(|_| {
+                    format!("cache.size must be a percent of the hot tier (\"50%\") or a size (\"200GiB\"), got '{s}'")
+                })?;
+                within(
+                    p,
+                    1..=95,
+                    "cache.size in percent of the hot tier must be 1%..=95%",
+                )?;
+                CacheSize::Percent(p)
+            }
+            None => {
+                let b = parse_size(s).map_err(|e| format!("cache.size: {e}"))?;
+                if b < 1 << 20 {
+                    return Err(format!("cache.size must be at least 1MiB, got '{s}'"));
+                }
+                CacheSize::Bytes(b)
+            }
+        },
+    };
+    let c = CacheConfig {
+        size,
+        high_water: raw.high_water.unwrap_or(90),
+        low_water: raw.low_water.unwrap_or(75),
+        min_free: raw.min_free.unwrap_or(5),
+    };
+    within(
+        c.high_water,
+        1..=100,
+        "cache.high_water must be 1..=100 (percent of cache.size)",
+    )?;
+    if c.low_water >= c.high_water {
+        return Err(format!(
+            "cache.low_water ({}) must be below cache.high_water ({}): eviction goes from the high watermark down to the low one",
+            c.low_water, c.high_water
+        ));
+    }
+    within(
+        c.min_free,
+        0..=50,
+        "cache.min_free must be 0..=50 (percent of the hot tier)",
+    )?;
+    Ok(c)
 }
 
 /// `[metrics]`: where this node's agent serves `GET /metrics` (Prometheus text format).
@@ -838,6 +933,7 @@ impl Config {
                 .as_ref()
                 .map(shared_tier_config)
                 .transpose()?,
+            cache: raw.cache.as_ref().map(cache_config).transpose()?,
         })
     }
 
@@ -1141,6 +1237,34 @@ mod tests {
         assert!(e.contains("retry.timeout 'soon'"), "{e}");
         let e = bad("max_retry=3");
         assert!(e.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn the_cache_is_off_unless_configured_and_its_watermarks_are_ordered() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        assert!(Config::parse(base, "n1").unwrap().cache.is_none());
+        let c = Config::parse(&format!("{base}[cache]\n"), "n1")
+            .unwrap()
+            .cache
+            .unwrap();
+        assert_eq!(
+            c,
+            CacheConfig {
+                size: CacheSize::Percent(50),
+                high_water: 90,
+                low_water: 75,
+                min_free: 5
+            }
+        );
+        assert_eq!(c.capacity(1000), 500);
+        let c = Config::parse(&format!("{base}[cache]\nsize='64MiB'\n"), "n1").unwrap();
+        assert_eq!(c.cache.unwrap().capacity(1 << 40), 64 << 20);
+        let bad = |t: &str| Config::parse(&format!("{base}[cache]\n{t}\n"), "n1").unwrap_err();
+        assert!(bad("low_water=90").contains("must be below cache.high_water"));
+        assert!(bad("size='99%'").contains("1%..=95%"));
+        assert!(bad("size='lots'").contains("cache.size"));
+        assert!(bad("size='4KiB'").contains("at least 1MiB"));
+        assert!(bad("min_free=60").contains("cache.min_free"));
     }
 
     #[test]

@@ -77,6 +77,24 @@ pub enum Request {
         #[serde(default)]
         dry_run: bool,
     },
+    /// Root only: this node's cache — its counters, and with `entries` the entries whose source URL
+    /// starts with `prefix` (all without one), least recently used first.
+    CacheList {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prefix: Option<String>,
+        #[serde(default)]
+        entries: bool,
+    },
+    /// Root only: fill this node's cache with the dataset at `url` (as a job would stage it, with
+    /// the agent's credentials, into the cache only). Returns when it is done.
+    CacheWarm { url: String },
+    /// Root only: remove the entries whose source URL starts with `prefix` (entries a job is
+    /// reading or filling right now stay); with `dry_run`, only say which.
+    CacheEvict {
+        prefix: String,
+        #[serde(default)]
+        dry_run: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,7 +108,95 @@ pub enum Response {
     Archive(ArchiveListing),
     Verified(ArchiveVerified),
     Restored(ArchiveRestored),
+    Cache(CacheListing),
+    CacheWarmed(CacheWarmed),
+    CacheEvicted(CacheEvicted),
     Error(ErrorReply),
+}
+
+/// This node's cross-job cache: counters since the agent started, sizes now.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheStats {
+    /// Where the entries are (`<hot_tier.root>/cache`).
+    pub root: String,
+    /// The cache's size limit, and its watermarks: filling past `high_water_bytes` evicts the least
+    /// recently used entries down to `low_water_bytes`.
+    pub capacity_bytes: u64,
+    pub high_water_bytes: u64,
+    pub low_water_bytes: u64,
+    /// Bytes and count of the complete entries now (fills in progress not counted).
+    pub used_bytes: u64,
+    pub entries: u64,
+    /// Objects staged from the cache, and objects that were looked up and not there.
+    pub hits: u64,
+    pub misses: u64,
+    /// Bytes placed into jobs from the cache: bytes the origin did not serve again.
+    pub hit_bytes: u64,
+    /// Bytes written into new entries.
+    pub filled_bytes: u64,
+    pub evictions: u64,
+    pub evicted_bytes: u64,
+}
+
+impl CacheStats {
+    /// Hits over lookups, 0..=1; `None` before the first lookup.
+    pub fn hit_ratio(&self) -> Option<f64> {
+        let lookups = self.hits + self.misses;
+        (lookups > 0).then(|| self.hits as f64 / lookups as f64)
+    }
+}
+
+/// One entry of the cache: a complete copy of one object as the origin listed it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheEntry {
+    /// The object (`s3://bucket/key`, `az://container/blob`, `gs://bucket/key`).
+    pub url: String,
+    /// What the origin listed it with: a changed object has another ETag or version, and misses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etag: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    pub size: u64,
+    /// Seconds since the epoch when a job last used it (or it was filled).
+    pub last_use: u64,
+    /// A job is reading it right now (never evicted while so).
+    pub in_use: bool,
+}
+
+/// [`Request::CacheList`]'s answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheListing {
+    pub node: String,
+    pub stats: CacheStats,
+    #[serde(default)]
+    pub entries: Vec<CacheEntry>,
+}
+
+/// [`Request::CacheWarm`]'s answer: the dataset's objects, and how many were cached already.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheWarmed {
+    pub node: String,
+    pub url: String,
+    pub files: u64,
+    pub bytes: u64,
+    /// Of `files`/`bytes`: what was in the cache already (nothing read from the origin).
+    pub cached_files: u64,
+    pub cached_bytes: u64,
+    /// Objects that could not be cached (larger than the cache, or the cache is full of entries
+    /// in use), with why.
+    #[serde(default)]
+    pub skipped: Vec<String>,
+}
+
+/// [`Request::CacheEvict`]'s answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheEvicted {
+    pub node: String,
+    pub entries: u64,
+    pub bytes: u64,
+    /// Entries that matched and stay because a job is reading or filling them.
+    pub in_use: u64,
+    pub dry_run: bool,
 }
 
 /// The checkpoints of an archive the peer may see ([`Request::ArchiveList`]).
@@ -341,6 +447,9 @@ pub struct StageProgress {
     pub origin_bytes: u64,
     #[serde(default)]
     pub peer_bytes: u64,
+    /// Of `bytes_done`: placed from this node's cache (`[cache]`), read from neither.
+    #[serde(default)]
+    pub cache_bytes: u64,
     /// Milliseconds spent so far (or in total, once done).
     pub elapsed_ms: u64,
     pub error: Option<String>,
@@ -385,4 +494,7 @@ pub struct NodeStatus {
     /// Bytes held by jobs' directories on the hot tier, as the agent counted them.
     pub hot_used_bytes: u64,
     pub jobs: Vec<JobStatus>,
+    /// The cross-job cache (`[cache]`); `None` without one (or from an agent before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheStats>,
 }

@@ -233,6 +233,7 @@ impl Agent {
             cancel: job.cancel.child_token(),
             budget: self.stage_budget.clone(),
             shared_tier: None,
+            cache: self.cache.clone(),
         };
         let sharing = plan.as_ref().map_or(Sharing::Alone, Sharing::Shard);
         let limit = self.cfg.stage.timeout;

@@ -105,6 +105,8 @@ pub struct Progress {
     /// Of `bytes_done`: read from the origin by this node, and taken from the job's other nodes.
     origin_bytes: AtomicU64,
     peer_bytes: AtomicU64,
+    /// Of `bytes_done`: placed from this node's cache.
+    cache_bytes: AtomicU64,
     started: Mutex<Option<Instant>>,
     elapsed_ms: AtomicU64,
     error: Mutex<Option<String>>,
@@ -124,6 +126,7 @@ impl Progress {
             bytes_total: AtomicU64::new(UNKNOWN),
             origin_bytes: AtomicU64::new(0),
             peer_bytes: AtomicU64::new(0),
+            cache_bytes: AtomicU64::new(0),
             started: Mutex::new(None),
             elapsed_ms: AtomicU64::new(0),
             error: Mutex::new(None),
@@ -182,6 +185,7 @@ impl Progress {
             bytes_total: known(self.bytes_total.load(Ordering::Relaxed)),
             origin_bytes: self.origin_bytes.load(Ordering::Relaxed),
             peer_bytes: self.peer_bytes.load(Ordering::Relaxed),
+            cache_bytes: self.cache_bytes.load(Ordering::Relaxed),
             elapsed_ms,
             error: lock(&self.error).clone(),
         }
@@ -206,6 +210,9 @@ pub struct StageCtx {
     /// the job id is replaced, files get the layout of their size class, and no shard manifest is
     /// written (every node sees every file).
     pub shared_tier: Option<Arc<shared::Layout>>,
+    /// The node's cross-job cache (`[cache]`): object-store datasets are taken from it where it
+    /// holds their objects, and fill it as they are staged ([`crate::cache`]).
+    pub cache: Option<Arc<crate::cache::Cache>>,
 }
 
 /// How a dataset is staged with respect to the job's other nodes.
@@ -262,7 +269,18 @@ pub async fn stage_with(
                     Sharing::Peers(p) => Some(p.clone()),
                     _ => None,
                 };
-                object::stage(ctx, spec, store, prefix, progress.clone(), peers, shard).await
+                let bucket_url = format!("{}://{bucket}", scheme.url_scheme());
+                object::stage(
+                    ctx,
+                    spec,
+                    store,
+                    bucket_url,
+                    prefix,
+                    progress.clone(),
+                    peers,
+                    shard,
+                )
+                .await
             }
         }
     };
@@ -275,6 +293,21 @@ pub async fn stage_with(
         Err(e) => progress.fail(e),
     }
     result
+}
+
+/// `sluice cache warm URL`: fills the node's cache with the dataset at `url` (object stores only),
+/// as staging would, but into the cache alone.
+pub async fn warm(
+    cfg: Arc<Config>,
+    budget: Arc<Budget>,
+    cache: Arc<crate::cache::Cache>,
+    cancel: CancellationToken,
+    url: &str,
+) -> Result<sluice_proto::msg::CacheWarmed, StageError> {
+    tokio::select! {
+        r = object::warm(cfg, budget, cache, url) => r,
+        _ = cancel.cancelled() => Err(StageError::Cancelled { dataset: url.to_string() }),
+    }
 }
 
 fn is_no_space(errno: Option<i32>) -> bool {

@@ -9,6 +9,7 @@
 use super::peers::Trouble;
 use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
+use crate::cache::{Cache, Fill, Hit, Key};
 use crate::peer::{PeerError, Unit, UnitSink, units_of};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
@@ -75,6 +76,13 @@ fn origin_error(source: &str, e: object_store::Error) -> StageError {
     if let object_store::Error::InvalidPath { .. } = e {
         return StageError::UnsafeKeys { dataset };
     }
+    // Every GET asks for the ETag the listing gave (If-Match).
+    if let object_store::Error::Precondition { .. } = e {
+        return StageError::Origin {
+            dataset,
+            detail: "the object changed while it was being staged (it no longer has the ETag it was listed with); resubmit the job to stage the new version".into(),
+        };
+    }
     match store::classify(&e) {
         // A missing bucket or container is the user's mistake, like a missing prefix.
         StoreErrorKind::NotFound => StageError::NotFound { dataset },
@@ -109,6 +117,20 @@ struct Fetcher {
     name: String,
     /// Staging into the job's directory on the shared tier (see [`StageCtx::shared_tier`]).
     shared_tier: Option<Arc<super::shared::Layout>>,
+    /// The node's cache: objects are copied from it when it has them, and filled into it as
+    /// they are staged ([`crate::cache`]).
+    cache: Option<Arc<Cache>>,
+    cfg: Arc<sluice_archive::config::Config>,
+    /// `s3://bucket`: objects' URLs are this and their location (the cache's keys).
+    bucket_url: String,
+}
+
+/// Where an object's bytes go: the job's file, the cache entry being filled beside it (the same
+/// bytes at the same offsets), and the ETag every GET of the object asks for.
+struct Dest {
+    file: Arc<std::fs::File>,
+    tee: Option<Fill>,
+    etag: Option<String>,
 }
 
 /// Where an object's staged copy is, for serving its units to peers: the directory its path is
@@ -164,7 +186,7 @@ impl Fetcher {
         })
         .await
         .map_err(|(errno, detail)| self.hot_error(&rel, errno, detail))?;
-        self.fill(Arc::new(file), &rel, meta, staged).await
+        self.fill(file, &rel, meta, staged).await
     }
 
     /// GETs `range` of the object and writes it at the same offset of `file`, streaming the body
@@ -174,7 +196,7 @@ impl Fetcher {
     async fn get_part(
         &self,
         mut lease: Lease,
-        file: Arc<std::fs::File>,
+        file: Arc<Dest>,
         rel: &str,
         location: &ObjPath,
         range: std::ops::Range<u64>,
@@ -191,6 +213,7 @@ impl Fetcher {
         };
         let opts = GetOptions {
             range: Some(range.clone().into()),
+            if_match: file.etag.clone(),
             ..GetOptions::default()
         };
         let mut body = self
@@ -239,18 +262,31 @@ impl Fetcher {
     /// empty.
     async fn write_at(
         &self,
-        file: &Arc<std::fs::File>,
+        file: &Arc<Dest>,
         rel: &str,
         buf: Vec<u8>,
         at: &mut u64,
         hasher: &mut Option<blake3::Hasher>,
         from: &AtomicU64,
     ) -> Result<Vec<u8>, StageError> {
-        let (f, offset, mut h) = (file.clone(), *at, hasher.take());
+        let (d, offset, mut h, cache) = (file.clone(), *at, hasher.take(), self.cache.clone());
         let (mut buf, h, written) = blocking(move || {
-            let r = f.write_all_at(&buf, offset);
-            if let (Ok(()), Some(h)) = (&r, h.as_mut()) {
-                h.update(&buf);
+            let mut r = d.file.write_all_at(&buf, offset);
+            // A full hot tier takes room from the cache before it fails the job.
+            while r.as_ref().is_err_and(|e| is_no_space(e.raw_os_error()))
+                && cache
+                    .as_ref()
+                    .is_some_and(|c| c.yield_space(buf.len() as u64 + (64 << 20)) > 0)
+            {
+                r = d.file.write_all_at(&buf, offset);
+            }
+            if let Ok(()) = &r {
+                if let Some(h) = h.as_mut() {
+                    h.update(&buf);
+                }
+                if let Some(fill) = &d.tee {
+                    fill.write_at(&buf, offset);
+                }
             }
             (buf, h, r)
         })
@@ -271,22 +307,104 @@ impl Fetcher {
         from.fetch_sub(n, Ordering::Relaxed);
     }
 
-    /// Writes the object's bytes into `file`: one GET for small objects, parallel ranged GETs of
-    /// `part_size` for large ones; or, shared with the job's peers, unit by unit.
+    /// Writes the object's bytes into `file`: from the node's cache if it holds the object;
+    /// else one GET for small objects, parallel ranged GETs of `part_size` for large ones, or,
+    /// shared with the job's peers, unit by unit — filling a cache entry beside it.
     async fn fill(
         self: Arc<Self>,
-        file: Arc<std::fs::File>,
+        file: std::fs::File,
         rel: &str,
         meta: ObjectMeta,
         staged: Staged,
     ) -> Result<(), StageError> {
-        if let Some(peers) = self.peers.clone() {
-            return self.fill_shared(&peers, file, rel, meta, staged).await;
+        let key = self
+            .cache
+            .as_ref()
+            .and_then(|_| Key::of(&self.cfg, &self.bucket_url, &meta));
+        let mut tee = None;
+        if let (Some(cache), Some(key)) = (self.cache.clone(), key) {
+            let k = key.clone();
+            let c = cache.clone();
+            if let Some(hit) = blocking(move || c.lookup(&k)).await {
+                return self.fill_from_cache(hit, file, rel, &meta, staged).await;
+            }
+            match blocking(move || cache.begin_fill(key)).await {
+                Ok(fill) => tee = Some(fill),
+                Err(why) => tracing::debug!("{}: not cached: {why}", self.source),
+            }
         }
+        let dest = Arc::new(Dest {
+            file: Arc::new(file),
+            tee,
+            etag: meta.e_tag.clone(),
+        });
+        let filled = match self.peers.clone() {
+            Some(peers) => {
+                self.clone()
+                    .fill_shared(&peers, &dest, rel, meta, staged)
+                    .await
+            }
+            None => self.clone().fill_plain(&dest, rel, meta).await,
+        };
+        if filled.is_ok() {
+            if let Some(fill) = Arc::into_inner(dest).and_then(|d| d.tee) {
+                blocking(move || fill.commit()).await;
+            }
+        }
+        filled
+    }
+
+    /// Places a cached object into `file`; shared with the job's peers, the object's units are
+    /// this node's to serve, hashed as they are copied.
+    async fn fill_from_cache(
+        &self,
+        hit: Hit,
+        file: std::fs::File,
+        rel: &str,
+        meta: &ObjectMeta,
+        staged: Staged,
+    ) -> Result<(), StageError> {
+        let unit_size = self.peers.as_ref().map(|p| p.unit_size());
+        let (size, cache) = (meta.size, self.cache.clone());
+        let copied = blocking(move || {
+            let mut r = hit.copy_to(&file, unit_size);
+            // A full hot tier takes room from the cache's other entries, then tries again.
+            while r.as_ref().is_err_and(|e| is_no_space(e.raw_os_error()))
+                && cache.as_ref().is_some_and(|c| c.yield_space(size) > 0)
+            {
+                r = file.set_len(0).and_then(|()| hit.copy_to(&file, unit_size));
+            }
+            r
+        })
+        .await
+        .map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
+        if let (Some(peers), Some(unit_size)) = (&self.peers, unit_size) {
+            if size > 0 {
+                let units = units_of(&staged.unit_file, size, unit_size);
+                peers.add_object(staged.root, staged.rel_at, &units);
+                for (unit, hash) in units.iter().zip(copied) {
+                    peers.held(unit, hash);
+                }
+            }
+        }
+        let p = &self.progress;
+        p.bytes_done.fetch_add(size, Ordering::Relaxed);
+        p.cache_bytes.fetch_add(size, Ordering::Relaxed);
+        p.files_done.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// [`fill`](Self::fill) from the origin alone.
+    async fn fill_plain(
+        self: Arc<Self>,
+        file: &Arc<Dest>,
+        rel: &str,
+        meta: ObjectMeta,
+    ) -> Result<(), StageError> {
         let size = meta.size;
         if size > self.part_size {
             let f = file.clone();
-            blocking(move || f.set_len(size))
+            blocking(move || f.file.set_len(size))
                 .await
                 .map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
         }
@@ -320,7 +438,7 @@ impl Fetcher {
     async fn fill_shared(
         self: Arc<Self>,
         peers: &Arc<JobPeers>,
-        file: Arc<std::fs::File>,
+        file: &Arc<Dest>,
         rel: &str,
         meta: ObjectMeta,
         staged: Staged,
@@ -328,7 +446,7 @@ impl Fetcher {
         let (size, unit_size) = (meta.size, peers.unit_size());
         if size > unit_size {
             let f = file.clone();
-            blocking(move || f.set_len(size))
+            blocking(move || f.file.set_len(size))
                 .await
                 .map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
         }
@@ -370,7 +488,7 @@ impl Fetcher {
     async fn unit_from_origin(
         &self,
         lease: Lease,
-        file: &Arc<std::fs::File>,
+        file: &Arc<Dest>,
         rel: &str,
         location: &ObjPath,
         unit: &Unit,
@@ -408,7 +526,7 @@ impl Fetcher {
     /// no faster than `stage.concurrency` requests at a time, whatever the number of waiting units.
     async fn unit_from_peers(
         &self,
-        file: &Arc<std::fs::File>,
+        file: &Arc<Dest>,
         rel: &str,
         location: &ObjPath,
         unit: Unit,
@@ -472,7 +590,7 @@ impl Fetcher {
     /// [`unit_from_origin`](Self::unit_from_origin), once a budget slot is free.
     async fn unit_from_origin_now(
         &self,
-        file: &Arc<std::fs::File>,
+        file: &Arc<Dest>,
         rel: &str,
         location: &ObjPath,
         unit: &Unit,
@@ -488,7 +606,7 @@ impl Fetcher {
 /// on the blocking thread that writes it. Counted as peer bytes as written.
 struct PeerSink<'a> {
     fetcher: &'a Fetcher,
-    file: &'a Arc<std::fs::File>,
+    file: &'a Arc<Dest>,
     rel: &'a str,
     at: u64,
     lease: Option<Lease>,
@@ -502,7 +620,7 @@ struct PeerSink<'a> {
 }
 
 impl<'a> PeerSink<'a> {
-    fn new(fetcher: &'a Fetcher, file: &'a Arc<std::fs::File>, rel: &'a str, at: u64) -> Self {
+    fn new(fetcher: &'a Fetcher, file: &'a Arc<Dest>, rel: &'a str, at: u64) -> Self {
         PeerSink {
             fetcher,
             file,
@@ -597,6 +715,7 @@ pub(super) async fn stage(
     ctx: &StageCtx,
     spec: &StageSpec,
     store: Arc<dyn ObjectStore>,
+    bucket_url: String,
     prefix: &str,
     progress: Arc<Progress>,
     peers: Option<Arc<JobPeers>>,
@@ -617,6 +736,9 @@ pub(super) async fn stage(
         peers,
         name: spec.name.clone(),
         shared_tier: ctx.shared_tier.clone(),
+        cache: ctx.cache.clone(),
+        cfg: ctx.cfg.clone(),
+        bucket_url,
     });
     let (fd, name, owner) = (ctx.stage_fd.clone(), spec.name.clone(), ctx.owner);
     // On the shared tier every node sees every file: no manifest.
@@ -651,10 +773,7 @@ pub(super) async fn stage(
                     blocking(move || new_file(&fd, &name, size, owner, shared_tier.as_deref()))
                         .await
                         .map_err(|(errno, detail)| fetcher.hot_error(&spec.name, errno, detail))?;
-                fetcher
-                    .clone()
-                    .fill(Arc::new(file), &spec.name, meta, staged)
-                    .await?;
+                fetcher.clone().fill(file, &spec.name, meta, staged).await?;
                 return write_manifest(ctx, &fetcher, manifest).await;
             }
             Err(object_store::Error::NotFound { .. }) => {}
@@ -737,6 +856,167 @@ pub(super) async fn stage(
         });
     }
     write_manifest(ctx, &fetcher, manifest).await
+}
+
+/// What `sluice cache warm` did with one object.
+enum Warmed {
+    Cached(u64),
+    Filled,
+    Skipped(String),
+}
+
+impl Fetcher {
+    /// Fills a cache entry with the object, with no job's copy beside it.
+    async fn warm_object(self: Arc<Self>, meta: ObjectMeta) -> Result<Warmed, StageError> {
+        let cache = self.cache.clone().expect("warming has a cache");
+        let Some(key) = Key::of(&self.cfg, &self.bucket_url, &meta) else {
+            return Ok(Warmed::Skipped(format!(
+                "{}/{}: the store lists it with neither an ETag nor a version",
+                self.bucket_url, meta.location
+            )));
+        };
+        let size = key.size;
+        if cache.contains(&key) {
+            return Ok(Warmed::Cached(size));
+        }
+        let fill = match blocking(move || cache.begin_fill(key)).await {
+            Ok(fill) => fill,
+            Err(why) => return Ok(Warmed::Skipped(why)),
+        };
+        let dest = Arc::new(Dest {
+            file: fill.file(),
+            tee: None,
+            etag: meta.e_tag.clone(),
+        });
+        let rel = meta.location.to_string();
+        self.clone().fill_plain(&dest, &rel, meta).await?;
+        drop(dest);
+        Ok(if blocking(move || fill.commit()).await {
+            Warmed::Filled
+        } else {
+            Warmed::Skipped(format!(
+                "{rel}: the cache entry could not be written (see the agent's log)"
+            ))
+        })
+    }
+}
+
+/// `sluice cache warm URL`: fills the node's cache with the objects at `url` that it does not
+/// hold, read with the agent's credentials through the node's download budget.
+pub(super) async fn warm(
+    cfg: Arc<sluice_archive::config::Config>,
+    budget: Arc<Budget>,
+    cache: Arc<Cache>,
+    url: &str,
+) -> Result<sluice_proto::msg::CacheWarmed, StageError> {
+    let spec = sluice_proto::options::parse_stage_entry(&format!("warm={url}")).map_err(|e| {
+        StageError::Origin {
+            dataset: url.to_string(),
+            detail: e.to_string(),
+        }
+    })?;
+    let sluice_proto::options::Source::Object {
+        scheme,
+        bucket,
+        prefix,
+    } = &spec.source
+    else {
+        return Err(StageError::Origin {
+            dataset: url.to_string(),
+            detail: "only object-store datasets (s3://, az://, gs://) are cached".into(),
+        });
+    };
+    let source = spec.source.to_string();
+    let store = store::open(&cfg, *scheme, bucket).map_err(|e| StageError::Origin {
+        dataset: source.clone(),
+        detail: e.to_string(),
+    })?;
+    let fetcher = Arc::new(Fetcher {
+        store: store.clone(),
+        budget,
+        source: source.clone(),
+        node: cfg.node.clone(),
+        part_size: cfg.stage.part_size,
+        owner: Owner { uid: 0, gid: 0 },
+        progress: Arc::new(Progress::new(&spec)),
+        peers: None,
+        name: spec.name.clone(),
+        shared_tier: None,
+        cache: Some(cache),
+        bucket_url: format!("{}://{bucket}", scheme.url_scheme()),
+        cfg: cfg.clone(),
+    });
+    let mut out = sluice_proto::msg::CacheWarmed {
+        node: cfg.node.clone(),
+        url: source.clone(),
+        files: 0,
+        bytes: 0,
+        cached_files: 0,
+        cached_bytes: 0,
+        skipped: Vec::new(),
+    };
+    let mut tasks: JoinSet<Result<Warmed, StageError>> = JoinSet::new();
+    let take = |done: Result<Warmed, StageError>, out: &mut sluice_proto::msg::CacheWarmed| {
+        match done? {
+            Warmed::Cached(n) => {
+                out.cached_files += 1;
+                out.cached_bytes += n;
+            }
+            Warmed::Filled => {}
+            Warmed::Skipped(why) => out.skipped.push(why),
+        }
+        Ok::<_, StageError>(())
+    };
+    let mut objects = Vec::new();
+    if !prefix.is_empty() {
+        match store.head(&ObjPath::from(prefix.as_str())).await {
+            Ok(meta) => objects.push(meta),
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(origin_error(&source, e)),
+        }
+    }
+    let single = !objects.is_empty();
+    let list_prefix = (!prefix.is_empty()).then(|| ObjPath::from(prefix.as_str()));
+    let mut listing = (!single).then(|| store.list(list_prefix.as_ref()));
+    let max_pending = cfg.stage.concurrency * 4;
+    loop {
+        let meta = match (objects.pop(), listing.as_mut()) {
+            (Some(meta), _) => meta,
+            (None, Some(l)) => match l.next().await {
+                Some(item) => item.map_err(|e| origin_error(&source, e))?,
+                None => break,
+            },
+            (None, None) => break,
+        };
+        if !single {
+            match map_key(prefix, meta.location.as_ref()) {
+                KeyPath::File(_) => {}
+                KeyPath::DirMarker => continue,
+                KeyPath::Reject => {
+                    out.skipped.push(format!(
+                        "{}: not a file name a job could stage",
+                        meta.location
+                    ));
+                    continue;
+                }
+            }
+        }
+        out.files += 1;
+        out.bytes += meta.size;
+        while tasks.len() >= max_pending {
+            if let Some(done) = tasks.join_next().await {
+                take(done.expect("warm task panicked"), &mut out)?;
+            }
+        }
+        tasks.spawn(fetcher.clone().warm_object(meta));
+    }
+    while let Some(done) = tasks.join_next().await {
+        take(done.expect("warm task panicked"), &mut out)?;
+    }
+    if out.files == 0 {
+        return Err(StageError::NotFound { dataset: source });
+    }
+    Ok(out)
 }
 
 /// Creates the staged file `name` (of `size` bytes) in `dir`, owned by the job user. On the shared
@@ -833,6 +1113,15 @@ mod tests {
             peers: None,
             name: "ds".into(),
             shared_tier: None,
+            cache: None,
+            cfg: Arc::new(
+                sluice_archive::config::Config::parse(
+                    "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
+                    "n1",
+                )
+                .unwrap(),
+            ),
+            bucket_url: "s3://b".into(),
         })
     }
 
@@ -857,7 +1146,7 @@ mod tests {
         // 64 KiB parts through 4 KiB buffers, 3 requests at a time.
         let budget = Budget::with(3, 4096);
         let f = fetcher(store.clone(), 64 << 10, budget.clone());
-        let file = Arc::new(std::fs::File::create(dir.path().join("x.bin")).unwrap());
+        let file = std::fs::File::create(dir.path().join("x.bin")).unwrap();
         f.clone()
             .fill(file, "x.bin", meta.clone(), staged(dir.path(), "x.bin"))
             .await
@@ -874,7 +1163,7 @@ mod tests {
             size: 300_001 + 10,
             ..meta
         };
-        let file = Arc::new(std::fs::File::create(dir.path().join("y.bin")).unwrap());
+        let file = std::fs::File::create(dir.path().join("y.bin")).unwrap();
         let e = f
             .fill(file, "y.bin", listed_bigger, staged(dir.path(), "y.bin"))
             .await
@@ -911,5 +1200,85 @@ mod tests {
         assert_eq!(f("", "a\0b"), KeyPath::Reject);
         let deep = vec!["d"; safefs::MAX_DEPTH + 1].join("/");
         assert_eq!(f("", &deep), KeyPath::Reject);
+    }
+
+    /// A fetcher like [`fetcher`], with a cache in `dir`.
+    fn cached_fetcher(store: Arc<dyn ObjectStore>, dir: &std::path::Path) -> Arc<Fetcher> {
+        let cfg = Arc::new(
+            sluice_archive::config::Config::parse(
+                &format!(
+                    "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='{}'\n[cache]\nsize='16MiB'\n",
+                    dir.display()
+                ),
+                "n1",
+            )
+            .unwrap(),
+        );
+        let cache = Cache::open(&cfg).unwrap().unwrap();
+        let f = fetcher(store, 64 << 10, Budget::with(3, 4096));
+        let mut f = Arc::into_inner(f).unwrap();
+        f.cache = Some(cache);
+        f.cfg = cfg;
+        Arc::new(f)
+    }
+
+    #[tokio::test]
+    async fn a_second_stage_of_an_object_comes_from_the_cache_and_a_changed_one_does_not() {
+        let store: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+        let at = ObjPath::from("ds/x.bin");
+        store.put(&at, data.clone().into()).await.unwrap();
+        let meta = store.head(&at).await.unwrap();
+        let hot = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let f = cached_fetcher(store.clone(), hot.path());
+        let file = |name: &str| std::fs::File::create(dir.path().join(name)).unwrap();
+        f.clone()
+            .fill(file("a"), "a", meta.clone(), staged(dir.path(), "a"))
+            .await
+            .unwrap();
+        let cache = f.cache.clone().unwrap();
+        assert_eq!(cache.stats().entries, 1);
+        assert_eq!(f.progress.snapshot().cache_bytes, 0);
+        // The origin no longer has it: only the cache can answer.
+        store.delete(&at).await.unwrap();
+        f.clone()
+            .fill(file("b"), "b", meta.clone(), staged(dir.path(), "b"))
+            .await
+            .unwrap();
+        assert_eq!(std::fs::read(dir.path().join("b")).unwrap(), data);
+        let p = f.progress.snapshot();
+        assert_eq!(
+            (p.cache_bytes, p.bytes_done, p.files_done),
+            (200_000, 400_000, 2)
+        );
+        assert_eq!(cache.stats().hits, 1);
+
+        // Overwritten after it was listed: the GET asks for the listed ETag, and the job is told.
+        store.put(&at, vec![1u8; 200_000].into()).await.unwrap();
+        let listed = store.head(&at).await.unwrap();
+        store.put(&at, vec![2u8; 200_000].into()).await.unwrap();
+        let e = f
+            .clone()
+            .fill(file("c"), "c", listed.clone(), staged(dir.path(), "c"))
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("the object changed while it was being staged"),
+            "{e}"
+        );
+        // ... and nothing of it is cached.
+        assert_eq!(cache.stats().entries, 1);
+        let now = store.head(&at).await.unwrap();
+        f.clone()
+            .fill(file("d"), "d", now, staged(dir.path(), "d"))
+            .await
+            .unwrap();
+        assert_eq!(
+            std::fs::read(dir.path().join("d")).unwrap(),
+            vec![2u8; 200_000]
+        );
+        assert_eq!(cache.stats().entries, 2);
     }
 }

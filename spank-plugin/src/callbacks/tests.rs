@@ -716,6 +716,7 @@ fn empty_status() -> sluice_proto::msg::NodeStatus {
         hot_total_bytes: 0,
         hot_free_bytes: 0,
         hot_used_bytes: 0,
+        cache: None,
         jobs: vec![],
     }
 }
@@ -1211,6 +1212,7 @@ fn the_batch_steps_first_task_prints_what_was_staged_once() {
             bytes_total: Some(3 << 20),
             origin_bytes: 3 << 20,
             peer_bytes: 0,
+            cache_bytes: 0,
             elapsed_ms: 1500,
             error: None,
         }];

@@ -196,6 +196,7 @@ async fn node(name: &str, listener: TcpListener, addrs: &BTreeMap<String, String
         cancel: CancellationToken::new(),
         budget: Budget::new(&cfg.stage),
         shared_tier: None,
+        cache: None,
     };
     Node {
         name: name.into(),
@@ -239,6 +240,7 @@ async fn stage_all(
                 &n.ctx,
                 &spec,
                 store,
+                "s3://b".into(),
                 "ds",
                 n.progress.clone(),
                 Some(peers.clone()),
@@ -362,6 +364,7 @@ async fn three_shard_nodes_hold_the_dataset_once_and_write_the_same_manifest() {
                 &n.ctx,
                 &spec,
                 store,
+                "s3://b".into(),
                 "ds",
                 n.progress.clone(),
                 None,

@@ -1,0 +1,656 @@
+//! The cross-job cache (`[cache]`): complete copies of the objects jobs staged on this node, in
+//! `<hot_tier.root>/cache`, so that the next job on the same data reads nothing from the origin.
+//!
+//! - **Keys.** An entry is one object as the origin listed it: its URL, the store's endpoint, its
+//!   ETag and version, its size ([`Key`]). A changed object lists another ETag (or version, or
+//!   size) and misses; an object listed with neither ETag nor version is never cached. Staging
+//!   GETs every range with `If-Match` on the listed ETag, so the bytes of an entry are the bytes
+//!   of the version its key names.
+//! - **Never served torn.** An entry is filled in `fill/`, from the same buffers that write the
+//!   job's copy (the job's file is the user's, the cache's never is: a user who changes their copy
+//!   changes nothing here), fsynced, its key written next to it, and only then renamed into `data/`.
+//!   At start every file left in `fill/` is removed and every entry in `data/` is checked against
+//!   its key (name = hash of the key, size = the key's): an agent killed mid-fill leaves nothing
+//!   that is ever served.
+//! - **Authorisation** is the staging's: the cache is consulted only for a dataset the job's user
+//!   is allowed now (`[[stage.allow]]`, checked at job start), for the objects the origin lists
+//!   under it now. Entries are root's, mode 0600, in a root-only directory.
+//! - **Eviction.** Least recently used first. A fill that would take the cache past its high
+//!   watermark first evicts down to the low one; entries a job is copying out right now are
+//!   never evicted; a fill that cannot be made room for is simply not cached (the job is staged
+//!   as without a cache). The cache keeps `min_free` of the hot tier free, and gives way to jobs:
+//!   a staging write that finds the hot tier full evicts entries and tries again, and
+//!   housekeeping evicts before it trims checkpoints.
+//! - **Last use** is the entry's mtime, so the order survives restarts.
+
+use serde::{Deserialize, Serialize};
+use sluice_archive::config::{CacheConfig, Config};
+use sluice_archive::rt::{lock, now_secs};
+use sluice_archive::safefs;
+use sluice_proto::msg::{CacheEntry, CacheEvicted, CacheStats};
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("cache {path}: {source}")]
+    Open {
+        path: String,
+        #[source]
+        source: safefs::SafeFsError,
+    },
+}
+
+/// What an entry is a copy of.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Key {
+    /// `s3://bucket/key`, `az://container/blob`, `gs://bucket/key`.
+    pub url: String,
+    /// The store's endpoint (`[[store]] endpoint`), so that two stores with a bucket of the same
+    /// name never share entries.
+    pub endpoint: Option<String>,
+    pub etag: Option<String>,
+    pub version: Option<String>,
+    pub size: u64,
+}
+
+impl Key {
+    /// The key of `meta`, listed in `bucket_url` (`s3://bucket`); `None` if the listing gave
+    /// neither an ETag nor a version (nothing would tell a changed object from this one).
+    pub fn of(cfg: &Config, bucket_url: &str, meta: &object_store::ObjectMeta) -> Option<Key> {
+        if meta.e_tag.is_none() && meta.version.is_none() {
+            return None;
+        }
+        let url = format!("{bucket_url}/{}", meta.location);
+        Some(Key {
+            endpoint: cfg.store_for(&url).and_then(|p| p.endpoint.clone()),
+            url,
+            etag: meta.e_tag.clone(),
+            version: meta.version.clone(),
+            size: meta.size,
+        })
+    }
+
+    /// The entry's file name: the BLAKE3 of the key's JSON, in hex.
+    fn id(&self) -> String {
+        let json = serde_json::to_vec(self).expect("a key serialises");
+        blake3::hash(&json).to_hex().to_string()
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    key: Key,
+    /// Seconds since the epoch.
+    last_use: u64,
+    /// Jobs copying it out right now.
+    pins: u32,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    entries: HashMap<String, Entry>,
+    /// Bytes of the complete entries, and reserved by fills in progress.
+    used: u64,
+    reserved: u64,
+    filling: HashSet<String>,
+    hits: u64,
+    misses: u64,
+    hit_bytes: u64,
+    filled_bytes: u64,
+    evictions: u64,
+    evicted_bytes: u64,
+}
+
+/// The cache of this node.
+#[derive(Debug)]
+pub struct Cache {
+    cfg: CacheConfig,
+    node: String,
+    path: PathBuf,
+    hot_root: PathBuf,
+    data: OwnedFd,
+    fill: OwnedFd,
+    /// The size limit, from the hot tier's size when it is a percent of it.
+    capacity: u64,
+    state: Mutex<State>,
+    fills: AtomicU64,
+}
+
+const DATA: &str = "data";
+const FILL: &str = "fill";
+const META: &str = ".meta";
+
+impl Cache {
+    /// Opens (or creates) the cache of `cfg`, checking every entry; `None` without `[cache]`.
+    pub fn open(cfg: &Config) -> Result<Option<Arc<Cache>>, CacheError> {
+        let Some(cache_cfg) = cfg.cache else {
+            return Ok(None);
+        };
+        let path = cfg.hot_root.join("cache");
+        let err = |what: &Path| {
+            let path = what.display().to_string();
+            move |source| CacheError::Open { path, source }
+        };
+        let hot = safefs::open_root_dir(&cfg.hot_root).map_err(err(&cfg.hot_root))?;
+        let root = safefs::ensure_dir(&hot, "cache", None, 0o700).map_err(err(&path))?;
+        let data = safefs::ensure_dir(&root, DATA, None, 0o700).map_err(err(&path))?;
+        // What a fill left when the agent stopped is never an entry.
+        safefs::remove_tree(&root, FILL).map_err(err(&path))?;
+        let fill = safefs::ensure_dir(&root, FILL, None, 0o700).map_err(err(&path))?;
+        let total = nix::sys::statvfs::statvfs(&cfg.hot_root)
+            .map(|s| s.blocks() * s.fragment_size())
+            .unwrap_or(0);
+        let cache = Cache {
+            cfg: cache_cfg,
+            node: cfg.node.clone(),
+            path,
+            hot_root: cfg.hot_root.clone(),
+            capacity: cache_cfg.capacity(total),
+            data,
+            fill,
+            state: Mutex::new(State::default()),
+            fills: AtomicU64::new(0),
+        };
+        let (kept, dropped) = cache.load();
+        tracing::info!(
+            entries = kept,
+            removed = dropped,
+            capacity = cache.capacity,
+            "cache at {} checked",
+            cache.path.display()
+        );
+        Ok(Some(Arc::new(cache)))
+    }
+
+    /// Reads the entries of `data/`: an entry whose key is missing, unreadable, not its name's or
+    /// not its size is removed. Returns (kept, removed).
+    fn load(&self) -> (u64, u64) {
+        let names: Vec<String> = match nix::dir::Dir::openat(
+            &self.data,
+            ".",
+            nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY,
+            nix::sys::stat::Mode::empty(),
+        ) {
+            Ok(mut dir) => dir
+                .iter()
+                .filter_map(Result::ok)
+                .filter_map(|e| e.file_name().to_str().ok().map(String::from))
+                .filter(|n| n != "." && n != "..")
+                .collect(),
+            Err(e) => {
+                tracing::warn!("cache: listing {}: {e}", self.path.display());
+                Vec::new()
+            }
+        };
+        let mut st = lock(&self.state);
+        let (mut kept, mut dropped) = (0, 0);
+        for name in &names {
+            if name.ends_with(META) {
+                if !names.contains(&name[..name.len() - META.len()].to_string()) {
+                    self.unlink(name);
+                    dropped += 1;
+                }
+                continue;
+            }
+            match self.check_entry(name) {
+                Some((key, last_use)) => {
+                    st.used += key.size;
+                    st.entries.insert(
+                        name.clone(),
+                        Entry {
+                            key,
+                            last_use,
+                            pins: 0,
+                        },
+                    );
+                    kept += 1;
+                }
+                None => {
+                    self.unlink(name);
+                    self.unlink(&format!("{name}{META}"));
+                    dropped += 1;
+                }
+            }
+        }
+        (kept, dropped)
+    }
+
+    fn check_entry(&self, id: &str) -> Option<(Key, u64)> {
+        let mut text = String::new();
+        open_in(&self.data, &format!("{id}{META}"))
+            .ok()?
+            .read_to_string(&mut text)
+            .ok()?;
+        let key: Key = serde_json::from_str(&text).ok()?;
+        let st = nix::sys::stat::fstat(open_in(&self.data, id).ok()?.as_fd()).ok()?;
+        (key.id() == id && st.st_size as u64 == key.size).then_some((key, st.st_mtime as u64))
+    }
+
+    fn unlink(&self, name: &str) {
+        let _ = nix::unistd::unlinkat(&self.data, name, nix::unistd::UnlinkatFlags::NoRemoveDir);
+    }
+
+    fn high(&self) -> u64 {
+        self.capacity / 100 * u64::from(self.cfg.high_water)
+    }
+
+    fn low(&self) -> u64 {
+        self.capacity / 100 * u64::from(self.cfg.low_water)
+    }
+
+    /// Whether a complete entry for `key` is here (not counted as a lookup).
+    pub fn contains(&self, key: &Key) -> bool {
+        lock(&self.state).entries.contains_key(&key.id())
+    }
+
+    /// The entry for `key`, pinned until the [`Hit`] is dropped (blocking: opens the file).
+    pub fn lookup(self: &Arc<Self>, key: &Key) -> Option<Hit> {
+        let id = key.id();
+        let mut st = lock(&self.state);
+        if !st.entries.contains_key(&id) {
+            st.misses += 1;
+            return None;
+        }
+        let file = match open_in(&self.data, &id) {
+            Ok(f) if f.metadata().is_ok_and(|m| m.len() == key.size) => f,
+            other => {
+                tracing::warn!(
+                    "cache: entry {id} of {} is gone or changed ({:?}); dropped",
+                    key.url,
+                    other.err()
+                );
+                let size = st.entries.remove(&id).map_or(0, |e| e.key.size);
+                st.used -= size;
+                self.unlink(&id);
+                self.unlink(&format!("{id}{META}"));
+                st.misses += 1;
+                return None;
+            }
+        };
+        let entry = st.entries.get_mut(&id).expect("looked up above");
+        entry.pins += 1;
+        entry.last_use = now_secs();
+        st.hits += 1;
+        st.hit_bytes += key.size;
+        drop(st);
+        let now = nix::sys::time::TimeSpec::from(std::time::Duration::from_secs(now_secs()));
+        let _ = nix::sys::stat::futimens(file.as_fd(), &now, &now);
+        Some(Hit {
+            cache: self.clone(),
+            id,
+            file,
+        })
+    }
+
+    /// Starts a new entry for `key` (blocking), making room for it first; `Err` says why it will
+    /// not be cached (an entry for it exists or is being filled, it is larger than the cache, or no
+    /// room can be made: entries in use, or the hot tier is full).
+    pub fn begin_fill(self: &Arc<Self>, key: Key) -> Result<Fill, String> {
+        let id = key.id();
+        let size = key.size;
+        {
+            let mut st = lock(&self.state);
+            if st.entries.contains_key(&id) || st.filling.contains(&id) {
+                return Err(format!("{} is cached already (or being cached)", key.url));
+            }
+            if size > self.high() {
+                return Err(format!(
+                    "{} ({} bytes) is larger than the cache's high watermark ({} bytes)",
+                    key.url,
+                    size,
+                    self.high()
+                ));
+            }
+            if st.used + st.reserved + size > self.high() {
+                let goal = self.low().saturating_sub(size);
+                self.evict_lru(&mut st, |st| st.used + st.reserved <= goal);
+                if st.used + st.reserved + size > self.high() {
+                    return Err(format!(
+                        "no room in the cache for {}: its entries are in use",
+                        key.url
+                    ));
+                }
+            }
+            // The hot tier keeps min_free for jobs, whatever the cache's own limit.
+            let usage = nix::sys::statvfs::statvfs(&self.hot_root).ok();
+            if let Some(s) = usage {
+                let frag = s.fragment_size();
+                let (total, free) = (s.blocks() * frag, s.blocks_available() * frag);
+                let keep = total / 100 * u64::from(self.cfg.min_free);
+                let need = (keep + size + st.reserved).saturating_sub(free);
+                if need > 0 {
+                    let start = st.evicted_bytes;
+                    self.evict_lru(&mut st, |st| st.evicted_bytes - start >= need);
+                    if st.evicted_bytes - start < need {
+                        return Err(format!(
+                            "no room on the hot tier to cache {} (the cache leaves {}% of it free)",
+                            key.url, self.cfg.min_free
+                        ));
+                    }
+                }
+            }
+            st.reserved += size;
+            st.filling.insert(id.clone());
+        }
+        let name = format!(
+            "{id}.{}.{}",
+            std::process::id(),
+            self.fills.fetch_add(1, Ordering::Relaxed)
+        );
+        match safefs::create_file(&self.fill, &name, None, 0o600) {
+            Ok(f) => Ok(Fill {
+                cache: self.clone(),
+                id,
+                key,
+                name,
+                file: Arc::new(f),
+                tainted: AtomicBool::new(false),
+                committed: false,
+            }),
+            Err(e) => {
+                let mut st = lock(&self.state);
+                st.reserved -= size;
+                st.filling.remove(&id);
+                Err(format!("cannot create a cache entry: {e}"))
+            }
+        }
+    }
+
+    /// Evicts least recently used entries not in use until `enough` says so (or none is left).
+    fn evict_lru(&self, st: &mut State, enough: impl Fn(&State) -> bool) {
+        let mut order: Vec<(u64, String)> = st
+            .entries
+            .iter()
+            .filter(|(_, e)| e.pins == 0)
+            .map(|(id, e)| (e.last_use, id.clone()))
+            .collect();
+        order.sort();
+        for (_, id) in order {
+            if enough(st) {
+                return;
+            }
+            self.remove(st, &id);
+        }
+    }
+
+    fn remove(&self, st: &mut State, id: &str) {
+        if let Some(e) = st.entries.remove(id) {
+            // The key first: an entry without its key is removed at the next start anyway.
+            self.unlink(&format!("{id}{META}"));
+            self.unlink(id);
+            st.used -= e.key.size;
+            st.evictions += 1;
+            st.evicted_bytes += e.key.size;
+            tracing::info!(url = e.key.url, bytes = e.key.size, "cache entry evicted");
+        }
+    }
+
+    /// Gives up to `bytes` of the hot tier back to jobs (blocking): evicts least recently used
+    /// entries not in use. Returns the bytes freed.
+    pub fn yield_space(&self, bytes: u64) -> u64 {
+        let mut st = lock(&self.state);
+        let start = st.evicted_bytes;
+        self.evict_lru(&mut st, |st| st.evicted_bytes - start >= bytes);
+        st.evicted_bytes - start
+    }
+
+    /// Removes the entries whose URL starts with `prefix`, unless a job is using them.
+    pub fn evict_prefix(&self, prefix: &str, dry_run: bool) -> CacheEvicted {
+        let mut st = lock(&self.state);
+        let matching: Vec<(String, u64, bool)> = st
+            .entries
+            .iter()
+            .filter(|(_, e)| e.key.url.starts_with(prefix))
+            .map(|(id, e)| (id.clone(), e.key.size, e.pins > 0))
+            .collect();
+        let mut out = CacheEvicted {
+            node: self.node.clone(),
+            entries: 0,
+            bytes: 0,
+            in_use: 0,
+            dry_run,
+        };
+        for (id, size, in_use) in matching {
+            if in_use {
+                out.in_use += 1;
+                continue;
+            }
+            out.entries += 1;
+            out.bytes += size;
+            if !dry_run {
+                self.remove(&mut st, &id);
+            }
+        }
+        out
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let st = lock(&self.state);
+        CacheStats {
+            root: self.path.display().to_string(),
+            capacity_bytes: self.capacity,
+            high_water_bytes: self.high(),
+            low_water_bytes: self.low(),
+            used_bytes: st.used,
+            entries: st.entries.len() as u64,
+            hits: st.hits,
+            misses: st.misses,
+            hit_bytes: st.hit_bytes,
+            filled_bytes: st.filled_bytes,
+            evictions: st.evictions,
+            evicted_bytes: st.evicted_bytes,
+        }
+    }
+
+    /// The entries whose URL starts with `prefix`, least recently used first.
+    pub fn entries(&self, prefix: Option<&str>) -> Vec<CacheEntry> {
+        let st = lock(&self.state);
+        let mut out: Vec<CacheEntry> = st
+            .entries
+            .values()
+            .filter(|e| prefix.is_none_or(|p| e.key.url.starts_with(p)))
+            .map(|e| CacheEntry {
+                url: e.key.url.clone(),
+                etag: e.key.etag.clone(),
+                version: e.key.version.clone(),
+                size: e.key.size,
+                last_use: e.last_use,
+                in_use: e.pins > 0,
+            })
+            .collect();
+        out.sort_by(|a, b| (a.last_use, &a.url).cmp(&(b.last_use, &b.url)));
+        out
+    }
+}
+
+fn open_in(dir: &OwnedFd, name: &str) -> io::Result<File> {
+    use nix::fcntl::OFlag;
+    let fd = nix::fcntl::openat(
+        dir,
+        name,
+        OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )?;
+    Ok(File::from(fd))
+}
+
+/// A complete entry, kept from eviction while held.
+#[derive(Debug)]
+pub struct Hit {
+    cache: Arc<Cache>,
+    id: String,
+    file: File,
+}
+
+impl Hit {
+    /// Copies the entry into `dst` (blocking): a reflink where the file system has them, else an
+    /// in-kernel copy, else read and write; with `unit_size`, read and write, returning the
+    /// BLAKE3 of each `unit_size` range (what the job's peers check the units against).
+    pub fn copy_to(&self, dst: &File, unit_size: Option<u64>) -> io::Result<Vec<blake3::Hash>> {
+        let size = self.file.metadata()?.len();
+        if let Some(unit) = unit_size {
+            return copy_hashing(&self.file, dst, size, unit);
+        }
+        // std copies file to file with copy_file_range, which clones the extents where the file
+        // system can (XFS, btrfs: a reflink, no data written) and copies in the kernel where it
+        // cannot, falling back to read and write.
+        let copied = io::copy(&mut &self.file, &mut &*dst)?;
+        if copied != size {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the cache entry is shorter than its key says",
+            ));
+        }
+        Ok(Vec::new())
+    }
+}
+
+/// Copies `size` bytes of `src` to `dst` through one buffer, hashing each `unit` range.
+fn copy_hashing(src: &File, dst: &File, size: u64, unit: u64) -> io::Result<Vec<blake3::Hash>> {
+    let mut buf = vec![0u8; 4 << 20];
+    let mut hashes = Vec::new();
+    let mut hasher = blake3::Hasher::new();
+    let (mut at, mut in_unit) = (0u64, 0u64);
+    while at < size {
+        let n = (buf.len() as u64).min(size - at).min(unit - in_unit) as usize;
+        src.read_exact_at(&mut buf[..n], at)?;
+        dst.write_all_at(&buf[..n], at)?;
+        hasher.update(&buf[..n]);
+        at += n as u64;
+        in_unit += n as u64;
+        if in_unit == unit || at == size {
+            hashes.push(hasher.finalize());
+            hasher = blake3::Hasher::new();
+            in_unit = 0;
+        }
+    }
+    Ok(hashes)
+}
+
+impl Drop for Hit {
+    fn drop(&mut self) {
+        let mut st = lock(&self.cache.state);
+        if let Some(e) = st.entries.get_mut(&self.id) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+}
+
+/// An entry being filled: written by staging alongside the job's copy, an entry once committed.
+#[derive(Debug)]
+pub struct Fill {
+    cache: Arc<Cache>,
+    id: String,
+    key: Key,
+    /// Its name in `fill/`.
+    name: String,
+    file: Arc<File>,
+    tainted: AtomicBool,
+    committed: bool,
+}
+
+impl Fill {
+    /// The entry's file, for a fill with no job copy beside it (`sluice cache warm`).
+    pub fn file(&self) -> Arc<File> {
+        self.file.clone()
+    }
+
+    /// Writes `buf` at `offset` (blocking); a failure only means the object is not cached.
+    pub fn write_at(&self, buf: &[u8], offset: u64) {
+        if self.tainted.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) = self.file.write_all_at(buf, offset) {
+            self.taint(&format!("writing it failed: {e}"));
+        }
+    }
+
+    /// The entry will not be committed (its bytes are not known to be the object's).
+    pub fn taint(&self, why: &str) {
+        if !self.tainted.swap(true, Ordering::Relaxed) {
+            tracing::info!("cache: {} is not cached: {why}", self.key.url);
+        }
+    }
+
+    /// Makes the entry servable (blocking), once every byte of the object is written: fsynced,
+    /// its key beside it, renamed into `data/`. Returns whether it is now an entry.
+    pub fn commit(mut self) -> bool {
+        if self.tainted.load(Ordering::Relaxed) {
+            return false;
+        }
+        match self.publish() {
+            Ok(()) => {
+                self.committed = true;
+                let mut st = lock(&self.cache.state);
+                st.reserved -= self.key.size;
+                st.filling.remove(&self.id);
+                st.used += self.key.size;
+                st.filled_bytes += self.key.size;
+                st.entries.insert(
+                    self.id.clone(),
+                    Entry {
+                        key: self.key.clone(),
+                        last_use: now_secs(),
+                        pins: 0,
+                    },
+                );
+                true
+            }
+            Err(e) => {
+                tracing::warn!("cache: {} is not cached: {e}", self.key.url);
+                false
+            }
+        }
+    }
+
+    fn publish(&self) -> io::Result<()> {
+        let file = self.file();
+        if file.metadata()?.len() != self.key.size {
+            return Err(io::Error::other("not every byte of the object was written"));
+        }
+        file.sync_all()?;
+        let c = &self.cache;
+        let meta_tmp = format!("{}{META}", self.name);
+        {
+            let mut f = safefs::create_file(&c.fill, &meta_tmp, None, 0o600)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            std::io::Write::write_all(&mut f, &serde_json::to_vec(&self.key)?)?;
+            f.sync_all()?;
+        }
+        nix::fcntl::renameat(
+            &c.fill,
+            meta_tmp.as_str(),
+            &c.data,
+            format!("{}{META}", self.id).as_str(),
+        )?;
+        nix::fcntl::renameat(&c.fill, self.name.as_str(), &c.data, self.id.as_str())?;
+        nix::unistd::fsync(&c.data)?;
+        Ok(())
+    }
+}
+
+impl Drop for Fill {
+    fn drop(&mut self) {
+        if self.committed {
+            return;
+        }
+        let _ = nix::unistd::unlinkat(
+            &self.cache.fill,
+            self.name.as_str(),
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        );
+        let mut st = lock(&self.cache.state);
+        st.reserved -= self.key.size;
+        st.filling.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests;
