@@ -15,9 +15,11 @@
 //! (`*_code` below, one exhaustive match per error type), an admission reason, a job state. Never
 //! a job id, a user, a tag or a path: those belong in `sluice status`, not in a time series.
 //!
-//! Staged bytes come from the dataset's origin or, with `[peer]`, from the job's other nodes:
-//! `sluice_origin_bytes_total` and `sluice_peer_bytes_total` split `sluice_stage_bytes_total`, so
-//! their ratio is the origin traffic peers saved. (A cache gets its counter when there is one.)
+//! Staged bytes come from the dataset's origin, with `[peer]` from the job's other nodes, and with
+//! `[cache]` from this node's cache: `sluice_origin_bytes_total` and `sluice_peer_bytes_total`
+//! count the first two by source kind, the cache's own `sluice_cache_hit_bytes_total` the third,
+//! and the three add up to `sluice_stage_bytes_total`. The cache's sizes and counters are state
+//! ([`encode_cache`], read from [`CacheStats`] at each scrape, absent without a cache).
 //!
 //! The scrape runs on the blocking pool (statvfs, and a walk of each checkpoint still waiting
 //! for its archive whose size is not known yet, remembered per commit). The listener serves at
@@ -34,7 +36,7 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -44,7 +46,7 @@ use sluice_archive::config::MetricsConfig;
 use sluice_archive::rt::{blocking, lock};
 use sluice_archive::store::StoreErrorKind;
 use sluice_archive::{ArchiveError, PartManifest};
-use sluice_proto::msg::{CkptState, JobId, JobState, StageState};
+use sluice_proto::msg::{CacheStats, CkptState, JobId, JobState, StageProgress, StageState};
 use sluice_proto::options::{ObjectScheme, Source};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -166,9 +168,7 @@ impl Metrics {
                 let p = progress.snapshot();
                 self.stage_bytes.get_or_create(&l).inc_by(p.bytes_done);
                 self.stage_files.get_or_create(&l).inc_by(p.files_done);
-                // What did not come from a peer came from the origin (POSIX sources never do).
-                let origin = p.bytes_done.saturating_sub(p.peer_bytes);
-                self.origin_bytes.get_or_create(&l).inc_by(origin);
+                self.origin_bytes.get_or_create(&l).inc_by(origin_bytes(&p));
                 self.peer_bytes.get_or_create(&l).inc_by(p.peer_bytes);
                 if p.state == StageState::Done {
                     self.stage_duration
@@ -298,6 +298,14 @@ impl Metrics {
         );
         r
     }
+}
+
+/// Of a dataset's staged bytes, those read from its origin: what came from neither the job's other
+/// nodes nor this node's cache (the cache counts its own, `sluice_cache_hit_bytes_total`).
+fn origin_bytes(p: &StageProgress) -> u64 {
+    p.bytes_done
+        .saturating_sub(p.peer_bytes)
+        .saturating_sub(p.cache_bytes)
 }
 
 /// The label value of a dataset's source.
@@ -516,6 +524,9 @@ impl Collector for Snapshot {
             ratio.metric_type(),
         )?;
         ratio.encode(m)?;
+        if let Some(cache) = &self.agent.cache {
+            encode_cache(&mut enc, &cache.stats())?;
+        }
         let mut family = enc.encode_descriptor(
             "jobs",
             "Jobs in the agent's table, by state",
@@ -534,6 +545,91 @@ impl Collector for Snapshot {
         }
         Ok(())
     }
+}
+
+/// The cross-job cache's series, from its [`CacheStats`]: sizes as gauges, the counters since the
+/// agent started as counters (they restart at 0 with it, which `rate()` and `increase()` expect).
+fn encode_cache(enc: &mut DescriptorEncoder, c: &CacheStats) -> Result<(), std::fmt::Error> {
+    let bytes = Some(&Unit::Bytes);
+    let gauges: [(&str, &str, Option<&Unit>, u64); 5] = [
+        (
+            "cache_capacity",
+            "The cross-job cache's size limit ([cache])",
+            bytes,
+            c.capacity_bytes,
+        ),
+        (
+            "cache_high_water",
+            "Filling the cache past this evicts its least recently used entries",
+            bytes,
+            c.high_water_bytes,
+        ),
+        (
+            "cache_low_water",
+            "Eviction stops when the cache is down to this",
+            bytes,
+            c.low_water_bytes,
+        ),
+        (
+            "cache_used",
+            "Bytes of the cache's complete entries (fills in progress not counted)",
+            bytes,
+            c.used_bytes,
+        ),
+        (
+            "cache_entries",
+            "Complete entries in the cache",
+            None,
+            c.entries,
+        ),
+    ];
+    for (name, help, unit, v) in gauges {
+        let v = ConstGauge::new(v);
+        v.encode(enc.encode_descriptor(name, help, unit, v.metric_type())?)?;
+    }
+    let counters: [(&str, &str, Option<&Unit>, u64); 6] = [
+        (
+            "cache_hits",
+            "Objects staged from this node's cache instead of being read again",
+            None,
+            c.hits,
+        ),
+        (
+            "cache_misses",
+            "Objects looked up in the cache and not there (or changed at the origin)",
+            None,
+            c.misses,
+        ),
+        (
+            "cache_hit",
+            "Bytes placed into jobs from the cache: origin traffic saved",
+            bytes,
+            c.hit_bytes,
+        ),
+        (
+            "cache_filled",
+            "Bytes written into new cache entries",
+            bytes,
+            c.filled_bytes,
+        ),
+        (
+            "cache_evictions",
+            "Cache entries evicted: least recently used past the high water or to give jobs room, or by sluice cache evict",
+            None,
+            c.evictions,
+        ),
+        (
+            "cache_evicted",
+            "Bytes of the evicted cache entries",
+            bytes,
+            c.evicted_bytes,
+        ),
+    ];
+    for (name, help, unit, v) in counters {
+        let v = ConstCounter::new(v);
+        v.encode(enc.encode_descriptor(name, help, unit, v.metric_type())?)?;
+    }
+    Ok(())
 }
 
 /// Binds `[metrics] listen`, before the agent starts anything: a wrong address stops the agent
@@ -716,5 +812,94 @@ mod tests {
             }),
             ("stage", "not_found")
         );
+    }
+
+    /// The cache's series as a scrape shows them, from its stats.
+    #[derive(Debug)]
+    struct CacheOnly(CacheStats);
+
+    impl Collector for CacheOnly {
+        fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+            encode_cache(&mut enc, &self.0)
+        }
+    }
+
+    #[test]
+    fn the_caches_sizes_and_counters() {
+        const GIB: u64 = 1 << 30;
+        let stats = CacheStats {
+            root: "/hot/cache".into(),
+            capacity_bytes: 100 * GIB,
+            high_water_bytes: 90 * GIB,
+            low_water_bytes: 75 * GIB,
+            used_bytes: 33 * GIB,
+            entries: 3,
+            hits: 7,
+            misses: 1,
+            hit_bytes: 56 * GIB,
+            filled_bytes: 45 * GIB,
+            evictions: 2,
+            evicted_bytes: 12 * GIB,
+        };
+        let mut r = Registry::with_prefix("sluice");
+        r.register_collector(Box::new(CacheOnly(stats)));
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &r).unwrap();
+        let s = series(&text);
+        let gib = GIB as f64;
+        let want = [
+            ("sluice_cache_capacity_bytes", 100.0 * gib, "gauge"),
+            ("sluice_cache_high_water_bytes", 90.0 * gib, "gauge"),
+            ("sluice_cache_low_water_bytes", 75.0 * gib, "gauge"),
+            ("sluice_cache_used_bytes", 33.0 * gib, "gauge"),
+            ("sluice_cache_entries", 3.0, "gauge"),
+            ("sluice_cache_hits_total", 7.0, "counter"),
+            ("sluice_cache_misses_total", 1.0, "counter"),
+            ("sluice_cache_hit_bytes_total", 56.0 * gib, "counter"),
+            ("sluice_cache_filled_bytes_total", 45.0 * gib, "counter"),
+            ("sluice_cache_evictions_total", 2.0, "counter"),
+            ("sluice_cache_evicted_bytes_total", 12.0 * gib, "counter"),
+        ];
+        for (name, value, kind) in want {
+            assert_eq!(s.get(name), Some(&value), "{name} in\n{text}");
+            assert!(
+                text.contains(&format!("# TYPE {name} {kind}\n")),
+                "{name} is not a {kind}:\n{text}"
+            );
+        }
+        // Nothing else: no labels, so no series per entry, user or path.
+        assert_eq!(s.len(), want.len(), "{text}");
+        assert!(!text.contains("/hot/cache"), "{text}");
+    }
+
+    #[test]
+    fn bytes_from_peers_and_the_cache_are_not_the_origins() {
+        let p = StageProgress {
+            name: "ds".into(),
+            source: "s3://b/ds".into(),
+            state: StageState::Done,
+            files_done: 3,
+            files_total: Some(3),
+            bytes_done: 100,
+            bytes_total: Some(100),
+            origin_bytes: 10,
+            peer_bytes: 30,
+            cache_bytes: 60,
+            elapsed_ms: 1,
+            error: None,
+        };
+        assert_eq!(origin_bytes(&p), 10);
+        let all_cached = StageProgress {
+            peer_bytes: 0,
+            cache_bytes: 100,
+            ..p.clone()
+        };
+        assert_eq!(origin_bytes(&all_cached), 0);
+        let cold = StageProgress {
+            peer_bytes: 0,
+            cache_bytes: 0,
+            ..p
+        };
+        assert_eq!(origin_bytes(&cold), 100);
     }
 }
