@@ -1,13 +1,15 @@
-//! Stage-in shared by the nodes of a job (`--stage-mode=replicate` with `[peer]`): each unit of an
-//! object-store dataset is read from the origin once per job, by its owner, and every other node
-//! of the job takes it from the owner as it arrives.
+//! Stage-in shared by the nodes of a job (`--stage-mode=replicate` with `[peer]`): each unit of a
+//! dataset (object store or POSIX) is read from the origin once per job, by its owner, and every
+//! other node of the job takes it from the owner as it arrives.
 //!
 //! [`NodePeers`] is the node's side, built once at agent start: the peer server (serving units to
 //! the other agents), one client (fetching units from them) and `[peer]`. [`JobPeers`] is one job
 //! on this node: the units of its datasets as this node lists them, which of them it holds (with
 //! the BLAKE3 hash of what it read), the nodes it routed around, and the notes for the job output.
 //! It is the [`UnitSource`] the peer server answers the job's other nodes from. `object` decides,
-//! unit by unit, whether this node reads the origin or a peer.
+//! unit by unit, whether this node reads the origin or a peer; `posix` does the same with the
+//! job user's copy helper reading the origin ([`JobPeers::next_after`] is where a failed fetch
+//! goes next, for both).
 //!
 //! Rules, so that every node of the job ends with identical data and the origin is read once:
 //!
@@ -126,20 +128,21 @@ impl NodePeers {
         )
     }
 
-    /// Starts sharing `job`'s object-store datasets with the job's other nodes: registers the
-    /// job's [`JobPeers`] with the peer server. `None` when the job has one node, this node is not
-    /// in its node list, or it stages nothing from object stores.
+    /// Starts sharing `job`'s work with the job's other nodes: registers the job's [`JobPeers`]
+    /// with the peer server. `shared_work` counts the pieces of it (each dataset staged through
+    /// the peers, the restore), each of which calls [`JobPeers::dataset_done`] once. `None` when
+    /// the job has one node, this node is not in its node list, or it shares nothing.
     pub fn join(
         &self,
         job: JobId,
         nodes: &[String],
         owner: Owner,
-        object_datasets: usize,
+        shared_work: usize,
     ) -> Option<Arc<JobPeers>> {
         let mut nodes = nodes.to_vec();
         nodes.sort();
         nodes.dedup();
-        if nodes.len() < 2 || object_datasets == 0 {
+        if nodes.len() < 2 || shared_work == 0 {
             return None;
         }
         if !nodes.contains(&self.node) {
@@ -161,7 +164,7 @@ impl NodePeers {
             client: self.client.clone(),
             state: Mutex::new(State {
                 objects: HashMap::new(),
-                listing: object_datasets,
+                listing: shared_work,
                 closed: None,
                 lost: BTreeMap::new(),
                 notes: BTreeMap::new(),
@@ -178,6 +181,32 @@ impl NodePeers {
     pub fn leave(&self, job: JobId) {
         self.server.unregister(job);
     }
+}
+
+/// Where a unit goes next after a failed fetch ([`JobPeers::next_after`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum NextStep {
+    /// Fetch it from this node.
+    From(String),
+    /// Read it from the origin, here.
+    Origin,
+    /// This node could not write it: why (the sink has the error the job should see).
+    Fail(String),
+}
+
+/// `e` and its causes, `: `-separated ("unreachable: client error: connection refused"), for the
+/// log and the job's notes.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let next = c.to_string();
+        if !text.contains(&next) {
+            text = format!("{text}: {next}");
+        }
+        cause = c.source();
+    }
+    text
 }
 
 /// Whether this node holds a unit.
@@ -312,6 +341,69 @@ impl JobPeers {
             alive[owner_of(&key, &alive)].clone()
         };
         (owner != self.node).then_some(owner)
+    }
+
+    /// The job's nodes this node has not routed around (itself included), sorted.
+    pub(crate) fn alive_nodes(&self) -> Vec<String> {
+        let st = lock(&self.state);
+        self.nodes
+            .iter()
+            .filter(|n| !st.lost.contains_key(*n))
+            .cloned()
+            .collect()
+    }
+
+    /// Where to take `unit` from after a fetch of it from `node` failed with `e`, the job's rules
+    /// for every kind of failure (docs/SECURITY.md, "Peer transfers"):
+    /// - the node cannot be used (unreachable or died mid-transfer, silent past the read timeout,
+    ///   does not know the job after the join grace, ended it, refused this node, still reading
+    ///   after the stage timeout): it is routed around for the rest of the job, and the unit goes
+    ///   to its next owner among the rest: another node, or this one, which then reads the origin;
+    /// - a corrupt unit (its hash or MAC does not verify): fetched again once from the same node
+    ///   (`corrupt_once` remembers it), then that node is routed around like a lost one;
+    /// - the node says it does not own the unit, or its own origin read failed: this node reads
+    ///   the origin, with a note;
+    /// - this node could not write the bytes ([`PeerError::Sink`]): [`NextStep::Fail`].
+    ///
+    /// `dataset` names the dataset in the log.
+    pub(crate) fn next_after(
+        &self,
+        unit: &Unit,
+        node: &str,
+        e: &PeerError,
+        corrupt_once: &mut Option<String>,
+        dataset: &str,
+    ) -> NextStep {
+        let why = error_chain(e);
+        match e {
+            PeerError::Sink { .. } => return NextStep::Fail(why),
+            PeerError::Corrupt { .. } if corrupt_once.as_deref() != Some(node) => {
+                tracing::warn!("{dataset}: {why}; fetching it again");
+                *corrupt_once = Some(node.to_string());
+                return NextStep::From(node.to_string());
+            }
+            PeerError::Corrupt { .. } => self.lose(node, Trouble::Corrupt, &why),
+            PeerError::Unreachable { .. }
+            | PeerError::Refused { .. }
+            | PeerError::UnknownJob { .. }
+            | PeerError::Gone { .. }
+            | PeerError::TimedOut { .. } => self.lose(node, Trouble::Lost, &why),
+            PeerError::NotOwner { .. } | PeerError::Failed { .. } | PeerError::TooLarge { .. } => {
+                tracing::warn!("{dataset}: {why}; reading it from the origin");
+                self.note(
+                    node,
+                    Trouble::Unit,
+                    format!(
+                        "peer transfers: {why}; this node read that data from the origin instead"
+                    ),
+                );
+                return NextStep::Origin;
+            }
+        }
+        match self.route(unit) {
+            Some(next) => NextStep::From(next),
+            None => NextStep::Origin,
+        }
     }
 
     fn set(&self, unit: &Unit, held: Held) {
@@ -535,6 +627,21 @@ impl JobPeers {
 /// following links, the file only if it is a regular file of `owner` with one link (a user cannot
 /// have the agent read a hard link to someone else's file, or hang on a FIFO).
 pub(crate) fn open_staged(root: &OwnedFd, rel: &str, owner: Owner) -> std::io::Result<File> {
+    open_checked(root, rel, owner, OFlag::O_RDONLY)
+}
+
+/// [`open_staged`] for writing: how the agent, as root, writes the units it fetched into a file
+/// the job user's copy helper made (never through a link, never a file of anyone else's, never
+/// a second link to one).
+pub(crate) fn open_staged_for_write(
+    root: &OwnedFd,
+    rel: &str,
+    owner: Owner,
+) -> std::io::Result<File> {
+    open_checked(root, rel, owner, OFlag::O_WRONLY)
+}
+
+fn open_checked(root: &OwnedFd, rel: &str, owner: Owner, access: OFlag) -> std::io::Result<File> {
     let parts: Vec<&str> = rel.split('/').collect();
     let (name, dirs) = parts.split_last().expect("split yields one part");
     let mut dir = root.try_clone()?;
@@ -542,7 +649,7 @@ pub(crate) fn open_staged(root: &OwnedFd, rel: &str, owner: Owner) -> std::io::R
         dir = safefs::open_dir(&dir, d).map_err(std::io::Error::other)?;
     }
     safefs::check_component(name).map_err(std::io::Error::other)?;
-    let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+    let flags = access | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
     let fd = openat(&dir, *name, flags, Mode::empty()).map_err(std::io::Error::from)?;
     let st = fstat(&fd).map_err(std::io::Error::from)?;
     let regular = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG;

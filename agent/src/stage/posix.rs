@@ -1,65 +1,79 @@
 //! Stage-in from POSIX sources (Lustre, NFS, GPFS, local paths): the agent's side of
 //! `sluiced copy-as-user` — it starts the helper as the job user, turns the helper's progress lines
 //! into [`Progress`], and its exit code and last error line into the [`StageError`] the job shows.
+//!
+//! Shared with the job's other nodes (`--stage-mode=replicate` with `[peer]`, [`Sharing::Peers`]),
+//! a POSIX dataset is read from its origin once per job, like an object-store one: every node's
+//! helper makes the whole tree as the job user (every directory, link and file, each source file
+//! opened for reading first) and copies the `peer.unit_size` units of it that this node owns,
+//! hashing each; the agent offers those units to the job's other nodes as the helper reports them,
+//! and fetches every other unit from its owner into the file the helper made (through the node's
+//! [`Budget`] buffers, into a regular one-link file of the job user, opened without following
+//! links), then gives it the source's mode. A unit whose owner is routed around and falls to this
+//! node is copied by a second helper run, as the job user again ([`replicate`]).
+//!
+//! So the user's own read permission still gates every byte: a node fetches only units of files
+//! its own helper listed and opened as the user, every unit a peer serves was read from the origin
+//! by that job's helper, as the same user, on the node that owns it, and a user who makes their
+//! helper lie (it runs as them) can change only their own job's copies.
 
-use super::copy_as_user::{EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event};
-use super::{Progress, ShardPlan, StageCtx, StageError};
+use super::copy_as_user::{
+    EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event, PeerLine, copies_unit, peer_unit_file,
+};
+use super::peers::{NextStep, open_staged_for_write};
+use super::{
+    Budget, JobPeers, Lease, Progress, ShardPlan, Sharing, StageCtx, StageError, is_no_space,
+};
+use crate::peer::{Unit, UnitSink, units_of};
+use sluice_archive::rt::blocking;
+use sluice_archive::safefs::{self, Owner};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinSet;
 
-/// Copies a POSIX source with the job user's identity, through `sluiced copy-as-user`; with
-/// `shard`, only this node's share of its files, and the manifest.
+/// Copies a POSIX source with the job user's identity, through `sluiced copy-as-user`; with a
+/// shard, only this node's share of its files, and the manifest; shared with the job's peers,
+/// this node's units of it, and the rest from its peers.
 pub(super) async fn stage(
+    ctx: &StageCtx,
+    spec: &StageSpec,
+    path: &str,
+    progress: &Arc<Progress>,
+    sharing: Sharing<'_>,
+) -> Result<(), StageError> {
+    match sharing {
+        Sharing::Peers(peers) => replicate(ctx, spec, path, progress, peers).await,
+        Sharing::Shard(plan) => copy(ctx, spec, path, progress, Some(plan)).await,
+        Sharing::Alone => copy(ctx, spec, path, progress, None).await,
+    }
+}
+
+/// The whole dataset, or with `shard` this node's share of it, all of it read by the helper.
+async fn copy(
     ctx: &StageCtx,
     spec: &StageSpec,
     path: &str,
     progress: &Progress,
     shard: Option<&ShardPlan>,
 ) -> Result<(), StageError> {
-    let source = spec.source.to_string();
-    let dest = ctx.stage_path.join(&spec.name);
-    let mut command = tokio::process::Command::new(&ctx.helper_exe);
-    command.arg("copy-as-user");
+    let mut args: Vec<OsString> = Vec::new();
     if let Some(plan) = shard {
-        command
-            .arg("--shard-nodes")
-            .arg(plan.nodes_arg())
-            .arg("--shard-node")
-            .arg(plan.node())
-            .arg("--dataset")
-            .arg(&spec.name)
-            .arg("--source")
-            .arg(&source);
+        args.extend(shard_args(plan, spec));
         if let Some(layout) = &ctx.shared_tier {
-            command.arg("--shared-tier").args(layout.helper_args());
+            args.push("--shared-tier".into());
+            args.extend(layout.helper_args().into_iter().map(OsString::from));
         }
     }
-    let mut child = command
-        .arg("--uid")
-        .arg(ctx.owner.uid.to_string())
-        .arg("--gid")
-        .arg(ctx.owner.gid.to_string())
-        .arg("--user")
-        .arg(&ctx.user)
-        .arg("--src")
-        .arg(path)
-        .arg("--dst")
-        .arg(&dest)
-        .env_clear()
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| StageError::Origin {
-            dataset: source.clone(),
-            detail: format!("cannot start the copy helper: {e}"),
-        })?;
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let mut stderr = child.stderr.take().expect("stderr is piped");
-    let mut lines = tokio::io::BufReader::new(stdout).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
+    let mut helper = HelperCmd::new(ctx, spec, path).start(args, false)?;
+    while let Some(line) = helper.line().await {
         if let Some(event) = Event::parse(&line) {
             progress.apply(event);
             if matches!(event, Event::Total { .. }) {
@@ -67,25 +81,135 @@ pub(super) async fn stage(
             }
         }
     }
-    let mut err_text = String::new();
-    let _ = (&mut stderr)
-        .take(64 * 1024)
-        .read_to_string(&mut err_text)
-        .await;
-    let status = child.wait().await.map_err(|e| StageError::Origin {
-        dataset: source.clone(),
-        detail: e.to_string(),
-    })?;
-    if status.success() {
-        return Ok(());
+    helper.finish().await
+}
+
+/// The helper's `--shard-nodes --shard-node --dataset --source`.
+fn shard_args(plan: &ShardPlan, spec: &StageSpec) -> Vec<OsString> {
+    [
+        "--shard-nodes",
+        &plan.nodes_arg(),
+        "--shard-node",
+        plan.node(),
+        "--dataset",
+        &spec.name,
+        "--source",
+        &spec.source.to_string(),
+    ]
+    .map(OsString::from)
+    .into()
+}
+
+/// How to start `copy-as-user` for one dataset of a job.
+#[derive(Clone)]
+struct HelperCmd {
+    exe: PathBuf,
+    owner: Owner,
+    user: String,
+    src: String,
+    dst: PathBuf,
+    /// The source as the job gave it, and this node, for errors.
+    source: String,
+    node: String,
+}
+
+impl HelperCmd {
+    fn new(ctx: &StageCtx, spec: &StageSpec, path: &str) -> HelperCmd {
+        HelperCmd {
+            exe: ctx.helper_exe.clone(),
+            owner: ctx.owner,
+            user: ctx.user.clone(),
+            src: path.to_string(),
+            dst: ctx.stage_path.join(&spec.name),
+            source: spec.source.to_string(),
+            node: ctx.cfg.node.clone(),
+        }
     }
-    let message = err_text
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("copy helper failed")
-        .to_string();
-    Err(classify(&source, &ctx.cfg.node, status.code(), message))
+
+    /// Starts the helper with `args` besides the identity and the paths; with `stdin`, piped.
+    fn start(&self, args: Vec<OsString>, stdin: bool) -> Result<Helper, StageError> {
+        let mut child = tokio::process::Command::new(&self.exe)
+            .arg("copy-as-user")
+            .args(args)
+            .arg("--uid")
+            .arg(self.owner.uid.to_string())
+            .arg("--gid")
+            .arg(self.owner.gid.to_string())
+            .arg("--user")
+            .arg(&self.user)
+            .arg("--src")
+            .arg(&self.src)
+            .arg("--dst")
+            .arg(&self.dst)
+            .env_clear()
+            .stdin(if stdin {
+                std::process::Stdio::piped()
+            } else {
+                std::process::Stdio::null()
+            })
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| StageError::Origin {
+                dataset: self.source.clone(),
+                detail: format!("cannot start the copy helper: {e}"),
+            })?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let stderr = child.stderr.take().expect("stderr is piped");
+        Ok(Helper {
+            stdin: child.stdin.take(),
+            child,
+            lines: tokio::io::BufReader::new(stdout).lines(),
+            stderr,
+            cmd: self.clone(),
+        })
+    }
+}
+
+/// A running `copy-as-user`.
+struct Helper {
+    child: tokio::process::Child,
+    stdin: Option<tokio::process::ChildStdin>,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    stderr: tokio::process::ChildStderr,
+    cmd: HelperCmd,
+}
+
+impl Helper {
+    /// The helper's next line on stdout; `None` once it closed it. Cancel-safe.
+    async fn line(&mut self) -> Option<String> {
+        self.lines.next_line().await.ok().flatten()
+    }
+
+    /// Waits for the helper's exit: its failure as the job will show it.
+    async fn finish(mut self) -> Result<(), StageError> {
+        drop(self.stdin.take());
+        let mut err_text = String::new();
+        let _ = (&mut self.stderr)
+            .take(64 * 1024)
+            .read_to_string(&mut err_text)
+            .await;
+        let status = self.child.wait().await.map_err(|e| StageError::Origin {
+            dataset: self.cmd.source.clone(),
+            detail: e.to_string(),
+        })?;
+        if status.success() {
+            return Ok(());
+        }
+        let message = err_text
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("copy helper failed")
+            .to_string();
+        Err(classify(
+            &self.cmd.source,
+            &self.cmd.node,
+            status.code(),
+            message,
+        ))
+    }
 }
 
 /// Turns the helper's exit into the error the job will show.
@@ -106,5 +230,538 @@ fn classify(source: &str, node: &str, code: Option<i32>, message: String) -> Sta
             dataset: source.to_string(),
             detail: message,
         },
+    }
+}
+
+// ------------------------------------------------------------------- replicate through peers
+
+/// What the tasks of one shared POSIX dataset share.
+struct Shared {
+    peers: Arc<JobPeers>,
+    budget: Arc<Budget>,
+    progress: Arc<Progress>,
+    owner: Owner,
+    helper: HelperCmd,
+}
+
+impl Shared {
+    fn hot_error(&self, path: &str, errno: Option<i32>, detail: String) -> StageError {
+        if is_no_space(errno) {
+            StageError::NoSpace {
+                node: self.helper.node.clone(),
+                dataset: self.helper.source.clone(),
+            }
+        } else {
+            StageError::HotTier {
+                path: path.to_string(),
+                detail,
+            }
+        }
+    }
+
+    /// Counts `n` bytes written as staged, and from the origin or a peer.
+    fn count(&self, n: u64, from_peer: bool) {
+        let p = &self.progress;
+        p.bytes_done.fetch_add(n, Ordering::Relaxed);
+        let from = if from_peer {
+            &p.peer_bytes
+        } else {
+            &p.origin_bytes
+        };
+        from.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn uncount(&self, n: u64) {
+        let p = &self.progress;
+        p.bytes_done.fetch_sub(n, Ordering::Relaxed);
+        p.peer_bytes.fetch_sub(n, Ordering::Relaxed);
+    }
+}
+
+/// A file of the dataset, as the helper listed it.
+struct ListedFile {
+    /// The directory `rel` is below: the dataset's, or the stage directory for a dataset that is
+    /// one file.
+    root: Arc<OwnedFd>,
+    rel: String,
+    /// Below the dataset, as the helper names it (`""` for a dataset that is one file).
+    path: String,
+    unit_file: String,
+    size: u64,
+    mode: u32,
+    /// Units not in yet, when the agent writes some of them (`None`: the helper copies it all).
+    left: Option<usize>,
+}
+
+/// What a task of the dataset did.
+enum Done {
+    /// A unit of file `idx` fetched from a peer and checked against its owner's hash.
+    Fetched {
+        idx: usize,
+        unit: Unit,
+        hash: blake3::Hash,
+    },
+    /// No peer can give this unit: this node copies it from the origin.
+    ToOrigin { idx: usize, unit: Unit },
+    /// A repair run copied these units (of these files) from the origin.
+    Repaired(Vec<usize>),
+    /// A file is complete, with its mode.
+    Finished,
+}
+
+/// Units at most in one repair run, and the bytes it aims at.
+const REPAIR_UNITS: usize = 256;
+const REPAIR_UNIT_SHARE: u64 = 8;
+
+/// `--stage-mode=replicate` of a POSIX dataset shared with the job's peers; see the module header.
+/// One loop reads the helper's lines (never blocked by fetches: a peer may be waiting for this
+/// node's units, and the helper's pipe must not fill), registers each file's units with the job's
+/// peers, marks this node's as held when the helper reports them, and runs the fetches of the
+/// other units, at most `4 × stage.concurrency` at once, each waiting for its owner without a
+/// budget buffer. Units no peer can give are copied by repair runs of the helper, one at a time.
+async fn replicate(
+    ctx: &StageCtx,
+    spec: &StageSpec,
+    path: &str,
+    progress: &Arc<Progress>,
+    peers: &Arc<JobPeers>,
+) -> Result<(), StageError> {
+    let _done = DatasetDone(peers.clone());
+    let nodes = peers.alive_nodes();
+    let plan = ShardPlan::new(&nodes, peers.node()).expect("a node never routes around itself");
+    let unit_size = peers.unit_size();
+    let shared = Arc::new(Shared {
+        peers: peers.clone(),
+        budget: ctx.budget.clone(),
+        progress: progress.clone(),
+        owner: ctx.owner,
+        helper: HelperCmd::new(ctx, spec, path),
+    });
+    let mut args = shard_args(&plan, spec);
+    args.extend(["--peer-unit-size".into(), unit_size.to_string().into()]);
+    let mut helper = Some(shared.helper.start(args, false)?);
+    let mut files: Vec<ListedFile> = Vec::new();
+    let mut dataset_dir: Option<Arc<OwnedFd>> = None;
+    // Units this node fetches, in the order the helper listed their files; units for the origin.
+    let mut queue: VecDeque<(usize, Unit)> = VecDeque::new();
+    let mut to_origin: VecDeque<(usize, Unit)> = VecDeque::new();
+    let mut tasks: JoinSet<Result<Done, StageError>> = JoinSet::new();
+    let (mut fetching, mut repairing) = (0usize, false);
+    let max_fetches = ctx.cfg.stage.concurrency.max(1) * 4;
+    // The helper's own counts so far: files it wrote whole, bytes it copied.
+    let (mut whole_files, mut partial_done, mut helper_bytes) = (0u64, 0u64, 0u64);
+    loop {
+        while fetching < max_fetches {
+            let Some((idx, unit)) = queue.pop_front() else {
+                break;
+            };
+            match peers.route(&unit) {
+                Some(node) => {
+                    let f = &files[idx];
+                    let (root, rel) = (f.root.clone(), f.rel.clone());
+                    tasks.spawn(fetch_unit(shared.clone(), root, rel, idx, unit, node));
+                    fetching += 1;
+                }
+                None => to_origin.push_back((idx, unit)),
+            }
+        }
+        if !repairing && !to_origin.is_empty() {
+            let mut batch = Vec::new();
+            let mut bytes = 0;
+            while let Some((idx, unit)) = to_origin.pop_front() {
+                bytes += unit.len;
+                batch.push((idx, unit, files[idx].path.clone()));
+                if batch.len() >= REPAIR_UNITS || bytes >= REPAIR_UNIT_SHARE * unit_size {
+                    break;
+                }
+            }
+            tasks.spawn(repair(shared.clone(), plan.clone(), spec.clone(), batch));
+            repairing = true;
+        }
+        if helper.is_none() && tasks.is_empty() && queue.is_empty() && to_origin.is_empty() {
+            break;
+        }
+        // Each completed unit of a file the agent writes into; the last one finishes the file.
+        let mut unit_in = |files: &mut Vec<ListedFile>, idx: usize, tasks: &mut JoinSet<_>| {
+            let f = &mut files[idx];
+            let Some(left) = f.left.as_mut() else { return };
+            *left -= 1;
+            if *left > 0 {
+                return;
+            }
+            partial_done += 1;
+            progress
+                .files_done
+                .store(whole_files + partial_done, Ordering::Relaxed);
+            // Made owner-writable for the writes; a mode without that bit comes now.
+            if f.mode & 0o200 == 0 {
+                let (root, rel, mode, s) = (f.root.clone(), f.rel.clone(), f.mode, shared.clone());
+                tasks.spawn(async move {
+                    let (r, p, owner) = (rel.clone(), rel.clone(), s.owner);
+                    blocking(move || {
+                        open_staged_for_write(&root, &r, owner)?
+                            .set_permissions(std::fs::Permissions::from_mode(mode))
+                    })
+                    .await
+                    .map_err(|e| s.hot_error(&p, e.raw_os_error(), e.to_string()))?;
+                    Ok(Done::Finished)
+                });
+            }
+        };
+        tokio::select! {
+            line = async { helper.as_mut().expect("read while running").line().await }, if helper.is_some() => {
+                let Some(line) = line else {
+                    helper.take().expect("running").finish().await?;
+                    continue;
+                };
+                if let Some(event) = Event::parse(&line) {
+                    match event {
+                        Event::Total { files, bytes } => {
+                            progress.files_total.store(files, Ordering::Relaxed);
+                            progress.bytes_total.store(bytes, Ordering::Relaxed);
+                            progress.set_state(StageState::Copying);
+                        }
+                        Event::Progress { files, bytes } => {
+                            whole_files = files;
+                            progress
+                                .files_done
+                                .store(whole_files + partial_done, Ordering::Relaxed);
+                            shared.count(bytes.saturating_sub(helper_bytes), false);
+                            helper_bytes = helper_bytes.max(bytes);
+                        }
+                    }
+                    continue;
+                }
+                match PeerLine::parse(&line) {
+                    Some(PeerLine::File { idx, size, mode, path }) if idx == files.len() => {
+                        let (root, rel, rel_at) = if path.is_empty() {
+                            (ctx.stage_fd.clone(), spec.name.clone(), 0)
+                        } else {
+                            let dir = match &dataset_dir {
+                                Some(d) => d.clone(),
+                                None => {
+                                    let (fd, name) = (ctx.stage_fd.clone(), spec.name.clone());
+                                    let d = blocking(move || safefs::open_dir(&fd, &name))
+                                        .await
+                                        .map(Arc::new)
+                                        .map_err(|e| {
+                                            let errno = e.errno().map(|e| e as i32);
+                                            shared.hot_error(&spec.name, errno, e.to_string())
+                                        })?;
+                                    dataset_dir = Some(d.clone());
+                                    d
+                                }
+                            };
+                            (dir, path.clone(), spec.name.len() + 1)
+                        };
+                        let unit_file = peer_unit_file(&spec.name, &path);
+                        let units = units_of(&unit_file, size, unit_size);
+                        peers.add_object(root.clone(), rel_at, &units);
+                        let theirs: Vec<Unit> =
+                            units.iter().filter(|u| !copies_unit(&plan, u)).cloned().collect();
+                        let left = (!theirs.is_empty()).then_some(units.len());
+                        queue.extend(theirs.into_iter().map(|u| (idx, u)));
+                        files.push(ListedFile { root, rel, path, unit_file, size, mode, left });
+                    }
+                    Some(PeerLine::Unit { idx, offset, hash }) => {
+                        let unit = files.get(idx).and_then(|f| {
+                            let u = Unit {
+                                file: f.unit_file.clone(),
+                                offset,
+                                len: unit_size.min(f.size.saturating_sub(offset)),
+                            };
+                            (offset < f.size || f.size == 0).then_some(u)
+                        });
+                        let Some(unit) = unit else {
+                            return Err(helper_garbage(&shared, &line));
+                        };
+                        peers.held(&unit, hash);
+                        unit_in(&mut files, idx, &mut tasks);
+                    }
+                    _ => return Err(helper_garbage(&shared, &line)),
+                }
+            }
+            Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                match done.expect("a staging task panicked")? {
+                    Done::Fetched { idx, unit, hash } => {
+                        fetching -= 1;
+                        peers.held(&unit, hash);
+                        unit_in(&mut files, idx, &mut tasks);
+                    }
+                    Done::ToOrigin { idx, unit } => {
+                        fetching -= 1;
+                        to_origin.push_back((idx, unit));
+                    }
+                    Done::Repaired(done) => {
+                        repairing = false;
+                        for idx in done {
+                            unit_in(&mut files, idx, &mut tasks);
+                        }
+                    }
+                    Done::Finished => {}
+                }
+            }
+        }
+    }
+    if let Some(f) = files.iter().find(|f| f.left.is_some_and(|n| n > 0)) {
+        return Err(StageError::Origin {
+            dataset: shared.helper.source.clone(),
+            detail: format!("'{}' was not staged whole", f.path),
+        });
+    }
+    Ok(())
+}
+
+/// A line of the helper that does not belong to the run (the helper runs as the job user, who
+/// may have had it print anything): the dataset fails.
+fn helper_garbage(shared: &Shared, line: &str) -> StageError {
+    StageError::Origin {
+        dataset: shared.helper.source.clone(),
+        detail: format!(
+            "the copy helper printed {:?}, which is no part of this dataset",
+            line.chars().take(200).collect::<String>()
+        ),
+    }
+}
+
+/// Fetches `unit` of file `idx` (`rel` below `root`) from `node` into the file, checked against
+/// its owner's hash; on a failure [`JobPeers::next_after`] says where from next, down to the
+/// origin ([`Done::ToOrigin`]).
+async fn fetch_unit(
+    shared: Arc<Shared>,
+    root: Arc<OwnedFd>,
+    rel: String,
+    idx: usize,
+    unit: Unit,
+    mut node: String,
+) -> Result<Done, StageError> {
+    let (r, d, owner) = (rel.clone(), root.clone(), shared.owner);
+    let file = blocking(move || open_staged_for_write(&d, &r, owner))
+        .await
+        .map(Arc::new)
+        .map_err(|e| shared.hot_error(&rel, e.raw_os_error(), e.to_string()))?;
+    let mut corrupt_once = None;
+    loop {
+        let mut sink = FileSink::new(&shared, &file, &rel, unit.offset);
+        let fetched = shared.peers.fetch(&node, &unit, &mut sink).await;
+        let (written, hash) = (sink.written, sink.hash);
+        let sink_error = sink.close();
+        let e = match fetched {
+            Ok(()) => {
+                let hash = hash.expect("a finished sink has a hash");
+                return Ok(Done::Fetched { idx, unit, hash });
+            }
+            Err(e) => e,
+        };
+        shared.uncount(written);
+        let dataset = &shared.helper.source;
+        match shared
+            .peers
+            .next_after(&unit, &node, &e, &mut corrupt_once, dataset)
+        {
+            NextStep::From(next) => node = next,
+            NextStep::Origin => return Ok(Done::ToOrigin { idx, unit }),
+            NextStep::Fail(why) => {
+                let e = sink_error.unwrap_or_else(|| StageError::HotTier {
+                    path: rel.clone(),
+                    detail: why,
+                });
+                shared.peers.failed(&unit, e.to_string());
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Copies `batch` (units of the listed files, with their paths below the dataset) from the origin
+/// with a repair run of the helper, as the job user; each unit is offered to the peers as the
+/// helper reports it.
+async fn repair(
+    shared: Arc<Shared>,
+    plan: ShardPlan,
+    spec: StageSpec,
+    batch: Vec<(usize, Unit, String)>,
+) -> Result<Done, StageError> {
+    let mut args = shard_args(&plan, &spec);
+    args.extend([
+        "--peer-unit-size".into(),
+        shared.peers.unit_size().to_string().into(),
+        "--peer-repair".into(),
+    ]);
+    let mut helper = shared.helper.start(args, true)?;
+    let requests: String = batch
+        .iter()
+        .enumerate()
+        .map(|(i, (_, u, path))| {
+            let quoted = serde_json::to_string(path).expect("a string serializes");
+            format!("{i} {} {} {quoted}\n", u.offset, u.len)
+        })
+        .collect();
+    let mut stdin = helper.stdin.take().expect("stdin is piped");
+    // The helper reads every request before it writes a line; a write it refuses ends in its exit.
+    let _ = stdin.write_all(requests.as_bytes()).await;
+    drop(stdin);
+    let mut done = Vec::with_capacity(batch.len());
+    let mut seen = vec![false; batch.len()];
+    while let Some(line) = helper.line().await {
+        let Some(PeerLine::Unit { idx, offset, hash }) = PeerLine::parse(&line) else {
+            continue;
+        };
+        match batch.get(idx) {
+            Some((file, unit, _)) if unit.offset == offset && !seen[idx] => {
+                seen[idx] = true;
+                shared.count(unit.len, false);
+                shared.peers.held(unit, hash);
+                done.push(*file);
+            }
+            _ => return Err(helper_garbage(&shared, &line)),
+        }
+    }
+    helper.finish().await?;
+    if done.len() != batch.len() {
+        return Err(StageError::Origin {
+            dataset: shared.helper.source.clone(),
+            detail: format!(
+                "the copy helper copied {} of the {} pieces asked of it",
+                done.len(),
+                batch.len()
+            ),
+        });
+    }
+    Ok(Done::Repaired(done))
+}
+
+/// Tells the job's peers that one of its datasets is staged here (or gave up), when dropped.
+struct DatasetDone(Arc<JobPeers>);
+
+impl Drop for DatasetDone {
+    fn drop(&mut self) {
+        self.0.dataset_done();
+    }
+}
+
+/// Where a unit fetched from a peer goes: at its offset of the file, through a budget buffer taken
+/// when the first bytes arrive (so a fetch waiting for its owner holds none), hashed on the
+/// blocking thread that writes it. Counted as peer bytes as written.
+struct FileSink<'a> {
+    shared: &'a Shared,
+    file: &'a Arc<std::fs::File>,
+    rel: &'a str,
+    at: u64,
+    lease: Option<Lease>,
+    buf: Vec<u8>,
+    hasher: Option<blake3::Hasher>,
+    /// Bytes written to the file so far (taken back if the fetch fails).
+    written: u64,
+    hash: Option<blake3::Hash>,
+    /// Why a write failed, for the job (the client only carries a message).
+    error: Option<StageError>,
+}
+
+impl<'a> FileSink<'a> {
+    fn new(shared: &'a Shared, file: &'a Arc<std::fs::File>, rel: &'a str, at: u64) -> Self {
+        FileSink {
+            shared,
+            file,
+            rel,
+            at,
+            lease: None,
+            buf: Vec::new(),
+            hasher: Some(blake3::Hasher::new()),
+            written: 0,
+            hash: None,
+            error: None,
+        }
+    }
+
+    async fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let buf = std::mem::take(&mut self.buf);
+        let (f, offset, mut h) = (self.file.clone(), self.at, self.hasher.take());
+        let (mut buf, h, written) = blocking(move || {
+            let r = f.write_all_at(&buf, offset);
+            if let (Ok(()), Some(h)) = (&r, h.as_mut()) {
+                h.update(&buf);
+            }
+            (buf, h, r)
+        })
+        .await;
+        self.hasher = h;
+        if let Err(e) = written {
+            let e = self
+                .shared
+                .hot_error(self.rel, e.raw_os_error(), e.to_string());
+            let message = e.to_string();
+            self.error = Some(e);
+            self.buf = buf;
+            return Err(message.into());
+        }
+        let n = buf.len() as u64;
+        self.at += n;
+        self.written += n;
+        self.shared.count(n, true);
+        buf.clear();
+        self.buf = buf;
+        Ok(())
+    }
+
+    /// Gives the buffer back to the budget; returns why a write failed, if one did.
+    fn close(mut self) -> Option<StageError> {
+        if let Some(lease) = self.lease.as_mut() {
+            lease.buf = std::mem::take(&mut self.buf);
+        }
+        self.lease = None;
+        self.error.take()
+    }
+}
+
+#[async_trait::async_trait]
+impl UnitSink for FileSink<'_> {
+    async fn write(
+        &mut self,
+        bytes: bytes::Bytes,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        if self.lease.is_none() {
+            let mut lease = self.shared.budget.lease().await;
+            self.buf = std::mem::take(&mut lease.buf);
+            self.lease = Some(lease);
+        }
+        let cap = self.buf.capacity();
+        let mut rest = &bytes[..];
+        while !rest.is_empty() {
+            let n = rest.len().min(cap - self.buf.len());
+            self.buf.extend_from_slice(&rest[..n]);
+            rest = &rest[n..];
+            if self.buf.len() == cap {
+                self.flush().await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<blake3::Hash, Box<dyn std::error::Error + Send + Sync>> {
+        if !self.buf.is_empty() {
+            self.flush().await?;
+        }
+        let hash = self
+            .hasher
+            .take()
+            .map_or_else(|| blake3::hash(b""), |h| h.finalize());
+        self.hash = Some(hash);
+        Ok(hash)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn helper_exits_become_the_errors_a_job_shows() {
+        let e = classify("/data/x", "n1", Some(EXIT_DENIED), "no".into());
+        assert!(matches!(e, StageError::Denied { .. }), "{e}");
+        let e = classify("/data/x", "n1", Some(EXIT_NO_SPACE), String::new());
+        assert!(e.to_string().contains("node n1 is full"), "{e}");
+        let e = classify("/data/x", "n1", Some(9), "odd".into());
+        assert!(e.to_string().contains("odd"), "{e}");
     }
 }

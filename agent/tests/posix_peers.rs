@@ -1,0 +1,275 @@
+//! A POSIX dataset staged by three nodes of one job through their peers, in one process: the real
+//! stager, the real `sluiced copy-as-user` helper of this build, peer servers on 127.0.0.1 ports
+//! and the real client. What a job would see: every node's copy identical to the source (bytes,
+//! modes, links), each byte read from the source by one node's helper, the rest taken from peers;
+//! and with one node's agent missing, the others copy its share from the source themselves.
+
+use sluice_agent::peer::{ClusterSecret, PeerServer, PeerService, ServerConfig};
+use sluice_agent::stage::{self, Budget, NodePeers, Progress, Sharing, StageCtx};
+use sluice_archive::config::Config;
+use sluice_archive::safefs::{self, Owner};
+use sluice_proto::options::{StageSpec, parse_stage_entry};
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+const JOB: u32 = 78;
+
+fn me() -> (Owner, String) {
+    let uid = nix::unistd::getuid();
+    let user = nix::unistd::User::from_uid(uid)
+        .ok()
+        .flatten()
+        .expect("the test's user has a name");
+    let owner = Owner {
+        uid: uid.as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
+    };
+    (owner, user.name)
+}
+
+/// The source: a file of several 1 MiB units with a short last one (read-only, as datasets often
+/// are), small files, an empty one, a nested one, a file of mode 0600, a symbolic link.
+fn source(dir: &Path) -> u64 {
+    let big: Vec<u8> = (0..(3 << 20) + 12_345u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    std::fs::write(dir.join("big.bin"), &big).unwrap();
+    std::fs::set_permissions(dir.join("big.bin"), std::fs::Permissions::from_mode(0o444)).unwrap();
+    std::fs::create_dir_all(dir.join("small")).unwrap();
+    let mut bytes = big.len() as u64;
+    for i in 0..30u32 {
+        let n = 1000 + i as usize * 997;
+        let data: Vec<u8> = (0..n).map(|j| (j as u32 ^ i) as u8).collect();
+        std::fs::write(dir.join(format!("small/part-{i:03}.bin")), data).unwrap();
+        bytes += n as u64;
+    }
+    std::fs::set_permissions(
+        dir.join("small/part-007.bin"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    std::fs::write(dir.join("empty"), b"").unwrap();
+    std::fs::create_dir_all(dir.join("a/b")).unwrap();
+    std::fs::write(dir.join("a/b/deep.txt"), b"deep").unwrap();
+    std::os::unix::fs::symlink("../big.bin", dir.join("a/link")).unwrap();
+    bytes + 4
+}
+
+/// Every entry below `root`: files with their bytes and mode, links with their target.
+fn tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            let md = std::fs::symlink_metadata(&p).unwrap();
+            if md.is_dir() {
+                out.insert(rel, (b"dir".to_vec(), md.mode() & 0o7777));
+                stack.push(p);
+            } else if md.file_type().is_symlink() {
+                let target = std::fs::read_link(&p).unwrap();
+                out.insert(rel, (target.display().to_string().into_bytes(), 0));
+            } else {
+                out.insert(rel, (std::fs::read(&p).unwrap(), md.mode() & 0o7777));
+            }
+        }
+    }
+    out
+}
+
+struct Node {
+    name: String,
+    ctx: StageCtx,
+    peers: NodePeers,
+    dir: tempfile::TempDir,
+    progress: Arc<Progress>,
+    stop: CancellationToken,
+}
+
+fn spec(src: &Path) -> StageSpec {
+    parse_stage_entry(&format!("ds={}", src.display())).unwrap()
+}
+
+async fn node(
+    name: &str,
+    listener: TcpListener,
+    addrs: &BTreeMap<String, String>,
+    src: &Path,
+) -> Node {
+    let mut text = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
+         [stage]\nconcurrency = 4\nmemory = '1MiB'\ntimeout = '60s'\n\
+         [peer]\nsecret_file = '/nonexistent/peer.key'\nunit_size = '1MiB'\n\
+         concurrency = 4\nconnect_timeout = '1s'\nread_timeout = '3s'\n[peer.nodes]\n"
+        .to_string();
+    for (n, a) in addrs {
+        text.push_str(&format!("{n} = '{a}'\n"));
+    }
+    let cfg = Arc::new(Config::parse(&text, name).unwrap());
+    let peer_cfg = cfg.peer.clone().unwrap();
+    let server = PeerServer::new(
+        ClusterSecret::from_bytes(*b"an in-process test secret, 32 b!"),
+        ServerConfig::from_config(&peer_cfg),
+    );
+    let (peers, PeerService { server, listener }) =
+        NodePeers::with(&cfg, &peer_cfg, server, listener);
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move { server.serve(listener, s).await });
+    let dir = tempfile::tempdir().unwrap();
+    let (owner, user) = me();
+    let ctx = StageCtx {
+        cfg: cfg.clone(),
+        owner,
+        user,
+        stage_path: dir.path().into(),
+        stage_fd: Arc::new(safefs::open_root_dir(dir.path()).unwrap()),
+        helper_exe: env!("CARGO_BIN_EXE_sluiced").into(),
+        cancel: CancellationToken::new(),
+        budget: Budget::new(&cfg.stage),
+        shared_tier: None,
+        cache: None,
+    };
+    Node {
+        name: name.into(),
+        ctx,
+        peers,
+        dir,
+        progress: Arc::new(Progress::new(&spec(src))),
+        stop,
+    }
+}
+
+fn job_nodes() -> Vec<String> {
+    ["n1", "n2", "n3"].map(String::from).to_vec()
+}
+
+/// Peer servers for `running` of n1..n3; the others get an address where nothing listens.
+async fn nodes(running: &[&str], src: &Path) -> Vec<Node> {
+    let mut ls = Vec::new();
+    let mut addrs = BTreeMap::new();
+    for n in job_nodes() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.insert(n.clone(), l.local_addr().unwrap().to_string());
+        ls.push((n, l));
+    }
+    let mut out = Vec::new();
+    for (name, l) in ls {
+        if running.contains(&name.as_str()) {
+            out.push(node(&name, l, &addrs, src).await);
+        } // dropped: the port closes, as an agent that died
+    }
+    out
+}
+
+/// Stages the dataset on every node at once, shared with the job's three nodes, the way the
+/// agent's set-up does (join, stage, close).
+async fn stage_all(nodes: &[Node], src: &Path) -> Vec<Vec<String>> {
+    let runs = nodes.iter().map(|n| async move {
+        let (owner, _) = me();
+        let peers = n.peers.join(JOB, &job_nodes(), owner, 1).unwrap();
+        let spec = spec(src);
+        let run = stage::stage_with(&n.ctx, &spec, n.progress.clone(), Sharing::Peers(&peers));
+        let r = tokio::time::timeout(Duration::from_secs(120), run)
+            .await
+            .unwrap_or_else(|_| panic!("{} did not finish staging", n.name));
+        peers.close("done");
+        r.unwrap_or_else(|e| panic!("{}: {e}", n.name));
+        peers.notes()
+    });
+    futures::future::join_all(runs).await
+}
+
+/// Each node's copy is the source's tree; returns each node's (origin, peer) bytes.
+fn assert_identical(nodes: &[Node], src: &Path, bytes: u64) -> Vec<(u64, u64)> {
+    let want = tree(src);
+    nodes
+        .iter()
+        .map(|n| {
+            let got = tree(&n.dir.path().join("ds"));
+            assert_eq!(
+                got.keys().collect::<Vec<_>>(),
+                want.keys().collect::<Vec<_>>(),
+                "the entries staged on {}",
+                n.name
+            );
+            for (k, (data, mode)) in &want {
+                assert!(
+                    got[k].0 == *data,
+                    "{k} on {} differs from the source",
+                    n.name
+                );
+                // Directories are made owner-writable, as a POSIX stage always made them.
+                let mode = if data == b"dir" { mode | 0o700 } else { *mode };
+                assert_eq!(got[k].1, mode, "the mode of {k} on {}", n.name);
+            }
+            let p = n.progress.snapshot();
+            assert_eq!(
+                (p.bytes_done, p.files_done, p.files_total),
+                (bytes, 33, Some(33)),
+                "{}'s progress",
+                n.name
+            );
+            assert_eq!(
+                p.origin_bytes + p.peer_bytes,
+                bytes,
+                "{}: every byte came from the source or a peer",
+                n.name
+            );
+            (p.origin_bytes, p.peer_bytes)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_read_a_posix_source_once_and_each_ends_with_the_whole_tree() {
+    let src = tempfile::tempdir().unwrap();
+    let bytes = source(src.path());
+    let nodes = nodes(&["n1", "n2", "n3"], src.path()).await;
+    for notes in stage_all(&nodes, src.path()).await {
+        assert!(notes.is_empty(), "{notes:?}");
+    }
+    let counts = assert_identical(&nodes, src.path(), bytes);
+    assert_eq!(
+        counts.iter().map(|c| c.0).sum::<u64>(),
+        bytes,
+        "the helpers read each byte of the source once in all: {counts:?}"
+    );
+    for (n, (origin, peer)) in nodes.iter().zip(&counts) {
+        assert!(*origin > 0 && *peer > 0, "{}: {origin} + {peer}", n.name);
+    }
+    for n in &nodes {
+        n.stop.cancel();
+    }
+}
+
+/// n3's agent is not there: n1 and n2 route around it, copy its share of the units from the
+/// source themselves (one of them each, by the same hashing), end with the whole tree, and note it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_missing_peer_is_routed_around_and_its_share_copied_from_the_source() {
+    let src = tempfile::tempdir().unwrap();
+    let bytes = source(src.path());
+    let nodes = nodes(&["n1", "n2"], src.path()).await;
+    for notes in stage_all(&nodes, src.path()).await {
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains("node n3's agent could not be used")),
+            "{notes:?}"
+        );
+    }
+    let counts = assert_identical(&nodes, src.path(), bytes);
+    assert_eq!(
+        counts.iter().map(|c| c.0).sum::<u64>(),
+        bytes,
+        "n3's share read once, by one of the others: {counts:?}"
+    );
+    for n in &nodes {
+        n.stop.cancel();
+    }
+}
