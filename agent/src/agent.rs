@@ -533,7 +533,7 @@ impl Agent {
             gid: job.start.gid,
         };
         // Shard, and the shared tier: each node stages the files it owns. Replicate: the job's
-        // nodes share its object-store datasets through their peers.
+        // nodes share its datasets through their peers.
         let shard = match (options.stage_mode, &shared_tier) {
             (StageMode::Shard, _) | (_, Some(_)) => Some(
                 ShardPlan::new(&job.start.nodes, &job.start.node).ok_or_else(|| {
@@ -545,17 +545,13 @@ impl Agent {
             ),
             (StageMode::Replicate, None) => None,
         };
-        let object_datasets = options
-            .stage_in
-            .iter()
-            .filter(|s| matches!(s.source, options::Source::Object { .. }))
-            .count();
-        // The pieces of work the job's nodes share: each object-store dataset (replicate), and
-        // the restore (`--ckpt-restore`: each file of the checkpoint read by one node).
+        // The pieces of work the job's nodes share: each dataset (replicate, object stores and
+        // POSIX sources alike), and the restore (`--ckpt-restore`: each file of the checkpoint
+        // read by one node).
         let restores = usize::from(options.ckpt_restore.is_some());
         let shared_work = match shard {
             Some(_) => restores,
-            None => object_datasets + restores,
+            None => options.stage_in.len() + restores,
         };
         let peers = ClosePeers(
             self.peers
@@ -633,10 +629,10 @@ impl Agent {
             }
             futures::future::try_join_all(options.stage_in.iter().zip(&job.stages).map(
                 |(spec, progress)| {
-                    let sharing = match (&shard, &peers.0, &spec.source) {
-                        (Some(plan), _, _) => Sharing::Shard(plan),
-                        (None, Some(p), options::Source::Object { .. }) => Sharing::Peers(p),
-                        _ => Sharing::Alone,
+                    let sharing = match (&shard, &peers.0) {
+                        (Some(plan), _) => Sharing::Shard(plan),
+                        (None, Some(p)) => Sharing::Peers(p),
+                        (None, None) => Sharing::Alone,
                     };
                     stage::stage_with(&ctx, spec, progress.clone(), sharing)
                 },
