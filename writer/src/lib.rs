@@ -1,0 +1,27 @@
+//! `libsluice_writer.so`: how training code writes checkpoint files into `$SLUICE_CKPT_DIR`
+//! quickly and the same way from Python and from any other language.
+//!
+//! - [`file`]: [`AlignedWriter`](file::AlignedWriter), one file written through two 4 KiB-aligned
+//!   buffers (`sluice_archive::iobuf`, the buffers the agent's restore path uses) by a writer
+//!   thread, with `O_DIRECT` where the file system allows it (not on tmpfs: a RAM tier is written
+//!   through the page cache, which is its memory), the unaligned tail through the page cache, and
+//!   an fsync at close. It does not care which tier the directory is on.
+//! - [`cufile`]: GPUDirect Storage: the probe (in a child process, with a deadline) and, where it
+//!   says available, CUDA memory written to the file by `cuFileWrite`. `libcufile.so.0` is loaded
+//!   at run time; nothing here links against CUDA.
+//! - `ffi`: the C ABI (`include/sluice_writer.h`), used by the `sluice_ckpt` Python package
+//!   through ctypes and by C/C++ programs.
+//!
+//! Committing a checkpoint is not this library's business: the caller runs `sluice ckpt commit
+//! TAG` (the Python package does) once every file of the tag is closed.
+//!
+//! `unsafe` lives only at the FFI boundaries, `ffi` (the C ABI) and `cufile` (the calls into
+//! libcufile); the aligned memory itself is `sluice_archive::iobuf`'s.
+
+#![deny(unsafe_code)]
+
+pub mod cufile;
+mod ffi;
+pub mod file;
+
+pub use file::{AlignedWriter, WriteError};
