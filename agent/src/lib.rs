@@ -34,6 +34,7 @@ pub mod journal;
 pub mod metrics;
 pub mod peer;
 pub mod policy;
+pub mod ram_tier;
 pub mod server;
 pub mod stage;
 pub mod worker;

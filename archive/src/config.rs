@@ -36,6 +36,20 @@ struct RawConfig {
     metrics: Option<RawMetrics>,
     shared_tier: Option<RawSharedTier>,
     cache: Option<RawCache>,
+    fast_tier: Option<RawFastTier>,
+}
+
+/// `[fast_tier]`: the RAM tier for `--ckpt-tier=ram`; off without the section.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFastTier {
+    root: String,
+    capacity: String,
+    job_share: String,
+    #[serde(default)]
+    flush_block: Option<String>,
+    #[serde(default)]
+    mount: Option<bool>,
 }
 
 /// `[cache]`: the cross-job cache on the hot tier; off without the section.
@@ -248,6 +262,58 @@ pub struct Config {
     pub shared_tier: Option<SharedTierConfig>,
     /// The cross-job cache on the hot tier; `None` = off (every job stages from the origin).
     pub cache: Option<CacheConfig>,
+    /// The RAM tier for `--ckpt-tier=ram`; `None` = none on this node (such jobs are refused).
+    pub fast_tier: Option<FastTierConfig>,
+}
+
+/// `[fast_tier]`: checkpoints saved at memory speed. Each `--ckpt-tier=ram` job gets its own
+/// tmpfs of `job_share` bytes at `<root>/jobs/<id>` (`$SLUICE_CKPT_DIR` is its `ckpt`), as long as
+/// the node's jobs together stay within `capacity`; committed checkpoints are flushed to the NVMe
+/// hot tier and archived from there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FastTierConfig {
+    pub root: PathBuf,
+    pub capacity: u64,
+    pub job_share: u64,
+    /// The flush's read/write block (two of them per flush, 4 KiB-aligned).
+    pub flush_block: u64,
+    /// Mount a tmpfs per job (the share is then a hard limit); `false`: `root` is already a
+    /// tmpfs the admin mounted, and the share is not enforced by the kernel.
+    pub mount: bool,
+}
+
+fn fast_tier_config(raw: &RawFastTier, node: &str) -> Result<FastTierConfig, String> {
+    let root = substitute(&raw.root, node);
+    if !root.is_absolute() {
+        return Err(format!(
+            "fast_tier.root must be an absolute path (e.g. \"/dev/shm/sluice/%n\"), got '{}'",
+            root.display()
+        ));
+    }
+    let size = |what: &str, v: &str| parse_size(v).map_err(|e| format!("fast_tier.{what}: {e}"));
+    let c = FastTierConfig {
+        root,
+        capacity: size("capacity", &raw.capacity)?,
+        job_share: size("job_share", &raw.job_share)?,
+        flush_block: match raw.flush_block.as_deref() {
+            Some(b) => size("flush_block", b)?,
+            None => 8 << 20,
+        },
+        mount: raw.mount.unwrap_or(true),
+    };
+    if c.job_share == 0 || c.job_share > c.capacity {
+        return Err(format!(
+            "fast_tier.job_share must be between 1 byte and fast_tier.capacity ({} bytes), got {}",
+            c.capacity, c.job_share
+        ));
+    }
+    if c.flush_block < 1 << 20 || c.flush_block > 256 << 20 || c.flush_block % 4096 != 0 {
+        return Err(format!(
+            "fast_tier.flush_block must be a multiple of 4KiB between 1MiB and 256MiB, got {}",
+            c.flush_block
+        ));
+    }
+    Ok(c)
 }
 
 /// `[cache]`: datasets staged on this node are kept in `<hot_tier.root>/cache` for later jobs.
@@ -934,6 +1000,11 @@ impl Config {
                 .map(shared_tier_config)
                 .transpose()?,
             cache: raw.cache.as_ref().map(cache_config).transpose()?,
+            fast_tier: raw
+                .fast_tier
+                .as_ref()
+                .map(|f| fast_tier_config(f, node))
+                .transpose()?,
         })
     }
 
@@ -1237,6 +1308,31 @@ mod tests {
         assert!(e.contains("retry.timeout 'soon'"), "{e}");
         let e = bad("max_retry=3");
         assert!(e.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn the_ram_tier_is_off_unless_configured_and_its_share_fits() {
+        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+        assert!(Config::parse(base, "n1").unwrap().fast_tier.is_none());
+        let c = Config::parse(
+            &format!("{base}[fast_tier]\nroot='/dev/shm/sluice/%n'\ncapacity='64GiB'\njob_share='16GiB'\n"),
+            "n2",
+        )
+        .unwrap()
+        .fast_tier
+        .unwrap();
+        assert_eq!(c.root, PathBuf::from("/dev/shm/sluice/n2"));
+        assert_eq!(
+            (c.capacity, c.job_share, c.flush_block, c.mount),
+            (64 << 30, 16 << 30, 8 << 20, true)
+        );
+        let bad = |t: &str| Config::parse(&format!("{base}[fast_tier]\n{t}\n"), "n1").unwrap_err();
+        assert!(bad("root='/r'\ncapacity='1GiB'\njob_share='2GiB'").contains("job_share must be"));
+        assert!(bad("root='r'\ncapacity='1GiB'\njob_share='1GiB'").contains("fast_tier.root"));
+        assert!(
+            bad("root='/r'\ncapacity='1GiB'\njob_share='1GiB'\nflush_block='5000'")
+                .contains("flush_block")
+        );
     }
 
     #[test]

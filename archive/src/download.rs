@@ -590,7 +590,7 @@ fn start_writeback(file: &File, offset: u64, len: usize) {
 /// node) and without a gigabyte of dirty pages for the final fsync to write at the end. The rest
 /// (tails shorter than a block, chunks of files hashed in order, or every write where `O_DIRECT` is
 /// refused) go through the page cache, their writeback started at once.
-struct Output {
+pub(crate) struct Output {
     file: File,
     /// The same file opened again with `O_DIRECT`; `None` when the file system refuses it.
     direct: Option<File>,
@@ -599,7 +599,7 @@ struct Output {
 }
 
 impl Output {
-    fn new(file: File) -> Output {
+    pub(crate) fn new(file: File) -> Output {
         use nix::fcntl::OFlag;
         use std::os::fd::AsRawFd;
         use std::os::unix::fs::OpenOptionsExt;
@@ -618,7 +618,7 @@ impl Output {
 
     /// Writes `buf` at `offset`: its whole blocks directly when `offset` is aligned too, the rest
     /// through the page cache.
-    fn write_aligned_at(&self, buf: &AlignedBuf, offset: u64) -> std::io::Result<()> {
+    pub(crate) fn write_aligned_at(&self, buf: &AlignedBuf, offset: u64) -> std::io::Result<()> {
         let mut done = 0;
         if let Some(direct) = &self.direct
             && iobuf::is_aligned(offset)
@@ -634,6 +634,15 @@ impl Output {
             }
         }
         self.write_cached_at(&buf[done..], offset + done as u64)
+    }
+
+    /// Whether every write went through `O_DIRECT` where it could (none was refused).
+    pub(crate) fn direct(&self) -> bool {
+        self.direct.is_some() && !self.no_direct.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn file(&self) -> &File {
+        &self.file
     }
 
     /// Writes `raw` at `offset` through the page cache and starts its writeback.

@@ -59,6 +59,7 @@
 pub mod config;
 mod download;
 pub mod durable;
+pub mod flush;
 pub mod format;
 #[allow(unsafe_code)]
 pub mod iobuf;

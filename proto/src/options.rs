@@ -62,6 +62,18 @@ impl ObjectScheme {
     }
 }
 
+impl Source {
+    /// `s3://bucket` of an object-store source (its objects' URLs are this, `/` and their key).
+    pub fn bucket_url(&self) -> Option<String> {
+        match self {
+            Source::Posix { .. } => None,
+            Source::Object { scheme, bucket, .. } => {
+                Some(format!("{}://{bucket}", scheme.url_scheme()))
+            }
+        }
+    }
+}
+
 impl fmt::Display for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -99,6 +111,18 @@ pub enum StageTier {
     Shared,
 }
 
+/// Where `$SLUICE_CKPT_DIR` lives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CkptTier {
+    /// The node-local NVMe hot tier.
+    #[default]
+    Local,
+    /// The admin's RAM tier (`[fast_tier]`): committed checkpoints are flushed to the hot tier,
+    /// then archived.
+    Ram,
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StageMode {
@@ -129,6 +153,13 @@ pub struct JobOptions {
     pub ckpt_archive: Option<String>,
     pub ckpt_keep: Option<u32>,
     pub ckpt_restore: Option<Restore>,
+    /// An older plugin sends none: the hot tier.
+    #[serde(default, skip_serializing_if = "is_local")]
+    pub ckpt_tier: CkptTier,
+}
+
+fn is_local(t: &CkptTier) -> bool {
+    *t == CkptTier::Local
 }
 
 impl JobOptions {
@@ -146,13 +177,15 @@ pub mod names {
     pub const CKPT_ARCHIVE: &str = "ckpt-archive";
     pub const CKPT_KEEP: &str = "ckpt-keep";
     pub const CKPT_RESTORE: &str = "ckpt-restore";
-    pub const ALL: [&str; 6] = [
+    pub const CKPT_TIER: &str = "ckpt-tier";
+    pub const ALL: [&str; 7] = [
         STAGE_IN,
         STAGE_TIER,
         STAGE_MODE,
         CKPT_ARCHIVE,
         CKPT_KEEP,
         CKPT_RESTORE,
+        CKPT_TIER,
     ];
 }
 
@@ -412,6 +445,17 @@ pub fn parse_stage_tier(value: &str) -> Result<StageTier, OptionError> {
     }
 }
 
+pub fn parse_ckpt_tier(value: &str) -> Result<CkptTier, OptionError> {
+    match value.trim() {
+        "local" => Ok(CkptTier::Local),
+        "ram" => Ok(CkptTier::Ram),
+        other => Err(err(
+            names::CKPT_TIER,
+            format!("unknown tier '{other}'; accepted: local (the NVMe hot tier, default), ram"),
+        )),
+    }
+}
+
 pub fn parse_stage_mode(value: &str) -> Result<StageMode, OptionError> {
     match value.trim() {
         "replicate" => Ok(StageMode::Replicate),
@@ -516,6 +560,10 @@ pub fn parse_job_options(
     if let Some(v) = lookup(names::CKPT_RESTORE) {
         opts.ckpt_restore = Some(parse_ckpt_restore(&v)?);
     }
+    if let Some(v) = lookup(names::CKPT_TIER) {
+        check_text(names::CKPT_TIER, &v)?;
+        opts.ckpt_tier = parse_ckpt_tier(&v)?;
+    }
     Ok(opts)
 }
 
@@ -534,6 +582,9 @@ pub fn validate_option(name: &str, value: &str) -> Result<(), OptionError> {
             check_text(names::CKPT_KEEP, value).and_then(|_| parse_ckpt_keep(value).map(drop))
         }
         names::CKPT_RESTORE => parse_ckpt_restore(value).map(drop),
+        names::CKPT_TIER => {
+            check_text(names::CKPT_TIER, value).and_then(|_| parse_ckpt_tier(value).map(drop))
+        }
         _ => Ok(()),
     }
 }
@@ -654,6 +705,16 @@ mod tests {
                 .message
                 .contains("local (default), shared")
         );
+        assert_eq!(parse_ckpt_tier(" ram ").unwrap(), CkptTier::Ram);
+        assert!(
+            parse_ckpt_tier("gpu")
+                .unwrap_err()
+                .to_string()
+                .contains("--ckpt-tier")
+        );
+        let o = parse_job_options(|n| (n == names::CKPT_TIER).then(|| "ram".to_string())).unwrap();
+        assert_eq!(o.ckpt_tier, CkptTier::Ram);
+        assert!(validate_option(names::CKPT_TIER, "tmpfs").is_err());
         assert!(
             parse_stage_mode("stripe")
                 .unwrap_err()

@@ -77,6 +77,11 @@ pub fn option_specs() -> Vec<OptionSpec> {
                     "latest|TAG",
                     "sluice: before the first step, place checkpoint TAG (or the latest) in $SLUICE_CKPT_DIR",
                 ),
+                names::CKPT_TIER => (
+                    "local|ram",
+                    "sluice: where $SLUICE_CKPT_DIR lives: local (the node's NVMe hot tier, default) or ram (the \
+                     site's RAM tier: saves at memory speed; committed checkpoints are flushed to NVMe, then archived)",
+                ),
                 other => unreachable!("option --{other} has no usage text"),
             };
             OptionSpec { name, arginfo, usage, val: val as i32 }

@@ -221,8 +221,9 @@ pub enum Sharing<'a> {
     /// This node reads the whole dataset from the origin.
     Alone,
     /// The whole dataset, each unit read from the origin by one node of the job and taken from it
-    /// by the others (object stores only). `peers` counts the job's object-store datasets, and
-    /// each must be staged through it exactly once.
+    /// by the others (object stores, and POSIX sources through the copy helper: [`posix`]).
+    /// `peers` counts the job's datasets shared so, and each must be staged through it exactly
+    /// once.
     Peers(&'a Arc<JobPeers>),
     /// Only the files this node owns, plus the manifest of the whole dataset.
     Shard(&'a ShardPlan),
@@ -251,7 +252,7 @@ pub async fn stage_with(
     };
     let run = async {
         match &spec.source {
-            Source::Posix { path } => posix::stage(ctx, spec, path, &progress, shard).await,
+            Source::Posix { path } => posix::stage(ctx, spec, path, &progress, sharing).await,
             Source::Object {
                 scheme,
                 bucket,
@@ -269,18 +270,7 @@ pub async fn stage_with(
                     Sharing::Peers(p) => Some(p.clone()),
                     _ => None,
                 };
-                let bucket_url = format!("{}://{bucket}", scheme.url_scheme());
-                object::stage(
-                    ctx,
-                    spec,
-                    store,
-                    bucket_url,
-                    prefix,
-                    progress.clone(),
-                    peers,
-                    shard,
-                )
-                .await
+                object::stage(ctx, spec, store, prefix, progress.clone(), peers, shard).await
             }
         }
     };

@@ -715,7 +715,6 @@ pub(super) async fn stage(
     ctx: &StageCtx,
     spec: &StageSpec,
     store: Arc<dyn ObjectStore>,
-    bucket_url: String,
     prefix: &str,
     progress: Arc<Progress>,
     peers: Option<Arc<JobPeers>>,
@@ -738,7 +737,7 @@ pub(super) async fn stage(
         shared_tier: ctx.shared_tier.clone(),
         cache: ctx.cache.clone(),
         cfg: ctx.cfg.clone(),
-        bucket_url,
+        bucket_url: spec.source.bucket_url().unwrap_or_default(),
     });
     let (fd, name, owner) = (ctx.stage_fd.clone(), spec.name.clone(), ctx.owner);
     // On the shared tier every node sees every file: no manifest.
@@ -943,7 +942,7 @@ pub(super) async fn warm(
         name: spec.name.clone(),
         shared_tier: None,
         cache: Some(cache),
-        bucket_url: format!("{}://{bucket}", scheme.url_scheme()),
+        bucket_url: spec.source.bucket_url().unwrap_or_default(),
         cfg: cfg.clone(),
     });
     let mut out = sluice_proto::msg::CacheWarmed {

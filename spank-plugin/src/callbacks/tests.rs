@@ -303,7 +303,7 @@ const STAGE_IN_VAR: &str = "SPANK__SLURM_SPANK_OPTION_sluice_stage_in";
 // ---- init and options -------------------------------------------------------------------------
 
 #[test]
-fn init_registers_all_six_options_with_their_accepted_values() {
+fn init_registers_all_seven_options_with_their_accepted_values() {
     let mut sp = Fake::new(Context::Allocator);
     assert_eq!(init(&mut sp, &[]), OK);
     let names: Vec<_> = sp.registered.iter().map(|o| o.name).collect();
@@ -323,6 +323,7 @@ fn init_registers_all_six_options_with_their_accepted_values() {
             && by_name("stage-tier").usage.contains("shared")
     );
     assert_eq!(by_name("stage-mode").arginfo, "replicate|shard");
+    assert_eq!(by_name("ckpt-tier").arginfo, "local|ram");
     assert_eq!(by_name("ckpt-restore").arginfo, "latest|TAG");
     assert!(
         by_name("stage-in").usage.contains("s3://") && by_name("stage-in").usage.contains("/path")
@@ -341,7 +342,7 @@ fn init_never_fails_even_when_registration_does() {
             OK,
             "a failing init in {context:?} could drain the node"
         );
-        assert_eq!(sp.errors().len(), 6);
+        assert_eq!(sp.errors().len(), names::ALL.len());
         sp.assert_first_error_has("cannot register option --stage-in");
     }
 }
@@ -428,9 +429,9 @@ fn on_the_remote_side_options_always_pass() {
 #[test]
 fn an_unknown_option_number_is_refused() {
     let log = Fake::new(Context::Allocator);
-    assert_eq!(on_option(&log, &mut Vec::new(), 6, Some("x"), false), FAIL);
+    assert_eq!(on_option(&log, &mut Vec::new(), 7, Some("x"), false), FAIL);
     assert_eq!(on_option(&log, &mut Vec::new(), -1, Some("x"), false), FAIL);
-    assert!(log.errors()[0].contains("unknown option number 6"));
+    assert!(log.errors()[0].contains("unknown option number 7"));
 }
 
 // ---- init_post_opt ----------------------------------------------------------------------------
