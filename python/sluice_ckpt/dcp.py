@@ -1,0 +1,124 @@
+"""A torch.distributed.checkpoint storage pair that writes through libsluice_writer and commits.
+
+    dcp.save(state_dict, storage_writer=sluice_ckpt.SluiceWriter("step-100"))
+    fut = dcp.async_save(state_dict, storage_writer=sluice_ckpt.SluiceWriter("step-200"))
+    dcp.load(state_dict, storage_reader=sluice_ckpt.SluiceReader("step-100"))
+
+SluiceWriter is DCP's FileSystemWriter (same files, same layout: `__R_N.distcp` per rank and
+`.metadata`, so the agent's DCP signal and every DCP reader understand it) with a file system whose
+write streams are libsluice_writer files: 4 KiB-aligned blocks, written by a writer thread while
+DCP fills the next, O_DIRECT where the tier allows it, fsynced at close. When the save completes
+(`finish`, on the coordinator, after every rank wrote), it fsyncs the directory and runs
+`sluice ckpt commit TAG` (inside a Slurm job; `commit=` overrides): the commit the agent's
+`.metadata` signal would also see, at once rather than at its next scan.
+
+Tensors reach the streams as DCP stages them: on the host (DCP copies CUDA tensors to the CPU
+first — under async_save into its staging copy; that copy is the bounce buffer on this path).
+For CUDA tensors straight to the file through GPUDirect Storage use `Writer.write_tensor`.
+"""
+
+import io
+import os
+from contextlib import contextmanager
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from . import _lib
+
+
+class _Stream(io.RawIOBase):
+    """A write-only binary stream over one libsluice_writer file, as DCP's create_stream yields."""
+
+    def __init__(self, path, block_size):
+        super().__init__()
+        self._w = _lib.Writer(path, block_size)
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        return self._w.write(b)
+
+    def tell(self):
+        return self._w.tell()
+
+    def seekable(self):
+        return False
+
+    def fileno(self):
+        # The descriptor is the library's (with O_DIRECT); close() fsyncs it.
+        raise io.UnsupportedOperation("fileno: sluice streams fsync when they close")
+
+    def close(self):
+        if not self.closed:
+            try:
+                self._w.close()
+            finally:
+                super().close()
+
+    def abort(self):
+        self._w.abort()
+        super().close()
+
+
+class SluiceFileSystem(FileSystem):
+    """DCP's local FileSystem whose write streams go through libsluice_writer."""
+
+    def __init__(self, block_size=0):
+        super().__init__()
+        self.block_size = block_size
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as s:
+                yield s
+            return
+        stream = _Stream(os.fspath(path), self.block_size)
+        try:
+            yield stream
+        except BaseException:
+            stream.abort()
+            raise
+        stream.close()
+
+
+def _tag_dir(tag, ckpt_dir):
+    return os.path.join(_lib.ckpt_dir(ckpt_dir), _lib.check_tag(tag))
+
+
+class SluiceWriter(FileSystemWriter):
+    """DCP StorageWriter into $SLUICE_CKPT_DIR/TAG, committing TAG when the save completes.
+
+    tag: the checkpoint's name (one directory name). ckpt_dir: instead of $SLUICE_CKPT_DIR.
+    commit: None (default) commits inside a Slurm job (SLURM_JOB_ID set) and not elsewhere;
+    True/False force it. sluice: the CLI's path (else $SLUICE_CLI, else PATH). block_size: the
+    writer's block (0: 8 MiB). Other keywords go to FileSystemWriter (thread_count, ...);
+    sync_files is always off: every stream is fsynced when it closes.
+    """
+
+    def __init__(self, tag, *, ckpt_dir=None, commit=None, sluice=None, block_size=0, **kwargs):
+        self.tag = _lib.check_tag(tag)
+        kwargs["sync_files"] = False
+        super().__init__(_tag_dir(tag, ckpt_dir), **kwargs)
+        self.fs = SluiceFileSystem(block_size)
+        self.commit = commit
+        self.sluice = sluice
+        self.commit_output = None
+
+    def finish(self, metadata, results):
+        super().finish(metadata, results)
+        # The .metadata rename (and every shard file's creation) durable before the commit.
+        _lib.fsync_dir(os.fspath(self.path))
+        if _lib.should_commit(self.commit):
+            self.commit_output = _lib.commit(os.path.basename(os.fspath(self.path)), self.sluice)
+
+
+class SluiceReader(FileSystemReader):
+    """DCP StorageReader of $SLUICE_CKPT_DIR/TAG (e.g. the tag --ckpt-restore put back:
+    SluiceReader(os.environ["SLUICE_RESTORED_TAG"]))."""
+
+    def __init__(self, tag, *, ckpt_dir=None, **kwargs):
+        self.tag = _lib.check_tag(tag)
+        super().__init__(_tag_dir(tag, ckpt_dir), **kwargs)

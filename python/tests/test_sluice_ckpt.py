@@ -1,0 +1,241 @@
+"""sluice_ckpt with real PyTorch (the harness's venv, /opt/sluice-test/torch-venv), on this machine:
+
+    $SLUICE_TORCH_VENV/bin/python -m unittest discover -s python/tests -v
+
+(tests/run-all.sh runs it after `cargo test --workspace`, which built libsluice_writer.so in
+target/debug.) Checks what a training script sees: dcp.save and dcp.async_save through
+SluiceWriter, loaded back tensor-equal by dcp.load through SluiceReader; save()/load(); the tag
+committed through the `sluice` CLI exactly when the save completed (a stand-in CLI that records
+its arguments: there is no agent here — the end-to-end test tests/tests/writer.rs commits for
+real); a failed commit reaching the caller; files byte-identical whatever the sizes; the cuFile
+probe answering "unavailable" in under a second; and `pip install ./python` giving a package that
+finds its bundled library.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PKG_ROOT = os.path.dirname(HERE)
+sys.path.insert(0, PKG_ROOT)
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+import sluice_ckpt  # noqa: E402
+
+
+def state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(257, 129, generator=g),  # fp32, not a multiple of 4 KiB
+            "b": torch.randn(129, generator=g).to(torch.bfloat16),
+            "big": torch.randn(1 << 20, generator=g),  # 4 MiB: several writer blocks
+        },
+        "optim": {"step": torch.tensor(7), "lr": 0.01},
+        "epoch": 3,
+    }
+
+
+def zeros_like(s):
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in s["model"].items()},
+        "optim": {"step": torch.tensor(0), "lr": 0.0},
+        "epoch": 0,
+    }
+
+
+class Base(unittest.TestCase):
+    def setUp(self):
+        # Not /tmp alone: a disk directory, where O_DIRECT is taken (tmpfs is tested below).
+        self.dir = tempfile.mkdtemp(prefix="sluice-ckpt-test-", dir=os.environ.get("SLUICE_TEST_TMP"))
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.log = os.path.join(self.dir, "commits.log")
+        self.cli = os.path.join(self.dir, "sluice")
+        with open(self.cli, "w") as f:
+            f.write(
+                "#!/bin/sh\n"
+                f'echo "$@" >> {self.log}\n'
+                '[ -n "$FAIL_COMMIT" ] && { echo "sluice: commit refused: $FAIL_COMMIT" >&2; exit 1; }\n'
+                'echo "committed $3"\n'
+            )
+        os.chmod(self.cli, 0o755)
+        self.ckpt = os.path.join(self.dir, "ckpt")
+        os.makedirs(self.ckpt)
+        self.env = {
+            "SLUICE_CKPT_DIR": self.ckpt,
+            "SLURM_JOB_ID": "4242",
+            "SLUICE_CLI": self.cli,
+        }
+        saved = {k: os.environ.get(k) for k in list(self.env) + ["FAIL_COMMIT"]}
+        os.environ.update(self.env)
+        os.environ.pop("FAIL_COMMIT", None)
+
+        def restore():
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+        self.addCleanup(restore)
+
+    def commits(self):
+        if not os.path.exists(self.log):
+            return []
+        with open(self.log) as f:
+            return [line.split() for line in f.read().splitlines()]
+
+    def assertStateEqual(self, got, want):
+        for k, v in want["model"].items():
+            g = got["model"][k]
+            self.assertEqual((g.dtype, g.shape), (v.dtype, v.shape), k)
+            self.assertTrue(torch.equal(g, v), f"model/{k} differs")
+        self.assertTrue(torch.equal(got["optim"]["step"], want["optim"]["step"]))
+        self.assertEqual(got["optim"]["lr"], want["optim"]["lr"])
+        self.assertEqual(got["epoch"], want["epoch"])
+
+
+class DcpTests(Base):
+    def test_dcp_save_through_sluice_writer_loads_tensor_equal_and_commits_the_tag(self):
+        s = state(1)
+        dcp.save(s, storage_writer=sluice_ckpt.SluiceWriter("step-100"))
+        tag_dir = os.path.join(self.ckpt, "step-100")
+        self.assertEqual(sorted(os.listdir(tag_dir)), [".metadata", "__0_0.distcp"])
+        self.assertEqual(self.commits(), [["ckpt", "commit", "step-100"]])
+        out = zeros_like(s)
+        dcp.load(out, storage_reader=sluice_ckpt.SluiceReader("step-100"))
+        self.assertStateEqual(out, s)
+        # The same bytes DCP's own FileSystemWriter writes for the same state: nothing is lost
+        # or padded by the aligned writer.
+        ref = os.path.join(self.dir, "ref")
+        dcp.save(s, storage_writer=dcp.FileSystemWriter(ref))
+        with open(os.path.join(tag_dir, "__0_0.distcp"), "rb") as a, open(
+            os.path.join(ref, "__0_0.distcp"), "rb"
+        ) as b:
+            self.assertEqual(a.read(), b.read())
+
+    def test_dcp_async_save_commits_when_the_background_save_completes(self):
+        s = state(2)
+        fut = dcp.async_save(s, storage_writer=sluice_ckpt.SluiceWriter("step-200"))
+        fut.result(timeout=120)
+        self.assertEqual(self.commits(), [["ckpt", "commit", "step-200"]])
+        out = zeros_like(s)
+        dcp.load(out, storage_reader=sluice_ckpt.SluiceReader("step-200"))
+        self.assertStateEqual(out, s)
+
+    def test_a_refused_commit_fails_the_save_with_the_clis_reason(self):
+        os.environ["FAIL_COMMIT"] = "hot tier full"
+        # DCP wraps what a rank raised in its CheckpointException, with the original's text.
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        with self.assertRaises((sluice_ckpt.SluiceError, CheckpointException)) as e:
+            dcp.save(state(3), storage_writer=sluice_ckpt.SluiceWriter("step-300"))
+        self.assertIn("sluice ckpt commit step-300 exited 1", str(e.exception))
+        self.assertIn("hot tier full", str(e.exception))
+
+    def test_outside_a_slurm_job_nothing_is_committed(self):
+        os.environ.pop("SLURM_JOB_ID")
+        dcp.save(state(4), storage_writer=sluice_ckpt.SluiceWriter("step-400"))
+        self.assertEqual(self.commits(), [])
+        self.assertTrue(os.path.exists(os.path.join(self.ckpt, "step-400", ".metadata")))
+
+    def test_without_sluice_ckpt_dir_the_writer_says_what_is_missing(self):
+        os.environ.pop("SLUICE_CKPT_DIR")
+        with self.assertRaises(sluice_ckpt.SluiceError) as e:
+            sluice_ckpt.SluiceWriter("step-1")
+        self.assertIn("SLUICE_CKPT_DIR is not set", str(e.exception))
+        with self.assertRaises(ValueError):
+            sluice_ckpt.SluiceWriter("../escape", ckpt_dir=self.ckpt)
+
+
+class SaveTests(Base):
+    def test_save_writes_torch_save_bytes_and_commits(self):
+        s = state(5)
+        path = sluice_ckpt.save(s, "step-500")
+        self.assertEqual(path, os.path.join(self.ckpt, "step-500", "state.pt"))
+        self.assertEqual(self.commits(), [["ckpt", "commit", "step-500"]])
+        self.assertStateEqual(sluice_ckpt.load("step-500"), s)
+        self.assertStateEqual(torch.load(path, weights_only=False), s)
+
+
+class WriterTests(Base):
+    SIZES = [0, 1, 4095, 4096, 4097, 1 << 20, (8 << 20) + 13]
+
+    def roundtrip(self, directory):
+        for i, n in enumerate(self.SIZES):
+            data = os.urandom(n)
+            path = os.path.join(directory, f"f{n}")
+            with sluice_ckpt.Writer(path, block_size=1 << 20) as w:
+                # bytes, a bytearray's memoryview, a tensor: the three ways callers hand bytes over
+                third = n // 3
+                w.write(data[:third])
+                w.write(memoryview(bytearray(data[third : 2 * third])))
+                t = torch.frombuffer(bytearray(data[2 * third :]), dtype=torch.uint8) if n - 2 * third else torch.empty(0, dtype=torch.uint8)
+                self.assertEqual(w.write_tensor(t), "host")
+                self.assertEqual(w.tell(), n)
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), data, f"{n} bytes in {directory}")
+
+    def test_files_are_byte_identical_on_disk(self):
+        self.roundtrip(self.dir)
+
+    def test_files_are_byte_identical_on_tmpfs(self):
+        if not os.path.isdir("/dev/shm"):
+            self.skipTest("no /dev/shm")
+        d = tempfile.mkdtemp(dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, d, True)
+        self.roundtrip(d)
+
+    def test_a_write_error_names_the_file(self):
+        with self.assertRaises(sluice_ckpt.SluiceError) as e:
+            sluice_ckpt.Writer(os.path.join(self.dir, "no", "such", "dir", "f"))
+        self.assertIn("no/such/dir/f", str(e.exception))
+
+    def test_the_cufile_probe_says_unavailable_in_under_a_second(self):
+        start = time.monotonic()
+        available, why = sluice_ckpt.probe_cufile(refresh=True)
+        took = time.monotonic() - start
+        print(f"\ncuFile probe of {sluice_ckpt.cufile_library()}: {why} ({took:.3f} s)", file=sys.stderr)
+        self.assertLess(took, 1.0)
+        if not torch.cuda.is_available():
+            self.assertFalse(available)
+            self.assertTrue(why.startswith("unavailable: "), why)
+
+
+class PipInstallTests(unittest.TestCase):
+    def test_pip_install_bundles_the_built_library(self):
+        target = tempfile.mkdtemp(prefix="sluice-ckpt-pip-")
+        self.addCleanup(shutil.rmtree, target, True)
+        build = tempfile.mkdtemp(prefix="sluice-ckpt-src-")
+        self.addCleanup(shutil.rmtree, build, True)
+        # pip builds in the source tree: build a copy of it, so the checkout stays clean, next to
+        # the workspace's target directory, as `pip install ./python` in a checkout sees it.
+        src = os.path.join(build, "python")
+        shutil.copytree(PKG_ROOT, src, ignore=shutil.ignore_patterns("tests", "__pycache__", "build", "*.egg-info"))
+        env = dict(os.environ, SLUICE_WRITER_LIB_DIR=os.path.dirname(sluice_ckpt.library_path()))
+        env.pop("SLUICE_WRITER_LIB", None)
+        p = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+             "--disable-pip-version-check", "--target", target, src],
+            capture_output=True, text=True, env=env, timeout=600,
+        )
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        env.pop("SLUICE_WRITER_LIB_DIR")
+        q = subprocess.run(
+            [sys.executable, "-c", "import sluice_ckpt; print(sluice_ckpt.library_path())"],
+            capture_output=True, text=True, env=dict(env, PYTHONPATH=target), cwd="/", timeout=120,
+        )
+        self.assertEqual(q.returncode, 0, q.stderr)
+        self.assertEqual(q.stdout.strip(), os.path.join(target, "sluice_ckpt", "lib", "libsluice_writer.so"))
+        self.assertTrue(os.path.isfile(os.path.join(target, "sluice_ckpt", "lib", "sluice-cufile-probe")))
+
+
+if __name__ == "__main__":
+    unittest.main()
