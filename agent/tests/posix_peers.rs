@@ -248,6 +248,36 @@ async fn three_nodes_read_a_posix_source_once_and_each_ends_with_the_whole_tree(
     }
 }
 
+/// A dataset that is one file (`ds=/path/big.bin`): `$SLUICE_STAGE_DIR/ds` is that file on every
+/// node, read-only like its source, its units read once in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_single_file_is_shared_unit_by_unit() {
+    let dir = tempfile::tempdir().unwrap();
+    source(dir.path());
+    let src = dir.path().join("big.bin");
+    let size = std::fs::metadata(&src).unwrap().len();
+    let nodes = nodes(&["n1", "n2", "n3"], &src).await;
+    for notes in stage_all(&nodes, &src).await {
+        assert!(notes.is_empty(), "{notes:?}");
+    }
+    let want = std::fs::read(&src).unwrap();
+    let mut origin = 0;
+    for n in &nodes {
+        let copy = n.dir.path().join("ds");
+        assert!(std::fs::read(&copy).unwrap() == want, "ds on {}", n.name);
+        let mode = std::fs::metadata(&copy).unwrap().mode() & 0o7777;
+        assert_eq!(mode, 0o444, "the mode of ds on {}", n.name);
+        let p = n.progress.snapshot();
+        assert_eq!((p.bytes_done, p.files_done), (size, 1), "{}", n.name);
+        assert_eq!(p.origin_bytes + p.peer_bytes, size, "{}", n.name);
+        origin += p.origin_bytes;
+    }
+    assert_eq!(origin, size, "each unit read once");
+    for n in &nodes {
+        n.stop.cancel();
+    }
+}
+
 /// n3's agent is not there: n1 and n2 route around it, copy its share of the units from the
 /// source themselves (one of them each, by the same hashing), end with the whole tree, and note it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
