@@ -5,7 +5,8 @@
 #   1. cargo fmt --check, cargo clippy -D warnings          (the gates, for the workspace and for
 #                                                            bench/, a workspace of its own)
 #   2. cargo test --workspace                               (unit tests, in-process agent tests),
-#      then the same binaries as the test user               (root-only tests must say "ignored")
+#      then the same binaries as the test user               (root-only tests must say "ignored"),
+#      then python/tests: sluice_ckpt with the harness's PyTorch
 #   3. tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
 #                                                            end-to-end jobs, archive conformance)
 #   4. bench/run --smoke                                    (the benchmark harness on tiny data)
@@ -40,6 +41,11 @@ cargo test --workspace
 
 step "the same test binaries as the unprivileged test user (root-only tests must report ignored)"
 tests/harness/unit-as-user.sh
+
+# The checkpoint writer's Python package (python/) with the harness's PyTorch, over the
+# target/debug/libsluice_writer.so that cargo test just built (about 15 s).
+step "sluice_ckpt (python/tests) with PyTorch from ${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}"
+"${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}/bin/python" -m unittest discover -s python/tests -v
 
 # The test cluster is one per machine (fixed ports, /etc/slurm): hold its lock while using it. Tools
 # that take the lock themselves (bench/run) see SLUICE_CLUSTER_LOCK_HELD and do not wait for it.

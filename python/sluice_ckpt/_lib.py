@@ -99,9 +99,11 @@ def cufile_library():
     return "libcufile.so.0"
 
 
-def probe_cufile(timeout=1.0, refresh=False):
+def probe_cufile(timeout=10.0, refresh=False):
     """(available, reason): whether CUDA tensors can be written with GPUDirect Storage here. Runs the
-    library's probe (a child process with a deadline) once per process."""
+    library's probe (a child process, killed after `timeout` s) once per process. Where GDS is not
+    set up the answer comes at once (well under a second); where it is, opening the driver creates
+    a CUDA context, which may take seconds."""
     global _probe
     if _probe is None or refresh:
         why = ctypes.create_string_buffer(512)

@@ -69,11 +69,13 @@ const char *sluice_writer_version(void);
 
 /* Whether GPUDirect Storage can be used here: loads LIB (NULL = "libcufile.so.0" on the loader's
  * path) and opens the cuFile driver in a child process (sluice-cufile-probe, beside this library,
- * or $SLUICE_CUFILE_PROBE) with compat mode off, killed after TIMEOUT_MS (0 = 1000). Returns 1
- * (available) or 0 (unavailable), and writes a one-line reason to WHY (NUL-terminated, cut to
- * WHY_LEN; WHY may be NULL): "available (libcufile 1170)", "unavailable: libcufile.so.0 not found",
- * "unavailable: cuFileDriverOpen failed: error 5001: ...". Never hangs: with the default
- * configuration cuFileDriverOpen never returns on a machine without the nvidia-fs driver. */
+ * or $SLUICE_CUFILE_PROBE) with compat mode off, killed after TIMEOUT_MS (0 = 10000: where GDS is
+ * set up, opening the driver creates a CUDA context, which can take seconds; where it is not, the
+ * answer comes at once). Returns 1 (available) or 0 (unavailable), and writes a one-line reason to
+ * WHY (NUL-terminated, cut to WHY_LEN; WHY may be NULL): "available (libcufile 1170)",
+ * "unavailable: libcufile.so.0 not found", "unavailable: cuFileDriverOpen failed: error 5001: ...".
+ * Never hangs: with the default configuration cuFileDriverOpen never returns on a machine without
+ * the nvidia-fs driver. */
 int sluice_cufile_probe(const char *lib, unsigned timeout_ms, char *why, size_t why_len);
 
 #ifdef __cplusplus

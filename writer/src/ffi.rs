@@ -297,7 +297,7 @@ pub unsafe extern "C" fn sluice_cufile_probe(
                 Some(unsafe { c_str(lib, "lib") }?)
             };
             let timeout = Duration::from_millis(if timeout_ms == 0 {
-                1000
+                10_000
             } else {
                 u64::from(timeout_ms)
             });
