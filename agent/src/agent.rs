@@ -79,6 +79,13 @@ pub(crate) enum SetupError {
         "--stage-tier=shared: no shared tier is configured on this cluster; use --stage-tier=local"
     )]
     SharedTier,
+    #[error("--ckpt-tier=ram: no RAM tier is configured on this cluster; use --ckpt-tier=local")]
+    RamTier,
+    #[error("sluice could not prepare the job's RAM tier on node {node}: {source}")]
+    RamDir {
+        node: String,
+        source: crate::ram_tier::RamTierError,
+    },
     #[error(
         "--stage-mode=shard: this node ({node}) is not in the job's node list ({nodes}); the job start named a node outside the job"
     )]
@@ -126,6 +133,36 @@ pub struct Agent {
     peers: OnceLock<NodePeers>,
     /// The cross-job cache (`[cache]`).
     pub(crate) cache: Option<Arc<crate::cache::Cache>>,
+    /// The RAM tier for `--ckpt-tier=ram` (`[fast_tier]`).
+    pub(crate) ram: Option<Arc<crate::ram_tier::RamTier>>,
+}
+
+/// Where a job's checkpoints are: `$SLUICE_CKPT_DIR` (the RAM tier's, or the hot tier's), and the
+/// hot tier's, which checkpoints are archived from. Cheap to clone into a blocking closure.
+#[derive(Clone)]
+pub(crate) struct CkptDirs {
+    hot: HotTier,
+    ram: Option<Arc<crate::ram_tier::RamTier>>,
+    job_id: JobId,
+}
+
+impl CkptDirs {
+    /// `$SLUICE_CKPT_DIR`, where the job writes and commits (blocking).
+    pub(crate) fn user(&self) -> Result<std::os::fd::OwnedFd, SafeFsError> {
+        match &self.ram {
+            Some(ram) => ram.open_ckpt(self.job_id),
+            None => self.hot.open_ckpt(self.job_id),
+        }
+    }
+
+    /// The hot tier's `jobs/<id>/ckpt` (blocking).
+    pub(crate) fn hot(&self) -> Result<std::os::fd::OwnedFd, SafeFsError> {
+        self.hot.open_ckpt(self.job_id)
+    }
+
+    pub(crate) fn ram(&self) -> Option<&crate::ram_tier::RamTier> {
+        self.ram.as_deref()
+    }
 }
 
 impl Agent {
@@ -139,8 +176,13 @@ impl Agent {
         let hot = HotTier::open(&cfg.hot_root, cfg.ckpt.high_water)?;
         let journal = Journal::open(&cfg.state_dir)?;
         let cache = crate::cache::Cache::open(&cfg)?;
+        let ram = cfg
+            .fast_tier
+            .clone()
+            .map(|f| Arc::new(crate::ram_tier::RamTier::new(f, &cfg.node)));
         Ok(Arc::new(Agent {
             cache,
+            ram,
             hot,
             policy: Policy::new(&cfg),
             bandwidth: cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new),
@@ -172,6 +214,15 @@ impl Agent {
         task: impl std::future::Future<Output = T> + Send + 'static,
     ) -> tokio::task::JoinHandle<T> {
         self.tracker.spawn(task)
+    }
+
+    /// Where `job`'s checkpoints are.
+    pub(crate) fn ckpt_dirs(&self, job: &Job) -> CkptDirs {
+        CkptDirs {
+            hot: self.hot.clone(),
+            ram: self.ram.clone().filter(|_| job.is_ram()),
+            job_id: job.start.job_id,
+        }
     }
 
     fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
@@ -371,6 +422,7 @@ impl Agent {
             ckpts: Vec::new(),
             step_stage_in: Vec::new(),
             from_step: false,
+            ram: false,
         };
         let journal = self.journal.clone();
         let saved = record.clone();
@@ -424,6 +476,28 @@ impl Agent {
                     .to_string();
             }
         }
+        // The RAM tier: a recovered job keeps what it had; a new one gets a share if one is free,
+        // else the hot tier with a note (a job without [fast_tier] is refused at set-up).
+        let wants_ram = matches!(crate::job::parse_options(&start), Ok(o) if o.ckpt_tier == options::CkptTier::Ram);
+        let mut ram_note = None;
+        let ram = match &self.ram {
+            Some(tier) if record.ram || (wants_ram && fresh_dirs) => {
+                match tier.reserve(start.job_id, record.ram) {
+                    Ok(()) => {
+                        dirs.ckpt_dir = tier.ckpt_dir(start.job_id).display().to_string();
+                        true
+                    }
+                    Err(e) => {
+                        ram_note = Some(format!(
+                            "--ckpt-tier=ram: {e}; this job's checkpoints go to the NVMe hot tier instead ($SLUICE_CKPT_DIR={})",
+                            dirs.ckpt_dir
+                        ));
+                        false
+                    }
+                }
+            }
+            _ => false,
+        };
         let job = Arc::new(Job::new(
             start.clone(),
             dirs,
@@ -432,12 +506,18 @@ impl Agent {
             self.cfg.ckpt.keep,
             self.cancel.child_token(),
         ));
+        job.ram.store(ram, std::sync::atomic::Ordering::Relaxed);
+        if let Some(note) = ram_note {
+            tracing::warn!(job_id = start.job_id, "{note}");
+            job.add_stage_notes(vec![note]);
+        }
         for c in &record.ckpts {
             let entry = Arc::new(CkptEntry::new(&c.tag, c.committed_at));
             if let Some(at) = c.archived_at {
                 entry.set_archived(at);
             }
             entry.set_on_hot(c.on_hot);
+            entry.set_in_ram(c.in_ram);
             job.ckpts.insert(entry);
         }
         if record.ended {
@@ -528,6 +608,9 @@ impl Agent {
             (StageTier::Shared, Some(cfg)) => Some(cfg.clone()),
             (StageTier::Local, _) => None,
         };
+        if options.ckpt_tier == options::CkptTier::Ram && self.ram.is_none() {
+            return Err(SetupError::RamTier);
+        }
         let owner = Owner {
             uid: job.start.uid,
             gid: job.start.gid,
@@ -577,6 +660,22 @@ impl Agent {
                 source,
             }
         })?;
+        // On the RAM tier `$SLUICE_CKPT_DIR` is the job's tmpfs: a restore goes there.
+        let ckpt_fd = match self.ckpt_dirs(job).ram() {
+            Some(_) => {
+                let ram = self.ram.clone().expect("a RAM job has the tier");
+                blocking(move || ram.prepare(job_id, owner, fresh_dirs))
+                    .await
+                    .map_err(|source| {
+                        tracing::error!(job_id, "preparing the job's RAM tier: {source}");
+                        SetupError::RamDir {
+                            node: node.clone(),
+                            source,
+                        }
+                    })?
+            }
+            None => ckpt_fd,
+        };
         // On the shared tier the datasets go into the job's shared directory, not this node's.
         let shared_job = match &shared_tier {
             Some(cfg) => {
@@ -722,6 +821,7 @@ impl Agent {
                     committed_at: e.committed_at,
                     archived_at: e.archived_at(),
                     on_hot: e.on_hot(),
+                    in_ram: e.in_ram(),
                 })
                 .collect(),
             step_stage_in: lock(&job.extras)
@@ -730,6 +830,7 @@ impl Agent {
                 .map(|e| e.spec.clone())
                 .collect(),
             from_step: job.from_step.load(std::sync::atomic::Ordering::Relaxed),
+            ram: job.is_ram(),
         };
         let journal = self.journal.clone();
         if let Err(e) = blocking(move || journal.save(&record)).await {

@@ -36,6 +36,19 @@ pub enum HotTierError {
     },
 }
 
+/// The names of the directories in `dir` (a checkpoint directory: its tags and leftovers).
+pub fn subdirs(dir: OwnedFd) -> Vec<String> {
+    let Ok(mut d) = nix::dir::Dir::from_fd(dir) else {
+        return Vec::new();
+    };
+    d.iter()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type() == Some(nix::dir::Type::Directory))
+        .filter_map(|e| e.file_name().to_str().ok().map(String::from))
+        .filter(|n| n != "." && n != "..")
+        .collect()
+}
+
 /// Size and free space of the hot tier's file system.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
@@ -184,18 +197,10 @@ impl HotTier {
 
     /// The directories in `jobs/<id>/ckpt` (checkpoints and torn saves alike); empty if it is gone.
     pub fn ckpt_subdirs(&self, job_id: JobId) -> Vec<String> {
-        let Ok(dir) = self.open_ckpt(job_id) else {
-            return Vec::new();
-        };
-        let Ok(mut d) = nix::dir::Dir::from_fd(dir) else {
-            return Vec::new();
-        };
-        d.iter()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_type() == Some(nix::dir::Type::Directory))
-            .filter_map(|e| e.file_name().to_str().ok().map(String::from))
-            .filter(|n| n != "." && n != "..")
-            .collect()
+        match self.open_ckpt(job_id) {
+            Ok(dir) => subdirs(dir),
+            Err(_) => Vec::new(),
+        }
     }
 
     /// Size and free space of the file system (zeros if it cannot be read).

@@ -56,6 +56,8 @@ pub struct Job {
     /// The agent learnt of the job from a step (no job-level option, so no prolog or epilog call):
     /// housekeeping ends it once Slurm no longer runs it.
     pub from_step: AtomicBool,
+    /// `$SLUICE_CKPT_DIR` is on the RAM tier (`dirs.ckpt_dir` says where).
+    pub ram: AtomicBool,
 }
 
 /// A dataset a step of the job added: its spec, progress, and how its staging went.
@@ -113,6 +115,7 @@ impl Job {
             stage_notes: Mutex::new(Vec::new()),
             extras: Mutex::new(std::collections::BTreeMap::new()),
             from_step: AtomicBool::new(false),
+            ram: AtomicBool::new(false),
         }
     }
 
@@ -188,6 +191,11 @@ impl Job {
     /// The directories, restored tag and notes the job's tasks get. The notes include staging's
     /// and every checkpoint that sluice will not archive by itself, so each step's output says so
     /// while the job runs (the batch step's end prints them again in the job summary).
+    /// `$SLUICE_CKPT_DIR` is on the RAM tier: committed checkpoints are flushed to the hot tier.
+    pub fn is_ram(&self) -> bool {
+        self.ram.load(Ordering::Relaxed)
+    }
+
     pub fn task_dirs(&self) -> JobDirs {
         let (tag, mut notes) = lock(&self.restored).clone();
         notes.splice(0..0, lock(&self.stage_notes).iter().cloned());

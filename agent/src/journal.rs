@@ -46,6 +46,9 @@ pub struct JobRecord {
     /// The agent learnt of the job from a step, not from the prolog (see `Job::from_step`).
     #[serde(default)]
     pub from_step: bool,
+    /// `$SLUICE_CKPT_DIR` is on the RAM tier (`--ckpt-tier=ram`, and a share was free).
+    #[serde(default)]
+    pub ram: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,6 +57,10 @@ pub struct CkptRecord {
     pub committed_at: u64,
     pub archived_at: Option<u64>,
     pub on_hot: bool,
+    /// Its copy on the RAM tier is still there (`--ckpt-tier=ram`); with `on_hot` false it is
+    /// not flushed yet.
+    #[serde(default)]
+    pub in_ram: bool,
 }
 
 /// Removes `path` durably (the directory entry removal is fsynced).
@@ -155,6 +162,7 @@ mod tests {
         JobRecord {
             step_stage_in: Vec::new(),
             from_step: false,
+            ram: false,
             version: RECORD_VERSION,
             start: JobStart {
                 job_id,

@@ -327,6 +327,8 @@ fn setup_code(e: &SetupError) -> (&'static str, &'static str) {
         SetupError::Options(_) => ("setup", "options"),
         SetupError::Policy(_) => ("setup", "policy"),
         SetupError::SharedTier => ("setup", "shared_tier"),
+        SetupError::RamTier => ("setup", "ram_tier"),
+        SetupError::RamDir { .. } => ("setup", "ram_dir"),
         SetupError::NotInJob { .. } => ("setup", "not_in_job"),
         SetupError::JobDir { .. } => ("setup", "job_dir"),
         SetupError::Stage { source, .. } => ("stage", stage_code(source)),

@@ -1051,3 +1051,144 @@ root_test! {
         t.stop().await;
     }
 }
+
+/// An agent with a RAM tier of `share` bytes per job (a tmpfs the agent mounts for each job).
+async fn ram_agent(share: &str) -> (TestAgent, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let ram = tmp.path().join("ram");
+    let fast = format!(
+        "\n[fast_tier]\nroot = '{}/%n'\ncapacity = '64MiB'\njob_share = '{share}'\nflush_block = '1MiB'\n",
+        ram.display()
+    );
+    (start_with(tmp, "", &fast).await, ram.join("n1"))
+}
+
+fn ckpt_status(list: &[sluice_proto::msg::CkptStatus], tag: &str) -> sluice_proto::msg::CkptStatus {
+    list.iter()
+        .find(|c| c.tag == tag)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {tag} in {list:?}"))
+}
+
+root_test! {
+    /// Issue 13: `--ckpt-tier=ram` puts `$SLUICE_CKPT_DIR` on a tmpfs of the job's share; each
+    /// committed checkpoint is flushed to the NVMe hot tier (byte-identical), archived from there,
+    /// and its RAM copy freed once a newer one is safe; a save past the share fails in the writer
+    /// with ENOSPC and costs the committed checkpoints nothing; the job's end flushes what is only
+    /// in RAM before the tmpfs goes.
+    async fn a_ram_tier_checkpoint_is_flushed_to_nvme_archived_and_freed() {
+        use sluice_proto::msg::CkptState;
+        let (t, ram) = ram_agent("16MiB").await;
+        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        t.job(ckpt_job(81, &url, &[("ckpt-tier", "ram")])).await;
+        let dirs = t.ready(81).await;
+        let ckpt = PathBuf::from(&dirs.ckpt_dir);
+        assert_eq!(ckpt, ram.join("jobs/81/ckpt"), "$SLUICE_CKPT_DIR is not on the RAM tier");
+        let fs = nix::sys::statfs::statfs(&ckpt).unwrap();
+        assert_eq!(fs.filesystem_type(), nix::sys::statfs::TMPFS_MAGIC);
+        assert_eq!(std::fs::metadata(&ckpt).unwrap().uid(), NOBODY);
+        write_ckpt(&ckpt, "s1", 3, false);
+        t.commit(81, "s1").await;
+        let s1 = wait_for_state(&t, 81, "s1", CkptState::Archived).await;
+        assert!(s1.on_hot_tier && s1.in_ram, "{s1:?}");
+        let nvme = t.hot.join("jobs/81/ckpt");
+        for f in ["shards/rank0.bin", "optim.pt"] {
+            assert_eq!(
+                std::fs::read(nvme.join("s1").join(f)).unwrap(),
+                std::fs::read(ckpt.join("s1").join(f)).unwrap(),
+                "{f} on the hot tier differs from the RAM copy"
+            );
+        }
+        assert_eq!(std::fs::metadata(nvme.join("s1/optim.pt")).unwrap().uid(), NOBODY);
+        // A newer checkpoint: once it is safe, s1 leaves RAM (it stays on NVMe and in the archive).
+        write_ckpt(&ckpt, "s2", 4, false);
+        t.commit(81, "s2").await;
+        wait_for_state(&t, 81, "s2", CkptState::Archived).await;
+        wait_gone(&ckpt.join("s1"), "the flushed s1 in RAM").await;
+        let Response::Ckpts { ckpts } = t.call(Request::CkptList { job_id: 81 }).await.unwrap() else {
+            panic!()
+        };
+        let (s1, s2) = (ckpt_status(&ckpts, "s1"), ckpt_status(&ckpts, "s2"));
+        assert!(!s1.in_ram && s1.on_hot_tier, "{s1:?}");
+        assert!(s2.in_ram && s2.on_hot_tier, "{s2:?}");
+        // Past the share, the writer sees ENOSPC — the node's memory is not at stake.
+        let e = std::fs::write(ckpt.join("too-big"), vec![1u8; 16 << 20]).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(nix::libc::ENOSPC), "{e}");
+        std::fs::remove_file(ckpt.join("too-big")).unwrap();
+        // s3, committed just before the job ends, is only in RAM: the end flushes it first.
+        write_ckpt(&ckpt, "s3", 5, false);
+        t.commit(81, "s3").await;
+        t.call(Request::JobEnd { job_id: 81 }).await.unwrap();
+        wait_gone(&ram.join("jobs/81"), "the job's RAM tier after its end").await;
+        assert!(nvme.join("s3/shards/rank0.bin").exists(), "s3 was lost with the RAM tier");
+        assert!(t.data.parent().unwrap().join("archive/s3/MANIFEST").exists());
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 13: a RAM-tier job whose agent stops before its checkpoint is flushed loses nothing:
+    /// the tmpfs outlives the agent, and the next agent flushes and archives the checkpoint; a
+    /// flush cut short (`.flush-TAG` on the hot tier) is never taken for the checkpoint.
+    async fn an_agent_restart_before_the_flush_loses_nothing() {
+        use sluice_proto::msg::CkptState;
+        let (t, ram) = ram_agent("16MiB").await;
+        let (archive, nvme) = (
+            t.data.parent().unwrap().join("archive"),
+            t.hot.join("jobs/82/ckpt"),
+        );
+        // No archive yet (its directory is another user's): the agent keeps retrying.
+        std::fs::create_dir_all(&archive).unwrap();
+        std::os::unix::fs::chown(&archive, Some(NOBODY), Some(NOBODY)).unwrap();
+        let url = format!("file://{}", archive.display());
+        t.job(ckpt_job(82, &url, &[("ckpt-tier", "ram")])).await;
+        let ckpt = PathBuf::from(t.ready(82).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 7, false);
+        let tmp = t.stop().await;
+        // What a kill mid-flush leaves: a partial copy under the flush's name, and the commit in
+        // the journal (here the commit reaches the journal through a second agent, stopped at once).
+        std::fs::create_dir_all(nvme.join(".flush-s1/shards")).unwrap();
+        std::fs::write(nvme.join(".flush-s1/shards/rank0.bin"), b"torn").unwrap();
+        let t = start_with(tmp, "", &format!(
+            "\n[fast_tier]\nroot = '{}/%n'\ncapacity = '64MiB'\njob_share = '16MiB'\n",
+            ram.parent().unwrap().display()
+        )).await;
+        t.commit(82, "s1").await;
+        std::os::unix::fs::chown(&archive, Some(0), Some(0)).unwrap();
+        let s1 = wait_for_state(&t, 82, "s1", CkptState::Archived).await;
+        assert!(s1.on_hot_tier, "{s1:?}");
+        assert!(!nvme.join(".flush-s1").exists(), "the torn flush is still there");
+        assert_eq!(
+            std::fs::read(nvme.join("s1/shards/rank0.bin")).unwrap(),
+            std::fs::read(ckpt.join("s1/shards/rank0.bin")).unwrap()
+        );
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 13: `--ckpt-tier=ram` on a node without `[fast_tier]` fails the job with what to do;
+    /// with the node's RAM tier full, a job gets the hot tier and a note saying so.
+    async fn without_room_on_the_ram_tier_a_job_is_told() {
+        let t = root_agent().await;
+        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        t.job(ckpt_job(83, &url, &[("ckpt-tier", "ram")])).await;
+        let e = t
+            .refused(Request::WaitStaged { job_id: 83, timeout_ms: 20_000, step: None })
+            .await;
+        assert!(e.message.contains("no RAM tier is configured") && e.message.contains("--ckpt-tier=local"), "{e:?}");
+        t.stop().await;
+        // Capacity 64 MiB, shares of 32 MiB: the third job finds none free.
+        let (t, ram) = ram_agent("32MiB").await;
+        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        for id in [84, 85] {
+            t.job(ckpt_job(id, &url, &[("ckpt-tier", "ram")])).await;
+            assert!(t.ready(id).await.ckpt_dir.starts_with(ram.to_str().unwrap()));
+        }
+        t.job(ckpt_job(86, &url, &[("ckpt-tier", "ram")])).await;
+        let dirs = t.ready(86).await;
+        assert_eq!(PathBuf::from(&dirs.ckpt_dir), t.hot.join("jobs/86/ckpt"));
+        assert_note(&dirs, |n| n.contains("RAM tier of node n1 is full") && n.contains("NVMe hot tier"));
+        t.stop().await;
+    }
+}

@@ -132,6 +132,7 @@ fn ckpt(tag: &str, state: CkptState, minutes: u64) -> CkptStatus {
         tag: tag.into(),
         state,
         on_hot_tier: true,
+        in_ram: false,
         archive_url: CKPT_URL.into(),
         files: 0,
         raw_bytes: 0,

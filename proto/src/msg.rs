@@ -323,6 +323,10 @@ pub struct CkptStatus {
     pub state: CkptState,
     /// Still on this node's hot tier (retention has not trimmed it).
     pub on_hot_tier: bool,
+    /// On the RAM tier (`--ckpt-tier=ram`): with `on_hot_tier` false, not flushed to the hot
+    /// tier yet (the job's end waits for it).
+    #[serde(default)]
+    pub in_ram: bool,
     pub archive_url: String,
     pub files: u64,
     pub raw_bytes: u64,

@@ -156,6 +156,7 @@ mod tests {
             tag: tag.into(),
             state,
             on_hot_tier: true,
+            in_ram: false,
             archive_url: "s3://ckpt/alice/train".into(),
             files: 2,
             raw_bytes: 3 << 30,

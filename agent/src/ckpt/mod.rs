@@ -47,6 +47,8 @@ pub struct CkptEntry {
     archived_at: Mutex<Option<u64>>,
     error: Mutex<Option<String>>,
     on_hot: AtomicBool,
+    /// Its copy on the RAM tier is there (`--ckpt-tier=ram`).
+    in_ram: AtomicBool,
     /// Bumped by every (re-)commit: an archive attempt of an older generation is discarded.
     generation: AtomicU64,
     files: AtomicU64,
@@ -69,6 +71,7 @@ impl CkptEntry {
             archived_at: Mutex::new(None),
             error: Mutex::new(None),
             on_hot: AtomicBool::new(true),
+            in_ram: AtomicBool::new(false),
             generation: AtomicU64::new(1),
             files: AtomicU64::new(0),
             raw_bytes: AtomicU64::new(0),
@@ -180,12 +183,38 @@ impl CkptEntry {
         self.on_hot.store(v, Ordering::Relaxed);
     }
 
-    /// Needs (another) upload attempt from this node.
+    pub fn in_ram(&self) -> bool {
+        self.in_ram.load(Ordering::Relaxed)
+    }
+
+    pub fn set_in_ram(&self, v: bool) {
+        self.in_ram.store(v, Ordering::Relaxed);
+    }
+
+    /// Its flush from the RAM tier is durable and verified: on the hot tier, to be archived.
+    pub fn set_flushed(&self) {
+        self.on_hot.store(true, Ordering::Relaxed);
+        self.failures.store(0, Ordering::Relaxed);
+        *lock(&self.state) = CkptState::Committed;
+        *lock(&self.error) = None;
+    }
+
+    /// Committed on the RAM tier and not yet flushed to the hot tier.
+    pub fn needs_flush(&self) -> bool {
+        self.in_ram()
+            && !self.on_hot()
+            && !self.is_refused()
+            && (matches!(self.state(), CkptState::Committed | CkptState::Retrying)
+                || self.retries_modified())
+    }
+
+    /// Needs (another) upload attempt from this node (from the hot tier: flushed first).
     pub fn needs_upload(&self) -> bool {
-        matches!(
-            self.state(),
-            CkptState::Committed | CkptState::Archiving | CkptState::Retrying
-        )
+        self.on_hot()
+            && matches!(
+                self.state(),
+                CkptState::Committed | CkptState::Archiving | CkptState::Retrying
+            )
     }
 
     pub fn status(&self, archive_url: &str) -> CkptStatus {
@@ -193,6 +222,7 @@ impl CkptEntry {
             tag: self.tag.clone(),
             state: self.state(),
             on_hot_tier: self.on_hot(),
+            in_ram: self.in_ram(),
             archive_url: archive_url.to_string(),
             files: self.files.load(Ordering::Relaxed),
             raw_bytes: self.raw_bytes.load(Ordering::Relaxed),

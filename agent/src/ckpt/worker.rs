@@ -7,7 +7,9 @@ use crate::agent::Agent;
 use crate::backoff::{Backoff, Schedule};
 use crate::job::Job;
 use crate::worker::{StatusCell, Worker};
+use sluice_archive::flush::{FlushError, Flushed};
 use sluice_archive::rt::{blocking, now_secs};
+use sluice_archive::safefs::{self, Owner};
 use sluice_archive::store::StoreErrorKind;
 use sluice_archive::{
     self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Manifest, Publish,
@@ -36,18 +38,25 @@ pub(crate) async fn commit(
     job: &Arc<Job>,
     tag: &str,
 ) -> Result<CommitOutcome, CommitError> {
-    let (hot, id, uid, t) = (
-        agent.hot.clone(),
+    let (dirs, id, uid, t) = (
+        agent.ckpt_dirs(job),
         job.start.job_id,
         job.start.uid,
         tag.to_string(),
     );
     blocking(move || {
-        let dir = hot.open_ckpt(id).map_err(CommitError::NoCkptDir)?;
+        let dir = dirs.user().map_err(CommitError::NoCkptDir)?;
         check_commit_dir(&dir, &t, uid)
     })
     .await?;
     let outcome = job.ckpts.commit(tag, now_secs())?;
+    if job.is_ram() && outcome != CommitOutcome::AlreadyPending {
+        // On the RAM tier only, until the worker has flushed it to the hot tier.
+        if let Some(entry) = job.ckpts.get(tag) {
+            entry.set_in_ram(true);
+            entry.set_on_hot(false);
+        }
+    }
     if outcome != CommitOutcome::AlreadyPending {
         tracing::info!(job_id = id, tag, ?outcome, "checkpoint committed");
         agent.persist(job).await;
@@ -189,6 +198,10 @@ impl CkptWorker {
             }
             status.set("scanning");
             self.adopt_framework_signals().await;
+            if self.job.is_ram() {
+                status.set("flushing");
+                self.flush_pending().await;
+            }
             if let Some(url) = self.job.archive_url().map(String::from) {
                 if let Some(archiver) = self.archiver(&url) {
                     status.set("archiving");
@@ -234,9 +247,9 @@ impl CkptWorker {
         if job.has_ended() || job.state() != sluice_proto::msg::JobState::Ready {
             return;
         }
-        let (hot, id, uid) = (self.agent.hot.clone(), job.start.job_id, job.start.uid);
+        let (dirs, uid) = (self.agent.ckpt_dirs(job), job.start.uid);
         let tags = blocking(move || {
-            hot.open_ckpt(id)
+            dirs.user()
                 .map(|d| scan_signals(&d, uid))
                 .unwrap_or_default()
         })
@@ -311,6 +324,10 @@ impl CkptWorker {
     /// archive) before they are deleted.
     async fn wind_down(&mut self) -> bool {
         let job = self.job.clone();
+        // A checkpoint only in RAM is flushed first, archive or not: the tmpfs goes with the job.
+        if job.ckpts.entries().iter().any(|e| e.needs_flush()) {
+            return false;
+        }
         let has_archive = job.archive_url().is_some();
         if has_archive && job.ckpts.pending() {
             return false;
@@ -593,14 +610,14 @@ impl CkptWorker {
             if job.ckpts.get(&tag).is_some() || self.answered_empty.contains(&tag) {
                 continue;
             }
-            let (hot, id, uid, t) = (
-                self.agent.hot.clone(),
+            let (dirs, id, uid, t) = (
+                self.agent.ckpt_dirs(&job),
                 job.start.job_id,
                 job.start.uid,
                 tag.clone(),
             );
             let here = blocking(move || {
-                hot.open_ckpt(id)
+                dirs.user()
                     .map_err(CommitError::NoCkptDir)
                     .and_then(|d| check_commit_dir(&d, &t, uid))
             })
@@ -630,9 +647,123 @@ impl CkptWorker {
         }
     }
 
+    /// `--ckpt-tier=ram`: copies each committed checkpoint that is only in RAM to the hot tier
+    /// (durable and verified: [`sluice_archive::flush`]), where it is archived from; then frees the
+    /// RAM copies of the flushed ones but the newest (kept for a fast restore on this node).
+    async fn flush_pending(&mut self) {
+        let job = self.job.clone();
+        let block = self
+            .agent
+            .cfg
+            .fast_tier
+            .as_ref()
+            .map_or(8 << 20, |f| f.flush_block) as usize;
+        let owner = Owner {
+            uid: job.start.uid,
+            gid: job.start.gid,
+        };
+        for entry in job.ckpts.entries() {
+            if !entry.needs_flush() || !self.retries.ready(entry.tag.as_str(), Instant::now()) {
+                continue;
+            }
+            let generation = entry.generation();
+            let (dirs, tag) = (self.agent.ckpt_dirs(&job), entry.tag.clone());
+            let started = Instant::now();
+            let result = blocking(move || flush_one(&dirs, &tag, owner, block)).await;
+            if entry.generation() != generation {
+                continue; // committed again meanwhile: flushed again at the next turn
+            }
+            let id = job.start.job_id;
+            match result {
+                Ok(done) => {
+                    entry.set_flushed();
+                    tracing::info!(
+                        job_id = id,
+                        tag = entry.tag,
+                        files = done.files,
+                        bytes = done.bytes,
+                        direct = done.direct,
+                        secs = started.elapsed().as_secs_f64(),
+                        "checkpoint flushed from the RAM tier to the hot tier"
+                    );
+                    self.agent.persist(&job).await;
+                }
+                Err(e @ FlushError::Refused(_)) => {
+                    tracing::warn!(job_id = id, tag = entry.tag, "not flushed: {e}");
+                    entry.refuse(format!(
+                        "{e}; it was not flushed from the RAM tier and goes with the job: fix the checkpoint and commit it again"
+                    ));
+                }
+                Err(e @ FlushError::Modified { .. }) => {
+                    tracing::warn!(job_id = id, tag = entry.tag, "{e}");
+                    entry.note_failure();
+                    entry.set_error(
+                        CkptState::Modified,
+                        format!("{e}; sluice retries a few times, then waits for the next commit of this tag"),
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(job_id = id, tag = entry.tag, "flush attempt failed: {e}");
+                    entry.note_failure();
+                    let message = if crate::stage::is_no_space(e.errno()) {
+                        format!(
+                            "the hot tier is full, so the checkpoint stays in RAM and its flush is retried ({e})"
+                        )
+                    } else {
+                        format!("flushing it from the RAM tier failed, retrying: {e}")
+                    };
+                    entry.set_error(CkptState::Retrying, message);
+                }
+            }
+            self.retries
+                .update(entry.tag.clone(), entry.failures(), Instant::now());
+        }
+        self.free_ram().await;
+    }
+
+    /// Removes from the RAM tier the checkpoints that are safe on the hot tier, but the newest.
+    async fn free_ram(&self) {
+        let job = &self.job;
+        let entries = job.ckpts.entries();
+        let Some(newest) = entries.last().map(|e| e.tag.clone()) else {
+            return;
+        };
+        let victims: Vec<Arc<CkptEntry>> = entries
+            .into_iter()
+            .filter(|e| e.in_ram() && e.on_hot() && e.tag != newest)
+            .collect();
+        if victims.is_empty() {
+            return;
+        }
+        let (dirs, tags) = (
+            self.agent.ckpt_dirs(job),
+            victims.iter().map(|e| e.tag.clone()).collect::<Vec<_>>(),
+        );
+        let removed = blocking(move || {
+            let ram = dirs.user()?;
+            Ok::<_, sluice_archive::safefs::SafeFsError>(
+                tags.iter()
+                    .map(|t| sluice_archive::safefs::remove_tree(&ram, t).is_ok())
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .await;
+        match removed {
+            Ok(removed) => {
+                for (e, ok) in victims.iter().zip(removed) {
+                    if ok {
+                        e.set_in_ram(false);
+                    }
+                }
+                self.agent.persist(job).await;
+            }
+            Err(e) => tracing::warn!(job_id = job.start.job_id, "freeing the RAM tier: {e}"),
+        }
+    }
+
     /// Whether the job's checkpoint directory holds directories that are not committed checkpoints.
     async fn has_uncommitted_dirs(&self) -> bool {
-        let (hot, id) = (self.agent.hot.clone(), self.job.start.job_id);
+        let dirs = self.agent.ckpt_dirs(&self.job);
         let committed: Vec<String> = self
             .job
             .ckpts
@@ -641,7 +772,9 @@ impl CkptWorker {
             .map(|e| e.tag.clone())
             .collect();
         blocking(move || {
-            hot.ckpt_subdirs(id)
+            dirs.user()
+                .map(crate::hot_tier::subdirs)
+                .unwrap_or_default()
                 .iter()
                 .any(|name| !committed.contains(name))
         })
@@ -682,6 +815,18 @@ impl CkptWorker {
         if let Err(e) = removed {
             tracing::error!(job_id = id, "cleaning up after the job: {e}");
         }
+        // Every committed checkpoint of the RAM tier is on the hot tier now (wind_down waited).
+        if let Some(ram) = self
+            .agent
+            .ckpt_dirs(job)
+            .ram()
+            .map(|_| self.agent.ram.clone())
+        {
+            let ram = ram.expect("a RAM job has the tier");
+            if let Err(e) = blocking(move || ram.remove(id)).await {
+                tracing::error!(job_id = id, "removing the job's RAM tier: {e}");
+            }
+        }
         if keep_any {
             self.agent.persist(job).await;
         } else if !self.agent.replaced(job) {
@@ -694,4 +839,51 @@ impl CkptWorker {
             "job finished on this node"
         );
     }
+}
+
+/// Flushes `$SLUICE_CKPT_DIR/TAG` from the RAM tier to the hot tier's `ckpt/TAG` (blocking): into
+/// `.flush-TAG` first, renamed into place once every file is durable and verified, so a flush cut
+/// short (the agent killed) never looks like a checkpoint and is simply done again.
+fn flush_one(
+    dirs: &crate::agent::CkptDirs,
+    tag: &str,
+    owner: Owner,
+    block: usize,
+) -> Result<Flushed, FlushError> {
+    let io = |what: &str| {
+        let path = what.to_string();
+        move |e: safefs::SafeFsError| FlushError::Io {
+            path,
+            source: e.errno().map_or_else(
+                || std::io::Error::other(e.to_string()),
+                std::io::Error::from,
+            ),
+        }
+    };
+    let ram = dirs.user().map_err(io("$SLUICE_CKPT_DIR"))?;
+    let src = safefs::open_dir(&ram, tag).map_err(io(tag))?;
+    let hot = dirs
+        .hot()
+        .map_err(io("the hot tier's checkpoint directory"))?;
+    let tmp = format!(".flush-{tag}");
+    safefs::remove_tree(&hot, &tmp).map_err(io(&tmp))?;
+    let dst = safefs::create_dir(&hot, &tmp, Some(owner), 0o755).map_err(io(&tmp))?;
+    let done = sluice_archive::flush::flush_tree(&src, owner.uid, &dst, owner, block)?;
+    // An earlier flush of the tag (committed again since): replaced by this one.
+    safefs::remove_tree(&hot, tag).map_err(io(tag))?;
+    nix::fcntl::renameat(&hot, tmp.as_str(), &hot, tag).map_err(|e| {
+        io(tag)(safefs::SafeFsError::Sys {
+            op: "rename",
+            path: tag.into(),
+            errno: e,
+        })
+    })?;
+    nix::unistd::fsync(&hot).map_err(|e| {
+        io(tag)(safefs::SafeFsError::Sys {
+            op: "fsync",
+            path: tag.into(),
+            errno: e,
+        })
+    })?;
+    Ok(done)
 }

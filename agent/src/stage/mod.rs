@@ -300,7 +300,7 @@ pub async fn warm(
     }
 }
 
-fn is_no_space(errno: Option<i32>) -> bool {
+pub(crate) fn is_no_space(errno: Option<i32>) -> bool {
     errno == Some(nix::errno::Errno::ENOSPC as i32)
         || errno == Some(nix::errno::Errno::EDQUOT as i32)
 }

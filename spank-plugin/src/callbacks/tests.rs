@@ -1125,6 +1125,7 @@ fn ckpt(tag: &str, state: sluice_proto::msg::CkptState) -> sluice_proto::msg::Ck
         tag: tag.into(),
         state,
         on_hot_tier: true,
+        in_ram: false,
         archive_url: "s3://ckpt/alice".into(),
         files: 1,
         raw_bytes: 2048,
