@@ -1,1 +1,152 @@
-//! End-to-end tests live in `tests/tests/`; this crate only hosts them.
+//! End-to-end tests live in `tests/tests/`; this crate hosts them, and holds what several test files
+//! share that needs nothing of the cluster's description: the byte-counting relay in front of an
+//! origin (see [`relay`]).
+
+pub mod relay {
+    //! A TCP relay in front of an object store (Garage), on the port the agents' `s3://datasets-relayed`
+    //! store profile points at: it counts the bytes the store sends back (object bodies, listings,
+    //! headers), which is what the origin served, counted on the origin's side rather than by the
+    //! agents. It can pace the origin: all its connections together then carry at most a set number
+    //! of bytes a second, so a transfer lasts long enough for a test to act while it runs. It stops,
+    //! cutting its connections, when dropped.
+
+    use std::io::{self, Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::thread::JoinHandle;
+    use std::time::{Duration, Instant};
+
+    pub struct CountingRelay {
+        served: Arc<AtomicU64>,
+        pace: Arc<Pace>,
+        stop: Arc<AtomicBool>,
+        conns: Arc<Mutex<Vec<TcpStream>>>,
+        port: u16,
+        accept: Option<JoinHandle<()>>,
+    }
+
+    impl CountingRelay {
+        /// Listens on `127.0.0.1:port` and relays every connection to `upstream` (`host:port`).
+        pub fn start(port: u16, upstream: &str) -> io::Result<CountingRelay> {
+            let listener = TcpListener::bind(("127.0.0.1", port))?;
+            let port = listener.local_addr()?.port();
+            let upstream = upstream.to_string();
+            let served = Arc::new(AtomicU64::new(0));
+            let pace = Arc::new(Pace::default());
+            let stop = Arc::new(AtomicBool::new(false));
+            let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+            let (s, p, st, c) = (served.clone(), pace.clone(), stop.clone(), conns.clone());
+            let accept = std::thread::spawn(move || {
+                for client in listener.incoming() {
+                    if st.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(client) = client else { continue };
+                    let Ok(server) = TcpStream::connect(&upstream) else {
+                        continue;
+                    };
+                    let (Ok(c1), Ok(s1), Ok(c2), Ok(s2)) = (
+                        client.try_clone(),
+                        server.try_clone(),
+                        client.try_clone(),
+                        server.try_clone(),
+                    ) else {
+                        continue;
+                    };
+                    c.lock().unwrap().extend([c1, s1]);
+                    std::thread::spawn(move || pipe(c2, s2, None, None));
+                    let (s, p) = (s.clone(), p.clone());
+                    std::thread::spawn(move || pipe(server, client, Some(&s), Some(&p)));
+                }
+            });
+            Ok(CountingRelay {
+                served,
+                pace,
+                stop,
+                conns,
+                port,
+                accept: Some(accept),
+            })
+        }
+
+        /// Bytes the upstream sent back since the relay started.
+        pub fn served(&self) -> u64 {
+            self.served.load(Ordering::SeqCst)
+        }
+
+        /// At most `bytes_per_sec` from the upstream, over all connections together (0: unpaced).
+        pub fn set_pace(&self, bytes_per_sec: u64) {
+            self.pace.rate.store(bytes_per_sec, Ordering::SeqCst);
+            *self.pace.next.lock().unwrap() = None;
+        }
+
+        pub fn port(&self) -> u16 {
+            self.port
+        }
+    }
+
+    impl Drop for CountingRelay {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::SeqCst);
+            for c in self.conns.lock().unwrap().drain(..) {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+            // Wake the accept loop so it sees the flag.
+            let _ = TcpStream::connect(("127.0.0.1", self.port));
+            if let Some(t) = self.accept.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    /// The relay's one bandwidth limit: each chunk relayed back waits for its slot in one timeline.
+    #[derive(Default)]
+    struct Pace {
+        rate: AtomicU64,
+        next: Mutex<Option<Instant>>,
+    }
+
+    impl Pace {
+        fn wait(&self, n: usize) {
+            let rate = self.rate.load(Ordering::SeqCst);
+            if rate == 0 {
+                return;
+            }
+            let until = {
+                let mut next = self.next.lock().unwrap();
+                let start = next.map_or_else(Instant::now, |t| t.max(Instant::now()));
+                let end = start + Duration::from_secs_f64(n as f64 / rate as f64);
+                *next = Some(end);
+                end
+            };
+            std::thread::sleep(until.saturating_duration_since(Instant::now()));
+        }
+    }
+
+    /// Copies `from` to `to` until either side closes, counting into `count`, paced by `pace`.
+    fn pipe(
+        mut from: TcpStream,
+        mut to: TcpStream,
+        count: Option<&AtomicU64>,
+        pace: Option<&Pace>,
+    ) {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if let Some(c) = count {
+                c.fetch_add(n as u64, Ordering::SeqCst);
+            }
+            if let Some(p) = pace {
+                p.wait(n);
+            }
+            if to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Write);
+    }
+}
