@@ -320,7 +320,7 @@ impl Driver {
         // SAFETY: the probe loaded and opened this library in a child process; loading it here
         // runs the same initialisers.
         let library = unsafe { Library::new(lib) }.map_err(|e| format!("load {lib}: {e}"))?;
-        // SAFETY (all four): the types are those of cufile.h's declarations; the function
+        // SAFETY: for all four, the types are those of cufile.h's declarations; the function
         // pointers are copied out while `library` is alive and `Driver` keeps it loaded for as
         // long as they can be called (a `'static` value).
         let (open, register, deregister, write) = unsafe {
