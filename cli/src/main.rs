@@ -1,7 +1,8 @@
 //! `sluice`: the command line for users (how is my job's staging going? commit my checkpoint) and
-//! admins (what is this node's agent doing? what is in this archive?). It talks to the node's agent
-//! over its Unix socket through the blocking client of `sluice-proto`; the agent decides what the
-//! caller may see from the socket's peer credentials, so the CLI needs no privileges of its own.
+//! admins (what is this node's agent doing? what is in this archive, or in this node's cache?). It
+//! talks to the node's agent over its Unix socket through the blocking client of `sluice-proto`;
+//! the agent decides what the caller may see from the socket's peer credentials, so the CLI needs
+//! no privileges of its own.
 //! `sluice ckpt list|verify|restore URL` open archives directly with the agent's archive engine,
 //! with the caller's own access to the store (and to the agent's configuration); a user who may
 //! not read that configuration is served by the node's agent instead, which shows them only their
