@@ -170,7 +170,17 @@ pub fn job_ckpts() -> Vec<CkptStatus> {
             ),
             ..ckpt("step400", CkptState::Retrying, 40)
         },
-        ckpt("step500", CkptState::Archiving, 50),
+        // A --ckpt-tier=ram job's: flushed and being archived (its RAM copy is the newest's), and
+        // committed in RAM, not flushed yet.
+        CkptStatus {
+            in_ram: true,
+            ..ckpt("step500", CkptState::Archiving, 50)
+        },
+        CkptStatus {
+            in_ram: true,
+            on_hot_tier: false,
+            ..ckpt("step600", CkptState::Committed, 60)
+        },
     ]
 }
 

@@ -389,6 +389,17 @@ fn ckpt_size_known(c: &CkptStatus) -> bool {
         || c.stored_bytes > 0
 }
 
+/// Where this node holds a checkpoint: `ram` (the RAM tier; alone: not flushed yet), `nvme` (the
+/// hot tier), both, or `-` (only in the archive, if STATE says archived).
+fn location(c: &CkptStatus) -> &'static str {
+    match (c.in_ram, c.on_hot_tier) {
+        (true, true) => "ram+nvme",
+        (true, false) => "ram",
+        (false, true) => "nvme",
+        (false, false) => "-",
+    }
+}
+
 /// `sluice ckpt list` in a job: the job's checkpoints on this node, oldest commit first as the
 /// agent sends them.
 pub fn job_ckpts(job_id: JobId, ckpts: &[CkptStatus]) -> String {
@@ -414,7 +425,7 @@ pub fn job_ckpts(job_id: JobId, ckpts: &[CkptStatus]) -> String {
             vec![
                 clean(&c.tag),
                 c.state.as_str().to_string(),
-                if c.on_hot_tier { "yes" } else { "no" }.to_string(),
+                location(c).to_string(),
                 size(c.raw_bytes),
                 size(c.stored_bytes),
                 ratio(ratio_of(c.raw_bytes, c.stored_bytes).filter(|_| known)),
@@ -429,7 +440,7 @@ pub fn job_ckpts(job_id: JobId, ckpts: &[CkptStatus]) -> String {
         &[
             "TAG",
             "STATE",
-            "HOT",
+            "WHERE",
             "SIZE",
             "STORED",
             "RATIO",
@@ -1057,12 +1068,13 @@ datasets (2)
         let want = "\
 job 4242 on this node; archive s3://ckpt/alice/train
 
-TAG      STATE              HOT  SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR
-step100  archived           no   3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:10:00Z  2026-05-01T10:11:10Z  -
-step200  archived           yes  3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:20:00Z  2026-05-01T10:21:10Z  -
-step300  waiting-for-nodes  yes  1.5 GiB  1.0 GiB  1.46x  2026-05-01T10:30:00Z  -                     -
-step400  retrying           yes  -        -        -      2026-05-01T10:40:00Z  -                     s3://ckpt/alice/train: put 'alice/train/step400/data/model.bin': connection refused
-step500  archiving          yes  -        -        -      2026-05-01T10:50:00Z  -                     -
+TAG      STATE              WHERE     SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR
+step100  archived           -         3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:10:00Z  2026-05-01T10:11:10Z  -
+step200  archived           nvme      3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:20:00Z  2026-05-01T10:21:10Z  -
+step300  waiting-for-nodes  nvme      1.5 GiB  1.0 GiB  1.46x  2026-05-01T10:30:00Z  -                     -
+step400  retrying           nvme      -        -        -      2026-05-01T10:40:00Z  -                     s3://ckpt/alice/train: put 'alice/train/step400/data/model.bin': connection refused
+step500  archiving          ram+nvme  -        -        -      2026-05-01T10:50:00Z  -                     -
+step600  committed          ram       -        -        -      2026-05-01T11:00:00Z  -                     -
 ";
         assert_eq!(job_ckpts(fixtures::CKPT_JOB, &fixtures::job_ckpts()), want);
     }
@@ -1083,7 +1095,7 @@ step500  archiving          yes  -        -        -      2026-05-01T10:50:00Z  
         let text = job_ckpts(7, &c);
         assert!(text.starts_with("job 7 on this node\n\nTAG  "), "{text}");
         assert!(
-            text.contains("  archived  no   0 B   0 B     -      ")
+            text.contains("  archived  -      0 B   0 B     -      ")
                 && text.ends_with("  line break [31m\n"),
             "{text}"
         );

@@ -368,12 +368,12 @@ fn list_shows_the_jobs_checkpoints() {
     assert_eq!(request, Request::CkptList { job_id: 4242 });
     let stdout = succeeded(&out);
     assert!(
-        stdout.starts_with("job 4242 on this node; archive s3://ckpt/alice/train\n\nTAG      STATE              HOT  SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR\n"),
+        stdout.starts_with("job 4242 on this node; archive s3://ckpt/alice/train\n\nTAG      STATE              WHERE     SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR\n"),
         "{stdout}"
     );
     assert_has(
         &stdout,
-        "\nstep100  archived           no   3.0 GiB  2.0 GiB  1.46x  ",
+        "\nstep100  archived           -         3.0 GiB  2.0 GiB  1.46x  ",
     );
 }
 

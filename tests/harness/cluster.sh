@@ -425,6 +425,13 @@ EOF
 # that the three virtual nodes see, since they share this host. No stripe classes (not Lustre).
 [shared_tier]
 job_dir = "$SHARED_TIER_ROOT/sluice-%j"
+
+# The RAM tier for --ckpt-tier=ram: each such job gets its own tmpfs of job_share, mounted by its
+# node's agent (a real tmpfs, not a stand-in).
+[fast_tier]
+root = "$RAM_TIER_ROOT/%n"
+capacity = "2GiB"
+job_share = "768MiB"
 EOF
   } >"$AGENT_CONFIG.new"
   chmod 0600 "$AGENT_CONFIG.new"
@@ -443,6 +450,13 @@ prepare_node_dirs() {
   done
   mkdir -p /run/sluice "$SHARED_TIER_ROOT"
   chmod 0755 /run/sluice "$SHARED_TIER_ROOT"
+  # RAM-tier mounts an earlier cluster's agents left (jobs cut off by a teardown).
+  local m
+  while read -r m; do
+    [[ $m == "$RAM_TIER_ROOT"/* ]] && umount -l "$m"
+  done < <(findmnt -rn -o TARGET 2>/dev/null || true)
+  mkdir -p "$RAM_TIER_ROOT"
+  chmod 0755 "$RAM_TIER_ROOT"
 }
 
 start_agents() {

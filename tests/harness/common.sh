@@ -6,6 +6,7 @@ HARNESS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO_ROOT=$(cd "$HARNESS_DIR/../.." && pwd)
 
 TEST_ROOT=${SLUICE_TEST_ROOT:-/var/lib/sluice-test}   # hot tiers, agent state, Garage, Azurite, datasets
+RAM_TIER_ROOT=${SLUICE_RAM_TIER_ROOT:-/dev/shm/sluice-test}   # [fast_tier] root: the agents mount a tmpfs per job below it
 RUN_DIR=/run/sluice-test                              # pid files and the env file the tests read
 ENV_FILE=$RUN_DIR/env
 SLUICE_LOG_DIR=/var/log/sluice
