@@ -237,7 +237,8 @@ class Writer:
                 _fail(rc, f"close {self.path}")
 
     def abort(self):
-        w, self._w = self._w, None
+        """Abandons the file: nothing more is written, nothing fsynced."""
+        w, self._w = getattr(self, "_w", None), None
         if w:
             lib().sluice_writer_abort(w)
 

@@ -1,0 +1,301 @@
+//! The checkpoint writer for training code (issue 13 item 3) in real Slurm jobs: the `sluice_ckpt`
+//! Python package over `libsluice_writer.so`, with the harness's PyTorch, as the unprivileged test
+//! user.
+//!
+//! The first job (`--ckpt-archive`) trains a small model a few steps and saves model and
+//! optimizer with `dcp.save(state, storage_writer=sluice_ckpt.SluiceWriter("step-100"))`: the
+//! files go through the aligned writer into `$SLUICE_CKPT_DIR/step-100`, and the writer commits the
+//! tag with `sluice ckpt commit` when the save completes. The job then waits until `sluice ckpt
+//! list` shows the tag archived. The archive must hold its MANIFEST, naming every file the job
+//! wrote. The second job (`--ckpt-restore=latest`) loads it with `dcp.load` through
+//! `SluiceReader(SLUICE_RESTORED_TAG)` into a freshly initialised model and compares tensor by
+//! tensor with what the first job saved.
+//!
+//! The package and the library are copied from the build (`cargo build --workspace` built
+//! `target/debug/libsluice_writer.so`) into the work directory, where the test user can read them:
+//! the job finds them through `PYTHONPATH` and `SLUICE_WRITER_LIB`, as a checkout's user would.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(180);
+const ARCHIVE_TIMEOUT: Duration = Duration::from_secs(60);
+const TAG: &str = "step-100";
+
+/// The training script of both jobs: `train.py save|load WORK`.
+const TRAIN_PY: &str = r#"
+import hashlib, json, os, subprocess, sys, time
+import torch
+import torch.distributed.checkpoint as dcp
+import sluice_ckpt
+
+phase, work = sys.argv[1], sys.argv[2]
+ckpt = os.environ["SLUICE_CKPT_DIR"]
+report = {"phase": phase, "errors": [], "ckpt_dir_entries": sorted(os.listdir(ckpt))}
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 70), torch.nn.ReLU(), torch.nn.Linear(70, 9))
+    model.register_buffer("ema_bf16", torch.randn(333, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+def train(model, opt, steps):
+    for _ in range(steps):
+        model(torch.randn(16, 40)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+def flat(model, opt):
+    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"optim/{pid}/{k}"] = v.detach().clone() if torch.is_tensor(v) else v
+    return out
+
+def files(tag):
+    root = os.path.join(ckpt, tag)
+    return {n: hashlib.sha256(open(os.path.join(root, n), "rb").read()).hexdigest()
+            for n in sorted(os.listdir(root))}
+
+try:
+    if phase == "save":
+        model, opt = build(0)
+        train(model, opt, 3)
+        torch.save(flat(model, opt), os.path.join(work, "expected.pt"))
+        w = sluice_ckpt.SluiceWriter("step-100")
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, storage_writer=w)
+        report["commit_output"] = w.commit_output
+        report["files"] = files("step-100")
+        probe = sluice_ckpt.probe_cufile()
+        report["cufile"] = probe[1]
+        # Keep "training" until this node's agent says the checkpoint is archived.
+        deadline = time.monotonic() + 90
+        while True:
+            p = subprocess.run([os.environ["SLUICE_CLI"], "ckpt", "list", "--json"],
+                               capture_output=True, text=True, timeout=60)
+            report["ckpt_list"] = p.stdout + p.stderr
+            states = {c["tag"]: c["state"] for c in json.loads(p.stdout).get("ckpts", [])}
+            if states.get("step-100") == "archived" or time.monotonic() > deadline:
+                report["state"] = states.get("step-100")
+                break
+            train(model, opt, 1)
+            time.sleep(0.5)
+        p = subprocess.run([os.environ["SLUICE_CLI"], "ckpt", "list"], capture_output=True, text=True, timeout=60)
+        report["ckpt_list_text"] = p.stdout + p.stderr
+    else:
+        tag = os.environ.get("SLUICE_RESTORED_TAG")
+        report["restored_tag"] = tag
+        model, opt = build(1)
+        train(model, opt, 1)  # Adam's state exists after a step; dcp.load fills it in place
+        want = torch.load(os.path.join(work, "expected.pt"), weights_only=False)
+        before = flat(model, opt)
+        if all(torch.equal(before[k], v) for k, v in want.items() if torch.is_tensor(v)):
+            raise RuntimeError("the fresh model already equals the saved one: the test would prove nothing")
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(state, storage_reader=sluice_ckpt.SluiceReader(tag))
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        got = flat(model, opt)
+        report["compared"] = 0
+        for k, v in sorted(want.items()):
+            g = got.get(k)
+            if torch.is_tensor(v):
+                report["compared"] += 1
+                if not (torch.is_tensor(g) and g.dtype == v.dtype and g.shape == v.shape and torch.equal(g, v)):
+                    report["errors"].append(f"{k} differs: saved {v.dtype}{tuple(v.shape)}, loaded {g if not torch.is_tensor(g) else (g.dtype, tuple(g.shape))}")
+            elif g != v:
+                report["errors"].append(f"{k} is {g!r}, saved {v!r}")
+        missing = sorted(set(want) - set(got))
+        if missing:
+            report["errors"].append(f"not loaded: {missing}")
+        report["files"] = files(tag)
+except Exception as e:
+    import traceback
+    traceback.print_exc()
+    report["errors"].append(f"{type(e).__name__}: {e}")
+with open(os.path.join(work, f"report-{phase}.json.tmp"), "w") as f:
+    json.dump(report, f, indent=1)
+os.replace(os.path.join(work, f"report-{phase}.json.tmp"), os.path.join(work, f"report-{phase}.json"))
+sys.exit(1 if report["errors"] else 0)
+"#;
+
+/// A file `cargo build --workspace` left beside the sluice CLI (target/debug).
+fn built(name: &str) -> PathBuf {
+    let dir = built_cli().parent().unwrap().to_path_buf();
+    let p = dir.join(name);
+    assert!(
+        p.is_file(),
+        "no {} (cargo build --workspace builds it; run-e2e.sh does)",
+        p.display()
+    );
+    p
+}
+
+/// The package and the library, copied into the work directory for the test user.
+fn install_package(work: &Path) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../python/sluice_ckpt")
+        .canonicalize()
+        .unwrap();
+    let pkg = work.join("py/sluice_ckpt");
+    fs::create_dir_all(&pkg).unwrap();
+    for e in fs::read_dir(&src).unwrap().flatten() {
+        if e.path().extension().is_some_and(|x| x == "py") {
+            fs::copy(e.path(), pkg.join(e.file_name())).unwrap();
+        }
+    }
+    let lib = work.join("lib");
+    fs::create_dir_all(&lib).unwrap();
+    for f in ["libsluice_writer.so", "sluice-cufile-probe"] {
+        fs::copy(built(f), lib.join(f)).unwrap();
+    }
+    fs::write(work.join("train.py"), TRAIN_PY).unwrap();
+}
+
+struct Run {
+    cluster: Cluster,
+    work: PathBuf,
+    python: PathBuf,
+    cli: PathBuf,
+    archive: Archive,
+}
+
+impl Run {
+    fn job(&self, phase: &str, restore: bool) -> (Job, Value) {
+        let w = self.work.display();
+        let script = format!(
+            "#!/bin/bash\nexport OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+             PYTHONPATH={w}/py SLUICE_WRITER_LIB={w}/lib/libsluice_writer.so SLUICE_CLI={cli}\n\
+             {py} {w}/train.py {phase} {w}\n",
+            cli = self.cli.display(),
+            py = self.python.display(),
+        );
+        let archive = format!("--ckpt-archive={}", self.archive.url);
+        let name = format!("--job-name=writer-{phase}");
+        let mut opts = vec!["-N1", archive.as_str(), name.as_str()];
+        if restore {
+            opts.push("--ckpt-restore=latest");
+        }
+        let job = self.cluster.submit(&self.work, &opts, &script);
+        let end = self.cluster.wait_end(&job, JOB_TIMEOUT);
+        let path = self.work.join(format!("report-{phase}.json"));
+        let report: Value = fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or(Value::Null);
+        assert!(
+            (end.state.as_str(), end.exit_code.as_str()) == ("COMPLETED", "0:0")
+                && report["errors"].as_array().is_some_and(|e| e.is_empty()),
+            "the {phase} job {} ended {} ({}); its report: {report:#}\n{}",
+            job.id,
+            end.state,
+            end.exit_code,
+            self.cluster.evidence(&job)
+        );
+        (job, report)
+    }
+}
+
+#[test]
+#[ignore = "needs the test cluster (tests/harness/run-e2e.sh)"]
+fn writer_dcp_save_through_sluice_writer_is_archived_and_restores_tensor_equal() {
+    let cluster = Cluster::for_sluice();
+    let python = cluster.torch_python();
+    let work = cluster.workdir("writer");
+    install_package(&work);
+    let run = Run {
+        cli: cluster.user_cli(),
+        archive: Archive::new(&cluster, Backend::File, "writer"),
+        cluster,
+        work,
+        python,
+    };
+
+    // 1. Save through SluiceWriter; the writer commits, the agent archives.
+    let (job, saved) = run.job("save", false);
+    let ev = || run.cluster.evidence(&job);
+    let wrote: BTreeSet<String> = saved["files"]
+        .as_object()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default();
+    assert_eq!(
+        wrote,
+        [".metadata", "__0_0.distcp"].map(String::from).into(),
+        "the files dcp.save wrote through SluiceWriter into $SLUICE_CKPT_DIR/{TAG}\n{}",
+        ev()
+    );
+    let committed = saved["commit_output"].as_str().unwrap_or_default();
+    assert!(
+        committed.contains(TAG),
+        "SluiceWriter's `sluice ckpt commit {TAG}` said: {committed:?}\n{}",
+        ev()
+    );
+    assert_eq!(
+        saved["state"].as_str(),
+        Some("archived"),
+        "`sluice ckpt list` in the job never showed {TAG} archived:\n{}\n{}",
+        saved["ckpt_list"].as_str().unwrap_or_default(),
+        ev()
+    );
+    let listed = saved["ckpt_list_text"].as_str().unwrap_or_default();
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.contains(TAG) && l.contains("archived")),
+        "`sluice ckpt list` must show {TAG} archived:\n{listed}"
+    );
+    eprintln!(
+        "sluice ckpt list in the save job:\n{listed}\ncuFile probe in the job: {}",
+        saved["cufile"]
+    );
+
+    // 2. The archive holds its MANIFEST, naming exactly the files the job wrote.
+    let start = Instant::now();
+    while !run.archive.manifests(&run.cluster).contains(TAG) {
+        assert!(
+            start.elapsed() < ARCHIVE_TIMEOUT,
+            "no MANIFEST of {TAG} in {} {ARCHIVE_TIMEOUT:?} after the job ended; objects: {:?}\n{}",
+            run.archive.url,
+            run.archive.objects(&run.cluster).keys().collect::<Vec<_>>(),
+            ev()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let manifest = run
+        .archive
+        .check_manifest(&run.cluster, TAG)
+        .unwrap_or_else(|e| panic!("{e}\n{}", ev()));
+    let named: BTreeSet<String> = manifest["files"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["path"].as_str().map(String::from))
+        .collect();
+    assert_eq!(named, wrote, "{TAG}/MANIFEST: {manifest}");
+
+    // 3. A --ckpt-restore=latest job loads it with SluiceReader, tensor-equal.
+    let (job, loaded) = run.job("load", true);
+    assert_eq!(
+        loaded["restored_tag"].as_str(),
+        Some(TAG),
+        "SLUICE_RESTORED_TAG\n{}",
+        run.cluster.evidence(&job)
+    );
+    assert_eq!(
+        loaded["files"], saved["files"],
+        "the restored {TAG} is not what the save job wrote"
+    );
+    // 4 parameters + the bf16 buffer, AdamW's step/exp_avg/exp_avg_sq for each parameter.
+    let compared = loaded["compared"].as_u64().unwrap_or(0);
+    assert!(
+        compared >= 17,
+        "compared only {compared} tensors: {loaded:#}"
+    );
+}
