@@ -1,8 +1,8 @@
-//! Aggregation (issue 11) as a user sees it: a 3-node job stages an object-store dataset once per
-//! job, not once per node. Every node's `$SLUICE_STAGE_DIR/NAME` is byte-identical to the source,
-//! owned by the job user as always, and the origin serves each byte about once: counted on the
-//! origin's side by a relay in front of Garage, which the agents' `s3://datasets-relayed` store
-//! profile points at. The agents' peer port gives a user process nothing; a node whose agent dies
+//! Aggregation (issue 11) as a user sees it: a 3-node job stages a dataset once per job, not once
+//! per node. Every node's `$SLUICE_STAGE_DIR/NAME` is byte-identical to the source, owned by the
+//! job user as always, and the origin serves each byte about once: for S3 counted on the origin's
+//! side by a relay in front of Garage, which the agents' `s3://datasets-relayed` store profile
+//! points at; for Azure Blob and POSIX sources by the agents' own origin and peer byte counts. The agents' peer port gives a user process nothing; a node whose agent dies
 //! mid-transfer is routed around, and the job still gets identical data, with a note.
 
 mod common;
@@ -11,6 +11,7 @@ use common::*;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -388,6 +389,142 @@ fn aggregation_replicate_from_s3_reads_the_origin_once() {
         !output.contains("note: peer transfers"),
         "no peer was routed around, yet the job output says:\n{output}"
     );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
+
+/// The mode, type and path of every entry below the current directory, sorted: what the tasks
+/// list of their copy and [`modes`] of the source, to compare the two.
+const MODES_CMD: &str = "find . -mindepth 1 -printf \"%m %y %P\\n\" | LC_ALL=C sort";
+
+/// [`MODES_CMD`] on `dir`.
+fn modes(dir: &Path) -> String {
+    run(std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!("cd '{}' && {MODES_CMD}", dir.display())))
+}
+
+/// The job's stage progress as each node's agent reports it: `(origin, peer)` bytes per node;
+/// each node staged the whole dataset, every byte from the origin or a peer, and took some from
+/// peers; together the nodes read the dataset from the origin exactly once. `sluice job` in the
+/// job says where the bytes came from, and the job output says how much came from the other nodes.
+fn assert_read_once_by_the_nodes(
+    cluster: &Cluster,
+    job: &Job,
+    out: &Path,
+    ds: &Dataset,
+    what: &str,
+) {
+    let sources = byte_sources(cluster, job, ds);
+    let origin: u64 = sources.iter().map(|s| s.0).sum();
+    let peers: u64 = sources.iter().map(|s| s.1).sum();
+    eprintln!(
+        "[aggregation] 3-node {what} replicate of {} bytes: the nodes read {origin} bytes from \
+         the origin together ({:.4}x) and took {peers} from each other; per node (origin, peers): \
+         {sources:?}",
+        ds.bytes,
+        origin as f64 / ds.bytes as f64
+    );
+    assert_eq!(
+        origin,
+        ds.bytes,
+        "{what}: the three agents together read the dataset from the origin once: {sources:?}\n{}",
+        cluster.evidence(job)
+    );
+    for (node, (origin, peer)) in cluster.nodes.iter().zip(&sources) {
+        assert!(
+            *origin > 0 && *peer > 0,
+            "{what}: {node} read {origin} bytes from the origin and took {peer} from peers: each \
+             node should own a share"
+        );
+        let view = task_file(out, node, "job");
+        assert!(
+            view.contains(" origin, ") && view.contains(" peers\n"),
+            "sluice job on {node} does not say where the bytes came from:\n{view}"
+        );
+    }
+    let output = job.output_text();
+    assert!(
+        output.contains("% from the job's other nodes"),
+        "the job output does not say how much came from the job's other nodes:\n{output}"
+    );
+    assert!(
+        !output.contains("note: peer transfers"),
+        "no peer was routed around, yet the job output says:\n{output}"
+    );
+}
+
+/// A 3-node replicate job from a POSIX directory (the big file among it, read-only like a small
+/// one): every node has the whole tree, byte-identical, owned by the job user, with the source's
+/// modes; each node's copy helper read its share of the units from the source as the job user
+/// and took the rest from the other nodes, so the three agents together read the source once
+/// (without peers, 3 times), and the job says so.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_replicate_from_posix_reads_the_origin_once() {
+    let cluster = Cluster::for_sluice();
+    let ds = Dataset::new(&cluster, "aggregation-replicate-posix", true);
+    // Read-only files: the nodes that write them from peers' bytes give them their mode too.
+    for f in ["big/weights.bin", "nested/a/sibling.bin"] {
+        fs::set_permissions(ds.dir.join(f), fs::Permissions::from_mode(0o444)).unwrap();
+    }
+    let source_modes = modes(&ds.dir);
+    let work = cluster.workdir("aggregation-replicate-posix");
+    let out = work.join("out");
+    let script = script_with_job_view(&cluster, &out, &["train"]).replacen(
+        "touch \"$o/done\"",
+        &format!(
+            "(cd \"$SLUICE_STAGE_DIR/train\" && {MODES_CMD}) > \"$o/modes\" 2>&1\ntouch \"$o/done\""
+        ),
+        1,
+    );
+    let stage_in = format!("--stage-in=train={}", ds.dir.display());
+    let started = Instant::now();
+    let job = cluster.submit(
+        &work,
+        &["-N3", &stage_in, "--stage-mode=replicate"],
+        &script,
+    );
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the POSIX replicate job");
+    eprintln!(
+        "[aggregation] 3-node POSIX replicate done in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_staged(&cluster, &job, &out, "train", &ds);
+    for node in &cluster.nodes {
+        assert_eq!(
+            task_file(&out, node, "modes"),
+            source_modes,
+            "the modes of the staged tree on {node} (as the source's)"
+        );
+    }
+    assert_read_once_by_the_nodes(&cluster, &job, &out, &ds, "POSIX");
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
+
+/// A 3-node replicate job from Azure Blob (Azurite): every node has the whole dataset,
+/// byte-identical and owned by the job user, and the three agents together read it from the
+/// origin once (the counting relay sits in front of Garage only, so the agents' counters say it).
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_replicate_from_azure_reads_the_origin_once() {
+    let cluster = Cluster::for_sluice();
+    let ds = Dataset::new(&cluster, "aggregation-replicate-az", false);
+    let prefix = format!("e2e/{}/train", unique());
+    cluster.upload(&ds.dir, "azurite", &format!("datasets/{prefix}"));
+    let work = cluster.workdir("aggregation-replicate-az");
+    let out = work.join("out");
+    let script = script_with_job_view(&cluster, &out, &["train"]);
+    let stage_in = format!("--stage-in=train=az://datasets/{prefix}");
+    let job = cluster.submit(
+        &work,
+        &["-N3", &stage_in, "--stage-mode=replicate"],
+        &script,
+    );
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the Azure replicate job");
+    assert_staged(&cluster, &job, &out, "train", &ds);
+    assert_read_once_by_the_nodes(&cluster, &job, &out, &ds, "Azure");
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
