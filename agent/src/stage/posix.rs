@@ -470,7 +470,8 @@ async fn replicate(
                                 offset,
                                 len: unit_size.min(f.size.saturating_sub(offset)),
                             };
-                            (offset < f.size || f.size == 0).then_some(u)
+                            let at_a_unit = offset % unit_size == 0;
+                            (at_a_unit && (offset < f.size || f.size == 0)).then_some(u)
                         });
                         let Some(unit) = unit else {
                             return Err(helper_garbage(&shared, &line));
