@@ -1,0 +1,751 @@
+//! The cross-job cache case (`cache`, issue 12): real one-node Slurm jobs on n1, whose agent runs for
+//! the case with the cluster's configuration plus a `[cache]` section (restarted with it, and
+//! restored afterwards as the harness started it). Garage is read through the byte-counting relay
+//! on the port of the agents' `s3://datasets-relayed` profile (`tests/harness/cluster.sh`), so the
+//! origin's bytes are counted on its side.
+//!
+//! Two measurements:
+//! 1. a second job staging the same big object, and the same small objects (2,000 × 256 KiB): the
+//!    share of its bytes the agent placed from the cache (`StageProgress.cache_bytes`), the origin
+//!    bytes during the job ÷ the dataset, and the cold ÷ warm staging time (the stage's
+//!    `elapsed_ms` as the agent reports it; submission to the end of the job in the note). Before
+//!    each cold job the cache is emptied (`CacheEvict` of every entry).
+//! 2. a working set 1.5× the cache's size (objects of one unit size) streamed three times, one job
+//!    per pass: the cache's usage sampled every 100 ms — the agent's count and the bytes its
+//!    directory takes on disk — against the high watermark plus one unit, and the hit ratio over
+//!    the passes (objects and bytes).
+//!
+//! Each job's task lists what it holds (`find -printf '%s %P'`), which the driver compares with the
+//! source tree; a stage that is not `done`, or a wrong listing, is an error, never a number.
+
+use crate::measure::{median, run_quiet};
+use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
+use anyhow::{Context, Result, anyhow, bail};
+use sluice_e2e::relay::CountingRelay;
+use sluice_proto::msg::{CacheListing, CacheStats, Request, Response, StageProgress, StageState};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::TcpStream;
+use std::os::unix::fs::{MetadataExt, PermissionsExt, chown};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The node the case's jobs run on (the cache is per node).
+const NODE: &str = "n1";
+/// The bucket the agents reach through the relay.
+const RELAYED: &str = "datasets-relayed";
+/// The issue's targets: bytes from the cache, origin bytes ÷ dataset, cold ÷ warm time.
+const FROM_CACHE_TARGET: f64 = 99.0;
+const ORIGIN_TARGET: f64 = 1.0;
+const SPEEDUP_TARGET: f64 = 10.0;
+/// A job, staging included, and its end after the epilogs.
+const JOB_TIMEOUT: Duration = Duration::from_secs(400);
+const USER_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
+/// The case's sizes: the cache of part 1 (room for the big object and the small ones), the
+/// working set's cache and its objects.
+struct CacheSizes {
+    hit_cache: u64,
+    ws_cache: u64,
+    ws_unit: u64,
+    ws_count: u64,
+}
+
+impl CacheSizes {
+    fn of(mode: Mode) -> CacheSizes {
+        match mode {
+            Mode::Smoke => CacheSizes {
+                hit_cache: 128 * MIB,
+                ws_cache: 32 * MIB,
+                ws_unit: 4 * MIB,
+                ws_count: 12,
+            },
+            Mode::Scaled => CacheSizes {
+                hit_cache: 2048 * MIB,
+                ws_cache: 256 * MIB,
+                ws_unit: 16 * MIB,
+                ws_count: 24,
+            },
+            Mode::Full => CacheSizes {
+                hit_cache: 4096 * MIB,
+                ws_cache: 1024 * MIB,
+                ws_unit: 16 * MIB,
+                ws_count: 96,
+            },
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ the agent
+
+/// n1's agent as the harness started it (from its pid file and `/proc`), to restart it with
+/// another configuration and to start it again as it was.
+#[derive(Clone)]
+struct AgentProc {
+    argv: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+impl Bench {
+    fn agent_pid_file(&self) -> PathBuf {
+        let run_dir = self.a.env.parent().unwrap_or(Path::new("/run/sluice-test"));
+        run_dir.join(format!("sluiced-{NODE}.pid"))
+    }
+
+    fn agent_socket(&self) -> PathBuf {
+        PathBuf::from(self.env("SLUICE_TEST_SOCKET").replace("%n", NODE))
+    }
+
+    fn cache_dir(&self) -> PathBuf {
+        PathBuf::from(self.env("SLUICE_TEST_HOT_ROOT").replace("%n", NODE)).join("cache")
+    }
+
+    fn agent_pid(&self) -> Result<u32> {
+        let f = self.agent_pid_file();
+        std::fs::read_to_string(&f)
+            .with_context(|| format!("reading {}", f.display()))?
+            .trim()
+            .parse()
+            .with_context(|| format!("{} holds no pid", f.display()))
+    }
+
+    fn agent_proc(&self) -> Result<AgentProc> {
+        let pid = self.agent_pid()?;
+        let split = |b: Vec<u8>| -> Vec<String> {
+            b.split(|c| *c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect()
+        };
+        let argv = split(
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .with_context(|| format!("the agent of {NODE} (pid {pid}) is not running"))?,
+        );
+        if !argv.iter().any(|a| a.contains("sluiced")) {
+            bail!("pid {pid} is not sluiced: {argv:?}");
+        }
+        let env = split(std::fs::read(format!("/proc/{pid}/environ"))?)
+            .into_iter()
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.into(), v.into())))
+            .collect();
+        Ok(AgentProc { argv, env })
+    }
+
+    /// SIGKILLs n1's agent and waits until it, and its peer and metrics ports, are gone.
+    fn kill_agent(&self) -> Result<()> {
+        let pid = self.agent_pid()?;
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+        let ports: Vec<String> = ["SLUICE_TEST_PEER_ADDRS", "SLUICE_TEST_METRICS_ADDRS"]
+            .iter()
+            .flat_map(|v| {
+                self.env(v)
+                    .split_whitespace()
+                    .filter_map(|kv| kv.split_once('='))
+                    .filter(|(n, _)| *n == NODE)
+                    .map(|(_, a)| a.to_string())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let t = Instant::now();
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let gone = stat
+                .rsplit_once(") ")
+                .is_none_or(|(_, r)| r.starts_with('Z'));
+            if gone && ports.iter().all(|a| TcpStream::connect(a).is_err()) {
+                return Ok(());
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                bail!("the agent of {NODE} (pid {pid}) or its ports {ports:?} are still there");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Starts an agent as `p` says (its own session, output appended to the node's agent log),
+    /// records its pid where the harness keeps it, and waits until it answers.
+    fn start_agent(&self, p: &AgentProc) -> Result<()> {
+        let log_path =
+            PathBuf::from(self.env("SLUICE_TEST_SLUICE_LOG_DIR")).join(format!("{NODE}.log"));
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
+        let mut child = Command::new("setsid")
+            .args(&p.argv)
+            .env_clear()
+            .envs(p.env.iter().map(|(k, v)| (k, v)))
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("starting {:?}", p.argv))?;
+        std::fs::write(self.agent_pid_file(), format!("{}\n", child.id()))?;
+        std::thread::spawn(move || {
+            let _ = child.wait();
+        });
+        let t = Instant::now();
+        while sluice_proto::client::call(
+            &self.agent_socket(),
+            Request::Status,
+            Duration::from_secs(2),
+        )
+        .is_err()
+        {
+            if t.elapsed() > Duration::from_secs(30) {
+                bail!("the restarted agent of {NODE} does not answer after 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(())
+    }
+
+    /// Restarts n1's agent with the harness's configuration plus `[cache] size = SIZE` (an empty
+    /// cache), returning how the harness had started it.
+    fn start_cached_agent(&self, original: &AgentProc, size: u64) -> Result<()> {
+        let at = 1 + original
+            .argv
+            .iter()
+            .position(|a| a == "--config")
+            .ok_or_else(|| anyhow!("the agent runs without --config: {:?}", original.argv))?;
+        let text = std::fs::read_to_string(&original.argv[at])?;
+        let config = self.a.root.join("cache-agent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "{text}\n[cache]\nsize = \"{}MiB\"\nhigh_water = 90\nlow_water = 75\nmin_free = 5\n",
+                size / MIB
+            ),
+        )?;
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600))?;
+        let mut cached = original.clone();
+        cached.argv[at] = config.display().to_string();
+        self.kill_agent()?;
+        remove(&self.cache_dir())?;
+        self.start_agent(&cached)
+    }
+
+    fn restore_agent(&self, original: &AgentProc) -> Result<()> {
+        self.kill_agent()?;
+        remove(&self.cache_dir())?;
+        self.start_agent(original)
+    }
+
+    fn cache_listing(&self) -> Result<CacheListing> {
+        match sluice_proto::client::call(
+            &self.agent_socket(),
+            Request::CacheList {
+                prefix: None,
+                entries: false,
+            },
+            Duration::from_secs(10),
+        ) {
+            Ok(Response::Cache(l)) => Ok(l),
+            other => bail!("cache list on {NODE}: {other:?}"),
+        }
+    }
+
+    fn evict_all(&self) -> Result<()> {
+        match sluice_proto::client::call(
+            &self.agent_socket(),
+            Request::CacheEvict {
+                prefix: String::new(),
+                dry_run: false,
+            },
+            Duration::from_secs(120),
+        ) {
+            Ok(Response::CacheEvicted(e)) if e.in_use == 0 => Ok(()),
+            other => bail!("emptying the cache of {NODE}: {other:?}"),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ jobs
+
+/// What one job showed.
+struct Outcome {
+    /// Bytes the origin sent back through the relay from submission to the tasks' listing.
+    served: u64,
+    /// The stage's own time (`elapsed_ms`), and submission to the job's end.
+    stage_s: f64,
+    job_s: f64,
+    progress: StageProgress,
+}
+
+/// A dataset's files (path below it → size).
+type Tree = BTreeMap<String, u64>;
+
+fn source_tree(dir: &Path) -> Result<Tree> {
+    fn walk(root: &Path, d: &Path, out: &mut Tree) -> Result<()> {
+        for e in std::fs::read_dir(d)? {
+            let e = e?;
+            let md = e.metadata()?;
+            if md.is_dir() {
+                walk(root, &e.path(), out)?;
+            } else {
+                let rel = e.path().strip_prefix(root)?.to_string_lossy().into_owned();
+                out.insert(rel, md.len());
+            }
+        }
+        Ok(())
+    }
+    let mut t = Tree::new();
+    walk(dir, dir, &mut t)?;
+    Ok(t)
+}
+
+/// Bytes the files below `dir` take on disk (allocated blocks), 0 when it is gone.
+fn disk_usage(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let Ok(md) = std::fs::symlink_metadata(e.path()) else {
+                continue;
+            };
+            if md.is_dir() {
+                stack.push(e.path());
+            } else {
+                total += md.blocks() * 512;
+            }
+        }
+    }
+    total
+}
+
+impl Bench {
+    fn cache_workdir(&self, label: &str) -> Result<PathBuf> {
+        let base = PathBuf::from(format!("/home/{}/sluice-bench-cache", self.a.user));
+        let dir = base.join(label);
+        remove(&dir)?;
+        std::fs::create_dir_all(&dir)?;
+        for d in [&base, &dir] {
+            chown(d, Some(self.uid), Some(self.gid))?;
+        }
+        Ok(dir)
+    }
+
+    fn cache_job_state(&self, id: u32) -> String {
+        let out = Command::new("scontrol")
+            .args(["show", "job", "-o", &id.to_string()])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        out.split_whitespace()
+            .find_map(|w| w.strip_prefix("JobState="))
+            .unwrap_or("UNKNOWN")
+            .to_string()
+    }
+
+    /// Polls until `done()`; an error if the job ends first (other than COMPLETED once done) or
+    /// after [`JOB_TIMEOUT`].
+    fn cache_wait(&self, id: u32, w: &Path, done: &dyn Fn() -> bool, what: &str) -> Result<()> {
+        let t = Instant::now();
+        while !done() {
+            let state = self.cache_job_state(id);
+            if !["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"]
+                .contains(&state.as_str())
+            {
+                let out = std::fs::read_to_string(w.join("job.out")).unwrap_or_default();
+                bail!("job {id} ended {state} before {what}; its output:\n{out}");
+            }
+            if t.elapsed() > JOB_TIMEOUT {
+                let _ = Command::new("scancel").arg(id.to_string()).status();
+                bail!("job {id}: no {what} after {} s", JOB_TIMEOUT.as_secs());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// One job of the test user on [`NODE`] staging `s3://datasets-relayed/PREFIX` as `ds`: its
+    /// task lists what it holds and waits for the driver's go, so the agent still holds the job
+    /// while the driver reads its stage; the listing must match `tree`.
+    fn cache_job(
+        &self,
+        relay: &CountingRelay,
+        prefix: &str,
+        tree: &Tree,
+        label: &str,
+    ) -> Result<Outcome> {
+        let w = self.cache_workdir(label)?;
+        let wd = w.display();
+        let script = format!(
+            "#!/bin/bash\nsrun --ntasks-per-node=1 /bin/bash -c 'find \"$SLUICE_STAGE_DIR/ds\" -type f -printf \"%s %P\\n\" > \"{wd}/files\"'\n\
+             rc=$?\ntouch \"{wd}/staged\"\n\
+             i=0; while [ ! -e \"{wd}/go\" ] && [ $i -lt 3000 ]; do sleep 0.1; i=$((i+1)); done\nexit $rc\n"
+        );
+        let mut c = Command::new("runuser");
+        c.args(["-u", &self.a.user, "--", "env", "-i"])
+            .arg(format!("HOME=/home/{}", self.a.user))
+            .arg(format!("USER={}", self.a.user))
+            .arg(format!("PATH={USER_PATH}"))
+            .arg("LANG=C.UTF-8")
+            .args([
+                "sbatch",
+                "--parsable",
+                "-J",
+                "sluice-bench-cache",
+                "-N1",
+                "-w",
+                NODE,
+            ])
+            .arg(format!("--output={wd}/job.out"))
+            .arg(format!("--stage-in=ds=s3://{RELAYED}/{prefix}"))
+            .current_dir(&w)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let before = relay.served();
+        let t = Instant::now();
+        let mut child = c.spawn().context("runuser sbatch")?;
+        child.stdin.take().unwrap().write_all(script.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "sbatch failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let id: u32 = text
+            .trim()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .with_context(|| format!("sbatch printed {text:?}"))?;
+        let staged = w.join("staged");
+        let read = (|| -> Result<(u64, StageProgress)> {
+            self.cache_wait(id, &w, &|| staged.exists(), "its task listed the stage")?;
+            let served = relay.served() - before;
+            let status = match sluice_proto::client::call(
+                &self.agent_socket(),
+                Request::Job { job_id: id },
+                Duration::from_secs(10),
+            ) {
+                Ok(Response::Job(s)) => s,
+                other => bail!("the agent of {NODE} on job {id}: {other:?}"),
+            };
+            let p = status
+                .stages
+                .first()
+                .cloned()
+                .ok_or_else(|| anyhow!("job {id} has no stage on {NODE}"))?;
+            if p.state != StageState::Done {
+                bail!("job {id}'s stage is {:?} ({:?})", p.state, p.error);
+            }
+            Ok((served, p))
+        })();
+        std::fs::write(w.join("go"), "")?;
+        let (served, progress) = read?;
+        let completed = || self.cache_job_state(id) == "COMPLETED";
+        self.cache_wait(id, &w, &completed, "COMPLETED")?;
+        let job_s = t.elapsed().as_secs_f64();
+        let mut got = Tree::new();
+        for l in std::fs::read_to_string(w.join("files"))?.lines() {
+            let (size, path) = l
+                .split_once(' ')
+                .ok_or_else(|| anyhow!("bad listing line {l:?}"))?;
+            got.insert(path.to_string(), size.parse()?);
+        }
+        if &got != tree {
+            bail!(
+                "job {id} holds {} files / {} bytes, the source {} / {}",
+                got.len(),
+                got.values().sum::<u64>(),
+                tree.len(),
+                tree.values().sum::<u64>()
+            );
+        }
+        remove(&w)?;
+        Ok(Outcome {
+            served,
+            stage_s: progress.elapsed_ms as f64 / 1000.0,
+            job_s,
+            progress,
+        })
+    }
+
+    // ------------------------------------------------------------------------------ the case
+
+    pub(crate) fn cache_cases(&self, r: &mut Report) {
+        let sizes = CacheSizes::of(self.a.mode);
+        let result = (|| -> Result<()> {
+            let original = self.agent_proc()?;
+            let port: u16 = self
+                .env("SLUICE_TEST_ORIGIN_RELAY_PORT")
+                .parse()
+                .context("SLUICE_TEST_ORIGIN_RELAY_PORT in the cluster env file")?;
+            let upstream = self
+                .env("SLUICE_TEST_S3_ENDPOINT")
+                .trim_start_matches("http://")
+                .trim_end_matches('/')
+                .to_string();
+            let relay = CountingRelay::start(port, &upstream).with_context(|| {
+                format!("listening on 127.0.0.1:{port} for the origin relay (is a test's relay running?)")
+            })?;
+            self.cache_upload(&sizes)?;
+            r.note(format!(
+                "cache rows: real one-node Slurm jobs on {NODE} as {}, its agent restarted with [cache] \
+                 (high_water 90, low_water 75, min_free 5); Garage read through the bench's \
+                 byte-counting relay on 127.0.0.1:{port}",
+                self.a.user
+            ));
+            let parts = (|| -> Result<()> {
+                self.start_cached_agent(&original, sizes.hit_cache)?;
+                self.cache_hits(r, &relay)?;
+                self.start_cached_agent(&original, sizes.ws_cache)?;
+                self.cache_working_set(r, &relay, &sizes)
+            })();
+            let restored = self.restore_agent(&original);
+            parts.and(restored)
+        })();
+        if let Err(e) = result {
+            r.error("cache", e);
+        }
+    }
+
+    /// Uploads the big and small datasets and the working set to the relayed bucket, straight to
+    /// Garage (untimed; rclone skips what is there already).
+    fn cache_upload(&self, s: &CacheSizes) -> Result<()> {
+        let ws = self.data.join("cache-ws");
+        crate::data::cached(
+            &ws,
+            &format!("cache-ws {} {}", s.ws_count, s.ws_unit),
+            |d| crate::data::random_tree(d, s.ws_count, s.ws_unit),
+        )?;
+        crate::data::chown_tree(&ws, 0, 0)?;
+        for name in ["big", "small", "cache-ws"] {
+            let src = self.data.join(name);
+            run_quiet(&mut self.rclone_tuned(&[
+                "copy",
+                src.to_str().unwrap(),
+                &format!("s3:{RELAYED}/bench/{name}"),
+            ]))
+            .with_context(|| format!("uploading {name} to s3:{RELAYED}"))?;
+        }
+        Ok(())
+    }
+
+    /// Part 1: cold and warm job on one object and on many, alternating, the cache emptied before
+    /// each cold job.
+    fn cache_hits(&self, r: &mut Report, relay: &CountingRelay) -> Result<()> {
+        for (shape, name) in [("one object", "big"), ("many objects", "small")] {
+            let tree = source_tree(&self.data.join(name))?;
+            let bytes: u64 = tree.values().sum();
+            let prefix = format!("bench/{name}");
+            let (mut cold, mut warm) = (Vec::new(), Vec::new());
+            for rep in 0..self.a.reps {
+                self.evict_all()?;
+                let c = self
+                    .cache_job(relay, &prefix, &tree, &format!("{name}-cold"))
+                    .with_context(|| format!("cold job, {shape}, repetition {}", rep + 1))?;
+                let w = self
+                    .cache_job(relay, &prefix, &tree, &format!("{name}-warm"))
+                    .with_context(|| format!("warm job, {shape}, repetition {}", rep + 1))?;
+                log(format!(
+                    "cache: {shape}: cold {:.2} s (origin {} bytes), warm {:.2} s (origin {} bytes, \
+                     {} bytes from the cache)",
+                    c.stage_s, c.served, w.stage_s, w.served, w.progress.cache_bytes
+                ));
+                if c.progress.cache_bytes != 0 {
+                    bail!(
+                        "the cold job placed {} bytes from an emptied cache",
+                        c.progress.cache_bytes
+                    );
+                }
+                cold.push(c);
+                warm.push(w);
+            }
+            let size = if tree.len() == 1 {
+                size_label(bytes)
+            } else {
+                format!("{} x {}", tree.len(), size_label(bytes / tree.len() as u64))
+            };
+            let pct_cache: Vec<f64> = warm
+                .iter()
+                .map(|o| 100.0 * o.progress.cache_bytes as f64 / bytes as f64)
+                .collect();
+            let pct_origin: Vec<f64> = warm
+                .iter()
+                .map(|o| 100.0 * o.served as f64 / bytes as f64)
+                .collect();
+            let cold_origin = median(&cold.iter().map(|o| o.served as f64).collect::<Vec<_>>());
+            let times = |v: &[Outcome]| v.iter().map(|o| o.stage_s).collect::<Vec<_>>();
+            let jobs = |v: &[Outcome]| v.iter().map(|o| o.job_s).collect::<Vec<_>>();
+            let (ct, wt) = (median(&times(&cold)), median(&times(&warm)));
+            let m = median(&pct_cache);
+            r.rows.push(Row {
+                case: format!("cache: second job, % of bytes from the cache, {shape}"),
+                size: size.clone(),
+                bytes,
+                unit: "%".into(),
+                sluice: m,
+                peer_name: "-".into(),
+                target: format!(">= {FROM_CACHE_TARGET:.0} %"),
+                met: Some(m >= FROM_CACHE_TARGET),
+                note: "StageProgress.cache_bytes of the warm job ÷ the dataset".into(),
+                sluice_samples: pct_cache,
+                ..Row::default()
+            });
+            let m = median(&pct_origin);
+            r.rows.push(Row {
+                case: format!("cache: second job, origin bytes / dataset, {shape}"),
+                size: size.clone(),
+                bytes,
+                unit: "%".into(),
+                sluice: m,
+                peer_name: "cold job".into(),
+                peer: Some(100.0 * cold_origin / bytes as f64),
+                target: format!("<= {ORIGIN_TARGET:.0} %"),
+                met: Some(m <= ORIGIN_TARGET),
+                note: "counted by the bench's relay in front of Garage from submission to the \
+                       task's listing (listing and headers included)"
+                    .into(),
+                sluice_samples: pct_origin,
+                ..Row::default()
+            });
+            r.rows.push(Row {
+                case: format!("cache: staging time, cold / warm, {shape}"),
+                size,
+                bytes,
+                unit: "s".into(),
+                sluice: wt,
+                peer_name: "cold job".into(),
+                peer: Some(ct),
+                ratio: Some(ct / wt),
+                target: format!(">= {SPEEDUP_TARGET:.0}x"),
+                met: Some(ct / wt >= SPEEDUP_TARGET),
+                note: format!(
+                    "the stage's elapsed_ms as the agent reports it; submission to the job's end: \
+                     cold {:.2} s, warm {:.2} s (Slurm's scheduling included)",
+                    median(&jobs(&cold)),
+                    median(&jobs(&warm))
+                ),
+                sluice_samples: times(&warm),
+                peer_samples: times(&cold),
+                ..Row::default()
+            });
+        }
+        Ok(())
+    }
+
+    /// Part 2: a working set 1.5× the cache streamed three times, usage sampled throughout.
+    fn cache_working_set(
+        &self,
+        r: &mut Report,
+        relay: &CountingRelay,
+        s: &CacheSizes,
+    ) -> Result<()> {
+        let tree = source_tree(&self.data.join("cache-ws"))?;
+        let bytes: u64 = tree.values().sum();
+        let start = self.cache_listing()?.stats;
+        let high = start.high_water_bytes;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (max_used, max_disk) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let sampler = {
+            let (stop, max_used, max_disk) = (stop.clone(), max_used.clone(), max_disk.clone());
+            let (socket, dir) = (self.agent_socket(), self.cache_dir());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    if let Ok(Response::Cache(l)) = sluice_proto::client::call(
+                        &socket,
+                        Request::CacheList {
+                            prefix: None,
+                            entries: false,
+                        },
+                        Duration::from_secs(5),
+                    ) {
+                        max_used.fetch_max(l.stats.used_bytes, Ordering::SeqCst);
+                    }
+                    max_disk.fetch_max(disk_usage(&dir), Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+        };
+        let passes: Result<Vec<Outcome>> = (1..=3)
+                .map(|pass| {
+                    let o = self
+                        .cache_job(relay, "bench/cache-ws", &tree, "ws")
+                        .with_context(|| format!("working set, pass {pass}"))?;
+                    log(format!(
+                        "cache: working set pass {pass}: {} of {bytes} bytes from the cache, origin {} bytes",
+                        o.progress.cache_bytes, o.served
+                    ));
+                    Ok(o)
+                })
+                .collect();
+        stop.store(true, Ordering::SeqCst);
+        let _ = sampler.join();
+        let passes = passes?;
+        let end: CacheStats = self.cache_listing()?.stats;
+        let (used, disk) = (
+            max_used.load(Ordering::SeqCst),
+            max_disk.load(Ordering::SeqCst),
+        );
+        let bound = high + s.ws_unit;
+        let (hits, misses) = (end.hits - start.hits, end.misses - start.misses);
+        let hit_ratio = hits as f64 / (hits + misses).max(1) as f64;
+        let from_cache: u64 = passes.iter().map(|o| o.progress.cache_bytes).sum();
+        let size = format!(
+            "{} x {} through a {} cache",
+            tree.len(),
+            size_label(s.ws_unit),
+            size_label(s.ws_cache)
+        );
+        let peak = used.max(disk);
+        r.rows.push(Row {
+            case: "cache: working set 1.5x the cache, 3 passes: peak usage / (high water + 1 unit)"
+                .into(),
+            size: size.clone(),
+            bytes,
+            unit: "x".into(),
+            sluice: peak as f64 / bound as f64,
+            peer_name: "-".into(),
+            target: "<= 1.000x".into(),
+            met: Some(peak <= bound),
+            note: format!(
+                "sampled every 100 ms: the agent's used_bytes peaked at {} MiB, the cache directory \
+                 on disk at {} MiB; high water {} MiB + one {} unit; {} evictions",
+                used / MIB,
+                disk / MIB,
+                high / MIB,
+                size_label(s.ws_unit),
+                end.evictions - start.evictions
+            ),
+            sluice_samples: vec![used as f64, disk as f64],
+            ..Row::default()
+        });
+        r.rows.push(Row {
+            case: "cache: working set 1.5x the cache, 3 passes: hit ratio".into(),
+            size,
+            bytes: 3 * bytes,
+            unit: "%".into(),
+            sluice: 100.0 * hit_ratio,
+            peer_name: "-".into(),
+            target: "-".into(),
+            note: format!(
+                "{hits} hits, {misses} misses over the 3 passes; {:.1} % of the bytes staged came \
+                 from the cache (per pass: {:?})",
+                100.0 * from_cache as f64 / (3 * bytes) as f64,
+                passes
+                    .iter()
+                    .map(|o| o.progress.cache_bytes * 100 / bytes.max(1))
+                    .collect::<Vec<_>>()
+            ),
+            sluice_samples: passes
+                .iter()
+                .map(|o| 100.0 * o.progress.cache_bytes as f64 / bytes as f64)
+                .collect(),
+            ..Row::default()
+        });
+        Ok(())
+    }
+}
