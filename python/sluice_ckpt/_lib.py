@@ -129,7 +129,6 @@ class Writer:
         self._w = lib().sluice_writer_open(self.path.encode(), block_size)
         if not self._w:
             _fail(-errno.EIO, f"open {self.path}")
-        self._pinned = None
 
     def __enter__(self):
         return self
@@ -185,7 +184,8 @@ class Writer:
         """Appends a tensor's raw bytes (its storage order, contiguous). Host tensors are copied
         from their memory into the aligned buffers. CUDA tensors: cuda_path "cufile" writes them
         GPU -> file with cuFileWrite (GPUDirect Storage; fails where the probe says unavailable),
-        "bounce" copies them through a pinned host buffer of `bounce_bytes`, "auto" takes cuFile
+        "bounce" copies them through two pinned host buffers of `bounce_bytes` (the
+        GPU fills one while the other is copied into the writer's blocks), "auto" takes cuFile
         where the probe says available and the file is open with O_DIRECT, else the bounce buffer.
         Returns the path taken: "host", "cufile" or "bounce"."""
         import torch
@@ -197,6 +197,8 @@ class Writer:
         if not t.is_cuda:
             self.write_ptr(t.data_ptr(), nbytes)
             return "host"
+        if nbytes == 0:
+            return "bounce"
         if cuda_path not in ("auto", "cufile", "bounce"):
             raise ValueError(f"cuda_path must be auto, cufile or bounce, not {cuda_path!r}")
         if cuda_path in ("auto", "cufile"):
@@ -213,15 +215,28 @@ class Writer:
                     errno.EOPNOTSUPP,
                     f"{self.path}: cuFile cannot be used: {why if not available else 'the file is not open with O_DIRECT'}",
                 )
+        # Two pinned buffers: the GPU copies chunk i+1 into one (asynchronously, on the current
+        # stream) while chunk i is copied from the other into the writer's aligned blocks.
         flat = t.reshape(-1).view(torch.uint8)
         step = max(4096, bounce_bytes // 4096 * 4096)
-        if self._pinned is None or self._pinned.numel() < min(step, nbytes):
-            self._pinned = torch.empty(min(step, nbytes), dtype=torch.uint8, pin_memory=True)
-        for start in range(0, nbytes, step):
+        bufs = _pinned_pair(min(step, nbytes))
+        stream = torch.cuda.current_stream(t.device)
+        pending = []
+        for i, start in enumerate(range(0, nbytes, step)):
             n = min(step, nbytes - start)
-            host = self._pinned[:n]
-            host.copy_(flat[start : start + n])
-            self.write_ptr(host.data_ptr(), n)
+            host = bufs[i % 2][:n]
+            with torch.cuda.stream(stream):
+                host.copy_(flat[start : start + n], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            pending.append((host, done))
+            if len(pending) == 2:
+                h, e = pending.pop(0)
+                e.synchronize()
+                self.write_ptr(h.data_ptr(), h.numel())
+        for h, e in pending:
+            e.synchronize()
+            self.write_ptr(h.data_ptr(), h.numel())
         return "bounce"
 
     def flush(self):
@@ -244,6 +259,21 @@ class Writer:
 
     def __del__(self):
         self.abort()
+
+
+_pinned = threading.local()
+
+
+def _pinned_pair(nbytes):
+    """Two pinned host buffers of at least `nbytes` each, kept per thread (pinning memory is
+    expensive: it is done once, not per tensor)."""
+    import torch
+
+    pair = getattr(_pinned, "pair", None)
+    if pair is None or pair[0].numel() < nbytes:
+        pair = tuple(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+        _pinned.pair = pair
+    return pair
 
 
 def fsync_dir(path):
