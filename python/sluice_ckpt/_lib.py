@@ -324,6 +324,38 @@ def commit(tag, sluice=None, timeout=300):
         )
     p = subprocess.run([cli, "ckpt", "commit", tag], capture_output=True, text=True, timeout=timeout)
     said = (p.stdout + p.stderr).strip()
-    if p.returncode != 0:
-        raise SluiceError(errno.EIO, f"sluice ckpt commit {tag} exited {p.returncode}: {said}")
-    return said
+    if p.returncode == 0:
+        return said
+    # The agent may have committed the tag itself in the meantime, from DCP's .metadata signal,
+    # and archived it (or, on a multi-node job, be waiting for the other nodes' parts): it then
+    # refuses a second commit of a tag it holds as immutable. That is this save's commit, done.
+    # A tag the archive holds with other content stays an error (its state is "refused").
+    state = _agent_state(cli, tag, timeout)
+    if state in _COMMITTED_STATES:
+        return f"{tag} is already committed ({state}): {said}"
+    raise SluiceError(errno.EIO, f"sluice ckpt commit {tag} exited {p.returncode}: {said}")
+
+
+#: What `sluice ckpt list --json` says of a tag whose commit the agent holds and works on or did.
+_COMMITTED_STATES = {
+    "committed",
+    "archiving",
+    "waiting-for-nodes",
+    "waiting_for_nodes",
+    "retrying",
+    "archived",
+}
+
+
+def _agent_state(cli, tag, timeout):
+    """This job's `tag` as the node's agent lists it (its state), or None."""
+    import json
+
+    try:
+        p = subprocess.run([cli, "ckpt", "list", "--json"], capture_output=True, text=True, timeout=timeout)
+        for c in json.loads(p.stdout).get("ckpts", []):
+            if c.get("tag") == tag:
+                return c.get("state")
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return None

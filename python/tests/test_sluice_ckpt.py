@@ -59,9 +59,11 @@ class Base(unittest.TestCase):
         self.log = os.path.join(self.dir, "commits.log")
         self.cli = os.path.join(self.dir, "sluice")
         with open(self.cli, "w") as f:
+            # `ckpt list --json` answers $AGENT_STATE for every tag it is asked about.
             f.write(
                 "#!/bin/sh\n"
                 f'echo "$@" >> {self.log}\n'
+                'if [ "$2" = list ]; then echo "{\\"ckpts\\": [{\\"tag\\": \\"$LIST_TAG\\", \\"state\\": \\"$AGENT_STATE\\"}]}"; exit 0; fi\n'
                 '[ -n "$FAIL_COMMIT" ] && { echo "sluice: commit refused: $FAIL_COMMIT" >&2; exit 1; }\n'
                 'echo "committed $3"\n'
             )
@@ -73,9 +75,11 @@ class Base(unittest.TestCase):
             "SLURM_JOB_ID": "4242",
             "SLUICE_CLI": self.cli,
         }
-        saved = {k: os.environ.get(k) for k in list(self.env) + ["FAIL_COMMIT"]}
+        extra = ["FAIL_COMMIT", "AGENT_STATE", "LIST_TAG"]
+        saved = {k: os.environ.get(k) for k in list(self.env) + extra}
         os.environ.update(self.env)
-        os.environ.pop("FAIL_COMMIT", None)
+        for k in extra:
+            os.environ.pop(k, None)
 
         def restore():
             for k, v in saved.items():
@@ -139,6 +143,23 @@ class DcpTests(Base):
             dcp.save(state(3), storage_writer=sluice_ckpt.SluiceWriter("step-300"))
         self.assertIn("sluice ckpt commit step-300 exited 1", str(e.exception))
         self.assertIn("hot tier full", str(e.exception))
+
+    def test_a_tag_the_agent_already_committed_from_the_metadata_signal_is_this_saves_commit(self):
+        # The agent saw DCP's .metadata first and archived the tag (or waits for the job's other
+        # nodes): it refuses the second commit as immutable, and the save still succeeds.
+        os.environ.update(FAIL_COMMIT="step-310 is archived; archives are immutable", LIST_TAG="step-310")
+        for agent_state in ("archived", "waiting-for-nodes"):
+            os.environ["AGENT_STATE"] = agent_state
+            w = sluice_ckpt.SluiceWriter("step-310")
+            dcp.save(state(6), storage_writer=w)
+            self.assertIn(f"already committed ({agent_state})", w.commit_output)
+        # Refused (the archive holds the tag with other content): the save fails.
+        os.environ["AGENT_STATE"] = "refused"
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        with self.assertRaises((sluice_ckpt.SluiceError, CheckpointException)) as e:
+            dcp.save(state(7), storage_writer=sluice_ckpt.SluiceWriter("step-310"))
+        self.assertIn("archives are immutable", str(e.exception))
 
     def test_outside_a_slurm_job_nothing_is_committed(self):
         os.environ.pop("SLURM_JOB_ID")
