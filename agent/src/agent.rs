@@ -1030,14 +1030,20 @@ impl Agent {
         };
         match request {
             Request::CacheList { prefix, entries } => {
+                let mut listed = if entries {
+                    cache.entries(prefix.as_deref())
+                } else {
+                    Vec::new()
+                };
+                let left_out = listed
+                    .len()
+                    .saturating_sub(sluice_proto::msg::CACHE_LIST_LIMIT);
+                listed.truncate(sluice_proto::msg::CACHE_LIST_LIMIT);
                 Response::Cache(sluice_proto::msg::CacheListing {
                     node: self.cfg.node.clone(),
                     stats: cache.stats(),
-                    entries: if entries {
-                        cache.entries(prefix.as_deref())
-                    } else {
-                        Vec::new()
-                    },
+                    entries: listed,
+                    left_out: left_out as u64,
                 })
             }
             Request::CacheEvict { prefix, dry_run } => {

@@ -152,7 +152,7 @@ fn copy_file(
     let (give_back, free) = sync_channel::<AlignedBuf>(2);
     for b in bufs.iter_mut() {
         give_back
-            .send(std::mem::replace(b, AlignedBuf::empty()))
+            .send(std::mem::take(b))
             .expect("the channel holds two");
     }
     let mut hasher = blake3::Hasher::new();

@@ -114,6 +114,7 @@ mod tests {
                 ..CacheStats::default()
             },
             entries: Vec::new(),
+            left_out: 0,
         };
         let v = serde_json::to_value(StatsReport::from(listing)).unwrap();
         assert_eq!(v["hit_ratio"], 0.75);
@@ -123,6 +124,7 @@ mod tests {
             node: "n1".into(),
             stats: CacheStats::default(),
             entries: Vec::new(),
+            left_out: 0,
         });
         assert!(serde_json::to_value(none).unwrap()["hit_ratio"].is_null());
     }

@@ -257,6 +257,7 @@ pub fn cache_listing() -> CacheListing {
             entry("s3://datasets/imagenet/train.tar", 30 * GIB, 20, false),
             entry("az://models/llama-8b/model.safetensors", GIB, 42, true),
         ],
+        left_out: 0,
     }
 }
 
@@ -269,6 +270,8 @@ pub fn cache_warmed() -> CacheWarmed {
         bytes: 10 * GIB,
         cached_files: 500,
         cached_bytes: 4 * GIB,
+        filled_files: 499,
+        filled_bytes: 6 * GIB,
         skipped: vec![
             "s3://datasets/imagenet/all.tar: 120.0 GiB is larger than the cache (100.0 GiB)".into(),
         ],

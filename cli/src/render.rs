@@ -692,6 +692,12 @@ pub fn cache_list(l: &CacheListing, prefix: Option<&str>) -> String {
         })
         .collect();
     out.push_str(&table(&["URL", "SIZE", "LAST USE", "IN USE"], &rows));
+    if l.left_out > 0 {
+        out.push_str(&format!(
+            "\n... and {} not shown (a prefix narrows the listing)\n",
+            entries(l.left_out)
+        ));
+    }
     if let Some(p) = prefix {
         let size = l.entries.iter().fold(0u64, |a, e| a.saturating_add(e.size));
         out.push_str(&format!(
@@ -745,25 +751,20 @@ pub fn cache_stats(l: &CacheListing) -> String {
 
 /// `sluice cache warm URL`: the dataset's objects, which of them were cached before (nothing read),
 /// which were not (read from the origin into the cache), and which of those could not be cached
-/// and why. The agent counts the skipped objects in `files`/`bytes`, not in `cached_*`.
+/// and why.
 pub fn cache_warmed(w: &CacheWarmed) -> String {
-    let but = if w.skipped.is_empty() {
-        ""
-    } else {
-        ", but for the skipped ones"
-    };
     let mut out = format!(
         "warmed {} on {}: {} object(s), {}\n  \
            cached before  {} object(s), {} (nothing read)\n  \
-           new            {} object(s), {}, read from the origin into the cache{but}\n",
+           new            {} object(s), {}, read from the origin into the cache\n",
         clean(&w.url),
         clean(&w.node),
         w.files,
         bytes(w.bytes),
         w.cached_files,
         bytes(w.cached_bytes),
-        w.files.saturating_sub(w.cached_files),
-        bytes(w.bytes.saturating_sub(w.cached_bytes)),
+        w.filled_files,
+        bytes(w.filled_bytes),
     );
     if !w.skipped.is_empty() {
         out.push_str(&format!(
@@ -1312,6 +1313,16 @@ az://models/llama-8b/model.safetensors  1.0 GiB   2026-05-01T10:42:00Z  yes
 IN USE yes: a job is reading it right now; it is not evicted until the job is done.
 ";
         assert_eq!(cache_list(&fixtures::cache_listing(), None), want);
+        // More than one answer holds: the agent says how many it left out.
+        let mut l = fixtures::cache_listing();
+        l.left_out = 4321;
+        assert!(
+            cache_list(&l, None).contains(
+                "yes\n\n... and 4321 entries not shown (a prefix narrows the listing)\n"
+            ),
+            "{}",
+            cache_list(&l, None)
+        );
     }
 
     #[test]
@@ -1362,7 +1373,7 @@ cache on gpu07
         let want = "\
 warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB
   cached before  500 object(s), 4.0 GiB (nothing read)
-  new            500 object(s), 6.0 GiB, read from the origin into the cache, but for the skipped ones
+  new            499 object(s), 6.0 GiB, read from the origin into the cache
   skipped        1 object(s), not cached (jobs read them from the origin):
     s3://datasets/imagenet/all.tar: 120.0 GiB is larger than the cache (100.0 GiB)
 ";
@@ -1370,6 +1381,7 @@ warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB
         // Everything there already: nothing read, nothing skipped.
         let mut w = fixtures::cache_warmed();
         (w.cached_files, w.cached_bytes) = (w.files, w.bytes);
+        (w.filled_files, w.filled_bytes) = (0, 0);
         w.skipped.clear();
         assert!(
             cache_warmed(&w).ends_with(

@@ -170,7 +170,14 @@ pub struct CacheListing {
     pub stats: CacheStats,
     #[serde(default)]
     pub entries: Vec<CacheEntry>,
+    /// Entries that matched and are not in `entries` (one answer holds at most
+    /// [`CACHE_LIST_LIMIT`]; a prefix narrows the listing).
+    #[serde(default)]
+    pub left_out: u64,
 }
+
+/// The most entries one [`CacheListing`] carries (each is a few hundred bytes of a 1 MiB frame).
+pub const CACHE_LIST_LIMIT: usize = 2000;
 
 /// [`Request::CacheWarm`]'s answer: the dataset's objects, and how many were cached already.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -182,6 +189,11 @@ pub struct CacheWarmed {
     /// Of `files`/`bytes`: what was in the cache already (nothing read from the origin).
     pub cached_files: u64,
     pub cached_bytes: u64,
+    /// Of `files`/`bytes`: read from the origin into the cache now. What is in neither was skipped.
+    #[serde(default)]
+    pub filled_files: u64,
+    #[serde(default)]
+    pub filled_bytes: u64,
     /// Objects that could not be cached (larger than the cache, or the cache is full of entries
     /// in use), with why.
     #[serde(default)]

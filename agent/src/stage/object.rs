@@ -860,7 +860,7 @@ pub(super) async fn stage(
 /// What `sluice cache warm` did with one object.
 enum Warmed {
     Cached(u64),
-    Filled,
+    Filled(u64),
     Skipped(String),
 }
 
@@ -891,7 +891,7 @@ impl Fetcher {
         self.clone().fill_plain(&dest, &rel, meta).await?;
         drop(dest);
         Ok(if blocking(move || fill.commit()).await {
-            Warmed::Filled
+            Warmed::Filled(size)
         } else {
             Warmed::Skipped(format!(
                 "{rel}: the cache entry could not be written (see the agent's log)"
@@ -952,6 +952,8 @@ pub(super) async fn warm(
         bytes: 0,
         cached_files: 0,
         cached_bytes: 0,
+        filled_files: 0,
+        filled_bytes: 0,
         skipped: Vec::new(),
     };
     let mut tasks: JoinSet<Result<Warmed, StageError>> = JoinSet::new();
@@ -961,7 +963,10 @@ pub(super) async fn warm(
                 out.cached_files += 1;
                 out.cached_bytes += n;
             }
-            Warmed::Filled => {}
+            Warmed::Filled(n) => {
+                out.filled_files += 1;
+                out.filled_bytes += n;
+            }
             Warmed::Skipped(why) => out.skipped.push(why),
         }
         Ok::<_, StageError>(())
