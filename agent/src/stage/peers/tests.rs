@@ -596,3 +596,69 @@ async fn tampering_relay(upstream: String) -> String {
     });
     addr
 }
+
+/// Where a failed fetch goes next, for both stagers: a corrupt unit is fetched once more from the
+/// same node, then that node is routed around (with the job's note) and the unit goes to its next
+/// owner; an unreachable node is routed around at once; a node that does not own the unit sends
+/// this node to the origin, with a note; a write this node could not do fails the unit.
+#[tokio::test]
+async fn a_failed_fetch_goes_where_the_rules_say() {
+    let (mut ls, addrs) = listeners().await;
+    let n1 = node("n1", ls.remove(0), &addrs).await;
+    let peers = n1.peers.join(JOB, &job_nodes(), me(), 1).unwrap();
+    // A unit n2 owns among all three, whose next owner among n1 and n3 is n3.
+    let unit = (0..1000)
+        .map(|i| Unit {
+            file: format!("ds/f{i}"),
+            offset: 0,
+            len: 10,
+        })
+        .find(|u| {
+            let k = u.key();
+            let all = job_nodes();
+            let rest = vec!["n1".to_string(), "n3".to_string()];
+            all[owner_of(&k, &all)] == "n2" && rest[owner_of(&k, &rest)] == "n3"
+        })
+        .expect("such a unit among a thousand");
+    assert_eq!(peers.route(&unit).as_deref(), Some("n2"));
+    let corrupt = PeerError::Corrupt {
+        addr: "a".into(),
+        unit: unit.key(),
+        what: "hash".into(),
+    };
+    let mut once = None;
+    let next = |e: &PeerError, from: &str, once: &mut Option<String>| {
+        peers.next_after(&unit, from, e, once, "s3://b/ds")
+    };
+    assert_eq!(next(&corrupt, "n2", &mut once), NextStep::From("n2".into()));
+    assert_eq!(next(&corrupt, "n2", &mut once), NextStep::From("n3".into()));
+    assert_eq!(peers.alive_nodes(), ["n1", "n3"]);
+    assert!(
+        peers
+            .notes()
+            .iter()
+            .any(|n| n.contains("data from node n2 failed its checksum twice")),
+        "{:?}",
+        peers.notes()
+    );
+    let unreachable = PeerError::Unreachable {
+        addr: "a".into(),
+        source: "connection refused".into(),
+    };
+    assert_eq!(next(&unreachable, "n3", &mut once), NextStep::Origin);
+    assert_eq!(peers.alive_nodes(), ["n1"], "n3 routed around too");
+    let not_owner = PeerError::NotOwner {
+        addr: "a".into(),
+        job: JOB,
+        unit: unit.key(),
+    };
+    assert_eq!(next(&not_owner, "n3", &mut once), NextStep::Origin);
+    let sink = PeerError::Sink {
+        unit: unit.key(),
+        source: "No space left on device".into(),
+    };
+    assert!(
+        matches!(next(&sink, "n3", &mut once), NextStep::Fail(why) if why.contains("No space"))
+    );
+    n1.stop.cancel();
+}
