@@ -6,7 +6,7 @@
 //! owners, through the same budget buffers; a unit its owner cannot serve is taken from the next
 //! owner, or read from the origin (see `unit_from_peers` for which answer leads where).
 
-use super::peers::Trouble;
+use super::peers::{Trouble, error_chain};
 use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
 use crate::cache::{Cache, Fill, Hit, Key};
@@ -547,7 +547,7 @@ impl Fetcher {
                 Err(e) => e,
             };
             self.uncount(written, &self.progress.peer_bytes);
-            let why = with_causes(&e);
+            let why = error_chain(&e);
             match e {
                 PeerError::Sink { .. } => {
                     let e = sink_error.unwrap_or_else(|| StageError::HotTier {
@@ -1066,21 +1066,6 @@ async fn write_manifest(
     })
     .await;
     written.map_err(|(errno, detail)| fetcher.hot_error(&name, errno, detail))
-}
-
-/// `e` and its causes, `: `-separated ("unreachable: client error: connection refused"), for the
-/// log and the job's notes.
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let next = c.to_string();
-        if !text.contains(&next) {
-            text = format!("{text}: {next}");
-        }
-        cause = c.source();
-    }
-    text
 }
 
 /// Tells the job's peers that one of its datasets is staged here, when dropped.
