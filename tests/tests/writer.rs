@@ -38,6 +38,10 @@ import sluice_ckpt
 phase, work = sys.argv[1], sys.argv[2]
 ckpt = os.environ["SLUICE_CKPT_DIR"]
 report = {"phase": phase, "errors": [], "ckpt_dir_entries": sorted(os.listdir(ckpt))}
+with open("/proc/self/mountinfo") as f:
+    mounts = [l.split() for l in f]
+best = max((m for m in mounts if ckpt.startswith(m[4])), key=lambda m: len(m[4]))
+report["ckpt_fs"] = best[best.index("-") + 1]
 
 def build(seed):
     torch.manual_seed(seed)
@@ -165,6 +169,8 @@ struct Run {
     python: PathBuf,
     cli: PathBuf,
     archive: Archive,
+    /// `--ckpt-tier=ram` for both jobs.
+    ram: bool,
 }
 
 impl Run {
@@ -182,6 +188,9 @@ impl Run {
         let mut opts = vec!["-N1", archive.as_str(), name.as_str()];
         if restore {
             opts.push("--ckpt-restore=latest");
+        }
+        if self.ram {
+            opts.push("--ckpt-tier=ram");
         }
         let job = self.cluster.submit(&self.work, &opts, &script);
         let end = self.cluster.wait_end(&job, JOB_TIMEOUT);
@@ -206,6 +215,19 @@ impl Run {
 #[test]
 #[ignore = "needs the test cluster (tests/harness/run-e2e.sh)"]
 fn writer_dcp_save_through_sluice_writer_is_archived_and_restores_tensor_equal() {
+    save_archive_restore(false);
+}
+
+/// Issue 13's end-to-end case: the same save and restore with `--ckpt-tier=ram` — the save lands on
+/// the job's tmpfs, the agent flushes it to the NVMe hot tier and archives it from there, and the
+/// restore job (on the RAM tier too) loads it tensor-equal.
+#[test]
+#[ignore = "needs the test cluster (tests/harness/run-e2e.sh)"]
+fn writer_dcp_save_on_the_ram_tier_is_flushed_archived_and_restores_tensor_equal() {
+    save_archive_restore(true);
+}
+
+fn save_archive_restore(ram: bool) {
     let cluster = Cluster::for_sluice();
     let python = cluster.torch_python();
     let work = cluster.workdir("writer");
@@ -216,10 +238,34 @@ fn writer_dcp_save_through_sluice_writer_is_archived_and_restores_tensor_equal()
         cluster,
         work,
         python,
+        ram,
     };
 
     // 1. Save through SluiceWriter; the writer commits, the agent archives.
     let (job, saved) = run.job("save", false);
+    let want_fs = if ram { Some("tmpfs") } else { None };
+    if let Some(fs) = want_fs {
+        assert_eq!(
+            saved["ckpt_fs"].as_str(),
+            Some(fs),
+            "$SLUICE_CKPT_DIR of a --ckpt-tier=ram job\n{}",
+            run.cluster.evidence(&job)
+        );
+        // Archived from the hot tier, where the flush put it.
+        let node = run.cluster.job_nodes(&job).remove(0);
+        let flushed = run
+            .cluster
+            .hot_root(&node)
+            .join(format!("jobs/{}/ckpt/{TAG}/.metadata", job.id));
+        assert!(
+            flushed.is_file(),
+            "no flushed copy at {}\n{}",
+            flushed.display(),
+            run.cluster.evidence(&job)
+        );
+    } else {
+        assert_ne!(saved["ckpt_fs"].as_str(), Some("tmpfs"));
+    }
     let ev = || run.cluster.evidence(&job);
     let wrote: BTreeSet<String> = saved["files"]
         .as_object()
