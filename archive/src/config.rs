@@ -135,6 +135,7 @@ struct RawAgent {
     squeue: Option<String>,
     drain_timeout: Option<String>,
     log_format: Option<String>,
+    memory: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -264,6 +265,27 @@ pub struct Config {
     pub cache: Option<CacheConfig>,
     /// The RAM tier for `--ckpt-tier=ram`; `None` = none on this node (such jobs are refused).
     pub fast_tier: Option<FastTierConfig>,
+    /// `[agent] memory`: the node's budget of data buffers, which stage-in's download buffers
+    /// (`stage.memory`) and a checkpoint archive's in-flight buffers (chunks being compressed,
+    /// parts being uploaded: [`Config::archive_memory`]) are both drawn from; parsing refuses a
+    /// `[stage]`/`[ckpt]` whose sum exceeds it. `None` = not set (no check).
+    pub memory: Option<u64>,
+}
+
+impl Config {
+    /// The most bytes of buffers one checkpoint upload holds at once under `[ckpt]`'s
+    /// `part_size` and `concurrency` (and the default chunk size and compress threads).
+    pub fn archive_memory(&self) -> u64 {
+        archive_memory(&self.ckpt)
+    }
+}
+
+fn archive_memory(ckpt: &CkptConfig) -> u64 {
+    crate::upload::in_flight_bound(&crate::ArchiveConfig {
+        part_size: ckpt.part_size,
+        concurrency: ckpt.concurrency,
+        ..crate::ArchiveConfig::default()
+    })
 }
 
 /// `[fast_tier]`: checkpoints saved at memory speed. Each `--ckpt-tier=ram` job gets its own
@@ -717,6 +739,16 @@ pub(crate) fn within<T: PartialOrd + std::fmt::Display>(
 }
 
 /// Parses a size such as `16MiB`, `1GB`, `4096`.
+/// A size as this file writes sizes, in MiB (fractions to 0.1 MiB).
+fn mib(bytes: u64) -> String {
+    let m = bytes as f64 / (1u64 << 20) as f64;
+    if m.fract() == 0.0 {
+        format!("{m:.0}MiB")
+    } else {
+        format!("{m:.1}MiB")
+    }
+}
+
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
@@ -841,7 +873,7 @@ impl Config {
                 ))
             }
         };
-        let stage = StageConfig {
+        let mut stage = StageConfig {
             concurrency: raw.stage.concurrency.unwrap_or(16),
             part_size: raw
                 .stage
@@ -955,8 +987,32 @@ impl Config {
                 ));
             }
         }
+        let memory = raw.agent.memory.as_deref().map(parse_size).transpose()?;
+        if let Some(budget) = memory {
+            let archive = archive_memory(&ckpt);
+            // Unset, stage.memory takes its default from what the archive leaves of the budget.
+            if raw.stage.memory.is_none() {
+                stage.memory = stage
+                    .memory
+                    .min(budget.saturating_sub(archive))
+                    .max(stage.concurrency as u64 * (64 << 10));
+            }
+            if stage.memory + archive > budget {
+                return Err(format!(
+                    "agent.memory ({}) is the node's budget of data buffers and must hold stage.memory ({}) \
+                     plus a checkpoint upload's buffers ({} for ckpt.part_size = {} and ckpt.concurrency = {}): \
+                     raise agent.memory, or lower stage.memory, ckpt.part_size or ckpt.concurrency",
+                    mib(budget),
+                    mib(stage.memory),
+                    mib(archive),
+                    mib(ckpt.part_size),
+                    ckpt.concurrency,
+                ));
+            }
+        }
         let retry = retry_config(&raw.retry)?;
         Ok(Config {
+            memory,
             node: node.to_string(),
             log_format: match raw.agent.log_format.as_deref() {
                 None | Some("text") => LogFormat::Text,
@@ -1042,6 +1098,49 @@ mod tests {
         assert_eq!(c.stage.allow.len(), 3);
         // The example spells out object_store's defaults.
         assert_default_retry(&c);
+    }
+
+    #[test]
+    fn the_memory_budget_bounds_stage_and_archive_buffers() {
+        let cfg = |agent: &str, rest: &str| {
+            Config::parse(
+                &format!(
+                    "[agent]\nsocket='/s'\nstate_dir='/st'\n{agent}[hot_tier]\nroot='/h'\n{rest}"
+                ),
+                "n1",
+            )
+        };
+        // Not set: no budget, stage.memory as before.
+        let c = cfg("", "").unwrap();
+        assert_eq!((c.memory, c.stage.memory), (None, 32 << 20));
+        // The defaults: 5 part buffers of 16MiB, and 3 chunk buffers per compress thread plus 4.
+        let archive = c.archive_memory();
+        let threads = crate::ArchiveConfig::default().compress_threads as u64;
+        assert_eq!(archive, (80 << 20) + (3 * threads + 4) * ((4 << 20) + 16));
+        let c = cfg("memory='256MiB'\n", "").unwrap();
+        assert_eq!((c.memory, c.stage.memory), (Some(256 << 20), 32 << 20));
+        assert!(c.stage.memory + c.archive_memory() <= 256 << 20);
+        // A tight budget: an unset stage.memory gets what the archive leaves.
+        let mib = archive.div_ceil(1 << 20) + 8;
+        let c = cfg(&format!("memory='{mib}MiB'\n"), "").unwrap();
+        assert_eq!(c.stage.memory + c.archive_memory(), mib << 20);
+        // Set explicitly, their sum must fit: the message names what to change.
+        let e = cfg(&format!("memory='{mib}MiB'\n"), "[stage]\nmemory='32MiB'\n").unwrap_err();
+        assert!(e.contains(&format!("agent.memory ({mib}MiB)")), "{e}");
+        assert!(e.contains("stage.memory (32MiB)"), "{e}");
+        assert!(
+            e.contains("ckpt.part_size = 16MiB and ckpt.concurrency = 8"),
+            "{e}"
+        );
+        // Smaller parts fit the same budget.
+        let c = cfg(
+            &format!("memory='{mib}MiB'\n"),
+            "[stage]\nmemory='32MiB'\n[ckpt]\npart_size='8MiB'\n",
+        )
+        .unwrap();
+        assert!(c.stage.memory + c.archive_memory() <= mib << 20);
+        let e = cfg("memory='lots'\n", "").unwrap_err();
+        assert!(e.contains("lots"), "{e}");
     }
 
     #[test]

@@ -344,16 +344,17 @@ fn header(codec: Codec, transform: Transform, raw_len: usize, payload_len: usize
     h
 }
 
-fn stored_frame(raw: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(HEADER_LEN + raw.len());
-    v.extend_from_slice(&header(
+/// Writes `raw` as a stored frame into `out` (cleared first).
+fn stored_frame_into(raw: &[u8], out: &mut Vec<u8>) {
+    out.clear();
+    out.reserve(HEADER_LEN + raw.len());
+    out.extend_from_slice(&header(
         Codec::Stored,
         Transform::None,
         raw.len(),
         raw.len(),
     ));
-    v.extend_from_slice(raw);
-    v
+    out.extend_from_slice(raw);
 }
 
 thread_local! {
@@ -446,45 +447,39 @@ fn zstd_decode_append(input: &[u8], len: usize, out: &mut Vec<u8>) -> Result<(),
     Ok(())
 }
 
-/// Encodes grouped planes one by one (codec 2): a plane whose [`PROBE_LEN`] prefix zstd does not
-/// shrink by 2% is stored without compressing the rest. `None` when the frame would not be smaller
+/// Encodes grouped planes one by one (codec 2) into `out` (cleared first): a plane whose
+/// [`PROBE_LEN`] prefix zstd does not shrink by 2% is stored without compressing the rest. `grouped`
+/// is scratch for the planes. `false` (and `out` unspecified) when the frame would not be smaller
 /// than the raw chunk.
-fn planes_frame(raw: &[u8], transform: Transform, level: i32) -> Option<Vec<u8>> {
-    let width = transform.width();
-    let n = raw.len() / width;
-    GROUPED.with_borrow_mut(|grouped| {
-        // Reused: no zeroing when it already has this length.
-        grouped.truncate(n * width);
-        grouped.resize(n * width, 0);
-        let mut planes: Vec<&mut [u8]> = grouped.chunks_exact_mut(n.max(1)).collect();
-        split_planes(&raw[..n * width], &mut planes);
-        planes_frame_of(raw, grouped, transform, level)
-    })
-}
-
-/// [`planes_frame`] once `raw`'s whole elements are `grouped`.
-fn planes_frame_of(
+fn planes_frame_into(
     raw: &[u8],
-    grouped: &[u8],
     transform: Transform,
     level: i32,
-) -> Option<Vec<u8>> {
+    grouped: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+) -> bool {
     let width = transform.width();
     let n = raw.len() / width;
+    // Reused: no zeroing when it already has this length.
+    grouped.truncate(n * width);
+    grouped.resize(n * width, 0);
+    let mut planes: Vec<&mut [u8]> = grouped.chunks_exact_mut(n.max(1)).collect();
+    split_planes(&raw[..n * width], &mut planes);
     let bound = zstd::zstd_safe::compress_bound(n);
-    let mut out = Vec::with_capacity(HEADER_LEN + width * (PLANE_ENTRY + bound) + width);
+    out.clear();
+    out.reserve(HEADER_LEN + width * (PLANE_ENTRY + bound) + width);
     out.resize(HEADER_LEN + width * PLANE_ENTRY, 0);
-    let mut probe = Vec::with_capacity(zstd::zstd_safe::compress_bound(PROBE_LEN));
     for k in 0..width {
         let plane = &grouped[k * n..(k + 1) * n];
-        let noise = plane.len() > PROBE_LEN && {
-            probe.clear();
-            zstd_append(&plane[..PROBE_LEN], level, true, &mut probe)
-                .is_none_or(|len| len * 100 > PROBE_LEN * 98)
-        };
+        // The probe is compressed into the spare room after `out`'s end, then dropped.
+        let at = out.len();
+        let noise = plane.len() > PROBE_LEN
+            && zstd_append(&plane[..PROBE_LEN], level, true, out)
+                .is_none_or(|len| len * 100 > PROBE_LEN * 98);
+        out.truncate(at);
         let start = out.len();
         let mut codec = Codec::Stored;
-        if !noise && let Some(len) = zstd_append(plane, level, true, &mut out) {
+        if !noise && let Some(len) = zstd_append(plane, level, true, out) {
             if len < plane.len() {
                 codec = Codec::Zstd;
             } else {
@@ -502,52 +497,70 @@ fn planes_frame_of(
     out.extend_from_slice(&raw[n * width..]);
     let payload = out.len() - HEADER_LEN;
     if payload >= raw.len() {
-        return None;
+        return false;
     }
     out[..HEADER_LEN].copy_from_slice(&header(Codec::ZstdPlanes, transform, raw.len(), payload));
-    Some(out)
+    true
 }
 
 /// Encodes one chunk as `compression` says; a chunk that zstd does not shrink is stored raw. A
 /// grouping transform writes a plane-wise frame (codec 2). Blocking (zstd): call from a blocking
 /// thread.
 pub fn encode_chunk(raw: &[u8], compression: FileCompression) -> Frame {
-    assert!(
-        raw.len() <= MAX_CHUNK,
-        "chunk larger than the format allows"
-    );
-    let mut frame = None;
-    if compression.codec != Codec::Stored && !raw.is_empty() {
-        frame = match compression.transform {
-            Transform::None => {
-                let mut buf =
-                    Vec::with_capacity(HEADER_LEN + zstd::zstd_safe::compress_bound(raw.len()));
-                buf.resize(HEADER_LEN, 0);
-                zstd_append(raw, compression.level, false, &mut buf)
-                    .filter(|n| *n < raw.len())
-                    .map(|n| {
-                        buf[..HEADER_LEN].copy_from_slice(&header(
-                            Codec::Zstd,
-                            Transform::None,
-                            raw.len(),
-                            n,
-                        ));
-                        (buf, Codec::Zstd, Transform::None)
-                    })
-            }
-            t => planes_frame(raw, t, compression.level).map(|f| (f, Codec::ZstdPlanes, t)),
-        };
-    }
-    let (bytes, codec, transform) =
-        frame.unwrap_or_else(|| (stored_frame(raw), Codec::Stored, Transform::None));
-    let blake3 = blake3::hash(&bytes);
+    let mut out = Vec::new();
+    let (codec, transform) =
+        GROUPED.with_borrow_mut(|grouped| encode_chunk_into(raw, compression, grouped, &mut out));
+    let blake3 = blake3::hash(&out);
     Frame {
-        bytes: bytes.into(),
+        bytes: out.into(),
         raw_len: raw.len() as u64,
         codec,
         transform,
         blake3,
     }
+}
+
+/// [`encode_chunk`] into the caller's buffers, reused from chunk to chunk (a pipeline that
+/// allocates a fresh frame per chunk makes the allocator's arenas grow): the frame (header and
+/// payload) into `out`, cleared first; `grouped` is scratch for a grouping transform's planes.
+/// Returns the frame's codec and transform; hashing the frame is the caller's.
+pub fn encode_chunk_into(
+    raw: &[u8],
+    compression: FileCompression,
+    grouped: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+) -> (Codec, Transform) {
+    assert!(
+        raw.len() <= MAX_CHUNK,
+        "chunk larger than the format allows"
+    );
+    if compression.codec != Codec::Stored && !raw.is_empty() {
+        match compression.transform {
+            Transform::None => {
+                out.clear();
+                out.reserve(HEADER_LEN + zstd::zstd_safe::compress_bound(raw.len()));
+                out.resize(HEADER_LEN, 0);
+                if let Some(n) = zstd_append(raw, compression.level, false, out)
+                    && n < raw.len()
+                {
+                    out[..HEADER_LEN].copy_from_slice(&header(
+                        Codec::Zstd,
+                        Transform::None,
+                        raw.len(),
+                        n,
+                    ));
+                    return (Codec::Zstd, Transform::None);
+                }
+            }
+            t => {
+                if planes_frame_into(raw, t, compression.level, grouped, out) {
+                    return (Codec::ZstdPlanes, t);
+                }
+            }
+        }
+    }
+    stored_frame_into(raw, out);
+    (Codec::Stored, Transform::None)
 }
 
 /// What the manifest says a frame must be.

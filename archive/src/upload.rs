@@ -108,6 +108,22 @@ fn part_buffers(concurrency: usize) -> usize {
     concurrency.div_ceil(2) + 1
 }
 
+/// The most bytes of buffers one upload holds at once with `cfg`, whatever the files: its part
+/// buffers ([`part_buffers`] of `part_size`), and the chunk buffers of the pipeline — raw chunks
+/// (the one being read, two in the channel, one per encoder), the encoders' plane scratch, and
+/// frames (one per encoder and the one being copied into a part). Objects above
+/// `part_size × MAX_PARTS` stored bytes raise their part size (see [`part_size_for`]) and this
+/// bound with it. The config's node memory budget (`[agent] memory`) is checked against it.
+pub(crate) fn in_flight_bound(cfg: &super::ArchiveConfig) -> u64 {
+    let threads = cfg.compress_threads.max(1) as u64;
+    let chunk = cfg.chunk_size as u64;
+    let raw = threads + 3;
+    let scratch = threads;
+    let frames = threads + 1;
+    part_buffers(cfg.concurrency) as u64 * cfg.part_size
+        + (raw + scratch + frames) * (chunk + format::HEADER_LEN as u64)
+}
+
 /// An object's last piece small enough to be copied out of its part buffer (which then returns to
 /// the pool at once).
 fn small_piece(len: usize, part_size: u64) -> bool {
@@ -134,6 +150,67 @@ impl RawBuffers {
     fn give(&self, buf: Vec<u8>) {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
     }
+
+    /// A buffer as it was given back (its length and contents unspecified), for code that clears
+    /// or resizes it itself.
+    fn take_any(&self) -> Vec<u8> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default()
+    }
+}
+
+/// An encoded frame's bytes in a buffer of the upload's frame pool, back to the pool when the
+/// assembler has copied it into a part buffer and drops it.
+struct FrameBuf {
+    buf: Vec<u8>,
+    pool: RawBuffers,
+}
+
+impl AsRef<[u8]> for FrameBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for FrameBuf {
+    fn drop(&mut self) {
+        self.pool.give(std::mem::take(&mut self.buf));
+    }
+}
+
+/// Encodes one chunk on an encoder thread with the upload's reused buffers: the raw chunk goes
+/// back to `raw`, the planes' scratch to `scratch`, and the frame's buffer returns to `frames` once
+/// the frame is dropped. Each pool holds at most one buffer per chunk in flight, so the encoders
+/// allocate nothing per chunk in the steady state.
+fn encode_pooled(data: Vec<u8>, c: FileCompression, pools: &EncodePools) -> Frame {
+    let mut grouped = pools.scratch.take_any();
+    let mut out = pools.frames.take_any();
+    let (codec, transform) = format::encode_chunk_into(&data, c, &mut grouped, &mut out);
+    let blake3 = blake3::hash(&out);
+    let raw_len = data.len() as u64;
+    pools.raw.give(data);
+    pools.scratch.give(grouped);
+    Frame {
+        bytes: Bytes::from_owner(FrameBuf {
+            buf: out,
+            pool: pools.frames.clone(),
+        }),
+        raw_len,
+        codec,
+        transform,
+        blake3,
+    }
+}
+
+/// The buffers an upload's encoders reuse (see [`encode_pooled`]).
+#[derive(Clone, Default)]
+struct EncodePools {
+    raw: RawBuffers,
+    scratch: RawBuffers,
+    frames: RawBuffers,
 }
 
 /// The fixed pool of part buffers: `slots` of them exist at most, allocated on first use and then
@@ -913,7 +990,8 @@ impl Archiver {
         // If this future is dropped, the upload tasks stop and abort their multipart uploads.
         let _stop_tasks = cancel.clone().drop_guard();
         let (tx, rx) = mpsc::channel(2);
-        let raw = RawBuffers::default();
+        let pools = EncodePools::default();
+        let raw = pools.raw.clone();
         let reader = Reader {
             rt: tokio::runtime::Handle::current(),
             root: dir,
@@ -922,7 +1000,7 @@ impl Archiver {
             chunk_size: self.cfg.chunk_size as u64,
             level: self.cfg.zstd_level,
             tag: tag.into(),
-            raw: raw.clone(),
+            raw,
             tx,
         };
         let reader = tokio::task::spawn_blocking(move || reader.run());
@@ -930,7 +1008,7 @@ impl Archiver {
             rx.recv().await.map(|item| (item, rx))
         })
         .map(|item| {
-            let raw = raw.clone();
+            let pools = pools.clone();
             async move {
                 Ok::<_, ArchiveError>(match item? {
                     ReadItem::Start { index, compression } => Encoded::Start {
@@ -946,9 +1024,7 @@ impl Archiver {
                         let c = compression.await;
                         let (frame, hash) = blocking(move || {
                             let hash = hash.chunk(&data, offset);
-                            let frame = format::encode_chunk(&data, c);
-                            raw.give(data);
-                            (frame, hash)
+                            (encode_pooled(data, c, &pools), hash)
                         })
                         .await;
                         Encoded::Chunk(frame, hash)
@@ -1028,5 +1104,45 @@ mod tests {
         assert_eq!(c.buf.as_ptr(), a_ptr);
         assert!(c.buf.is_empty() && c.buf.capacity() >= 1 << 20);
         drop(b);
+    }
+
+    /// The encoders' reused buffers write the same frames as [`format::encode_chunk`], and a chunk
+    /// allocates nothing once its buffers have come back.
+    #[test]
+    fn pooled_encoding_writes_the_same_frames_and_reuses_its_buffers() {
+        use crate::synth::{bf16_weights, fp32_values};
+        let pools = EncodePools::default();
+        let level = 1;
+        let chunks = [
+            bf16_weights(100_000, 1),
+            fp32_values(50_001, 2),
+            vec![0u8; 70_000],
+            (0..=255u8).cycle().take(3000).collect(),
+            vec![],
+        ];
+        let mut seen = Vec::new();
+        for (i, raw) in chunks.iter().enumerate() {
+            let c = format::choose_compression(Some(raw), level);
+            let want = format::encode_chunk(raw, c);
+            let got = encode_pooled(raw.clone(), c, &pools);
+            assert_eq!(got.bytes, want.bytes, "chunk {i}");
+            assert_eq!(
+                (got.raw_len, got.codec, got.transform, got.blake3),
+                (want.raw_len, want.codec, want.transform, want.blake3)
+            );
+            seen.push(got.bytes.as_ptr());
+            drop(got);
+            // Raw chunk, scratch and frame are back: one of each.
+            assert_eq!(lock_len(&pools.frames), 1);
+            assert_eq!(lock_len(&pools.scratch), 1);
+            assert_eq!(lock_len(&pools.raw), 1);
+            let _ = pools.raw.take_any(); // the reader would take a new chunk's buffer
+        }
+        // Once large enough, the same frame buffer serves every chunk.
+        assert_eq!(seen[1], seen[2]);
+    }
+
+    fn lock_len(b: &RawBuffers) -> usize {
+        b.0.lock().unwrap().len()
     }
 }
