@@ -200,7 +200,7 @@ impl Agent {
     }
 
     /// Starts serving peers (the job's other nodes fetch units of its datasets from this node) and
-    /// shares the object-store datasets of multi-node jobs from now on. Call before
+    /// shares the datasets of multi-node jobs (object stores and POSIX sources) from now on. Call before
     /// [`Agent::recover`], so that recovered jobs are shared too.
     pub(crate) fn start_peers(&self, peers: NodePeers, service: crate::peer::PeerService) {
         if self.peers.set(peers).is_ok() {

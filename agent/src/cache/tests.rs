@@ -1,8 +1,10 @@
 use super::*;
 
+/// A config with a cache in `dir`; `min_free = 0`, so that how full the build machine's disk is
+/// decides nothing here.
 fn config(dir: &Path, cache: &str) -> Config {
     let text = format!(
-        "[agent]\nsocket='{d}/s'\nstate_dir='{d}/st'\n[hot_tier]\nroot='{d}/hot'\n[cache]\n{cache}\n",
+        "[agent]\nsocket='{d}/s'\nstate_dir='{d}/st'\n[hot_tier]\nroot='{d}/hot'\n[cache]\nmin_free=0\n{cache}\n",
         d = dir.display()
     );
     std::fs::create_dir_all(dir.join("hot")).unwrap();

@@ -6,11 +6,11 @@
 //! owners, through the same budget buffers; a unit its owner cannot serve is taken from the next
 //! owner, or read from the origin (see `unit_from_peers` for which answer leads where).
 
-use super::peers::{Trouble, error_chain};
+use super::peers::NextStep;
 use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
 use crate::cache::{Cache, Fill, Hit, Key};
-use crate::peer::{PeerError, Unit, UnitSink, units_of};
+use crate::peer::{Unit, UnitSink, units_of};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
@@ -511,19 +511,11 @@ impl Fetcher {
         }
     }
 
-    /// Fetches `unit` from `node`, its owner, and writes it at its offset. Which answer leads
-    /// where (docs/SECURITY.md, "Peer transfers"):
-    /// - the node cannot be used (unreachable or died mid-transfer, silent past the read timeout,
-    ///   does not know the job after the join grace, ended it, refused this node, still reading
-    ///   after the stage timeout): it is routed around for the rest of the job, and the unit goes
-    ///   to its next owner among the rest: another node, or this one, which then reads the origin;
-    /// - a corrupt unit (its hash or MAC does not verify): fetched again once from the same node,
-    ///   then that node is routed around like a lost one;
-    /// - the node says it does not own the unit, or its own origin read failed: this node reads
-    ///   the origin, with a note.
-    ///
-    /// Every origin read goes through the node's budget, so a lost node's units reach the origin
-    /// no faster than `stage.concurrency` requests at a time, whatever the number of waiting units.
+    /// Fetches `unit` from `node`, its owner, and writes it at its offset; where a failed fetch
+    /// leads (another owner, the same one once more, or the origin) is [`JobPeers::next_after`]'s
+    /// to say, as for POSIX datasets. Every origin read goes through the node's budget, so a lost
+    /// node's units reach the origin no faster than `stage.concurrency` requests at a time,
+    /// whatever the number of waiting units.
     async fn unit_from_peers(
         &self,
         file: &Arc<Dest>,
@@ -547,9 +539,12 @@ impl Fetcher {
                 Err(e) => e,
             };
             self.uncount(written, &self.progress.peer_bytes);
-            let why = error_chain(&e);
-            match e {
-                PeerError::Sink { .. } => {
+            match peers.next_after(&unit, &node, &e, &mut corrupt_once, &self.source) {
+                NextStep::From(next) => node = next,
+                NextStep::Origin => {
+                    return self.unit_from_origin_now(file, rel, location, &unit).await;
+                }
+                NextStep::Fail(why) => {
                     let e = sink_error.unwrap_or_else(|| StageError::HotTier {
                         path: rel.to_string(),
                         detail: why,
@@ -557,32 +552,6 @@ impl Fetcher {
                     peers.failed(&unit, e.to_string());
                     return Err(e);
                 }
-                PeerError::Corrupt { .. } if corrupt_once.as_deref() != Some(node.as_str()) => {
-                    tracing::warn!("{}: {why}; fetching it again", self.source);
-                    corrupt_once = Some(node.clone());
-                    continue;
-                }
-                PeerError::Corrupt { .. } => peers.lose(&node, Trouble::Corrupt, &why),
-                PeerError::Unreachable { .. }
-                | PeerError::Refused { .. }
-                | PeerError::UnknownJob { .. }
-                | PeerError::Gone { .. }
-                | PeerError::TimedOut { .. } => peers.lose(&node, Trouble::Lost, &why),
-                PeerError::NotOwner { .. }
-                | PeerError::Failed { .. }
-                | PeerError::TooLarge { .. } => {
-                    tracing::warn!("{}: {why}; reading it from the origin", self.source);
-                    peers.note(
-                        &node,
-                        Trouble::Unit,
-                        format!("peer transfers: {why}; this node read that data from the origin instead"),
-                    );
-                    return self.unit_from_origin_now(file, rel, location, &unit).await;
-                }
-            }
-            match peers.route(&unit) {
-                Some(next) => node = next,
-                None => return self.unit_from_origin_now(file, rel, location, &unit).await,
             }
         }
     }
@@ -1196,7 +1165,7 @@ mod tests {
         let cfg = Arc::new(
             sluice_archive::config::Config::parse(
                 &format!(
-                    "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='{}'\n[cache]\nsize='16MiB'\n",
+                    "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='{}'\n[cache]\nsize='16MiB'\nmin_free=0\n",
                     dir.display()
                 ),
                 "n1",
