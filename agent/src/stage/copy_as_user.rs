@@ -1376,12 +1376,14 @@ mod tests {
                     .iter()
                     .filter(|u| copies_unit(&shard.plan, u))
                     .collect();
-                let reported: Vec<u64> = run
+                // Reported as each is done: the copy threads finish them in any order.
+                let mut reported: Vec<u64> = run
                     .units
                     .iter()
                     .filter(|u| u.0 == *idx)
                     .map(|u| u.1)
                     .collect();
+                reported.sort_unstable();
                 assert_eq!(
                     reported,
                     mine.iter().map(|u| u.offset).collect::<Vec<_>>(),
