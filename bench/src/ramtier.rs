@@ -1,0 +1,517 @@
+//! The RAM tier and the training-code writer (issue 13): two cases.
+//!
+//! `writer` (no cluster): the training-visible stall of saving one state dict (bf16 + fp32
+//! tensors) with the sluice writer into a tmpfs directory (/dev/shm, standing in for a
+//! `--ckpt-tier=ram` job's `$SLUICE_CKPT_DIR`), measured in one Python process with the harness's
+//! PyTorch (`bench/py/writer_bench.py`, `time.perf_counter` around each call), against a plain copy
+//! of the same tensors into preallocated ones in the same process (target: at most 1.1× it), and
+//! against DCP's stock `FileSystemWriter` into the hot tier's file system and into /dev/shm.
+//!
+//! `commit` (the cluster): real one-node `--ckpt-tier=ram --ckpt-archive=file://…` jobs of the test
+//! user (`bench/py/commit_job.py`) save a checkpoint into their tmpfs and run `sluice ckpt commit`;
+//! the driver polls the archive until the tag's MANIFEST is there: commit → MANIFEST, which covers
+//! the agent's flush to the NVMe hot tier and the archive upload. One job per repetition.
+
+use crate::measure::median;
+use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
+use anyhow::{Context, Result, anyhow, bail};
+use std::io::Write;
+use std::os::unix::fs::{PermissionsExt, chown};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The harness's PyTorch (tests/harness/install.sh; SLUICE_TORCH_VENV as the e2e tests read it).
+const DEFAULT_TORCH_VENV: &str = "/opt/sluice-test/torch-venv";
+/// The issue's target: the stall at most 1.1× the plain copy.
+const STALL_TARGET: f64 = 1.1;
+const USER_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+/// One commit job: start, save, commit, flush, archive.
+const JOB_TIMEOUT: Duration = Duration::from_secs(600);
+/// The harness's `[fast_tier] job_share` (tests/harness/cluster.sh): a job's tmpfs.
+const HARNESS_JOB_SHARE: u64 = 768 * MIB;
+
+fn torch_python() -> PathBuf {
+    std::env::var_os("SLUICE_TORCH_VENV")
+        .map_or_else(|| DEFAULT_TORCH_VENV.into(), PathBuf::from)
+        .join("bin/python")
+}
+
+fn now_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+/// The state dict of the `writer` case and the checkpoint of the `commit` case.
+fn ckpt_bytes(mode: Mode) -> (u64, u64) {
+    match mode {
+        Mode::Smoke => (256 * MIB, 256 * MIB),
+        // The commit job's checkpoint must fit the harness's 768 MiB RAM-tier share.
+        Mode::Scaled | Mode::Full => (1024 * MIB, 640 * MIB),
+    }
+}
+
+impl Bench {
+    /// The build's file next to the measured `sluiced` (bench/run builds them together).
+    fn built(&self, name: &str) -> Result<PathBuf> {
+        let p = self
+            .a
+            .sluiced
+            .parent()
+            .map(|d| d.join(name))
+            .unwrap_or_default();
+        if !p.is_file() {
+            bail!(
+                "no {} (bench/run builds it with -p sluice-writer -p sluice-cli)",
+                p.display()
+            );
+        }
+        Ok(p)
+    }
+
+    // ------------------------------------------------------------------------------ writer
+
+    pub(crate) fn writer_case(&self, r: &mut Report) {
+        let case = "writer: save stall";
+        if let Err(e) = self.writer_rows(r) {
+            r.error(case, e);
+        }
+        let _ = remove(Path::new("/dev/shm/sluice-bench-writer"));
+        let _ = remove(&self.hot_dir().join("writer-dcp"));
+    }
+
+    fn hot_dir(&self) -> PathBuf {
+        self.a.root.join("hot")
+    }
+
+    fn writer_rows(&self, r: &mut Report) -> Result<()> {
+        let (bytes, _) = ckpt_bytes(self.a.mode);
+        let shm = PathBuf::from("/dev/shm/sluice-bench-writer");
+        let (ram, shm_dcp, hot) = (
+            shm.join("ram"),
+            shm.join("dcp"),
+            self.hot_dir().join("writer-dcp"),
+        );
+        for d in [&ram, &shm_dcp, &hot] {
+            remove(d)?;
+            std::fs::create_dir_all(d)?;
+        }
+        let py = torch_python();
+        let script = self.a.repo.join("bench/py/writer_bench.py");
+        log(format!(
+            "writer: {} state dict, {} repetition(s) of every tool in one process ({})",
+            size_label(bytes),
+            self.a.reps,
+            py.display()
+        ));
+        let out = Command::new(&py)
+            .arg(&script)
+            .args(["--bytes", &bytes.to_string()])
+            .args(["--reps", &self.a.reps.to_string()])
+            .arg("--ram")
+            .arg(&ram)
+            .arg("--hot")
+            .arg(&hot)
+            .arg("--shm")
+            .arg(&shm_dcp)
+            .env("PYTHONPATH", self.a.repo.join("python"))
+            .env("SLUICE_WRITER_LIB", self.built("libsluice_writer.so")?)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env_remove("SLURM_JOB_ID")
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("running {}", py.display()))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let tail: Vec<&str> = err.lines().rev().take(12).collect();
+            bail!(
+                "{} exited {}: {}",
+                script.display(),
+                out.status,
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let v: serde_json::Value = serde_json::from_str(stdout.trim().lines().last().unwrap_or(""))
+            .with_context(|| format!("writer_bench.py printed {stdout:?}"))?;
+        if let Some(errs) = v["errors"].as_object() {
+            for (tool, e) in errs {
+                r.error(
+                    &format!("writer: {tool}"),
+                    anyhow!("{}", e.as_str().unwrap_or("")),
+                );
+            }
+        }
+        let secs = |tool: &str| -> Vec<f64> {
+            v["seconds"][tool]
+                .as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+                .unwrap_or_default()
+        };
+        let size = format!(
+            "{} ({} tensors, bf16+fp32)",
+            size_label(bytes),
+            v["tensors"].as_u64().unwrap_or(0)
+        );
+        let memcpy = secs("memcpy");
+        if memcpy.is_empty() {
+            bail!("no memcpy time from writer_bench.py: {v}");
+        }
+        let gib = bytes as f64 / crate::run::GIB;
+        let env_note = format!(
+            "torch {}, {} threads; {:.2} GiB/s memcpy",
+            v["torch"].as_str().unwrap_or("?"),
+            v["threads"],
+            gib / median(&memcpy)
+        );
+        let row = |case: &str,
+                   sluice: &[f64],
+                   peer_name: &str,
+                   peer: &[f64],
+                   with_target: bool,
+                   note: &str| {
+            let (s, p) = (median(sluice), median(peer));
+            let ratio = p / s;
+            Row {
+                case: case.into(),
+                size: size.clone(),
+                bytes,
+                unit: "s".into(),
+                sluice: s,
+                peer_name: peer_name.into(),
+                peer: Some(p),
+                ratio: Some(ratio),
+                target: if with_target {
+                    format!(">= {:.2}x (<= {STALL_TARGET:.1}x)", 1.0 / STALL_TARGET)
+                } else {
+                    "-".into()
+                },
+                met: with_target.then_some(s <= STALL_TARGET * p),
+                note: note.into(),
+                sluice_samples: sluice.to_vec(),
+                peer_samples: peer.to_vec(),
+                ..Row::default()
+            }
+        };
+        let memcpy_name = "memcpy (dst.copy_(src), same process)";
+        let sluice = secs("sluice");
+        let mut rows = Vec::new();
+        if !sluice.is_empty() {
+            rows.push(row(
+                "writer: dcp.save(SluiceWriter) to tmpfs, stall",
+                &sluice,
+                memcpy_name,
+                &memcpy,
+                true,
+                &format!(
+                    "the call's time, in-process (perf_counter); /dev/shm stands in for the RAM tier's tmpfs; {env_note}"
+                ),
+            ));
+        }
+        let asy = secs("sluice-async");
+        if !asy.is_empty() {
+            rows.push(row(
+                "writer: dcp.async_save(SluiceWriter) to tmpfs, blocking part",
+                &asy,
+                memcpy_name,
+                &memcpy,
+                true,
+                "until async_save returns (DCP stages a copy, the write runs in its thread; waited for untimed)",
+            ));
+        }
+        let save = secs("sluice-save");
+        if !save.is_empty() {
+            rows.push(row(
+                "writer: sluice_ckpt.save (torch.save) to tmpfs, stall",
+                &save,
+                memcpy_name,
+                &memcpy,
+                true,
+                "one file through the aligned writer, fsynced",
+            ));
+        }
+        for (tool, name, note) in [
+            (
+                "dcp-hot",
+                "DCP FileSystemWriter -> hot tier (NVMe)",
+                format!(
+                    "stock writer into {} (fsyncs each file)",
+                    self.hot_dir().display()
+                ),
+            ),
+            (
+                "dcp-shm",
+                "DCP FileSystemWriter -> /dev/shm",
+                "stock writer, same tmpfs as sluice's".to_string(),
+            ),
+        ] {
+            let peer = secs(tool);
+            if !sluice.is_empty() && !peer.is_empty() {
+                rows.push(row(
+                    "writer: dcp.save(SluiceWriter) to tmpfs, stall",
+                    &sluice,
+                    name,
+                    &peer,
+                    false,
+                    &note,
+                ));
+            }
+        }
+        r.rows.extend(rows);
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------------------ commit
+
+    pub(crate) fn commit_case(&self, r: &mut Report) {
+        let case = "commit -> MANIFEST (RAM tier job)";
+        match self.commit_rows() {
+            Ok(rows) => r.rows.extend(rows),
+            Err(e) => r.error(case, e),
+        }
+    }
+
+    fn commit_workdir(&self) -> Result<PathBuf> {
+        let dir = PathBuf::from(format!("/home/{}/sluice-bench-commit", self.a.user));
+        remove(&dir)?;
+        for d in [dir.clone(), dir.join("py/sluice_ckpt"), dir.join("lib")] {
+            std::fs::create_dir_all(&d)?;
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755))?;
+        }
+        let pkg = self.a.repo.join("python/sluice_ckpt");
+        for e in std::fs::read_dir(&pkg)?.flatten() {
+            if e.path().extension().is_some_and(|x| x == "py") {
+                std::fs::copy(e.path(), dir.join("py/sluice_ckpt").join(e.file_name()))?;
+            }
+        }
+        std::fs::copy(
+            self.built("libsluice_writer.so")?,
+            dir.join("lib/libsluice_writer.so"),
+        )?;
+        std::fs::copy(self.built("sluice")?, dir.join("lib/sluice"))?;
+        std::fs::copy(
+            self.a.repo.join("bench/py/commit_job.py"),
+            dir.join("commit_job.py"),
+        )?;
+        Ok(dir)
+    }
+
+    fn commit_job_state(&self, id: u32) -> String {
+        Command::new("scontrol")
+            .args(["show", "job", "-o", &id.to_string()])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("JobState="))
+            .unwrap_or("UNKNOWN")
+            .to_string()
+    }
+
+    /// Polls until `done()`; an error if the job ends first (other than COMPLETED once done).
+    fn commit_wait(&self, id: u32, w: &Path, done: &dyn Fn() -> bool, what: &str) -> Result<()> {
+        let t = Instant::now();
+        while !done() {
+            let state = self.commit_job_state(id);
+            if !["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"]
+                .contains(&state.as_str())
+            {
+                let out = std::fs::read_to_string(w.join("job.out")).unwrap_or_default();
+                bail!("job {id} ended {state} before {what}; its output:\n{out}");
+            }
+            if t.elapsed() > JOB_TIMEOUT {
+                let _ = Command::new("scancel").arg(id.to_string()).status();
+                bail!("job {id}: no {what} after {} s", JOB_TIMEOUT.as_secs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    fn commit_submit(&self, w: &Path, archive: &str, bytes: u64, tag: &str) -> Result<u32> {
+        let wd = w.display();
+        let job_w = w.join(tag);
+        std::fs::create_dir_all(&job_w)?;
+        chown(&job_w, Some(self.uid), Some(self.gid))?;
+        let script = format!(
+            "#!/bin/bash\nexport OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+             PYTHONPATH={wd}/py SLUICE_WRITER_LIB={wd}/lib/libsluice_writer.so SLUICE_CLI={wd}/lib/sluice\n\
+             {py} {wd}/commit_job.py {jw} {bytes} {tag}\n",
+            py = torch_python().display(),
+            jw = job_w.display(),
+        );
+        let mut c = Command::new("runuser");
+        c.args(["-u", &self.a.user, "--", "env", "-i"])
+            .arg(format!("HOME=/home/{}", self.a.user))
+            .arg(format!("USER={}", self.a.user))
+            .arg(format!("PATH={USER_PATH}"))
+            .arg("LANG=C.UTF-8")
+            .args(["sbatch", "--parsable", "-J", "sluice-bench-commit", "-N1"])
+            .arg(format!("--output={}/job.out", job_w.display()))
+            .arg("--ckpt-tier=ram")
+            .arg(format!("--ckpt-archive={archive}"))
+            .current_dir(w)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().context("runuser sbatch")?;
+        child.stdin.take().unwrap().write_all(script.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "sbatch failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.trim()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .with_context(|| format!("sbatch printed {text:?}"))
+    }
+
+    /// One job: returns (commit → MANIFEST seconds, the checkpoint's bytes, the job's report).
+    fn commit_once(
+        &self,
+        w: &Path,
+        archive_url: &str,
+        archive_dir: &Path,
+        bytes: u64,
+        tag: &str,
+    ) -> Result<(f64, u64, serde_json::Value)> {
+        let id = self.commit_submit(w, archive_url, bytes, tag)?;
+        let job_w = w.join(tag);
+        let report_file = job_w.join("report.json");
+        let manifest = archive_dir.join(tag).join("MANIFEST");
+        let measured = (|| -> Result<(f64, u64, serde_json::Value)> {
+            self.commit_wait(id, &job_w, &|| report_file.exists(), "its commit")?;
+            let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&report_file)?)?;
+            if let Some(e) = rep["errors"].as_array().filter(|e| !e.is_empty()) {
+                bail!("job {id}: {e:?}");
+            }
+            if rep["fs_type"] != "tmpfs" {
+                bail!(
+                    "job {id}'s $SLUICE_CKPT_DIR {} is on {}, not the RAM tier's tmpfs ({})",
+                    rep["ckpt_dir"],
+                    rep["fs_type"],
+                    rep["commit_output"]
+                );
+            }
+            self.commit_wait(
+                id,
+                &job_w,
+                &|| manifest.exists(),
+                "the MANIFEST in the archive",
+            )?;
+            let seen = now_s();
+            let t0 = rep["t_commit"]
+                .as_f64()
+                .ok_or_else(|| anyhow!("no t_commit in {rep}"))?;
+            let size = rep["size"].as_u64().unwrap_or(0);
+            // What the archive's MANIFEST names (read after the timing): the job's file, whole.
+            let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest)?)
+                .with_context(|| format!("{} is not JSON", manifest.display()))?;
+            let named = m["files"]
+                .as_array()
+                .map(|f| {
+                    f.iter()
+                        .filter_map(|x| x["path"].as_str())
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default();
+            if named != ["state.pt"] {
+                bail!("{tag}/MANIFEST names {named:?}, the job wrote state.pt: {m}");
+            }
+            Ok((seen - t0, size, rep))
+        })();
+        std::fs::write(job_w.join("go"), "")?;
+        let result = measured?;
+        let completed = || self.commit_job_state(id) == "COMPLETED";
+        self.commit_wait(id, &job_w, &completed, "COMPLETED")?;
+        Ok(result)
+    }
+
+    fn commit_rows(&self) -> Result<Vec<Row>> {
+        let (_, bytes) = ckpt_bytes(self.a.mode);
+        let w = self.commit_workdir()?;
+        chown(&w, Some(self.uid), Some(self.gid))?;
+        let archive_root = PathBuf::from(self.env("SLUICE_TEST_ARCHIVE_ROOT"));
+        if archive_root.as_os_str().is_empty() {
+            bail!("no SLUICE_TEST_ARCHIVE_ROOT in {}", self.a.env.display());
+        }
+        let name = format!("bench-commit-{}", std::process::id());
+        let archive_dir = archive_root.join(&self.a.user).join(&name);
+        let archive_url = format!("file://{}", archive_dir.display());
+        let (mut secs, mut sizes, mut cli) = (Vec::new(), Vec::new(), Vec::new());
+        for rep in 0..self.a.reps {
+            let tag = format!("c{rep}");
+            let (s, size, rep_json) =
+                self.commit_once(&w, &archive_url, &archive_dir, bytes, &tag)?;
+            let cli_s = rep_json["t_cli_returned"].as_f64().unwrap_or(0.0)
+                - rep_json["t_commit"].as_f64().unwrap_or(0.0);
+            log(format!(
+                "commit {}/{}: {} -> MANIFEST in {s:.2} s ({:.2} GiB/s; the CLI returned after {cli_s:.2} s)",
+                rep + 1,
+                self.a.reps,
+                size_label(size),
+                size as f64 / crate::run::GIB / s
+            ));
+            secs.push(s);
+            sizes.push(size);
+            cli.push(cli_s);
+        }
+        let _ = remove(&archive_dir);
+        let _ = remove(&w);
+        let size = sizes.iter().copied().max().unwrap_or(0);
+        let s = median(&secs);
+        let case = "commit -> MANIFEST in the archive (--ckpt-tier=ram, 1 node)";
+        let note = format!(
+            "flush tmpfs -> NVMe hot tier, then archive to file://; `sluice ckpt commit` returned after {:.2} s; \
+             MANIFEST polled every 20 ms; one job per repetition{}",
+            median(&cli),
+            if bytes < 1024 * MIB {
+                format!(
+                    "; {} since the harness's RAM-tier share is {}",
+                    size_label(bytes),
+                    size_label(HARNESS_JOB_SHARE)
+                )
+            } else {
+                String::new()
+            }
+        );
+        let rates: Vec<f64> = secs
+            .iter()
+            .zip(&sizes)
+            .map(|(s, b)| *b as f64 / MIB as f64 / s)
+            .collect();
+        let rate = median(&rates);
+        let plain = |unit: &str, value: f64, samples: Vec<f64>, note: String| Row {
+            case: case.into(),
+            size: format!("{} (1 file)", size_label(size)),
+            bytes: size,
+            unit: unit.into(),
+            sluice: value,
+            peer_name: "-".into(),
+            target: "-".into(),
+            note,
+            sluice_samples: samples,
+            ..Row::default()
+        };
+        Ok(vec![
+            plain("s", s, secs.clone(), note),
+            plain(
+                "MiB/s",
+                rate,
+                rates,
+                format!(
+                    "the same, end to end: {:.2} GiB/s",
+                    rate * MIB as f64 / crate::run::GIB
+                ),
+            ),
+        ])
+    }
+}
