@@ -367,8 +367,10 @@ impl Bench {
         let t = Instant::now();
         while !done() {
             let state = self.cache_job_state(id);
+            // The job may have reached what `done` waits for since it was asked.
             if !["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"]
                 .contains(&state.as_str())
+                && !done()
             {
                 let out = std::fs::read_to_string(w.join("job.out")).unwrap_or_default();
                 bail!("job {id} ended {state} before {what}; its output:\n{out}");
