@@ -315,6 +315,9 @@ impl Bench {
         let t = Instant::now();
         while !done() {
             let state = self.commit_job_state(id);
+            if done() {
+                break; // it happened between the two looks (e.g. the job COMPLETED meanwhile)
+            }
             if !["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"]
                 .contains(&state.as_str())
             {
