@@ -330,7 +330,7 @@ impl Fetcher {
             }
             match blocking(move || cache.begin_fill(key)).await {
                 Ok(fill) => tee = Some(fill),
-                Err(why) => tracing::debug!("{}: not cached: {why}", self.source),
+                Err(why) => tracing::info!("{}: not cached: {why}", self.source),
             }
         }
         let dest = Arc::new(Dest {
