@@ -138,6 +138,8 @@ async fn run_stage(job: &StageJob, cfg: Arc<Config>) -> Result<(u64, u64)> {
         // As the agent: one budget for the node (this process), from the agent's defaults.
         budget: stage::Budget::new(&cfg.stage),
         shared_tier: None,
+        // The in-process cases measure staging from the origin; the cache case runs real jobs.
+        cache: None,
     };
     let progress: Vec<Arc<Progress>> = specs.iter().map(|s| Arc::new(Progress::new(s))).collect();
     futures::future::try_join_all(
@@ -344,6 +346,24 @@ pub fn compress(input: &Path, output: &Path, threads: Option<usize>, level: i32)
         serde_json::json!({"raw_bytes": f.size, "stored_bytes": f.stored_size, "threads": threads,
             "transform": format!("{:?}", f.compression.transform), "codec": format!("{:?}", f.compression.codec),
             "level": f.compression.level, "raw_blake3": f.blake3,
+            "inner_wall_s": t.elapsed().as_secs_f64()})
+    );
+    Ok(())
+}
+
+/// `sluice-bench flush`: the RAM tier's flush of one checkpoint tree (`src`, e.g. on /dev/shm)
+/// into `dst` on the hot tier, as the agent runs it; prints what it copied as JSON.
+pub fn flush(src: &Path, dst: &Path, block: usize) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let t = Instant::now();
+    let uid = std::fs::metadata(src)?.uid();
+    let gid = std::fs::metadata(src)?.gid();
+    let owner = sluice_archive::safefs::Owner { uid, gid };
+    let (s, d) = (open_dir(src)?, open_dir(dst)?);
+    let done = sluice_archive::flush::flush_tree(&s, uid, &d, owner, block)?;
+    println!(
+        "{}",
+        serde_json::json!({"files": done.files, "bytes": done.bytes, "direct": done.direct,
             "inner_wall_s": t.elapsed().as_secs_f64()})
     );
     Ok(())

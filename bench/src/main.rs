@@ -5,9 +5,11 @@
 //!   own engine, so the orchestrator can measure it like any other command (`engine.rs`).
 
 mod aggregation;
+mod cache;
 mod data;
 mod engine;
 mod measure;
+mod ramtier;
 mod run;
 
 use anyhow::Result;
@@ -95,7 +97,8 @@ struct RunOpts {
     rclone: PathBuf,
     #[arg(long, default_value = "sluiceuser")]
     user: String,
-    /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss, agg.
+    /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss, agg, cache, flush,
+    /// writer, commit.
     #[arg(long, value_delimiter = ',')]
     cases: Option<Vec<String>>,
     #[arg(long, default_value = "/etc/slurm/plugstack.conf")]
@@ -142,6 +145,16 @@ enum Cmd {
         staging: Staging,
         #[command(flatten)]
         archiving: Archiving,
+    },
+    /// Flush a checkpoint tree as the RAM tier does (sluice_archive::flush: aligned buffers,
+    /// O_DIRECT, verified) from --src into --dst, an empty directory.
+    Flush {
+        #[arg(long)]
+        src: PathBuf,
+        #[arg(long)]
+        dst: PathBuf,
+        #[arg(long, default_value_t = 8 << 20)]
+        block: usize,
     },
     /// Print the table of result files (merging runs of different --cases).
     Table { files: Vec<PathBuf> },
@@ -224,6 +237,7 @@ fn real_main() -> Result<bool> {
             engine::rss(stage_job(job, staging), archive).map(|_| true)
         }
         Cmd::Table { files } => run::print_tables(&files).map(|_| true),
+        Cmd::Flush { src, dst, block } => engine::flush(&src, &dst, block).map(|_| true),
         Cmd::Compress {
             input,
             output,

@@ -1032,6 +1032,122 @@ impl Bench {
         }
     }
 
+    // ------------------------------------------------------------------------------------ flush
+
+    /// The RAM tier's flush (issue 13): the checkpoint tree copied from a tmpfs to the hot tier
+    /// through aligned O_DIRECT buffers, fsynced and read back, against fio writing the same bytes
+    /// with `--rw=write --bs=4M --direct=1` to the same file system.
+    fn flush_case(&self, r: &mut Report) {
+        let case = "flush RAM tier -> hot tier (O_DIRECT, verified)";
+        let ram = PathBuf::from("/dev/shm/sluice-bench-flush");
+        let src = ram.join("ckpt");
+        let prepared = (|| -> Result<()> {
+            let _ = std::fs::remove_dir_all(&ram);
+            std::fs::create_dir_all(&ram)?;
+            let status = Command::new("cp")
+                .arg("-a")
+                .arg(self.data.join("ckpt"))
+                .arg(&src)
+                .status()?;
+            anyhow::ensure!(
+                status.success(),
+                "copying the checkpoint to {}",
+                ram.display()
+            );
+            Ok(())
+        })();
+        if let Err(e) = prepared {
+            r.error(case, e);
+            return;
+        }
+        let (files, raw) = data::tree_size(&src);
+        let (dst, fio_file) = (self.hot.join("flushed"), self.hot.join("fio.dat"));
+        let tools = vec![
+            Tool {
+                name: "sluice".into(),
+                prepare: Box::new(|_| fresh_dir(&dst, None)),
+                command: Box::new(|_| {
+                    let mut c = self.driver();
+                    c.arg("flush").arg("--src").arg(&src).arg("--dst").arg(&dst);
+                    c
+                }),
+                after: Box::new(|_, s| {
+                    anyhow::ensure!(
+                        s.extra["bytes"].as_u64() == Some(raw),
+                        "flushed {} of {raw} bytes",
+                        s.extra["bytes"]
+                    );
+                    remove(&dst)
+                }),
+            },
+            Tool {
+                name: "fio --rw=write --bs=4M --direct=1".into(),
+                prepare: Box::new(|_| remove(&fio_file)),
+                command: Box::new(|_| {
+                    let mut c = Command::new("fio");
+                    c.args([
+                        "--name=flush",
+                        "--rw=write",
+                        "--bs=4M",
+                        "--direct=1",
+                        "--ioengine=psync",
+                        "--end_fsync=1",
+                        "--minimal",
+                    ])
+                    .arg(format!("--size={raw}"))
+                    .arg(format!("--filename={}", fio_file.display()));
+                    c
+                }),
+                after: Box::new(|_, _| remove(&fio_file)),
+            },
+        ];
+        let samples = match self.run_tools(case, &tools, self.a.reps) {
+            Ok(s) => s,
+            Err(e) => {
+                r.error(case, e);
+                let _ = std::fs::remove_dir_all(&ram);
+                return;
+            }
+        };
+        let _ = std::fs::remove_dir_all(&ram);
+        let speed = |v: &[Sample]| {
+            v.iter()
+                .map(|s| raw as f64 / MIB as f64 / s.wall_s)
+                .collect::<Vec<_>>()
+        };
+        let cpu = |v: &[Sample]| v.iter().map(|s| s.cpu_s).collect::<Vec<_>>();
+        let per_gib = |v: &[Sample]| median(&cpu(v)) / (raw as f64 / GIB);
+        let (sv, pv) = (speed(&samples[0]), speed(&samples[1]));
+        let (sm, pm) = (median(&sv), median(&pv));
+        let direct = samples[0]
+            .first()
+            .and_then(|s| s.extra["direct"].as_bool())
+            .unwrap_or(false);
+        r.rows.push(Row {
+            case: case.into(),
+            size: format!("{files} files, {}", size_label(raw)),
+            bytes: raw,
+            unit: "MiB/s".into(),
+            sluice: sm,
+            peer_name: "fio --rw=write --bs=4M --direct=1".into(),
+            peer: Some(pm),
+            ratio: Some(sm / pm),
+            sluice_cpu_s_per_gib: Some(per_gib(&samples[0])),
+            peer_cpu_s_per_gib: Some(per_gib(&samples[1])),
+            target: Target::Gain(0.9).text(),
+            met: Some(sm / pm >= 0.9),
+            note: format!(
+                "sluice reads the tree from /dev/shm, writes with O_DIRECT ({}), fsyncs and reads every file back against its BLAKE3; fio only writes",
+                if direct { "every file" } else { "refused somewhere: page cache" }
+            ),
+            sluice_samples: sv,
+            peer_samples: pv,
+            sluice_cpu_s: cpu(&samples[0]),
+            peer_cpu_s: cpu(&samples[1]),
+            ..Row::default()
+        });
+    }
+
     // ------------------------------------------------------------------------------------ slurm
 
     fn sbatch_help_has_plugin(&self) -> Result<bool> {
@@ -1324,6 +1440,10 @@ impl Bench {
             ("job", Box::new(|b, r| b.job_case(r))),
             ("rss", Box::new(|b, r| b.rss_case(r))),
             ("agg", Box::new(|b, r| b.agg_cases(r))),
+            ("cache", Box::new(|b, r| b.cache_cases(r))),
+            ("flush", Box::new(|b, r| b.flush_case(r))),
+            ("writer", Box::new(|b, r| b.writer_case(r))),
+            ("commit", Box::new(|b, r| b.commit_case(r))),
         ];
         for (name, case) in cases {
             if self.wants(name) {

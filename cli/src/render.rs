@@ -1317,9 +1317,8 @@ IN USE yes: a job is reading it right now; it is not evicted until the job is do
         let mut l = fixtures::cache_listing();
         l.left_out = 4321;
         assert!(
-            cache_list(&l, None).contains(
-                "yes\n\n... and 4321 entries not shown (a prefix narrows the listing)\n"
-            ),
+            cache_list(&l, None)
+                .contains("yes\n\n... and 4321 entries not shown (a prefix narrows the listing)\n"),
             "{}",
             cache_list(&l, None)
         );
