@@ -4,7 +4,7 @@
 # reused), then runs, in order, stopping at the first failure:
 #   1. cargo fmt --check, cargo clippy -D warnings          (the gates, for the workspace and for
 #                                                            bench/, a workspace of its own)
-#   2. cargo test --workspace                               (unit tests, in-process agent tests),
+#   2. cargo build, cargo test --workspace                  (unit tests, in-process agent tests),
 #      then the same binaries as the test user               (root-only tests must say "ignored"),
 #      then python/tests: sluice_ckpt with the harness's PyTorch
 #   3. tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
@@ -35,6 +35,11 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "cargo fmt --check, cargo clippy --all-targets -- -D warnings for bench/"
 cargo fmt --manifest-path bench/Cargo.toml --check
 cargo clippy --manifest-path bench/Cargo.toml --all-targets -- -D warnings
+
+# `cargo test` builds libraries as rlibs only: the writer's cdylib (libsluice_writer.so, which the C
+# ABI test and python/tests load) and the binaries come from a build first, as on a clean clone.
+step "cargo build --workspace"
+cargo build --workspace
 
 step "cargo test --workspace"
 cargo test --workspace
