@@ -109,6 +109,13 @@ fn temp_socket() -> Dir {
 
 /// Runs `sluice --socket SOCKET ARGS...` with `env` against a fake agent answering `response`;
 /// returns the request the agent got and what sluice printed.
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root: a user's cache command is refused before the agent is asked"
+    );
+}
+
 fn ask(response: Response, args: &[&str], env: &[(&str, &str)]) -> (Request, Output) {
     let d = temp_socket();
     let agent = fake_agent(&d.socket, response);
@@ -431,7 +438,9 @@ fn status_shows_the_cache_when_the_node_has_one() {
 }
 
 #[test]
+#[ignore = "needs root: cache commands are root's and a user is refused before the agent is asked; run as root with --ignored, as tests/harness/run-e2e.sh does"]
 fn cache_list_asks_for_the_entries_under_the_prefix() {
+    require_root();
     let (request, out) = ask(
         Response::Cache(fixtures::cache_listing()),
         &["cache", "list", "s3://datasets/"],
@@ -472,7 +481,9 @@ fn cache_list_asks_for_the_entries_under_the_prefix() {
 }
 
 #[test]
+#[ignore = "needs root: cache commands are root's and a user is refused before the agent is asked; run as root with --ignored, as tests/harness/run-e2e.sh does"]
 fn cache_stats_asks_for_the_counters_only() {
+    require_root();
     let mut listing = fixtures::cache_listing();
     listing.entries.clear();
     let (request, out) = ask(Response::Cache(listing.clone()), &["cache", "stats"], &[]);
@@ -499,7 +510,9 @@ fn cache_stats_asks_for_the_counters_only() {
 }
 
 #[test]
+#[ignore = "needs root: cache commands are root's and a user is refused before the agent is asked; run as root with --ignored, as tests/harness/run-e2e.sh does"]
 fn cache_warm_says_what_it_cached_and_fails_on_an_error() {
+    require_root();
     let url = "s3://datasets/imagenet/";
     let (request, out) = ask(
         Response::CacheWarmed(fixtures::cache_warmed()),
@@ -538,7 +551,9 @@ fn cache_warm_says_what_it_cached_and_fails_on_an_error() {
 }
 
 #[test]
+#[ignore = "needs root: cache commands are root's and a user is refused before the agent is asked; run as root with --ignored, as tests/harness/run-e2e.sh does"]
 fn cache_evict_by_prefix_all_and_dry_run() {
+    require_root();
     let (request, out) = ask(
         Response::CacheEvicted(fixtures::cache_evicted(false)),
         &["cache", "evict", "s3://datasets/"],
@@ -623,7 +638,9 @@ fn cache_commands_are_for_admins() {
 
 /// An agent from before the cache answers the request as one it cannot parse.
 #[test]
+#[ignore = "needs root: cache commands are root's and a user is refused before the agent is asked; run as root with --ignored, as tests/harness/run-e2e.sh does"]
 fn an_agent_without_a_cache_is_named_as_too_old() {
+    require_root();
     // The agent sends the decode error as `bad_request` (`server.rs:serve`): serde's words for
     // an op it does not know, as this build says them of one it does not know either.
     let body = br#"{"version":1,"request":{"op":"cache_frobnicate"}}"#;
