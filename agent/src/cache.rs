@@ -58,6 +58,24 @@ pub struct Key {
     pub etag: Option<String>,
     pub version: Option<String>,
     pub size: u64,
+    /// A POSIX source's file (`url` is then its path): which file it is and whose entry.
+    /// Absent for objects, and left out of their JSON, so object entries keep their names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub posix: Option<PosixFile>,
+}
+
+/// What names one version of a POSIX file, as the job user's copy helper found it by `fstat` on
+/// the descriptor it opened for reading ([`crate::stage::copy_as_user`]), and the user it is
+/// cached for: an entry of a POSIX source is only ever served to the same user, and only after
+/// that user's helper opened the source again and found the same identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PosixFile {
+    pub uid: u32,
+    pub dev: u64,
+    pub ino: u64,
+    /// `st_mtime` and `st_mtime_nsec`.
+    pub mtime: i64,
+    pub mtime_ns: i64,
 }
 
 impl Key {
@@ -74,7 +92,21 @@ impl Key {
             etag: meta.e_tag.clone(),
             version: meta.version.clone(),
             size: meta.size,
+            posix: None,
         })
+    }
+
+    /// The key of the POSIX file at `path` (its identity and size as the helper's `fstat` gave
+    /// them), cached for the user `file.uid`.
+    pub fn posix(path: &str, size: u64, file: PosixFile) -> Key {
+        Key {
+            url: path.to_string(),
+            endpoint: None,
+            etag: None,
+            version: None,
+            size,
+            posix: Some(file),
+        }
     }
 
     /// The entry's file name: the BLAKE3 of the key's JSON, in hex.

@@ -63,6 +63,9 @@ enum InternalCommand {
         dst: PathBuf,
         #[command(flatten)]
         shard: copy_as_user::ShardArgs,
+        /// Ask the agent (on stdin) which files its cache holds for this user (a whole copy).
+        #[arg(long, conflicts_with = "shard_nodes")]
+        cached: bool,
     },
     /// Render the man page or the shell completions.
     #[command(subcommand)]
@@ -201,6 +204,7 @@ fn run_internal(command: InternalCommand) -> ExitCode {
             src,
             dst,
             shard,
+            cached,
         } => {
             if let Err(e) = copy_as_user::become_user(who.uid, who.gid, &who.user) {
                 eprintln!("{e}");
@@ -216,6 +220,9 @@ fn run_internal(command: InternalCommand) -> ExitCode {
             let mut out = std::io::stdout().lock();
             let copied = match &shard {
                 Some(s) => copy_as_user::copy_shard(&src, &dst, s, &mut out),
+                None if cached => {
+                    copy_as_user::copy_tree_cached(&src, &dst, std::io::stdin().lock(), &mut out)
+                }
                 None => copy_as_user::copy_tree(&src, &dst, &mut out),
             };
             match copied {

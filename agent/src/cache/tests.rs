@@ -18,6 +18,7 @@ fn key(name: &str, etag: &str, size: u64) -> Key {
         etag: Some(etag.into()),
         version: None,
         size,
+        posix: None,
     }
 }
 

@@ -183,6 +183,9 @@ struct FileJob {
     /// A replica's file with units this node does not copy: made before its pieces, and given its
     /// mode by the agent once it wrote the other units (see [`copy_replica`]).
     partial: bool,
+    /// A file the node's cache may keep ([`copy_tree_cached`]): the identity it had when this
+    /// helper opened it, which every piece's descriptor must still have before and after its copy.
+    cache: Option<Identified>,
 }
 
 /// A byte range of one file, the unit a copy thread takes. Files up to [`PIECE`] are one piece;
@@ -490,6 +493,7 @@ fn copy_tree_in_pieces(
                 mode,
                 stripe: stripe_for(shard, size),
                 partial: false,
+                cache: None,
             });
         }
     }
@@ -517,6 +521,234 @@ fn copy_tree_in_pieces(
         (Some(s), Some(m)) if !s.shared_tier => write_manifest(dst, &s.dataset, m),
         _ => Ok(()),
     }
+}
+
+// ------------------------------------------------------------------------- with the node's cache
+
+/// The identity of a source file as `fstat` of a descriptor opened for reading gives it: what a
+/// cache entry of a POSIX file is keyed by (with its path and the user), see [`crate::cache`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileIdent {
+    pub dev: u64,
+    pub ino: u64,
+    pub size: u64,
+    pub mtime: i64,
+    pub mtime_ns: i64,
+}
+
+impl FileIdent {
+    /// The identity of the file open as `f`; `None` for anything but a regular file.
+    fn of(f: &fs::File) -> io::Result<Option<FileIdent>> {
+        let m = f.metadata()?;
+        Ok(m.is_file().then(|| FileIdent {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.len(),
+            mtime: m.mtime(),
+            mtime_ns: m.mtime_nsec(),
+        }))
+    }
+}
+
+/// A file of a cached copy: its number in the `ident` lines, its identity then, and the piece
+/// size its hash is taken in.
+#[derive(Debug, Clone, Copy)]
+struct Identified {
+    idx: usize,
+    file: FileIdent,
+    piece: u64,
+}
+
+/// The hash a cached copy reports for a file (`copied IDX PIECE HASH`): the BLAKE3 of the BLAKE3
+/// hashes of its `PIECE`-byte ranges, in order. The helper's copy threads hash the pieces they
+/// copy; the agent hashes the staged file the same way before it keeps it.
+pub fn piece_hashes_hash(pieces: &[blake3::Hash]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new();
+    for p in pieces {
+        h.update(p.as_bytes());
+    }
+    h.finalize()
+}
+
+/// The lines of a cached copy beyond [`Event`]'s (see [`copy_tree_cached`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheLine {
+    /// A regular, non-empty file of the dataset, opened for reading as the job user, with the
+    /// identity and mode `fstat` gave on that descriptor; `path` below the dataset (`""` for a
+    /// dataset that is one file).
+    Ident {
+        idx: usize,
+        file: FileIdent,
+        mode: u32,
+        path: String,
+    },
+    /// Every file is identified: the helper now reads the agent's answers.
+    Idents { count: usize },
+    /// File `idx` is made, owner-writable and empty, for the agent to write from its cache.
+    Cached { idx: usize },
+    /// File `idx` was copied from a descriptor whose identity stayed the one reported, before
+    /// and after each piece; its hash ([`piece_hashes_hash`]) in pieces of `piece` bytes.
+    Copied {
+        idx: usize,
+        piece: u64,
+        hash: blake3::Hash,
+    },
+}
+
+impl CacheLine {
+    pub fn parse(line: &str) -> Option<CacheLine> {
+        let mut it = line.splitn(9, ' ');
+        let kind = it.next()?;
+        let line = match kind {
+            "ident" => {
+                let idx = it.next()?.parse().ok()?;
+                let file = FileIdent {
+                    size: it.next()?.parse().ok()?,
+                    dev: it.next()?.parse().ok()?,
+                    ino: it.next()?.parse().ok()?,
+                    mtime: it.next()?.parse().ok()?,
+                    mtime_ns: it.next()?.parse().ok()?,
+                };
+                let mode = u32::from_str_radix(it.next()?, 8).ok()?;
+                let path = serde_json::from_str(it.next()?).ok()?;
+                return Some(CacheLine::Ident {
+                    idx,
+                    file,
+                    mode,
+                    path,
+                });
+            }
+            "idents" => CacheLine::Idents {
+                count: it.next()?.parse().ok()?,
+            },
+            "cached" => CacheLine::Cached {
+                idx: it.next()?.parse().ok()?,
+            },
+            "copied" => CacheLine::Copied {
+                idx: it.next()?.parse().ok()?,
+                piece: it.next()?.parse().ok()?,
+                hash: blake3::Hash::from_hex(it.next()?).ok()?,
+            },
+            _ => return None,
+        };
+        it.next().is_none().then_some(line)
+    }
+}
+
+/// [`copy_tree`] on a node with a cache (`--cached`), which the agent asks about every file. The
+/// helper opens each regular, non-empty file of the source for reading, as the job user, and
+/// reports its identity from `fstat` on that descriptor (`ident IDX SIZE DEV INO MTIME MTIME_NS
+/// MODE "PATH"`, after `total`), then `idents N`; a file it cannot open fails the copy before
+/// anything is made (a user who cannot read a file gets nothing of it, from the cache or else).
+/// It then reads the agent's answers on `input` to their end: `hit IDX` for each file the agent
+/// holds in its cache for this user and this identity. It makes the tree; each hit as an empty
+/// owner-writable file (`cached IDX`), which the agent writes from its cache and gives its mode;
+/// and copies every other file, hashing each identified one as it copies it: `copied IDX PIECE
+/// HASH` when every piece's descriptor had the reported identity before and after its copy and
+/// gave exactly its size (a file that changed meanwhile is staged as read, but not cached).
+pub fn copy_tree_cached(
+    src: &Path,
+    dst: &Path,
+    input: impl io::BufRead,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    copy_cached_in_pieces(src, dst, PIECE, input, out)
+}
+
+fn copy_cached_in_pieces(
+    src: &Path,
+    dst: &Path,
+    piece: u64,
+    input: impl io::BufRead,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    let tree = Tree::read(src)?;
+    let umask = umask();
+    let mut files: Vec<FileJob> = tree
+        .files()
+        .map(|(rel, size, mode)| FileJob {
+            src: below(src, rel),
+            dst: below(dst, rel),
+            size,
+            mode,
+            stripe: None,
+            partial: false,
+            cache: None,
+        })
+        .collect();
+    let bytes: u64 = files.iter().map(|f| f.size).sum();
+    writeln!(out, "total {} {bytes}", files.len()).ok();
+    out.flush().ok();
+    let mut listed = 0;
+    for f in files.iter_mut() {
+        let opened = open_source(&f.src)?;
+        let Some(file) = FileIdent::of(&opened).map_err(|e| job_error("reading", &f.src, e))?
+        else {
+            continue; // no longer a regular file: copied as today (and failing as it does)
+        };
+        let rel = f.src.strip_prefix(src).ok().and_then(Path::to_str);
+        let (Some(rel), true) = (rel, file.size > 0) else {
+            continue;
+        };
+        let mode = opened.metadata().map_or(f.mode, |m| m.mode() & 0o7777);
+        f.size = file.size;
+        f.cache = Some(Identified {
+            idx: listed,
+            file,
+            piece,
+        });
+        let quoted = serde_json::to_string(rel).expect("a string serializes");
+        writeln!(
+            out,
+            "ident {listed} {} {} {} {} {} {mode:o} {quoted}",
+            file.size, file.dev, file.ino, file.mtime, file.mtime_ns
+        )
+        .ok();
+        listed += 1;
+    }
+    writeln!(out, "idents {listed}").ok();
+    out.flush().ok();
+    let mut hit = vec![false; listed];
+    for line in input.lines() {
+        let line = line.map_err(|e| (EXIT_OTHER, format!("reading the agent's answers: {e}")))?;
+        match line
+            .strip_prefix("hit ")
+            .and_then(|i| i.parse::<usize>().ok())
+        {
+            Some(idx) if idx < listed && !hit[idx] => hit[idx] = true,
+            _ => {
+                return Err((
+                    EXIT_OTHER,
+                    format!("bad cache answer from the agent: {line:?}"),
+                ));
+            }
+        }
+    }
+    tree.make(src, dst, umask, false)?;
+    let mut rest = Vec::with_capacity(files.len());
+    for f in files {
+        match f.cache {
+            Some(c) if hit[c.idx] => {
+                create_dst(&f, f.mode | 0o200, umask)?;
+                writeln!(out, "cached {}", c.idx).ok();
+            }
+            _ => rest.push(f),
+        }
+    }
+    out.flush().ok();
+    if tree.dir.is_some() {
+        rest = interleave_directories(rest);
+    }
+    copy_files(&rest, umask, piece, out)
+}
+
+/// Opens a source file for reading, never through a link (the walk found a regular file there).
+fn open_source(path: &Path) -> Result<fs::File, (i32, String)> {
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(path)
+        .map_err(|e| job_error("opening", path, e))
 }
 
 /// The unit file name of the file at `rel` below a dataset named `dataset` (`NAME/rel`, or
@@ -566,6 +798,7 @@ fn copy_replica(
             mode,
             stripe: None,
             partial: false,
+            cache: None,
         });
     }
     let bytes: u64 = files.iter().map(|f| f.size).sum();
@@ -676,6 +909,7 @@ fn copy_repair(
             mode: 0,
             stripe: None,
             partial: true,
+            cache: None,
         });
     }
     let bytes: u64 = files.iter().map(|f| f.size).sum();
@@ -795,6 +1029,11 @@ fn create_pair(
         set_mode(&dst, job, mode)?;
         return Ok((src, dst));
     }
+    Ok((src, create_dst(job, mode, umask)?))
+}
+
+/// Creates `job`'s destination (which must not exist) with `mode`, never through a link.
+fn create_dst(job: &FileJob, mode: u32, umask: u32) -> Result<fs::File, (i32, String)> {
     let dst = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -805,7 +1044,7 @@ fn create_pair(
     if mode & umask != 0 {
         set_mode(&dst, job, mode)?;
     }
-    Ok((src, dst))
+    Ok(dst)
 }
 
 fn set_mode(dst: &fs::File, job: &FileJob, mode: u32) -> Result<(), (i32, String)> {
@@ -857,6 +1096,19 @@ fn copy_piece(
             .map(|h| (len, Some(h)))
             .map_err(copy_err);
     }
+    if let Some(c) = job.cache {
+        // Cacheable only if this descriptor is the file identified, before and after the copy,
+        // and gave exactly the bytes of the piece.
+        let same = |f: &fs::File| FileIdent::of(f).ok().flatten() == Some(c.file);
+        let before = same(&src);
+        if buf.is_empty() {
+            buf.resize(UNIT_BUF, 0);
+        }
+        let (n, hash) = copy_to_end_hashed(&src, &dst, p.offset, p.len, buf).map_err(copy_err)?;
+        let want = p.len.unwrap_or(c.file.size.saturating_sub(p.offset));
+        let kept = before && n == want && same(&src);
+        return Ok((n, kept.then_some(hash)));
+    }
     if p.shared {
         (&src)
             .seek(io::SeekFrom::Start(p.offset))
@@ -899,6 +1151,31 @@ fn copy_hashed(
         at += got as u64;
     }
     Ok(hasher.finalize())
+}
+
+/// Copies from `offset` of `src` to the same offset of `dst` through `buf`, `len` bytes or (`None`)
+/// to the end of `src`, whichever comes first; returns the bytes copied and their BLAKE3 hash.
+fn copy_to_end_hashed(
+    src: &fs::File,
+    dst: &fs::File,
+    offset: u64,
+    len: Option<u64>,
+    buf: &mut [u8],
+) -> io::Result<(u64, blake3::Hash)> {
+    let mut hasher = blake3::Hasher::new();
+    let end = len.map_or(u64::MAX, |n| offset + n);
+    let mut at = offset;
+    while at < end {
+        let n = (end - at).min(buf.len() as u64) as usize;
+        let got = src.read_at(&mut buf[..n], at)?;
+        if got == 0 {
+            break;
+        }
+        hasher.update(&buf[..got]);
+        dst.write_all_at(&buf[..got], at)?;
+        at += got as u64;
+    }
+    Ok((at - offset, hasher.finalize()))
 }
 
 /// Copies `files` with [`copy_threads`] threads, reporting progress on `out` every 200 ms and once
@@ -945,6 +1222,9 @@ fn run_pieces(
         }
         n.into_iter().map(AtomicU64::new).collect()
     };
+    // Of an identified file: each piece's offset and hash (`None`: not cacheable).
+    type PieceHashes = std::sync::Mutex<Vec<(u64, Option<blake3::Hash>)>>;
+    let piece_hashes: Vec<PieceHashes> = files.iter().map(|_| Default::default()).collect();
     let next = AtomicUsize::new(0);
     let (files_done, bytes_done) = (AtomicU64::new(0), AtomicU64::new(0));
     let failed = AtomicBool::new(false);
@@ -954,6 +1234,11 @@ fn run_pieces(
         let (n, hash) = copy_piece(job, p, umask, buf)?;
         if let (Some(idx), Some(hash)) = (p.unit, hash) {
             lines.send(format!("unit {idx} {} {hash}", p.offset)).ok();
+        } else if job.cache.is_some() {
+            let mut h = piece_hashes[p.file]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            h.push((p.offset, hash));
         }
         // The agent finishes a partial file: it writes the rest and gives it its mode.
         if pieces_left[p.file].fetch_sub(1, Ordering::AcqRel) == 1 && !job.partial {
@@ -962,6 +1247,21 @@ fn run_pieces(
                     .map_err(|e| job_error("setting the mode of", &job.dst, e))?;
             }
             files_done.fetch_add(1, Ordering::Relaxed);
+            if let Some(c) = job.cache {
+                let mut h = std::mem::take(
+                    &mut *piece_hashes[p.file]
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner()),
+                );
+                h.sort_by_key(|(offset, _)| *offset);
+                let hashes: Option<Vec<blake3::Hash>> = h.into_iter().map(|(_, h)| h).collect();
+                if let Some(hashes) = hashes {
+                    let hash = piece_hashes_hash(&hashes);
+                    lines
+                        .send(format!("copied {} {} {hash}", c.idx, c.piece))
+                        .ok();
+                }
+            }
         }
         Ok::<u64, (i32, String)>(n)
     };
@@ -1484,6 +1784,7 @@ mod tests {
             mode: 0o644,
             stripe: None,
             partial: false,
+            cache: None,
         };
         let files = ["a/1", "a/2", "a/3", "b/1", "b/2", "top"].map(job).into();
         let order: Vec<PathBuf> = interleave_directories(files)

@@ -18,18 +18,20 @@
 //! helper lie (it runs as them) can change only their own job's copies.
 
 use super::copy_as_user::{
-    EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event, PeerLine, copies_unit, peer_unit_file,
+    CacheLine, EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event, FileIdent, PeerLine, copies_unit,
+    peer_unit_file, piece_hashes_hash,
 };
 use super::peers::{NextStep, open_staged_for_write};
 use super::{
     Budget, JobPeers, Lease, Progress, ShardPlan, Sharing, StageCtx, StageError, is_no_space,
 };
+use crate::cache::{Cache, Hit, Key, PosixFile};
 use crate::peer::{Unit, UnitSink, units_of};
 use sluice_archive::rt::blocking;
 use sluice_archive::safefs::{self, Owner};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
@@ -52,7 +54,10 @@ pub(super) async fn stage(
     match sharing {
         Sharing::Peers(peers) => replicate(ctx, spec, path, progress, peers).await,
         Sharing::Shard(plan) => copy(ctx, spec, path, progress, Some(plan)).await,
-        Sharing::Alone => copy(ctx, spec, path, progress, None).await,
+        Sharing::Alone => match &ctx.cache {
+            Some(cache) => copy_cached(ctx, spec, path, progress, cache).await,
+            None => copy(ctx, spec, path, progress, None).await,
+        },
     }
 }
 
@@ -82,6 +87,313 @@ async fn copy(
         }
     }
     helper.finish().await
+}
+
+// ------------------------------------------------------------------------ through the node's cache
+
+/// A file the helper identified (`ident`): its key, where it lands and its mode.
+struct Identified {
+    key: Key,
+    /// Below the dataset's directory, or the dataset's own name below the stage directory for a
+    /// dataset that is one file.
+    rel: String,
+    mode: u32,
+    one_file: bool,
+}
+
+/// The whole dataset on a node with a cache, which keeps POSIX files per user: the helper
+/// (`--cached`, [`super::copy_as_user::copy_tree_cached`]) opens every file as the job user and
+/// reports what `fstat` on that descriptor says; each file whose (path, device, inode, size,
+/// mtime) this user's entry holds is a hit, and the helper only makes it, for the agent to write
+/// from the cache. A user who cannot open a file fails here as without a cache, before any hit
+/// is placed. Every other file the helper copies and hashes; when its identity held through the
+/// copy, the agent keeps the staged copy in a new entry if it hashes to what the helper read.
+async fn copy_cached(
+    ctx: &StageCtx,
+    spec: &StageSpec,
+    path: &str,
+    progress: &Arc<Progress>,
+    cache: &Arc<Cache>,
+) -> Result<(), StageError> {
+    let cmd = HelperCmd::new(ctx, spec, path);
+    let mut helper = cmd.start(vec!["--cached".into()], true)?;
+    // Keys name files by the path the job gave, below which the helper reports each one.
+    let below = |rel: &str| match path.trim_end_matches('/') {
+        "" => format!("/{rel}"),
+        dir => format!("{dir}/{rel}"),
+    };
+    let mut idents: HashMap<usize, Arc<Identified>> = HashMap::new();
+    let mut hits: HashMap<usize, Hit> = HashMap::new();
+    let mut answered = false;
+    let mut dataset_dir: Option<Arc<OwnedFd>> = None;
+    let mut tasks: JoinSet<Result<(), StageError>> = JoinSet::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        ctx.cfg.stage.concurrency.max(1),
+    ));
+    let (mut helper_files, mut helper_bytes) = (0u64, 0u64);
+    let garbage = |line: &str| StageError::Origin {
+        dataset: cmd.source.clone(),
+        detail: format!(
+            "the copy helper printed {:?}, which is no part of this dataset",
+            line.chars().take(200).collect::<String>()
+        ),
+    };
+    loop {
+        tokio::select! {
+            line = helper.line() => {
+                let Some(line) = line else { break };
+                if let Some(event) = Event::parse(&line) {
+                    match event {
+                        Event::Total { files, bytes } => {
+                            progress.files_total.store(files, Ordering::Relaxed);
+                            progress.bytes_total.store(bytes, Ordering::Relaxed);
+                            progress.set_state(StageState::Copying);
+                        }
+                        // The helper's own counts; what the cache placed is added by its tasks.
+                        Event::Progress { files, bytes } => {
+                            let (df, db) = (files.saturating_sub(helper_files), bytes.saturating_sub(helper_bytes));
+                            (helper_files, helper_bytes) = (helper_files.max(files), helper_bytes.max(bytes));
+                            progress.files_done.fetch_add(df, Ordering::Relaxed);
+                            progress.bytes_done.fetch_add(db, Ordering::Relaxed);
+                            progress.origin_bytes.fetch_add(db, Ordering::Relaxed);
+                        }
+                    }
+                    continue;
+                }
+                match CacheLine::parse(&line) {
+                    Some(CacheLine::Ident { idx, file, mode, path: rel }) if !answered && idx == idents.len() => {
+                        let ok = rel.is_empty()
+                            || rel.split('/').all(|c| !c.is_empty() && c != "." && c != "..");
+                        if !ok {
+                            return Err(garbage(&line));
+                        }
+                        let one_file = rel.is_empty();
+                        let (key_path, rel) = if one_file {
+                            (path.to_string(), spec.name.clone())
+                        } else {
+                            (below(&rel), rel)
+                        };
+                        let key = posix_key(&key_path, file, ctx.owner.uid);
+                        idents.insert(idx, Arc::new(Identified { key, rel, mode, one_file }));
+                    }
+                    Some(CacheLine::Idents { count }) if !answered && count == idents.len() => {
+                        answered = true;
+                        let (c, keys): (Arc<Cache>, Vec<(usize, Key)>) = (
+                            cache.clone(),
+                            idents.iter().map(|(i, f)| (*i, f.key.clone())).collect(),
+                        );
+                        let found = blocking(move || {
+                            keys.into_iter()
+                                .filter_map(|(i, k)| c.lookup(&k).map(|h| (i, h)))
+                                .collect::<Vec<_>>()
+                        })
+                        .await;
+                        let mut answer = String::new();
+                        for (idx, hit) in found {
+                            answer.push_str(&format!("hit {idx}\n"));
+                            hits.insert(idx, hit);
+                        }
+                        let mut stdin = helper.stdin.take().expect("stdin is piped");
+                        // The helper reads every answer before it writes again; if it went away,
+                        // its exit says why.
+                        let _ = stdin.write_all(answer.as_bytes()).await;
+                        drop(stdin);
+                    }
+                    Some(CacheLine::Cached { idx }) if answered => {
+                        let (Some(hit), Some(file)) = (hits.remove(&idx), idents.get(&idx).cloned()) else {
+                            return Err(garbage(&line));
+                        };
+                        let root = cached_root(ctx, spec, &file, &mut dataset_dir).await?;
+                        let (progress, slots, owner) = (progress.clone(), slots.clone(), ctx.owner);
+                        let (node, source) = (cmd.node.clone(), cmd.source.clone());
+                        tasks.spawn(async move {
+                            let _slot = slots.acquire_owned().await;
+                            let f = file.clone();
+                            blocking(move || {
+                                let dst = open_staged_for_write(&root, &f.rel, owner)?;
+                                hit.copy_to(&dst, None)?;
+                                dst.set_permissions(std::fs::Permissions::from_mode(f.mode))
+                            })
+                            .await
+                            .map_err(|e| hot_error(&node, &source, &file.rel, e))?;
+                            let n = file.key.size;
+                            progress.cache_bytes.fetch_add(n, Ordering::Relaxed);
+                            progress.bytes_done.fetch_add(n, Ordering::Relaxed);
+                            progress.files_done.fetch_add(1, Ordering::Relaxed);
+                            Ok(())
+                        });
+                    }
+                    Some(CacheLine::Copied { idx, piece, hash }) if answered && piece >= 4096 => {
+                        let Some(file) = idents.get(&idx).cloned() else {
+                            return Err(garbage(&line));
+                        };
+                        let root = cached_root(ctx, spec, &file, &mut dataset_dir).await?;
+                        let (cache, slots, owner) = (cache.clone(), slots.clone(), ctx.owner);
+                        tasks.spawn(async move {
+                            let _slot = slots.acquire_owned().await;
+                            blocking(move || keep(&cache, &root, &file, owner, piece, hash)).await;
+                            Ok(())
+                        });
+                    }
+                    _ => return Err(garbage(&line)),
+                }
+            }
+            Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                done.expect("a staging task panicked")?;
+            }
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.expect("a staging task panicked")?;
+    }
+    // Hits the helper never made (it failed first) are given back here, unused.
+    drop(hits);
+    helper.finish().await
+}
+
+/// The key of a POSIX file as the helper identified it, for `uid` alone.
+fn posix_key(path: &str, file: FileIdent, uid: u32) -> Key {
+    let id = PosixFile {
+        uid,
+        dev: file.dev,
+        ino: file.ino,
+        mtime: file.mtime,
+        mtime_ns: file.mtime_ns,
+    };
+    Key::posix(path, file.size, id)
+}
+
+/// The directory `file.rel` is below: the dataset's (opened once), or the stage directory.
+async fn cached_root(
+    ctx: &StageCtx,
+    spec: &StageSpec,
+    file: &Identified,
+    dataset_dir: &mut Option<Arc<OwnedFd>>,
+) -> Result<Arc<OwnedFd>, StageError> {
+    if file.one_file {
+        return Ok(ctx.stage_fd.clone());
+    }
+    if let Some(d) = dataset_dir {
+        return Ok(d.clone());
+    }
+    let (fd, name) = (ctx.stage_fd.clone(), spec.name.clone());
+    let d = blocking(move || safefs::open_dir(&fd, &name))
+        .await
+        .map(Arc::new)
+        .map_err(|e| {
+            let errno = e.errno().map(|e| e as i32);
+            hot_error_errno(
+                &ctx.cfg.node,
+                &spec.source.to_string(),
+                &spec.name,
+                errno,
+                e.to_string(),
+            )
+        })?;
+    *dataset_dir = Some(d.clone());
+    Ok(d)
+}
+
+/// Keeps the staged copy of `file` (below `root`) in a new entry of the cache, if it still is the
+/// job user's one-link regular file of the key's size and hashes, in `piece`-byte pieces, to what
+/// the helper read from the source; otherwise, or without room, it is not cached. Blocking.
+fn keep(
+    cache: &Arc<Cache>,
+    root: &OwnedFd,
+    file: &Identified,
+    owner: Owner,
+    piece: u64,
+    want: blake3::Hash,
+) {
+    let fill = match cache.begin_fill(file.key.clone()) {
+        Ok(f) => f,
+        Err(why) => {
+            tracing::info!("cache: {} is not cached: {why}", file.key.url);
+            return;
+        }
+    };
+    let copied = (|| -> std::io::Result<blake3::Hash> {
+        let staged = open_staged(root, &file.rel, owner, nix::fcntl::OFlag::O_RDONLY)?;
+        let size = file.key.size;
+        if staged.metadata()?.len() != size {
+            return Err(std::io::Error::other("its size changed"));
+        }
+        let mut buf = vec![0u8; 4 << 20];
+        let (mut at, mut pieces) = (0u64, Vec::new());
+        while at < size {
+            let end = (at + piece).min(size);
+            let mut h = blake3::Hasher::new();
+            while at < end {
+                let n = ((end - at) as usize).min(buf.len());
+                staged.read_exact_at(&mut buf[..n], at)?;
+                h.update(&buf[..n]);
+                fill.write_at(&buf[..n], at);
+                at += n as u64;
+            }
+            pieces.push(h.finalize());
+        }
+        Ok(piece_hashes_hash(&pieces))
+    })();
+    match copied {
+        Ok(hash) if hash == want => {
+            fill.commit();
+        }
+        Ok(_) => fill.taint("the staged copy is not what the copy helper read"),
+        Err(e) => fill.taint(&format!("reading the staged copy: {e}")),
+    }
+}
+
+/// Opens `rel` below `root` (`/`-separated, each part a plain name, no link followed) with
+/// `access`, if it is a regular one-link file of `owner`'s: what the helper made as the user.
+fn open_staged(
+    root: &OwnedFd,
+    rel: &str,
+    owner: Owner,
+    access: nix::fcntl::OFlag,
+) -> std::io::Result<std::fs::File> {
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::{Mode, SFlag, fstat};
+    let parts: Vec<&str> = rel.split('/').collect();
+    let (name, dirs) = parts.split_last().expect("split yields one part");
+    let mut dir = root.try_clone()?;
+    for d in dirs {
+        dir = safefs::open_dir(&dir, d).map_err(std::io::Error::other)?;
+    }
+    safefs::check_component(name).map_err(std::io::Error::other)?;
+    let flags = access | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+    let fd = nix::fcntl::openat(&dir, *name, flags, Mode::empty())?;
+    let st = fstat(&fd)?;
+    let regular = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG;
+    if !regular || st.st_uid != owner.uid || st.st_nlink != 1 {
+        return Err(std::io::Error::other(format!(
+            "'{rel}' is no longer the file this node staged"
+        )));
+    }
+    Ok(std::fs::File::from(fd))
+}
+
+fn hot_error(node: &str, source: &str, path: &str, e: std::io::Error) -> StageError {
+    hot_error_errno(node, source, path, e.raw_os_error(), e.to_string())
+}
+
+fn hot_error_errno(
+    node: &str,
+    source: &str,
+    path: &str,
+    errno: Option<i32>,
+    detail: String,
+) -> StageError {
+    if is_no_space(errno) {
+        StageError::NoSpace {
+            node: node.to_string(),
+            dataset: source.to_string(),
+        }
+    } else {
+        StageError::HotTier {
+            path: path.to_string(),
+            detail,
+        }
+    }
 }
 
 /// The helper's `--shard-nodes --shard-node --dataset --source`.
