@@ -396,6 +396,7 @@ fn archive_code(e: &ArchiveError) -> &'static str {
         ArchiveError::ManifestTooLarge { .. } => "manifest_too_large",
         ArchiveError::Stopped { .. } => "stopped",
         ArchiveError::AlreadyPublished { .. } => "already_published",
+        ArchiveError::NotAsFlushed { .. } => "not_as_flushed",
     }
 }
 

@@ -7,17 +7,25 @@
 //! block N+1 from RAM while another writes block N to the disk with `O_DIRECT` (no page-cache copy
 //! of a checkpoint that is in RAM already; the tail shorter than a block, or every block where the
 //! file system refuses `O_DIRECT`, through the page cache). The source bytes are hashed (BLAKE3) as
-//! they are read; every copy is fsynced, then read back and its hash compared, so a flush that
-//! returns `Ok` left a durable, verified copy. A source file that changes while it is copied fails
-//! the flush ([`FlushError::Modified`]): a committed checkpoint must not change.
+//! they are read — one pass over RAM, no second read of anything — and every copy is fsynced, so a
+//! flush that returns `Ok` left a durable copy and the hash of every file it read ([`Flushed`]).
+//! A source file that changes while it is copied fails the flush ([`FlushError::Modified`]): a
+//! committed checkpoint must not change.
+//!
+//! The copy is verified later, where it is read anyway: the archive's upload reads and hashes
+//! every file of the hot tier's copy for its MANIFEST, and refuses a part whose hashes are not the
+//! flush's ([`crate::Archiver::upload_part_as_flushed`]). Where no archive reads it, the agent reads
+//! it back once, in the background ([`verify_tree`]). Reading the copy back inside the flush doubled
+//! the flush's disk I/O for a check the upload repeats.
 
 use crate::download::Output;
 use crate::iobuf::AlignedBuf;
 use crate::safefs::{self, Owner};
 use crate::walk::{self, WalkError};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::sync::mpsc::sync_channel;
 
@@ -28,7 +36,7 @@ pub enum FlushError {
     Refused(WalkError),
     #[error("'{path}' changed while it was flushed; a committed checkpoint must not change")]
     Modified { path: String },
-    #[error("'{path}': the copy on the hot tier does not read back as written")]
+    #[error("'{path}': the copy on the hot tier does not read back as it was flushed")]
     Mismatch { path: String },
     #[error("flushing '{path}': {source}")]
     Io {
@@ -49,12 +57,53 @@ impl FlushError {
 }
 
 /// What a flush copied.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Flushed {
     pub files: u64,
     pub bytes: u64,
     /// Every file's whole blocks went through `O_DIRECT`.
     pub direct: bool,
+    /// The BLAKE3 of every file as it was read from RAM, by `/`-separated relative path: what the
+    /// copy must hash to when it is read back (by the archive's upload, or [`verify_tree`]).
+    pub hashes: FlushHashes,
+}
+
+/// Files' BLAKE3 by relative path, as a flush read them.
+pub type FlushHashes = BTreeMap<String, blake3::Hash>;
+
+/// The files of a tree read back (by path, with their hashes) that are not what the flush read:
+/// a different hash, a file missing on either side. Empty when the copy is the flushed tree.
+pub fn differences<'a>(
+    flushed: &FlushHashes,
+    read: impl IntoIterator<Item = (&'a str, blake3::Hash)>,
+) -> Vec<crate::Damaged> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut damaged = Vec::new();
+    for (path, hash) in read {
+        seen.insert(path);
+        match flushed.get(path) {
+            Some(h) if *h == hash => {}
+            Some(h) => damaged.push(crate::Damaged {
+                path: path.to_string(),
+                detail: format!(
+                    "BLAKE3 {} on the hot tier, {} when flushed from RAM",
+                    hash.to_hex(),
+                    h.to_hex()
+                ),
+            }),
+            None => damaged.push(crate::Damaged {
+                path: path.to_string(),
+                detail: "on the hot tier, but not flushed from RAM".into(),
+            }),
+        }
+    }
+    for path in flushed.keys().filter(|p| !seen.contains(p.as_str())) {
+        damaged.push(crate::Damaged {
+            path: path.clone(),
+            detail: "flushed from RAM, but missing on the hot tier".into(),
+        });
+    }
+    damaged
 }
 
 fn io_err(path: &str) -> impl FnOnce(io::Error) -> FlushError + '_ {
@@ -73,9 +122,19 @@ fn safefs_err(path: &str) -> impl FnOnce(safefs::SafeFsError) -> FlushError + '_
     }
 }
 
+fn walk_err(e: WalkError) -> FlushError {
+    match e {
+        WalkError::Io { path, errno } => FlushError::Io {
+            path,
+            source: io::Error::from(errno),
+        },
+        refused => FlushError::Refused(refused),
+    }
+}
+
 /// Copies the tree below `src` (the job user `uid`'s) into `dst`, an empty directory, owned by
-/// `owner`, through buffers of `block` bytes; fsyncs and verifies every file, then `dst` itself.
-/// Blocking.
+/// `owner`, through buffers of `block` bytes; hashes every file as it reads it and fsyncs every
+/// copy, then `dst` itself. Blocking.
 pub fn flush_tree(
     src: &OwnedFd,
     uid: u32,
@@ -83,13 +142,7 @@ pub fn flush_tree(
     owner: Owner,
     block: usize,
 ) -> Result<Flushed, FlushError> {
-    let tree = walk::walk(src, uid).map_err(|e| match e {
-        WalkError::Io { path, errno } => FlushError::Io {
-            path,
-            source: io::Error::from(errno),
-        },
-        refused => FlushError::Refused(refused),
-    })?;
+    let tree = walk::walk(src, uid).map_err(walk_err)?;
     for d in &tree.dirs {
         let parts: Vec<&str> = d.split('/').collect();
         safefs::ensure_dirs(dst, &parts, Some(owner)).map_err(safefs_err(d))?;
@@ -119,14 +172,7 @@ pub fn flush_tree(
             });
         }
         out.file().sync_all().map_err(io_err(&f.rel))?;
-        // Opened for writing only: read back through the open file itself, not a path.
-        let back = File::open(format!("/proc/self/fd/{}", out.file().as_raw_fd()))
-            .map_err(io_err(&f.rel))?;
-        if read_hash(&back, &mut bufs[0], block).map_err(io_err(&f.rel))? != hash {
-            return Err(FlushError::Mismatch {
-                path: f.rel.clone(),
-            });
-        }
+        done.hashes.insert(f.rel.clone(), hash);
         done.files += 1;
         done.bytes += size;
         done.direct &= out.direct() || size < crate::iobuf::ALIGN as u64;
@@ -214,18 +260,37 @@ fn read_full(f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     Ok(n)
 }
 
-/// The BLAKE3 of `f`, read back from the start (after an fsync, from the disk where the writes
-/// bypassed the page cache).
-fn read_hash(f: &File, buf: &mut AlignedBuf, block: usize) -> io::Result<blake3::Hash> {
-    let mut hasher = blake3::Hasher::new();
-    let mut offset = 0u64;
-    loop {
-        let n = read_full(f, buf.reuse(block), offset)?;
-        if n == 0 {
-            return Ok(hasher.finalize());
+/// Reads the flushed copy below `dir` back (the job user `uid`'s files) and compares each file's
+/// BLAKE3 with what the flush read ([`differences`]); `Err(Mismatch)` names the first file that
+/// differs. Read through the page cache, which is told to drop the pages again: the copy is there
+/// to be archived or restored later, not read now. Blocking; for a checkpoint no archive reads.
+pub fn verify_tree(dir: &OwnedFd, uid: u32, flushed: &FlushHashes) -> Result<(), FlushError> {
+    let tree = walk::walk(dir, uid).map_err(walk_err)?;
+    let mut buf = AlignedBuf::new(1 << 20);
+    let mut read = Vec::with_capacity(tree.files.len());
+    for f in &tree.files {
+        let (file, _) = walk::open_file(dir, f, uid).map_err(FlushError::Refused)?;
+        let mut hasher = blake3::Hasher::new();
+        let mut offset = 0u64;
+        loop {
+            let n = read_full(&file, buf.reuse(1 << 20), offset).map_err(io_err(&f.rel))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            offset += n as u64;
         }
-        hasher.update(&buf[..n]);
-        offset += n as u64;
+        let _ = nix::fcntl::posix_fadvise(
+            &file,
+            0,
+            0,
+            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+        );
+        read.push((f.rel.as_str(), hasher.finalize()));
+    }
+    match differences(flushed, read).into_iter().next() {
+        None => Ok(()),
+        Some(d) => Err(FlushError::Mismatch { path: d.path }),
     }
 }
 
@@ -241,7 +306,7 @@ mod tests {
     }
 
     #[test]
-    fn a_tree_is_copied_byte_identical_with_its_modes_and_verified() {
+    fn a_tree_is_copied_byte_identical_with_its_modes() {
         let src = tempfile::tempdir().unwrap();
         let dst = tempfile::tempdir().unwrap();
         let big: Vec<u8> = (0..(3 << 20) + 12_345u32)
@@ -274,6 +339,104 @@ mod tests {
             .unwrap()
             .permissions();
         assert_eq!(mode.mode() & 0o777, 0o640);
+    }
+
+    /// A flushed tree in `dst` whose `model/shards/0.bin` is then changed on the "disk" (as a
+    /// failing device or a stray writer would), with what the flush read.
+    fn flushed_then_damaged() -> (tempfile::TempDir, tempfile::TempDir, Flushed) {
+        let src = tempfile::tempdir().unwrap();
+        let dst = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(src.path().join("model/shards")).unwrap();
+        let big: Vec<u8> = (0..(2 << 20) + 77u32).map(|i| (i % 253) as u8).collect();
+        std::fs::write(src.path().join("model/shards/0.bin"), &big).unwrap();
+        std::fs::write(src.path().join("meta"), b"step 7").unwrap();
+        let s = safefs::open_root_dir(src.path()).unwrap();
+        let d = safefs::open_root_dir(dst.path()).unwrap();
+        let done = flush_tree(&s, me().uid, &d, me(), 1 << 20).unwrap();
+        (src, dst, done)
+    }
+
+    fn damage(dst: &std::path::Path) {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dst.join("model/shards/0.bin"))
+            .unwrap();
+        f.write_all_at(b"\xff", 1 << 20).unwrap();
+    }
+
+    #[test]
+    fn the_flush_hashes_what_it_read_and_a_read_back_finds_a_damaged_copy() {
+        let (src, dst, done) = flushed_then_damaged();
+        let want = |p: &str| blake3::hash(&std::fs::read(src.path().join(p)).unwrap());
+        assert_eq!(
+            done.hashes,
+            [
+                ("meta", want("meta")),
+                ("model/shards/0.bin", want("model/shards/0.bin"))
+            ]
+            .into_iter()
+            .map(|(p, h)| (p.to_string(), h))
+            .collect::<FlushHashes>()
+        );
+        let d = safefs::open_root_dir(dst.path()).unwrap();
+        verify_tree(&d, me().uid, &done.hashes).unwrap();
+        damage(dst.path());
+        let e = verify_tree(&d, me().uid, &done.hashes).unwrap_err();
+        assert!(
+            matches!(&e, FlushError::Mismatch { path } if path == "model/shards/0.bin"),
+            "{e}"
+        );
+        // A file missing on either side is a difference too.
+        std::fs::remove_file(dst.path().join("meta")).unwrap();
+        let read = [
+            ("model/shards/0.bin", want("model/shards/0.bin")),
+            ("extra", want("meta")),
+        ];
+        let diff = differences(&done.hashes, read);
+        let paths: Vec<&str> = diff.iter().map(|d| d.path.as_str()).collect();
+        assert_eq!(paths, ["extra", "meta"], "{diff:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upload_of_a_copy_that_is_not_as_flushed_writes_no_part() {
+        use crate::{ArchiveConfig, ArchiveError, ArchiveProgress, Archiver};
+        use object_store::ObjectStoreExt;
+        let (_src, dst, done) = flushed_then_damaged();
+        let store = std::sync::Arc::new(object_store::memory::InMemory::new());
+        let cfg = ArchiveConfig {
+            part_size: 256 << 10,
+            concurrency: 2,
+            zstd_level: 1,
+            chunk_size: 64 << 10,
+            compress_threads: 1,
+            bandwidth_limit: None,
+        };
+        let a = Archiver::new(store.clone(), "u/run", cfg).unwrap();
+        let fd = || std::sync::Arc::new(safefs::open_root_dir(dst.path()).unwrap());
+        let progress = ArchiveProgress::default();
+        // Intact: the upload's hashes are the flush's, and the part is written.
+        let part = a
+            .upload_part_as_flushed("s1", "n1", fd(), me().uid, &progress, &done.hashes)
+            .await
+            .unwrap();
+        assert_eq!(part.files.len(), 2);
+        damage(dst.path());
+        let e = a
+            .upload_part_as_flushed("s1", "n1", fd(), me().uid, &progress, &done.hashes)
+            .await
+            .unwrap_err();
+        match &e {
+            ArchiveError::NotAsFlushed { damaged, .. } => {
+                assert_eq!(damaged.len(), 1, "{e}");
+                assert_eq!(damaged[0].path, "model/shards/0.bin", "{e}");
+            }
+            other => panic!("{other}"),
+        }
+        let part_key = object_store::path::Path::from("u/run/s1/parts/n1.json");
+        assert!(
+            store.head(&part_key).await.is_err(),
+            "a part was written for a copy that is not what was flushed"
+        );
     }
 
     #[test]

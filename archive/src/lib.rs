@@ -254,6 +254,13 @@ pub enum ArchiveError {
         tag: String,
         node: String,
     },
+    /// The hot tier's copy of a checkpoint flushed from the RAM tier does not hash as the flush
+    /// read it ([`Archiver::upload_part_as_flushed`]): no part manifest was written.
+    #[error(
+        "checkpoint {tag}: the hot tier's copy is not what was flushed from RAM: {}; nothing was published",
+        describe(damaged)
+    )]
+    NotAsFlushed { tag: String, damaged: Vec<Damaged> },
 }
 
 /// One damaged file of a checkpoint.

@@ -880,6 +880,36 @@ impl Archiver {
         expected_uid: u32,
         progress: &ArchiveProgress,
     ) -> Result<PartManifest, ArchiveError> {
+        self.upload_part_checked(tag, node, dir, expected_uid, progress, None)
+            .await
+    }
+
+    /// [`Archiver::upload_part`] of a checkpoint flushed from the RAM tier: the hashes the upload
+    /// computes of the hot tier's copy (as it reads it for the MANIFEST) must be the ones the flush
+    /// computed of the RAM copy, file for file; else [`ArchiveError::NotAsFlushed`] and no part
+    /// manifest, so no node publishes a copy that is not what the job saved.
+    pub async fn upload_part_as_flushed(
+        &self,
+        tag: &str,
+        node: &str,
+        dir: Arc<OwnedFd>,
+        expected_uid: u32,
+        progress: &ArchiveProgress,
+        flushed: &crate::flush::FlushHashes,
+    ) -> Result<PartManifest, ArchiveError> {
+        self.upload_part_checked(tag, node, dir, expected_uid, progress, Some(flushed))
+            .await
+    }
+
+    async fn upload_part_checked(
+        &self,
+        tag: &str,
+        node: &str,
+        dir: Arc<OwnedFd>,
+        expected_uid: u32,
+        progress: &ArchiveProgress,
+        flushed: Option<&crate::flush::FlushHashes>,
+    ) -> Result<PartManifest, ArchiveError> {
         check_name("checkpoint tag", tag)?;
         check_name("node name", node)?;
         let resume = self.resume_log(tag, node);
@@ -940,6 +970,18 @@ impl Archiver {
         }
         entries.extend(uploaded?);
         entries.sort_by(|a, b| a.path.cmp(&b.path));
+        if let Some(flushed) = flushed {
+            let damaged = crate::flush::differences(
+                flushed,
+                entries.iter().map(|e| (e.path.as_str(), e.content_hash())),
+            );
+            if !damaged.is_empty() {
+                return Err(ArchiveError::NotAsFlushed {
+                    tag: tag.into(),
+                    damaged,
+                });
+            }
+        }
 
         let part = PartManifest {
             format: PART_FORMAT.into(),
