@@ -370,10 +370,12 @@ mod tests {
             src,
             dst,
             shard,
+            cached,
         } = parsed.command
         else {
             panic!("not copy-as-user");
         };
+        assert!(!cached, "the cache is asked only with --cached");
         assert_eq!((who.uid, who.gid, who.user.as_str()), (1000, 100, "alice"));
         assert_eq!(
             (src, dst),
