@@ -1775,6 +1775,84 @@ mod tests {
         assert!(e.unwrap_err().1.contains("shorter than when it was listed"));
     }
 
+    /// A cached copy: every non-empty file identified from its descriptor, a hit only made (empty,
+    /// owner-writable) for the agent, the others copied with the hash of their pieces in order,
+    /// which the agent can compute from the staged copy; an answer naming no file is refused.
+    #[test]
+    fn a_cached_copy_identifies_files_makes_hits_and_hashes_the_rest_by_piece() {
+        let src = tempfile::tempdir().unwrap();
+        let big: Vec<u8> = (0..5 * 4096 + 99u32).map(|i| (i % 253) as u8).collect();
+        fs::write(src.path().join("big"), &big).unwrap();
+        fs::set_permissions(src.path().join("big"), fs::Permissions::from_mode(0o444)).unwrap();
+        fs::create_dir(src.path().join("d")).unwrap();
+        fs::write(src.path().join("d/small"), b"small").unwrap();
+        fs::write(src.path().join("empty"), b"").unwrap();
+        let dst = tempfile::tempdir().unwrap();
+        let run = |answers: &str, to: &str| {
+            let mut out = Vec::new();
+            let r = copy_cached_in_pieces(
+                src.path(),
+                &dst.path().join(to),
+                4096,
+                answers.as_bytes(),
+                &mut out,
+            );
+            (r, String::from_utf8(out).unwrap())
+        };
+        let (r, text) = run("", "miss");
+        r.unwrap();
+        let lines: Vec<CacheLine> = text.lines().filter_map(CacheLine::parse).collect();
+        let idents: Vec<(usize, FileIdent, String)> = lines
+            .iter()
+            .filter_map(|l| match l {
+                CacheLine::Ident {
+                    idx, file, path, ..
+                } => Some((*idx, *file, path.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            idents.iter().map(|i| i.2.as_str()).collect::<Vec<_>>(),
+            ["big", "d/small"],
+            "the non-empty files"
+        );
+        let md = fs::metadata(src.path().join("big")).unwrap();
+        assert_eq!((idents[0].1.ino, idents[0].1.size), (md.ino(), md.len()));
+        assert!(lines.contains(&CacheLine::Idents { count: 2 }));
+        let pieces: Vec<blake3::Hash> = big.chunks(4096).map(blake3::hash).collect();
+        assert!(
+            lines.contains(&CacheLine::Copied {
+                idx: 0,
+                piece: 4096,
+                hash: piece_hashes_hash(&pieces)
+            }),
+            "{text}"
+        );
+        assert!(lines.contains(&CacheLine::Copied {
+            idx: 1,
+            piece: 4096,
+            hash: piece_hashes_hash(&[blake3::hash(b"small")])
+        }));
+        assert_eq!(fs::read(dst.path().join("miss/big")).unwrap(), big);
+
+        // The big file a hit: made empty for the agent, not copied.
+        let (r, text) = run("hit 0\n", "hit");
+        r.unwrap();
+        assert!(text.lines().any(|l| l == "cached 0"), "{text}");
+        assert!(!text.contains("copied 0 "), "{text}");
+        let made = fs::metadata(dst.path().join("hit/big")).unwrap();
+        assert_eq!((made.len(), made.mode() & 0o7777), (0, 0o644));
+        assert_eq!(fs::read(dst.path().join("hit/d/small")).unwrap(), b"small");
+        assert_eq!(
+            Event::parse(text.lines().last().unwrap()),
+            Some(Event::Progress { files: 2, bytes: 5 }),
+            "the helper counts what it copied"
+        );
+        let (r, _) = run("hit 2\n", "bad");
+        assert!(r.unwrap_err().1.contains("bad cache answer"));
+        assert!(!dst.path().join("bad").exists(), "nothing made on a bad answer");
+    }
+
     #[test]
     fn copy_threads_take_files_from_each_directory_in_turn() {
         let job = |p: &str| FileJob {
