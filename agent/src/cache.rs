@@ -5,7 +5,10 @@
 //!   ETag and version, its size ([`Key`]). A changed object lists another ETag (or version, or
 //!   size) and misses; an object listed with neither ETag nor version is never cached. Staging
 //!   GETs every range with `If-Match` on the listed ETag, so the bytes of an entry are the bytes
-//!   of the version its key names.
+//!   of the version its key names. A POSIX file's entry is keyed by its path, device, inode,
+//!   size and mtime, and the job user's uid ([`Key::posix`]): it is served only to that user, and
+//!   only when that user's copy helper opened the file again and found that identity
+//!   (`stage/posix.rs`).
 //! - **Never served torn.** An entry is filled in `fill/`, from the same buffers that write the
 //!   job's copy (the job's file is the user's, the cache's never is: a user who changes their copy
 //!   changes nothing here), fsynced, its key written next to it, and only then renamed into `data/`.
