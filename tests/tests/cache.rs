@@ -1172,3 +1172,129 @@ fn cache_admin_commands_list_stats_warm_and_evict() {
     cluster.assert_hot_tier_cleaned(&miss.job, CLEANUP_TIMEOUT);
     cluster.assert_nodes_return_idle(&miss.job, CLEANUP_TIMEOUT);
 }
+
+/// A POSIX source is cached per user (`(path, device, inode, size, mtime)` and the job user). A
+/// user's second job on a POSIX tree (a few hundred small files and a 32 MiB one) is placed from
+/// the node's cache: identical files, the user's, every byte counted from the cache and the job
+/// output saying "100 % from this node's cache". Another user who may read the same tree reads it
+/// from its source: never a hit on the first user's entries. Once the big file is closed to the
+/// user (`chmod 600`, root's), the user's next job fails with the denial naming that file, its
+/// script never runs, its output carries none of the file, nothing is staged and the cache counts
+/// no hit: the user's helper opens every file itself before anything is taken from the cache.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn cache_a_users_second_job_on_a_posix_tree_reads_the_nodes_cache() {
+    let cluster = Cluster::for_sluice();
+    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
+    let dir = cluster.dataset("cache-posix", false);
+    let big = dir.join("big/weights.bin");
+    random_file(&big, 32 * MIB);
+    run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&dir));
+    let path = dir.display().to_string();
+    let ds = Ds {
+        sums: checksums(&dir),
+        bytes: file_sizes(&dir).values().sum(),
+        prefix: String::new(),
+        url: path.clone(),
+        dir,
+    };
+    let job = |user: &str, test: &str| {
+        let out = out_dir(&cluster, user, test);
+        let job = submit(&cluster, user, test, &path, &out, &script(&out, ""));
+        cluster.assert_completes(&job, JOB_TIMEOUT, &format!("{test}: {user}'s job"));
+        let progress = stage_progress(&cluster, &job);
+        eprintln!(
+            "[cache] {test}: job {} of {user}: {} bytes from the cache, {} from the source",
+            job.id, progress.cache_bytes, progress.origin_bytes
+        );
+        Staged {
+            job,
+            user: user.to_string(),
+            out,
+            served: 0,
+            progress,
+        }
+    };
+    let from = |s: &Staged| (s.progress.cache_bytes, s.progress.origin_bytes);
+
+    let first = job(&a, "cache-posix-1");
+    first.assert_got(&cluster, &ds, "the first job");
+    assert_eq!(
+        from(&first),
+        (0, ds.bytes),
+        "the first job reads the source"
+    );
+    let second = job(&a, "cache-posix-2");
+    second.assert_got(&cluster, &ds, "the second job");
+    assert_eq!(
+        from(&second),
+        (ds.bytes, 0),
+        "{a}'s second job should be all from the cache: {:?}",
+        second.progress
+    );
+    let output = second.output();
+    assert!(
+        output.contains("100 % from this node's cache"),
+        "the second job's output does not say its dataset came from the node's cache:\n{output}"
+    );
+
+    let other = job(&b, "cache-posix-other");
+    other.assert_got(&cluster, &ds, &format!("{b}'s job"));
+    assert_eq!(
+        from(&other),
+        (0, ds.bytes),
+        "{b} must read the source, never {a}'s cache entries: {:?}",
+        other.progress
+    );
+    assert!(
+        !other.output().contains("from this node's cache"),
+        "{b}'s job output:\n{}",
+        other.output()
+    );
+    assert_cache_private(&cluster, NODE);
+
+    // The big file closed to every user but root.
+    fs::set_permissions(&big, fs::Permissions::from_mode(0o600)).unwrap();
+    let hits_before = listing(&cluster, NODE).stats.hits;
+    let test = "cache-posix-denied";
+    let out = out_dir(&cluster, &a, test);
+    let listed = format!(
+        "{}\nhead -c 64 \"$SLUICE_STAGE_DIR\"/ds/big/weights.bin | od -A n -t x1 2>&1\n",
+        script(&out, "")
+    );
+    let job = submit(&cluster, &a, test, &path, &out, &listed);
+    let end = cluster.wait_end(&job, JOB_TIMEOUT);
+    let text = job.output_text();
+    cluster.assert_ended(
+        &job,
+        &end,
+        "FAILED",
+        &format!("{a}'s job on a file closed to them"),
+    );
+    assert!(
+        text.contains(&format!("access to dataset {path} was denied"))
+            && text.contains("weights.bin"),
+        "{a}'s job output does not say the dataset was denied, naming the file:\n{text}"
+    );
+    // `od` prints 16 bytes a line: the file's first line, as the task would have printed it.
+    let head = fs::read(&big).unwrap()[..16]
+        .iter()
+        .map(|b| format!(" {b:02x}"))
+        .collect::<String>();
+    assert!(
+        !text.contains(head.trim()),
+        "{a}'s job output holds the closed file's bytes:\n{text}"
+    );
+    assert!(
+        !out.join(NODE).join("done").exists(),
+        "{a}'s job script ran although its stage-in was denied"
+    );
+    assert_eq!(
+        listing(&cluster, NODE).stats.hits,
+        hits_before,
+        "the cache counted a hit for a job whose user cannot read the source"
+    );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
