@@ -1,14 +1,16 @@
 //! End-to-end tests live in `tests/tests/`; this crate hosts them, and holds what several test files
 //! share that needs nothing of the cluster's description: the byte-counting relay in front of an
-//! origin (see [`relay`]).
+//! origin and the plain relay under it (see [`relay`]).
 
 pub mod relay {
-    //! A TCP relay in front of an object store (Garage), on the port the agents' `s3://datasets-relayed`
-    //! store profile points at: it counts the bytes the store sends back (object bodies, listings,
-    //! headers), which is what the origin served, counted on the origin's side rather than by the
-    //! agents. It can pace the origin: all its connections together then carry at most a set number
-    //! of bytes a second, so a transfer lasts long enough for a test to act while it runs. It stops,
-    //! cutting its connections, when dropped.
+    //! TCP relays in front of a server, stopping (and cutting their connections) when dropped.
+    //! [`CountingRelay`] stands in front of an object store (Garage), on the port the agents'
+    //! `s3://datasets-relayed` store profile points at: it counts the bytes the store sends back
+    //! (object bodies, listings, headers), which is what the origin served, counted on the origin's
+    //! side rather than by the agents. It can pace the origin: all its connections together then
+    //! carry at most a set number of bytes a second, so a transfer lasts long enough for a test to
+    //! act while it runs. [`Relay`] is the plain relay under it, for a test that changes what the
+    //! server answers.
 
     use std::io::{self, Read, Write};
     use std::net::{Shutdown, TcpListener, TcpStream};
@@ -17,26 +19,28 @@ pub mod relay {
     use std::thread::JoinHandle;
     use std::time::{Duration, Instant};
 
-    pub struct CountingRelay {
-        served: Arc<AtomicU64>,
-        pace: Arc<Pace>,
+    /// A TCP relay from a listener to `upstream`: each connection's requests pass as they are, its
+    /// answers go through `back(server, client)`.
+    pub struct Relay {
         stop: Arc<AtomicBool>,
         conns: Arc<Mutex<Vec<TcpStream>>>,
         port: u16,
         accept: Option<JoinHandle<()>>,
     }
 
-    impl CountingRelay {
-        /// Listens on `127.0.0.1:port` and relays every connection to `upstream` (`host:port`).
-        pub fn start(port: u16, upstream: &str) -> io::Result<CountingRelay> {
-            let listener = TcpListener::bind(("127.0.0.1", port))?;
+    impl Relay {
+        /// Relays every connection `listener` accepts to `upstream` (`host:port`); `back` copies
+        /// the upstream's answers to the client until either side closes.
+        pub fn start(
+            listener: TcpListener,
+            upstream: &str,
+            back: impl Fn(TcpStream, TcpStream) + Clone + Send + 'static,
+        ) -> io::Result<Relay> {
             let port = listener.local_addr()?.port();
             let upstream = upstream.to_string();
-            let served = Arc::new(AtomicU64::new(0));
-            let pace = Arc::new(Pace::default());
             let stop = Arc::new(AtomicBool::new(false));
             let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-            let (s, p, st, c) = (served.clone(), pace.clone(), stop.clone(), conns.clone());
+            let (st, c) = (stop.clone(), conns.clone());
             let accept = std::thread::spawn(move || {
                 for client in listener.incoming() {
                     if st.load(Ordering::SeqCst) {
@@ -56,13 +60,11 @@ pub mod relay {
                     };
                     c.lock().unwrap().extend([c1, s1]);
                     std::thread::spawn(move || pipe(c2, s2, None, None));
-                    let (s, p) = (s.clone(), p.clone());
-                    std::thread::spawn(move || pipe(server, client, Some(&s), Some(&p)));
+                    let back = back.clone();
+                    std::thread::spawn(move || back(server, client));
                 }
             });
-            Ok(CountingRelay {
-                served,
-                pace,
+            Ok(Relay {
                 stop,
                 conns,
                 port,
@@ -70,23 +72,13 @@ pub mod relay {
             })
         }
 
-        /// Bytes the upstream sent back since the relay started.
-        pub fn served(&self) -> u64 {
-            self.served.load(Ordering::SeqCst)
-        }
-
-        /// At most `bytes_per_sec` from the upstream, over all connections together (0: unpaced).
-        pub fn set_pace(&self, bytes_per_sec: u64) {
-            self.pace.rate.store(bytes_per_sec, Ordering::SeqCst);
-            *self.pace.next.lock().unwrap() = None;
-        }
-
+        /// The port it listens on (`127.0.0.1`).
         pub fn port(&self) -> u16 {
             self.port
         }
     }
 
-    impl Drop for CountingRelay {
+    impl Drop for Relay {
         fn drop(&mut self) {
             self.stop.store(true, Ordering::SeqCst);
             for c in self.conns.lock().unwrap().drain(..) {
@@ -97,6 +89,51 @@ pub mod relay {
             if let Some(t) = self.accept.take() {
                 let _ = t.join();
             }
+        }
+    }
+
+    /// A [`Relay`] that counts, and can pace, what the upstream sends back.
+    pub struct CountingRelay {
+        served: Arc<AtomicU64>,
+        pace: Arc<Pace>,
+        relay: Relay,
+    }
+
+    impl CountingRelay {
+        /// Listens on `127.0.0.1:port` and relays every connection to `upstream` (`host:port`).
+        pub fn start(port: u16, upstream: &str) -> io::Result<CountingRelay> {
+            let listener = TcpListener::bind(("127.0.0.1", port))?;
+            let served = Arc::new(AtomicU64::new(0));
+            let pace = Arc::new(Pace::default());
+            let (s, p) = (served.clone(), pace.clone());
+            let relay = Relay::start(listener, upstream, move |server, client| {
+                pipe(server, client, Some(&s), Some(&p))
+            })?;
+            Ok(CountingRelay {
+                served,
+                pace,
+                relay,
+            })
+        }
+
+        /// Bytes the upstream sent back since the relay started.
+        pub fn served(&self) -> u64 {
+            self.served.load(Ordering::SeqCst)
+        }
+
+        /// Bytes the upstream sent back since the relay started or this was last asked.
+        pub fn take_served(&self) -> u64 {
+            self.served.swap(0, Ordering::SeqCst)
+        }
+
+        /// At most `bytes_per_sec` from the upstream, over all connections together (0: unpaced).
+        pub fn set_pace(&self, bytes_per_sec: u64) {
+            self.pace.rate.store(bytes_per_sec, Ordering::SeqCst);
+            *self.pace.next.lock().unwrap() = None;
+        }
+
+        pub fn port(&self) -> u16 {
+            self.relay.port()
         }
     }
 

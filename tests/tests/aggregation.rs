@@ -8,14 +8,14 @@
 mod common;
 
 use common::*;
+use sluice_e2e::relay::{CountingRelay, Relay};
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Staging 3 × 200 MiB on a 2-core machine: generous, but bounded.
@@ -25,166 +25,6 @@ const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 const BIG: u64 = (200 << 20) + 4321;
 /// What "read once" allows on top of the dataset's bytes: listings and response headers.
 const ORIGIN_SLACK: f64 = 1.02;
-
-// ------------------------------------------------------------------------------------ the relay
-
-/// A TCP relay in front of Garage on the port of the agents' `s3://datasets-relayed` profile,
-/// counting the bytes Garage sends back (object bodies, listings, headers): what the origin served.
-/// It can pace the origin: all its connections together then carry at most a set number of bytes
-/// a second, so staging lasts long enough for a test to act while it runs. Stops (and cuts its
-/// connections) when dropped.
-struct OriginRelay {
-    served: Arc<AtomicU64>,
-    pace: Arc<Pace>,
-    _relay: Relay,
-}
-
-impl OriginRelay {
-    fn start(cluster: &Cluster) -> OriginRelay {
-        cluster.require_s3();
-        let port: u16 = cluster
-            .var("SLUICE_TEST_ORIGIN_RELAY_PORT")
-            .parse()
-            .expect("SLUICE_TEST_ORIGIN_RELAY_PORT");
-        let upstream = cluster
-            .var("SLUICE_TEST_S3_ENDPOINT")
-            .trim_start_matches("http://")
-            .trim_end_matches('/')
-            .to_string();
-        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap_or_else(|e| {
-            panic!(
-                "cannot listen on 127.0.0.1:{port} for the origin relay (a relay left over?): {e}"
-            )
-        });
-        let served = Arc::new(AtomicU64::new(0));
-        let pace = Arc::new(Pace::default());
-        let (s, p) = (served.clone(), pace.clone());
-        let relay = Relay::start(listener, upstream, move |server, client| {
-            pipe(server, client, Some(&s), Some(&p))
-        });
-        OriginRelay {
-            served,
-            pace,
-            _relay: relay,
-        }
-    }
-
-    fn served(&self) -> u64 {
-        self.served.load(Ordering::SeqCst)
-    }
-
-    /// At most `bytes_per_sec` from the origin, over all connections together (0: unpaced).
-    fn set_pace(&self, bytes_per_sec: u64) {
-        self.pace.rate.store(bytes_per_sec, Ordering::SeqCst);
-    }
-}
-
-/// The relay's one bandwidth limit: each chunk relayed back waits for its slot in one timeline.
-#[derive(Default)]
-struct Pace {
-    rate: AtomicU64,
-    next: Mutex<Option<Instant>>,
-}
-
-impl Pace {
-    fn wait(&self, n: usize) {
-        let rate = self.rate.load(Ordering::SeqCst);
-        if rate == 0 {
-            return;
-        }
-        let until = {
-            let mut next = self.next.lock().unwrap();
-            let start = next.map_or_else(Instant::now, |t| t.max(Instant::now()));
-            let end = start + Duration::from_secs_f64(n as f64 / rate as f64);
-            *next = Some(end);
-            end
-        };
-        std::thread::sleep(until.saturating_duration_since(Instant::now()));
-    }
-}
-
-/// Copies `from` to `to` until either side closes, counting into `count`, paced by `pace`.
-fn pipe(mut from: TcpStream, mut to: TcpStream, count: Option<&AtomicU64>, pace: Option<&Pace>) {
-    let mut buf = vec![0u8; 64 << 10];
-    loop {
-        let n = match from.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        if let Some(c) = count {
-            c.fetch_add(n as u64, Ordering::SeqCst);
-        }
-        if let Some(p) = pace {
-            p.wait(n);
-        }
-        if to.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown(Shutdown::Write);
-}
-
-/// A TCP relay from `listener` to `upstream`: each connection's requests pass as they are, its
-/// answers go through `back(server, client)`. Stops (and cuts its connections) when dropped.
-struct Relay {
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-    port: u16,
-    accept: Option<JoinHandle<()>>,
-}
-
-impl Relay {
-    fn start(
-        listener: TcpListener,
-        upstream: String,
-        back: impl Fn(TcpStream, TcpStream) + Clone + Send + 'static,
-    ) -> Relay {
-        let port = listener.local_addr().unwrap().port();
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let (st, c) = (stop.clone(), conns.clone());
-        let accept = std::thread::spawn(move || {
-            for client in listener.incoming() {
-                if st.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(client) = client else { continue };
-                let Ok(server) = TcpStream::connect(&upstream) else {
-                    continue;
-                };
-                {
-                    let mut c = c.lock().unwrap();
-                    c.push(client.try_clone().unwrap());
-                    c.push(server.try_clone().unwrap());
-                }
-                let (cr, sw) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || pipe(cr, sw, None, None));
-                let back = back.clone();
-                std::thread::spawn(move || back(server, client));
-            }
-        });
-        Relay {
-            stop,
-            conns,
-            port,
-            accept: Some(accept),
-        }
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
-            let _ = c.shutdown(Shutdown::Both);
-        }
-        // Wake the accept loop so it sees the flag.
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------- datasets
 
@@ -330,7 +170,7 @@ fn aggregation_replicate_from_s3_reads_the_origin_once() {
     cluster.require_s3();
     let ds = Dataset::new(&cluster, "aggregation-replicate", true);
     let prefix = ds.upload(&cluster, "datasets-relayed");
-    let relay = OriginRelay::start(&cluster);
+    let relay = cluster.origin_relay();
 
     let work = cluster.workdir("aggregation-replicate");
     let out = work.join("out");
@@ -626,7 +466,7 @@ fn aggregation_an_agent_killed_mid_transfer_is_routed_around() {
     cluster.require_s3();
     let ds = Dataset::new(&cluster, "aggregation-kill", true);
     let prefix = ds.upload(&cluster, "datasets-relayed");
-    let relay = OriginRelay::start(&cluster);
+    let relay = cluster.origin_relay();
     // 20 MB/s for everyone: about 10 s to read the dataset once.
     relay.set_pace(20_000_000);
 
@@ -700,9 +540,10 @@ impl TamperingRelay {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind the tampering relay");
         let changed = Arc::new(AtomicU64::new(0));
         let ch = changed.clone();
-        let relay = Relay::start(listener, upstream, move |server, client| {
+        let relay = Relay::start(listener, &upstream, move |server, client| {
             tamper(server, client, &ch)
-        });
+        })
+        .expect("start the tampering relay");
         TamperingRelay { relay, changed }
     }
 }
@@ -763,50 +604,17 @@ struct AgentWithConfig<'a> {
     original: AgentProcess,
 }
 
-/// Kills the agent of `node` and waits until its peer and metrics ports are closed: a SIGKILLed
-/// agent the test started itself is a zombie until reaped, and its last threads may still hold
-/// its listeners then, so an agent started at once could not bind them.
-fn kill_agent_and_its_ports(cluster: &Cluster, node: &str) -> AgentProcess {
-    let agent = cluster.kill_agent(node);
-    let ports: Vec<String> = ["SLUICE_TEST_PEER_ADDRS", "SLUICE_TEST_METRICS_ADDRS"]
-        .iter()
-        .flat_map(|var| {
-            cluster
-                .var(var)
-                .split_whitespace()
-                .filter_map(|kv| kv.split_once('='))
-                .filter(|(n, _)| *n == node)
-                .map(|(_, a)| a.to_string())
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    cluster.wait_for(
-        &format!("the ports {ports:?} of {node}'s killed agent to close"),
-        Duration::from_secs(20),
-        None,
-        || ports.iter().all(|a| TcpStream::connect(a).is_err()),
-    );
-    agent
-}
-
 impl<'a> AgentWithConfig<'a> {
     fn start(cluster: &'a Cluster, node: &str, config: &Path) -> AgentWithConfig<'a> {
-        let original = kill_agent_and_its_ports(cluster, node);
-        let mut changed = original.clone();
-        let at = changed
-            .argv
-            .iter()
-            .position(|a| a == "--config")
-            .expect("the agent runs with --config");
-        changed.argv[at + 1] = config.display().to_string();
-        cluster.start_agent(&changed);
+        let original = cluster.kill_agent_and_its_ports(node);
+        cluster.start_agent(&original.with_config(config));
         AgentWithConfig { cluster, original }
     }
 }
 
 impl Drop for AgentWithConfig<'_> {
     fn drop(&mut self) {
-        kill_agent_and_its_ports(self.cluster, &self.original.node);
+        self.cluster.kill_agent_and_its_ports(&self.original.node);
         self.cluster.start_agent(&self.original);
     }
 }
@@ -840,7 +648,7 @@ fn aggregation_a_tampering_relay_between_agents_is_detected() {
     );
     let tampered = text.replace(
         &n2_line,
-        &format!("n2 = \"127.0.0.1:{}\"", relay.relay.port),
+        &format!("n2 = \"127.0.0.1:{}\"", relay.relay.port()),
     );
     let n1_config = PathBuf::from(cluster.var("SLUICE_TEST_ROOT")).join("e2e-n1-tampered.toml");
     {
@@ -878,7 +686,7 @@ fn aggregation_a_tampering_relay_between_agents_is_detected() {
 /// The datasets of the shard and shared-tier tests: the big dataset on S3 (read through the
 /// counting relay, which runs from here on), the small one on Azure Blob and as a POSIX directory;
 /// with the `--stage-in` naming them `s3ds`, `azds` and `posixds`.
-fn three_sources(cluster: &Cluster, test: &str) -> (Dataset, Dataset, String, OriginRelay) {
+fn three_sources(cluster: &Cluster, test: &str) -> (Dataset, Dataset, String, CountingRelay) {
     cluster.require_s3();
     let big = Dataset::new(cluster, &format!("{test}-s3"), true);
     let s3 = big.upload(cluster, "datasets-relayed");
@@ -889,12 +697,12 @@ fn three_sources(cluster: &Cluster, test: &str) -> (Dataset, Dataset, String, Or
         "--stage-in=s3ds=s3://datasets-relayed/{s3},azds=az://datasets/{az},posixds={}",
         small.dir.display()
     );
-    (big, small, stage_in, OriginRelay::start(cluster))
+    (big, small, stage_in, cluster.origin_relay())
 }
 
 /// The origin behind `relay` served a `bytes`-byte dataset about once (at most [`ORIGIN_SLACK`]
 /// times) for a 3-node job staging it in `mode`.
-fn assert_origin_once(cluster: &Cluster, job: &Job, relay: &OriginRelay, bytes: u64, mode: &str) {
+fn assert_origin_once(cluster: &Cluster, job: &Job, relay: &CountingRelay, bytes: u64, mode: &str) {
     let served = relay.served();
     let ratio = served as f64 / bytes as f64;
     eprintln!(
@@ -1089,7 +897,7 @@ fn aggregation_restore_reads_the_archive_once() {
     );
     let archive_arg = format!("--ckpt-archive={}", archive.url);
     // The relay carries the archive's traffic (its profile points there) from the start.
-    let relay = OriginRelay::start(&cluster);
+    let relay = cluster.origin_relay();
     let first = cluster.submit(&work, &["-N1", &archive_arg], &write);
     cluster.assert_completes(&first, STAGE_JOB_TIMEOUT, "the job that archives step-1");
     cluster.wait_for(

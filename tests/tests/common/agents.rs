@@ -1,10 +1,12 @@
 //! The nodes' agents and the faults tests inflict on them: the agent process as the harness started
-//! it (kill it, start it again exactly so), requests to its socket (a job's state, its checkpoints),
-//! the fault-injecting proxy in front of Garage, and a seeded source of random fault timing.
+//! it (kill it, start it again exactly so or with another configuration), requests to its socket (a
+//! job's state, its checkpoints), the fault-injecting proxy and the byte-counting relay in front of
+//! Garage, and a seeded source of random fault timing.
 
 use super::cluster::{Cluster, run, run_dir, tail_of, write_atomically};
 use super::jobs::Job;
 use super::trees::SplitMix64;
+use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{CkptStatus, JobStatus, Request, Response};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -174,6 +176,27 @@ impl Drop for FaultProxy {
     }
 }
 
+impl Cluster {
+    /// The byte-counting relay (`sluice_e2e::relay`) in front of Garage, on the port of the
+    /// agents' `s3://datasets-relayed` store profile: what it counts is what the origin served.
+    pub fn origin_relay(&self) -> CountingRelay {
+        let port: u16 = self
+            .var("SLUICE_TEST_ORIGIN_RELAY_PORT")
+            .parse()
+            .expect("SLUICE_TEST_ORIGIN_RELAY_PORT");
+        let upstream = self
+            .var("SLUICE_TEST_S3_ENDPOINT")
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string();
+        CountingRelay::start(port, &upstream).unwrap_or_else(|e| {
+            panic!(
+                "cannot listen on 127.0.0.1:{port} for the origin relay (a relay left over?): {e}"
+            )
+        })
+    }
+}
+
 /// A small random number source for fault timing, seeded from the clock; tests print the seed, and
 /// `SLUICE_TEST_SEED` replays one.
 pub struct Dice(SplitMix64);
@@ -209,6 +232,24 @@ pub struct AgentProcess {
     pub pid: u32,
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
+}
+
+impl AgentProcess {
+    /// The index of the agent's configuration file in its command line.
+    pub fn config_arg(&self) -> usize {
+        1 + self
+            .argv
+            .iter()
+            .position(|a| a == "--config")
+            .expect("the agent runs with --config")
+    }
+
+    /// The same agent started with another configuration file.
+    pub fn with_config(&self, config: &Path) -> AgentProcess {
+        let mut changed = self.clone();
+        changed.argv[self.config_arg()] = config.display().to_string();
+        changed
+    }
 }
 
 impl Cluster {
@@ -289,6 +330,35 @@ impl Cluster {
             Duration::from_secs(10),
             None,
             gone,
+        );
+        agent
+    }
+
+    /// [`Cluster::kill_agent`], then waits until the agent's peer and metrics ports are closed, so
+    /// an agent started at once can bind them: a SIGKILLed agent this test process started is a
+    /// zombie until reaped, and its last threads may still hold its listeners.
+    pub fn kill_agent_and_its_ports(&self, node: &str) -> AgentProcess {
+        let agent = self.kill_agent(node);
+        let ports: Vec<String> = ["SLUICE_TEST_PEER_ADDRS", "SLUICE_TEST_METRICS_ADDRS"]
+            .iter()
+            .flat_map(|var| {
+                self.var(var)
+                    .split_whitespace()
+                    .filter_map(|kv| kv.split_once('='))
+                    .filter(|(n, _)| *n == node)
+                    .map(|(_, a)| a.to_string())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        self.wait_for(
+            &format!("the ports {ports:?} of {node}'s killed agent to close"),
+            Duration::from_secs(20),
+            None,
+            || {
+                ports
+                    .iter()
+                    .all(|a| std::net::TcpStream::connect(a).is_err())
+            },
         );
         agent
     }
