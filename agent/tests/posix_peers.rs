@@ -6,30 +6,20 @@
 
 use sluice_agent::peer::{ClusterSecret, PeerServer, PeerService, ServerConfig};
 use sluice_agent::stage::{self, Budget, NodePeers, Progress, Sharing, StageCtx};
-use sluice_archive::config::Config;
-use sluice_archive::safefs::{self, Owner};
 use sluice_proto::options::{StageSpec, parse_stage_entry};
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 const JOB: u32 = 78;
 
-fn me() -> (Owner, String) {
-    let uid = nix::unistd::getuid();
-    let user = nix::unistd::User::from_uid(uid)
+fn user_name() -> String {
+    nix::unistd::User::from_uid(nix::unistd::getuid())
         .ok()
         .flatten()
-        .expect("the test's user has a name");
-    let owner = Owner {
-        uid: uid.as_raw(),
-        gid: nix::unistd::getgid().as_raw(),
-    };
-    (owner, user.name)
+        .expect("the test's user has a name")
+        .name
 }
 
 /// The source: a file of several 1 MiB units with a short last one (read-only, as datasets often
@@ -83,85 +73,30 @@ fn tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
     out
 }
 
-struct Node {
-    name: String,
-    ctx: StageCtx,
-    peers: NodePeers,
-    dir: tempfile::TempDir,
-    progress: Arc<Progress>,
-    stop: CancellationToken,
-}
+// The job's nodes, set up as the peer unit tests (`agent/src/stage/peers/tests.rs`) set up theirs.
+#[path = "support/peer_nodes.rs"]
+mod peer_nodes;
+use peer_nodes::{Node, Setup, job_nodes, listeners, me};
 
 fn spec(src: &Path) -> StageSpec {
     parse_stage_entry(&format!("ds={}", src.display())).unwrap()
 }
 
-async fn node(
-    name: &str,
-    listener: TcpListener,
-    addrs: &BTreeMap<String, String>,
-    src: &Path,
-) -> Node {
-    let mut text = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
-         [stage]\nconcurrency = 4\nmemory = '1MiB'\ntimeout = '60s'\n\
-         [peer]\nsecret_file = '/nonexistent/peer.key'\nunit_size = '1MiB'\n\
-         concurrency = 4\nconnect_timeout = '1s'\nread_timeout = '3s'\n[peer.nodes]\n"
-        .to_string();
-    for (n, a) in addrs {
-        text.push_str(&format!("{n} = '{a}'\n"));
-    }
-    let cfg = Arc::new(Config::parse(&text, name).unwrap());
-    let peer_cfg = cfg.peer.clone().unwrap();
-    let server = PeerServer::new(
-        ClusterSecret::from_bytes(*b"an in-process test secret, 32 b!"),
-        ServerConfig::from_config(&peer_cfg),
-    );
-    let (peers, PeerService { server, listener }) =
-        NodePeers::with(&cfg, &peer_cfg, server, listener);
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move { server.serve(listener, s).await });
-    let dir = tempfile::tempdir().unwrap();
-    let (owner, user) = me();
-    let ctx = StageCtx {
-        cfg: cfg.clone(),
-        owner,
-        user,
-        stage_path: dir.path().into(),
-        stage_fd: Arc::new(safefs::open_root_dir(dir.path()).unwrap()),
-        helper_exe: env!("CARGO_BIN_EXE_sluiced").into(),
-        cancel: CancellationToken::new(),
-        budget: Budget::new(&cfg.stage),
-        shared_tier: None,
-        cache: None,
-    };
-    Node {
-        name: name.into(),
-        ctx,
-        peers,
-        dir,
-        progress: Arc::new(Progress::new(&spec(src))),
-        stop,
-    }
-}
-
-fn job_nodes() -> Vec<String> {
-    ["n1", "n2", "n3"].map(String::from).to_vec()
-}
-
-/// Peer servers for `running` of n1..n3; the others get an address where nothing listens.
+/// Peer servers for `running` of n1..n3 (units of 1 MiB, copying as the test's user with this
+/// build's `sluiced`); the others get an address where nothing listens.
 async fn nodes(running: &[&str], src: &Path) -> Vec<Node> {
-    let mut ls = Vec::new();
-    let mut addrs = BTreeMap::new();
-    for n in job_nodes() {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        addrs.insert(n.clone(), l.local_addr().unwrap().to_string());
-        ls.push((n, l));
-    }
+    let (ls, addrs) = listeners().await;
+    let setup = Setup {
+        unit_size: "1MiB",
+        owner: me(),
+        user: user_name(),
+        helper_exe: env!("CARGO_BIN_EXE_sluiced").into(),
+        spec: spec(src),
+    };
     let mut out = Vec::new();
-    for (name, l) in ls {
+    for (name, l) in job_nodes().iter().zip(ls) {
         if running.contains(&name.as_str()) {
-            out.push(node(&name, l, &addrs, src).await);
+            out.push(peer_nodes::node(name, l, &addrs, &setup).await);
         } // dropped: the port closes, as an agent that died
     }
     out
@@ -171,8 +106,7 @@ async fn nodes(running: &[&str], src: &Path) -> Vec<Node> {
 /// agent's set-up does (join, stage, close).
 async fn stage_all(nodes: &[Node], src: &Path) -> Vec<Vec<String>> {
     let runs = nodes.iter().map(|n| async move {
-        let (owner, _) = me();
-        let peers = n.peers.join(JOB, &job_nodes(), owner, 1).unwrap();
+        let peers = n.peers.join(JOB, &job_nodes(), me(), 1).unwrap();
         let spec = spec(src);
         let run = stage::stage_with(&n.ctx, &spec, n.progress.clone(), Sharing::Peers(&peers));
         let r = tokio::time::timeout(Duration::from_secs(120), run)

@@ -12,13 +12,11 @@ use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
     ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
-use sluice_archive::config::Config;
 use sluice_proto::options::{StageSpec, parse_stage_entry};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
 
 const JOB: u32 = 77;
 
@@ -134,94 +132,27 @@ fn dataset_bytes(files: &BTreeMap<String, Vec<u8>>) -> u64 {
     files.values().map(|v| v.len() as u64).sum()
 }
 
-/// One node of the job: its config, peers, stage directory and progress.
-struct Node {
-    name: String,
-    ctx: StageCtx,
-    peers: NodePeers,
-    dir: tempfile::TempDir,
-    progress: Arc<Progress>,
-    stop: CancellationToken,
-}
-
 fn spec() -> StageSpec {
     parse_stage_entry("ds=s3://b/ds").unwrap()
 }
 
-fn me() -> Owner {
-    Owner {
-        uid: nix::unistd::getuid().as_raw(),
-        gid: nix::unistd::getgid().as_raw(),
-    }
-}
-
-/// The `[peer.nodes]` table of `addrs`.
-fn peer_section(addrs: &BTreeMap<String, String>) -> String {
-    let mut s = "[peer]\nsecret_file = '/nonexistent/peer.key'\nunit_size = '2MiB'\n\
-                 concurrency = 4\nconnect_timeout = '1s'\nread_timeout = '3s'\n[peer.nodes]\n"
-        .to_string();
-    for (n, a) in addrs {
-        s.push_str(&format!("{n} = '{a}'\n"));
-    }
-    s
-}
+// The job's nodes, set up as `agent/tests/posix_peers.rs` sets up its own (see that file's header).
+#[path = "../../../tests/support/peer_nodes.rs"]
+mod peer_nodes;
+use peer_nodes::{Node, Setup, job_nodes, listeners, me};
 
 /// Starts node `name`'s peer server on `listener`; `addrs` is how this node reaches every node
-/// (a test may route one peer through a relay).
+/// (a test may route one peer through a relay). Units of 2 MiB; the object stager copies no
+/// files as the user, so there is no helper.
 async fn node(name: &str, listener: TcpListener, addrs: &BTreeMap<String, String>) -> Node {
-    let text = format!(
-        "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
-         [stage]\nconcurrency = 4\nmemory = '1MiB'\ntimeout = '60s'\n{}",
-        peer_section(addrs)
-    );
-    let cfg = Arc::new(Config::parse(&text, name).unwrap());
-    let peer_cfg = cfg.peer.clone().unwrap();
-    let server = PeerServer::new(
-        ClusterSecret::from_bytes(*b"an in-process test secret, 32 b!"),
-        ServerConfig::from_config(&peer_cfg),
-    );
-    let (peers, PeerService { server, listener }) =
-        NodePeers::with(&cfg, &peer_cfg, server, listener);
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move { server.serve(listener, s).await });
-    let dir = tempfile::tempdir().unwrap();
-    let ctx = StageCtx {
-        cfg: cfg.clone(),
+    let setup = Setup {
+        unit_size: "2MiB",
         owner: me(),
         user: "me".into(),
-        stage_path: dir.path().into(),
-        stage_fd: Arc::new(safefs::open_root_dir(dir.path()).unwrap()),
         helper_exe: "/bin/false".into(),
-        cancel: CancellationToken::new(),
-        budget: Budget::new(&cfg.stage),
-        shared_tier: None,
-        cache: None,
+        spec: spec(),
     };
-    Node {
-        name: name.into(),
-        ctx,
-        peers,
-        dir,
-        progress: Arc::new(Progress::new(&spec())),
-        stop,
-    }
-}
-
-fn job_nodes() -> Vec<String> {
-    ["n1", "n2", "n3"].map(String::from).to_vec()
-}
-
-/// Binds a port for each of n1..n3.
-async fn listeners() -> (Vec<TcpListener>, BTreeMap<String, String>) {
-    let mut ls = Vec::new();
-    let mut addrs = BTreeMap::new();
-    for n in job_nodes() {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        addrs.insert(n, l.local_addr().unwrap().to_string());
-        ls.push(l);
-    }
-    (ls, addrs)
+    peer_nodes::node(name, listener, addrs, &setup).await
 }
 
 /// Stages the dataset on `nodes` at once, each sharing it with the job's three nodes, the way
