@@ -202,7 +202,14 @@ impl Agent {
     /// Starts serving peers (the job's other nodes fetch units of its datasets from this node) and
     /// shares the datasets of multi-node jobs (object stores and POSIX sources) from now on. Call before
     /// [`Agent::recover`], so that recovered jobs are shared too.
-    pub(crate) fn start_peers(&self, peers: NodePeers, service: crate::peer::PeerService) {
+    pub(crate) fn start_peers(&self, mut peers: NodePeers, service: crate::peer::PeerService) {
+        peers.share_cache(self.cache.clone());
+        peers.serve_warm(stage::WarmHere {
+            cfg: self.cfg.clone(),
+            budget: self.stage_budget.clone(),
+            cache: self.cache.clone(),
+            cancel: self.cancel.clone(),
+        });
         if self.peers.set(peers).is_ok() {
             self.workers.spawn(service);
         }
@@ -371,6 +378,7 @@ impl Agent {
             }
             r @ (Request::CacheList { .. }
             | Request::CacheWarm { .. }
+            | Request::CacheWarmNodes { .. }
             | Request::CacheEvict { .. }) => self.cache_request(peer, r).await,
         }
     }
@@ -636,11 +644,18 @@ impl Agent {
             Some(_) => restores,
             None => options.stage_in.len() + restores,
         };
-        let peers = ClosePeers(
-            self.peers
-                .get()
-                .and_then(|p| p.join(job_id, &job.start.nodes, owner, shared_work)),
-        );
+        // The job's object-store datasets, as admitted: what its peers may read from this node's
+        // cache.
+        let datasets: Vec<String> = options
+            .stage_in
+            .iter()
+            .filter(|s| s.source.bucket_url().is_some())
+            .map(|s| s.source.to_string())
+            .collect();
+        let peers =
+            ClosePeers(self.peers.get().and_then(|p| {
+                p.join_with(job_id, &job.start.nodes, owner, shared_work, &datasets)
+            }));
         let hot = self.hot.clone();
         // A fresh start removes what an earlier run of the job id left, except the committed
         // checkpoints this run inherited.
@@ -1018,6 +1033,26 @@ impl Agent {
                 ErrorCode::Forbidden,
                 "the cache is the node's, not a job's: sluice cache commands are for admins (run them as root)",
             );
+        }
+        if let Request::CacheWarmNodes { url, nodes } = request {
+            if nodes.len() > sluice_proto::msg::WARM_NODES_LIMIT {
+                return reply(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "{} nodes are more than one warm asks of ({} at most)",
+                        nodes.len(),
+                        sluice_proto::msg::WARM_NODES_LIMIT
+                    ),
+                );
+            }
+            let here = stage::WarmHere {
+                cfg: self.cfg.clone(),
+                budget: self.stage_budget.clone(),
+                cache: self.cache.clone(),
+                cancel: self.cancel.clone(),
+            };
+            let nodes = stage::warm_nodes(&here, self.peers.get(), &url, &nodes).await;
+            return Response::CacheWarmedNodes { nodes };
         }
         let Some(cache) = self.cache.clone() else {
             return reply(

@@ -689,3 +689,32 @@ impl Drop for Fill {
 
 #[cfg(test)]
 mod tests;
+
+/// Serving the job peers of a node that missed (`stage::peers`): a peer's read of an entry pins it
+/// like a job's, and counts as a use for eviction, not as this node's hit or miss.
+impl Cache {
+    /// The entry for `key`, pinned until the [`Hit`] is dropped (blocking: opens the file).
+    pub fn lookup_for_peer(self: &Arc<Self>, key: &Key) -> Option<Hit> {
+        let id = key.id();
+        let mut st = lock(&self.state);
+        let entry = st.entries.get_mut(&id)?;
+        let file = open_in(&self.data, &id)
+            .ok()
+            .filter(|f| f.metadata().is_ok_and(|m| m.len() == key.size))?;
+        entry.pins += 1;
+        entry.last_use = now_secs();
+        drop(st);
+        Some(Hit {
+            cache: self.clone(),
+            id,
+            file,
+        })
+    }
+}
+
+impl Hit {
+    /// Reads `buf.len()` bytes of the entry at `offset` (blocking).
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+}

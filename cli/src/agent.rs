@@ -116,6 +116,7 @@ impl Agent {
             Response::Restored(_) => "restore report",
             Response::Cache(_) => "cache listing",
             Response::CacheWarmed(_) => "cache warm report",
+            Response::CacheWarmedNodes { .. } => "cache warm report of nodes",
             Response::CacheEvicted(_) => "cache evict report",
             Response::Error(_) => "error",
         };

@@ -88,6 +88,11 @@ pub enum Request {
     /// Root only: fill this node's cache with the dataset at `url` (as a job would stage it, with
     /// the agent's credentials, into the cache only). Returns when it is done.
     CacheWarm { url: String },
+    /// Root only: fill the caches of `nodes` (this one among them or not) with the dataset at
+    /// `url`, each node's through its own agent, which this agent asks over the peer port (with
+    /// the admin key of the cluster secret). Returns when every node is done: one row each, in
+    /// the order given. An agent that predates it answers "unknown request".
+    CacheWarmNodes { url: String, nodes: Vec<String> },
     /// Root only: remove the entries whose source URL starts with `prefix` (entries a job is
     /// reading or filling right now stay); with `dry_run`, only say which.
     CacheEvict {
@@ -110,6 +115,7 @@ pub enum Response {
     Restored(ArchiveRestored),
     Cache(CacheListing),
     CacheWarmed(CacheWarmed),
+    CacheWarmedNodes { nodes: Vec<NodeWarmed> },
     CacheEvicted(CacheEvicted),
     Error(ErrorReply),
 }
@@ -199,6 +205,20 @@ pub struct CacheWarmed {
     #[serde(default)]
     pub skipped: Vec<String>,
 }
+
+/// One node's row of [`Request::CacheWarmNodes`]'s answer: what its agent warmed, or why it did
+/// not (unreachable, no cache, the dataset not found, ...).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeWarmed {
+    pub node: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmed: Option<CacheWarmed>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The most nodes one [`Request::CacheWarmNodes`] names.
+pub const WARM_NODES_LIMIT: usize = 4096;
 
 /// [`Request::CacheEvict`]'s answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

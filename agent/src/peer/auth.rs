@@ -31,6 +31,11 @@ const JOB_KEY_CONTEXT: &str = "sluice peer v1";
 const REQUEST_LABEL: &[u8] = b"sluice peer request v1";
 const RESPONSE_LABEL: &[u8] = b"sluice peer response v1";
 
+/// The context of the admin key's derivation: never a job key's, so neither MACs as the other.
+const ADMIN_KEY_CONTEXT: &str = "sluice peer admin v1";
+const ADMIN_REQUEST_LABEL: &[u8] = b"sluice admin request v1";
+const ADMIN_RESPONSE_LABEL: &[u8] = b"sluice admin response v1";
+
 /// Fewer bytes than this are not a secret worth the name (BLAKE3's key is 32 bytes).
 pub const MIN_SECRET_LEN: usize = 32;
 /// A secret file larger than this is not a key file (read no further).
@@ -164,6 +169,71 @@ impl ClusterSecret {
             nodes,
             key: *h.finalize().as_bytes(),
         }
+    }
+}
+
+impl ClusterSecret {
+    /// The admin key: what one agent MACs an admin request to another with (`sluice cache warm
+    /// --nodes`, which root asks of its own agent), `BLAKE3-derive_key("sluice peer admin v1",
+    /// secret)`. Only root on a node holding the secret can compute it; it is never sent, and no
+    /// job key is ever it.
+    pub fn admin_key(&self) -> AdminKey {
+        let mut h = blake3::Hasher::new_derive_key(ADMIN_KEY_CONTEXT);
+        h.update(&(self.bytes.len() as u64).to_le_bytes());
+        h.update(&self.bytes);
+        AdminKey {
+            key: *h.finalize().as_bytes(),
+        }
+    }
+}
+
+/// The key of admin requests between agents (see [`ClusterSecret::admin_key`]).
+#[derive(Clone)]
+pub struct AdminKey {
+    key: [u8; 32],
+}
+
+impl std::fmt::Debug for AdminKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminKey(..)")
+    }
+}
+
+impl AdminKey {
+    fn mac(&self, parts: &[&[u8]]) -> blake3::Hash {
+        let mut h = blake3::Hasher::new_keyed(&self.key);
+        for part in parts {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        h.finalize()
+    }
+
+    /// The MAC of an admin request: `path_and_query` exactly as sent.
+    pub fn request_mac(
+        &self,
+        method: &str,
+        path_and_query: &str,
+        node: &str,
+        time: u64,
+    ) -> blake3::Hash {
+        self.mac(&[
+            ADMIN_REQUEST_LABEL,
+            method.as_bytes(),
+            path_and_query.as_bytes(),
+            node.as_bytes(),
+            time.to_string().as_bytes(),
+        ])
+    }
+
+    /// The MAC of the answer with `status` and `body` to the request whose MAC was `request`.
+    pub fn response_mac(&self, status: u16, body: &[u8], request: &blake3::Hash) -> blake3::Hash {
+        self.mac(&[
+            ADMIN_RESPONSE_LABEL,
+            status.to_string().as_bytes(),
+            body,
+            request.as_bytes(),
+        ])
     }
 }
 
@@ -370,6 +440,34 @@ mod tests {
         assert_ne!(
             s.job_key(1, &nodes(&["n1", "n23"])).key,
             s.job_key(1, &nodes(&["n12", "n3"])).key
+        );
+    }
+
+    #[test]
+    fn the_admin_key_is_no_job_key_and_its_macs_bind_every_field() {
+        let s = ClusterSecret::from_bytes([1u8; 32]);
+        let a = s.admin_key();
+        assert_eq!(a.key, s.admin_key().key);
+        assert_ne!(a.key, ClusterSecret::from_bytes([2u8; 32]).admin_key().key);
+        let job = s.job_key(42, &nodes(&["n1"]));
+        assert_ne!(a.key, job.key);
+        let pq = "/v1/admin/cache/warm?url=s3%3A%2F%2Fb%2Fds";
+        let m = a.request_mac("POST", pq, "n1", 100);
+        assert_ne!(m, job.request_mac("POST", pq, "n1", 100));
+        for other in [
+            a.request_mac("GET", pq, "n1", 100),
+            a.request_mac("POST", "/v1/admin/cache/warm?url=x", "n1", 100),
+            a.request_mac("POST", pq, "n2", 100),
+            a.request_mac("POST", pq, "n1", 101),
+        ] {
+            assert_ne!(m, other);
+        }
+        let r = a.response_mac(200, b"{}", &m);
+        assert_ne!(r, a.response_mac(502, b"{}", &m));
+        assert_ne!(r, a.response_mac(200, b"{ }", &m));
+        assert_ne!(
+            r,
+            a.response_mac(200, b"{}", &a.request_mac("POST", pq, "n1", 1))
         );
     }
 

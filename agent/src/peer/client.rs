@@ -11,7 +11,8 @@
 //! `fetch` waits for a unit the owner is still reading (the server's long polls, each bounded
 //! by the poll window plus the read timeout, so a silent owner is told apart from a busy one), and
 //! for a peer that does not know the job yet (its prolog may run a little later) up to the join
-//! grace. Budget: at most `concurrency` fetches at once. [`PeerClient::fetch`] holds each unit
+//! grace. Budget: at most `concurrency` fetches at once, and as many requests to peers' caches
+//! ([`PeerClient::fetch_cached_into`], one request each, never a long poll). [`PeerClient::fetch`] holds each unit
 //! (`max_unit` bytes at most) in one buffer of the unit's length; [`PeerClient::fetch_into`]
 //! hands the body to a [`UnitSink`] as it arrives (the stager writes it through its own budget's
 //! buffers), so a fetch holds no more than the sink does. Either way a body is refused from its
@@ -34,9 +35,11 @@ use sluice_proto::msg::JobId;
 use tokio::sync::Semaphore;
 use tokio::time::{Instant, timeout};
 
-use super::auth::{HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, TIME_HEADER, parse_hash};
-use super::server::unit_query;
-use super::{LONG_POLL, Unit};
+use super::auth::{
+    AdminKey, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, TIME_HEADER, parse_hash,
+};
+use super::server::{ADMIN_WARM_PATH, cached_query, cached_unit, unit_query};
+use super::{CachedObject, LONG_POLL, Unit};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -195,6 +198,9 @@ pub struct PeerClient {
     node: String,
     cfg: ClientConfig,
     fetches: Arc<Semaphore>,
+    /// Requests to peers' caches at once: slots of their own, since a unit fetch may hold its
+    /// slot while it waits for the owner, and the owner's staging may wait for a cache probe.
+    cached: Arc<Semaphore>,
 }
 
 impl std::fmt::Debug for PeerClient {
@@ -212,6 +218,8 @@ enum Answer {
     Delivered,
     Pending,
     UnknownJob,
+    /// A signed `404`: the peer's cache holds no such object (the `cached` resource only).
+    NotCached,
 }
 
 impl PeerClient {
@@ -230,6 +238,7 @@ impl PeerClient {
             http,
             node: node.into(),
             fetches: Arc::new(Semaphore::new(cfg.concurrency.max(1))),
+            cached: Arc::new(Semaphore::new(cfg.concurrency.max(1))),
             cfg,
         }
     }
@@ -269,9 +278,18 @@ impl PeerClient {
             .expect("the fetch semaphore is never closed");
         let start = Instant::now();
         let mut pause = Duration::from_millis(100);
+        let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(unit));
+        let wait = self.cfg.poll + self.cfg.read_timeout;
         loop {
-            match self.once(addr, job, unit, sink).await? {
+            match self.once(addr, job, &pq, unit, wait, sink).await? {
                 Answer::Delivered => return Ok(()),
+                Answer::NotCached => {
+                    return Err(PeerError::Corrupt {
+                        addr: addr.into(),
+                        unit: unit.key(),
+                        what: "a 'not cached' answer to a request for a unit".into(),
+                    });
+                }
                 Answer::Pending if start.elapsed() < self.cfg.max_wait => {}
                 Answer::Pending => {
                     return Err(PeerError::TimedOut {
@@ -302,12 +320,141 @@ impl PeerClient {
         }
     }
 
-    /// One request and its answer.
+    /// Takes `range` of `object` from the cross-job cache of the agent at `addr`
+    /// into `sink`: `Ok(true)` once they are there, whole, their hash the one the peer took from
+    /// its cache copy; `Ok(false)` when the peer's cache does not hold the object, its agent
+    /// predates cached ranges, or it is busy. An empty range only asks whether the object is
+    /// there.
+    /// One request, never a long poll: it waits for headers at most `wait` (plus the connect
+    /// timeout), so that a slow peer costs a bounded delay before the caller reads the origin.
+    /// As with [`fetch_into`](Self::fetch_into), on an error the sink's bytes are not to be
+    /// trusted.
+    pub async fn fetch_cached_into(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        object: &CachedObject,
+        range: std::ops::Range<u64>,
+        wait: Duration,
+        sink: &mut dyn UnitSink,
+    ) -> Result<bool, PeerError> {
+        let (offset, len) = (range.start, range.end.saturating_sub(range.start));
+        let unit = cached_unit(object, offset, len);
+        if len > self.cfg.max_unit {
+            return Err(self.too_large(&unit));
+        }
+        let _slot = self
+            .cached
+            .acquire()
+            .await
+            .expect("the cache request semaphore is never closed");
+        let pq = format!(
+            "/v1/jobs/{}/cached?{}",
+            job.job(),
+            cached_query(object, offset, len)
+        );
+        match self.once(addr, job, &pq, &unit, wait, sink).await? {
+            Answer::Delivered => Ok(true),
+            Answer::NotCached | Answer::Pending => Ok(false),
+            Answer::UnknownJob => Err(PeerError::UnknownJob {
+                addr: addr.into(),
+                job: job.job(),
+            }),
+        }
+    }
+
+    /// Asks the agent at `addr` to warm its cache with the dataset at `url` (an admin request,
+    /// MAC'd with `key`), waiting up to `wait` for its report. `Err(PeerError::Failed)` carries
+    /// the agent's own reason (no cache, dataset not found, ...).
+    pub async fn admin_warm(
+        &self,
+        addr: &str,
+        key: &AdminKey,
+        url: &str,
+        wait: Duration,
+    ) -> Result<sluice_proto::msg::CacheWarmed, PeerError> {
+        let unreachable = |source: BoxError| PeerError::Unreachable {
+            addr: addr.into(),
+            source,
+        };
+        let what = format!("warm of {url}");
+        let corrupt = |what_went_wrong: String| PeerError::Corrupt {
+            addr: addr.into(),
+            unit: what.clone(),
+            what: what_went_wrong,
+        };
+        let pq = format!(
+            "{ADMIN_WARM_PATH}?{}",
+            url::form_urlencoded::Serializer::new(String::new())
+                .append_pair("url", url)
+                .finish()
+        );
+        let time = now_secs();
+        let mac = key.request_mac("POST", &pq, &self.node, time);
+        let req = Request::post(format!("http://{addr}{pq}"))
+            .header(NODE_HEADER, self.node.as_str())
+            .header(TIME_HEADER, time)
+            .header(MAC_HEADER, mac.to_hex().as_str())
+            .body(Empty::new())
+            .map_err(|e| unreachable(Box::new(e)))?;
+        let res: Response<Incoming> = timeout(wait, self.http.request(req))
+            .await
+            .map_err(|_| unreachable(format!("no answer within {wait:?}").into()))?
+            .map_err(|e| unreachable(Box::new(e)))?;
+        let status = res.status();
+        let their_mac = parse_hash(res.headers().get(MAC_HEADER));
+        let body = match self.read_body(res, ADMIN_BODY_MAX).await {
+            Ok(b) => b,
+            Err(BodyError::TooLong) => return Err(corrupt("the answer is too long".into())),
+            Err(BodyError::Io(source)) => return Err(unreachable(source)),
+        };
+        let text = String::from_utf8_lossy(&body).into_owned();
+        let signed = their_mac == Some(key.response_mac(status.as_u16(), &body, &mac));
+        match (signed, status) {
+            (true, StatusCode::OK) => serde_json::from_slice(&body)
+                .map_err(|e| corrupt(format!("the report does not parse: {e}"))),
+            (true, StatusCode::BAD_GATEWAY) => Err(PeerError::Failed {
+                addr: addr.into(),
+                unit: what,
+                reason: text,
+            }),
+            (false, s) if s.is_client_error() => Err(PeerError::Refused {
+                addr: addr.into(),
+                job: 0,
+                status: s.as_u16(),
+                reason: text,
+            }),
+            (signed, s) => Err(corrupt(format!(
+                "an unexpected {}answer {s}: {text}",
+                if signed { "" } else { "unauthenticated " }
+            ))),
+        }
+    }
+
+    /// Whether the cross-job cache of the agent at `addr` holds `object` (see
+    /// [`fetch_cached_into`](Self::fetch_cached_into) with `len == 0`).
+    pub async fn probe_cached(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        object: &CachedObject,
+        wait: Duration,
+    ) -> Result<bool, PeerError> {
+        let mut sink = MemorySink {
+            buf: BytesMut::new(),
+        };
+        self.fetch_cached_into(addr, job, object, 0..0, wait, &mut sink)
+            .await
+    }
+
+    /// One request for `pq` and its answer, MAC'd over `unit`; headers awaited at most `wait`.
     async fn once(
         &self,
         addr: &str,
         job: &JobKey,
+        pq: &str,
         unit: &Unit,
+        wait: Duration,
         sink: &mut dyn UnitSink,
     ) -> Result<Answer, PeerError> {
         let unreachable = |source: BoxError| PeerError::Unreachable {
@@ -319,16 +466,14 @@ impl PeerClient {
             unit: unit.key(),
             what,
         };
-        let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(unit));
         let time = now_secs();
-        let mac = job.request_mac("GET", &pq, &self.node, time);
+        let mac = job.request_mac("GET", pq, &self.node, time);
         let req = Request::get(format!("http://{addr}{pq}"))
             .header(NODE_HEADER, self.node.as_str())
             .header(TIME_HEADER, time)
             .header(MAC_HEADER, mac.to_hex().as_str())
             .body(Empty::new())
             .map_err(|e| unreachable(Box::new(e)))?;
-        let wait = self.cfg.poll + self.cfg.read_timeout;
         let res: Response<Incoming> = timeout(wait, self.http.request(req))
             .await
             .map_err(|_| unreachable(format!("no answer within {wait:?}").into()))?
@@ -392,6 +537,7 @@ impl PeerClient {
         let (addr, job_id) = (addr.to_string(), job.job());
         match (signed, status) {
             (true, StatusCode::SERVICE_UNAVAILABLE) => Ok(Answer::Pending),
+            (true, StatusCode::NOT_FOUND) => Ok(Answer::NotCached),
             (true, StatusCode::CONFLICT) => Err(PeerError::NotOwner {
                 addr,
                 job: job_id,
@@ -481,6 +627,8 @@ impl PeerClient {
 
 /// The longest error reason read.
 const REASON_MAX: usize = 4096;
+/// The longest admin answer read (a warm's report lists the objects it skipped).
+const ADMIN_BODY_MAX: usize = 4 << 20;
 
 enum BodyError {
     Io(BoxError),

@@ -28,7 +28,32 @@
 //!      (each MAC'd over status, job, unit, hash or reason, and the request's MAC)
 //! 401  unauthenticated (no or bad MAC, clock skew)   403  node not in the job
 //! 404  unknown job   400  malformed   405  not GET  (no MAC, no data, connection closed)
+//!
+//! GET /v1/jobs/{job}/cached?url={..}&etag={..}&version={..}&size={n}&offset={n}&len={n}
+//!     (same headers; etag and version as listed, each only if the listing had one)
+//!
+//! 200  as above: the range read from this node's cross-job cache, hashed from that copy
+//!      (len=0: the entry is here)
+//! 404  not cached (MAC'd, with the unit's file being the URL)   503  busy (no response slot)
+//!
+//! POST /v1/admin/cache/warm?url={percent-encoded}
+//!     (same headers, the MAC under the cluster secret's admin key, no job)
+//!
+//! 200  body: the warm's report (JSON `CacheWarmed`)   502  body: why it failed
+//!      (both MAC'd with the admin key over status, body and the request's MAC)
+//! 401  unauthenticated   400  malformed   404  this agent serves no admin requests
 //! ```
+//!
+//! The admin resource is how `sluice cache warm URL --nodes LIST`, asked of one agent by root,
+//! reaches the other nodes' agents. It is the only request not scoped to a job: its key is derived
+//! from the cluster secret under its own context, and what it may ask is one thing, to warm the
+//! node's cache with a dataset as `sluice cache warm` on that node would.
+//!
+//! The `cached` resource is how a node that misses its own cache takes the units it owns from a
+//! job peer's cache before the origin (`stage::object`). It never waits for staging, so it adds no
+//! edge to the wait graph of units; a node serves from its cache only objects under the job's own
+//! datasets (as its own policy admitted them at job start). An agent that predates it answers
+//! `404` without a MAC, which the requester takes as "nothing cached there" for the rest of the job.
 //!
 //! A unit's hash is the owner's, computed when it read the unit from the origin; the requester
 //! compares it with the bytes it received, so a unit is checked end to end. Peer traffic is
@@ -44,12 +69,12 @@ mod tests;
 
 use std::time::Duration;
 
-pub use auth::{ClusterSecret, JobKey, SecretError};
+pub use auth::{AdminKey, ClusterSecret, JobKey, SecretError};
 pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
 pub use owner::{Unit, owner_of, units_of};
 pub use server::{
-    PeerServer, PeerServerError, PeerService, ServerConfig, UnitData, UnitError, UnitSource,
-    UnitStream,
+    AdminSource, CachedObject, PeerServer, PeerServerError, PeerService, ServerConfig, UnitData,
+    UnitError, UnitSource, UnitStream,
 };
 
 /// How long the server holds a request for a unit the owner is still reading before it answers

@@ -125,6 +125,44 @@ pub trait UnitSource: Send + Sync + 'static {
     async fn unit_stream(&self, unit: &Unit) -> Result<UnitStream, UnitError> {
         self.unit(unit).await.map(UnitStream::from)
     }
+
+    /// `len` bytes at `offset` of `object` from this node's cross-job cache, hashed from the
+    /// cache's copy, or `None` when this node holds no complete entry for it (or will not serve it
+    /// to this job). `len == 0` asks only whether the entry is here. Must answer at once: it never
+    /// waits for staging (so no node can wait on another through it), only for the disk. The
+    /// `object` comes off the network like a [`Unit`]: look it up, never use it as a path. The
+    /// default holds nothing.
+    async fn cached_range(
+        &self,
+        object: &CachedObject,
+        offset: u64,
+        len: u64,
+    ) -> Option<UnitStream> {
+        let _ = (object, offset, len);
+        None
+    }
+}
+
+/// What an agent does for another agent's admin request (`sluice cache warm --nodes`): warm this
+/// node's cache with the dataset at `url`, as `sluice cache warm` on this node would. May take as
+/// long as staging the dataset; an `Err` says why it could not.
+#[async_trait::async_trait]
+pub trait AdminSource: Send + Sync + 'static {
+    async fn warm(&self, url: &str) -> Result<sluice_proto::msg::CacheWarmed, String>;
+}
+
+/// The path of the admin warm request.
+pub(crate) const ADMIN_WARM_PATH: &str = "/v1/admin/cache/warm";
+
+/// An object of a job's dataset as the origin listed it (the cache's key, less the endpoint, which
+/// each node takes from its own `[[store]]`): what one node asks another's cache for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedObject {
+    /// `s3://bucket/key`.
+    pub url: String,
+    pub etag: Option<String>,
+    pub version: Option<String>,
+    pub size: u64,
 }
 
 /// How the server runs; [`ServerConfig::from_config`] takes it from `[peer]`.
@@ -183,6 +221,10 @@ impl std::fmt::Debug for PeerServer {
 
 struct Inner {
     secret: ClusterSecret,
+    /// Derived once from `secret`.
+    admin_key: super::AdminKey,
+    /// What admin requests are answered with; none until the agent says (404 until then).
+    admin: std::sync::OnceLock<Arc<dyn AdminSource>>,
     cfg: ServerConfig,
     jobs: Mutex<HashMap<JobId, Arc<JobEntry>>>,
     /// Jobs unregistered lately, so their late requests get 410 rather than 404.
@@ -209,6 +251,8 @@ impl PeerServer {
         let responses = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
         PeerServer {
             inner: Arc::new(Inner {
+                admin_key: secret.admin_key(),
+                admin: std::sync::OnceLock::new(),
                 secret,
                 cfg,
                 jobs: Mutex::new(HashMap::new()),
@@ -241,6 +285,17 @@ impl PeerServer {
     /// The key of `job` on `nodes` under this server's secret, for this node's own fetches.
     pub fn job_key(&self, job: JobId, nodes: &[String]) -> JobKey {
         self.inner.secret.job_key(job, nodes)
+    }
+
+    /// The admin key under this server's secret, for this node's own admin requests.
+    pub fn admin_key(&self) -> super::AdminKey {
+        self.inner.admin_key.clone()
+    }
+
+    /// Answers other agents' admin requests with `source` from now on (once; later calls are
+    /// ignored).
+    pub fn serve_admin(&self, source: Arc<dyn AdminSource>) {
+        let _ = self.inner.admin.set(source);
     }
 
     /// Serves `job`'s units from `source` to the agents of `nodes` (the job's whole node list).
@@ -396,13 +451,24 @@ fn insert_hex(h: &mut HeaderMap, name: &'static str, v: &blake3::Hash) {
     );
 }
 
-/// The job id of `/v1/jobs/{job}/units`.
-fn parse_path(path: &str) -> Option<Result<JobId, ()>> {
+/// What a request asks for: a unit of the job's staged datasets, or a range of an object in the
+/// node's cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resource {
+    Units,
+    Cached,
+}
+
+/// The job id and resource of `/v1/jobs/{job}/units` or `/v1/jobs/{job}/cached`.
+fn parse_path(path: &str) -> Option<Result<(JobId, Resource), ()>> {
     let rest = path.strip_prefix("/v1/jobs/")?;
-    let job = rest.strip_suffix("/units")?;
+    let (job, resource) = match rest.strip_suffix("/units") {
+        Some(job) => (job, Resource::Units),
+        None => (rest.strip_suffix("/cached")?, Resource::Cached),
+    };
     Some(
         if !job.is_empty() && job.bytes().all(|b| b.is_ascii_digit()) {
-            job.parse().map_err(|_| ())
+            job.parse().map(|j| (j, resource)).map_err(|_| ())
         } else {
             Err(())
         },
@@ -448,6 +514,76 @@ pub(crate) fn unit_query(unit: &Unit) -> String {
         .finish()
 }
 
+/// The range of `url=..&etag=..&version=..&size=..&offset=..&len=..` (etag and version optional):
+/// each at most once, nothing else, the range within the object.
+pub(crate) fn parse_cached_query(query: &str) -> Result<(CachedObject, u64, u64), String> {
+    let mut fields: HashMap<String, String> = HashMap::new();
+    for (k, v) in url::form_urlencoded::parse(query.as_bytes()) {
+        if !["url", "etag", "version", "size", "offset", "len"].contains(&&*k) {
+            return Err(format!("unknown query parameter '{k}'"));
+        }
+        if fields.insert(k.to_string(), v.into_owned()).is_some() {
+            return Err(format!("query parameter '{k}' given twice"));
+        }
+    }
+    let number = |what: &str| -> Result<u64, String> {
+        let v = fields
+            .get(what)
+            .ok_or_else(|| format!("query parameter '{what}' is missing"))?;
+        v.parse()
+            .map_err(|_| format!("query parameter '{what}' is not a number: '{v}'"))
+    };
+    let (size, offset, len) = (number("size")?, number("offset")?, number("len")?);
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(format!(
+            "the range {offset}+{len} is not within the object's {size} bytes"
+        ));
+    }
+    let url = fields
+        .get("url")
+        .filter(|u| !u.is_empty())
+        .ok_or("query parameter 'url' is missing")?;
+    Ok((
+        CachedObject {
+            url: url.clone(),
+            etag: fields.get("etag").cloned(),
+            version: fields.get("version").cloned(),
+            size,
+        },
+        offset,
+        len,
+    ))
+}
+
+/// The query that names `len` bytes at `offset` of `object`, percent-encoded.
+pub(crate) fn cached_query(object: &CachedObject, offset: u64, len: u64) -> String {
+    let mut q = url::form_urlencoded::Serializer::new(String::new());
+    q.append_pair("url", &object.url);
+    if let Some(etag) = &object.etag {
+        q.append_pair("etag", etag);
+    }
+    if let Some(version) = &object.version {
+        q.append_pair("version", version);
+    }
+    q.append_pair("size", &object.size.to_string())
+        .append_pair("offset", &offset.to_string())
+        .append_pair("len", &len.to_string())
+        .finish()
+}
+
+/// The unit a cached range's answer is MAC'd over: the object's URL as its file.
+pub(crate) fn cached_unit(object: &CachedObject, offset: u64, len: u64) -> Unit {
+    Unit {
+        file: object.url.clone(),
+        offset,
+        len,
+    }
+}
+
+/// How long a cached range waits for a response slot before it answers `503 busy` (the requester
+/// then reads the origin: a cache is never worth a wait).
+const CACHED_SLOT_WAIT: Duration = Duration::from_secs(2);
+
 impl Inner {
     fn job(&self, job: JobId) -> Result<Arc<JobEntry>, StatusCode> {
         if let Some(e) = lock(&self.jobs).get(&job) {
@@ -465,16 +601,19 @@ impl Inner {
             warn!("peer request from {remote} refused ({status}): {reason}");
             refuse(status, reason)
         };
+        if req.uri().path() == ADMIN_WARM_PATH {
+            return self.answer_admin(req, remote).await;
+        }
         if req.method() != Method::GET {
             return refused(
                 StatusCode::METHOD_NOT_ALLOWED,
                 format!("method {} is not served", req.method()),
             );
         }
-        let job = match parse_path(req.uri().path()) {
+        let (job, resource) = match parse_path(req.uri().path()) {
             None => return refused(StatusCode::NOT_FOUND, "no such resource".into()),
             Some(Err(())) => return refused(StatusCode::BAD_REQUEST, "bad job id".into()),
-            Some(Ok(job)) => job,
+            Some(Ok(parsed)) => parsed,
         };
         let headers = req.headers();
         let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
@@ -530,7 +669,11 @@ impl Inner {
                 ),
             );
         }
-        let unit = match parse_query(req.uri().query().unwrap_or_default()) {
+        let query = req.uri().query().unwrap_or_default();
+        if resource == Resource::Cached {
+            return self.answer_cached(&entry, query, mac).await;
+        }
+        let unit = match parse_query(query) {
             Ok(u) if u.len > self.cfg.max_unit => {
                 return refused(
                     StatusCode::BAD_REQUEST,
@@ -576,6 +719,127 @@ impl Inner {
             Err(e) => signer.error(&e),
         }
     }
+
+    /// An admin request (see the module header of `peer`): `POST`, the headers, the admin key's
+    /// MAC over method, path and query, node and time, the clock within bounds, one `url`. Then
+    /// the warm runs, as long as it takes; its report (or why it failed) is MAC'd for the request.
+    async fn answer_admin(&self, req: Request<Incoming>, remote: SocketAddr) -> Response<Body> {
+        let refused = |status: StatusCode, reason: String| {
+            warn!("peer admin request from {remote} refused ({status}): {reason}");
+            refuse(status, reason)
+        };
+        if req.method() != Method::POST {
+            return refused(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("method {} is not served here", req.method()),
+            );
+        }
+        let headers = req.headers();
+        let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
+        let time = headers
+            .get(TIME_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let mac = parse_hash(headers.get(MAC_HEADER));
+        let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
+            return refused(
+                StatusCode::UNAUTHORIZED,
+                format!(
+                    "unauthenticated: an admin request carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
+                ),
+            );
+        };
+        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
+        if self.admin_key.request_mac("POST", pq, node, time) != mac {
+            return refused(
+                StatusCode::UNAUTHORIZED,
+                "the MAC does not verify: not an agent of this cluster (another cluster secret)"
+                    .into(),
+            );
+        }
+        let skew = now_secs().abs_diff(time);
+        if skew > self.cfg.max_skew.as_secs() {
+            return refused(
+                StatusCode::UNAUTHORIZED,
+                format!(
+                    "the request's clock is {skew}s off this node's (at most {}s): check NTP on both nodes",
+                    self.cfg.max_skew.as_secs()
+                ),
+            );
+        }
+        let mut urls =
+            url::form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes());
+        let url = match (urls.next(), urls.next()) {
+            (Some((k, v)), None) if k == "url" && !v.is_empty() => v.into_owned(),
+            _ => {
+                return refused(
+                    StatusCode::BAD_REQUEST,
+                    "an admin warm names exactly one url".into(),
+                );
+            }
+        };
+        let Some(admin) = self.admin.get() else {
+            return refuse(
+                StatusCode::NOT_FOUND,
+                "this agent serves no admin requests".into(),
+            );
+        };
+        tracing::info!("warming the cache with {url}, as node {node}'s agent asked");
+        let (status, body) = match admin.warm(&url).await {
+            Ok(warmed) => (
+                StatusCode::OK,
+                serde_json::to_vec(&warmed).expect("a report serialises"),
+            ),
+            Err(why) => (StatusCode::BAD_GATEWAY, why.into_bytes()),
+        };
+        let answer = self.admin_key.response_mac(status.as_u16(), &body, &mac);
+        let mut r = Response::new(Full::new(Bytes::from(body)).boxed_unsync());
+        *r.status_mut() = status;
+        insert_hex(r.headers_mut(), MAC_HEADER, &answer);
+        r
+    }
+
+    /// A range of an object in this node's cache, for an authenticated agent of the job: `200`
+    /// with the bytes and their hash, `404 not cached` (MAC'd, unlike an unknown job's), or `503
+    /// busy` when no response slot frees up within [`CACHED_SLOT_WAIT`]. Never waits for staging.
+    async fn answer_cached(
+        &self,
+        entry: &JobEntry,
+        query: &str,
+        mac: blake3::Hash,
+    ) -> Response<Body> {
+        let (object, offset, len) = match parse_cached_query(query) {
+            Ok((_, _, len)) if len > self.cfg.max_unit => {
+                return refuse(
+                    StatusCode::BAD_REQUEST,
+                    format!(
+                        "a range of {len} bytes is larger than this node's {} (peer.unit_size differs between nodes?)",
+                        self.cfg.max_unit
+                    ),
+                );
+            }
+            Ok(parsed) => parsed,
+            Err(e) => return refuse(StatusCode::BAD_REQUEST, e),
+        };
+        let unit = cached_unit(&object, offset, len);
+        let signer = Signer {
+            key: &entry.key,
+            unit: &unit,
+            request: mac,
+        };
+        let permit = tokio::select! {
+            p = tokio::time::timeout(CACHED_SLOT_WAIT, self.responses.clone().acquire_owned()) => p,
+            _ = entry.ended.cancelled() => return signer.error(&UnitError::Gone),
+        };
+        let Ok(permit) = permit else {
+            return signer.status(StatusCode::SERVICE_UNAVAILABLE, "busy");
+        };
+        let permit = permit.expect("the response semaphore is never closed");
+        match entry.source.cached_range(&object, offset, len).await {
+            Some(data) if data.len == len => signer.data(data, permit),
+            _ => signer.status(StatusCode::NOT_FOUND, "not cached"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -614,10 +878,54 @@ mod tests {
             let e = parse_query(q).unwrap_err();
             assert!(e.contains(want), "{q}: {e}");
         }
-        assert_eq!(parse_path("/v1/jobs/42/units"), Some(Ok(42)));
+        assert_eq!(
+            parse_path("/v1/jobs/42/units"),
+            Some(Ok((42, Resource::Units)))
+        );
+        assert_eq!(
+            parse_path("/v1/jobs/42/cached"),
+            Some(Ok((42, Resource::Cached)))
+        );
+        assert_eq!(parse_path("/v1/jobs/42/other"), None);
         assert_eq!(parse_path("/v1/jobs/4x/units"), Some(Err(())));
         assert_eq!(parse_path("/v1/jobs/99999999999/units"), Some(Err(())));
         assert_eq!(parse_path("/v1/jobs//units"), Some(Err(())));
         assert_eq!(parse_path("/v2/jobs/42/units"), None);
+    }
+
+    #[test]
+    fn cached_queries_round_trip_and_stay_within_the_object() {
+        for (etag, version) in [
+            (Some("\"e&t=ag\""), None),
+            (None, Some("v 1")),
+            (Some("x"), Some("y")),
+        ] {
+            let o = CachedObject {
+                url: "s3://b/dir with space/ü+%&=?#.bin".into(),
+                etag: etag.map(String::from),
+                version: version.map(String::from),
+                size: 100,
+            };
+            let q = cached_query(&o, 40, 60);
+            assert!(q.bytes().all(|b| b.is_ascii_graphic() && b != b'#'), "{q}");
+            assert_eq!(parse_cached_query(&q), Ok((o, 40, 60)));
+        }
+        let o = CachedObject {
+            url: "s3://b/x".into(),
+            etag: None,
+            version: None,
+            size: 100,
+        };
+        for (q, want) in [
+            (cached_query(&o, 41, 60), "not within"),
+            (cached_query(&o, u64::MAX, 2), "not within"),
+            (format!("{}&len=1", cached_query(&o, 0, 1)), "given twice"),
+            (format!("{}&file=a", cached_query(&o, 0, 1)), "unknown"),
+            ("size=1&offset=0&len=0".to_string(), "'url' is missing"),
+            ("url=a&offset=0&len=0".to_string(), "'size' is missing"),
+        ] {
+            let e = parse_cached_query(&q).unwrap_err();
+            assert!(e.contains(want), "{q}: {e}");
+        }
     }
 }

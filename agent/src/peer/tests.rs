@@ -887,3 +887,104 @@ async fn idle_and_excess_connections_are_closed() {
     let (status, _) = raw_get(&r.addr, "/v1/jobs/1/units", &[]).await;
     assert_eq!(status, 401, "a slot is free again");
 }
+
+/// What an admin warm on the fake node does: the URL it was asked, answered with a report, or a
+/// failure for a URL under `fail/`.
+struct FakeWarm {
+    asked: Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl AdminSource for FakeWarm {
+    async fn warm(&self, url: &str) -> Result<sluice_proto::msg::CacheWarmed, String> {
+        lock(&self.asked).push(url.to_string());
+        if url.contains("/fail/") {
+            return Err(format!("dataset {url} not found"));
+        }
+        Ok(sluice_proto::msg::CacheWarmed {
+            node: "n2".into(),
+            url: url.into(),
+            files: 3,
+            bytes: 300,
+            cached_files: 1,
+            cached_bytes: 100,
+            filled_files: 2,
+            filled_bytes: 200,
+            skipped: Vec::new(),
+        })
+    }
+}
+
+/// An admin warm under the cluster secret's admin key reaches the agent's warm and brings back its
+/// report or its reason; a job's key, another secret, a user's raw request or a GET warm nothing.
+#[tokio::test]
+async fn admin_warms_need_the_admin_key_and_bring_back_the_report() {
+    let r = start(server_cfg()).await;
+    let client = PeerClient::new("n1", client_cfg());
+    let wait = Duration::from_secs(5);
+    let url = "s3://b/ds & more";
+    // No admin source yet: refused, nothing run.
+    let e = client
+        .admin_warm(&r.addr, &secret().admin_key(), url, wait)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 404, .. }), "{e}");
+    let fake = Arc::new(FakeWarm {
+        asked: Mutex::new(Vec::new()),
+    });
+    r.server.serve_admin(fake.clone());
+    let w = client
+        .admin_warm(&r.addr, &secret().admin_key(), url, wait)
+        .await
+        .unwrap();
+    assert_eq!((w.url.as_str(), w.filled_bytes), (url, 200));
+    let e = client
+        .admin_warm(&r.addr, &secret().admin_key(), "s3://b/fail/x", wait)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Failed { reason, .. } if reason == "dataset s3://b/fail/x not found"),
+        "{e}"
+    );
+    let other = ClusterSecret::from_bytes(*b"another secret, 32 bytes long!!!").admin_key();
+    let e = client
+        .admin_warm(&r.addr, &other, url, wait)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 401, .. }), "{e}");
+    assert_eq!(
+        *lock(&fake.asked),
+        [url.to_string(), "s3://b/fail/x".to_string()],
+        "only the requests under the admin key were run"
+    );
+    // A job key's MAC on the admin path, and a GET, by hand.
+    let job = secret().job_key(JOB, &names(&["n1", "n2"]));
+    let pq = "/v1/admin/cache/warm?url=s3%3A%2F%2Fb%2Fds";
+    for (method, mac) in [
+        ("POST", job.request_mac("POST", pq, "n1", now_secs())),
+        (
+            "GET",
+            secret()
+                .admin_key()
+                .request_mac("GET", pq, "n1", now_secs()),
+        ),
+    ] {
+        let mut s = TcpStream::connect(&r.addr).await.unwrap();
+        let req = format!(
+            "{method} {pq} HTTP/1.1\r\nhost: x\r\nx-sluice-node: n1\r\nx-sluice-time: {}\r\n\
+             x-sluice-mac: {}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+            now_secs(),
+            mac.to_hex()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        let want = if method == "GET" { "405" } else { "401" };
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {want}")),
+            "{method}: {answer}"
+        );
+    }
+    assert_eq!(lock(&fake.asked).len(), 2);
+}

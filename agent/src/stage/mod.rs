@@ -44,7 +44,7 @@ pub mod shared;
 
 pub use budget::{Budget, Lease};
 pub use object::{KeyPath, map_key};
-pub use peers::{JobPeers, NodePeers};
+pub use peers::{JobPeers, NodePeers, WarmHere, warm_nodes};
 pub use shard::ShardPlan;
 
 use sluice_archive::config::Config;

@@ -4,13 +4,17 @@
 //! Shared with the job's other nodes ([`JobPeers`]), an object's ranges are its peer units: this
 //! node GETs the ones it owns, hashing them as they arrive, and fetches the others from their
 //! owners, through the same budget buffers; a unit its owner cannot serve is taken from the next
-//! owner, or read from the origin (see `unit_from_peers` for which answer leads where).
+//! owner, or read from the origin (see `unit_from_peers` for which answer leads where). A node
+//! that misses its own cache first asks the job's other nodes whether theirs holds the object
+//! (once per object, and only for one it owns units of): if one does, it takes its own units from
+//! that cache instead of the origin (`unit_from_peer_cache`), and the other nodes take them from it
+//! as usual.
 
 use super::peers::NextStep;
 use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
 use crate::cache::{Cache, Fill, Hit, Key};
-use crate::peer::{Unit, UnitSink, units_of};
+use crate::peer::{CachedObject, Unit, UnitSink, units_of};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
@@ -340,8 +344,9 @@ impl Fetcher {
         });
         let filled = match self.peers.clone() {
             Some(peers) => {
+                let cached_at = self.peer_cache_of(&peers, &meta, &staged).await;
                 self.clone()
-                    .fill_shared(&peers, &dest, rel, meta, staged)
+                    .fill_shared(&peers, &dest, rel, meta, staged, cached_at)
                     .await
             }
             None => self.clone().fill_plain(&dest, rel, meta).await,
@@ -432,9 +437,41 @@ impl Fetcher {
         Ok(())
     }
 
+    /// The peer whose cross-job cache holds the object (this node's missed), when this node owns
+    /// some of its units: it takes those from that cache before the origin. Asked only of an
+    /// object the cache could hold (listed with an ETag or version), and never for one this
+    /// node owns nothing of (its owners ask).
+    async fn peer_cache_of(
+        &self,
+        peers: &Arc<JobPeers>,
+        meta: &ObjectMeta,
+        staged: &Staged,
+    ) -> Option<(String, CachedObject)> {
+        if meta.size == 0 {
+            return None;
+        }
+        let key = Key::of(&self.cfg, &self.bucket_url, meta)?;
+        let owns_some = units_of(&staged.unit_file, meta.size, peers.unit_size())
+            .iter()
+            .any(|u| peers.route(u).is_none());
+        if !owns_some {
+            return None;
+        }
+        let object = CachedObject {
+            url: key.url,
+            etag: key.etag,
+            version: key.version,
+            size: key.size,
+        };
+        let node = peers.find_cached(&object).await?;
+        tracing::debug!("{}: {} is cached on peer {node}", self.source, object.url);
+        Some((node, object))
+    }
+
     /// [`fill`](Self::fill) for a dataset shared with the job's other nodes: the object's units
-    /// this node owns are GETs from the origin, the others fetches from their owners, all at once
-    /// (a fetch waits for its owner's read without holding a budget buffer).
+    /// this node owns are GETs from the origin (or, with `cached_at`, fetches from that peer's
+    /// cache), the others fetches from their owners, all at once (a fetch waits for its owner's
+    /// read without holding a budget buffer).
     async fn fill_shared(
         self: Arc<Self>,
         peers: &Arc<JobPeers>,
@@ -442,6 +479,7 @@ impl Fetcher {
         rel: &str,
         meta: ObjectMeta,
         staged: Staged,
+        cached_at: Option<(String, CachedObject)>,
     ) -> Result<(), StageError> {
         let (size, unit_size) = (meta.size, peers.unit_size());
         if size > unit_size {
@@ -458,6 +496,16 @@ impl Fetcher {
                 let (this, file, location) = (self.clone(), file.clone(), meta.location.clone());
                 let rel = rel.to_string();
                 match peers.route(&unit) {
+                    None if cached_at
+                        .as_ref()
+                        .is_some_and(|(node, _)| peers.cache_usable(node)) =>
+                    {
+                        let (node, object) = cached_at.clone().expect("checked above");
+                        tasks.spawn(async move {
+                            this.unit_from_peer_cache(&file, &rel, &location, unit, &node, &object)
+                                .await
+                        });
+                    }
                     None => {
                         let lease = self.budget.lease().await;
                         tasks.spawn(async move {
@@ -554,6 +602,45 @@ impl Fetcher {
                 }
             }
         }
+    }
+
+    /// Takes `unit`, which this node owns, from the cache of `node`, a peer that holds the whole
+    /// object; the origin if that does not work out: the peer's cache no longer has it (this
+    /// unit only), or the peer is slow, unreachable or answers wrong bytes (then its cache is not
+    /// asked again for the job). Either way only this node's own units reach the origin, through
+    /// its budget, as without a cache: a failing cache never makes the job's nodes all read it.
+    async fn unit_from_peer_cache(
+        &self,
+        file: &Arc<Dest>,
+        rel: &str,
+        location: &ObjPath,
+        unit: Unit,
+        node: &str,
+        object: &CachedObject,
+    ) -> Result<(), StageError> {
+        let peers = self.peers.as_ref().expect("a shared dataset has peers");
+        let mut sink = PeerSink::new(self, file, rel, unit.offset);
+        let fetched = peers.fetch_cached(node, object, &unit, &mut sink).await;
+        let (written, hash) = (sink.written, sink.hash);
+        let sink_error = sink.close();
+        match fetched {
+            Ok(true) => {
+                peers.held(&unit, hash.expect("a finished sink has a hash"));
+                return Ok(());
+            }
+            Ok(false) => {}
+            Err(e @ crate::peer::PeerError::Sink { .. }) => {
+                let e = sink_error.unwrap_or_else(|| StageError::HotTier {
+                    path: rel.to_string(),
+                    detail: super::peers::error_chain(&e),
+                });
+                peers.failed(&unit, e.to_string());
+                return Err(e);
+            }
+            Err(e) => peers.cache_off(node, &super::peers::error_chain(&e)),
+        }
+        self.uncount(written, &self.progress.peer_bytes);
+        self.unit_from_origin_now(file, rel, location, &unit).await
     }
 
     /// [`unit_from_origin`](Self::unit_from_origin), once a budget slot is free.

@@ -38,9 +38,10 @@
 //!   while it waits for the owner.
 
 use super::Owner;
+use crate::cache::{Cache, Hit, Key};
 use crate::peer::{
-    ClientConfig, ClusterSecret, JobKey, PeerClient, PeerError, PeerServer, PeerService, Unit,
-    UnitData, UnitError, UnitSink, UnitSource, UnitStream, owner_of,
+    CachedObject, ClientConfig, ClusterSecret, JobKey, PeerClient, PeerError, PeerServer,
+    PeerService, Unit, UnitData, UnitError, UnitSink, UnitSource, UnitStream, owner_of,
 };
 use bytes::Bytes;
 use nix::fcntl::{OFlag, openat};
@@ -54,6 +55,7 @@ use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -64,6 +66,10 @@ pub struct NodePeers {
     cfg: PeerConfig,
     server: PeerServer,
     client: Arc<PeerClient>,
+    /// The node's configuration, for the cache keys of what peers ask this node's cache for.
+    config: Arc<Config>,
+    /// The node's cross-job cache, which the jobs' peers may read their datasets' objects from.
+    cache: Option<Arc<Cache>>,
 }
 
 impl std::fmt::Debug for NodePeers {
@@ -123,21 +129,71 @@ impl NodePeers {
                 cfg: peer.clone(),
                 server,
                 client: Arc::new(client),
+                config: Arc::new(cfg.clone()),
+                cache: None,
             },
             service,
         )
     }
 
+    /// Answers other agents' admin warm requests (`sluice cache warm --nodes` on another node)
+    /// with `here`.
+    pub fn serve_warm(&self, here: WarmHere) {
+        self.server.serve_admin(Arc::new(here));
+    }
+
+    /// Asks `node`'s agent to warm its cache with `url` (an admin request under the cluster
+    /// secret), waiting for its report.
+    pub async fn warm_on(
+        &self,
+        node: &str,
+        url: &str,
+    ) -> Result<sluice_proto::msg::CacheWarmed, String> {
+        let addr = self.cfg.addr_of(node);
+        self.client
+            .admin_warm(&addr, &self.server.admin_key(), url, WARM_WAIT)
+            .await
+            .map_err(|e| match e {
+                PeerError::Failed { reason, .. } => reason,
+                PeerError::Refused { status, reason, .. } => format!(
+                    "the agent of {node} at {addr} refused the request ({status}): {reason}"
+                ),
+                e => format!("the agent of {node}: {}", error_chain(&e)),
+            })
+    }
+
+    /// Lets the jobs' peers read this node's cross-job cache: a node that misses its own cache
+    /// takes the units it owns of an object from a peer that holds it, before the origin.
+    pub fn share_cache(&mut self, cache: Option<Arc<Cache>>) {
+        self.cache = cache;
+    }
+
     /// Starts sharing `job`'s work with the job's other nodes: registers the job's [`JobPeers`]
     /// with the peer server. `shared_work` counts the pieces of it (each dataset staged through
     /// the peers, the restore), each of which calls [`JobPeers::dataset_done`] once. `None` when
-    /// the job has one node, this node is not in its node list, or it shares nothing.
+    /// the job has one node, this node is not in its node list, or it shares nothing. The job's
+    /// peers read nothing from this node's cache ([`join_with`](Self::join_with) names what they
+    /// may).
     pub fn join(
         &self,
         job: JobId,
         nodes: &[String],
         owner: Owner,
         shared_work: usize,
+    ) -> Option<Arc<JobPeers>> {
+        self.join_with(job, nodes, owner, shared_work, &[])
+    }
+
+    /// [`join`](Self::join), with the URLs of the job's object-store datasets
+    /// (`s3://bucket/prefix`) as this node's policy admitted them: the job's peers may read
+    /// objects under them from this node's cache, nothing else.
+    pub fn join_with(
+        &self,
+        job: JobId,
+        nodes: &[String],
+        owner: Owner,
+        shared_work: usize,
+        datasets: &[String],
     ) -> Option<Arc<JobPeers>> {
         let mut nodes = nodes.to_vec();
         nodes.sort();
@@ -162,11 +218,17 @@ impl NodePeers {
             owner,
             cfg: self.cfg.clone(),
             client: self.client.clone(),
+            cache: self.cache.clone().map(|cache| CacheShare {
+                cache,
+                config: self.config.clone(),
+                datasets: datasets.to_vec(),
+            }),
             state: Mutex::new(State {
                 objects: HashMap::new(),
                 listing: shared_work,
                 closed: None,
                 lost: BTreeMap::new(),
+                no_cache: BTreeMap::new(),
                 notes: BTreeMap::new(),
             }),
             changed,
@@ -182,6 +244,126 @@ impl NodePeers {
         self.server.unregister(job);
     }
 }
+
+/// What `sluice cache warm` needs on this node: what an admin request from another agent, or this
+/// node's own row of `sluice cache warm --nodes`, runs.
+pub struct WarmHere {
+    pub cfg: Arc<Config>,
+    pub budget: Arc<super::Budget>,
+    pub cache: Option<Arc<Cache>>,
+    /// The agent's: a warm stops with it.
+    pub cancel: tokio_util::sync::CancellationToken,
+}
+
+impl WarmHere {
+    async fn warm(&self, url: &str) -> Result<sluice_proto::msg::CacheWarmed, String> {
+        let Some(cache) = self.cache.clone() else {
+            return Err(format!(
+                "node {} has no cache: add a [cache] section to the agent's configuration",
+                self.cfg.node
+            ));
+        };
+        let (cfg, budget) = (self.cfg.clone(), self.budget.clone());
+        super::warm(cfg, budget, cache, self.cancel.child_token(), url)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::peer::AdminSource for WarmHere {
+    async fn warm(&self, url: &str) -> Result<sluice_proto::msg::CacheWarmed, String> {
+        WarmHere::warm(self, url).await
+    }
+}
+
+/// How long another node's warm is awaited (as `sluice cache warm` awaits its own agent's).
+const WARM_WAIT: Duration = Duration::from_secs(12 * 3600);
+/// Nodes warmed at once by one `sluice cache warm --nodes`.
+const WARM_FANOUT: usize = 16;
+
+/// `sluice cache warm URL --nodes LIST`: warms `nodes`, this one with `here`, the others through
+/// their agents over the peer port (`peers`; without it they cannot be reached), up to
+/// [`WARM_FANOUT`] at once. One row per node, in the order given; a node that fails has its
+/// error in its row and the others are warmed all the same.
+pub async fn warm_nodes(
+    here: &WarmHere,
+    peers: Option<&NodePeers>,
+    url: &str,
+    nodes: &[String],
+) -> Vec<sluice_proto::msg::NodeWarmed> {
+    use futures::StreamExt;
+    let one = |node: String| async move {
+        let result = if node == here.cfg.node {
+            here.warm(url).await
+        } else {
+            match peers {
+                Some(p) => p.warm_on(&node, url).await,
+                None => Err(format!(
+                    "peer transfers are off on node {} ([peer] and its secret are needed to reach                      other nodes' agents); run sluice cache warm on {node} itself",
+                    here.cfg.node
+                )),
+            }
+        };
+        let (warmed, error) = match result {
+            Ok(w) => (Some(w), None),
+            Err(e) => (None, Some(e)),
+        };
+        sluice_proto::msg::NodeWarmed {
+            node,
+            warmed,
+            error,
+        }
+    };
+    futures::stream::iter(nodes.iter().cloned().map(one))
+        .buffered(WARM_FANOUT)
+        .collect()
+        .await
+}
+
+/// This node's cache as one job's peers may read it: only objects under the job's datasets.
+struct CacheShare {
+    cache: Arc<Cache>,
+    config: Arc<Config>,
+    /// `s3://bucket/prefix` of each of the job's object-store datasets.
+    datasets: Vec<String>,
+}
+
+impl CacheShare {
+    /// The cache key of `object` if it lies under one of the job's datasets: the object itself,
+    /// or below it as a directory (`s3://b/ds` covers `s3://b/ds` and `s3://b/ds/x`, not
+    /// `s3://b/dsx`).
+    fn key(&self, object: &CachedObject) -> Option<Key> {
+        let url = &object.url;
+        let covered = self.datasets.iter().any(|d| {
+            url.strip_prefix(d.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        });
+        if !covered {
+            return None;
+        }
+        // Through the one place that makes keys from a listing (the endpoint comes from this
+        // node's own `[[store]]`); a URL that does not come back the same names no entry.
+        let (scheme, rest) = url.split_once("://")?;
+        let (bucket, location) = rest.split_once('/')?;
+        let meta = object_store::ObjectMeta {
+            // As listed: `parse` keeps the key as it is (`from` would percent-encode it).
+            location: object_store::path::Path::parse(location).ok()?,
+            last_modified: Default::default(),
+            size: object.size,
+            e_tag: object.etag.clone(),
+            version: object.version.clone(),
+        };
+        Key::of(&self.config, &format!("{scheme}://{bucket}"), &meta).filter(|k| k.url == *url)
+    }
+}
+
+/// How long a probe of a peer's cache waits for its answer (after connecting), and how long a
+/// peer that does not know the job yet (its prolog runs a little later) is asked again. A peer
+/// that misses either is not asked again for the job: a probe costs a staging at most this once
+/// per peer.
+const PROBE_WAIT: Duration = Duration::from_secs(3);
+const PROBE_GRACE: Duration = Duration::from_secs(3);
 
 /// Where a unit goes next after a failed fetch ([`JobPeers::next_after`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -241,6 +423,9 @@ struct State {
     closed: Option<String>,
     /// Nodes routed around, and why.
     lost: BTreeMap<String, String>,
+    /// Nodes whose cache is not asked any more (no answer in time, an old agent, a bad answer),
+    /// and why; their units are still fetched from them.
+    no_cache: BTreeMap<String, String>,
     /// Notes for the job output, one per node and kind of trouble.
     notes: BTreeMap<(String, &'static str), String>,
 }
@@ -267,6 +452,8 @@ pub struct JobPeers {
     owner: Owner,
     cfg: PeerConfig,
     client: Arc<PeerClient>,
+    /// This node's cache, as the job's peers may read it.
+    cache: Option<CacheShare>,
     state: Mutex<State>,
     /// Bumped on every change of `state` that a waiting request may care about.
     changed: watch::Sender<u64>,
@@ -466,6 +653,86 @@ impl JobPeers {
         lock(&self.state).notes.values().cloned().collect()
     }
 
+    /// Whether this node may still ask `node`'s cache: not routed around, nor its cache given up.
+    pub(crate) fn cache_usable(&self, node: &str) -> bool {
+        let st = lock(&self.state);
+        !st.lost.contains_key(node) && !st.no_cache.contains_key(node)
+    }
+
+    /// Stops asking `node`'s cache for the rest of the job (its units are still fetched from it).
+    pub(crate) fn cache_off(&self, node: &str, why: &str) {
+        let mut st = lock(&self.state);
+        if st.no_cache.contains_key(node) {
+            return;
+        }
+        st.no_cache.insert(node.to_string(), why.to_string());
+        drop(st);
+        tracing::info!(
+            job_id = self.job,
+            "peer {node}'s cache is not asked again for this job: {why}"
+        );
+    }
+
+    /// The peer whose cache holds `object`, asked of every node of the job this node still counts
+    /// (at once, each within [`PROBE_WAIT`]), or `None`. Of several that do, the one the object's
+    /// rendezvous hash picks among them, so that the job's readers of one object spread over them.
+    pub(crate) async fn find_cached(&self, object: &CachedObject) -> Option<String> {
+        let asked: Vec<String> = self
+            .alive_nodes()
+            .into_iter()
+            .filter(|n| *n != self.node && self.cache_usable(n))
+            .collect();
+        let probes = asked.iter().map(|node| async move {
+            let start = tokio::time::Instant::now();
+            let mut pause = Duration::from_millis(100);
+            loop {
+                let addr = self.cfg.addr_of(node);
+                match self
+                    .client
+                    .probe_cached(&addr, &self.key, object, PROBE_WAIT)
+                    .await
+                {
+                    Ok(held) => return held.then(|| node.clone()),
+                    Err(PeerError::UnknownJob { .. }) if start.elapsed() + pause < PROBE_GRACE => {
+                        tokio::time::sleep(pause).await;
+                        pause *= 2;
+                    }
+                    Err(e) => {
+                        self.cache_off(node, &error_chain(&e));
+                        return None;
+                    }
+                }
+            }
+        });
+        let holders: Vec<String> = futures::future::join_all(probes)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        (!holders.is_empty()).then(|| holders[owner_of(&object.url, &holders)].clone())
+    }
+
+    /// Takes `unit` (its offset and length) of `object` from `node`'s cache into `sink` (see
+    /// [`PeerClient::fetch_cached_into`]): `Ok(false)` when the cache no longer holds it.
+    pub(crate) async fn fetch_cached(
+        &self,
+        node: &str,
+        object: &CachedObject,
+        unit: &Unit,
+        sink: &mut dyn UnitSink,
+    ) -> Result<bool, PeerError> {
+        self.client
+            .fetch_cached_into(
+                &self.cfg.addr_of(node),
+                &self.key,
+                object,
+                unit.offset..unit.offset + unit.len,
+                self.cfg.read_timeout,
+                sink,
+            )
+            .await
+    }
+
     /// Fetches `unit` from `node` into `sink` (see [`PeerClient::fetch_into`]).
     pub(crate) async fn fetch(
         &self,
@@ -599,10 +866,87 @@ impl UnitSource for JobPeers {
             body: Box::pin(slices),
         })
     }
+
+    /// From this node's cache, only for an object under one of the job's datasets.
+    async fn cached_range(
+        &self,
+        object: &CachedObject,
+        offset: u64,
+        len: u64,
+    ) -> Option<UnitStream> {
+        let share = self.cache.as_ref()?;
+        let key = share.key(object)?;
+        if len == 0 {
+            return share.cache.contains(&key).then(|| UnitStream {
+                len: 0,
+                hash: blake3::hash(b""),
+                body: Box::pin(futures::stream::empty()),
+            });
+        }
+        let cache = share.cache.clone();
+        let hit = blocking(move || cache.lookup_for_peer(&key)).await?;
+        cached_stream(hit, offset, len).await
+    }
 }
 
 /// The slices a served unit is read in.
 const SERVE_SLICE: u64 = 1 << 20;
+
+/// Serving a range of an object from this node's cache: hashed first (the hash goes before the
+/// body), then read again a slice at a time as the response goes out. An entry's file never
+/// changes once committed (a new version is another entry, eviction only unlinks it), and the
+/// [`Hit`] pins it and keeps it open until the body is sent, so both reads see the same bytes.
+async fn cached_stream(hit: Hit, offset: u64, len: u64) -> Option<UnitStream> {
+    let hit = Arc::new(hit);
+    let reader = hit.clone();
+    let hash = blocking(move || {
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; SERVE_SLICE as usize];
+        let mut at = offset;
+        while at < offset + len {
+            let n = (offset + len - at).min(SERVE_SLICE) as usize;
+            reader.read_at(&mut buf[..n], at)?;
+            hasher.update(&buf[..n]);
+            at += n as u64;
+        }
+        Ok::<_, std::io::Error>(hasher.finalize())
+    })
+    .await;
+    let hash = match hash {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!("serving a peer from the cache: {e}");
+            return None;
+        }
+    };
+    let end = offset + len;
+    let slices = futures::stream::unfold(offset, move |at| {
+        let hit = hit.clone();
+        async move {
+            if at >= end {
+                return None;
+            }
+            let n = (end - at).min(SERVE_SLICE) as usize;
+            let read = blocking(move || {
+                let mut buf = vec![0u8; n];
+                hit.read_at(&mut buf, at).map(|()| buf)
+            })
+            .await;
+            match read {
+                Ok(buf) => Some((Bytes::from(buf), at + n as u64)),
+                Err(e) => {
+                    tracing::warn!("serving a peer from the cache: {e}");
+                    None
+                }
+            }
+        }
+    });
+    Some(UnitStream {
+        len,
+        hash,
+        body: Box::pin(slices),
+    })
+}
 
 impl JobPeers {
     /// Where the staged copy of `unit` is, once this node holds it: its hash, the directory, the

@@ -12,6 +12,7 @@ use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
     ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
+use sluice_archive::config::Config;
 use sluice_proto::options::{StageSpec, parse_stage_entry};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -165,7 +166,10 @@ async fn stage_all(
     let runs = nodes.iter().map(|n| {
         let store = store.clone() as Arc<dyn ObjectStore>;
         async move {
-            let peers = n.peers.join(JOB, &job_nodes(), me(), 1).unwrap();
+            let peers = n
+                .peers
+                .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+                .unwrap();
             let spec = spec();
             let run = crate::stage::object::stage(
                 &n.ctx,
@@ -592,4 +596,200 @@ async fn a_failed_fetch_goes_where_the_rules_say() {
         matches!(next(&sink, "n3", &mut once), NextStep::Fail(why) if why.contains("No space"))
     );
     n1.stop.cancel();
+}
+
+/// The job's object-store datasets, as the agent gives them to `join`.
+fn datasets() -> Vec<String> {
+    vec![spec().source.to_string()]
+}
+
+/// [`node`], with a cross-job cache (`[cache]`) on a hot tier of its own, shared with the job's
+/// peers as the agent shares it; the hot tier lives as long as the returned directory.
+async fn node_with_cache(
+    name: &str,
+    listener: TcpListener,
+    addrs: &BTreeMap<String, String>,
+) -> (Node, tempfile::TempDir) {
+    let mut n = node(name, listener, addrs).await;
+    let hot = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='{}'\n\
+         [cache]\nsize = '64MiB'\nmin_free = 0\n",
+        hot.path().display()
+    );
+    let cfg = Config::parse(&text, name).unwrap();
+    let cache = crate::cache::Cache::open(&cfg).unwrap();
+    n.peers.share_cache(cache.clone());
+    n.ctx.cache = cache;
+    (n, hot)
+}
+
+/// Warms `n`'s cache with the dataset, the way a one-node job on it would (staged without peers,
+/// each object filled into the cache as it is written), then empties its stage directory and
+/// progress for the job to come.
+async fn warm_alone(n: &mut Node, store: &Arc<CountingStore>) {
+    crate::stage::object::stage(
+        &n.ctx,
+        &spec(),
+        store.clone() as Arc<dyn ObjectStore>,
+        "ds",
+        n.progress.clone(),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    std::fs::remove_dir_all(n.dir.path().join("ds")).unwrap();
+    n.progress = Arc::new(Progress::new(&spec()));
+}
+
+/// Three nodes with caches, only n2's warm: n2 copies the dataset from its cache, n1 and n3 miss,
+/// and take the units they own from n2's cache rather than the origin — the origin serves no byte
+/// of the dataset, every node ends with identical data, and n1 and n3 have cached it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_that_misses_takes_its_units_from_a_peers_cache_before_the_origin() {
+    let (store, mut files) = origin().await;
+    // Keys whose names a path type would percent-encode (several, so that nodes that miss own
+    // some): the cache key must be the listed one.
+    for i in 0..8 {
+        let odd = format!("odd name %4{i} #{i}.bin");
+        let bytes = format!("an odd one, {i}").into_bytes();
+        store
+            .inner
+            .put(
+                &ObjPath::parse(format!("ds/{odd}")).unwrap(),
+                bytes.clone().into(),
+            )
+            .await
+            .unwrap();
+        files.insert(odd, bytes);
+    }
+    let (ls, addrs) = listeners().await;
+    let (mut nodes, mut hots) = (Vec::new(), Vec::new());
+    for (name, l) in job_nodes().iter().zip(ls) {
+        let (n, hot) = node_with_cache(name, l, &addrs).await;
+        nodes.push(n);
+        hots.push(hot);
+    }
+    warm_alone(&mut nodes[1], &store).await;
+    assert_eq!(store.served.load(Ordering::SeqCst), dataset_bytes(&files));
+    store.served.store(0, Ordering::SeqCst);
+
+    let all: Vec<&Node> = nodes.iter().collect();
+    for (r, peers) in stage_all(&all, &store).await {
+        r.unwrap();
+        assert!(peers.notes().is_empty(), "{:?}", peers.notes());
+    }
+    assert_eq!(
+        store.served.load(Ordering::SeqCst),
+        0,
+        "the origin served nothing of a dataset one of the job's nodes had cached"
+    );
+    let total = dataset_bytes(&files);
+    for n in &all {
+        let got = read_tree(n.dir.path());
+        assert_eq!(got, files, "{}'s copy", n.name);
+        let p = n.progress.snapshot();
+        assert_eq!(p.bytes_done, total, "{}'s progress", n.name);
+        assert_eq!(p.origin_bytes, 0, "{}", n.name);
+    }
+    assert_eq!(nodes[1].progress.snapshot().cache_bytes, total);
+    let cached = |n: &Node| n.ctx.cache.as_ref().unwrap().stats().entries;
+    for n in [&nodes[0], &nodes[2]] {
+        assert_eq!(n.progress.snapshot().peer_bytes, total, "{}", n.name);
+        assert_eq!(cached(n), cached(&nodes[1]), "{} cached it too", n.name);
+    }
+    for n in &nodes {
+        n.stop.cancel();
+    }
+}
+
+/// n1 reaches n2 (the only warm cache) through a relay that changes bytes: the ranges n1 takes
+/// from n2's cache fail their hash, n1 stops asking that cache and reads its own units from the
+/// origin instead — nothing wrong lands in any copy, and the origin serves no more than n1's
+/// share of the dataset and what n1 later owns of n2's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_peers_cache_that_answers_wrong_bytes_is_left_for_the_origin() {
+    let (store, files) = origin().await;
+    let (ls, addrs) = listeners().await;
+    let relay = tampering_relay(addrs["n2"].clone()).await;
+    let mut via_relay = addrs.clone();
+    via_relay.insert("n2".into(), relay);
+    let (mut nodes, mut hots) = (Vec::new(), Vec::new());
+    for (name, l) in job_nodes().iter().zip(ls) {
+        let seen = if name == "n1" { &via_relay } else { &addrs };
+        let (n, hot) = node_with_cache(name, l, seen).await;
+        nodes.push(n);
+        hots.push(hot);
+    }
+    warm_alone(&mut nodes[1], &store).await;
+    store.served.store(0, Ordering::SeqCst);
+    let all: Vec<&Node> = nodes.iter().collect();
+    let results = stage_all(&all, &store).await;
+    for (i, (r, _)) in results.iter().enumerate() {
+        assert!(r.is_ok(), "{}: {r:?}", all[i].name);
+    }
+    for n in &all {
+        assert_eq!(read_tree(n.dir.path()), files, "{}'s copy", n.name);
+    }
+    let served = store.served.load(Ordering::SeqCst);
+    let n1_origin = nodes[0].progress.snapshot().origin_bytes;
+    assert!(n1_origin > 0, "n1 read its units from the origin");
+    assert_eq!(served, n1_origin, "only n1 read the origin");
+    assert!(served < dataset_bytes(&files), "{served}");
+    // n1 cached what it staged: the good bytes.
+    let n1_cache = nodes[0].ctx.cache.as_ref().unwrap();
+    assert_eq!(
+        n1_cache.stats().entries,
+        nodes[1].ctx.cache.as_ref().unwrap().stats().entries
+    );
+    for n in &nodes {
+        n.stop.cancel();
+    }
+}
+
+/// A node serves from its cache only objects under the job's own datasets, and answers at once
+/// for one it does not hold.
+#[tokio::test]
+async fn a_cache_serves_the_jobs_datasets_only() {
+    let (store, files) = origin().await;
+    let (mut ls, addrs) = listeners().await;
+    let (mut n, _hot) = node_with_cache("n1", ls.remove(0), &addrs).await;
+    warm_alone(&mut n, &store).await;
+    let peers = n
+        .peers
+        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .unwrap();
+    let meta = store
+        .inner
+        .head(&ObjPath::from("ds/big.bin"))
+        .await
+        .unwrap();
+    let object = |url: &str| CachedObject {
+        url: url.into(),
+        etag: meta.e_tag.clone(),
+        version: meta.version.clone(),
+        size: meta.size,
+    };
+    let mine = object("s3://b/ds/big.bin");
+    let probe = peers.cached_range(&mine, 0, 0).await.unwrap();
+    assert_eq!(probe.len, 0);
+    let got = peers.cached_range(&mine, 100, 5000).await.unwrap();
+    let body: Vec<u8> = got.body.collect::<Vec<_>>().await.concat();
+    assert_eq!(body, files["big.bin"][100..5100]);
+    assert_eq!(got.hash, blake3::hash(&body));
+    // Another ETag is another object; a URL outside the job's datasets is not served, cached
+    // or not (the join gives this job `s3://b/ds` only).
+    let changed = CachedObject {
+        etag: Some("other".into()),
+        ..mine.clone()
+    };
+    assert!(peers.cached_range(&changed, 0, 0).await.is_none());
+    let other = n
+        .peers
+        .join_with(JOB + 1, &job_nodes(), me(), 1, &["s3://b/d".into()]);
+    let other = other.unwrap();
+    assert!(other.cached_range(&mine, 0, 0).await.is_none());
+    assert!(other.cached_range(&mine, 0, 10).await.is_none());
+    n.stop.cancel();
 }
