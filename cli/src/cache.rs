@@ -2,13 +2,19 @@
 //!
 //! The cache holds every user's datasets, so its entries and its control are root's: the agent
 //! answers these requests for root only, and this command says so before it asks (a user reads the
-//! cache's counters in `sluice status`). Each command is one request to the node's agent; to warm
-//! or clear the cache of several nodes, run it on each (`pdsh -w gpu[01-08] sluice cache warm URL`).
+//! cache's counters in `sluice status`). Each command is one request to the node's agent; `warm
+//! --nodes LIST` asks this node's agent, which asks each listed node's agent over the peer port
+//! (with the cluster secret's admin key: the CLI holds no key and reaches no other node itself).
+//! To list or clear the cache of several nodes, run the command on each (`pdsh -w gpu[01-08]
+//! sluice cache list`).
 
 use crate::agent::Agent;
 use anyhow::{anyhow, bail};
 use serde::Serialize;
-use sluice_proto::msg::{CacheEvicted, CacheListing, CacheStats, CacheWarmed, Request, Response};
+use sluice_proto::msg::{
+    CacheEvicted, CacheListing, CacheStats, CacheWarmed, NodeWarmed, Request, Response,
+    WARM_NODES_LIMIT,
+};
 use std::time::Duration;
 
 /// How long a warm's answer is awaited: the agent answers once the whole dataset is in the cache
@@ -82,6 +88,44 @@ pub fn warm(agent: &Agent, url: String) -> anyhow::Result<CacheWarmed> {
     }
 }
 
+/// The nodes of a Slurm hostlist (`gpu[01-08],login1`), expanded as Slurm does (the plugin's
+/// expansion of `SLURM_NODELIST`), duplicates dropped, in the order written.
+pub fn expand_nodes(hostlist: &str) -> anyhow::Result<Vec<String>> {
+    let mut nodes = sluice_proto::hostlist::expand(hostlist)?;
+    let mut seen = std::collections::HashSet::new();
+    nodes.retain(|n| seen.insert(n.clone()));
+    if nodes.is_empty() {
+        bail!("--nodes '{hostlist}' names no node");
+    }
+    if nodes.len() > WARM_NODES_LIMIT {
+        bail!(
+            "--nodes '{hostlist}' names {} nodes; warm at most {WARM_NODES_LIMIT} at once",
+            nodes.len()
+        );
+    }
+    Ok(nodes)
+}
+
+/// Fills the caches of `nodes` with the dataset at `url`, through this node's agent; returns once
+/// every node is done, one row each.
+pub fn warm_nodes(
+    agent: &Agent,
+    url: String,
+    nodes: Vec<String>,
+) -> anyhow::Result<Vec<NodeWarmed>> {
+    match call(agent, Request::CacheWarmNodes { url, nodes }, WARM_WAIT)? {
+        Response::CacheWarmedNodes { nodes } => Ok(nodes),
+        other => Err(agent.unexpected("cache warm --nodes", &other)),
+    }
+}
+
+/// `sluice cache warm --nodes --json`: the agent's rows.
+#[derive(Debug, Serialize)]
+pub struct WarmedNodes {
+    pub url: String,
+    pub nodes: Vec<NodeWarmed>,
+}
+
 /// Removes (with `dry_run`, counts) the entries under `prefix`; `""` is every entry.
 pub fn evict(agent: &Agent, prefix: String, dry_run: bool) -> anyhow::Result<CacheEvicted> {
     match call(agent, Request::CacheEvict { prefix, dry_run }, EVICT_WAIT)? {
@@ -102,6 +146,23 @@ mod tests {
             e.starts_with("sluice cache commands are for admins") && e.contains("sudo"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn node_lists_expand_as_slurm_does_once_each() {
+        assert_eq!(
+            expand_nodes("n[1-3],n2,login").unwrap(),
+            ["n1", "n2", "n3", "login"]
+        );
+        assert_eq!(
+            expand_nodes("gpu[08-10]").unwrap(),
+            ["gpu08", "gpu09", "gpu10"]
+        );
+        assert!(expand_nodes("n[1-").is_err());
+        let e = expand_nodes("").unwrap_err().to_string();
+        assert!(e.contains("names no node"), "{e}");
+        let e = expand_nodes("n[1-5000]").unwrap_err().to_string();
+        assert!(e.contains("at most 4096"), "{e}");
     }
 
     #[test]

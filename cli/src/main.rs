@@ -134,12 +134,17 @@ enum CacheCommand {
     /// that read it.
     ///
     /// Waits until it is done, then prints what was cached, what was there already, and what
-    /// could not be cached and why. To warm several nodes, run it on each (pdsh -w NODES sluice
-    /// cache warm URL). The answer is awaited up to 12 hours (--timeout bounds connecting and
-    /// sending).
+    /// could not be cached and why. With --nodes, warms each listed node's cache through its own
+    /// agent (this node's agent asks them over the peer port) and prints one row per node; a node
+    /// that fails is reported in its row, the others are still warmed, and the exit status is 1.
+    /// The answer is awaited up to 12 hours (--timeout bounds connecting and sending).
     Warm {
         /// The dataset's URL, as --stage-in names it (s3://bucket/prefix, az://..., gs://...)
         url: String,
+        /// Warm these nodes instead of this one: a Slurm hostlist, e.g. gpu[01-08] (this node may
+        /// be among them). Needs [peer] and its secret on every node
+        #[arg(long, value_name = "HOSTLIST")]
+        nodes: Option<String>,
         /// Print the agent's answer as JSON (stable for scripts)
         #[arg(long)]
         json: bool,
@@ -306,7 +311,7 @@ fn run(cli: Cli) -> anyhow::Result<Output> {
         Command::Ckpt(c) => return run_ckpt(c, agent),
         Command::Cache(c) => {
             cache::require_admin(nix::unistd::geteuid().is_root())?;
-            run_cache(c, &agent()?)?.into()
+            run_cache(c, &agent()?)?
         }
         Command::Doctor {
             config,
@@ -339,8 +344,8 @@ fn run(cli: Cli) -> anyhow::Result<Output> {
     })
 }
 
-fn run_cache(command: CacheCommand, agent: &Agent) -> anyhow::Result<String> {
-    match command {
+fn run_cache(command: CacheCommand, agent: &Agent) -> anyhow::Result<Output> {
+    let text = match command {
         CacheCommand::List { prefix, json: j } => {
             let listing = cache::list(agent, prefix.clone(), true)?;
             if j {
@@ -357,7 +362,26 @@ fn run_cache(command: CacheCommand, agent: &Agent) -> anyhow::Result<String> {
                 Ok(render::cache_stats(&listing))
             }
         }
-        CacheCommand::Warm { url, json: j } => {
+        CacheCommand::Warm {
+            url,
+            nodes: Some(list),
+            json: j,
+        } => {
+            let nodes = cache::expand_nodes(&list)?;
+            let rows = cache::warm_nodes(agent, url.clone(), nodes)?;
+            let ok = rows.iter().all(|r| r.error.is_none());
+            let text = if j {
+                json(&cache::WarmedNodes { url, nodes: rows })?
+            } else {
+                render::cache_warmed_nodes(&url, &rows)
+            };
+            return Ok(Output { text, ok });
+        }
+        CacheCommand::Warm {
+            url,
+            nodes: None,
+            json: j,
+        } => {
             let warmed = cache::warm(agent, url)?;
             if j {
                 json(&warmed)
@@ -383,7 +407,8 @@ fn run_cache(command: CacheCommand, agent: &Agent) -> anyhow::Result<String> {
                 Ok(render::cache_evicted(&evicted, &prefix))
             }
         }
-    }
+    };
+    text.map(Output::from)
 }
 
 fn run_ckpt(

@@ -11,7 +11,7 @@ use sluice_archive::store::is_offline_class;
 use sluice_archive::{CheckpointInfo, CheckpointState};
 use sluice_proto::msg::{
     CacheEntry, CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptState, CkptStatus, JobId,
-    JobStatus, NodeStatus, StageProgress,
+    JobStatus, NodeStatus, NodeWarmed, StageProgress,
 };
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -774,6 +774,68 @@ pub fn cache_warmed(w: &CacheWarmed) -> String {
         for s in &w.skipped {
             out.push_str(&format!("    {}\n", clean(s)));
         }
+    }
+    out
+}
+
+/// `sluice cache warm URL --nodes LIST`: one row per node — its objects and bytes, how much of it
+/// was read from the origin now and how much was cached before — then what each node skipped, and
+/// the nodes that failed.
+pub fn cache_warmed_nodes(url: &str, rows: &[NodeWarmed]) -> String {
+    let dash = || "-".to_string();
+    let table_rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| match &r.warmed {
+            Some(w) => vec![
+                clean(&r.node),
+                w.files.to_string(),
+                bytes(w.bytes),
+                bytes(w.filled_bytes),
+                bytes(w.cached_bytes),
+                w.skipped.len().to_string(),
+                String::new(),
+            ],
+            None => vec![
+                clean(&r.node),
+                dash(),
+                dash(),
+                dash(),
+                dash(),
+                dash(),
+                clean(r.error.as_deref().unwrap_or("no answer")),
+            ],
+        })
+        .collect();
+    let mut out = format!("warmed {} on {} node(s)\n", clean(url), rows.len());
+    out.push_str(&table(
+        &[
+            "NODE",
+            "OBJECTS",
+            "BYTES",
+            "FROM ORIGIN",
+            "CACHED BEFORE",
+            "SKIPPED",
+            "ERROR",
+        ],
+        &table_rows,
+    ));
+    for r in rows {
+        if let Some(w) = r.warmed.as_ref().filter(|w| !w.skipped.is_empty()) {
+            out.push_str(&format!(
+                "\nskipped on {} (jobs read them from the origin):\n",
+                clean(&r.node)
+            ));
+            for s in &w.skipped {
+                out.push_str(&format!("  {}\n", clean(s)));
+            }
+        }
+    }
+    let failed = rows.iter().filter(|r| r.warmed.is_none()).count();
+    if failed > 0 {
+        out.push_str(&format!(
+            "\n{failed} of {} node(s) not warmed: see ERROR\n",
+            rows.len()
+        ));
     }
     out
 }

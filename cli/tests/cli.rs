@@ -550,6 +550,98 @@ fn cache_warm_says_what_it_cached_and_fails_on_an_error() {
     assert!(out.stdout.is_empty());
 }
 
+/// `--nodes gpu[07-09]`: the agent is asked for the three nodes, expanded; one row each, the node
+/// that failed with its error in its row, and the exit status 1; `--json` has the same rows.
+#[test]
+#[ignore = "needs root: cache commands are root's and a user is refused before the agent is asked; run as root with --ignored, as tests/harness/run-e2e.sh does"]
+fn cache_warm_on_a_node_list_has_one_row_per_node_and_fails_if_one_did() {
+    require_root();
+    let url = "s3://datasets/imagenet/";
+    let warmed = |node: &str, fresh: bool| {
+        let mut w = fixtures::cache_warmed();
+        w.node = node.into();
+        if !fresh {
+            (w.cached_files, w.cached_bytes) = (w.files, w.bytes);
+            (w.filled_files, w.filled_bytes) = (0, 0);
+            w.skipped.clear();
+        }
+        w
+    };
+    let rows = vec![
+        sluice_proto::msg::NodeWarmed {
+            node: "gpu07".into(),
+            warmed: Some(warmed("gpu07", true)),
+            error: None,
+        },
+        sluice_proto::msg::NodeWarmed {
+            node: "gpu08".into(),
+            warmed: Some(warmed("gpu08", false)),
+            error: None,
+        },
+        sluice_proto::msg::NodeWarmed {
+            node: "gpu09".into(),
+            warmed: None,
+            error: Some("the agent of gpu09: peer 10.0.0.9:7070 is unreachable".into()),
+        },
+    ];
+    let answer = Response::CacheWarmedNodes {
+        nodes: rows.clone(),
+    };
+    let (request, out) = ask(
+        answer.clone(),
+        &["cache", "warm", url, "--nodes", "gpu[07-09]"],
+        &[],
+    );
+    assert_eq!(
+        request,
+        Request::CacheWarmNodes {
+            url: url.into(),
+            nodes: vec!["gpu07".into(), "gpu08".into(), "gpu09".into()],
+        }
+    );
+    let stderr = failed(&out);
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.starts_with(
+            "warmed s3://datasets/imagenet/ on 3 node(s)\n\
+             NODE   OBJECTS  BYTES     FROM ORIGIN  CACHED BEFORE  SKIPPED  ERROR\n\
+             gpu07  1000     10.0 GiB  6.0 GiB      4.0 GiB        1\n\
+             gpu08  1000     10.0 GiB  0 B          10.0 GiB       0\n\
+             gpu09  -        -         -            -              -        the agent of gpu09: peer 10.0.0.9:7070 is unreachable\n"
+        ),
+        "{stdout}{stderr}"
+    );
+    assert_has(
+        &stdout,
+        "\nskipped on gpu07 (jobs read them from the origin):\n  s3://datasets/imagenet/all.tar: 120.0 GiB is larger than the cache (100.0 GiB)\n",
+    );
+    assert_has(&stdout, "\n1 of 3 node(s) not warmed: see ERROR\n");
+
+    let (_, out) = ask(
+        answer,
+        &["cache", "warm", url, "--nodes", "gpu[07-09]", "--json"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["url"], url);
+    let parsed: Vec<sluice_proto::msg::NodeWarmed> =
+        serde_json::from_value(v["nodes"].clone()).unwrap();
+    assert_eq!(parsed, rows);
+    assert!(v["nodes"][2].get("warmed").is_none());
+
+    // Every node warmed: exit status 0.
+    let all_ok = Response::CacheWarmedNodes {
+        nodes: rows[..2].to_vec(),
+    };
+    let (_, out) = ask(
+        all_ok,
+        &["cache", "warm", url, "--nodes", "gpu[07-08]"],
+        &[],
+    );
+    succeeded(&out);
+}
+
 #[test]
 #[ignore = "needs root: cache commands are root's and a user is refused before the agent is asked; run as root with --ignored, as tests/harness/run-e2e.sh does"]
 fn cache_evict_by_prefix_all_and_dry_run() {
