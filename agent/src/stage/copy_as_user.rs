@@ -1850,7 +1850,66 @@ mod tests {
         );
         let (r, _) = run("hit 2\n", "bad");
         assert!(r.unwrap_err().1.contains("bad cache answer"));
-        assert!(!dst.path().join("bad").exists(), "nothing made on a bad answer");
+        assert!(
+            !dst.path().join("bad").exists(),
+            "nothing made on a bad answer"
+        );
+    }
+
+    /// A file whose descriptor no longer has the identity the helper reported (rewritten,
+    /// replaced or grown after it was identified) is copied as it is now, but gives no hash: the
+    /// agent is told nothing it could keep.
+    #[test]
+    fn a_file_changed_after_it_was_identified_is_copied_but_not_hashed() {
+        let src = tempfile::tempdir().unwrap();
+        let dst = tempfile::tempdir().unwrap();
+        fs::write(src.path().join("f"), b"the bytes now").unwrap();
+        let f = fs::File::open(src.path().join("f")).unwrap();
+        let now = FileIdent::of(&f).unwrap().unwrap();
+        let piece = Piece {
+            file: 0,
+            offset: 0,
+            len: None,
+            shared: false,
+            unit: None,
+        };
+        let job = |file: FileIdent, to: &str| FileJob {
+            src: src.path().join("f"),
+            dst: dst.path().join(to),
+            size: file.size,
+            mode: 0o644,
+            stripe: None,
+            partial: false,
+            cache: Some(Identified {
+                idx: 0,
+                file,
+                piece: PIECE,
+            }),
+        };
+        let mut buf = Vec::new();
+        let same = copy_piece(&job(now, "same"), &piece, 0o022, &mut buf).unwrap();
+        assert_eq!(same, (13, Some(blake3::hash(b"the bytes now"))));
+        for (what, then) in [
+            (
+                "mtime",
+                FileIdent {
+                    mtime_ns: now.mtime_ns ^ 1,
+                    ..now
+                },
+            ),
+            (
+                "inode",
+                FileIdent {
+                    ino: now.ino + 1,
+                    ..now
+                },
+            ),
+            ("size", FileIdent { size: 9, ..now }),
+        ] {
+            let (n, hash) = copy_piece(&job(then, what), &piece, 0o022, &mut buf).unwrap();
+            assert_eq!((n, hash), (13, None), "{what} changed");
+            assert_eq!(fs::read(dst.path().join(what)).unwrap(), b"the bytes now");
+        }
     }
 
     #[test]

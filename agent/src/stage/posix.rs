@@ -1077,4 +1077,63 @@ mod tests {
         let e = classify("/data/x", "n1", Some(9), "odd".into());
         assert!(e.to_string().contains("odd"), "{e}");
     }
+
+    /// A miss is kept only if the job's staged copy hashes, piece by piece, to what the helper
+    /// reported reading; a copy that differs (the user wrote into it, or the source changed
+    /// under the helper) leaves no entry, and a link where the file was is not followed.
+    #[test]
+    fn a_staged_copy_is_kept_only_if_it_hashes_to_what_the_helper_read() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path();
+        std::fs::create_dir_all(d.join("hot")).unwrap();
+        let text = format!(
+            "[agent]\nsocket='{d}/s'\nstate_dir='{d}/st'\n[hot_tier]\nroot='{d}/hot'\n\
+             [cache]\nsize='8MiB'\nmin_free=0\n",
+            d = d.display()
+        );
+        let cfg = sluice_archive::config::Config::parse(&text, "n1").unwrap();
+        let cache = Cache::open(&cfg).unwrap().unwrap();
+        let stage = d.join("stage");
+        std::fs::create_dir(&stage).unwrap();
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 241) as u8).collect();
+        std::fs::write(stage.join("f"), &data).unwrap();
+        std::os::unix::fs::symlink("f", stage.join("link")).unwrap();
+        let root = safefs::open_root_dir(&stage).unwrap();
+        let owner = Owner {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+        };
+        let file = |rel: &str, ino: u64| Identified {
+            key: posix_key(
+                &format!("/src/{rel}"),
+                FileIdent {
+                    dev: 1,
+                    ino,
+                    size: data.len() as u64,
+                    mtime: 5,
+                    mtime_ns: 6,
+                },
+                owner.uid,
+            ),
+            rel: rel.to_string(),
+            mode: 0o644,
+            one_file: false,
+        };
+        let read: Vec<blake3::Hash> = data.chunks(4096).map(blake3::hash).collect();
+        let right = piece_hashes_hash(&read);
+        let wrong = piece_hashes_hash(&read[..2]);
+        keep(&cache, &root, &file("f", 1), owner, 4096, wrong);
+        keep(&cache, &root, &file("link", 2), owner, 4096, right);
+        keep(&cache, &root, &file("f", 3), owner, 8192, right);
+        assert_eq!(cache.stats().entries, 0, "none of those is kept");
+        keep(&cache, &root, &file("f", 4), owner, 4096, right);
+        let hit = cache.lookup(&file("f", 4).key).expect("kept");
+        let out = std::fs::File::create(d.join("out")).unwrap();
+        hit.copy_to(&out, None).unwrap();
+        assert_eq!(std::fs::read(d.join("out")).unwrap(), data);
+        // Another uid's key for the same file names no entry.
+        let mut other = file("f", 4).key;
+        other.posix.as_mut().unwrap().uid += 1;
+        assert!(cache.lookup(&other).is_none());
+    }
 }
