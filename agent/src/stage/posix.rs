@@ -16,6 +16,12 @@
 //! its own helper listed and opened as the user, every unit a peer serves was read from the origin
 //! by that job's helper, as the same user, on the node that owns it, and a user who makes their
 //! helper lie (it runs as them) can change only their own job's copies.
+//!
+//! With `[cache]`, a dataset this node stages whole goes through the node's cache ([`copy_cached`]):
+//! entries of POSIX files are keyed by path, device, inode, size, mtime and the job user's uid, and
+//! the job user's helper opens every file and reports its `fstat` identity on every job, so a hit
+//! is placed only for a file that user can read now and that is the version the entry holds. Shard
+//! and replicate stages read their source as without a cache.
 
 use super::copy_as_user::{
     CacheLine, EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event, FileIdent, PeerLine, copies_unit,
