@@ -113,7 +113,19 @@ pub fn warm_nodes(
     url: String,
     nodes: Vec<String>,
 ) -> anyhow::Result<Vec<NodeWarmed>> {
-    match call(agent, Request::CacheWarmNodes { url, nodes }, WARM_WAIT)? {
+    let asked = Request::CacheWarmNodes { url, nodes };
+    let answer = agent.call_with(asked, None, WARM_WAIT).map_err(|e| {
+        if crate::remote::too_old(&e) {
+            anyhow!(
+                "the sluice agent at {} is older than this CLI and cannot warm other nodes \
+                 (--nodes); update sluiced on this node, or run sluice cache warm on each node",
+                agent.socket
+            )
+        } else {
+            e
+        }
+    })?;
+    match answer {
         Response::CacheWarmedNodes { nodes } => Ok(nodes),
         other => Err(agent.unexpected("cache warm --nodes", &other)),
     }

@@ -640,6 +640,21 @@ fn cache_warm_on_a_node_list_has_one_row_per_node_and_fails_if_one_did() {
         &[],
     );
     succeeded(&out);
+
+    // An agent that predates --nodes is named as such.
+    let old = ErrorReply::new(
+        ErrorCode::BadRequest,
+        "bad request: unknown variant `cache_warm_nodes`, expected one of `job_start`, ...",
+    );
+    let (_, out) = ask(
+        Response::Error(old),
+        &["cache", "warm", url, "--nodes", "gpu[07-08]"],
+        &[],
+    );
+    assert_has(
+        &failed(&out),
+        "is older than this CLI and cannot warm other nodes (--nodes); update sluiced on this node",
+    );
 }
 
 #[test]

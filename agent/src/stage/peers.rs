@@ -155,6 +155,10 @@ impl NodePeers {
             .await
             .map_err(|e| match e {
                 PeerError::Failed { reason, .. } => reason,
+                // What an agent that predates admin requests answers (no such resource).
+                PeerError::Refused { status: 404, .. } => format!(
+                    "the agent of {node} at {addr} takes no admin requests: update sluiced on {node}"
+                ),
                 PeerError::Refused { status, reason, .. } => format!(
                     "the agent of {node} at {addr} refused the request ({status}): {reason}"
                 ),
