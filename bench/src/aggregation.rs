@@ -18,162 +18,29 @@
 //! the listing with the source tree (every node whole for replicate and shared, the nodes' disjoint
 //! union for shard), so a broken run is an error, never a number.
 
+use crate::cluster::{
+    Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree, tree_bytes,
+};
 use crate::measure::{median, run_quiet};
 use crate::run::{Bench, GIB, MIB, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
-use sluice_proto::msg::{JobStatus, Request, Response, StageState};
-use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::unix::fs::chown;
+use sluice_e2e::relay::CountingRelay;
+use sluice_proto::msg::{JobStatus, StageState};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// The bucket the agents reach through the relay (its store profile points at the relay's port).
-const RELAYED: &str = "datasets-relayed";
 /// The issue's ceiling on origin bytes per job, and on 3-node ÷ 1-node staging time when paced.
 const ORIGIN_TARGET: f64 = 1.02;
 const PACED_TARGET: f64 = 1.15;
 /// The existing RSS budget of the agent (the `rss` case's).
 const RSS_BUDGET_MIB: f64 = 256.0;
 /// A job, staging included (the plugin's stage_timeout is 120 s), and its end after the epilogs.
-const JOB_TIMEOUT: Duration = Duration::from_secs(400);
-/// What the test user's commands see as PATH (nothing from root's shell).
-const USER_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+const JOBS: Patience = Patience {
+    limit: Duration::from_secs(400),
+    every: Duration::from_millis(100),
+};
 /// The peer's flags: the tuned rclone of the other cases.
 const RCLONE_FLAGS: &str = "--transfers 32 --multi-thread-streams 8 --checkers 32";
-
-// ------------------------------------------------------------------------------------ the relay
-
-/// A TCP relay in front of Garage, counting what Garage sends back (bodies, listings, headers):
-/// what the origin served. Paced, all its connections together carry at most `rate` bytes a second.
-/// Stops, cutting its connections, when dropped.
-struct Relay {
-    served: Arc<AtomicU64>,
-    pace: Arc<Pace>,
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-    port: u16,
-    accept: Option<JoinHandle<()>>,
-}
-
-impl Relay {
-    fn start(port: u16, upstream: String) -> Result<Relay> {
-        let listener = TcpListener::bind(("127.0.0.1", port)).with_context(|| {
-            format!(
-                "listening on 127.0.0.1:{port} for the origin relay (is a test's relay running?)"
-            )
-        })?;
-        let served = Arc::new(AtomicU64::new(0));
-        let pace = Arc::new(Pace::default());
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let (s, p, st, c) = (served.clone(), pace.clone(), stop.clone(), conns.clone());
-        let accept = std::thread::spawn(move || {
-            for client in listener.incoming() {
-                if st.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(client) = client else { continue };
-                let Ok(server) = TcpStream::connect(&upstream) else {
-                    continue;
-                };
-                let (Ok(c1), Ok(s1), Ok(c2), Ok(s2)) = (
-                    client.try_clone(),
-                    server.try_clone(),
-                    client.try_clone(),
-                    server.try_clone(),
-                ) else {
-                    continue;
-                };
-                c.lock().unwrap().extend([c1, s1]);
-                std::thread::spawn(move || pipe(c2, s2, None, None));
-                let (s, p) = (s.clone(), p.clone());
-                std::thread::spawn(move || pipe(server, client, Some(&s), Some(&p)));
-            }
-        });
-        Ok(Relay {
-            served,
-            pace,
-            stop,
-            conns,
-            port,
-            accept: Some(accept),
-        })
-    }
-
-    /// The bytes served since the last call.
-    fn take_served(&self) -> u64 {
-        self.served.swap(0, Ordering::SeqCst)
-    }
-
-    /// At most `bytes_per_sec` from the origin over all connections together (0: unpaced).
-    fn set_pace(&self, bytes_per_sec: u64) {
-        self.pace.rate.store(bytes_per_sec, Ordering::SeqCst);
-        *self.pace.next.lock().unwrap() = None;
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
-            let _ = c.shutdown(Shutdown::Both);
-        }
-        let _ = TcpStream::connect(("127.0.0.1", self.port)); // wakes the accept loop
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// One timeline for every connection: each chunk relayed back waits for its slot in it.
-#[derive(Default)]
-struct Pace {
-    rate: AtomicU64,
-    next: Mutex<Option<Instant>>,
-}
-
-impl Pace {
-    fn wait(&self, n: usize) {
-        let rate = self.rate.load(Ordering::SeqCst);
-        if rate == 0 {
-            return;
-        }
-        let until = {
-            let mut next = self.next.lock().unwrap();
-            let start = next.map_or_else(Instant::now, |t| t.max(Instant::now()));
-            let end = start + Duration::from_secs_f64(n as f64 / rate as f64);
-            *next = Some(end);
-            end
-        };
-        std::thread::sleep(until.saturating_duration_since(Instant::now()));
-    }
-}
-
-fn pipe(mut from: TcpStream, mut to: TcpStream, count: Option<&AtomicU64>, pace: Option<&Pace>) {
-    let mut buf = vec![0u8; 64 << 10];
-    loop {
-        let n = match from.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        if let Some(c) = count {
-            c.fetch_add(n as u64, Ordering::SeqCst);
-        }
-        if let Some(p) = pace {
-            p.wait(n);
-        }
-        if to.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown(Shutdown::Write);
-}
 
 // ------------------------------------------------------------------------------------ agents
 
@@ -226,14 +93,7 @@ impl Agent {
     }
 
     fn job(&self, id: u32) -> Result<JobStatus> {
-        match sluice_proto::client::call(
-            &self.socket,
-            Request::Job { job_id: id },
-            Duration::from_secs(10),
-        ) {
-            Ok(Response::Job(s)) => Ok(s),
-            other => bail!("the agent of {} on job {id}: {other:?}", self.node),
-        }
+        agent_job(&self.socket, &self.node, id)
     }
 }
 
@@ -292,67 +152,6 @@ struct Outcome {
     peer_bytes: u64,
 }
 
-/// A dataset's expected files (path below it → size).
-type Tree = BTreeMap<String, u64>;
-
-fn source_tree(dir: &Path) -> Result<Tree> {
-    fn walk(root: &Path, d: &Path, out: &mut Tree) -> Result<()> {
-        for e in std::fs::read_dir(d)? {
-            let e = e?;
-            let md = e.metadata()?;
-            if md.is_dir() {
-                walk(root, &e.path(), out)?;
-            } else {
-                let rel = e.path().strip_prefix(root)?.to_string_lossy().into_owned();
-                out.insert(rel, md.len());
-            }
-        }
-        Ok(())
-    }
-    let mut t = Tree::new();
-    walk(dir, dir, &mut t)?;
-    Ok(t)
-}
-
-/// A task's `find -printf '%s %P\n'` listing.
-fn parse_listing(text: &str) -> Result<Tree> {
-    text.lines()
-        .map(|l| {
-            let (size, path) = l
-                .split_once(' ')
-                .ok_or_else(|| anyhow!("bad listing line {l:?}"))?;
-            Ok((path.to_string(), size.parse()?))
-        })
-        .collect()
-}
-
-fn tree_bytes(t: &Tree) -> u64 {
-    t.values().sum()
-}
-
-fn describe_diff(want: &Tree, got: &Tree) -> String {
-    let missing: Vec<&String> = want.keys().filter(|k| !got.contains_key(*k)).collect();
-    let extra: Vec<&String> = got.keys().filter(|k| !want.contains_key(*k)).collect();
-    let wrong: Vec<&String> = want
-        .iter()
-        .filter(|(k, v)| got.get(*k).is_some_and(|g| g != *v))
-        .map(|(k, _)| k)
-        .collect();
-    format!(
-        "{} files / {} bytes, expected {} / {}; {} missing (e.g. {:?}), {} unexpected (e.g. {:?}), {} of the wrong size (e.g. {:?})",
-        got.len(),
-        tree_bytes(got),
-        want.len(),
-        tree_bytes(want),
-        missing.len(),
-        missing.first(),
-        extra.len(),
-        extra.first(),
-        wrong.len(),
-        wrong.first()
-    )
-}
-
 /// One dataset a job stages: its name in the job and its prefix in the relayed bucket.
 struct Ds<'t> {
     name: &'static str,
@@ -380,18 +179,6 @@ impl Bench {
                 })
             })
             .collect()
-    }
-
-    /// A fresh directory in the test user's home for one job's script output and listings.
-    fn agg_workdir(&self, label: &str) -> Result<PathBuf> {
-        let base = PathBuf::from(format!("/home/{}/sluice-bench-agg", self.a.user));
-        let dir = base.join(label);
-        remove(&dir)?;
-        std::fs::create_dir_all(&dir)?;
-        for d in [&base, &dir] {
-            chown(d, Some(self.uid), Some(self.gid))?;
-        }
-        Ok(dir)
     }
 
     /// The batch script: a sluice job's tasks list what they hold, then the script waits for the
@@ -449,113 +236,18 @@ impl Bench {
         }
     }
 
-    fn sbatch(&self, w: &Path, args: &[String], script: &str) -> Result<u32> {
-        let mut c = Command::new("runuser");
-        c.args(["-u", &self.a.user, "--", "env", "-i"])
-            .arg(format!("HOME=/home/{}", self.a.user))
-            .arg(format!("USER={}", self.a.user))
-            .arg(format!("PATH={USER_PATH}"))
-            .arg("LANG=C.UTF-8")
-            .args(["sbatch", "--parsable", "-J", "sluice-bench-agg"])
-            .arg(format!("--output={}/job.out", w.display()))
-            .args(args)
-            .current_dir(w)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = c.spawn().context("runuser sbatch")?;
-        child.stdin.take().unwrap().write_all(script.as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "sbatch {args:?} failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        text.trim()
-            .split(';')
-            .next()
-            .unwrap_or_default()
-            .parse()
-            .with_context(|| format!("sbatch printed {text:?}"))
-    }
-
-    fn job_state(&self, id: u32) -> Result<(String, String)> {
-        let out = Command::new("scontrol")
-            .args(["show", "job", "-o", &id.to_string()])
-            .output()?;
-        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        let state = text
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("JobState="))
-            .unwrap_or("UNKNOWN")
-            .to_string();
-        Ok((state, text))
-    }
-
-    /// Why a job broke: its state line and the tail of its output.
-    fn job_evidence(&self, id: u32, w: &Path) -> String {
-        let line = self.job_state(id).map(|s| s.1).unwrap_or_default();
-        let out = std::fs::read_to_string(w.join("job.out")).unwrap_or_default();
-        let tail: Vec<&str> = out.lines().rev().take(8).collect();
-        format!(
-            "job {id}: {line}; output: {}",
-            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
-        )
-    }
-
-    /// Polls until `done()` or the job leaves its live states (an error unless `ended_ok`).
-    fn wait_job(&self, id: u32, w: &Path, done: &dyn Fn() -> bool, what: &str) -> Result<()> {
-        let t = Instant::now();
-        loop {
-            if done() {
-                return Ok(());
-            }
-            let (state, _) = self.job_state(id)?;
-            match state.as_str() {
-                "PENDING" | "CONFIGURING" | "RUNNING" | "COMPLETING" | "UNKNOWN" | "COMPLETED" => {}
-                _ => bail!(
-                    "job ended {state} before {what}: {}",
-                    self.job_evidence(id, w)
-                ),
-            }
-            if state == "COMPLETED" && !done() {
-                bail!("job COMPLETED before {what}: {}", self.job_evidence(id, w));
-            }
-            if t.elapsed() > JOB_TIMEOUT {
-                let _ = Command::new("scancel").arg(id.to_string()).status();
-                bail!(
-                    "no {what} after {} s: {}",
-                    JOB_TIMEOUT.as_secs(),
-                    self.job_evidence(id, w)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn wait_completed(&self, id: u32, w: &Path) -> Result<()> {
-        let completed = || {
-            self.job_state(id)
-                .map(|(s, _)| s == "COMPLETED")
-                .unwrap_or(false)
-        };
-        self.wait_job(id, w, &completed, "COMPLETED")
-    }
-
     /// Submits one job on `nodes` nodes staging `datasets` the way `how` says, checks what every
     /// node holds, and reports what the origin served, the staging time and the agents' CPU and RSS.
     fn agg_job(
         &self,
-        relay: &Relay,
+        relay: &CountingRelay,
         agents: &[Agent],
         how: How,
         nodes: usize,
         datasets: &[Ds],
         label: &str,
     ) -> Result<Outcome> {
-        let w = self.agg_workdir(label)?;
+        let w = self.user_workdir("sluice-bench-agg", label)?;
         let mut args = vec![format!("-N{nodes}")];
         if how != How::Rclone {
             let stage_in: Vec<String> = datasets
@@ -575,12 +267,18 @@ impl Bench {
         let cpu_before: Vec<f64> = agents.iter().map(Agent::cpu_s).collect::<Result<_>>()?;
         relay.take_served();
         let submitted = std::time::SystemTime::now();
-        let id = self.sbatch(&w, &args, &script)?;
+        let id = self.sbatch("sluice-bench-agg", &w, &w.join("job.out"), &args, &script)?;
         let mut o = Outcome::default();
         if sluice {
             let staged = w.join("staged");
             let result = (|| -> Result<()> {
-                self.wait_job(id, &w, &|| staged.exists(), "its tasks listed the stage")?;
+                self.wait_job(
+                    id,
+                    &w,
+                    JOBS,
+                    &|| staged.exists(),
+                    "its tasks listed the stage",
+                )?;
                 o.served = relay.take_served();
                 let cpu_after: Vec<f64> = agents.iter().map(Agent::cpu_s).collect::<Result<_>>()?;
                 o.cpu_s = cpu_after.iter().zip(&cpu_before).map(|(a, b)| a - b).sum();
@@ -610,7 +308,7 @@ impl Bench {
             std::fs::write(w.join("go"), "")?;
             result.with_context(|| self.job_evidence(id, &w))?;
         }
-        self.wait_completed(id, &w)?;
+        self.wait_completed(id, &w, JOBS)?;
         if !sluice {
             o.served = relay.take_served();
         }
@@ -621,16 +319,6 @@ impl Bench {
         self.check_listings(id, how, &w, datasets, &mut o)?;
         remove(&w)?;
         Ok(o)
-    }
-
-    fn job_nodes(&self, id: u32) -> Result<Vec<String>> {
-        let (_, line) = self.job_state(id)?;
-        let list = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("NodeList="))
-            .ok_or_else(|| anyhow!("job {id} has no NodeList: {line}"))?;
-        let out = run_quiet(Command::new("scontrol").args(["show", "hostnames", list]))?;
-        Ok(out.lines().map(str::to_string).collect())
     }
 
     /// What the tasks listed against the sources: every node whole (replicate, shared, rclone), or
@@ -736,21 +424,13 @@ impl Bench {
         let result = (|| -> Result<()> {
             self.agg_upload()?;
             let agents = self.agents()?;
-            let port: u16 = self
-                .env("SLUICE_TEST_ORIGIN_RELAY_PORT")
-                .parse()
-                .context("SLUICE_TEST_ORIGIN_RELAY_PORT in the cluster env file")?;
-            let upstream = self
-                .env("SLUICE_TEST_S3_ENDPOINT")
-                .trim_start_matches("http://")
-                .trim_end_matches('/')
-                .to_string();
-            let relay = Relay::start(port, upstream)?;
+            let relay = self.origin_relay()?;
             r.note(format!(
                 "agg rows: real Slurm jobs as {} against the cluster's agents ([peer] on, [shared_tier] a local stand-in), \
-                 Garage read through the bench's byte-counting relay on 127.0.0.1:{port}; peer = `rclone copy {RCLONE_FLAGS}` \
+                 Garage read through the bench's byte-counting relay on 127.0.0.1:{}; peer = `rclone copy {RCLONE_FLAGS}` \
                  in an `srun --ntasks-per-node=1` step of the job; paced rows at {} MiB/s for all clients together",
                 self.a.user,
+                relay.port(),
                 self.sizes.agg_pace / MIB
             ));
             let big = source_tree(&self.data.join("big"))?;
@@ -768,7 +448,7 @@ impl Bench {
     fn agg_origin(
         &self,
         r: &mut Report,
-        relay: &Relay,
+        relay: &CountingRelay,
         agents: &[Agent],
         big: &Tree,
         small: &Tree,
@@ -856,7 +536,13 @@ impl Bench {
     }
 
     /// Part 2: the origin paced for everyone together: 3-node ÷ 1-node staging time of the big object.
-    fn agg_paced(&self, r: &mut Report, relay: &Relay, agents: &[Agent], big: &Tree) -> Result<()> {
+    fn agg_paced(
+        &self,
+        r: &mut Report,
+        relay: &CountingRelay,
+        agents: &[Agent],
+        big: &Tree,
+    ) -> Result<()> {
         let rate = self.sizes.agg_pace;
         let bytes = tree_bytes(big);
         let ds = [Ds {
@@ -963,7 +649,13 @@ impl Bench {
 
     /// Part 3: the agents' CPU per GiB and peak RSS during a 3-node replicate of two copies of the
     /// big object (4 GiB in --full), unpaced.
-    fn agg_rss(&self, r: &mut Report, relay: &Relay, agents: &[Agent], big: &Tree) -> Result<()> {
+    fn agg_rss(
+        &self,
+        r: &mut Report,
+        relay: &CountingRelay,
+        agents: &[Agent],
+        big: &Tree,
+    ) -> Result<()> {
         let ds = ["a", "b"].map(|name| Ds {
             name,
             prefix: "bench/big".into(),

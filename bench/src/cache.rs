@@ -18,15 +18,16 @@
 //! Each job's task lists what it holds (`find -printf '%s %P'`), which the driver compares with the
 //! source tree; a stage that is not `done`, or a wrong listing, is an error, never a number.
 
+use crate::cluster::{
+    Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree,
+};
 use crate::measure::{median, run_quiet};
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{CacheListing, CacheStats, Request, Response, StageProgress, StageState};
-use std::collections::BTreeMap;
-use std::io::Write;
 use std::net::TcpStream;
-use std::os::unix::fs::{MetadataExt, PermissionsExt, chown};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -35,15 +36,15 @@ use std::time::{Duration, Instant};
 
 /// The node the case's jobs run on (the cache is per node).
 const NODE: &str = "n1";
-/// The bucket the agents reach through the relay.
-const RELAYED: &str = "datasets-relayed";
 /// The issue's targets: bytes from the cache, origin bytes ÷ dataset, cold ÷ warm time.
 const FROM_CACHE_TARGET: f64 = 99.0;
 const ORIGIN_TARGET: f64 = 1.0;
 const SPEEDUP_TARGET: f64 = 10.0;
 /// A job, staging included, and its end after the epilogs.
-const JOB_TIMEOUT: Duration = Duration::from_secs(400);
-const USER_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+const JOBS: Patience = Patience {
+    limit: Duration::from_secs(400),
+    every: Duration::from_millis(50),
+};
 
 /// The case's sizes: the cache of part 1 (room for the big object and the small ones), the
 /// working set's cache and its objects.
@@ -296,28 +297,6 @@ struct Outcome {
     progress: StageProgress,
 }
 
-/// A dataset's files (path below it → size).
-type Tree = BTreeMap<String, u64>;
-
-fn source_tree(dir: &Path) -> Result<Tree> {
-    fn walk(root: &Path, d: &Path, out: &mut Tree) -> Result<()> {
-        for e in std::fs::read_dir(d)? {
-            let e = e?;
-            let md = e.metadata()?;
-            if md.is_dir() {
-                walk(root, &e.path(), out)?;
-            } else {
-                let rel = e.path().strip_prefix(root)?.to_string_lossy().into_owned();
-                out.insert(rel, md.len());
-            }
-        }
-        Ok(())
-    }
-    let mut t = Tree::new();
-    walk(dir, dir, &mut t)?;
-    Ok(t)
-}
-
 /// Bytes the files below `dir` take on disk (allocated blocks), 0 when it is gone.
 fn disk_usage(dir: &Path) -> u64 {
     let mut total = 0;
@@ -338,52 +317,6 @@ fn disk_usage(dir: &Path) -> u64 {
 }
 
 impl Bench {
-    fn cache_workdir(&self, label: &str) -> Result<PathBuf> {
-        let base = PathBuf::from(format!("/home/{}/sluice-bench-cache", self.a.user));
-        let dir = base.join(label);
-        remove(&dir)?;
-        std::fs::create_dir_all(&dir)?;
-        for d in [&base, &dir] {
-            chown(d, Some(self.uid), Some(self.gid))?;
-        }
-        Ok(dir)
-    }
-
-    fn cache_job_state(&self, id: u32) -> String {
-        let out = Command::new("scontrol")
-            .args(["show", "job", "-o", &id.to_string()])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default();
-        out.split_whitespace()
-            .find_map(|w| w.strip_prefix("JobState="))
-            .unwrap_or("UNKNOWN")
-            .to_string()
-    }
-
-    /// Polls until `done()`; an error if the job ends first (other than COMPLETED once done) or
-    /// after [`JOB_TIMEOUT`].
-    fn cache_wait(&self, id: u32, w: &Path, done: &dyn Fn() -> bool, what: &str) -> Result<()> {
-        let t = Instant::now();
-        while !done() {
-            let state = self.cache_job_state(id);
-            // The job may have reached what `done` waits for since it was asked.
-            if !["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"]
-                .contains(&state.as_str())
-                && !done()
-            {
-                let out = std::fs::read_to_string(w.join("job.out")).unwrap_or_default();
-                bail!("job {id} ended {state} before {what}; its output:\n{out}");
-            }
-            if t.elapsed() > JOB_TIMEOUT {
-                let _ = Command::new("scancel").arg(id.to_string()).status();
-                bail!("job {id}: no {what} after {} s", JOB_TIMEOUT.as_secs());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(())
-    }
-
     /// One job of the test user on [`NODE`] staging `s3://datasets-relayed/PREFIX` as `ds`: its
     /// task lists what it holds and waits for the driver's go, so the agent still holds the job
     /// while the driver reads its stage; the listing must match `tree`.
@@ -394,65 +327,33 @@ impl Bench {
         tree: &Tree,
         label: &str,
     ) -> Result<Outcome> {
-        let w = self.cache_workdir(label)?;
+        let w = self.user_workdir("sluice-bench-cache", label)?;
         let wd = w.display();
         let script = format!(
             "#!/bin/bash\nsrun --ntasks-per-node=1 /bin/bash -c 'find \"$SLUICE_STAGE_DIR/ds\" -type f -printf \"%s %P\\n\" > \"{wd}/files\"'\n\
              rc=$?\ntouch \"{wd}/staged\"\n\
              i=0; while [ ! -e \"{wd}/go\" ] && [ $i -lt 3000 ]; do sleep 0.1; i=$((i+1)); done\nexit $rc\n"
         );
-        let mut c = Command::new("runuser");
-        c.args(["-u", &self.a.user, "--", "env", "-i"])
-            .arg(format!("HOME=/home/{}", self.a.user))
-            .arg(format!("USER={}", self.a.user))
-            .arg(format!("PATH={USER_PATH}"))
-            .arg("LANG=C.UTF-8")
-            .args([
-                "sbatch",
-                "--parsable",
-                "-J",
-                "sluice-bench-cache",
-                "-N1",
-                "-w",
-                NODE,
-            ])
-            .arg(format!("--output={wd}/job.out"))
-            .arg(format!("--stage-in=ds=s3://{RELAYED}/{prefix}"))
-            .current_dir(&w)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        let args = [
+            "-N1".to_string(),
+            "-w".to_string(),
+            NODE.to_string(),
+            format!("--stage-in=ds=s3://{RELAYED}/{prefix}"),
+        ];
         let before = relay.served();
         let t = Instant::now();
-        let mut child = c.spawn().context("runuser sbatch")?;
-        child.stdin.take().unwrap().write_all(script.as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "sbatch failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let id: u32 = text
-            .trim()
-            .split(';')
-            .next()
-            .unwrap_or_default()
-            .parse()
-            .with_context(|| format!("sbatch printed {text:?}"))?;
+        let id = self.sbatch("sluice-bench-cache", &w, &w.join("job.out"), &args, &script)?;
         let staged = w.join("staged");
         let read = (|| -> Result<(u64, StageProgress)> {
-            self.cache_wait(id, &w, &|| staged.exists(), "its task listed the stage")?;
+            self.wait_job(
+                id,
+                &w,
+                JOBS,
+                &|| staged.exists(),
+                "its task listed the stage",
+            )?;
             let served = relay.served() - before;
-            let status = match sluice_proto::client::call(
-                &self.agent_socket(),
-                Request::Job { job_id: id },
-                Duration::from_secs(10),
-            ) {
-                Ok(Response::Job(s)) => s,
-                other => bail!("the agent of {NODE} on job {id}: {other:?}"),
-            };
+            let status = agent_job(&self.agent_socket(), NODE, id)?;
             let p = status
                 .stages
                 .first()
@@ -465,24 +366,11 @@ impl Bench {
         })();
         std::fs::write(w.join("go"), "")?;
         let (served, progress) = read?;
-        let completed = || self.cache_job_state(id) == "COMPLETED";
-        self.cache_wait(id, &w, &completed, "COMPLETED")?;
+        self.wait_completed(id, &w, JOBS)?;
         let job_s = t.elapsed().as_secs_f64();
-        let mut got = Tree::new();
-        for l in std::fs::read_to_string(w.join("files"))?.lines() {
-            let (size, path) = l
-                .split_once(' ')
-                .ok_or_else(|| anyhow!("bad listing line {l:?}"))?;
-            got.insert(path.to_string(), size.parse()?);
-        }
+        let got = parse_listing(&std::fs::read_to_string(w.join("files"))?)?;
         if &got != tree {
-            bail!(
-                "job {id} holds {} files / {} bytes, the source {} / {}",
-                got.len(),
-                got.values().sum::<u64>(),
-                tree.len(),
-                tree.values().sum::<u64>()
-            );
+            bail!("job {id} holds {}", describe_diff(tree, &got));
         }
         remove(&w)?;
         Ok(Outcome {
@@ -499,24 +387,14 @@ impl Bench {
         let sizes = CacheSizes::of(self.a.mode);
         let result = (|| -> Result<()> {
             let original = self.agent_proc()?;
-            let port: u16 = self
-                .env("SLUICE_TEST_ORIGIN_RELAY_PORT")
-                .parse()
-                .context("SLUICE_TEST_ORIGIN_RELAY_PORT in the cluster env file")?;
-            let upstream = self
-                .env("SLUICE_TEST_S3_ENDPOINT")
-                .trim_start_matches("http://")
-                .trim_end_matches('/')
-                .to_string();
-            let relay = CountingRelay::start(port, &upstream).with_context(|| {
-                format!("listening on 127.0.0.1:{port} for the origin relay (is a test's relay running?)")
-            })?;
+            let relay = self.origin_relay()?;
             self.cache_upload(&sizes)?;
             r.note(format!(
                 "cache rows: real one-node Slurm jobs on {NODE} as {}, its agent restarted with [cache] \
                  (high_water 90, low_water 75, min_free 1); Garage read through the bench's \
-                 byte-counting relay on 127.0.0.1:{port}",
-                self.a.user
+                 byte-counting relay on 127.0.0.1:{}",
+                self.a.user,
+                relay.port()
             ));
             let parts = (|| -> Result<()> {
                 self.start_cached_agent(&original, sizes.hit_cache)?;

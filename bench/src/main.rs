@@ -6,6 +6,7 @@
 
 mod aggregation;
 mod cache;
+mod cluster;
 mod data;
 mod engine;
 mod measure;

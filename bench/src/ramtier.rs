@@ -12,22 +12,25 @@
 //! the driver polls the archive until the tag's MANIFEST is there: commit → MANIFEST, which covers
 //! the agent's flush to the NVMe hot tier and the archive upload. One job per repetition.
 
+use crate::cluster::Patience;
 use crate::measure::median;
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
-use std::io::Write;
 use std::os::unix::fs::{PermissionsExt, chown};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The harness's PyTorch (tests/harness/install.sh; SLUICE_TORCH_VENV as the e2e tests read it).
 const DEFAULT_TORCH_VENV: &str = "/opt/sluice-test/torch-venv";
 /// The target: the stall at most 1.1× the plain copy.
 const STALL_TARGET: f64 = 1.1;
-const USER_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
-/// One commit job: start, save, commit, flush, archive.
-const JOB_TIMEOUT: Duration = Duration::from_secs(600);
+/// One commit job: start, save, commit, flush, archive; looked at often, since commit → MANIFEST
+/// is timed by the look that finds the MANIFEST.
+const JOBS: Patience = Patience {
+    limit: Duration::from_secs(600),
+    every: Duration::from_millis(20),
+};
 /// The harness's `[fast_tier] job_share` (tests/harness/cluster.sh): a job's tmpfs.
 const HARNESS_JOB_SHARE: u64 = 768 * MIB;
 
@@ -298,41 +301,6 @@ impl Bench {
         Ok(dir)
     }
 
-    fn commit_job_state(&self, id: u32) -> String {
-        Command::new("scontrol")
-            .args(["show", "job", "-o", &id.to_string()])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("JobState="))
-            .unwrap_or("UNKNOWN")
-            .to_string()
-    }
-
-    /// Polls until `done()`; an error if the job ends first (other than COMPLETED once done).
-    fn commit_wait(&self, id: u32, w: &Path, done: &dyn Fn() -> bool, what: &str) -> Result<()> {
-        let t = Instant::now();
-        while !done() {
-            let state = self.commit_job_state(id);
-            if done() {
-                break; // it happened between the two looks (e.g. the job COMPLETED meanwhile)
-            }
-            if !["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"]
-                .contains(&state.as_str())
-            {
-                let out = std::fs::read_to_string(w.join("job.out")).unwrap_or_default();
-                bail!("job {id} ended {state} before {what}; its output:\n{out}");
-            }
-            if t.elapsed() > JOB_TIMEOUT {
-                let _ = Command::new("scancel").arg(id.to_string()).status();
-                bail!("job {id}: no {what} after {} s", JOB_TIMEOUT.as_secs());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(())
-    }
-
     fn commit_submit(&self, w: &Path, archive: &str, bytes: u64, tag: &str) -> Result<u32> {
         let wd = w.display();
         let job_w = w.join(tag);
@@ -345,36 +313,18 @@ impl Bench {
             py = torch_python().display(),
             jw = job_w.display(),
         );
-        let mut c = Command::new("runuser");
-        c.args(["-u", &self.a.user, "--", "env", "-i"])
-            .arg(format!("HOME=/home/{}", self.a.user))
-            .arg(format!("USER={}", self.a.user))
-            .arg(format!("PATH={USER_PATH}"))
-            .arg("LANG=C.UTF-8")
-            .args(["sbatch", "--parsable", "-J", "sluice-bench-commit", "-N1"])
-            .arg(format!("--output={}/job.out", job_w.display()))
-            .arg("--ckpt-tier=ram")
-            .arg(format!("--ckpt-archive={archive}"))
-            .current_dir(w)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = c.spawn().context("runuser sbatch")?;
-        child.stdin.take().unwrap().write_all(script.as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "sbatch failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        text.trim()
-            .split(';')
-            .next()
-            .unwrap_or_default()
-            .parse()
-            .with_context(|| format!("sbatch printed {text:?}"))
+        let args = [
+            "-N1".to_string(),
+            "--ckpt-tier=ram".to_string(),
+            format!("--ckpt-archive={archive}"),
+        ];
+        self.sbatch(
+            "sluice-bench-commit",
+            w,
+            &job_w.join("job.out"),
+            &args,
+            &script,
+        )
     }
 
     /// One job: returns (commit → MANIFEST seconds, the checkpoint's bytes, the job's report).
@@ -391,7 +341,7 @@ impl Bench {
         let report_file = job_w.join("report.json");
         let manifest = archive_dir.join(tag).join("MANIFEST");
         let measured = (|| -> Result<(f64, u64, serde_json::Value)> {
-            self.commit_wait(id, &job_w, &|| report_file.exists(), "its commit")?;
+            self.wait_job(id, &job_w, JOBS, &|| report_file.exists(), "its commit")?;
             let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&report_file)?)?;
             if let Some(e) = rep["errors"].as_array().filter(|e| !e.is_empty()) {
                 bail!("job {id}: {e:?}");
@@ -404,9 +354,10 @@ impl Bench {
                     rep["commit_output"]
                 );
             }
-            self.commit_wait(
+            self.wait_job(
                 id,
                 &job_w,
+                JOBS,
                 &|| manifest.exists(),
                 "the MANIFEST in the archive",
             )?;
@@ -433,8 +384,7 @@ impl Bench {
         })();
         std::fs::write(job_w.join("go"), "")?;
         let result = measured?;
-        let completed = || self.commit_job_state(id) == "COMPLETED";
-        self.commit_wait(id, &job_w, &completed, "COMPLETED")?;
+        self.wait_completed(id, &job_w, JOBS)?;
         Ok(result)
     }
 

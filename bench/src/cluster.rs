@@ -1,0 +1,259 @@
+//! What the cases that run real Slurm jobs on the test cluster share (`agg`, `cache`, `commit`):
+//! the byte-counting relay in front of Garage (the end-to-end tests' own, `sluice_e2e::relay`), the
+//! test user's jobs (a work directory in their home, `sbatch` as them, the job's state and bounded
+//! waits on it), what a node's agent knows of a job, and the datasets' file trees that the jobs'
+//! tasks list (`find -printf '%s %P\n'`) and the driver compares with the source.
+
+use crate::run::{Bench, remove};
+use anyhow::{Context, Result, anyhow, bail};
+use sluice_e2e::relay::CountingRelay;
+use sluice_proto::msg::{JobStatus, Request, Response};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::chown;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The bucket the agents reach through the origin relay (their `s3://datasets-relayed` store
+/// profile points at its port).
+pub(crate) const RELAYED: &str = "datasets-relayed";
+/// What the test user's commands see as PATH (nothing from root's shell).
+const USER_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+/// Slurm's states of a job that has not ended.
+const LIVE: [&str; 5] = ["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"];
+
+/// How a case waits on its jobs: the longest one may take (then it is cancelled), and how often the
+/// driver looks (what a case times after a wait is only as fine as this).
+#[derive(Clone, Copy)]
+pub(crate) struct Patience {
+    pub(crate) limit: Duration,
+    pub(crate) every: Duration,
+}
+
+/// A dataset's files (path below it → size).
+pub(crate) type Tree = BTreeMap<String, u64>;
+
+pub(crate) fn source_tree(dir: &Path) -> Result<Tree> {
+    fn walk(root: &Path, d: &Path, out: &mut Tree) -> Result<()> {
+        for e in std::fs::read_dir(d)? {
+            let e = e?;
+            let md = e.metadata()?;
+            if md.is_dir() {
+                walk(root, &e.path(), out)?;
+            } else {
+                let rel = e.path().strip_prefix(root)?.to_string_lossy().into_owned();
+                out.insert(rel, md.len());
+            }
+        }
+        Ok(())
+    }
+    let mut t = Tree::new();
+    walk(dir, dir, &mut t)?;
+    Ok(t)
+}
+
+/// A task's `find -printf '%s %P\n'` listing.
+pub(crate) fn parse_listing(text: &str) -> Result<Tree> {
+    text.lines()
+        .map(|l| {
+            let (size, path) = l
+                .split_once(' ')
+                .ok_or_else(|| anyhow!("bad listing line {l:?}"))?;
+            Ok((path.to_string(), size.parse()?))
+        })
+        .collect()
+}
+
+pub(crate) fn tree_bytes(t: &Tree) -> u64 {
+    t.values().sum()
+}
+
+/// How `got` differs from `want`, for an error.
+pub(crate) fn describe_diff(want: &Tree, got: &Tree) -> String {
+    let missing: Vec<&String> = want.keys().filter(|k| !got.contains_key(*k)).collect();
+    let extra: Vec<&String> = got.keys().filter(|k| !want.contains_key(*k)).collect();
+    let wrong: Vec<&String> = want
+        .iter()
+        .filter(|(k, v)| got.get(*k).is_some_and(|g| g != *v))
+        .map(|(k, _)| k)
+        .collect();
+    format!(
+        "{} files / {} bytes, expected {} / {}; {} missing (e.g. {:?}), {} unexpected (e.g. {:?}), {} of the wrong size (e.g. {:?})",
+        got.len(),
+        tree_bytes(got),
+        want.len(),
+        tree_bytes(want),
+        missing.len(),
+        missing.first(),
+        extra.len(),
+        extra.first(),
+        wrong.len(),
+        wrong.first()
+    )
+}
+
+/// What the agent on `socket` (the agent of `node`) knows of job `id`.
+pub(crate) fn agent_job(socket: &Path, node: &str, id: u32) -> Result<JobStatus> {
+    match sluice_proto::client::call(socket, Request::Job { job_id: id }, Duration::from_secs(10)) {
+        Ok(Response::Job(s)) => Ok(s),
+        other => bail!("the agent of {node} on job {id}: {other:?}"),
+    }
+}
+
+impl Bench {
+    /// The byte-counting relay on the port of the agents' [`RELAYED`] store profile
+    /// (`SLUICE_TEST_ORIGIN_RELAY_PORT`), in front of Garage.
+    pub(crate) fn origin_relay(&self) -> Result<CountingRelay> {
+        let port: u16 = self
+            .env("SLUICE_TEST_ORIGIN_RELAY_PORT")
+            .parse()
+            .context("SLUICE_TEST_ORIGIN_RELAY_PORT in the cluster env file")?;
+        let upstream = self
+            .env("SLUICE_TEST_S3_ENDPOINT")
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string();
+        CountingRelay::start(port, &upstream).with_context(|| {
+            format!(
+                "listening on 127.0.0.1:{port} for the origin relay (is a test's relay running?)"
+            )
+        })
+    }
+
+    /// A fresh directory `~/BASE/LABEL` of the test user, both owned by them, for one job's script
+    /// output and listings.
+    pub(crate) fn user_workdir(&self, base: &str, label: &str) -> Result<PathBuf> {
+        let base = PathBuf::from(format!("/home/{}/{base}", self.a.user));
+        let dir = base.join(label);
+        remove(&dir)?;
+        std::fs::create_dir_all(&dir)?;
+        for d in [&base, &dir] {
+            chown(d, Some(self.uid), Some(self.gid))?;
+        }
+        Ok(dir)
+    }
+
+    /// Submits `script` as the test user (a clean environment, in `cwd`), named `name`, its output
+    /// to `output`; returns the job id.
+    pub(crate) fn sbatch(
+        &self,
+        name: &str,
+        cwd: &Path,
+        output: &Path,
+        args: &[String],
+        script: &str,
+    ) -> Result<u32> {
+        let mut c = Command::new("runuser");
+        c.args(["-u", &self.a.user, "--", "env", "-i"])
+            .arg(format!("HOME=/home/{}", self.a.user))
+            .arg(format!("USER={}", self.a.user))
+            .arg(format!("PATH={USER_PATH}"))
+            .arg("LANG=C.UTF-8")
+            .args(["sbatch", "--parsable", "-J", name])
+            .arg(format!("--output={}", output.display()))
+            .args(args)
+            .current_dir(cwd)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().context("runuser sbatch")?;
+        child.stdin.take().unwrap().write_all(script.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "sbatch {args:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.trim()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .with_context(|| format!("sbatch printed {text:?}"))
+    }
+
+    /// `scontrol show job -o ID`: the job's line (empty when scontrol says nothing).
+    pub(crate) fn job_line(&self, id: u32) -> String {
+        Command::new("scontrol")
+            .args(["show", "job", "-o", &id.to_string()])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    }
+
+    /// The job's `JobState` (`UNKNOWN` when scontrol does not say).
+    pub(crate) fn job_state(&self, id: u32) -> String {
+        self.job_line(id)
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("JobState="))
+            .unwrap_or("UNKNOWN")
+            .to_string()
+    }
+
+    /// Why a job broke: its state line and the tail of its output (`W/job.out`).
+    pub(crate) fn job_evidence(&self, id: u32, w: &Path) -> String {
+        let line = self.job_line(id);
+        let out = std::fs::read_to_string(w.join("job.out")).unwrap_or_default();
+        let tail: Vec<&str> = out.lines().rev().take(20).collect();
+        format!(
+            "job {id}: {line}; output: {}",
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        )
+    }
+
+    /// Polls until `done()`: an error if the job ends first (a job that reaches what `done` waits
+    /// for between the two looks has not), or after `p.limit` (the job is cancelled then).
+    pub(crate) fn wait_job(
+        &self,
+        id: u32,
+        w: &Path,
+        p: Patience,
+        done: &dyn Fn() -> bool,
+        what: &str,
+    ) -> Result<()> {
+        let t = Instant::now();
+        while !done() {
+            let state = self.job_state(id);
+            if done() {
+                break;
+            }
+            if !LIVE.contains(&state.as_str()) {
+                bail!(
+                    "job ended {state} before {what}: {}",
+                    self.job_evidence(id, w)
+                );
+            }
+            if t.elapsed() > p.limit {
+                let _ = Command::new("scancel").arg(id.to_string()).status();
+                bail!(
+                    "no {what} after {} s: {}",
+                    p.limit.as_secs(),
+                    self.job_evidence(id, w)
+                );
+            }
+            std::thread::sleep(p.every);
+        }
+        Ok(())
+    }
+
+    /// Polls until the job is COMPLETED; an error if it ends otherwise or takes too long.
+    pub(crate) fn wait_completed(&self, id: u32, w: &Path, p: Patience) -> Result<()> {
+        let completed = || self.job_state(id) == "COMPLETED";
+        self.wait_job(id, w, p, &completed, "COMPLETED")
+    }
+
+    /// The job's nodes, one name each (`scontrol show hostnames` of its `NodeList`).
+    pub(crate) fn job_nodes(&self, id: u32) -> Result<Vec<String>> {
+        let line = self.job_line(id);
+        let list = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("NodeList="))
+            .ok_or_else(|| anyhow!("job {id} has no NodeList: {line}"))?;
+        let out =
+            crate::measure::run_quiet(Command::new("scontrol").args(["show", "hostnames", list]))?;
+        Ok(out.lines().map(str::to_string).collect())
+    }
+}
