@@ -538,6 +538,12 @@ impl PeerClient {
         match (signed, status) {
             (true, StatusCode::SERVICE_UNAVAILABLE) => Ok(Answer::Pending),
             (true, StatusCode::NOT_FOUND) => Ok(Answer::NotCached),
+            (true, StatusCode::NOT_IMPLEMENTED) => Err(PeerError::Refused {
+                addr,
+                job: job_id,
+                status: status.as_u16(),
+                reason: text,
+            }),
             (true, StatusCode::CONFLICT) => Err(PeerError::NotOwner {
                 addr,
                 job: job_id,

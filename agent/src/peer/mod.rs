@@ -35,6 +35,7 @@
 //! 200  as above: the range read from this node's cross-job cache, hashed from that copy
 //!      (len=0: the entry is here)
 //! 404  not cached (MAC'd, with the unit's file being the URL)   503  busy (no response slot)
+//! 501  this node has no cache (MAC'd; not asked again for the job)
 //!
 //! POST /v1/admin/cache/warm?url={percent-encoded}
 //!     (same headers, the MAC under the cluster secret's admin key, no job)

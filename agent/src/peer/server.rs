@@ -126,6 +126,13 @@ pub trait UnitSource: Send + Sync + 'static {
         self.unit(unit).await.map(UnitStream::from)
     }
 
+    /// Whether this node has a cross-job cache its job peers may ask at all; without one, a
+    /// request for a cached range is answered `501` and the requester asks no more. The default
+    /// has none.
+    fn has_cache(&self) -> bool {
+        false
+    }
+
     /// `len` bytes at `offset` of `object` from this node's cross-job cache, hashed from the
     /// cache's copy, or `None` when this node holds no complete entry for it (or will not serve it
     /// to this job). `len == 0` asks only whether the entry is here. Must answer at once: it never
@@ -827,6 +834,9 @@ impl Inner {
             unit: &unit,
             request: mac,
         };
+        if !entry.source.has_cache() {
+            return signer.status(StatusCode::NOT_IMPLEMENTED, "no cache on this node");
+        }
         let permit = tokio::select! {
             p = tokio::time::timeout(CACHED_SLOT_WAIT, self.responses.clone().acquire_owned()) => p,
             _ = entry.ended.cancelled() => return signer.error(&UnitError::Gone),

@@ -871,6 +871,10 @@ impl UnitSource for JobPeers {
         })
     }
 
+    fn has_cache(&self) -> bool {
+        self.cache.is_some()
+    }
+
     /// From this node's cache, only for an object under one of the job's datasets.
     async fn cached_range(
         &self,

@@ -793,3 +793,33 @@ async fn a_cache_serves_the_jobs_datasets_only() {
     assert!(other.cached_range(&mine, 0, 10).await.is_none());
     n.stop.cancel();
 }
+
+/// A node asks a peer's cache at most until it learns the peer has none (or no agent): after one
+/// probe, neither is asked again for the job, and nothing is found.
+#[tokio::test]
+async fn a_peer_without_a_cache_or_an_agent_is_not_asked_again() {
+    let (mut ls, addrs) = listeners().await;
+    let (n1, _hot) = node_with_cache("n1", ls.remove(0), &addrs).await;
+    let n2 = node("n2", ls.remove(0), &addrs).await;
+    drop(ls); // n3: no agent
+    let p1 = n1
+        .peers
+        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .unwrap();
+    let _p2 = n2
+        .peers
+        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .unwrap();
+    let object = CachedObject {
+        url: "s3://b/ds/x".into(),
+        etag: Some("e".into()),
+        version: None,
+        size: 10,
+    };
+    assert!(p1.cache_usable("n2") && p1.cache_usable("n3"));
+    assert_eq!(p1.find_cached(&object).await, None);
+    assert!(!p1.cache_usable("n2"), "n2 has no cache");
+    assert!(!p1.cache_usable("n3"), "n3 has no agent");
+    n1.stop.cancel();
+    n2.stop.cancel();
+}
