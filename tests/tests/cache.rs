@@ -1173,6 +1173,96 @@ fn cache_admin_commands_list_stats_warm_and_evict() {
     cluster.assert_nodes_return_idle(&miss.job, CLEANUP_TIMEOUT);
 }
 
+// ------------------------------------------------------------------------------ peers' caches
+
+/// `sluice --socket <node's> ARGS` as root; (exit status, stdout, stderr).
+fn sluice_cli_on(cluster: &Cluster, node: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(built_cli())
+        .arg("--socket")
+        .arg(cluster.agent_socket(node))
+        .args(args)
+        .output()
+        .expect("run sluice");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// With aggregation, the nodes that miss take the dataset from the one node that has it cached,
+/// not from the origin: the dataset (a 64 MiB object of four peer units and a few hundred small
+/// ones) is warmed on n2 only, then a 3-node replicate job stages it. The origin serves at most
+/// 1 % of it (the three listings), every node's copy is byte-identical to the source, and n1 and
+/// n3 have cached it too.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn cache_a_multi_node_job_takes_what_one_node_cached_from_that_nodes_cache() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let _agents = CachedAgents::start(&cluster, "size = \"512MiB\"");
+    let relay = origin_relay(&cluster);
+    let ds = Ds::standard(&cluster, "cache-peers", 64 * MIB, SHARED);
+    let warm_node = "n2";
+    let (ok, stdout, stderr) =
+        sluice_cli_on(&cluster, warm_node, &["cache", "warm", &ds.url, "--json"]);
+    assert!(ok, "sluice cache warm on {warm_node}:\n{stdout}{stderr}");
+    for node in &cluster.nodes {
+        let used = listing(&cluster, node).stats.used_bytes;
+        let want = if node == warm_node { ds.bytes } else { 0 };
+        assert_eq!(used, want, "{node}'s cache after warming {warm_node} only");
+    }
+    relay.take_served();
+
+    let work = cluster.workdir("cache-peers");
+    let out = work.join("out");
+    let stage_in = format!("--stage-in=ds={}", ds.url);
+    let job = cluster.submit(
+        &work,
+        &["-N3", "-w", "n[1-3]", &stage_in, "--stage-mode=replicate"],
+        &listing_script(&out, &["ds"]),
+    );
+    cluster.assert_completes(&job, JOB_TIMEOUT, "the 3-node job");
+    let served = relay.take_served();
+    eprintln!(
+        "[cache] cache-peers: job {}: origin served {served} bytes of a {}-byte dataset",
+        job.id, ds.bytes
+    );
+    for node in &cluster.nodes {
+        let sums = task_file(&out, node, "sums-ds");
+        assert!(
+            sums == ds.sums,
+            "the dataset on {node} differs from its source: {}\n{}",
+            diff_listings(&ds.sums, &sums),
+            cluster.evidence(&job)
+        );
+    }
+    let share = served as f64 / ds.bytes as f64;
+    assert!(
+        share <= HIT_ORIGIN_SHARE,
+        "the origin served {served} bytes ({:.2} % of the {}-byte dataset) although {warm_node} \
+         had it cached; at most {:.0} % allowed\n{}",
+        share * 100.0,
+        ds.bytes,
+        HIT_ORIGIN_SHARE * 100.0,
+        cluster.evidence(&job)
+    );
+    for node in &cluster.nodes {
+        let status = cluster
+            .agent_job(node, &job)
+            .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
+        let p = &status.stages[0];
+        assert_eq!(
+            p.origin_bytes, 0,
+            "{node} read from the origin what {warm_node} had cached: {p:?}"
+        );
+        let used = listing(&cluster, node).stats.used_bytes;
+        assert_eq!(used, ds.bytes, "{node}'s cache after the job");
+    }
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
+
 /// A POSIX source is cached per user (`(path, device, inode, size, mtime)` and the job user). A
 /// user's second job on a POSIX tree (a few hundred small files and a 32 MiB one) is placed from
 /// the node's cache: identical files, the user's, every byte counted from the cache and the job
@@ -1297,4 +1387,103 @@ fn cache_a_users_second_job_on_a_posix_tree_reads_the_nodes_cache() {
     );
     cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
+
+/// `sluice cache warm URL --nodes n[1-3],n9` as root on n1: n1's agent warms its own cache and
+/// asks n2's and n3's agents over the peer port to warm theirs. One row per node, each with the
+/// whole dataset read from the origin now; n9 (no such node) fails in its row and makes the exit
+/// status 1, the others are warmed all the same. Then `sluice cache list` on each node shows every
+/// object, and a second warm of the three finds everything cached before.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn cache_warm_on_a_node_list_fills_every_nodes_cache_through_its_agent() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
+    let relay = origin_relay(&cluster);
+    let ds = Ds::standard(&cluster, "cache-warm-nodes", 8 * MIB, SHARED);
+    let objects = ds.objects_by_url();
+    let (ok, stdout, stderr) = sluice_cli_on(
+        &cluster,
+        NODE,
+        &["cache", "warm", &ds.url, "--nodes", "n[1-3],n9", "--json"],
+    );
+    assert!(
+        !ok,
+        "a warm with a node that cannot be reached must fail:\n{stdout}{stderr}"
+    );
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!("no JSON from sluice cache warm --nodes ({e}):\n{stdout}{stderr}")
+    });
+    let rows = v["nodes"].as_array().expect("rows");
+    let names: Vec<&str> = rows.iter().map(|r| r["node"].as_str().unwrap()).collect();
+    assert_eq!(names, ["n1", "n2", "n3", "n9"], "{v:#}");
+    for r in &rows[..3] {
+        assert!(r.get("error").is_none(), "{r:#}");
+        assert_eq!(
+            (
+                r["warmed"]["files"].as_u64(),
+                r["warmed"]["filled_bytes"].as_u64(),
+                r["warmed"]["cached_bytes"].as_u64(),
+            ),
+            (Some(objects.len() as u64), Some(ds.bytes), Some(0)),
+            "{r:#}"
+        );
+    }
+    assert!(
+        rows[3].get("warmed").is_none() && rows[3]["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "n9's row: {:#}",
+        rows[3]
+    );
+    let served = relay.take_served();
+    assert!(
+        served >= 3 * ds.bytes,
+        "three nodes warmed from the origin, yet it served {served} bytes of a {}-byte dataset",
+        ds.bytes
+    );
+    for node in &cluster.nodes {
+        let (ok, listed, err) = sluice_cli_on(&cluster, node, &["cache", "list", "--json"]);
+        assert!(ok, "sluice cache list on {node}:\n{listed}{err}");
+        let listed: Value = serde_json::from_str(&listed).unwrap();
+        let entries: std::collections::BTreeMap<String, u64> = listed["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["url"].as_str().unwrap().to_string(),
+                    e["size"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        for (url, size) in objects.iter().filter(|(_, n)| **n > 0) {
+            assert_eq!(
+                entries.get(url),
+                Some(size),
+                "{url} in sluice cache list on {node}"
+            );
+        }
+    }
+    let (ok, table, err) = sluice_cli_on(
+        &cluster,
+        NODE,
+        &["cache", "warm", &ds.url, "--nodes", "n[1-3]"],
+    );
+    assert!(ok, "the second warm:\n{table}{err}");
+    for node in &cluster.nodes {
+        let row = table
+            .lines()
+            .find(|l| l.starts_with(&format!("{node} ")))
+            .unwrap_or_else(|| panic!("no row for {node}:\n{table}"));
+        let cells: Vec<&str> = row.split("  ").filter(|c| !c.trim().is_empty()).collect();
+        assert_eq!(
+            cells.get(3).map(|c| c.trim()),
+            Some("0 B"),
+            "{node}: nothing read from the origin the second time:\n{table}"
+        );
+    }
+    assert!(
+        relay.take_served() < ds.bytes / 10,
+        "the second warm read the dataset again"
+    );
 }
