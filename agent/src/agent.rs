@@ -160,8 +160,8 @@ impl CkptDirs {
         self.hot.open_ckpt(self.job_id)
     }
 
-    pub(crate) fn ram(&self) -> Option<&crate::ram_tier::RamTier> {
-        self.ram.as_deref()
+    pub(crate) fn ram(&self) -> Option<&Arc<crate::ram_tier::RamTier>> {
+        self.ram.as_ref()
     }
 }
 
@@ -223,11 +223,21 @@ impl Agent {
         self.tracker.spawn(task)
     }
 
+    /// Whether a recovered RAM job's tmpfs root (`None`: a record from before roots were kept) is
+    /// under this agent's `[fast_tier]`.
+    fn is_own_ram_root(&self, root: Option<&std::path::Path>) -> bool {
+        match (&self.ram, root) {
+            (Some(tier), Some(root)) => tier.config().root == root,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
+    }
+
     /// Where `job`'s checkpoints are.
     pub(crate) fn ckpt_dirs(&self, job: &Job) -> CkptDirs {
         CkptDirs {
             hot: self.hot.clone(),
-            ram: self.ram.clone().filter(|_| job.is_ram()),
+            ram: job.ram_tier.get().cloned().filter(|_| job.is_ram()),
             job_id: job.start.job_id,
         }
     }
@@ -431,6 +441,7 @@ impl Agent {
             step_stage_in: Vec::new(),
             from_step: false,
             ram: false,
+            ram_root: None,
         };
         let journal = self.journal.clone();
         let saved = record.clone();
@@ -488,11 +499,26 @@ impl Agent {
         // else the hot tier with a note (a job without [fast_tier] is refused at set-up).
         let wants_ram = matches!(crate::job::parse_options(&start), Ok(o) if o.ckpt_tier == options::CkptTier::Ram);
         let mut ram_note = None;
+        let mut ram_tier = None;
         let ram = match &self.ram {
+            _ if record.ram && !self.is_own_ram_root(record.ram_root.as_deref()) => {
+                // Recovered by an agent whose config lost that RAM tier: its checkpoints are
+                // flushed from where the record says its tmpfs is (gone: the worker says so).
+                let tier = crate::ram_tier::RamTier::stray(record.ram_root.clone(), &self.cfg.node);
+                tracing::warn!(
+                    job_id = start.job_id,
+                    ram_root = %tier.config().root.display(),
+                    "the job's checkpoints are on a RAM tier this agent's [fast_tier] does not name; they are flushed from there"
+                );
+                dirs.ckpt_dir = tier.ckpt_dir(start.job_id).display().to_string();
+                ram_tier = Some(Arc::new(tier));
+                true
+            }
             Some(tier) if record.ram || (wants_ram && fresh_dirs) => {
                 match tier.reserve(start.job_id, record.ram) {
                     Ok(()) => {
                         dirs.ckpt_dir = tier.ckpt_dir(start.job_id).display().to_string();
+                        ram_tier = Some(tier.clone());
                         true
                     }
                     Err(e) => {
@@ -515,6 +541,9 @@ impl Agent {
             self.cancel.child_token(),
         ));
         job.ram.store(ram, std::sync::atomic::Ordering::Relaxed);
+        if let Some(tier) = ram_tier {
+            let _ = job.ram_tier.set(tier);
+        }
         if let Some(note) = ram_note {
             tracing::warn!(job_id = start.job_id, "{note}");
             job.add_stage_notes(vec![note]);
@@ -526,6 +555,14 @@ impl Agent {
             }
             entry.set_on_hot(c.on_hot);
             entry.set_in_ram(c.in_ram);
+            entry.set_flush_hashes(c.flush_blake3.as_ref().map(|h| {
+                h.iter()
+                    .filter_map(|(p, x)| Some((p.clone(), blake3::Hash::from_hex(x).ok()?)))
+                    .collect()
+            }));
+            if let Some(message) = &c.lost {
+                entry.lose(message.clone());
+            }
             job.ckpts.insert(entry);
         }
         if record.ended {
@@ -677,8 +714,8 @@ impl Agent {
         })?;
         // On the RAM tier `$SLUICE_CKPT_DIR` is the job's tmpfs: a restore goes there.
         let ckpt_fd = match self.ckpt_dirs(job).ram() {
-            Some(_) => {
-                let ram = self.ram.clone().expect("a RAM job has the tier");
+            Some(tier) => {
+                let ram = tier.clone();
                 blocking(move || ram.prepare(job_id, owner, fresh_dirs))
                     .await
                     .map_err(|source| {
@@ -837,6 +874,12 @@ impl Agent {
                     archived_at: e.archived_at(),
                     on_hot: e.on_hot(),
                     in_ram: e.in_ram(),
+                    flush_blake3: e.flush_hashes().map(|h| {
+                        h.iter()
+                            .map(|(p, x)| (p.clone(), x.to_hex().to_string()))
+                            .collect()
+                    }),
+                    lost: e.lost(),
                 })
                 .collect(),
             step_stage_in: lock(&job.extras)
@@ -846,6 +889,11 @@ impl Agent {
                 .collect(),
             from_step: job.from_step.load(std::sync::atomic::Ordering::Relaxed),
             ram: job.is_ram(),
+            ram_root: job
+                .ram_tier
+                .get()
+                .filter(|_| job.is_ram())
+                .map(|t| t.config().root.clone()),
         };
         let journal = self.journal.clone();
         if let Err(e) = blocking(move || journal.save(&record)).await {

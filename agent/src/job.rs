@@ -58,6 +58,10 @@ pub struct Job {
     pub from_step: AtomicBool,
     /// `$SLUICE_CKPT_DIR` is on the RAM tier (`dirs.ckpt_dir` says where).
     pub ram: AtomicBool,
+    /// The RAM tier the job's tmpfs is in: the agent's `[fast_tier]`, or, for a job recovered by an
+    /// agent whose config no longer has that root, one opened at the root its record names (its
+    /// checkpoints are flushed from there all the same).
+    pub ram_tier: std::sync::OnceLock<Arc<crate::ram_tier::RamTier>>,
 }
 
 /// A dataset a step of the job added: its spec, progress, and how its staging went.
@@ -116,6 +120,7 @@ impl Job {
             extras: Mutex::new(std::collections::BTreeMap::new()),
             from_step: AtomicBool::new(false),
             ram: AtomicBool::new(false),
+            ram_tier: std::sync::OnceLock::new(),
         }
     }
 
@@ -230,7 +235,14 @@ impl Job {
                 .map(|p| p.snapshot())
                 .collect(),
             started_at: self.started_at,
-            error: self.error(),
+            // A checkpoint lost with the RAM tier is the job's problem too (`sluice status`).
+            error: self.error().or_else(|| {
+                self.ckpts
+                    .entries()
+                    .iter()
+                    .find(|e| e.is_lost())
+                    .map(|e| e.status("").problem().unwrap_or_default())
+            }),
             ckpts: self.ckpt_statuses(),
         }
     }

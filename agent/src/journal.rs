@@ -49,6 +49,10 @@ pub struct JobRecord {
     /// `$SLUICE_CKPT_DIR` is on the RAM tier (`--ckpt-tier=ram`, and a share was free).
     #[serde(default)]
     pub ram: bool,
+    /// The RAM tier's root the job's tmpfs is under (`<root>/jobs/<id>`): an agent restarted with
+    /// another `[fast_tier]`, or none, still finds the checkpoints there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_root: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,6 +65,13 @@ pub struct CkptRecord {
     /// not flushed yet.
     #[serde(default)]
     pub in_ram: bool,
+    /// Flushed from the RAM tier and not verified yet: each file's BLAKE3 (hex) as the flush read
+    /// it, which the hot tier's copy must match (see `ckpt::CkptEntry::flush_hashes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flush_blake3: Option<std::collections::BTreeMap<String, String>>,
+    /// Lost with the RAM tier before it was flushed: what the user is told.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<String>,
 }
 
 /// Removes `path` durably (the directory entry removal is fsynced).
@@ -163,6 +174,7 @@ mod tests {
             step_stage_in: Vec::new(),
             from_step: false,
             ram: false,
+            ram_root: None,
             version: RECORD_VERSION,
             start: JobStart {
                 job_id,

@@ -23,6 +23,8 @@ use std::sync::Mutex;
 
 const JOBS: &str = "jobs";
 const CKPT: &str = "ckpt";
+/// `fast_tier.flush_block` when the config does not say.
+pub const DEFAULT_FLUSH_BLOCK: u64 = 8 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RamTierError {
@@ -63,6 +65,23 @@ impl RamTier {
             node: node.to_string(),
             shares: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// The RAM tier of a job recovered by an agent whose `[fast_tier]` no longer has the job's
+    /// root (`root`, from its journal record; `None` for a record that did not keep it): no
+    /// capacity to share out, only the job's tmpfs to flush from and remove. Its flush uses the
+    /// default block.
+    pub fn stray(root: Option<PathBuf>, node: &str) -> RamTier {
+        RamTier::new(
+            FastTierConfig {
+                root: root.unwrap_or_default(),
+                capacity: 0,
+                job_share: 0,
+                flush_block: DEFAULT_FLUSH_BLOCK,
+                mount: false,
+            },
+            node,
+        )
     }
 
     pub fn config(&self) -> &FastTierConfig {

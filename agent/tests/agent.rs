@@ -90,11 +90,21 @@ async fn start_with_squeue(tmp: tempfile::TempDir, squeue: &str) -> TestAgent {
 
 /// `ckpt`: more `[ckpt]` settings.
 async fn start_with(tmp: tempfile::TempDir, squeue: &str, ckpt: &str) -> TestAgent {
+    start_scanning(tmp, squeue, ckpt, "200ms").await
+}
+
+/// [`start_with`], the checkpoint workers rescanning every `scan_interval` (and when woken).
+async fn start_scanning(
+    tmp: tempfile::TempDir,
+    squeue: &str,
+    ckpt: &str,
+    scan_interval: &str,
+) -> TestAgent {
     let root = tmp.path().to_path_buf();
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
     let cfg = format!(
         "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\ndrain_timeout = '60s'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
-         [ckpt]\nscan_interval = '200ms'\nepilog_wait = '20s'\npart_size = '5MiB'\n{ckpt}\n\
+         [ckpt]\nscan_interval = '{scan_interval}'\nepilog_wait = '20s'\npart_size = '5MiB'\n{ckpt}\n\
          [[ckpt.allow]]\nprefix = 'file://{r}/'\n",
         r = root.display()
     );
@@ -1056,11 +1066,26 @@ root_test! {
 async fn ram_agent(share: &str) -> (TestAgent, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let ram = tmp.path().join("ram");
-    let fast = format!(
+    let fast = fast_tier(&ram, share);
+    (start_with(tmp, "", &fast).await, ram.join("n1"))
+}
+
+/// The `[fast_tier]` of [`ram_agent`], below `ram`.
+fn fast_tier(ram: &Path, share: &str) -> String {
+    format!(
         "\n[fast_tier]\nroot = '{}/%n'\ncapacity = '64MiB'\njob_share = '{share}'\nflush_block = '1MiB'\n",
         ram.display()
-    );
-    (start_with(tmp, "", &fast).await, ram.join("n1"))
+    )
+}
+
+/// Changes one byte of `path` (a copy damaged on its disk after it was written).
+fn damage(path: &Path) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    let mut b = [0u8; 1];
+    f.read_at(&mut b, 1 << 20).unwrap_or_default();
+    f.write_all_at(&[!b[0]], 1 << 20).unwrap();
+    f.sync_all().unwrap();
 }
 
 fn ckpt_status(list: &[sluice_proto::msg::CkptStatus], tag: &str) -> sluice_proto::msg::CkptStatus {
@@ -1189,6 +1214,216 @@ root_test! {
         let dirs = t.ready(86).await;
         assert_eq!(PathBuf::from(&dirs.ckpt_dir), t.hot.join("jobs/86/ckpt"));
         assert_note(&dirs, |n| n.contains("RAM tier of node n1 is full") && n.contains("NVMe hot tier"));
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 13: the flush hashes each file as it reads it from RAM and reads nothing back; the hot
+    /// tier's copy is verified by its upload, which hashes it for the MANIFEST anyway, against the
+    /// flush's hashes — kept in the journal, so an agent restarted in between still verifies. A copy
+    /// damaged on the hot tier after its flush is flushed again from RAM (kept until then), and the
+    /// archive gets what the job saved, never the damaged copy.
+    async fn a_hot_copy_that_is_not_as_flushed_is_flushed_again_from_ram() {
+        use sluice_proto::msg::CkptState;
+        let tmp = tempfile::tempdir().unwrap();
+        let ram = tmp.path().join("ram");
+        let fast = fast_tier(&ram, "16MiB");
+        // Turns only when woken (by the commit): nothing reads the copy before the test damages it.
+        let t = start_scanning(tmp, "", &fast, "1h").await;
+        let (archive, nvme) = (
+            t.data.parent().unwrap().join("archive"),
+            t.hot.join("jobs/87/ckpt"),
+        );
+        let state = t.data.parent().unwrap().join("state/n1/jobs/87.json");
+        // The archive is another user's directory for now: the first upload fails.
+        std::fs::create_dir_all(&archive).unwrap();
+        std::os::unix::fs::chown(&archive, Some(NOBODY), Some(NOBODY)).unwrap();
+        let url = format!("file://{}", archive.display());
+        t.job(ckpt_job(87, &url, &[("ckpt-tier", "ram")])).await;
+        let ckpt = PathBuf::from(t.ready(87).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 9, false);
+        t.commit(87, "s1").await;
+        let s1 = wait_for_state(&t, 87, "s1", CkptState::Retrying).await;
+        assert!(s1.on_hot_tier && s1.in_ram, "{s1:?}");
+        let record = std::fs::read_to_string(&state).unwrap();
+        assert!(record.contains("flush_blake3"), "the flush's hashes are not in the journal: {record}");
+        damage(&nvme.join("s1/shards/rank0.bin"));
+        let tmp = t.stop().await;
+        std::os::unix::fs::chown(&archive, Some(0), Some(0)).unwrap();
+        let t = start_with(tmp, "", &fast).await;
+        let s1 = wait_for_state(&t, 87, "s1", CkptState::Archived).await;
+        assert!(s1.on_hot_tier && s1.in_ram, "{s1:?}");
+        let saved = std::fs::read(ckpt.join("s1/shards/rank0.bin")).unwrap();
+        assert_eq!(
+            std::fs::read(nvme.join("s1/shards/rank0.bin")).unwrap(),
+            saved,
+            "the damaged copy is still on the hot tier"
+        );
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(archive.join("s1/MANIFEST")).unwrap()).unwrap();
+        let archived = manifest["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["path"] == "shards/rank0.bin")
+            .unwrap()["blake3"]
+            .clone();
+        assert_eq!(
+            archived.as_str(),
+            Some(blake3::hash(&saved).to_hex().as_str()),
+            "the archive holds another rank0.bin than the job saved"
+        );
+        let record = std::fs::read_to_string(&state).unwrap();
+        assert!(!record.contains("flush_blake3"), "verified, yet the hashes are kept: {record}");
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 13: without `--ckpt-archive` nothing reads the flushed copy, so the agent reads it back
+    /// once in the background; only then does the RAM copy of an older checkpoint go.
+    async fn without_an_archive_a_flushed_copy_is_read_back_before_its_ram_copy_goes() {
+        use sluice_proto::msg::CkptState;
+        let (t, ram) = ram_agent("16MiB").await;
+        let state = t.data.parent().unwrap().join("state/n1/jobs/88.json");
+        t.job(nobody_job(88, "train", vec![("ckpt-tier".into(), "ram".into())])).await;
+        let ckpt = PathBuf::from(t.ready(88).await.ckpt_dir);
+        let nvme = t.hot.join("jobs/88/ckpt");
+        // Committed, with a warning that nothing will archive it.
+        let commit = |tag: &str| Request::CkptCommit { job_id: 88, tag: tag.into() };
+        write_ckpt(&ckpt, "s1", 3, false);
+        let e = t.refused(commit("s1")).await;
+        assert!(e.message.contains("is committed but will not be archived"), "{e:?}");
+        write_ckpt(&ckpt, "s2", 4, false);
+        t.refused(commit("s2")).await;
+        wait_gone(&ckpt.join("s1"), "the verified s1 in RAM").await;
+        for _ in 0..100 {
+            if !std::fs::read_to_string(&state).unwrap().contains("flush_blake3") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let record = std::fs::read_to_string(&state).unwrap();
+        assert!(!record.contains("flush_blake3"), "s1 and s2 were never read back: {record}");
+        let Response::Ckpts { ckpts } = t.call(Request::CkptList { job_id: 88 }).await.unwrap() else {
+            panic!()
+        };
+        let (s1, s2) = (ckpt_status(&ckpts, "s1"), ckpt_status(&ckpts, "s2"));
+        assert!(!s1.in_ram && s1.on_hot_tier && s1.state == CkptState::Committed, "{s1:?}");
+        assert!(s2.in_ram && s2.on_hot_tier, "{s2:?}");
+        assert_eq!(
+            std::fs::read(nvme.join("s2/shards/rank0.bin")).unwrap(),
+            std::fs::read(ckpt.join("s2/shards/rank0.bin")).unwrap()
+        );
+        t.call(Request::JobEnd { job_id: 88 }).await.unwrap();
+        wait_gone(&ram.join("jobs/88"), "the job's RAM tier after its end").await;
+        assert!(nvme.join("s1/optim.pt").exists() && nvme.join("s2/optim.pt").exists());
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 13: an agent restarted with a config that no longer has the `[fast_tier]` of a RAM
+    /// job still flushes its checkpoints from the tmpfs its record names; where that tmpfs is gone
+    /// (a reboot), a checkpoint that was only in RAM is reported lost — in `sluice ckpt list`, with
+    /// the reason, for the user to act — instead of staying pending forever.
+    async fn a_ram_job_recovered_without_its_fast_tier_is_flushed_or_reported_lost() {
+        use sluice_proto::msg::CkptState;
+        let (t, ram) = ram_agent("16MiB").await;
+        let archive = t.data.parent().unwrap().join("archive");
+        let url = format!("file://{}", archive.display());
+        t.job(ckpt_job(89, &url, &[("ckpt-tier", "ram")])).await;
+        let ckpt89 = PathBuf::from(t.ready(89).await.ckpt_dir);
+        write_ckpt(&ckpt89, "s1", 5, false);
+        // Job 90 commits s1, but its flush cannot run (the hot tier's directory is not usable).
+        t.job(ckpt_job(90, &url, &[("ckpt-tier", "ram")])).await;
+        let ckpt90 = PathBuf::from(t.ready(90).await.ckpt_dir);
+        write_ckpt(&ckpt90, "s1", 6, false);
+        let hot90 = t.hot.join("jobs/90/ckpt");
+        std::fs::rename(&hot90, t.hot.join("jobs/90/aside")).unwrap();
+        std::fs::write(&hot90, b"not a directory").unwrap();
+        t.commit(90, "s1").await;
+        let s = wait_for_state(&t, 90, "s1", CkptState::Retrying).await;
+        assert!(s.in_ram && !s.on_hot_tier, "{s:?}");
+        let tmp = t.stop().await;
+        std::fs::remove_file(&hot90).unwrap();
+        std::fs::rename(t_hot(&tmp).join("jobs/90/aside"), &hot90).unwrap();
+        // Job 90's tmpfs is gone (the node rebooted); job 89's is still there.
+        let tmpfs90 = ram.join("jobs/90");
+        nix::mount::umount2(&tmpfs90, nix::mount::MntFlags::MNT_DETACH).unwrap();
+        std::fs::remove_dir_all(&tmpfs90).unwrap();
+        // The agent comes back without [fast_tier].
+        let t = start_with(tmp, "", "").await;
+        t.commit(89, "s1").await;
+        let s1 = wait_for_state(&t, 89, "s1", CkptState::Archived).await;
+        assert!(s1.in_ram && s1.on_hot_tier, "{s1:?}");
+        assert_eq!(
+            std::fs::read(t.hot.join("jobs/89/ckpt/s1/shards/rank0.bin")).unwrap(),
+            std::fs::read(ckpt89.join("s1/shards/rank0.bin")).unwrap()
+        );
+        let lost = wait_for_state(&t, 90, "s1", CkptState::Refused).await;
+        let why = lost.error.clone().unwrap_or_default();
+        assert!(
+            lost.action_needed && why.contains("LOST") && why.contains("never flushed") && why.contains("jobs/90"),
+            "{lost:?}"
+        );
+        assert!(!lost.in_ram && !lost.on_hot_tier, "{lost:?}");
+        assert!(
+            lost.problem().is_some_and(|p| p.contains("s1 is NOT archived") && p.contains("LOST")),
+            "the job's end summary would not say s1 was lost: {lost:?}"
+        );
+        let Response::Status(status) = t.call(Request::Status).await.unwrap() else { panic!() };
+        let job90 = status.jobs.iter().find(|j| j.job_id == 90).expect("job 90 in sluice status");
+        assert!(
+            job90.error.as_deref().is_some_and(|e| e.contains("s1") && e.contains("LOST")),
+            "sluice status does not say s1 was lost: {:?}",
+            job90.error
+        );
+        // Both jobs end: 89's tmpfs goes after its flush; 90 is done, not pending forever.
+        for id in [89, 90] {
+            t.call(Request::JobEnd { job_id: id }).await.unwrap();
+        }
+        wait_gone(&ram.join("jobs/89"), "job 89's RAM tier after its end").await;
+        assert!(t.hot.join("jobs/89/ckpt/s1/optim.pt").exists());
+        let record90 = t.data.parent().unwrap().join("state/n1/jobs/90.json");
+        wait_gone(&record90, "job 90's journal record (nothing of it is left to do)").await;
+        t.stop().await;
+    }
+}
+
+/// The hot tier of the agents started on `tmp`.
+fn t_hot(tmp: &tempfile::TempDir) -> PathBuf {
+    tmp.path().join("hot/n1")
+}
+
+root_test! {
+    /// Issue 13: a RAM copy stays until its flushed copy is verified, but an archive that is down
+    /// does not hold RAM: a checkpoint whose upload fails is read back instead, and its RAM copy
+    /// goes once a newer one is flushed, so the job's next save finds the room it found before.
+    async fn with_the_archive_down_older_checkpoints_still_leave_ram() {
+        use sluice_proto::msg::CkptState;
+        let (t, _ram) = ram_agent("16MiB").await;
+        let archive = t.data.parent().unwrap().join("archive");
+        std::fs::create_dir_all(&archive).unwrap();
+        std::os::unix::fs::chown(&archive, Some(NOBODY), Some(NOBODY)).unwrap();
+        let url = format!("file://{}", archive.display());
+        t.job(ckpt_job(91, &url, &[("ckpt-tier", "ram")])).await;
+        let ckpt = PathBuf::from(t.ready(91).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 3, false);
+        t.commit(91, "s1").await;
+        write_ckpt(&ckpt, "s2", 4, false);
+        t.commit(91, "s2").await;
+        wait_gone(&ckpt.join("s1"), "s1 in RAM, with its upload failing").await;
+        let s1 = wait_for_state(&t, 91, "s1", CkptState::Retrying).await;
+        assert!(!s1.in_ram && s1.on_hot_tier, "{s1:?}");
+        // 12 MiB did not fit beside s1 and s2 (about 3 MB each) in the 16 MiB share; beside s2 it does.
+        std::fs::write(ckpt.join("next"), vec![7u8; 12 << 20]).unwrap();
+        std::fs::remove_file(ckpt.join("next")).unwrap();
+        std::os::unix::fs::chown(&archive, Some(0), Some(0)).unwrap();
+        for tag in ["s1", "s2"] {
+            wait_for_state(&t, 91, tag, CkptState::Archived).await;
+        }
         t.stop().await;
     }
 }

@@ -29,6 +29,7 @@ pub(crate) use restore::{RestoreError, restore};
 pub use signals::{CommitError, check_commit_dir, scan_signals, write_restored_signal};
 pub(crate) use worker::{CkptWorker, RESUME_LOG_AGE, commit, release, resume_dir, trim};
 
+use sluice_archive::flush::FlushHashes;
 use sluice_archive::rt::lock;
 use sluice_proto::msg::{CkptState, CkptStatus};
 use std::collections::BTreeMap;
@@ -49,6 +50,10 @@ pub struct CkptEntry {
     on_hot: AtomicBool,
     /// Its copy on the RAM tier is there (`--ckpt-tier=ram`).
     in_ram: AtomicBool,
+    /// Flushed from the RAM tier, and the hot tier's copy not verified yet: the BLAKE3 of each file
+    /// as the flush read it from RAM. The RAM copy stays until the copy is verified against these
+    /// (by the archive's upload, or a read-back where no archive reads it).
+    flush_hashes: Mutex<Option<Arc<FlushHashes>>>,
     /// Bumped by every (re-)commit: an archive attempt of an older generation is discarded.
     generation: AtomicU64,
     files: AtomicU64,
@@ -60,6 +65,8 @@ pub struct CkptEntry {
     /// Refused by the archive (a symlink, a hard link, a foreign file): not a checkpoint sluice will
     /// keep; deleted with the job's uncommitted directories when the job ends.
     refused: AtomicBool,
+    /// Committed on the RAM tier and gone with it before it was flushed: what the user is told.
+    lost: Mutex<Option<String>>,
 }
 
 impl CkptEntry {
@@ -72,6 +79,7 @@ impl CkptEntry {
             error: Mutex::new(None),
             on_hot: AtomicBool::new(true),
             in_ram: AtomicBool::new(false),
+            flush_hashes: Mutex::new(None),
             generation: AtomicU64::new(1),
             files: AtomicU64::new(0),
             raw_bytes: AtomicU64::new(0),
@@ -79,6 +87,7 @@ impl CkptEntry {
             bytes_done: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             refused: AtomicBool::new(false),
+            lost: Mutex::new(None),
         }
     }
 
@@ -130,6 +139,23 @@ impl CkptEntry {
     /// user commits it again; `message` names the nodes.
     pub fn incomplete(&self, message: String) {
         self.set_error(CkptState::Incomplete, message);
+    }
+
+    /// Its only copy, on the RAM tier, is gone: nothing of it is left (`message` says so in
+    /// `sluice ckpt list`, `sluice status` and the job's end summary).
+    pub fn lose(&self, message: String) {
+        *lock(&self.lost) = Some(message.clone());
+        self.in_ram.store(false, Ordering::Relaxed);
+        self.conflict(message);
+    }
+
+    pub fn is_lost(&self) -> bool {
+        lock(&self.lost).is_some()
+    }
+
+    /// What [`Self::lose`] said, for the journal.
+    pub fn lost(&self) -> Option<String> {
+        lock(&self.lost).clone()
     }
 
     pub fn is_refused(&self) -> bool {
@@ -191,12 +217,42 @@ impl CkptEntry {
         self.in_ram.store(v, Ordering::Relaxed);
     }
 
-    /// Its flush from the RAM tier is durable and verified: on the hot tier, to be archived.
-    pub fn set_flushed(&self) {
+    /// Its flush from the RAM tier is durable: on the hot tier, to be archived, and to be verified
+    /// against `hashes` (what the flush read) before its RAM copy may go.
+    pub fn set_flushed(&self, hashes: FlushHashes) {
         self.on_hot.store(true, Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
+        *lock(&self.flush_hashes) = Some(Arc::new(hashes));
         *lock(&self.state) = CkptState::Committed;
         *lock(&self.error) = None;
+    }
+
+    /// What the flush read, while the hot tier's copy is not verified yet.
+    pub fn flush_hashes(&self) -> Option<Arc<FlushHashes>> {
+        lock(&self.flush_hashes).clone()
+    }
+
+    /// Restores the hashes of a flush not verified yet (an agent restarted in between).
+    pub fn set_flush_hashes(&self, hashes: Option<FlushHashes>) {
+        *lock(&self.flush_hashes) = hashes.map(Arc::new);
+    }
+
+    /// The hot tier's copy hashes as the flush read it: its RAM copy may go now.
+    pub fn set_verified(&self) {
+        *lock(&self.flush_hashes) = None;
+    }
+
+    /// The hot tier's copy is not what was flushed: flushed again from RAM (still there), with
+    /// `message` in `sluice ckpt list` until then.
+    pub fn reflush(&self, message: String) {
+        self.on_hot.store(false, Ordering::Relaxed);
+        *lock(&self.flush_hashes) = None;
+        self.set_error(CkptState::Committed, message);
+    }
+
+    /// Flushed, and the copy not verified yet: its RAM copy must stay.
+    pub fn awaits_verify(&self) -> bool {
+        self.in_ram() && self.on_hot() && lock(&self.flush_hashes).is_some()
     }
 
     /// Committed on the RAM tier and not yet flushed to the hot tier.

@@ -55,6 +55,7 @@ pub(crate) async fn commit(
         if let Some(entry) = job.ckpts.get(tag) {
             entry.set_in_ram(true);
             entry.set_on_hot(false);
+            entry.set_flush_hashes(None);
         }
     }
     if outcome != CommitOutcome::AlreadyPending {
@@ -201,6 +202,9 @@ impl CkptWorker {
             if self.job.is_ram() {
                 status.set("flushing");
                 self.flush_pending().await;
+                status.set("verifying");
+                self.verify_unarchived().await;
+                self.free_ram().await;
             }
             if let Some(url) = self.job.archive_url().map(String::from) {
                 if let Some(archiver) = self.archiver(&url) {
@@ -324,8 +328,14 @@ impl CkptWorker {
     /// archive) before they are deleted.
     async fn wind_down(&mut self) -> bool {
         let job = self.job.clone();
-        // A checkpoint only in RAM is flushed first, archive or not: the tmpfs goes with the job.
-        if job.ckpts.entries().iter().any(|e| e.needs_flush()) {
+        // A checkpoint only in RAM is flushed first, archive or not: the tmpfs goes with the job;
+        // and its copy is verified while the RAM copy is there to flush it again.
+        if job
+            .ckpts
+            .entries()
+            .iter()
+            .any(|e| e.needs_flush() || e.awaits_verify())
+        {
             return false;
         }
         let has_archive = job.archive_url().is_some();
@@ -401,15 +411,33 @@ impl CkptWorker {
         }
         let progress = ArchiveProgress::default();
         let started = Instant::now();
-        let result = archiver
-            .upload_part(
-                &entry.tag,
-                &self.agent.cfg.node,
-                dir,
-                job.start.uid,
-                &progress,
-            )
-            .await;
+        // Flushed from RAM: the upload's hashes of the hot tier's copy verify the flush.
+        let flushed = entry.flush_hashes();
+        let result = match &flushed {
+            Some(hashes) => {
+                archiver
+                    .upload_part_as_flushed(
+                        &entry.tag,
+                        &self.agent.cfg.node,
+                        dir,
+                        job.start.uid,
+                        &progress,
+                        hashes,
+                    )
+                    .await
+            }
+            None => {
+                archiver
+                    .upload_part(
+                        &entry.tag,
+                        &self.agent.cfg.node,
+                        dir,
+                        job.start.uid,
+                        &progress,
+                    )
+                    .await
+            }
+        };
         self.agent.metrics.part_uploaded(started.elapsed(), &result);
         entry.set_bytes_done(progress.snapshot().bytes_done);
         if entry.generation() != generation {
@@ -424,6 +452,18 @@ impl CkptWorker {
                 );
                 entry.set_state(CkptState::WaitingForNodes);
                 tracing::info!(job_id, tag = entry.tag, "checkpoint part uploaded");
+                if flushed.is_some() {
+                    entry.set_verified();
+                    tracing::info!(
+                        job_id,
+                        tag = entry.tag,
+                        "the hot tier's copy hashes as flushed from RAM (verified by its upload)"
+                    );
+                    self.agent.persist(job).await;
+                }
+            }
+            Err(ArchiveError::NotAsFlushed { damaged, .. }) => {
+                self.not_as_flushed(entry, &damaged, "its upload").await;
             }
             Err(e @ ArchiveError::Refused { .. }) => {
                 // A symlink, a hard link, another user's file: retrying cannot help. It is not a
@@ -482,6 +522,23 @@ impl CkptWorker {
             Ok::<_, VerifyError>(verify_local(&ckpt, &tag, uid, &manifest, Some(&node)))
         })
         .await;
+        // Flushed from RAM: what the MANIFEST holds of this node's files must be what the flush read.
+        if let (Ok(Ok(())), Some(flushed)) = (&same, entry.flush_hashes()) {
+            let node = &self.agent.cfg.node;
+            let damaged = sluice_archive::flush::differences(
+                &flushed,
+                m.files
+                    .iter()
+                    .filter(|f| &f.node == node)
+                    .map(|f| (f.path.as_str(), f.content_hash())),
+            );
+            if !damaged.is_empty() {
+                return self
+                    .not_as_flushed(entry, &damaged, "the archived MANIFEST")
+                    .await;
+            }
+            entry.set_verified();
+        }
         match same {
             Ok(Ok(())) => {
                 entry.set_sizes(m.files.len() as u64, m.raw_bytes, m.stored_bytes);
@@ -648,16 +705,19 @@ impl CkptWorker {
     }
 
     /// `--ckpt-tier=ram`: copies each committed checkpoint that is only in RAM to the hot tier
-    /// (durable and verified: [`sluice_archive::flush`]), where it is archived from; then frees the
-    /// RAM copies of the flushed ones but the newest (kept for a fast restore on this node).
+    /// (durable, each file hashed as read: [`sluice_archive::flush`]), where it is archived from.
+    /// Its RAM copy stays until the copy is verified against those hashes (by its upload, or
+    /// [`Self::verify_unarchived`]); [`Self::free_ram`] then frees it, unless it is the newest.
     async fn flush_pending(&mut self) {
         let job = self.job.clone();
         let block = self
             .agent
-            .cfg
-            .fast_tier
-            .as_ref()
-            .map_or(8 << 20, |f| f.flush_block) as usize;
+            .ckpt_dirs(&job)
+            .ram()
+            .map_or(crate::ram_tier::DEFAULT_FLUSH_BLOCK, |t| {
+                t.config().flush_block
+            }) as usize;
+        self.find_lost().await;
         let owner = Owner {
             uid: job.start.uid,
             gid: job.start.gid,
@@ -676,13 +736,14 @@ impl CkptWorker {
             let id = job.start.job_id;
             match result {
                 Ok(done) => {
-                    entry.set_flushed();
+                    let (files, bytes, direct) = (done.files, done.bytes, done.direct);
+                    entry.set_flushed(done.hashes);
                     tracing::info!(
                         job_id = id,
                         tag = entry.tag,
-                        files = done.files,
-                        bytes = done.bytes,
-                        direct = done.direct,
+                        files,
+                        bytes,
+                        direct,
                         secs = started.elapsed().as_secs_f64(),
                         "checkpoint flushed from the RAM tier to the hot tier"
                     );
@@ -718,10 +779,183 @@ impl CkptWorker {
             self.retries
                 .update(entry.tag.clone(), entry.failures(), Instant::now());
         }
-        self.free_ram().await;
     }
 
-    /// Removes from the RAM tier the checkpoints that are safe on the hot tier, but the newest.
+    /// Committed checkpoints that are only in RAM and cannot be flushed any more: the job's tmpfs
+    /// is gone (the node rebooted, an admin removed it), or the checkpoint's directory in it. They
+    /// are lost: said in the agent log, `sluice ckpt list` / `sluice status` and the job's end
+    /// summary — never left pending.
+    async fn find_lost(&self) {
+        let job = &self.job;
+        let unflushed: Vec<Arc<CkptEntry>> = job
+            .ckpts
+            .entries()
+            .into_iter()
+            .filter(|e| e.in_ram() && (e.needs_flush() || e.awaits_verify()))
+            .collect();
+        if unflushed.is_empty() {
+            return;
+        }
+        let dirs = self.agent.ckpt_dirs(job);
+        let where_ = dirs.ram().map_or_else(
+            || "the RAM tier".to_string(),
+            |t| t.ckpt_dir(job.start.job_id).display().to_string(),
+        );
+        let tags: Vec<String> = unflushed.iter().map(|e| e.tag.clone()).collect();
+        let gone = blocking(move || match dirs.user() {
+            Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => Some(vec![true; tags.len()]),
+            Err(_) => None, // not known to be gone: the flush reports what is wrong
+            Ok(ram) => Some(
+                tags.iter()
+                    .map(|t| {
+                        safefs::open_dir(&ram, t)
+                            .is_err_and(|e| e.errno() == Some(nix::errno::Errno::ENOENT))
+                    })
+                    .collect(),
+            ),
+        })
+        .await;
+        let Some(gone) = gone else { return };
+        let mut changed = false;
+        for (entry, gone) in unflushed.iter().zip(gone) {
+            if !gone {
+                continue;
+            }
+            changed = true;
+            entry.set_in_ram(false);
+            if entry.awaits_verify() || entry.on_hot() {
+                // Flushed already: the hot tier's copy is archived (or kept) as it is.
+                tracing::warn!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "the RAM copy of a flushed checkpoint is gone ({where_}); its hot tier copy is kept"
+                );
+                continue;
+            }
+            let message = format!(
+                "LOST: committed on the RAM tier and never flushed to NVMe, and its RAM copy                  ({where_}/{}) is gone — the node rebooted or the job's tmpfs was removed;                  nothing of it is on the hot tier or in the archive: save the state again",
+                entry.tag
+            );
+            tracing::error!(job_id = job.start.job_id, tag = entry.tag, "{message}");
+            entry.lose(message);
+        }
+        if changed {
+            self.agent.persist(job).await;
+        }
+    }
+
+    /// Verifies flushed copies that no upload is about to verify, by reading them back, one per
+    /// turn and only once nothing waits to be flushed (the read-back is the background's work,
+    /// never ahead of a flush): every flushed checkpoint of a job without `--ckpt-archive`, and
+    /// those whose upload cannot run now (the archive is unreachable, the tag refused). Also, once
+    /// the job's tmpfs is more than half full, those still waiting for their upload, so that RAM
+    /// is freed as soon as a slow archive would have freed it. A copy that does not read back as
+    /// flushed is flushed again from RAM.
+    async fn verify_unarchived(&self) {
+        let job = &self.job;
+        let entries = job.ckpts.entries();
+        if entries.iter().any(|e| e.needs_flush()) || !entries.iter().any(|e| e.awaits_verify()) {
+            return;
+        }
+        let has_archive = job.archive_url().is_some();
+        let dirs = self.agent.ckpt_dirs(job);
+        let tight = match dirs.ram().cloned() {
+            Some(tier) => {
+                let id = job.start.job_id;
+                let (used, size) = blocking(move || tier.usage(id)).await;
+                size > 0 && used * 2 > size
+            }
+            None => false,
+        };
+        let Some(entry) = entries.into_iter().find(|e| {
+            e.awaits_verify()
+                && (!has_archive
+                    || tight
+                    || !matches!(
+                        e.state(),
+                        CkptState::Committed | CkptState::Archiving | CkptState::WaitingForNodes
+                    ))
+        }) else {
+            return;
+        };
+        let Some(hashes) = entry.flush_hashes() else {
+            return;
+        };
+        let (generation, tag, uid) = (entry.generation(), entry.tag.clone(), job.start.uid);
+        let started = Instant::now();
+        let result = blocking(move || {
+            let failed = |e: safefs::SafeFsError| ReadBack::Failed(e.to_string());
+            let hot = dirs.hot().map_err(failed)?;
+            let dir = safefs::open_dir(&hot, &tag).map_err(failed)?;
+            sluice_archive::flush::verify_tree(&dir, uid, &hashes).map_err(|e| match e {
+                FlushError::Mismatch { path } => ReadBack::Differs(path),
+                other => ReadBack::Failed(other.to_string()),
+            })
+        })
+        .await;
+        if entry.generation() != generation || entry.flush_hashes().is_none() {
+            return; // committed again, or verified by its upload meanwhile
+        }
+        let id = job.start.job_id;
+        match result {
+            Ok(()) => {
+                entry.set_verified();
+                tracing::info!(
+                    job_id = id,
+                    tag = entry.tag,
+                    secs = started.elapsed().as_secs_f64(),
+                    "the hot tier's copy reads back as flushed from RAM (verified)"
+                );
+                self.agent.persist(job).await;
+            }
+            Err(ReadBack::Differs(path)) => {
+                let damaged = [archive::Damaged {
+                    path,
+                    detail: "reads back with another BLAKE3 than when flushed from RAM".into(),
+                }];
+                self.not_as_flushed(&entry, &damaged, "a read-back").await;
+            }
+            Err(ReadBack::Failed(e)) => tracing::warn!(
+                job_id = id,
+                tag = entry.tag,
+                "reading back the flushed copy: {e}; tried again later"
+            ),
+        }
+    }
+
+    /// The hot tier's copy of a flushed checkpoint is not what the flush read from RAM (found by
+    /// `by`): flushed again from its RAM copy, which is kept until the copy is verified; where
+    /// that is gone too, the checkpoint is refused, not archived.
+    async fn not_as_flushed(&self, entry: &Arc<CkptEntry>, damaged: &[archive::Damaged], by: &str) {
+        let job = &self.job;
+        let first = damaged
+            .first()
+            .map_or_else(String::new, |d| format!("'{}': {}", d.path, d.detail));
+        let more = damaged.len().saturating_sub(1);
+        let what = if more > 0 {
+            format!("{first} (and {more} more file(s))")
+        } else {
+            first
+        };
+        if entry.in_ram() {
+            let message = format!(
+                "the hot tier's copy is not what was flushed from RAM ({what}, found by {by}):                  flushing it again from RAM"
+            );
+            tracing::warn!(job_id = job.start.job_id, tag = entry.tag, "{message}");
+            entry.reflush(message);
+        } else {
+            let message = format!(
+                "the hot tier's copy is not what was flushed from RAM ({what}, found by {by}), and                  the RAM copy is gone: it is not archived — save the state under a new tag"
+            );
+            tracing::error!(job_id = job.start.job_id, tag = entry.tag, "{message}");
+            entry.conflict(message);
+        }
+        self.agent.persist(job).await;
+        job.ckpts.wake.notify_one();
+    }
+
+    /// Removes from the RAM tier the checkpoints that are safe on the hot tier (flushed and
+    /// verified), but the newest.
     async fn free_ram(&self) {
         let job = &self.job;
         let entries = job.ckpts.entries();
@@ -730,7 +964,7 @@ impl CkptWorker {
         };
         let victims: Vec<Arc<CkptEntry>> = entries
             .into_iter()
-            .filter(|e| e.in_ram() && e.on_hot() && e.tag != newest)
+            .filter(|e| e.in_ram() && e.on_hot() && !e.awaits_verify() && e.tag != newest)
             .collect();
         if victims.is_empty() {
             return;
@@ -816,13 +1050,7 @@ impl CkptWorker {
             tracing::error!(job_id = id, "cleaning up after the job: {e}");
         }
         // Every committed checkpoint of the RAM tier is on the hot tier now (wind_down waited).
-        if let Some(ram) = self
-            .agent
-            .ckpt_dirs(job)
-            .ram()
-            .map(|_| self.agent.ram.clone())
-        {
-            let ram = ram.expect("a RAM job has the tier");
+        if let Some(ram) = self.agent.ckpt_dirs(job).ram().cloned() {
             if let Err(e) = blocking(move || ram.remove(id)).await {
                 tracing::error!(job_id = id, "removing the job's RAM tier: {e}");
             }
@@ -841,8 +1069,16 @@ impl CkptWorker {
     }
 }
 
+/// Why a read-back of a flushed copy did not verify it.
+enum ReadBack {
+    /// This file reads back with another hash than the flush read.
+    Differs(String),
+    /// It could not be read (tried again later).
+    Failed(String),
+}
+
 /// Flushes `$SLUICE_CKPT_DIR/TAG` from the RAM tier to the hot tier's `ckpt/TAG` (blocking): into
-/// `.flush-TAG` first, renamed into place once every file is durable and verified, so a flush cut
+/// `.flush-TAG` first, renamed into place once every file is durable, so a flush cut
 /// short (the agent killed) never looks like a checkpoint and is simply done again.
 fn flush_one(
     dirs: &crate::agent::CkptDirs,
