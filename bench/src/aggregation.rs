@@ -21,7 +21,7 @@
 use crate::cluster::{
     Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree, tree_bytes,
 };
-use crate::measure::{median, run_quiet};
+use crate::measure::median;
 use crate::run::{Bench, GIB, MIB, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
 use sluice_e2e::relay::CountingRelay;
@@ -405,24 +405,10 @@ impl Bench {
 
     // ------------------------------------------------------------------------------------ the case
 
-    /// Uploads the big and small datasets to the relayed bucket, straight to Garage (untimed).
-    fn agg_upload(&self) -> Result<()> {
-        for name in ["big", "small"] {
-            let src = self.data.join(name);
-            run_quiet(&mut self.rclone_tuned(&[
-                "copy",
-                src.to_str().unwrap(),
-                &format!("s3:{RELAYED}/bench/{name}"),
-            ]))
-            .with_context(|| format!("uploading {name} to s3:{RELAYED}"))?;
-        }
-        Ok(())
-    }
-
     pub(crate) fn agg_cases(&self, r: &mut Report) {
         let case = "agg";
         let result = (|| -> Result<()> {
-            self.agg_upload()?;
+            self.upload_relayed(&["big", "small"])?;
             let agents = self.agents()?;
             let relay = self.origin_relay()?;
             r.note(format!(

@@ -21,7 +21,7 @@
 use crate::cluster::{
     Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree,
 };
-use crate::measure::{median, run_quiet};
+use crate::measure::median;
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
 use sluice_e2e::relay::CountingRelay;
@@ -420,16 +420,7 @@ impl Bench {
             |d| crate::data::random_tree(d, s.ws_count, s.ws_unit),
         )?;
         crate::data::chown_tree(&ws, 0, 0)?;
-        for name in ["big", "small", "cache-ws"] {
-            let src = self.data.join(name);
-            run_quiet(&mut self.rclone_tuned(&[
-                "copy",
-                src.to_str().unwrap(),
-                &format!("s3:{RELAYED}/bench/{name}"),
-            ]))
-            .with_context(|| format!("uploading {name} to s3:{RELAYED}"))?;
-        }
-        Ok(())
+        self.upload_relayed(&["big", "small", "cache-ws"])
     }
 
     /// Part 1: cold and warm job on one object and on many, alternating, the cache emptied before

@@ -4,6 +4,7 @@
 //! waits on it), what a node's agent knows of a job, and the datasets' file trees that the jobs'
 //! tasks list (`find -printf '%s %P\n'`) and the driver compares with the source.
 
+use crate::measure::run_quiet;
 use crate::run::{Bench, remove};
 use anyhow::{Context, Result, anyhow, bail};
 use sluice_e2e::relay::CountingRelay;
@@ -119,6 +120,21 @@ impl Bench {
                 "listening on 127.0.0.1:{port} for the origin relay (is a test's relay running?)"
             )
         })
+    }
+
+    /// Uploads the driver's data sets `names` (below its data directory) to the relayed bucket as
+    /// `bench/NAME`, straight to Garage (untimed; rclone skips what is there already).
+    pub(crate) fn upload_relayed(&self, names: &[&str]) -> Result<()> {
+        for name in names {
+            let src = self.data.join(name);
+            run_quiet(&mut self.rclone_tuned(&[
+                "copy",
+                src.to_str().unwrap(),
+                &format!("s3:{RELAYED}/bench/{name}"),
+            ]))
+            .with_context(|| format!("uploading {name} to s3:{RELAYED}"))?;
+        }
+        Ok(())
     }
 
     /// A fresh directory `~/BASE/LABEL` of the test user, both owned by them, for one job's script
@@ -252,8 +268,7 @@ impl Bench {
             .split_whitespace()
             .find_map(|w| w.strip_prefix("NodeList="))
             .ok_or_else(|| anyhow!("job {id} has no NodeList: {line}"))?;
-        let out =
-            crate::measure::run_quiet(Command::new("scontrol").args(["show", "hostnames", list]))?;
+        let out = run_quiet(Command::new("scontrol").args(["show", "hostnames", list]))?;
         Ok(out.lines().map(str::to_string).collect())
     }
 }
