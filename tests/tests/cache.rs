@@ -21,7 +21,6 @@ use serde_json::Value;
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{CacheListing, Request, Response, StageProgress};
 use std::fs;
-use std::net::TcpStream;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -64,7 +63,7 @@ impl<'a> CachedAgents<'a> {
             .iter()
             .map(|n| cluster.agent_process(n))
             .collect();
-        let at = config_arg(&originals[0]);
+        let at = originals[0].config_arg();
         let original_config = PathBuf::from(&originals[0].argv[at]);
         let text = fs::read_to_string(&original_config)
             .unwrap_or_else(|e| panic!("{}: {e}", original_config.display()));
@@ -91,11 +90,9 @@ impl<'a> CachedAgents<'a> {
         fs::write(&config, text).unwrap();
         fs::set_permissions(&config, fs::Permissions::from_mode(0o600)).unwrap();
         for agent in &originals {
-            kill_agent_and_its_ports(cluster, &agent.node);
+            cluster.kill_agent_and_its_ports(&agent.node);
             remove_cache_dir(cluster, &agent.node);
-            let mut cached = agent.clone();
-            cached.argv[config_arg(agent)] = config.display().to_string();
-            cluster.start_agent(&cached);
+            cluster.start_agent(&agent.with_config(&config));
         }
         CachedAgents {
             cluster,
@@ -108,21 +105,12 @@ impl<'a> CachedAgents<'a> {
 impl Drop for CachedAgents<'_> {
     fn drop(&mut self) {
         for agent in &self.originals {
-            kill_agent_and_its_ports(self.cluster, &agent.node);
+            self.cluster.kill_agent_and_its_ports(&agent.node);
             remove_cache_dir(self.cluster, &agent.node);
             self.cluster.start_agent(agent);
         }
         let _ = fs::remove_file(&self.config);
     }
-}
-
-/// The index of the agent's configuration file in its command line.
-fn config_arg(agent: &AgentProcess) -> usize {
-    1 + agent
-        .argv
-        .iter()
-        .position(|a| a == "--config")
-        .expect("the agent runs with --config")
 }
 
 fn cache_dir(cluster: &Cluster, node: &str) -> PathBuf {
@@ -136,48 +124,6 @@ fn remove_cache_dir(cluster: &Cluster, node: &str) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => panic!("removing {}: {e}", dir.display()),
     }
-}
-
-/// Kills the agent of `node` and waits until its peer and metrics ports are closed, so an agent
-/// started at once can bind them (a SIGKILLed agent this test process started is a zombie until
-/// reaped, and its last threads may still hold its listeners).
-fn kill_agent_and_its_ports(cluster: &Cluster, node: &str) -> AgentProcess {
-    let agent = cluster.kill_agent(node);
-    let ports: Vec<String> = ["SLUICE_TEST_PEER_ADDRS", "SLUICE_TEST_METRICS_ADDRS"]
-        .iter()
-        .flat_map(|var| {
-            cluster
-                .var(var)
-                .split_whitespace()
-                .filter_map(|kv| kv.split_once('='))
-                .filter(|(n, _)| *n == node)
-                .map(|(_, a)| a.to_string())
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    cluster.wait_for(
-        &format!("the ports {ports:?} of {node}'s killed agent to close"),
-        Duration::from_secs(20),
-        None,
-        || ports.iter().all(|a| TcpStream::connect(a).is_err()),
-    );
-    agent
-}
-
-/// The relay on the port of the agents' `s3://datasets-relayed` profile, in front of Garage.
-fn origin_relay(cluster: &Cluster) -> CountingRelay {
-    let port: u16 = cluster
-        .var("SLUICE_TEST_ORIGIN_RELAY_PORT")
-        .parse()
-        .expect("SLUICE_TEST_ORIGIN_RELAY_PORT");
-    let upstream = cluster
-        .var("SLUICE_TEST_S3_ENDPOINT")
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .to_string();
-    CountingRelay::start(port, &upstream).unwrap_or_else(|e| {
-        panic!("cannot listen on 127.0.0.1:{port} for the origin relay (a relay left over?): {e}")
-    })
 }
 
 // ------------------------------------------------------------------------------ datasets
@@ -571,7 +517,7 @@ fn cache_a_users_second_job_reads_the_dataset_from_the_nodes_cache() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = origin_relay(&cluster);
+    let relay = cluster.origin_relay();
     let ds = Ds::standard(&cluster, "cache-hit", 32 * MIB, SHARED);
     let user = cluster.user.clone();
 
@@ -627,7 +573,7 @@ fn cache_another_user_hits_only_what_the_allow_rules_give_them() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = origin_relay(&cluster);
+    let relay = cluster.origin_relay();
     let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
 
     let shared = Ds::standard(&cluster, "cache-users-shared", 8 * MIB, SHARED);
@@ -736,7 +682,7 @@ fn cache_a_changed_object_is_read_again_from_the_origin() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = origin_relay(&cluster);
+    let relay = cluster.origin_relay();
     let mut ds = Ds::standard(&cluster, "cache-changed", 8 * MIB, SHARED);
     let user = cluster.user.clone();
 
@@ -796,7 +742,7 @@ fn cache_eviction_under_pressure_keeps_usage_bounded_and_a_running_jobs_data_int
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let _agents = CachedAgents::start(&cluster, "size = \"24MiB\"");
-    let relay = origin_relay(&cluster);
+    let relay = cluster.origin_relay();
     let unit = 4 * MIB;
     let ds_a = Ds::objects(&cluster, "cache-evict-a", 4, unit);
     let ds_b = Ds::objects(&cluster, "cache-evict-b", 4, unit);
@@ -945,7 +891,7 @@ fn cache_an_entry_torn_by_a_killed_agent_is_never_served() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = origin_relay(&cluster);
+    let relay = cluster.origin_relay();
     let size = 48 * MIB;
     let ds = Ds::objects(&cluster, "cache-torn", 1, size);
     let user = cluster.user.clone();
@@ -971,7 +917,7 @@ fn cache_an_entry_torn_by_a_killed_agent_is_never_served() {
                 .is_ok_and(|s| s.stages.first().is_some_and(|p| p.bytes_done > size / 5))
         },
     );
-    let agent = kill_agent_and_its_ports(&cluster, NODE);
+    let agent = cluster.kill_agent_and_its_ports(NODE);
     let torn = disk_usage(&cache_dir(&cluster, NODE));
     let before = relay.served();
     eprintln!(
@@ -1045,7 +991,7 @@ fn cache_admin_commands_list_stats_warm_and_evict() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = origin_relay(&cluster);
+    let relay = cluster.origin_relay();
     let ds = Ds::standard(&cluster, "cache-cli", 8 * MIB, SHARED);
     let user = cluster.user.clone();
     let objects = ds.objects_by_url();
@@ -1201,7 +1147,7 @@ fn cache_a_multi_node_job_takes_what_one_node_cached_from_that_nodes_cache() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let _agents = CachedAgents::start(&cluster, "size = \"512MiB\"");
-    let relay = origin_relay(&cluster);
+    let relay = cluster.origin_relay();
     let ds = Ds::standard(&cluster, "cache-peers", 64 * MIB, SHARED);
     let warm_node = "n2";
     let (ok, stdout, stderr) =
@@ -1400,7 +1346,7 @@ fn cache_warm_on_a_node_list_fills_every_nodes_cache_through_its_agent() {
     let cluster = Cluster::for_sluice();
     cluster.require_s3();
     let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = origin_relay(&cluster);
+    let relay = cluster.origin_relay();
     let ds = Ds::standard(&cluster, "cache-warm-nodes", 8 * MIB, SHARED);
     let objects = ds.objects_by_url();
     let (ok, stdout, stderr) = sluice_cli_on(
