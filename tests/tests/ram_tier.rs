@@ -2,9 +2,10 @@
 //! unprivileged test user. The harness's `[fast_tier]` gives each such job its own tmpfs of
 //! 768 MiB (mounted by the node's agent — a real tmpfs, not a stand-in).
 //!
-//! One job saves a 384 MiB state dict with `torch.save` into `$SLUICE_CKPT_DIR/s1` (on the tmpfs)
+//! One job saves a 448 MiB state dict with `torch.save` into `$SLUICE_CKPT_DIR/s1` (on the tmpfs)
 //! and commits it. While the agent flushes it to the NVMe hot tier (`.flush-s1` appears there), the
-//! test SIGKILLs the agent, checks that the flush was cut short (no `s1` on the hot tier, a partial
+//! test SIGKILLs the agent (it looks every 2 ms: the flush reads nothing back and takes well under a
+//! second, so s1 is large enough for the kill to land inside it), checks that the flush was cut short (no `s1` on the hot tier, a partial
 //! `.flush-s1`), and starts the agent again: the tmpfs outlived it, and the new agent flushes and
 //! archives the checkpoint, byte-identical to what the job saved. Then the job tries to save a
 //! second state dict larger than its share: a plain write fails with `ENOSPC` ("No space left on
@@ -42,7 +43,7 @@ try:
     best = max((m for m in mounts if ckpt.startswith(m[4])), key=lambda m: len(m[4]))
     put("fs_type", best[best.index("-") + 1])
     torch.manual_seed(7)
-    state = {"w": torch.randn(64, 1 << 20), "b16": torch.randn(32, 1 << 20).to(torch.bfloat16)}
+    state = {"w": torch.randn(96, 1 << 20), "b16": torch.randn(32, 1 << 20).to(torch.bfloat16)}
     os.makedirs(os.path.join(ckpt, "s1"))
     path = os.path.join(ckpt, "s1", "model.pt")
     torch.save(state, path)
@@ -143,12 +144,17 @@ fn ram_tier_checkpoint_survives_an_agent_killed_mid_flush_and_a_full_share() {
         ev()
     );
     let hot = cluster.hot_root(NODE).join(format!("jobs/{}/ckpt", job.id));
-    cluster.wait_for(
-        "the agent to start flushing s1 (.flush-s1 on the hot tier)",
-        Duration::from_secs(30),
-        Some(&job),
-        || hot.join(".flush-s1").exists() || hot.join("s1").exists(),
-    );
+    // Looked at every few milliseconds, not at the cluster's usual pace: the flush of s1 takes a
+    // few tenths of a second (it reads nothing back), and the kill must land inside it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !(hot.join(".flush-s1").exists() || hot.join("s1").exists()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not start flushing s1 (.flush-s1 on the hot tier) in 30 s\n{}",
+            ev()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
     let agent = cluster.kill_agent(NODE);
     assert!(
         hot.join(".flush-s1").exists() && !hot.join("s1").exists(),
