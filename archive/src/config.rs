@@ -297,7 +297,7 @@ pub struct FastTierConfig {
     pub root: PathBuf,
     pub capacity: u64,
     pub job_share: u64,
-    /// The flush's read/write block (two of them per flush, 4 KiB-aligned).
+    /// The flush's read/write block (four of them per flush, 4 KiB-aligned).
     pub flush_block: u64,
     /// Mount a tmpfs per job (the share is then a hard limit); `false`: `root` is already a
     /// tmpfs the admin mounted, and the share is not enforced by the kernel.

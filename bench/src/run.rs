@@ -1038,7 +1038,7 @@ impl Bench {
     /// through aligned O_DIRECT buffers, fsynced and read back, against fio writing the same bytes
     /// with `--rw=write --bs=4M --direct=1` to the same file system.
     fn flush_case(&self, r: &mut Report) {
-        let case = "flush RAM tier -> hot tier (O_DIRECT, verified)";
+        let case = "flush RAM tier -> hot tier (O_DIRECT, hashed)";
         let ram = PathBuf::from("/dev/shm/sluice-bench-flush");
         let src = ram.join("ckpt");
         let prepared = (|| -> Result<()> {
@@ -1137,7 +1137,7 @@ impl Bench {
             target: Target::Gain(0.9).text(),
             met: Some(sm / pm >= 0.9),
             note: format!(
-                "sluice reads the tree from /dev/shm, writes with O_DIRECT ({}), fsyncs and reads every file back against its BLAKE3; fio only writes",
+                "sluice reads the tree from /dev/shm, writes with O_DIRECT ({}), hashes each file (BLAKE3) as it reads it from RAM and fsyncs (the upload, or a background read-back where no archive is set, checks the copy against those hashes); fio only writes",
                 if direct { "every file" } else { "refused somewhere: page cache" }
             ),
             sluice_samples: sv,
