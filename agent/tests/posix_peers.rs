@@ -4,12 +4,14 @@
 //! modes, links), each byte read from the source by one node's helper, the rest taken from peers;
 //! and with one node's agent missing, the others copy its share from the source themselves.
 
+use sluice_agent::cache::Cache;
 use sluice_agent::peer::{ClusterSecret, PeerServer, PeerService, ServerConfig};
 use sluice_agent::stage::{self, Budget, NodePeers, Progress, Sharing, StageCtx};
 use sluice_proto::options::{StageSpec, parse_stage_entry};
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 const JOB: u32 = 78;
@@ -121,10 +123,27 @@ async fn stage_all(nodes: &[Node], src: &Path) -> Vec<Vec<String>> {
 
 /// Each node's copy is the source's tree; returns each node's (origin, peer) bytes.
 fn assert_identical(nodes: &[Node], src: &Path, bytes: u64) -> Vec<(u64, u64)> {
-    let want = tree(src);
+    assert_trees(nodes, src, bytes);
     nodes
         .iter()
         .map(|n| {
+            let p = n.progress.snapshot();
+            assert_eq!(
+                p.origin_bytes + p.peer_bytes,
+                bytes,
+                "{}: every byte came from the source or a peer",
+                n.name
+            );
+            (p.origin_bytes, p.peer_bytes)
+        })
+        .collect()
+}
+
+/// Each node's copy is the source's tree (bytes, modes, links), and its progress says so.
+fn assert_trees(nodes: &[Node], src: &Path, bytes: u64) {
+    let want = tree(src);
+    for n in nodes {
+        {
             let got = tree(&n.dir.path().join("ds"));
             assert_eq!(
                 got.keys().collect::<Vec<_>>(),
@@ -149,15 +168,8 @@ fn assert_identical(nodes: &[Node], src: &Path, bytes: u64) -> Vec<(u64, u64)> {
                 "{}'s progress",
                 n.name
             );
-            assert_eq!(
-                p.origin_bytes + p.peer_bytes,
-                bytes,
-                "{}: every byte came from the source or a peer",
-                n.name
-            );
-            (p.origin_bytes, p.peer_bytes)
-        })
-        .collect()
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -235,5 +247,120 @@ async fn a_missing_peer_is_routed_around_and_its_share_copied_from_the_source() 
     );
     for n in &nodes {
         n.stop.cancel();
+    }
+}
+
+/// [`nodes`] n1..n3, each with a cross-job cache (`caches`, one per node, kept between jobs).
+async fn nodes_with_caches(src: &Path, caches: &[Arc<Cache>]) -> Vec<Node> {
+    let mut nodes = nodes(&["n1", "n2", "n3"], src).await;
+    for (n, c) in nodes.iter_mut().zip(caches) {
+        n.ctx.cache = Some(c.clone());
+    }
+    nodes
+}
+
+/// A cache of node `name` on a hot tier of its own (in `dir`).
+fn cache_of(name: &str, dir: &Path) -> Arc<Cache> {
+    let text = format!(
+        "[agent]\nsocket='{d}/s'\nstate_dir='{d}/st'\n[hot_tier]\nroot='{d}'\n\
+         [cache]\nsize='64MiB'\nmin_free=0\n",
+        d = dir.display()
+    );
+    let cfg = sluice_archive::config::Config::parse(&text, name).unwrap();
+    Cache::open(&cfg).unwrap().expect("a [cache] section")
+}
+
+/// Two jobs on the same three nodes, each node with its own cache: the first reads the source
+/// once in all and every node keeps every file it staged (the units it copied and those it
+/// fetched, checked against their owners' hashes); the second job's nodes each write the whole
+/// tree from their own cache — no byte from the source or a peer — and end with identical copies.
+/// A file changed before a third job is read from the source again (once in all), the rest still
+/// from the caches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_job_on_the_same_nodes_stages_a_posix_tree_from_each_nodes_cache() {
+    let src = tempfile::tempdir().unwrap();
+    let bytes = source(src.path());
+    let hot: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let caches: Vec<Arc<Cache>> = job_nodes()
+        .iter()
+        .zip(&hot)
+        .map(|(name, d)| cache_of(name, d.path()))
+        .collect();
+    // Non-empty files: what a cache keeps.
+    let files = 32;
+
+    let first = nodes_with_caches(src.path(), &caches).await;
+    for notes in stage_all(&first, src.path()).await {
+        assert!(notes.is_empty(), "{notes:?}");
+    }
+    let counts = assert_identical(&first, src.path(), bytes);
+    assert_eq!(counts.iter().map(|c| c.0).sum::<u64>(), bytes, "{counts:?}");
+    for (n, c) in first.iter().zip(&caches) {
+        assert_eq!(
+            n.progress.snapshot().cache_bytes,
+            0,
+            "{}: a cold cache",
+            n.name
+        );
+        let s = c.stats();
+        assert_eq!(s.entries, files, "{} keeps every file it staged", n.name);
+        n.stop.cancel();
+    }
+
+    let second = nodes_with_caches(src.path(), &caches).await;
+    for notes in stage_all(&second, src.path()).await {
+        assert!(notes.is_empty(), "{notes:?}");
+    }
+    assert_trees(&second, src.path(), bytes);
+    for n in &second {
+        let p = n.progress.snapshot();
+        assert_eq!(
+            (p.cache_bytes, p.origin_bytes, p.peer_bytes),
+            (bytes, 0, 0),
+            "{}: the whole tree from its own cache, nothing from the source or a peer",
+            n.name
+        );
+        n.stop.cancel();
+    }
+
+    // A file rewritten (new bytes, new size, new mtime) is a miss on every node.
+    let changed: Vec<u8> = (0..5_555u32).map(|i| (i * 7) as u8).collect();
+    std::fs::write(src.path().join("small/part-003.bin"), &changed).unwrap();
+    let bytes = bytes - (1000 + 3 * 997) + changed.len() as u64;
+    let third = nodes_with_caches(src.path(), &caches).await;
+    for notes in stage_all(&third, src.path()).await {
+        assert!(notes.is_empty(), "{notes:?}");
+    }
+    assert_trees(&third, src.path(), bytes);
+    let mut origin = 0;
+    for n in &third {
+        let p = n.progress.snapshot();
+        assert_eq!(
+            p.cache_bytes,
+            bytes - changed.len() as u64,
+            "{}: all but the changed file from its cache",
+            n.name
+        );
+        assert_eq!(
+            p.origin_bytes + p.peer_bytes,
+            changed.len() as u64,
+            "{}",
+            n.name
+        );
+        origin += p.origin_bytes;
+        n.stop.cancel();
+    }
+    assert_eq!(
+        origin,
+        changed.len() as u64,
+        "the changed file read once, by its owner"
+    );
+    for (n, c) in third.iter().zip(&caches) {
+        assert_eq!(
+            c.stats().entries,
+            files + 1,
+            "{} keeps the new version",
+            n.name
+        );
     }
 }

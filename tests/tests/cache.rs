@@ -1335,6 +1335,89 @@ fn cache_a_users_second_job_on_a_posix_tree_reads_the_nodes_cache() {
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
 
+/// A multi-node job on a POSIX tree (`--stage-mode=replicate`, shared through the job's peers)
+/// goes through every node's own cache: the first 3-node job reads the tree (a few hundred small
+/// files and a 24 MiB one, several peer units) from its source once in all and every node keeps
+/// all of it; the user's second job on the same nodes is placed by every node from its own cache —
+/// no byte from the source or a peer on any node, every node's copy identical, and the job output
+/// saying "100 % from this node's cache".
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn cache_a_multi_node_job_on_a_posix_tree_reads_every_nodes_own_cache() {
+    let cluster = Cluster::for_sluice();
+    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
+    let dir = cluster.dataset("cache-posix-peers", false);
+    random_file(&dir.join("big/weights.bin"), 24 * MIB);
+    run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&dir));
+    let path = dir.display().to_string();
+    let (sums, bytes): (String, u64) = (checksums(&dir), file_sizes(&dir).values().sum());
+    let job = |test: &str| {
+        let work = cluster.workdir(test);
+        let out = work.join("out");
+        let stage_in = format!("--stage-in=ds={path}");
+        let job = cluster.submit(
+            &work,
+            &["-N3", "-w", "n[1-3]", &stage_in, "--stage-mode=replicate"],
+            &listing_script(&out, &["ds"]),
+        );
+        cluster.assert_completes(&job, JOB_TIMEOUT, &format!("{test}: the 3-node job"));
+        let mut from = Vec::new();
+        for node in &cluster.nodes {
+            let got = task_file(&out, node, "sums-ds");
+            assert!(
+                got == sums,
+                "{test}: the dataset on {node} differs from its source: {}\n{}",
+                diff_listings(&sums, &got),
+                cluster.evidence(&job)
+            );
+            let status = cluster
+                .agent_job(node, &job)
+                .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
+            let p = &status.stages[0];
+            from.push((p.cache_bytes, p.origin_bytes, p.peer_bytes));
+        }
+        eprintln!(
+            "[cache] {test}: job {}: per node (cache, origin, peers) bytes of {bytes}: {from:?}",
+            job.id
+        );
+        (job, from)
+    };
+
+    let (first, from) = job("cache-posix-peers-1");
+    assert_eq!(
+        from.iter().map(|f| f.1).sum::<u64>(),
+        bytes,
+        "the first job reads the tree from its source once in all: {from:?}"
+    );
+    assert!(from.iter().all(|f| f.0 == 0), "cold caches: {from:?}");
+    for node in &cluster.nodes {
+        let used = listing(&cluster, node).stats.used_bytes;
+        assert_eq!(
+            used, bytes,
+            "{node}'s cache after the first job keeps the whole tree"
+        );
+    }
+    cluster.assert_hot_tier_cleaned(&first, CLEANUP_TIMEOUT);
+
+    let (second, from) = job("cache-posix-peers-2");
+    for (node, f) in cluster.nodes.iter().zip(&from) {
+        assert_eq!(
+            *f,
+            (bytes, 0, 0),
+            "{node}: the second job's tree should be all from its own cache (cache, origin, \
+             peers)\n{}",
+            cluster.evidence(&second)
+        );
+    }
+    let output = second.output_text();
+    assert!(
+        output.contains("100 % from this node's cache"),
+        "the second job's output does not say its dataset came from the node's cache:\n{output}"
+    );
+    cluster.assert_hot_tier_cleaned(&second, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&second, CLEANUP_TIMEOUT);
+}
+
 /// `sluice cache warm URL --nodes n[1-3],n9` as root on n1: n1's agent warms its own cache and
 /// asks n2's and n3's agents over the peer port to warm theirs. One row per node, each with the
 /// whole dataset read from the origin now; n9 (no such node) fails in its row and makes the exit

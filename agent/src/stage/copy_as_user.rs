@@ -242,6 +242,9 @@ pub struct PeerCopy {
     /// Copy the units the agent names on stdin into the files an earlier run made (the units of
     /// a peer that was routed around), rather than the dataset.
     pub repair: bool,
+    /// The node has a cache: report every file's identity and take the agent's answers on stdin
+    /// first (see [`copy_replica`]).
+    pub cached: bool,
 }
 
 /// The stripe layout a copied file of `size` bytes is created with, if any.
@@ -281,6 +284,10 @@ pub struct ShardArgs {
     /// into the files an earlier run made.
     #[arg(long, requires = "peer_unit_size")]
     pub peer_repair: bool,
+    /// With `--peer-unit-size`, on a node with a cache: report each file's identity, then read
+    /// the agent's `hit IDX` answers on stdin; hits are only made, for the agent to write.
+    #[arg(long, requires = "peer_unit_size", conflicts_with = "peer_repair")]
+    pub peer_cached: bool,
 }
 
 impl ShardArgs {
@@ -320,6 +327,7 @@ impl ShardArgs {
         let peers = self.peer_unit_size.map(|unit_size| PeerCopy {
             unit_size,
             repair: self.peer_repair,
+            cached: self.peer_cached,
         });
         Ok(Some(Shard {
             plan,
@@ -350,7 +358,12 @@ pub fn copy_shard(
 ) -> Result<(), (i32, String)> {
     match shard.peers {
         Some(PeerCopy { repair: true, .. }) => copy_repair(src, dst, io::stdin().lock(), out),
-        Some(PeerCopy { unit_size, .. }) => copy_replica(src, dst, shard, unit_size, out),
+        Some(PeerCopy {
+            unit_size, cached, ..
+        }) => {
+            let answers = cached.then(|| io::stdin().lock());
+            copy_replica(src, dst, shard, unit_size, answers, out)
+        }
         None => copy_tree_in_pieces(src, dst, PIECE, Some(shard), out),
     }
 }
@@ -780,11 +793,21 @@ pub fn copies_unit(plan: &ShardPlan, unit: &Unit) -> bool {
 /// made; then `unit IDX OFFSET HASH` for each unit copied (BLAKE3, hex) as it is done, and the
 /// usual `progress F B` (F counting the files written whole here). A file whose name is not UTF-8
 /// cannot be a unit's name: it is copied whole here, as on every node, and not listed.
+///
+/// With `answers` (`--peer-cached`, a node with a cache), the helper first opens every listed,
+/// regular, non-empty file for reading and reports its identity from `fstat` on that descriptor
+/// (`ident IDX SIZE DEV INO MTIME MTIME_NS MODE "PATH"`, IDX as in its `file` line; a file it
+/// cannot open fails the run as without a cache), then `idents N`, and reads the agent's `hit IDX`
+/// answers to their end. A hit is made empty and owner-writable and none of its units is copied:
+/// the agent writes it whole from its cache. Of every other identified file, a unit whose
+/// descriptor did not have the reported identity before and after its copy is followed by
+/// `changed IDX` (the agent does not cache that file).
 fn copy_replica(
     src: &Path,
     dst: &Path,
     shard: &Shard,
     unit_size: u64,
+    answers: Option<impl io::BufRead>,
     out: &mut impl Write,
 ) -> Result<(), (i32, String)> {
     let tree = Tree::read(src)?;
@@ -810,6 +833,24 @@ fn copy_replica(
     }
     let mut pieces = Vec::new();
     let mut listed = Vec::new();
+    // Each file's number in the `file` lines (`None`: not listed, copied whole here).
+    let numbers: Vec<Option<usize>> = {
+        let mut n = 0;
+        files
+            .iter()
+            .map(|f| {
+                let rel = f.src.strip_prefix(src).unwrap_or(Path::new(""));
+                rel.to_str().map(|_| {
+                    n += 1;
+                    n - 1
+                })
+            })
+            .collect()
+    };
+    let hits = match answers {
+        Some(input) => identify_replica(src, &mut files, &numbers, unit_size, input, out)?,
+        None => Vec::new(),
+    };
     for (i, f) in files.iter_mut().enumerate() {
         let rel = f.src.strip_prefix(src).unwrap_or(Path::new(""));
         let Some(rel) = rel.to_str() else {
@@ -822,6 +863,13 @@ fn copy_replica(
             });
             continue;
         };
+        if f.cache.is_some_and(|c| hits.get(c.idx) == Some(&true)) {
+            // Written whole by the agent, from its cache.
+            f.partial = true;
+            create_dst(f, f.mode | 0o200, umask)?;
+            listed.push((f.size, f.mode, rel.to_string()));
+            continue;
+        }
         let units = units_of(&peer_unit_file(&shard.dataset, rel), f.size, unit_size);
         let here: Vec<&Unit> = units
             .iter()
@@ -852,6 +900,75 @@ fn copy_replica(
     }
     out.flush().ok();
     run_pieces(&files, &pieces, umask, out)
+}
+
+/// The cached part of [`copy_replica`]: identifies the listed files (`numbers`), reports them and
+/// reads the agent's answers; returns which listed files are hits.
+fn identify_replica(
+    src: &Path,
+    files: &mut [FileJob],
+    numbers: &[Option<usize>],
+    unit_size: u64,
+    input: impl io::BufRead,
+    out: &mut impl Write,
+) -> Result<Vec<bool>, (i32, String)> {
+    let mut identified = 0;
+    let listed = numbers.iter().flatten().count();
+    for (f, idx) in files.iter_mut().zip(numbers) {
+        let Some(idx) = *idx else { continue };
+        let opened = open_source(&f.src)?;
+        let Some(file) = FileIdent::of(&opened).map_err(|e| job_error("reading", &f.src, e))?
+        else {
+            continue; // no longer a regular file: copied as without a cache (and failing so)
+        };
+        if file.size == 0 {
+            continue;
+        }
+        let rel = f.src.strip_prefix(src).ok().and_then(Path::to_str);
+        let rel = rel.unwrap_or("");
+        f.size = file.size;
+        f.cache = Some(Identified {
+            idx,
+            file,
+            piece: unit_size,
+        });
+        let quoted = serde_json::to_string(rel).expect("a string serializes");
+        writeln!(
+            out,
+            "ident {idx} {} {} {} {} {} {:o} {quoted}",
+            file.size, file.dev, file.ino, file.mtime, file.mtime_ns, f.mode
+        )
+        .ok();
+        identified += 1;
+    }
+    writeln!(out, "idents {identified}").ok();
+    out.flush().ok();
+    let ok: Vec<bool> = {
+        let mut ok = vec![false; listed];
+        for f in files.iter() {
+            if let Some(c) = f.cache {
+                ok[c.idx] = true;
+            }
+        }
+        ok
+    };
+    let mut hit = vec![false; listed];
+    for line in input.lines() {
+        let line = line.map_err(|e| (EXIT_OTHER, format!("reading the agent's answers: {e}")))?;
+        match line
+            .strip_prefix("hit ")
+            .and_then(|i| i.parse::<usize>().ok())
+        {
+            Some(idx) if idx < listed && ok[idx] && !hit[idx] => hit[idx] = true,
+            _ => {
+                return Err((
+                    EXIT_OTHER,
+                    format!("bad cache answer from the agent: {line:?}"),
+                ));
+            }
+        }
+    }
+    Ok(hit)
 }
 
 /// The repair run of a replica: copies, as the job user, the units the agent names on `input`
@@ -934,6 +1051,9 @@ pub enum PeerLine {
         offset: u64,
         hash: blake3::Hash,
     },
+    /// An identified file (`--peer-cached`) was not the one identified while a unit of it was
+    /// copied: staged as read, but not to be cached.
+    Changed { idx: usize },
 }
 
 impl PeerLine {
@@ -951,6 +1071,12 @@ impl PeerLine {
                     idx: it.next()?.parse().ok()?,
                     offset: it.next()?.parse().ok()?,
                     hash: blake3::Hash::from_hex(it.next()?).ok()?,
+                };
+                it.next().is_none().then_some(line)
+            }
+            "changed" => {
+                let line = PeerLine::Changed {
+                    idx: it.next()?.parse().ok()?,
                 };
                 it.next().is_none().then_some(line)
             }
@@ -1074,7 +1200,7 @@ fn copy_piece(
     p: &Piece,
     umask: u32,
     buf: &mut Vec<u8>,
-) -> Result<(u64, Option<blake3::Hash>), (i32, String)> {
+) -> Result<(u64, Option<blake3::Hash>, bool), (i32, String)> {
     let copy_err = |e: io::Error| job_error("copying", &job.src, e);
     let (src, dst) = if p.shared {
         let src = fs::File::open(&job.src).map_err(|e| job_error("opening", &job.src, e))?;
@@ -1092,9 +1218,15 @@ fn copy_piece(
         if buf.is_empty() {
             buf.resize(UNIT_BUF, 0);
         }
-        return copy_hashed(&src, &dst, p.offset, len, buf)
-            .map(|h| (len, Some(h)))
-            .map_err(copy_err);
+        // Of an identified file, whether this descriptor is the file identified, before and
+        // after the copy: `changed` otherwise.
+        let same = |f: &fs::File| {
+            job.cache
+                .is_none_or(|c| FileIdent::of(f).ok().flatten() == Some(c.file))
+        };
+        let before = same(&src);
+        let hash = copy_hashed(&src, &dst, p.offset, len, buf).map_err(copy_err)?;
+        return Ok((len, Some(hash), before && same(&src)));
     }
     if let Some(c) = job.cache {
         // Cacheable only if this descriptor is the file identified, before and after the copy,
@@ -1107,7 +1239,7 @@ fn copy_piece(
         let (n, hash) = copy_to_end_hashed(&src, &dst, p.offset, p.len, buf).map_err(copy_err)?;
         let want = p.len.unwrap_or(c.file.size.saturating_sub(p.offset));
         let kept = before && n == want && same(&src);
-        return Ok((n, kept.then_some(hash)));
+        return Ok((n, kept.then_some(hash), true));
     }
     if p.shared {
         (&src)
@@ -1118,7 +1250,7 @@ fn copy_piece(
             .map_err(copy_err)?;
     }
     copy_range(&src, &dst, p.len)
-        .map(|n| (n, None))
+        .map(|n| (n, None, true))
         .map_err(copy_err)
 }
 
@@ -1231,8 +1363,12 @@ fn run_pieces(
     let first_error: std::sync::Mutex<Option<(i32, String)>> = std::sync::Mutex::new(None);
     let run_piece = |p: &Piece, buf: &mut Vec<u8>, lines: &mpsc::Sender<String>| {
         let job = &files[p.file];
-        let (n, hash) = copy_piece(job, p, umask, buf)?;
+        let (n, hash, same) = copy_piece(job, p, umask, buf)?;
         if let (Some(idx), Some(hash)) = (p.unit, hash) {
+            // Before its unit, so that the agent never caches the file from its last unit in.
+            if !same {
+                lines.send(format!("changed {idx}")).ok();
+            }
             lines.send(format!("unit {idx} {} {hash}", p.offset)).ok();
         } else if job.cache.is_some() {
             let mut h = piece_hashes[p.file]
@@ -1247,7 +1383,8 @@ fn run_pieces(
                     .map_err(|e| job_error("setting the mode of", &job.dst, e))?;
             }
             files_done.fetch_add(1, Ordering::Relaxed);
-            if let Some(c) = job.cache {
+            // (A replica's identified file reports its units instead.)
+            if let (Some(c), None) = (job.cache, p.unit) {
                 let mut h = std::mem::take(
                     &mut *piece_hashes[p.file]
                         .lock()
@@ -1442,6 +1579,7 @@ mod tests {
                 stripe: Vec::new(),
                 peer_unit_size: None,
                 peer_repair: false,
+                peer_cached: false,
             }
             .shard()
             .unwrap()
@@ -1491,6 +1629,7 @@ mod tests {
             stripe: Vec::new(),
             peer_unit_size: None,
             peer_repair: false,
+            peer_cached: false,
         };
         assert!(outside.shard().unwrap_err().contains("n9 is not one of"));
     }
@@ -1531,6 +1670,7 @@ mod tests {
             stripe: vec!["4096:2:1048576".into()],
             peer_unit_size: None,
             peer_repair: false,
+            peer_cached: false,
         }
         .shard()
         .unwrap()
@@ -1568,6 +1708,7 @@ mod tests {
             stripe: vec!["1:2".into()],
             peer_unit_size: None,
             peer_repair: false,
+            peer_cached: false,
         };
         assert!(bad.shard().unwrap_err().contains("MIN_SIZE:COUNT:SIZE"));
     }
@@ -1607,6 +1748,9 @@ mod tests {
                 (None, Some(PeerLine::Unit { idx, offset, hash })) => {
                     run.units.push((idx, offset, hash))
                 }
+                (None, Some(PeerLine::Changed { idx })) => {
+                    panic!("file {idx} reported changed, but no file of these tests changes")
+                }
                 (None, None) => panic!("a line the agent cannot read: {line:?}"),
             }
         }
@@ -1624,6 +1768,7 @@ mod tests {
             stripe: Vec::new(),
             peer_unit_size: Some(4096),
             peer_repair: repair,
+            peer_cached: false,
         }
         .shard()
         .unwrap()
@@ -1888,7 +2033,7 @@ mod tests {
         };
         let mut buf = Vec::new();
         let same = copy_piece(&job(now, "same"), &piece, 0o022, &mut buf).unwrap();
-        assert_eq!(same, (13, Some(blake3::hash(b"the bytes now"))));
+        assert_eq!(same, (13, Some(blake3::hash(b"the bytes now")), true));
         for (what, then) in [
             (
                 "mtime",
@@ -1906,7 +2051,7 @@ mod tests {
             ),
             ("size", FileIdent { size: 9, ..now }),
         ] {
-            let (n, hash) = copy_piece(&job(then, what), &piece, 0o022, &mut buf).unwrap();
+            let (n, hash, _) = copy_piece(&job(then, what), &piece, 0o022, &mut buf).unwrap();
             assert_eq!((n, hash), (13, None), "{what} changed");
             assert_eq!(fs::read(dst.path().join(what)).unwrap(), b"the bytes now");
         }

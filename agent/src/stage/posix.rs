@@ -311,16 +311,31 @@ fn keep(
     piece: u64,
     want: blake3::Hash,
 ) {
-    let fill = match cache.begin_fill(file.key.clone()) {
+    let same = |pieces: &[blake3::Hash]| piece_hashes_hash(pieces) == want;
+    keep_checked(cache, root, &file.key, &file.rel, owner, piece, same);
+}
+
+/// [`keep`], the staged copy at `rel` below `root` kept under `key` if the hashes of its
+/// `piece`-byte pieces pass `check`. Blocking.
+fn keep_checked(
+    cache: &Arc<Cache>,
+    root: &OwnedFd,
+    key: &Key,
+    rel: &str,
+    owner: Owner,
+    piece: u64,
+    check: impl FnOnce(&[blake3::Hash]) -> bool,
+) {
+    let fill = match cache.begin_fill(key.clone()) {
         Ok(f) => f,
         Err(why) => {
-            tracing::info!("cache: {} is not cached: {why}", file.key.url);
+            tracing::info!("cache: {} is not cached: {why}", key.url);
             return;
         }
     };
-    let copied = (|| -> std::io::Result<blake3::Hash> {
-        let staged = open_staged(root, &file.rel, owner, nix::fcntl::OFlag::O_RDONLY)?;
-        let size = file.key.size;
+    let copied = (|| -> std::io::Result<Vec<blake3::Hash>> {
+        let staged = open_staged(root, rel, owner, nix::fcntl::OFlag::O_RDONLY)?;
+        let size = key.size;
         if staged.metadata()?.len() != size {
             return Err(std::io::Error::other("its size changed"));
         }
@@ -338,13 +353,13 @@ fn keep(
             }
             pieces.push(h.finalize());
         }
-        Ok(piece_hashes_hash(&pieces))
+        Ok(pieces)
     })();
     match copied {
-        Ok(hash) if hash == want => {
+        Ok(pieces) if check(&pieces) => {
             fill.commit();
         }
-        Ok(_) => fill.taint("the staged copy is not what the copy helper read"),
+        Ok(_) => fill.taint("the staged copy is not what was read from the source"),
         Err(e) => fill.taint(&format!("reading the staged copy: {e}")),
     }
 }
@@ -560,6 +575,10 @@ struct Shared {
     progress: Arc<Progress>,
     owner: Owner,
     helper: HelperCmd,
+    /// The node's cache, for the files its helper identified.
+    cache: Option<Arc<Cache>>,
+    /// Cache copies and fills at once, at most.
+    slots: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -609,6 +628,33 @@ struct ListedFile {
     mode: u32,
     /// Units not in yet, when the agent writes some of them (`None`: the helper copies it all).
     left: Option<usize>,
+    /// Written whole from this node's cache (its helper only made it).
+    hit: bool,
+    /// A miss this node's cache may keep, once every unit is in.
+    fill: Option<ToKeep>,
+}
+
+/// An identified file that missed this node's cache: its key (this node's identity of it) and
+/// each unit's hash as it came in, from this node's helper or checked against its owner's.
+struct ToKeep {
+    key: Key,
+    hashes: Vec<Option<blake3::Hash>>,
+    missing: usize,
+}
+
+impl ListedFile {
+    /// Notes the hash of the unit at `offset`; once every unit is in, what to keep.
+    fn unit_hash(&mut self, unit_size: u64, offset: u64, hash: blake3::Hash) -> Option<ToKeep> {
+        let fill = self.fill.as_mut()?;
+        let slot = fill.hashes.get_mut((offset / unit_size) as usize)?;
+        if slot.replace(hash).is_none() {
+            fill.missing -= 1;
+        }
+        if fill.missing == 0 {
+            return self.fill.take();
+        }
+        None
+    }
 }
 
 /// What a task of the dataset did.
@@ -623,6 +669,8 @@ enum Done {
     ToOrigin { idx: usize, unit: Unit },
     /// A repair run copied these units (of these files) from the origin.
     Repaired(Vec<usize>),
+    /// File `idx` is written whole from this node's cache.
+    Cached { idx: usize },
     /// A file is complete, with its mode.
     Finished,
 }
@@ -654,10 +702,22 @@ async fn replicate(
         progress: progress.clone(),
         owner: ctx.owner,
         helper: HelperCmd::new(ctx, spec, path),
+        cache: ctx.cache.clone(),
+        slots: Arc::new(tokio::sync::Semaphore::new(
+            ctx.cfg.stage.concurrency.max(1),
+        )),
     });
     let mut args = shard_args(&plan, spec);
     args.extend(["--peer-unit-size".into(), unit_size.to_string().into()]);
-    let mut helper = Some(shared.helper.start(args, false)?);
+    if shared.cache.is_some() {
+        args.push("--peer-cached".into());
+    }
+    let mut helper = Some(shared.helper.start(args, shared.cache.is_some())?);
+    // With a cache: the keys of the files the helper identified, the hits among them.
+    let mut idents: HashMap<usize, Key> = HashMap::new();
+    let mut hits: HashMap<usize, Hit> = HashMap::new();
+    let mut answered = shared.cache.is_none();
+    let mut last_ident: Option<usize> = None;
     let mut files: Vec<ListedFile> = Vec::new();
     let mut dataset_dir: Option<Arc<OwnedFd>> = None;
     // Units this node fetches, in the order the helper listed their files; units for the origin.
@@ -751,7 +811,7 @@ async fn replicate(
                     continue;
                 }
                 match PeerLine::parse(&line) {
-                    Some(PeerLine::File { idx, size, mode, path }) if idx == files.len() => {
+                    Some(PeerLine::File { idx, size, mode, path }) if idx == files.len() && answered => {
                         let (root, rel, rel_at) = if path.is_empty() {
                             (ctx.stage_fd.clone(), spec.name.clone(), 0)
                         } else {
@@ -774,12 +834,30 @@ async fn replicate(
                         };
                         let unit_file = peer_unit_file(&spec.name, &path);
                         let units = units_of(&unit_file, size, unit_size);
+                        let key = idents.remove(&idx);
+                        if key.as_ref().is_some_and(|k| k.size != size) {
+                            return Err(helper_garbage(&shared, &line));
+                        }
                         peers.add_object(root.clone(), rel_at, &units);
+                        if let Some(hit) = hits.remove(&idx) {
+                            // Every unit from this node's cache, none from the origin or a peer.
+                            let (r, l) = (root.clone(), rel.clone());
+                            tasks.spawn(from_cache(shared.clone(), r, l, idx, hit, units, size));
+                            let (left, hit, fill) = (Some(1), true, None);
+                            files.push(ListedFile { root, rel, path, unit_file, size, mode, left, hit, fill });
+                            continue;
+                        }
+                        let fill = key.map(|key| ToKeep {
+                            key,
+                            hashes: vec![None; units.len()],
+                            missing: units.len(),
+                        });
                         let theirs: Vec<Unit> =
                             units.iter().filter(|u| !copies_unit(&plan, u)).cloned().collect();
                         let left = (!theirs.is_empty()).then_some(units.len());
                         queue.extend(theirs.into_iter().map(|u| (idx, u)));
-                        files.push(ListedFile { root, rel, path, unit_file, size, mode, left });
+                        let hit = false;
+                        files.push(ListedFile { root, rel, path, unit_file, size, mode, left, hit, fill });
                     }
                     Some(PeerLine::Unit { idx, offset, hash }) => {
                         let unit = files.get(idx).and_then(|f| {
@@ -794,10 +872,59 @@ async fn replicate(
                         let Some(unit) = unit else {
                             return Err(helper_garbage(&shared, &line));
                         };
+                        if files[idx].hit {
+                            return Err(helper_garbage(&shared, &line));
+                        }
                         peers.held(&unit, hash);
+                        if let Some(k) = files[idx].unit_hash(unit_size, offset, hash) {
+                            tasks.spawn(keep_replica(shared.clone(), &files[idx], k));
+                        }
                         unit_in(&mut files, idx, &mut tasks);
                     }
-                    _ => return Err(helper_garbage(&shared, &line)),
+                    Some(PeerLine::Changed { idx }) if idx < files.len() => {
+                        files[idx].fill = None;
+                    }
+                    _ => match CacheLine::parse(&line) {
+                        Some(CacheLine::Ident { idx, file, path: rel, .. })
+                            if !answered
+                                && files.is_empty()
+                                && last_ident.is_none_or(|i| i < idx)
+                                && (rel.is_empty()
+                                    || rel.split('/').all(|c| !c.is_empty() && c != "." && c != "..")) =>
+                        {
+                            let key_path = match (rel.as_str(), path.trim_end_matches('/')) {
+                                ("", _) => path.to_string(),
+                                (rel, "") => format!("/{rel}"),
+                                (rel, dir) => format!("{dir}/{rel}"),
+                            };
+                            idents.insert(idx, posix_key(&key_path, file, ctx.owner.uid));
+                            last_ident = Some(idx);
+                        }
+                        Some(CacheLine::Idents { count }) if !answered && count == idents.len() => {
+                            answered = true;
+                            let cache = shared.cache.clone().expect("asked with a cache");
+                            let keys: Vec<(usize, Key)> =
+                                idents.iter().map(|(i, k)| (*i, k.clone())).collect();
+                            let found = blocking(move || {
+                                keys.into_iter()
+                                    .filter_map(|(i, k)| cache.lookup(&k).map(|h| (i, h)))
+                                    .collect::<Vec<_>>()
+                            })
+                            .await;
+                            let mut answer = String::new();
+                            for (idx, hit) in found {
+                                answer.push_str(&format!("hit {idx}\n"));
+                                hits.insert(idx, hit);
+                            }
+                            let h = helper.as_mut().expect("read while running");
+                            let mut stdin = h.stdin.take().expect("stdin is piped");
+                            // The helper reads every answer before it writes again; if it went
+                            // away, its exit says why.
+                            let _ = stdin.write_all(answer.as_bytes()).await;
+                            drop(stdin);
+                        }
+                        _ => return Err(helper_garbage(&shared, &line)),
+                    },
                 }
             }
             Some(done) = tasks.join_next(), if !tasks.is_empty() => {
@@ -805,8 +932,12 @@ async fn replicate(
                     Done::Fetched { idx, unit, hash } => {
                         fetching -= 1;
                         peers.held(&unit, hash);
+                        if let Some(k) = files[idx].unit_hash(unit_size, unit.offset, hash) {
+                            tasks.spawn(keep_replica(shared.clone(), &files[idx], k));
+                        }
                         unit_in(&mut files, idx, &mut tasks);
                     }
+                    Done::Cached { idx } => unit_in(&mut files, idx, &mut tasks),
                     Done::ToOrigin { idx, unit } => {
                         fetching -= 1;
                         to_origin.push_back((idx, unit));
@@ -814,6 +945,8 @@ async fn replicate(
                     Done::Repaired(done) => {
                         repairing = false;
                         for idx in done {
+                            // Read by a run that identified nothing: not kept.
+                            files[idx].fill = None;
                             unit_in(&mut files, idx, &mut tasks);
                         }
                     }
@@ -829,6 +962,85 @@ async fn replicate(
         });
     }
     Ok(())
+}
+
+/// Writes file `idx` (`rel` below `root`, `size` bytes) whole from this node's cache, hashing
+/// each of its `units` as it copies them: from then on they are this node's to serve to the job's
+/// peers, as units its helper copied from the origin would be.
+async fn from_cache(
+    shared: Arc<Shared>,
+    root: Arc<OwnedFd>,
+    rel: String,
+    idx: usize,
+    hit: Hit,
+    units: Vec<Unit>,
+    size: u64,
+) -> Result<Done, StageError> {
+    let _slot = shared.slots.clone().acquire_owned().await;
+    let (r, owner, unit_size) = (rel.clone(), shared.owner, shared.peers.unit_size());
+    let cache = shared.cache.clone();
+    let copied = blocking(move || {
+        let dst = open_staged_for_write(&root, &r, owner)?;
+        let mut done = hit.copy_to(&dst, Some(unit_size));
+        // A full hot tier takes room from the cache's other entries, then tries again.
+        while done.as_ref().is_err_and(|e| is_no_space(e.raw_os_error()))
+            && cache.as_ref().is_some_and(|c| c.yield_space(size) > 0)
+        {
+            done = dst
+                .set_len(0)
+                .and_then(|()| hit.copy_to(&dst, Some(unit_size)));
+        }
+        done
+    })
+    .await
+    .map_err(|e| shared.hot_error(&rel, e.raw_os_error(), e.to_string()))
+    .and_then(|hashes| match hashes.len() == units.len() {
+        true => Ok(hashes),
+        false => Err(StageError::HotTier {
+            path: rel.clone(),
+            detail: "the node's cache entry is not the size of the file".into(),
+        }),
+    });
+    let hashes = match copied {
+        Ok(h) => h,
+        Err(e) => {
+            for unit in &units {
+                shared.peers.failed(unit, e.to_string());
+            }
+            return Err(e);
+        }
+    };
+    for (unit, hash) in units.iter().zip(hashes) {
+        shared.peers.held(unit, hash);
+    }
+    let p = &shared.progress;
+    p.bytes_done.fetch_add(size, Ordering::Relaxed);
+    p.cache_bytes.fetch_add(size, Ordering::Relaxed);
+    Ok(Done::Cached { idx })
+}
+
+/// Keeps a whole, verified miss in this node's cache: the staged copy, if it hashes unit by unit
+/// to what came in (see [`keep`]).
+fn keep_replica(
+    shared: Arc<Shared>,
+    file: &ListedFile,
+    k: ToKeep,
+) -> impl std::future::Future<Output = Result<Done, StageError>> + use<> {
+    let (root, rel) = (file.root.clone(), file.rel.clone());
+    async move {
+        let Some(cache) = shared.cache.clone() else {
+            return Ok(Done::Finished);
+        };
+        let _slot = shared.slots.clone().acquire_owned().await;
+        let (owner, unit_size) = (shared.owner, shared.peers.unit_size());
+        blocking(move || {
+            let want: Vec<blake3::Hash> = k.hashes.into_iter().flatten().collect();
+            let same = |pieces: &[blake3::Hash]| pieces == want.as_slice();
+            keep_checked(&cache, &root, &k.key, &rel, owner, unit_size, same);
+        })
+        .await;
+        Ok(Done::Finished)
+    }
 }
 
 /// A line of the helper that does not belong to the run (the helper runs as the job user, who
