@@ -20,8 +20,11 @@
 //! With `[cache]`, a dataset this node stages whole goes through the node's cache ([`copy_cached`]):
 //! entries of POSIX files are keyed by path, device, inode, size, mtime and the job user's uid, and
 //! the job user's helper opens every file and reports its `fstat` identity on every job, so a hit
-//! is placed only for a file that user can read now and that is the version the entry holds. Shard
-//! and replicate stages read their source as without a cache.
+//! is placed only for a file that user can read now and that is the version the entry holds. A
+//! replicate shared with peers goes through each node's own cache the same way (`--peer-cached`):
+//! the agent writes a hit whole from the cache and serves its units from that copy, and keeps a
+//! miss once every unit is in, each checked against the hash of what was read from the source (by
+//! this node's helper, or by the unit's owner). Shard stages read their source as without a cache.
 
 use super::copy_as_user::{
     CacheLine, EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event, FileIdent, PeerLine, copies_unit,
