@@ -286,7 +286,7 @@ impl PeerClient {
                 Answer::NotCached => {
                     return Err(PeerError::Corrupt {
                         addr: addr.into(),
-                        unit: unit.key(),
+                        unit: unit.name(),
                         what: "a 'not cached' answer to a request for a unit".into(),
                     });
                 }
@@ -294,7 +294,7 @@ impl PeerClient {
                 Answer::Pending => {
                     return Err(PeerError::TimedOut {
                         addr: addr.into(),
-                        unit: unit.key(),
+                        unit: unit.name(),
                         waited: start.elapsed(),
                     });
                 }
@@ -314,7 +314,7 @@ impl PeerClient {
 
     fn too_large(&self, unit: &Unit) -> PeerError {
         PeerError::TooLarge {
-            unit: unit.key(),
+            unit: unit.name(),
             len: unit.len,
             max: self.cfg.max_unit,
         }
@@ -463,7 +463,7 @@ impl PeerClient {
         };
         let corrupt = |what: String| PeerError::Corrupt {
             addr: addr.into(),
-            unit: unit.key(),
+            unit: unit.name(),
             what,
         };
         let time = now_secs();
@@ -507,7 +507,7 @@ impl PeerClient {
                     StreamError::Io(source) => unreachable(source),
                     StreamError::TooLong => corrupt("the body is longer than the unit".into()),
                     StreamError::Sink(source) => PeerError::Sink {
-                        unit: unit.key(),
+                        unit: unit.name(),
                         source,
                     },
                 })?;
@@ -547,11 +547,11 @@ impl PeerClient {
             (true, StatusCode::CONFLICT) => Err(PeerError::NotOwner {
                 addr,
                 job: job_id,
-                unit: unit.key(),
+                unit: unit.name(),
             }),
             (true, StatusCode::BAD_GATEWAY) => Err(PeerError::Failed {
                 addr,
-                unit: unit.key(),
+                unit: unit.name(),
                 reason: text,
             }),
             (_, StatusCode::GONE) => Err(PeerError::Gone { addr, job: job_id }),

@@ -56,6 +56,11 @@
 //! datasets (as its own policy admitted them at job start). An agent that predates it answers
 //! `404` without a MAC, which the requester takes as "nothing cached there" for the rest of the job.
 //!
+//! A unit's `file` is the dataset path; for an object listed with an ETag (or a version id), the
+//! path, a NUL and that version ([`versioned`]): nodes that listed two versions of an overwritten
+//! object never take each other's bytes, and a node asked for a version it did not list answers
+//! `409 not owner` at once, so the asker reads its own version from the origin.
+//!
 //! A unit's hash is the owner's, computed when it read the unit from the origin; the requester
 //! compares it with the bytes it received, so a unit is checked end to end. Peer traffic is
 //! authenticated and integrity-checked, not encrypted (docs/SECURITY.md, "Peer transfers").
@@ -72,7 +77,7 @@ use std::time::Duration;
 
 pub use auth::{AdminKey, ClusterSecret, JobKey, SecretError};
 pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
-pub use owner::{Unit, owner_of, units_of};
+pub use owner::{Unit, owner_of, unit_path, units_of, versioned};
 pub use server::{
     AdminSource, CachedObject, PeerServer, PeerServerError, PeerService, ServerConfig, UnitData,
     UnitError, UnitSource, UnitStream,

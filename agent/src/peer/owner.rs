@@ -16,10 +16,29 @@
 /// A range of one file of a dataset: the piece one owner reads from the origin.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Unit {
-    /// The file's dataset-relative path, or the object's key.
+    /// The file's dataset-relative path, or the object's key; for an object listed with an ETag
+    /// or version id, followed by [`VERSION_SEP`] and that version (see [`versioned`]).
     pub file: String,
     pub offset: u64,
     pub len: u64,
+}
+
+/// Separates a unit file's path from the version of the object it was listed as. A NUL, because
+/// the path is a local path (no file name holds one), so the split is unambiguous whatever the
+/// version holds.
+pub const VERSION_SEP: char = '\0';
+
+/// The unit file name of `path` listed as `version` (an ETag or version id; `None`: the path).
+pub fn versioned(path: &str, version: Option<&str>) -> String {
+    match version {
+        Some(v) => format!("{path}{VERSION_SEP}{v}"),
+        None => path.to_string(),
+    }
+}
+
+/// The path part of a unit file name.
+pub fn unit_path(file: &str) -> &str {
+    file.split_once(VERSION_SEP).map_or(file, |(path, _)| path)
 }
 
 impl Unit {
@@ -28,6 +47,14 @@ impl Unit {
     /// holds.
     pub fn key(&self) -> String {
         format!("{}@{}", self.file, self.offset)
+    }
+
+    /// The unit as messages name it: `path@offset`, and the version in words if it has one.
+    pub fn name(&self) -> String {
+        match self.file.split_once(VERSION_SEP) {
+            Some((path, v)) => format!("{path}@{} (version {v})", self.offset),
+            None => self.key(),
+        }
     }
 }
 
@@ -141,6 +168,19 @@ mod tests {
             len: 1,
         };
         assert_eq!(a.key(), "a@1@2");
+        let v = Unit {
+            file: versioned("ds/x", Some("\"e1\"")),
+            offset: 4,
+            len: 1,
+        };
+        assert_eq!(unit_path(&v.file), "ds/x");
+        assert_eq!(v.name(), "ds/x@4 (version \"e1\")");
+        assert_ne!(
+            v.key(),
+            "ds/x@4",
+            "a version is part of the unit's identity"
+        );
+        assert_eq!(versioned("ds/x", None), "ds/x");
         assert_ne!(a.key(), b.key());
     }
 

@@ -14,7 +14,7 @@ use super::peers::NextStep;
 use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
 use crate::cache::{Cache, Fill, Hit, Key};
-use crate::peer::{CachedObject, Unit, UnitSink, units_of};
+use crate::peer::{CachedObject, Unit, UnitSink, units_of, versioned};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
@@ -146,6 +146,28 @@ struct Staged {
     rel_at: usize,
 }
 
+impl Staged {
+    /// The object listed as `meta`, staged at `path` below `root`, whose first `rel_at` bytes
+    /// are not part of the path below `root` (the dataset's `NAME/`, or nothing for a dataset
+    /// that is one object).
+    ///
+    /// Its units go by `path` and the version this node listed (the ETag, else the version id):
+    /// two nodes that listed an object on either side of its overwrite never exchange its units.
+    /// A node asked for a unit of a version it did not list answers `NotOwner` at once, so each
+    /// node reads what it misses from the origin, with the `If-Match` of its own listing, and ends
+    /// with the version it listed, whole — never a file of two versions' ranges, and never one
+    /// cached under the other version's key. (Where the origin no longer has a node's version,
+    /// that node fails the job with "the object changed while it was being staged".)
+    fn new(root: Arc<OwnedFd>, path: String, rel_at: usize, meta: &ObjectMeta) -> Staged {
+        let version = meta.e_tag.as_deref().or(meta.version.as_deref());
+        Staged {
+            root,
+            unit_file: versioned(&path, version),
+            rel_at,
+        }
+    }
+}
+
 impl Fetcher {
     fn hot_error(&self, path: &str, errno: Option<i32>, detail: String) -> StageError {
         if is_no_space(errno) {
@@ -174,11 +196,12 @@ impl Fetcher {
     ) -> Result<(), StageError> {
         let rel = parts.join("/");
         let owner = self.owner;
-        let staged = Staged {
-            root: root.clone(),
-            unit_file: format!("{}/{rel}", self.name),
-            rel_at: self.name.len() + 1,
-        };
+        let staged = Staged::new(
+            root.clone(),
+            format!("{}/{rel}", self.name),
+            self.name.len() + 1,
+            &meta,
+        );
         let (shared_tier, size) = (self.shared_tier.clone(), meta.size);
         let file = blocking(move || {
             let (file_name, dirs) = parts
@@ -818,11 +841,7 @@ pub(super) async fn stage(
                 progress.files_total.store(1, Ordering::Relaxed);
                 progress.bytes_total.store(meta.size, Ordering::Relaxed);
                 progress.set_state(StageState::Copying);
-                let staged = Staged {
-                    root: fd.clone(),
-                    unit_file: name.clone(),
-                    rel_at: 0,
-                };
+                let staged = Staged::new(fd.clone(), name.clone(), 0, &meta);
                 let (shared_tier, size) = (fetcher.shared_tier.clone(), meta.size);
                 let file =
                     blocking(move || new_file(&fd, &name, size, owner, shared_tier.as_deref()))

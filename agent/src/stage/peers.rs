@@ -41,7 +41,7 @@ use super::Owner;
 use crate::cache::{Cache, Hit, Key};
 use crate::peer::{
     CachedObject, ClientConfig, ClusterSecret, JobKey, PeerClient, PeerError, PeerServer,
-    PeerService, Unit, UnitData, UnitError, UnitSink, UnitSource, UnitStream, owner_of,
+    PeerService, Unit, UnitData, UnitError, UnitSink, UnitSource, UnitStream, owner_of, unit_path,
 };
 use bytes::Bytes;
 use nix::fcntl::{OFlag, openat};
@@ -229,6 +229,7 @@ impl NodePeers {
             }),
             state: Mutex::new(State {
                 objects: HashMap::new(),
+                versions: HashMap::new(),
                 listing: shared_work,
                 closed: None,
                 lost: BTreeMap::new(),
@@ -418,8 +419,11 @@ struct Object {
 }
 
 struct State {
-    /// By unit file name (`NAME/key`, or `NAME` for a single-object dataset).
+    /// By unit file name (`NAME/key`, or `NAME` for a single-object dataset, then the version
+    /// listed, if any: see [`versioned`](crate::peer::versioned)).
     objects: HashMap<String, Object>,
+    /// The unit file name of each path in `objects` (the version of it this node stages).
+    versions: HashMap<String, String>,
     /// Object-store datasets of the job still being listed and staged here; while any is, a unit
     /// this node does not know yet may still come.
     listing: usize,
@@ -503,7 +507,11 @@ impl JobPeers {
             rel_at,
             units: units.iter().map(|u| (u.len, Held::Pending)).collect(),
         };
-        lock(&self.state).objects.insert(first.file.clone(), object);
+        let mut st = lock(&self.state);
+        st.versions
+            .insert(unit_path(&first.file).to_string(), first.file.clone());
+        st.objects.insert(first.file.clone(), object);
+        drop(st);
         self.bump();
     }
 
@@ -773,7 +781,10 @@ impl JobPeers {
     fn answer(&self, unit: &Unit) -> Option<Result<blake3::Hash, UnitError>> {
         let mut st = lock(&self.state);
         let (listing, closed) = (st.listing, st.closed.is_some());
-        let known_file = st.objects.contains_key(&unit.file);
+        // A path this node listed as another version of its object counts as known: the asking
+        // node listed the object on the other side of an overwrite (see `stage::object`).
+        let known_file =
+            st.objects.contains_key(&unit.file) || st.versions.contains_key(unit_path(&unit.file));
         match slot_mut(&mut st, unit, self.cfg.unit_size) {
             Some((_, Held::Yes(h))) => Some(Ok(*h)),
             Some((_, Held::Failed(why))) => Some(Err(UnitError::Failed(why.clone()))),
@@ -970,7 +981,7 @@ impl JobPeers {
         Ok((
             hash,
             object.root.clone(),
-            unit.file[object.rel_at..].to_string(),
+            unit_path(&unit.file)[object.rel_at..].to_string(),
         ))
     }
 }
