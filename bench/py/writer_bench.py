@@ -5,13 +5,20 @@
 Every repetition times, in a rotating order, with time.perf_counter around the call only:
   memcpy       copying every tensor into preallocated tensors of the same shapes (dst.copy_(src))
   sluice       dcp.save(state, storage_writer=sluice_ckpt.SluiceWriter(tag, ckpt_dir=RAM, commit=False))
-  sluice-async dcp.async_save(...) with the same writer: the call's return (its blocking part); the
-               future is then waited for, untimed
+  sluice-async dcp.async_save(...) with the same writer: the call's return (its blocking part: the
+               copy into the staging buffers kept from save to save); the future is then waited
+               for, untimed
   sluice-save  sluice_ckpt.save(state, tag, ckpt_dir=RAM, commit=False) (torch.save through the writer)
+  sluice-save-async  the same with async_=True (its own sluice_ckpt.Stager): until it returns
   dcp-hot      dcp.save with DCP's stock FileSystemWriter into HOT (the NVMe hot tier)
   dcp-shm      the same into SHM (/dev/shm)
-Each save goes to a fresh tag directory, removed after the measurement (untimed). Prints one JSON
-object: {"bytes": ..., "tensors": ..., "seconds": {tool: [s, ...]}, "errors": {tool: "..."}, ...}.
+  dcp-async-shm  dcp.async_save with the stock FileSystemWriter into SHM: its blocking part
+The asynchronous tools' buffers are kept from save to save: their first save (which allocates and
+faults them in) is timed once before the repetitions, as `TOOL-first`; the repetitions are the
+2nd and later saves of the same state dict, what a training loop sees. Between two saves the
+tensors change in place (untimed), as training changes them. Each save goes to a fresh tag
+directory, removed after the measurement (untimed). Prints one JSON object: {"bytes": ...,
+"tensors": ..., "seconds": {tool: [s, ...]}, "errors": {tool: "..."}, ...}.
 """
 
 import argparse
@@ -83,41 +90,69 @@ def main():
     def sluice_save(d):
         sluice_ckpt.save(state, os.path.basename(d), ckpt_dir=a.ram, commit=False)
 
+    save_stager = sluice_ckpt.Stager()
+
+    def sluice_save_async(d):
+        pending.append(
+            sluice_ckpt.save(state, os.path.basename(d), ckpt_dir=a.ram, commit=False, async_=True, stager=save_stager)
+        )
+
     def dcp_to(root):
         return lambda d: dcp.save(state, storage_writer=FileSystemWriter(d))
+
+    def dcp_async(d):
+        pending.append(dcp.async_save(state, storage_writer=FileSystemWriter(d)))
 
     tools = [
         ("memcpy", memcpy, None),
         ("sluice", sluice, a.ram),
         ("sluice-async", sluice_async, a.ram),
         ("sluice-save", sluice_save, a.ram),
+        ("sluice-save-async", sluice_save_async, a.ram),
         ("dcp-hot", dcp_to(a.hot), a.hot),
         ("dcp-shm", dcp_to(a.shm), a.shm),
+        ("dcp-async-shm", dcp_async, a.shm),
     ]
+    kept = ("sluice-async", "sluice-save-async")  # tools whose buffers outlive a save
     seconds = {name: [] for name, _, _ in tools}
+    seconds.update({f"{name}-first": [] for name in kept})
     errors = {}
     written = {}
+
+    def measure(name, key, fn, d):
+        try:
+            t = time.perf_counter()
+            fn(d)
+            seconds[key].append(time.perf_counter() - t)
+            while pending:
+                pending.pop().result()
+            if d:
+                written[name] = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
+        except BaseException as e:  # one tool failing must not hide the others' numbers
+            if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+                raise
+            errors[name] = f"{type(e).__name__}: {e}"
+            pending.clear()
+        finally:
+            if d:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def train_step():
+        # Training changes the tensors between two saves (in place, as an optimizer step does).
+        for v in state.values():
+            v.add_(1)
+
+    for name, fn, root in tools:
+        if name in kept:
+            measure(name, f"{name}-first", fn, os.path.join(root, f"{name}-first"))
+            train_step()
     for rep in range(a.reps):
         k = rep % len(tools)
         for name, fn, root in tools[k:] + tools[:k]:
             if name in errors:
                 continue
-            d = os.path.join(root, f"{name}-{rep}") if root else None
-            try:
-                t = time.perf_counter()
-                fn(d)
-                seconds[name].append(time.perf_counter() - t)
-                while pending:
-                    pending.pop().result()
-                if d:
-                    written[name] = sum(
-                        os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs
-                    )
-            except Exception as e:  # one tool failing must not hide the others' numbers
-                errors[name] = f"{type(e).__name__}: {e}"
-            finally:
-                if d:
-                    shutil.rmtree(d, ignore_errors=True)
+            measure(name, name, fn, os.path.join(root, f"{name}-{rep}") if root else None)
+            train_step()
     print(json.dumps({
         "bytes": a.bytes,
         "tensors": len(state),

@@ -3,10 +3,15 @@
 One line with torch.distributed.checkpoint:
 
     dcp.save(state_dict, storage_writer=sluice_ckpt.SluiceWriter("step-100"))
+    fut = dcp.async_save(state_dict, storage_writer=sluice_ckpt.SluiceWriter("step-200"))
 
 or without DCP, from one rank:
 
     sluice_ckpt.save(state_dict, "step-100")
+    fut = sluice_ckpt.save(state_dict, "step-200", async_=True)   # fut.result(): the path
+
+The asynchronous forms stall training for one copy of the state dict into buffers kept from save
+to save (staging.py); the write and the commit run in the background.
 
 Files are written by libsluice_writer.so (the `writer/` crate of sluice, over its C ABI with
 ctypes): 4 KiB-aligned, double-buffered, O_DIRECT where the tier allows it, fsynced; then the tag is
@@ -14,6 +19,8 @@ committed with `sluice ckpt commit TAG` and the node's agent archives it.
 """
 
 import os
+import threading
+from concurrent.futures import Future
 
 from ._lib import (
     SluiceError,
@@ -24,14 +31,17 @@ from ._lib import (
     library_path,
     probe_cufile,
 )
+from .staging import Stager, default_stager
 
 __all__ = [
     "SluiceError",
     "SluiceReader",
+    "Stager",
     "SluiceWriter",
     "Writer",
     "commit",
     "cufile_library",
+    "default_stager",
     "library_path",
     "load",
     "probe_cufile",
@@ -42,23 +52,65 @@ __all__ = [
 DEFAULT_FILE = "state.pt"
 
 
-def save(state_dict, tag, *, filename=DEFAULT_FILE, ckpt_dir=None, commit=None, sluice=None, block_size=0):
+def save(
+    state_dict,
+    tag,
+    *,
+    filename=DEFAULT_FILE,
+    ckpt_dir=None,
+    commit=None,
+    sluice=None,
+    block_size=0,
+    async_=False,
+    stager=None,
+):
     """torch.save(state_dict) into $SLUICE_CKPT_DIR/TAG/FILENAME through the aligned writer, fsynced,
     then `sluice ckpt commit TAG` (inside a Slurm job; commit=True/False forces it). Call it from one
     rank (the DDP pattern); the job's other nodes learn of the commit through the archive. Returns
-    the file's path."""
+    the file's path.
+
+    async_=True: returns once the state dict is copied into the stager's buffers (stager: a
+    sluice_ckpt.Stager; None: the process's default, kept from save to save), with a
+    concurrent.futures.Future whose result() is the path once written, fsynced and committed (or
+    raises what failed). The next asynchronous save waits, in its copy, for this one's write."""
+    from . import _lib
+
+    tag = _lib.check_tag(tag)
+    d = os.path.join(_lib.ckpt_dir(ckpt_dir), tag)
+    if not async_:
+        return _save(state_dict, d, tag, filename, commit, sluice, block_size)
+    staged, lease = (stager if stager is not None else default_stager()).stage(state_dict)
+    fut = Future()
+
+    def run():
+        try:
+            fut.set_result(_save(staged, d, tag, filename, commit, sluice, block_size, lease))
+        except BaseException as e:  # the caller's result() raises it
+            fut.set_exception(e)
+        finally:
+            lease.release()
+
+    t = threading.Thread(target=run, name=f"sluice_ckpt.save {tag}", daemon=False)
+    lease.bind(t)
+    fut.set_running_or_notify_cancel()
+    t.start()
+    return fut
+
+
+def _save(state_dict, d, tag, filename, commit, sluice, block_size, lease=None):
     import torch
 
     from . import _lib
 
-    d = os.path.join(_lib.ckpt_dir(ckpt_dir), _lib.check_tag(tag))
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, filename)
     with Writer(path, block_size) as w:
         torch.save(state_dict, w)
+    if lease is not None:
+        lease.release()  # the bytes are in the file: the buffer may take the next save's copy
     _lib.fsync_dir(d)
     if _lib.should_commit(commit):
-        _lib.commit(_lib.check_tag(tag), sluice)
+        _lib.commit(tag, sluice)
     return path
 
 

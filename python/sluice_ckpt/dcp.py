@@ -12,19 +12,31 @@ DCP fills the next, O_DIRECT where the tier allows it, fsynced at close. When th
 `sluice ckpt commit TAG` (inside a Slurm job; `commit=` overrides): the commit the agent's
 `.metadata` signal would also see, at once rather than at its next scan.
 
+Under dcp.async_save, SluiceWriter is also the stager (DCP uses a storage writer that is an
+AsyncStager as its stager): the training thread's only work is one copy of the state dict into
+buffers kept from save to save (the process's sluice_ckpt.staging.default_stager(): pinned when
+CUDA is there, pages faulted in by the first save), and async_save returns; the write, the
+metadata and the commit run in DCP's background thread. A second async_save waits, in its copy,
+for the first's write to have returned before overwriting the buffer (see staging.py).
+`stager=False` gives DCP's own staging (a fresh copy at every save); `stager=Stager()` a buffer
+of its own (for a second state dict saved alternately with the first).
+
 Tensors reach the streams as DCP stages them: on the host (DCP copies CUDA tensors to the CPU
-first — under async_save into its staging copy; that copy is the bounce buffer on this path).
+first — under async_save into the staging copy; that copy is the bounce buffer on this path).
 For CUDA tensors straight to the file through GPUDirect Storage use `Writer.write_tensor`.
 """
 
 import io
 import os
+import threading
+import weakref
 from contextlib import contextmanager
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from . import _lib
+from .staging import default_stager
 
 
 class _Stream(io.RawIOBase):
@@ -95,10 +107,12 @@ class SluiceWriter(FileSystemWriter):
     commit: None (default) commits inside a Slurm job (SLURM_JOB_ID set) and not elsewhere;
     True/False force it. sluice: the CLI's path (else $SLUICE_CLI, else PATH). block_size: the
     writer's block (0: 8 MiB). Other keywords go to FileSystemWriter (thread_count, ...);
-    sync_files is always off: every stream is fsynced when it closes.
+    sync_files is always off: every stream is fsynced when it closes. stager: what
+    dcp.async_save's copy goes through (None: the process's default Stager, kept from save to
+    save; False: DCP's own fresh copy; or a sluice_ckpt.Stager).
     """
 
-    def __init__(self, tag, *, ckpt_dir=None, commit=None, sluice=None, block_size=0, **kwargs):
+    def __init__(self, tag, *, ckpt_dir=None, commit=None, sluice=None, block_size=0, stager=None, **kwargs):
         self.tag = _lib.check_tag(tag)
         kwargs["sync_files"] = False
         super().__init__(_tag_dir(tag, ckpt_dir), **kwargs)
@@ -106,6 +120,49 @@ class SluiceWriter(FileSystemWriter):
         self.commit = commit
         self.sluice = sluice
         self.commit_output = None
+        self.stager = stager
+        self._lease = None
+        self._staging_thread = None
+
+    def stage(self, state_dict):
+        """dcp.async_save's staging (on the training thread): one copy into the kept buffers."""
+        if self.stager is False:
+            return super().stage(state_dict)
+        self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the state is on the host now
+        stager = self.stager if self.stager is not None else default_stager()
+        staged, lease = stager.stage(state_dict)
+        self._lease = lease
+        self._staging_thread = threading.current_thread()
+        # Dropped without a write (async_save failed before its thread started): free the buffer.
+        weakref.finalize(self, lease.release)
+        return staged
+
+    def _bind_lease(self):
+        # The hooks below run in async_save's thread: its end releases the buffer even where the
+        # save fails before write_data returns.
+        if self._lease is not None and threading.current_thread() is not self._staging_thread:
+            self._lease.bind(threading.current_thread())
+
+    def reset(self, checkpoint_id=None):
+        self._bind_lease()
+        super().reset(checkpoint_id)
+
+    def set_up_storage_writer(self, *args, **kwargs):
+        self._bind_lease()
+        return super().set_up_storage_writer(*args, **kwargs)
+
+    def prepare_local_plan(self, plan):
+        self._bind_lease()
+        return super().prepare_local_plan(plan)
+
+    def write_data(self, plan, planner):
+        self._bind_lease()
+        fut = super().write_data(plan, planner)
+        # This rank's bytes are in its files: the buffer may take the next save's copy.
+        if self._lease is not None:
+            lease = self._lease
+            fut.add_done_callback(lambda _f: lease.release())
+        return fut
 
     def finish(self, metadata, results):
         super().finish(metadata, results)

@@ -176,6 +176,140 @@ class DcpTests(Base):
             sluice_ckpt.SluiceWriter("../escape", ckpt_dir=self.ckpt)
 
 
+def bump(s, by):
+    """Training's step between two saves: every tensor changed in place, and the plain values."""
+    for v in s["model"].values():
+        v.add_(by)
+    s["optim"]["step"].add_(1)
+    s["optim"]["lr"] *= 0.5
+    s["epoch"] += 1
+
+
+def snapshot(s):
+    return {
+        "model": {k: v.clone() for k, v in s["model"].items()},
+        "optim": {"step": s["optim"]["step"].clone(), "lr": s["optim"]["lr"]},
+        "epoch": s["epoch"],
+    }
+
+
+class AsyncStagingTests(Base):
+    """dcp.async_save through SluiceWriter and save(async_=True): one copy into buffers kept from
+    save to save, the rest in the background; each save loads its own values although the buffer
+    is reused (the second save's copy waits for the first's write)."""
+
+    def setUp(self):
+        super().setUp()
+        self.stager = sluice_ckpt.Stager()
+
+    def slow_writes(self, seconds):
+        # Every write stream's first write sleeps: the first save is still writing from the
+        # buffer when the second save's copy starts.
+        real = sluice_ckpt.Writer.write
+
+        def write(w, b):
+            if not getattr(w, "_slept", False):
+                w._slept = True
+                time.sleep(seconds)
+            return real(w, b)
+
+        sluice_ckpt.Writer.write = write
+        self.addCleanup(setattr, sluice_ckpt.Writer, "write", real)
+
+    def test_two_dcp_async_saves_of_changed_tensors_each_load_their_own_values(self):
+        self.slow_writes(0.5)
+        s = state(11)
+        want1 = snapshot(s)
+        f1 = dcp.async_save(s, storage_writer=sluice_ckpt.SluiceWriter("step-1100", stager=self.stager))
+        bump(s, 1.0)  # training goes on: the staged copy must not see it
+        want2 = snapshot(s)
+        f2 = dcp.async_save(s, storage_writer=sluice_ckpt.SluiceWriter("step-1200", stager=self.stager))
+        bump(s, 1.0)
+        f2.result(timeout=120)
+        f1.result(timeout=120)
+        self.assertEqual(self.stager.allocations, 1, "the second save reused the first's buffer")
+        for tag, want in (("step-1100", want1), ("step-1200", want2)):
+            out = zeros_like(s)
+            dcp.load(out, storage_reader=sluice_ckpt.SluiceReader(tag))
+            self.assertStateEqual(out, want)
+        self.assertEqual(self.commits(), [["ckpt", "commit", "step-1100"], ["ckpt", "commit", "step-1200"]])
+
+    def test_two_async_saves_of_changed_tensors_each_load_their_own_values(self):
+        self.slow_writes(0.5)
+        s = state(12)
+        want1 = snapshot(s)
+        f1 = sluice_ckpt.save(s, "step-1300", async_=True, stager=self.stager)
+        bump(s, 2.0)
+        want2 = snapshot(s)
+        start = time.monotonic()
+        f2 = sluice_ckpt.save(s, "step-1400", async_=True, stager=self.stager)
+        waited = time.monotonic() - start
+        bump(s, 2.0)
+        self.assertEqual(f1.result(timeout=120), os.path.join(self.ckpt, "step-1300", "state.pt"))
+        self.assertEqual(f2.result(timeout=120), os.path.join(self.ckpt, "step-1400", "state.pt"))
+        # The second copy waited for the first's write (which sleeps 0.5 s) before reusing the buffer.
+        self.assertGreater(waited, 0.2)
+        self.assertEqual(self.stager.allocations, 1)
+        self.assertStateEqual(sluice_ckpt.load("step-1300"), want1)
+        self.assertStateEqual(sluice_ckpt.load("step-1400"), want2)
+        self.assertEqual(self.commits(), [["ckpt", "commit", "step-1300"], ["ckpt", "commit", "step-1400"]])
+
+    def test_a_failed_async_save_frees_the_buffer_and_reaches_the_caller(self):
+        f1 = sluice_ckpt.save(state(13), "step-1500", async_=True, stager=self.stager, ckpt_dir="/proc/no-such")
+        with self.assertRaises(OSError):
+            f1.result(timeout=60)
+        s = state(14)
+        f2 = sluice_ckpt.save(s, "step-1600", async_=True, stager=self.stager)
+        f2.result(timeout=60)
+        self.assertStateEqual(sluice_ckpt.load("step-1600"), s)
+
+    def test_a_failed_dcp_async_save_frees_the_buffer(self):
+        # A write that fails inside write_data: the lease goes with async_save's thread.
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        real = sluice_ckpt.Writer.write
+
+        def write(w, b):
+            raise sluice_ckpt.SluiceError(28, "no space left on the test's tier")
+
+        sluice_ckpt.Writer.write = write
+        try:
+            f1 = dcp.async_save(state(15), storage_writer=sluice_ckpt.SluiceWriter("step-1700", stager=self.stager))
+            with self.assertRaises((sluice_ckpt.SluiceError, CheckpointException)) as e:
+                f1.result(timeout=60)
+            self.assertIn("no space left", str(e.exception))
+        finally:
+            sluice_ckpt.Writer.write = real
+        s = state(16)
+        f2 = dcp.async_save(s, storage_writer=sluice_ckpt.SluiceWriter("step-1800", stager=self.stager))
+        f2.result(timeout=60)
+        out = zeros_like(s)
+        dcp.load(out, storage_reader=sluice_ckpt.SluiceReader("step-1800"))
+        self.assertStateEqual(out, s)
+        self.assertEqual(self.commits(), [["ckpt", "commit", "step-1800"]])
+
+    def test_a_state_dict_of_another_shape_gets_new_buffers(self):
+        s = state(17)
+        sluice_ckpt.save(s, "step-1900", async_=True, stager=self.stager).result(timeout=60)
+        s["model"]["w"] = torch.randn(3, 5)
+        sluice_ckpt.save(s, "step-2000", async_=True, stager=self.stager).result(timeout=60)
+        self.assertEqual(self.stager.allocations, 2)
+        self.assertStateEqual(sluice_ckpt.load("step-2000"), s)
+
+    def test_the_default_stager_is_kept_across_writers(self):
+        stager = sluice_ckpt.default_stager()
+        s = state(18)
+        dcp.async_save(s, storage_writer=sluice_ckpt.SluiceWriter("step-2100")).result(timeout=60)
+        n = stager.allocations
+        bump(s, 3.0)
+        dcp.async_save(s, storage_writer=sluice_ckpt.SluiceWriter("step-2200")).result(timeout=60)
+        self.assertEqual(stager.allocations, n)
+        out = zeros_like(s)
+        dcp.load(out, storage_reader=sluice_ckpt.SluiceReader("step-2200"))
+        self.assertStateEqual(out, s)
+        stager.close()
+
+
 class SaveTests(Base):
     def test_save_writes_torch_save_bytes_and_commits(self):
         s = state(5)
