@@ -21,7 +21,7 @@
 use crate::cluster::{
     Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree,
 };
-use crate::measure::median;
+use crate::measure::{median, run_quiet};
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
 use sluice_e2e::relay::CountingRelay;
@@ -100,8 +100,9 @@ impl Bench {
         PathBuf::from(self.env("SLUICE_TEST_SOCKET").replace("%n", NODE))
     }
 
-    fn cache_dir(&self) -> PathBuf {
-        PathBuf::from(self.env("SLUICE_TEST_HOT_ROOT").replace("%n", NODE)).join("cache")
+    /// n1's hot tier as the harness configured it.
+    fn harness_hot_root(&self) -> PathBuf {
+        PathBuf::from(self.env("SLUICE_TEST_HOT_ROOT").replace("%n", NODE))
     }
 
     fn agent_pid(&self) -> Result<u32> {
@@ -208,14 +209,14 @@ impl Bench {
     }
 
     /// Restarts n1's agent with the harness's configuration plus `[cache] size = SIZE` (an empty
-    /// cache), returning how the harness had started it.
-    fn start_cached_agent(&self, original: &AgentProc, size: u64) -> Result<()> {
+    /// cache), its hot tier at `hot` (the harness's, or the case's XFS file system).
+    fn start_cached_agent(&self, original: &AgentProc, size: u64, hot: &Path) -> Result<()> {
         let at = 1 + original
             .argv
             .iter()
             .position(|a| a == "--config")
             .ok_or_else(|| anyhow!("the agent runs without --config: {:?}", original.argv))?;
-        let text = std::fs::read_to_string(&original.argv[at])?;
+        let text = with_hot_root(&std::fs::read_to_string(&original.argv[at])?, hot)?;
         let config = self.a.root.join("cache-agent.toml");
         // min_free 1 %: the machines' disks are shared with builds, and the cache must not decline
         // fills for want of 5 % of a large disk while the bench measures it.
@@ -230,21 +231,21 @@ impl Bench {
         let mut cached = original.clone();
         cached.argv[at] = config.display().to_string();
         self.kill_agent()?;
-        remove(&self.cache_dir())?;
+        remove(&hot.join("cache"))?;
         self.start_agent(&cached)
     }
 
-    fn restore_agent(&self, original: &AgentProc) -> Result<()> {
+    fn restore_agent(&self, original: &AgentProc, hot: &Path) -> Result<()> {
         self.kill_agent()?;
-        remove(&self.cache_dir())?;
+        remove(&hot.join("cache"))?;
         self.start_agent(original)
     }
 
-    /// Free space of n1's hot tier's file system, as `df` says it (for notes).
-    fn hot_free(&self) -> String {
-        let root = self.env("SLUICE_TEST_HOT_ROOT").replace("%n", NODE);
+    /// Free space of the file system of the hot tier at `hot`, as `df` says it (for notes).
+    fn hot_free(&self, hot: &Path) -> String {
         Command::new("df")
-            .args(["-h", "--output=avail", &root])
+            .args(["-h", "--output=avail"])
+            .arg(hot)
             .output()
             .ok()
             .and_then(|o| {
@@ -396,13 +397,15 @@ impl Bench {
                 self.a.user,
                 relay.port()
             ));
+            let hot = self.harness_hot_root();
             let parts = (|| -> Result<()> {
-                self.start_cached_agent(&original, sizes.hit_cache)?;
-                self.cache_hits(r, &relay)?;
-                self.start_cached_agent(&original, sizes.ws_cache)?;
-                self.cache_working_set(r, &relay, &sizes)
+                self.start_cached_agent(&original, sizes.hit_cache, &hot)?;
+                self.cache_hits(r, &relay, &hot, "")?;
+                self.start_cached_agent(&original, sizes.ws_cache, &hot)?;
+                self.cache_working_set(r, &relay, &sizes, &hot)?;
+                self.cache_hits_on_xfs(r, &relay, &original, &sizes)
             })();
-            let restored = self.restore_agent(&original);
+            let restored = self.restore_agent(&original, &hot);
             parts.and(restored)
         })();
         if let Err(e) = result {
@@ -423,10 +426,70 @@ impl Bench {
         self.upload_relayed(&["big", "small", "cache-ws"])
     }
 
+    /// Part 1 again with n1's hot tier on XFS (`reflink=1`, mkfs.xfs's default), in a file-backed
+    /// file system the case makes and removes. On XFS (and btrfs) a hit is a reflink, no data
+    /// written; on ext4, as the harness's hot tier is here, it is an in-kernel copy, as fast as the
+    /// disk takes writes, which against a loopback Garage leaves the big object short of 10×.
+    fn cache_hits_on_xfs(
+        &self,
+        r: &mut Report,
+        relay: &CountingRelay,
+        original: &AgentProc,
+        sizes: &CacheSizes,
+    ) -> Result<()> {
+        if Command::new("mkfs.xfs").arg("-V").output().is_err() {
+            r.note(
+                "cache: no mkfs.xfs on this machine (apt-get install xfsprogs): the rows with \
+                 the hot tier on XFS are left out"
+                    .into(),
+            );
+            return Ok(());
+        }
+        let (image, hot) = (
+            self.a.root.join("cache-xfs.img"),
+            self.a.root.join("cache-xfs"),
+        );
+        // Room for the cache and a job's copies (sparse: only what is written takes disk).
+        std::fs::File::create(&image)?.set_len(3 * sizes.hit_cache.max(1024 * MIB))?;
+        run_quiet(
+            Command::new("mkfs.xfs")
+                .args(["-q", "-f", "-m", "reflink=1"])
+                .arg(&image),
+        )?;
+        std::fs::create_dir_all(&hot)?;
+        run_quiet(
+            Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&image)
+                .arg(&hot),
+        )?;
+        r.note(format!(
+            "cache rows 'hot tier on XFS': n1's hot tier on a {} XFS file system (reflink=1) in a \
+             file on the same disk, loop-mounted at {}; a hit is a reflink there",
+            size_label(3 * sizes.hit_cache.max(1024 * MIB)),
+            hot.display()
+        ));
+        let measured = self
+            .start_cached_agent(original, sizes.hit_cache, &hot)
+            .and_then(|()| self.cache_hits(r, relay, &hot, ", hot tier on XFS"));
+        // The agent lets go of the file system before it is unmounted.
+        let restored = self.restore_agent(original, &hot);
+        let unmounted = run_quiet(Command::new("umount").arg(&hot)).map(drop);
+        let removed = remove(&image).and(remove(&hot));
+        measured.and(restored).and(unmounted).and(removed)
+    }
+
     /// Part 1: cold and warm job on one object and on many, alternating, the cache emptied before
-    /// each cold job.
-    fn cache_hits(&self, r: &mut Report, relay: &CountingRelay) -> Result<()> {
+    /// each cold job; `hot` is n1's hot tier, `label` what the rows add to their case.
+    fn cache_hits(
+        &self,
+        r: &mut Report,
+        relay: &CountingRelay,
+        hot: &Path,
+        label: &str,
+    ) -> Result<()> {
         for (shape, name) in [("one object", "big"), ("many objects", "small")] {
+            let shape = format!("{shape}{label}");
             let tree = source_tree(&self.data.join(name))?;
             let bytes: u64 = tree.values().sum();
             let prefix = format!("bench/{name}");
@@ -455,7 +518,7 @@ impl Bench {
                         rep + 1,
                         size_label(used),
                         size_label(bytes),
-                        self.hot_free()
+                        self.hot_free(hot)
                     ));
                 }
                 if c.progress.cache_bytes != 0 {
@@ -546,6 +609,7 @@ impl Bench {
         r: &mut Report,
         relay: &CountingRelay,
         s: &CacheSizes,
+        hot: &Path,
     ) -> Result<()> {
         let tree = source_tree(&self.data.join("cache-ws"))?;
         let bytes: u64 = tree.values().sum();
@@ -555,7 +619,7 @@ impl Bench {
         let (max_used, max_disk) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let sampler = {
             let (stop, max_used, max_disk) = (stop.clone(), max_used.clone(), max_disk.clone());
-            let (socket, dir) = (self.agent_socket(), self.cache_dir());
+            let (socket, dir) = (self.agent_socket(), hot.join("cache"));
             std::thread::spawn(move || {
                 while !stop.load(Ordering::SeqCst) {
                     if let Ok(Response::Cache(l)) = sluice_proto::client::call(
@@ -651,4 +715,30 @@ impl Bench {
         });
         Ok(())
     }
+}
+
+/// The agent configuration `text` with its `[hot_tier]` root at `hot`.
+fn with_hot_root(text: &str, hot: &Path) -> Result<String> {
+    let mut out = String::with_capacity(text.len());
+    let (mut section, mut replaced) = (String::new(), false);
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with('[') {
+            section = t.to_string();
+        }
+        if section == "[hot_tier]" && t.starts_with("root") && t.contains('=') {
+            out.push_str(&format!("root = {:?}\n", hot.display().to_string()));
+            replaced = true;
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    if !replaced {
+        bail!(
+            "the agent's configuration has no [hot_tier] root to move to {}",
+            hot.display()
+        );
+    }
+    Ok(out)
 }

@@ -19,6 +19,7 @@ DEEPSPEED_VERSION=0.19.8
 APT_PACKAGES=(slurmd slurmctld slurm-client libslurm-dev slurm-wlm-plugins-dev munge
               libclang-dev clang fio zstd rsync build-essential pkg-config procps iproute2 python3-venv curl
               python3-dev
+              xfsprogs          # bench/run's cache case: a hot tier on XFS, where a cache hit is a reflink
               man-db zsh fish)  # sluice generate: the man pages and completions are checked with them
 
 missing=()
