@@ -187,26 +187,9 @@ async fn copy_cached(
                     }
                     Some(CacheLine::Idents { count }) if !answered && count == idents.len() => {
                         answered = true;
-                        let (c, keys): (Arc<Cache>, Vec<(usize, Key)>) = (
-                            cache.clone(),
-                            idents.iter().map(|(i, f)| (*i, f.key.clone())).collect(),
-                        );
-                        let found = blocking(move || {
-                            keys.into_iter()
-                                .filter_map(|(i, k)| c.lookup(&k).map(|h| (i, h)))
-                                .collect::<Vec<_>>()
-                        })
-                        .await;
-                        let mut answer = String::new();
-                        for (idx, hit) in found {
-                            answer.push_str(&format!("hit {idx}\n"));
-                            hits.insert(idx, hit);
-                        }
-                        let mut stdin = helper.stdin.take().expect("stdin is piped");
-                        // The helper reads every answer before it writes again; if it went away,
-                        // its exit says why.
-                        let _ = stdin.write_all(answer.as_bytes()).await;
-                        drop(stdin);
+                        let keys = idents.iter().map(|(i, f)| (*i, f.key.clone())).collect();
+                        let stdin = helper.stdin.take().expect("stdin is piped");
+                        hits = answer_idents(cache.clone(), keys, stdin).await;
                     }
                     Some(CacheLine::Cached { idx }) if answered => {
                         let (Some(hit), Some(file)) = (hits.remove(&idx), idents.get(&idx).cloned()) else {
@@ -906,25 +889,10 @@ async fn replicate(
                         Some(CacheLine::Idents { count }) if !answered && count == idents.len() => {
                             answered = true;
                             let cache = shared.cache.clone().expect("asked with a cache");
-                            let keys: Vec<(usize, Key)> =
-                                idents.iter().map(|(i, k)| (*i, k.clone())).collect();
-                            let found = blocking(move || {
-                                keys.into_iter()
-                                    .filter_map(|(i, k)| cache.lookup(&k).map(|h| (i, h)))
-                                    .collect::<Vec<_>>()
-                            })
-                            .await;
-                            let mut answer = String::new();
-                            for (idx, hit) in found {
-                                answer.push_str(&format!("hit {idx}\n"));
-                                hits.insert(idx, hit);
-                            }
+                            let keys = idents.iter().map(|(i, k)| (*i, k.clone())).collect();
                             let h = helper.as_mut().expect("read while running");
-                            let mut stdin = h.stdin.take().expect("stdin is piped");
-                            // The helper reads every answer before it writes again; if it went
-                            // away, its exit says why.
-                            let _ = stdin.write_all(answer.as_bytes()).await;
-                            drop(stdin);
+                            let stdin = h.stdin.take().expect("stdin is piped");
+                            hits = answer_idents(cache, keys, stdin).await;
                         }
                         _ => return Err(helper_garbage(&shared, &line)),
                     },
@@ -1044,6 +1012,26 @@ fn keep_replica(
         .await;
         Ok(Done::Finished)
     }
+}
+
+/// Answers a helper's identified files (`keys`: each file's number and key): looks each up in
+/// `cache` and writes `hit IDX` for every hit on the helper's `stdin`, then closes it. Returns the
+/// hits, pinned until they are copied out.
+async fn answer_idents(
+    cache: Arc<Cache>,
+    keys: Vec<(usize, Key)>,
+    mut stdin: tokio::process::ChildStdin,
+) -> HashMap<usize, Hit> {
+    let hits: HashMap<usize, Hit> = blocking(move || {
+        keys.into_iter()
+            .filter_map(|(i, k)| cache.lookup(&k).map(|h| (i, h)))
+            .collect()
+    })
+    .await;
+    let answer: String = hits.keys().map(|idx| format!("hit {idx}\n")).collect();
+    // The helper reads every answer before it writes again; if it went away, its exit says why.
+    let _ = stdin.write_all(answer.as_bytes()).await;
+    hits
 }
 
 /// A line of the helper that does not belong to the run (the helper runs as the job user, who
