@@ -120,6 +120,9 @@ pub struct Agent {
     pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
     /// The node-wide stage-in download budget (`stage.concurrency`, `stage.memory`), shared by all jobs.
     stage_budget: Arc<stage::Budget>,
+    /// Checkpoint uploads the node's `[agent] memory` budget holds at once, over all jobs (each
+    /// holds up to `Config::archive_memory` of buffers); `None` without a budget.
+    upload_slots: Option<Arc<tokio::sync::Semaphore>>,
     /// The `sluiced` binary that runs `copy-as-user`.
     helper_exe: PathBuf,
     /// The agent's one cancellation: every job's token and every worker's is a child of it.
@@ -187,6 +190,9 @@ impl Agent {
             policy: Policy::new(&cfg),
             bandwidth: cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new),
             stage_budget: stage::Budget::new(&cfg.stage),
+            upload_slots: cfg
+                .upload_slots()
+                .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
             jobs: Mutex::new(HashMap::new()),
             journal,
             helper_exe,
@@ -849,6 +855,13 @@ impl Agent {
                 progress: job.progress_summary(),
             }),
         }
+    }
+
+    /// Waits until the node's memory budget holds one more checkpoint upload; the upload holds
+    /// the permit while it runs (`None`: no budget, no wait).
+    pub(crate) async fn upload_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let slots = self.upload_slots.clone()?;
+        slots.acquire_owned().await.ok()
     }
 
     /// Writes the job's current record to the journal (errors are logged: the in-memory state stays

@@ -278,6 +278,15 @@ impl Config {
     pub fn archive_memory(&self) -> u64 {
         archive_memory(&self.ckpt)
     }
+
+    /// How many checkpoint uploads may run at once on the node, over all jobs: as many as
+    /// `[agent] memory` holds beside the stage-in budget, at least one (parsing refuses a budget
+    /// that holds less); `None` (no limit) without a budget.
+    pub fn upload_slots(&self) -> Option<usize> {
+        let budget = self.memory?;
+        let each = self.archive_memory().max(1);
+        Some((budget.saturating_sub(self.stage.memory) / each).max(1) as usize)
+    }
 }
 
 fn archive_memory(ckpt: &CkptConfig) -> u64 {
@@ -1113,6 +1122,7 @@ mod tests {
         // Not set: no budget, stage.memory as before.
         let c = cfg("", "").unwrap();
         assert_eq!((c.memory, c.stage.memory), (None, 32 << 20));
+        assert_eq!(c.upload_slots(), None, "no budget, no limit on uploads");
         // The defaults: 5 part buffers of 16MiB, and 3 chunk buffers per compress thread plus 4.
         let archive = c.archive_memory();
         let threads = crate::ArchiveConfig::default().compress_threads as u64;
@@ -1120,10 +1130,24 @@ mod tests {
         let c = cfg("memory='256MiB'\n", "").unwrap();
         assert_eq!((c.memory, c.stage.memory), (Some(256 << 20), 32 << 20));
         assert!(c.stage.memory + c.archive_memory() <= 256 << 20);
+        // Uploads at once, over all jobs: what the budget holds beside stage-in, at least one.
+        let slots = c.upload_slots().unwrap();
+        assert_eq!(slots as u64, ((256 << 20) - c.stage.memory) / archive);
+        assert!(slots >= 1 && c.stage.memory + slots as u64 * archive <= 256 << 20);
+        let c = cfg("memory='2GiB'\n", "").unwrap();
+        assert!(
+            c.upload_slots().unwrap() > slots,
+            "a larger budget holds more uploads"
+        );
         // A tight budget: an unset stage.memory gets what the archive leaves.
         let mib = archive.div_ceil(1 << 20) + 8;
         let c = cfg(&format!("memory='{mib}MiB'\n"), "").unwrap();
         assert_eq!(c.stage.memory + c.archive_memory(), mib << 20);
+        assert_eq!(
+            c.upload_slots(),
+            Some(1),
+            "one upload at a time in a tight budget"
+        );
         // Set explicitly, their sum must fit: the message names what to change.
         let e = cfg(&format!("memory='{mib}MiB'\n"), "[stage]\nmemory='32MiB'\n").unwrap_err();
         assert!(e.contains(&format!("agent.memory ({mib}MiB)")), "{e}");

@@ -409,6 +409,8 @@ impl CkptWorker {
             // files are compared with what the MANIFEST holds of this node's part.
             return self.compare_with_archived(entry, &m, archiver.url()).await;
         }
+        // Within the node's memory budget: another job's upload may have to finish first.
+        let _slot = self.agent.upload_slot().await;
         let progress = ArchiveProgress::default();
         let started = Instant::now();
         // Flushed from RAM: the upload's hashes of the hot tier's copy verify the flush.
