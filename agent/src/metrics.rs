@@ -301,11 +301,13 @@ impl Metrics {
 }
 
 /// Of a dataset's staged bytes, those read from its origin: what came from neither the job's other
-/// nodes nor this node's cache (the cache counts its own, `sluice_cache_hit_bytes_total`).
+/// nodes nor this node's cache (the cache counts its own, `sluice_cache_hit_bytes_total`), nor was
+/// kept from before an agent restart.
 fn origin_bytes(p: &StageProgress) -> u64 {
     p.bytes_done
         .saturating_sub(p.peer_bytes)
         .saturating_sub(p.cache_bytes)
+        .saturating_sub(p.resumed_bytes)
 }
 
 /// The label value of a dataset's source.
@@ -888,6 +890,7 @@ mod tests {
             origin_bytes: 10,
             peer_bytes: 30,
             cache_bytes: 60,
+            resumed_bytes: 0,
             elapsed_ms: 1,
             error: None,
         };
@@ -895,12 +898,14 @@ mod tests {
         let all_cached = StageProgress {
             peer_bytes: 0,
             cache_bytes: 100,
+            resumed_bytes: 0,
             ..p.clone()
         };
         assert_eq!(origin_bytes(&all_cached), 0);
         let cold = StageProgress {
             peer_bytes: 0,
             cache_bytes: 0,
+            resumed_bytes: 0,
             ..p
         };
         assert_eq!(origin_bytes(&cold), 100);

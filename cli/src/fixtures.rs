@@ -52,6 +52,7 @@ fn stage(name: &str, source: &str, state: StageState) -> StageProgress {
         origin_bytes: 0,
         peer_bytes: 0,
         cache_bytes: 0,
+        resumed_bytes: 0,
         elapsed_ms: 0,
         error: None,
     }

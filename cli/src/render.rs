@@ -347,16 +347,22 @@ pub fn job_detail(job: &JobStatus, now: SystemTime) -> String {
             rate(s.rate_bps()),
             duration_ms(s.elapsed_ms),
         ));
-        // Where the bytes came from, once the job's other nodes (peer transfers) or this node's
-        // cache supplied some: what this node read from the origin itself is what the origin
-        // served it.
-        if s.peer_bytes > 0 || s.cache_bytes > 0 {
+        // Where the bytes came from, once the job's other nodes (peer transfers), this node's
+        // cache or files kept across an agent restart supplied some: what this node read from the
+        // origin itself is what the origin served it.
+        if s.peer_bytes > 0 || s.cache_bytes > 0 || s.resumed_bytes > 0 {
             let mut from = format!("{} origin", bytes(s.origin_bytes));
             if s.peer_bytes > 0 {
                 from.push_str(&format!(", {} peers", bytes(s.peer_bytes)));
             }
             if s.cache_bytes > 0 {
                 from.push_str(&format!(", {} this node's cache", bytes(s.cache_bytes)));
+            }
+            if s.resumed_bytes > 0 {
+                from.push_str(&format!(
+                    ", {} kept from before the agent restarted",
+                    bytes(s.resumed_bytes)
+                ));
             }
             out.push_str(&format!("    from     {from}\n"));
         }
@@ -1359,6 +1365,20 @@ JOBID  USER   STATE    DATASETS  ";
             job_detail(&job, UNIX_EPOCH).contains(
                 "    from     1.0 GiB origin, 512.0 MiB peers, 7.0 GiB this node's cache\n"
             )
+        );
+    }
+
+    #[test]
+    fn job_view_shows_bytes_kept_across_an_agent_restart() {
+        let mut job = fixtures::staging_job();
+        job.stages[0].origin_bytes = 1 << 30;
+        job.stages[0].resumed_bytes = 3 * (1 << 30);
+        let text = job_detail(&job, UNIX_EPOCH);
+        assert!(
+            text.contains(
+                "    from     1.0 GiB origin, 3.0 GiB kept from before the agent restarted\n"
+            ),
+            "{text}"
         );
     }
 

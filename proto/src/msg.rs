@@ -486,6 +486,11 @@ pub struct StageProgress {
     /// Of `bytes_done`: placed from this node's cache (`[cache]`), read from neither.
     #[serde(default)]
     pub cache_bytes: u64,
+    /// Of `bytes_done`: files a restarted agent found staged whole (the object version it lists
+    /// now, the file as it was written) and kept, read from nowhere. An agent before resumed
+    /// staging sends none.
+    #[serde(default)]
+    pub resumed_bytes: u64,
     /// Milliseconds spent so far (or in total, once done).
     pub elapsed_ms: u64,
     pub error: Option<String>,

@@ -20,8 +20,8 @@ pub fn bytes(n: u64) -> String {
 }
 
 /// What this node staged for the job, once its data is ready: datasets, bytes, files, time and
-/// rate, and, when the job's other nodes (peers) or this node's cache supplied some of it, the
-/// share of each source. Nothing when the job stages nothing.
+/// rate, and, when the job's other nodes (peers), this node's cache or files kept across an agent
+/// restart supplied some of it, the share of each source. Nothing when the job stages nothing.
 pub fn job_start(status: &JobStatus) -> Vec<String> {
     let stages = &status.stages;
     if stages.is_empty() {
@@ -31,6 +31,7 @@ pub fn job_start(status: &JobStatus) -> Vec<String> {
     let files: u64 = stages.iter().map(|s| s.files_done).sum();
     let peer: u64 = stages.iter().map(|s| s.peer_bytes).sum();
     let cache: u64 = stages.iter().map(|s| s.cache_bytes).sum();
+    let resumed: u64 = stages.iter().map(|s| s.resumed_bytes).sum();
     // Datasets stage side by side: the job waited for the slowest.
     let ms = stages.iter().map(|s| s.elapsed_ms).max().unwrap_or(0);
     let rate = bytes_done
@@ -44,7 +45,7 @@ pub fn job_start(status: &JobStatus) -> Vec<String> {
         bytes(bytes_done),
         ms as f64 / 1000.0
     );
-    if let Some(shares) = shares(bytes_done, peer, cache) {
+    if let Some(shares) = shares(bytes_done, peer, cache, resumed) {
         line.push_str("; ");
         line.push_str(&shares);
     }
@@ -52,40 +53,52 @@ pub fn job_start(status: &JobStatus) -> Vec<String> {
 }
 
 /// Where `done` bytes came from, when not all from the origin: `34 % from the origin, 66 % from
-/// the job's other nodes`, `100 % from this node's cache`. The shares add up to 100: peers' and
-/// the cache's are rounded down and the origin gets the rest when it served anything, so
-/// rounding never claims more saved than was; when it served nothing, the rest goes to whichever
-/// of the two lost more to rounding. The origin is named whenever it served anything, and next
-/// to peers always (it is what peers save); the cache when it supplied anything.
-fn shares(done: u64, peer: u64, cache: u64) -> Option<String> {
-    if done == 0 || (peer == 0 && cache == 0) {
+/// the job's other nodes`, `100 % from this node's cache`, `80 % resumed from before the agent
+/// restarted` (files a restarted agent found whole and kept, read from nowhere). The shares add up
+/// to 100: the other sources' are rounded down and the origin gets the rest when it served
+/// anything, so rounding never claims more saved than was; when it served nothing, the rest goes
+/// to whichever source lost most to rounding. The origin is named whenever it served anything,
+/// and next to peers always (it is what peers save); the others when they supplied anything.
+fn shares(done: u64, peer: u64, cache: u64, resumed: u64) -> Option<String> {
+    const FROM: [&str; 3] = [
+        "from the job's other nodes",
+        "from this node's cache",
+        "resumed from before the agent restarted",
+    ];
+    if done == 0 || (peer == 0 && cache == 0 && resumed == 0) {
         return None;
     }
-    let (done, peer) = (u128::from(done), u128::from(peer).min(u128::from(done)));
+    let done = u128::from(done);
     // Counters of another agent could overlap; never more than the whole.
-    let cache = u128::from(cache).min(done - peer);
-    let (mut from_peers, mut from_cache) = (peer * 100 / done, cache * 100 / done);
-    let origin_served = peer + cache < done;
-    let rest = 100 - from_peers - from_cache;
+    let mut left = done;
+    let amounts = [peer, cache, resumed].map(|a| {
+        let a = u128::from(a).min(left);
+        left -= a;
+        a
+    });
+    let mut percent = amounts.map(|a| a * 100 / done);
+    let origin_served = left > 0;
+    let rest = 100 - percent.iter().sum::<u128>();
     let from_origin = if origin_served {
         rest
     } else {
-        if (peer * 100) % done >= (cache * 100) % done {
-            from_peers += rest;
-        } else {
-            from_cache += rest;
+        let mut most = 0;
+        for i in 1..amounts.len() {
+            if (amounts[i] * 100) % done > (amounts[most] * 100) % done {
+                most = i;
+            }
         }
+        percent[most] += rest;
         0
     };
     let mut parts = Vec::new();
     if origin_served || peer > 0 {
         parts.push(format!("{from_origin} % from the origin"));
     }
-    if peer > 0 {
-        parts.push(format!("{from_peers} % from the job's other nodes"));
-    }
-    if cache > 0 {
-        parts.push(format!("{from_cache} % from this node's cache"));
+    for ((amount, percent), from) in amounts.iter().zip(percent).zip(FROM) {
+        if *amount > 0 {
+            parts.push(format!("{percent} % {from}"));
+        }
     }
     Some(parts.join(", "))
 }
@@ -205,6 +218,7 @@ mod tests {
             origin_bytes: bytes - peer,
             peer_bytes: peer,
             cache_bytes: 0,
+            resumed_bytes: 0,
             elapsed_ms: ms,
             error: None,
         };
@@ -240,6 +254,7 @@ mod tests {
             origin_bytes: bytes - peer - cache,
             peer_bytes: peer,
             cache_bytes: cache,
+            resumed_bytes: 0,
             elapsed_ms: 500,
             error: None,
         };
@@ -285,13 +300,44 @@ mod tests {
         assert!(line(&st).ends_with("; 75 % from the origin, 25 % from this node's cache"));
         // Counters that overlap (another agent's) never make a share above 100.
         assert_eq!(
-            shares(100, 80, 80).as_deref(),
+            shares(100, 80, 80, 0).as_deref(),
             Some(
                 "0 % from the origin, 80 % from the job's other nodes, 20 % from this node's cache"
             )
         );
-        assert_eq!(shares(0, 0, 0), None);
-        assert_eq!(shares(100, 0, 0), None);
+        assert_eq!(shares(0, 0, 0, 0), None);
+        assert_eq!(shares(100, 0, 0, 0), None);
+    }
+
+    #[test]
+    fn start_summary_names_what_a_restarted_agent_kept() {
+        use crate::msg::{StageProgress, StageState};
+        let mut st = job(Vec::new());
+        st.stages = vec![StageProgress {
+            name: "ds".into(),
+            source: "s3://b/ds".into(),
+            state: StageState::Done,
+            files_done: 4,
+            files_total: Some(4),
+            bytes_done: 1000,
+            bytes_total: Some(1000),
+            origin_bytes: 300,
+            peer_bytes: 0,
+            cache_bytes: 0,
+            resumed_bytes: 700,
+            elapsed_ms: 500,
+            error: None,
+        }];
+        let line = job_start(&st).pop().unwrap();
+        assert!(
+            line.ends_with("; 30 % from the origin, 70 % resumed from before the agent restarted"),
+            "{line}"
+        );
+        // With the cache too, and nothing from the origin: the shares still add up to 100.
+        assert_eq!(
+            shares(3, 0, 1, 2).as_deref(),
+            Some("33 % from this node's cache, 67 % resumed from before the agent restarted")
+        );
     }
 
     #[test]

@@ -110,6 +110,8 @@ pub struct Progress {
     peer_bytes: AtomicU64,
     /// Of `bytes_done`: placed from this node's cache.
     cache_bytes: AtomicU64,
+    /// Of `bytes_done`: files a restarted agent found staged whole and kept.
+    resumed_bytes: AtomicU64,
     started: Mutex<Option<Instant>>,
     elapsed_ms: AtomicU64,
     error: Mutex<Option<String>>,
@@ -130,6 +132,7 @@ impl Progress {
             origin_bytes: AtomicU64::new(0),
             peer_bytes: AtomicU64::new(0),
             cache_bytes: AtomicU64::new(0),
+            resumed_bytes: AtomicU64::new(0),
             started: Mutex::new(None),
             elapsed_ms: AtomicU64::new(0),
             error: Mutex::new(None),
@@ -189,6 +192,7 @@ impl Progress {
             origin_bytes: self.origin_bytes.load(Ordering::Relaxed),
             peer_bytes: self.peer_bytes.load(Ordering::Relaxed),
             cache_bytes: self.cache_bytes.load(Ordering::Relaxed),
+            resumed_bytes: self.resumed_bytes.load(Ordering::Relaxed),
             elapsed_ms,
             error: lock(&self.error).clone(),
         }

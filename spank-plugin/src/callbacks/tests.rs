@@ -1215,6 +1215,7 @@ fn the_batch_steps_first_task_prints_what_was_staged_once() {
             origin_bytes: 3 << 20,
             peer_bytes: 0,
             cache_bytes: 0,
+            resumed_bytes: 0,
             elapsed_ms: 1500,
             error: None,
         }];
