@@ -271,13 +271,27 @@ impl Agent {
         self.workers.statuses()
     }
 
-    /// Resumes the jobs recorded in the journal: staging that was cut short starts again; jobs that
-    /// were already staged stay as they are (their tasks may be using the data); pending checkpoint
-    /// archives continue. Starts housekeeping.
+    /// Resumes the jobs recorded in the journal: staging that was cut short resumes — of its
+    /// object-store datasets on this node's hot tier, the files the staging log shows staged whole
+    /// (of the object version the origin lists now, and unchanged since) are kept and the rest is
+    /// read again ([`stage::resume`]); POSIX datasets and the shared tier start again. Jobs that
+    /// were already staged stay as they are (their tasks may be using the data); pending
+    /// checkpoint archives continue. Starts housekeeping.
     pub(crate) fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
         let (records, bad) = self.journal.load()?;
         for e in bad {
             tracing::error!("{e}; left in place for inspection");
+        }
+        // Staging logs are only read for jobs still staging; the rest are of jobs staged, ended
+        // or forgotten while the agent was down.
+        let staging = records
+            .iter()
+            .filter(|r| !r.ready && !r.ended)
+            .map(|r| r.start.job_id)
+            .collect();
+        let pruned = stage::resume::prune(&self.cfg.state_dir, &staging);
+        if pruned > 0 {
+            tracing::info!(pruned, "removed the staging logs of jobs no longer staging");
         }
         let n = records.len();
         self.workers.spawn(Housekeeper {
@@ -701,10 +715,28 @@ impl Agent {
             }));
         let hot = self.hot.clone();
         // A fresh start removes what an earlier run of the job id left, except the committed
-        // checkpoints this run inherited.
+        // checkpoints this run inherited. A recovered job's object-store datasets on this node's
+        // hot tier resume: what the run before the agent's restart staged of them stays, and
+        // their staging logs say which files of it are whole ([`stage::resume`]).
+        let resuming = !fresh_dirs && shared_tier.is_none();
+        let keep_staged: Vec<String> = options
+            .stage_in
+            .iter()
+            .filter(|s| resuming && s.source.bucket_url().is_some())
+            .map(|s| s.name.clone())
+            .collect();
+        let resume = match shared_tier {
+            None => {
+                let state_dir = self.cfg.state_dir.clone();
+                let open = move || stage::resume::JobResume::open(&state_dir, job_id, resuming);
+                Some(Arc::new(blocking(open).await))
+            }
+            Some(_) => None,
+        };
         let inherited: Vec<String> = job.ckpts.entries().iter().map(|e| e.tag.clone()).collect();
         let (stage_fd, ckpt_fd) = blocking(move || {
-            let dirs = hot.prepare_job(job_id, owner, fresh_dirs && inherited.is_empty())?;
+            let fresh = fresh_dirs && inherited.is_empty();
+            let dirs = hot.prepare_job(job_id, owner, fresh, &keep_staged)?;
             if fresh_dirs && !inherited.is_empty() {
                 hot.remove_ckpt_except(job_id, &inherited)?;
             }
@@ -778,6 +810,7 @@ impl Agent {
             budget: self.stage_budget.clone(),
             shared_tier: shared_job.as_ref().map(|s| Arc::new(s.layout.clone())),
             cache: self.cache.clone(),
+            resume,
         };
         let own_share = async {
             if shared_job.as_ref().is_some_and(|s| s.done) {
@@ -846,6 +879,12 @@ impl Agent {
                 self.metrics.set_up_done(job, Ok(()));
                 job.set_ready();
                 self.persist(job).await;
+                // Staged: a restarted agent no longer stages the job (the journal says it is
+                // ready), so its staging logs have done their work.
+                let state_dir = self.cfg.state_dir.clone();
+                if let Err(e) = blocking(move || stage::resume::forget(&state_dir, job_id)).await {
+                    tracing::warn!(job_id, "removing the job's staging logs: {e}");
+                }
                 Ok(())
             }
             Ok(Err(e)) => Err(e),
@@ -1006,8 +1045,12 @@ impl Agent {
             .shared_tier
             .clone()
             .filter(|_| matches!(&job.options, Ok(o) if o.stage_tier == StageTier::Shared));
+        let state_dir = self.cfg.state_dir.clone();
         let removed = self
             .spawn(blocking(move || {
+                if let Err(e) = stage::resume::forget(&state_dir, job_id) {
+                    tracing::warn!(job_id, "removing the job's staging logs: {e}");
+                }
                 let mut r = hot.remove_staged(job_id)?;
                 if let Some(cfg) = shared {
                     match stage::shared::remove(&cfg, job_id) {

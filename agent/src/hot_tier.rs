@@ -120,12 +120,15 @@ impl HotTier {
 
     /// Creates `jobs/<id>/{stage,ckpt}` owned by the job user. `fresh` (a job starting) removes
     /// anything a previous run of the same job id left (a requeued job must not trust stale data); a
-    /// recovery keeps `ckpt` and re-creates only `stage`. Returns the (stage, ckpt) directories.
+    /// recovery keeps `ckpt`, and of `stage` only the entries named in `keep_staged` (the
+    /// object-store datasets a restarted agent resumes: `stage::resume`); with none, `stage` is
+    /// re-created empty. Returns the (stage, ckpt) directories.
     pub fn prepare_job(
         &self,
         job_id: JobId,
         owner: Owner,
         fresh: bool,
+        keep_staged: &[String],
     ) -> Result<(OwnedFd, OwnedFd), SafeFsError> {
         let jobs = self.jobs()?;
         let name = job_id.to_string();
@@ -135,8 +138,20 @@ impl HotTier {
         } else {
             safefs::ensure_dir(&jobs, &name, Some(owner), 0o700)?
         };
-        safefs::remove_tree(&job_dir, STAGE)?;
-        let stage = safefs::create_dir(&job_dir, STAGE, Some(owner), 0o755)?;
+        let stage = if fresh || keep_staged.is_empty() {
+            safefs::remove_tree(&job_dir, STAGE)?;
+            safefs::create_dir(&job_dir, STAGE, Some(owner), 0o755)?
+        } else {
+            let stage = safefs::ensure_dir(&job_dir, STAGE, Some(owner), 0o755)?;
+            // What else a cut-short set-up left (POSIX datasets, shard manifests, a step's
+            // datasets) is staged again, from the start.
+            for entry in list_names(&stage)? {
+                if !keep_staged.contains(&entry) {
+                    safefs::remove_tree(&stage, &entry)?;
+                }
+            }
+            stage
+        };
         let ckpt = safefs::ensure_dir(&job_dir, CKPT, Some(owner), 0o755)?;
         Ok((stage, ckpt))
     }
@@ -267,13 +282,21 @@ mod tests {
             dirs.ckpt_dir,
             tmp.path().join("jobs/7/ckpt").display().to_string()
         );
-        hot.prepare_job(7, me, true).unwrap();
+        hot.prepare_job(7, me, true, &[]).unwrap();
         std::fs::create_dir(tmp.path().join("jobs/7/ckpt/s1")).unwrap();
         std::fs::create_dir(tmp.path().join("jobs/7/ckpt/torn")).unwrap();
         std::fs::write(tmp.path().join("jobs/7/stage/x"), b"x").unwrap();
-        // A recovery keeps checkpoints and re-creates the stage directory empty.
-        hot.prepare_job(7, me, false).unwrap();
+        // A recovery keeps checkpoints and re-creates the stage directory empty ...
+        hot.prepare_job(7, me, false, &[]).unwrap();
         assert!(!tmp.path().join("jobs/7/stage/x").exists());
+        // ... or keeps the datasets it resumes, and only those.
+        std::fs::create_dir(tmp.path().join("jobs/7/stage/ds")).unwrap();
+        std::fs::write(tmp.path().join("jobs/7/stage/ds/f"), b"f").unwrap();
+        std::fs::write(tmp.path().join("jobs/7/stage/posix"), b"p").unwrap();
+        hot.prepare_job(7, me, false, &["ds".into(), "absent".into()])
+            .unwrap();
+        assert!(tmp.path().join("jobs/7/stage/ds/f").exists());
+        assert!(!tmp.path().join("jobs/7/stage/posix").exists());
         let mut subdirs = hot.ckpt_subdirs(7);
         subdirs.sort();
         assert_eq!(subdirs, ["s1", "torn"]);
@@ -286,7 +309,7 @@ mod tests {
         // Already gone counts as removed for staged data.
         hot.remove_staged(7).unwrap();
         // An unknown job's checkpoints stay; an empty one goes whole.
-        hot.prepare_job(9, me, true).unwrap();
+        hot.prepare_job(9, me, true, &[]).unwrap();
         std::fs::write(tmp.path().join("jobs/9/stage/x"), b"x").unwrap();
         std::fs::create_dir(tmp.path().join("jobs/9/ckpt/s1")).unwrap();
         assert!(hot.remove_unknown_job(9).unwrap(), "kept");
@@ -297,9 +320,9 @@ mod tests {
         assert!(!tmp.path().join("jobs/9").exists());
         assert!(!hot.remove_unknown_job(10).unwrap(), "never there");
         // A fresh start of the same id removes what the previous run left.
-        hot.prepare_job(8, me, true).unwrap();
+        hot.prepare_job(8, me, true, &[]).unwrap();
         std::fs::create_dir(tmp.path().join("jobs/8/ckpt/old")).unwrap();
-        hot.prepare_job(8, me, true).unwrap();
+        hot.prepare_job(8, me, true, &[]).unwrap();
         assert!(hot.ckpt_subdirs(8).is_empty());
     }
 

@@ -168,6 +168,7 @@ impl Node {
             budget: self.budget.clone(),
             shared_tier: None,
             cache: Some(self.cache.clone()),
+            resume: None,
         };
         let spec = spec(src);
         let progress = Arc::new(Progress::new(&spec));

@@ -140,6 +140,7 @@ async fn run_stage(job: &StageJob, cfg: Arc<Config>) -> Result<(u64, u64)> {
         shared_tier: None,
         // The in-process cases measure staging from the origin; the cache case runs real jobs.
         cache: None,
+        resume: None,
     };
     let progress: Vec<Arc<Progress>> = specs.iter().map(|s| Arc::new(Progress::new(s))).collect();
     futures::future::try_join_all(

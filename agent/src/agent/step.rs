@@ -234,6 +234,7 @@ impl Agent {
             budget: self.stage_budget.clone(),
             shared_tier: None,
             cache: self.cache.clone(),
+            resume: None,
         };
         let sharing = plan.as_ref().map_or(Sharing::Alone, Sharing::Shard);
         let limit = self.cfg.stage.timeout;

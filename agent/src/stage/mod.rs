@@ -39,6 +39,7 @@ pub mod lustre;
 mod object;
 pub mod peers;
 mod posix;
+pub mod resume;
 pub mod shard;
 pub mod shared;
 
@@ -110,7 +111,7 @@ pub struct Progress {
     peer_bytes: AtomicU64,
     /// Of `bytes_done`: placed from this node's cache.
     cache_bytes: AtomicU64,
-    /// Of `bytes_done`: files a restarted agent found staged whole and kept.
+    /// Of `bytes_done`: files a restarted agent found staged whole and kept ([`resume`]).
     resumed_bytes: AtomicU64,
     started: Mutex<Option<Instant>>,
     elapsed_ms: AtomicU64,
@@ -220,6 +221,10 @@ pub struct StageCtx {
     /// The node's cross-job cache (`[cache]`): object-store datasets are taken from it where it
     /// holds their objects, and fill it as they are staged ([`crate::cache`]).
     pub cache: Option<Arc<crate::cache::Cache>>,
+    /// The job's staging logs ([`resume`]): object-store datasets on the node's hot tier note the
+    /// files they staged whole, and, after an agent restart, keep those rather than read them
+    /// again. `None`: nothing is noted or kept (a step's datasets, the tests' runs).
+    pub resume: Option<Arc<resume::JobResume>>,
 }
 
 /// How a dataset is staged with respect to the job's other nodes.

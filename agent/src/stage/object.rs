@@ -11,6 +11,7 @@
 //! as usual.
 
 use super::peers::NextStep;
+use super::resume::{self, DatasetLog};
 use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
 use crate::cache::{Cache, Fill, Hit, Key};
@@ -127,6 +128,12 @@ struct Fetcher {
     cfg: Arc<sluice_archive::config::Config>,
     /// `s3://bucket`: objects' URLs are this and their location (the cache's keys).
     bucket_url: String,
+    /// The dataset's staging log: files staged whole are noted in it, and after an agent restart
+    /// those it names are kept rather than read again ([`super::resume`]).
+    log: Option<Arc<DatasetLog>>,
+    /// The stage directory holds what a run before an agent restart left: a file is created in
+    /// place of whatever is at its path, and directories that exist are used.
+    replace: bool,
 }
 
 /// Where an object's bytes go: the job's file, the cache entry being filled beside it (the same
@@ -202,18 +209,102 @@ impl Fetcher {
             self.name.len() + 1,
             &meta,
         );
-        let (shared_tier, size) = (self.shared_tier.clone(), meta.size);
+        let path = format!("{}/{rel}", self.name);
+        let staged = match self.resume(&root, &rel, &path, &meta, staged).await {
+            Ok(()) => return Ok(()),
+            Err(staged) => staged,
+        };
+        let (shared_tier, size, replace) = (self.shared_tier.clone(), meta.size, self.replace);
         let file = blocking(move || {
             let (file_name, dirs) = parts
                 .split_last()
                 .expect("map_key yields at least one component");
             let dirs: Vec<&str> = dirs.iter().map(String::as_str).collect();
             let d = safefs::ensure_dirs(&root, &dirs, Some(owner)).map_err(errno_text)?;
-            new_file(&d, file_name, size, owner, shared_tier.as_deref())
+            new_file(&d, file_name, size, owner, shared_tier.as_deref(), replace)
         })
         .await
         .map_err(|(errno, detail)| self.hot_error(&rel, errno, detail))?;
-        self.fill(file, &rel, meta, staged).await
+        self.fill_and_log(file, &rel, path, meta, staged).await
+    }
+
+    /// [`fill`](Self::fill), then notes in the staging log that the file at `path` (below the
+    /// stage directory) is whole, as it is now.
+    async fn fill_and_log(
+        self: Arc<Self>,
+        file: std::fs::File,
+        rel: &str,
+        path: String,
+        meta: ObjectMeta,
+        staged: Staged,
+    ) -> Result<(), StageError> {
+        // The agent's own descriptor: what it wrote, whatever is at the path by then.
+        let probe = self.log.as_ref().and_then(|_| file.try_clone().ok());
+        self.clone().fill(file, rel, meta.clone(), staged).await?;
+        if let (Some(log), Some(probe)) = (&self.log, probe) {
+            if let Ok(id) = blocking(move || resume::Identity::of(&probe)).await {
+                log.done(resume::Entry::new(path, &meta, id)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// After an agent restart: keeps the staged file `rel` below `root` (at `path` below the
+    /// stage directory) when the staging log says the run before staged it whole from the object
+    /// the origin lists now as `meta`, and it is still that file ([`resume::resumable`]). Shared
+    /// with the job's peers, its units are served with hashes of the file as it is read back now.
+    /// `Err(staged)`: not kept, stage it.
+    async fn resume(
+        &self,
+        root: &Arc<OwnedFd>,
+        rel: &str,
+        path: &str,
+        meta: &ObjectMeta,
+        staged: Staged,
+    ) -> Result<(), Staged> {
+        let Some(entry) = self
+            .log
+            .as_ref()
+            .and_then(|log| log.take(path))
+            .filter(|e| e.describes(meta))
+        else {
+            return Err(staged);
+        };
+        let (r, rel_owned, owner) = (root.clone(), rel.to_string(), self.owner);
+        let Some(file) = blocking(move || resume::resumable(&r, &rel_owned, owner, &entry)).await
+        else {
+            tracing::info!(
+                "{}: {path} changed since it was staged; staging it again",
+                self.source
+            );
+            return Err(staged);
+        };
+        let size = meta.size;
+        if let (Some(peers), true) = (&self.peers, size > 0) {
+            let units = units_of(&staged.unit_file, size, peers.unit_size());
+            let ranges: Vec<(u64, u64)> = units.iter().map(|u| (u.offset, u.len)).collect();
+            let mut lease = self.budget.lease().await;
+            let mut buf = std::mem::take(&mut lease.buf);
+            let (hashes, buf) = blocking(move || {
+                let h = resume::hash_units(&file, &ranges, &mut buf);
+                (h, buf)
+            })
+            .await;
+            lease.buf = buf;
+            drop(lease);
+            let Ok(hashes) = hashes else {
+                return Err(staged);
+            };
+            peers.add_object(staged.root, staged.rel_at, &units);
+            for (unit, hash) in units.iter().zip(hashes) {
+                peers.held(unit, hash);
+            }
+        }
+        let p = &self.progress;
+        p.bytes_done.fetch_add(size, Ordering::Relaxed);
+        p.resumed_bytes.fetch_add(size, Ordering::Relaxed);
+        p.files_done.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// GETs `range` of the object and writes it at the same offset of `file`, streaming the body
@@ -803,6 +894,16 @@ pub(super) async fn stage(
     let mut manifest = shard.map(|plan| ShardManifest::new(plan, &spec.name, &source));
     // However this ends, the job's peers learn that this node knows every unit it will.
     let _done = peers.clone().map(DatasetDone);
+    // Resumed staging is for the node's own hot tier (the shared tier has its own marks).
+    let resume = ctx.resume.clone().filter(|_| ctx.shared_tier.is_none());
+    let replace = resume.as_ref().is_some_and(|r| r.resuming());
+    let log = match resume {
+        Some(r) => {
+            let spec = spec.clone();
+            blocking(move || r.dataset(&spec)).await.map(Arc::new)
+        }
+        None => None,
+    };
     let fetcher = Arc::new(Fetcher {
         store: store.clone(),
         budget: ctx.budget.clone(),
@@ -817,6 +918,8 @@ pub(super) async fn stage(
         cache: ctx.cache.clone(),
         cfg: ctx.cfg.clone(),
         bucket_url: spec.source.bucket_url().unwrap_or_default(),
+        log,
+        replace,
     });
     let (fd, name, owner) = (ctx.stage_fd.clone(), spec.name.clone(), ctx.owner);
     // On the shared tier every node sees every file: no manifest.
@@ -842,12 +945,24 @@ pub(super) async fn stage(
                 progress.bytes_total.store(meta.size, Ordering::Relaxed);
                 progress.set_state(StageState::Copying);
                 let staged = Staged::new(fd.clone(), name.clone(), 0, &meta);
+                let staged = match fetcher.resume(&fd, &name, &name, &meta, staged).await {
+                    Ok(()) => return write_manifest(ctx, &fetcher, manifest).await,
+                    Err(staged) => staged,
+                };
                 let (shared_tier, size) = (fetcher.shared_tier.clone(), meta.size);
-                let file =
-                    blocking(move || new_file(&fd, &name, size, owner, shared_tier.as_deref()))
-                        .await
-                        .map_err(|(errno, detail)| fetcher.hot_error(&spec.name, errno, detail))?;
-                fetcher.clone().fill(file, &spec.name, meta, staged).await?;
+                let file = blocking(move || {
+                    new_file(&fd, &name, size, owner, shared_tier.as_deref(), replace)
+                })
+                .await
+                .map_err(|(errno, detail)| fetcher.hot_error(&spec.name, errno, detail))?;
+                let path = spec.name.clone();
+                fetcher
+                    .clone()
+                    .fill_and_log(file, &spec.name, path, meta, staged)
+                    .await?;
+                if let Some(log) = &fetcher.log {
+                    log.finish().await;
+                }
                 return write_manifest(ctx, &fetcher, manifest).await;
             }
             Err(object_store::Error::NotFound { .. }) => {}
@@ -857,8 +972,8 @@ pub(super) async fn stage(
 
     let shared_tier = ctx.shared_tier.is_some();
     let root = blocking(move || {
-        if shared_tier {
-            // The job's other nodes make it too.
+        if shared_tier || replace {
+            // The job's other nodes make it too, or the run before the agent's restart did.
             safefs::ensure_dir(&*fd, &name, Some(owner), 0o755)
         } else {
             safefs::create_dir(&*fd, &name, Some(owner), 0o755)
@@ -929,7 +1044,40 @@ pub(super) async fn stage(
             example,
         });
     }
+    if let Some(log) = &fetcher.log {
+        // Files the run before the restart staged of objects the origin no longer lists.
+        let gone = log.leftovers();
+        if !gone.is_empty() {
+            let fd = ctx.stage_fd.clone();
+            blocking(move || {
+                for e in gone {
+                    remove_staged(&fd, e.path());
+                }
+            })
+            .await;
+        }
+        log.finish().await;
+    }
     write_manifest(ctx, &fetcher, manifest).await
+}
+
+/// Blocking. Removes the staged file `path` (below the stage directory `stage`), without following
+/// links; what cannot be removed stays (it is the job user's own file).
+fn remove_staged(stage: &OwnedFd, path: &str) {
+    let parts: Vec<&str> = path.split('/').collect();
+    let (name, dirs) = parts.split_last().expect("split yields one part");
+    let dir = dirs.iter().try_fold(None::<OwnedFd>, |d, name| match &d {
+        None => safefs::open_dir(stage, name).map(Some),
+        Some(d) => safefs::open_dir(d, name).map(Some),
+    });
+    let removed = match dir {
+        Ok(Some(d)) => safefs::remove_tree(&d, name),
+        Ok(None) => safefs::remove_tree(stage, name),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = removed {
+        tracing::info!("removing {path}, whose object is no longer listed: {e}");
+    }
 }
 
 /// What `sluice cache warm` did with one object.
@@ -1019,6 +1167,8 @@ pub(super) async fn warm(
         cache: Some(cache),
         bucket_url: spec.source.bucket_url().unwrap_or_default(),
         cfg: cfg.clone(),
+        log: None,
+        replace: false,
     });
     let mut out = sluice_proto::msg::CacheWarmed {
         node: cfg.node.clone(),
@@ -1100,16 +1250,23 @@ pub(super) async fn warm(
 
 /// Creates the staged file `name` (of `size` bytes) in `dir`, owned by the job user. On the shared
 /// tier a file of that name left by an earlier run of the job id is removed first (this node owns
-/// the name now), and the file gets its size class's layout. Errors as (errno, text).
+/// the name now), and the file gets its size class's layout. With `replace` (an agent restarted
+/// while staging), so is what the run before left at that name. Errors as (errno, text).
 fn new_file(
     dir: &OwnedFd,
     name: &str,
     size: u64,
     owner: Owner,
     shared_tier: Option<&super::shared::Layout>,
+    replace: bool,
 ) -> Result<std::fs::File, (Option<i32>, String)> {
     match shared_tier {
-        None => safefs::create_file(dir, name, Some(owner), 0o644).map_err(errno_text),
+        None => {
+            if replace {
+                safefs::remove_tree(dir, name).map_err(errno_text)?;
+            }
+            safefs::create_file(dir, name, Some(owner), 0o644).map_err(errno_text)
+        }
         Some(layout) => {
             safefs::remove_tree(dir, name).map_err(errno_text)?;
             super::shared::create_file(dir, name, size, owner, layout).map_err(|e| (None, e))
@@ -1186,6 +1343,8 @@ mod tests {
                 .unwrap(),
             ),
             bucket_url: "s3://b".into(),
+            log: None,
+            replace: false,
         })
     }
 
@@ -1344,5 +1503,279 @@ mod tests {
             vec![2u8; 200_000]
         );
         assert_eq!(cache.stats().entries, 2);
+    }
+
+    // ------------------------------------------------------------- resuming after a restart
+
+    use crate::stage::peers::tests::CountingStore;
+    use crate::stage::resume::JobResume;
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    /// The dataset `ds/`: 150 small objects, a large one of several parts (64 KiB) and an empty
+    /// one; returns the store and each file's bytes.
+    async fn resume_origin() -> (Arc<CountingStore>, BTreeMap<String, Vec<u8>>) {
+        let store = Arc::new(CountingStore::new());
+        let mut files = BTreeMap::new();
+        for i in 0..150u32 {
+            let n = 500 + (i as usize * 37) % 3000;
+            files.insert(
+                format!("d{}/f{i:03}.bin", i % 7),
+                (0..n).map(|j| (j as u32 * 31 + i) as u8).collect(),
+            );
+        }
+        files.insert(
+            "big.bin".into(),
+            (0..300_000u32).map(|i| (i % 251) as u8).collect(),
+        );
+        files.insert("empty".into(), Vec::new());
+        for (k, v) in &files {
+            store
+                .inner
+                .put(&ObjPath::from(format!("ds/{k}")), v.clone().into())
+                .await
+                .unwrap();
+        }
+        (store, files)
+    }
+
+    /// One run of the agent staging `ds` alone into `stage` with the job's staging logs under
+    /// `state` (`resuming`: the agent restarted while it was staging).
+    fn resume_ctx(stage: &std::path::Path, state: &std::path::Path, resuming: bool) -> StageCtx {
+        let cfg = Arc::new(
+            sluice_archive::config::Config::parse(
+                "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
+                 [stage]\npart_size='64KiB'\nconcurrency=4\n",
+                "n1",
+            )
+            .unwrap(),
+        );
+        StageCtx {
+            budget: Budget::new(&cfg.stage),
+            cfg,
+            owner: Owner {
+                uid: nix::unistd::getuid().as_raw(),
+                gid: nix::unistd::getgid().as_raw(),
+            },
+            user: "me".into(),
+            stage_path: stage.into(),
+            stage_fd: Arc::new(safefs::open_root_dir(stage).unwrap()),
+            helper_exe: "/bin/false".into(),
+            cancel: tokio_util::sync::CancellationToken::new(),
+            shared_tier: None,
+            cache: None,
+            resume: Some(Arc::new(JobResume::open(state, 42, resuming))),
+        }
+    }
+
+    fn ds_spec() -> StageSpec {
+        sluice_proto::options::parse_stage_entry("ds=s3://b/ds").unwrap()
+    }
+
+    async fn stage_ds(
+        ctx: &StageCtx,
+        store: &Arc<CountingStore>,
+    ) -> (Result<(), StageError>, sluice_proto::msg::StageProgress) {
+        let progress = Arc::new(Progress::new(&ds_spec()));
+        let store = store.clone() as Arc<dyn ObjectStore>;
+        let r = tokio::time::timeout(
+            Duration::from_secs(60),
+            stage(ctx, &ds_spec(), store, "ds", progress.clone(), None, None),
+        )
+        .await
+        .expect("staging finished");
+        (r, progress.snapshot())
+    }
+
+    /// Every file below `dir`, relative, with its bytes.
+    fn tree(dir: &std::path::Path) -> BTreeMap<String, Vec<u8>> {
+        let mut out = BTreeMap::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+                    out.insert(rel, std::fs::read(&p).unwrap());
+                }
+            }
+        }
+        out
+    }
+
+    fn bytes_of(files: &BTreeMap<String, Vec<u8>>) -> u64 {
+        files.values().map(|v| v.len() as u64).sum()
+    }
+
+    /// The agent is killed while staging (its task dropped with GETs in flight, after about a
+    /// hundred objects are whole and a batch of the log is written) and restarted: the files the
+    /// log names are kept, every other byte is read from the origin once, and the dataset ends
+    /// whole and identical.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_restarted_stage_reads_only_what_was_not_staged_whole_before() {
+        let (store, files) = resume_origin().await;
+        let total = bytes_of(&files);
+        let (hot, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        store.stall_after.store(100, Ordering::SeqCst);
+        let ctx = resume_ctx(hot.path(), state.path(), false);
+        let progress = Arc::new(Progress::new(&ds_spec()));
+        let run = {
+            let (store, progress) = (store.clone() as Arc<dyn ObjectStore>, progress.clone());
+            async move { stage(&ctx, &ds_spec(), store, "ds", progress, None, None).await }
+        };
+        let task = tokio::spawn(run);
+        // Until every GET that will answer has, and the files they fill are written.
+        let mut last = u64::MAX;
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let done = progress.snapshot().files_done;
+            if done == last && store.gets.load(Ordering::SeqCst) > 100 {
+                break;
+            }
+            last = done;
+        }
+        task.abort();
+        let _ = task.await;
+        let before = progress.snapshot();
+        assert!(before.files_done > 64 && before.files_done < files.len() as u64);
+        let served_before = store.served.load(Ordering::SeqCst);
+
+        store.stall_after.store(u64::MAX, Ordering::SeqCst);
+        let (r, p) = stage_ds(&resume_ctx(hot.path(), state.path(), true), &store).await;
+        r.unwrap();
+        assert_eq!(tree(&hot.path().join("ds")), files, "the dataset, whole");
+        let served_after = store.served.load(Ordering::SeqCst) - served_before;
+        // Kept: what the log's batches named (the lines of the last files were still in memory
+        // when the agent died: those are read again).
+        assert!(p.resumed_bytes > 0, "{p:?}");
+        assert!(p.resumed_bytes <= before.bytes_done, "{p:?} vs {before:?}");
+        assert_eq!(
+            served_after,
+            total - p.resumed_bytes,
+            "the origin served what was not kept, once"
+        );
+        assert_eq!(
+            (p.bytes_done, p.files_done, p.origin_bytes + p.resumed_bytes),
+            (total, files.len() as u64, total),
+            "{p:?}"
+        );
+        eprintln!(
+            "dataset {total} B; before the kill the origin served {served_before} B; after the \
+             restart {served_after} B ({} B kept)",
+            p.resumed_bytes
+        );
+    }
+
+    /// Staged whole, then changed before the agent comes back: a file deleted, one truncated, one
+    /// rewritten in place with its mtime set back (its ctime gives it away), an object overwritten
+    /// at the origin (another ETag), one deleted there and one added. Exactly those are read again
+    /// (and the deleted object's file goes); everything else is kept, byte for byte.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn files_changed_since_they_were_staged_are_read_again() {
+        let (store, mut files) = resume_origin().await;
+        let (hot, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (r, p) = stage_ds(&resume_ctx(hot.path(), state.path(), false), &store).await;
+        r.unwrap();
+        assert_eq!(p.resumed_bytes, 0);
+        let ds = hot.path().join("ds");
+        // ctime has the kernel's tick: change the files after it moved on.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut read_again = 0u64;
+        std::fs::remove_file(ds.join("d0/f000.bin")).unwrap();
+        read_again += files["d0/f000.bin"].len() as u64;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(ds.join("d1/f001.bin"))
+            .unwrap()
+            .set_len(10)
+            .unwrap();
+        read_again += files["d1/f001.bin"].len() as u64;
+        let rewritten = ds.join("d2/f002.bin");
+        let mtime = std::fs::metadata(&rewritten).unwrap().modified().unwrap();
+        std::fs::write(&rewritten, vec![0u8; files["d2/f002.bin"].len()]).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&rewritten)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        read_again += files["d2/f002.bin"].len() as u64;
+        // At the origin: big.bin overwritten (same size, another ETag), one object gone, one new.
+        let big: Vec<u8> = files["big.bin"].iter().map(|b| b ^ 0xff).collect();
+        store
+            .inner
+            .put(&ObjPath::from("ds/big.bin"), big.clone().into())
+            .await
+            .unwrap();
+        files.insert("big.bin".into(), big);
+        read_again += 300_000;
+        store
+            .inner
+            .delete(&ObjPath::from("ds/d3/f003.bin"))
+            .await
+            .unwrap();
+        files.remove("d3/f003.bin");
+        store
+            .inner
+            .put(&ObjPath::from("ds/new.bin"), vec![7u8; 4321].into())
+            .await
+            .unwrap();
+        files.insert("new.bin".into(), vec![7u8; 4321]);
+        read_again += 4321;
+
+        let served_before = store.served.load(Ordering::SeqCst);
+        let (r, p) = stage_ds(&resume_ctx(hot.path(), state.path(), true), &store).await;
+        r.unwrap();
+        assert_eq!(tree(&ds), files, "the dataset as the origin has it now");
+        assert_eq!(
+            store.served.load(Ordering::SeqCst) - served_before,
+            read_again,
+            "only the changed files were read"
+        );
+        let total = bytes_of(&files);
+        assert_eq!(
+            (p.bytes_done, p.resumed_bytes, p.origin_bytes),
+            (total, total - read_again, read_again)
+        );
+
+        // A third run (the agent restarted again) keeps everything, the files read again included.
+        let served_before = store.served.load(Ordering::SeqCst);
+        let (r, p) = stage_ds(&resume_ctx(hot.path(), state.path(), true), &store).await;
+        r.unwrap();
+        assert_eq!(store.served.load(Ordering::SeqCst), served_before);
+        assert_eq!((p.resumed_bytes, p.origin_bytes), (total, 0));
+        assert_eq!(tree(&ds), files);
+
+        // A fresh run of the job id trusts nothing (its stage directory is new, as the agent
+        // makes it).
+        std::fs::remove_dir_all(&ds).unwrap();
+        let (r, p) = stage_ds(&resume_ctx(hot.path(), state.path(), false), &store).await;
+        r.unwrap();
+        assert_eq!((p.resumed_bytes, p.origin_bytes), (0, total));
+    }
+
+    /// A dataset that is one object resumes too.
+    #[tokio::test]
+    async fn a_single_object_dataset_is_kept_across_a_restart() {
+        let store = Arc::new(CountingStore::new());
+        let data = vec![3u8; 100_000];
+        store
+            .inner
+            .put(&ObjPath::from("ds"), data.clone().into())
+            .await
+            .unwrap();
+        let (hot, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        stage_ds(&resume_ctx(hot.path(), state.path(), false), &store)
+            .await
+            .0
+            .unwrap();
+        let served = store.served.load(Ordering::SeqCst);
+        let (r, p) = stage_ds(&resume_ctx(hot.path(), state.path(), true), &store).await;
+        r.unwrap();
+        assert_eq!(store.served.load(Ordering::SeqCst), served);
+        assert_eq!(p.resumed_bytes, 100_000);
+        assert_eq!(std::fs::read(hot.path().join("ds")).unwrap(), data);
     }
 }

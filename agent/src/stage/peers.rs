@@ -1025,4 +1025,4 @@ fn open_checked(root: &OwnedFd, rel: &str, owner: Owner, access: OFlag) -> std::
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -109,6 +109,7 @@ pub async fn node(
         budget: Budget::new(&cfg.stage),
         shared_tier: None,
         cache: None,
+        resume: None,
     };
     Node {
         name: name.into(),

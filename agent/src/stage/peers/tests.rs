@@ -21,11 +21,25 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const JOB: u32 = 77;
 
-/// The origin: an in-memory store that counts the object bytes its GETs return.
+/// The origin: an in-memory store that counts the object bytes its GETs return. GETs after the
+/// first `stall_after` never answer (an origin a killed agent was reading when it died).
 #[derive(Debug)]
-struct CountingStore {
-    inner: object_store::memory::InMemory,
-    served: AtomicU64,
+pub(crate) struct CountingStore {
+    pub(crate) inner: object_store::memory::InMemory,
+    pub(crate) served: AtomicU64,
+    pub(crate) gets: AtomicU64,
+    pub(crate) stall_after: AtomicU64,
+}
+
+impl CountingStore {
+    pub(crate) fn new() -> CountingStore {
+        CountingStore {
+            inner: object_store::memory::InMemory::new(),
+            served: AtomicU64::new(0),
+            gets: AtomicU64::new(0),
+            stall_after: AtomicU64::new(u64::MAX),
+        }
+    }
 }
 
 impl std::fmt::Display for CountingStore {
@@ -59,6 +73,11 @@ impl ObjectStore for CountingStore {
         options: GetOptions,
     ) -> object_store::Result<GetResult> {
         let head = options.head;
+        if !head
+            && self.gets.fetch_add(1, Ordering::SeqCst) >= self.stall_after.load(Ordering::SeqCst)
+        {
+            std::future::pending::<()>().await;
+        }
         let r = self.inner.get_opts(location, options).await?;
         if !head {
             self.served
@@ -101,10 +120,7 @@ impl ObjectStore for CountingStore {
 /// The dataset `ds/`: one object of several units (and a short last one), small objects, an
 /// empty one, a nested one. Returns the store and the dataset's files and their bytes.
 async fn origin() -> (Arc<CountingStore>, BTreeMap<String, Vec<u8>>) {
-    let store = Arc::new(CountingStore {
-        inner: object_store::memory::InMemory::new(),
-        served: AtomicU64::new(0),
-    });
+    let store = Arc::new(CountingStore::new());
     let mut files = BTreeMap::new();
     let big: Vec<u8> = (0..(5 << 20) + 12_345u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
@@ -443,6 +459,87 @@ async fn a_node_without_an_agent_is_routed_around_and_the_origin_still_read_once
     }
     assert_identical(&two, &files);
     assert_eq!(store.served.load(Ordering::SeqCst), dataset_bytes(&files));
+}
+
+/// n1 staged the dataset whole before its agent restarted; one of its files was truncated
+/// since. Restarted, it keeps the rest and serves those units to n2 and n3 with hashes of the
+/// files as it reads them back now: n2 and n3 check every unit they take from n1 against them (a
+/// hash from before the restart would fail the truncated file's), and every node ends with the
+/// dataset whole. The origin serves less than the dataset: n1's units come from its kept files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restarted_node_serves_the_units_it_kept_with_hashes_of_its_files_now() {
+    let (store, files) = origin().await;
+    let (ls, addrs) = listeners().await;
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().iter().zip(ls) {
+        nodes.push(node(name, l, &addrs).await);
+    }
+    let state = tempfile::tempdir().unwrap();
+    let log = |resuming| {
+        Some(Arc::new(crate::stage::resume::JobResume::open(
+            state.path(),
+            JOB,
+            resuming,
+        )))
+    };
+    // Before the restart: n1 alone staged it all.
+    nodes[0].ctx.resume = log(false);
+    let before = Arc::new(Progress::new(&spec()));
+    let s = store.clone() as Arc<dyn ObjectStore>;
+    crate::stage::object::stage(&nodes[0].ctx, &spec(), s, "ds", before, None, None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let cut = nodes[0].dir.path().join("ds/small/part-007.bin");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&cut)
+        .unwrap()
+        .set_len(3)
+        .unwrap();
+    let cut_len = files["small/part-007.bin"].len() as u64;
+    nodes[0].ctx.resume = log(true);
+    let served = store.served.load(Ordering::SeqCst);
+
+    let all: Vec<&Node> = nodes.iter().collect();
+    for (r, peers) in stage_all(&all, &store).await {
+        r.unwrap();
+        assert!(peers.notes().is_empty(), "{:?}", peers.notes());
+    }
+    let total = dataset_bytes(&files);
+    for n in &nodes {
+        assert_eq!(read_tree(n.dir.path()), files, "{}'s copy", n.name);
+        let p = n.progress.snapshot();
+        assert_eq!(
+            p.origin_bytes + p.peer_bytes + p.resumed_bytes,
+            total,
+            "{}: {p:?}",
+            n.name
+        );
+    }
+    let p1 = nodes[0].progress.snapshot();
+    assert_eq!(
+        p1.resumed_bytes,
+        total - cut_len,
+        "n1 kept all but the cut file"
+    );
+    assert_eq!(p1.origin_bytes + p1.peer_bytes, cut_len);
+    let served = store.served.load(Ordering::SeqCst) - served;
+    let others: u64 = nodes[1..]
+        .iter()
+        .map(|n| n.progress.snapshot().origin_bytes)
+        .sum();
+    assert_eq!(served, p1.origin_bytes + others);
+    assert!(
+        served < total
+            && nodes[1..]
+                .iter()
+                .all(|n| n.progress.snapshot().peer_bytes > 0),
+        "n1's units came from n1: the origin served {served} of {total} bytes"
+    );
+    for n in &nodes {
+        n.stop.cancel();
+    }
 }
 
 /// A relay between n1 and n2 that changes bytes: n1 detects it (the owner's hash), fetches again
