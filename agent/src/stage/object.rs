@@ -900,7 +900,11 @@ pub(super) async fn stage(
     let log = match resume {
         Some(r) => {
             let spec = spec.clone();
-            blocking(move || r.dataset(&spec)).await.map(Arc::new)
+            let log = blocking(move || r.dataset(&spec)).await.map(Arc::new);
+            if let Some(log) = &log {
+                log.tick();
+            }
+            log
         }
         None => None,
     };
