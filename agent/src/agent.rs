@@ -635,7 +635,9 @@ impl Agent {
         if record.ready || record.ended {
             // Staged before a restart: this node holds the data but not the hashes of what it
             // read, so it serves none of it; peers still staging are told at once (not after the
-            // join grace) and read those units elsewhere.
+            // join grace) and read those units elsewhere. (A job restarted mid-stage is set up
+            // again below, and serves the files it keeps with hashes read back from them:
+            // `stage::resume`.)
             if let Some(peers) = self.peers.get() {
                 peers.leave(start.job_id);
             }

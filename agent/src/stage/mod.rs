@@ -23,6 +23,11 @@
 //!   `--stage-tier=shared`, each node writes the files it owns into the job's directory on the
 //!   shared tier, which every node of the job sees ([`shared`]).
 //!
+//! - After an agent restart, a job's object-store datasets on the hot tier resume ([`resume`]):
+//!   files staged whole before, of the object version the origin lists now and unchanged since,
+//!   are kept; the rest is read again. POSIX sources (the copy helper) and the shared tier are
+//!   staged again from the start.
+//!
 //! Object keys are not file paths: [`map_key`] is the single place that decides where a key lands.
 //!
 //! Parts: [`budget`] (the node-wide download budget), [`object`] (object-store listings and ranged
@@ -31,7 +36,8 @@
 //! reading its progress, classifying its exit), [`copy_as_user`] (the helper itself, a separate
 //! process as the job user), [`shard`] (which node owns which file, the shard manifest),
 //! [`shared`] (the job's directory on the shared tier: each node's share, the wait for all of
-//! them, removal), [`lustre`] (Lustre detection and stripe layouts).
+//! them, removal), [`lustre`] (Lustre detection and stripe layouts), [`resume`] (the staging logs
+//! a restarted agent resumes from).
 
 mod budget;
 pub mod copy_as_user;
