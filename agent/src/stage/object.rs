@@ -273,7 +273,7 @@ impl Fetcher {
         let (r, rel_owned, owner) = (root.clone(), rel.to_string(), self.owner);
         let Some(file) = blocking(move || resume::resumable(&r, &rel_owned, owner, &entry)).await
         else {
-            tracing::info!(
+            tracing::debug!(
                 "{}: {path} changed since it was staged; staging it again",
                 self.source
             );
