@@ -19,9 +19,6 @@ committed with `sluice ckpt commit TAG` and the node's agent archives it.
 """
 
 import os
-import threading
-from concurrent.futures import Future
-
 from ._lib import (
     SluiceError,
     Writer,
@@ -79,22 +76,19 @@ def save(
     d = os.path.join(_lib.ckpt_dir(ckpt_dir), tag)
     if not async_:
         return _save(state_dict, d, tag, filename, commit, sluice, block_size)
-    staged, lease = (stager if stager is not None else default_stager()).stage(state_dict)
-    fut = Future()
+    stager = stager if stager is not None else default_stager()
+    staged, lease = stager.stage(state_dict)
 
     def run():
         try:
-            fut.set_result(_save(staged, d, tag, filename, commit, sluice, block_size, lease))
-        except BaseException as e:  # the caller's result() raises it
-            fut.set_exception(e)
+            return _save(staged, d, tag, filename, commit, sluice, block_size, lease)
         finally:
             lease.release()
 
-    t = threading.Thread(target=run, name=f"sluice_ckpt.save {tag}", daemon=False)
-    lease.bind(t)
-    fut.set_running_or_notify_cancel()
-    t.start()
-    return fut
+    # The stager's one writer thread, started by its first save: handing it the write is a queue
+    # put, where starting a thread per save made the caller wait for the new thread to take the
+    # GIL and give it back (milliseconds of stall at every save).
+    return stager.writer().submit(run)
 
 
 def _save(state_dict, d, tag, filename, commit, sluice, block_size, lease=None):

@@ -17,6 +17,7 @@ flight.
 """
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -89,6 +90,17 @@ class Stager:
         self._signature = None
         self._cache = None
         self.allocations = 0  # how many times the buffers were (re)allocated
+        self._writer = None
+        self._writer_lock = threading.Lock()
+
+    def writer(self):
+        """The executor that runs save(async_=True)'s writes from this stager's buffer, one at a
+        time, in order (one thread, started by the first save; interpreter exit waits for the
+        writes it holds, as for any ThreadPoolExecutor)."""
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice_ckpt.save")
+            return self._writer
 
     def _wait_free(self):
         with self._cond:
@@ -128,8 +140,12 @@ class Stager:
         return staged, lease
 
     def close(self):
-        """Free the buffers (after the save in flight, if any)."""
+        """Free the buffers (after the save in flight, if any) and stop the writer thread."""
         self.wait()
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
         self._cache = None
         self._signature = None
 
