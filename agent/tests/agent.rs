@@ -1427,3 +1427,28 @@ root_test! {
         t.stop().await;
     }
 }
+
+root_test! {
+    /// A framework's signal written in the job's last moments — DCP's `.metadata`, the processes
+    /// exiting right after, before the agent's next scan — still commits the checkpoint: it is
+    /// archived, not deleted with the uncommitted directories at job end. (The scan interval is an
+    /// hour here: only the look after the job's end can find it.)
+    async fn a_framework_signal_written_just_before_the_job_ends_is_archived() {
+        use sluice_proto::msg::CkptState;
+        let tmp = tempfile::tempdir().unwrap();
+        let t = start_scanning(tmp, "", "", "1h").await;
+        let archive = t.data.parent().unwrap().join("archive");
+        let url = format!("file://{}", archive.display());
+        t.job(ckpt_job(91, &url, &[])).await;
+        let ckpt = PathBuf::from(t.ready(91).await.ckpt_dir);
+        write_ckpt(&ckpt, "dcp-1", 4, true);
+        assert_eq!(
+            t.call(Request::JobEnd { job_id: 91 }).await.unwrap(),
+            Response::Ok
+        );
+        let c = wait_for_state(&t, 91, "dcp-1", CkptState::Archived).await;
+        assert!(c.raw_bytes > 0, "{c:?}");
+        assert!(archive.join("dcp-1/MANIFEST").exists(), "no MANIFEST for dcp-1");
+        assert!(ckpt.join("dcp-1/.metadata").exists(), "the committed checkpoint was deleted");
+    }
+}

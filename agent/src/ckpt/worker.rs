@@ -173,6 +173,8 @@ pub(crate) struct CkptWorker {
     retries: Schedule<String>,
     last_remote_scan: Option<Instant>,
     ended_at: Option<Instant>,
+    /// Framework signals were looked for once after the job ended.
+    scanned_after_end: bool,
     /// Tags other nodes committed that this node answered with an empty part.
     answered_empty: HashSet<String>,
     /// Since when each tag whose part is archived waits for other nodes' parts (bounded by
@@ -236,6 +238,7 @@ impl CkptWorker {
             retries: Schedule::new(Backoff::ARCHIVE),
             last_remote_scan: None,
             ended_at: None,
+            scanned_after_end: false,
             answered_empty: HashSet::new(),
             waiting_since: HashMap::new(),
         }
@@ -245,13 +248,22 @@ impl CkptWorker {
         self.job.ckpt_statuses().into_iter().find_map(|c| c.error)
     }
 
-    /// Framework completion signals, while the job runs and its directories exist.
-    async fn adopt_framework_signals(&self) {
-        let job = &self.job;
-        if job.has_ended() || job.state() != sluice_proto::msg::JobState::Ready {
+    /// Framework completion signals, while the job runs and its directories exist, and once more
+    /// at the first turn after the job ended: a signal written in the job's last moments (DCP's
+    /// `.metadata` just before the processes exit, after the previous scan) still commits its
+    /// checkpoint, which would otherwise go with the uncommitted directories at job end.
+    async fn adopt_framework_signals(&mut self) {
+        let job = self.job.clone();
+        if job.state() != sluice_proto::msg::JobState::Ready {
             return;
         }
-        let (dirs, uid) = (self.agent.ckpt_dirs(job), job.start.uid);
+        if job.has_ended() {
+            if self.scanned_after_end {
+                return;
+            }
+            self.scanned_after_end = true;
+        }
+        let (dirs, uid) = (self.agent.ckpt_dirs(&job), job.start.uid);
         let tags = blocking(move || {
             dirs.user()
                 .map(|d| scan_signals(&d, uid))
@@ -260,7 +272,7 @@ impl CkptWorker {
         .await;
         for tag in tags {
             if job.ckpts.get(&tag).is_none() {
-                let _ = commit(&self.agent, job, &tag).await;
+                let _ = commit(&self.agent, &job, &tag).await;
             }
         }
     }
