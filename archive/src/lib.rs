@@ -65,6 +65,7 @@ pub mod format;
 pub mod iobuf;
 pub mod manifest;
 mod resume;
+pub use resume::Identity as FileIdentity;
 pub mod rt;
 pub mod safefs;
 pub mod store;

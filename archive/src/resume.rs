@@ -68,16 +68,30 @@ struct Header {
     zstd_level: i32,
 }
 
-/// One version of a source file: a rewrite, a touch or a chmod changes it (ctime at least).
+/// One version of a file: a rewrite, a truncate, a touch or a chmod changes it (its ctime at
+/// least, which no user can set back). The archive's resume logs and the agent's staging logs
+/// record files by it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Identity {
-    ino: u64,
-    size: u64,
-    mtime_ns: i64,
-    ctime_ns: i64,
+pub struct Identity {
+    pub ino: u64,
+    pub size: u64,
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
 }
 
 impl Identity {
+    /// Blocking. The file open as `file`, now (`fstat`).
+    pub fn of(file: &std::fs::File) -> std::io::Result<Identity> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        Ok(Identity {
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+            ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
+        })
+    }
+
     /// The version the reader read (its fstat, equal before and after reading).
     pub(crate) fn read(s: &Snapshot) -> Identity {
         Identity {

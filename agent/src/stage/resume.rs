@@ -73,7 +73,7 @@ use sluice_proto::options::StageSpec;
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -274,28 +274,9 @@ struct Header {
     boot_id: Option<String>,
 }
 
-/// One version of a staged file. The job user can change the content and the mtime, not the
-/// ctime: any change to the file sets it to now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Identity {
-    ino: u64,
-    size: u64,
-    mtime_ns: i64,
-    ctime_ns: i64,
-}
-
-impl Identity {
-    /// Blocking. The file behind `file`, now.
-    pub(crate) fn of(file: &std::fs::File) -> std::io::Result<Identity> {
-        let m = file.metadata()?;
-        Ok(Identity {
-            ino: m.ino(),
-            size: m.size(),
-            mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
-            ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
-        })
-    }
-}
+/// One version of a staged file (inode, size, mtime, ctime): the job user can change the content
+/// and the mtime, not the ctime — any change to the file sets it to now.
+pub(crate) use sluice_archive::FileIdentity as Identity;
 
 /// A log line: the staged file `path` (below the stage directory) was written whole with the
 /// object listed as (`location`, `e_tag`, `version`, `size`), and was then `file`.
