@@ -5,6 +5,7 @@
 //!
 //! - [`owner`]: units (ranges of a file) and who owns each — rendezvous hashing over the job's
 //!   node list, the same answer on every node;
+//! - [`pieces`]: a unit its owner reads from the origin as several pieces at once, hashed as one;
 //! - [`auth`]: the root-only cluster secret, the per-job key derived from it, the MACs on requests
 //!   and responses;
 //! - [`server`]: [`PeerServer`] serves this node's units of each registered job from the
@@ -68,6 +69,7 @@
 pub mod auth;
 pub mod client;
 pub mod owner;
+pub mod pieces;
 pub mod server;
 
 #[cfg(test)]
@@ -78,6 +80,7 @@ use std::time::Duration;
 pub use auth::{AdminKey, ClusterSecret, JobKey, SecretError};
 pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
 pub use owner::{Unit, owner_of, unit_path, units_of, versioned};
+pub use pieces::UnitPieces;
 pub use server::{
     AdminSource, CachedObject, PeerServer, PeerServerError, PeerService, ServerConfig, UnitData,
     UnitError, UnitSource, UnitStream,

@@ -15,19 +15,19 @@ use super::resume::{self, DatasetLog};
 use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
 use crate::cache::{Cache, Fill, Hit, Key};
-use crate::peer::{CachedObject, Unit, UnitSink, units_of, versioned};
+use crate::peer::{CachedObject, Unit, UnitPieces, UnitSink, units_of, versioned};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
-use sluice_archive::rt::blocking;
+use sluice_archive::rt::{blocking, lock};
 use sluice_archive::safefs::{self, Owner};
 use sluice_archive::store::{self, StoreErrorKind};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use tokio::task::JoinSet;
 
 /// Where an object key lands, relative to the dataset directory.
@@ -309,7 +309,7 @@ impl Fetcher {
 
     /// GETs `range` of the object and writes it at the same offset of `file`, streaming the body
     /// through the lease's buffer; with `hasher`, hashes the bytes as they are written and returns
-    /// their hash (a peer unit's, as its owner read it). Fails unless exactly `range`'s bytes
+    /// it (for a peer unit's hash, as its owner read it). Fails unless exactly `range`'s bytes
     /// arrive.
     async fn get_part(
         &self,
@@ -319,7 +319,7 @@ impl Fetcher {
         location: &ObjPath,
         range: std::ops::Range<u64>,
         mut hasher: Option<blake3::Hasher>,
-    ) -> Result<Option<blake3::Hash>, StageError> {
+    ) -> Result<Option<blake3::Hasher>, StageError> {
         let dataset = || format!("{}: {location}", self.source);
         let wrong_size = |got: u64| StageError::Origin {
             dataset: dataset(),
@@ -372,7 +372,7 @@ impl Fetcher {
         if at != range.end {
             return Err(wrong_size(at - range.start));
         }
-        Ok(hasher.map(|h| h.finalize()))
+        Ok(hasher)
     }
 
     /// Writes `buf` at `*at` of `file` on a blocking thread (hashing it there too, with a
@@ -621,11 +621,29 @@ impl Fetcher {
                         });
                     }
                     None => {
-                        let lease = self.budget.lease().await;
-                        tasks.spawn(async move {
-                            this.unit_from_origin(lease, &file, &rel, &location, &unit)
+                        // Piece by piece, each through a budget slot as it frees: a node works on
+                        // few units at a time and finishes them in turn (see `UnitPieces`).
+                        let unit = Arc::new(unit);
+                        let piece = UnitPieces::piece_size(
+                            unit_size,
+                            self.cfg.stage.concurrency,
+                            self.part_size,
+                        );
+                        let pieces = UnitPieces::new(unit.len, piece);
+                        let ranges: Vec<_> = pieces.ranges().collect();
+                        let pieces = Arc::new(Mutex::new(pieces));
+                        for (i, range) in ranges.into_iter().enumerate() {
+                            let lease = self.budget.lease().await;
+                            let (this, file, location) =
+                                (this.clone(), file.clone(), location.clone());
+                            let (rel, unit, pieces) = (rel.clone(), unit.clone(), pieces.clone());
+                            tasks.spawn(async move {
+                                this.piece_from_origin(
+                                    lease, &file, &rel, &location, &unit, &pieces, i, range,
+                                )
                                 .await
-                        });
+                            });
+                        }
                     }
                     Some(node) => {
                         tasks.spawn(async move {
@@ -646,6 +664,41 @@ impl Fetcher {
         Ok(())
     }
 
+    /// GETs piece `i` of `unit` (`range` within the unit) from the origin, hashing it; once it
+    /// is the unit's last piece in, tells the job's peers this node holds the unit.
+    #[allow(clippy::too_many_arguments)]
+    async fn piece_from_origin(
+        &self,
+        lease: Lease,
+        file: &Arc<Dest>,
+        rel: &str,
+        location: &ObjPath,
+        unit: &Unit,
+        pieces: &Mutex<UnitPieces>,
+        i: usize,
+        range: std::ops::Range<u64>,
+    ) -> Result<(), StageError> {
+        let peers = self.peers.as_ref().expect("a shared dataset has peers");
+        let hasher = lock(pieces).hasher(i);
+        let range = unit.offset + range.start..unit.offset + range.end;
+        match self
+            .get_part(lease, file.clone(), rel, location, range, Some(hasher))
+            .await
+        {
+            Ok(hasher) => {
+                let hash = lock(pieces).done(i, hasher.expect("hashed as it was read"));
+                if let Some(hash) = hash {
+                    peers.held(unit, hash);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                peers.failed(unit, e.to_string());
+                Err(e)
+            }
+        }
+    }
+
     /// GETs `unit` from the origin, hashing it, and tells the job's peers this node holds it.
     async fn unit_from_origin(
         &self,
@@ -662,8 +715,8 @@ impl Fetcher {
             .get_part(lease, file.clone(), rel, location, range, hasher)
             .await
         {
-            Ok(hash) => {
-                peers.held(unit, hash.expect("hashed as it was read"));
+            Ok(hasher) => {
+                peers.held(unit, hasher.expect("hashed as it was read").finalize());
                 Ok(())
             }
             Err(e) => {
