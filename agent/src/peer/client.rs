@@ -43,6 +43,11 @@ use super::{CachedObject, LONG_POLL, Unit};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The longest pause before asking again a peer that does not know the job yet. Its prolog runs
+/// about when this node's did, and every fetch slot waiting for it waits this long at worst past
+/// its join: a 404 costs the peer less than the fetches it holds up.
+const JOIN_POLL: Duration = Duration::from_millis(250);
+
 /// Why a unit did not come from a peer, and so what the caller does next.
 #[derive(Debug, thiserror::Error)]
 pub enum PeerError {
@@ -170,7 +175,8 @@ pub struct ClientConfig {
     pub read_timeout: Duration,
     /// The server's long-poll window (the same `[peer]` on every node).
     pub poll: Duration,
-    /// How long a peer that does not know the job yet is asked again.
+    /// How long a peer that does not know the job yet is asked again (every [`JOIN_POLL`] at
+    /// most).
     pub join_grace: Duration,
     /// The longest a fetch waits for an owner still reading the unit.
     pub max_wait: Duration,
@@ -277,7 +283,7 @@ impl PeerClient {
             .await
             .expect("the fetch semaphore is never closed");
         let start = Instant::now();
-        let mut pause = Duration::from_millis(100);
+        let mut pause = Duration::from_millis(50);
         let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(unit));
         let wait = self.cfg.poll + self.cfg.read_timeout;
         loop {
@@ -300,7 +306,7 @@ impl PeerClient {
                 }
                 Answer::UnknownJob if start.elapsed() + pause <= self.cfg.join_grace => {
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
+                    pause = (pause * 2).min(JOIN_POLL);
                 }
                 Answer::UnknownJob => {
                     return Err(PeerError::UnknownJob {
