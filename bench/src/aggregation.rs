@@ -21,7 +21,7 @@
 use crate::cluster::{
     Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree, tree_bytes,
 };
-use crate::measure::median;
+use crate::measure::{median, process_cpu_s};
 use crate::run::{Bench, GIB, MIB, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
 use sluice_e2e::relay::CountingRelay;
@@ -51,29 +51,11 @@ struct Agent {
     socket: PathBuf,
 }
 
-fn clock_ticks() -> f64 {
-    // SAFETY: sysconf only reads a system constant.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 { t as f64 } else { 100.0 }
-}
-
 impl Agent {
     /// utime + stime (+ those of waited-for children: copy helpers), seconds.
     fn cpu_s(&self) -> Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
-            .with_context(|| format!("the agent of {} (pid {}) is gone", self.node, self.pid))?;
-        // Fields after the command's closing parenthesis: state is field 3, utime 14 .. cstime 17.
-        let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
-        let f: Vec<f64> = rest
-            .split_whitespace()
-            .skip(11)
-            .take(4)
-            .filter_map(|v| v.parse().ok())
-            .collect();
-        if f.len() != 4 {
-            bail!("cannot read /proc/{}/stat: {stat:?}", self.pid);
-        }
-        Ok(f.iter().sum::<f64>() / clock_ticks())
+        process_cpu_s(self.pid)
+            .with_context(|| format!("the agent of {} (pid {})", self.node, self.pid))
     }
 
     fn vm_hwm_kib(&self) -> Result<u64> {
@@ -421,9 +403,16 @@ impl Bench {
             ));
             let big = source_tree(&self.data.join("big"))?;
             let small = source_tree(&self.data.join("small"))?;
-            self.agg_origin(r, &relay, &agents, &big, &small)?;
-            self.agg_paced(r, &relay, &agents, &big)?;
-            self.agg_rss(r, &relay, &agents, &big)
+            if self.wants_part(case, "origin") {
+                self.agg_origin(r, &relay, &agents, &big, &small)?;
+            }
+            if self.wants_part(case, "paced") {
+                self.agg_paced(r, &relay, &agents, &big)?;
+            }
+            if self.wants_part(case, "rss") {
+                self.agg_rss(r, &relay, &agents, &big)?;
+            }
+            Ok(())
         })();
         if let Err(e) = result {
             r.error(case, e);

@@ -99,7 +99,7 @@ struct RunOpts {
     #[arg(long, default_value = "sluiceuser")]
     user: String,
     /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss, agg, cache, flush,
-    /// writer, commit.
+    /// writer, commit; one part of agg alone: agg.origin, agg.paced, agg.rss.
     #[arg(long, value_delimiter = ',')]
     cases: Option<Vec<String>>,
     #[arg(long, default_value = "/etc/slurm/plugstack.conf")]

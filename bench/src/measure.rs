@@ -27,6 +27,31 @@ fn children_cpu() -> f64 {
     t(ru.ru_utime) + t(ru.ru_stime)
 }
 
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf only reads a system constant.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 { t as f64 } else { 100.0 }
+}
+
+/// CPU seconds (user + system, all threads, plus children it waited for) process `pid` has used
+/// so far, from `/proc/PID/stat`: what a server (Garage, Azurite) or an agent spent.
+pub fn process_cpu_s(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_err(|e| anyhow::anyhow!("process {pid} is gone: {e}"))?;
+    // Fields after the command's closing parenthesis: state is field 3, utime 14 .. cstime 17.
+    let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(4)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    if f.len() != 4 {
+        bail!("cannot read /proc/{pid}/stat: {stat:?}");
+    }
+    Ok(f.iter().sum::<f64>() / clock_ticks())
+}
+
 /// Flushes dirty pages so one run's writeback does not land in the next one's time (untimed).
 pub fn sync() {
     // SAFETY: sync(2) has no arguments and cannot fail.

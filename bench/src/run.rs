@@ -6,7 +6,7 @@
 //! exactly like the peers: wall time from spawn to exit, and user + system CPU of the process tree.
 
 use crate::data::{self, Kind};
-use crate::measure::{Sample, measure, median, run_quiet, sync};
+use crate::measure::{Sample, measure, median, process_cpu_s, run_quiet, sync};
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -172,6 +172,35 @@ struct Tool<'a> {
     prepare: Prep<'a>,
     command: Cmd<'a>,
     after: After<'a>,
+}
+
+/// `t`, also noting in each sample (`server_cpu_s`) the CPU seconds process `pid` spent between
+/// the end of `t`'s preparation and the start of its check; `start` holds the reading between.
+fn with_server_cpu<'a>(t: Tool<'a>, pid: u32, start: &'a std::cell::Cell<Option<f64>>) -> Tool<'a> {
+    let Tool {
+        name,
+        prepare,
+        command,
+        after,
+    } = t;
+    Tool {
+        name,
+        prepare: Box::new(move |rep| {
+            prepare(rep)?;
+            start.set(process_cpu_s(pid).ok());
+            Ok(())
+        }),
+        command,
+        after: Box::new(move |rep, s| {
+            if let (Some(a), Ok(b)) = (start.take(), process_cpu_s(pid)) {
+                if s.extra.is_null() {
+                    s.extra = serde_json::json!({});
+                }
+                s.extra["server_cpu_s"] = (b - a).into();
+            }
+            after(rep, s)
+        }),
+    }
 }
 
 pub(crate) fn size_label(bytes: u64) -> String {
@@ -358,11 +387,22 @@ impl Bench {
         })
     }
 
+    /// Whether `case` runs: every case when `--cases` is not given; `agg` also when only some of
+    /// its parts are asked for (`agg.paced`).
     fn wants(&self, case: &str) -> bool {
-        self.a
-            .cases
-            .as_ref()
-            .is_none_or(|c| c.iter().any(|x| x == case))
+        self.a.cases.as_ref().is_none_or(|c| {
+            c.iter()
+                .any(|x| x == case || x.split_once('.').is_some_and(|(c, _)| c == case))
+        })
+    }
+
+    /// Whether the part `part` of `case` runs: `--cases CASE` runs all of its parts,
+    /// `--cases CASE.PART` that part alone.
+    pub(crate) fn wants_part(&self, case: &str, part: &str) -> bool {
+        self.a.cases.as_ref().is_none_or(|c| {
+            c.iter()
+                .any(|x| x == case || *x == format!("{case}.{part}"))
+        })
     }
 
     pub(crate) fn env(&self, k: &str) -> String {
@@ -555,6 +595,8 @@ impl Bench {
 
     /// One stage-in case: sluice stages `source` as dataset `ds` of a job's stage directory; each
     /// peer copies into `<dir>/ds`. Every result is checked (file count and bytes).
+    /// With `server` (its name and pid: Garage, Azurite), also what that server's process spent
+    /// on each tool's run, in the rows' notes: a server busy all along is the limit for both.
     fn stage_case(
         &self,
         r: &mut Report,
@@ -562,6 +604,7 @@ impl Bench {
         source: &str,
         want: (u64, u64),
         peers: Vec<(String, PeerCmd<'_>, Target)>,
+        server: Option<(&str, u32)>,
     ) -> Result<()> {
         let sluice_dir = self.hot.join("sluice");
         let peer_dir = self.hot.join("peer");
@@ -586,13 +629,36 @@ impl Bench {
                 }),
             });
         }
+        let server_start = std::cell::Cell::new(None);
+        let tools = match server {
+            Some((_, pid)) => tools
+                .into_iter()
+                .map(|t| with_server_cpu(t, pid, &server_start))
+                .collect(),
+            None => tools,
+        };
         let samples = self.run_tools(case, &tools, self.a.reps)?;
         let size = if want.0 == 1 {
             size_label(want.1)
         } else {
             format!("{} x {}", want.0, size_label(want.1 / want.0.max(1)))
         };
+        // Cores the server kept busy during a run: its CPU seconds over the run's wall time.
+        let busy = |v: &[Sample]| {
+            median(
+                &v.iter()
+                    .filter_map(|s| Some(s.extra["server_cpu_s"].as_f64()? / s.wall_s))
+                    .collect::<Vec<_>>(),
+            )
+        };
         for (i, (name, _, target)) in peers.iter().enumerate() {
+            let note = server.map_or(String::new(), |(server, _)| {
+                format!(
+                    "{server}'s CPU during the runs (median cores busy): sluice {:.2}, {name} {:.2}",
+                    busy(&samples[0]),
+                    busy(&samples[i + 1])
+                )
+            });
             r.time_row(
                 case,
                 want.1,
@@ -601,10 +667,20 @@ impl Bench {
                 name,
                 &samples[i + 1],
                 *target,
-                "",
+                &note,
             );
         }
         Ok(())
+    }
+
+    /// The pid of the test cluster's `name` server (`garage`, `azurite`), from its pid file.
+    fn server_pid(&self, name: &str) -> Option<u32> {
+        let run_dir = self.a.env.parent().unwrap_or(Path::new("/run/sluice-test"));
+        std::fs::read_to_string(run_dir.join(format!("{name}.pid")))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
     }
 
     fn object_cases(&self, r: &mut Report, remote: &str, scheme: &str, label: &str) {
@@ -641,7 +717,12 @@ impl Bench {
                 Box::new(move |d: &Path| self.rclone_tuned(&["copy", &src, d.to_str().unwrap()])),
                 target,
             ));
-            if let Err(e) = self.stage_case(r, &case, &source, want, peers) {
+            let server = match remote {
+                "s3" => ("Garage", self.server_pid("garage")),
+                _ => ("Azurite", self.server_pid("azurite")),
+            };
+            let server = server.1.map(|pid| (server.0, pid));
+            if let Err(e) = self.stage_case(r, &case, &source, want, peers, server) {
                 r.error(&case, e);
             }
         }
@@ -686,7 +767,8 @@ impl Bench {
                     target,
                 ),
             ];
-            if let Err(e) = self.stage_case(r, &case, &src.display().to_string(), want, peers) {
+            if let Err(e) = self.stage_case(r, &case, &src.display().to_string(), want, peers, None)
+            {
                 r.error(&case, e);
             }
         }
