@@ -272,9 +272,10 @@ impl Agent {
     }
 
     /// Resumes the jobs recorded in the journal: staging that was cut short resumes — of its
-    /// object-store datasets on this node's hot tier, the files the staging log shows staged whole
-    /// (of the object version the origin lists now, and unchanged since) are kept and the rest is
-    /// read again ([`stage::resume`]); POSIX datasets and the shared tier start again. Jobs that
+    /// datasets on this node's hot tier, the files the staging log shows staged whole (of the
+    /// object version the origin lists now, or from a POSIX source file still at the version
+    /// copied, and unchanged since) are kept and the rest is read again ([`stage::resume`]); POSIX
+    /// datasets shared with peers or through the cache, and the shared tier, start again. Jobs that
     /// were already staged stay as they are (their tasks may be using the data); pending
     /// checkpoint archives continue. Starts housekeeping.
     pub(crate) fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
@@ -717,14 +718,17 @@ impl Agent {
             }));
         let hot = self.hot.clone();
         // A fresh start removes what an earlier run of the job id left, except the committed
-        // checkpoints this run inherited. A recovered job's object-store datasets on this node's
-        // hot tier resume: what the run before the agent's restart staged of them stays, and
-        // their staging logs say which files of it are whole ([`stage::resume`]).
+        // checkpoints this run inherited. A recovered job's datasets on this node's hot tier
+        // resume: what the run before the agent's restart staged of them stays, and their staging
+        // logs say which files of it are whole ([`stage::resume`]) — object-store datasets, and
+        // POSIX ones the copy helper copies whole (alone, without a cache, or a shard); those
+        // shared with peers or through the cache are staged again from the start.
         let resuming = !fresh_dirs && shared_tier.is_none();
+        let posix_resumes = shard.is_some() || (peers.0.is_none() && self.cache.is_none());
         let keep_staged: Vec<String> = options
             .stage_in
             .iter()
-            .filter(|s| resuming && s.source.bucket_url().is_some())
+            .filter(|s| resuming && (s.source.bucket_url().is_some() || posix_resumes))
             .map(|s| s.name.clone())
             .collect();
         let resume = match shared_tier {
