@@ -85,14 +85,19 @@
 //! there make the tree afresh); and staging into the shared tier, whose per-node completion marks
 //! already let a restarted agent skip a share that was written.
 //!
-//! The log lives while the job stages: it is removed when staging finished (the journal's `ready`
-//! then tells a restarted agent not to stage at all), when the job ends, and when a new run of the
-//! job id starts.
+//! # After staging
+//!
+//! A restarted agent does not stage a job the journal says is staged (`ready`). Its files are
+//! the job's, as they are; but the job's other nodes may still be staging, and would ask this
+//! node for the units it owns. So the log stays until the job ends, and a restarted agent serves
+//! the files it names that are still as noted, with hashes read back from them ([`serve_staged`]);
+//! other units are "not mine", read from the origin by the node that asks.
+//!
+//! The log is removed when the job ends, and when a new run of the job id starts.
 
 use super::copy_as_user::FileIdent;
 use serde::{Deserialize, Serialize};
 use sluice_archive::durable::write_durable;
-use sluice_archive::rt::blocking;
 use sluice_archive::safefs::Owner;
 use sluice_proto::msg::JobId;
 use sluice_proto::options::StageSpec;
@@ -105,7 +110,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use object_store::ObjectMeta;
-use sluice_archive::rt::lock;
+use sluice_archive::rt::{blocking, lock};
 
 const FORMAT: &str = "sluice-stage-resume";
 const LOG_VERSION: u32 = 1;
@@ -200,20 +205,36 @@ impl JobResume {
         }
     }
 
+    /// Where the log of the dataset `header` names is.
+    fn log_path(&self, header: &Header) -> PathBuf {
+        let mut h = blake3::Hasher::new();
+        for part in [header.name.as_str(), header.source.as_str()] {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
+        self.dir
+            .join(format!("{}.log", &h.finalize().to_hex()[..32]))
+    }
+
+    /// Blocking. The entries of `spec`'s log (of this boot, job and dataset), read without
+    /// changing it: what a restarted agent serves of a job staged before ([`serve_staged`]).
+    pub(crate) fn entries(&self, spec: &StageSpec) -> Vec<Entry> {
+        let header = self.header(spec);
+        if header.boot_id.is_none() {
+            return Vec::new();
+        }
+        load(&self.log_path(&header), &header)
+            .into_values()
+            .collect()
+    }
+
     /// Blocking. The log of `spec`'s dataset: the entries of the run before the restart (when
     /// resuming, and its log is for this boot, job and dataset), rewritten through the durable
     /// helper, then open to append to. `None` when the log cannot be written (staging goes on
     /// without one: a later restart reads everything again).
     pub(crate) fn dataset(&self, spec: &StageSpec) -> Option<DatasetLog> {
         let header = self.header(spec);
-        let mut h = blake3::Hasher::new();
-        for part in [header.name.as_str(), header.source.as_str()] {
-            h.update(&(part.len() as u64).to_le_bytes());
-            h.update(part.as_bytes());
-        }
-        let path = self
-            .dir
-            .join(format!("{}.log", &h.finalize().to_hex()[..32]));
+        let path = self.log_path(&header);
         let earlier = if self.resuming && header.boot_id.is_some() {
             load(&path, &header)
         } else {
@@ -356,6 +377,19 @@ impl Entry {
     /// The staged file's path below the stage directory.
     pub(crate) fn path(&self) -> &str {
         &self.path
+    }
+
+    /// The name its units go by among the job's nodes, as [`super::object`] names an object's
+    /// units: its path and the version listed (the ETag, else the version id). `None` for a POSIX
+    /// file: datasets the helper copies whole are not shared through peers.
+    pub(crate) fn unit_file(&self) -> Option<String> {
+        match &self.of {
+            Of::Object { e_tag, version, .. } => Some(crate::peer::versioned(
+                &self.path,
+                e_tag.as_deref().or(version.as_deref()),
+            )),
+            Of::Posix { .. } => None,
+        }
     }
 
     /// The POSIX source file's identity when this file was copied from it.
@@ -503,6 +537,60 @@ pub(crate) fn resumable(
 ) -> Option<std::fs::File> {
     let file = super::peers::open_staged(root, rel, owner).ok()?;
     (Identity::of(&file).ok()? == entry.file).then_some(file)
+}
+
+/// After an agent restart, a job that had finished staging on this node and still runs: the
+/// job's other nodes may still be staging (each node's set-up waits for nobody), and ask this node
+/// for the units it owns. Offers `peers` every file that `specs`' staging logs name and that is
+/// still the file noted ([`resumable`]: the job user may have changed their copy since), each unit
+/// with the hash of the file read back now ([`hash_units`]), never a hash from the log; returns
+/// the files and bytes offered. The caller then closes `peers`: a unit of any other file is
+/// answered "not mine", and the asking node reads it from the origin.
+///
+/// Only object-store datasets: their log names every file staged, by its object version. A POSIX
+/// dataset shared through peers keeps no log (the agent writes part of each file itself), so its
+/// units are read from the origin by the job's other nodes once this node's agent restarted.
+pub(crate) async fn serve_staged(
+    peers: &super::JobPeers,
+    resume: Arc<JobResume>,
+    specs: Vec<StageSpec>,
+    stage: Arc<OwnedFd>,
+    owner: Owner,
+) -> (u64, u64) {
+    let entries = blocking(move || {
+        specs
+            .iter()
+            .flat_map(|spec| resume.entries(spec))
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let unit_size = peers.unit_size();
+    let (mut files, mut bytes) = (0, 0);
+    let mut buf = Vec::with_capacity(1 << 20);
+    for entry in entries {
+        let Some(unit_file) = entry.unit_file().filter(|_| entry.file.size > 0) else {
+            continue;
+        };
+        let units = crate::peer::units_of(&unit_file, entry.file.size, unit_size);
+        let ranges: Vec<(u64, u64)> = units.iter().map(|u| (u.offset, u.len)).collect();
+        let root = stage.clone();
+        let (hashes, b) = blocking(move || {
+            let hashes = resumable(&root, entry.path(), owner, &entry)
+                .and_then(|file| hash_units(&file, &ranges, &mut buf).ok());
+            (hashes, buf)
+        })
+        .await;
+        buf = b;
+        let Some(hashes) = hashes else { continue };
+        // Units name their file by its path below the stage directory: `stage` is their root.
+        peers.add_object(stage.clone(), 0, &units);
+        for (unit, hash) in units.iter().zip(hashes) {
+            peers.held(unit, hash);
+        }
+        files += 1;
+        bytes += units.iter().map(|u| u.len).sum::<u64>();
+    }
+    (files, bytes)
 }
 
 /// Blocking. Each unit's BLAKE3 (`(offset, len)` pairs, in order), read back from `file` through
