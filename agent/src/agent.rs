@@ -685,6 +685,10 @@ impl Agent {
             .filter(|s| s.source.bucket_url().is_some())
             .cloned()
             .collect();
+        if specs.is_empty() {
+            // POSIX datasets only: no staging log names their files (see `stage::resume`).
+            return;
+        }
         let datasets: Vec<String> = specs.iter().map(|s| s.source.to_string()).collect();
         let job_id = job.start.job_id;
         let owner = Owner {
