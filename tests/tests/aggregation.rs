@@ -964,10 +964,10 @@ touch "$o/done"
 }
 
 /// Issue 11 item 6: a node that had finished staging when its agent restarted still serves the
-/// job's other nodes its share. The agents of n2 and n3 are held stopped (SIGSTOP) as soon as
-/// their staging starts, before they have listed the dataset (the origin paced meanwhile); n1
-/// stages it all — routing around the stopped nodes once they do not answer — and is ready; its
-/// agent is SIGKILLed and started again; then n2 and n3 go on. Every node ends with the dataset
+/// job's other nodes its share. The agents of n2 and n3 are SIGKILLed as soon as their staging
+/// starts, before they have listed the dataset (the origin paced meanwhile); n1 stages it all,
+/// routing around them, and is ready; its agent is SIGKILLed and started again; then n2's and
+/// n3's agents are started again and stage from their journals. Every node ends with the dataset
 /// identical to its source; n2 and n3 take n1's units from the restarted n1 (no node says n1's
 /// agent could not be used), so after the restart the origin serves well under the dataset.
 /// Before, the restarted agent left the job and n2 and n3 read n1's share from the origin again.
@@ -991,8 +991,8 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
     };
     let prefix = ds.upload(&cluster, "datasets-relayed");
     let relay = cluster.origin_relay();
-    // Slow enough that no node has listed the dataset by the time n2 and n3 are stopped.
-    relay.set_pace(200_000);
+    // Slow enough that no node has listed the dataset by the time n2 and n3 are down.
+    relay.set_pace(100_000);
 
     let work = cluster.workdir("resume-served");
     let out = work.join("out");
@@ -1007,42 +1007,27 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
     );
     let stage_in = format!("--stage-in=train=s3://datasets-relayed/{prefix}");
     let job = cluster.submit(&work, &["-N3", &stage_in], &script);
-    let (keeper, held) = ("n1", ["n2", "n3"]);
-    let mut stopped = Vec::new();
+    let (keeper, others) = ("n1", ["n2", "n3"]);
+    // As soon as n2 and n3 start staging (their prologs answered), their agents die: n1 finds
+    // their ports closed and stages the whole dataset from the origin itself.
     let start = Instant::now();
-    while stopped.len() < held.len() {
-        for node in held {
-            if !stopped.iter().any(|(n, _)| *n == node)
-                && cluster.job_dir(node, &job).join("stage").exists()
-            {
-                // Its prolog has its answer by now; its listing cannot have arrived.
-                std::thread::sleep(Duration::from_millis(20));
-                let pid = cluster.agent_pid(node);
-                run(std::process::Command::new("kill").args(["-STOP", &pid.to_string()]));
-                stopped.push((node, pid));
-            }
-        }
-        if start.elapsed() > Duration::from_secs(120) {
-            for (_, pid) in &stopped {
-                let _ = std::process::Command::new("kill")
-                    .args(["-CONT", &pid.to_string()])
-                    .status();
-            }
-            panic!(
-                "the staging of job {} never started on {held:?}\n{}",
-                job.id,
-                cluster.evidence(&job)
-            );
-        }
+    while !others
+        .iter()
+        .all(|n| cluster.job_dir(n, &job).join("stage").exists())
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the staging of job {} never started on {others:?}\n{}",
+            job.id,
+            cluster.evidence(&job)
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
-    let resume_held = || {
-        for (_, pid) in &stopped {
-            let _ = std::process::Command::new("kill")
-                .args(["-CONT", &pid.to_string()])
-                .status();
-        }
-    };
+    std::thread::sleep(Duration::from_millis(20));
+    let stopped: Vec<AgentProcess> = others
+        .iter()
+        .map(|n| cluster.kill_agent_and_its_ports(n))
+        .collect();
     relay.set_pace(0);
     let ready = || {
         cluster
@@ -1052,9 +1037,11 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
     let start = Instant::now();
     while !ready() {
         if start.elapsed() > Duration::from_secs(100) {
-            resume_held();
+            for agent in &stopped {
+                cluster.start_agent(agent);
+            }
             panic!(
-                "{keeper} did not finish staging while {held:?} were stopped\n{}",
+                "{keeper} did not finish staging while {others:?} were down\n{}",
                 cluster.evidence(&job)
             );
         }
@@ -1063,7 +1050,10 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
     let agent = cluster.kill_agent_and_its_ports(keeper);
     cluster.start_agent(&agent);
     let before = relay.served();
-    resume_held();
+    // n2 and n3 come back and stage, from their journals, with n1's agent restarted.
+    for agent in &stopped {
+        cluster.start_agent(agent);
+    }
     fs::write(&go, "").unwrap();
     cluster.assert_completes(
         &job,
@@ -1083,7 +1073,7 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
         !output.contains(&format!("node {keeper}'s agent could not be used")),
         "a node routed around the restarted {keeper}, which held the whole dataset:\n{output}"
     );
-    for node in held {
+    for node in others {
         let s = cluster
             .agent_job(node, &job)
             .unwrap_or_else(|e| panic!("the agent of {node}: {e}"));
