@@ -272,9 +272,10 @@ impl Agent {
     }
 
     /// Resumes the jobs recorded in the journal: staging that was cut short resumes — of its
-    /// object-store datasets on this node's hot tier, the files the staging log shows staged whole
-    /// (of the object version the origin lists now, and unchanged since) are kept and the rest is
-    /// read again ([`stage::resume`]); POSIX datasets and the shared tier start again. Jobs that
+    /// datasets on this node's hot tier, the files the staging log shows staged whole (of the
+    /// object version the origin lists now, or from a POSIX source file still at the version
+    /// copied, and unchanged since) are kept and the rest is read again ([`stage::resume`]); POSIX
+    /// datasets shared with peers or through the cache, and the shared tier, start again. Jobs that
     /// were already staged stay as they are (their tasks may be using the data); pending
     /// checkpoint archives continue. Starts housekeeping.
     pub(crate) fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
@@ -282,11 +283,11 @@ impl Agent {
         for e in bad {
             tracing::error!("{e}; left in place for inspection");
         }
-        // Staging logs are only read for jobs still staging; the rest are of jobs staged, ended
-        // or forgotten while the agent was down.
+        // Staging logs are read for jobs still staging (to resume) or staged and running (to
+        // serve their peers); the rest are of jobs ended or forgotten while the agent was down.
         let staging = records
             .iter()
-            .filter(|r| !r.ready && !r.ended)
+            .filter(|r| !r.ended)
             .map(|r| r.start.job_id)
             .collect();
         let pruned = stage::resume::prune(&self.cfg.state_dir, &staging);
@@ -633,13 +634,16 @@ impl Agent {
             }
         }
         if record.ready || record.ended {
-            // Staged before a restart: this node holds the data but not the hashes of what it
-            // read, so it serves none of it; peers still staging are told at once (not after the
-            // join grace) and read those units elsewhere. (A job restarted mid-stage is set up
-            // again below, and serves the files it keeps with hashes read back from them:
-            // `stage::resume`.)
+            // Staged before a restart: the hashes of what this node read went with the agent.
+            // Its peers still staging are told at once (not after the join grace) that it knows
+            // nothing yet; a job that still runs then serves the files its staging logs name, with
+            // hashes read back from them ([`Agent::serve_staged`]). (A job restarted mid-stage is
+            // set up again below, and serves the files it keeps the same way: `stage::resume`.)
             if let Some(peers) = self.peers.get() {
                 peers.leave(start.job_id);
+            }
+            if record.ready && !record.ended {
+                self.serve_staged(&job);
             }
             job.set_ready();
         } else {
@@ -660,6 +664,64 @@ impl Agent {
             );
         }
         self.workers.spawn(CkptWorker::new(self.clone(), job));
+    }
+
+    /// After a restart, a job recovered staged and still running (`--stage-mode=replicate` on the
+    /// hot tier, shared with its peers): its other nodes may still be staging, and ask this node
+    /// for the units it owns of the job's object-store datasets. It serves those of the files its
+    /// staging logs name that are still as staged, hashed again from the files
+    /// ([`stage::resume::serve_staged`]); any other unit is answered "not mine" and read from the
+    /// origin by the node that asks.
+    fn serve_staged(self: &Arc<Self>, job: &Arc<Job>) {
+        let (Some(node_peers), Ok(options)) = (self.peers.get(), job.options.clone()) else {
+            return;
+        };
+        if options.stage_mode != StageMode::Replicate || options.stage_tier != StageTier::Local {
+            return;
+        }
+        let specs: Vec<_> = options
+            .stage_in
+            .iter()
+            .filter(|s| s.source.bucket_url().is_some())
+            .cloned()
+            .collect();
+        if specs.is_empty() {
+            // POSIX datasets only: no staging log names their files (see `stage::resume`).
+            return;
+        }
+        let datasets: Vec<String> = specs.iter().map(|s| s.source.to_string()).collect();
+        let job_id = job.start.job_id;
+        let owner = Owner {
+            uid: job.start.uid,
+            gid: job.start.gid,
+        };
+        let Some(peers) = node_peers.join_with(job_id, &job.start.nodes, owner, 1, &datasets)
+        else {
+            return;
+        };
+        let (hot, state_dir) = (self.hot.clone(), self.cfg.state_dir.clone());
+        let span = job.span();
+        let serve = async move {
+            let peers = ClosePeers(Some(peers));
+            let stage = match blocking(move || hot.open_stage(job_id)).await {
+                Ok(fd) => Arc::new(fd),
+                Err(e) => {
+                    tracing::warn!(job_id, "the job's stage directory: {e}; serving none of it");
+                    return;
+                }
+            };
+            let open = move || stage::resume::JobResume::open(&state_dir, job_id, true);
+            let resume = Arc::new(blocking(open).await);
+            let jp = peers.0.as_ref().expect("joined");
+            let (files, bytes) = stage::resume::serve_staged(jp, resume, specs, stage, owner).await;
+            tracing::info!(
+                job_id,
+                files,
+                bytes,
+                "serving the job's other nodes what this node staged before the agent restarted"
+            );
+        };
+        drop(self.spawn(serve.instrument(span)));
     }
 
     /// Stages the job's datasets and restores its checkpoint, within the admin's stage timeout.
@@ -717,14 +779,17 @@ impl Agent {
             }));
         let hot = self.hot.clone();
         // A fresh start removes what an earlier run of the job id left, except the committed
-        // checkpoints this run inherited. A recovered job's object-store datasets on this node's
-        // hot tier resume: what the run before the agent's restart staged of them stays, and
-        // their staging logs say which files of it are whole ([`stage::resume`]).
+        // checkpoints this run inherited. A recovered job's datasets on this node's hot tier
+        // resume: what the run before the agent's restart staged of them stays, and their staging
+        // logs say which files of it are whole ([`stage::resume`]) — object-store datasets, and
+        // POSIX ones the copy helper copies whole (alone, without a cache, or a shard); those
+        // shared with peers or through the cache are staged again from the start.
         let resuming = !fresh_dirs && shared_tier.is_none();
+        let posix_resumes = shard.is_some() || (peers.0.is_none() && self.cache.is_none());
         let keep_staged: Vec<String> = options
             .stage_in
             .iter()
-            .filter(|s| resuming && s.source.bucket_url().is_some())
+            .filter(|s| resuming && (s.source.bucket_url().is_some() || posix_resumes))
             .map(|s| s.name.clone())
             .collect();
         let resume = match shared_tier {
@@ -882,11 +947,8 @@ impl Agent {
                 job.set_ready();
                 self.persist(job).await;
                 // Staged: a restarted agent no longer stages the job (the journal says it is
-                // ready), so its staging logs have done their work.
-                let state_dir = self.cfg.state_dir.clone();
-                if let Err(e) = blocking(move || stage::resume::forget(&state_dir, job_id)).await {
-                    tracing::warn!(job_id, "removing the job's staging logs: {e}");
-                }
+                // ready), but serves the job's other nodes the files its staging logs name, so
+                // they stay until the job ends.
                 Ok(())
             }
             Ok(Err(e)) => Err(e),

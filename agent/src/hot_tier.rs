@@ -121,7 +121,7 @@ impl HotTier {
     /// Creates `jobs/<id>/{stage,ckpt}` owned by the job user. `fresh` (a job starting) removes
     /// anything a previous run of the same job id left (a requeued job must not trust stale data); a
     /// recovery keeps `ckpt`, and of `stage` only the entries named in `keep_staged` (the
-    /// object-store datasets a restarted agent resumes: `stage::resume`); with none, `stage` is
+    /// datasets a restarted agent resumes: `stage::resume`); with none, `stage` is
     /// re-created empty. Returns the (stage, ckpt) directories.
     pub fn prepare_job(
         &self,
@@ -143,8 +143,8 @@ impl HotTier {
             safefs::create_dir(&job_dir, STAGE, Some(owner), 0o755)?
         } else {
             let stage = safefs::ensure_dir(&job_dir, STAGE, Some(owner), 0o755)?;
-            // What else a cut-short set-up left (POSIX datasets, shard manifests, a step's
-            // datasets) is staged again, from the start.
+            // What else a cut-short set-up left (datasets that do not resume, shard manifests,
+            // a step's datasets) is staged again, from the start.
             for entry in list_names(&stage)? {
                 if !keep_staged.contains(&entry) {
                     safefs::remove_tree(&stage, &entry)?;

@@ -962,3 +962,150 @@ touch "$o/done"
     );
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
+
+/// Issue 11 item 6: a node that had finished staging when its agent restarted still serves the
+/// job's other nodes its share. The agents of n2 and n3 are SIGKILLed as soon as their staging
+/// starts, before they have listed the dataset (the origin paced meanwhile); n1 stages it all,
+/// routing around them, and is ready; its agent is SIGKILLed and started again; then n2's and
+/// n3's agents are started again and stage from their journals. Every node ends with the dataset
+/// identical to its source; n2 and n3 take n1's units from the restarted n1 (no node says n1's
+/// agent could not be used), so after the restart the origin serves well under the dataset.
+/// Before, the restarted agent left the job and n2 and n3 read n1's share from the origin again.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    let dir = cluster.dataset("resume-served", false);
+    // Volume: 48 files of one 1 MiB unit each, spread over the nodes' shares.
+    run(std::process::Command::new("bash").arg("-c").arg(format!(
+        "mkdir -p '{d}/mb' && for i in $(seq -w 0 47); do head -c 1048576 /dev/urandom > \
+         '{d}/mb/f-'$i.bin; done && chmod -R u=rwX,go=rX '{d}'",
+        d = dir.display()
+    )));
+    let ds = Dataset {
+        bytes: hash_tree_bytes(&dir),
+        sums: checksums(&dir),
+        dirs: directories(&dir),
+        dir,
+    };
+    let prefix = ds.upload(&cluster, "datasets-relayed");
+    let relay = cluster.origin_relay();
+    // Slow enough that no node has listed the dataset by the time n2 and n3 are down.
+    relay.set_pace(100_000);
+
+    let work = cluster.workdir("resume-served");
+    let out = work.join("out");
+    let go = work.join("go");
+    let script = listing_script(&out, &["train"]).replacen(
+        "#!/bin/bash\n",
+        &format!(
+            "#!/bin/bash\nwhile [ ! -e '{}' ]; do sleep 0.2; done\n",
+            go.display()
+        ),
+        1,
+    );
+    let stage_in = format!("--stage-in=train=s3://datasets-relayed/{prefix}");
+    let job = cluster.submit(&work, &["-N3", &stage_in], &script);
+    let (keeper, others) = ("n1", ["n2", "n3"]);
+    // As soon as n2 and n3 start staging (their prologs answered), their agents die: n1 finds
+    // their ports closed and stages the whole dataset from the origin itself.
+    let start = Instant::now();
+    while !others
+        .iter()
+        .all(|n| cluster.job_dir(n, &job).join("stage").exists())
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the staging of job {} never started on {others:?}\n{}",
+            job.id,
+            cluster.evidence(&job)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    let stopped: Vec<AgentProcess> = others
+        .iter()
+        .map(|n| cluster.kill_agent_and_its_ports(n))
+        .collect();
+    relay.set_pace(0);
+    let ready = || {
+        cluster
+            .agent_job(keeper, &job)
+            .is_ok_and(|s| s.state == sluice_proto::msg::JobState::Ready)
+    };
+    let start = Instant::now();
+    while !ready() {
+        if start.elapsed() > Duration::from_secs(100) {
+            for agent in &stopped {
+                cluster.start_agent(agent);
+            }
+            panic!(
+                "{keeper} did not finish staging while {others:?} were down\n{}",
+                cluster.evidence(&job)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let agent = cluster.kill_agent_and_its_ports(keeper);
+    cluster.start_agent(&agent);
+    let before = relay.served();
+    // n2 and n3 come back and stage, from their journals, with n1's agent restarted.
+    for agent in &stopped {
+        cluster.start_agent(agent);
+    }
+    fs::write(&go, "").unwrap();
+    cluster.assert_completes(
+        &job,
+        STAGE_JOB_TIMEOUT,
+        "the job whose staged node's agent restarted",
+    );
+    assert_staged(&cluster, &job, &out, "train", &ds);
+    let after = relay.served() - before;
+    eprintln!(
+        "[resume-served] after {keeper}'s restart the origin served {after} bytes of the \
+         {}-byte dataset ({:.2}x)",
+        ds.bytes,
+        after as f64 / ds.bytes as f64
+    );
+    let output = job.output_text();
+    assert!(
+        !output.contains(&format!("node {keeper}'s agent could not be used")),
+        "a node routed around the restarted {keeper}, which held the whole dataset:\n{output}"
+    );
+    // n2 and n3 read from the origin the units they own and take each other's from each other;
+    // what neither read came from n1.
+    let mut from_origin = 0;
+    for node in others {
+        let s = cluster
+            .agent_job(node, &job)
+            .unwrap_or_else(|e| panic!("the agent of {node}: {e}"));
+        let p = &s.stages[0];
+        assert_eq!(
+            (p.bytes_done, p.origin_bytes + p.peer_bytes),
+            (ds.bytes, ds.bytes),
+            "{node}: every byte staged, each from the origin or a peer: {p:?}"
+        );
+        from_origin += p.origin_bytes;
+    }
+    assert!(
+        from_origin < ds.bytes && after < ds.bytes,
+        "after {keeper}'s restart n2 and n3 read {from_origin} bytes of the {}-byte dataset from \
+         the origin, which served {after}: {keeper}'s share was read from the origin again",
+        ds.bytes
+    );
+    eprintln!(
+        "[resume-served] {} bytes came from the restarted {keeper}",
+        ds.bytes - from_origin
+    );
+    let log = fs::read_to_string(cluster.agent_log(keeper)).unwrap_or_default();
+    assert!(
+        log.contains(
+            "serving the job's other nodes what this node staged before the agent restarted"
+        ),
+        "the restarted agent of {keeper} did not say it serves the job's other nodes\n{}",
+        cluster.evidence(&job)
+    );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}

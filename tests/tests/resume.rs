@@ -1,8 +1,11 @@
 //! Resumed staging (issue 11 item 6) as a user sees it: the agent of the job's node is SIGKILLed
-//! while it stages a dataset of many objects from S3 (Garage) and started again; the job completes
-//! with the whole dataset byte-identical, and the origin serves only what was not staged whole
-//! before the kill — counted on the origin's side by the relay in front of Garage, which the
-//! agents' `s3://datasets-relayed` store profile points at.
+//! while it stages a dataset and started again; the job completes with the whole dataset
+//! byte-identical, and only what was not staged whole before the kill is read again.
+//! - From S3 (Garage): counted on the origin's side by the relay in front of Garage, which the
+//!   agents' `s3://datasets-relayed` store profile points at.
+//! - From a POSIX directory, copied by the agent's copy helper as the job user: what an admin sees
+//!   on the node — the files staged whole before the kill are still the same files (inode and
+//!   ctime) in the job's stage directory, and the agent counts exactly their bytes as resumed.
 
 mod common;
 
@@ -131,6 +134,192 @@ fn resume_an_agent_killed_mid_stage_keeps_the_files_it_staged_whole() {
         (p.resumed_bytes, p.bytes_done),
         (complete_before, dataset),
         "the restarted agent's count of the bytes it kept: {p:?}"
+    );
+    let output = job.output_text();
+    assert!(
+        output.contains("resumed from before the agent restarted"),
+        "the job output does not say that part of the dataset was kept across the restart:\n{output}"
+    );
+    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
+
+/// 600 files of 256 KiB (150 MiB), a few hundred of them read-only: long enough for the copy
+/// helper to be stopped part way.
+const POSIX_FILES: u64 = 600;
+const POSIX_FILE_SIZE: u64 = 256 << 10;
+
+/// The pid of the copy helper (`sluiced copy-as-user`) writing into `stage_ds`, if one runs.
+fn copy_helper_of(stage_ds: &Path) -> Option<u32> {
+    let want = stage_ds.as_os_str().as_encoded_bytes();
+    fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let argv = fs::read(e.path().join("cmdline")).ok()?;
+        let args: Vec<&[u8]> = argv.split(|b| *b == 0).collect();
+        let helper = args.iter().any(|a| *a == b"copy-as-user")
+            && args.windows(2).any(|w| w[0] == b"--dst" && w[1] == want);
+        helper.then_some(pid)
+    })
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status();
+}
+
+/// Files below `dir` of `size` bytes: path → (inode, ctime as `stat` prints it).
+fn whole_files(dir: &Path, size: u64) -> std::collections::BTreeMap<String, String> {
+    let out = Command::new("find")
+        .arg(dir)
+        .args([
+            "-type",
+            "f",
+            "-size",
+            &format!("{size}c"),
+            "-printf",
+            "%P %i %C@\n",
+        ])
+        .output()
+        .expect("find");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(p, id)| (p.to_string(), id.to_string()))
+        .collect()
+}
+
+/// A 1-node job stages a POSIX directory of 600 files; the agent's copy helper is held stopped
+/// (SIGSTOP) once about a third are copied, and the agent is SIGKILLed and started again. The job
+/// completes with the dataset byte-identical, every file the job user's with its source's mode; the
+/// files that were whole before the kill and that the restarted agent kept are the very same
+/// files (inode and ctime, as the job's task sees them) and at least one was kept; the agent counts
+/// exactly their bytes as resumed and every other byte as read from the source, and the job's
+/// output says part of the dataset was kept across the restart.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_whole() {
+    let cluster = Cluster::for_sluice();
+    let src = cluster.data_dir("resume-posix").join("train");
+    for i in 0..POSIX_FILES {
+        random_file(
+            &src.join(format!("d{}/f-{i:03}.bin", i % 6)),
+            POSIX_FILE_SIZE,
+        );
+    }
+    run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&src));
+    run(Command::new("bash").arg("-c").arg(format!(
+        "chmod 0444 '{}'/d0/* '{}'/d3/*",
+        src.display(),
+        src.display()
+    )));
+    let sums = checksums(&src);
+    let modes = |dir: &Path| {
+        run(Command::new("bash").arg("-c").arg(format!(
+            "cd '{}' && find . -type f -printf '%m %P\\n' | LC_ALL=C sort",
+            dir.display()
+        )))
+    };
+    let src_modes = modes(&src);
+    let dataset = POSIX_FILES * POSIX_FILE_SIZE;
+
+    let work = cluster.workdir("resume-posix");
+    let out = work.join("out");
+    let stage_in = format!("--stage-in=ds={}", src.display());
+    // The listing, then what the task sees of each staged file: mode, inode, ctime.
+    let script = format!(
+        "{}srun --ntasks-per-node=1 /bin/bash -c 'cd \"$SLUICE_STAGE_DIR/ds\" && find . -type f \
+         -printf \"%m %P\\n\" | LC_ALL=C sort > \"{out}/$SLURMD_NODENAME/modes\" && find . -type f \
+         -printf \"%P %i %C@\\n\" > \"{out}/$SLURMD_NODENAME/identities\"'\n",
+        listing_script(&out, &["ds"]),
+        out = out.display()
+    );
+    let job = cluster.submit(&work, &["-N1", "-w", NODE, &stage_in], &script);
+    let stage_ds = cluster.job_dir(NODE, &job).join("stage/ds");
+
+    // Catch the helper as it starts, then let it run a few milliseconds at a time until about a
+    // third of the files are whole.
+    let start = std::time::Instant::now();
+    let helper = loop {
+        if let Some(pid) = copy_helper_of(&stage_ds) {
+            signal(pid, "STOP");
+            break pid;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the copy helper of job {} never started\n{}",
+            job.id,
+            cluster.evidence(&job)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let mut whole = whole_files(&stage_ds, POSIX_FILE_SIZE);
+    while (whole.len() as u64) < POSIX_FILES / 3 {
+        signal(helper, "CONT");
+        std::thread::sleep(Duration::from_millis(5));
+        signal(helper, "STOP");
+        whole = whole_files(&stage_ds, POSIX_FILE_SIZE);
+    }
+    assert!(
+        (whole.len() as u64) < POSIX_FILES,
+        "the dataset was copied before the helper could be stopped"
+    );
+    // The agent's staging log gets the lines of the files reported whole (written within a
+    // second); then the agent dies, and its helper with it.
+    std::thread::sleep(Duration::from_secs(3));
+    let agent = cluster.kill_agent_and_its_ports(NODE);
+    eprintln!(
+        "[resume-posix] killed the agent of {NODE} with {} of {POSIX_FILES} files whole",
+        whole.len()
+    );
+    cluster.start_agent(&agent);
+    cluster.assert_completes(&job, JOB_TIMEOUT, "the job whose agent was killed mid-copy");
+
+    let got = task_file(&out, NODE, "sums-ds");
+    assert!(
+        got == sums,
+        "the job whose agent was killed mid-copy got other bytes: {}\n{}",
+        diff_listings(&sums, &got),
+        cluster.evidence(&job)
+    );
+    assert_eq!(
+        task_file(&out, NODE, "modes"),
+        src_modes,
+        "the modes of the staged files"
+    );
+    cluster.assert_staged_owned_by_user(&out, NODE);
+    let after: std::collections::BTreeMap<String, String> = task_file(&out, NODE, "identities")
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(p, id)| (p.to_string(), id.to_string()))
+        .collect();
+    let kept: Vec<&String> = whole
+        .iter()
+        .filter(|(p, id)| after.get(*p) == Some(*id))
+        .map(|(p, _)| p)
+        .collect();
+    eprintln!(
+        "[resume-posix] {} of the {} files whole before the kill were kept",
+        kept.len(),
+        whole.len()
+    );
+    assert!(
+        !kept.is_empty(),
+        "none of the {} files copied whole before the kill was kept: every one is another file \
+         now (inode or ctime)\n{}",
+        whole.len(),
+        cluster.evidence(&job)
+    );
+    let p = cluster
+        .agent_job(NODE, &job)
+        .ok()
+        .and_then(|s| s.stages.first().cloned())
+        .unwrap_or_else(|| panic!("the restarted agent has no record of job {}", job.id));
+    let kept_bytes = kept.len() as u64 * POSIX_FILE_SIZE;
+    assert_eq!(
+        (p.bytes_done, p.resumed_bytes, p.origin_bytes),
+        (dataset, kept_bytes, dataset - kept_bytes),
+        "the restarted agent's counts: it kept exactly the files that are unchanged: {p:?}"
     );
     let output = job.output_text();
     assert!(

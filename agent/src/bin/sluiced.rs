@@ -66,6 +66,10 @@ enum InternalCommand {
         /// Ask the agent (on stdin) which files its cache holds for this user (a whole copy).
         #[arg(long, conflicts_with = "shard_nodes")]
         cached: bool,
+        /// A copy a restarted agent can resume: keep the files the agent offers on stdin whose
+        /// source is unchanged, and report each file copied whole (the whole dataset, or a shard).
+        #[arg(long, conflicts_with_all = ["cached", "peer_unit_size", "shared_tier"])]
+        resume: bool,
     },
     /// Render the man page or the shell completions.
     #[command(subcommand)]
@@ -205,6 +209,7 @@ fn run_internal(command: InternalCommand) -> ExitCode {
             dst,
             shard,
             cached,
+            resume,
         } => {
             if let Err(e) = copy_as_user::become_user(who.uid, who.gid, &who.user) {
                 eprintln!("{e}");
@@ -219,6 +224,10 @@ fn run_internal(command: InternalCommand) -> ExitCode {
             };
             let mut out = std::io::stdout().lock();
             let copied = match &shard {
+                _ if resume => {
+                    let input = std::io::stdin().lock();
+                    copy_as_user::copy_tree_resumable(&src, &dst, shard.as_ref(), input, &mut out)
+                }
                 Some(s) => copy_as_user::copy_shard(&src, &dst, s, &mut out),
                 None if cached => {
                     copy_as_user::copy_tree_cached(&src, &dst, std::io::stdin().lock(), &mut out)
@@ -371,11 +380,13 @@ mod tests {
             dst,
             shard,
             cached,
+            resume,
         } = parsed.command
         else {
             panic!("not copy-as-user");
         };
         assert!(!cached, "the cache is asked only with --cached");
+        assert!(!resume, "resumable only with --resume");
         assert_eq!((who.uid, who.gid, who.user.as_str()), (1000, 100, "alice"));
         assert_eq!(
             (src, dst),

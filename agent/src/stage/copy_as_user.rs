@@ -12,6 +12,7 @@ use super::shard::{ShardManifest, ShardPlan};
 use crate::peer::{Unit, units_of};
 use nix::unistd::{Gid, Uid, geteuid, initgroups, setresgid, setresuid};
 use sluice_archive::config::StripeClass;
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs;
 use std::io::{self, Read, Seek, Write};
@@ -186,6 +187,9 @@ struct FileJob {
     /// A file the node's cache may keep ([`copy_tree_cached`]): the identity it had when this
     /// helper opened it, which every piece's descriptor must still have before and after its copy.
     cache: Option<Identified>,
+    /// A resumable copy ([`copy_tree_resumable`]): the file's path below the dataset, reported in
+    /// a `whole` line with its source's identity once it is copied whole.
+    whole: Option<String>,
 }
 
 /// A byte range of one file, the unit a copy thread takes. Files up to [`PIECE`] are one piece;
@@ -344,7 +348,7 @@ impl ShardArgs {
 /// message on failure. Symlinks inside the tree are copied as symlinks. Nothing is fsynced: staged
 /// data can be fetched again from its origin, and job end deletes it.
 pub fn copy_tree(src: &Path, dst: &Path, out: &mut impl Write) -> Result<(), (i32, String)> {
-    copy_tree_in_pieces(src, dst, PIECE, None, out)
+    copy_tree_in_pieces(src, dst, PIECE, None, None, out)
 }
 
 /// [`copy_tree`] of this node's share of the files only, with the manifest of all of them
@@ -364,7 +368,7 @@ pub fn copy_shard(
             let answers = cached.then(|| io::stdin().lock());
             copy_replica(src, dst, shard, unit_size, answers, out)
         }
-        None => copy_tree_in_pieces(src, dst, PIECE, Some(shard), out),
+        None => copy_tree_in_pieces(src, dst, PIECE, Some(shard), None, out),
     }
 }
 
@@ -410,19 +414,32 @@ impl Tree {
 
     /// Creates the directories and symbolic links of a directory tree below `dst` (nothing for a
     /// file). Directories are created owner-writable (the copy needs to write into them), with
-    /// their final mode at once; chmod only where the umask strips bits.
+    /// their final mode at once; chmod only where the umask strips bits. With `replace`, `dst`
+    /// holds what an earlier run left: a directory there is used (given its mode), anything
+    /// else where a directory or link goes is replaced.
     fn make(
         &self,
         src: &Path,
         dst: &Path,
         umask: u32,
         shared_tier: bool,
+        replace: bool,
     ) -> Result<(), (i32, String)> {
         let Some(top_mode) = self.dir else {
             return Ok(());
         };
         let mkdir = |p: &Path, mode: u32| {
             let mode = mode | 0o700;
+            if replace {
+                match fs::symlink_metadata(p) {
+                    Ok(m) if m.is_dir() => {
+                        return fs::set_permissions(p, fs::Permissions::from_mode(mode))
+                            .map_err(|e| job_error("setting the mode of", p, e));
+                    }
+                    Ok(_) => remove_any(p).map_err(|e| job_error("replacing", p, e))?,
+                    Err(_) => {}
+                }
+            }
             let made = fs::DirBuilder::new().mode(mode).create(p);
             // On the shared tier another node of the job may have made it (a directory of the
             // job user's: this process is the job user and creates nothing through a link).
@@ -449,6 +466,10 @@ impl Tree {
                     let target = fs::read_link(src.join(rel)).map_err(|e| {
                         (io_exit(&e), format!("reading link {}: {e}", rel.display()))
                     })?;
+                    if replace {
+                        remove_any(&dst.join(rel))
+                            .map_err(|e| job_error("replacing", &dst.join(rel), e))?;
+                    }
                     std::os::unix::fs::symlink(target, dst.join(rel)).map_err(|e| {
                         (io_exit(&e), format!("creating link {}: {e}", rel.display()))
                     })?;
@@ -471,11 +492,16 @@ fn below(root: &Path, rel: &Path) -> PathBuf {
 
 /// [`copy_tree`], with files larger than `piece` bytes copied as several pieces; with `shard`, only
 /// the files this node owns.
+///
+/// With `resume` (a resumable copy, [`copy_tree_resumable`]): `dst` may hold what an earlier run
+/// left; the files `resume` names whose source is still the version named are kept, everything
+/// else there that is not part of the tree goes, and every file copied whole is reported.
 fn copy_tree_in_pieces(
     src: &Path,
     dst: &Path,
     piece: u64,
     shard: Option<&Shard>,
+    resume: Option<&HashMap<String, FileIdent>>,
     out: &mut impl Write,
 ) -> Result<(), (i32, String)> {
     let tree = Tree::read(src)?;
@@ -507,6 +533,8 @@ fn copy_tree_in_pieces(
                 stripe: stripe_for(shard, size),
                 partial: false,
                 cache: None,
+                // A name that is not UTF-8 cannot be noted: copied again after a restart.
+                whole: resume.and(rel.to_str()).map(String::from),
             });
         }
     }
@@ -514,7 +542,15 @@ fn copy_tree_in_pieces(
     writeln!(out, "total {} {bytes}", files.len()).ok();
     out.flush().ok();
     let shared_tier = shard.is_some_and(|s| s.shared_tier);
-    tree.make(src, dst, umask, shared_tier)?;
+    if let Some(keep) = resume {
+        let kept;
+        (kept, files) = keep_unchanged(files, keep);
+        let kept_bytes: u64 = kept.iter().map(|f| f.size).sum();
+        writeln!(out, "kept {} {kept_bytes}", kept.len()).ok();
+        out.flush().ok();
+        clear_leftovers(dst, &tree, &kept)?;
+    }
+    tree.make(src, dst, umask, shared_tier, resume.is_some())?;
     if tree.dir.is_some() {
         files = interleave_directories(files);
     }
@@ -536,11 +572,170 @@ fn copy_tree_in_pieces(
     }
 }
 
+// ----------------------------------------------------------- resumed after an agent restart
+
+/// [`copy_tree`] (or, with `shard`, [`copy_shard`]'s share of the files) that a restarted agent
+/// can resume (`--resume`, see [`super::resume`]). `dst` may hold what an earlier run of this
+/// copy left. First the helper reads the agent's offers on `input` to their end: `keep SIZE DEV
+/// INO MTIME MTIME_NS "PATH"` for each file the agent noted as copied whole from the source at
+/// PATH (below the dataset, JSON-quoted, `""` for a dataset that is one file) while it had that
+/// identity, and whose staged copy the agent found unchanged since. After `total`, it keeps each
+/// offered file whose source it opens now, as the job user, with exactly that identity, and
+/// reports `kept F B`; everything else below `dst` that is not one of the tree's directories goes,
+/// and the rest of the tree is made and copied as by [`copy_tree`]. Each file it copies whole, from
+/// a source whose identity was the same before and after every piece, is reported as `whole SIZE
+/// DEV INO MTIME MTIME_NS "PATH"` (with its mode set), for the agent to note.
+pub fn copy_tree_resumable(
+    src: &Path,
+    dst: &Path,
+    shard: Option<&Shard>,
+    input: impl io::BufRead,
+    out: &mut impl Write,
+) -> Result<(), (i32, String)> {
+    let mut keep = HashMap::new();
+    for line in input.lines() {
+        let line = line.map_err(|e| (EXIT_OTHER, format!("reading the agent's offers: {e}")))?;
+        let offer = line.strip_prefix("keep ").and_then(parse_ident_fields);
+        let Some((file, path)) = offer else {
+            return Err((EXIT_OTHER, format!("bad offer from the agent: {line:?}")));
+        };
+        keep.insert(path, file);
+    }
+    copy_tree_in_pieces(src, dst, PIECE, shard, Some(&keep), out)
+}
+
+/// A file and its source's identity, as `keep` and `whole` lines carry them.
+fn ident_fields(file: &FileIdent, path: &str) -> String {
+    let quoted = serde_json::to_string(path).expect("a string serializes");
+    format!(
+        "{} {} {} {} {} {quoted}",
+        file.size, file.dev, file.ino, file.mtime, file.mtime_ns
+    )
+}
+
+fn parse_ident_fields(text: &str) -> Option<(FileIdent, String)> {
+    let mut it = text.splitn(6, ' ');
+    let file = FileIdent {
+        size: it.next()?.parse().ok()?,
+        dev: it.next()?.parse().ok()?,
+        ino: it.next()?.parse().ok()?,
+        mtime: it.next()?.parse().ok()?,
+        mtime_ns: it.next()?.parse().ok()?,
+    };
+    let path = serde_json::from_str(it.next()?).ok()?;
+    Some((file, path))
+}
+
+/// What the agent offers a resumable copy to keep (see [`copy_tree_resumable`]): one line.
+pub fn keep_line(file: &FileIdent, path: &str) -> String {
+    format!("keep {}\n", ident_fields(file, path))
+}
+
+/// The lines of a resumable copy beyond [`Event`]'s (see [`copy_tree_resumable`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResumeLine {
+    /// Of the files offered, these were kept: their source is the version they were copied from.
+    Kept { files: u64, bytes: u64 },
+    /// The file at `path` (below the dataset) is copied whole, with its mode, from a source whose
+    /// identity was `file` before and after every piece of the copy.
+    Whole { file: FileIdent, path: String },
+}
+
+impl ResumeLine {
+    pub fn parse(line: &str) -> Option<ResumeLine> {
+        let (kind, rest) = line.split_once(' ')?;
+        match kind {
+            "kept" => {
+                let (files, bytes) = rest.split_once(' ')?;
+                Some(ResumeLine::Kept {
+                    files: files.parse().ok()?,
+                    bytes: bytes.parse().ok()?,
+                })
+            }
+            "whole" => {
+                parse_ident_fields(rest).map(|(file, path)| ResumeLine::Whole { file, path })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Splits `files` into those `keep` offers whose source, opened now, is the version offered
+/// (kept), and the rest (to copy). A source that cannot be opened is copied, and fails as it does.
+fn keep_unchanged(
+    files: Vec<FileJob>,
+    keep: &HashMap<String, FileIdent>,
+) -> (Vec<FileJob>, Vec<FileJob>) {
+    files.into_iter().partition(|f| {
+        let offered = f.whole.as_ref().and_then(|path| keep.get(path));
+        offered.is_some_and(|want| {
+            open_source(&f.src)
+                .ok()
+                .and_then(|opened| FileIdent::of(&opened).ok().flatten())
+                == Some(*want)
+        })
+    })
+}
+
+/// Removes what an earlier run left at `dst` besides the `kept` files and the tree's directories:
+/// files cut short or to be copied again, links (made again), names no longer in the source.
+/// This process is the job user and removes nothing through a link.
+fn clear_leftovers(dst: &Path, tree: &Tree, kept: &[FileJob]) -> Result<(), (i32, String)> {
+    let fail = |p: &Path, e: io::Error| job_error("removing", p, e);
+    if tree.dir.is_none() {
+        // A dataset that is one file: it is `dst`, kept or copied again.
+        return match kept.is_empty() {
+            true => remove_any(dst).map_err(|e| fail(dst, e)),
+            false => Ok(()),
+        };
+    }
+    match fs::symlink_metadata(dst) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return remove_any(dst).map_err(|e| fail(dst, e)),
+        Err(_) => return Ok(()),
+    }
+    let mut stays: std::collections::HashSet<PathBuf> =
+        kept.iter().map(|f| f.dst.clone()).collect();
+    for e in &tree.entries {
+        if let Entry::Dir(rel, _) = e {
+            stays.insert(dst.join(rel));
+        }
+    }
+    let mut dirs = vec![dst.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let listed = fs::read_dir(&dir).map_err(|e| fail(&dir, e))?;
+        for e in listed {
+            let path = e.map_err(|e| fail(&dir, e))?.path();
+            let is_dir = fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
+            if !stays.contains(&path) {
+                remove_any(&path).map_err(|e| fail(&path, e))?;
+            } else if is_dir {
+                dirs.push(path);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Removes `path`, a directory with everything below it, never following a link; what is not
+/// there counts as removed.
+fn remove_any(path: &Path) -> io::Result<()> {
+    let removed = match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match removed {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        other => other,
+    }
+}
+
 // ------------------------------------------------------------------------- with the node's cache
 
 /// The identity of a source file as `fstat` of a descriptor opened for reading gives it: what a
 /// cache entry of a POSIX file is keyed by (with its path and the user), see [`crate::cache`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileIdent {
     pub dev: u64,
     pub ino: u64,
@@ -687,6 +882,7 @@ fn copy_cached_in_pieces(
             stripe: None,
             partial: false,
             cache: None,
+            whole: None,
         })
         .collect();
     let bytes: u64 = files.iter().map(|f| f.size).sum();
@@ -737,7 +933,7 @@ fn copy_cached_in_pieces(
             }
         }
     }
-    tree.make(src, dst, umask, false)?;
+    tree.make(src, dst, umask, false, false)?;
     let mut rest = Vec::with_capacity(files.len());
     for f in files {
         match f.cache {
@@ -822,12 +1018,13 @@ fn copy_replica(
             stripe: None,
             partial: false,
             cache: None,
+            whole: None,
         });
     }
     let bytes: u64 = files.iter().map(|f| f.size).sum();
     writeln!(out, "total {} {bytes}", files.len()).ok();
     out.flush().ok();
-    tree.make(src, dst, umask, false)?;
+    tree.make(src, dst, umask, false, false)?;
     if tree.dir.is_some() {
         files = interleave_directories(files);
     }
@@ -1027,6 +1224,7 @@ fn copy_repair(
             stripe: None,
             partial: true,
             cache: None,
+            whole: None,
         });
     }
     let bytes: u64 = files.iter().map(|f| f.size).sum();
@@ -1192,6 +1390,19 @@ fn copy_range(mut src: &fs::File, mut dst: &fs::File, len: Option<u64>) -> io::R
     }
 }
 
+/// What [`copy_piece`] did.
+#[derive(Debug, PartialEq, Eq)]
+struct PieceCopied {
+    bytes: u64,
+    /// A peer unit's hash, or an identified file's piece's when it stayed the file identified.
+    hash: Option<blake3::Hash>,
+    /// A peer unit of an identified file: whether it stayed the file identified.
+    same: bool,
+    /// Of a resumable copy's file ([`FileJob::whole`]): the source descriptor's identity, when it
+    /// was the same before and after the copy.
+    source: Option<FileIdent>,
+}
+
 /// Copies one piece: whole small files from scratch; pieces of a file made before (by
 /// [`copy_files`], or the first run of a replica) through their own descriptors, at their offset.
 /// A peer unit goes through `buf` and is hashed on the way.
@@ -1200,7 +1411,7 @@ fn copy_piece(
     p: &Piece,
     umask: u32,
     buf: &mut Vec<u8>,
-) -> Result<(u64, Option<blake3::Hash>, bool), (i32, String)> {
+) -> Result<PieceCopied, (i32, String)> {
     let copy_err = |e: io::Error| job_error("copying", &job.src, e);
     let (src, dst) = if p.shared {
         let src = fs::File::open(&job.src).map_err(|e| job_error("opening", &job.src, e))?;
@@ -1226,7 +1437,12 @@ fn copy_piece(
         };
         let before = same(&src);
         let hash = copy_hashed(&src, &dst, p.offset, len, buf).map_err(copy_err)?;
-        return Ok((len, Some(hash), before && same(&src)));
+        return Ok(PieceCopied {
+            bytes: len,
+            hash: Some(hash),
+            same: before && same(&src),
+            source: None,
+        });
     }
     if let Some(c) = job.cache {
         // Cacheable only if this descriptor is the file identified, before and after the copy,
@@ -1239,7 +1455,12 @@ fn copy_piece(
         let (n, hash) = copy_to_end_hashed(&src, &dst, p.offset, p.len, buf).map_err(copy_err)?;
         let want = p.len.unwrap_or(c.file.size.saturating_sub(p.offset));
         let kept = before && n == want && same(&src);
-        return Ok((n, kept.then_some(hash), true));
+        return Ok(PieceCopied {
+            bytes: n,
+            hash: kept.then_some(hash),
+            same: true,
+            source: None,
+        });
     }
     if p.shared {
         (&src)
@@ -1249,9 +1470,19 @@ fn copy_piece(
             .seek(io::SeekFrom::Start(p.offset))
             .map_err(copy_err)?;
     }
-    copy_range(&src, &dst, p.len)
-        .map(|n| (n, None, true))
-        .map_err(copy_err)
+    let identity = |f: &fs::File| match &job.whole {
+        Some(_) => FileIdent::of(f).ok().flatten(),
+        None => None,
+    };
+    let before = identity(&src);
+    let bytes = copy_range(&src, &dst, p.len).map_err(copy_err)?;
+    let after = identity(&src);
+    Ok(PieceCopied {
+        bytes,
+        hash: None,
+        same: true,
+        source: before.filter(|_| before == after),
+    })
 }
 
 /// The buffer a copy thread reads peer units through.
@@ -1357,13 +1588,34 @@ fn run_pieces(
     // Of an identified file: each piece's offset and hash (`None`: not cacheable).
     type PieceHashes = std::sync::Mutex<Vec<(u64, Option<blake3::Hash>)>>;
     let piece_hashes: Vec<PieceHashes> = files.iter().map(|_| Default::default()).collect();
+    // Of a resumable copy's file: the bytes its pieces copied, and its source's identity while
+    // they did (`Err`: it changed, or some piece could not tell).
+    type Source = std::sync::Mutex<(u64, Result<Option<FileIdent>, ()>)>;
+    let sources: Vec<Source> = files
+        .iter()
+        .map(|_| std::sync::Mutex::new((0, Ok(None))))
+        .collect();
     let next = AtomicUsize::new(0);
     let (files_done, bytes_done) = (AtomicU64::new(0), AtomicU64::new(0));
     let failed = AtomicBool::new(false);
     let first_error: std::sync::Mutex<Option<(i32, String)>> = std::sync::Mutex::new(None);
     let run_piece = |p: &Piece, buf: &mut Vec<u8>, lines: &mpsc::Sender<String>| {
         let job = &files[p.file];
-        let (n, hash, same) = copy_piece(job, p, umask, buf)?;
+        let PieceCopied {
+            bytes: n,
+            hash,
+            same,
+            source,
+        } = copy_piece(job, p, umask, buf)?;
+        if job.whole.is_some() {
+            let mut slot = sources[p.file].lock().unwrap_or_else(|p| p.into_inner());
+            slot.0 += n;
+            slot.1 = match (slot.1, source) {
+                (Ok(None), Some(id)) => Ok(Some(id)),
+                (Ok(Some(was)), Some(id)) if was == id => Ok(Some(id)),
+                _ => Err(()),
+            };
+        }
         if let (Some(idx), Some(hash)) = (p.unit, hash) {
             // Before its unit, so that the agent never caches the file from its last unit in.
             if !same {
@@ -1397,6 +1649,18 @@ fn run_pieces(
                     lines
                         .send(format!("copied {} {} {hash}", c.idx, c.piece))
                         .ok();
+                }
+            }
+            // Whole, with its mode, from one unchanged version of the source: the agent may
+            // note it for a restart ([`copy_tree_resumable`]).
+            if let Some(path) = &job.whole {
+                let slot = sources[p.file].lock().unwrap_or_else(|p| p.into_inner());
+                if let (bytes, Ok(Some(id))) = *slot {
+                    if bytes == id.size {
+                        lines
+                            .send(format!("whole {}", ident_fields(&id, path)))
+                            .ok();
+                    }
                 }
             }
         }
@@ -1517,6 +1781,123 @@ mod tests {
         );
     }
 
+    /// The lines of a resumable copy: `kept`, and each `whole` file by its path.
+    fn resume_lines(out: Vec<u8>) -> (Option<(u64, u64)>, HashMap<String, FileIdent>) {
+        let (mut kept, mut whole) = (None, HashMap::new());
+        for line in String::from_utf8(out).unwrap().lines() {
+            match ResumeLine::parse(line) {
+                Some(ResumeLine::Kept { files, bytes }) => kept = Some((files, bytes)),
+                Some(ResumeLine::Whole { file, path }) => {
+                    assert!(whole.insert(path, file).is_none(), "reported twice: {line}");
+                }
+                None => {}
+            }
+        }
+        (kept, whole)
+    }
+
+    /// A resumable copy reports every file it copied whole, with its source's identity (big files
+    /// in pieces too, once their last piece and mode are in). Run again over what it left, as a
+    /// restarted agent runs it: an offered file whose source is unchanged is kept as it is (same
+    /// inode); one whose source changed is copied again, and so is what was cut short; names no
+    /// longer in the source go; the result is the source's tree.
+    #[test]
+    fn a_resumable_copy_keeps_the_files_offered_whose_source_is_unchanged() {
+        let src = tempfile::tempdir().unwrap();
+        let dst = tempfile::tempdir().unwrap();
+        let ds = dst.path().join("ds");
+        fs::create_dir_all(src.path().join("d")).unwrap();
+        let big: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+        fs::write(src.path().join("big"), &big).unwrap();
+        fs::set_permissions(src.path().join("big"), fs::Permissions::from_mode(0o444)).unwrap();
+        fs::write(src.path().join("d/same"), b"same bytes").unwrap();
+        fs::write(src.path().join("d/changes"), b"old bytes").unwrap();
+        fs::write(src.path().join("d/cut"), b"cut short by the kill").unwrap();
+        std::os::unix::fs::symlink("d/same", src.path().join("link")).unwrap();
+        let none = HashMap::new();
+        let mut out = Vec::new();
+        copy_tree_in_pieces(src.path(), &ds, 4096, None, Some(&none), &mut out).unwrap();
+        let (kept, whole) = resume_lines(out);
+        assert_eq!(kept, Some((0, 0)));
+        let mut names: Vec<&str> = whole.keys().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(names, ["big", "d/changes", "d/cut", "d/same"]);
+        let ident = |rel: &str| FileIdent::of(&fs::File::open(src.path().join(rel)).unwrap());
+        assert_eq!(Some(whole["big"]), ident("big").unwrap());
+        assert_eq!(fs::read(ds.join("big")).unwrap(), big);
+
+        // What a kill leaves: a file cut short, a name the source no longer has; meanwhile the
+        // source of another changed.
+        fs::write(ds.join("d/cut"), b"cut").unwrap();
+        fs::write(ds.join("d/gone"), b"stale").unwrap();
+        fs::write(src.path().join("d/changes"), b"new bytes, longer").unwrap();
+        let ino = |rel: &str| fs::symlink_metadata(ds.join(rel)).unwrap().ino();
+        let (same_ino, big_ino) = (ino("d/same"), ino("big"));
+        let offers: String = ["big", "d/same", "d/changes"]
+            .iter()
+            .map(|p| keep_line(&whole[*p], p))
+            .collect();
+        let mut out = Vec::new();
+        let keep: HashMap<String, FileIdent> = offers
+            .lines()
+            .map(|l| parse_ident_fields(l.strip_prefix("keep ").unwrap()).unwrap())
+            .map(|(f, p)| (p, f))
+            .collect();
+        copy_tree_in_pieces(src.path(), &ds, 4096, None, Some(&keep), &mut out).unwrap();
+        let (kept, whole) = resume_lines(out);
+        assert_eq!(
+            kept,
+            Some((2, big.len() as u64 + 10)),
+            "big and d/same kept"
+        );
+        let mut copied: Vec<&str> = whole.keys().map(String::as_str).collect();
+        copied.sort();
+        assert_eq!(copied, ["d/changes", "d/cut"], "copied again");
+        assert_eq!((ino("d/same"), ino("big")), (same_ino, big_ino));
+        assert_eq!(
+            fs::read(ds.join("d/changes")).unwrap(),
+            b"new bytes, longer"
+        );
+        assert_eq!(
+            fs::read(ds.join("d/cut")).unwrap(),
+            b"cut short by the kill"
+        );
+        assert!(!ds.join("d/gone").exists());
+        assert_eq!(fs::read_link(ds.join("link")).unwrap(), Path::new("d/same"));
+        assert_eq!(
+            fs::metadata(ds.join("big")).unwrap().mode() & 0o777,
+            0o444,
+            "kept with its mode"
+        );
+        // Offers are read as the agent writes them; anything else fails the copy.
+        let mut out = Vec::new();
+        let bad = copy_tree_resumable(src.path(), &ds, None, &b"keep nonsense\n"[..], &mut out);
+        assert!(bad.unwrap_err().1.contains("bad offer"));
+    }
+
+    /// A dataset that is one file resumes too: kept when its source is unchanged, else copied.
+    #[test]
+    fn a_resumable_copy_of_one_file_keeps_it_or_copies_it_again() {
+        let src = tempfile::tempdir().unwrap();
+        let dst = tempfile::tempdir().unwrap();
+        let (from, to) = (src.path().join("one.bin"), dst.path().join("one"));
+        fs::write(&from, b"one file").unwrap();
+        let mut out = Vec::new();
+        copy_tree_resumable(&from, &to, None, &b""[..], &mut out).unwrap();
+        let (_, whole) = resume_lines(out);
+        let offer = keep_line(&whole[""], "");
+        let ino = fs::metadata(&to).unwrap().ino();
+        let mut out = Vec::new();
+        copy_tree_resumable(&from, &to, None, offer.as_bytes(), &mut out).unwrap();
+        assert_eq!(resume_lines(out), (Some((1, 8)), HashMap::new()));
+        assert_eq!(fs::metadata(&to).unwrap().ino(), ino, "kept");
+        fs::write(&from, b"another file").unwrap();
+        let mut out = Vec::new();
+        copy_tree_resumable(&from, &to, None, offer.as_bytes(), &mut out).unwrap();
+        assert_eq!(resume_lines(out).0, Some((0, 0)));
+        assert_eq!(fs::read(&to).unwrap(), b"another file");
+    }
+
     #[test]
     fn big_files_are_copied_in_pieces_with_their_mode() {
         let src = tempfile::tempdir().unwrap();
@@ -1528,7 +1909,15 @@ mod tests {
         fs::set_permissions(src.path().join("small"), fs::Permissions::from_mode(0o640)).unwrap();
         let mut out = Vec::new();
         // 4 KiB pieces: the big file is 25 pieces, copied by several threads.
-        copy_tree_in_pieces(src.path(), &dst.path().join("ds"), 4096, None, &mut out).unwrap();
+        copy_tree_in_pieces(
+            src.path(),
+            &dst.path().join("ds"),
+            4096,
+            None,
+            None,
+            &mut out,
+        )
+        .unwrap();
         let big = dst.path().join("ds/big");
         assert_eq!(fs::read(&big).unwrap(), data);
         assert_eq!(fs::metadata(&big).unwrap().mode() & 0o7777, 0o444);
@@ -1549,6 +1938,7 @@ mod tests {
             &src.path().join("big"),
             &dst.path().join("one"),
             4096,
+            None,
             None,
             &mut Vec::new(),
         )
@@ -2030,10 +2420,14 @@ mod tests {
                 file,
                 piece: PIECE,
             }),
+            whole: None,
         };
         let mut buf = Vec::new();
         let same = copy_piece(&job(now, "same"), &piece, 0o022, &mut buf).unwrap();
-        assert_eq!(same, (13, Some(blake3::hash(b"the bytes now")), true));
+        assert_eq!(
+            (same.bytes, same.hash, same.same),
+            (13, Some(blake3::hash(b"the bytes now")), true)
+        );
         for (what, then) in [
             (
                 "mtime",
@@ -2051,7 +2445,8 @@ mod tests {
             ),
             ("size", FileIdent { size: 9, ..now }),
         ] {
-            let (n, hash, _) = copy_piece(&job(then, what), &piece, 0o022, &mut buf).unwrap();
+            let PieceCopied { bytes: n, hash, .. } =
+                copy_piece(&job(then, what), &piece, 0o022, &mut buf).unwrap();
             assert_eq!((n, hash), (13, None), "{what} changed");
             assert_eq!(fs::read(dst.path().join(what)).unwrap(), b"the bytes now");
         }
@@ -2067,6 +2462,7 @@ mod tests {
             stripe: None,
             partial: false,
             cache: None,
+            whole: None,
         };
         let files = ["a/1", "a/2", "a/3", "b/1", "b/2", "top"].map(job).into();
         let order: Vec<PathBuf> = interleave_directories(files)

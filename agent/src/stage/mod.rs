@@ -23,10 +23,11 @@
 //!   `--stage-tier=shared`, each node writes the files it owns into the job's directory on the
 //!   shared tier, which every node of the job sees ([`shared`]).
 //!
-//! - After an agent restart, a job's object-store datasets on the hot tier resume ([`resume`]):
-//!   files staged whole before, of the object version the origin lists now and unchanged since,
-//!   are kept; the rest is read again. POSIX sources (the copy helper) and the shared tier are
-//!   staged again from the start.
+//! - After an agent restart, a job's datasets on the hot tier resume ([`resume`]): files staged
+//!   whole before, of the object version the origin lists now (or, for a POSIX source, whose
+//!   source file the job user's helper finds at the version it copied) and unchanged since, are
+//!   kept; the rest is read again. POSIX datasets shared with peers or through the cache, and the
+//!   shared tier, are staged again from the start.
 //!
 //! Object keys are not file paths: [`map_key`] is the single place that decides where a key lands.
 //!
@@ -227,9 +228,10 @@ pub struct StageCtx {
     /// The node's cross-job cache (`[cache]`): object-store datasets are taken from it where it
     /// holds their objects, and fill it as they are staged ([`crate::cache`]).
     pub cache: Option<Arc<crate::cache::Cache>>,
-    /// The job's staging logs ([`resume`]): object-store datasets on the node's hot tier note the
-    /// files they staged whole, and, after an agent restart, keep those rather than read them
-    /// again. `None`: nothing is noted or kept (a step's datasets, the tests' runs).
+    /// The job's staging logs ([`resume`]): datasets on the node's hot tier (object stores, and
+    /// POSIX sources the helper copies whole) note the files they staged whole, and, after an
+    /// agent restart, keep those rather than read them again. `None`: nothing is noted or kept
+    /// (a step's datasets, the tests' runs).
     pub resume: Option<Arc<resume::JobResume>>,
 }
 

@@ -17,6 +17,12 @@
 //! by that job's helper, as the same user, on the node that owns it, and a user who makes their
 //! helper lie (it runs as them) can change only their own job's copies.
 //!
+//! On the node's hot tier, a dataset the helper copies whole (alone on a node without a cache, or
+//! a shard) can be resumed by a restarted agent ([`resumable_copy`], [`super::resume`]): the
+//! helper reports each file it copied whole with its source's identity, the agent notes it in the
+//! job's staging log with the staged file's identity, and after a restart the files whose staged
+//! copy and source are both unchanged are kept.
+//!
 //! With `[cache]`, a dataset this node stages whole goes through the node's cache ([`copy_cached`]):
 //! entries of POSIX files are keyed by path, device, inode, size, mtime and the job user's uid, and
 //! the job user's helper opens every file and reports its `fstat` identity on every job, so a hit
@@ -27,10 +33,11 @@
 //! this node's helper, or by the unit's owner). Shard stages read their source as without a cache.
 
 use super::copy_as_user::{
-    CacheLine, EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event, FileIdent, PeerLine, copies_unit,
-    peer_unit_file, piece_hashes_hash,
+    CacheLine, EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event, FileIdent, PeerLine, ResumeLine,
+    copies_unit, keep_line, peer_unit_file, piece_hashes_hash,
 };
 use super::peers::{NextStep, open_staged_for_write};
+use super::resume::{self, DatasetLog};
 use super::{
     Budget, JobPeers, Lease, Progress, ShardPlan, Sharing, StageCtx, StageError, is_no_space,
 };
@@ -70,7 +77,8 @@ pub(super) async fn stage(
     }
 }
 
-/// The whole dataset, or with `shard` this node's share of it, all of it read by the helper.
+/// The whole dataset, or with `shard` this node's share of it, all of it read by the helper. On
+/// the node's hot tier, a copy a restarted agent resumes ([`resumable_copy`]).
 async fn copy(
     ctx: &StageCtx,
     spec: &StageSpec,
@@ -86,6 +94,15 @@ async fn copy(
             args.extend(layout.helper_args().into_iter().map(OsString::from));
         }
     }
+    let resume = ctx.resume.clone().filter(|_| ctx.shared_tier.is_none());
+    if let Some(resume) = resume {
+        let spec_owned = spec.clone();
+        if let Some(log) = blocking(move || resume.dataset(&spec_owned)).await {
+            let log = Arc::new(log);
+            log.tick();
+            return resumable_copy(ctx, spec, path, progress, args, &log).await;
+        }
+    }
     let mut helper = HelperCmd::new(ctx, spec, path).start(args, false)?;
     while let Some(line) = helper.line().await {
         if let Some(event) = Event::parse(&line) {
@@ -96,6 +113,94 @@ async fn copy(
         }
     }
     helper.finish().await
+}
+
+/// [`copy`] through the dataset's staging log ([`super::resume`]): the helper (`--resume`,
+/// [`super::copy_as_user::copy_tree_resumable`]) is offered the files the log names whose staged
+/// copy is still the file noted — the agent checks that as root, without following links — and
+/// keeps those whose source it finds, as the job user, still at the version noted; it copies the
+/// rest, and each file it reports copied whole is noted with the identity of the staged file as
+/// the agent finds it then.
+async fn resumable_copy(
+    ctx: &StageCtx,
+    spec: &StageSpec,
+    path: &str,
+    progress: &Progress,
+    mut args: Vec<OsString>,
+    log: &Arc<DatasetLog>,
+) -> Result<(), StageError> {
+    args.push("--resume".into());
+    let mut helper = HelperCmd::new(ctx, spec, path).start(args, true)?;
+    let (stage, owner, name) = (ctx.stage_fd.clone(), ctx.owner, spec.name.clone());
+    let earlier = log.leftovers();
+    let offers: String = blocking(move || {
+        earlier
+            .into_iter()
+            .filter_map(|e| {
+                let source = e.posix_source()?;
+                let rel = below_dataset(&name, e.path())?;
+                resume::resumable(&stage, e.path(), owner, &e)?;
+                Some(keep_line(&source, rel))
+            })
+            .collect()
+    })
+    .await;
+    let mut stdin = helper.stdin.take().expect("stdin is piped");
+    // The helper reads every offer before it writes a line; if it went away, its exit says why.
+    let _ = stdin.write_all(offers.as_bytes()).await;
+    drop(stdin);
+    let (mut kept_files, mut kept_bytes) = (0, 0);
+    while let Some(line) = helper.line().await {
+        if let Some(event) = Event::parse(&line) {
+            match event {
+                Event::Total { .. } => {
+                    progress.apply(event);
+                    progress.set_state(StageState::Copying);
+                }
+                Event::Progress { files, bytes } => {
+                    progress.apply(Event::Progress {
+                        files: files + kept_files,
+                        bytes: bytes + kept_bytes,
+                    });
+                    progress.origin_bytes.store(bytes, Ordering::Relaxed);
+                }
+            }
+            continue;
+        }
+        match ResumeLine::parse(&line) {
+            Some(ResumeLine::Kept { files, bytes }) => {
+                (kept_files, kept_bytes) = (files, bytes);
+                progress.resumed_bytes.store(bytes, Ordering::Relaxed);
+                progress.files_done.store(files, Ordering::Relaxed);
+                progress.bytes_done.store(bytes, Ordering::Relaxed);
+            }
+            Some(ResumeLine::Whole { file, path: rel }) => {
+                let staged = peer_unit_file(&spec.name, &rel);
+                let (stage, owner) = (ctx.stage_fd.clone(), ctx.owner);
+                let s = staged.clone();
+                let id = blocking(move || {
+                    let f = super::peers::open_staged(&stage, &s, owner).ok()?;
+                    resume::Identity::of(&f).ok()
+                })
+                .await;
+                if let Some(id) = id.filter(|id| id.size == file.size) {
+                    log.done(resume::Entry::posix(staged, file, id)).await;
+                }
+            }
+            None => {}
+        }
+    }
+    log.finish().await;
+    helper.finish().await
+}
+
+/// The path below the dataset `name` of `path` below the stage directory (`""` for the dataset
+/// itself, a dataset that is one file).
+fn below_dataset<'a>(name: &str, path: &'a str) -> Option<&'a str> {
+    match path.strip_prefix(name)? {
+        "" => Some(""),
+        rest => rest.strip_prefix('/'),
+    }
 }
 
 // ------------------------------------------------------------------------ through the node's cache

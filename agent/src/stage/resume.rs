@@ -1,10 +1,12 @@
-//! Resuming a job's object-store staging after the agent restarts (issue 11 item 6).
+//! Resuming a job's staging after the agent restarts (issue 11 item 6).
 //!
 //! Without this, an agent killed while a job's datasets were being staged stages them again from
-//! the origin, every byte, when it comes back. With it, each object-store dataset keeps a log of
-//! the files it staged whole, and a restarted agent keeps those files instead of reading them
-//! again; a file the log does not name, or names for another object version or another file than
-//! the one now at its path, is read again.
+//! the origin, every byte, when it comes back. With it, each dataset keeps a log of the files it
+//! staged whole, and a restarted agent keeps those files instead of reading them again; a file
+//! the log does not name, or names for another object version, another source file version or
+//! another file than the one now at its path, is read again. Object-store datasets
+//! ([`super::object`]) and POSIX datasets the copy helper copies whole ([`super::posix`]: alone
+//! on a node without a cache, or a shard) resume so.
 //!
 //! # Where "file F is complete" is recorded, and why there
 //!
@@ -14,25 +16,48 @@
 //! ```text
 //! {"format":"sluice-stage-resume","version":1,"job":..,"name":..,"source":..,"boot_id":..}
 //! {"path":"NAME/a/b.bin","location":"ds/a/b.bin","e_tag":..,"version":..,"size":..,"file":{"ino":..,"size":..,"mtime_ns":..,"ctime_ns":..}}
+//! {"path":"NAME/a/c.bin","source":{"dev":..,"ino":..,"size":..,"mtime":..,"mtime_ns":..},"file":{..}}
 //! ```
 //!
-//! A line names a staged file (its path below `$SLUICE_STAGE_DIR`), the object it holds (its key,
-//! the ETag and version id the listing gave, its size) and the file as the agent left it once its
-//! last byte was written: inode, size, mtime and ctime, from an fstat of the agent's own
-//! descriptor. Not an extended attribute on the staged file: the job user owns that file and may
-//! rewrite it while the attribute (which they cannot touch) stays, so an attribute would have to
-//! carry the same identity anyway — and it could not, since setting it changes the ctime it would
-//! hold. The log is root's alone, next to the journal.
+//! A line names a staged file (its path below `$SLUICE_STAGE_DIR`), what it was copied from, and
+//! the file as it was once its last byte was written: inode, size, mtime and ctime. Not an
+//! extended attribute on the staged file: the job user owns that file and may rewrite it while
+//! the attribute (which they cannot touch) stays, so an attribute would have to carry the same
+//! identity anyway — and it could not, since setting it changes the ctime it would hold. The log
+//! is root's alone, next to the journal.
+//!
+//! What it was copied from:
+//! - an object: its key, the ETag and version id the listing gave, its size. The agent read it
+//!   and wrote the file itself, and takes the file's identity from an fstat of its own
+//!   descriptor.
+//! - a POSIX file: its device, inode, size and mtime (the identity the cache keys POSIX files by,
+//!   [`crate::cache`]). The copy helper reads POSIX sources as the job user, so that a user stages
+//!   only what they can read; it cannot write root's log, and must not be able to. So the helper
+//!   reports each file it copied whole (`whole` lines, [`super::copy_as_user::copy_tree_resumable`])
+//!   with its source's identity from an fstat of the descriptor it read, the same before and
+//!   after every piece; the agent then opens the staged file itself (fd-relative, no link
+//!   followed, a one-link regular file of the job user) and writes the line with the identity it
+//!   finds. The source's part is the helper's word — the job user's — and so only ever decides
+//!   about that user's own copy; the staged file's part is the agent's own observation.
 //!
 //! A restarted agent keeps a file only when all of these hold ([`DatasetLog::take`],
 //! [`Entry::describes`], [`resumable`]):
 //! - the log is from this boot of the node (`boot_id`) and for this job, dataset name and URL;
-//! - the origin lists the object now with the recorded ETag, version id and size;
+//! - the origin lists the object now with the recorded ETag, version id and size; or, for a POSIX
+//!   file, the helper of the restarted agent, as the job user, opens the source now and finds the
+//!   recorded device, inode, size and mtime (the agent offers it the file, `keep` lines, and the
+//!   helper reports how many it kept; a source the user can no longer read fails as without
+//!   resuming);
 //! - the path, opened without following links, is a regular file of the job user with one link,
 //!   and its inode, size, mtime and ctime are the recorded ones. The job user can change their
 //!   file's content and mtime, but not its ctime: any write, truncation, `touch`, chmod, link or
 //!   rename sets it to the current time. So a file the user changed after it was recorded is read
 //!   again, whatever they did.
+//!
+//! Either way there is a moment between the last write and the fstat that the line records (for a
+//! POSIX file, between the helper's report and the agent's fstat) in which the job user could
+//! change their copy unseen; what they change there is their own job's copy, which they may change
+//! at any time anyway, and it is trusted for nothing more (below).
 //!
 //! Why the boot id instead of an fsync of every staged file: the log is written as files
 //! complete, in batches ([`SYNC_EVERY`] lines, or every [`SYNC_INTERVAL`]: one `write` each, so
@@ -55,18 +80,24 @@
 //!   file back now, unit by unit ([`hash_units`]), never from the log: a peer checks the bytes it
 //!   receives against them, as it checks an origin read's.
 //!
-//! POSIX sources are not resumed: they are read by the copy helper as the user, and a restarted
-//! agent removes what a cut-short copy left and copies them again (see `HotTier::prepare_job`).
-//! Neither is staging into the shared tier, whose per-node completion marks already let a
-//! restarted agent skip a share that was written.
+//! Not resumed, staged again from the start: POSIX datasets shared with the job's peers or staged
+//! through the node's cache (the agent writes parts of those files itself, and the helper's runs
+//! there make the tree afresh); and staging into the shared tier, whose per-node completion marks
+//! already let a restarted agent skip a share that was written.
 //!
-//! The log lives while the job stages: it is removed when staging finished (the journal's `ready`
-//! then tells a restarted agent not to stage at all), when the job ends, and when a new run of the
-//! job id starts.
+//! # After staging
+//!
+//! A restarted agent does not stage a job the journal says is staged (`ready`). Its files are
+//! the job's, as they are; but the job's other nodes may still be staging, and would ask this
+//! node for the units it owns. So the log stays until the job ends, and a restarted agent serves
+//! the files it names that are still as noted, with hashes read back from them ([`serve_staged`]);
+//! other units are "not mine", read from the origin by the node that asks.
+//!
+//! The log is removed when the job ends, and when a new run of the job id starts.
 
+use super::copy_as_user::FileIdent;
 use serde::{Deserialize, Serialize};
 use sluice_archive::durable::write_durable;
-use sluice_archive::rt::blocking;
 use sluice_archive::safefs::Owner;
 use sluice_proto::msg::JobId;
 use sluice_proto::options::StageSpec;
@@ -79,7 +110,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use object_store::ObjectMeta;
-use sluice_archive::rt::lock;
+use sluice_archive::rt::{blocking, lock};
 
 const FORMAT: &str = "sluice-stage-resume";
 const LOG_VERSION: u32 = 1;
@@ -174,20 +205,36 @@ impl JobResume {
         }
     }
 
+    /// Where the log of the dataset `header` names is.
+    fn log_path(&self, header: &Header) -> PathBuf {
+        let mut h = blake3::Hasher::new();
+        for part in [header.name.as_str(), header.source.as_str()] {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
+        self.dir
+            .join(format!("{}.log", &h.finalize().to_hex()[..32]))
+    }
+
+    /// Blocking. The entries of `spec`'s log (of this boot, job and dataset), read without
+    /// changing it: what a restarted agent serves of a job staged before ([`serve_staged`]).
+    pub(crate) fn entries(&self, spec: &StageSpec) -> Vec<Entry> {
+        let header = self.header(spec);
+        if header.boot_id.is_none() {
+            return Vec::new();
+        }
+        load(&self.log_path(&header), &header)
+            .into_values()
+            .collect()
+    }
+
     /// Blocking. The log of `spec`'s dataset: the entries of the run before the restart (when
     /// resuming, and its log is for this boot, job and dataset), rewritten through the durable
     /// helper, then open to append to. `None` when the log cannot be written (staging goes on
     /// without one: a later restart reads everything again).
     pub(crate) fn dataset(&self, spec: &StageSpec) -> Option<DatasetLog> {
         let header = self.header(spec);
-        let mut h = blake3::Hasher::new();
-        for part in [header.name.as_str(), header.source.as_str()] {
-            h.update(&(part.len() as u64).to_le_bytes());
-            h.update(part.as_bytes());
-        }
-        let path = self
-            .dir
-            .join(format!("{}.log", &h.finalize().to_hex()[..32]));
+        let path = self.log_path(&header);
         let earlier = if self.resuming && header.boot_id.is_some() {
             load(&path, &header)
         } else {
@@ -278,26 +325,51 @@ struct Header {
 /// and the mtime, not the ctime — any change to the file sets it to now.
 pub(crate) use sluice_archive::FileIdentity as Identity;
 
-/// A log line: the staged file `path` (below the stage directory) was written whole with the
-/// object listed as (`location`, `e_tag`, `version`, `size`), and was then `file`.
+/// A log line: the staged file `path` (below the stage directory) was written whole from `of`,
+/// and was then `file`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Entry {
     path: String,
-    location: String,
-    e_tag: Option<String>,
-    version: Option<String>,
-    size: u64,
+    #[serde(flatten)]
+    of: Of,
     file: Identity,
+}
+
+/// What a staged file was copied from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+enum Of {
+    /// The object listed as (`location`, `e_tag`, `version`, `size`).
+    Object {
+        location: String,
+        e_tag: Option<String>,
+        version: Option<String>,
+        size: u64,
+    },
+    /// The POSIX source file the copy helper read, as the job user, with this identity (device,
+    /// inode, size, mtime) before and after every piece of the copy.
+    Posix { source: FileIdent },
 }
 
 impl Entry {
     pub(crate) fn new(path: String, meta: &ObjectMeta, file: Identity) -> Entry {
         Entry {
             path,
-            location: meta.location.to_string(),
-            e_tag: meta.e_tag.clone(),
-            version: meta.version.clone(),
-            size: meta.size,
+            of: Of::Object {
+                location: meta.location.to_string(),
+                e_tag: meta.e_tag.clone(),
+                version: meta.version.clone(),
+                size: meta.size,
+            },
+            file,
+        }
+    }
+
+    /// A file the copy helper copied whole from a POSIX `source` of that identity.
+    pub(crate) fn posix(path: String, source: FileIdent, file: Identity) -> Entry {
+        Entry {
+            path,
+            of: Of::Posix { source },
             file,
         }
     }
@@ -307,15 +379,45 @@ impl Entry {
         &self.path
     }
 
+    /// The name its units go by among the job's nodes, as [`super::object`] names an object's
+    /// units: its path and the version listed (the ETag, else the version id). `None` for a POSIX
+    /// file: datasets the helper copies whole are not shared through peers.
+    pub(crate) fn unit_file(&self) -> Option<String> {
+        match &self.of {
+            Of::Object { e_tag, version, .. } => Some(crate::peer::versioned(
+                &self.path,
+                e_tag.as_deref().or(version.as_deref()),
+            )),
+            Of::Posix { .. } => None,
+        }
+    }
+
+    /// The POSIX source file's identity when this file was copied from it.
+    pub(crate) fn posix_source(&self) -> Option<FileIdent> {
+        match &self.of {
+            Of::Posix { source } if source.size == self.file.size => Some(*source),
+            _ => None,
+        }
+    }
+
     /// The origin lists the object now as it was when this file was staged: same key, same
     /// version (ETag and version id; an object listed with neither is never kept, since nothing
     /// would tell an overwrite of the same size), same size.
     pub(crate) fn describes(&self, meta: &ObjectMeta) -> bool {
+        let Of::Object {
+            location,
+            e_tag,
+            version,
+            size,
+        } = &self.of
+        else {
+            return false;
+        };
         (meta.e_tag.is_some() || meta.version.is_some())
-            && self.location == meta.location.as_ref()
-            && self.e_tag == meta.e_tag
-            && self.version == meta.version
-            && self.size == meta.size
+            && *location == meta.location.as_ref()
+            && *e_tag == meta.e_tag
+            && *version == meta.version
+            && *size == meta.size
             && self.file.size == meta.size
     }
 }
@@ -437,6 +539,60 @@ pub(crate) fn resumable(
     (Identity::of(&file).ok()? == entry.file).then_some(file)
 }
 
+/// After an agent restart, a job that had finished staging on this node and still runs: the
+/// job's other nodes may still be staging (each node's set-up waits for nobody), and ask this node
+/// for the units it owns. Offers `peers` every file that `specs`' staging logs name and that is
+/// still the file noted ([`resumable`]: the job user may have changed their copy since), each unit
+/// with the hash of the file read back now ([`hash_units`]), never a hash from the log; returns
+/// the files and bytes offered. The caller then closes `peers`: a unit of any other file is
+/// answered "not mine", and the asking node reads it from the origin.
+///
+/// Only object-store datasets: their log names every file staged, by its object version. A POSIX
+/// dataset shared through peers keeps no log (the agent writes part of each file itself), so its
+/// units are read from the origin by the job's other nodes once this node's agent restarted.
+pub(crate) async fn serve_staged(
+    peers: &super::JobPeers,
+    resume: Arc<JobResume>,
+    specs: Vec<StageSpec>,
+    stage: Arc<OwnedFd>,
+    owner: Owner,
+) -> (u64, u64) {
+    let entries = blocking(move || {
+        specs
+            .iter()
+            .flat_map(|spec| resume.entries(spec))
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let unit_size = peers.unit_size();
+    let (mut files, mut bytes) = (0, 0);
+    let mut buf = Vec::with_capacity(1 << 20);
+    for entry in entries {
+        let Some(unit_file) = entry.unit_file().filter(|_| entry.file.size > 0) else {
+            continue;
+        };
+        let units = crate::peer::units_of(&unit_file, entry.file.size, unit_size);
+        let ranges: Vec<(u64, u64)> = units.iter().map(|u| (u.offset, u.len)).collect();
+        let root = stage.clone();
+        let (hashes, b) = blocking(move || {
+            let hashes = resumable(&root, entry.path(), owner, &entry)
+                .and_then(|file| hash_units(&file, &ranges, &mut buf).ok());
+            (hashes, buf)
+        })
+        .await;
+        buf = b;
+        let Some(hashes) = hashes else { continue };
+        // Units name their file by its path below the stage directory: `stage` is their root.
+        peers.add_object(stage.clone(), 0, &units);
+        for (unit, hash) in units.iter().zip(hashes) {
+            peers.held(unit, hash);
+        }
+        files += 1;
+        bytes += units.iter().map(|u| u.len).sum::<u64>();
+    }
+    (files, bytes)
+}
+
 /// Blocking. Each unit's BLAKE3 (`(offset, len)` pairs, in order), read back from `file` through
 /// `buf`; an error if the file is shorter than the units.
 pub(crate) fn hash_units(
@@ -518,6 +674,25 @@ mod tests {
         assert!(!e.describes(&meta("ds/f3", None, 10)));
         assert!(again.take("ds/f3").is_none(), "handed out once");
         assert_eq!(again.leftovers().len(), SYNC_EVERY * 2);
+
+        // A POSIX file's line goes by its source's identity, never an object's listing.
+        let source = FileIdent {
+            dev: 1,
+            ino: 2,
+            size: 10,
+            mtime: 3,
+            mtime_ns: 4,
+        };
+        let posix = Entry::posix("ds/p".into(), source, id);
+        let line = serde_json::to_string(&posix).unwrap();
+        let back: Entry = serde_json::from_str(&line).unwrap();
+        assert_eq!(
+            (back.posix_source(), &back),
+            (Some(source), &posix),
+            "{line}"
+        );
+        assert!(!back.describes(&meta("ds/p", Some("e"), 10)));
+        assert_eq!(e.posix_source(), None);
 
         // Another dataset of the job, or another boot: nothing.
         let other = parse_stage_entry("ds=s3://b/other").unwrap();

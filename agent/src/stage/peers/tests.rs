@@ -542,6 +542,102 @@ async fn a_restarted_node_serves_the_units_it_kept_with_hashes_of_its_files_now(
     }
 }
 
+/// Issue 11 item 6: n1 had staged the whole dataset, then its agent restarted, while n2 and n3
+/// were still to stage. The restarted n1 serves them the units it owns of every file its staging
+/// log names and that is still as staged, with hashes read back now — not the file its user changed
+/// since, whose units n2 and n3 read from the origin themselves. Before, a restarted agent served
+/// none: n2 and n3 routed around n1 and read all of its share from the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others() {
+    let (store, files) = origin().await;
+    let (ls, addrs) = listeners().await;
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().iter().zip(ls) {
+        nodes.push(node(name, l, &addrs).await);
+    }
+    let state = tempfile::tempdir().unwrap();
+    let resume = |resuming| {
+        Arc::new(crate::stage::resume::JobResume::open(
+            state.path(),
+            JOB,
+            resuming,
+        ))
+    };
+    // Before the restart: n1 staged it all (its log names every file).
+    nodes[0].ctx.resume = Some(resume(false));
+    let s = store.clone() as Arc<dyn ObjectStore>;
+    let before = Arc::new(Progress::new(&spec()));
+    crate::stage::object::stage(&nodes[0].ctx, &spec(), s, "ds", before, None, None)
+        .await
+        .unwrap();
+    // The job's user rewrote one file in place since (same bytes: only its ctime tells).
+    let changed = "big.bin";
+    let path = nodes[0].dir.path().join("ds").join(changed);
+    std::fs::write(&path, std::fs::read(&path).unwrap()).unwrap();
+
+    // The restarted agent: the job is staged here; it joins and serves what the log names.
+    let peers = nodes[0]
+        .peers
+        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .unwrap();
+    let (offered, bytes) = crate::stage::resume::serve_staged(
+        &peers,
+        resume(true),
+        vec![spec()],
+        nodes[0].ctx.stage_fd.clone(),
+        me(),
+    )
+    .await;
+    peers.close("staged before the agent restarted");
+    let non_empty = files.values().filter(|v| !v.is_empty()).count() as u64;
+    let total = dataset_bytes(&files);
+    let changed_len = files[changed].len() as u64;
+    assert_eq!((offered, bytes), (non_empty - 1, total - changed_len));
+
+    // n2 and n3 stage now.
+    let served = store.served.load(Ordering::SeqCst);
+    let rest: Vec<&Node> = nodes[1..].iter().collect();
+    for (r, _) in stage_all(&rest, &store).await {
+        r.unwrap();
+    }
+    for n in &rest {
+        assert_eq!(read_tree(n.dir.path()), files, "{}'s copy", n.name);
+    }
+    // What the origin served: each unit n2 or n3 owns once; of n1's units, those of the file
+    // changed on n1 twice (both read it themselves), the rest never.
+    let listed: Vec<ObjectMeta> = store
+        .inner
+        .list(Some(&ObjPath::from("ds")))
+        .map(|m| m.unwrap())
+        .collect()
+        .await;
+    let mut expected = 0;
+    for meta in &listed {
+        let rel = &meta.location.as_ref()["ds/".len()..];
+        let version = meta.e_tag.as_deref().or(meta.version.as_deref());
+        let unit_file = crate::peer::versioned(&format!("ds/{rel}"), version);
+        for u in crate::peer::units_of(&unit_file, meta.size, peers.unit_size()) {
+            expected += match job_nodes()[crate::peer::owner_of(&u.key(), &job_nodes())].as_str() {
+                "n1" if rel == changed => 2 * u.len,
+                "n1" => 0,
+                _ => u.len,
+            };
+        }
+    }
+    let served = store.served.load(Ordering::SeqCst) - served;
+    assert!(
+        expected < total,
+        "n1 owns some units: {expected} of {total}"
+    );
+    assert_eq!(
+        served, expected,
+        "the origin served n1's units only of the file changed on n1"
+    );
+    for n in &nodes {
+        n.stop.cancel();
+    }
+}
+
 /// A relay between n1 and n2 that changes bytes: n1 detects it (the owner's hash), fetches again
 /// once, then routes around n2; its copy is still identical to the origin, with a note. n3, which
 /// reaches n2 directly, is not affected.

@@ -1,0 +1,195 @@
+//! A POSIX dataset staged again after an agent restart, in one process: the real stager, the real
+//! `sluiced copy-as-user` helper of this build and the job's staging log in a state directory
+//! (`stage::resume`). What a job sees after the restart: its copy is the source's tree (bytes,
+//! modes, links); the files staged whole before stay as they were (same inode), and only the rest
+//! is read from the source — a file the user changed after it was staged, a file whose source
+//! changed, a name the source no longer has are not kept.
+
+use sluice_agent::stage::resume::JobResume;
+use sluice_agent::stage::{self, Budget, Progress, StageCtx};
+use sluice_archive::config::Config;
+use sluice_archive::safefs::{self, Owner};
+use sluice_proto::msg::StageProgress;
+use sluice_proto::options::parse_stage_entry;
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const JOB: u32 = 42;
+
+fn me() -> (Owner, String) {
+    let uid = nix::unistd::getuid();
+    let name = nix::unistd::User::from_uid(uid)
+        .ok()
+        .flatten()
+        .expect("the test's user has a name")
+        .name;
+    let gid = nix::unistd::getgid().as_raw();
+    (
+        Owner {
+            uid: uid.as_raw(),
+            gid,
+        },
+        name,
+    )
+}
+
+/// The source: a big read-only file, small files in nested directories, an empty one, a link.
+fn source(dir: &Path) -> u64 {
+    let big: Vec<u8> = (0..(3 << 20) + 777u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    std::fs::write(dir.join("big.bin"), &big).unwrap();
+    std::fs::set_permissions(dir.join("big.bin"), std::fs::Permissions::from_mode(0o444)).unwrap();
+    let mut bytes = big.len() as u64;
+    std::fs::create_dir_all(dir.join("small/deeper")).unwrap();
+    for i in 0..12u32 {
+        let n = 500 + i as usize * 1013;
+        let data: Vec<u8> = (0..n).map(|j| (j as u32 ^ (i * 7)) as u8).collect();
+        let sub = if i % 3 == 0 { "small/deeper" } else { "small" };
+        std::fs::write(dir.join(format!("{sub}/part-{i:03}.bin")), data).unwrap();
+        bytes += n as u64;
+    }
+    std::fs::set_permissions(
+        dir.join("small/part-001.bin"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    std::fs::write(dir.join("empty"), b"").unwrap();
+    std::os::unix::fs::symlink("big.bin", dir.join("link")).unwrap();
+    bytes
+}
+
+/// Every entry below `root`: files with their bytes and mode, links with their target.
+fn tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            let md = std::fs::symlink_metadata(&p).unwrap();
+            if md.is_dir() {
+                out.insert(rel, (b"dir".to_vec(), (md.mode() & 0o7777) | 0o700));
+                stack.push(p);
+            } else if md.file_type().is_symlink() {
+                let target = std::fs::read_link(&p).unwrap();
+                out.insert(rel, (target.display().to_string().into_bytes(), 0));
+            } else {
+                out.insert(rel, (std::fs::read(&p).unwrap(), md.mode() & 0o7777));
+            }
+        }
+    }
+    out
+}
+
+/// Stages `src` as `ds` into `stage_dir` with the job's staging log in `state` (`resuming`: as
+/// an agent restarted mid-stage does), as the agent's set-up would on its hot tier.
+async fn stage_once(src: &Path, stage_dir: &Path, state: &Path, resuming: bool) -> StageProgress {
+    let text = format!(
+        "[agent]\nsocket='{d}/s'\nstate_dir='{d}/st'\n[hot_tier]\nroot='{d}/hot'\n\
+         [stage]\nconcurrency = 4\nmemory = '1MiB'\ntimeout = '60s'\n",
+        d = state.display()
+    );
+    let cfg = Arc::new(Config::parse(&text, "n1").unwrap());
+    let (owner, user) = me();
+    let ctx = StageCtx {
+        budget: Budget::new(&cfg.stage),
+        cfg,
+        owner,
+        user,
+        stage_fd: Arc::new(safefs::open_root_dir(stage_dir).unwrap()),
+        stage_path: stage_dir.to_path_buf(),
+        helper_exe: env!("CARGO_BIN_EXE_sluiced").into(),
+        cancel: CancellationToken::new(),
+        shared_tier: None,
+        cache: None,
+        resume: Some(Arc::new(JobResume::open(state, JOB, resuming))),
+    };
+    let spec = parse_stage_entry(&format!("ds={}", src.display())).unwrap();
+    let progress = Arc::new(Progress::new(&spec));
+    let run = stage::stage(&ctx, &spec, progress.clone());
+    tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("staging finished")
+        .unwrap();
+    progress.snapshot()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_stage_keeps_the_files_staged_whole_and_copies_the_rest() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, stage_dir, state) = (
+        t.path().join("src"),
+        t.path().join("stage"),
+        t.path().join("state"),
+    );
+    for d in [&src, &stage_dir, &state] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let bytes = source(&src);
+    let first = stage_once(&src, &stage_dir, &state, false).await;
+    assert_eq!((first.bytes_done, first.resumed_bytes), (bytes, 0));
+    let ds = stage_dir.join("ds");
+    assert_eq!(tree(&ds), tree(&src));
+    let ino = |rel: &str| std::fs::symlink_metadata(ds.join(rel)).unwrap().ino();
+    let before: BTreeMap<&str, u64> =
+        ["big.bin", "small/part-002.bin", "small/deeper/part-003.bin"]
+            .into_iter()
+            .map(|p| (p, ino(p)))
+            .collect();
+
+    // What the agent finds after its restart: a file the job's user rewrote in place (same
+    // bytes, same size: only its ctime tells), a file whose source changed, one the kill cut
+    // short, a name the source no longer has.
+    let user_wrote = ds.join("small/part-004.bin");
+    let same = std::fs::read(&user_wrote).unwrap();
+    std::fs::write(&user_wrote, &same).unwrap();
+    let changed_src = src.join("small/part-005.bin");
+    let mut newer = std::fs::read(&changed_src).unwrap();
+    newer[0] ^= 0xff;
+    std::fs::write(&changed_src, &newer).unwrap();
+    let cut = std::fs::OpenOptions::new()
+        .write(true)
+        .open(ds.join("small/deeper/part-006.bin"))
+        .unwrap();
+    cut.set_len(100).unwrap();
+    std::fs::write(ds.join("small/stale.bin"), b"not in the source").unwrap();
+
+    let again = stage_once(&src, &stage_dir, &state, true).await;
+    assert_eq!(tree(&ds), tree(&src), "the job's copy after the restart");
+    let copied_again: u64 = [
+        "small/part-004.bin",
+        "small/part-005.bin",
+        "small/deeper/part-006.bin",
+    ]
+    .iter()
+    .map(|p| std::fs::metadata(src.join(p)).unwrap().len())
+    .sum();
+    assert_eq!(
+        (
+            again.bytes_done,
+            again.resumed_bytes,
+            again.origin_bytes,
+            again.files_done
+        ),
+        (
+            bytes,
+            bytes - copied_again,
+            copied_again,
+            again.files_total.unwrap()
+        ),
+        "{again:?}"
+    );
+    for (p, was) in before {
+        assert_eq!(ino(p), was, "{p} was kept as it was");
+    }
+
+    // A fresh run of the job id (not a restart) keeps nothing.
+    std::fs::remove_dir_all(&ds).unwrap();
+    let fresh = stage_once(&src, &stage_dir, &state, false).await;
+    assert_eq!((fresh.resumed_bytes, fresh.origin_bytes), (0, bytes));
+}
