@@ -5,8 +5,10 @@
 //! (root's, 0755) in the admin's directory, which must exist:
 //!
 //! ```text
-//! <job_dir>/stage/          $SLUICE_STAGE_DIR on every node: the datasets, the job user's
-//! <job_dir>/.sluice/NODE    root's, 0700: NODE finished its share ("ok") or why it could not
+//! <job_dir>/stage/                 $SLUICE_STAGE_DIR on every node: the datasets, the job user's
+//! <job_dir>/.sluice/NODE           root's, 0700: NODE finished its share ("ok") or why it could not
+//! <job_dir>/.sluice/NODE+takeover  NODE was found dead: who found it, why, and the survivors
+//! <job_dir>/.sluice/NODE+by+S      survivor S's part of NODE's share: "ok" or why not
 //! ```
 //!
 //! Which node writes which file is `--stage-mode=shard`'s ownership ([`ShardPlan`]) whatever the
@@ -17,9 +19,39 @@
 //! not write its share again under the feet of tasks already reading it. At job end every node
 //! removes the job's directory; the first one to get there does the work.
 //!
-//! Limits, said where they apply: a node that dies while writing its share is not routed around
-//! (the job fails at the stage timeout, naming it); a requeued job whose previous run's job end ran
-//! on no node at all may find that run's marks of the other nodes.
+//! **A dead node is routed around.** While a node waits for the others' marks, it probes each node
+//! that has not marked its share through the peers layer: one request for the job on the node's
+//! peer port, MAC'd under the job's key ([`super::JobPeers::alive`]; the shared-tier job is
+//! registered with the peer server for this alone). Only an agent that cannot be reached (no
+//! connection, no answer within `[peer] read_timeout`, or the job ended there) counts, and only
+//! [`DEAD_AFTER`] times in a row, [`PROBE_EVERY`] apart: an agent that answers is alive and may be
+//! writing, however slowly, and such a node still fails the job at the stage timeout, named. The
+//! first node to find one dead makes its takeover mark ([`SharedJob::claim`]: written under a
+//! temporary name, then hard-linked into place, which fails if another node was first — so there is
+//! one takeover per lost node, naming the survivors, and every survivor follows it whoever found
+//! it). Each of the lost node's files then gets a new owner by rendezvous hashing over the
+//! survivors ([`ShardPlan::takeover`]): each is still written once, and read from the origin once
+//! more at most, through the same staging code and budget (bounded concurrency) as a node's own
+//! share. A survivor writes its part and marks it; a lost node counts as written once every
+//! survivor marked its part "ok", and its takeover takes precedence over a mark of its own (it may
+//! have marked in the moment it was found dead, and the survivors may be rewriting its files). The
+//! job's output gets a `note:` naming the node and why, on every node.
+//!
+//! Files are replaced whole: a survivor removes what is at a file's name (the half-written file the
+//! dead agent left) and creates a new file there, as a node's own share does, so bytes a lost agent
+//! might still write through a descriptor it holds go to the unlinked file, never to the one the
+//! tasks read. **A lost agent that comes back** (restarted from its journal, or a hung one that
+//! wakes) honours the takeover: a restarted one finds the mark when it opens the job's directory
+//! and does not write its share, even on a fresh start of the job; one still writing checks for
+//! the mark every second and stops; neither marks its share then. It waits for the survivors'
+//! parts like any node, so two writers never race on a file once it has seen the mark.
+//!
+//! Limits, said where they apply: a survivor that dies while writing its part of a takeover is not
+//! routed around in turn (the job fails at the stage timeout, naming it); nodes are only found dead
+//! with `[peer]` configured on them (without it a dead node fails the job at the stage timeout);
+//! an agent that is alive but cannot be reached on its peer port is taken for dead, and a file it
+//! opens in the second before it sees the takeover could still be rewritten by it; a requeued job
+//! whose previous run's job end ran on no node at all may find that run's marks of the other nodes.
 
 use super::{ShardPlan, StageError};
 use sluice_archive::config::{SharedTierConfig, StripeClass};
