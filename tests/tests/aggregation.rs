@@ -867,8 +867,8 @@ fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
 
-/// `--stage-tier=shared` on 3 nodes from S3 (paced at the origin so staging lasts a while), with
-/// the agent of one node SIGKILLed while it writes its share and kept down until the others found
+/// `--stage-tier=shared` on 3 nodes from S3 (paced at the origin so staging lasts a while) and a
+/// POSIX directory, with the agent of one node SIGKILLed while it writes its share and kept down until the others found
 /// it dead. The survivors take its share over: the job completes, every node sees the dataset
 /// byte-identical to its source (files the dead agent left half-written were replaced whole), the
 /// job output says which node was routed around and why, and the origin served the victim's
@@ -893,6 +893,8 @@ fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
         dir,
     };
     let prefix = ds.upload(&cluster, "datasets-relayed");
+    // A POSIX dataset too: the survivors' copy helpers take over its files as the job user.
+    let posix = Dataset::new(&cluster, "aggregation-shared-dead-posix", false);
     let relay = cluster.origin_relay();
     // 10 MB/s for everyone: about 18 s to read the dataset once.
     relay.set_pace(10_000_000);
@@ -901,7 +903,7 @@ fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
     let out = work.join("out");
     // The tasks wait for the test's go, so none of them waits on the agent while it is down.
     let go = work.join("go");
-    let script = listing_script(&out, &["train"]).replacen(
+    let script = listing_script(&out, &["train", "posixds"]).replacen(
         "#!/bin/bash\n",
         &format!(
             "#!/bin/bash\nwhile [ ! -e '{}' ]; do sleep 0.2; done\n",
@@ -909,7 +911,10 @@ fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
         ),
         1,
     );
-    let stage_in = format!("--stage-in=train=s3://datasets-relayed/{prefix}");
+    let stage_in = format!(
+        "--stage-in=train=s3://datasets-relayed/{prefix},posixds={}",
+        posix.dir.display()
+    );
     let job = cluster.submit(&work, &["-N3", &stage_in, "--stage-tier=shared"], &script);
     // Should the test fail before the go, the job still ends rather than hold the cluster.
     let _go = GoOnDrop(go.clone());
@@ -963,18 +968,20 @@ fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
         "the shared-tier job whose agent was killed",
     );
     for node in &cluster.nodes {
-        let sums = task_file(&out, node, "sums-train");
-        assert!(
-            sums == ds.sums,
-            "train on {node} differs from its source: {}\n{}",
-            diff_listings(&ds.sums, &sums),
-            cluster.evidence(&job)
-        );
-        assert_eq!(
-            task_file(&out, node, "dirs-train"),
-            ds.dirs,
-            "directories on {node}"
-        );
+        for (name, ds) in [("train", &ds), ("posixds", &posix)] {
+            let sums = task_file(&out, node, &format!("sums-{name}"));
+            assert!(
+                sums == ds.sums,
+                "{name} on {node} differs from its source: {}\n{}",
+                diff_listings(&ds.sums, &sums),
+                cluster.evidence(&job)
+            );
+            assert_eq!(
+                task_file(&out, node, &format!("dirs-{name}")),
+                ds.dirs,
+                "{name}'s directories on {node}"
+            );
+        }
         cluster.assert_staged_owned_by_user(&out, node);
     }
     let output = job.output_text();
