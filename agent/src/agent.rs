@@ -773,10 +773,13 @@ impl Agent {
             .filter(|s| s.source.bucket_url().is_some())
             .map(|s| s.source.to_string())
             .collect();
-        let peers =
-            ClosePeers(self.peers.get().and_then(|p| {
-                p.join_with(job_id, &job.start.nodes, owner, shared_work, &datasets)
-            }));
+        // On the shared tier the job joins its peers even with nothing to share through them:
+        // its other nodes tell from this node's agent answering for the job that it is alive,
+        // and take over its share when it is not (`stage::shared`).
+        let peers = ClosePeers(self.peers.get().and_then(|p| match &shared_tier {
+            Some(_) => p.join_shared_tier(job_id, &job.start.nodes, owner, shared_work),
+            None => p.join_with(job_id, &job.start.nodes, owner, shared_work, &datasets),
+        }));
         let hot = self.hot.clone();
         // A fresh start removes what an earlier run of the job id left, except the committed
         // checkpoints this run inherited. A recovered job's datasets on this node's hot tier
@@ -884,30 +887,87 @@ impl Agent {
                 // A restarted agent: this node's share is written, and tasks may be reading it.
                 return Ok(());
             }
-            futures::future::try_join_all(options.stage_in.iter().zip(&job.stages).map(
-                |(spec, progress)| {
-                    let sharing = match (&shard, &peers.0) {
-                        (Some(plan), _) => Sharing::Shard(plan),
-                        (None, Some(p)) => Sharing::Peers(p),
-                        (None, None) => Sharing::Alone,
-                    };
-                    stage::stage_with(&ctx, spec, progress.clone(), sharing)
-                },
-            ))
-            .await
-            .map(drop)
+            if shared_job.as_ref().is_some_and(|s| s.taken_over) {
+                // The job's other nodes found this node's agent dead and write its share: a
+                // restarted agent leaves it to them, so two writers never race on a file.
+                tracing::warn!(
+                    job_id,
+                    "this node's share on the shared tier was taken over"
+                );
+                return Ok(());
+            }
+            let writing =
+                futures::future::try_join_all(options.stage_in.iter().zip(&job.stages).map(
+                    |(spec, progress)| {
+                        let sharing = match (&shard, &peers.0) {
+                            (Some(plan), _) => Sharing::Shard(plan),
+                            (None, Some(p)) => Sharing::Peers(p),
+                            (None, None) => Sharing::Alone,
+                        };
+                        stage::stage_with(&ctx, spec, progress.clone(), sharing)
+                    },
+                ));
+            // An agent that was found dead while it wrote (it hung, or its peer port could not be
+            // reached) stops as soon as it sees the takeover.
+            let taken_over = async {
+                let Some(shared) = &shared_job else {
+                    return std::future::pending().await;
+                };
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let (s, n) = (shared.clone(), job.start.node.clone());
+                    if blocking(move || s.is_taken_over(&n)).await {
+                        tracing::warn!(
+                            job_id,
+                            "this node's share on the shared tier was taken over; it stops writing it"
+                        );
+                        return;
+                    }
+                }
+            };
+            tokio::select! {
+                r = writing => r.map(drop),
+                () = taken_over => Ok(()),
+            }
         };
         let staging = async {
             let mut result = own_share.await;
             if let (Some(shared), Some(plan)) = (&shared_job, &shard) {
-                // The job's other nodes learn how this node's share went, then this node waits
-                // for theirs: its tasks see the whole dataset or fail.
+                // The job's other nodes learn how this node's share went (unless they took it
+                // over), then this node waits for theirs, taking over the share of a node found
+                // dead: its tasks see the whole dataset or fail.
                 let (s, n, r) = (shared.clone(), job.start.node.clone(), result.clone());
-                if let Err(e) = blocking(move || s.mark(&n, r.as_ref().map(|_| ()))).await {
+                let marked = blocking(move || {
+                    if s.is_taken_over(&n) {
+                        return Ok(());
+                    }
+                    s.mark(&n, r.as_ref().map(|_| ()))
+                })
+                .await;
+                if let Err(e) = marked {
                     tracing::error!(job_id, "marking this node's share on the shared tier: {e}");
                 }
                 if result.is_ok() {
-                    result = shared.wait_for_all(plan, &ctx.cancel).await;
+                    let take = |sub: ShardPlan| -> futures::future::BoxFuture<'_, _> {
+                        let (ctx, specs) = (&ctx, &options.stage_in);
+                        Box::pin(async move {
+                            let sub = &sub;
+                            futures::future::try_join_all(specs.iter().map(|spec| {
+                                let progress = Arc::new(stage::Progress::new(spec));
+                                stage::stage_with(ctx, spec, progress, Sharing::Shard(sub))
+                            }))
+                            .await
+                            .map(drop)
+                        })
+                    };
+                    let liveness = peers
+                        .0
+                        .as_deref()
+                        .map(|p| p as &dyn stage::shared::Liveness);
+                    result = shared
+                        .wait_for_all(plan, &ctx.cancel, liveness, &take)
+                        .await
+                        .map(|notes| job.add_stage_notes(notes));
                 }
             }
             result.map_err(|source| SetupError::Stage {

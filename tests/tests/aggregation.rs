@@ -867,6 +867,166 @@ fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
     cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
 
+/// `--stage-tier=shared` on 3 nodes from S3 (paced at the origin so staging lasts a while) and a
+/// POSIX directory, with the agent of one node SIGKILLed while it writes its share and kept down until the others found
+/// it dead. The survivors take its share over: the job completes, every node sees the dataset
+/// byte-identical to its source (files the dead agent left half-written were replaced whole), the
+/// job output says which node was routed around and why, and the origin served the victim's
+/// share at most once more (by one survivor per file, not by every survivor). The agent started
+/// again finds the takeover and leaves the share to the survivors.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
+    let cluster = Cluster::for_sluice();
+    cluster.require_s3();
+    // The usual small files, plus 15 files of 12 MiB: each node owns several big ones, so the
+    // victim is caught with some of its share written and some not.
+    let dir = cluster.dataset("aggregation-shared-dead", false);
+    run(std::process::Command::new("bash").arg("-c").arg(format!(
+        "mkdir -p '{d}/big' && for i in $(seq 1 15); do head -c 12582912 /dev/urandom > \"{d}/big/part-$i.bin\"; done && chmod -R u=rwX,go=rX '{d}'",
+        d = dir.display()
+    )));
+    let ds = Dataset {
+        sums: checksums(&dir),
+        dirs: directories(&dir),
+        bytes: hash_tree_bytes(&dir),
+        dir,
+    };
+    let prefix = ds.upload(&cluster, "datasets-relayed");
+    // A POSIX dataset too: the survivors' copy helpers take over its files as the job user.
+    let posix = Dataset::new(&cluster, "aggregation-shared-dead-posix", false);
+    let relay = cluster.origin_relay();
+    // 10 MB/s for everyone: about 18 s to read the dataset once.
+    relay.set_pace(10_000_000);
+
+    let work = cluster.workdir("aggregation-shared-dead");
+    let out = work.join("out");
+    // The tasks wait for the test's go, so none of them waits on the agent while it is down.
+    let go = work.join("go");
+    let script = listing_script(&out, &["train", "posixds"]).replacen(
+        "#!/bin/bash\n",
+        &format!(
+            "#!/bin/bash\nwhile [ ! -e '{}' ]; do sleep 0.2; done\n",
+            go.display()
+        ),
+        1,
+    );
+    let stage_in = format!(
+        "--stage-in=train=s3://datasets-relayed/{prefix},posixds={}",
+        posix.dir.display()
+    );
+    let job = cluster.submit(&work, &["-N3", &stage_in, "--stage-tier=shared"], &script);
+    // Should the test fail before the go, the job still ends rather than hold the cluster.
+    let _go = GoOnDrop(go.clone());
+    cluster.wait_running(&job, Duration::from_secs(60));
+    let nodes = cluster.job_nodes(&job);
+    // Not the batch node: its batch step waits on its own agent.
+    let victim = nodes.last().unwrap().clone();
+    // Mid-share: the victim has written some of its files (its share is about a third of the
+    // dataset; the agent knows its size only once the listing is through), far from all of them.
+    let mut done = 0;
+    cluster.wait_for(
+        &format!("{victim} to be writing its share, some of it in"),
+        Duration::from_secs(120),
+        Some(&job),
+        || {
+            done = cluster
+                .agent_job(&victim, &job)
+                .ok()
+                .and_then(|s| s.stages.first().map(|p| p.bytes_done))
+                .unwrap_or(0);
+            done > 1 << 20 && done < ds.bytes / 6
+        },
+    );
+    let agent = cluster.kill_agent_and_its_ports(&victim);
+    eprintln!(
+        "[aggregation] killed the agent of {victim} (pid {}) with {done} bytes of its share written",
+        agent.pid
+    );
+    relay.set_pace(0);
+    let job_dir = PathBuf::from(
+        cluster
+            .var("SLUICE_TEST_SHARED_TIER")
+            .replace("%j", &job.id.to_string()),
+    );
+    let takeover = job_dir.join(format!(".sluice/{victim}+takeover"));
+    cluster.wait_for(
+        &format!(
+            "the survivors to take {victim}'s share over ({})",
+            takeover.display()
+        ),
+        Duration::from_secs(60),
+        Some(&job),
+        || takeover.exists(),
+    );
+    // Back after the takeover: it must leave the share to the survivors.
+    cluster.start_agent(&agent);
+    fs::write(&go, "").unwrap();
+    cluster.assert_completes(
+        &job,
+        STAGE_JOB_TIMEOUT,
+        "the shared-tier job whose agent was killed",
+    );
+    for node in &cluster.nodes {
+        for (name, ds) in [("train", &ds), ("posixds", &posix)] {
+            let sums = task_file(&out, node, &format!("sums-{name}"));
+            assert!(
+                sums == ds.sums,
+                "{name} on {node} differs from its source: {}\n{}",
+                diff_listings(&ds.sums, &sums),
+                cluster.evidence(&job)
+            );
+            assert_eq!(
+                task_file(&out, node, &format!("dirs-{name}")),
+                ds.dirs,
+                "{name}'s directories on {node}"
+            );
+        }
+        cluster.assert_staged_owned_by_user(&out, node);
+    }
+    let output = job.output_text();
+    assert!(
+        output.contains(&format!(
+            "note: shared tier: node {victim}'s agent could not be reached"
+        )) && output.contains("unreachable"),
+        "the job output does not say that {victim} was routed around, and why:\n{output}"
+    );
+    // Each file once, by its owner or by one survivor, plus what the victim had read before it
+    // died (written, or in flight: a slack of two of the big files). Every survivor reading the
+    // victim's whole share would be a share more.
+    let served = relay.served();
+    let bound = ORIGIN_SLACK * ds.bytes as f64 + (done + (24 << 20)) as f64;
+    eprintln!(
+        "[aggregation] shared tier with {victim} killed: the origin served {served} bytes ({:.2}x) for {} bytes (bound {bound:.0})",
+        served as f64 / ds.bytes as f64,
+        ds.bytes
+    );
+    assert!(
+        served >= ds.bytes && served as f64 <= bound,
+        "the S3 origin served {served} bytes for a {}-byte dataset whose node died with {done} \
+         bytes of its share written (at most {bound:.0}): each of its files should be read again \
+         by one survivor\n{}",
+        ds.bytes,
+        cluster.evidence(&job)
+    );
+    cluster.wait_for(
+        &format!("the job's shared directory {} to go", job_dir.display()),
+        CLEANUP_TIMEOUT,
+        Some(&job),
+        || !job_dir.exists(),
+    );
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
+
+/// Lets a job that waits for the test's go file run on when dropped.
+struct GoOnDrop(PathBuf);
+
+impl Drop for GoOnDrop {
+    fn drop(&mut self) {
+        let _ = fs::write(&self.0, "");
+    }
+}
+
 /// `--ckpt-restore` on 3 nodes reads the archive once per job: a checkpoint archived through the
 /// counting relay by a one-node job (three big files and a few dozen small ones) is restored by a
 /// 3-node job; every node's `$SLUICE_CKPT_DIR/TAG` is byte-identical to what was written, the

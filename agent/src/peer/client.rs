@@ -453,6 +453,38 @@ impl PeerClient {
             .await
     }
 
+    /// Whether the agent at `addr` is up and serving `job`: one request for the unit
+    /// [`ALIVE_PROBE`], which no job has, headers awaited at most `wait` (plus the connect
+    /// timeout). `Ok` when the agent answered for the job under its key, whatever it said (an
+    /// agent answers `409 not owner`; one still busy answers `503`); otherwise why not:
+    /// [`PeerError::Unreachable`] (no connection, no answer in time: its agent is down or hangs),
+    /// [`PeerError::Gone`] (the job ended there), [`PeerError::UnknownJob`], [`PeerError::Refused`].
+    /// It takes no fetch slot: a probe never waits behind transfers.
+    pub async fn probe_alive(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        wait: Duration,
+    ) -> Result<(), PeerError> {
+        let unit = Unit {
+            file: ALIVE_PROBE.into(),
+            offset: 0,
+            len: 0,
+        };
+        let mut sink = MemorySink {
+            buf: BytesMut::new(),
+        };
+        let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(&unit));
+        match self.once(addr, job, &pq, &unit, wait, &mut sink).await {
+            Ok(Answer::UnknownJob) => Err(PeerError::UnknownJob {
+                addr: addr.into(),
+                job: job.job(),
+            }),
+            Ok(_) | Err(PeerError::NotOwner { .. } | PeerError::Failed { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// One request for `pq` and its answer, MAC'd over `unit`; headers awaited at most `wait`.
     async fn once(
         &self,
@@ -636,6 +668,11 @@ impl PeerClient {
         }
     }
 }
+
+/// The file of the unit a liveness probe asks for ([`PeerClient::probe_alive`]): no unit of any
+/// job has it (a unit's file starts with a dataset name, which holds no NUL), so an agent that
+/// knows the job answers `not owner` at once.
+pub const ALIVE_PROBE: &str = "\0alive";
 
 /// The longest error reason read.
 const REASON_MAX: usize = 4096;

@@ -57,6 +57,11 @@
 //! datasets (as its own policy admitted them at job start). An agent that predates it answers
 //! `404` without a MAC, which the requester takes as "nothing cached there" for the rest of the job.
 //!
+//! A liveness probe (`client::PeerClient::probe_alive`, for `--stage-tier=shared`: is the agent of
+//! a node that has not written its share still there?) is a `units` request for the file
+//! `client::ALIVE_PROBE`, which no job has: an agent that knows the job answers `409 not owner` at
+//! once, MAC'd; no answer at all is what counts as dead.
+//!
 //! A unit's `file` is the dataset path; for an object listed with an ETag (or a version id), the
 //! path, a NUL and that version ([`versioned`]): nodes that listed two versions of an overwritten
 //! object never take each other's bytes, and a node asked for a version it did not list answers

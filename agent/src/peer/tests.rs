@@ -988,3 +988,30 @@ async fn admin_warms_need_the_admin_key_and_bring_back_the_report() {
     }
     assert_eq!(lock(&fake.asked).len(), 2);
 }
+
+/// The shared tier's liveness probe: an agent that serves the job answers it (whatever it is
+/// still reading), and only no agent at all reads as unreachable; an ended job reads as gone.
+#[tokio::test]
+async fn a_liveness_probe_tells_a_live_agent_from_a_dead_one() {
+    let r = start(server_cfg()).await;
+    let src = Arc::new(MemSource::default());
+    r.server
+        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let c = PeerClient::new("n2", client_cfg());
+    let wait = Duration::from_secs(2);
+    // The source never holds the probe's unit: the server's long poll ends in "pending", alive.
+    c.probe_alive(&r.addr, &key(), wait).await.unwrap();
+    // Another node list is another key: refused, which is an agent and not a dead one.
+    let other = secret().job_key(JOB, &names(&["n1", "n3"]));
+    let e = c.probe_alive(&r.addr, &other, wait).await.unwrap_err();
+    assert!(matches!(e, PeerError::Refused { .. }), "{e}");
+    r.server.unregister(JOB);
+    let e = c.probe_alive(&r.addr, &key(), wait).await.unwrap_err();
+    assert!(matches!(e, PeerError::Gone { job: JOB, .. }), "{e}");
+    // The agent gone: nothing listens on its port.
+    let addr = r.addr.clone();
+    drop(r);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let e = c.probe_alive(&addr, &key(), wait).await.unwrap_err();
+    assert!(matches!(e, PeerError::Unreachable { .. }), "{e}");
+}

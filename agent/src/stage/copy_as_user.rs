@@ -292,6 +292,12 @@ pub struct ShardArgs {
     /// the agent's `hit IDX` answers on stdin; hits are only made, for the agent to write.
     #[arg(long, requires = "peer_unit_size", conflicts_with = "peer_repair")]
     pub peer_cached: bool,
+    /// A takeover on the shared tier: of the files this node of `--takeover-nodes` (the job's
+    /// whole node list) owned, copy those this node owns among `--shard-nodes` (the survivors).
+    #[arg(long, requires_all = ["shared_tier", "takeover_nodes"])]
+    pub takeover_of: Option<String>,
+    #[arg(long, requires = "takeover_of")]
+    pub takeover_nodes: Option<String>,
 }
 
 impl ShardArgs {
@@ -304,8 +310,16 @@ impl ShardArgs {
             return Ok(None);
         };
         let nodes: Vec<String> = nodes.split(',').map(String::from).collect();
-        let plan = ShardPlan::new(&nodes, &node)
+        let mut plan = ShardPlan::new(&nodes, &node)
             .ok_or_else(|| format!("node {node} is not one of the job's nodes {nodes:?}"))?;
+        if let (Some(lost), Some(all)) = (&self.takeover_of, &self.takeover_nodes) {
+            let all: Vec<String> = all.split(',').map(String::from).collect();
+            plan = ShardPlan::new(&all, &node)
+                .and_then(|p| p.takeover(lost, &nodes))
+                .ok_or_else(|| {
+                    format!("no takeover of node {lost} of {all:?} by {node} among {nodes:?}")
+                })?;
+        }
         let mut classes = Vec::new();
         for c in &self.stripe {
             let bad = || format!("--stripe {c}: expected MIN_SIZE:COUNT:SIZE in bytes");
@@ -1970,6 +1984,8 @@ mod tests {
                 peer_unit_size: None,
                 peer_repair: false,
                 peer_cached: false,
+                takeover_of: None,
+                takeover_nodes: None,
             }
             .shard()
             .unwrap()
@@ -2020,6 +2036,8 @@ mod tests {
             peer_unit_size: None,
             peer_repair: false,
             peer_cached: false,
+            takeover_of: None,
+            takeover_nodes: None,
         };
         assert!(outside.shard().unwrap_err().contains("n9 is not one of"));
     }
@@ -2061,6 +2079,8 @@ mod tests {
             peer_unit_size: None,
             peer_repair: false,
             peer_cached: false,
+            takeover_of: None,
+            takeover_nodes: None,
         }
         .shard()
         .unwrap()
@@ -2099,6 +2119,8 @@ mod tests {
             peer_unit_size: None,
             peer_repair: false,
             peer_cached: false,
+            takeover_of: None,
+            takeover_nodes: None,
         };
         assert!(bad.shard().unwrap_err().contains("MIN_SIZE:COUNT:SIZE"));
     }
@@ -2159,6 +2181,8 @@ mod tests {
             peer_unit_size: Some(4096),
             peer_repair: repair,
             peer_cached: false,
+            takeover_of: None,
+            takeover_nodes: None,
         }
         .shard()
         .unwrap()

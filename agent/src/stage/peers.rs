@@ -199,10 +199,38 @@ impl NodePeers {
         shared_work: usize,
         datasets: &[String],
     ) -> Option<Arc<JobPeers>> {
+        if shared_work == 0 {
+            return None;
+        }
+        self.join_inner(job, nodes, owner, shared_work, datasets)
+    }
+
+    /// [`join`](Self::join) for a `--stage-tier=shared` job, even when it shares no work through
+    /// the peers (`shared_work` may be 0): the job is registered with the peer server so that its
+    /// other nodes can tell this node's agent is alive ([`JobPeers::alive`]), which is what
+    /// decides whether they take over a share it has not written (`stage::shared`).
+    pub fn join_shared_tier(
+        &self,
+        job: JobId,
+        nodes: &[String],
+        owner: Owner,
+        shared_work: usize,
+    ) -> Option<Arc<JobPeers>> {
+        self.join_inner(job, nodes, owner, shared_work, &[])
+    }
+
+    fn join_inner(
+        &self,
+        job: JobId,
+        nodes: &[String],
+        owner: Owner,
+        shared_work: usize,
+        datasets: &[String],
+    ) -> Option<Arc<JobPeers>> {
         let mut nodes = nodes.to_vec();
         nodes.sort();
         nodes.dedup();
-        if nodes.len() < 2 || shared_work == 0 {
+        if nodes.len() < 2 {
             return None;
         }
         if !nodes.contains(&self.node) {
@@ -745,6 +773,14 @@ impl JobPeers {
             .await
     }
 
+    /// Whether `node`'s agent is up and serving the job (see [`PeerClient::probe_alive`]): `Err`
+    /// with why not, its answer awaited up to `[peer] read_timeout`.
+    pub async fn alive(&self, node: &str) -> Result<(), PeerError> {
+        self.client
+            .probe_alive(&self.cfg.addr_of(node), &self.key, self.cfg.read_timeout)
+            .await
+    }
+
     /// Fetches `unit` from `node` into `sink` (see [`PeerClient::fetch_into`]).
     pub(crate) async fn fetch(
         &self,
@@ -779,6 +815,10 @@ impl JobPeers {
 
     /// What this node can say about `unit` now: `Some` is final, `None` means wait.
     fn answer(&self, unit: &Unit) -> Option<Result<blake3::Hash, UnitError>> {
+        if unit.file == crate::peer::client::ALIVE_PROBE {
+            // A liveness probe: answered at once, whatever this node is still staging.
+            return Some(Err(UnitError::NotOwner));
+        }
         let mut st = lock(&self.state);
         let (listing, closed) = (st.listing, st.closed.is_some());
         // A path this node listed as another version of its object counts as known: the asking

@@ -508,9 +508,10 @@ fn hot_error_errno(
     }
 }
 
-/// The helper's `--shard-nodes --shard-node --dataset --source`.
+/// The helper's `--shard-nodes --shard-node --dataset --source` (and a takeover's
+/// `--takeover-of --takeover-nodes`).
 fn shard_args(plan: &ShardPlan, spec: &StageSpec) -> Vec<OsString> {
-    [
+    let mut args: Vec<OsString> = [
         "--shard-nodes",
         &plan.nodes_arg(),
         "--shard-node",
@@ -521,7 +522,13 @@ fn shard_args(plan: &ShardPlan, spec: &StageSpec) -> Vec<OsString> {
         &spec.source.to_string(),
     ]
     .map(OsString::from)
-    .into()
+    .into();
+    if let Some((lost, all)) = plan.taken_over() {
+        args.extend(
+            ["--takeover-of", lost, "--takeover-nodes", &all.join(",")].map(OsString::from),
+        );
+    }
+    args
 }
 
 /// How to start `copy-as-user` for one dataset of a job.

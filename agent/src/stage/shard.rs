@@ -37,6 +37,9 @@ pub struct ShardPlan {
     nodes: Vec<String>,
     /// This node's index in `nodes`.
     index: usize,
+    /// A takeover on the shared tier ([`ShardPlan::takeover`]): only files that this node of the
+    /// job's whole node list owned are this plan's, and `nodes` are the nodes that survived it.
+    of: Option<Box<ShardPlan>>,
 }
 
 impl ShardPlan {
@@ -46,7 +49,31 @@ impl ShardPlan {
         nodes.sort();
         nodes.dedup();
         let index = nodes.iter().position(|n| n == node)?;
-        Some(ShardPlan { nodes, index })
+        Some(ShardPlan {
+            nodes,
+            index,
+            of: None,
+        })
+    }
+
+    /// The plan of this node's part of a takeover on the shared tier: of the files the lost node
+    /// `lost` owns in `self`, those this node owns among `survivors` (rendezvous hashing again,
+    /// over the survivors), so each of the lost node's files gets exactly one new writer and every
+    /// survivor computes the same answer. `None` when this node is not a survivor or `lost` is
+    /// not a node of the job.
+    pub fn takeover(&self, lost: &str, survivors: &[String]) -> Option<ShardPlan> {
+        let of = ShardPlan::new(&self.nodes, lost)?;
+        let mut plan = ShardPlan::new(survivors, self.node())?;
+        if plan.nodes.iter().any(|n| n == lost) {
+            return None;
+        }
+        plan.of = Some(Box::new(of));
+        Some(plan)
+    }
+
+    /// The node this plan takes files over from, if it is a takeover.
+    pub fn taken_over(&self) -> Option<(&str, &[String])> {
+        self.of.as_deref().map(|of| (of.node(), of.nodes()))
     }
 
     /// The owner of the file at `path` (below `$SLUICE_STAGE_DIR`).
@@ -56,7 +83,8 @@ impl ShardPlan {
 
     /// Whether this node owns the file at `path`.
     pub fn owns(&self, path: &str) -> bool {
-        owner_of(path, &self.nodes) == self.index
+        self.of.as_deref().is_none_or(|of| of.owns(path))
+            && owner_of(path, &self.nodes) == self.index
     }
 
     pub fn nodes(&self) -> &[String] {
@@ -167,6 +195,42 @@ mod tests {
         // Rendezvous hashing spreads files evenly: each node holds about a third.
         assert!(held.iter().all(|&h| (850..1150).contains(&h)), "{held:?}");
         assert_eq!(ShardPlan::new(&job, "n9"), None);
+    }
+
+    #[test]
+    fn a_lost_nodes_files_each_get_one_new_owner_among_the_survivors() {
+        let job = nodes(&["n1", "n2", "n3"]);
+        let survivors = nodes(&["n1", "n3"]);
+        let plans: Vec<ShardPlan> = ["n1", "n2", "n3"]
+            .iter()
+            .map(|n| ShardPlan::new(&job, n).unwrap())
+            .collect();
+        let takeovers: Vec<ShardPlan> = [&plans[0], &plans[2]]
+            .iter()
+            .map(|p| p.takeover("n2", &survivors).unwrap())
+            .collect();
+        assert_eq!(takeovers[0].taken_over(), Some(("n2", &job[..])));
+        let (mut lost, mut by) = (0, [0usize; 2]);
+        for i in 0..3000 {
+            let path = format!("ds/shard-{i:05}.tar");
+            let writers: Vec<usize> = (0..2).filter(|&k| takeovers[k].owns(&path)).collect();
+            if plans[1].owns(&path) {
+                // n2's file: written again by exactly one survivor.
+                assert_eq!(writers.len(), 1, "{path}: writers {writers:?}");
+                lost += 1;
+                by[writers[0]] += 1;
+            } else {
+                // Not n2's: its owner wrote it; no takeover writes it a second time.
+                assert!(writers.is_empty(), "{path}: rewritten by {writers:?}");
+            }
+        }
+        assert!((850..1150).contains(&lost), "{lost}");
+        // The lost node's share spreads over the survivors too.
+        assert!(by.iter().all(|&b| b > lost / 3), "{by:?}");
+        // A node that is not a survivor, or a lost node that is not the job's, plans nothing.
+        assert_eq!(plans[1].takeover("n2", &survivors), None);
+        assert_eq!(plans[0].takeover("n9", &survivors), None);
+        assert_eq!(plans[0].takeover("n2", &job), None);
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! (root's, 0755) in the admin's directory, which must exist:
 //!
 //! ```text
-//! <job_dir>/stage/          $SLUICE_STAGE_DIR on every node: the datasets, the job user's
-//! <job_dir>/.sluice/NODE    root's, 0700: NODE finished its share ("ok") or why it could not
+//! <job_dir>/stage/                 $SLUICE_STAGE_DIR on every node: the datasets, the job user's
+//! <job_dir>/.sluice/NODE           root's, 0700: NODE finished its share ("ok") or why it could not
+//! <job_dir>/.sluice/NODE+takeover  NODE was found dead: who found it, why, and the survivors
+//! <job_dir>/.sluice/NODE+by+S      survivor S's part of NODE's share: "ok" or why not
 //! ```
 //!
 //! Which node writes which file is `--stage-mode=shard`'s ownership ([`ShardPlan`]) whatever the
@@ -17,13 +19,44 @@
 //! not write its share again under the feet of tasks already reading it. At job end every node
 //! removes the job's directory; the first one to get there does the work.
 //!
-//! Limits, said where they apply: a node that dies while writing its share is not routed around
-//! (the job fails at the stage timeout, naming it); a requeued job whose previous run's job end ran
-//! on no node at all may find that run's marks of the other nodes.
+//! **A dead node is routed around.** While a node waits for the others' marks, it probes each node
+//! that has not marked its share through the peers layer: one request for the job on the node's
+//! peer port, MAC'd under the job's key ([`super::JobPeers::alive`]; the shared-tier job is
+//! registered with the peer server for this alone). Only an agent that cannot be reached (no
+//! connection, no answer within `[peer] read_timeout`, or the job ended there) counts, and only
+//! [`DEAD_AFTER`] times in a row, [`PROBE_EVERY`] apart: an agent that answers is alive and may be
+//! writing, however slowly, and such a node still fails the job at the stage timeout, named. The
+//! first node to find one dead makes its takeover mark ([`SharedJob::claim`]: written under a
+//! temporary name, then hard-linked into place, which fails if another node was first — so there is
+//! one takeover per lost node, naming the survivors, and every survivor follows it whoever found
+//! it). Each of the lost node's files then gets a new owner by rendezvous hashing over the
+//! survivors ([`ShardPlan::takeover`]): each is still written once, and read from the origin once
+//! more at most, through the same staging code and budget (bounded concurrency) as a node's own
+//! share. A survivor writes its part and marks it; a lost node counts as written once every
+//! survivor marked its part "ok", and its takeover takes precedence over a mark of its own (it may
+//! have marked in the moment it was found dead, and the survivors may be rewriting its files). The
+//! job's output gets a `note:` naming the node and why, on every node.
+//!
+//! Files are replaced whole: a survivor removes what is at a file's name (the half-written file the
+//! dead agent left) and creates a new file there, as a node's own share does, so bytes a lost agent
+//! might still write through a descriptor it holds go to the unlinked file, never to the one the
+//! tasks read. **A lost agent that comes back** (restarted from its journal, or a hung one that
+//! wakes) honours the takeover: a restarted one finds the mark when it opens the job's directory
+//! and does not write its share, even on a fresh start of the job; one still writing checks for
+//! the mark every second and stops; neither marks its share then. It waits for the survivors'
+//! parts like any node, so two writers never race on a file once it has seen the mark.
+//!
+//! Limits, said where they apply: a survivor that dies while writing its part of a takeover is not
+//! routed around in turn (the job fails at the stage timeout, naming it); nodes are only found dead
+//! with `[peer]` configured on them (without it a dead node fails the job at the stage timeout);
+//! an agent that is alive but cannot be reached on its peer port is taken for dead, and a file it
+//! opens in the second before it sees the takeover could still be rewritten by it; a requeued job
+//! whose previous run's job end ran on no node at all may find that run's marks of the other nodes.
 
 use super::{ShardPlan, StageError};
 use sluice_archive::config::{SharedTierConfig, StripeClass};
 use sluice_archive::safefs::{self, Owner, SafeFsError};
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -32,6 +65,103 @@ use tokio_util::sync::CancellationToken;
 const STAGE: &str = "stage";
 const MARKS: &str = ".sluice";
 const OK: &str = "ok";
+/// `<marks>/NODE+takeover`: NODE's share is written by the survivors (`+` is in no node name).
+const TAKEOVER: &str = "+takeover";
+/// `<marks>/NODE+by+SURVIVOR`: SURVIVOR's part of the takeover of NODE's share ("ok" or why not).
+const BY: &str = "+by+";
+/// How often a node whose share is not marked is probed, and how many probes in a row must find
+/// its agent unreachable before its share is taken over: a restart or a moment's overload of its
+/// agent is not a death.
+const PROBE_EVERY: Duration = Duration::from_secs(2);
+const DEAD_AFTER: u32 = 3;
+
+/// Whether another node of the job is alive: its agent answering for the job on the peer port
+/// ([`super::JobPeers`], under the job's key). Tests fake it.
+#[async_trait::async_trait]
+pub trait Liveness: Send + Sync {
+    /// `Err(why)` only when `node`'s agent cannot be reached for the job (down, hung, or the job
+    /// ended there). An agent that answers, even to refuse or because it does not know the job
+    /// yet, is alive: it may be writing its share.
+    async fn check(&self, node: &str) -> Result<(), String>;
+}
+
+#[async_trait::async_trait]
+impl Liveness for super::JobPeers {
+    async fn check(&self, node: &str) -> Result<(), String> {
+        use crate::peer::PeerError;
+        match self.alive(node).await {
+            Err(e @ (PeerError::Unreachable { .. } | PeerError::Gone { .. })) => {
+                Err(super::peers::error_chain(&e))
+            }
+            Err(e) => {
+                tracing::debug!("liveness of {node}: {e} (counted as alive)");
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
+    }
+}
+
+/// Writes this node's part of a takeover: every dataset of the job, the files `plan` owns
+/// ([`ShardPlan::takeover`]), read from the origin as the node's own share is.
+pub type TakeShare<'a> =
+    dyn Fn(ShardPlan) -> futures::future::BoxFuture<'a, Result<(), StageError>> + Send + Sync + 'a;
+
+/// The takeover of a lost node's share, as its mark in `.sluice/` says. The first survivor to
+/// find the node dead writes it (atomically, once: see [`SharedJob::claim`]); every survivor
+/// then writes its part by the same rule, whoever found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Takeover {
+    pub lost: String,
+    /// The nodes that write the lost node's files, sorted: each file goes to one of them by
+    /// rendezvous hashing.
+    pub survivors: Vec<String>,
+    /// The node that found it dead, and why.
+    pub by: String,
+    pub why: String,
+}
+
+impl Takeover {
+    fn to_text(&self) -> String {
+        format!(
+            "by {}\nsurvivors {}\nwhy {}\n",
+            self.by,
+            self.survivors.join(","),
+            self.why.replace('\n', " ")
+        )
+    }
+
+    fn parse(lost: &str, text: &str) -> Option<Takeover> {
+        let mut t = Takeover {
+            lost: lost.to_string(),
+            survivors: Vec::new(),
+            by: String::new(),
+            why: String::new(),
+        };
+        for line in text.lines() {
+            let (k, v) = line.split_once(' ').unwrap_or((line, ""));
+            match k {
+                "by" => t.by = v.to_string(),
+                "survivors" => t.survivors = v.split(',').map(String::from).collect(),
+                "why" => t.why = v.to_string(),
+                _ => {}
+            }
+        }
+        (!t.survivors.is_empty() && !t.survivors[0].is_empty()).then_some(t)
+    }
+
+    /// The note for the job output.
+    pub fn note(&self) -> String {
+        format!(
+            "shared tier: node {}'s agent could not be reached before it marked its share of the datasets written ({}); nodes {} wrote {}'s files from the origin instead (found by {})",
+            self.lost,
+            self.why,
+            self.survivors.join(", "),
+            self.lost,
+            self.by
+        )
+    }
+}
 
 /// `$SLUICE_STAGE_DIR` of a shared-tier job.
 pub fn stage_dir(cfg: &SharedTierConfig, job_id: u32) -> PathBuf {
@@ -104,6 +234,9 @@ pub struct SharedJob {
     marks: OwnedFd,
     /// This node's share is already written (a restarted agent found its "ok" mark).
     pub done: bool,
+    /// The job's other nodes took this node's share over (they found its agent dead): it must
+    /// not write it, and waits for theirs like any node.
+    pub taken_over: bool,
     pub layout: Layout,
 }
 
@@ -125,6 +258,9 @@ impl SharedJob {
             safefs::remove_tree(&marks, node)?;
         }
         let done = read_mark(&marks, node).as_deref() == Some(OK);
+        // A takeover is never dropped, not even by a fresh start of the job here: the survivors
+        // may be writing this node's files right now.
+        let taken_over = read_mark(&marks, &format!("{node}{TAKEOVER}")).is_some();
         let lustre = super::lustre::is_lustre(&stage).unwrap_or(false);
         if !lustre && !cfg.stripes.is_empty() {
             tracing::info!(
@@ -144,89 +280,295 @@ impl SharedJob {
             stage,
             marks,
             done,
+            taken_over,
             layout,
         })
     }
 
     /// Marks this node's share written (`Ok`) or failed, for the job's other nodes. Blocking.
     pub fn mark(&self, node: &str, result: Result<(), &StageError>) -> Result<(), SafeFsError> {
+        self.write_mark(node, result)
+    }
+
+    /// Marks this node's (`by`'s) part of the takeover of `lost`'s share. Blocking.
+    fn mark_part(
+        &self,
+        lost: &str,
+        by: &str,
+        result: Result<(), &StageError>,
+    ) -> Result<(), SafeFsError> {
+        self.write_mark(&format!("{lost}{BY}{by}"), result)
+    }
+
+    fn write_mark(&self, name: &str, result: Result<(), &StageError>) -> Result<(), SafeFsError> {
         let text = match result {
             Ok(()) => OK.to_string(),
             Err(e) => e.to_string(),
         };
-        let tmp = format!(".{node}.tmp");
-        safefs::remove_tree(&self.marks, &tmp)?;
-        let mut f = safefs::create_file(&self.marks, &tmp, None, 0o600)?;
-        std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| SafeFsError::Sys {
-            op: "write",
-            path: tmp.clone(),
-            errno: nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc_eio())),
-        })?;
-        nix::fcntl::renameat(&self.marks, tmp.as_str(), &self.marks, node).map_err(|errno| {
+        let tmp = format!(".{name}.tmp");
+        self.write_tmp(&tmp, &text)?;
+        nix::fcntl::renameat(&self.marks, tmp.as_str(), &self.marks, name).map_err(|errno| {
             SafeFsError::Sys {
                 op: "rename",
-                path: node.to_string(),
+                path: name.to_string(),
                 errno,
             }
         })
     }
 
-    /// Waits until every node of `plan` marked its share: `Ok` when all wrote theirs, the first
-    /// failure's reason otherwise. Polls the marks (a shared file system has no portable change
-    /// notification across nodes); the caller's stage timeout bounds the wait.
+    fn write_tmp(&self, tmp: &str, text: &str) -> Result<(), SafeFsError> {
+        safefs::remove_tree(&self.marks, tmp)?;
+        let mut f = safefs::create_file(&self.marks, tmp, None, 0o600)?;
+        std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| SafeFsError::Sys {
+            op: "write",
+            path: tmp.to_string(),
+            errno: nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc_eio())),
+        })
+    }
+
+    /// Whether `node`'s share was taken over. Blocking.
+    pub fn is_taken_over(&self, node: &str) -> bool {
+        self.takeover(node).is_some()
+    }
+
+    fn takeover(&self, node: &str) -> Option<Takeover> {
+        let text = read_mark(&self.marks, &format!("{node}{TAKEOVER}"))?;
+        Takeover::parse(node, &text)
+    }
+
+    /// Takes `want.lost`'s share over, unless another node did first: the mark is made under a
+    /// temporary name and hard-linked to its final one, which fails if it exists (on Lustre and
+    /// NFS as locally), so there is one takeover per lost node and every survivor follows the
+    /// same one. Returns the takeover in force. Blocking.
+    pub fn claim(&self, want: &Takeover) -> Result<Takeover, SafeFsError> {
+        let name = format!("{}{TAKEOVER}", want.lost);
+        let tmp = format!(".{name}.{}.tmp", want.by);
+        self.write_tmp(&tmp, &want.to_text())?;
+        let linked = nix::unistd::linkat(
+            &self.marks,
+            tmp.as_str(),
+            &self.marks,
+            name.as_str(),
+            nix::fcntl::AtFlags::empty(),
+        );
+        let _ = nix::unistd::unlinkat(
+            &self.marks,
+            tmp.as_str(),
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        );
+        match linked {
+            Ok(()) => Ok(want.clone()),
+            Err(nix::errno::Errno::EEXIST) => {
+                self.takeover(&want.lost).ok_or_else(|| SafeFsError::Sys {
+                    op: "read",
+                    path: name.clone(),
+                    errno: nix::errno::Errno::EIO,
+                })
+            }
+            Err(errno) => Err(SafeFsError::Sys {
+                op: "link",
+                path: name,
+                errno,
+            }),
+        }
+    }
+
+    /// Waits until every node of `plan` marked its share, or its share was taken over and every
+    /// survivor marked its part: `Ok` with the notes for the job output (one per node taken
+    /// over) when all are written, the first failure's reason otherwise. Polls the marks (a
+    /// shared file system has no portable change notification across nodes); the caller's stage
+    /// timeout bounds the wait.
+    ///
+    /// With `liveness`, a node that has not marked its share is probed every [`PROBE_EVERY`];
+    /// found unreachable [`DEAD_AFTER`] times in a row, its share is taken over ([`claim`]), and
+    /// this node, if a survivor, writes its part with `take`. A node whose agent answers is
+    /// never taken over, however slow: the stage timeout then names it.
+    ///
+    /// [`claim`]: Self::claim
     pub async fn wait_for_all(
         self: &std::sync::Arc<Self>,
         plan: &ShardPlan,
         cancel: &CancellationToken,
-    ) -> Result<(), StageError> {
+        liveness: Option<&dyn Liveness>,
+        take: &TakeShare<'_>,
+    ) -> Result<Vec<String>, StageError> {
+        let me = plan.node().to_string();
         let mut pause = Duration::from_millis(100);
+        let mut unreachable: HashMap<String, u32> = HashMap::new();
+        let mut last_probe: Option<tokio::time::Instant> = None;
+        let mut parts_done: Vec<String> = Vec::new();
+        let mut notes: BTreeMap<String, String> = BTreeMap::new();
         loop {
             let this = self.clone();
             let nodes = plan.nodes().to_vec();
-            let marks = sluice_archive::rt::blocking(move || {
-                nodes
-                    .into_iter()
-                    .map(|n| {
-                        let m = read_mark(&this.marks, &n);
-                        (n, m)
-                    })
-                    .collect::<Vec<_>>()
+            let seen = sluice_archive::rt::blocking(move || {
+                nodes.into_iter().map(|n| this.look(&n)).collect::<Vec<_>>()
             })
             .await;
-            if let Some((node, why)) = marks
-                .iter()
-                .find_map(|(n, m)| m.as_ref().filter(|m| *m != OK).map(|m| (n, m)))
-            {
-                return Err(StageError::SharedPeer {
-                    node: node.clone(),
-                    detail: why.clone(),
-                });
+            let mut waiting: Vec<String> = Vec::new();
+            let mut suspects: Vec<String> = Vec::new();
+            let mut my_part: Option<Takeover> = None;
+            for s in &seen {
+                if let Some(t) = &s.takeover {
+                    notes.insert(t.lost.clone(), t.note());
+                    let mine_unmarked = s.parts.iter().any(|(by, m)| *by == me && m.is_none());
+                    if mine_unmarked && !parts_done.contains(&t.lost) {
+                        my_part.get_or_insert(t.clone());
+                    }
+                    for (by, m) in &s.parts {
+                        match m.as_deref() {
+                            Some(OK) => {}
+                            Some(why) => {
+                                return Err(StageError::SharedPeer {
+                                    node: by.clone(),
+                                    detail: format!("taking over node {}'s share: {why}", t.lost),
+                                });
+                            }
+                            None => waiting.push(format!("{} (taken over by {by})", t.lost)),
+                        }
+                    }
+                    continue;
+                }
+                match s.mark.as_deref() {
+                    Some(OK) => {}
+                    Some(why) => {
+                        return Err(StageError::SharedPeer {
+                            node: s.node.clone(),
+                            detail: why.to_string(),
+                        });
+                    }
+                    None => {
+                        waiting.push(s.node.clone());
+                        if s.node != me {
+                            suspects.push(s.node.clone());
+                        }
+                    }
+                }
             }
-            let waiting: Vec<&String> = marks
-                .iter()
-                .filter(|(_, m)| m.is_none())
-                .map(|(n, _)| n)
-                .collect();
+            if let Some(t) = my_part {
+                let result = match plan.takeover(&t.lost, &t.survivors) {
+                    Some(sub) => {
+                        tracing::warn!(
+                            "writing this node's part of node {}'s share on the shared tier: {}",
+                            t.lost,
+                            t.why
+                        );
+                        take(sub).await
+                    }
+                    None => Err(StageError::SharedPeer {
+                        node: t.lost.clone(),
+                        detail: format!("its takeover names survivors {:?}", t.survivors),
+                    }),
+                };
+                let (this, lost, by, r) =
+                    (self.clone(), t.lost.clone(), me.clone(), result.clone());
+                let marked = sluice_archive::rt::blocking(move || {
+                    this.mark_part(&lost, &by, r.as_ref().map(|_| ()))
+                })
+                .await;
+                if let Err(e) = marked {
+                    tracing::error!("marking this node's part of {}'s share: {e}", t.lost);
+                }
+                result?;
+                parts_done.push(t.lost);
+                continue;
+            }
             if waiting.is_empty() {
-                return Ok(());
+                return Ok(notes.into_values().collect());
+            }
+            let due = last_probe.is_none_or(|t| t.elapsed() >= PROBE_EVERY);
+            if let (Some(liveness), true) = (liveness, due) {
+                last_probe = Some(tokio::time::Instant::now());
+                for node in &suspects {
+                    let why = match liveness.check(node).await {
+                        Ok(()) => {
+                            unreachable.remove(node);
+                            continue;
+                        }
+                        Err(why) => why,
+                    };
+                    let count = unreachable.entry(node.clone()).or_default();
+                    *count += 1;
+                    if *count < DEAD_AFTER {
+                        continue;
+                    }
+                    // The survivors: the job's nodes, less this one and those already lost.
+                    let lost: Vec<&String> = seen
+                        .iter()
+                        .filter(|s| s.takeover.is_some())
+                        .map(|s| &s.node)
+                        .collect();
+                    let survivors: Vec<String> = plan
+                        .nodes()
+                        .iter()
+                        .filter(|n| *n != node && !lost.contains(n))
+                        .cloned()
+                        .collect();
+                    let want = Takeover {
+                        lost: node.clone(),
+                        survivors,
+                        by: me.clone(),
+                        why,
+                    };
+                    let this = self.clone();
+                    match sluice_archive::rt::blocking(move || {
+                        // It may have marked its share since: then nothing is taken over.
+                        if read_mark(&this.marks, &want.lost).is_some() {
+                            return Ok(None);
+                        }
+                        this.claim(&want).map(Some)
+                    })
+                    .await
+                    {
+                        Ok(Some(t)) => tracing::warn!(
+                            "node {}'s share on the shared tier is taken over by {:?}: {}",
+                            t.lost,
+                            t.survivors,
+                            t.why
+                        ),
+                        Ok(None) => {}
+                        Err(e) => tracing::error!("taking over node {node}'s share: {e}"),
+                    }
+                }
+                continue;
             }
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
                 _ = cancel.cancelled() => return Err(StageError::Cancelled {
-                    dataset: format!("the shared tier's share of node(s) {}", join(&waiting)),
+                    dataset: format!("the shared tier's share of node(s) {}", waiting.join(", ")),
                 }),
             }
             pause = (pause * 2).min(Duration::from_secs(2));
         }
     }
+
+    /// What the marks say about `node`. Blocking.
+    fn look(&self, node: &str) -> Seen {
+        let takeover = self.takeover(node);
+        let parts = takeover.as_ref().map_or_else(Vec::new, |t| {
+            t.survivors
+                .iter()
+                .map(|s| (s.clone(), read_mark(&self.marks, &format!("{node}{BY}{s}"))))
+                .collect()
+        });
+        Seen {
+            node: node.to_string(),
+            mark: read_mark(&self.marks, node),
+            takeover,
+            parts,
+        }
+    }
 }
 
-fn join(nodes: &[&String]) -> String {
-    nodes
-        .iter()
-        .map(|n| n.as_str())
-        .collect::<Vec<_>>()
-        .join(", ")
+/// One node's marks, as [`SharedJob::wait_for_all`] reads them.
+struct Seen {
+    node: String,
+    mark: Option<String>,
+    /// Takes precedence over `mark`: a node found dead may have marked its share in the moment
+    /// it was taken over, and then the survivors may be rewriting its files.
+    takeover: Option<Takeover>,
+    /// Each survivor's mark of its part.
+    parts: Vec<(String, Option<String>)>,
 }
 
 fn libc_eio() -> i32 {
@@ -371,6 +713,10 @@ mod tests {
         assert!(e.contains("open 'link'"), "{e}");
     }
 
+    fn no_take(_: ShardPlan) -> futures::future::BoxFuture<'static, Result<(), StageError>> {
+        panic!("no takeover expected")
+    }
+
     #[tokio::test]
     async fn nodes_wait_for_every_share_and_learn_why_one_failed() {
         let root = tempfile::tempdir().unwrap();
@@ -384,11 +730,15 @@ mod tests {
         n1.mark("n1", Ok(())).unwrap();
         let cancel = CancellationToken::new();
         // n2 has not marked: n1 waits.
-        let wait =
-            tokio::time::timeout(Duration::from_millis(400), n1.wait_for_all(&plan, &cancel));
+        let wait = tokio::time::timeout(
+            Duration::from_millis(400),
+            n1.wait_for_all(&plan, &cancel, None, &no_take),
+        );
         assert!(wait.await.is_err(), "n1 went on before n2 wrote its share");
         n2.mark("n2", Ok(())).unwrap();
-        n1.wait_for_all(&plan, &cancel).await.unwrap();
+        n1.wait_for_all(&plan, &cancel, None, &no_take)
+            .await
+            .unwrap();
 
         // A restarted agent finds its share written; a fresh run of the job id does not.
         assert!(SharedJob::open(&cfg, 5, "n2", me(), false).unwrap().done);
@@ -398,7 +748,10 @@ mod tests {
             dataset: "s3://b/x".into(),
         };
         again.mark("n2", Err(&e)).unwrap();
-        let e = n1.wait_for_all(&plan, &cancel).await.unwrap_err();
+        let e = n1
+            .wait_for_all(&plan, &cancel, None, &no_take)
+            .await
+            .unwrap_err();
         assert!(
             e.to_string().contains("node n2") && e.to_string().contains("s3://b/x not found"),
             "{e}"
@@ -408,5 +761,156 @@ mod tests {
         remove(&cfg, 5).unwrap();
         remove(&cfg, 5).unwrap();
         assert!(!root.path().join("job-5").exists());
+    }
+
+    /// Liveness as the peers layer would see it: the nodes named are unreachable.
+    struct Dead(&'static [&'static str]);
+
+    #[async_trait::async_trait]
+    impl Liveness for Dead {
+        async fn check(&self, node: &str) -> Result<(), String> {
+            if self.0.contains(&node) {
+                Err(format!(
+                    "peer {node}:7000 is unreachable: connection refused"
+                ))
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_dead_nodes_share_is_written_once_by_the_survivors_and_its_agent_leaves_it_to_them() {
+        let root = tempfile::tempdir().unwrap();
+        let cfg = cfg(root.path());
+        let nodes: Vec<String> = ["n1", "n2", "n3"].map(String::from).into();
+        let open = |n: &str| Arc::new(SharedJob::open(&cfg, 7, n, me(), true).unwrap());
+        let (n1, n2) = (open("n1"), open("n2"));
+        n1.mark("n1", Ok(())).unwrap();
+        n2.mark("n2", Ok(())).unwrap();
+        // n3 never marks: its agent died while writing its share.
+        let taken: Arc<std::sync::Mutex<Vec<ShardPlan>>> = Default::default();
+        let record = taken.clone();
+        let take = move |sub: ShardPlan| -> futures::future::BoxFuture<'static, _> {
+            record.lock().unwrap().push(sub);
+            Box::pin(async { Ok(()) })
+        };
+        let cancel = CancellationToken::new();
+        let dead = Dead(&["n3"]);
+        let (p1, p2) = (
+            ShardPlan::new(&nodes, "n1").unwrap(),
+            ShardPlan::new(&nodes, "n2").unwrap(),
+        );
+        let (r1, r2) = tokio::time::timeout(
+            Duration::from_secs(30),
+            futures::future::join(
+                n1.wait_for_all(&p1, &cancel, Some(&dead), &take),
+                n2.wait_for_all(&p2, &cancel, Some(&dead), &take),
+            ),
+        )
+        .await
+        .expect("the survivors took n3's share over instead of waiting for the stage timeout");
+        // Both go on, each with the note for the job output.
+        for notes in [r1.unwrap(), r2.unwrap()] {
+            assert_eq!(notes.len(), 1, "{notes:?}");
+            assert!(
+                notes[0].contains("node n3's agent could not be reached")
+                    && notes[0].contains("connection refused")
+                    && notes[0].contains("nodes n1, n2 wrote n3's files"),
+                "{}",
+                notes[0]
+            );
+        }
+        // Each survivor wrote its part once, and each of n3's files has exactly one new writer.
+        let taken = taken.lock().unwrap().clone();
+        assert_eq!(taken.len(), 2, "{taken:?}");
+        let p3 = ShardPlan::new(&nodes, "n3").unwrap();
+        for i in 0..300 {
+            let path = format!("ds/f{i}");
+            let writers = taken.iter().filter(|t| t.owns(&path)).count();
+            assert_eq!(writers, usize::from(p3.owns(&path)), "{path}");
+        }
+        // n3's agent comes back (a restart, or a fresh start of the job there): it finds the
+        // takeover and does not write its share, and the job's wait counts the survivors' parts.
+        let n3 = open("n3");
+        assert!(n3.taken_over && !n3.done);
+        assert!(n3.is_taken_over("n3"));
+        let notes = n3.wait_for_all(&p3, &cancel, None, &no_take).await.unwrap();
+        assert_eq!(notes.len(), 1);
+        // A second claim (another survivor that found n3 dead a moment later) follows the first.
+        let again = n2
+            .claim(&Takeover {
+                lost: "n3".into(),
+                survivors: vec!["n2".into()],
+                by: "n2".into(),
+                why: "late".into(),
+            })
+            .unwrap();
+        assert_eq!(again.survivors, ["n1", "n2"]);
+        assert_ne!(again.why, "late");
+    }
+
+    #[tokio::test]
+    async fn a_node_that_answers_is_never_taken_over_however_slow() {
+        let root = tempfile::tempdir().unwrap();
+        let cfg = cfg(root.path());
+        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
+        let n1 = Arc::new(SharedJob::open(&cfg, 8, "n1", me(), true).unwrap());
+        n1.mark("n1", Ok(())).unwrap();
+        let plan = ShardPlan::new(&nodes, "n1").unwrap();
+        let cancel = CancellationToken::new();
+        let alive = Dead(&[]);
+        // Longer than the probes take to find a dead node (DEAD_AFTER × PROBE_EVERY).
+        let wait = tokio::time::timeout(
+            PROBE_EVERY * (DEAD_AFTER + 1),
+            n1.wait_for_all(&plan, &cancel, Some(&alive), &no_take),
+        );
+        assert!(wait.await.is_err(), "n1 went on without n2's share");
+        assert!(!n1.is_taken_over("n2"));
+        // The stage timeout (the token here) names the slow node.
+        cancel.cancel();
+        let e = n1
+            .wait_for_all(&plan, &cancel, Some(&alive), &no_take)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("node(s) n2"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_survivor_that_fails_its_part_fails_the_job_naming_it() {
+        let root = tempfile::tempdir().unwrap();
+        let cfg = cfg(root.path());
+        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
+        let n1 = Arc::new(SharedJob::open(&cfg, 9, "n1", me(), true).unwrap());
+        n1.mark("n1", Ok(())).unwrap();
+        let plan = ShardPlan::new(&nodes, "n1").unwrap();
+        let take = |_: ShardPlan| -> futures::future::BoxFuture<'static, _> {
+            Box::pin(async {
+                Err(StageError::NotFound {
+                    dataset: "s3://b/x".into(),
+                })
+            })
+        };
+        let e = n1
+            .wait_for_all(
+                &plan,
+                &CancellationToken::new(),
+                Some(&Dead(&["n2"])),
+                &take,
+            )
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("s3://b/x not found"), "{e}");
+        // Its part is marked failed: another node of the job learns why.
+        let n2 = Arc::new(SharedJob::open(&cfg, 9, "n2", me(), false).unwrap());
+        let e = n2
+            .wait_for_all(&plan, &CancellationToken::new(), None, &no_take)
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("node n1")
+                && e.to_string().contains("taking over node n2's share"),
+            "{e}"
+        );
     }
 }
