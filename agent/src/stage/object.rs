@@ -699,33 +699,6 @@ impl Fetcher {
         }
     }
 
-    /// GETs `unit` from the origin, hashing it, and tells the job's peers this node holds it.
-    async fn unit_from_origin(
-        &self,
-        lease: Lease,
-        file: &Arc<Dest>,
-        rel: &str,
-        location: &ObjPath,
-        unit: &Unit,
-    ) -> Result<(), StageError> {
-        let peers = self.peers.as_ref().expect("a shared dataset has peers");
-        let range = unit.offset..unit.offset + unit.len;
-        let hasher = Some(blake3::Hasher::new());
-        match self
-            .get_part(lease, file.clone(), rel, location, range, hasher)
-            .await
-        {
-            Ok(hasher) => {
-                peers.held(unit, hasher.expect("hashed as it was read").finalize());
-                Ok(())
-            }
-            Err(e) => {
-                peers.failed(unit, e.to_string());
-                Err(e)
-            }
-        }
-    }
-
     /// Fetches `unit` from `node`, its owner, and writes it at its offset; where a failed fetch
     /// leads (another owner, the same one once more, or the origin) is [`JobPeers::next_after`]'s
     /// to say, as for POSIX datasets. Every origin read goes through the node's budget, so a lost
@@ -810,7 +783,8 @@ impl Fetcher {
         self.unit_from_origin_now(file, rel, location, &unit).await
     }
 
-    /// [`unit_from_origin`](Self::unit_from_origin), once a budget slot is free.
+    /// GETs `unit`, which this node now reads from the origin after a peer failed it, in one
+    /// request once a budget slot is free, and tells the job's peers this node holds it.
     async fn unit_from_origin_now(
         &self,
         file: &Arc<Dest>,
@@ -819,8 +793,19 @@ impl Fetcher {
         unit: &Unit,
     ) -> Result<(), StageError> {
         let lease = self.budget.lease().await;
-        self.unit_from_origin(lease, file, rel, location, unit)
-            .await
+        // One request: a fallback, not the owner's pipelined reads.
+        let whole = UnitPieces::new(unit.len, unit.len.max(1024).next_power_of_two());
+        self.piece_from_origin(
+            lease,
+            file,
+            rel,
+            location,
+            unit,
+            &Mutex::new(whole),
+            0,
+            0..unit.len,
+        )
+        .await
     }
 }
 
