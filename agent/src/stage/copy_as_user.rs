@@ -39,8 +39,43 @@ fn copy_threads() -> usize {
 }
 
 /// Files larger than this are copied as several pieces in parallel, so one big file uses every
-/// copy thread.
+/// copy thread, where that is faster ([`piece_for`]).
 const PIECE: u64 = 64 << 20;
+
+/// The piece size for copying `src` to `dst`: [`PIECE`], unless both are on local file systems,
+/// where each file is copied whole by one thread. Local file systems (ext4, XFS, btrfs, tmpfs)
+/// serialize buffered writes to one inode on its lock, so a second thread on the same file gains
+/// at most a few percent and, on a busy node, spends a core spinning on that lock: one file of
+/// 1 GiB on ext4 took 0.28 s with one thread and 0.29–0.35 s with two while another process kept
+/// one of two cores busy (`cp -a`: 0.29–0.31 s). A network or parallel file system (Lustre,
+/// BeeGFS, NFS, GPFS) on either side is limited by each stream's latency instead, which parallel
+/// pieces hide. A side whose file system cannot be told counts as not local.
+fn piece_for(src: &Path, dst: &Path) -> u64 {
+    // `dst` does not exist yet: its nearest existing ancestor tells where it will be.
+    let local = |p: &Path| {
+        p.ancestors()
+            .find_map(|a| nix::sys::statfs::statfs(a).ok())
+            .is_some_and(|st| is_local_fs(st.filesystem_type()))
+    };
+    if local(src) && local(dst) {
+        u64::MAX
+    } else {
+        PIECE
+    }
+}
+
+/// Whether a `statfs` file system type is a local disk or memory file system (see [`piece_for`]).
+fn is_local_fs(t: nix::sys::statfs::FsType) -> bool {
+    use nix::sys::statfs::{BTRFS_SUPER_MAGIC, EXT4_SUPER_MAGIC, TMPFS_MAGIC, XFS_SUPER_MAGIC};
+    // (ext2 and ext3 have ext4's magic.)
+    [
+        EXT4_SUPER_MAGIC,
+        XFS_SUPER_MAGIC,
+        BTRFS_SUPER_MAGIC,
+        TMPFS_MAGIC,
+    ]
+    .contains(&t)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
@@ -362,7 +397,7 @@ impl ShardArgs {
 /// message on failure. Symlinks inside the tree are copied as symlinks. Nothing is fsynced: staged
 /// data can be fetched again from its origin, and job end deletes it.
 pub fn copy_tree(src: &Path, dst: &Path, out: &mut impl Write) -> Result<(), (i32, String)> {
-    copy_tree_in_pieces(src, dst, PIECE, None, None, out)
+    copy_tree_in_pieces(src, dst, piece_for(src, dst), None, None, out)
 }
 
 /// [`copy_tree`] of this node's share of the files only, with the manifest of all of them
@@ -382,7 +417,7 @@ pub fn copy_shard(
             let answers = cached.then(|| io::stdin().lock());
             copy_replica(src, dst, shard, unit_size, answers, out)
         }
-        None => copy_tree_in_pieces(src, dst, PIECE, Some(shard), None, out),
+        None => copy_tree_in_pieces(src, dst, piece_for(src, dst), Some(shard), None, out),
     }
 }
 
@@ -615,7 +650,7 @@ pub fn copy_tree_resumable(
         };
         keep.insert(path, file);
     }
-    copy_tree_in_pieces(src, dst, PIECE, shard, Some(&keep), out)
+    copy_tree_in_pieces(src, dst, piece_for(src, dst), shard, Some(&keep), out)
 }
 
 /// A file and its source's identity, as `keep` and `whole` lines carry them.
@@ -1382,7 +1417,44 @@ fn create_dst(job: &FileJob, mode: u32, umask: u32) -> Result<fs::File, (i32, St
     if mode & umask != 0 {
         set_mode(&dst, job, mode)?;
     }
+    preallocate(&dst, job.size).map_err(|e| job_error("allocating space for", &job.dst, e))?;
     Ok(dst)
+}
+
+/// Files from this size up are preallocated ([`preallocate`]).
+const PREALLOCATE_FROM: u64 = 1 << 20;
+
+/// Allocates `size` bytes for a new, empty `dst` on ext4 before it is copied, as `rsync
+/// --preallocate` does: the copy then writes into allocated blocks rather than reserving them page
+/// by page (one file of 1 GiB: 0.21–0.26 s, 0.28–0.37 s without, `cp -a` 0.29–0.35 s; the same or
+/// less with the writeback included), the file gets contiguous extents, and a tier without room
+/// for it fails before its bytes are copied. Only on ext4: XFS and btrfs `copy_file_range` shares
+/// extents within one file system, which blocks allocated first would only waste. A file system
+/// that cannot preallocate is no error; the copy trims a file that shrank since it was listed
+/// ([`trim_to`]).
+fn preallocate(dst: &fs::File, size: u64) -> io::Result<()> {
+    if size < PREALLOCATE_FROM {
+        return Ok(());
+    }
+    let st = nix::sys::statfs::fstatfs(dst).map_err(io::Error::from)?;
+    if st.filesystem_type() != nix::sys::statfs::EXT4_SUPER_MAGIC {
+        return Ok(());
+    }
+    let len = i64::try_from(size).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    match nix::fcntl::fallocate(dst, nix::fcntl::FallocateFlags::empty(), 0, len) {
+        Err(nix::errno::Errno::EOPNOTSUPP) => Ok(()),
+        r => r.map_err(io::Error::from),
+    }
+}
+
+/// After the last piece of a file (copied to the source's end) ended at `end`: the file is cut
+/// there, so that a source that shrank since it was listed leaves no preallocated tail.
+fn trim_to(dst: &fs::File, job: &FileJob, p: &Piece, end: u64) -> Result<(), (i32, String)> {
+    if p.len.is_none() && end < job.size {
+        dst.set_len(end)
+            .map_err(|e| job_error("truncating", &job.dst, e))?;
+    }
+    Ok(())
 }
 
 fn set_mode(dst: &fs::File, job: &FileJob, mode: u32) -> Result<(), (i32, String)> {
@@ -1469,6 +1541,7 @@ fn copy_piece(
         let (n, hash) = copy_to_end_hashed(&src, &dst, p.offset, p.len, buf).map_err(copy_err)?;
         let want = p.len.unwrap_or(c.file.size.saturating_sub(p.offset));
         let kept = before && n == want && same(&src);
+        trim_to(&dst, job, p, p.offset + n)?;
         return Ok(PieceCopied {
             bytes: n,
             hash: kept.then_some(hash),
@@ -1490,6 +1563,7 @@ fn copy_piece(
     };
     let before = identity(&src);
     let bytes = copy_range(&src, &dst, p.len).map_err(copy_err)?;
+    trim_to(&dst, job, p, p.offset + bytes)?;
     let after = identity(&src);
     Ok(PieceCopied {
         bytes,
@@ -2477,6 +2551,28 @@ mod tests {
     }
 
     #[test]
+    fn big_files_are_split_into_pieces_only_where_a_side_is_not_a_local_file_system() {
+        use nix::sys::statfs::{EXT4_SUPER_MAGIC, NFS_SUPER_MAGIC, PROC_SUPER_MAGIC};
+        assert!(is_local_fs(EXT4_SUPER_MAGIC));
+        assert!(!is_local_fs(NFS_SUPER_MAGIC));
+        assert!(!is_local_fs(nix::sys::statfs::FsType(
+            crate::stage::lustre::LL_SUPER_MAGIC as _
+        )));
+        let dir = tempfile::tempdir().unwrap();
+        // A destination that does not exist yet is judged by its nearest existing ancestor.
+        let dst = dir.path().join("job/ds");
+        let here = nix::sys::statfs::statfs(dir.path())
+            .unwrap()
+            .filesystem_type();
+        let want = if is_local_fs(here) { u64::MAX } else { PIECE };
+        assert_eq!(piece_for(dir.path(), &dst), want);
+        // /proc stands in for a file system that is not local: pieces.
+        assert!(!is_local_fs(PROC_SUPER_MAGIC));
+        assert_eq!(piece_for(Path::new("/proc/self"), &dst), PIECE);
+        assert_eq!(piece_for(dir.path(), Path::new("/proc/self/x")), PIECE);
+    }
+
+    #[test]
     fn copy_threads_take_files_from_each_directory_in_turn() {
         let job = |p: &str| FileJob {
             src: PathBuf::from(p),
@@ -2497,6 +2593,29 @@ mod tests {
             order,
             ["a/1", "b/1", "top", "a/2", "b/2", "a/3"].map(PathBuf::from)
         );
+    }
+
+    #[test]
+    fn a_file_that_shrank_since_it_was_listed_leaves_no_preallocated_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+        fs::write(dir.path().join("src"), &data).unwrap();
+        // Listed at 4 MiB (preallocated where the tier is ext4), 3 MiB when copied: whole, and in
+        // 1 MiB pieces whose last one copies to the end.
+        for (name, piece) in [("whole", u64::MAX), ("pieces", 1 << 20)] {
+            let job = FileJob {
+                src: dir.path().join("src"),
+                dst: dir.path().join(name),
+                size: 4 << 20,
+                mode: 0o644,
+                stripe: None,
+                partial: false,
+                cache: None,
+                whole: None,
+            };
+            copy_files(std::slice::from_ref(&job), 0o022, piece, &mut Vec::new()).unwrap();
+            assert_eq!(fs::read(&job.dst).unwrap(), data, "{name}");
+        }
     }
 
     #[test]
