@@ -556,7 +556,7 @@ fn copy_hashing(src: &File, dst: &File, size: u64, unit: u64) -> io::Result<Vec<
     while at < size {
         let n = (buf.len() as u64).min(size - at).min(unit - in_unit) as usize;
         src.read_exact_at(&mut buf[..n], at)?;
-        dst.write_all_at(&buf[..n], at)?;
+        sluice_archive::pagecache::write_all_at(dst, &buf[..n], at)?;
         hasher.update(&buf[..n]);
         at += n as u64;
         in_unit += n as u64;
@@ -602,7 +602,7 @@ impl Fill {
         if self.tainted.load(Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = self.file.write_all_at(buf, offset) {
+        if let Err(e) = sluice_archive::pagecache::write_all_at(&self.file, buf, offset) {
             self.taint(&format!("writing it failed: {e}"));
         }
     }

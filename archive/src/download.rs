@@ -648,7 +648,7 @@ impl Output {
     /// Writes `raw` at `offset` through the page cache and starts its writeback.
     fn write_cached_at(&self, raw: &[u8], offset: u64) -> std::io::Result<()> {
         if !raw.is_empty() {
-            self.file.write_all_at(raw, offset)?;
+            crate::pagecache::write_all_at(&self.file, raw, offset)?;
             start_writeback(&self.file, offset, raw.len());
         }
         Ok(())

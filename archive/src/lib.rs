@@ -64,6 +64,7 @@ pub mod format;
 #[allow(unsafe_code)]
 pub mod iobuf;
 pub mod manifest;
+pub mod pagecache;
 mod resume;
 pub use resume::Identity as FileIdentity;
 pub mod rt;

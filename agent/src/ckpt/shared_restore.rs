@@ -242,7 +242,7 @@ impl UnitSink for FileSink {
         let (file, at, mut hasher) = (self.file.clone(), self.at, self.hasher.take());
         let n = bytes.len() as u64;
         let (hasher, r) = blocking(move || {
-            let r = file.write_all_at(&bytes, at);
+            let r = sluice_archive::pagecache::write_all_at(&file, &bytes, at);
             if let (Ok(()), Some(h)) = (&r, hasher.as_mut()) {
                 h.update(&bytes);
             }

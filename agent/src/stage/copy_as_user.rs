@@ -8,6 +8,7 @@
 //! The helper reports progress as lines on stdout (`total F B`, `progress F B`) and its error as the
 //! last line on stderr, with an exit code that classifies it.
 
+use super::local_fs::{is_local_fs, preallocate};
 use super::shard::{ShardManifest, ShardPlan};
 use crate::peer::{Unit, units_of};
 use nix::unistd::{Gid, Uid, geteuid, initgroups, setresgid, setresuid};
@@ -62,19 +63,6 @@ fn piece_for(src: &Path, dst: &Path) -> u64 {
     } else {
         PIECE
     }
-}
-
-/// Whether a `statfs` file system type is a local disk or memory file system (see [`piece_for`]).
-fn is_local_fs(t: nix::sys::statfs::FsType) -> bool {
-    use nix::sys::statfs::{BTRFS_SUPER_MAGIC, EXT4_SUPER_MAGIC, TMPFS_MAGIC, XFS_SUPER_MAGIC};
-    // (ext2 and ext3 have ext4's magic.)
-    [
-        EXT4_SUPER_MAGIC,
-        XFS_SUPER_MAGIC,
-        BTRFS_SUPER_MAGIC,
-        TMPFS_MAGIC,
-    ]
-    .contains(&t)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1421,32 +1409,6 @@ fn create_dst(job: &FileJob, mode: u32, umask: u32) -> Result<fs::File, (i32, St
     Ok(dst)
 }
 
-/// Files from this size up are preallocated ([`preallocate`]).
-const PREALLOCATE_FROM: u64 = 1 << 20;
-
-/// Allocates `size` bytes for a new, empty `dst` on ext4 before it is copied, as `rsync
-/// --preallocate` does: the copy then writes into allocated blocks rather than reserving them page
-/// by page (one file of 1 GiB: 0.21–0.26 s, 0.28–0.37 s without, `cp -a` 0.29–0.35 s; the same or
-/// less with the writeback included), the file gets contiguous extents, and a tier without room
-/// for it fails before its bytes are copied. Only on ext4: XFS and btrfs `copy_file_range` shares
-/// extents within one file system, which blocks allocated first would only waste. A file system
-/// that cannot preallocate is no error; the copy trims a file that shrank since it was listed
-/// ([`trim_to`]).
-fn preallocate(dst: &fs::File, size: u64) -> io::Result<()> {
-    if size < PREALLOCATE_FROM {
-        return Ok(());
-    }
-    let st = nix::sys::statfs::fstatfs(dst).map_err(io::Error::from)?;
-    if st.filesystem_type() != nix::sys::statfs::EXT4_SUPER_MAGIC {
-        return Ok(());
-    }
-    let len = i64::try_from(size).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    match nix::fcntl::fallocate(dst, nix::fcntl::FallocateFlags::empty(), 0, len) {
-        Err(nix::errno::Errno::EOPNOTSUPP) => Ok(()),
-        r => r.map_err(io::Error::from),
-    }
-}
-
 /// After the last piece of a file (copied to the source's end) ended at `end`: the file is cut
 /// there, so that a source that shrank since it was listed leaves no preallocated tail.
 fn trim_to(dst: &fs::File, job: &FileJob, p: &Piece, end: u64) -> Result<(), (i32, String)> {
@@ -1598,7 +1560,7 @@ fn copy_hashed(
             ));
         }
         hasher.update(&buf[..got]);
-        dst.write_all_at(&buf[..got], at)?;
+        sluice_archive::pagecache::write_all_at(dst, &buf[..got], at)?;
         at += got as u64;
     }
     Ok(hasher.finalize())
@@ -1623,7 +1585,7 @@ fn copy_to_end_hashed(
             break;
         }
         hasher.update(&buf[..got]);
-        dst.write_all_at(&buf[..got], at)?;
+        sluice_archive::pagecache::write_all_at(dst, &buf[..got], at)?;
         at += got as u64;
     }
     Ok((at - offset, hasher.finalize()))

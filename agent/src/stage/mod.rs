@@ -42,6 +42,7 @@
 
 mod budget;
 pub mod copy_as_user;
+pub mod local_fs;
 pub mod lustre;
 mod object;
 pub mod peers;

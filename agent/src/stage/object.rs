@@ -13,7 +13,7 @@
 use super::peers::NextStep;
 use super::resume::{self, DatasetLog};
 use super::shard::{ShardManifest, ShardPlan};
-use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space};
+use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space, local_fs};
 use crate::cache::{Cache, Fill, Hit, Key};
 use crate::peer::{CachedObject, Unit, UnitPieces, UnitSink, units_of, versioned};
 use futures::StreamExt;
@@ -25,7 +25,6 @@ use sluice_archive::store::{self, StoreErrorKind};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::task::JoinSet;
@@ -142,6 +141,22 @@ struct Dest {
     file: Arc<std::fs::File>,
     tee: Option<Fill>,
     etag: Option<String>,
+    /// On a local file system, taken around each write: there the kernel serializes writes to one
+    /// file anyway, and the parts waiting for it sleep here rather than spin on the inode's lock
+    /// (see [`local_fs::one_writer`]).
+    writing: Option<Mutex<()>>,
+}
+
+impl Dest {
+    fn new(file: Arc<std::fs::File>, tee: Option<Fill>, etag: Option<String>) -> Dest {
+        let writing = local_fs::one_writer(&file).then(|| Mutex::new(()));
+        Dest {
+            file,
+            tee,
+            etag,
+            writing,
+        }
+    }
 }
 
 /// Where an object's staged copy is, for serving its units to peers: the directory its path is
@@ -389,14 +404,15 @@ impl Fetcher {
     ) -> Result<Vec<u8>, StageError> {
         let (d, offset, mut h, cache) = (file.clone(), *at, hasher.take(), self.cache.clone());
         let (mut buf, h, written) = blocking(move || {
-            let mut r = d.file.write_all_at(&buf, offset);
+            let _one = d.writing.as_ref().map(lock);
+            let mut r = sluice_archive::pagecache::write_all_at(&d.file, &buf, offset);
             // A full hot tier takes room from the cache before it fails the job.
             while r.as_ref().is_err_and(|e| is_no_space(e.raw_os_error()))
                 && cache
                     .as_ref()
                     .is_some_and(|c| c.yield_space(buf.len() as u64 + (64 << 20)) > 0)
             {
-                r = d.file.write_all_at(&buf, offset);
+                r = sluice_archive::pagecache::write_all_at(&d.file, &buf, offset);
             }
             if let Ok(()) = &r {
                 if let Some(h) = h.as_mut() {
@@ -451,11 +467,7 @@ impl Fetcher {
                 Err(why) => tracing::info!("{}: not cached: {why}", self.source),
             }
         }
-        let dest = Arc::new(Dest {
-            file: Arc::new(file),
-            tee,
-            etag: meta.e_tag.clone(),
-        });
+        let dest = Arc::new(Dest::new(Arc::new(file), tee, meta.e_tag.clone()));
         let filled = match self.peers.clone() {
             Some(peers) => {
                 let cached_at = self.peer_cache_of(&peers, &meta, &staged).await;
@@ -523,7 +535,7 @@ impl Fetcher {
         let size = meta.size;
         if size > self.part_size {
             let f = file.clone();
-            blocking(move || f.file.set_len(size))
+            blocking(move || local_fs::set_size(&f.file, size))
                 .await
                 .map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
         }
@@ -598,7 +610,7 @@ impl Fetcher {
         let (size, unit_size) = (meta.size, peers.unit_size());
         if size > unit_size {
             let f = file.clone();
-            blocking(move || f.file.set_len(size))
+            blocking(move || local_fs::set_size(&f.file, size))
                 .await
                 .map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
         }
@@ -1147,11 +1159,7 @@ impl Fetcher {
             Ok(fill) => fill,
             Err(why) => return Ok(Warmed::Skipped(why)),
         };
-        let dest = Arc::new(Dest {
-            file: fill.file(),
-            tee: None,
-            etag: meta.e_tag.clone(),
-        });
+        let dest = Arc::new(Dest::new(fill.file(), None, meta.e_tag.clone()));
         let rel = meta.location.to_string();
         self.clone().fill_plain(&dest, &rel, meta).await?;
         drop(dest);

@@ -1312,7 +1312,7 @@ impl<'a> FileSink<'a> {
         let buf = std::mem::take(&mut self.buf);
         let (f, offset, mut h) = (self.file.clone(), self.at, self.hasher.take());
         let (mut buf, h, written) = blocking(move || {
-            let r = f.write_all_at(&buf, offset);
+            let r = sluice_archive::pagecache::write_all_at(&f, &buf, offset);
             if let (Ok(()), Some(h)) = (&r, h.as_mut()) {
                 h.update(&buf);
             }
