@@ -6,7 +6,7 @@
 //! exactly like the peers: wall time from spawn to exit, and user + system CPU of the process tree.
 
 use crate::data::{self, Kind};
-use crate::measure::{Sample, measure, median, process_cpu_s, run_quiet, sync};
+use crate::measure::{Sample, measure, median, process_cpu_s, run_quiet, sync, thread_cpu_s};
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -174,9 +174,17 @@ struct Tool<'a> {
     after: After<'a>,
 }
 
-/// `t`, also noting in each sample (`server_cpu_s`) the CPU seconds process `pid` spent between
-/// the end of `t`'s preparation and the start of its check; `start` holds the reading between.
-fn with_server_cpu<'a>(t: Tool<'a>, pid: u32, start: &'a std::cell::Cell<Option<f64>>) -> Tool<'a> {
+/// What [`with_server_cpu`] reads before a run: the server's CPU seconds, and each thread's.
+type ServerCpu = (f64, std::collections::HashMap<u32, f64>);
+
+/// `t`, also noting in each sample the CPU seconds process `pid` spent between the end of `t`'s
+/// preparation and the start of its check (`server_cpu_s`), and those of its busiest thread
+/// (`server_thread_cpu_s`); `start` holds the readings between.
+fn with_server_cpu<'a>(
+    t: Tool<'a>,
+    pid: u32,
+    start: &'a std::cell::RefCell<Option<ServerCpu>>,
+) -> Tool<'a> {
     let Tool {
         name,
         prepare,
@@ -187,16 +195,21 @@ fn with_server_cpu<'a>(t: Tool<'a>, pid: u32, start: &'a std::cell::Cell<Option<
         name,
         prepare: Box::new(move |rep| {
             prepare(rep)?;
-            start.set(process_cpu_s(pid).ok());
+            *start.borrow_mut() = process_cpu_s(pid).ok().map(|c| (c, thread_cpu_s(pid)));
             Ok(())
         }),
         command,
         after: Box::new(move |rep, s| {
-            if let (Some(a), Ok(b)) = (start.take(), process_cpu_s(pid)) {
+            if let (Some((a, threads)), Ok(b)) = (start.take(), process_cpu_s(pid)) {
                 if s.extra.is_null() {
                     s.extra = serde_json::json!({});
                 }
                 s.extra["server_cpu_s"] = (b - a).into();
+                let busiest = thread_cpu_s(pid)
+                    .into_iter()
+                    .map(|(tid, c)| c - threads.get(&tid).copied().unwrap_or(0.0))
+                    .fold(0.0, f64::max);
+                s.extra["server_thread_cpu_s"] = busiest.into();
             }
             after(rep, s)
         }),
@@ -629,7 +642,7 @@ impl Bench {
                 }),
             });
         }
-        let server_start = std::cell::Cell::new(None);
+        let server_start = std::cell::RefCell::new(None);
         let tools = match server {
             Some((_, pid)) => tools
                 .into_iter()
@@ -643,18 +656,26 @@ impl Bench {
         } else {
             format!("{} x {}", want.0, size_label(want.1 / want.0.max(1)))
         };
-        // Cores the server kept busy during a run: its CPU seconds over the run's wall time.
-        let busy = |v: &[Sample]| {
+        // Cores the server (or its busiest thread) kept busy during a run: its CPU seconds over
+        // the run's wall time. A thread near 1.00 is the server's limit.
+        let busy = |v: &[Sample], key: &str| {
             median(
                 &v.iter()
-                    .filter_map(|s| Some(s.extra["server_cpu_s"].as_f64()? / s.wall_s))
+                    .filter_map(|s| Some(s.extra[key].as_f64()? / s.wall_s))
                     .collect::<Vec<_>>(),
+            )
+        };
+        let busy = |v: &[Sample]| {
+            format!(
+                "{:.2} (busiest thread {:.2})",
+                busy(v, "server_cpu_s"),
+                busy(v, "server_thread_cpu_s")
             )
         };
         for (i, (name, _, target)) in peers.iter().enumerate() {
             let note = server.map_or(String::new(), |(server, _)| {
                 format!(
-                    "{server}'s CPU during the runs (median cores busy): sluice {:.2}, {name} {:.2}",
+                    "{server}'s CPU during the runs (median cores busy): sluice {}, {name} {}",
                     busy(&samples[0]),
                     busy(&samples[i + 1])
                 )
