@@ -56,9 +56,82 @@ pub fn preallocate(dst: &fs::File, size: u64) -> io::Result<bool> {
 
 /// Gives `file` (an object's staged copy, its parts written at their offsets as they arrive) its
 /// final `size` before any part is written: allocated where [`preallocate`] can, sparse elsewhere.
+/// A tier without room for the whole object is not an error here: the file is made sparse, so that
+/// each write can still take room from the node's cache before it fails the job.
 pub fn set_size(file: &fs::File, size: u64) -> io::Result<()> {
-    if !preallocate(file, size)? {
-        file.set_len(size)?;
+    match preallocate(file, size) {
+        Ok(true) => Ok(()),
+        Err(e) if e.raw_os_error() != Some(nix::errno::Errno::ENOSPC as i32) => Err(e),
+        Ok(false) | Err(_) => file.set_len(size),
     }
-    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+    use std::process::Command;
+
+    /// A 16 MiB ext4 image mounted in a temporary directory; unmounted when dropped.
+    struct SmallExt4(tempfile::TempDir);
+
+    impl SmallExt4 {
+        fn mount() -> SmallExt4 {
+            let dir = tempfile::tempdir().unwrap();
+            let (img, mnt) = (dir.path().join("img"), dir.path().join("mnt"));
+            fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
+            fs::create_dir(&mnt).unwrap();
+            let ok = |c: &mut Command| assert!(c.status().unwrap().success(), "{c:?}");
+            ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img));
+            ok(Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&img)
+                .arg(&mnt));
+            SmallExt4(dir)
+        }
+
+        fn path(&self) -> std::path::PathBuf {
+            self.0.path().join("mnt")
+        }
+    }
+
+    impl Drop for SmallExt4 {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.path()).status();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs root (mounts a small ext4 image); run as root with --ignored, as tests/harness/run-e2e.sh does"]
+    fn ext4_files_are_preallocated_and_a_file_without_room_is_made_sparse() {
+        let tier = SmallExt4::mount();
+        let file = |name: &str| fs::File::create_new(tier.path().join(name)).unwrap();
+        // Room for it: allocated whole, at its size.
+        let f = file("fits");
+        assert!(preallocate(&f, 4 << 20).unwrap());
+        let m = f.metadata().unwrap();
+        assert_eq!(m.len(), 4 << 20);
+        assert!(m.blocks() * 512 >= 4 << 20, "{} blocks", m.blocks());
+        // Small files are left to the copy.
+        assert!(!preallocate(&file("small"), 4096).unwrap());
+        // No room: preallocating fails early, with the error a full tier gives...
+        let e = preallocate(&file("too-big"), 64 << 20).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(nix::errno::Errno::ENOSPC as i32));
+        // ...while an object's file is made sparse at its size, so that each write can still take
+        // room from the cache.
+        let f = file("object");
+        set_size(&f, 64 << 20).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 64 << 20);
+    }
+
+    #[test]
+    fn other_file_systems_are_not_preallocated() {
+        // /dev/shm is tmpfs: a local file system, but not ext4.
+        let f = tempfile::tempfile_in("/dev/shm").unwrap();
+        assert!(one_writer(&f));
+        assert!(!preallocate(&f, 4 << 20).unwrap());
+        set_size(&f, 4 << 20).unwrap();
+        let m = f.metadata().unwrap();
+        assert_eq!((m.len(), m.blocks()), (4 << 20, 0));
+    }
 }
