@@ -952,10 +952,21 @@ impl Agent {
                         let (ctx, specs) = (&ctx, &options.stage_in);
                         Box::pin(async move {
                             let sub = &sub;
-                            futures::future::try_join_all(specs.iter().map(|spec| {
-                                let progress = Arc::new(stage::Progress::new(spec));
-                                stage::stage_with(ctx, spec, progress, Sharing::Shard(sub))
-                            }))
+                            futures::future::try_join_all(specs.iter().zip(&job.stages).map(
+                                |(spec, own)| async move {
+                                    let part = Arc::new(stage::Progress::new(spec));
+                                    let r = stage::stage_with(
+                                        ctx,
+                                        spec,
+                                        part.clone(),
+                                        Sharing::Shard(sub),
+                                    )
+                                    .await;
+                                    // What this node wrote for the lost node counts as its own.
+                                    own.absorb(&part);
+                                    r
+                                },
+                            ))
                             .await
                             .map(drop)
                         })

@@ -183,6 +183,33 @@ impl Progress {
         }
     }
 
+    /// Adds what `part` staged for the same dataset (this node's part of a lost node's share on the
+    /// shared tier) to this dataset's files and bytes, so that `sluice job` counts everything the
+    /// node wrote.
+    pub fn absorb(&self, part: &Progress) {
+        for (mine, theirs) in [
+            (&self.files_total, &part.files_total),
+            (&self.bytes_total, &part.bytes_total),
+        ] {
+            let add = theirs.load(Ordering::Relaxed);
+            if add != UNKNOWN {
+                let _ = mine.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(if v == UNKNOWN { add } else { v + add })
+                });
+            }
+        }
+        for (mine, theirs) in [
+            (&self.files_done, &part.files_done),
+            (&self.bytes_done, &part.bytes_done),
+            (&self.origin_bytes, &part.origin_bytes),
+            (&self.peer_bytes, &part.peer_bytes),
+            (&self.cache_bytes, &part.cache_bytes),
+            (&self.resumed_bytes, &part.resumed_bytes),
+        ] {
+            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+
     pub fn snapshot(&self) -> StageProgress {
         let state = *lock(&self.state);
         let elapsed_ms = match (state, *lock(&self.started)) {
@@ -324,4 +351,40 @@ pub async fn warm(
 pub(crate) fn is_no_space(errno: Option<i32>) -> bool {
     errno == Some(nix::errno::Errno::ENOSPC as i32)
         || errno == Some(nix::errno::Errno::EDQUOT as i32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_takeover_part_counts_as_the_nodes_own_staging() {
+        let spec = sluice_proto::options::parse_stage_entry("ds=s3://b/ds").unwrap();
+        let own = Progress::new(&spec);
+        own.files_total.store(3, Ordering::Relaxed);
+        own.bytes_total.store(300, Ordering::Relaxed);
+        own.apply(copy_as_user::Event::Progress {
+            files: 3,
+            bytes: 300,
+        });
+        let part = Progress::new(&spec);
+        part.apply(copy_as_user::Event::Total {
+            files: 2,
+            bytes: 50,
+        });
+        part.apply(copy_as_user::Event::Progress {
+            files: 2,
+            bytes: 50,
+        });
+        own.absorb(&part);
+        let s = own.snapshot();
+        assert_eq!(
+            (s.files_done, s.files_total, s.bytes_done, s.bytes_total),
+            (5, Some(5), 350, Some(350))
+        );
+        assert_eq!(s.origin_bytes, 350);
+        // A part that never listed adds what it did, and no total.
+        own.absorb(&Progress::new(&spec));
+        assert_eq!(own.snapshot().bytes_total, Some(350));
+    }
 }
