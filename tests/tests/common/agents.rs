@@ -367,6 +367,24 @@ impl Cluster {
     /// output appended to the node's agent log), records its pid in the harness's pid file, and
     /// waits until it answers on its socket.
     pub fn start_agent(&self, agent: &AgentProcess) -> u32 {
+        let pid = self.spawn_agent(agent);
+        self.wait_agent_answers(agent);
+        pid
+    }
+
+    /// [`start_agent`](Self::start_agent) for several agents at once: all are started before any is
+    /// waited for, so that none stages for long while another's peer port is still closed (which
+    /// would route that node around).
+    pub fn start_agents(&self, agents: &[AgentProcess]) {
+        for agent in agents {
+            self.spawn_agent(agent);
+        }
+        for agent in agents {
+            self.wait_agent_answers(agent);
+        }
+    }
+
+    fn spawn_agent(&self, agent: &AgentProcess) -> u32 {
         let log = self.agent_log(&agent.node);
         let out = fs::OpenOptions::new()
             .create(true)
@@ -390,6 +408,10 @@ impl Cluster {
             let _ = child.wait();
         });
         fs::write(self.agent_pid_file(&agent.node), format!("{pid}\n")).expect("write pid file");
+        pid
+    }
+
+    fn wait_agent_answers(&self, agent: &AgentProcess) {
         let socket = self.agent_socket(&agent.node);
         self.wait_for(
             &format!(
@@ -408,6 +430,5 @@ impl Cluster {
                 .is_ok()
             },
         );
-        pid
     }
 }
