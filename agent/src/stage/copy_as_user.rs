@@ -652,13 +652,7 @@ fn ident_fields(file: &FileIdent, path: &str) -> String {
 
 fn parse_ident_fields(text: &str) -> Option<(FileIdent, String)> {
     let mut it = text.splitn(6, ' ');
-    let file = FileIdent {
-        size: it.next()?.parse().ok()?,
-        dev: it.next()?.parse().ok()?,
-        ino: it.next()?.parse().ok()?,
-        mtime: it.next()?.parse().ok()?,
-        mtime_ns: it.next()?.parse().ok()?,
-    };
+    let file = FileIdent::parse_fields(&mut it)?;
     let path = serde_json::from_str(it.next()?).ok()?;
     Some((file, path))
 }
@@ -782,6 +776,18 @@ pub struct FileIdent {
 }
 
 impl FileIdent {
+    /// The five fields `ident` and `keep`/`whole` lines carry, in order: size, dev, ino, mtime,
+    /// mtime_ns.
+    fn parse_fields<'a>(it: &mut impl Iterator<Item = &'a str>) -> Option<FileIdent> {
+        Some(FileIdent {
+            size: it.next()?.parse().ok()?,
+            dev: it.next()?.parse().ok()?,
+            ino: it.next()?.parse().ok()?,
+            mtime: it.next()?.parse().ok()?,
+            mtime_ns: it.next()?.parse().ok()?,
+        })
+    }
+
     /// The identity of the file open as `f`; `None` for anything but a regular file.
     fn of(f: &fs::File) -> io::Result<Option<FileIdent>> {
         let m = f.metadata()?;
@@ -847,13 +853,7 @@ impl CacheLine {
         let line = match kind {
             "ident" => {
                 let idx = it.next()?.parse().ok()?;
-                let file = FileIdent {
-                    size: it.next()?.parse().ok()?,
-                    dev: it.next()?.parse().ok()?,
-                    ino: it.next()?.parse().ok()?,
-                    mtime: it.next()?.parse().ok()?,
-                    mtime_ns: it.next()?.parse().ok()?,
-                };
+                let file = FileIdent::parse_fields(&mut it)?;
                 let mode = u32::from_str_radix(it.next()?, 8).ok()?;
                 let path = serde_json::from_str(it.next()?).ok()?;
                 return Some(CacheLine::Ident {
