@@ -33,18 +33,8 @@ use tracing::Instrument;
 
 mod step;
 
-/// Who is on the other end of the socket, from `SO_PEERCRED`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer {
-    pub uid: u32,
-    pub gid: u32,
-}
-
-impl Peer {
-    pub fn is_root(self) -> bool {
-        self.uid == 0
-    }
-}
+pub use crate::identity::Peer;
+use crate::identity::{JobIdentity, squeue_job};
 
 /// Ended jobs kept for `sluice job`/`status` before they are forgotten.
 const KEEP_ENDED: usize = 64;
@@ -94,6 +84,10 @@ pub(crate) enum SetupError {
     JobDir { node: String, source: SafeFsError },
     #[error("stage-in failed on node {node}: {source}")]
     Stage { node: String, source: StageError },
+    #[error(
+        "sluice hit a bug while setting up the job on node {node} ({bug}); the job was not started — tell your admin, whose agent log has the details"
+    )]
+    Bug { node: String, bug: String },
     #[error(transparent)]
     Restore(#[from] RestoreError),
     #[error(
@@ -487,8 +481,9 @@ impl Agent {
         let Ok(opts) = job::parse_options(start) else {
             return Ok(None);
         };
-        let s = start.clone();
-        let who = blocking(move || Requester::of(&s)).await;
+        // `start` is root's or was stamped with a verified identity ([`JobIdentity::stamp`]).
+        let (id, job_id) = (JobIdentity::announced_by_root(start), start.job_id);
+        let who = blocking(move || Requester::of(&id, job_id)).await;
         self.policy.check_stage(&who, &opts)?;
         let requested = opts
             .ckpt_archive
@@ -652,7 +647,14 @@ impl Agent {
             drop(
                 self.spawn(
                     async move {
-                        if let Err(e) = this.set_up(&j, fresh_dirs).await {
+                        let done = sluice_archive::rt::contained(this.set_up(&j, fresh_dirs));
+                        let done = done.await.unwrap_or_else(|bug| {
+                            Err(SetupError::Bug {
+                                node: this.cfg.node.clone(),
+                                bug,
+                            })
+                        });
+                        if let Err(e) = done {
                             this.metrics.set_up_done(&j, Err(&e));
                             tracing::warn!(job_id = j.start.job_id, "{e}");
                             j.cancel.cancel();
@@ -1511,28 +1513,6 @@ fn check_job_start(s: &JobStart) -> Result<(), BadJobStart> {
         return Err(BadJobStart::Nodes);
     }
     Ok(())
-}
-
-/// `squeue --noheader --jobs JOB --format FORMAT`, within 15 s; `None` when it could not run.
-async fn squeue_job(
-    squeue: &std::path::Path,
-    job_id: JobId,
-    format: &str,
-) -> Option<std::process::Output> {
-    let run = tokio::process::Command::new(squeue)
-        .args([
-            "--noheader",
-            "--jobs",
-            &job_id.to_string(),
-            "--format",
-            format,
-        ])
-        .stdin(std::process::Stdio::null())
-        .output();
-    tokio::time::timeout(Duration::from_secs(15), run)
-        .await
-        .ok()?
-        .ok()
 }
 
 /// Forgets the oldest finished jobs beyond [`KEEP_ENDED`] — only those that hold nothing on the hot

@@ -29,6 +29,7 @@ pub mod cache;
 pub mod ckpt;
 pub mod hot_tier;
 mod http;
+pub mod identity;
 pub mod job;
 pub mod journal;
 pub mod metrics;

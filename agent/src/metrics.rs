@@ -333,6 +333,7 @@ fn setup_code(e: &SetupError) -> (&'static str, &'static str) {
         SetupError::RamDir { .. } => ("setup", "ram_dir"),
         SetupError::NotInJob { .. } => ("setup", "not_in_job"),
         SetupError::JobDir { .. } => ("setup", "job_dir"),
+        SetupError::Bug { .. } => ("setup", "bug"),
         SetupError::Stage { source, .. } => ("stage", stage_code(source)),
         SetupError::Restore(e) => ("restore", restore_code(e)),
         SetupError::Timeout { .. } => ("stage", "timeout"),

@@ -5,8 +5,8 @@
 //! sources need no rule: they are read with the job user's own permissions. A rule applies to a user
 //! by name or through one of their groups; the groups are looked up once per job ([`Requester`]).
 
+use crate::identity::JobIdentity;
 use sluice_archive::config::{AllowRule, CkptConfig, Config};
-use sluice_proto::msg::JobStart;
 use sluice_proto::options::{JobOptions, Source};
 
 /// A request the policy refuses. The message is what the job's output shows.
@@ -39,13 +39,14 @@ pub struct Requester {
 }
 
 impl Requester {
-    /// Looks the user's groups up (blocking: NSS may ask a directory server).
-    pub fn of(start: &JobStart) -> Requester {
+    /// Job `job_id` of the verified user `id`; looks the user's groups up (blocking: NSS may ask a
+    /// directory server).
+    pub fn of(id: &JobIdentity, job_id: u32) -> Requester {
         Requester {
-            user: start.user.clone(),
-            groups: user_groups(&start.user, start.gid),
-            job_id: start.job_id,
-            job_name: start.job_name.clone(),
+            user: id.user().to_string(),
+            groups: user_groups(id.user(), id.gid()),
+            job_id,
+            job_name: id.job_name().to_string(),
         }
     }
 

@@ -1452,3 +1452,122 @@ root_test! {
         assert!(ckpt.join("dcp-1/.metadata").exists(), "the committed checkpoint was deleted");
     }
 }
+
+/// A fake `squeue` that reports one job as `uid|gid|STATE|nodes|name` (what the agent asks with
+/// `--format %U|%G|%T|%N|%j`; a single field, `%U` or `%T`, alone): a stand-in for Slurm's
+/// controller in these in-process tests; the end-to-end tests ask the real one.
+fn fake_squeue(dir: &Path, line: &str) -> String {
+    let path = dir.join(format!("squeue-{}", line.replace(['|', '/'], "_")));
+    let f: Vec<&str> = line.split('|').collect();
+    let script = format!(
+        "#!/bin/sh\ncase \"$6\" in\n'%U') echo '{}';;\n'%T') echo '{}';;\n*) echo '{line}';;\nesac\n",
+        f[0], f[2]
+    );
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.display().to_string()
+}
+
+/// A step's `WaitStaged` for job `job_id` whose frame claims `(uid, gid, user)` and stages `src`.
+fn step_claiming(job_id: u32, (uid, gid, user): (u32, u32, &str), src: &str) -> Request {
+    let Request::JobStart(mut start) = job_start(job_id, &format!("ds={src}")) else {
+        unreachable!()
+    };
+    (start.uid, start.gid, start.user) = (uid, gid, user.into());
+    start.job_name = "forged".into();
+    Request::WaitStaged {
+        job_id,
+        timeout_ms: 20_000,
+        step: Some(Box::new(sluice_proto::msg::StepStart { step_id: 0, start })),
+    }
+}
+
+root_test! {
+    /// Issue 24, finding 1: user B (`nobody`) runs a job without sluice options; a step of it
+    /// claims in its frame to be user `daemon` with daemon's group, to stage a directory only
+    /// daemon's group may read. The agent stages as B (Slurm's uid and gid, NSS's name), so B gets
+    /// a permission error and none of the group's data. Before, the copy helper took the frame's
+    /// user and gid for `initgroups`/`setresgid` and staged the secret into B's job.
+    async fn a_step_cannot_claim_another_users_identity() {
+        let tmp = tempfile::tempdir().unwrap();
+        let squeue = fake_squeue(tmp.path(), &format!("{NOBODY}|{NOBODY}|RUNNING|n1|job"));
+        let t = start_with_squeue(tmp, &squeue).await;
+        let private = t.data.join("daemon-only");
+        std::fs::create_dir_all(&private).unwrap();
+        let marker = b"DAEMON-GROUP-SECRET";
+        std::fs::write(private.join("secret"), marker).unwrap();
+        std::os::unix::fs::chown(&private, Some(0), Some(1)).unwrap();
+        std::os::unix::fs::chown(private.join("secret"), Some(0), Some(1)).unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o750)).unwrap();
+        std::fs::set_permissions(private.join("secret"), std::fs::Permissions::from_mode(0o640))
+            .unwrap();
+        std::fs::set_permissions(&t.data, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let reply = t
+            .call_as(NOBODY, step_claiming(81, (NOBODY, 1, "daemon"), &private.display().to_string()))
+            .unwrap();
+        let staged = t.hot.join("jobs/81");
+        let leaked = walk_files(&staged)
+            .into_iter()
+            .filter(|f| std::fs::read(f).is_ok_and(|b| b == marker))
+            .collect::<Vec<_>>();
+        assert!(leaked.is_empty(), "daemon's group data staged into nobody's job: {leaked:?}");
+        match reply {
+            Response::Error(e) => assert!(
+                e.message.contains("ermission denied"),
+                "the step's error does not say why: {e:?}"
+            ),
+            other => panic!("the forged step was answered {other:?}"),
+        }
+        // What the agent recorded is Slurm's and NSS's identity, not the frame's.
+        match t.call(Request::Job { job_id: 81 }).await.unwrap() {
+            Response::Job(j) => assert_eq!((j.uid, j.user.as_str()), (NOBODY, "nobody")),
+            other => panic!("job 81: {other:?}"),
+        }
+        t.stop().await;
+    }
+}
+
+root_test! {
+    /// Issue 24, finding 8: a step stages only for a job Slurm runs on this node as the asking
+    /// user — not for the user's pending (or held) job, nor for one that runs elsewhere, so no
+    /// tier space is pinned by jobs that do not run here.
+    async fn a_step_of_a_pending_or_elsewhere_job_stages_nothing() {
+        for (line, why) in [
+            (format!("{NOBODY}|{NOBODY}|PENDING|(null)|job"), "is PENDING"),
+            (format!("{NOBODY}|{NOBODY}|RUNNING|n[2-3]|job"), "does not run on node n1"),
+            ("4242|4242|RUNNING|n1|job".to_string(), "does not run job 82 as uid"),
+        ] {
+            let tmp = tempfile::tempdir().unwrap();
+            let squeue = fake_squeue(tmp.path(), &line);
+            let t = start_with_squeue(tmp, &squeue).await;
+            make_dataset(&t.data);
+            let src = t.data.display().to_string();
+            match t.call_as(NOBODY, step_claiming(82, (NOBODY, NOBODY, "nobody"), &src)).unwrap() {
+                Response::Error(e) => {
+                    assert_eq!(e.code, ErrorCode::Forbidden, "{line}: {e:?}");
+                    assert!(e.message.contains(why), "{line}: {e:?}");
+                }
+                other => panic!("{line}: the step was answered {other:?}"),
+            }
+            assert!(!t.hot.join("jobs/82").exists(), "{line}: a job directory was made");
+            t.stop().await;
+        }
+    }
+}
+
+/// Every regular file below `dir`.
+fn walk_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.is_dir() => out.extend(walk_files(&p)),
+            Ok(m) if m.is_file() => out.push(p),
+            _ => {}
+        }
+    }
+    out
+}

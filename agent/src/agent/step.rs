@@ -21,6 +21,7 @@
 //! the step's nodes); peer transfers and the shared tier are for job-level staging.
 
 use super::*;
+use crate::identity::JobIdentity;
 use crate::job::{Extra, ExtraState};
 use sluice_archive::safefs;
 use sluice_proto::msg::StepStart;
@@ -38,22 +39,14 @@ impl Agent {
         step: StepStart,
         limit: Duration,
     ) -> Result<Option<ShardPlan>, ErrorReply> {
-        let start = step.start;
-        if start.job_id != job_id {
+        let claimed = step.start;
+        if claimed.job_id != job_id {
             return Err(ErrorReply::new(
                 ErrorCode::BadRequest,
                 "the step's job id differs from the request's",
             ));
         }
-        check_job_start(&start)
-            .map_err(|e| ErrorReply::new(ErrorCode::BadRequest, e.to_string()))?;
-        if !peer.is_root() && peer.uid != start.uid {
-            return Err(ErrorReply::new(
-                ErrorCode::Forbidden,
-                format!("job {job_id} belongs to another user"),
-            ));
-        }
-        let Ok(opts) = job::parse_options(&start) else {
+        let Ok(opts) = job::parse_options(&claimed) else {
             // Checked again (and reported) where the options are used.
             return Ok(None);
         };
@@ -61,10 +54,19 @@ impl Agent {
             if opts.stage_in.is_empty() {
                 return Ok(None);
             }
-            self.start_from_step(peer, start).await?;
+            self.start_from_step(peer, claimed).await?;
             return Ok(None);
         };
         self.authorised_job(peer, job_id)?;
+        // Who the step runs as is the job's user, as root announced it: nothing of the identity
+        // the frame claims is kept. The step runs on this node, among the job's nodes.
+        let id = JobIdentity::announced_by_root(&job.start);
+        let mut start = id.stamp(claimed);
+        start.node = self.cfg.node.clone();
+        id.check_step_nodes(&start.nodes)
+            .map_err(|m| ErrorReply::new(ErrorCode::BadRequest, m))?;
+        check_job_start(&start)
+            .map_err(|e| ErrorReply::new(ErrorCode::BadRequest, e.to_string()))?;
         let Ok(job_opts) = job.options.clone() else {
             return Ok(None);
         };
@@ -254,30 +256,42 @@ impl Agent {
     }
 
     /// Starts a job the agent learnt of from one of its steps, as the prolog would have, once
-    /// Slurm confirms the job runs as the asking user.
+    /// Slurm confirms the job runs on this node as the asking user: the start then carries the
+    /// identity Slurm and NSS give ([`JobIdentity::confirmed_by_slurm`]), never the frame's.
     async fn start_from_step(
         self: &Arc<Self>,
         peer: Peer,
-        start: JobStart,
+        claimed: JobStart,
     ) -> Result<(), ErrorReply> {
-        let job_id = start.job_id;
-        if !peer.is_root() {
+        let job_id = claimed.job_id;
+        let node = &self.cfg.node;
+        let start = if peer.is_root() {
+            claimed
+        } else {
             let Some(squeue) = self.cfg.squeue.clone() else {
                 return Err(ErrorReply::new(
                     ErrorCode::Forbidden,
                     format!(
-                        "the sluice agent on node {} cannot confirm that job {job_id} is yours ([agent] squeue is off), so it does not stage for the step; give the --stage-* options to sbatch/salloc",
-                        self.cfg.node
+                        "the sluice agent on node {node} cannot confirm that job {job_id} is yours ([agent] squeue is off), so it does not stage for the step; give the --stage-* options to sbatch/salloc"
                     ),
                 ));
             };
-            if slurm_job_uid(&squeue, job_id).await != Some(peer.uid) {
-                return Err(ErrorReply::new(
-                    ErrorCode::Forbidden,
-                    format!("Slurm does not run job {job_id} as uid {}", peer.uid),
-                ));
-            }
-        }
+            let id = JobIdentity::confirmed_by_slurm(&squeue, job_id, node, peer)
+                .await
+                .map_err(|why| {
+                    ErrorReply::new(
+                        ErrorCode::Forbidden,
+                        format!(
+                            "the sluice agent on node {node} does not stage for this step: {why}"
+                        ),
+                    )
+                })?;
+            let mut start = id.stamp(claimed);
+            start.node = node.clone();
+            id.check_step_nodes(&start.nodes)
+                .map_err(|m| ErrorReply::new(ErrorCode::BadRequest, m))?;
+            start
+        };
         match self.job_start(start).await {
             Response::Ok => {}
             Response::Error(e) => return Err(e),
@@ -317,13 +331,4 @@ impl Agent {
             }
         }
     }
-}
-
-/// The uid Slurm runs job `job_id` as, if it runs it (`squeue --format %U`).
-async fn slurm_job_uid(squeue: &std::path::Path, job_id: JobId) -> Option<u32> {
-    let out = squeue_job(squeue, job_id, "%U").await?;
-    if !out.status.success() {
-        return None;
-    }
-    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
 }

@@ -269,6 +269,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     init_logging(cfg.log_format);
+    install_panic_hook();
     raise_fd_limit();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -292,6 +293,32 @@ fn run(args: Args) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(&cfg.socket);
         Ok(ran?)
     })
+}
+
+/// A panic is a bug: it is logged (with where it happened) in the agent's log. One inside a job's
+/// set-up fails that job with a message in its output (`sluice_archive::rt::contained`); any other
+/// aborts the agent, so systemd restarts it and the journal resumes its jobs — never an agent
+/// that runs on with a dead task (a listener, a worker) while it looks alive.
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let at = info
+            .location()
+            .map_or_else(String::new, |l| format!(" at {l}"));
+        let what = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let backtrace = std::backtrace::Backtrace::force_capture();
+        if sluice_archive::rt::panic_is_contained() {
+            tracing::error!("bug (the job it happened for fails): panic{at}: {what}\n{backtrace}");
+        } else {
+            tracing::error!("bug: panic{at}: {what}; aborting so the agent restarts\n{backtrace}");
+            eprintln!("sluiced: panic{at}: {what}; aborting");
+            std::process::abort();
+        }
+    }));
 }
 
 /// The log on stderr, as `[agent] log_format` says: text lines, or one JSON object per line (with
