@@ -60,6 +60,7 @@ impl MemSource {
         let data = UnitData {
             hash: blake3::hash(&bytes),
             bytes,
+            from: HashFrom::Origin,
         };
         lock(&self.units).insert(unit.clone(), Ok(data));
         self.arrived.notify_waiters();
