@@ -6,15 +6,35 @@
 //!   size) and misses; an object listed with neither ETag nor version is never cached. Staging
 //!   GETs every range with `If-Match` on the listed ETag, so the bytes of an entry are the bytes
 //!   of the version its key names. A POSIX file's entry is keyed by its path, device, inode,
-//!   size and mtime, and the job user's uid ([`Key::posix`]): it is served only to that user, and
-//!   only when that user's copy helper opened the file again and found that identity
-//!   (`stage/posix.rs`).
-//! - **Never served torn.** An entry is filled in `fill/`, from the same buffers that write the
-//!   job's copy (the job's file is the user's, the cache's never is: a user who changes their copy
-//!   changes nothing here), fsynced, its key written next to it, and only then renamed into `data/`.
-//!   At start every file left in `fill/` is removed and every entry in `data/` is checked against
-//!   its key (name = hash of the key, size = the key's): an agent killed mid-fill leaves nothing
-//!   that is ever served.
+//!   size, mtime and ctime, and the job user's uid ([`Key::posix`]): it is served only to that
+//!   user, and only when that user's copy helper opened the file again and found that identity
+//!   (`stage/posix.rs`). The ctime is what tells a rewrite whose mtime was set back (`touch -d`):
+//!   any change to a file sets it to now, and nobody can set it back.
+//! - **Filled only from the origin.** An entry is filled in `fill/`, from the same buffers that
+//!   write the job's copy (the job's file is the user's, the cache's never is: a user who changes
+//!   their copy changes nothing here). Those bytes come from the origin, from a verified entry
+//!   (this node's or a job peer's), or from a job peer's unit checked against the hash its owner
+//!   took of what it read from the origin. A unit a peer serves with a hash it read back from a
+//!   staged copy (a node whose agent restarted serves what it kept so, `stage::resume`) is marked
+//!   as such on the wire, and a fill that took one is never committed (`stage::object`): the job
+//!   user could have written that copy, and the cache serves every user. (A POSIX file's entry is
+//!   kept from the job's staged copy, checked against what the job user's helper read, and is
+//!   served to that user alone: see Keys.)
+//! - **Never served torn.** A fill is fsynced, hashed (BLAKE3 of the whole entry, read back from
+//!   the page cache: one read of what was just written, on a miss only), its key and hash written
+//!   next to it (`<id>.meta`), and only then renamed into `data/`. At start every file left in
+//!   `fill/` is removed and every entry in `data/` is checked against its key (name = hash of the
+//!   key, size = the key's, a hash present): an agent killed mid-fill leaves nothing that is ever
+//!   served, and an entry of an agent that kept no hash is removed.
+//! - **Verified before it is served** ([`Cache::lookup`], [`Cache::lookup_for_peer`]): an entry's
+//!   bytes are hashed and compared with its fill's hash at its first use in each run of the agent,
+//!   and again whenever its file is not the one last verified (inode, size, mtime, ctime: any
+//!   write to it through the file system, even root's, or its replacement changes them); an entry
+//!   that fails is dropped and the job reads the origin. Not on every hit: a hit on XFS or btrfs
+//!   is a reflink that reads nothing, and hashing the entry each time would make every hit cost a
+//!   full read of the object from the hot tier, for a file only root can write. What this leaves
+//!   unchecked between two uses is corruption below the file system (XFS keeps no data
+//!   checksums), which the first use after an agent restart catches.
 //! - **Authorisation** is the staging's: the cache is consulted only for a dataset the job's user
 //!   is allowed now (`[[stage.allow]]`, checked at job start), for the objects the origin lists
 //!   under it now. Entries are root's, mode 0600, in a root-only directory.
@@ -24,12 +44,13 @@
 //!   as without a cache). The cache keeps `min_free` of the hot tier free, and gives way to jobs:
 //!   a staging write that finds the hot tier full evicts entries and tries again, and
 //!   housekeeping evicts before it trims checkpoints.
-//! - **Last use** is the entry's mtime, so the order survives restarts.
+//! - **Last use** is the entry's mtime, so the order survives restarts. (The agent sets it on a
+//!   hit, right after verifying, and notes the file as verified as it is then.)
 
 use serde::{Deserialize, Serialize};
 use sluice_archive::config::{CacheConfig, Config};
 use sluice_archive::rt::{lock, now_secs};
-use sluice_archive::safefs;
+use sluice_archive::{FileIdentity, safefs};
 use sluice_proto::msg::{CacheEntry, CacheEvicted, CacheStats};
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -79,6 +100,10 @@ pub struct PosixFile {
     /// `st_mtime` and `st_mtime_nsec`.
     pub mtime: i64,
     pub mtime_ns: i64,
+    /// `st_ctime` and `st_ctime_nsec`: a user can rewrite a file and set its mtime back, never
+    /// its ctime.
+    pub ctime: i64,
+    pub ctime_ns: i64,
 }
 
 impl Key {
@@ -122,10 +147,24 @@ impl Key {
 #[derive(Debug)]
 struct Entry {
     key: Key,
+    /// The BLAKE3 of its bytes, taken by its fill (from `.meta`).
+    hash: blake3::Hash,
+    /// Its file as it was when its bytes were last found to hash to `hash` (this run of the
+    /// agent): while the file is still that (inode, size, mtime, ctime), it is served without
+    /// reading it again.
+    verified: Option<FileIdentity>,
     /// Seconds since the epoch.
     last_use: u64,
     /// Jobs copying it out right now.
     pins: u32,
+}
+
+/// What `<id>.meta` holds: the key, and the BLAKE3 of the entry's bytes as its fill wrote them.
+/// (An entry of an agent that kept no hash does not parse, and is removed at start.)
+#[derive(Debug, Serialize, Deserialize)]
+struct Meta {
+    key: Key,
+    blake3: String,
 }
 
 #[derive(Debug, Default)]
@@ -235,12 +274,15 @@ impl Cache {
                 continue;
             }
             match self.check_entry(name) {
-                Some((key, last_use)) => {
+                Some((key, hash, last_use)) => {
                     st.used += key.size;
                     st.entries.insert(
                         name.clone(),
                         Entry {
                             key,
+                            hash,
+                            // Read whole at its first use.
+                            verified: None,
                             last_use,
                             pins: 0,
                         },
@@ -257,15 +299,20 @@ impl Cache {
         (kept, dropped)
     }
 
-    fn check_entry(&self, id: &str) -> Option<(Key, u64)> {
+    fn check_entry(&self, id: &str) -> Option<(Key, blake3::Hash, u64)> {
         let mut text = String::new();
         open_in(&self.data, &format!("{id}{META}"))
             .ok()?
             .read_to_string(&mut text)
             .ok()?;
-        let key: Key = serde_json::from_str(&text).ok()?;
+        let meta: Meta = serde_json::from_str(&text).ok()?;
+        let hash = blake3::Hash::from_hex(&meta.blake3).ok()?;
         let st = nix::sys::stat::fstat(open_in(&self.data, id).ok()?.as_fd()).ok()?;
-        (key.id() == id && st.st_size as u64 == key.size).then_some((key, st.st_mtime as u64))
+        (meta.key.id() == id && st.st_size as u64 == meta.key.size).then_some((
+            meta.key,
+            hash,
+            st.st_mtime as u64,
+        ))
     }
 
     fn unlink(&self, name: &str) {
@@ -285,43 +332,86 @@ impl Cache {
         lock(&self.state).entries.contains_key(&key.id())
     }
 
-    /// The entry for `key`, pinned until the [`Hit`] is dropped (blocking: opens the file).
+    /// The entry for `key`, pinned until the [`Hit`] is dropped (blocking: opens the file, and
+    /// reads it whole unless it is verified already, see [`Cache::open_verified`]).
     pub fn lookup(self: &Arc<Self>, key: &Key) -> Option<Hit> {
-        let id = key.id();
+        let hit = self.open_verified(key, true);
         let mut st = lock(&self.state);
-        if !st.entries.contains_key(&id) {
+        if hit.is_some() {
+            st.hits += 1;
+            st.hit_bytes += key.size;
+        } else {
             st.misses += 1;
-            return None;
         }
-        let file = match open_in(&self.data, &id) {
-            Ok(f) if f.metadata().is_ok_and(|m| m.len() == key.size) => f,
-            other => {
+        hit
+    }
+
+    /// The entry for `key`, opened and pinned, once its bytes are known to be those its fill
+    /// hashed: its file is the one last found so (same inode, size, mtime and ctime: any write to
+    /// it, or a replacement, changes them), or it is read whole now and hashes right. An entry
+    /// that is gone, of another size, or whose bytes are not its fill's is dropped (`None`: the
+    /// caller reads the origin). `touch` sets its mtime to now (its last use, across restarts).
+    fn open_verified(self: &Arc<Self>, key: &Key, touch: bool) -> Option<Hit> {
+        let id = key.id();
+        let (file, hash, verified) = {
+            let mut st = lock(&self.state);
+            let entry = st.entries.get(&id)?;
+            let (hash, verified) = (entry.hash, entry.verified);
+            match open_in(&self.data, &id) {
+                Ok(f) if f.metadata().is_ok_and(|m| m.len() == key.size) => {
+                    let entry = st.entries.get_mut(&id).expect("looked up above");
+                    entry.pins += 1;
+                    entry.last_use = now_secs();
+                    (f, hash, verified)
+                }
+                other => {
+                    tracing::warn!(
+                        "cache: entry {id} of {} is gone or changed ({:?}); dropped",
+                        key.url,
+                        other.err()
+                    );
+                    self.drop_entry(&mut st, &id);
+                    return None;
+                }
+            }
+        };
+        // Pinned from here until `hit` is dropped.
+        let hit = Hit {
+            cache: self.clone(),
+            id: id.clone(),
+            file,
+        };
+        let mut now = match check_bytes(&hit.file, &hash, verified) {
+            Ok(now) => now,
+            Err(why) => {
                 tracing::warn!(
-                    "cache: entry {id} of {} is gone or changed ({:?}); dropped",
-                    key.url,
-                    other.err()
+                    "cache: entry {id} of {} is not what its fill wrote ({why}); dropped, the object is read from the origin",
+                    key.url
                 );
-                let size = st.entries.remove(&id).map_or(0, |e| e.key.size);
-                st.used -= size;
-                self.unlink(&id);
-                self.unlink(&format!("{id}{META}"));
-                st.misses += 1;
+                drop(hit);
+                self.drop_entry(&mut lock(&self.state), &id);
                 return None;
             }
         };
-        let entry = st.entries.get_mut(&id).expect("looked up above");
-        entry.pins += 1;
-        entry.last_use = now_secs();
-        st.hits += 1;
-        st.hit_bytes += key.size;
-        drop(st);
-        let now = nix::sys::time::TimeSpec::from(std::time::Duration::from_secs(now_secs()));
-        let _ = nix::sys::stat::futimens(file.as_fd(), &now, &now);
-        Some(Hit {
-            cache: self.clone(),
-            id,
-            file,
-        })
+        if touch {
+            let t = nix::sys::time::TimeSpec::from(std::time::Duration::from_secs(now_secs()));
+            let _ = nix::sys::stat::futimens(hit.file.as_fd(), &t, &t);
+            // The agent's own change: the file is still the one just verified.
+            now = now.and_then(|_| FileIdentity::of(&hit.file).ok());
+        }
+        if let Some(e) = lock(&self.state).entries.get_mut(&id) {
+            e.verified = now;
+        }
+        Some(hit)
+    }
+
+    /// Forgets the entry `id` and removes its files.
+    fn drop_entry(&self, st: &mut State, id: &str) {
+        if let Some(e) = st.entries.remove(id) {
+            st.used -= e.key.size;
+        }
+        self.unlink(&format!("{id}{META}"));
+        self.unlink(id);
     }
 
     /// Starts a new entry for `key` (blocking), making room for it first; `Err` says why it will
@@ -535,7 +625,11 @@ impl Hit {
         }
         // std copies file to file with copy_file_range, which clones the extents where the file
         // system can (XFS, btrfs: a reflink, no data written) and copies in the kernel where it
-        // cannot, falling back to read and write.
+        // cannot, falling back to read and write. It goes from both files' offsets: from the
+        // start, also when a caller tries again after a failed copy.
+        use std::io::Seek;
+        (&self.file).seek(io::SeekFrom::Start(0))?;
+        (&*dst).seek(io::SeekFrom::Start(0))?;
         let copied = io::copy(&mut &self.file, &mut &*dst)?;
         if copied != size {
             return Err(io::Error::new(
@@ -567,6 +661,40 @@ fn copy_hashing(src: &File, dst: &File, size: u64, unit: u64) -> io::Result<Vec<
         }
     }
     Ok(hashes)
+}
+
+/// Blocking. The BLAKE3 of the first `size` bytes of `file`, read with `pread` (the file's offset
+/// is left where it is, for [`Hit::copy_to`]).
+fn hash_file(file: &File, size: u64) -> io::Result<blake3::Hash> {
+    let mut buf = vec![0u8; (1 << 20).min(size.max(1)) as usize];
+    let mut hasher = blake3::Hasher::new();
+    let mut at = 0u64;
+    while at < size {
+        let n = (buf.len() as u64).min(size - at) as usize;
+        file.read_exact_at(&mut buf[..n], at)?;
+        hasher.update(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(hasher.finalize())
+}
+
+/// Blocking. Whether the entry open as `file` holds the bytes its fill hashed to `hash`: at once
+/// when it is still the file `verified` names, else by reading it whole. `Ok` with its identity
+/// now (`None` if it changed while it was read: verified, but read whole again next time).
+fn check_bytes(
+    file: &File,
+    hash: &blake3::Hash,
+    verified: Option<FileIdentity>,
+) -> Result<Option<FileIdentity>, String> {
+    let before = FileIdentity::of(file).map_err(|e| e.to_string())?;
+    if verified == Some(before) {
+        return Ok(Some(before));
+    }
+    let got = hash_file(file, before.size).map_err(|e| format!("reading it: {e}"))?;
+    if got != *hash {
+        return Err(format!("its BLAKE3 is {got}, its fill's was {hash}"));
+    }
+    Ok(FileIdentity::of(file).ok().filter(|now| *now == before))
 }
 
 impl Drop for Hit {
@@ -621,7 +749,7 @@ impl Fill {
             return false;
         }
         match self.publish() {
-            Ok(()) => {
+            Ok((hash, verified)) => {
                 self.committed = true;
                 let mut st = lock(&self.cache.state);
                 st.reserved -= self.key.size;
@@ -632,6 +760,8 @@ impl Fill {
                     self.id.clone(),
                     Entry {
                         key: self.key.clone(),
+                        hash,
+                        verified,
                         last_use: now_secs(),
                         pins: 0,
                     },
@@ -645,18 +775,28 @@ impl Fill {
         }
     }
 
-    fn publish(&self) -> io::Result<()> {
+    /// Returns the BLAKE3 of the entry's bytes and its file's identity once in `data/`.
+    fn publish(&self) -> io::Result<(blake3::Hash, Option<FileIdentity>)> {
         let file = self.file();
         if file.metadata()?.len() != self.key.size {
             return Err(io::Error::other("not every byte of the object was written"));
         }
         file.sync_all()?;
+        // Read back from the page cache: the fill is root's, in a root-only directory, and holds
+        // exactly what staging wrote into it (bytes from the origin, a verified entry, or units
+        // the job's peers read from the origin; never a read-back of a user's file).
         let c = &self.cache;
+        // (Opened again: the fill's own descriptor is write-only.)
+        let hash = hash_file(&open_in(&c.fill, &self.name)?, self.key.size)?;
         let meta_tmp = format!("{}{META}", self.name);
         {
             let mut f = safefs::create_file(&c.fill, &meta_tmp, None, 0o600)
                 .map_err(|e| io::Error::other(e.to_string()))?;
-            std::io::Write::write_all(&mut f, &serde_json::to_vec(&self.key)?)?;
+            let meta = Meta {
+                key: self.key.clone(),
+                blake3: hash.to_hex().to_string(),
+            };
+            std::io::Write::write_all(&mut f, &serde_json::to_vec(&meta)?)?;
             f.sync_all()?;
         }
         nix::fcntl::renameat(
@@ -667,7 +807,8 @@ impl Fill {
         )?;
         nix::fcntl::renameat(&c.fill, self.name.as_str(), &c.data, self.id.as_str())?;
         nix::unistd::fsync(&c.data)?;
-        Ok(())
+        // After the rename, which may set its ctime.
+        Ok((hash, FileIdentity::of(&file).ok()))
     }
 }
 
@@ -693,22 +834,10 @@ mod tests;
 /// Serving the job peers of a node that missed (`stage::peers`): a peer's read of an entry pins it
 /// like a job's, and counts as a use for eviction, not as this node's hit or miss.
 impl Cache {
-    /// The entry for `key`, pinned until the [`Hit`] is dropped (blocking: opens the file).
+    /// The entry for `key`, pinned until the [`Hit`] is dropped (blocking: opens the file, and
+    /// verifies it as [`Cache::lookup`] does).
     pub fn lookup_for_peer(self: &Arc<Self>, key: &Key) -> Option<Hit> {
-        let id = key.id();
-        let mut st = lock(&self.state);
-        let entry = st.entries.get_mut(&id)?;
-        let file = open_in(&self.data, &id)
-            .ok()
-            .filter(|f| f.metadata().is_ok_and(|m| m.len() == key.size))?;
-        entry.pins += 1;
-        entry.last_use = now_secs();
-        drop(st);
-        Some(Hit {
-            cache: self.clone(),
-            id,
-            file,
-        })
+        self.open_verified(key, false)
     }
 }
 

@@ -208,3 +208,61 @@ fn a_hit_copied_with_units_hashes_each_unit() {
     let want: Vec<blake3::Hash> = bytes.chunks(4096).map(blake3::hash).collect();
     assert_eq!(hashes, want);
 }
+
+/// Flips one byte of the entry file of `k` in `dir`'s cache, as root could.
+fn flip(dir: &Path, k: &Key, at: u64) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("hot/cache/data").join(k.id()))
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 1], at).unwrap();
+}
+
+/// Issue 24: a committed entry is verified before it is served. One whose bytes changed on disk
+/// since it was last verified (a byte flipped by root), or while the agent was down, is dropped,
+/// not served: the job reads the origin. An entry of an agent that recorded no hash is removed at
+/// start. Before, an entry was served on its size alone.
+#[test]
+fn an_entry_whose_bytes_changed_is_dropped_not_served() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = config(t.path(), "size='8MiB'");
+    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let k = key("c", "\"e\"", 5000);
+    let data = t.path().join("hot/cache/data").join(k.id());
+    put(&cache, &k, 7).unwrap();
+    assert_eq!(read_hit(&cache, &k, t.path()), Some(vec![7; 5000]));
+    // Any later write is in a later clock tick than the entry's last change.
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    flip(t.path(), &k, 4000);
+    assert_eq!(read_hit(&cache, &k, t.path()), None, "not served");
+    assert!(!data.exists(), "dropped");
+    let s = cache.stats();
+    assert_eq!((s.entries, s.used_bytes, s.hits, s.misses), (0, 0, 1, 1));
+
+    // Changed while the agent was down: its first use after the start reads it whole.
+    put(&cache, &k, 7).unwrap();
+    drop(cache);
+    flip(t.path(), &k, 0);
+    let cache = Cache::open(&cfg).unwrap().unwrap();
+    assert_eq!(cache.stats().entries, 1);
+    assert!(cache.lookup_for_peer(&k).is_none(), "not served to a peer");
+    assert!(!data.exists());
+    put(&cache, &k, 7).unwrap();
+    drop(cache);
+    let cache = Cache::open(&cfg).unwrap().unwrap();
+    assert_eq!(read_hit(&cache, &k, t.path()), Some(vec![7; 5000]));
+
+    // An entry whose .meta holds its key but no hash (filled by an agent that kept none).
+    drop(cache);
+    std::fs::write(
+        t.path().join(format!("hot/cache/data/{}.meta", k.id())),
+        serde_json::to_vec(&k).unwrap(),
+    )
+    .unwrap();
+    let cache = Cache::open(&cfg).unwrap().unwrap();
+    assert_eq!(cache.stats().entries, 0);
+    assert!(!data.exists());
+}

@@ -136,8 +136,9 @@ pub(crate) async fn offer(m: &Manifest, dest: &Arc<OwnedFd>, owner: Owner, done:
         .await;
         match hashes {
             Ok(hashes) => {
+                // Read back from the restored copy, which its user can write.
                 for (u, h) in units.iter().zip(hashes) {
-                    peers.held(u, h);
+                    peers.held_from(u, h, crate::peer::HashFrom::ReadBack);
                 }
                 offered += f.size;
             }
@@ -192,6 +193,7 @@ async fn fetch_file(
         peers
             .fetch(&node, &unit, &mut sink)
             .await
+            .map(drop)
             .map_err(|e| format!("from node {node}: {e}"))?;
     }
     drop(file);

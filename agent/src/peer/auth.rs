@@ -47,6 +47,13 @@ pub const TIME_HEADER: &str = "x-sluice-time";
 pub const MAC_HEADER: &str = "x-sluice-mac";
 /// Response header: the unit's BLAKE3 hash (hex) as the owner read it from the origin.
 pub const HASH_HEADER: &str = "x-sluice-blake3";
+/// Response header, present (`1`) when the unit's hash is not of an origin read but of a read-back
+/// of the serving node's staged copy ([`crate::peer::HashFrom::ReadBack`]). It is MAC'd: the
+/// response MAC of a `200` covers [`READ_BACK_MARK`] in place of the (empty) reason, so stripping
+/// or adding the header fails the MAC.
+pub const READ_BACK_HEADER: &str = "x-sluice-read-back";
+/// What a `200`'s response MAC covers in the reason's place when its hash is a read-back's.
+pub const READ_BACK_MARK: &[u8] = b"read back";
 
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {

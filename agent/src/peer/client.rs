@@ -36,10 +36,11 @@ use tokio::sync::Semaphore;
 use tokio::time::{Instant, timeout};
 
 use super::auth::{
-    AdminKey, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, TIME_HEADER, parse_hash,
+    AdminKey, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, READ_BACK_HEADER, READ_BACK_MARK,
+    TIME_HEADER, parse_hash,
 };
 use super::server::{ADMIN_WARM_PATH, cached_query, cached_unit, unit_query};
-use super::{CachedObject, LONG_POLL, Unit};
+use super::{CachedObject, HashFrom, LONG_POLL, Unit};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -220,8 +221,8 @@ impl std::fmt::Debug for PeerClient {
 
 /// One answer of the peer to one request.
 enum Answer {
-    /// The unit went into the sink, whole and verified.
-    Delivered,
+    /// The unit went into the sink, whole and verified against a hash computed from this.
+    Delivered(HashFrom),
     Pending,
     UnknownJob,
     /// A signed `404`: the peer's cache holds no such object (the `cached` resource only).
@@ -265,15 +266,17 @@ impl PeerClient {
     }
 
     /// [`fetch`](Self::fetch), with the body handed to `sink` as it arrives instead of held in
-    /// memory. `Ok` means the sink took exactly the unit's bytes and its hash is the owner's; on
-    /// an error after bytes arrived, what the sink took is not to be trusted (see [`UnitSink`]).
+    /// memory. `Ok` means the sink took exactly the unit's bytes and its hash is the owner's, and
+    /// says what the owner computed that hash from (an origin read, or a read-back of its staged
+    /// copy: then the bytes are for the job's copy only, [`HashFrom`]); on an error after bytes
+    /// arrived, what the sink took is not to be trusted (see [`UnitSink`]).
     pub async fn fetch_into(
         &self,
         addr: &str,
         job: &JobKey,
         unit: &Unit,
         sink: &mut dyn UnitSink,
-    ) -> Result<(), PeerError> {
+    ) -> Result<HashFrom, PeerError> {
         if unit.len > self.cfg.max_unit {
             return Err(self.too_large(unit));
         }
@@ -288,7 +291,7 @@ impl PeerClient {
         let wait = self.cfg.poll + self.cfg.read_timeout;
         loop {
             match self.once(addr, job, &pq, unit, wait, sink).await? {
-                Answer::Delivered => return Ok(()),
+                Answer::Delivered(from) => return Ok(from),
                 Answer::NotCached => {
                     return Err(PeerError::Corrupt {
                         addr: addr.into(),
@@ -360,7 +363,13 @@ impl PeerClient {
             cached_query(object, offset, len)
         );
         match self.once(addr, job, &pq, &unit, wait, sink).await? {
-            Answer::Delivered => Ok(true),
+            // A cache holds origin bytes only; a marked answer is not one of its.
+            Answer::Delivered(HashFrom::Origin) => Ok(true),
+            Answer::Delivered(HashFrom::ReadBack) => Err(PeerError::Corrupt {
+                addr: addr.into(),
+                unit: unit.name(),
+                what: "a cached range marked as read back from a staged copy".into(),
+            }),
             Answer::NotCached | Answer::Pending => Ok(false),
             Answer::UnknownJob => Err(PeerError::UnknownJob {
                 addr: addr.into(),
@@ -521,7 +530,16 @@ impl PeerClient {
         if status == StatusCode::OK {
             let hash = parse_hash(res.headers().get(HASH_HEADER))
                 .ok_or_else(|| corrupt("the answer has no unit hash".into()))?;
-            if their_mac != Some(job.response_mac(200, unit, Some(&hash), b"", &mac)) {
+            let from = if res.headers().contains_key(READ_BACK_HEADER) {
+                HashFrom::ReadBack
+            } else {
+                HashFrom::Origin
+            };
+            let mark = match from {
+                HashFrom::ReadBack => READ_BACK_MARK,
+                HashFrom::Origin => b"",
+            };
+            if their_mac != Some(job.response_mac(200, unit, Some(&hash), mark, &mac)) {
                 return Err(corrupt(
                     "the answer's MAC does not verify: not an agent of this job, or changed on the way"
                         .into(),
@@ -561,7 +579,7 @@ impl PeerClient {
                     got.1
                 )));
             }
-            return Ok(Answer::Delivered);
+            return Ok(Answer::Delivered(from));
         }
         // An error answer: a short reason, MAC'd when the peer authenticated the request.
         let reason = match self.read_body(res, REASON_MAX).await {

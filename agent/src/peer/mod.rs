@@ -68,7 +68,12 @@
 //! `409 not owner` at once, so the asker reads its own version from the origin.
 //!
 //! A unit's hash is the owner's, computed when it read the unit from the origin; the requester
-//! compares it with the bytes it received, so a unit is checked end to end. Peer traffic is
+//! compares it with the bytes it received, so a unit is checked end to end. The one exception is
+//! marked: a node whose agent restarted serves the files it kept with hashes read back from them
+//! (`stage::resume`), and says so with `x-sluice-read-back: 1` (covered by the response MAC,
+//! [`HashFrom::ReadBack`]); the requester uses such a unit for the job's copy only, never for its
+//! cross-job cache, and serves it on under the same mark. (An agent that predates the mark fails
+//! the MAC of a marked answer, as a corrupt unit, and takes the unit elsewhere.) Peer traffic is
 //! authenticated and integrity-checked, not encrypted (docs/SECURITY.md, "Peer transfers").
 
 pub mod auth;
@@ -87,8 +92,8 @@ pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
 pub use owner::{Unit, owner_of, unit_path, units_of, versioned};
 pub use pieces::UnitPieces;
 pub use server::{
-    AdminSource, CachedObject, PeerServer, PeerServerError, PeerService, ServerConfig, UnitData,
-    UnitError, UnitSource, UnitStream,
+    AdminSource, CachedObject, HashFrom, PeerServer, PeerServerError, PeerService, ServerConfig,
+    UnitData, UnitError, UnitSource, UnitStream,
 };
 
 /// How long the server holds a request for a unit the owner is still reading before it answers

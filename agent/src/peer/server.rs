@@ -41,16 +41,30 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::auth::{
-    ClusterSecret, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, TIME_HEADER, parse_hash,
+    ClusterSecret, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, READ_BACK_HEADER, READ_BACK_MARK,
+    TIME_HEADER, parse_hash,
 };
 use super::{LONG_POLL, MAX_SKEW, Unit};
 use crate::worker::{StatusCell, Worker};
+
+/// What a unit's hash was computed from, and so what its bytes may be trusted for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashFrom {
+    /// The bytes as they came from the origin (on whichever node read them), or from a node's
+    /// cross-job cache, which holds only such bytes ([`crate::cache`]).
+    Origin,
+    /// A read-back of a staged copy the job user can write (a node whose agent restarted serves
+    /// the files it kept so, [`crate::stage::resume`]). Good for the job's own copies, which their
+    /// user may change anyway; never for the node's cross-job cache, which other users' jobs read.
+    ReadBack,
+}
 
 /// A unit's bytes and their BLAKE3 hash, as this node read them from the origin.
 #[derive(Debug, Clone)]
 pub struct UnitData {
     pub bytes: Bytes,
     pub hash: blake3::Hash,
+    pub from: HashFrom,
 }
 
 /// A unit's bytes as slices produced while its response goes out, with its length and the BLAKE3
@@ -60,6 +74,7 @@ pub struct UnitData {
 pub struct UnitStream {
     pub len: u64,
     pub hash: blake3::Hash,
+    pub from: HashFrom,
     pub body: futures::stream::BoxStream<'static, Bytes>,
 }
 
@@ -77,6 +92,7 @@ impl From<UnitData> for UnitStream {
         UnitStream {
             len,
             hash: d.hash,
+            from: d.from,
             body: Box::pin(slices),
         }
     }
@@ -426,9 +442,11 @@ impl Signer<'_> {
 
     fn data(&self, data: UnitStream, permit: OwnedSemaphorePermit) -> Response<Body> {
         use futures::StreamExt;
+        let read_back = data.from == HashFrom::ReadBack;
+        let mark = if read_back { READ_BACK_MARK } else { b"" };
         let mac = self
             .key
-            .response_mac(200, self.unit, Some(&data.hash), b"", &self.request);
+            .response_mac(200, self.unit, Some(&data.hash), mark, &self.request);
         let len = data.len;
         // The permit lives in the body: released once the last slice is handed over (or the
         // client hangs up and the body is dropped).
@@ -447,6 +465,12 @@ impl Signer<'_> {
         h.insert(CONTENT_LENGTH, len.into());
         insert_hex(h, HASH_HEADER, &data.hash);
         insert_hex(h, MAC_HEADER, &mac);
+        if read_back {
+            h.insert(
+                READ_BACK_HEADER,
+                hyper::header::HeaderValue::from_static("1"),
+            );
+        }
         r
     }
 }

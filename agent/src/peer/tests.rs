@@ -60,6 +60,7 @@ impl MemSource {
         let data = UnitData {
             hash: blake3::hash(&bytes),
             bytes,
+            from: HashFrom::Origin,
         };
         lock(&self.units).insert(unit.clone(), Ok(data));
         self.arrived.notify_waiters();
@@ -489,6 +490,8 @@ enum Tamper {
     BodyByte,
     /// One hex digit of the unit hash header.
     HashHeader,
+    /// The read-back mark's header name (so the answer no longer carries the mark).
+    ReadBackMark,
 }
 
 /// A TCP relay to `upstream` that changes one byte of the first answer on each connection.
@@ -523,6 +526,12 @@ async fn tampering_relay(upstream: String, how: Tamper) -> String {
                                     .unwrap()
                                     + 17
                             }
+                            Tamper::ReadBackMark => {
+                                head.windows(18)
+                                    .position(|w| w == b"x-sluice-read-back")
+                                    .unwrap()
+                                    + 17
+                            }
                         });
                         std::mem::take(&mut head)
                     } else {
@@ -534,6 +543,7 @@ async fn tampering_relay(upstream: String, how: Tamper) -> String {
                             Tamper::BodyByte => *b ^ 1,
                             Tamper::HashHeader if *b == b'0' => b'1',
                             Tamper::HashHeader => b'0',
+                            Tamper::ReadBackMark => b'x',
                         };
                     }
                     pos += data.len();
@@ -566,6 +576,61 @@ async fn a_relay_that_changes_a_byte_is_detected() {
     );
     // Re-fetched directly, the unit is intact.
     assert_eq!(c.fetch(&r.addr, &key(), &unit).await.unwrap(), bytes);
+}
+
+/// Where [`PeerClient::fetch_into`] puts a unit in these tests: memory.
+#[derive(Default)]
+struct VecSink(Vec<u8>);
+
+#[async_trait::async_trait]
+impl UnitSink for VecSink {
+    async fn write(
+        &mut self,
+        bytes: Bytes,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.0.extend_from_slice(&bytes);
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<blake3::Hash, Box<dyn std::error::Error + Send + Sync>> {
+        Ok(blake3::hash(&self.0))
+    }
+}
+
+/// Issue 24: a unit whose hash its owner read back from a staged copy (a node whose agent
+/// restarted serves what it kept so) arrives marked as such, which keeps it out of the
+/// requester's cache; the mark cannot be taken off on the way (the MAC covers it).
+#[tokio::test]
+async fn a_read_back_unit_arrives_marked_and_the_mark_cannot_be_stripped() {
+    let (r, src, unit, bytes) = one_unit().await;
+    let c = PeerClient::new("n2", client_cfg());
+    let mut sink = VecSink::default();
+    let from = c
+        .fetch_into(&r.addr, &key(), &unit, &mut sink)
+        .await
+        .unwrap();
+    assert_eq!((from, &sink.0[..]), (HashFrom::Origin, &bytes[..]));
+    let data = UnitData {
+        hash: blake3::hash(&bytes),
+        bytes: bytes.clone(),
+        from: HashFrom::ReadBack,
+    };
+    lock(&src.units).insert(unit.clone(), Ok(data));
+    let mut sink = VecSink::default();
+    let from = c
+        .fetch_into(&r.addr, &key(), &unit, &mut sink)
+        .await
+        .unwrap();
+    assert_eq!((from, &sink.0[..]), (HashFrom::ReadBack, &bytes[..]));
+    let relay = tampering_relay(r.addr.clone(), Tamper::ReadBackMark).await;
+    let e = c
+        .fetch_into(&relay, &key(), &unit, &mut VecSink::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Corrupt { what, .. } if what.contains("MAC")),
+        "{e}"
+    );
 }
 
 /// A process that is not an agent listening where a peer should be: answers every request with

@@ -614,14 +614,14 @@ fn copy_tree_in_pieces(
 /// [`copy_tree`] (or, with `shard`, [`copy_shard`]'s share of the files) that a restarted agent
 /// can resume (`--resume`, see [`super::resume`]). `dst` may hold what an earlier run of this
 /// copy left. First the helper reads the agent's offers on `input` to their end: `keep SIZE DEV
-/// INO MTIME MTIME_NS "PATH"` for each file the agent noted as copied whole from the source at
-/// PATH (below the dataset, JSON-quoted, `""` for a dataset that is one file) while it had that
-/// identity, and whose staged copy the agent found unchanged since. After `total`, it keeps each
+/// INO MTIME MTIME_NS CTIME CTIME_NS "PATH"` for each file the agent noted as copied whole from
+/// the source at PATH (below the dataset, JSON-quoted, `""` for a dataset that is one file) while
+/// it had that identity, and whose staged copy the agent found unchanged since. After `total`, it keeps each
 /// offered file whose source it opens now, as the job user, with exactly that identity, and
 /// reports `kept F B`; everything else below `dst` that is not one of the tree's directories goes,
 /// and the rest of the tree is made and copied as by [`copy_tree`]. Each file it copies whole, from
 /// a source whose identity was the same before and after every piece, is reported as `whole SIZE
-/// DEV INO MTIME MTIME_NS "PATH"` (with its mode set), for the agent to note.
+/// DEV INO MTIME MTIME_NS CTIME CTIME_NS "PATH"` (with its mode set), for the agent to note.
 pub fn copy_tree_resumable(
     src: &Path,
     dst: &Path,
@@ -644,14 +644,11 @@ pub fn copy_tree_resumable(
 /// A file and its source's identity, as `keep` and `whole` lines carry them.
 fn ident_fields(file: &FileIdent, path: &str) -> String {
     let quoted = serde_json::to_string(path).expect("a string serializes");
-    format!(
-        "{} {} {} {} {} {quoted}",
-        file.size, file.dev, file.ino, file.mtime, file.mtime_ns
-    )
+    format!("{} {quoted}", file.fields())
 }
 
 fn parse_ident_fields(text: &str) -> Option<(FileIdent, String)> {
-    let mut it = text.splitn(6, ' ');
+    let mut it = text.splitn(FileIdent::FIELDS + 1, ' ');
     let file = FileIdent::parse_fields(&mut it)?;
     let path = serde_json::from_str(it.next()?).ok()?;
     Some((file, path))
@@ -766,6 +763,11 @@ fn remove_any(path: &Path) -> io::Result<()> {
 
 /// The identity of a source file as `fstat` of a descriptor opened for reading gives it: what a
 /// cache entry of a POSIX file is keyed by (with its path and the user), see [`crate::cache`].
+///
+/// The ctime is part of it: a user can rewrite a file and set its mtime back (`touch -d`,
+/// `utimensat`), but any change to a file sets its ctime to now, and nobody can set that back.
+/// (Staging logs written before it was kept name no ctime, which then matches no file: those files
+/// are copied again.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileIdent {
     pub dev: u64,
@@ -773,11 +775,27 @@ pub struct FileIdent {
     pub size: u64,
     pub mtime: i64,
     pub mtime_ns: i64,
+    /// `st_ctime` and `st_ctime_nsec`.
+    #[serde(default)]
+    pub ctime: i64,
+    #[serde(default)]
+    pub ctime_ns: i64,
 }
 
 impl FileIdent {
-    /// The five fields `ident` and `keep`/`whole` lines carry, in order: size, dev, ino, mtime,
-    /// mtime_ns.
+    /// How many fields `ident` and `keep`/`whole` lines carry ([`FileIdent::fields`]).
+    const FIELDS: usize = 7;
+
+    /// The fields `ident` and `keep`/`whole` lines carry, in order: size, dev, ino, mtime,
+    /// mtime_ns, ctime, ctime_ns.
+    fn fields(&self) -> String {
+        format!(
+            "{} {} {} {} {} {} {}",
+            self.size, self.dev, self.ino, self.mtime, self.mtime_ns, self.ctime, self.ctime_ns
+        )
+    }
+
+    /// Parses [`FileIdent::fields`].
     fn parse_fields<'a>(it: &mut impl Iterator<Item = &'a str>) -> Option<FileIdent> {
         Some(FileIdent {
             size: it.next()?.parse().ok()?,
@@ -785,11 +803,13 @@ impl FileIdent {
             ino: it.next()?.parse().ok()?,
             mtime: it.next()?.parse().ok()?,
             mtime_ns: it.next()?.parse().ok()?,
+            ctime: it.next()?.parse().ok()?,
+            ctime_ns: it.next()?.parse().ok()?,
         })
     }
 
     /// The identity of the file open as `f`; `None` for anything but a regular file.
-    fn of(f: &fs::File) -> io::Result<Option<FileIdent>> {
+    pub(crate) fn of(f: &fs::File) -> io::Result<Option<FileIdent>> {
         let m = f.metadata()?;
         Ok(m.is_file().then(|| FileIdent {
             dev: m.dev(),
@@ -797,6 +817,8 @@ impl FileIdent {
             size: m.len(),
             mtime: m.mtime(),
             mtime_ns: m.mtime_nsec(),
+            ctime: m.ctime(),
+            ctime_ns: m.ctime_nsec(),
         }))
     }
 }
@@ -848,7 +870,8 @@ pub enum CacheLine {
 
 impl CacheLine {
     pub fn parse(line: &str) -> Option<CacheLine> {
-        let mut it = line.splitn(9, ' ');
+        // kind, idx, the identity's fields, mode, path.
+        let mut it = line.splitn(FileIdent::FIELDS + 4, ' ');
         let kind = it.next()?;
         let line = match kind {
             "ident" => {
@@ -883,7 +906,7 @@ impl CacheLine {
 /// [`copy_tree`] on a node with a cache (`--cached`), which the agent asks about every file. The
 /// helper opens each regular, non-empty file of the source for reading, as the job user, and
 /// reports its identity from `fstat` on that descriptor (`ident IDX SIZE DEV INO MTIME MTIME_NS
-/// MODE "PATH"`, after `total`), then `idents N`; a file it cannot open fails the copy before
+/// CTIME CTIME_NS MODE "PATH"`, after `total`), then `idents N`; a file it cannot open fails the copy before
 /// anything is made (a user who cannot read a file gets nothing of it, from the cache or else).
 /// It then reads the agent's answers on `input` to their end: `hit IDX` for each file the agent
 /// holds in its cache for this user and this identity. It makes the tree; each hit as an empty
@@ -944,12 +967,7 @@ fn copy_cached_in_pieces(
             piece,
         });
         let quoted = serde_json::to_string(rel).expect("a string serializes");
-        writeln!(
-            out,
-            "ident {listed} {} {} {} {} {} {mode:o} {quoted}",
-            file.size, file.dev, file.ino, file.mtime, file.mtime_ns
-        )
-        .ok();
+        writeln!(out, "ident {listed} {} {mode:o} {quoted}", file.fields()).ok();
         listed += 1;
     }
     writeln!(out, "idents {listed}").ok();
@@ -1029,9 +1047,9 @@ pub fn copies_unit(plan: &ShardPlan, unit: &Unit) -> bool {
 ///
 /// With `answers` (`--peer-cached`, a node with a cache), the helper first opens every listed,
 /// regular, non-empty file for reading and reports its identity from `fstat` on that descriptor
-/// (`ident IDX SIZE DEV INO MTIME MTIME_NS MODE "PATH"`, IDX as in its `file` line; a file it
-/// cannot open fails the run as without a cache), then `idents N`, and reads the agent's `hit IDX`
-/// answers to their end. A hit is made empty and owner-writable and none of its units is copied:
+/// (`ident IDX SIZE DEV INO MTIME MTIME_NS CTIME CTIME_NS MODE "PATH"`, IDX as in its `file`
+/// line; a file it cannot open fails the run as without a cache), then `idents N`, and reads the
+/// agent's `hit IDX` answers to their end. A hit is made empty and owner-writable and none of its units is copied:
 /// the agent writes it whole from its cache. Of every other identified file, a unit whose
 /// descriptor did not have the reported identity before and after its copy is followed by
 /// `changed IDX` (the agent does not cache that file).
@@ -1167,12 +1185,7 @@ fn identify_replica(
             piece: unit_size,
         });
         let quoted = serde_json::to_string(rel).expect("a string serializes");
-        writeln!(
-            out,
-            "ident {idx} {} {} {} {} {} {:o} {quoted}",
-            file.size, file.dev, file.ino, file.mtime, file.mtime_ns, f.mode
-        )
-        .ok();
+        writeln!(out, "ident {idx} {} {:o} {quoted}", file.fields(), f.mode).ok();
         identified += 1;
     }
     writeln!(out, "idents {identified}").ok();

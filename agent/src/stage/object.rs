@@ -15,7 +15,7 @@ use super::resume::{self, DatasetLog};
 use super::shard::{ShardManifest, ShardPlan};
 use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space, local_fs};
 use crate::cache::{Cache, Fill, Hit, Key};
-use crate::peer::{CachedObject, Unit, UnitPieces, UnitSink, units_of, versioned};
+use crate::peer::{CachedObject, HashFrom, Unit, UnitPieces, UnitSink, units_of, versioned};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
@@ -267,8 +267,9 @@ impl Fetcher {
     /// After an agent restart: keeps the staged file `rel` below `root` (at `path` below the
     /// stage directory) when the staging log says the run before staged it whole from the object
     /// the origin lists now as `meta`, and it is still that file ([`resume::resumable`]). Shared
-    /// with the job's peers, its units are served with hashes of the file as it is read back now.
-    /// `Err(staged)`: not kept, stage it.
+    /// with the job's peers, its units are served with hashes of the file as it is read back now,
+    /// if it is still that file after the read ([`resume::hash_kept`]), marked as read back: the
+    /// job's other nodes never cache them. `Err(staged)`: not kept, stage it.
     async fn resume(
         &self,
         root: &Arc<OwnedFd>,
@@ -286,33 +287,43 @@ impl Fetcher {
             return Err(staged);
         };
         let (r, rel_owned, owner) = (root.clone(), rel.to_string(), self.owner);
-        let Some(file) = blocking(move || resume::resumable(&r, &rel_owned, owner, &entry)).await
-        else {
+        let changed = || {
             tracing::debug!(
                 "{}: {path} changed since it was staged; staging it again",
                 self.source
             );
-            return Err(staged);
         };
         let size = meta.size;
-        if let (Some(peers), true) = (&self.peers, size > 0) {
-            let units = units_of(&staged.unit_file, size, peers.unit_size());
-            let ranges: Vec<(u64, u64)> = units.iter().map(|u| (u.offset, u.len)).collect();
-            let mut lease = self.budget.lease().await;
-            let mut buf = std::mem::take(&mut lease.buf);
-            let (hashes, buf) = blocking(move || {
-                let h = resume::hash_units(&file, &ranges, &mut buf);
-                (h, buf)
-            })
-            .await;
-            lease.buf = buf;
-            drop(lease);
-            let Ok(hashes) = hashes else {
-                return Err(staged);
-            };
-            peers.add_object(staged.root, staged.rel_at, &units);
-            for (unit, hash) in units.iter().zip(hashes) {
-                peers.held(unit, hash);
+        match (&self.peers, size > 0) {
+            (Some(peers), true) => {
+                let units = units_of(&staged.unit_file, size, peers.unit_size());
+                let ranges: Vec<(u64, u64)> = units.iter().map(|u| (u.offset, u.len)).collect();
+                let mut lease = self.budget.lease().await;
+                let mut buf = std::mem::take(&mut lease.buf);
+                let (hashes, buf) = blocking(move || {
+                    let h = resume::hash_kept(&r, &rel_owned, owner, &entry, &ranges, &mut buf);
+                    (h, buf)
+                })
+                .await;
+                lease.buf = buf;
+                drop(lease);
+                let Some(hashes) = hashes else {
+                    changed();
+                    return Err(staged);
+                };
+                // Read back from a file the job user can write: for the job's copies only, never
+                // for a cross-job cache (the mark travels with the units).
+                peers.add_object(staged.root, staged.rel_at, &units);
+                for (unit, hash) in units.iter().zip(hashes) {
+                    peers.held_from(unit, hash, HashFrom::ReadBack);
+                }
+            }
+            _ => {
+                let kept = blocking(move || resume::resumable(&r, &rel_owned, owner, &entry)).await;
+                if kept.is_none() {
+                    changed();
+                    return Err(staged);
+                }
             }
         }
         let p = &self.progress;
@@ -443,7 +454,8 @@ impl Fetcher {
 
     /// Writes the object's bytes into `file`: from the node's cache if it holds the object;
     /// else one GET for small objects, parallel ranged GETs of `part_size` for large ones, or,
-    /// shared with the job's peers, unit by unit — filling a cache entry beside it.
+    /// shared with the job's peers, unit by unit — filling a cache entry beside it (committed only
+    /// if no unit came with a hash a peer read back from a staged copy, [`HashFrom::ReadBack`]).
     async fn fill(
         self: Arc<Self>,
         file: std::fs::File,
@@ -732,8 +744,15 @@ impl Fetcher {
             let (written, hash) = (sink.written, sink.hash);
             let sink_error = sink.close();
             let e = match fetched {
-                Ok(()) => {
-                    peers.held(&unit, hash.expect("a finished sink has a hash"));
+                Ok(from) => {
+                    if let (HashFrom::ReadBack, Some(fill)) = (from, &file.tee) {
+                        // Checked against a hash read back from a file its user could write: good
+                        // for this job's copy, never for the cache other users' jobs read.
+                        fill.taint(&format!(
+                            "node {node} served part of it from a copy it kept over an agent restart, not from the origin"
+                        ));
+                    }
+                    peers.held_from(&unit, hash.expect("a finished sink has a hash"), from);
                     return Ok(());
                 }
                 Err(e) => e,

@@ -24,7 +24,10 @@
 //!   the weights rise strictly, and no chain closes into a cycle.
 //! - **Checked end to end.** A unit's hash is the owner's, taken from the bytes as they came from
 //!   the origin; a fetched unit counts only when its bytes hash to it (the peer client checks), and
-//!   the fetching node then serves it under that same hash. Bytes that fail the check are written
+//!   the fetching node then serves it under that same hash. A node whose agent restarted serves
+//!   what it kept with hashes read back from its staged copies ([`super::resume`]): those units
+//!   are marked ([`HashFrom::ReadBack`]), kept out of every node's cross-job cache, and served on
+//!   under the same mark. Bytes that fail the check are written
 //!   over (from a second fetch or the origin) before the job's tasks may see the dataset.
 //! - **Served from the staged copy**, reopened fd-relative without following links, and only if it
 //!   is a regular file of the job user with one link: a user can make a node serve their own bytes
@@ -40,7 +43,7 @@
 use super::Owner;
 use crate::cache::{Cache, Hit, Key};
 use crate::peer::{
-    CachedObject, ClientConfig, ClusterSecret, JobKey, PeerClient, PeerError, PeerServer,
+    CachedObject, ClientConfig, ClusterSecret, HashFrom, JobKey, PeerClient, PeerError, PeerServer,
     PeerService, Unit, UnitData, UnitError, UnitSink, UnitSource, UnitStream, owner_of, unit_path,
 };
 use bytes::Bytes;
@@ -429,8 +432,9 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
 enum Held {
     /// Not yet: its owner reads it, or this node fetches it.
     Pending,
-    /// Written to the staged copy; the hash of the bytes its owner read from the origin.
-    Yes(blake3::Hash),
+    /// Written to the staged copy; the hash of the bytes its owner read from the origin, or
+    /// ([`HashFrom::ReadBack`]) read back from a staged copy after an agent restart.
+    Yes(blake3::Hash, HashFrom),
     /// Never will: why.
     Failed(String),
 }
@@ -642,9 +646,16 @@ impl JobPeers {
         self.bump();
     }
 
-    /// This node wrote `unit` to its staged copy; `hash` is what its owner read.
+    /// This node wrote `unit` to its staged copy; `hash` is what its owner read from the origin.
     pub(crate) fn held(&self, unit: &Unit, hash: blake3::Hash) {
-        self.set(unit, Held::Yes(hash));
+        self.held_from(unit, hash, HashFrom::Origin);
+    }
+
+    /// [`held`](Self::held), with `hash` computed `from` an origin read or a read-back: served on
+    /// under that mark, so a read-back's bytes never reach any node's cross-job cache however many
+    /// nodes pass them on.
+    pub(crate) fn held_from(&self, unit: &Unit, hash: blake3::Hash, from: HashFrom) {
+        self.set(unit, Held::Yes(hash, from));
     }
 
     /// This node will not hold `unit` (its origin read failed): peers asking for it are told why.
@@ -781,13 +792,14 @@ impl JobPeers {
             .await
     }
 
-    /// Fetches `unit` from `node` into `sink` (see [`PeerClient::fetch_into`]).
+    /// Fetches `unit` from `node` into `sink` (see [`PeerClient::fetch_into`]); what the hash it
+    /// was checked against was computed from.
     pub(crate) async fn fetch(
         &self,
         node: &str,
         unit: &Unit,
         sink: &mut dyn UnitSink,
-    ) -> Result<(), PeerError> {
+    ) -> Result<HashFrom, PeerError> {
         self.client
             .fetch_into(&self.cfg.addr_of(node), &self.key, unit, sink)
             .await
@@ -826,7 +838,7 @@ impl JobPeers {
         let known_file =
             st.objects.contains_key(&unit.file) || st.versions.contains_key(unit_path(&unit.file));
         match slot_mut(&mut st, unit, self.cfg.unit_size) {
-            Some((_, Held::Yes(h))) => Some(Ok(*h)),
+            Some((_, Held::Yes(h, _))) => Some(Ok(*h)),
             Some((_, Held::Failed(why))) => Some(Err(UnitError::Failed(why.clone()))),
             Some((_, Held::Pending)) => None,
             // A unit this node will never know: another listing, another unit size, or not one
@@ -864,7 +876,7 @@ impl UnitSource for JobPeers {
     }
 
     async fn unit(&self, unit: &Unit) -> Result<UnitData, UnitError> {
-        let (hash, root, rel) = self.staged(unit)?;
+        let (hash, from, root, rel) = self.staged(unit)?;
         let (offset, len, owner) = (unit.offset, unit.len as usize, self.owner);
         let bytes = blocking(move || {
             let file = open_staged(&root, &rel, owner)?;
@@ -877,13 +889,14 @@ impl UnitSource for JobPeers {
         Ok(UnitData {
             bytes: Bytes::from(bytes),
             hash,
+            from,
         })
     }
 
     /// The unit read from the staged copy a slice at a time as the response goes out, so serving
     /// holds about one slice per response (the server's slots bound how many), never a unit.
     async fn unit_stream(&self, unit: &Unit) -> Result<UnitStream, UnitError> {
-        let (hash, root, rel) = self.staged(unit)?;
+        let (hash, from, root, rel) = self.staged(unit)?;
         let owner = self.owner;
         let file = blocking(move || open_staged(&root, &rel, owner))
             .await
@@ -918,6 +931,7 @@ impl UnitSource for JobPeers {
         Ok(UnitStream {
             len: unit.len,
             hash,
+            from,
             body: Box::pin(slices),
         })
     }
@@ -939,6 +953,7 @@ impl UnitSource for JobPeers {
             return share.cache.contains(&key).then(|| UnitStream {
                 len: 0,
                 hash: blake3::hash(b""),
+                from: HashFrom::Origin,
                 body: Box::pin(futures::stream::empty()),
             });
         }
@@ -1003,23 +1018,29 @@ async fn cached_stream(hit: Hit, offset: u64, len: u64) -> Option<UnitStream> {
     Some(UnitStream {
         len,
         hash,
+        from: HashFrom::Origin,
         body: Box::pin(slices),
     })
 }
 
 impl JobPeers {
-    /// Where the staged copy of `unit` is, once this node holds it: its hash, the directory, the
-    /// path below it.
-    fn staged(&self, unit: &Unit) -> Result<(blake3::Hash, Arc<OwnedFd>, String), UnitError> {
+    /// Where the staged copy of `unit` is, once this node holds it: its hash and what that was
+    /// computed from, the directory, the path below it.
+    #[allow(clippy::type_complexity)]
+    fn staged(
+        &self,
+        unit: &Unit,
+    ) -> Result<(blake3::Hash, HashFrom, Arc<OwnedFd>, String), UnitError> {
         let mut st = lock(&self.state);
-        let hash = match slot_mut(&mut st, unit, self.cfg.unit_size) {
-            Some((_, Held::Yes(h))) => *h,
+        let (hash, from) = match slot_mut(&mut st, unit, self.cfg.unit_size) {
+            Some((_, Held::Yes(h, from))) => (*h, *from),
             Some((_, Held::Failed(why))) => return Err(UnitError::Failed(why.clone())),
             _ => return Err(UnitError::NotOwner),
         };
         let object = &st.objects[&unit.file];
         Ok((
             hash,
+            from,
             object.root.clone(),
             unit_path(&unit.file)[object.rel_at..].to_string(),
         ))

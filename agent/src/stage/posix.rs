@@ -24,9 +24,10 @@
 //! copy and source are both unchanged are kept.
 //!
 //! With `[cache]`, a dataset this node stages whole goes through the node's cache ([`copy_cached`]):
-//! entries of POSIX files are keyed by path, device, inode, size, mtime and the job user's uid, and
-//! the job user's helper opens every file and reports its `fstat` identity on every job, so a hit
-//! is placed only for a file that user can read now and that is the version the entry holds. A
+//! entries of POSIX files are keyed by path, device, inode, size, mtime, ctime and the job user's
+//! uid, and the job user's helper opens every file and reports its `fstat` identity on every job,
+//! so a hit is placed only for a file that user can read now and that is the version the entry
+//! holds (a rewrite whose mtime was set back still changed its ctime). A
 //! replicate shared with peers goes through each node's own cache the same way (`--peer-cached`):
 //! the agent writes a hit whole from the cache and serves its units from that copy, and keeps a
 //! miss once every unit is in, each checked against the hash of what was read from the source (by
@@ -218,7 +219,7 @@ struct Identified {
 /// The whole dataset on a node with a cache, which keeps POSIX files per user: the helper
 /// (`--cached`, [`super::copy_as_user::copy_tree_cached`]) opens every file as the job user and
 /// reports what `fstat` on that descriptor says; each file whose (path, device, inode, size,
-/// mtime) this user's entry holds is a hit, and the helper only makes it, for the agent to write
+/// mtime, ctime) this user's entry holds is a hit, and the helper only makes it, for the agent to write
 /// from the cache. A user who cannot open a file fails here as without a cache, before any hit
 /// is placed. Every other file the helper copies and hashes; when its identity held through the
 /// copy, the agent keeps the staged copy in a new entry if it hashes to what the helper read.
@@ -356,6 +357,8 @@ fn posix_key(path: &str, file: FileIdent, uid: u32) -> Key {
         ino: file.ino,
         mtime: file.mtime,
         mtime_ns: file.mtime_ns,
+        ctime: file.ctime,
+        ctime_ns: file.ctime_ns,
     };
     Key::posix(path, file.size, id)
 }
@@ -1181,7 +1184,9 @@ async fn fetch_unit(
         let (written, hash) = (sink.written, sink.hash);
         let sink_error = sink.close();
         let e = match fetched {
-            Ok(()) => {
+            // POSIX units are never read back (a restarted agent serves object-store datasets
+            // only, `resume::serve_staged`), and a POSIX cache entry is the job user's alone.
+            Ok(_) => {
                 let hash = hash.expect("a finished sink has a hash");
                 return Ok(Done::Fetched { idx, unit, hash });
             }
@@ -1433,6 +1438,8 @@ mod tests {
                     size: data.len() as u64,
                     mtime: 5,
                     mtime_ns: 6,
+                    ctime: 7,
+                    ctime_ns: 8,
                 },
                 owner.uid,
             ),
@@ -1456,5 +1463,71 @@ mod tests {
         let mut other = file("f", 4).key;
         other.posix.as_mut().unwrap().uid += 1;
         assert!(cache.lookup(&other).is_none());
+    }
+
+    /// Finding 9 of issue 24: a source its user rewrote with the same size and then set its mtime
+    /// back (`touch -d`, `utimensat`) is a miss, so the job gets the new bytes: the helper's
+    /// fstat finds another ctime, which nobody can set back. Before, the key held the mtime only,
+    /// and the entry of the old bytes was placed.
+    #[test]
+    fn a_source_rewritten_with_its_mtime_set_back_is_a_cache_miss() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path();
+        std::fs::create_dir_all(d.join("hot")).unwrap();
+        let text = format!(
+            "[agent]\nsocket='{d}/s'\nstate_dir='{d}/st'\n[hot_tier]\nroot='{d}/hot'\n\
+             [cache]\nsize='8MiB'\nmin_free=0\n",
+            d = d.display()
+        );
+        let cfg = sluice_archive::config::Config::parse(&text, "n1").unwrap();
+        let cache = Cache::open(&cfg).unwrap().unwrap();
+        let src = d.join("f");
+        let old = vec![1u8; 10_000];
+        std::fs::write(&src, &old).unwrap();
+        let ident = || {
+            FileIdent::of(&std::fs::File::open(&src).unwrap())
+                .unwrap()
+                .unwrap()
+        };
+        let uid = nix::unistd::geteuid().as_raw();
+        let path = src.to_str().unwrap();
+        let before = ident();
+        let fill = cache.begin_fill(posix_key(path, before, uid)).unwrap();
+        fill.write_at(&old, 0);
+        assert!(fill.commit());
+        assert!(cache.lookup(&posix_key(path, ident(), uid)).is_some());
+
+        // Later (another clock tick), the user rewrites it and sets its mtime back.
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let mtime = std::fs::metadata(&src).unwrap().modified().unwrap();
+        std::fs::write(&src, vec![2u8; old.len()]).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&src)
+            .unwrap()
+            .set_times(std::fs::FileTimes::new().set_modified(mtime))
+            .unwrap();
+        let after = ident();
+        assert_eq!(
+            (
+                after.dev,
+                after.ino,
+                after.size,
+                after.mtime,
+                after.mtime_ns
+            ),
+            (
+                before.dev,
+                before.ino,
+                before.size,
+                before.mtime,
+                before.mtime_ns
+            ),
+            "all the key held before is as it was"
+        );
+        assert!(
+            cache.lookup(&posix_key(path, after, uid)).is_none(),
+            "the rewritten source is a miss"
+        );
     }
 }

@@ -16,7 +16,7 @@
 //! ```text
 //! {"format":"sluice-stage-resume","version":1,"job":..,"name":..,"source":..,"boot_id":..}
 //! {"path":"NAME/a/b.bin","location":"ds/a/b.bin","e_tag":..,"version":..,"size":..,"file":{"ino":..,"size":..,"mtime_ns":..,"ctime_ns":..}}
-//! {"path":"NAME/a/c.bin","source":{"dev":..,"ino":..,"size":..,"mtime":..,"mtime_ns":..},"file":{..}}
+//! {"path":"NAME/a/c.bin","source":{"dev":..,"ino":..,"size":..,"mtime":..,"mtime_ns":..,"ctime":..,"ctime_ns":..},"file":{..}}
 //! ```
 //!
 //! A line names a staged file (its path below `$SLUICE_STAGE_DIR`), what it was copied from, and
@@ -30,8 +30,8 @@
 //! - an object: its key, the ETag and version id the listing gave, its size. The agent read it
 //!   and wrote the file itself, and takes the file's identity from an fstat of its own
 //!   descriptor.
-//! - a POSIX file: its device, inode, size and mtime (the identity the cache keys POSIX files by,
-//!   [`crate::cache`]). The copy helper reads POSIX sources as the job user, so that a user stages
+//! - a POSIX file: its device, inode, size, mtime and ctime (the identity the cache keys POSIX
+//!   files by, [`crate::cache`]). The copy helper reads POSIX sources as the job user, so that a user stages
 //!   only what they can read; it cannot write root's log, and must not be able to. So the helper
 //!   reports each file it copied whole (`whole` lines, [`super::copy_as_user::copy_tree_resumable`])
 //!   with its source's identity from an fstat of the descriptor it read, the same before and
@@ -45,9 +45,9 @@
 //! - the log is from this boot of the node (`boot_id`) and for this job, dataset name and URL;
 //! - the origin lists the object now with the recorded ETag, version id and size; or, for a POSIX
 //!   file, the helper of the restarted agent, as the job user, opens the source now and finds the
-//!   recorded device, inode, size and mtime (the agent offers it the file, `keep` lines, and the
-//!   helper reports how many it kept; a source the user can no longer read fails as without
-//!   resuming);
+//!   recorded device, inode, size, mtime and ctime (the agent offers it the file, `keep` lines,
+//!   and the helper reports how many it kept; a source the user can no longer read fails as
+//!   without resuming);
 //! - the path, opened without following links, is a regular file of the job user with one link,
 //!   and its inode, size, mtime and ctime are the recorded ones. The job user can change their
 //!   file's content and mtime, but not its ctime: any write, truncation, `touch`, chmod, link or
@@ -77,8 +77,15 @@
 //!   the kill and the restart (in the moment after its check) is never served to another job
 //!   under the object's key;
 //! - shared with the job's other nodes, its units are served with hashes computed by reading the
-//!   file back now, unit by unit ([`hash_units`]), never from the log: a peer checks the bytes it
-//!   receives against them, as it checks an origin read's.
+//!   file back now, unit by unit, never from the log, and only if the file is still the one noted
+//!   once they are read ([`hash_kept`]); a peer checks the bytes it receives against them, as it
+//!   checks an origin read's. But a read-back's hash is of whatever the job user left in their
+//!   file (they could write it in the moments named above, or between the check and the read), so
+//!   those units are served marked as read back ([`crate::peer::HashFrom::ReadBack`], MAC'd): the
+//!   job's other nodes write them into the job's copies and never into their cross-job caches, and
+//!   pass the mark on with them. (Otherwise a user who rewrote a kept file at the right moment
+//!   would plant bytes in other nodes' caches, served to every user's later jobs under the
+//!   object's ETag.)
 //!
 //! Not resumed, staged again from the start: POSIX datasets shared with the job's peers or staged
 //! through the node's cache (the agent writes parts of those files itself, and the helper's runs
@@ -347,7 +354,7 @@ enum Of {
         size: u64,
     },
     /// The POSIX source file the copy helper read, as the job user, with this identity (device,
-    /// inode, size, mtime) before and after every piece of the copy.
+    /// inode, size, mtime, ctime) before and after every piece of the copy.
     Posix { source: FileIdent },
 }
 
@@ -543,8 +550,8 @@ pub(crate) fn resumable(
 /// job's other nodes may still be staging (each node's set-up waits for nobody), and ask this node
 /// for the units it owns. Offers `peers` every file that `specs`' staging logs name and that is
 /// still the file noted ([`resumable`]: the job user may have changed their copy since), each unit
-/// with the hash of the file read back now ([`hash_units`]), never a hash from the log; returns
-/// the files and bytes offered. The caller then closes `peers`: a unit of any other file is
+/// with the hash of the file read back now ([`hash_kept`]: still the file noted after the read),
+/// never a hash from the log, and marked as read back; returns the files and bytes offered. The caller then closes `peers`: a unit of any other file is
 /// answered "not mine", and the asking node reads it from the origin.
 ///
 /// Only object-store datasets: their log names every file staged, by its object version. A POSIX
@@ -575,8 +582,7 @@ pub(crate) async fn serve_staged(
         let ranges: Vec<(u64, u64)> = units.iter().map(|u| (u.offset, u.len)).collect();
         let root = stage.clone();
         let (hashes, b) = blocking(move || {
-            let hashes = resumable(&root, entry.path(), owner, &entry)
-                .and_then(|file| hash_units(&file, &ranges, &mut buf).ok());
+            let hashes = hash_kept(&root, entry.path(), owner, &entry, &ranges, &mut buf);
             (hashes, buf)
         })
         .await;
@@ -585,12 +591,46 @@ pub(crate) async fn serve_staged(
         // Units name their file by its path below the stage directory: `stage` is their root.
         peers.add_object(stage.clone(), 0, &units);
         for (unit, hash) in units.iter().zip(hashes) {
-            peers.held(unit, hash);
+            peers.held_from(unit, hash, crate::peer::HashFrom::ReadBack);
         }
         files += 1;
         bytes += units.iter().map(|u| u.len).sum::<u64>();
     }
     (files, bytes)
+}
+
+/// Blocking. The BLAKE3 of each unit (`(offset, len)` pairs, in order) of the kept file `rel`
+/// below `root`, read back now through `buf`, when it is the file `entry` recorded
+/// ([`resumable`]) both before and after the read: a file its user wrote while it was hashed (any
+/// write sets its ctime) is not kept, and is read from the origin again. Even so the hashes are
+/// of a file the job user can write, and are served marked as such
+/// ([`crate::peer::HashFrom::ReadBack`]).
+pub(crate) fn hash_kept(
+    root: &OwnedFd,
+    rel: &str,
+    owner: Owner,
+    entry: &Entry,
+    units: &[(u64, u64)],
+    buf: &mut Vec<u8>,
+) -> Option<Vec<blake3::Hash>> {
+    hash_kept_with(root, rel, owner, entry, units, buf, |_| {})
+}
+
+/// [`hash_kept`], calling `between` after the identity check and before the read (where a test
+/// plays the user who rewrites the file at that moment).
+fn hash_kept_with(
+    root: &OwnedFd,
+    rel: &str,
+    owner: Owner,
+    entry: &Entry,
+    units: &[(u64, u64)],
+    buf: &mut Vec<u8>,
+    between: impl FnOnce(&std::fs::File),
+) -> Option<Vec<blake3::Hash>> {
+    let file = resumable(root, rel, owner, entry)?;
+    between(&file);
+    let hashes = hash_units(&file, units, buf).ok()?;
+    (Identity::of(&file).ok()? == entry.file).then_some(hashes)
 }
 
 /// Blocking. Each unit's BLAKE3 (`(offset, len)` pairs, in order), read back from `file` through
@@ -682,6 +722,8 @@ mod tests {
             size: 10,
             mtime: 3,
             mtime_ns: 4,
+            ctime: 5,
+            ctime_ns: 6,
         };
         let posix = Entry::posix("ds/p".into(), source, id);
         let line = serde_json::to_string(&posix).unwrap();
@@ -709,6 +751,52 @@ mod tests {
         // A fresh run of the job id starts without the logs.
         let _ = JobResume::open(state.path(), 7, false);
         assert!(!job_dir(state.path(), 7).exists());
+    }
+
+    /// Finding 4 of issue 24: a kept file the job user rewrites in place after the agent checked
+    /// its identity, and before it hashed it (the user watches the agent's open with inotify),
+    /// is not kept: its units are never offered under hashes of the user's bytes. Before, the
+    /// identity was checked once, before the read, and the hashes of the rewritten bytes were
+    /// served to the job's other nodes, which filled their caches with them.
+    #[test]
+    fn a_kept_file_rewritten_while_it_is_hashed_is_not_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let origin: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let planted = vec![0x5a; origin.len()];
+        let path = dir.path().join("f");
+        std::fs::write(&path, &origin).unwrap();
+        let size = origin.len() as u64;
+        let id = Identity::of(&std::fs::File::open(&path).unwrap()).unwrap();
+        let entry = Entry::new("f".into(), &meta("ds/f", Some("e"), size), id);
+        let root = sluice_archive::safefs::open_root_dir(dir.path()).unwrap();
+        let owner = Owner {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+        };
+        let units = [(0, 65_536), (65_536, size - 65_536)];
+        let mut buf = Vec::with_capacity(4096);
+        // Unchanged: kept, with the hashes of its bytes.
+        let want: Vec<blake3::Hash> = units
+            .iter()
+            .map(|&(o, l)| blake3::hash(&origin[o as usize..(o + l) as usize]))
+            .collect();
+        assert_eq!(
+            hash_kept(&root, "f", owner, &entry, &units, &mut buf),
+            Some(want)
+        );
+        // A write lands in a later clock tick than the file's last change: its ctime tells.
+        std::thread::sleep(Duration::from_millis(30));
+        let rewrite = |_: &std::fs::File| {
+            let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            f.write_all_at(&planted, 0).unwrap();
+        };
+        let hashes = hash_kept_with(&root, "f", owner, &entry, &units, &mut buf, rewrite);
+        assert_eq!(
+            hashes, None,
+            "the rewritten file is read from the origin again"
+        );
+        // And it is not kept later either.
+        assert_eq!(hash_kept(&root, "f", owner, &entry, &units, &mut buf), None);
     }
 
     #[test]

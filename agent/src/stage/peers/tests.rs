@@ -1083,3 +1083,182 @@ async fn a_peer_without_a_cache_or_an_agent_is_not_asked_again() {
     n1.stop.cancel();
     n2.stop.cancel();
 }
+
+/// Every regular file below `dir`, relative, for the tests that play a user writing into them.
+fn files_below(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            } else {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+/// Finding 4 of issue 24: n1 staged the dataset, then its agent restarted; its user had
+/// rewritten every file in place where no check of n1's can see it (in the moment between the
+/// agent's last write and the fstat its staging log notes, or between the restarted agent's
+/// identity check and its read: played here by noting the rewritten files in the log). The
+/// restarted n1 serves those bytes with hashes read back from them, marked as read back; n2 and
+/// n3 write them into the job's copies (the user's own job), but never into their caches: a
+/// later job on n2, of any user, gets the origin's bytes. Before, n2 and n3 cached the planted
+/// bytes under the objects' ETags and served them to every later job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
+    let (store, files) = origin().await;
+    let (mut ls, addrs) = listeners().await;
+    let mut n1 = node("n1", ls.remove(0), &addrs).await;
+    let (mut n2, _hot2) = node_with_cache("n2", ls.remove(0), &addrs).await;
+    let (n3, _hot3) = node_with_cache("n3", ls.remove(0), &addrs).await;
+    let state = tempfile::tempdir().unwrap();
+    let resume = |resuming| {
+        Arc::new(crate::stage::resume::JobResume::open(
+            state.path(),
+            JOB,
+            resuming,
+        ))
+    };
+    n1.ctx.resume = Some(resume(false));
+    let s = store.clone() as Arc<dyn ObjectStore>;
+    let before = Arc::new(Progress::new(&spec()));
+    crate::stage::object::stage(&n1.ctx, &spec(), s, "ds", before, None, None)
+        .await
+        .unwrap();
+    // The user's bytes, in place, in every file; the log notes the files as they are now.
+    for path in files_below(&n1.dir.path().join("ds")) {
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.iter_mut().for_each(|b| *b ^= 0xff);
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &bytes, 0).unwrap();
+    }
+    let logs = crate::stage::resume::job_dir(state.path(), JOB);
+    for log in std::fs::read_dir(&logs).unwrap() {
+        let log = log.unwrap().path();
+        let text = std::fs::read_to_string(&log).unwrap();
+        let mut out = String::new();
+        for (i, line) in text.lines().enumerate() {
+            let mut v: serde_json::Value = serde_json::from_str(line).unwrap();
+            if i > 0 {
+                let rel = v["path"].as_str().unwrap().to_string();
+                let f = std::fs::File::open(n1.dir.path().join(rel)).unwrap();
+                let now = crate::stage::resume::Identity::of(&f).unwrap();
+                v["file"] = serde_json::to_value(now).unwrap();
+            }
+            out.push_str(&format!("{v}\n"));
+        }
+        std::fs::write(&log, out).unwrap();
+    }
+
+    let peers = n1
+        .peers
+        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .unwrap();
+    let (offered, _) = crate::stage::resume::serve_staged(
+        &peers,
+        resume(true),
+        vec![spec()],
+        n1.ctx.stage_fd.clone(),
+        me(),
+    )
+    .await;
+    peers.close("staged before the agent restarted");
+    assert!(offered > 0, "n1 serves what it kept");
+    for (r, _) in stage_all(&[&n2, &n3], &store).await {
+        r.unwrap();
+    }
+    assert!(
+        [&n2, &n3]
+            .iter()
+            .any(|n| read_tree(n.dir.path()) != files && n.progress.snapshot().peer_bytes > 0),
+        "n1 served its user's bytes to the job's other nodes"
+    );
+
+    // A later job on n2, alone: from its cache what it holds, the rest from the origin.
+    std::fs::remove_dir_all(n2.dir.path().join("ds")).unwrap();
+    n2.progress = Arc::new(Progress::new(&spec()));
+    crate::stage::object::stage(
+        &n2.ctx,
+        &spec(),
+        store.clone() as Arc<dyn ObjectStore>,
+        "ds",
+        n2.progress.clone(),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    let got = read_tree(n2.dir.path());
+    for (k, v) in &files {
+        assert!(got[k] == *v, "the later job's {k} is not the origin's");
+    }
+    for n in [&n1, &n2, &n3] {
+        n.stop.cancel();
+    }
+}
+
+/// A committed cache entry whose bytes changed on disk (a byte flipped by root) is not served:
+/// the next job gets the origin's bytes, the entry is dropped and filled again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_corrupted_cache_entry_is_not_served() {
+    let (store, files) = origin().await;
+    let (mut ls, addrs) = listeners().await;
+    let (mut n, hot) = node_with_cache("n1", ls.remove(0), &addrs).await;
+    warm_alone(&mut n, &store).await;
+    let cache = n.ctx.cache.clone().unwrap();
+    let entries = cache.stats().entries;
+    // In a later clock tick than the entries' last change, as any write after a fill is.
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let mut flipped = 0;
+    for path in files_below(&hot.path().join("cache/data")) {
+        if path.extension().is_some_and(|e| e == "meta") {
+            continue;
+        }
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let mut b = [0u8; 1];
+        if std::os::unix::fs::FileExt::read_at(&f, &mut b, 0).unwrap() == 1 {
+            std::os::unix::fs::FileExt::write_all_at(&f, &[b[0] ^ 1], 0).unwrap();
+            flipped += 1;
+        }
+    }
+    assert!(flipped > 0);
+    store.served.store(0, Ordering::SeqCst);
+    warm_alone_keeping(&mut n, &store).await;
+    assert_eq!(
+        read_tree(n.dir.path()),
+        files,
+        "the job's copy is the origin's"
+    );
+    assert_eq!(
+        store.served.load(Ordering::SeqCst),
+        dataset_bytes(&files),
+        "every corrupted entry was read from the origin again"
+    );
+    assert_eq!(cache.stats().entries, entries, "and filled again");
+    n.stop.cancel();
+}
+
+/// [`warm_alone`] without emptying the stage directory after.
+async fn warm_alone_keeping(n: &mut Node, store: &Arc<CountingStore>) {
+    n.progress = Arc::new(Progress::new(&spec()));
+    crate::stage::object::stage(
+        &n.ctx,
+        &spec(),
+        store.clone() as Arc<dyn ObjectStore>,
+        "ds",
+        n.progress.clone(),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+}
