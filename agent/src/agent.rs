@@ -208,7 +208,7 @@ impl Agent {
     /// Starts serving peers (the job's other nodes fetch units of its datasets from this node) and
     /// shares the datasets of multi-node jobs (object stores and POSIX sources) from now on. Call before
     /// [`Agent::recover`], so that recovered jobs are shared too.
-    pub(crate) fn start_peers(&self, mut peers: NodePeers, service: crate::peer::PeerService) {
+    pub(crate) fn start_peers(&self, mut peers: NodePeers, service: impl crate::worker::Worker) {
         peers.share_cache(self.cache.clone());
         peers.serve_warm(stage::WarmHere {
             cfg: self.cfg.clone(),

@@ -22,10 +22,14 @@
 //! **A dead node is routed around.** While a node waits for the others' marks, it probes each node
 //! that has not marked its share through the peers layer: one request for the job on the node's
 //! peer port, MAC'd under the job's key ([`super::JobPeers::alive`]; the shared-tier job is
-//! registered with the peer server for this alone). Only an agent that cannot be reached (no
-//! connection, no answer within `[peer] read_timeout`, or the job ended there) counts, and only
-//! [`DEAD_AFTER`] times in a row, [`PROBE_EVERY`] apart: an agent that answers is alive and may be
-//! writing, however slowly, and such a node still fails the job at the stage timeout, named. The
+//! registered with the peer server for this alone). Only evidence no process without the job key
+//! can fake counts ([`crate::peer::PeerError::proves_gone`]): no connection, no answer within
+//! `[peer] read_timeout`, or an answer MAC'd under the job's key that the job ended there; and
+//! only [`DEAD_AFTER`] times in a row, [`PROBE_EVERY`] apart. An unsigned answer of any kind (a
+//! user's process can send one) and a connection accepted then closed unanswered (what an agent
+//! over its per-source or total connection limit does, so a user's flood of the peer port) are an
+//! agent still there. An agent that answers is alive and may be writing, however slowly, and
+//! such a node still fails the job at the stage timeout, named. The
 //! first node to find one dead makes its takeover mark ([`SharedJob::claim`]: written under a
 //! temporary name, then hard-linked into place, which fails if another node was first — so there is
 //! one takeover per lost node, naming the survivors, and every survivor follows it whoever found
@@ -80,19 +84,17 @@ const DEAD_AFTER: u32 = 3;
 #[async_trait::async_trait]
 pub trait Liveness: Send + Sync {
     /// `Err(why)` only when `node`'s agent cannot be reached for the job (down, hung, or the job
-    /// ended there). An agent that answers, even to refuse or because it does not know the job
-    /// yet, is alive: it may be writing its share.
+    /// ended there, MAC'd). An agent that answers, even to refuse or because it does not know the
+    /// job yet, or whose port takes the connection and closes it, is alive: it may be writing its
+    /// share.
     async fn check(&self, node: &str) -> Result<(), String>;
 }
 
 #[async_trait::async_trait]
 impl Liveness for super::JobPeers {
     async fn check(&self, node: &str) -> Result<(), String> {
-        use crate::peer::PeerError;
         match self.alive(node).await {
-            Err(e @ (PeerError::Unreachable { .. } | PeerError::Gone { .. })) => {
-                Err(super::peers::error_chain(&e))
-            }
+            Err(e) if e.proves_gone() => Err(super::peers::error_chain(&e)),
             Err(e) => {
                 tracing::debug!("liveness of {node}: {e} (counted as alive)");
                 Ok(())
