@@ -878,7 +878,9 @@ impl Agent {
             helper_exe: self.helper_exe.clone(),
             cancel: job.cancel.child_token(),
             budget: self.stage_budget.clone(),
-            shared_tier: shared_job.as_ref().map(|s| Arc::new(s.layout.clone())),
+            shared_tier: shared_job
+                .as_ref()
+                .map(|s| Arc::new(s.layout_for(&job.start.node))),
             cache: self.cache.clone(),
             resume,
         };
