@@ -29,11 +29,10 @@
 //! user's process can send one) and a connection accepted then closed unanswered (what an agent
 //! over its per-source or total connection limit does, so a user's flood of the peer port) are an
 //! agent still there. An agent that answers is alive and may be writing, however slowly, and
-//! such a node still fails the job at the stage timeout, named. The
-//! first node to find one dead makes its takeover mark ([`SharedJob::claim`]: written under a
-//! temporary name, then hard-linked into place, which fails if another node was first — so there is
-//! one takeover per lost node, naming the survivors, and every survivor follows it whoever found
-//! it). Each of the lost node's files then gets a new owner by rendezvous hashing over the
+//! such a node still fails the job at the stage timeout, named. The first node to find one dead
+//! makes its takeover mark ([`SharedJob::claim`]: written under a temporary name, then
+//! hard-linked into place, which fails if another node was first — so there is one takeover per
+//! lost node, naming the survivors, and every survivor follows it whoever found it). Each of the lost node's files then gets a new owner by rendezvous hashing over the
 //! survivors ([`ShardPlan::takeover`]): each is still written once, and read from the origin once
 //! more at most, through the same staging code and budget (bounded concurrency) as a node's own
 //! share. A survivor writes its part and marks it; a lost node counts as written once every
@@ -51,8 +50,8 @@
 //! file, so a node found dead never removes a file a survivor wrote, and the tasks never read one
 //! of its half-written files in a job marked written. Bytes a lost agent still writes through a
 //! descriptor it holds go to the file the survivor replaced, never to the one the tasks read.
-//! **A lost agent that comes back** (restarted from its journal, or a hung one that
-//! wakes) honours the takeover: a restarted one finds the mark when it opens the job's directory
+//! **A lost agent that comes back** (restarted from its journal, or a hung one that wakes)
+//! honours the takeover: a restarted one finds the mark when it opens the job's directory
 //! and does not write its share, even on a fresh start of the job; one still writing checks for
 //! the mark every second and stops, and a file it creates meanwhile is refused at a name the
 //! survivors wrote; neither marks its share then. It waits for the survivors' parts like any
@@ -66,8 +65,8 @@
 //! is taken for dead — its files stay the survivors', as above, but a POSIX dataset's copy helper
 //! (running as the job user, who cannot read the marks) removes the names of its share when it
 //! starts, so a helper started in the moment of a takeover can still remove a survivor's file
-//! before the agent stops it; a requeued job
-//! whose previous run's job end ran on no node at all may find that run's marks of the other nodes.
+//! before the agent stops it (within a second); a requeued job whose previous run's job end ran
+//! on no node at all may find that run's marks of the other nodes.
 
 use super::{ShardPlan, StageError};
 use sluice_archive::config::{SharedTierConfig, StripeClass};
