@@ -202,7 +202,7 @@ impl Agent {
     /// Starts serving peers (the job's other nodes fetch units of its datasets from this node) and
     /// shares the datasets of multi-node jobs (object stores and POSIX sources) from now on. Call before
     /// [`Agent::recover`], so that recovered jobs are shared too.
-    pub(crate) fn start_peers(&self, mut peers: NodePeers, service: crate::peer::PeerService) {
+    pub(crate) fn start_peers(&self, mut peers: NodePeers, service: impl crate::worker::Worker) {
         peers.share_cache(self.cache.clone());
         peers.serve_warm(stage::WarmHere {
             cfg: self.cfg.clone(),
@@ -880,7 +880,9 @@ impl Agent {
             helper_exe: self.helper_exe.clone(),
             cancel: job.cancel.child_token(),
             budget: self.stage_budget.clone(),
-            shared_tier: shared_job.as_ref().map(|s| Arc::new(s.layout.clone())),
+            shared_tier: shared_job
+                .as_ref()
+                .map(|s| Arc::new(s.layout_for(&job.start.node))),
             cache: self.cache.clone(),
             resume,
         };

@@ -1,17 +1,26 @@
 //! The agent's two small HTTP/1.1 servers, the Prometheus endpoint and the peer port, share one
-//! accept loop: hyper speaks the protocol; this bounds the connections held at once (one over the
-//! bound is closed at once, never queued), times out slow request headers, caps the header buffer,
-//! and on cancellation cuts every connection short and waits for them.
+//! accept loop: hyper speaks the protocol; this bounds the connections held at once, in all and
+//! per source address (one over either bound is closed at once, never queued), times out slow
+//! request headers, caps the header buffer, and on cancellation cuts every connection short and
+//! waits for them.
+//!
+//! The per-source bound is what keeps one address (a user's processes on one node) from taking
+//! every slot: the agents of the job's other nodes still get theirs. A connection closed for being
+//! over a bound is one a client sees accepted and then closed without an answer, which the peer
+//! client tells apart from an agent that is gone (no connection at all, or no answer in time): a
+//! full server is a live one. Such closures are logged at a bounded rate ([`LogLimit`]).
 
 use hyper::body::{Body, Incoming};
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
+use std::collections::HashMap;
 use std::convert::Infallible;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -20,11 +29,95 @@ use tokio_util::task::TaskTracker;
 pub(crate) struct Limits {
     /// Connections served at once.
     pub max_connections: usize,
+    /// Connections served at once from one source address.
+    pub max_per_source: usize,
     /// How long a client may take to send a request's headers (also the idle timeout between
     /// requests of a kept-alive connection).
     pub header_timeout: Duration,
     /// The largest buffer hyper keeps for a request's head.
     pub max_buf_size: usize,
+}
+
+/// A log line that anyone on the network can cause (a refused request, a connection over a
+/// bound) is written at most once per period; the ones held back in between are counted into
+/// the next, so a flood costs a line per period, not one per request.
+pub(crate) struct LogLimit {
+    every: Duration,
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl LogLimit {
+    pub(crate) fn new(every: Duration) -> LogLimit {
+        LogLimit {
+            every,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(held)`: write the line now, saying that `held` like it were held back since the last
+    /// one; `None`: this one is held back (and counted).
+    pub(crate) fn admit(&self) -> Option<u64> {
+        let now = Instant::now();
+        let mut st = sluice_archive::rt::lock(&self.state);
+        let (last, held) = &mut *st;
+        if last.is_some_and(|t| now.duration_since(t) < self.every) {
+            *held += 1;
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(held))
+    }
+}
+
+/// How often a line the network can cause is written at most.
+pub(crate) const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The text that says how many lines were held back before this one ("" for none).
+pub(crate) fn held_back(held: u64) -> String {
+    if held == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({held} more like it in the last {}s not logged)",
+            LOG_EVERY.as_secs()
+        )
+    }
+}
+
+/// The connections of each source address being served; a [`SourceSlot`] gives one back.
+#[derive(Default)]
+struct Sources(Mutex<HashMap<IpAddr, usize>>);
+
+struct SourceSlot {
+    sources: Arc<Sources>,
+    ip: IpAddr,
+}
+
+impl Sources {
+    fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<SourceSlot> {
+        let mut held = sluice_archive::rt::lock(&self.0);
+        let n = held.entry(ip).or_default();
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot {
+            sources: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut held = sluice_archive::rt::lock(&self.sources.0);
+        if let Some(n) = held.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// Serves `listener` until `cancel`: each request of a connection is answered by `answer(request,
@@ -44,6 +137,8 @@ pub(crate) async fn serve<F, Fut, B>(
 {
     let conns = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let sources = Arc::new(Sources::default());
+    let over = LogLimit::new(LOG_EVERY);
     loop {
         let accepted = tokio::select! {
             r = listener.accept() => r,
@@ -58,14 +153,31 @@ pub(crate) async fn serve<F, Fut, B>(
                 continue;
             }
         };
+        let Some(source) = sources.take(remote.ip(), limits.max_per_source.max(1)) else {
+            if let Some(held) = over.admit() {
+                tracing::warn!(
+                    "{what}: connection from {remote} closed: {} connections from {} are being served already, the most one address may hold{}",
+                    limits.max_per_source,
+                    remote.ip(),
+                    held_back(held)
+                );
+            }
+            continue;
+        };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::debug!("{what}: connection from {remote} closed: all slots in use");
+            if let Some(held) = over.admit() {
+                tracing::warn!(
+                    "{what}: connection from {remote} closed: all {} connection slots in use{}",
+                    limits.max_connections,
+                    held_back(held)
+                );
+            }
             continue;
         };
         let _ = stream.set_nodelay(true);
         let (answer, cancel) = (answer.clone(), cancel.clone());
         conns.spawn(async move {
-            let _slot = slot;
+            let _slots = (slot, source);
             let svc = hyper::service::service_fn(move |req| {
                 let answer = answer.clone();
                 async move { Ok::<_, Infallible>(answer(req, remote).await) }
@@ -85,4 +197,31 @@ pub(crate) async fn serve<F, Fut, B>(
     }
     conns.close();
     conns.wait().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_limited_log_writes_one_line_per_period_and_counts_the_rest() {
+        let log = LogLimit::new(Duration::from_secs(10));
+        assert_eq!(log.admit(), Some(0), "the first line is written");
+        for _ in 0..999 {
+            assert_eq!(log.admit(), None);
+        }
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert_eq!(log.admit(), None, "still within the period");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(
+            log.admit(),
+            Some(1000),
+            "the next line counts the held-back ones"
+        );
+        assert_eq!(log.admit(), None);
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(log.admit(), Some(1));
+        assert!(held_back(1000).contains("1000 more like it"));
+        assert_eq!(held_back(0), "");
+    }
 }

@@ -664,6 +664,7 @@ pub(crate) async fn serve(agent: Arc<Agent>, listener: TcpListener, cancel: Canc
     }
     let limits = crate::http::Limits {
         max_connections: MAX_CONNECTIONS,
+        max_per_source: MAX_CONNECTIONS,
         header_timeout: HEADER_TIMEOUT,
         max_buf_size: 16 << 10,
     };

@@ -278,6 +278,16 @@ impl JobKey {
             .is_ok()
     }
 
+    /// The same key without the node list (which [`has_node`](Self::has_node) then finds
+    /// empty): what the peer server keeps of an ended job, to MAC its `410` answers.
+    pub(crate) fn without_nodes(&self) -> JobKey {
+        JobKey {
+            job: self.job,
+            nodes: Vec::new(),
+            key: self.key,
+        }
+    }
+
     fn mac(&self, parts: &[&[u8]]) -> blake3::Hash {
         let mut h = blake3::Hasher::new_keyed(&self.key);
         for part in parts {

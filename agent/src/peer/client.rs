@@ -5,8 +5,14 @@
 //! verifies for this very request: a unit's data then has to match the MAC'd length and BLAKE3
 //! hash before [`PeerClient::fetch`] returns it. A user process that bound the peer port, or a
 //! relay that changed a byte, therefore yields [`PeerError::Corrupt`], never wrong data; answers it
-//! could forge without the key (401, 403, 404, 410) only ever make the caller read the origin
-//! itself.
+//! could forge without the key (401, 403, 404, an unsigned 410) only ever make the caller read the
+//! origin itself.
+//!
+//! **What proves an agent gone** ([`PeerError::proves_gone`], the shared tier's takeover): no
+//! connection at all, no answer within the wait, or a `410 job gone` MAC'd for the request. Not an
+//! unsigned answer of any kind (anyone who can reach the port can send one), and not a connection
+//! accepted then closed without an answer ([`PeerError::Dropped`]): that is what an agent over its
+//! connection limits does (`http`), so a flood at a live agent never reads as its death.
 //!
 //! `fetch` waits for a unit the owner is still reading (the server's long polls, each bounded
 //! by the poll window plus the read timeout, so a silent owner is told apart from a busy one), and
@@ -60,6 +66,15 @@ pub enum PeerError {
         #[source]
         source: BoxError,
     },
+    /// The connection was accepted, then closed or reset before any answer: the agent is over its
+    /// connection limits (a flood from this node's address or from many), or something else took
+    /// its port. No evidence that the agent is gone; for a unit, read it elsewhere.
+    #[error("peer {addr} closed the connection without an answer (busy?): {source}")]
+    Dropped {
+        addr: String,
+        #[source]
+        source: BoxError,
+    },
     /// The peer refused the request (401, 403, 400, ...): this node is not an agent of the job in
     /// the peer's eyes — another cluster secret, another node list, a clock off by more than the
     /// allowed skew. A configuration error on one side; read the origin and tell the admin.
@@ -74,7 +89,8 @@ pub enum PeerError {
     /// or its agent restarted and lost it).
     #[error("peer {addr} does not know job {job}")]
     UnknownJob { addr: String, job: JobId },
-    /// The job ended on the peer.
+    /// The job ended on the peer: its answer said so, MAC'd for the request (an unsigned 410 is
+    /// [`PeerError::Refused`]).
     #[error("job {job} has ended on peer {addr}")]
     Gone { addr: String, job: JobId },
     /// The peer says it does not own the unit: the nodes disagree on the node list or unit size.
@@ -117,6 +133,16 @@ pub enum PeerError {
         #[source]
         source: BoxError,
     },
+}
+
+impl PeerError {
+    /// Whether this error is evidence that the peer's agent is gone for the job (the shared
+    /// tier's liveness, see the module header): it could not be reached at all or in time, or it
+    /// said, under the job's key, that the job ended there. Nothing a process without the key can
+    /// send is.
+    pub fn proves_gone(&self) -> bool {
+        matches!(self, PeerError::Unreachable { .. } | PeerError::Gone { .. })
+    }
 }
 
 /// Where [`PeerClient::fetch_into`] puts a unit's bytes as they arrive.
@@ -467,7 +493,9 @@ impl PeerClient {
     /// timeout). `Ok` when the agent answered for the job under its key, whatever it said (an
     /// agent answers `409 not owner`; one still busy answers `503`); otherwise why not:
     /// [`PeerError::Unreachable`] (no connection, no answer in time: its agent is down or hangs),
-    /// [`PeerError::Gone`] (the job ended there), [`PeerError::UnknownJob`], [`PeerError::Refused`].
+    /// [`PeerError::Gone`] (the job ended there, MAC'd), [`PeerError::Dropped`] (accepted and
+    /// closed: over its limits), [`PeerError::UnknownJob`], [`PeerError::Refused`] (an unsigned
+    /// refusal, 410 included). Only [`PeerError::proves_gone`] errors say the agent is gone.
     /// It takes no fetch slot: a probe never waits behind transfers.
     pub async fn probe_alive(
         &self,
@@ -524,7 +552,17 @@ impl PeerClient {
         let res: Response<Incoming> = timeout(wait, self.http.request(req))
             .await
             .map_err(|_| unreachable(format!("no answer within {wait:?}").into()))?
-            .map_err(|e| unreachable(Box::new(e)))?;
+            .map_err(|e| {
+                if e.is_connect() {
+                    unreachable(Box::new(e))
+                } else {
+                    // Connected, then closed before an answer: a full server, not a dead one.
+                    PeerError::Dropped {
+                        addr: addr.into(),
+                        source: Box::new(e),
+                    }
+                }
+            })?;
         let status = res.status();
         let their_mac = parse_hash(res.headers().get(MAC_HEADER));
         if status == StatusCode::OK {
@@ -610,7 +648,7 @@ impl PeerClient {
                 unit: unit.name(),
                 reason: text,
             }),
-            (_, StatusCode::GONE) => Err(PeerError::Gone { addr, job: job_id }),
+            (true, StatusCode::GONE) => Err(PeerError::Gone { addr, job: job_id }),
             (false, StatusCode::NOT_FOUND) => Ok(Answer::UnknownJob),
             (false, s) if s.is_client_error() => Err(PeerError::Refused {
                 addr,

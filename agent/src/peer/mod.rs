@@ -60,7 +60,10 @@
 //! A liveness probe (`client::PeerClient::probe_alive`, for `--stage-tier=shared`: is the agent of
 //! a node that has not written its share still there?) is a `units` request for the file
 //! `client::ALIVE_PROBE`, which no job has: an agent that knows the job answers `409 not owner` at
-//! once, MAC'd; no answer at all is what counts as dead.
+//! once, MAC'd. What counts as dead is only what a process without the job key cannot fake: no
+//! connection, no answer in time, or a `410` MAC'd for the probe. An unsigned answer (a `410`
+//! included) or a connection accepted then closed unanswered (what a server over its per-source or
+//! total connection limit does) is an agent, or its port, still there.
 //!
 //! A unit's `file` is the dataset path; for an object listed with an ETag (or a version id), the
 //! path, a NUL and that version ([`versioned`]): nodes that listed two versions of an overwritten
@@ -92,8 +95,8 @@ pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
 pub use owner::{Unit, owner_of, unit_path, units_of, versioned};
 pub use pieces::UnitPieces;
 pub use server::{
-    AdminSource, CachedObject, HashFrom, PeerServer, PeerServerError, PeerService, ServerConfig,
-    UnitData, UnitError, UnitSource, UnitStream,
+    AdminSource, CachedObject, HashFrom, PeerRebind, PeerServer, PeerServerError, PeerService,
+    PeerWorker, ServerConfig, UnitData, UnitError, UnitSource, UnitStream,
 };
 
 /// How long the server holds a request for a unit the owner is still reading before it answers

@@ -9,6 +9,13 @@
 //! (else 400). None of these answers carries data, and each closes the connection. From here on
 //! the request is an agent of the job, and every answer carries a MAC (see `auth`).
 //!
+//! The one refusal that is MAC'd is `410` for a job that ended here, when the request's MAC
+//! verifies under the ended job's key (kept, without its node list, for the last [`ENDED_KEPT`]
+//! jobs): "the job ended on this node" decides that a node is gone for the shared tier's takeover
+//! (`stage::shared`), so the requester believes it only signed. Anyone can send requests, so
+//! refusals are logged at a bounded rate, a line per [`crate::http::LOG_EVERY`] at most, with
+//! the count of those not logged.
+//!
 //! A unit the owner has not read yet is **waited for** (pipelining: a peer asks for unit k while
 //! the owner is still reading unit k−5), up to the long-poll window; then the answer is `503
 //! pending` and the client asks again, so a silent peer is told apart from a busy one by the
@@ -17,8 +24,9 @@
 //! dropped). A source that streams ([`UnitSource::unit_stream`], the stager's, reading its staged
 //! copy as the body goes out) holds about one slice per response; one that answers with the whole
 //! unit ([`UnitSource::unit`]) holds up to `max_unit`, sent in 1 MiB slices of the one buffer. At
-//! most `max_connections` connections, and one that sends no request headers within
-//! `idle_timeout` is closed (an idle keep-alive connection too).
+//! most `max_connections` connections, `max_per_source` of them from one address (so that a
+//! flood from one node cannot keep the job's other agents out), and one that sends no request
+//! headers within `idle_timeout` is closed (an idle keep-alive connection too).
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -200,6 +208,9 @@ pub struct ServerConfig {
     /// How long a request waits for a unit the owner has not read yet before `503 pending`.
     pub poll: Duration,
     pub max_connections: usize,
+    /// Connections at once from one source address: one node's agent opens at most
+    /// `2 × concurrency` (fetches and cache requests) and its liveness probes.
+    pub max_per_source: usize,
     /// A connection that sends no request headers for this long is closed.
     pub idle_timeout: Duration,
 }
@@ -212,6 +223,7 @@ impl ServerConfig {
             max_skew: MAX_SKEW,
             poll: LONG_POLL,
             max_connections: 1024,
+            max_per_source: 2 * cfg.concurrency + 16,
             idle_timeout: Duration::from_secs(15),
         }
     }
@@ -250,9 +262,12 @@ struct Inner {
     admin: std::sync::OnceLock<Arc<dyn AdminSource>>,
     cfg: ServerConfig,
     jobs: Mutex<HashMap<JobId, Arc<JobEntry>>>,
-    /// Jobs unregistered lately, so their late requests get 410 rather than 404.
-    ended: Mutex<VecDeque<JobId>>,
+    /// Jobs unregistered lately, with their keys (no node lists), so that their late requests
+    /// get a 410 MAC'd for them rather than a 404.
+    ended: Mutex<VecDeque<(JobId, JobKey)>>,
     responses: Arc<Semaphore>,
+    /// Refusals of requests not (yet) authenticated: anyone can cause them.
+    refusals: crate::http::LogLimit,
 }
 
 struct JobEntry {
@@ -281,6 +296,7 @@ impl PeerServer {
                 jobs: Mutex::new(HashMap::new()),
                 ended: Mutex::new(VecDeque::new()),
                 responses,
+                refusals: crate::http::LogLimit::new(crate::http::LOG_EVERY),
             }),
         }
     }
@@ -330,7 +346,7 @@ impl PeerServer {
             source,
             ended: CancellationToken::new(),
         });
-        lock(&self.inner.ended).retain(|j| *j != job);
+        lock(&self.inner.ended).retain(|(j, _)| *j != job);
         if let Some(old) = lock(&self.inner.jobs).insert(job, entry) {
             old.ended.cancel();
         }
@@ -339,12 +355,13 @@ impl PeerServer {
     /// Stops serving `job` (its end): requests waiting for one of its units answer 410 now, later
     /// ones 410 as well.
     pub fn unregister(&self, job: JobId) {
-        if let Some(old) = lock(&self.inner.jobs).remove(&job) {
-            old.ended.cancel();
-        }
+        let Some(old) = lock(&self.inner.jobs).remove(&job) else {
+            return;
+        };
+        old.ended.cancel();
         let mut ended = lock(&self.inner.ended);
-        ended.retain(|j| *j != job);
-        ended.push_back(job);
+        ended.retain(|(j, _)| *j != job);
+        ended.push_back((job, old.key.without_nodes()));
         if ended.len() > ENDED_KEPT {
             ended.pop_front();
         }
@@ -360,6 +377,7 @@ impl PeerServer {
     pub async fn serve(&self, listener: TcpListener, cancel: CancellationToken) {
         let limits = crate::http::Limits {
             max_connections: self.inner.cfg.max_connections,
+            max_per_source: self.inner.cfg.max_per_source,
             header_timeout: self.inner.cfg.idle_timeout,
             max_buf_size: 64 << 10,
         };
@@ -395,6 +413,96 @@ impl Worker for PeerService {
     async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
         status.set("serving");
         self.server.serve(self.listener, cancel).await;
+    }
+}
+
+/// How often an agent whose peer port was taken tries to bind it again.
+pub const REBIND_EVERY: Duration = Duration::from_secs(10);
+
+/// The peer server of an agent that could not bind its peer port at start — most likely a
+/// process (a user's: the port is 1024 or above) bound it first. The agent does not give peers up
+/// for its life: it says so loudly, with what to do, and binds the port as soon as it is free,
+/// every [`REBIND_EVERY`]. Until then the job's other nodes cannot reach this node (their fetches
+/// read the origin instead, and on the shared tier they may take this node's share over, which
+/// this node then honours, see `stage::shared`); this node's own fetches work. Its worker status
+/// says `port taken, retrying`, with the bind error.
+pub struct PeerRebind {
+    pub server: PeerServer,
+    pub listen: String,
+    /// Why the first bind failed.
+    pub error: PeerServerError,
+    /// How often it tries again ([`REBIND_EVERY`]).
+    pub every: Duration,
+}
+
+impl Worker for PeerRebind {
+    fn name(&self) -> String {
+        format!("peer server {}", self.listen)
+    }
+
+    async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
+        let mut error = self.error.to_string();
+        let log = crate::http::LogLimit::new(Duration::from_secs(300));
+        loop {
+            status.set("port taken, retrying");
+            status.turn(Some(error.clone()));
+            if let Some(held) = log.admit() {
+                tracing::error!(
+                    "{error}: the job's other nodes cannot reach this node's agent for peer transfers until it can; trying again every {}s{}. If another process holds the port, stop it, and set [peer] listen/addr to a port below 1024, which no user process can take",
+                    self.every.as_secs_f32(),
+                    if held > 0 {
+                        format!(" ({held} tries since the last line)")
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.every) => {}
+                _ = cancel.cancelled() => return,
+            }
+            match tokio::net::TcpListener::bind(&self.listen).await {
+                Ok(listener) => {
+                    tracing::warn!(
+                        "peer server: bound {} at last; peer transfers on",
+                        self.listen
+                    );
+                    status.set("serving");
+                    status.turn(None);
+                    self.server.serve(listener, cancel).await;
+                    return;
+                }
+                Err(source) => {
+                    error = PeerServerError::Listen {
+                        addr: self.listen.clone(),
+                        source,
+                    }
+                    .to_string();
+                }
+            }
+        }
+    }
+}
+
+/// The peer server as the agent starts it: serving, or waiting for its port.
+pub enum PeerWorker {
+    Serving(PeerService),
+    Rebinding(PeerRebind),
+}
+
+impl Worker for PeerWorker {
+    fn name(&self) -> String {
+        match self {
+            PeerWorker::Serving(s) => s.name(),
+            PeerWorker::Rebinding(r) => r.name(),
+        }
+    }
+
+    async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
+        match self {
+            PeerWorker::Serving(s) => s.run(cancel, status).await,
+            PeerWorker::Rebinding(r) => r.run(cancel, status).await,
+        }
     }
 }
 
@@ -616,20 +724,61 @@ pub(crate) fn cached_unit(object: &CachedObject, offset: u64, len: u64) -> Unit 
 const CACHED_SLOT_WAIT: Duration = Duration::from_secs(2);
 
 impl Inner {
-    fn job(&self, job: JobId) -> Result<Arc<JobEntry>, StatusCode> {
+    /// The registered job, or (`Err(Some(key))`) the key of a job that ended here, or `Err(None)`.
+    fn job(&self, job: JobId) -> Result<Arc<JobEntry>, Option<JobKey>> {
         if let Some(e) = lock(&self.jobs).get(&job) {
             return Ok(e.clone());
         }
-        if lock(&self.ended).contains(&job) {
-            Err(StatusCode::GONE)
-        } else {
-            Err(StatusCode::NOT_FOUND)
+        Err(lock(&self.ended)
+            .iter()
+            .find(|(j, _)| *j == job)
+            .map(|(_, k)| k.clone()))
+    }
+
+    /// Logs a refusal, at most one line per period (see [`crate::http::LogLimit`]).
+    fn log_refusal(&self, what: &str, remote: SocketAddr, status: StatusCode, reason: &str) {
+        if let Some(held) = self.refusals.admit() {
+            warn!(
+                "{what} from {remote} refused ({status}): {reason}{}",
+                crate::http::held_back(held)
+            );
+        }
+    }
+
+    /// `410` for a request of a job that ended here: MAC'd for it when its MAC verifies under the
+    /// job's key (so an agent of the job may believe it), bare otherwise.
+    fn answer_ended(
+        &self,
+        key: &JobKey,
+        resource: Resource,
+        pq: &str,
+        node: &str,
+        time: u64,
+        mac: blake3::Hash,
+    ) -> Response<Body> {
+        let job = key.job();
+        let reason = format!("job {job} has ended on this node");
+        let query = pq.split_once('?').map_or("", |(_, q)| q);
+        let unit = match resource {
+            Resource::Units => parse_query(query).ok(),
+            Resource::Cached => parse_cached_query(query)
+                .ok()
+                .map(|(o, offset, len)| cached_unit(&o, offset, len)),
+        };
+        match unit {
+            Some(unit) if key.request_mac("GET", pq, node, time) == mac => Signer {
+                key,
+                unit: &unit,
+                request: mac,
+            }
+            .status(StatusCode::GONE, &reason),
+            _ => refuse(StatusCode::GONE, reason),
         }
     }
 
     async fn answer(&self, req: Request<Incoming>, remote: SocketAddr) -> Response<Body> {
         let refused = |status: StatusCode, reason: String| {
-            warn!("peer request from {remote} refused ({status}): {reason}");
+            self.log_refusal("peer request", remote, status, &reason);
             refuse(status, reason)
         };
         if req.uri().path() == ADMIN_WARM_PATH {
@@ -661,20 +810,20 @@ impl Inner {
                 ),
             );
         };
+        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
         let entry = match self.job(job) {
             Ok(e) => e,
-            Err(StatusCode::GONE) => {
+            Err(Some(ended)) => {
+                return self.answer_ended(&ended, resource, pq, node, time, mac);
+            }
+            Err(None) => {
+                debug!("peer request from {remote} (node {node}) for unknown job {job}");
                 return refuse(
-                    StatusCode::GONE,
-                    format!("job {job} has ended on this node"),
+                    StatusCode::NOT_FOUND,
+                    format!("job {job} is not known on this node"),
                 );
             }
-            Err(status) => {
-                debug!("peer request from {remote} (node {node}) for unknown job {job}");
-                return refuse(status, format!("job {job} is not known on this node"));
-            }
         };
-        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
         // blake3::Hash's equality is constant-time.
         if entry.key.request_mac("GET", pq, node, time) != mac {
             return refused(
@@ -756,7 +905,7 @@ impl Inner {
     /// the warm runs, as long as it takes; its report (or why it failed) is MAC'd for the request.
     async fn answer_admin(&self, req: Request<Incoming>, remote: SocketAddr) -> Response<Body> {
         let refused = |status: StatusCode, reason: String| {
-            warn!("peer admin request from {remote} refused ({status}): {reason}");
+            self.log_refusal("peer admin request", remote, status, &reason);
             refuse(status, reason)
         };
         if req.method() != Method::POST {

@@ -111,6 +111,7 @@ fn server_cfg() -> ServerConfig {
         max_skew: Duration::from_secs(120),
         poll: Duration::from_millis(200),
         max_connections: 64,
+        max_per_source: 8,
         idle_timeout: Duration::from_secs(5),
     }
 }
@@ -1079,4 +1080,169 @@ async fn a_liveness_probe_tells_a_live_agent_from_a_dead_one() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let e = c.probe_alive(&addr, &key(), wait).await.unwrap_err();
     assert!(matches!(e, PeerError::Unreachable { .. }), "{e}");
+}
+
+/// "The job ended here" takes a node out of the shared tier's count of the living: only a 410
+/// MAC'd for the probe says so. Anyone who can reach the port (a user's process that took it, a
+/// relay) can send a bare 410.
+#[tokio::test]
+async fn an_unsigned_gone_is_no_evidence_that_an_agent_is_dead() {
+    let c = PeerClient::new("n2", client_cfg());
+    let wait = Duration::from_secs(2);
+    let forged =
+        fake_server(|_| b"HTTP/1.1 410 Gone\r\ncontent-length: 8\r\n\r\njob gone".to_vec()).await;
+    let e = c.probe_alive(&forged, &key(), wait).await.unwrap_err();
+    assert!(
+        matches!(e, PeerError::Refused { status: 410, .. }),
+        "a bare 410 is a refusal, not the job's end: {e}"
+    );
+    assert!(!e.proves_gone(), "{e}");
+    // A real agent's 410 for a job that ended there is MAC'd for the request: believed.
+    let r = start(server_cfg()).await;
+    let src = Arc::new(MemSource::default());
+    r.server
+        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    r.server.unregister(JOB);
+    let e = c.probe_alive(&r.addr, &key(), wait).await.unwrap_err();
+    assert!(
+        matches!(e, PeerError::Gone { job: JOB, .. }) && e.proves_gone(),
+        "{e}"
+    );
+    // Asked under another key (another node list), the ended job's 410 cannot be MAC'd for it.
+    let other = secret().job_key(JOB, &names(&["n1", "n3"]));
+    let e = c.probe_alive(&r.addr, &other, wait).await.unwrap_err();
+    assert!(!e.proves_gone(), "{e}");
+}
+
+/// Opens `n` connections to `addr` from `source` (another loopback address stands for another
+/// node) and holds them, sending nothing: a user's flood of the peer port.
+async fn flood(addr: &str, source: &str, n: usize) -> Vec<TcpStream> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind(format!("{source}:0").parse().unwrap()).unwrap();
+        held.push(s.connect(addr.parse().unwrap()).await.unwrap());
+    }
+    // Let the server's accept loop take them all.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    held
+}
+
+/// More connections than the server takes in all, from one address: the job's agents on other
+/// addresses still get in, and one on the flooding address finds its connection closed, which is
+/// no evidence that the agent is gone.
+#[tokio::test]
+async fn a_flood_of_connections_from_one_address_does_not_make_a_live_agent_look_dead() {
+    let r = start(server_cfg()).await;
+    let src = Arc::new(MemSource::default());
+    r.server
+        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let wait = Duration::from_secs(2);
+    let _flood = flood(&r.addr, "127.0.0.2", 2 * server_cfg().max_connections).await;
+    PeerClient::new("n2", client_cfg())
+        .probe_alive(&r.addr, &key(), wait)
+        .await
+        .expect("the agent is alive and answers a node the flood does not come from");
+    // From the flooding address itself (a user on the prober's node) the probe is turned away,
+    // and that does not read as a dead agent.
+    let _more = flood(&r.addr, "127.0.0.1", server_cfg().max_per_source).await;
+    let e = PeerClient::new("n2", client_cfg())
+        .probe_alive(&r.addr, &key(), wait)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Dropped { .. }), "{e}");
+    assert!(!e.proves_gone(), "{e}");
+}
+
+/// A flood of unauthenticated requests costs the log one line per period, which counts the rest.
+#[tokio::test]
+async fn refusals_are_logged_at_a_bounded_rate() {
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            lock(&self.0).extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let w = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || w.clone())
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .finish();
+    // This test's runtime has one thread: the server's tasks log through this subscriber.
+    let _log = tracing::subscriber::set_default(subscriber);
+    let r = start(server_cfg()).await;
+    for _ in 0..50 {
+        let (status, _) = raw_get(
+            &r.addr,
+            &format!("/v1/jobs/{JOB}/units?file=f&offset=0&len=1"),
+            &[],
+        )
+        .await;
+        assert_eq!(status, 401);
+    }
+    let text = String::from_utf8(lock(&lines.0).clone()).unwrap();
+    let refused: Vec<&str> = text.lines().filter(|l| l.contains("refused")).collect();
+    assert_eq!(refused.len(), 1, "{text}");
+    assert!(refused[0].contains("unauthenticated"), "{text}");
+}
+
+/// An agent whose peer port another process took at start does not give peers up: it serves as
+/// soon as the port is free, and says in its status why it does not yet.
+#[tokio::test]
+async fn an_agent_whose_port_was_taken_serves_once_it_is_free() {
+    let squatter = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = squatter.local_addr().unwrap().to_string();
+    let error = crate::peer::PeerServerError::Listen {
+        addr: addr.clone(),
+        source: TcpListener::bind(&addr).await.unwrap_err(),
+    };
+    let server = PeerServer::new(secret(), server_cfg());
+    let src = Arc::new(MemSource::default());
+    server.register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let (tracker, cancel) = (
+        tokio_util::task::TaskTracker::new(),
+        CancellationToken::new(),
+    );
+    let workers = crate::worker::Workers::new(tracker.clone(), cancel.clone());
+    workers.spawn(PeerWorker::Rebinding(PeerRebind {
+        server,
+        listen: addr.clone(),
+        error,
+        every: Duration::from_millis(100),
+    }));
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let s = workers.statuses();
+    assert_eq!(s[0].state, "port taken, retrying");
+    assert!(
+        s[0].last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("cannot listen for peers"),
+        "{s:?}"
+    );
+    drop(squatter);
+    let c = PeerClient::new("n2", client_cfg());
+    let t = tokio::time::Instant::now();
+    while c
+        .probe_alive(&addr, &key(), Duration::from_secs(1))
+        .await
+        .is_err()
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the port was never bound"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(workers.statuses()[0].state, "serving");
+    cancel.cancel();
+    tracker.close();
+    tracker.wait().await;
 }

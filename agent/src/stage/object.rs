@@ -987,7 +987,11 @@ pub(super) async fn stage(
         progress: progress.clone(),
         peers,
         name: spec.name.clone(),
-        shared_tier: ctx.shared_tier.clone(),
+        // Whose files these are decides what it may replace on the shared tier.
+        shared_tier: ctx
+            .shared_tier
+            .as_ref()
+            .map(|l| Arc::new(l.for_plan(shard))),
         cache: ctx.cache.clone(),
         cfg: ctx.cfg.clone(),
         bucket_url: spec.source.bucket_url().unwrap_or_default(),
@@ -1318,9 +1322,11 @@ pub(super) async fn warm(
 }
 
 /// Creates the staged file `name` (of `size` bytes) in `dir`, owned by the job user. On the shared
-/// tier a file of that name left by an earlier run of the job id is removed first (this node owns
-/// the name now), and the file gets its size class's layout. With `replace` (an agent restarted
-/// while staging), so is what the run before left at that name. Errors as (errno, text).
+/// tier the file gets its size class's layout, and something already at the name (left by an
+/// earlier run of the job id, or by a lost node) is replaced only if this node owns the name and
+/// its share was not taken over ([`super::shared::create_file`]): a node found dead never removes
+/// a file a survivor wrote. With `replace` (an agent restarted while staging on its own hot
+/// tier), what the run before left at that name is removed first. Errors as (errno, text).
 fn new_file(
     dir: &OwnedFd,
     name: &str,
@@ -1337,7 +1343,6 @@ fn new_file(
             safefs::create_file(dir, name, Some(owner), 0o644).map_err(errno_text)
         }
         Some(layout) => {
-            safefs::remove_tree(dir, name).map_err(errno_text)?;
             super::shared::create_file(dir, name, size, owner, layout).map_err(|e| (None, e))
         }
     }
@@ -1381,6 +1386,72 @@ impl Drop for DatasetDone {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shared tier's files: a node found dead while it is alive (its peer port flooded, say)
+    /// goes on writing its share until it sees the takeover; what it creates then must never
+    /// replace a file a survivor wrote, or the job's tasks would read its half-written file.
+    #[test]
+    fn a_node_found_dead_never_replaces_a_file_a_survivor_wrote() {
+        use super::super::shared::{SharedJob, Takeover};
+        let root = tempfile::tempdir().unwrap();
+        let cfg = sluice_archive::config::SharedTierConfig {
+            job_dir: format!("{}/job-%j", root.path().display()),
+            lfs: "lfs".into(),
+            stripes: Vec::new(),
+        };
+        let owner = Owner {
+            uid: nix::unistd::getuid().as_raw(),
+            gid: nix::unistd::getgid().as_raw(),
+        };
+        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
+        let n1 = SharedJob::open(&cfg, 11, "n1", owner, true).unwrap();
+        let n2 = SharedJob::open(&cfg, 11, "n2", owner, true).unwrap();
+        let path = root.path().join("job-11/stage/x");
+        let write = |f: std::io::Result<std::fs::File>, bytes: &[u8]| {
+            std::io::Write::write_all(&mut f.unwrap(), bytes).unwrap()
+        };
+        let create = |job: &SharedJob, layout: &super::super::shared::Layout| {
+            new_file(&job.stage, "x", 8, owner, Some(layout), false)
+                .map_err(|(_, e)| e)
+                .map_err(std::io::Error::other)
+        };
+        // n2 owns x. An earlier run of the job id left a file there: n2 replaces it.
+        std::fs::write(&path, b"stale").unwrap();
+        let own = n2
+            .layout_for("n2")
+            .for_plan(Some(&ShardPlan::new(&nodes, "n2").unwrap()));
+        write(create(&n2, &own), b"n2-half");
+        assert_eq!(std::fs::read(&path).unwrap(), b"n2-half");
+        // n1 finds n2 dead and takes its share over: it replaces n2's half-written x, whole.
+        let t = n1
+            .claim(&Takeover {
+                lost: "n2".into(),
+                survivors: vec!["n1".into()],
+                by: "n1".into(),
+                why: "unreachable".into(),
+            })
+            .unwrap();
+        let part = ShardPlan::new(&nodes, "n1")
+            .unwrap()
+            .takeover(&t.lost, &t.survivors)
+            .unwrap();
+        write(
+            create(&n1, &n1.layout_for("n1").for_plan(Some(&part))),
+            b"survivor",
+        );
+        // n2's agent, alive and not yet aware of the takeover, goes on with x: refused, and the
+        // survivor's file is what the tasks read.
+        let e = create(&n2, &own).unwrap_err().to_string();
+        assert!(
+            e.contains("taken over") && e.contains("'x' is not replaced"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), b"survivor");
+        // A name of n2's share that is still free is not the survivor's: n2 may create it (its
+        // watch of the takeover mark stops it soon), and nothing is removed by that.
+        new_file(&n2.stage, "y", 1, owner, Some(&own), false).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"survivor");
+    }
 
     fn fetcher(store: Arc<dyn ObjectStore>, part_size: u64, budget: Arc<Budget>) -> Arc<Fetcher> {
         let spec = StageSpec {

@@ -43,8 +43,9 @@
 use super::Owner;
 use crate::cache::{Cache, Hit, Key};
 use crate::peer::{
-    CachedObject, ClientConfig, ClusterSecret, HashFrom, JobKey, PeerClient, PeerError, PeerServer,
-    PeerService, Unit, UnitData, UnitError, UnitSink, UnitSource, UnitStream, owner_of, unit_path,
+    CachedObject, ClientConfig, ClusterSecret, HashFrom, JobKey, PeerClient, PeerError, PeerRebind,
+    PeerServer, PeerService, PeerWorker, ServerConfig, Unit, UnitData, UnitError, UnitSink,
+    UnitSource, UnitStream, owner_of, unit_path,
 };
 use bytes::Bytes;
 use nix::fcntl::{OFlag, openat};
@@ -86,9 +87,12 @@ impl std::fmt::Debug for NodePeers {
 
 impl NodePeers {
     /// Loads the cluster secret and binds the peer port `[peer]` configures. `None` (with an error
-    /// in the log) when either fails: this node then reads every dataset from the origin itself,
-    /// and the job's other nodes route around it.
-    pub async fn bind(cfg: &Config) -> Option<(NodePeers, PeerService)> {
+    /// in the log) without a secret: this node then reads every dataset from the origin itself,
+    /// and the job's other nodes route around it. A port that cannot be bound (another process,
+    /// maybe a user's, holds it) does not turn peers off for the agent's life: the server binds it
+    /// as soon as it is free ([`PeerRebind`]), saying so loudly until then, and this node fetches
+    /// from its peers meanwhile.
+    pub async fn bind(cfg: &Config) -> Option<(NodePeers, PeerWorker)> {
         let peer = cfg.peer.as_ref()?;
         let secret = match ClusterSecret::load(&peer.secret_file) {
             Ok(s) => s,
@@ -97,11 +101,21 @@ impl NodePeers {
                 return None;
             }
         };
-        match PeerServer::bind(peer, secret).await {
-            Ok((server, listener)) => Some(NodePeers::with(cfg, peer, server, listener)),
-            Err(e) => {
-                tracing::error!("peer transfers are off on this node: {e}");
-                None
+        match PeerServer::bind(peer, secret.clone()).await {
+            Ok((server, listener)) => {
+                let (peers, service) = NodePeers::with(cfg, peer, server, listener);
+                Some((peers, PeerWorker::Serving(service)))
+            }
+            Err(error) => {
+                let server = PeerServer::new(secret, ServerConfig::from_config(peer));
+                let peers = NodePeers::assemble(cfg, peer, server.clone());
+                let rebind = PeerRebind {
+                    server,
+                    listen: peer.listen.clone(),
+                    error,
+                    every: crate::peer::server::REBIND_EVERY,
+                };
+                Some((peers, PeerWorker::Rebinding(rebind)))
             }
         }
     }
@@ -113,10 +127,6 @@ impl NodePeers {
         server: PeerServer,
         listener: TcpListener,
     ) -> (NodePeers, PeerService) {
-        let client = PeerClient::new(
-            cfg.node.clone(),
-            ClientConfig::from_config(peer, cfg.stage.timeout),
-        );
         tracing::info!(
             node = %cfg.node,
             listen = %listener.local_addr().map_or_else(|_| peer.listen.clone(), |a| a.to_string()),
@@ -126,17 +136,22 @@ impl NodePeers {
             server: server.clone(),
             listener,
         };
-        (
-            NodePeers {
-                node: cfg.node.clone(),
-                cfg: peer.clone(),
-                server,
-                client: Arc::new(client),
-                config: Arc::new(cfg.clone()),
-                cache: None,
-            },
-            service,
-        )
+        (NodePeers::assemble(cfg, peer, server), service)
+    }
+
+    fn assemble(cfg: &Config, peer: &PeerConfig, server: PeerServer) -> NodePeers {
+        let client = PeerClient::new(
+            cfg.node.clone(),
+            ClientConfig::from_config(peer, cfg.stage.timeout),
+        );
+        NodePeers {
+            node: cfg.node.clone(),
+            cfg: peer.clone(),
+            server,
+            client: Arc::new(client),
+            config: Arc::new(cfg.clone()),
+            cache: None,
+        }
     }
 
     /// Answers other agents' admin warm requests (`sluice cache warm --nodes` on another node)
@@ -615,6 +630,7 @@ impl JobPeers {
             }
             PeerError::Corrupt { .. } => self.lose(node, Trouble::Corrupt, &why),
             PeerError::Unreachable { .. }
+            | PeerError::Dropped { .. }
             | PeerError::Refused { .. }
             | PeerError::UnknownJob { .. }
             | PeerError::Gone { .. }

@@ -22,14 +22,17 @@
 //! **A dead node is routed around.** While a node waits for the others' marks, it probes each node
 //! that has not marked its share through the peers layer: one request for the job on the node's
 //! peer port, MAC'd under the job's key ([`super::JobPeers::alive`]; the shared-tier job is
-//! registered with the peer server for this alone). Only an agent that cannot be reached (no
-//! connection, no answer within `[peer] read_timeout`, or the job ended there) counts, and only
-//! [`DEAD_AFTER`] times in a row, [`PROBE_EVERY`] apart: an agent that answers is alive and may be
-//! writing, however slowly, and such a node still fails the job at the stage timeout, named. The
-//! first node to find one dead makes its takeover mark ([`SharedJob::claim`]: written under a
-//! temporary name, then hard-linked into place, which fails if another node was first — so there is
-//! one takeover per lost node, naming the survivors, and every survivor follows it whoever found
-//! it). Each of the lost node's files then gets a new owner by rendezvous hashing over the
+//! registered with the peer server for this alone). Only evidence no process without the job key
+//! can fake counts ([`crate::peer::PeerError::proves_gone`]): no connection, no answer within
+//! `[peer] read_timeout`, or an answer MAC'd under the job's key that the job ended there; and
+//! only [`DEAD_AFTER`] times in a row, [`PROBE_EVERY`] apart. An unsigned answer of any kind (a
+//! user's process can send one) and a connection accepted then closed unanswered (what an agent
+//! over its per-source or total connection limit does, so a user's flood of the peer port) are an
+//! agent still there. An agent that answers is alive and may be writing, however slowly, and
+//! such a node still fails the job at the stage timeout, named. The first node to find one dead
+//! makes its takeover mark ([`SharedJob::claim`]: written under a temporary name, then
+//! hard-linked into place, which fails if another node was first — so there is one takeover per
+//! lost node, naming the survivors, and every survivor follows it whoever found it). Each of the lost node's files then gets a new owner by rendezvous hashing over the
 //! survivors ([`ShardPlan::takeover`]): each is still written once, and read from the origin once
 //! more at most, through the same staging code and budget (bounded concurrency) as a node's own
 //! share. A survivor writes its part and marks it; a lost node counts as written once every
@@ -37,21 +40,33 @@
 //! have marked in the moment it was found dead, and the survivors may be rewriting its files). The
 //! job's output gets a `note:` naming the node and why, on every node.
 //!
-//! Files are replaced whole: a survivor removes what is at a file's name (the half-written file the
-//! dead agent left) and creates a new file there, as a node's own share does, so bytes a lost agent
-//! might still write through a descriptor it holds go to the unlinked file, never to the one the
-//! tasks read. **A lost agent that comes back** (restarted from its journal, or a hung one that
-//! wakes) honours the takeover: a restarted one finds the mark when it opens the job's directory
+//! **Files are created new (`O_EXCL`), and only a file's owner replaces one** ([`create_file`]):
+//! something already at a name (a file an earlier run of the job id left, the half-written file of
+//! an agent before its restart, or of a lost node) is moved aside into `.sluice/` and removed by
+//! the node that owns the name by the plan — a survivor for its part of a takeover, a node for its
+//! own share only while no takeover of it is marked. The node looks for its takeover mark before
+//! it moves the thing aside and again after, and puts it back (linked, so that a newer file at the
+//! name stays) if the mark appeared in between; a takeover is marked before any survivor creates a
+//! file, so a node found dead never removes a file a survivor wrote, and the tasks never read one
+//! of its half-written files in a job marked written. Bytes a lost agent still writes through a
+//! descriptor it holds go to the file the survivor replaced, never to the one the tasks read.
+//! **A lost agent that comes back** (restarted from its journal, or a hung one that wakes)
+//! honours the takeover: a restarted one finds the mark when it opens the job's directory
 //! and does not write its share, even on a fresh start of the job; one still writing checks for
-//! the mark every second and stops; neither marks its share then. It waits for the survivors'
-//! parts like any node, so two writers never race on a file once it has seen the mark.
+//! the mark every second and stops, and a file it creates meanwhile is refused at a name the
+//! survivors wrote; neither marks its share then. It waits for the survivors' parts like any
+//! node.
 //!
 //! Limits, said where they apply: a survivor that dies while writing its part of a takeover is not
 //! routed around in turn (the job fails at the stage timeout, naming it); nodes are only found dead
 //! with `[peer]` configured on them (without it a dead node fails the job at the stage timeout);
-//! an agent that is alive but cannot be reached on its peer port is taken for dead, and a file it
-//! opens in the second before it sees the takeover could still be rewritten by it; a requeued job
-//! whose previous run's job end ran on no node at all may find that run's marks of the other nodes.
+//! an agent that is alive but cannot be reached on its peer port (a network fault, or a process
+//! that took the port before the agent and holds connections unanswered: use a port below 1024)
+//! is taken for dead — its files stay the survivors', as above, but a POSIX dataset's copy helper
+//! (running as the job user, who cannot read the marks) removes the names of its share when it
+//! starts, so a helper started in the moment of a takeover can still remove a survivor's file
+//! before the agent stops it (within a second); a requeued job whose previous run's job end ran
+//! on no node at all may find that run's marks of the other nodes.
 
 use super::{ShardPlan, StageError};
 use sluice_archive::config::{SharedTierConfig, StripeClass};
@@ -59,6 +74,7 @@ use sluice_archive::safefs::{self, Owner, SafeFsError};
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -80,19 +96,17 @@ const DEAD_AFTER: u32 = 3;
 #[async_trait::async_trait]
 pub trait Liveness: Send + Sync {
     /// `Err(why)` only when `node`'s agent cannot be reached for the job (down, hung, or the job
-    /// ended there). An agent that answers, even to refuse or because it does not know the job
-    /// yet, is alive: it may be writing its share.
+    /// ended there, MAC'd). An agent that answers, even to refuse or because it does not know the
+    /// job yet, or whose port takes the connection and closes it, is alive: it may be writing its
+    /// share.
     async fn check(&self, node: &str) -> Result<(), String>;
 }
 
 #[async_trait::async_trait]
 impl Liveness for super::JobPeers {
     async fn check(&self, node: &str) -> Result<(), String> {
-        use crate::peer::PeerError;
         match self.alive(node).await {
-            Err(e @ (PeerError::Unreachable { .. } | PeerError::Gone { .. })) => {
-                Err(super::peers::error_chain(&e))
-            }
+            Err(e) if e.proves_gone() => Err(super::peers::error_chain(&e)),
             Err(e) => {
                 tracing::debug!("liveness of {node}: {e} (counted as alive)");
                 Ok(())
@@ -176,9 +190,31 @@ pub struct Layout {
     pub lfs: PathBuf,
     /// Empty off Lustre, or when no class is configured.
     pub stripes: Vec<StripeClass>,
+    /// Who writes with this layout, which decides whether a file already at a name may be
+    /// replaced ([`create_file`]); `None` replaces nothing.
+    pub writer: Option<Writer>,
+}
+
+/// A node writing into the job's shared directory, and for whom: the node's own share, or its
+/// part of a lost node's ([`ShardPlan::takeover`]). See [`create_file`].
+#[derive(Debug, Clone)]
+pub struct Writer {
+    marks: Arc<OwnedFd>,
+    node: String,
+    own_share: bool,
 }
 
 impl Layout {
+    /// This layout for writing the files of `plan` (this node's own share, or with
+    /// [`ShardPlan::taken_over`] its part of a lost node's).
+    pub fn for_plan(&self, plan: Option<&ShardPlan>) -> Layout {
+        let mut l = self.clone();
+        if let Some(w) = &mut l.writer {
+            w.own_share = plan.is_none_or(|p| p.taken_over().is_none());
+        }
+        l
+    }
+
     /// The stripe class of a file of `size` bytes, if it gets one.
     pub fn for_size(&self, size: u64) -> Option<&StripeClass> {
         StripeClass::for_size(&self.stripes, size)
@@ -198,10 +234,15 @@ impl Layout {
     }
 }
 
-/// Creates the staged file `name` in the job user's directory `dir` on the shared tier: with the
-/// stripe layout of its size class (`lfs` as the job user, see [`super::lustre`]), then opened
-/// without following links and only if it is a regular file of the user with one link; else
-/// plainly, as on the hot tier. Blocking.
+/// Creates the staged file `name` in the job user's directory `dir` on the shared tier, as a new
+/// file (`O_EXCL`): with the stripe layout of its size class (`lfs` as the job user, see
+/// [`super::lustre`]), then opened without following links and only if it is a regular file of
+/// the user with one link; else plainly, as on the hot tier. Blocking.
+///
+/// Something already at the name (a file an earlier run of the job id left, the half-written file
+/// of a lost node or of this agent before a restart) is replaced only by the file's owner now,
+/// and never under a takeover: see [`Writer::clear`]. Nothing is replaced without a
+/// [`Layout::writer`].
 pub fn create_file(
     dir: &OwnedFd,
     name: &str,
@@ -209,20 +250,122 @@ pub fn create_file(
     owner: Owner,
     layout: &Layout,
 ) -> Result<std::fs::File, String> {
+    let Some(writer) = &layout.writer else {
+        return create_new(dir, name, size, owner, layout).map_err(|e| e.1);
+    };
+    // Another writer may create the name between the clear and the create (a lost agent that has
+    // not seen its takeover yet): clear again, which it does not survive a second time.
+    let mut tries = 0;
+    loop {
+        writer.clear(dir, name)?;
+        match create_new(dir, name, size, owner, layout) {
+            Err((Some(nix::errno::Errno::EEXIST), _)) if tries < 2 => tries += 1,
+            r => return r.map_err(|e| e.1),
+        }
+    }
+}
+
+/// A name set aside by [`Writer::clear`] gets a name of its own in `.sluice/`.
+static SET_ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+impl Writer {
+    /// This node's share was taken over: it writes none of it. Blocking.
+    fn taken_over(&self) -> bool {
+        self.own_share && read_mark(&self.marks, &format!("{}{TAKEOVER}", self.node)).is_some()
+    }
+
+    fn refused(&self, name: &str) -> String {
+        format!(
+            "'{name}' is not replaced: this node's ({}) share on the shared tier was taken over by the job's other nodes, which write it now",
+            self.node
+        )
+    }
+
+    /// Frees `name` in `dir` for this writer, which owns it by the job's plan: its own share only
+    /// while no takeover of it is marked, its part of a takeover always (each of a lost node's
+    /// files has one new owner). What is there is moved into `.sluice/` (root's) under a name of
+    /// its own, and then, for the own share, the takeover mark is looked for once more: a
+    /// takeover marked in between means the thing moved may be a survivor's file, and it is put
+    /// back (linked, so that a newer file at the name stays) rather than removed. A takeover is
+    /// marked before any survivor creates a file, so a file this writer removes is never one a
+    /// survivor wrote. Blocking.
+    fn clear(&self, dir: &OwnedFd, name: &str) -> Result<(), String> {
+        use nix::errno::Errno;
+        use nix::sys::stat::fstatat;
+        safefs::check_component(name).map_err(|e| e.to_string())?;
+        match fstatat(dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Err(Errno::ENOENT) => return Ok(()),
+            Err(e) => return Err(format!("stat '{name}': {e}")),
+            Ok(_) => {}
+        }
+        if self.taken_over() {
+            return Err(self.refused(name));
+        }
+        let aside = format!(
+            ".aside.{}.{}.{}",
+            self.node,
+            std::process::id(),
+            SET_ASIDE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        match nix::fcntl::renameat(dir, name, &*self.marks, aside.as_str()) {
+            Ok(()) => {}
+            // Gone meanwhile: the name is free.
+            Err(Errno::ENOENT) => return Ok(()),
+            Err(e) => return Err(format!("setting '{name}' aside to replace it: {e}")),
+        }
+        if self.taken_over() {
+            let back = nix::unistd::linkat(
+                &*self.marks,
+                aside.as_str(),
+                dir,
+                name,
+                nix::fcntl::AtFlags::empty(),
+            );
+            match back {
+                Ok(()) | Err(Errno::EEXIST) => {
+                    let _ = nix::unistd::unlinkat(
+                        &*self.marks,
+                        aside.as_str(),
+                        nix::unistd::UnlinkatFlags::NoRemoveDir,
+                    );
+                }
+                // A directory cannot be linked back: it stays set aside, removed with the job.
+                Err(e) => tracing::error!("putting '{name}' back after a takeover: {e}"),
+            }
+            return Err(self.refused(name));
+        }
+        safefs::remove_tree(&*self.marks, &aside)
+            .map(drop)
+            .map_err(|e| format!("removing the earlier '{name}': {e}"))
+    }
+}
+
+/// [`create_file`] without replacing anything: `Err` with the errno (`EEXIST` for a name that is
+/// taken) where one is known.
+fn create_new(
+    dir: &OwnedFd,
+    name: &str,
+    size: u64,
+    owner: Owner,
+    layout: &Layout,
+) -> Result<std::fs::File, (Option<nix::errno::Errno>, String)> {
     let Some(class) = layout.for_size(size) else {
-        return safefs::create_file(dir, name, Some(owner), 0o644).map_err(|e| e.to_string());
+        return safefs::create_file(dir, name, Some(owner), 0o644)
+            .map_err(|e| (e.errno(), e.to_string()));
     };
     super::lustre::create_striped(&layout.lfs, dir, name, class, owner.uid, owner.gid)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| (None, e.to_string()))?;
     use nix::fcntl::{OFlag, openat};
     use nix::sys::stat::{Mode, SFlag, fstat};
     let flags = OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
-    let fd = openat(dir, name, flags, Mode::empty()).map_err(|e| format!("open '{name}': {e}"))?;
-    let st = fstat(&fd).map_err(|e| format!("stat '{name}': {e}"))?;
+    let fd = openat(dir, name, flags, Mode::empty())
+        .map_err(|e| (None, format!("open '{name}': {e}")))?;
+    let st = fstat(&fd).map_err(|e| (None, format!("stat '{name}': {e}")))?;
     let regular = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG;
     if !regular || st.st_uid != owner.uid || st.st_nlink != 1 {
-        return Err(format!(
-            "'{name}' is not the file lfs setstripe created (replaced while staging?)"
+        return Err((
+            None,
+            format!("'{name}' is not the file lfs setstripe created (replaced while staging?)"),
         ));
     }
     Ok(std::fs::File::from(fd))
@@ -231,7 +374,7 @@ pub fn create_file(
 /// One job's directory on the shared tier, as this node holds it open.
 pub struct SharedJob {
     pub stage: OwnedFd,
-    marks: OwnedFd,
+    marks: Arc<OwnedFd>,
     /// This node's share is already written (a restarted agent found its "ok" mark).
     pub done: bool,
     /// The job's other nodes took this node's share over (they found its agent dead): it must
@@ -275,14 +418,28 @@ impl SharedJob {
             } else {
                 Vec::new()
             },
+            writer: None,
         };
         Ok(SharedJob {
             stage,
-            marks,
+            marks: Arc::new(marks),
             done,
             taken_over,
             layout,
         })
+    }
+
+    /// The layout `node` (this node) writes its files with: [`Layout::for_plan`] then says
+    /// whose share they are.
+    pub fn layout_for(&self, node: &str) -> Layout {
+        Layout {
+            writer: Some(Writer {
+                marks: self.marks.clone(),
+                node: node.to_string(),
+                own_share: true,
+            }),
+            ..self.layout.clone()
+        }
     }
 
     /// Marks this node's share written (`Ok`) or failed, for the job's other nodes. Blocking.
@@ -661,6 +818,7 @@ mod tests {
                 count: -1,
                 size: 4 << 20,
             }],
+            writer: None,
         };
         // Below every class: a plain file, lfs not run.
         create_file(&dir, "small", 10, me(), &layout).unwrap();
