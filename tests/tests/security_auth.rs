@@ -12,6 +12,7 @@ use security_support::*;
 use serde_json::{Value, json};
 use sluice_proto::msg::CkptState;
 use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(180);
@@ -407,4 +408,86 @@ for i in $(seq 600); do [ -e {b_go} ] && break; sleep 0.2; done
         )),
         "A's job output must say which checkpoint of another user it skipped:\n{text}"
     );
+}
+
+/// Issue 24, findings 1 and 8: a step's frame cannot make the agent act as another user, nor stage
+/// for a job that does not run. B (`sluiceother`) holds n1 with a job that has no sluice options,
+/// so the agent learns of it only from a step; B's hand-made step frame claims to be A with A's
+/// group, to stage a directory only A's group may read. The agent stages as B — Slurm's uid and
+/// gid, NSS's name — so the step is refused with a permission error and nothing of A's reaches B's
+/// job. Before, the copy helper ran `initgroups(A)`/`setresgid(A's gid)` from the frame and staged
+/// A's file into B's job. B's held (pending) job gets nothing staged at all.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn security_a_step_stages_only_as_its_job_user_and_only_for_a_running_job() {
+    use std::os::unix::fs::PermissionsExt;
+    let cluster = Cluster::for_sluice();
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
+    let (a_uid, a_gid) = cluster.ids_of(&a);
+    let (b_uid, _) = cluster.ids_of(&b);
+    let marker = format!("A-GROUP-ONLY-{}", unique());
+    let private = cluster.data_dir("sec-step-identity").join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::write(private.join("secret"), &marker).unwrap();
+    for (p, mode) in [(&private, 0o750), (&private.join("secret"), 0o640)] {
+        std::os::unix::fs::chown(p, Some(a_uid), Some(a_gid)).unwrap();
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    let running = cluster.submit_as(
+        &b,
+        "sec-step-id",
+        &["-N1", &format!("--nodelist={NODE}")],
+        "#!/bin/bash\nsleep 300\n",
+    );
+    cluster.wait_running(&running, JOB_TIMEOUT);
+    let held = cluster.submit_as(&b, "sec-step-id-held", &["-N1", "--hold"], "#!/bin/bash\ntrue\n");
+    let step = |job_id: u32| {
+        json!({
+            "op": "wait_staged", "job_id": job_id, "timeout_ms": 60000,
+            "step": {"step_id": 0, "start": {
+                "job_id": job_id, "uid": b_uid, "gid": a_gid, "user": a, "node": NODE,
+                "nodes": [NODE], "job_name": "forged",
+                "options": [["stage-in", format!("ds={}", private.display())]]
+            }}
+        })
+    };
+    let replies = raw_requests(
+        &cluster,
+        &b,
+        &cluster.agent_socket(NODE),
+        json!([
+            {"name": "a step claiming A's identity", "request": step(running.id), "timeout": 90},
+            {"name": "a step of a held job", "request": step(held.id), "timeout": 90},
+        ]),
+    );
+    let leaked = files_containing(&cluster.job_dir(NODE, &running), marker.as_bytes());
+    for id in [running.id, held.id] {
+        let _ = Command::new("scancel").arg(id.to_string()).status();
+    }
+    assert!(
+        leaked.is_empty(),
+        "A's group-only file was staged into B's job: {leaked:?}"
+    );
+    match replies[0].error() {
+        Some((_, m)) if m.contains("ermission denied") => {}
+        _ => panic!(
+            "the step claiming A's identity was not refused for want of B's own permission: {}",
+            replies[0].value
+        ),
+    }
+    match replies[1].error() {
+        Some((code, m)) if code == "forbidden" && m.contains("PENDING") => {}
+        _ => panic!(
+            "a step of B's held job was not refused as not running: {}",
+            replies[1].value
+        ),
+    }
+    assert!(
+        !cluster.job_dir(NODE, &held).exists(),
+        "a job directory was made for B's held job"
+    );
+    // The agent ends the job it learnt of from the step once Slurm no longer runs it.
+    cluster.wait_end(&running, JOB_TIMEOUT);
+    cluster.assert_hot_tier_cleaned(&running, Duration::from_secs(120));
 }
