@@ -645,6 +645,21 @@ impl Agent {
             if record.ready && !record.ended {
                 self.serve_staged(&job);
             }
+            // Its tmpfs, set up by an agent before they were private: closed to other users now.
+            if let Some(tier) = self.ckpt_dirs(&job).ram().cloned() {
+                let (id, owner) = (
+                    start.job_id,
+                    Owner {
+                        uid: start.uid,
+                        gid: start.gid,
+                    },
+                );
+                drop(self.spawn(blocking(move || {
+                    if let Err(e) = tier.make_private(id, owner) {
+                        tracing::warn!(job_id = id, "making the job's RAM tier private: {e}");
+                    }
+                })));
+            }
             job.set_ready();
         } else {
             let (this, j) = (self.clone(), job.clone());

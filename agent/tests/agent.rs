@@ -1428,6 +1428,88 @@ root_test! {
     }
 }
 
+/// Runs `args` as user `uid` (its group the same number, no other groups): what another local
+/// user, or the job's own tasks, could do.
+fn run_as(uid: u32, args: &[&std::ffi::OsStr]) -> std::process::Output {
+    std::process::Command::new(args[0])
+        .args(&args[1..])
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .unwrap()
+}
+
+root_test! {
+    /// Issue 24, finding 2: the RAM tier is private by construction, like the hot tier: its `jobs`
+    /// directory lets users through to their own job and lists nothing, and the job's tmpfs is
+    /// the job user's, 0700. Another user on the node can neither list nor read anything of it,
+    /// whatever modes the job's files have (the writer's 0644), while the job's tasks read and
+    /// write there and the agent flushes it to NVMe and archives it.
+    async fn a_ram_tier_checkpoint_is_private_to_the_job_user() {
+        use sluice_proto::msg::CkptState;
+        let (t, ram) = ram_agent("16MiB").await;
+        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        t.job(ckpt_job(92, &url, &[("ckpt-tier", "ram")])).await;
+        let ckpt = PathBuf::from(t.ready(92).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 3, false);
+        let file = ckpt.join("s1/optim.pt");
+        assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o644);
+        t.commit(92, "s1").await;
+        wait_for_state(&t, 92, "s1", CkptState::Archived).await;
+        assert_eq!(
+            std::fs::read(t.hot.join("jobs/92/ckpt/s1/optim.pt")).unwrap(),
+            std::fs::read(&file).unwrap(),
+            "the flush to NVMe"
+        );
+        let owner_mode = |p: &Path| {
+            let m = std::fs::symlink_metadata(p).unwrap();
+            (m.uid(), m.mode() & 0o7777)
+        };
+        assert_eq!(owner_mode(&ram.join("jobs")), (0, 0o711), "the RAM tier's jobs directory");
+        assert_eq!(owner_mode(&ram.join("jobs/92")), (NOBODY, 0o700), "the job's tmpfs");
+        let (jobs, tmpfs) = (ram.join("jobs"), ram.join("jobs/92"));
+        for (what, args) in [
+            ("list the RAM tier's jobs", ["ls", jobs.to_str().unwrap()]),
+            ("list the job's tmpfs", ["ls", tmpfs.to_str().unwrap()]),
+            ("list $SLUICE_CKPT_DIR", ["ls", ckpt.to_str().unwrap()]),
+            ("read a committed checkpoint", ["cat", file.to_str().unwrap()]),
+        ] {
+            let out = run_as(OTHER, &args.map(std::ffi::OsStr::new));
+            assert!(
+                !out.status.success(),
+                "user {OTHER} could {what}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        // The job's own tasks still read and save there.
+        let next = ckpt.join("s2");
+        for args in [["cat", file.to_str().unwrap()], ["mkdir", next.to_str().unwrap()]] {
+            let out = run_as(NOBODY, &args.map(std::ffi::OsStr::new));
+            assert!(out.status.success(), "the job user cannot {args:?}: {out:?}");
+        }
+        // A tmpfs an older agent left open (root's, 0755) is closed by the agent that recovers
+        // the job.
+        let tmp = t.stop().await;
+        std::os::unix::fs::chown(&tmpfs, Some(0), Some(0)).unwrap();
+        for dir in [&jobs, &tmpfs] {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let t = start_with(tmp, "", &fast_tier(ram.parent().unwrap(), "16MiB")).await;
+        t.ready(92).await;
+        for _ in 0..100 {
+            if owner_mode(&tmpfs) == (NOBODY, 0o700) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(owner_mode(&tmpfs), (NOBODY, 0o700), "the recovered job's tmpfs");
+        assert_eq!(owner_mode(&jobs), (0, 0o711), "the RAM tier's jobs directory, recovered");
+        t.call(Request::JobEnd { job_id: 92 }).await.unwrap();
+        wait_gone(&tmpfs, "the job's RAM tier after its end").await;
+        t.stop().await;
+    }
+}
+
 root_test! {
     /// A framework's signal written in the job's last moments — DCP's `.metadata`, the processes
     /// exiting right after, before the agent's next scan — still commits the checkpoint: it is
