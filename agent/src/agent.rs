@@ -516,12 +516,39 @@ impl Agent {
                     .to_string();
             }
         }
-        // The RAM tier: a recovered job keeps what it had; a new one gets a share if one is free,
-        // else the hot tier with a note (a job without [fast_tier] is refused at set-up).
+        // The run this one replaces (a requeue onto this node), when its checkpoints are still
+        // here: inherited below. A recovered record carries its own.
+        let previous = self.job(start.job_id).filter(|_| record.ckpts.is_empty());
+        // Its RAM tier, while that holds committed checkpoints of it (flushed or not): the new run
+        // takes it over, tmpfs and all, so that nothing in it is lost (issue 24, finding 5).
+        let previous_ram = previous.as_ref().and_then(|old| {
+            let holds = old.ckpts.entries().iter().any(|e| inherits_ram(e));
+            old.ram_tier
+                .get()
+                .cloned()
+                .filter(|_| old.is_ram() && holds)
+        });
+        // The RAM tier: a recovered job keeps what it had; a requeued one the run before's, if
+        // that holds its checkpoints; a new one gets a share if one is free, else the hot tier
+        // with a note (a job without [fast_tier] is refused at set-up).
         let wants_ram = matches!(crate::job::parse_options(&start), Ok(o) if o.ckpt_tier == options::CkptTier::Ram);
         let mut ram_note = None;
         let mut ram_tier = None;
         let ram = match &self.ram {
+            _ if previous_ram.is_some() && !record.ram => {
+                let tier = previous_ram.clone().expect("checked");
+                // Its tmpfs exists: it keeps its share whatever the others hold.
+                let _ = tier.reserve(start.job_id, true);
+                dirs.ckpt_dir = tier.ckpt_dir(start.job_id).display().to_string();
+                if !wants_ram {
+                    ram_note = Some(format!(
+                        "the run before this one left checkpoints on the RAM tier that are not safe on NVMe yet: this run keeps it ($SLUICE_CKPT_DIR={})",
+                        dirs.ckpt_dir
+                    ));
+                }
+                ram_tier = Some(tier);
+                true
+            }
             _ if record.ram && !self.is_own_ram_root(record.ram_root.as_deref()) => {
                 // Recovered by an agent whose config lost that RAM tier: its checkpoints are
                 // flushed from where the record says its tmpfs is (gone: the worker says so).
@@ -617,14 +644,47 @@ impl Agent {
         };
         // The new run inherits the old run's committed checkpoints that are still on this node
         // (issue 10, defect 3): the unarchived ones are archived by the new run's worker, and none
-        // is removed as stale data. A recovered record carries its own.
+        // is removed as stale data. Those on the RAM tier too (issue 24, finding 5), when the new
+        // run took its tmpfs over (above): the ones not flushed yet are flushed by the new run's
+        // worker, and a flushed copy not verified yet is verified before its RAM copy goes. A
+        // recovered record carries its own.
         if let Some(old) = replaced.filter(|_| record.ckpts.is_empty()) {
+            // The run whose RAM tier this run took over (not another that raced it in).
+            let kept_ram = previous_ram.is_some()
+                && job.is_ram()
+                && previous.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old));
             for e in old.ckpts.entries() {
-                if e.on_hot() && !e.is_refused() {
+                if let Some(message) = e.lost() {
+                    // Lost by the run before (its tmpfs went before its flush): this run's output
+                    // says so too, and the tag is free for a new save.
+                    let entry = Arc::new(CkptEntry::new(&e.tag, e.committed_at));
+                    entry.set_on_hot(false);
+                    entry.lose(message);
+                    job.ckpts.insert(entry);
+                    continue;
+                }
+                let in_ram = kept_ram && inherits_ram(&e);
+                if (e.on_hot() || in_ram) && !e.is_refused() {
                     let entry = Arc::new(CkptEntry::new(&e.tag, e.committed_at));
                     if let Some(at) = e.archived_at() {
                         entry.set_archived(at);
                     }
+                    entry.set_on_hot(e.on_hot());
+                    if in_ram {
+                        entry.set_in_ram(true);
+                        entry.set_flush_hashes(e.flush_hashes().map(|h| (*h).clone()));
+                    }
+                    job.ckpts.insert(entry);
+                } else if e.in_ram() && !e.on_hot() && !e.is_refused() {
+                    // Not reachable while the new run takes the RAM tier over; said, should it be.
+                    let message = format!(
+                        "LOST: committed on the RAM tier by the run before this one (requeued) and never flushed to NVMe, and this run could not keep its tmpfs: nothing of it is on the hot tier or in the archive — save the state again (job {}, tag {})",
+                        start.job_id, e.tag
+                    );
+                    tracing::error!(job_id = start.job_id, tag = e.tag, "{message}");
+                    let entry = Arc::new(CkptEntry::new(&e.tag, e.committed_at));
+                    entry.set_on_hot(false);
+                    entry.lose(message);
                     job.ckpts.insert(entry);
                 }
             }
@@ -835,11 +895,19 @@ impl Agent {
                 source,
             }
         })?;
-        // On the RAM tier `$SLUICE_CKPT_DIR` is the job's tmpfs: a restore goes there.
+        // On the RAM tier `$SLUICE_CKPT_DIR` is the job's tmpfs: a restore goes there. A tmpfs
+        // holding checkpoints this run inherited is kept (never prepared fresh).
         let ckpt_fd = match self.ckpt_dirs(job).ram() {
             Some(tier) => {
                 let ram = tier.clone();
-                blocking(move || ram.prepare(job_id, owner, fresh_dirs))
+                let keep: Vec<String> = job
+                    .ckpts
+                    .entries()
+                    .iter()
+                    .filter(|e| e.in_ram())
+                    .map(|e| e.tag.clone())
+                    .collect();
+                blocking(move || ram.prepare(job_id, owner, fresh_dirs, &keep))
                     .await
                     .map_err(|source| {
                         tracing::error!(job_id, "preparing the job's RAM tier: {source}");
@@ -1548,6 +1616,12 @@ async fn squeue_job(
         .await
         .ok()?
         .ok()
+}
+
+/// Whether a run's checkpoint keeps its RAM tier for the run that replaces it: committed and still
+/// there, and not refused (a refused one goes with the job).
+fn inherits_ram(e: &CkptEntry) -> bool {
+    e.in_ram() && !e.is_refused() && !e.is_lost()
 }
 
 /// Forgets the oldest finished jobs beyond [`KEEP_ENDED`] — only those that hold nothing on the hot

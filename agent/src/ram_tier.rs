@@ -17,7 +17,8 @@
 //! hold at most `capacity`: a job that finds no room left gets the NVMe hot tier instead, with a
 //! note in its output. Committed checkpoints are flushed to the hot tier ([`crate::ckpt`]) and
 //! archived from there; the tmpfs goes when the job is finished on this node, after every
-//! committed checkpoint in it was flushed.
+//! committed checkpoint in it was flushed. A new run of the job id on this node (a requeue) keeps
+//! the tmpfs while it holds checkpoints of the run before ([`RamTier::prepare`]'s `keep`).
 //!
 //! With `mount = false` the admin has mounted a tmpfs at `root` already; jobs get directories in
 //! it (the job user's, 0700) and the share is not enforced.
@@ -134,12 +135,15 @@ impl RamTier {
     }
 
     /// Makes the job's tmpfs and its `ckpt` directory, owned by the job user, private to them
-    /// (blocking). `fresh` (a job starting) first removes what an earlier run of the job id left.
+    /// (blocking). `fresh` (a job starting) first removes what an earlier run of the job id left —
+    /// unless `keep` names checkpoints of that run still in it (a requeue: committed, and maybe not
+    /// flushed yet): then the tmpfs stays, and of its `ckpt` only those entries.
     pub fn prepare(
         &self,
         job_id: JobId,
         owner: Owner,
         fresh: bool,
+        keep: &[String],
     ) -> Result<OwnedFd, RamTierError> {
         let path = self.job_path(job_id);
         let dir_err = |source| RamTierError::Dir {
@@ -156,7 +160,7 @@ impl RamTier {
         })?;
         let jobs = self.jobs_dir().map_err(dir_err)?;
         let name = job_id.to_string();
-        if fresh {
+        if fresh && keep.is_empty() {
             unmount(&path);
             safefs::remove_tree(&jobs, &name).map_err(dir_err)?;
         }
@@ -184,7 +188,16 @@ impl RamTier {
         // Whatever mounted it (an agent before tmpfs roots were private: root's, 0755), the job's
         // tmpfs is the job user's, 0700. A user cannot put an entry in `jobs`: this is ours.
         private(&job, owner, &name).map_err(dir_err)?;
-        safefs::ensure_dir(&job, CKPT, Some(owner), 0o755).map_err(dir_err)
+        let ckpt = safefs::ensure_dir(&job, CKPT, Some(owner), 0o755).map_err(dir_err)?;
+        if fresh && !keep.is_empty() {
+            // The run before's torn saves go; its committed checkpoints stay, to be flushed.
+            for entry in crate::hot_tier::list_names(&ckpt).map_err(dir_err)? {
+                if !keep.contains(&entry) {
+                    safefs::remove_tree(&ckpt, &entry).map_err(dir_err)?;
+                }
+            }
+        }
+        Ok(ckpt)
     }
 
     /// Makes an existing job's tmpfs private to the job user, as [`Self::prepare`] makes it: for a
@@ -328,7 +341,7 @@ mod tests {
         // A recovered job's tmpfs exists: it keeps its share.
         r.reserve(4, true).unwrap();
         assert_eq!(r.reserved(), 4 << 20);
-        r.prepare(2, me(), true).unwrap();
+        r.prepare(2, me(), true, &[]).unwrap();
         std::fs::write(r.ckpt_dir(2).join("x"), b"1").unwrap();
         r.remove(2).unwrap();
         assert!(!r.ckpt_dir(2).exists());
@@ -342,18 +355,25 @@ mod tests {
     }
 
     #[test]
-    fn a_jobs_dir_is_private_to_the_job_user() {
+    fn a_jobs_dir_is_private_and_a_requeue_keeps_the_checkpoints_named() {
         use std::os::unix::fs::PermissionsExt;
         let t = tempfile::tempdir().unwrap();
         let r = tier(t.path(), false);
         let ckpt = r.ckpt_dir(5);
-        r.prepare(5, me(), true).unwrap();
+        r.prepare(5, me(), true, &[]).unwrap();
         // Users traverse `jobs` to their own job and list nothing; the job's directory is theirs
         // alone.
         assert_eq!(uid_mode(&t.path().join("jobs")), (me().uid, 0o711));
         assert_eq!(uid_mode(&t.path().join("jobs/5")), (me().uid, 0o700));
         assert_eq!(uid_mode(&ckpt).0, me().uid);
+        // A requeue keeping s1: the run before's other entries go, s1 stays.
         std::fs::create_dir_all(ckpt.join("s1")).unwrap();
+        std::fs::write(ckpt.join("s1/model.pt"), b"w").unwrap();
+        std::fs::create_dir_all(ckpt.join("torn")).unwrap();
+        std::fs::write(ckpt.join("latest"), b"s1").unwrap();
+        r.prepare(5, me(), true, &["s1".into()]).unwrap();
+        assert_eq!(std::fs::read(ckpt.join("s1/model.pt")).unwrap(), b"w");
+        assert!(!ckpt.join("torn").exists() && !ckpt.join("latest").exists());
         // A directory an older agent left open is closed again, fresh or not.
         for fresh in [false, true] {
             std::fs::set_permissions(
@@ -366,7 +386,7 @@ mod tests {
                 std::fs::Permissions::from_mode(0o755),
             )
             .unwrap();
-            r.prepare(5, me(), fresh).unwrap();
+            r.prepare(5, me(), fresh, &[]).unwrap();
             assert_eq!(uid_mode(&t.path().join("jobs/5")).1, 0o700);
             assert_eq!(uid_mode(&t.path().join("jobs")).1, 0o711);
         }
@@ -399,7 +419,7 @@ mod tests {
             uid: 65534,
             gid: 65534,
         };
-        r.prepare(7, owner, true).unwrap();
+        r.prepare(7, owner, true, &[]).unwrap();
         let (_, size) = r.usage(7);
         assert_eq!(size, 1 << 20);
         let st = std::fs::metadata(r.ckpt_dir(7)).unwrap();
@@ -408,6 +428,13 @@ mod tests {
         let (uid, mode) = uid_mode(&t.path().join("jobs/7"));
         assert_eq!((uid, mode), (65534, 0o700), "the job's tmpfs root");
         assert_eq!(uid_mode(&t.path().join("jobs")), (0, 0o711));
+        // A requeue that keeps a checkpoint keeps the tmpfs; a fresh start does not.
+        std::fs::create_dir(r.ckpt_dir(7).join("s1")).unwrap();
+        r.prepare(7, owner, true, &["s1".into()]).unwrap();
+        assert!(r.ckpt_dir(7).join("s1").exists());
+        assert_eq!(r.usage(7).1, 1 << 20, "the tmpfs was not kept");
+        r.prepare(7, owner, true, &[]).unwrap();
+        assert!(!r.ckpt_dir(7).join("s1").exists());
         // Past the share: ENOSPC, whatever the node's free memory.
         let e = std::fs::write(r.ckpt_dir(7).join("big"), vec![0u8; 2 << 20]).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(nix::libc::ENOSPC));
