@@ -451,6 +451,13 @@ impl Agent {
             }
         }
         let archive_url = self.apply_policy(&start).await;
+        // A new run of the same job id on this node (a requeue): its record carries the run
+        // before's checkpoints that are still here from its first write on, so that an agent
+        // killed at any point of the new run's start still knows them.
+        let inherited = self
+            .job(start.job_id)
+            .map(|old| Inherited::from(&old))
+            .unwrap_or_default();
         let record = JobRecord {
             version: RECORD_VERSION,
             start,
@@ -458,11 +465,11 @@ impl Agent {
             ready: false,
             ended: false,
             archive_url: archive_url.clone().ok().flatten(),
-            ckpts: Vec::new(),
+            ckpts: inherited.ckpts,
             step_stage_in: Vec::new(),
             from_step: false,
-            ram: false,
-            ram_root: None,
+            ram: inherited.ram_root.is_some(),
+            ram_root: inherited.ram_root,
         };
         let journal = self.journal.clone();
         let saved = record.clone();
@@ -516,39 +523,19 @@ impl Agent {
                     .to_string();
             }
         }
-        // The run this one replaces (a requeue onto this node), when its checkpoints are still
-        // here: inherited below. A recovered record carries its own.
-        let previous = self.job(start.job_id).filter(|_| record.ckpts.is_empty());
-        // Its RAM tier, while that holds committed checkpoints of it (flushed or not): the new run
-        // takes it over, tmpfs and all, so that nothing in it is lost (issue 24, finding 5).
-        let previous_ram = previous.as_ref().and_then(|old| {
-            let holds = old.ckpts.entries().iter().any(|e| inherits_ram(e));
-            old.ram_tier
-                .get()
-                .cloned()
-                .filter(|_| old.is_ram() && holds)
-        });
-        // The RAM tier: a recovered job keeps what it had; a requeued one the run before's, if
-        // that holds its checkpoints; a new one gets a share if one is free, else the hot tier
-        // with a note (a job without [fast_tier] is refused at set-up).
+        // The RAM tier: a recovered job keeps what it had, and so does a requeued one whose run
+        // before left checkpoints in it (its record says so: [`Inherited`]); a new one gets a
+        // share if one is free, else the hot tier with a note (a job without [fast_tier] is
+        // refused at set-up).
         let wants_ram = matches!(crate::job::parse_options(&start), Ok(o) if o.ckpt_tier == options::CkptTier::Ram);
         let mut ram_note = None;
+        if record.ram && fresh_dirs && !wants_ram {
+            ram_note = Some(
+                "the run before this one left checkpoints on the RAM tier: this run keeps it as $SLUICE_CKPT_DIR until they are safe on NVMe".to_string(),
+            );
+        }
         let mut ram_tier = None;
         let ram = match &self.ram {
-            _ if previous_ram.is_some() && !record.ram => {
-                let tier = previous_ram.clone().expect("checked");
-                // Its tmpfs exists: it keeps its share whatever the others hold.
-                let _ = tier.reserve(start.job_id, true);
-                dirs.ckpt_dir = tier.ckpt_dir(start.job_id).display().to_string();
-                if !wants_ram {
-                    ram_note = Some(format!(
-                        "the run before this one left checkpoints on the RAM tier that are not safe on NVMe yet: this run keeps it ($SLUICE_CKPT_DIR={})",
-                        dirs.ckpt_dir
-                    ));
-                }
-                ram_tier = Some(tier);
-                true
-            }
             _ if record.ram && !self.is_own_ram_root(record.ram_root.as_deref()) => {
                 // Recovered by an agent whose config lost that RAM tier: its checkpoints are
                 // flushed from where the record says its tmpfs is (gone: the worker says so).
@@ -630,68 +617,17 @@ impl Agent {
                 }),
             );
         }
-        let replaced = {
+        {
             let mut jobs = self.jobs();
-            let old = jobs.insert(start.job_id, job.clone());
-            if let Some(old) = &old {
+            if let Some(old) = jobs.insert(start.job_id, job.clone()) {
                 // A new run of the same job id (requeue): the old run's worker must stop before it
                 // trims, finalises or journals anything, since those act on paths keyed by the id.
+                // What of its checkpoints is still here, the new run's record carries
+                // ([`Inherited`]).
                 old.finish();
                 old.ckpts.wake.notify_one();
             }
             prune_ended(&mut jobs);
-            old
-        };
-        // The new run inherits the old run's committed checkpoints that are still on this node
-        // (issue 10, defect 3): the unarchived ones are archived by the new run's worker, and none
-        // is removed as stale data. Those on the RAM tier too (issue 24, finding 5), when the new
-        // run took its tmpfs over (above): the ones not flushed yet are flushed by the new run's
-        // worker, and a flushed copy not verified yet is verified before its RAM copy goes. A
-        // recovered record carries its own.
-        if let Some(old) = replaced.filter(|_| record.ckpts.is_empty()) {
-            // The run whose RAM tier this run took over (not another that raced it in).
-            let kept_ram = previous_ram.is_some()
-                && job.is_ram()
-                && previous.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old));
-            for e in old.ckpts.entries() {
-                if let Some(message) = e.lost() {
-                    // Lost by the run before (its tmpfs went before its flush): this run's output
-                    // says so too, and the tag is free for a new save.
-                    let entry = Arc::new(CkptEntry::new(&e.tag, e.committed_at));
-                    entry.set_on_hot(false);
-                    entry.lose(message);
-                    job.ckpts.insert(entry);
-                    continue;
-                }
-                let in_ram = kept_ram && inherits_ram(&e);
-                if (e.on_hot() || in_ram) && !e.is_refused() {
-                    let entry = Arc::new(CkptEntry::new(&e.tag, e.committed_at));
-                    if let Some(at) = e.archived_at() {
-                        entry.set_archived(at);
-                    }
-                    entry.set_on_hot(e.on_hot());
-                    if in_ram {
-                        entry.set_in_ram(true);
-                        entry.set_flush_hashes(e.flush_hashes().map(|h| (*h).clone()));
-                    }
-                    job.ckpts.insert(entry);
-                } else if e.in_ram() && !e.on_hot() && !e.is_refused() {
-                    // Not reachable while the new run takes the RAM tier over; said, should it be.
-                    let message = format!(
-                        "LOST: committed on the RAM tier by the run before this one (requeued) and never flushed to NVMe, and this run could not keep its tmpfs: nothing of it is on the hot tier or in the archive — save the state again (job {}, tag {})",
-                        start.job_id, e.tag
-                    );
-                    tracing::error!(job_id = start.job_id, tag = e.tag, "{message}");
-                    let entry = Arc::new(CkptEntry::new(&e.tag, e.committed_at));
-                    entry.set_on_hot(false);
-                    entry.lose(message);
-                    job.ckpts.insert(entry);
-                }
-            }
-            if !job.ckpts.entries().is_empty() {
-                let (this, j) = (self.clone(), job.clone());
-                drop(self.spawn(async move { this.persist(&j).await }));
-            }
         }
         if record.ready || record.ended {
             // Staged before a restart: the hashes of what this node read went with the agent.
@@ -1134,24 +1070,7 @@ impl Agent {
             ready: job.state() == JobState::Ready,
             ended: job.has_ended(),
             archive_url: job.archive_url().map(String::from),
-            ckpts: job
-                .ckpts
-                .entries()
-                .iter()
-                .map(|e| CkptRecord {
-                    tag: e.tag.clone(),
-                    committed_at: e.committed_at,
-                    archived_at: e.archived_at(),
-                    on_hot: e.on_hot(),
-                    in_ram: e.in_ram(),
-                    flush_blake3: e.flush_hashes().map(|h| {
-                        h.iter()
-                            .map(|(p, x)| (p.clone(), x.to_hex().to_string()))
-                            .collect()
-                    }),
-                    lost: e.lost(),
-                })
-                .collect(),
+            ckpts: job.ckpts.entries().iter().map(|e| ckpt_record(e)).collect(),
             step_stage_in: lock(&job.extras)
                 .values()
                 .filter(|e| *e.state.borrow() == job::ExtraState::Done)
@@ -1618,10 +1537,63 @@ async fn squeue_job(
         .ok()
 }
 
-/// Whether a run's checkpoint keeps its RAM tier for the run that replaces it: committed and still
-/// there, and not refused (a refused one goes with the job).
-fn inherits_ram(e: &CkptEntry) -> bool {
-    e.in_ram() && !e.is_refused() && !e.is_lost()
+/// What a new run of a job id on this node (a requeue) takes over from the run before: its
+/// committed checkpoints still on this node (issue 10, defect 3), and its RAM tier while that holds
+/// committed checkpoints of it (issue 24, finding 5). The new run's worker archives the unarchived
+/// ones, flushes those only in RAM and verifies flushed copies not verified yet; none is removed
+/// as stale data, and the tmpfs is never prepared fresh ([`crate::ram_tier::RamTier::prepare`]'s
+/// `keep`). One the run before lost (its tmpfs went before the flush) is carried as lost, so that
+/// the new run's output says so too. Refused ones go with the run before.
+#[derive(Default)]
+struct Inherited {
+    ckpts: Vec<CkptRecord>,
+    /// The run before's RAM-tier root, when the new run takes its tmpfs over.
+    ram_root: Option<std::path::PathBuf>,
+}
+
+impl Inherited {
+    fn from(old: &Job) -> Inherited {
+        let entries = old.ckpts.entries();
+        let holds_ram = entries
+            .iter()
+            .any(|e| e.in_ram() && !e.is_refused() && !e.is_lost());
+        let ram_root = old
+            .ram_tier
+            .get()
+            .filter(|_| old.is_ram() && holds_ram)
+            .map(|tier| tier.config().root.clone());
+        let in_ram = ram_root.is_some();
+        let ckpts = entries
+            .iter()
+            .filter(|e| e.is_lost() || (!e.is_refused() && (e.on_hot() || (in_ram && e.in_ram()))))
+            .map(|e| {
+                let mut c = ckpt_record(e);
+                c.in_ram &= in_ram;
+                if !c.in_ram {
+                    c.flush_blake3 = None;
+                }
+                c
+            })
+            .collect();
+        Inherited { ckpts, ram_root }
+    }
+}
+
+/// A checkpoint's entry as the journal keeps it.
+fn ckpt_record(e: &CkptEntry) -> CkptRecord {
+    CkptRecord {
+        tag: e.tag.clone(),
+        committed_at: e.committed_at,
+        archived_at: e.archived_at(),
+        on_hot: e.on_hot(),
+        in_ram: e.in_ram(),
+        flush_blake3: e.flush_hashes().map(|h| {
+            h.iter()
+                .map(|(p, x)| (p.clone(), x.to_hex().to_string()))
+                .collect()
+        }),
+        lost: e.lost(),
+    }
 }
 
 /// Forgets the oldest finished jobs beyond [`KEEP_ENDED`] — only those that hold nothing on the hot
