@@ -445,6 +445,13 @@ impl Agent {
             }
         }
         let archive_url = self.apply_policy(&start).await;
+        // A new run of the same job id on this node (a requeue): its record carries the run
+        // before's checkpoints that are still here from its first write on, so that an agent
+        // killed at any point of the new run's start still knows them.
+        let inherited = self
+            .job(start.job_id)
+            .map(|old| Inherited::from(&old))
+            .unwrap_or_default();
         let record = JobRecord {
             version: RECORD_VERSION,
             start,
@@ -452,11 +459,11 @@ impl Agent {
             ready: false,
             ended: false,
             archive_url: archive_url.clone().ok().flatten(),
-            ckpts: Vec::new(),
+            ckpts: inherited.ckpts,
             step_stage_in: Vec::new(),
             from_step: false,
-            ram: false,
-            ram_root: None,
+            ram: inherited.ram_root.is_some(),
+            ram_root: inherited.ram_root,
         };
         let journal = self.journal.clone();
         let saved = record.clone();
@@ -511,10 +518,17 @@ impl Agent {
                     .to_string();
             }
         }
-        // The RAM tier: a recovered job keeps what it had; a new one gets a share if one is free,
-        // else the hot tier with a note (a job without [fast_tier] is refused at set-up).
+        // The RAM tier: a recovered job keeps what it had, and so does a requeued one whose run
+        // before left checkpoints in it (its record says so: [`Inherited`]); a new one gets a
+        // share if one is free, else the hot tier with a note (a job without [fast_tier] is
+        // refused at set-up).
         let wants_ram = matches!(crate::job::parse_options(&start), Ok(o) if o.ckpt_tier == options::CkptTier::Ram);
         let mut ram_note = None;
+        if record.ram && fresh_dirs && !wants_ram {
+            ram_note = Some(
+                "the run before this one left checkpoints on the RAM tier: this run keeps it as $SLUICE_CKPT_DIR until they are safe on NVMe".to_string(),
+            );
+        }
         let mut ram_tier = None;
         let ram = match &self.ram {
             _ if record.ram && !self.is_own_ram_root(record.ram_root.as_deref()) => {
@@ -598,35 +612,17 @@ impl Agent {
                 }),
             );
         }
-        let replaced = {
+        {
             let mut jobs = self.jobs();
-            let old = jobs.insert(start.job_id, job.clone());
-            if let Some(old) = &old {
+            if let Some(old) = jobs.insert(start.job_id, job.clone()) {
                 // A new run of the same job id (requeue): the old run's worker must stop before it
                 // trims, finalises or journals anything, since those act on paths keyed by the id.
+                // What of its checkpoints is still here, the new run's record carries
+                // ([`Inherited`]).
                 old.finish();
                 old.ckpts.wake.notify_one();
             }
             prune_ended(&mut jobs);
-            old
-        };
-        // The new run inherits the old run's committed checkpoints that are still on this node
-        // (issue 10, defect 3): the unarchived ones are archived by the new run's worker, and none
-        // is removed as stale data. A recovered record carries its own.
-        if let Some(old) = replaced.filter(|_| record.ckpts.is_empty()) {
-            for e in old.ckpts.entries() {
-                if e.on_hot() && !e.is_refused() {
-                    let entry = Arc::new(CkptEntry::new(&e.tag, e.committed_at));
-                    if let Some(at) = e.archived_at() {
-                        entry.set_archived(at);
-                    }
-                    job.ckpts.insert(entry);
-                }
-            }
-            if !job.ckpts.entries().is_empty() {
-                let (this, j) = (self.clone(), job.clone());
-                drop(self.spawn(async move { this.persist(&j).await }));
-            }
         }
         if record.ready || record.ended {
             // Staged before a restart: the hashes of what this node read went with the agent.
@@ -639,6 +635,21 @@ impl Agent {
             }
             if record.ready && !record.ended {
                 self.serve_staged(&job);
+            }
+            // Its tmpfs, set up by an agent before they were private: closed to other users now.
+            if let Some(tier) = self.ckpt_dirs(&job).ram().cloned() {
+                let (id, owner) = (
+                    start.job_id,
+                    Owner {
+                        uid: start.uid,
+                        gid: start.gid,
+                    },
+                );
+                drop(self.spawn(blocking(move || {
+                    if let Err(e) = tier.make_private(id, owner) {
+                        tracing::warn!(job_id = id, "making the job's RAM tier private: {e}");
+                    }
+                })));
             }
             job.set_ready();
         } else {
@@ -822,11 +833,19 @@ impl Agent {
                 source,
             }
         })?;
-        // On the RAM tier `$SLUICE_CKPT_DIR` is the job's tmpfs: a restore goes there.
+        // On the RAM tier `$SLUICE_CKPT_DIR` is the job's tmpfs: a restore goes there. A tmpfs
+        // holding checkpoints this run inherited is kept (never prepared fresh).
         let ckpt_fd = match self.ckpt_dirs(job).ram() {
             Some(tier) => {
                 let ram = tier.clone();
-                blocking(move || ram.prepare(job_id, owner, fresh_dirs))
+                let keep: Vec<String> = job
+                    .ckpts
+                    .entries()
+                    .iter()
+                    .filter(|e| e.in_ram())
+                    .map(|e| e.tag.clone())
+                    .collect();
+                blocking(move || ram.prepare(job_id, owner, fresh_dirs, &keep))
                     .await
                     .map_err(|source| {
                         tracing::error!(job_id, "preparing the job's RAM tier: {source}");
@@ -1055,24 +1074,7 @@ impl Agent {
             ready: job.state() == JobState::Ready,
             ended: job.has_ended(),
             archive_url: job.archive_url().map(String::from),
-            ckpts: job
-                .ckpts
-                .entries()
-                .iter()
-                .map(|e| CkptRecord {
-                    tag: e.tag.clone(),
-                    committed_at: e.committed_at,
-                    archived_at: e.archived_at(),
-                    on_hot: e.on_hot(),
-                    in_ram: e.in_ram(),
-                    flush_blake3: e.flush_hashes().map(|h| {
-                        h.iter()
-                            .map(|(p, x)| (p.clone(), x.to_hex().to_string()))
-                            .collect()
-                    }),
-                    lost: e.lost(),
-                })
-                .collect(),
+            ckpts: job.ckpts.entries().iter().map(|e| ckpt_record(e)).collect(),
             step_stage_in: lock(&job.extras)
                 .values()
                 .filter(|e| *e.state.borrow() == job::ExtraState::Done)
@@ -1515,6 +1517,65 @@ fn check_job_start(s: &JobStart) -> Result<(), BadJobStart> {
         return Err(BadJobStart::Nodes);
     }
     Ok(())
+}
+
+/// What a new run of a job id on this node (a requeue) takes over from the run before: its
+/// committed checkpoints still on this node (issue 10, defect 3), and its RAM tier while that holds
+/// committed checkpoints of it (issue 24, finding 5). The new run's worker archives the unarchived
+/// ones, flushes those only in RAM and verifies flushed copies not verified yet; none is removed
+/// as stale data, and the tmpfs is never prepared fresh ([`crate::ram_tier::RamTier::prepare`]'s
+/// `keep`). One the run before lost (its tmpfs went before the flush) is carried as lost, so that
+/// the new run's output says so too. Refused ones go with the run before.
+#[derive(Default)]
+struct Inherited {
+    ckpts: Vec<CkptRecord>,
+    /// The run before's RAM-tier root, when the new run takes its tmpfs over.
+    ram_root: Option<std::path::PathBuf>,
+}
+
+impl Inherited {
+    fn from(old: &Job) -> Inherited {
+        let entries = old.ckpts.entries();
+        let holds_ram = entries
+            .iter()
+            .any(|e| e.in_ram() && !e.is_refused() && !e.is_lost());
+        let ram_root = old
+            .ram_tier
+            .get()
+            .filter(|_| old.is_ram() && holds_ram)
+            .map(|tier| tier.config().root.clone());
+        let in_ram = ram_root.is_some();
+        let ckpts = entries
+            .iter()
+            .filter(|e| e.is_lost() || (!e.is_refused() && (e.on_hot() || (in_ram && e.in_ram()))))
+            .map(|e| {
+                let mut c = ckpt_record(e);
+                c.in_ram &= in_ram;
+                if !c.in_ram {
+                    c.flush_blake3 = None;
+                }
+                c
+            })
+            .collect();
+        Inherited { ckpts, ram_root }
+    }
+}
+
+/// A checkpoint's entry as the journal keeps it.
+fn ckpt_record(e: &CkptEntry) -> CkptRecord {
+    CkptRecord {
+        tag: e.tag.clone(),
+        committed_at: e.committed_at,
+        archived_at: e.archived_at(),
+        on_hot: e.on_hot(),
+        in_ram: e.in_ram(),
+        flush_blake3: e.flush_hashes().map(|h| {
+            h.iter()
+                .map(|(p, x)| (p.clone(), x.to_hex().to_string()))
+                .collect()
+        }),
+        lost: e.lost(),
+    }
 }
 
 /// Forgets the oldest finished jobs beyond [`KEEP_ENDED`] — only those that hold nothing on the hot

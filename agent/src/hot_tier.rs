@@ -239,7 +239,7 @@ impl HotTier {
 }
 
 /// The names in a directory, `.` and `..` left out.
-fn list_names(dir: &OwnedFd) -> Result<Vec<String>, SafeFsError> {
+pub(crate) fn list_names(dir: &OwnedFd) -> Result<Vec<String>, SafeFsError> {
     let dup = nix::unistd::dup(dir).map_err(|errno| SafeFsError::Sys {
         op: "dup",
         path: CKPT.into(),

@@ -1428,6 +1428,231 @@ root_test! {
     }
 }
 
+/// Runs `args` as user `uid` (its group the same number, no other groups): what another local
+/// user, or the job's own tasks, could do.
+fn run_as(uid: u32, args: &[&std::ffi::OsStr]) -> std::process::Output {
+    std::process::Command::new(args[0])
+        .args(&args[1..])
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .unwrap()
+}
+
+root_test! {
+    /// Issue 24, finding 2: the RAM tier is private by construction, like the hot tier: its `jobs`
+    /// directory lets users through to their own job and lists nothing, and the job's tmpfs is
+    /// the job user's, 0700. Another user on the node can neither list nor read anything of it,
+    /// whatever modes the job's files have (the writer's 0644), while the job's tasks read and
+    /// write there and the agent flushes it to NVMe and archives it.
+    async fn a_ram_tier_checkpoint_is_private_to_the_job_user() {
+        use sluice_proto::msg::CkptState;
+        let (t, ram) = ram_agent("16MiB").await;
+        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        t.job(ckpt_job(92, &url, &[("ckpt-tier", "ram")])).await;
+        let ckpt = PathBuf::from(t.ready(92).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 3, false);
+        let file = ckpt.join("s1/optim.pt");
+        assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o644);
+        t.commit(92, "s1").await;
+        wait_for_state(&t, 92, "s1", CkptState::Archived).await;
+        assert_eq!(
+            std::fs::read(t.hot.join("jobs/92/ckpt/s1/optim.pt")).unwrap(),
+            std::fs::read(&file).unwrap(),
+            "the flush to NVMe"
+        );
+        let owner_mode = |p: &Path| {
+            let m = std::fs::symlink_metadata(p).unwrap();
+            (m.uid(), m.mode() & 0o7777)
+        };
+        assert_eq!(owner_mode(&ram.join("jobs")), (0, 0o711), "the RAM tier's jobs directory");
+        assert_eq!(owner_mode(&ram.join("jobs/92")), (NOBODY, 0o700), "the job's tmpfs");
+        let (jobs, tmpfs) = (ram.join("jobs"), ram.join("jobs/92"));
+        for (what, args) in [
+            ("list the RAM tier's jobs", ["ls", jobs.to_str().unwrap()]),
+            ("list the job's tmpfs", ["ls", tmpfs.to_str().unwrap()]),
+            ("list $SLUICE_CKPT_DIR", ["ls", ckpt.to_str().unwrap()]),
+            ("read a committed checkpoint", ["cat", file.to_str().unwrap()]),
+        ] {
+            let out = run_as(OTHER, &args.map(std::ffi::OsStr::new));
+            assert!(
+                !out.status.success(),
+                "user {OTHER} could {what}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        // The job's own tasks still read and save there.
+        let next = ckpt.join("s2");
+        for args in [["cat", file.to_str().unwrap()], ["mkdir", next.to_str().unwrap()]] {
+            let out = run_as(NOBODY, &args.map(std::ffi::OsStr::new));
+            assert!(out.status.success(), "the job user cannot {args:?}: {out:?}");
+        }
+        // A tmpfs an older agent left open (root's, 0755) is closed by the agent that recovers
+        // the job.
+        let tmp = t.stop().await;
+        std::os::unix::fs::chown(&tmpfs, Some(0), Some(0)).unwrap();
+        for dir in [&jobs, &tmpfs] {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let t = start_with(tmp, "", &fast_tier(ram.parent().unwrap(), "16MiB")).await;
+        t.ready(92).await;
+        for _ in 0..100 {
+            if owner_mode(&tmpfs) == (NOBODY, 0o700) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(owner_mode(&tmpfs), (NOBODY, 0o700), "the recovered job's tmpfs");
+        assert_eq!(owner_mode(&jobs), (0, 0o711), "the RAM tier's jobs directory, recovered");
+        t.call(Request::JobEnd { job_id: 92 }).await.unwrap();
+        wait_gone(&tmpfs, "the job's RAM tier after its end").await;
+        t.stop().await;
+    }
+}
+
+/// A file system mounted by a test, unmounted when the test is done (or fails).
+struct Mounted(PathBuf);
+
+impl Mounted {
+    fn tmpfs(at: &Path, options: &str) -> Mounted {
+        std::fs::create_dir_all(at).unwrap();
+        nix::mount::mount(
+            Some("sluice-test"),
+            at,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some(options),
+        )
+        .unwrap();
+        Mounted(at.to_path_buf())
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// An agent with a RAM tier of 16 MiB shares and a hot tier of only 8 MiB (its own tmpfs), which
+/// `filler` fills (the file is removed to make room): a flush from RAM then fails with ENOSPC and
+/// is retried.
+async fn ram_agent_with_a_full_hot_tier() -> (TestAgent, PathBuf, Mounted, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let hot = t_hot(&tmp);
+    let hot_fs = Mounted::tmpfs(&hot, "size=8m,mode=0755");
+    let filler = hot.join("filler");
+    std::fs::write(&filler, vec![0u8; 7 << 20]).unwrap();
+    let ram = tmp.path().join("ram");
+    let fast = fast_tier(&ram, "16MiB");
+    (
+        start_with(tmp, "", &fast).await,
+        ram.join("n1"),
+        hot_fs,
+        filler,
+    )
+}
+
+root_test! {
+    /// Issue 24, finding 5: a job requeued onto the same node while a committed checkpoint is only
+    /// in RAM (its flush retrying: the hot tier is full) keeps it. The new run takes the job's
+    /// tmpfs over instead of preparing it fresh, flushes the checkpoint once the hot tier has room,
+    /// and archives it; the run before's torn saves still go.
+    async fn a_requeue_keeps_the_ram_checkpoints_the_run_before_did_not_flush() {
+        use sluice_proto::msg::CkptState;
+        let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
+        let archive = t.data.parent().unwrap().join("archive");
+        let url = format!("file://{}", archive.display());
+        let start = ckpt_job(93, &url, &[("ckpt-tier", "ram")]);
+        t.job(start.clone()).await;
+        let ckpt = PathBuf::from(t.ready(93).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 5, false);
+        let saved = std::fs::read(ckpt.join("s1/shards/rank0.bin")).unwrap();
+        std::fs::create_dir_all(ckpt.join("torn")).unwrap();
+        std::os::unix::fs::chown(ckpt.join("torn"), Some(NOBODY), Some(NOBODY)).unwrap();
+        t.commit(93, "s1").await;
+        let s1 = wait_for_state(&t, 93, "s1", CkptState::Retrying).await;
+        assert!(
+            s1.in_ram && !s1.on_hot_tier && s1.error.as_deref().is_some_and(|e| e.contains("hot tier is full")),
+            "{s1:?}"
+        );
+        // The run ends (its epilog) and Slurm requeues the job onto this node: the new run's prolog.
+        t.call(Request::JobEnd { job_id: 93 }).await.unwrap();
+        t.job(start).await;
+        let again = t
+            .call(Request::WaitStaged { job_id: 93, timeout_ms: 20_000, step: None })
+            .await;
+        assert!(
+            std::fs::read(ckpt.join("s1/shards/rank0.bin")).ok() == Some(saved.clone()),
+            "the requeue destroyed s1, committed and not flushed yet"
+        );
+        let Ok(Response::Ready(dirs)) = again else {
+            panic!("the new run is not ready: {again:?}")
+        };
+        assert_eq!(PathBuf::from(&dirs.ckpt_dir), ckpt);
+        assert!(!ckpt.join("torn").exists(), "a torn save of the run before stays");
+        // The hot tier has room again: the new run flushes s1 and archives it.
+        std::fs::remove_file(&filler).unwrap();
+        let s1 = wait_for_state(&t, 93, "s1", CkptState::Archived).await;
+        assert!(s1.on_hot_tier && !s1.action_needed, "{s1:?}");
+        assert!(
+            std::fs::read(t.hot.join("jobs/93/ckpt/s1/shards/rank0.bin")).unwrap() == saved,
+            "the hot tier's s1 is not what the job saved"
+        );
+        assert!(archive.join("s1/MANIFEST").exists());
+        assert!(t.ready(93).await.notes.iter().all(|n| !n.contains("LOST")));
+        t.call(Request::JobEnd { job_id: 93 }).await.unwrap();
+        wait_gone(&ram.join("jobs/93"), "the job's RAM tier after its end").await;
+        let tmp = t.stop().await;
+        drop(hot_fs);
+        drop(tmp);
+    }
+}
+
+root_test! {
+    /// Issue 24, finding 5: what a requeue cannot keep is said in the new run's output. Here the
+    /// job's tmpfs went (an admin removed it) while its committed checkpoint waited for room on
+    /// the hot tier: the new run's tasks are told the checkpoint is LOST, and may save it again
+    /// under the same tag.
+    async fn a_ram_checkpoint_a_requeue_cannot_keep_is_reported_lost_to_the_new_run() {
+        use sluice_proto::msg::CkptState;
+        let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
+        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let start = ckpt_job(94, &url, &[("ckpt-tier", "ram")]);
+        t.job(start.clone()).await;
+        let ckpt = PathBuf::from(t.ready(94).await.ckpt_dir);
+        write_ckpt(&ckpt, "s1", 6, false);
+        t.commit(94, "s1").await;
+        wait_for_state(&t, 94, "s1", CkptState::Retrying).await;
+        let tmpfs = ram.join("jobs/94");
+        nix::mount::umount2(&tmpfs, nix::mount::MntFlags::MNT_DETACH).unwrap();
+        t.call(Request::JobEnd { job_id: 94 }).await.unwrap();
+        t.job(start).await;
+        let mut notes = Vec::new();
+        for _ in 0..100 {
+            notes = t.ready(94).await.notes;
+            if notes.iter().any(|n| n.contains("s1 is NOT archived") && n.contains("LOST")) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            notes.iter().any(|n| n.contains("s1 is NOT archived") && n.contains("LOST")),
+            "the new run's output does not say s1 was lost: {notes:?}"
+        );
+        // The tag takes a new save, which is flushed and archived once there is room.
+        std::fs::remove_file(&filler).unwrap();
+        write_ckpt(&ckpt, "s1", 7, false);
+        t.commit(94, "s1").await;
+        wait_for_state(&t, 94, "s1", CkptState::Archived).await;
+        t.call(Request::JobEnd { job_id: 94 }).await.unwrap();
+        wait_gone(&tmpfs, "the job's RAM tier after its end").await;
+        let tmp = t.stop().await;
+        drop(hot_fs);
+        drop(tmp);
+    }
+}
+
 root_test! {
     /// A framework's signal written in the job's last moments — DCP's `.metadata`, the processes
     /// exiting right after, before the agent's next scan — still commits the checkpoint: it is

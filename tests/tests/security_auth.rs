@@ -441,7 +441,12 @@ fn security_a_step_stages_only_as_its_job_user_and_only_for_a_running_job() {
         "#!/bin/bash\nsleep 300\n",
     );
     cluster.wait_running(&running, JOB_TIMEOUT);
-    let held = cluster.submit_as(&b, "sec-step-id-held", &["-N1", "--hold"], "#!/bin/bash\ntrue\n");
+    let held = cluster.submit_as(
+        &b,
+        "sec-step-id-held",
+        &["-N1", "--hold"],
+        "#!/bin/bash\ntrue\n",
+    );
     let step = |job_id: u32| {
         json!({
             "op": "wait_staged", "job_id": job_id, "timeout_ms": 60000,

@@ -327,11 +327,16 @@ impl JobCkpts {
     }
 
     /// Records a commit of `tag`. An already archived tag is refused: archives are immutable, so a
-    /// changed checkpoint needs a new tag.
+    /// changed checkpoint needs a new tag. A lost one (nothing of it is left anywhere) is saved
+    /// anew under its tag.
     pub fn commit(&self, tag: &str, now: u64) -> Result<CommitOutcome, CommitError> {
         let mut entries = lock(&self.entries);
         match entries.get(tag) {
             None => {
+                entries.insert(tag.to_string(), Arc::new(CkptEntry::new(tag, now)));
+                Ok(CommitOutcome::New)
+            }
+            Some(e) if e.is_lost() => {
                 entries.insert(tag.to_string(), Arc::new(CkptEntry::new(tag, now)));
                 Ok(CommitOutcome::New)
             }
@@ -416,5 +421,10 @@ mod tests {
         assert_eq!(c.commit("c", 13).unwrap(), CommitOutcome::Recommitted);
         assert_eq!(c.get("c").unwrap().generation(), 2);
         assert!(c.pending());
+        // A lost checkpoint left nothing anywhere: its tag takes a new save.
+        c.commit("d", 14).unwrap();
+        c.get("d").unwrap().lose("LOST".into());
+        assert_eq!(c.commit("d", 15).unwrap(), CommitOutcome::New);
+        assert!(!c.get("d").unwrap().is_lost());
     }
 }
