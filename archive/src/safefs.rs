@@ -113,7 +113,8 @@ fn finish_dir(fd: &OwnedFd, name: &str, owner: Option<Owner>, mode: u32) -> Resu
 }
 
 /// Opens `name` in `dir`, creating it if missing. An existing entry must be a directory we may use:
-/// not a symlink (refused by `O_NOFOLLOW`) and, when `owner` is given, owned by that owner.
+/// not a symlink (refused by `O_NOFOLLOW`) and owned by `owner` or, without one, by root (or this
+/// process's user, when that is not root); anyone else's is refused with `EPERM`.
 pub fn ensure_dir(dir: impl AsFd, name: &str, owner: Option<Owner>, mode: u32) -> Result<OwnedFd> {
     check_component(name)?;
     match mkdirat(dir.as_fd(), name, Mode::from_bits_truncate(mode)) {
@@ -124,19 +125,25 @@ pub fn ensure_dir(dir: impl AsFd, name: &str, owner: Option<Owner>, mode: u32) -
         }
         Err(Errno::EEXIST) => {
             let fd = open_dir(dir, name)?;
-            if let Some(owner) = owner {
-                let st = fstat(&fd).map_err(sys("stat", name))?;
-                // Root-owned: another of our own tasks made it a moment ago and has not chowned it
-                // yet (a user can neither create nor move a root-owned directory into the job tree).
-                if st.st_uid == 0 && owner.uid != 0 {
-                    finish_dir(&fd, name, Some(owner), mode)?;
-                } else if st.st_uid != owner.uid {
-                    return Err(SafeFsError::Sys {
-                        op: "use existing directory",
-                        path: name.to_string(),
-                        errno: Errno::EPERM,
-                    });
-                }
+            let st = fstat(&fd).map_err(sys("stat", name))?;
+            // Without an owner the directory is this process's own: root's, in the agent (a
+            // user's `sluice` also takes root's directories on its path).
+            let ours = match owner {
+                Some(o) => st.st_uid == o.uid,
+                None => st.st_uid == 0 || st.st_uid == nix::unistd::geteuid().as_raw(),
+            };
+            // Root-owned: another of our own tasks made it a moment ago and has not chowned it
+            // yet (a user can neither create nor move a root-owned directory into the job tree).
+            if st.st_uid == 0 && owner.is_some_and(|o| o.uid != 0) {
+                finish_dir(&fd, name, owner, mode)?;
+            } else if !ours {
+                // Someone else's: a user who made it first, or moved it here, must not get root
+                // to write into it (or, for a root-only directory, to trust what is in it).
+                return Err(SafeFsError::Sys {
+                    op: "use existing directory",
+                    path: name.to_string(),
+                    errno: Errno::EPERM,
+                });
             }
             Ok(fd)
         }
@@ -348,5 +355,24 @@ mod tests {
             b"precious"
         );
         assert_eq!(remove_tree(&root, "job").unwrap(), Removed::default());
+    }
+
+    #[test]
+    fn ensure_dir_without_owner_takes_only_roots_directory() {
+        if !nix::unistd::geteuid().is_root() {
+            return; // chown needs root, as in the agent
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let root = open_root_dir(tmp.path()).unwrap();
+        // Root's own half-made directory (another task's) is adopted.
+        std::fs::create_dir(tmp.path().join("ours")).unwrap();
+        ensure_dir(&root, "ours", None, 0o700).unwrap();
+        // A user's directory where root expects its own is refused: root would write its private
+        // state (marks, cache entries, a shared-tier job) into a directory the user controls.
+        std::fs::create_dir(tmp.path().join("theirs")).unwrap();
+        std::os::unix::fs::chown(tmp.path().join("theirs"), Some(4242), Some(4242)).unwrap();
+        let e = ensure_dir(&root, "theirs", None, 0o700).unwrap_err();
+        assert_eq!(e.errno(), Some(Errno::EPERM), "{e}");
+        assert!(e.to_string().contains("theirs"), "{e}");
     }
 }
