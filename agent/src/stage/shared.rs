@@ -17,7 +17,8 @@
 //! job marked its share "ok" (else the job fails with the node's reason, or at the stage timeout
 //! with the names of the nodes still writing). A restarted agent finds its own "ok" mark and does
 //! not write its share again under the feet of tasks already reading it. At job end every node
-//! removes the job's directory; the first one to get there does the work.
+//! removes the job's directory; the first one to get there does the work. Only the job user's and
+//! root's entries are removed: another user's files that the job's user moved into `stage` stay.
 //!
 //! **A dead node is routed around.** While a node waits for the others' marks, it probes each node
 //! that has not marked its share through the peers layer: one request for the job on the node's
@@ -255,7 +256,7 @@ impl SharedJob {
         let stage = safefs::ensure_dir(&job, STAGE, Some(owner), 0o755)?;
         let marks = safefs::ensure_dir(&job, MARKS, None, 0o700)?;
         if fresh {
-            safefs::remove_tree(&marks, node)?;
+            safefs::remove_tree(&marks, node, safefs::RemoveAs::ROOT)?;
         }
         let done = read_mark(&marks, node).as_deref() == Some(OK);
         // A takeover is never dropped, not even by a fresh start of the job here: the survivors
@@ -317,7 +318,7 @@ impl SharedJob {
     }
 
     fn write_tmp(&self, tmp: &str, text: &str) -> Result<(), SafeFsError> {
-        safefs::remove_tree(&self.marks, tmp)?;
+        safefs::remove_tree(&self.marks, tmp, safefs::RemoveAs::ROOT)?;
         let mut f = safefs::create_file(&self.marks, tmp, None, 0o600)?;
         std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| SafeFsError::Sys {
             op: "write",
@@ -592,13 +593,18 @@ fn read_mark(marks: &OwnedFd, node: &str) -> Option<String> {
 }
 
 /// Removes the job's directory from the shared tier (every node of the job calls it at job end;
-/// what another node removed meanwhile counts as removed). Blocking.
-pub fn remove(cfg: &SharedTierConfig, job_id: u32) -> Result<safefs::Removed, SafeFsError> {
+/// what another node removed meanwhile counts as removed). Only the job user's and root's entries
+/// go ([`safefs::remove_tree`]). Blocking.
+pub fn remove(
+    cfg: &SharedTierConfig,
+    job_id: u32,
+    who: safefs::RemoveAs,
+) -> Result<safefs::Removed, SafeFsError> {
     let root = safefs::open_root_dir(cfg.root())?;
     let name = cfg.job_dir_name(job_id);
     let mut last = None;
     for _ in 0..3 {
-        match safefs::remove_tree(&root, &name) {
+        match safefs::remove_tree(&root, &name, who) {
             Ok(r) => return Ok(r),
             // Another node removed entries while this one walked: walk again.
             Err(e)
@@ -758,8 +764,8 @@ mod tests {
         );
 
         // Job end on both nodes: the directory goes, the second removal finds nothing.
-        remove(&cfg, 5).unwrap();
-        remove(&cfg, 5).unwrap();
+        remove(&cfg, 5, me().into()).unwrap();
+        remove(&cfg, 5, me().into()).unwrap();
         assert!(!root.path().join("job-5").exists());
     }
 
