@@ -192,9 +192,9 @@ pub struct Removed {
     pub entries: u64,
     /// Entries that could not be removed (bounded: the walk goes on past them).
     pub failed: u64,
-    /// Entries left in place because they are neither the tree's user's nor root's, or on another
-    /// file system than the top of the removal (a directory counts once: it is not walked). The
-    /// directories above them stay too, and are not counted.
+    /// Entries left in place because they are neither the tree's user's nor root's, or directories
+    /// on another file system than the top of the removal (a directory counts once: it is not
+    /// walked). The directories above them stay too, and are not counted.
     pub skipped: u64,
 }
 
@@ -225,8 +225,11 @@ impl RemoveAs {
     /// A tree that only root writes (the agent's marks, the cache's fill directory).
     pub const ROOT: RemoveAs = RemoveAs { uid: 0 };
 
+    /// Whether an entry may go: `who`'s or root's and, for a directory, on the file system `dev`
+    /// (a mount below the tree is not walked). Files are not held to `dev`: overlayfs reports its
+    /// layers' devices for them, and a file mounted over one cannot be unlinked anyway.
     fn may_remove(self, st: &nix::sys::stat::FileStat, dev: u64) -> bool {
-        (st.st_uid == self.uid || st.st_uid == 0) && st.st_dev == dev
+        (st.st_uid == self.uid || st.st_uid == 0) && (!is_dir(st) || st.st_dev == dev)
     }
 }
 
