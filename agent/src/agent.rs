@@ -18,7 +18,7 @@ use crate::stage::{self, JobPeers, NodePeers, ShardPlan, Sharing, StageCtx, Stag
 use crate::worker::{StatusCell, Worker, WorkerStatus, Workers};
 use sluice_archive::config::Config;
 use sluice_archive::rt::{blocking, lock, now_secs};
-use sluice_archive::safefs::{Owner, SafeFsError};
+use sluice_archive::safefs::{self, Owner, SafeFsError};
 use sluice_proto::msg::{
     ErrorCode, ErrorReply, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
@@ -821,7 +821,7 @@ impl Agent {
             let fresh = fresh_dirs && inherited.is_empty();
             let dirs = hot.prepare_job(job_id, owner, fresh, &keep_staged)?;
             if fresh_dirs && !inherited.is_empty() {
-                hot.remove_ckpt_except(job_id, &inherited)?;
+                hot.remove_ckpt_except(job_id, &inherited, owner.into())?;
             }
             Ok(dirs)
         })
@@ -1187,15 +1187,20 @@ impl Agent {
             .clone()
             .filter(|_| matches!(&job.options, Ok(o) if o.stage_tier == StageTier::Shared));
         let state_dir = self.cfg.state_dir.clone();
+        // Only the job user's and root's entries go: another user's files that the job's user
+        // moved in stay where they are (issue 24, finding 7).
+        let who = safefs::RemoveAs { uid: job.start.uid };
         let removed = self
             .spawn(blocking(move || {
                 if let Err(e) = stage::resume::forget(&state_dir, job_id) {
                     tracing::warn!(job_id, "removing the job's staging logs: {e}");
                 }
-                let mut r = hot.remove_staged(job_id)?;
+                let mut r = hot.remove_staged(job_id, who)?;
                 if let Some(cfg) = shared {
-                    match stage::shared::remove(&cfg, job_id) {
-                        Ok(s) => r.entries += s.entries,
+                    match stage::shared::remove(&cfg, job_id, who) {
+                        Ok(s) => {
+                            (r.entries, r.skipped) = (r.entries + s.entries, r.skipped + s.skipped)
+                        }
                         Err(e) => {
                             tracing::error!(job_id, "removing the job's shared-tier directory: {e}")
                         }
@@ -1205,6 +1210,14 @@ impl Agent {
             }))
             .await;
         match &removed {
+            Ok(Ok(r)) if r.skipped > 0 => tracing::warn!(
+                job_id,
+                removed = r.entries,
+                skipped = r.skipped,
+                "job ended; its staged data holds entries of other users (moved in by the job's \
+                 user), left in place with the directories holding them — check them and remove \
+                 them by hand"
+            ),
             Ok(Ok(r)) => tracing::info!(job_id, "job ended; removed {} staged entries", r.entries),
             Ok(Err(e)) => tracing::error!(job_id, "removing staged data: {e}"),
             Err(e) => tracing::error!(job_id, "removing staged data: {e}"),

@@ -493,9 +493,10 @@ async fn check_dest(dir: Arc<OwnedFd>, uid: u32) -> Result<(), ErrorReply> {
     }
 }
 
-/// Removes everything below `dir` (a failed restore's partial files), fd-relative, never
-/// following a link. Says what is left, if anything.
-async fn clear(dir: Arc<OwnedFd>) -> Option<String> {
+/// Removes everything of the caller's (or root's) below `dir` (a failed restore's partial files),
+/// fd-relative, never following a link; another user's entries moved in there stay. Says what is
+/// left, if anything.
+async fn clear(dir: Arc<OwnedFd>, who: safefs::RemoveAs) -> Option<String> {
     blocking(move || {
         let flags = nix::fcntl::OFlag::O_RDONLY
             | nix::fcntl::OFlag::O_DIRECTORY
@@ -508,17 +509,27 @@ async fn clear(dir: Arc<OwnedFd>) -> Option<String> {
             .filter_map(|e| e.file_name().to_str().ok().map(String::from))
             .filter(|n| n != "." && n != "..")
             .collect();
-        let mut failed = 0;
+        let (mut failed, mut skipped) = (0, 0);
         for n in names {
-            match safefs::remove_tree(dir.as_fd(), &n) {
-                Ok(r) => failed += r.failed,
+            match safefs::remove_tree(dir.as_fd(), &n, who) {
+                Ok(r) => (failed, skipped) = (failed + r.failed, skipped + r.skipped),
                 Err(_) => failed += 1,
             }
         }
+        let mut left = Vec::new();
         if failed > 0 {
-            return Err(format!("{failed} entries could not be removed"));
+            left.push(format!("{failed} entries could not be removed"));
         }
-        Ok(())
+        if skipped > 0 {
+            left.push(format!(
+                "{skipped} entries of other users were left in place"
+            ));
+        }
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(left.join(", "))
+        }
     })
     .await
     .err()
@@ -567,7 +578,7 @@ async fn restore(
                 });
             }
             Ok(_) => {
-                let left = clear(dir.clone()).await;
+                let left = clear(dir.clone(), caller.owner.into()).await;
                 let e = refuse(
                     ErrorCode::NotFound,
                     format!("{}: no archived checkpoint {t} of yours", a.url()),
@@ -575,13 +586,13 @@ async fn restore(
                 return Err(fail(e, left));
             }
             Err(e) if tag == LATEST && e.is_corrupt() => {
-                if let Some(left) = clear(dir.clone()).await {
+                if let Some(left) = clear(dir.clone(), caller.owner.into()).await {
                     return Err(fail(failed(e), Some(left)));
                 }
                 skipped.push(t);
             }
             Err(e) => {
-                let left = clear(dir.clone()).await;
+                let left = clear(dir.clone(), caller.owner.into()).await;
                 return Err(fail(failed(e), left));
             }
         }

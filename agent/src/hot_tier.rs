@@ -11,7 +11,7 @@
 //! tasks ([`HotTier::task_dirs`]) are for the job's own processes, never for root's file operations.
 //! Blocking calls: run them on the blocking pool.
 
-use sluice_archive::safefs::{self, Owner, Removed, SafeFsError};
+use sluice_archive::safefs::{self, Owner, RemoveAs, Removed, SafeFsError};
 use sluice_proto::msg::{JobDirs, JobId};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -132,14 +132,15 @@ impl HotTier {
     ) -> Result<(OwnedFd, OwnedFd), SafeFsError> {
         let jobs = self.jobs()?;
         let name = job_id.to_string();
+        let who = owner.into();
         let job_dir = if fresh {
-            safefs::remove_tree(&jobs, &name)?;
+            safefs::remove_tree(&jobs, &name, who)?.all_gone(&name)?;
             safefs::create_dir(&jobs, &name, Some(owner), 0o700)?
         } else {
             safefs::ensure_dir(&jobs, &name, Some(owner), 0o700)?
         };
         let stage = if fresh || keep_staged.is_empty() {
-            safefs::remove_tree(&job_dir, STAGE)?;
+            safefs::remove_tree(&job_dir, STAGE, who)?.all_gone(STAGE)?;
             safefs::create_dir(&job_dir, STAGE, Some(owner), 0o755)?
         } else {
             let stage = safefs::ensure_dir(&job_dir, STAGE, Some(owner), 0o755)?;
@@ -147,7 +148,7 @@ impl HotTier {
             // a step's datasets) is staged again, from the start.
             for entry in list_names(&stage)? {
                 if !keep_staged.contains(&entry) {
-                    safefs::remove_tree(&stage, &entry)?;
+                    safefs::remove_tree(&stage, &entry, who)?;
                 }
             }
             stage
@@ -166,17 +167,18 @@ impl HotTier {
         safefs::open_dir(safefs::open_dir(self.jobs()?, &job_id.to_string())?, CKPT)
     }
 
-    /// Removes `jobs/<id>` with everything in it.
-    pub fn remove_job(&self, job_id: JobId) -> Result<Removed, SafeFsError> {
-        safefs::remove_tree(self.jobs()?, &job_id.to_string())
+    /// Removes `jobs/<id>` with everything in it that is `who`'s (the job user's) or root's.
+    pub fn remove_job(&self, job_id: JobId, who: RemoveAs) -> Result<Removed, SafeFsError> {
+        safefs::remove_tree(self.jobs()?, &job_id.to_string(), who)
     }
 
-    /// Removes `jobs/<id>/stage`. What is already gone (the checkpoint worker may be removing the
-    /// whole job directory meanwhile) counts as removed.
-    pub fn remove_staged(&self, job_id: JobId) -> Result<Removed, SafeFsError> {
+    /// Removes `jobs/<id>/stage`, what is `who`'s (the job user's) or root's in it. What is already
+    /// gone (the checkpoint worker may be removing the whole job directory meanwhile) counts as
+    /// removed.
+    pub fn remove_staged(&self, job_id: JobId, who: RemoveAs) -> Result<Removed, SafeFsError> {
         let gone = |e: &SafeFsError| e.errno() == Some(nix::errno::Errno::ENOENT);
         match safefs::open_dir(self.jobs()?, &job_id.to_string()) {
-            Ok(dir) => match safefs::remove_tree(&dir, STAGE) {
+            Ok(dir) => match safefs::remove_tree(&dir, STAGE, who) {
                 Err(e) if gone(&e) => Ok(Removed::default()),
                 other => other,
             },
@@ -187,25 +189,54 @@ impl HotTier {
 
     /// Cleans up after a job the agent has no record of: its staged data goes; its checkpoint
     /// directory stays unless it is empty (the agent cannot know whether what it holds is
-    /// archived). Returns whether something was kept.
+    /// archived). Returns whether something was kept. Whose it is, is the owner of `jobs/<id>`:
+    /// root made it in root's `jobs` and gave it to the job user, who cannot replace it.
     pub fn remove_unknown_job(&self, job_id: JobId) -> Result<bool, SafeFsError> {
-        self.remove_staged(job_id)?;
+        let who = match safefs::open_dir(self.jobs()?, &job_id.to_string()) {
+            Ok(dir) => RemoveAs {
+                uid: nix::sys::stat::fstat(&dir)
+                    .map_err(|errno| SafeFsError::Sys {
+                        op: "stat",
+                        path: job_id.to_string(),
+                        errno,
+                    })?
+                    .st_uid,
+            },
+            Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let staged = self.remove_staged(job_id, who)?;
+        if staged.skipped > 0 {
+            tracing::warn!(
+                job_id,
+                skipped = staged.skipped,
+                "the job's staged data holds entries of other users (moved in by the job's user), \
+                 left in place with the directories holding them — check them and remove them by \
+                 hand"
+            );
+        }
         let kept = match self.open_ckpt(job_id) {
             Ok(ckpt) => !list_names(&ckpt)?.is_empty(),
             Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => false,
             Err(e) => return Err(e),
         };
         if !kept {
-            self.remove_job(job_id)?;
+            self.remove_job(job_id, who)?;
         }
         Ok(kept)
     }
 
-    /// Removes everything in `jobs/<id>/ckpt` but the entries named in `keep`.
-    pub fn remove_ckpt_except(&self, job_id: JobId, keep: &[String]) -> Result<(), SafeFsError> {
+    /// Removes everything in `jobs/<id>/ckpt` but the entries named in `keep` (what is `who`'s,
+    /// the job user's, or root's).
+    pub fn remove_ckpt_except(
+        &self,
+        job_id: JobId,
+        keep: &[String],
+        who: RemoveAs,
+    ) -> Result<(), SafeFsError> {
         let ckpt = self.open_ckpt(job_id)?;
         for name in list_names(&ckpt)?.iter().filter(|n| !keep.contains(n)) {
-            safefs::remove_tree(&ckpt, name)?;
+            safefs::remove_tree(&ckpt, name, who)?;
         }
         Ok(())
     }
@@ -300,14 +331,15 @@ mod tests {
         let mut subdirs = hot.ckpt_subdirs(7);
         subdirs.sort();
         assert_eq!(subdirs, ["s1", "torn"]);
-        hot.remove_ckpt_except(7, &["s1".into()]).unwrap();
+        hot.remove_ckpt_except(7, &["s1".into()], me.into())
+            .unwrap();
         assert_eq!(hot.ckpt_subdirs(7), ["s1"]);
-        hot.remove_staged(7).unwrap();
+        hot.remove_staged(7, me.into()).unwrap();
         assert!(!tmp.path().join("jobs/7/stage").exists());
-        hot.remove_job(7).unwrap();
+        hot.remove_job(7, me.into()).unwrap();
         assert!(!tmp.path().join("jobs/7").exists());
         // Already gone counts as removed for staged data.
-        hot.remove_staged(7).unwrap();
+        hot.remove_staged(7, me.into()).unwrap();
         // An unknown job's checkpoints stay; an empty one goes whole.
         hot.prepare_job(9, me, true, &[]).unwrap();
         std::fs::write(tmp.path().join("jobs/9/stage/x"), b"x").unwrap();
@@ -324,6 +356,49 @@ mod tests {
         std::fs::create_dir(tmp.path().join("jobs/8/ckpt/old")).unwrap();
         hot.prepare_job(8, me, true, &[]).unwrap();
         assert!(hot.ckpt_subdirs(8).is_empty());
+    }
+
+    #[test]
+    #[ignore = "needs root (the job's files belong to other users, as with sluiced); run as root with --ignored, as tests/harness/run-e2e.sh does"]
+    fn another_users_files_moved_into_a_job_stay() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test needs root: the job's files belong to other users"
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let hot = HotTier::open(tmp.path(), 90).unwrap();
+        let (user, other) = (4401, 4402);
+        let owner = Owner {
+            uid: user,
+            gid: user,
+        };
+        hot.prepare_job(20, owner, true, &[]).unwrap();
+        let stage = tmp.path().join("jobs/20/stage");
+        std::fs::write(stage.join("mine"), b"m").unwrap();
+        std::os::unix::fs::chown(stage.join("mine"), Some(user), None).unwrap();
+        // The job's user moved in a directory of another user's (one that user let them move).
+        let loot = stage.join("loot");
+        std::fs::create_dir(&loot).unwrap();
+        std::fs::write(loot.join("secret"), b"theirs").unwrap();
+        for p in [&loot, &loot.join("secret")] {
+            std::os::unix::fs::chown(p, Some(other), Some(other)).unwrap();
+        }
+        // Job end: the job's own data goes, the other user's stays, counted.
+        let r = hot.remove_staged(20, owner.into()).unwrap();
+        assert_eq!((r.entries, r.skipped), (1, 1), "{r:?}");
+        assert!(!stage.join("mine").exists());
+        assert_eq!(std::fs::read(loot.join("secret")).unwrap(), b"theirs");
+        // So does a job the agent has no record of (its owner is its directory's).
+        assert!(!hot.remove_unknown_job(20).unwrap());
+        assert_eq!(std::fs::read(loot.join("secret")).unwrap(), b"theirs");
+        // A fresh start of the job id cannot clear the way: it fails, saying what to do.
+        let e = hot.prepare_job(20, owner, true, &[]).unwrap_err();
+        assert!(
+            e.to_string().contains("holds 1 entries of other users")
+                && e.to_string().contains("move them out"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(loot.join("secret")).unwrap(), b"theirs");
     }
 
     #[test]

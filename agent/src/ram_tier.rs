@@ -162,7 +162,9 @@ impl RamTier {
         let name = job_id.to_string();
         if fresh && keep.is_empty() {
             unmount(&path);
-            safefs::remove_tree(&jobs, &name).map_err(dir_err)?;
+            safefs::remove_tree(&jobs, &name, owner.into())
+                .and_then(|r| r.all_gone(&name))
+                .map_err(dir_err)?;
         }
         // The mount point (with `mount = false`, the job's directory itself).
         safefs::ensure_dir(&jobs, &name, Some(owner), 0o700).map_err(dir_err)?;
@@ -193,7 +195,9 @@ impl RamTier {
             // The run before's torn saves go; its committed checkpoints stay, to be flushed.
             for entry in crate::hot_tier::list_names(&ckpt).map_err(dir_err)? {
                 if !keep.contains(&entry) {
-                    safefs::remove_tree(&ckpt, &entry).map_err(dir_err)?;
+                    safefs::remove_tree(&ckpt, &entry, owner.into())
+                        .and_then(|r| r.all_gone(&entry))
+                        .map_err(dir_err)?;
                 }
             }
         }
@@ -252,12 +256,13 @@ impl RamTier {
             .unwrap_or((0, 0))
     }
 
-    /// Removes the job's tmpfs and gives its share back (blocking).
-    pub fn remove(&self, job_id: JobId) -> Result<(), SafeFsError> {
+    /// Removes the job's tmpfs and gives its share back (blocking). Without a tmpfs of its own
+    /// (`mount = false`), only what is `who`'s (the job user's) or root's goes.
+    pub fn remove(&self, job_id: JobId, who: safefs::RemoveAs) -> Result<(), SafeFsError> {
         let path = self.job_path(job_id);
         unmount(&path);
         let jobs = safefs::open_dir(safefs::open_root_dir(&self.cfg.root)?, JOBS)?;
-        safefs::remove_tree(&jobs, &job_id.to_string())?;
+        safefs::remove_tree(&jobs, &job_id.to_string(), who)?;
         lock(&self.shares).remove(&job_id);
         Ok(())
     }
@@ -343,7 +348,7 @@ mod tests {
         assert_eq!(r.reserved(), 4 << 20);
         r.prepare(2, me(), true, &[]).unwrap();
         std::fs::write(r.ckpt_dir(2).join("x"), b"1").unwrap();
-        r.remove(2).unwrap();
+        r.remove(2, me().into()).unwrap();
         assert!(!r.ckpt_dir(2).exists());
         assert_eq!(r.reserved(), 3 << 20);
     }
@@ -438,7 +443,7 @@ mod tests {
         // Past the share: ENOSPC, whatever the node's free memory.
         let e = std::fs::write(r.ckpt_dir(7).join("big"), vec![0u8; 2 << 20]).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(nix::libc::ENOSPC));
-        r.remove(7).unwrap();
+        r.remove(7, owner.into()).unwrap();
         assert!(!t.path().join("jobs/7").exists());
     }
 }

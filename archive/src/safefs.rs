@@ -5,7 +5,10 @@
 //! every operation here is fd-relative: directories are opened one component at a time with
 //! `O_NOFOLLOW | O_DIRECTORY`, files are created with `O_CREAT | O_EXCL | O_NOFOLLOW` and chowned
 //! through the fd. A symlink anywhere makes the operation fail; nothing outside the starting directory
-//! is ever opened, created, chowned or removed.
+//! is ever opened, created, chowned or removed. Root removes only what is the tree's user's or its
+//! own, on the tree's file system ([`remove_tree`] with [`RemoveAs`]): another user's files that a
+//! user moved into their job's tree stay. An existing directory is used only if it is the expected
+//! owner's ([`ensure_dir`]).
 //!
 //! These functions block; call them from blocking threads.
 
@@ -32,6 +35,10 @@ pub enum SafeFsError {
     BadPath(String),
     #[error("'{0}' nests deeper than {MAX_DEPTH} directories")]
     TooDeep(String),
+    #[error(
+        "'{path}' holds {skipped} entries of other users, which sluice does not remove: move them out of it"
+    )]
+    OthersLeft { path: String, skipped: u64 },
 }
 
 impl SafeFsError {
@@ -113,7 +120,8 @@ fn finish_dir(fd: &OwnedFd, name: &str, owner: Option<Owner>, mode: u32) -> Resu
 }
 
 /// Opens `name` in `dir`, creating it if missing. An existing entry must be a directory we may use:
-/// not a symlink (refused by `O_NOFOLLOW`) and, when `owner` is given, owned by that owner.
+/// not a symlink (refused by `O_NOFOLLOW`) and owned by `owner` or, without one, by root (or this
+/// process's user, when that is not root); anyone else's is refused with `EPERM`.
 pub fn ensure_dir(dir: impl AsFd, name: &str, owner: Option<Owner>, mode: u32) -> Result<OwnedFd> {
     check_component(name)?;
     match mkdirat(dir.as_fd(), name, Mode::from_bits_truncate(mode)) {
@@ -124,19 +132,25 @@ pub fn ensure_dir(dir: impl AsFd, name: &str, owner: Option<Owner>, mode: u32) -
         }
         Err(Errno::EEXIST) => {
             let fd = open_dir(dir, name)?;
-            if let Some(owner) = owner {
-                let st = fstat(&fd).map_err(sys("stat", name))?;
-                // Root-owned: another of our own tasks made it a moment ago and has not chowned it
-                // yet (a user can neither create nor move a root-owned directory into the job tree).
-                if st.st_uid == 0 && owner.uid != 0 {
-                    finish_dir(&fd, name, Some(owner), mode)?;
-                } else if st.st_uid != owner.uid {
-                    return Err(SafeFsError::Sys {
-                        op: "use existing directory",
-                        path: name.to_string(),
-                        errno: Errno::EPERM,
-                    });
-                }
+            let st = fstat(&fd).map_err(sys("stat", name))?;
+            // Without an owner the directory is this process's own: root's, in the agent (a
+            // user's `sluice` also takes root's directories on its path).
+            let ours = match owner {
+                Some(o) => st.st_uid == o.uid,
+                None => st.st_uid == 0 || st.st_uid == nix::unistd::geteuid().as_raw(),
+            };
+            // Root-owned: another of our own tasks made it a moment ago and has not chowned it
+            // yet (a user can neither create nor move a root-owned directory into the job tree).
+            if st.st_uid == 0 && owner.is_some_and(|o| o.uid != 0) {
+                finish_dir(&fd, name, owner, mode)?;
+            } else if !ours {
+                // Someone else's: a user who made it first, or moved it here, must not get root
+                // to write into it (or, for a root-only directory, to trust what is in it).
+                return Err(SafeFsError::Sys {
+                    op: "use existing directory",
+                    path: name.to_string(),
+                    errno: Errno::EPERM,
+                });
             }
             Ok(fd)
         }
@@ -178,12 +192,68 @@ pub struct Removed {
     pub entries: u64,
     /// Entries that could not be removed (bounded: the walk goes on past them).
     pub failed: u64,
+    /// Entries left in place because they are neither the tree's user's nor root's, or directories
+    /// on another file system than the top of the removal (a directory counts once: it is not
+    /// walked). The directories above them stay too, and are not counted.
+    pub skipped: u64,
 }
 
-/// Removes `name` inside `dir` and everything below it, never following a symlink and never leaving
-/// `dir`: each level is entered through an fd opened with `O_NOFOLLOW`, and entries are removed with
-/// `unlinkat` relative to that fd. A missing `name` is not an error.
-pub fn remove_tree(dir: impl AsFd, name: &str) -> Result<Removed> {
+impl Removed {
+    /// An error when something of another user's stayed below `name`, for a caller about to
+    /// create `name` afresh.
+    pub fn all_gone(self, name: &str) -> Result<Removed> {
+        match self.skipped {
+            0 => Ok(self),
+            skipped => Err(SafeFsError::OthersLeft {
+                path: name.to_string(),
+                skipped,
+            }),
+        }
+    }
+}
+
+/// Whose tree a removal walks ([`remove_tree`]): it enters only directories owned by `uid` or root
+/// and unlinks only their files. A user can move a directory holding someone else's files into a
+/// tree that root removes (their job's stage directory, a restore destination) wherever that other
+/// user's directories let them; root must not delete those files for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoveAs {
+    pub uid: u32,
+}
+
+impl RemoveAs {
+    /// A tree that only root writes (the agent's marks, the cache's fill directory).
+    pub const ROOT: RemoveAs = RemoveAs { uid: 0 };
+
+    /// Whether an entry may go: `who`'s or root's and, for a directory, on the file system `dev`
+    /// (a mount below the tree is not walked). Files are not held to `dev`: overlayfs reports its
+    /// layers' devices for them, and a file mounted over one cannot be unlinked anyway.
+    fn may_remove(self, st: &nix::sys::stat::FileStat, dev: u64) -> bool {
+        (st.st_uid == self.uid || st.st_uid == 0) && (!is_dir(st) || st.st_dev == dev)
+    }
+}
+
+impl From<Owner> for RemoveAs {
+    fn from(owner: Owner) -> RemoveAs {
+        RemoveAs { uid: owner.uid }
+    }
+}
+
+fn is_dir(st: &nix::sys::stat::FileStat) -> bool {
+    SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR
+}
+
+/// Removes `name` inside `dir` and everything below it that is `who`'s or root's, never following
+/// a symlink and never leaving `dir`: each level is entered through an fd opened with
+/// `O_NOFOLLOW`, checked on that fd (owner, and the device of `name` itself: a mount below is not
+/// walked), and entries are removed with `unlinkat` relative to it. What another user owns is left
+/// in place and counted in [`Removed::skipped`], with the directories above it (so `name` itself
+/// may stay; that is not an error). A missing `name` is not an error.
+///
+/// A file is judged by an `fstatat` just before its `unlinkat`: a user who can write the directory
+/// could swap another user's file in between, but only one they could already move (and so
+/// unlink) themselves. Directories are judged on the opened fd, so none is walked by mistake.
+pub fn remove_tree(dir: impl AsFd, name: &str, who: RemoveAs) -> Result<Removed> {
     check_component(name)?;
     let mut removed = Removed::default();
     let st = match fstatat(dir.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
@@ -191,10 +261,21 @@ pub fn remove_tree(dir: impl AsFd, name: &str) -> Result<Removed> {
         Err(Errno::ENOENT) => return Ok(removed),
         Err(e) => return Err(sys("stat", name)(e)),
     };
-    if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR {
+    if is_dir(&st) {
         let sub = open_dir(dir.as_fd(), name)?;
-        remove_contents(sub, 1, &mut removed);
+        let st = fstat(&sub).map_err(sys("stat", name))?;
+        if !who.may_remove(&st, st.st_dev) {
+            removed.skipped += 1;
+            return Ok(removed);
+        }
+        remove_contents(&sub, who, st.st_dev, 1, &mut removed);
+        if removed.skipped > 0 {
+            return Ok(removed);
+        }
         unlinkat(dir, name, UnlinkatFlags::RemoveDir).map_err(sys("rmdir", name))?;
+    } else if !who.may_remove(&st, st.st_dev) {
+        removed.skipped += 1;
+        return Ok(removed);
     } else {
         unlinkat(dir, name, UnlinkatFlags::NoRemoveDir).map_err(sys("unlink", name))?;
     }
@@ -202,8 +283,8 @@ pub fn remove_tree(dir: impl AsFd, name: &str) -> Result<Removed> {
     Ok(removed)
 }
 
-fn remove_contents(dirfd: OwnedFd, depth: usize, removed: &mut Removed) {
-    let names: Vec<(std::ffi::CString, bool)> = {
+fn remove_contents(dirfd: &OwnedFd, who: RemoveAs, dev: u64, depth: usize, removed: &mut Removed) {
+    let names: Vec<std::ffi::CString> = {
         let dup = match dirfd.try_clone() {
             Ok(d) => d,
             Err(_) => {
@@ -221,48 +302,62 @@ fn remove_contents(dirfd: OwnedFd, depth: usize, removed: &mut Removed) {
                 let n = e.file_name().to_bytes();
                 n != b"." && n != b".."
             })
-            .map(|e| {
-                (
-                    e.file_name().to_owned(),
-                    e.file_type() == Some(nix::dir::Type::Directory),
-                )
-            })
+            .map(|e| e.file_name().to_owned())
             .collect()
     };
-    for (name, is_dir) in names {
+    for name in names {
         let name = name.as_c_str();
-        if is_dir {
-            if depth >= MAX_DEPTH {
+        let st = match fstatat(dirfd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => continue, // removed meanwhile (another node, on the shared tier)
+            Err(_) => {
                 removed.failed += 1;
                 continue;
             }
-            match openat(&dirfd, name, DIR_FLAGS, Mode::empty()) {
-                Ok(sub) => remove_contents(sub, depth + 1, removed),
-                Err(_) => {
-                    removed.failed += 1;
-                    continue;
-                }
-            }
-            match unlinkat(&dirfd, name, UnlinkatFlags::RemoveDir) {
-                Ok(()) => removed.entries += 1,
+        };
+        if !who.may_remove(&st, dev) {
+            removed.skipped += 1;
+            continue;
+        }
+        if !is_dir(&st) {
+            match unlinkat(dirfd, name, UnlinkatFlags::NoRemoveDir) {
+                Ok(()) | Err(Errno::ENOENT) => removed.entries += 1,
                 Err(_) => removed.failed += 1,
             }
-        } else {
-            match unlinkat(&dirfd, name, UnlinkatFlags::NoRemoveDir) {
-                Ok(()) => removed.entries += 1,
-                // A directory whose d_type was unknown: retry as a directory.
-                Err(Errno::EISDIR) => match openat(&dirfd, name, DIR_FLAGS, Mode::empty()) {
-                    Ok(sub) => {
-                        remove_contents(sub, depth + 1, removed);
-                        match unlinkat(&dirfd, name, UnlinkatFlags::RemoveDir) {
-                            Ok(()) => removed.entries += 1,
-                            Err(_) => removed.failed += 1,
-                        }
-                    }
-                    Err(_) => removed.failed += 1,
-                },
-                Err(_) => removed.failed += 1,
+            continue;
+        }
+        if depth >= MAX_DEPTH {
+            removed.failed += 1;
+            continue;
+        }
+        let sub = match openat(dirfd, name, DIR_FLAGS, Mode::empty()) {
+            Ok(sub) => sub,
+            Err(Errno::ENOENT) => continue,
+            Err(_) => {
+                removed.failed += 1;
+                continue;
             }
+        };
+        // What was opened is what gets walked: judge it, not the entry stat'ed a moment ago.
+        match fstat(&sub) {
+            Ok(st) if who.may_remove(&st, dev) => {}
+            Ok(_) => {
+                removed.skipped += 1;
+                continue;
+            }
+            Err(_) => {
+                removed.failed += 1;
+                continue;
+            }
+        }
+        let before = removed.skipped;
+        remove_contents(&sub, who, dev, depth + 1, removed);
+        if removed.skipped > before {
+            continue; // it holds what stays
+        }
+        match unlinkat(dirfd, name, UnlinkatFlags::RemoveDir) {
+            Ok(()) | Err(Errno::ENOENT) => removed.entries += 1,
+            Err(_) => removed.failed += 1,
         }
     }
 }
@@ -340,13 +435,160 @@ mod tests {
         symlink(outside.path(), job.join("d/link-to-outside")).unwrap();
         symlink(outside.path().join("keep"), job.join("file-link")).unwrap();
         let root = open_root_dir(tmp.path()).unwrap();
-        let r = remove_tree(&root, "job").unwrap();
-        assert_eq!(r.failed, 0);
+        let me = RemoveAs {
+            uid: nix::unistd::geteuid().as_raw(),
+        };
+        let r = remove_tree(&root, "job", me).unwrap();
+        assert_eq!((r.failed, r.skipped), (0, 0));
         assert!(!job.exists());
         assert_eq!(
             std::fs::read(outside.path().join("keep")).unwrap(),
             b"precious"
         );
-        assert_eq!(remove_tree(&root, "job").unwrap(), Removed::default());
+        assert_eq!(remove_tree(&root, "job", me).unwrap(), Removed::default());
+    }
+
+    #[test]
+    fn ensure_dir_without_owner_takes_only_roots_directory() {
+        if !nix::unistd::geteuid().is_root() {
+            return; // chown needs root, as in the agent
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let root = open_root_dir(tmp.path()).unwrap();
+        // Root's own half-made directory (another task's) is adopted.
+        std::fs::create_dir(tmp.path().join("ours")).unwrap();
+        ensure_dir(&root, "ours", None, 0o700).unwrap();
+        // A user's directory where root expects its own is refused: root would write its private
+        // state (marks, cache entries, a shared-tier job) into a directory the user controls.
+        std::fs::create_dir(tmp.path().join("theirs")).unwrap();
+        std::os::unix::fs::chown(tmp.path().join("theirs"), Some(4242), Some(4242)).unwrap();
+        let e = ensure_dir(&root, "theirs", None, 0o700).unwrap_err();
+        assert_eq!(e.errno(), Some(Errno::EPERM), "{e}");
+        assert!(e.to_string().contains("theirs"), "{e}");
+    }
+
+    fn chown(p: &Path, uid: u32) {
+        std::os::unix::fs::lchown(p, Some(uid), Some(uid)).unwrap();
+    }
+
+    /// The job user's and a third user's uids in the removal tests.
+    const USER: u32 = 4201;
+    const OTHER: u32 = 4202;
+
+    #[test]
+    fn remove_tree_leaves_other_users_files() {
+        if !nix::unistd::geteuid().is_root() {
+            return; // chown needs root, as in the agent
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let job = tmp.path().join("job");
+        // The job user's own data, and a file root wrote for them (a mark, a manifest).
+        std::fs::create_dir_all(job.join("data/sub")).unwrap();
+        std::fs::write(job.join("data/sub/f"), b"1").unwrap();
+        std::fs::write(job.join("by-root"), b"2").unwrap();
+        for p in ["", "data", "data/sub", "data/sub/f"] {
+            chown(&job.join(p), USER);
+        }
+        // What the user moved in from where another user let them: a whole directory of that
+        // user's, and one of that user's files into a directory of their own.
+        std::fs::create_dir_all(job.join("moved/deeper")).unwrap();
+        std::fs::write(job.join("moved/deeper/secret"), b"theirs").unwrap();
+        for p in ["moved", "moved/deeper", "moved/deeper/secret"] {
+            chown(&job.join(p), OTHER);
+        }
+        std::fs::create_dir(job.join("mine")).unwrap();
+        std::fs::write(job.join("mine/own"), b"3").unwrap();
+        std::fs::write(job.join("mine/their-file"), b"theirs too").unwrap();
+        chown(&job.join("mine"), USER);
+        chown(&job.join("mine/own"), USER);
+        chown(&job.join("mine/their-file"), OTHER);
+
+        let root = open_root_dir(tmp.path()).unwrap();
+        let r = remove_tree(&root, "job", RemoveAs { uid: USER }).unwrap();
+        // The other user's directory counts once (it is not walked), their file once.
+        assert_eq!((r.skipped, r.failed), (2, 0), "{r:?}");
+        assert_eq!(
+            std::fs::read(job.join("moved/deeper/secret")).unwrap(),
+            b"theirs"
+        );
+        assert_eq!(
+            std::fs::read(job.join("mine/their-file")).unwrap(),
+            b"theirs too"
+        );
+        // Everything of the job user's and root's went; the directories holding what stays did not.
+        for gone in ["data", "by-root", "mine/own"] {
+            assert!(!job.join(gone).exists(), "{gone} is left");
+        }
+        // Removing it again (as a later clean-up would) still leaves them and counts them.
+        let again = remove_tree(&root, "job", RemoveAs { uid: USER }).unwrap();
+        assert_eq!((again.entries, again.skipped), (0, 2), "{again:?}");
+
+        // The top itself another user's: nothing below it is touched.
+        let r = remove_tree(
+            open_root_dir(&job).unwrap(),
+            "moved",
+            RemoveAs { uid: USER },
+        )
+        .unwrap();
+        assert_eq!((r.entries, r.skipped), (0, 1), "{r:?}");
+        assert!(job.join("moved/deeper/secret").exists());
+
+        // A tree of the job user's (and root's) alone goes whole.
+        std::fs::create_dir_all(tmp.path().join("own/a/b")).unwrap();
+        std::fs::write(tmp.path().join("own/a/b/f"), b"x").unwrap();
+        std::fs::write(tmp.path().join("own/a/root-file"), b"y").unwrap();
+        for p in ["own", "own/a", "own/a/b", "own/a/b/f"] {
+            chown(&tmp.path().join(p), USER);
+        }
+        let r = remove_tree(&root, "own", RemoveAs { uid: USER }).unwrap();
+        assert_eq!(
+            r,
+            Removed {
+                entries: 5,
+                failed: 0,
+                skipped: 0
+            }
+        );
+        assert!(!tmp.path().join("own").exists());
+    }
+
+    #[test]
+    fn remove_tree_stays_on_its_file_system() {
+        if !nix::unistd::geteuid().is_root() {
+            return; // mounting needs root, as the agent's RAM tier does
+        }
+        /// Unmounts at the end, whatever the test did.
+        struct Mounted(std::path::PathBuf);
+        impl Drop for Mounted {
+            fn drop(&mut self) {
+                let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let job = tmp.path().join("job");
+        let mnt = job.join("mnt");
+        std::fs::create_dir_all(&mnt).unwrap();
+        std::fs::write(job.join("f"), b"1").unwrap();
+        for p in [&job, &mnt, &job.join("f")] {
+            chown(p, USER);
+        }
+        // Another file system below the job's tree, even one of the job user's own.
+        nix::mount::mount(
+            Some("sluice-test"),
+            &mnt,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some(format!("size=1m,uid={USER},gid={USER},mode=0700").as_str()),
+        )
+        .expect("mounting a tmpfs (the test runs as root)");
+        let _guard = Mounted(mnt.clone());
+        std::fs::write(mnt.join("elsewhere"), b"kept").unwrap();
+        chown(&mnt.join("elsewhere"), USER);
+
+        let root = open_root_dir(tmp.path()).unwrap();
+        let r = remove_tree(&root, "job", RemoveAs { uid: USER }).unwrap();
+        assert_eq!((r.entries, r.skipped, r.failed), (1, 1, 0), "{r:?}");
+        assert_eq!(std::fs::read(mnt.join("elsewhere")).unwrap(), b"kept");
+        assert!(!job.join("f").exists());
     }
 }

@@ -193,6 +193,15 @@ fn open_local_root(
                     },
                 ));
             }
+            // Another user's directory (`ensure_dir` takes only root's or this process's user's).
+            Err(e) if e.errno() == Some(Errno::EPERM) => {
+                let st = fstatat(&cur, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW);
+                let what = st.map_or_else(
+                    |_| "is another user's".to_string(),
+                    |st| format!("is owned by uid {}", st.st_uid),
+                );
+                return Err(refuse(&cur_path, &what));
+            }
             Err(e) => return Err(format!("cannot create {}: {e}", cur_path.display())),
         };
         check(&next, &cur_path)?;

@@ -213,11 +213,13 @@ impl Agent {
     ) -> Result<(), String> {
         let (hot, job_id, name) = (self.hot.clone(), job.start.job_id, e.spec.name.clone());
         let node = self.cfg.node.clone();
+        let who = safefs::RemoveAs { uid: job.start.uid };
         let fd = blocking(move || {
             let fd = hot.open_stage(job_id)?;
             // What a cut-short attempt left: the dataset, and a shard manifest next to it.
-            safefs::remove_tree(&fd, &name)?;
-            safefs::remove_tree(&fd, &stage::shard::manifest_name(&name))?;
+            safefs::remove_tree(&fd, &name, who)?.all_gone(&name)?;
+            let manifest = stage::shard::manifest_name(&name);
+            safefs::remove_tree(&fd, &manifest, who)?.all_gone(&manifest)?;
             Ok::<_, SafeFsError>(fd)
         })
         .await

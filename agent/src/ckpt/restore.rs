@@ -199,7 +199,7 @@ pub(crate) async fn restore(
         }
         let (dir, t) = (ckpt_dir.clone(), tag.clone());
         let dest = blocking(move || {
-            safefs::remove_tree(&*dir, &t)?;
+            safefs::remove_tree(&*dir, &t, owner.into())?.all_gone(&t)?;
             safefs::create_dir(&*dir, &t, Some(owner), 0o755)
         })
         .await
@@ -244,7 +244,7 @@ pub(crate) async fn restore(
             }
             result => {
                 let (dir, t) = (ckpt_dir.clone(), tag.clone());
-                let _ = blocking(move || safefs::remove_tree(&*dir, &t)).await;
+                let _ = blocking(move || safefs::remove_tree(&*dir, &t, owner.into())).await;
                 if let Some(other) = other_owner {
                     refuse_foreign(job, url, &tag, &other, which)?;
                     foreign.push(tag.clone());
@@ -310,7 +310,7 @@ async fn from_hot_tier(
                 HotCopy::PutBack(e)
             }
             Err(_) => {
-                let _ = safefs::remove_tree(&*dest, &t);
+                let _ = safefs::remove_tree(&*dest, &t, safefs::RemoveAs { uid });
                 HotCopy::Lost
             }
         })

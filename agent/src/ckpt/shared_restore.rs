@@ -80,7 +80,7 @@ pub(crate) async fn restore(
             Err(why) => {
                 tracing::warn!(tag, "{path}: {why}; restoring it from the archive");
                 let (d, p) = (dest.clone(), path.clone());
-                let _ = blocking(move || remove_file(&d, &p)).await;
+                let _ = blocking(move || remove_file(&d, &p, owner)).await;
                 fallback.push(path);
             }
         }
@@ -215,8 +215,8 @@ async fn fetch_file(
     Ok(f.size)
 }
 
-/// Removes the half-fetched `path` below `dest` (never through a link).
-fn remove_file(dest: &OwnedFd, path: &str) -> Result<(), safefs::SafeFsError> {
+/// Removes the half-fetched `path` below `dest` (never through a link), the job user's.
+fn remove_file(dest: &OwnedFd, path: &str, owner: Owner) -> Result<(), safefs::SafeFsError> {
     let parts: Vec<&str> = path.split('/').collect();
     let (name, dirs) = parts.split_last().expect("split yields one part");
     let mut dir = dest
@@ -225,7 +225,7 @@ fn remove_file(dest: &OwnedFd, path: &str) -> Result<(), safefs::SafeFsError> {
     for d in dirs {
         dir = safefs::open_dir(&dir, d)?;
     }
-    safefs::remove_tree(&dir, name).map(drop)
+    safefs::remove_tree(&dir, name, owner.into()).map(drop)
 }
 
 /// Where a fetched unit goes: at its offset of the file, hashed as written (on a blocking thread).

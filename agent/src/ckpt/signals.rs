@@ -85,7 +85,7 @@ pub fn write_restored_signal(
     } else {
         content
     };
-    safefs::remove_tree(ckpt_dir, name)?;
+    safefs::remove_tree(ckpt_dir, name, owner.into())?.all_gone(name)?;
     let mut f = safefs::create_file(ckpt_dir, name, Some(owner), 0o644)?;
     std::io::Write::write_all(&mut f, content.as_bytes()).map_err(|e| SafeFsError::Sys {
         op: "write",

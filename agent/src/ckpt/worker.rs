@@ -83,12 +83,13 @@ pub(crate) async fn trim(agent: &Agent, job: &Job) {
         return;
     }
     let (hot, id) = (agent.hot.clone(), job.start.job_id);
+    let who = safefs::RemoveAs { uid: job.start.uid };
     let tags: Vec<String> = victims.iter().map(|e| e.tag.clone()).collect();
     let results = blocking(move || {
         let dir = hot.open_ckpt(id)?;
         Ok::<_, sluice_archive::safefs::SafeFsError>(
             tags.iter()
-                .map(|t| sluice_archive::safefs::remove_tree(&dir, t))
+                .map(|t| safefs::remove_tree(&dir, t, who))
                 .collect::<Vec<_>>(),
         )
     })
@@ -132,11 +133,12 @@ pub(crate) async fn release(agent: &Agent, job: &Arc<Job>) {
         agent.hot.clone(),
         archived.iter().map(|e| e.tag.clone()).collect::<Vec<_>>(),
     );
+    let who = safefs::RemoveAs { uid: job.start.uid };
     let removed = blocking(move || {
         let dir = hot.open_ckpt(id)?;
         Ok::<_, sluice_archive::safefs::SafeFsError>(
             tags.iter()
-                .map(|t| sluice_archive::safefs::remove_tree(&dir, t).is_ok())
+                .map(|t| safefs::remove_tree(&dir, t, who).is_ok())
                 .collect::<Vec<_>>(),
         )
     })
@@ -156,7 +158,7 @@ pub(crate) async fn release(agent: &Agent, job: &Arc<Job>) {
         agent.persist(job).await;
     } else {
         let hot = agent.hot.clone();
-        if let Err(e) = blocking(move || hot.remove_job(id)).await {
+        if let Err(e) = blocking(move || hot.remove_job(id, who)).await {
             tracing::warn!(job_id = id, "removing the job directory: {e}");
         }
         agent.forget(id).await;
@@ -987,11 +989,12 @@ impl CkptWorker {
             self.agent.ckpt_dirs(job),
             victims.iter().map(|e| e.tag.clone()).collect::<Vec<_>>(),
         );
+        let who = safefs::RemoveAs { uid: job.start.uid };
         let removed = blocking(move || {
             let ram = dirs.user()?;
             Ok::<_, sluice_archive::safefs::SafeFsError>(
                 tags.iter()
-                    .map(|t| sluice_archive::safefs::remove_tree(&ram, t).is_ok())
+                    .map(|t| safefs::remove_tree(&ram, t, who).is_ok())
                     .collect::<Vec<_>>(),
             )
         })
@@ -1051,12 +1054,23 @@ impl CkptWorker {
             .collect();
         let keep_any = !keep.is_empty();
         let hot = self.agent.hot.clone();
+        let who = safefs::RemoveAs { uid: job.start.uid };
         // Uncommitted leftovers (torn saves, framework marker files) go; committed ones stay.
         let removed = blocking(move || {
             if keep_any {
-                hot.remove_ckpt_except(id, &keep)
+                hot.remove_ckpt_except(id, &keep, who)
             } else {
-                hot.remove_job(id).map(drop)
+                hot.remove_job(id, who).map(|r| {
+                    if r.skipped > 0 {
+                        tracing::warn!(
+                            job_id = id,
+                            skipped = r.skipped,
+                            "the job's directory on the hot tier holds entries of other users \
+                             (moved in by the job's user); they were left in place with the \
+                             directories holding them — check them and remove them by hand"
+                        );
+                    }
+                })
             }
         })
         .await;
@@ -1065,7 +1079,7 @@ impl CkptWorker {
         }
         // Every committed checkpoint of the RAM tier is on the hot tier now (wind_down waited).
         if let Some(ram) = self.agent.ckpt_dirs(job).ram().cloned() {
-            if let Err(e) = blocking(move || ram.remove(id)).await {
+            if let Err(e) = blocking(move || ram.remove(id, who)).await {
                 tracing::error!(job_id = id, "removing the job's RAM tier: {e}");
             }
         }
@@ -1116,11 +1130,15 @@ fn flush_one(
         .hot()
         .map_err(io("the hot tier's checkpoint directory"))?;
     let tmp = format!(".flush-{tag}");
-    safefs::remove_tree(&hot, &tmp).map_err(io(&tmp))?;
+    safefs::remove_tree(&hot, &tmp, owner.into())
+        .and_then(|r| r.all_gone(&tmp))
+        .map_err(io(&tmp))?;
     let dst = safefs::create_dir(&hot, &tmp, Some(owner), 0o755).map_err(io(&tmp))?;
     let done = sluice_archive::flush::flush_tree(&src, owner.uid, &dst, owner, block)?;
     // An earlier flush of the tag (committed again since): replaced by this one.
-    safefs::remove_tree(&hot, tag).map_err(io(tag))?;
+    safefs::remove_tree(&hot, tag, owner.into())
+        .and_then(|r| r.all_gone(tag))
+        .map_err(io(tag))?;
     nix::fcntl::renameat(&hot, tmp.as_str(), &hot, tag).map_err(|e| {
         io(tag)(safefs::SafeFsError::Sys {
             op: "rename",

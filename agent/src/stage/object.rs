@@ -1125,10 +1125,10 @@ pub(super) async fn stage(
         // Files the run before the restart staged of objects the origin no longer lists.
         let gone = log.leftovers();
         if !gone.is_empty() {
-            let fd = ctx.stage_fd.clone();
+            let (fd, who) = (ctx.stage_fd.clone(), ctx.owner.into());
             blocking(move || {
                 for e in gone {
-                    remove_staged(&fd, e.path());
+                    remove_staged(&fd, e.path(), who);
                 }
             })
             .await;
@@ -1139,8 +1139,8 @@ pub(super) async fn stage(
 }
 
 /// Blocking. Removes the staged file `path` (below the stage directory `stage`), without following
-/// links; what cannot be removed stays (it is the job user's own file).
-fn remove_staged(stage: &OwnedFd, path: &str) {
+/// links; what cannot be removed stays (it is the job user's own file, or another user's).
+fn remove_staged(stage: &OwnedFd, path: &str, who: safefs::RemoveAs) {
     let parts: Vec<&str> = path.split('/').collect();
     let (name, dirs) = parts.split_last().expect("split yields one part");
     let dir = dirs.iter().try_fold(None::<OwnedFd>, |d, name| match &d {
@@ -1148,8 +1148,8 @@ fn remove_staged(stage: &OwnedFd, path: &str) {
         Some(d) => safefs::open_dir(d, name).map(Some),
     });
     let removed = match dir {
-        Ok(Some(d)) => safefs::remove_tree(&d, name),
-        Ok(None) => safefs::remove_tree(stage, name),
+        Ok(Some(d)) => safefs::remove_tree(&d, name, who),
+        Ok(None) => safefs::remove_tree(stage, name, who),
         Err(e) => Err(e),
     };
     if let Err(e) = removed {
@@ -1338,7 +1338,9 @@ fn new_file(
     match shared_tier {
         None => {
             if replace {
-                safefs::remove_tree(dir, name).map_err(errno_text)?;
+                safefs::remove_tree(dir, name, owner.into())
+                    .and_then(|r| r.all_gone(name))
+                    .map_err(errno_text)?;
             }
             safefs::create_file(dir, name, Some(owner), 0o644).map_err(errno_text)
         }

@@ -1,11 +1,18 @@
 //! `--stage-tier=shared`: a job's datasets staged once into a directory every node of the job sees
 //! (`[shared_tier] job_dir`, on Lustre or BeeOND), each file written by its owner node alone.
 //!
-//! The job's directory, `job_dir` with `%j` replaced, is made by whichever node comes first
-//! (root's, 0755) in the admin's directory, which must exist:
+//! The job's directory, `job_dir` with `%j` replaced, is made by whichever node comes first in the
+//! admin's directory, which must exist (root's, writable by root alone). Only the job user reads
+//! the staged data, from any node; other users of the cluster know the path but cannot enter it:
 //!
 //! ```text
-//! <job_dir>/stage/                 $SLUICE_STAGE_DIR on every node: the datasets, the job user's
+//! <job_dir>/                       root's, 0711: the job's tasks pass through, nobody lists it;
+//!                                  a node joins it only if it is root's (never a user's)
+//! <job_dir>/stage/                 $SLUICE_STAGE_DIR on every node: the datasets, the job user's,
+//!                                  0700 (a node joins it only if it is the job user's)
+//! <job_dir>/.sluice/               root's, 0700: the nodes' marks, which the user cannot forge
+//!                                  (they own neither `<job_dir>` nor `.sluice`, so they can
+//!                                  neither write, rename nor replace them)
 //! <job_dir>/.sluice/NODE           root's, 0700: NODE finished its share ("ok") or why it could not
 //! <job_dir>/.sluice/NODE+takeover  NODE was found dead: who found it, why, and the survivors
 //! <job_dir>/.sluice/NODE+by+S      survivor S's part of NODE's share: "ok" or why not
@@ -17,7 +24,8 @@
 //! job marked its share "ok" (else the job fails with the node's reason, or at the stage timeout
 //! with the names of the nodes still writing). A restarted agent finds its own "ok" mark and does
 //! not write its share again under the feet of tasks already reading it. At job end every node
-//! removes the job's directory; the first one to get there does the work.
+//! removes the job's directory; the first one to get there does the work. Only the job user's and
+//! root's entries are removed: another user's files that the job's user moved into `stage` stay.
 //!
 //! **A dead node is routed around.** While a node waits for the others' marks, it probes each node
 //! that has not marked its share through the peers layer: one request for the job on the node's
@@ -80,6 +88,11 @@ use tokio_util::sync::CancellationToken;
 
 const STAGE: &str = "stage";
 const MARKS: &str = ".sluice";
+/// `<job_dir>`: root's; the job's tasks on every node pass through it to `stage`, other users
+/// cannot list it.
+const JOB_DIR_MODE: u32 = 0o711;
+/// `<job_dir>/stage`: the job user's alone.
+const STAGE_MODE: u32 = 0o700;
 const OK: &str = "ok";
 /// `<marks>/NODE+takeover`: NODE's share is written by the survivors (`+` is in no node name).
 const TAKEOVER: &str = "+takeover";
@@ -257,7 +270,7 @@ pub fn create_file(
     // not seen its takeover yet): clear again, which it does not survive a second time.
     let mut tries = 0;
     loop {
-        writer.clear(dir, name)?;
+        writer.clear(dir, name, owner)?;
         match create_new(dir, name, size, owner, layout) {
             Err((Some(nix::errno::Errno::EEXIST), _)) if tries < 2 => tries += 1,
             r => return r.map_err(|e| e.1),
@@ -289,7 +302,7 @@ impl Writer {
     /// back (linked, so that a newer file at the name stays) rather than removed. A takeover is
     /// marked before any survivor creates a file, so a file this writer removes is never one a
     /// survivor wrote. Blocking.
-    fn clear(&self, dir: &OwnedFd, name: &str) -> Result<(), String> {
+    fn clear(&self, dir: &OwnedFd, name: &str, owner: Owner) -> Result<(), String> {
         use nix::errno::Errno;
         use nix::sys::stat::fstatat;
         safefs::check_component(name).map_err(|e| e.to_string())?;
@@ -334,7 +347,8 @@ impl Writer {
             }
             return Err(self.refused(name));
         }
-        safefs::remove_tree(&*self.marks, &aside)
+        safefs::remove_tree(&*self.marks, &aside, owner.into())
+            .and_then(|r| r.all_gone(name))
             .map(drop)
             .map_err(|e| format!("removing the earlier '{name}': {e}"))
     }
@@ -394,11 +408,16 @@ impl SharedJob {
         fresh: bool,
     ) -> Result<SharedJob, SafeFsError> {
         let root = safefs::open_root_dir(cfg.root())?;
-        let job = safefs::ensure_dir(&root, &cfg.job_dir_name(job_id), None, 0o755)?;
-        let stage = safefs::ensure_dir(&job, STAGE, Some(owner), 0o755)?;
+        // Root's (a user's directory is refused), which the job's tasks pass through; only the
+        // job user can enter `stage`. The modes are set on every join, so a directory an earlier
+        // run left with other modes is private too.
+        let job = safefs::ensure_dir(&root, &cfg.job_dir_name(job_id), None, JOB_DIR_MODE)?;
+        set_mode(&job, &cfg.job_dir_name(job_id), JOB_DIR_MODE)?;
+        let stage = safefs::ensure_dir(&job, STAGE, Some(owner), STAGE_MODE)?;
+        set_mode(&stage, STAGE, STAGE_MODE)?;
         let marks = safefs::ensure_dir(&job, MARKS, None, 0o700)?;
         if fresh {
-            safefs::remove_tree(&marks, node)?;
+            safefs::remove_tree(&marks, node, safefs::RemoveAs::ROOT)?;
         }
         let done = read_mark(&marks, node).as_deref() == Some(OK);
         // A takeover is never dropped, not even by a fresh start of the job here: the survivors
@@ -474,7 +493,7 @@ impl SharedJob {
     }
 
     fn write_tmp(&self, tmp: &str, text: &str) -> Result<(), SafeFsError> {
-        safefs::remove_tree(&self.marks, tmp)?;
+        safefs::remove_tree(&self.marks, tmp, safefs::RemoveAs::ROOT)?;
         let mut f = safefs::create_file(&self.marks, tmp, None, 0o600)?;
         std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| SafeFsError::Sys {
             op: "write",
@@ -732,6 +751,15 @@ fn libc_eio() -> i32 {
     nix::errno::Errno::EIO as i32
 }
 
+fn set_mode(dir: &OwnedFd, name: &str, mode: u32) -> Result<(), SafeFsError> {
+    use nix::sys::stat::{Mode, fchmod};
+    fchmod(dir, Mode::from_bits_truncate(mode)).map_err(|errno| SafeFsError::Sys {
+        op: "chmod",
+        path: name.to_string(),
+        errno,
+    })
+}
+
 /// What node `node` marked, if it did.
 fn read_mark(marks: &OwnedFd, node: &str) -> Option<String> {
     use nix::fcntl::{OFlag, openat};
@@ -749,13 +777,18 @@ fn read_mark(marks: &OwnedFd, node: &str) -> Option<String> {
 }
 
 /// Removes the job's directory from the shared tier (every node of the job calls it at job end;
-/// what another node removed meanwhile counts as removed). Blocking.
-pub fn remove(cfg: &SharedTierConfig, job_id: u32) -> Result<safefs::Removed, SafeFsError> {
+/// what another node removed meanwhile counts as removed). Only the job user's and root's entries
+/// go ([`safefs::remove_tree`]). Blocking.
+pub fn remove(
+    cfg: &SharedTierConfig,
+    job_id: u32,
+    who: safefs::RemoveAs,
+) -> Result<safefs::Removed, SafeFsError> {
     let root = safefs::open_root_dir(cfg.root())?;
     let name = cfg.job_dir_name(job_id);
     let mut last = None;
     for _ in 0..3 {
-        match safefs::remove_tree(&root, &name) {
+        match safefs::remove_tree(&root, &name, who) {
             Ok(r) => return Ok(r),
             // Another node removed entries while this one walked: walk again.
             Err(e)
@@ -916,9 +949,84 @@ mod tests {
         );
 
         // Job end on both nodes: the directory goes, the second removal finds nothing.
-        remove(&cfg, 5).unwrap();
-        remove(&cfg, 5).unwrap();
+        remove(&cfg, 5, me().into()).unwrap();
+        remove(&cfg, 5, me().into()).unwrap();
         assert!(!root.path().join("job-5").exists());
+    }
+
+    /// Runs `cmd` as `uid` (and its gid, no other groups: what a task of that user could do).
+    fn as_user(uid: u32, cmd: &str, arg: &std::path::Path) -> std::process::Output {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new(cmd)
+            .arg(arg)
+            .uid(uid)
+            .gid(uid)
+            .output()
+            .unwrap()
+    }
+
+    #[test]
+    #[ignore = "needs root, like sluiced (the staged files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
+    fn staged_data_is_the_job_users_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test needs root: the job's files belong to another user"
+        );
+        let root = tempfile::tempdir().unwrap();
+        // The admin's directory, as the README makes it: root's, everyone may pass through.
+        std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let cfg = cfg(root.path());
+        let (user, other) = (4301, 4302);
+        let owner = Owner {
+            uid: user,
+            gid: user,
+        };
+        let n1 = SharedJob::open(&cfg, 11, "n1", owner, true).unwrap();
+        // The job's second node joins what the first made.
+        let n2 = SharedJob::open(&cfg, 11, "n2", owner, true).unwrap();
+        let mut f = create_file(&n2.stage, "train.bin", 4, owner, &Layout::default()).unwrap();
+        std::io::Write::write_all(&mut f, b"data").unwrap();
+        drop(f);
+        n1.mark("n1", Ok(())).unwrap();
+        let stage = stage_dir(&cfg, 11);
+        let staged = stage.join("train.bin");
+
+        // The job's tasks, on any node, read it at $SLUICE_STAGE_DIR.
+        let mine = as_user(user, "cat", &staged);
+        assert!(mine.status.success(), "{mine:?}");
+        assert_eq!(mine.stdout, b"data");
+        // Another user of the cluster knows the path, and reads, lists and finds nothing.
+        for (cmd, path) in [
+            ("cat", staged.as_path()),
+            ("ls", stage.as_path()),
+            ("ls", &root.path().join("job-11")),
+            ("cat", &root.path().join("job-11/.sluice/n1")),
+        ] {
+            let theirs = as_user(other, cmd, path);
+            assert!(
+                !theirs.status.success(),
+                "{cmd} {}: {theirs:?}",
+                path.display()
+            );
+            assert!(
+                String::from_utf8_lossy(&theirs.stderr).contains("Permission denied"),
+                "{cmd} {}: {theirs:?}",
+                path.display()
+            );
+        }
+
+        // A user who makes a job's directory before its first node does (the next job id is no
+        // secret) is refused, and so is another user's `stage` in root's directory.
+        let early = root.path().join("job-12");
+        std::fs::create_dir(&early).unwrap();
+        std::os::unix::fs::chown(&early, Some(other), Some(other)).unwrap();
+        let e = SharedJob::open(&cfg, 12, "n1", owner, true).err().unwrap();
+        assert_eq!(e.errno(), Some(nix::errno::Errno::EPERM), "{e}");
+        std::fs::create_dir_all(root.path().join("job-13/stage")).unwrap();
+        std::os::unix::fs::chown(root.path().join("job-13/stage"), Some(other), None).unwrap();
+        let e = SharedJob::open(&cfg, 13, "n1", owner, true).err().unwrap();
+        assert_eq!(e.errno(), Some(nix::errno::Errno::EPERM), "{e}");
     }
 
     /// Liveness as the peers layer would see it: the nodes named are unreachable.
