@@ -598,6 +598,9 @@ pub fn judge_hot_tier(
 #[derive(Debug)]
 pub struct SharedTierFacts {
     pub is_dir: bool,
+    /// Owner uid and permission bits (`st_mode & 0o7777`).
+    pub owner: u32,
+    pub mode: u32,
     /// File system type and mount point, from /proc/self/mounts.
     pub mount: Option<(String, PathBuf)>,
     /// Where `shared_tier.lfs` was found (asked on Lustre only).
@@ -619,6 +622,8 @@ fn check_shared_tier(tier: &SharedTierConfig, is_root: bool) -> Finding {
         };
         SharedTierFacts {
             is_dir: m.is_dir(),
+            owner: std::os::unix::fs::MetadataExt::uid(&m),
+            mode: std::os::unix::fs::MetadataExt::mode(&m) & 0o7777,
             mount,
             lfs,
         }
@@ -652,7 +657,7 @@ pub fn judge_shared_tier(
     let r = tier.root().display();
     let j = &tier.job_dir;
     let create = format!(
-        "create it on the shared file system, the same path on every node (install -d -m 0755 {r}), or correct shared_tier.job_dir (now \"{j}\")"
+        "create it on the shared file system, the same path on every node (install -d -o root -g root -m 0755 {r}), or correct shared_tier.job_dir (now \"{j}\")"
     );
     let facts = match facts {
         Ok(f) => f,
@@ -679,6 +684,20 @@ pub fn judge_shared_tier(
             Status::Fail,
             format!("{r} (where each job's {j} is made) is not a directory"),
             Some(create),
+        );
+    }
+    // A user who may rename entries of the root could move another job's directory aside and
+    // make one of their own in its place (the jobs' directories are root's 0711, their data 0700).
+    let writable_by_users = facts.mode & 0o022 != 0 && facts.mode & 0o1000 == 0;
+    if facts.owner != 0 || writable_by_users {
+        return Finding::new(
+            check,
+            Status::Fail,
+            format!(
+                "{r} (where each job's {j} is made) is owned by uid {} with mode {:04o}: it must be root's and writable by root alone, or users could replace other jobs' directories",
+                facts.owner, facts.mode
+            ),
+            Some(format!("chown root:root {r} && chmod 0755 {r}")),
         );
     }
     let classes = tier.stripes.len();

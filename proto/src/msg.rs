@@ -1,8 +1,9 @@
 //! Requests and responses that cross the agent's socket.
 //!
 //! Identity never travels in a message: the agent authorises from the connection's peer credentials
-//! (`SO_PEERCRED`). The only uid/gid fields are in [`JobStart`], which the agent accepts from root
-//! (the plugin in `job_prolog`) alone.
+//! (`SO_PEERCRED`). The only uid/gid fields are in [`JobStart`], which the agent accepts as a
+//! request from root (the plugin in `job_prolog`) alone; inside a [`StepStart`], which a user's task
+//! sends, the agent ignores them and uses the job's identity as root or Slurm gave it.
 
 use serde::{Deserialize, Serialize};
 
@@ -28,7 +29,10 @@ pub struct JobStart {
 }
 
 /// A job step as its tasks see it: the step id, and the job as seen from the step (`nodes` are the
-/// step's nodes, `options` the step's sluice options, raw).
+/// step's nodes, `options` the step's sluice options, raw). Sent by the job user's task, so the
+/// agent reads only `options`, `nodes` (which must be the job's) and the ids from it: `uid`, `gid`,
+/// `user` and `job_name` are replaced by the job's verified identity (`sluice_agent::identity`)
+/// whatever they say.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepStart {
     pub step_id: u32,

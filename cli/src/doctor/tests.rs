@@ -349,6 +349,8 @@ fn shared_tier(job_dir: &str, stripes: bool) -> SharedTierConfig {
 fn on(fs: &str, lfs: Option<&str>) -> io::Result<SharedTierFacts> {
     Ok(SharedTierFacts {
         is_dir: true,
+        owner: 0,
+        mode: 0o755,
         mount: Some((fs.into(), "/lustre".into())),
         lfs: lfs.map(PathBuf::from),
     })
@@ -395,11 +397,13 @@ fn shared_tier_off_lustre_warns_and_a_missing_root_fails_with_the_fix() {
     assert_eq!(
         gone.fix.as_deref(),
         Some(
-            "create it on the shared file system, the same path on every node (install -d -m 0755 /beeond/sluice), or correct shared_tier.job_dir (now \"/beeond/sluice/%j\")"
+            "create it on the shared file system, the same path on every node (install -d -o root -g root -m 0755 /beeond/sluice), or correct shared_tier.job_dir (now \"/beeond/sluice/%j\")"
         )
     );
     let file = SharedTierFacts {
         is_dir: false,
+        owner: 0,
+        mode: 0o755,
         mount: None,
         lfs: None,
     };
@@ -409,6 +413,45 @@ fn shared_tier_off_lustre_warns_and_a_missing_root_fails_with_the_fix() {
     let denied = judge_shared_tier(&tier, Err(Error::from(ErrorKind::PermissionDenied)), false);
     assert_eq!(denied.status, Status::Warn);
     assert_eq!(denied.fix.as_deref(), Some("run doctor as root"));
+}
+
+/// Issue 24, finding 3: a shared-tier root a user may write (or that a user owns) lets them move
+/// another job's directory aside; doctor fails it with the fix. A sticky world-writable one (like
+/// /tmp) does not let them rename root's entries and passes this check.
+#[test]
+fn a_shared_tier_root_users_can_write_fails() {
+    let tier = shared_tier("/beeond/sluice/%j", false);
+    for (owner, mode) in [(0, 0o777), (0, 0o775), (1000, 0o755)] {
+        let facts = SharedTierFacts {
+            is_dir: true,
+            owner,
+            mode,
+            mount: Some(("beegfs".into(), "/beeond".into())),
+            lfs: None,
+        };
+        let f = judge_shared_tier(&tier, Ok(facts), true);
+        assert_eq!(f.status, Status::Fail, "{owner} {mode:o}: {f:?}");
+        assert!(
+            f.detail
+                .contains("must be root's and writable by root alone"),
+            "{f:?}"
+        );
+        assert_eq!(
+            f.fix.as_deref(),
+            Some("chown root:root /beeond/sluice && chmod 0755 /beeond/sluice")
+        );
+    }
+    let sticky = SharedTierFacts {
+        is_dir: true,
+        owner: 0,
+        mode: 0o1777,
+        mount: Some(("beegfs".into(), "/beeond".into())),
+        lfs: None,
+    };
+    assert_eq!(
+        judge_shared_tier(&tier, Ok(sticky), true).status,
+        Status::Warn
+    );
 }
 
 #[test]
