@@ -216,7 +216,7 @@ impl Cache {
         let root = safefs::ensure_dir(&hot, "cache", None, 0o700).map_err(err(&path))?;
         let data = safefs::ensure_dir(&root, DATA, None, 0o700).map_err(err(&path))?;
         // What a fill left when the agent stopped is never an entry.
-        safefs::remove_tree(&root, FILL, safefs::RemoveAs::ROOT).map_err(err(&path))?;
+        safefs::remove_tree(&root, FILL, safefs::RemoveAs::agent()).map_err(err(&path))?;
         let fill = safefs::ensure_dir(&root, FILL, None, 0o700).map_err(err(&path))?;
         let total = nix::sys::statvfs::statvfs(&cfg.hot_root)
             .map(|s| s.blocks() * s.fragment_size())

@@ -212,8 +212,8 @@ impl Removed {
     }
 }
 
-/// Whose tree a removal walks ([`remove_tree`]): it enters only directories owned by `uid` or root
-/// and unlinks only their files. A user can move a directory holding someone else's files into a
+/// Whose tree a removal walks ([`remove_tree`]): it enters only directories owned by `uid`, root or
+/// this process (root in the agent) and unlinks only their files. A user can move a directory holding someone else's files into a
 /// tree that root removes (their job's stage directory, a restore destination) wherever that other
 /// user's directories let them; root must not delete those files for them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,14 +222,36 @@ pub struct RemoveAs {
 }
 
 impl RemoveAs {
-    /// A tree that only root writes (the agent's marks, the cache's fill directory).
-    pub const ROOT: RemoveAs = RemoveAs { uid: 0 };
+    /// A tree that only the agent writes (its marks, the cache's fill directory): root's in
+    /// production, the test user's where a unit test runs the agent's code unprivileged.
+    pub fn agent() -> RemoveAs {
+        RemoveAs {
+            uid: nix::unistd::geteuid().as_raw(),
+        }
+    }
+}
 
-    /// Whether an entry may go: `who`'s or root's and, for a directory, on the file system `dev`
-    /// (a mount below the tree is not walked). Files are not held to `dev`: overlayfs reports its
-    /// layers' devices for them, and a file mounted over one cannot be unlinked anyway.
+/// [`RemoveAs`] with this process's uid, looked up once per removal.
+#[derive(Debug, Clone, Copy)]
+struct Judge {
+    uid: u32,
+    me: u32,
+}
+
+impl Judge {
+    fn of(who: RemoveAs) -> Judge {
+        Judge {
+            uid: who.uid,
+            me: nix::unistd::geteuid().as_raw(),
+        }
+    }
+
+    /// Whether an entry may go: `who`'s, root's or this process's and, for a directory, on the file
+    /// system `dev` (a mount below the tree is not walked). Files are not held to `dev`: overlayfs
+    /// reports its layers' devices for them, and a file mounted over one cannot be unlinked anyway.
     fn may_remove(self, st: &nix::sys::stat::FileStat, dev: u64) -> bool {
-        (st.st_uid == self.uid || st.st_uid == 0) && (!is_dir(st) || st.st_dev == dev)
+        let owner_ok = st.st_uid == self.uid || st.st_uid == 0 || st.st_uid == self.me;
+        owner_ok && (!is_dir(st) || st.st_dev == dev)
     }
 }
 
@@ -255,6 +277,7 @@ fn is_dir(st: &nix::sys::stat::FileStat) -> bool {
 /// unlink) themselves. Directories are judged on the opened fd, so none is walked by mistake.
 pub fn remove_tree(dir: impl AsFd, name: &str, who: RemoveAs) -> Result<Removed> {
     check_component(name)?;
+    let who = Judge::of(who);
     let mut removed = Removed::default();
     let st = match fstatat(dir.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
         Ok(st) => st,
@@ -283,7 +306,7 @@ pub fn remove_tree(dir: impl AsFd, name: &str, who: RemoveAs) -> Result<Removed>
     Ok(removed)
 }
 
-fn remove_contents(dirfd: &OwnedFd, who: RemoveAs, dev: u64, depth: usize, removed: &mut Removed) {
+fn remove_contents(dirfd: &OwnedFd, who: Judge, dev: u64, depth: usize, removed: &mut Removed) {
     let names: Vec<std::ffi::CString> = {
         let dup = match dirfd.try_clone() {
             Ok(d) => d,
@@ -399,10 +422,8 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs root: chown needs root, as in the agent; run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn a_directory_being_created_by_another_task_is_adopted() {
-        if !nix::unistd::geteuid().is_root() {
-            return; // chown needs root, as in the agent
-        }
         let tmp = tempfile::tempdir().unwrap();
         let root = open_root_dir(tmp.path()).unwrap();
         let owner = Owner {
@@ -449,10 +470,8 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs root: chown needs root, as in the agent; run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn ensure_dir_without_owner_takes_only_roots_directory() {
-        if !nix::unistd::geteuid().is_root() {
-            return; // chown needs root, as in the agent
-        }
         let tmp = tempfile::tempdir().unwrap();
         let root = open_root_dir(tmp.path()).unwrap();
         // Root's own half-made directory (another task's) is adopted.
@@ -476,10 +495,8 @@ mod tests {
     const OTHER: u32 = 4202;
 
     #[test]
+    #[ignore = "needs root: chown needs root, as in the agent; run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn remove_tree_leaves_other_users_files() {
-        if !nix::unistd::geteuid().is_root() {
-            return; // chown needs root, as in the agent
-        }
         let tmp = tempfile::tempdir().unwrap();
         let job = tmp.path().join("job");
         // The job user's own data, and a file root wrote for them (a mark, a manifest).
@@ -553,10 +570,8 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs root: mounting needs root, as the agent's RAM tier does; run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn remove_tree_stays_on_its_file_system() {
-        if !nix::unistd::geteuid().is_root() {
-            return; // mounting needs root, as the agent's RAM tier does
-        }
         /// Unmounts at the end, whatever the test did.
         struct Mounted(std::path::PathBuf);
         impl Drop for Mounted {

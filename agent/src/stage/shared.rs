@@ -417,7 +417,7 @@ impl SharedJob {
         set_mode(&stage, STAGE, STAGE_MODE)?;
         let marks = safefs::ensure_dir(&job, MARKS, None, 0o700)?;
         if fresh {
-            safefs::remove_tree(&marks, node, safefs::RemoveAs::ROOT)?;
+            safefs::remove_tree(&marks, node, safefs::RemoveAs::agent())?;
         }
         let done = read_mark(&marks, node).as_deref() == Some(OK);
         // A takeover is never dropped, not even by a fresh start of the job here: the survivors
@@ -493,7 +493,7 @@ impl SharedJob {
     }
 
     fn write_tmp(&self, tmp: &str, text: &str) -> Result<(), SafeFsError> {
-        safefs::remove_tree(&self.marks, tmp, safefs::RemoveAs::ROOT)?;
+        safefs::remove_tree(&self.marks, tmp, safefs::RemoveAs::agent())?;
         let mut f = safefs::create_file(&self.marks, tmp, None, 0o600)?;
         std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| SafeFsError::Sys {
             op: "write",
