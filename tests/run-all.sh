@@ -12,6 +12,8 @@
 #   4. bench/run --smoke                                    (the benchmark harness on tiny data)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=harness/common.sh
+source tests/harness/common.sh
 export CARGO_TERM_COLOR=never
 
 step() { printf '\n==> %s\n' "$*" >&2; }
@@ -54,10 +56,9 @@ step "sluice_ckpt (python/tests) with PyTorch from ${SLUICE_TORCH_VENV:-/opt/slu
 
 # The test cluster is one per machine (fixed ports, /etc/slurm): hold its lock while using it. Tools
 # that take the lock themselves (bench/run) see SLUICE_CLUSTER_LOCK_HELD and do not wait for it.
-exec 9>>/tmp/sluice-cluster.lock
-step "waiting for the test cluster lock (/tmp/sluice-cluster.lock)"
-flock 9
-export SLUICE_CLUSTER_LOCK_HELD=1
+# take_cluster_lock (common.sh) says who holds it while it waits, and stops a kept cluster nobody uses.
+step "the test cluster lock ($CLUSTER_LOCK)"
+take_cluster_lock
 
 step "end-to-end on the local Slurm cluster"
 tests/harness/run-e2e.sh

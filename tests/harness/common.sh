@@ -122,8 +122,11 @@ cluster_lock_processes() {
 # holds it: tests/run-all.sh running bench/run), does nothing. While it waits it says, every
 # $SLUICE_LOCK_REPORT_EVERY seconds (30), who holds the lock and what to do. When every holder is a
 # daemon of a kept test cluster (no run holds it, so nobody uses that cluster), it stops that cluster
-# with `cluster.sh down` ($SLUICE_CLUSTER_DOWN_CMD, for tests) — the caller brings up its own — and goes on.
+# with `cluster.sh down` ($SLUICE_CLUSTER_DOWN_CMD, for tests) — the caller brings up its own — and goes on;
+# not with --no-restart (a caller that uses the running cluster as it is: bench/run --no-cluster).
 take_cluster_lock() {
+  local restart=1
+  [[ ${1:-} == --no-restart ]] && restart=0
   if [[ ${SLUICE_CLUSTER_LOCK_HELD:-0} == 1 ]]; then
     log "test cluster lock: held by the run that started this one (SLUICE_CLUSTER_LOCK_HELD=1)"
     return 0
@@ -142,14 +145,18 @@ take_cluster_lock() {
         log "test cluster lock: waited $((SECONDS - since)) s; held by:"
         awk -F'\t' '$2 == "held" {printf "[sluice-test]   pid %s (%s, since %s): %s\n", $1, $3, $4, $5}' <<<"$held" >&2
         if awk -F'\t' '$3 != "daemon" {bad = 1} END {exit bad}' <<<"$held"; then
-          if ((!restarted)); then
+          if ((restart && !restarted)); then
             restarted=1
             log "test cluster lock: only daemons of a test cluster kept with SLUICE_KEEP_CLUSTER=1 hold it and no run uses that cluster: stopping it ($down_cmd); this run brings up its own"
             bash -c "$down_cmd" 9>&- >&2 || log "test cluster lock: WARNING: '$down_cmd' failed"
             if flock -w 5 9; then break; fi
             continue
           fi
-          log "test cluster lock: a cluster kept with SLUICE_KEEP_CLUSTER=1 holds it and '$down_cmd' did not free it: stop the processes above (tests/harness/cluster.sh down; kill PID)"
+          if ((restart)); then
+            log "test cluster lock: a cluster kept with SLUICE_KEEP_CLUSTER=1 holds it and '$down_cmd' did not free it: stop the processes above (tests/harness/cluster.sh down; kill PID)"
+          else
+            log "test cluster lock: a cluster kept with SLUICE_KEEP_CLUSTER=1 holds it, and this run uses that cluster as it is, so it does not stop it: tests/harness/cluster.sh down, then up"
+          fi
         else
           log "test cluster lock: another run is using the test cluster; it ends by itself, and this run goes on then"
         fi

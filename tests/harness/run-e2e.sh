@@ -26,9 +26,15 @@ finish() {
   fi
   exit "$rc"
 }
+# The test cluster lock: tests/run-all.sh holds it already (then this does nothing); on its own,
+# this script takes it. The trap comes after it: a run stopped while waiting stops no cluster.
+take_cluster_lock
 trap finish EXIT
 
 "$HARNESS_DIR/cluster.sh" up
+# No daemon of the cluster just started may hold the lock (they would keep it for as long as a kept
+# cluster runs, and the next run would wait: issue 32).
+assert_no_daemon_holds_cluster_lock || die "a daemon of the test cluster holds $CLUSTER_LOCK (see above)"
 
 log "test: cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 $*"
 # Every crate's cluster tests: those are the #[ignore]d ones ("needs the test cluster") — the jobs
