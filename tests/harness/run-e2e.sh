@@ -41,4 +41,7 @@ log "test: cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 $
 # of sluice-e2e and e.g. the agent's archive conformance suite against Garage and Azurite.
 # No backtraces: a failed e2e test's message carries the evidence (job output, log tails), and a
 # stack of test-helper frames would bury it. --no-fail-fast: report every failing test file.
-(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 "$@")
+# 9>&-: tests restart agents (tests/tests/common/agents.rs spawns `setsid sluiced ...`), and a restarted
+# agent must not inherit the lock either; this script (and its caller) hold it for the tests.
+(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 "$@") 9>&-
+assert_no_daemon_holds_cluster_lock || die "after the tests, a daemon holds $CLUSTER_LOCK (see above)"
