@@ -13,6 +13,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$(pwd)
+# shellcheck source=../tests/harness/common.sh
+source tests/harness/common.sh
 [[ $(id -u) -eq 0 ]] || { echo "demo/run.sh must run as root (it installs packages and starts a Slurm cluster)" >&2; exit 1; }
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -30,9 +32,11 @@ finish() {
   fi
   exit "$rc"
 }
+# The test cluster is one per machine: hold its lock while using it (take_cluster_lock, common.sh;
+# cluster.sh closes it for the daemons it starts). The trap comes after it, so that a demo stopped
+# while it waits never brings down the cluster of the run that holds the lock.
+take_cluster_lock
 trap finish EXIT
-exec 9>/tmp/sluice-cluster.lock
-flock 9
 tests/harness/cluster.sh up
 # shellcheck disable=SC1091
 source /run/sluice-test/env

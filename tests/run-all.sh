@@ -7,11 +7,14 @@
 #   2. cargo build, cargo test --workspace                  (unit tests, in-process agent tests),
 #      then the same binaries as the test user               (root-only tests must say "ignored"),
 #      then python/tests: sluice_ckpt with the harness's PyTorch
-#   3. tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
+#   3. tests/harness/lock-test.sh                           (the cluster lock's helpers, no cluster: seconds)
+#      tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
 #                                                            end-to-end jobs, archive conformance)
 #   4. bench/run --smoke                                    (the benchmark harness on tiny data)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=harness/common.sh
+source tests/harness/common.sh
 export CARGO_TERM_COLOR=never
 
 step() { printf '\n==> %s\n' "$*" >&2; }
@@ -52,12 +55,17 @@ tests/harness/unit-as-user.sh
 step "sluice_ckpt (python/tests) with PyTorch from ${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}"
 "${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}/bin/python" -m unittest discover -s python/tests -v
 
+# The cluster lock's helpers on a lock file of the test's own, with fake holders (about 12 s): that a
+# waiting run says who holds the lock, stops a kept cluster nobody uses, and that cluster.sh passes the
+# lock to nothing it starts (issue 32). Before the lock: it neither needs nor touches the cluster.
+step "the test cluster lock's helpers (tests/harness/lock-test.sh)"
+tests/harness/lock-test.sh
+
 # The test cluster is one per machine (fixed ports, /etc/slurm): hold its lock while using it. Tools
 # that take the lock themselves (bench/run) see SLUICE_CLUSTER_LOCK_HELD and do not wait for it.
-exec 9>>/tmp/sluice-cluster.lock
-step "waiting for the test cluster lock (/tmp/sluice-cluster.lock)"
-flock 9
-export SLUICE_CLUSTER_LOCK_HELD=1
+# take_cluster_lock (common.sh) says who holds it while it waits, and stops a kept cluster nobody uses.
+step "the test cluster lock ($CLUSTER_LOCK)"
+take_cluster_lock
 
 step "end-to-end on the local Slurm cluster"
 tests/harness/run-e2e.sh

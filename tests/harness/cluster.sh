@@ -15,7 +15,14 @@
 #
 # `up` writes $ENV_FILE (/run/sluice-test/env), which the end-to-end tests read. Run as root.
 set -euo pipefail
+# Nothing this script starts may hold the test cluster lock (fd 9 of tests/run-all.sh, demo/run.sh,
+# bench/run): a daemon that inherited it would keep it held for as long as a kept cluster runs, and
+# every later run would wait (issue 32). Closing it here does not release the caller's lock (a flock
+# belongs to the open file description, which the caller still has). close_cluster_lock_fds closes it
+# on any other descriptor too.
+exec 9>&-
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+close_cluster_lock_fds
 
 PLUGIN_SO=/usr/local/lib/sluice/spank_sluice.so
 BUILT_PLUGIN=${SLUICE_PLUGIN_SO:-$REPO_ROOT/target/debug/libspank_sluice.so}

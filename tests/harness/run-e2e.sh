@@ -26,13 +26,22 @@ finish() {
   fi
   exit "$rc"
 }
+# The test cluster lock: tests/run-all.sh holds it already (then this does nothing); on its own,
+# this script takes it. The trap comes after it: a run stopped while waiting stops no cluster.
+take_cluster_lock
 trap finish EXIT
 
 "$HARNESS_DIR/cluster.sh" up
+# No daemon of the cluster just started may hold the lock (they would keep it for as long as a kept
+# cluster runs, and the next run would wait: issue 32).
+assert_no_daemon_holds_cluster_lock || die "a daemon of the test cluster holds $CLUSTER_LOCK (see above)"
 
 log "test: cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 $*"
 # Every crate's cluster tests: those are the #[ignore]d ones ("needs the test cluster") — the jobs
 # of sluice-e2e and e.g. the agent's archive conformance suite against Garage and Azurite.
 # No backtraces: a failed e2e test's message carries the evidence (job output, log tails), and a
 # stack of test-helper frames would bury it. --no-fail-fast: report every failing test file.
-(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 "$@")
+# 9>&-: tests restart agents (tests/tests/common/agents.rs spawns `setsid sluiced ...`), and a restarted
+# agent must not inherit the lock either; this script (and its caller) hold it for the tests.
+(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 "$@") 9>&-
+assert_no_daemon_holds_cluster_lock || die "after the tests, a daemon holds $CLUSTER_LOCK (see above)"
