@@ -29,7 +29,7 @@ use sluice_proto::msg::{
     Response,
 };
 use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -497,42 +497,7 @@ async fn check_dest(dir: Arc<OwnedFd>, uid: u32) -> Result<(), ErrorReply> {
 /// fd-relative, never following a link; another user's entries moved in there stay. Says what is
 /// left, if anything.
 async fn clear(dir: Arc<OwnedFd>, who: safefs::RemoveAs) -> Option<String> {
-    blocking(move || {
-        let flags = nix::fcntl::OFlag::O_RDONLY
-            | nix::fcntl::OFlag::O_DIRECTORY
-            | nix::fcntl::OFlag::O_CLOEXEC;
-        let mut d = nix::dir::Dir::openat(&*dir, ".", flags, nix::sys::stat::Mode::empty())
-            .map_err(|e| e.to_string())?;
-        let names: Vec<String> = d
-            .iter()
-            .filter_map(|e| e.ok())
-            .filter_map(|e| e.file_name().to_str().ok().map(String::from))
-            .filter(|n| n != "." && n != "..")
-            .collect();
-        let (mut failed, mut skipped) = (0, 0);
-        for n in names {
-            match safefs::remove_tree(dir.as_fd(), &n, who) {
-                Ok(r) => (failed, skipped) = (failed + r.failed, skipped + r.skipped),
-                Err(_) => failed += 1,
-            }
-        }
-        let mut left = Vec::new();
-        if failed > 0 {
-            left.push(format!("{failed} entries could not be removed"));
-        }
-        if skipped > 0 {
-            left.push(format!(
-                "{skipped} entries of other users were left in place"
-            ));
-        }
-        if left.is_empty() {
-            Ok(())
-        } else {
-            Err(left.join(", "))
-        }
-    })
-    .await
-    .err()
+    blocking(move || safefs::clear_dir(&dir, who)).await.err()
 }
 
 /// Restores the caller's `tag` (`latest`: their newest intact one, passing over damaged ones) into

@@ -231,6 +231,41 @@ impl RemoveAs {
     }
 }
 
+/// Removes every entry below the open directory `dir` (not `dir` itself) with [`remove_tree`]:
+/// what a failed restore left in a destination. `Err` says what stays: entries that could not be
+/// removed, and other users' entries moved in there, which are left in place.
+pub fn clear_dir(dir: &OwnedFd, who: RemoveAs) -> std::result::Result<(), String> {
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let mut d = nix::dir::Dir::openat(dir, ".", flags, Mode::empty()).map_err(|e| e.to_string())?;
+    let names: Vec<std::ffi::CString> = d
+        .iter()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_owned())
+        .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
+        .collect();
+    let (mut failed, mut skipped) = (0, 0);
+    for name in names {
+        match name.to_str().map(|n| remove_tree(dir, n, who)) {
+            Ok(Ok(r)) => (failed, skipped) = (failed + r.failed, skipped + r.skipped),
+            _ => failed += 1,
+        }
+    }
+    let mut left = Vec::new();
+    if failed > 0 {
+        left.push(format!("{failed} entries could not be removed"));
+    }
+    if skipped > 0 {
+        left.push(format!(
+            "{skipped} entries of other users were left in place"
+        ));
+    }
+    if left.is_empty() {
+        Ok(())
+    } else {
+        Err(left.join(", "))
+    }
+}
+
 /// [`RemoveAs`] with this process's uid, looked up once per removal.
 #[derive(Debug, Clone, Copy)]
 struct Judge {
@@ -493,6 +528,28 @@ mod tests {
     /// The job user's and a third user's uids in the removal tests.
     const USER: u32 = 4201;
     const OTHER: u32 = 4202;
+
+    /// A failed restore's destination is cleared of the caller's files; another user's entry moved
+    /// in stays, and the error says so.
+    #[test]
+    #[ignore = "needs root: chown needs root, as in the agent; run as root with --ignored, as tests/harness/run-e2e.sh does"]
+    fn clear_dir_leaves_other_users_entries_and_says_so() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dest = tmp.path();
+        std::fs::create_dir(dest.join("part")).unwrap();
+        std::fs::write(dest.join("part/f"), b"partial").unwrap();
+        std::fs::write(dest.join("theirs"), b"x").unwrap();
+        chown(&dest.join("part"), USER);
+        chown(&dest.join("part/f"), USER);
+        chown(&dest.join("theirs"), OTHER);
+        let fd = open_root_dir(dest).unwrap();
+        let e = clear_dir(&fd, RemoveAs { uid: USER }).unwrap_err();
+        assert_eq!(e, "1 entries of other users were left in place");
+        assert!(!dest.join("part").exists());
+        assert_eq!(std::fs::read(dest.join("theirs")).unwrap(), b"x");
+        std::fs::remove_file(dest.join("theirs")).unwrap();
+        assert_eq!(clear_dir(&fd, RemoveAs { uid: USER }), Ok(()));
+    }
 
     #[test]
     #[ignore = "needs root: chown needs root, as in the agent; run as root with --ignored, as tests/harness/run-e2e.sh does"]

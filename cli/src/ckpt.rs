@@ -480,32 +480,10 @@ impl Dest {
     /// Removes what a failed restore left below the directory (symlink-safe, never leaving it):
     /// the caller's own entries and root's, never another user's moved in there.
     fn clear(&self) -> Result<(), String> {
-        let names = entries(&self.fd).map_err(|e| e.to_string())?;
         let me = safefs::RemoveAs {
             uid: nix::unistd::geteuid().as_raw(),
         };
-        let (mut failed, mut skipped) = (0, 0);
-        for name in names {
-            let removed = name.to_str().map(|n| safefs::remove_tree(&*self.fd, n, me));
-            match removed {
-                Some(Ok(r)) => (failed, skipped) = (failed + r.failed, skipped + r.skipped),
-                _ => failed += 1,
-            }
-        }
-        let mut left = Vec::new();
-        if failed > 0 {
-            left.push(format!("{failed} entries could not be removed"));
-        }
-        if skipped > 0 {
-            left.push(format!(
-                "{skipped} entries of other users were left in place"
-            ));
-        }
-        if left.is_empty() {
-            Ok(())
-        } else {
-            Err(left.join(", "))
-        }
+        safefs::clear_dir(&self.fd, me)
     }
 
     /// Undoes a failed restore: the partial files, and the directory itself when it was made for
