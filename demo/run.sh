@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sluice demo, on one Debian 12 machine as root (README: "See it work").
+# The sluice demo, on one Debian 12 machine as root (README: "Two commands").
 #
 # Brings up the local test cluster (munge, slurmctld, three slurmd n1-n3, Garage S3, Azurite, one
 # sluiced per node), then, as the unprivileged user `sluiceuser`:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every test of sluice, in one command, on a fresh Debian 12 machine as root (README: "Run all tests").
+# Every test of sluice, in one command, on a fresh Debian 12 machine as root (README: "Two commands").
 # Installs what is missing (apt, npm, pip, cargo; Garage is built once into $CARGO_HOME/bin and
 # reused), then runs, in order, stopping at the first failure:
 #   1. cargo fmt --check, cargo clippy -D warnings          (the gates, for the workspace and for

@@ -1,9 +1,9 @@
-//! What the README's install steps put on a node for the agent, checked the way an admin meets it:
-//! `sluiced generate man DIR` writes sluiced.8, which man(1) renders without a warning;
-//! `sluiced generate completions SHELL` gives scripts bash and zsh accept and that complete the
-//! agent's options (and not its internal commands); `sluiced --version` names the protocol and
-//! `sluiced --help` the exit statuses the agent really returns. (The CLI's pages are checked the
-//! same way in cli/tests/generate.rs.)
+//! What the install steps of docs/admin-guide.md put on a node for the agent, checked the way an
+//! admin meets it: `sluiced generate man DIR` writes sluiced.8, which man(1) renders without a
+//! warning; `sluiced generate completions SHELL` gives scripts bash and zsh accept and that
+//! complete the agent's options (and not its internal commands); `sluiced --version` names the
+//! protocol and `sluiced --help` the exit statuses the agent really returns. (The CLI's pages are
+//! checked the same way in cli/tests/generate.rs.)
 //!
 //! A check that needs a program this machine lacks (man, zsh) says so on stderr, which the test
 //! harness does not capture, and does not count it as checked.
@@ -238,7 +238,8 @@ fn help_documents_the_exit_statuses_sluiced_returns() {
     assert_has(&text(&bad.stderr), "sluiced: ");
 }
 
-/// `path` as it lands under `root` when it is absolute (the README's install steps write to /usr).
+/// `path` as it lands under `root` when it is absolute (the admin guide's install steps write to
+/// /usr).
 fn under(root: &Path, path: &str) -> PathBuf {
     match path.strip_prefix('/') {
         Some(relative) => root.join(relative),
@@ -246,15 +247,18 @@ fn under(root: &Path, path: &str) -> PathBuf {
     }
 }
 
-/// The README's install steps for the agent (its `sluiced generate …` lines, with their `> FILE`),
+/// The install steps of docs/admin-guide.md for the agent (its `sluiced generate …` lines, with their `> FILE`),
 /// run as an admin runs them but with every absolute path under `root`. (cli/tests/generate.rs
 /// checks the same for sluice, and that `install -d` makes each `> FILE`'s directory.)
 #[test]
-fn the_readme_install_steps_put_the_page_and_completions_where_man_bash_and_zsh_look() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+fn the_admin_guide_install_steps_put_the_page_and_completions_where_man_bash_and_zsh_look() {
+    let guide = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/admin-guide.md"
+    ))
+    .unwrap();
     let root = tempfile::tempdir().unwrap();
-    let steps: Vec<&str> = readme
+    let steps: Vec<&str> = guide
         .lines()
         .map(str::trim)
         .filter(|l| l.starts_with("sluiced generate "))
@@ -262,7 +266,7 @@ fn the_readme_install_steps_put_the_page_and_completions_where_man_bash_and_zsh_
         .collect();
     assert!(
         steps.len() >= 3,
-        "the README's steps for sluiced: {steps:?}"
+        "the admin guide's steps for sluiced: {steps:?}"
     );
     for step in &steps {
         let (command, target) = match step.split_once(" > ") {

@@ -204,7 +204,7 @@ pub struct StageConfig {
 pub struct CkptConfig {
     /// Archive URL for jobs without `--ckpt-archive`; `{user}`, `{job_id}`, `{job_name}` are replaced.
     pub default_archive: Option<String>,
-    /// Prefixes archives may use; empty = any.
+    /// Prefixes archives may use; empty = none (every archive URL is refused).
     pub allow: Vec<AllowRule>,
     /// Default `--ckpt-keep`.
     pub keep: u32,
@@ -1083,6 +1083,10 @@ impl Config {
             .max_by_key(|s| s.prefix.len())
     }
 }
+
+/// docs/config.md and slurm-conf/sluice.toml checked against the keys of [`RawConfig`].
+#[cfg(test)]
+mod docs_match;
 
 #[cfg(test)]
 mod tests {

@@ -1120,7 +1120,7 @@ async fn tiering_suite(
     // What the store made of it: Azurite keeps the tier of every data object (Put Blob and Put
     // Block List alike) and the MANIFEST is Hot, its default; Garage takes x-amz-storage-class and
     // keeps no class at all (a HEAD names none: everything is STANDARD). Should Garage start
-    // keeping classes, README's "Archive tiering" must say so.
+    // keeping classes, docs/admin-guide.md's "Archive tiering" must say so.
     let azure = name == "az";
     for (rel, _) in &files {
         let key = h.key(&format!("step1/data/{rel}")).to_string();
@@ -1153,7 +1153,7 @@ async fn tiering_azurite_blob() {
 
 /// Data in Azure's Archive tier is offline: the checkpoint publishes and lists (its MANIFEST is
 /// Hot), but reading its data fails with the store's own reason until the blobs are rehydrated —
-/// what README's "Archive tiering" tells admins. (Garage has no offline class to try.)
+/// what docs/admin-guide.md's "Archive tiering" tells admins. (Garage has no offline class to try.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test cluster: tests/harness/run-e2e.sh"]
 async fn tiering_azurite_archive_tier_lists_but_is_not_read() {

@@ -1,6 +1,6 @@
 //! `sluice generate man DIR` and `sluice generate completions SHELL`: the man pages and shell
 //! completions, rendered from the clap definitions that parse the command line, so they describe
-//! exactly the binary they come from. The README's install steps run them. They are no part of the
+//! exactly the binary they come from. The install steps of docs/admin-guide.md run them. They are no part of the
 //! interface users see: `main` parses them (with [`Internal`]) only when the first argument is
 //! `generate`, before and apart from [`crate::Cli`], so neither `sluice --help`, the pages nor the
 //! completions offer them. (A hidden clap subcommand would still be completed: clap_complete

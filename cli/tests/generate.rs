@@ -1,8 +1,9 @@
-//! What the README's install steps put on a node, checked the way a user meets it: `sluice generate
-//! man DIR` writes a page for every command `sluice --help` lists, which man(1) renders without a
-//! warning and whose NAME and SYNOPSIS name that command; `sluice generate completions SHELL` gives
-//! scripts that bash, zsh and fish accept and that complete sluice's commands; `sluice --version`
-//! names the protocol and `sluice --help` the exit statuses sluice really returns.
+//! What the install steps of docs/admin-guide.md put on a node, checked the way a user meets it:
+//! `sluice generate man DIR` writes a page for every command `sluice --help` lists, which man(1)
+//! renders without a warning and whose NAME and SYNOPSIS name that command; `sluice generate
+//! completions SHELL` gives scripts that bash, zsh and fish accept and that complete sluice's
+//! commands; `sluice --version` names the protocol and `sluice --help` the exit statuses sluice
+//! really returns.
 //!
 //! A check that needs a program this machine lacks (man, zsh, fish) says so on stderr, which the test
 //! harness does not capture, and does not count it as checked.
@@ -447,7 +448,8 @@ fn generate_is_kept_out_of_the_help_and_fails_like_any_command() {
     assert_has(&text(&out.stderr), &format!("creating {}", file.display()));
 }
 
-/// `path` as it lands under `root` when it is absolute (the README's install steps write to /usr).
+/// `path` as it lands under `root` when it is absolute (the admin guide's install steps write to
+/// /usr).
 fn under(root: &Path, path: &str) -> PathBuf {
     match path.strip_prefix('/') {
         Some(relative) => root.join(relative),
@@ -455,13 +457,16 @@ fn under(root: &Path, path: &str) -> PathBuf {
     }
 }
 
-/// The README's install steps for sluice (its `sluice generate …` lines, with their `> FILE`), run as
+/// The install steps of docs/admin-guide.md for sluice (its `sluice generate …` lines, with their `> FILE`), run as
 /// an admin runs them but with every absolute path under `root`. Also checks that the steps'
 /// `install -d` creates the directory of every `> FILE`.
-fn run_readme_install_steps(root: &Path) {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-    let lines: Vec<&str> = readme.lines().map(str::trim).collect();
+fn run_admin_guide_install_steps(root: &Path) {
+    let guide = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/admin-guide.md"
+    ))
+    .unwrap();
+    let lines: Vec<&str> = guide.lines().map(str::trim).collect();
     let created: Vec<&str> = lines
         .iter()
         .position(|l| l.starts_with("install -d "))
@@ -483,7 +488,7 @@ fn run_readme_install_steps(root: &Path) {
         .collect();
     assert!(
         steps.len() >= 3,
-        "the README's install steps for sluice: {steps:?}"
+        "the admin guide's install steps for sluice: {steps:?}"
     );
     for step in steps {
         let (command, target) = match step.split_once(" > ") {
@@ -501,7 +506,7 @@ fn run_readme_install_steps(root: &Path) {
             let parent = Path::new(target).parent().unwrap().to_str().unwrap();
             assert!(
                 created.contains(&parent),
-                "the README's install -d does not create {parent} for `{step}`: {created:?}"
+                "the admin guide's install -d does not create {parent} for `{step}`: {created:?}"
             );
             let file = under(root, target);
             std::fs::create_dir_all(file.parent().unwrap()).unwrap();
@@ -511,9 +516,9 @@ fn run_readme_install_steps(root: &Path) {
 }
 
 #[test]
-fn the_readme_install_steps_put_pages_and_completions_where_man_bash_and_zsh_look() {
+fn the_admin_guide_install_steps_put_pages_and_completions_where_man_bash_and_zsh_look() {
     let root = tempfile::tempdir().unwrap();
-    run_readme_install_steps(root.path());
+    run_admin_guide_install_steps(root.path());
     for file in [
         "usr/local/share/man/man1/sluice.1",
         "usr/local/share/man/man1/sluice-ckpt-restore.1",

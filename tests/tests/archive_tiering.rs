@@ -254,7 +254,7 @@ fn tiering(backend: Backend, name: &str, class: &str, honoured: bool) {
         assert_eq!(part_class.as_deref(), Some("Hot"), "part manifest");
     } else {
         // Garage: every object is STANDARD whatever was asked (no x-amz-storage-class at all).
-        // Should it start keeping classes, README's "Archive tiering" must say so.
+        // Should it start keeping classes, docs/admin-guide.md's "Archive tiering" must say so.
         for (key, got) in data.iter().chain([
             &("MANIFEST".to_string(), manifest_class.clone()),
             &("part".to_string(), part_class.clone()),

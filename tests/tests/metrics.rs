@@ -129,7 +129,7 @@ fn prometheus_scrapes_the_three_agents_and_sees_the_bytes_a_job_staged() {
         metrics_evidence(&cluster)
     );
 
-    // The README's hot-tier alert compares series of one target: one ratio per agent, a fraction.
+    // docs/admin-guide.md's hot-tier alert compares series of one target: one ratio per agent, a fraction.
     let ratio = "sluice_hot_tier_used_bytes / sluice_hot_tier_capacity_bytes";
     let fill = per_node(&cluster, ratio);
     assert!(

@@ -9,7 +9,7 @@
 //! `.flush-s1`), and starts the agent again: the tmpfs outlived it, and the new agent flushes and
 //! archives the checkpoint, byte-identical to what the job saved. Then the job tries to save a
 //! second state dict larger than its share: a plain write fails with `ENOSPC` ("No space left on
-//! device") and `torch.save` fails too (PyTorch words it "unexpected pos"), as the README says, and
+//! device") and `torch.save` fails too (PyTorch words it "unexpected pos"), as docs/user-guide.md says, and
 //! the committed checkpoint is untouched. At the
 //! job's end the tmpfs is gone and the checkpoint stays on the hot tier and in the archive.
 

@@ -974,7 +974,8 @@ mod tests {
             "this test needs root: the job's files belong to another user"
         );
         let root = tempfile::tempdir().unwrap();
-        // The admin's directory, as the README makes it: root's, everyone may pass through.
+        // The admin's directory, as docs/admin-guide.md makes it: root's, everyone may pass
+        // through.
         std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let cfg = cfg(root.path());
         let (user, other) = (4301, 4302);
