@@ -608,8 +608,13 @@ pub struct SharedTierFacts {
 }
 
 fn check_shared_tier(tier: &SharedTierConfig, is_root: bool) -> Finding {
+    judge_shared_tier(tier, read_shared_tier(tier), is_root)
+}
+
+/// What the node sees of the shared tier's root: its type, owner, mode and file system.
+fn read_shared_tier(tier: &SharedTierConfig) -> std::io::Result<SharedTierFacts> {
     let root = tier.root();
-    let facts = std::fs::metadata(root).map(|m| {
+    std::fs::metadata(root).map(|m| {
         let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
         let mount = std::fs::read_to_string("/proc/self/mounts")
             .ok()
@@ -627,8 +632,7 @@ fn check_shared_tier(tier: &SharedTierConfig, is_root: bool) -> Finding {
             mount,
             lfs,
         }
-    });
-    judge_shared_tier(tier, facts, is_root)
+    })
 }
 
 /// `program` if it is an executable file, else the first executable `program` in `path`'s

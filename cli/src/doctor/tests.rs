@@ -457,9 +457,24 @@ fn a_shared_tier_root_users_can_write_fails() {
 #[test]
 fn shared_tier_check_reads_the_directory_a_stand_in_is_not_lustre() {
     // This machine has no Lustre: a temporary directory is the stand-in, as in the test cluster.
+    // What is read is the directory's own: its owner (the user running the test, who cannot give it
+    // to root), its mode and its file system. Judged as if root owned it, a stand-in is a WARN.
     let tmp = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o750)).unwrap();
     let tier = shared_tier(&format!("{}/%j", tmp.path().display()), false);
-    let f = check_shared_tier(&tier, true);
+    let facts = read_shared_tier(&tier).unwrap();
+    assert!(facts.is_dir);
+    assert_eq!(facts.owner, nix::unistd::geteuid().as_raw());
+    assert_eq!(facts.mode, 0o750);
+    let (fs, _) = facts
+        .mount
+        .as_ref()
+        .expect("the mount of a temporary directory");
+    assert_ne!(fs, "lustre");
+    assert_eq!(facts.lfs, None);
+    let as_roots = SharedTierFacts { owner: 0, ..facts };
+    let f = judge_shared_tier(&tier, Ok(as_roots), true);
     assert_eq!(f.status, Status::Warn, "{f:?}");
     assert!(f.detail.contains("not Lustre"), "{f:?}");
     let gone = shared_tier(&format!("{}/missing/%j", tmp.path().display()), false);
