@@ -17,7 +17,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source tests/harness/common.sh
 export CARGO_TERM_COLOR=never
 
-step() { printf '\n==> %s\n' "$*" >&2; }
+# Each step says how long the one before it took, and the run's total at the end: where CI's
+# minutes go (issue 25 keeps the whole under 25 minutes with installs cached).
+RUN_START=$SECONDS STEP_START=$SECONDS STEP_NAME=""
+step() {
+  [[ -z $STEP_NAME ]] || printf '==> took %ds: %s\n' $((SECONDS - STEP_START)) "$STEP_NAME" >&2
+  STEP_NAME=$* STEP_START=$SECONDS
+  printf '\n==> %s\n' "$*" >&2
+}
 
 [[ $(id -u) -eq 0 ]] || { echo "tests/run-all.sh must run as root (it installs packages and starts a Slurm cluster)" >&2; exit 1; }
 
@@ -72,3 +79,4 @@ tests/harness/run-e2e.sh
 
 step "benchmark harness smoke run (tiny data; targets are not judged here)"
 bench/run --smoke --out /tmp/sluice-bench-smoke.json
+step "done: every step passed in $((SECONDS - RUN_START))s"

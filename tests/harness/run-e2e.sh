@@ -43,5 +43,15 @@ log "test: cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 $
 # stack of test-helper frames would bury it. --no-fail-fast: report every failing test file.
 # 9>&-: tests restart agents (tests/tests/common/agents.rs spawns `setsid sluiced ...`), and a restarted
 # agent must not inherit the lock either; this script (and its caller) hold it for the tests.
-(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 "$@") 9>&-
+# Every line of the output gets the time it was written (a test's "ok" line is written when it ends),
+# and the slowest tests are listed afterwards: where the suite's minutes go.
+TIMES=$(mktemp)
+rc=0
+(cd "$REPO_ROOT" && RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --ignored --test-threads=1 "$@") 9>&- 2>&1 |
+  while IFS= read -r line; do printf '%(%s)T %s\n' -1 "$line" | tee -a "$TIMES" | cut -d' ' -f2-; done || rc=$?
+log "the slowest tests (seconds):"
+awk '$2 == "running" { prev = $1; next }
+     $2 == "test" && $3 != "result:" && prev { print $1 - prev, $3; prev = $1 }' "$TIMES" | sort -rn | head -n 15 >&2
+rm -f "$TIMES"
+((rc == 0)) || die "end-to-end tests failed (see above)"
 assert_no_daemon_holds_cluster_lock || die "after the tests, a daemon holds $CLUSTER_LOCK (see above)"

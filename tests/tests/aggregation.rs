@@ -5,9 +5,8 @@
 //! points at; for Azure Blob and POSIX sources by the agents' own origin and peer byte counts. The agents' peer port gives a user process nothing; a node whose agent dies
 //! mid-transfer is routed around, and the job still gets identical data, with a note.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use sluice_e2e::relay::{CountingRelay, Relay};
 use std::fs;
 use std::io::{Read, Write};

@@ -12,9 +12,8 @@
 //! can only show what sluice recorded and asked for (the request side is
 //! `archive/tests/archive_conformance.rs`'s `tiering_garage_s3`, which records it).
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;

@@ -14,9 +14,8 @@
 //!
 //! The cache's own files are root's and closed to users (checked on disk and as the user).
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{CacheListing, Request, Response, StageProgress};

@@ -4,9 +4,8 @@
 //! with its fix, without hiding the other checks. What the test breaks is a copy (`--config`,
 //! `--plugstack`) or the agent, which it starts again.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;

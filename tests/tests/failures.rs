@@ -4,9 +4,8 @@
 //! draining a node or leaving data on a hot tier (DESIGN.md, "User mistakes fail the job, never the
 //! node").
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};

@@ -7,9 +7,8 @@
 //! that one staging pass lasts several seconds and the kills land while it runs. Each agent is started
 //! again exactly as `cluster.sh up` started it.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use sluice_proto::msg::JobState;
 use std::time::{Duration, Instant};
 

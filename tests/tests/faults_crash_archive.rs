@@ -15,9 +15,8 @@
 //! else (no partial or temporary file), the agents' journals have no temporary file left, and every
 //! node is idle.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use sluice_proto::msg::CkptState;
 use std::collections::BTreeMap;
 use std::fs;

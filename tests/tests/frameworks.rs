@@ -24,9 +24,8 @@
 //! Without PyTorch installed (`tests/harness/install.sh`, unless `SLUICE_NO_TORCH=1`) every test
 //! here fails saying so.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

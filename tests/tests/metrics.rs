@@ -3,9 +3,8 @@
 //! endpoints, and a query to its HTTP API shows the bytes a job staged — on each node, and summed
 //! over the agents.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;

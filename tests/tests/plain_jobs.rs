@@ -3,9 +3,8 @@
 //! no node gets a job directory for it. These tests also pass on a cluster started without the plugin
 //! (SLUICE_NO_PLUGIN=1), which is how the comparison is made.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use std::time::Duration;
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);

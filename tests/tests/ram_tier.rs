@@ -13,9 +13,8 @@
 //! the committed checkpoint is untouched. At the
 //! job's end the tmpfs is gone and the checkpoint stays on the hot tier and in the archive.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::fs;
 use std::path::Path;

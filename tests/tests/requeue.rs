@@ -22,9 +22,8 @@
 //! restore` of `s1` and `s2` gives what was written; each node's hot tier holds exactly `s2` (what
 //! `--ckpt-keep=1` keeps) as that node wrote it, and the agents' journals say so; every node is idle.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

@@ -4,11 +4,9 @@
 //! it changes A's job. The agent decides from the connection's `SO_PEERCRED`, never from a uid, user
 //! or path inside the message, so a frame that claims to be root or A is refused too.
 
-mod common;
-mod security_support;
 
-use common::*;
-use security_support::*;
+use crate::common::*;
+use crate::security_support::*;
 use serde_json::{Value, json};
 use sluice_proto::msg::CkptState;
 use std::path::Path;

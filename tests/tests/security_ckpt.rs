@@ -7,11 +7,9 @@
 //! archive that never works. A refusal is final (F3): each refused checkpoint is walked once, never
 //! retried, and goes from the hot tier at job end, while the archived one stays as retention says.
 
-mod common;
-mod security_support;
 
-use common::*;
-use security_support::*;
+use crate::common::*;
+use crate::security_support::*;
 use sluice_proto::msg::{CkptState, CkptStatus};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;

@@ -3,11 +3,9 @@
 //! refused with a clear `bad_request` reply, the agent process survives (same pid, no panic in its
 //! log), keeps answering, and a job on that node still stages and runs.
 
-mod common;
-mod security_support;
 
-use common::*;
-use security_support::*;
+use crate::common::*;
+use crate::security_support::*;
 use serde_json::{Value, json};
 use std::path::Path;
 use std::time::{Duration, Instant};

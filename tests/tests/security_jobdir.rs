@@ -4,11 +4,9 @@
 //! place) before the job starts, nor list `jobs/` to learn job ids, nor enter a running job's
 //! directory (0700, the job user's). The job itself runs normally.
 
-mod common;
-mod security_support;
 
-use common::*;
-use security_support::*;
+use crate::common::*;
+use crate::security_support::*;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;

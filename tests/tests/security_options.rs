@@ -8,9 +8,8 @@
 //!   The agent re-validates as root: the job fails with the agent's message, nothing is staged, and
 //!   the node stays in service.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

@@ -6,9 +6,8 @@
 //! files, awkward names) is staged from each kind of origin: a POSIX directory, Garage (S3) and
 //! Azurite (Azure Blob).
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;

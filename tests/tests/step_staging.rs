@@ -4,9 +4,8 @@
 //! sluice option (so neither prolog nor epilog calls the agent), and a job with its own
 //! `--stage-in` whose step adds another dataset.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use std::path::Path;
 use std::time::Duration;
 

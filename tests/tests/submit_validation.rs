@@ -2,9 +2,8 @@
 //! message that says what is wrong, and no job is created. (The plugin validates in the allocator
 //! and local contexts; SLURM-TESTBED.md.)
 
-mod common;
 
-use common::*;
+use crate::common::*;
 
 /// (arguments, what stderr must say). Each case also has to name the option it complains about.
 fn bad_cases() -> Vec<(Vec<&'static str>, &'static str, &'static str)> {

@@ -4,9 +4,8 @@
 //! node's agent — and the other test user, asking the agent about the same URL, sees none of it
 //! and restores none of it.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;

@@ -7,9 +7,8 @@
 //! agent with the envelope's `version` raised by one, and the replies back unchanged. Both ends are the
 //! real programs; only the version number differs.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};

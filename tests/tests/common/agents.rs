@@ -14,12 +14,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 impl Cluster {
-    /// SIGKILLs the node's agent and starts it again as cluster.sh did.
-    pub fn restart_agent(&self, node: &str) -> u32 {
-        let agent = self.kill_agent(node);
-        self.start_agent(&agent)
-    }
-
     /// One request to a node's agent, as root.
     pub fn agent_request(&self, node: &str, request: Request) -> Result<Response, String> {
         sluice_proto::client::call(&self.agent_socket(node), request, Duration::from_secs(10))
@@ -60,7 +54,6 @@ pub struct FaultProxy {
     control: PathBuf,
     stats: PathBuf,
     log: PathBuf,
-    pub port: u16,
 }
 
 impl FaultProxy {
@@ -114,7 +107,6 @@ impl FaultProxy {
             control,
             stats,
             log,
-            port,
         };
         let start = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {

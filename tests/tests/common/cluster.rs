@@ -92,10 +92,6 @@ impl Cluster {
         );
     }
 
-    pub fn plugin_loaded(&self) -> bool {
-        self.var("SLUICE_TEST_PLUGIN") == "1"
-    }
-
     /// The hot-tier root of one virtual node (`[hot_tier] root` with `%n` expanded).
     pub fn hot_root(&self, node: &str) -> PathBuf {
         PathBuf::from(self.var("SLUICE_TEST_HOT_ROOT").replace("%n", node))

@@ -5,7 +5,6 @@
 //! Everything here talks to the real cluster through the commands a user or admin would type
 //! (`sbatch`, `scontrol`, `sinfo`), so a test sees exactly what a user sees. One module per concern;
 //! a test reads `use common::*;` and sees them all.
-#![allow(dead_code, unused_imports)] // each test binary uses a different subset
 
 mod agents;
 mod cluster;

@@ -1,7 +1,6 @@
 //! What the security tests share on top of `common`: speaking the agent's socket protocol byte by
 //! byte as an unprivileged user (a small Python client, since the test process is root and the
 //! agent authorises from `SO_PEERCRED`), jobs held running while a test acts, and root-only secrets.
-#![allow(dead_code)] // each security test binary uses a different subset
 
 use crate::common::*;
 use serde_json::{Value, json};
