@@ -5,7 +5,6 @@
 //! points at; for Azure Blob and POSIX sources by the agents' own origin and peer byte counts. The agents' peer port gives a user process nothing; a node whose agent dies
 //! mid-transfer is routed around, and the job still gets identical data, with a note.
 
-
 use crate::common::*;
 use sluice_e2e::relay::{CountingRelay, Relay};
 use std::fs;

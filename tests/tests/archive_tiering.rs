@@ -12,7 +12,6 @@
 //! can only show what sluice recorded and asked for (the request side is
 //! `archive/tests/archive_conformance.rs`'s `tiering_garage_s3`, which records it).
 
-
 use crate::common::*;
 use serde_json::Value;
 use std::fs;

@@ -14,7 +14,6 @@
 //!
 //! The cache's own files are root's and closed to users (checked on disk and as the user).
 
-
 use crate::common::*;
 use serde_json::Value;
 use sluice_e2e::relay::CountingRelay;

@@ -2,7 +2,6 @@
 //! ends — here by `scancel`, the path a normal end does not take — it is removed from every node's hot
 //! tier. (Normal ends are checked by every staging test.)
 
-
 use crate::common::*;
 use std::os::unix::fs::MetadataExt;
 use std::time::Duration;

@@ -4,7 +4,6 @@
 //! with its fix, without hiding the other checks. What the test breaks is a copy (`--config`,
 //! `--plugstack`) or the agent, which it starts again.
 
-
 use crate::common::*;
 use serde_json::Value;
 use std::fs;

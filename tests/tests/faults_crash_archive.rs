@@ -15,7 +15,6 @@
 //! else (no partial or temporary file), the agents' journals have no temporary file left, and every
 //! node is idle.
 
-
 use crate::common::*;
 use sluice_proto::msg::CkptState;
 use std::collections::BTreeMap;

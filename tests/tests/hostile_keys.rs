@@ -4,7 +4,6 @@
 //! such a dataset (the job fails with a message) or skip or rename the bad keys (the job runs);
 //! either way nothing lands outside `$SLUICE_STAGE_DIR/NAME`.
 
-
 use crate::common::*;
 use std::path::{Component, Path, PathBuf};
 use std::time::Duration;

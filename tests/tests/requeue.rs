@@ -22,7 +22,6 @@
 //! restore` of `s1` and `s2` gives what was written; each node's hot tier holds exactly `s2` (what
 //! `--ckpt-keep=1` keeps) as that node wrote it, and the agents' journals say so; every node is idle.
 
-
 use crate::common::*;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};

@@ -7,7 +7,6 @@
 //!   on the node — the files staged whole before the kill are still the same files (inode and
 //!   ctime) in the job's stage directory, and the agent counts exactly their bytes as resumed.
 
-
 use crate::common::*;
 use std::fs;
 use std::path::Path;

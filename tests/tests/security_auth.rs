@@ -4,7 +4,6 @@
 //! it changes A's job. The agent decides from the connection's `SO_PEERCRED`, never from a uid, user
 //! or path inside the message, so a frame that claims to be root or A is refused too.
 
-
 use crate::common::*;
 use crate::security_support::*;
 use serde_json::{Value, json};

@@ -7,7 +7,6 @@
 //! archive that never works. A refusal is final (F3): each refused checkpoint is walked once, never
 //! retried, and goes from the hot tier at job end, while the archived one stays as retention says.
 
-
 use crate::common::*;
 use crate::security_support::*;
 use sluice_proto::msg::{CkptState, CkptStatus};

@@ -4,7 +4,6 @@
 //! place) before the job starts, nor list `jobs/` to learn job ids, nor enter a running job's
 //! directory (0700, the job user's). The job itself runs normally.
 
-
 use crate::common::*;
 use crate::security_support::*;
 use std::path::Path;

@@ -8,7 +8,6 @@
 //!   The agent re-validates as root: the job fails with the agent's message, nothing is staged, and
 //!   the node stays in service.
 
-
 use crate::common::*;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;

@@ -6,7 +6,6 @@
 //! files, awkward names) is staged from each kind of origin: a POSIX directory, Garage (S3) and
 //! Azurite (Azure Blob).
 
-
 use crate::common::*;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -4,7 +4,6 @@
 //! sluice option (so neither prolog nor epilog calls the agent), and a job with its own
 //! `--stage-in` whose step adds another dataset.
 
-
 use crate::common::*;
 use std::path::Path;
 use std::time::Duration;
