@@ -260,7 +260,7 @@ impl Agent {
         self.tracker.len()
     }
 
-    /// What the background loops are doing.
+    /// What the background loops are doing (`sluice status`, the metrics).
     pub fn worker_statuses(&self) -> Vec<WorkerStatus> {
         self.workers.statuses()
     }
@@ -1367,6 +1367,17 @@ impl Agent {
             .flat_map(|j| j.stages.iter())
             .map(|s| s.bytes_done)
             .sum();
+        // A user sees the node's own loops and their jobs' checkpoint workers: a worker's error
+        // may name another user's archive.
+        let workers = self
+            .worker_statuses()
+            .into_iter()
+            .filter(|w| {
+                peer.is_root()
+                    || w.job_id
+                        .is_none_or(|id| jobs.iter().any(|j| j.job_id == id))
+            })
+            .collect();
         let hot = self.hot.clone();
         let usage = blocking(move || hot.usage()).await;
         NodeStatus {
@@ -1378,6 +1389,7 @@ impl Agent {
             hot_used_bytes,
             jobs,
             cache: self.cache.as_ref().map(|c| c.stats()),
+            workers,
         }
     }
 }

@@ -189,6 +189,10 @@ impl Worker for CkptWorker {
         format!("ckpt job {}", self.job.start.job_id)
     }
 
+    fn job_id(&self) -> Option<sluice_proto::msg::JobId> {
+        Some(self.job.start.job_id)
+    }
+
     async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
         let span = self.job.span();
         self.turns(cancel, status).instrument(span).await
