@@ -1,7 +1,8 @@
 //! What the plugin does in each SPANK callback, written against [`SpankApi`] and [`Agent`] only, so
 //! that all of it is unit-tested with a fake handle.
 //!
-//! The life of a job, and what may fail where (SLURM-TESTBED.md):
+//! The life of a job, and what may fail where (spank(8); the end-to-end tests in tests/tests/ see it
+//! on a real Slurm):
 //!
 //! | callback | context | does | may fail the... |
 //! | --- | --- | --- | --- |
