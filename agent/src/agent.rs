@@ -439,10 +439,11 @@ impl Agent {
                 self.cfg.node
             );
         }
-        if let Some(existing) = self.job(start.job_id) {
-            if !existing.has_ended() && existing.start == start {
-                return Response::Ok; // a repeated prolog: idempotent
-            }
+        if let Some(existing) = self.job(start.job_id)
+            && !existing.has_ended()
+            && existing.start == start
+        {
+            return Response::Ok; // a repeated prolog: idempotent
         }
         let archive_url = self.apply_policy(&start).await;
         // A new run of the same job id on this node (a requeue): its record carries the run
@@ -511,12 +512,12 @@ impl Agent {
     ) {
         let start = record.start.clone();
         let mut dirs = self.hot.task_dirs(start.job_id);
-        if let (Some(shared), Ok(o)) = (&self.cfg.shared_tier, crate::job::parse_options(&start)) {
-            if o.stage_tier == StageTier::Shared {
-                dirs.stage_dir = stage::shared::stage_dir(shared, start.job_id)
-                    .display()
-                    .to_string();
-            }
+        if let (Some(shared), Ok(o)) = (&self.cfg.shared_tier, crate::job::parse_options(&start))
+            && o.stage_tier == StageTier::Shared
+        {
+            dirs.stage_dir = stage::shared::stage_dir(shared, start.job_id)
+                .display()
+                .to_string();
         }
         // The RAM tier: a recovered job keeps what it had, and so does a requeued one whose run
         // before left checkpoints in it (its record says so: [`Inherited`]); a new one gets a

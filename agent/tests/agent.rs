@@ -492,10 +492,10 @@ async fn wait_for_state(
     want: sluice_proto::msg::CkptState,
 ) -> sluice_proto::msg::CkptStatus {
     for _ in 0..200 {
-        if let Ok(Response::Ckpts { ckpts: list }) = t.call(Request::CkptList { job_id }).await {
-            if let Some(c) = list.iter().find(|c| c.tag == tag && c.state == want) {
-                return c.clone();
-            }
+        if let Ok(Response::Ckpts { ckpts: list }) = t.call(Request::CkptList { job_id }).await
+            && let Some(c) = list.iter().find(|c| c.tag == tag && c.state == want)
+        {
+            return c.clone();
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -119,10 +119,10 @@ impl TestAgent {
 
     async fn wait_for_ckpt(&self, job_id: u32, tag: &str, want: CkptState) {
         for _ in 0..200 {
-            if let Response::Ckpts { ckpts } = self.call(Request::CkptList { job_id }).await {
-                if ckpts.iter().any(|c| c.tag == tag && c.state == want) {
-                    return;
-                }
+            if let Response::Ckpts { ckpts } = self.call(Request::CkptList { job_id }).await
+                && ckpts.iter().any(|c| c.tag == tag && c.state == want)
+            {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

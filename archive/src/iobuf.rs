@@ -33,7 +33,7 @@ pub const fn round_up(len: usize) -> usize {
 
 /// Whether `offset` (in a file, or a length) is a multiple of [`ALIGN`].
 pub const fn is_aligned(offset: u64) -> bool {
-    offset % ALIGN as u64 == 0
+    offset.is_multiple_of(ALIGN as u64)
 }
 
 /// What an empty buffer points at: never allocated, never read, only aligned.
