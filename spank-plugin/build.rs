@@ -46,7 +46,9 @@ fn main() {
         .allowlist_type("spank_.*")
         .allowlist_type("spank_t")
         .allowlist_function("spank_.*")
-        .allowlist_function("slurm_spank_log")
+        // slurm_spank_log, and the entry points spank.h declares (`extern spank_f slurm_spank_init;`):
+        // entry.rs checks each one the plugin defines against them, name and type.
+        .allowlist_function("slurm_spank_.*")
         .allowlist_function("slurm_(error|info|verbose|debug)")
         .allowlist_var("ESPANK_.*")
         .allowlist_var("SPANK_OPTION_MAXLEN")

@@ -260,7 +260,7 @@ impl Agent {
         self.tracker.len()
     }
 
-    /// What the background loops are doing.
+    /// What the background loops are doing (`sluice status`, the metrics).
     pub fn worker_statuses(&self) -> Vec<WorkerStatus> {
         self.workers.statuses()
     }
@@ -439,10 +439,11 @@ impl Agent {
                 self.cfg.node
             );
         }
-        if let Some(existing) = self.job(start.job_id) {
-            if !existing.has_ended() && existing.start == start {
-                return Response::Ok; // a repeated prolog: idempotent
-            }
+        if let Some(existing) = self.job(start.job_id)
+            && !existing.has_ended()
+            && existing.start == start
+        {
+            return Response::Ok; // a repeated prolog: idempotent
         }
         let archive_url = self.apply_policy(&start).await;
         // A new run of the same job id on this node (a requeue): its record carries the run
@@ -511,12 +512,12 @@ impl Agent {
     ) {
         let start = record.start.clone();
         let mut dirs = self.hot.task_dirs(start.job_id);
-        if let (Some(shared), Ok(o)) = (&self.cfg.shared_tier, crate::job::parse_options(&start)) {
-            if o.stage_tier == StageTier::Shared {
-                dirs.stage_dir = stage::shared::stage_dir(shared, start.job_id)
-                    .display()
-                    .to_string();
-            }
+        if let (Some(shared), Ok(o)) = (&self.cfg.shared_tier, crate::job::parse_options(&start))
+            && o.stage_tier == StageTier::Shared
+        {
+            dirs.stage_dir = stage::shared::stage_dir(shared, start.job_id)
+                .display()
+                .to_string();
         }
         // The RAM tier: a recovered job keeps what it had, and so does a requeued one whose run
         // before left checkpoints in it (its record says so: [`Inherited`]); a new one gets a
@@ -1367,6 +1368,17 @@ impl Agent {
             .flat_map(|j| j.stages.iter())
             .map(|s| s.bytes_done)
             .sum();
+        // A user sees the node's own loops and their jobs' checkpoint workers: a worker's error
+        // may name another user's archive.
+        let workers = self
+            .worker_statuses()
+            .into_iter()
+            .filter(|w| {
+                peer.is_root()
+                    || w.job_id
+                        .is_none_or(|id| jobs.iter().any(|j| j.job_id == id))
+            })
+            .collect();
         let hot = self.hot.clone();
         let usage = blocking(move || hot.usage()).await;
         NodeStatus {
@@ -1378,6 +1390,7 @@ impl Agent {
             hot_used_bytes,
             jobs,
             cache: self.cache.as_ref().map(|c| c.stats()),
+            workers,
         }
     }
 }

@@ -9,7 +9,8 @@
 //!   `Metrics` and records into it whether or not the endpoint is on; recording is a few atomics.
 //! - **State** ([`Snapshot`], a [`Collector`]): gauges read from what the agent already owns at
 //!   the moment of the scrape — the job table, each job's checkpoint entries, the hot tier's file
-//!   system — so they can never drift from what `sluice status` shows.
+//!   system, the background workers' statuses ([`encode_workers`]) — so they can never drift from
+//!   what `sluice status` shows.
 //!
 //! Labels are bounded by construction: a source kind, an operation and a stable error code
 //! (`*_code` below, one exhaustive match per error type), an admission reason, a job state. Never
@@ -46,7 +47,9 @@ use sluice_archive::config::MetricsConfig;
 use sluice_archive::rt::{blocking, lock};
 use sluice_archive::store::StoreErrorKind;
 use sluice_archive::{ArchiveError, PartManifest};
-use sluice_proto::msg::{CacheStats, CkptState, JobId, JobState, StageProgress, StageState};
+use sluice_proto::msg::{
+    CacheStats, CkptState, JobId, JobState, StageProgress, StageState, WorkerStatus,
+};
 use sluice_proto::options::{ObjectScheme, Source};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -533,6 +536,7 @@ impl Collector for Snapshot {
         if let Some(cache) = &self.agent.cache {
             encode_cache(&mut enc, &cache.stats())?;
         }
+        encode_workers(&mut enc, &self.agent.worker_statuses())?;
         let mut family = enc.encode_descriptor(
             "jobs",
             "Jobs in the agent's table, by state",
@@ -634,6 +638,34 @@ fn encode_cache(enc: &mut DescriptorEncoder, c: &CacheStats) -> Result<(), std::
     for (name, help, unit, v) in counters {
         let v = ConstCounter::new(v);
         v.encode(enc.encode_descriptor(name, help, unit, v.metric_type())?)?;
+    }
+    Ok(())
+}
+
+/// The background workers (each job's checkpoint worker, housekeeping, the peer server): how many
+/// run, and how many of them met an error in their last turn — a checkpoint that would not
+/// archive, the peer port taken. Which ones, and why, is `sluice status`'s to say: a worker's name
+/// holds a job id, which is no label.
+fn encode_workers(
+    enc: &mut DescriptorEncoder,
+    workers: &[WorkerStatus],
+) -> Result<(), std::fmt::Error> {
+    let failing = workers.iter().filter(|w| w.last_error.is_some()).count();
+    let gauges: [(&str, &str, usize); 2] = [
+        (
+            "workers",
+            "Background workers of the agent: one per job for its checkpoints, housekeeping, the peer server",
+            workers.len(),
+        ),
+        (
+            "workers_failing",
+            "Of those, the ones whose last turn met an error (a checkpoint not archived, the peer port taken); sluice status says which and why",
+            failing,
+        ),
+    ];
+    for (name, help, v) in gauges {
+        let v = ConstGauge::new(v as u64);
+        v.encode(enc.encode_descriptor(name, help, None, v.metric_type())?)?;
     }
     Ok(())
 }
@@ -877,6 +909,47 @@ mod tests {
         // Nothing else: no labels, so no series per entry, user or path.
         assert_eq!(s.len(), want.len(), "{text}");
         assert!(!text.contains("/hot/cache"), "{text}");
+    }
+
+    /// The workers' series as a scrape shows them, from their statuses.
+    #[derive(Debug)]
+    struct WorkersOnly(Vec<WorkerStatus>);
+
+    impl Collector for WorkersOnly {
+        fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+            encode_workers(&mut enc, &self.0)
+        }
+    }
+
+    #[test]
+    fn workers_and_the_failing_ones() {
+        let worker = |name: &str, job_id, last_error: Option<&str>| WorkerStatus {
+            name: name.into(),
+            job_id,
+            state: "idle".into(),
+            since: 1,
+            turns: 3,
+            last_error: last_error.map(String::from),
+        };
+        let workers = vec![
+            worker("housekeeping", None, None),
+            worker("ckpt job 42", Some(42), None),
+            worker("ckpt job 43", Some(43), Some("s3://b/x: 503 Slow Down")),
+        ];
+        let mut r = Registry::with_prefix("sluice");
+        r.register_collector(Box::new(WorkersOnly(workers)));
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &r).unwrap();
+        let s = series(&text);
+        assert_eq!(s.get("sluice_workers"), Some(&3.0), "{text}");
+        assert_eq!(s.get("sluice_workers_failing"), Some(&1.0), "{text}");
+        assert!(
+            text.contains("# TYPE sluice_workers_failing gauge\n"),
+            "{text}"
+        );
+        // No series per worker: neither a job id nor an error in a label.
+        assert_eq!(s.len(), 2, "{text}");
+        assert!(!text.contains("43") && !text.contains("s3://"), "{text}");
     }
 
     #[test]

@@ -303,10 +303,10 @@ fn private(dir: &OwnedFd, owner: Owner, name: &str) -> Result<(), SafeFsError> {
 }
 
 fn unmount(path: &Path) {
-    if is_mount_point(path) {
-        if let Err(e) = nix::mount::umount2(path, nix::mount::MntFlags::MNT_DETACH) {
-            tracing::warn!("unmounting the RAM tier at {}: {e}", path.display());
-        }
+    if is_mount_point(path)
+        && let Err(e) = nix::mount::umount2(path, nix::mount::MntFlags::MNT_DETACH)
+    {
+        tracing::warn!("unmounting the RAM tier at {}: {e}", path.display());
     }
 }
 

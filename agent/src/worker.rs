@@ -1,10 +1,12 @@
 //! The shape of the agent's background loops (housekeeping, one checkpoint worker per job, and the
 //! tiers to come): a type with `run(cancel, status)`, started by [`Workers::spawn`] on the agent's
 //! one task tracker with a child of its one cancellation token, and a [`WorkerStatus`] that
-//! `sluice status` and metrics can read while it runs. A worker returns when its work is done or
+//! `sluice status` shows and metrics count while it runs. A worker returns when its work is done or
 //! when the token is cancelled (the agent stopping); work cut short resumes from the journal.
 
 use sluice_archive::rt::{lock, now_secs};
+use sluice_proto::msg::JobId;
+pub use sluice_proto::msg::WorkerStatus;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -15,6 +17,11 @@ use tokio_util::task::TaskTracker;
 pub trait Worker: Send + 'static {
     /// What `status` calls it, e.g. `ckpt job 42`.
     fn name(&self) -> String;
+    /// The job it works for, if any: a user's `sluice status` shows the workers of their own jobs
+    /// and the node's, never another user's job's.
+    fn job_id(&self) -> Option<JobId> {
+        None
+    }
     fn run(
         self,
         cancel: CancellationToken,
@@ -22,32 +29,21 @@ pub trait Worker: Send + 'static {
     ) -> impl Future<Output = ()> + Send;
 }
 
-/// What a worker is doing, as it last said.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WorkerStatus {
-    pub name: String,
-    /// A word such as `idle`, `archiving`, `backoff`.
-    pub state: &'static str,
-    /// When it entered `state` (seconds since the epoch).
-    pub since: u64,
-    /// Turns of its loop so far.
-    pub turns: u64,
-    /// The last error it met, until a later turn succeeds.
-    pub last_error: Option<String>,
-}
-
 /// A worker's status, written by the worker and read by anyone.
 #[derive(Debug)]
 pub struct StatusCell {
     name: String,
+    job_id: Option<JobId>,
+    /// The state, since when, and the error of the last turn.
     now: Mutex<(&'static str, u64, Option<String>)>,
     turns: AtomicU64,
 }
 
 impl StatusCell {
-    fn new(name: String) -> StatusCell {
+    fn new(name: String, job_id: Option<JobId>) -> StatusCell {
         StatusCell {
             name,
+            job_id,
             now: Mutex::new(("starting", now_secs(), None)),
             turns: AtomicU64::new(0),
         }
@@ -70,7 +66,8 @@ impl StatusCell {
         let (state, since, last_error) = lock(&self.now).clone();
         WorkerStatus {
             name: self.name.clone(),
-            state,
+            job_id: self.job_id,
+            state: state.to_string(),
             since,
             turns: self.turns.load(Ordering::Relaxed),
             last_error,
@@ -97,7 +94,7 @@ impl Workers {
 
     /// Starts `worker` on the agent's tracker; it sees the agent's cancellation.
     pub fn spawn(&self, worker: impl Worker) {
-        let cell = Arc::new(StatusCell::new(worker.name()));
+        let cell = Arc::new(StatusCell::new(worker.name(), worker.job_id()));
         {
             let mut cells = lock(&self.cells);
             cells.retain(|c| c.strong_count() > 0);
@@ -107,14 +104,14 @@ impl Workers {
         self.tracker.spawn(worker.run(cancel, cell));
     }
 
-    /// The workers still running, by name.
+    /// The workers still running: the node's own by name, then the jobs' by job id.
     pub fn statuses(&self) -> Vec<WorkerStatus> {
         let mut v: Vec<_> = lock(&self.cells)
             .iter()
             .filter_map(Weak::upgrade)
             .map(|c| c.snapshot())
             .collect();
-        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v.sort_by(|a, b| (a.job_id, &a.name).cmp(&(b.job_id, &b.name)));
         v
     }
 }
@@ -128,6 +125,9 @@ mod tests {
     impl Worker for Ticker {
         fn name(&self) -> String {
             format!("ticker {}", self.0)
+        }
+        fn job_id(&self) -> Option<JobId> {
+            (self.0 > 0).then_some(self.0)
         }
         async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
             loop {
@@ -145,13 +145,21 @@ mod tests {
     async fn workers_report_and_stop_with_the_agent() {
         let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
         let workers = Workers::new(tracker.clone(), cancel.clone());
-        workers.spawn(Ticker(2));
-        workers.spawn(Ticker(1));
+        workers.spawn(Ticker(10));
+        workers.spawn(Ticker(9));
+        workers.spawn(Ticker(0));
         tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
         let s = workers.statuses();
+        // The node's own first, then the jobs' in job order (not "10" before "9").
         assert_eq!(
-            s.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(),
-            ["ticker 1", "ticker 2"]
+            s.iter()
+                .map(|w| (w.name.as_str(), w.job_id))
+                .collect::<Vec<_>>(),
+            [
+                ("ticker 0", None),
+                ("ticker 9", Some(9)),
+                ("ticker 10", Some(10))
+            ]
         );
         assert!(s.iter().all(|w| w.state == "idle" && w.turns == 3));
         assert_eq!(s[0].last_error.as_deref(), Some("store down"));

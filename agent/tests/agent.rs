@@ -360,6 +360,17 @@ root_test! {
             panic!()
         };
         assert!(s.jobs.is_empty());
+        // Workers too: root and the job's user see the job's checkpoint worker, another user only
+        // the node's own (an error of the job's worker may name the job's archive).
+        let names = |s: &sluice_proto::msg::NodeStatus| {
+            s.workers.iter().map(|w| w.name.clone()).collect::<Vec<_>>()
+        };
+        assert_eq!(names(&s), ["housekeeping"]);
+        let Response::Status(s) = t.call(Request::Status).await.unwrap() else { panic!() };
+        assert_eq!(names(&s), ["housekeeping", "ckpt job 11"]);
+        assert!(s.workers.iter().all(|w| w.last_error.is_none()), "{:?}", s.workers);
+        let Response::Status(s) = t.call_as(NOBODY, Request::Status).unwrap() else { panic!() };
+        assert_eq!(names(&s), ["housekeeping", "ckpt job 11"]);
 
         assert_eq!(
             t.call(Request::JobEnd { job_id: 11 }).await.unwrap(),
@@ -481,10 +492,10 @@ async fn wait_for_state(
     want: sluice_proto::msg::CkptState,
 ) -> sluice_proto::msg::CkptStatus {
     for _ in 0..200 {
-        if let Ok(Response::Ckpts { ckpts: list }) = t.call(Request::CkptList { job_id }).await {
-            if let Some(c) = list.iter().find(|c| c.tag == tag && c.state == want) {
-                return c.clone();
-            }
+        if let Ok(Response::Ckpts { ckpts: list }) = t.call(Request::CkptList { job_id }).await
+            && let Some(c) = list.iter().find(|c| c.tag == tag && c.state == want)
+        {
+            return c.clone();
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -119,10 +119,10 @@ impl TestAgent {
 
     async fn wait_for_ckpt(&self, job_id: u32, tag: &str, want: CkptState) {
         for _ in 0..200 {
-            if let Response::Ckpts { ckpts } = self.call(Request::CkptList { job_id }).await {
-                if ckpts.iter().any(|c| c.tag == tag && c.state == want) {
-                    return;
-                }
+            if let Response::Ckpts { ckpts } = self.call(Request::CkptList { job_id }).await
+                && ckpts.iter().any(|c| c.tag == tag && c.state == want)
+            {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -296,6 +296,9 @@ root_test! {
         assert!(value(&s, "sluice_hot_tier_capacity_bytes") > 0.0);
         assert!(value(&s, "sluice_hot_tier_used_bytes") > 0.0);
         assert_eq!(value(&s, "sluice_hot_tier_high_water_ratio"), 0.9);
+        // No jobs yet: housekeeping is the one worker, and it is fine.
+        assert_eq!(value(&s, "sluice_workers"), 1.0);
+        assert_eq!(value(&s, "sluice_workers_failing"), 0.0);
 
         // A staged POSIX dataset: its bytes and files, read from its origin, in one duration.
         let data = t.root.join("data");
@@ -333,6 +336,7 @@ root_test! {
         assert_eq!(value(&s, "sluice_archive_duration_seconds_count"), 1.0);
         assert_eq!(value(&s, "sluice_archive_backlog_checkpoints"), 0.0);
         assert_eq!(value(&s, "sluice_archive_backlog_bytes"), 0.0);
+        assert_eq!(value(&s, "sluice_workers_failing"), 0.0);
 
         // A checkpoint whose archive cannot be written (where its files go, the archive holds a
         // regular file): it waits, with its size, and each failed upload attempt is counted.
@@ -357,6 +361,25 @@ root_test! {
         );
         assert!(failed >= 1.0, "no failed archive attempt counted:\n{}", s.1);
         assert_eq!(value(&s, "sluice_archive_bytes_total"), CKPT_BYTES, "nothing more archived");
+        // Its checkpoint worker is failing, and `sluice status` says which one and why. (The
+        // worker records its turn just after the checkpoint's state changed: wait for it.)
+        let mut s = s;
+        for _ in 0..100 {
+            if value(&s, "sluice_workers_failing") == 1.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            s = scrape(port).await;
+        }
+        assert_eq!(value(&s, "sluice_workers_failing"), 1.0, "{}", s.1);
+        let Response::Status(status) = t.call(Request::Status).await else { panic!("no status") };
+        let failing: Vec<_> = status.workers.iter().filter(|w| w.last_error.is_some()).collect();
+        assert!(
+            matches!(failing[..], [w] if w.name == "ckpt job 24" && w.job_id == Some(24)
+                && w.last_error.as_deref().is_some_and(|e| e.contains("step-1"))),
+            "{:?}",
+            status.workers
+        );
 
         // Anything but GET /metrics is refused.
         let (status, _, _) = tokio::task::spawn_blocking(move || get(port, "/")).await.unwrap();

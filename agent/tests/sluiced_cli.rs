@@ -5,10 +5,9 @@
 //! protocol and `sluiced --help` the exit statuses the agent really returns. (The CLI's pages are
 //! checked the same way in cli/tests/generate.rs.)
 //!
-//! A check that needs a program this machine lacks (man, zsh) says so on stderr, which the test
-//! harness does not capture, and does not count it as checked.
+//! A check that needs a program this machine lacks (man, zsh) fails and says what to install
+//! (tests/harness/install.sh installs them all): it never passes unchecked.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -40,18 +39,21 @@ fn assert_has(text: &str, part: &str) {
     assert!(text.contains(part), "{part:?} is not in:\n{text}");
 }
 
-/// Whether `program` is on PATH; if not, says on the real stderr which check it skips and why.
-fn have(program: &str, check: &str) -> bool {
+/// Fails the test unless `program` is on PATH, naming the check that needs it and the Debian
+/// package to install.
+#[track_caller]
+fn require(program: &str, check: &str) {
     let found = std::env::var_os("PATH")
         .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(program).is_file()));
-    if !found {
-        // Not `eprintln!`: the test harness captures that, and a skip must be seen.
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED {check}: {program} is not installed (install it to check this)"
-        );
-    }
-    found
+    let package = match program {
+        "man" => "man-db",
+        other => other,
+    };
+    assert!(
+        found,
+        "{check} needs {program}, which is not on PATH: install {package} \
+         (tests/harness/install.sh installs it)"
+    );
 }
 
 /// The text of section `heading` in a rendered page, its words joined by single spaces.
@@ -90,9 +92,7 @@ fn the_man_page_is_sluiced_8_and_man_renders_it_without_warnings() {
     assert_has(&source, ".TH sluiced 8 \"\" \"sluice ");
     assert_has(&source, ".SH NAME\nsluiced \\- ");
 
-    if !have("man", "rendering sluiced.8 with man -l") {
-        return;
-    }
+    require("man", "rendering sluiced.8 with man -l");
     let out = Command::new("man")
         .args(["--warnings", "-l"])
         .arg(&page)
@@ -164,9 +164,7 @@ fn bash_complete(script: &Path, words: &[&str]) -> Vec<String> {
 
 #[test]
 fn bash_completion_parses_and_completes_the_options_only() {
-    if !have("bash", "the bash completion") {
-        return;
-    }
+    require("bash", "the bash completion");
     let dir = tempfile::tempdir().unwrap();
     let script = completion_script("bash", dir.path());
     succeeded(
@@ -188,9 +186,7 @@ fn bash_completion_parses_and_completes_the_options_only() {
 
 #[test]
 fn zsh_completion_parses() {
-    if !have("zsh", "the zsh completion") {
-        return;
-    }
+    require("zsh", "the zsh completion");
     let dir = tempfile::tempdir().unwrap();
     let script = completion_script("zsh", dir.path());
     let source = std::fs::read_to_string(&script).unwrap();
@@ -295,8 +291,7 @@ fn the_admin_guide_install_steps_put_the_page_and_completions_where_man_bash_and
     let bash = root
         .path()
         .join("usr/share/bash-completion/completions/sluiced");
-    if have("bash", "the installed bash completion") {
-        let offered = bash_complete(&bash, &["sluiced", "--c"]);
-        assert_eq!(offered, ["--config", "--check"]);
-    }
+    require("bash", "the installed bash completion");
+    let offered = bash_complete(&bash, &["sluiced", "--c"]);
+    assert_eq!(offered, ["--config", "--check"]);
 }

@@ -338,7 +338,7 @@ fn fast_tier_config(raw: &RawFastTier, node: &str) -> Result<FastTierConfig, Str
             c.capacity, c.job_share
         ));
     }
-    if c.flush_block < 1 << 20 || c.flush_block > 256 << 20 || c.flush_block % 4096 != 0 {
+    if c.flush_block < 1 << 20 || c.flush_block > 256 << 20 || !c.flush_block.is_multiple_of(4096) {
         return Err(format!(
             "fast_tier.flush_block must be a multiple of 4KiB between 1MiB and 256MiB, got {}",
             c.flush_block

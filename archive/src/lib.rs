@@ -149,7 +149,7 @@ impl ArchiveConfig {
         within(self.zstd_level, 0..=19, "zstd level must be 0 (off) to 19")?;
         if self.chunk_size < 64 << 10
             || self.chunk_size > format::MAX_CHUNK
-            || self.chunk_size % 4096 != 0
+            || !self.chunk_size.is_multiple_of(4096)
         {
             return Err(format!(
                 "chunk size must be a multiple of 4KiB between 64KiB and 64MiB, got {}",

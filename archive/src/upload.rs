@@ -763,10 +763,11 @@ impl Assembler<'_> {
         self.cur = None;
         let mut cause = None;
         while let Some(r) = self.tasks.next().await {
-            if let Ok(Err(e)) = r {
-                if cause.is_none() && !matches!(e, ArchiveError::Stopped { .. }) {
-                    cause = Some(e);
-                }
+            if let Ok(Err(e)) = r
+                && cause.is_none()
+                && !matches!(e, ArchiveError::Stopped { .. })
+            {
+                cause = Some(e);
             }
         }
         cause

@@ -172,8 +172,8 @@ async fn a_directory_swapped_for_a_symlink_during_the_walk_never_leaks_root_file
                 swaps.store(n, Ordering::Relaxed);
                 // Bursts of swaps, then a pause in whichever state the burst ended: longer with the
                 // real directory in place (even count), so that some walks see only it.
-                if n % 37 == 0 {
-                    let pause = if n % 2 == 0 { 15 } else { 2 };
+                if n.is_multiple_of(37) {
+                    let pause = if n.is_multiple_of(2) { 15 } else { 2 };
                     std::thread::sleep(Duration::from_millis(pause));
                 }
             }

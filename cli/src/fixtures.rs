@@ -4,7 +4,7 @@
 use sluice_archive::{CheckpointInfo, CheckpointState, JobMeta};
 use sluice_proto::msg::{
     CacheEntry, CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptState, CkptStatus,
-    JobDirs, JobState, JobStatus, NodeStatus, StageProgress, StageState,
+    JobDirs, JobState, JobStatus, NodeStatus, StageProgress, StageState, WorkerStatus,
 };
 
 /// 2026-05-01T10:00:00Z.
@@ -95,7 +95,32 @@ pub fn failed_job() -> JobStatus {
     job(4250, "bob", 1001, JobState::Failed, vec![corpus])
 }
 
-/// A node with four jobs: staging, failed, one without datasets, one fully staged.
+/// The agent's workers on [`node_status`]'s node: housekeeping, job 4242's checkpoint worker
+/// archiving, and job 4260's failing to reach its archive.
+pub fn workers() -> Vec<WorkerStatus> {
+    let worker = |name: &str, job_id, state: &str, since, turns| WorkerStatus {
+        name: name.into(),
+        job_id,
+        state: state.into(),
+        since: STARTED_AT + since,
+        turns,
+        last_error: None,
+    };
+    vec![
+        worker("housekeeping", None, "idle", 180, 3),
+        worker("ckpt job 4242", Some(4242), "archiving", 100, 40),
+        WorkerStatus {
+            last_error: Some(
+                "step-900: the archive store is unreachable; retrying (connecting to s3.example.org:443 timed out)"
+                    .into(),
+            ),
+            ..worker("ckpt job 4260", Some(4260), "idle", 60, 61)
+        },
+    ]
+}
+
+/// A node with four jobs: staging, failed, one without datasets, one fully staged; and its
+/// [`workers`].
 pub fn node_status() -> NodeStatus {
     let done = StageProgress {
         files_done: 1200,
@@ -113,6 +138,7 @@ pub fn node_status() -> NodeStatus {
         hot_free_bytes: 1_310_000_000_000,
         hot_used_bytes: 47_800_000_000,
         cache: None,
+        workers: workers(),
         jobs: vec![
             staging_job(),
             failed_job(),

@@ -302,7 +302,9 @@ fn run(cli: Cli) -> anyhow::Result<Output> {
     };
     Ok(match cli.command {
         Command::Status { json: true } => json(&agent()?.status()?)?.into(),
-        Command::Status { json: false } => render::node_status(&agent()?.status()?).into(),
+        Command::Status { json: false } => {
+            render::node_status(&agent()?.status()?, SystemTime::now()).into()
+        }
         Command::Job { job_id, json: true } => json(&agent()?.job(job_id)?)?.into(),
         Command::Job {
             job_id,

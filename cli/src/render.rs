@@ -11,7 +11,7 @@ use sluice_archive::store::is_offline_class;
 use sluice_archive::{CheckpointInfo, CheckpointState};
 use sluice_proto::msg::{
     CacheEntry, CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptState, CkptStatus, JobId,
-    JobStatus, NodeStatus, NodeWarmed, StageProgress,
+    JobStatus, NodeStatus, NodeWarmed, StageProgress, WorkerStatus,
 };
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -193,8 +193,10 @@ fn error_cell(job: &JobStatus) -> String {
     }
 }
 
-/// `sluice status`: the node, its hot tier, and a table of the jobs the caller may see.
-pub fn node_status(status: &NodeStatus) -> String {
+/// `sluice status`: the node, its hot tier, a table of the jobs the caller may see, and one of the
+/// agent's background workers (how long each has been in its state says whether one is stuck).
+/// `now` dates the workers' states.
+pub fn node_status(status: &NodeStatus, now: SystemTime) -> String {
     let free_pct = percent(status.hot_free_bytes, Some(status.hot_total_bytes));
     let mut out = format!(
         "node      {}\n\
@@ -214,12 +216,20 @@ pub fn node_status(status: &NodeStatus) -> String {
         out.push_str(&status_cache(cache));
     }
     out.push('\n');
-    if status.jobs.is_empty() {
-        out.push_str("No sluice jobs on this node that you may see.\n");
-        return out;
+    out.push_str(&status_jobs(&status.jobs));
+    if !status.workers.is_empty() {
+        out.push('\n');
+        out.push_str(&status_workers(&status.workers, now));
     }
-    let rows: Vec<Vec<String>> = status
-        .jobs
+    out
+}
+
+/// `sluice status`'s table of jobs.
+fn status_jobs(jobs: &[JobStatus]) -> String {
+    if jobs.is_empty() {
+        return "No sluice jobs on this node that you may see.\n".to_string();
+    }
+    let rows: Vec<Vec<String>> = jobs
         .iter()
         .map(|job| {
             let names: Vec<&str> = job.stages.iter().map(|s| s.name.as_str()).collect();
@@ -238,11 +248,40 @@ pub fn node_status(status: &NodeStatus) -> String {
             ]
         })
         .collect();
-    out.push_str(&table(
+    table(
         &["JOBID", "USER", "STATE", "DATASETS", "PROGRESS", "ERROR"],
         &rows,
-    ));
-    out
+    )
+}
+
+/// `sluice status`'s table of the agent's background workers: what each does, for how long, how
+/// many turns of its loop it made, and the error of its last turn.
+fn status_workers(workers: &[WorkerStatus], now: SystemTime) -> String {
+    let rows: Vec<Vec<String>> = workers
+        .iter()
+        .map(|w| {
+            vec![
+                clean(&w.name),
+                clean(&w.state),
+                in_state(w.since, now),
+                w.turns.to_string(),
+                w.last_error.as_deref().map_or("-".to_string(), clean),
+            ]
+        })
+        .collect();
+    table(&["WORKER", "STATE", "FOR", "TURNS", "LAST ERROR"], &rows)
+}
+
+/// How long since `since` (Unix seconds): `-` when not known, or when the agent's clock is ahead.
+fn in_state(since: u64, now: SystemTime) -> String {
+    let at = UNIX_EPOCH + Duration::from_secs(since);
+    match now.duration_since(at) {
+        Ok(d) if since > 0 => match d.as_secs() {
+            0 => "<1s".to_string(),
+            secs => duration_ms(secs.saturating_mul(1000)),
+        },
+        _ => "-".to_string(),
+    }
 }
 
 /// `sluice status`'s lines on the cross-job cache: how full it is, how often it hits, what it saved
@@ -985,8 +1024,53 @@ JOBID  USER   STATE    DATASETS          PROGRESS                               
 4250   bob    failed   corpus            0/0 files, 0 B/0 B, -                          corpus: s3://corpus/v2 not found — check the path; the job was not started
 4251   carol  ready    -                 -                                              -
 4260   dave   ready    ckpt              1200/1200 files, 10.0 GiB/10.0 GiB, 1.0 GiB/s  -
+
+WORKER         STATE      FOR    TURNS  LAST ERROR
+housekeeping   idle       12.0s  3      -
+ckpt job 4242  archiving  1m32s  40     -
+ckpt job 4260  idle       2m12s  61     step-900: the archive store is unreachable; retrying (connecting to s3.example.org:443 timed out)
 ";
-        assert_eq!(node_status(&fixtures::node_status()), want);
+        let now = UNIX_EPOCH + Duration::from_secs(fixtures::STARTED_AT + 192);
+        assert_eq!(node_status(&fixtures::node_status(), now), want);
+    }
+
+    /// From an agent before workers were reported, or with none the caller may see: no table.
+    #[test]
+    fn status_without_workers() {
+        let mut status = fixtures::node_status();
+        status.workers.clear();
+        let text = node_status(&status, UNIX_EPOCH);
+        assert!(!text.contains("WORKER"), "{text}");
+        assert!(text.ends_with(" 1.0 GiB/s  -\n"), "{text}");
+    }
+
+    /// What a worker says comes from the agent: control characters cannot garble the table, and a
+    /// state entered "after" the caller's clock (the agent's is ahead) or at an unknown time has no
+    /// duration.
+    #[test]
+    fn worker_rows_with_odd_input() {
+        let mut status = fixtures::node_status();
+        status.workers.truncate(1);
+        status.workers[0].last_error = Some("store\n\x1b[31mdown".into());
+        status.workers[0].since = fixtures::STARTED_AT + 10;
+        let now = UNIX_EPOCH + Duration::from_secs(fixtures::STARTED_AT + 10);
+        assert!(
+            node_status(&status, now)
+                .ends_with("\nhousekeeping  idle   <1s  3      store  [31mdown\n"),
+            "{}",
+            node_status(&status, now)
+        );
+        let text = node_status(&status, UNIX_EPOCH);
+        assert!(
+            text.ends_with("\nhousekeeping  idle   -    3      store  [31mdown\n"),
+            "{text}"
+        );
+        status.workers[0].since = 0;
+        let text = node_status(&status, now);
+        assert!(
+            text.ends_with("\nhousekeeping  idle   -    3      store  [31mdown\n"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -994,14 +1078,14 @@ JOBID  USER   STATE    DATASETS          PROGRESS                               
         let mut status = fixtures::node_status();
         status.jobs.clear();
         status.hot_total_bytes = 0;
-        let text = node_status(&status);
+        let text = node_status(&status, UNIX_EPOCH);
         assert!(
             text.contains("  size    0 B\n  free    1.2 TiB\n"),
             "{text}"
         );
         assert!(
-            text.ends_with(
-                "used    44.5 GiB by sluice jobs\n\nNo sluice jobs on this node that you may see.\n"
+            text.contains(
+                "used    44.5 GiB by sluice jobs\n\nNo sluice jobs on this node that you may see.\n\nWORKER  "
             ),
             "{text}"
         );
@@ -1096,7 +1180,7 @@ datasets (2)
                 ..template.clone()
             })
             .collect();
-        let text = node_status(&status);
+        let text = node_status(&status, UNIX_EPOCH);
         assert!(
             text.contains(" shard-0,shard-1,shard-2,shard-3…  "),
             "{text}"
@@ -1325,9 +1409,9 @@ cache     /var/lib/sluice/gpu07/hot/cache
 
 JOBID  USER   STATE    DATASETS  ";
         assert!(
-            node_status(&status).starts_with(want),
+            node_status(&status, UNIX_EPOCH).starts_with(want),
             "{}",
-            node_status(&status)
+            node_status(&status, UNIX_EPOCH)
         );
         // A fresh cache, and one without lookups: no ratio to show.
         status.cache = Some(CacheStats {
@@ -1335,7 +1419,7 @@ JOBID  USER   STATE    DATASETS  ";
             capacity_bytes: 1 << 30,
             ..CacheStats::default()
         });
-        let text = node_status(&status);
+        let text = node_status(&status, UNIX_EPOCH);
         assert!(
             text.contains(
                 "cache     /c\n  used    0 B of 1.0 GiB (0%), 0 entries\n  hits    no lookups yet\n  \
@@ -1345,7 +1429,7 @@ JOBID  USER   STATE    DATASETS  ";
             "{text}"
         );
         // Without a cache (or from an agent before it), no cache lines.
-        assert!(!node_status(&fixtures::node_status()).contains("cache"));
+        assert!(!node_status(&fixtures::node_status(), UNIX_EPOCH).contains("cache"));
     }
 
     #[test]

@@ -131,6 +131,13 @@ fn status_shows_the_node_and_its_jobs() {
     assert!(stdout.starts_with("node      gpu07\n"), "{stdout}");
     assert_has(&stdout, "\nJOBID  USER   STATE    DATASETS  ");
     assert_has(&stdout, "\n4250   bob    failed   corpus  ");
+    // The agent's workers, the stuck one with its error.
+    assert_has(&stdout, "\n\nWORKER         STATE      FOR");
+    assert_has(&stdout, "\nckpt job 4242  archiving  ");
+    assert_has(
+        &stdout,
+        "  61     step-900: the archive store is unreachable; retrying (connecting to s3.example.org:443 timed out)\n",
+    );
     assert!(out.stderr.is_empty());
 }
 

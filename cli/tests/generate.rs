@@ -5,11 +5,10 @@
 //! commands; `sluice --version` names the protocol and `sluice --help` the exit statuses sluice
 //! really returns.
 //!
-//! A check that needs a program this machine lacks (man, zsh, fish) says so on stderr, which the test
-//! harness does not capture, and does not count it as checked.
+//! A check that needs a program this machine lacks (man, zsh, fish) fails and says what to install
+//! (tests/harness/install.sh installs them all): it never passes unchecked.
 
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -44,18 +43,21 @@ fn assert_has(text: &str, part: &str) {
     assert!(text.contains(part), "{part:?} is not in:\n{text}");
 }
 
-/// Whether `program` is on PATH; if not, says on the real stderr which check it skips and why.
-fn have(program: &str, check: &str) -> bool {
+/// Fails the test unless `program` is on PATH, naming the check that needs it and the Debian
+/// package to install.
+#[track_caller]
+fn require(program: &str, check: &str) {
     let found = std::env::var_os("PATH")
         .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(program).is_file()));
-    if !found {
-        // Not `eprintln!`: the test harness captures that, and a skip must be seen.
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED {check}: {program} is not installed (install it to check this)"
-        );
-    }
-    found
+    let package = match program {
+        "man" => "man-db",
+        other => other,
+    };
+    assert!(
+        found,
+        "{check} needs {program}, which is not on PATH: install {package} \
+         (tests/harness/install.sh installs it)"
+    );
 }
 
 /// The commands `sluice ARGS --help` lists under "Commands:", without `help`.
@@ -196,9 +198,7 @@ fn section(rendered: &str, heading: &str) -> String {
 
 #[test]
 fn man_renders_every_page_without_warnings_naming_its_command() {
-    if !have("man", "rendering the man pages with man -l") {
-        return;
-    }
+    require("man", "rendering the man pages with man -l");
     let mut commands = Vec::new();
     all_commands(Vec::new(), &mut commands);
     let (dir, _) = generate_pages();
@@ -300,9 +300,7 @@ fn assert_offers(offered: &[String], words: &[&str]) {
 
 #[test]
 fn bash_completion_parses_and_completes_commands_and_options() {
-    if !have("bash", "the bash completion") {
-        return;
-    }
+    require("bash", "the bash completion");
     let dir = tempfile::tempdir().unwrap();
     let script = completion_script("bash", dir.path());
     succeeded(
@@ -337,9 +335,7 @@ fn bash_completion_parses_and_completes_commands_and_options() {
 
 #[test]
 fn zsh_completion_parses() {
-    if !have("zsh", "the zsh completion") {
-        return;
-    }
+    require("zsh", "the zsh completion");
     let dir = tempfile::tempdir().unwrap();
     let script = completion_script("zsh", dir.path());
     let source = std::fs::read_to_string(&script).unwrap();
@@ -367,9 +363,7 @@ fn zsh_completion_parses() {
 
 #[test]
 fn fish_completion_parses_and_offers_the_ckpt_commands() {
-    if !have("fish", "the fish completion") {
-        return;
-    }
+    require("fish", "the fish completion");
     let dir = tempfile::tempdir().unwrap();
     let script = completion_script("fish", dir.path());
     succeeded(
@@ -531,21 +525,19 @@ fn the_admin_guide_install_steps_put_pages_and_completions_where_man_bash_and_zs
     let bash = root
         .path()
         .join("usr/share/bash-completion/completions/sluice");
-    if have("bash", "the installed bash completion") {
-        assert_offers(
-            &bash_complete(&bash, &["sluice", "ckpt", ""]),
-            &["commit", "list", "verify", "restore"],
-        );
-    }
-    if have("man", "man finding the installed page through MANPATH") {
-        let out = Command::new("man")
-            .args(["--warnings", "sluice-ckpt-list"])
-            .env("MANPATH", root.path().join("usr/local/share/man"))
-            .env("MANWIDTH", "80")
-            .env("MANPAGER", "cat")
-            .env("LC_ALL", "C.UTF-8")
-            .output()
-            .unwrap();
-        assert_has(&section(&succeeded(&out), "NAME"), "sluice-ckpt-list - ");
-    }
+    require("bash", "the installed bash completion");
+    assert_offers(
+        &bash_complete(&bash, &["sluice", "ckpt", ""]),
+        &["commit", "list", "verify", "restore"],
+    );
+    require("man", "man finding the installed page through MANPATH");
+    let out = Command::new("man")
+        .args(["--warnings", "sluice-ckpt-list"])
+        .env("MANPATH", root.path().join("usr/local/share/man"))
+        .env("MANWIDTH", "80")
+        .env("MANPAGER", "cat")
+        .env("LC_ALL", "C.UTF-8")
+        .output()
+        .unwrap();
+    assert_has(&section(&succeeded(&out), "NAME"), "sluice-ckpt-list - ");
 }

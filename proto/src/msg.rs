@@ -542,4 +542,64 @@ pub struct NodeStatus {
     /// The cross-job cache (`[cache]`); `None` without one (or from an agent before it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheStats>,
+    /// The agent's background loops the caller may see: the node's own (housekeeping, the peer
+    /// server) and the checkpoint workers of the caller's jobs (root: of every job). Empty from an
+    /// agent before them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<WorkerStatus>,
+}
+
+/// What one of the agent's background loops is doing, as it last said: the checkpoint worker of a
+/// job (`ckpt job 42`: flushing, verifying, archiving its checkpoints), housekeeping, the peer
+/// server. A worker whose `last_error` stays set, or that stays in one state for long, is stuck.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    pub name: String,
+    /// The job it works for; `None` for the node's own loops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<JobId>,
+    /// A word such as `idle`, `archiving`, `port taken, retrying`.
+    pub state: String,
+    /// When it entered `state` (seconds since the Unix epoch).
+    pub since: u64,
+    /// Turns of its loop so far.
+    pub turns: u64,
+    /// The error its last turn met; `None` once a turn succeeds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `workers` is new: a CLI reads an older agent's status (no such field), and an agent
+    /// without workers to show sends exactly what an older one did.
+    #[test]
+    fn node_status_without_workers_is_the_older_agents() {
+        let older = r#"{"node":"n1","agent_version":"0.1.0","hot_root":"/hot",
+            "hot_total_bytes":10,"hot_free_bytes":5,"hot_used_bytes":1,"jobs":[]}"#;
+        let status: NodeStatus = serde_json::from_str(older).unwrap();
+        assert!(status.workers.is_empty() && status.cache.is_none());
+        let again = serde_json::to_value(&status).unwrap();
+        assert_eq!(
+            again,
+            serde_json::from_str::<serde_json::Value>(older).unwrap()
+        );
+
+        let stuck = WorkerStatus {
+            name: "ckpt job 7".into(),
+            job_id: Some(7),
+            state: "idle".into(),
+            since: 100,
+            turns: 2,
+            last_error: Some("store down".into()),
+        };
+        let with = NodeStatus {
+            workers: vec![stuck],
+            ..status
+        };
+        let text = serde_json::to_string(&with).unwrap();
+        assert_eq!(serde_json::from_str::<NodeStatus>(&text).unwrap(), with);
+    }
 }

@@ -1,4 +1,4 @@
-//! Parsing and validation of the job options of DESIGN.md.
+//! Parsing and validation of the job options (the README's "Job options" table).
 //!
 //! The plugin calls these at submit time for a friendly error, and the agent calls them again on the
 //! root side, because anything that arrives through the job environment is user-controlled.

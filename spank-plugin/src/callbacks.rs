@@ -1,7 +1,8 @@
 //! What the plugin does in each SPANK callback, written against [`SpankApi`] and [`Agent`] only, so
 //! that all of it is unit-tested with a fake handle.
 //!
-//! The life of a job, and what may fail where (SLURM-TESTBED.md):
+//! The life of a job, and what may fail where (spank(8); the end-to-end tests in tests/tests/ see it
+//! on a real Slurm):
 //!
 //! | callback | context | does | may fail the... |
 //! | --- | --- | --- | --- |
@@ -343,13 +344,13 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
             return FAIL;
         }
     }
-    if let Some(tag) = &dirs.restored_tag {
-        if let Err(e) = sp.setenv(RESTORED_TAG_VAR, tag, true) {
-            sp.error(&format!(
-                "job {job_id}: cannot set {RESTORED_TAG_VAR}={tag} for the task: {e}"
-            ));
-            return FAIL;
-        }
+    if let Some(tag) = &dirs.restored_tag
+        && let Err(e) = sp.setenv(RESTORED_TAG_VAR, tag, true)
+    {
+        sp.error(&format!(
+            "job {job_id}: cannot set {RESTORED_TAG_VAR}={tag} for the task: {e}"
+        ));
+        return FAIL;
     }
     // Notes (e.g. a restore that fell back to an older checkpoint) go to the job output once per
     // node: from the node's first task only.
@@ -359,13 +360,12 @@ pub fn task_init(sp: &mut impl SpankApi, agent: &impl Agent, argv: &[String]) ->
         }
         // What was staged, once per job: from the batch step (a failure to ask costs nothing but
         // the line).
-        if sp.step_id() == Ok(BATCH_STEP) {
-            if let Ok(Response::Job(status)) =
+        if sp.step_id() == Ok(BATCH_STEP)
+            && let Ok(Response::Job(status)) =
                 agent.call(&socket, Request::Job { job_id }, args.connect_timeout)
-            {
-                for line in summary::job_start(&status) {
-                    sp.report(&line);
-                }
+        {
+            for line in summary::job_start(&status) {
+                sp.report(&line);
             }
         }
     }

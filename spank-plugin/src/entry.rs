@@ -83,7 +83,10 @@ unsafe fn plugin_args(argc: c_int, argv: *mut *mut c_char) -> Vec<String> {
         .collect()
 }
 
-/// Defines one `slurm_spank_*` entry point.
+/// Defines one `slurm_spank_*` entry point, and checks at compile time that spank.h declares an
+/// entry point of that name (a misspelt one would never be called) and that ours has exactly its
+/// type, `spank_f`. Every entry point is defined here, so every one is checked, with no list to
+/// keep in step.
 macro_rules! spank_callback {
     ($(#[$doc:meta])* $name:ident, on_panic = $on_panic:expr, |$spank:ident, $args:ident| $body:expr) => {
         $(#[$doc])*
@@ -100,6 +103,8 @@ macro_rules! spank_callback {
                 $body
             })
         }
+
+        const _: [sys::spank_f; 2] = [Some(sys::$name), Some($name)];
     };
 }
 
@@ -157,14 +162,8 @@ pub(crate) unsafe extern "C" fn option_callback(
     })
 }
 
-// The entry points must have exactly the types spank.h declares.
-const _: [sys::spank_f; 5] = [
-    Some(slurm_spank_init),
-    Some(slurm_spank_init_post_opt),
-    Some(slurm_spank_job_prolog),
-    Some(slurm_spank_task_init),
-    Some(slurm_spank_job_epilog),
-];
+// The option callback must have exactly the type spank.h declares (the entry points are checked
+// where `spank_callback!` defines them).
 const _: sys::spank_opt_cb_f = Some(option_callback);
 
 #[cfg(test)]

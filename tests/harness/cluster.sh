@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sluice test cluster on one machine (SLURM-TESTBED.md): munge, slurmctld and three virtual nodes
+# The sluice test cluster on one machine: munge, slurmctld and three virtual nodes
 # n1-n3 (one slurmd each), Garage (S3), Azurite (Azure Blob), one sluice agent per node, and a
 # Prometheus server that scrapes the agents' metrics every second.
 #
@@ -150,7 +150,7 @@ write_slurm_conf() {
   host=$(hostname)
   mkdir -p /etc/slurm /var/spool/slurmctld "$SLURM_LOG_DIR"
   cat >/etc/slurm/slurm.conf <<EOF
-# Written by sluice's tests/harness/cluster.sh — three virtual nodes on one host (SLURM-TESTBED.md).
+# Written by sluice's tests/harness/cluster.sh — three virtual nodes on one host.
 ClusterName=sluicetest
 SlurmctldHost=$host(127.0.0.1)
 AuthType=auth/munge

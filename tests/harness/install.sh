@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the end-to-end tests need on a Debian 12 machine, as root, reusing whatever is there:
-# Slurm + munge (SLURM-TESTBED.md), the headers bindgen needs, the peer tools (fio, zstd, rsync),
+# Slurm + munge (for cluster.sh), the headers bindgen needs, the peer tools (fio, zstd, rsync),
 # Debian's Prometheus (it scrapes the agents' metrics in tests/tests/metrics.rs),
 # Azurite (npm), rclone 1.75 + azure-storage-blob (PyPI), Garage 2.5.0 (crates.io, built once into
 # $CARGO_HOME/bin and never rebuilt while the right version is there), PyTorch (+ DeepSpeed when it

@@ -509,7 +509,7 @@ impl SafetyWatch {
             while !s.load(Ordering::Relaxed) {
                 // About once a second: every MANIFEST that appeared since must name only objects
                 // that are there, whole ("no manifest ever points at a missing or partial object").
-                if round % 5 == 0 {
+                if round.is_multiple_of(5) {
                     let objects = archive.objects(&cluster);
                     for tag in manifests_in(&objects).difference(&checked.clone()) {
                         let bytes = archive.read(&cluster, &format!("{tag}/MANIFEST"));

@@ -1,8 +1,8 @@
 //! A user's mistake in a dataset that passes the submit-time check — a path or prefix that does not
 //! exist, a bucket that does not exist, a directory the user may not read — must fail that job with a
 //! message in its output that names the source, before the job script runs, quickly, and without
-//! draining a node or leaving data on a hot tier (DESIGN.md, "User mistakes fail the job, never the
-//! node").
+//! draining a node or leaving data on a hot tier (docs/SECURITY.md, "User mistakes fail the job, never
+//! the node").
 
 use crate::common::*;
 use std::fs;

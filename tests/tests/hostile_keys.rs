@@ -1,4 +1,4 @@
-//! Object keys are not file paths (SLURM-TESTBED.md): a bucket may hold `ds/../../x`, keys with
+//! Object keys are not file paths: a bucket may hold `ds/../../x`, keys with
 //! backslashes or `.` segments. Whoever can write to a bucket a job stages from must not be able to
 //! make the agent — which runs as root — write outside that dataset's directory. The agent may refuse
 //! such a dataset (the job fails with a message) or skip or rename the bad keys (the job runs);

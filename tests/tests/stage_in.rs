@@ -190,8 +190,8 @@ fn stage_azure_prefix_to_three_nodes() {
     stage_big_dataset_from(Origin::Azurite, "imagenet");
 }
 
-/// `--stage-in` is repeatable and comma-separated (DESIGN.md): every source given either way lands
-/// under its own NAME, and the `azure://` spelling means the same as `az://`.
+/// `--stage-in` is repeatable and comma-separated (README, "Job options"): every source given
+/// either way lands under its own NAME, and the `azure://` spelling means the same as `az://`.
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn several_sources_from_repeated_and_comma_separated_options() {

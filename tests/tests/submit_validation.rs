@@ -1,6 +1,6 @@
 //! A malformed sluice option is refused when the user types it — by sbatch and by srun — with a
 //! message that says what is wrong, and no job is created. (The plugin validates in the allocator
-//! and local contexts; SLURM-TESTBED.md.)
+//! and local contexts: the table in spank-plugin/src/callbacks.rs.)
 
 use crate::common::*;
 

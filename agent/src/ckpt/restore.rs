@@ -176,13 +176,13 @@ pub(crate) async fn restore(
         };
         // Before anything is fetched or moved. A missing or unreadable MANIFEST is left to the
         // restore below, which reports it (and the owner is checked again after).
-        if let Ok(m) = archiver.manifest(&tag).await {
-            if m.job.user != job.start.user {
-                refuse_foreign(job, url, &tag, &m.job, which)?;
-                exclude.push(tag.clone());
-                foreign.push(tag);
-                continue;
-            }
+        if let Ok(m) = archiver.manifest(&tag).await
+            && m.job.user != job.start.user
+        {
+            refuse_foreign(job, url, &tag, &m.job, which)?;
+            exclude.push(tag.clone());
+            foreign.push(tag);
+            continue;
         }
         if let Some(note) = from_hot_tier(agent, job, url, &tag, &archiver, ckpt_dir.clone()).await
         {

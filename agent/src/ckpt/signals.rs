@@ -132,10 +132,11 @@ fn is_dir_of(dir: impl AsFd, name: &str, uid: u32) -> bool {
 pub fn scan_signals(ckpt_dir: &OwnedFd, uid: u32) -> Vec<String> {
     let mut tags = Vec::new();
     // DeepSpeed: `latest` holds the tag of the last complete checkpoint.
-    if let Some(tag) = read_signal(ckpt_dir, "latest", uid) {
-        if validate_tag("latest", &tag).is_ok() && is_dir_of(ckpt_dir, &tag, uid) {
-            tags.push(tag);
-        }
+    if let Some(tag) = read_signal(ckpt_dir, "latest", uid)
+        && validate_tag("latest", &tag).is_ok()
+        && is_dir_of(ckpt_dir, &tag, uid)
+    {
+        tags.push(tag);
     }
     // Megatron: `latest_checkpointed_iteration.txt` holds N; the checkpoint is `iter_%07d`.
     if let Some(n) = read_signal(ckpt_dir, "latest_checkpointed_iteration.txt", uid)
@@ -147,22 +148,22 @@ pub fn scan_signals(ckpt_dir: &OwnedFd, uid: u32) -> Vec<String> {
         }
     }
     // torch.distributed.checkpoint: `TAG/.metadata` is written last.
-    if let Ok(dup) = ckpt_dir.try_clone() {
-        if let Ok(mut d) = nix::dir::Dir::from_fd(dup) {
-            let names: Vec<String> = d
-                .iter()
-                .filter_map(|e| e.ok())
-                .filter(|e| e.file_type() == Some(nix::dir::Type::Directory))
-                .filter_map(|e| e.file_name().to_str().ok().map(String::from))
-                .filter(|n| validate_tag("scan", n).is_ok())
-                .take(10_000)
-                .collect();
-            for name in names {
-                if let Ok(sub) = safefs::open_dir(ckpt_dir, &name) {
-                    if read_signal(&sub, ".metadata", uid).is_some() {
-                        tags.push(name);
-                    }
-                }
+    if let Ok(dup) = ckpt_dir.try_clone()
+        && let Ok(mut d) = nix::dir::Dir::from_fd(dup)
+    {
+        let names: Vec<String> = d
+            .iter()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type() == Some(nix::dir::Type::Directory))
+            .filter_map(|e| e.file_name().to_str().ok().map(String::from))
+            .filter(|n| validate_tag("scan", n).is_ok())
+            .take(10_000)
+            .collect();
+        for name in names {
+            if let Ok(sub) = safefs::open_dir(ckpt_dir, &name)
+                && read_signal(&sub, ".metadata", uid).is_some()
+            {
+                tags.push(name);
             }
         }
     }

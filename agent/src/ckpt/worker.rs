@@ -189,6 +189,10 @@ impl Worker for CkptWorker {
         format!("ckpt job {}", self.job.start.job_id)
     }
 
+    fn job_id(&self) -> Option<sluice_proto::msg::JobId> {
+        Some(self.job.start.job_id)
+    }
+
     async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
         let span = self.job.span();
         self.turns(cancel, status).instrument(span).await
@@ -210,11 +214,11 @@ impl CkptWorker {
                 self.verify_unarchived().await;
                 self.free_ram().await;
             }
-            if let Some(url) = self.job.archive_url().map(String::from) {
-                if let Some(archiver) = self.archiver(&url) {
-                    status.set("archiving");
-                    self.archive_pending(&archiver).await;
-                }
+            if let Some(url) = self.job.archive_url().map(String::from)
+                && let Some(archiver) = self.archiver(&url)
+            {
+                status.set("archiving");
+                self.archive_pending(&archiver).await;
             }
             trim(&self.agent, &self.job).await;
             if self.job.has_ended() && self.wind_down().await {
@@ -380,14 +384,13 @@ impl CkptWorker {
         let generation = entry.generation();
         entry.set_state(CkptState::Archiving);
         // First tell the job's other nodes (they answer with their parts, or with an empty one).
-        if job.start.nodes.len() > 1 {
-            if let Err(e) = archiver
+        if job.start.nodes.len() > 1
+            && let Err(e) = archiver
                 .announce_commit(&entry.tag, &self.agent.cfg.node)
                 .await
-            {
-                entry.note_failure();
-                return entry.set_error(CkptState::Retrying, e.describe());
-            }
+        {
+            entry.note_failure();
+            return entry.set_error(CkptState::Retrying, e.describe());
         }
         let (hot, tag) = (self.agent.hot.clone(), entry.tag.clone());
         let dir =
@@ -1078,10 +1081,10 @@ impl CkptWorker {
             tracing::error!(job_id = id, "cleaning up after the job: {e}");
         }
         // Every committed checkpoint of the RAM tier is on the hot tier now (wind_down waited).
-        if let Some(ram) = self.agent.ckpt_dirs(job).ram().cloned() {
-            if let Err(e) = blocking(move || ram.remove(id, who)).await {
-                tracing::error!(job_id = id, "removing the job's RAM tier: {e}");
-            }
+        if let Some(ram) = self.agent.ckpt_dirs(job).ram().cloned()
+            && let Err(e) = blocking(move || ram.remove(id, who)).await
+        {
+            tracing::error!(job_id = id, "removing the job's RAM tier: {e}");
         }
         if keep_any {
             self.agent.persist(job).await;

@@ -1718,12 +1718,12 @@ fn run_pieces(
             // note it for a restart ([`copy_tree_resumable`]).
             if let Some(path) = &job.whole {
                 let slot = sources[p.file].lock().unwrap_or_else(|p| p.into_inner());
-                if let (bytes, Ok(Some(id))) = *slot {
-                    if bytes == id.size {
-                        lines
-                            .send(format!("whole {}", ident_fields(&id, path)))
-                            .ok();
-                    }
+                if let (bytes, Ok(Some(id))) = *slot
+                    && bytes == id.size
+                {
+                    lines
+                        .send(format!("whole {}", ident_fields(&id, path)))
+                        .ok();
                 }
             }
         }

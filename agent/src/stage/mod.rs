@@ -152,11 +152,11 @@ impl Progress {
         if state == StageState::Listing {
             *lock(&self.started) = Some(Instant::now());
         }
-        if matches!(state, StageState::Done | StageState::Failed) {
-            if let Some(t) = *lock(&self.started) {
-                self.elapsed_ms
-                    .store(t.elapsed().as_millis() as u64, Ordering::Relaxed);
-            }
+        if matches!(state, StageState::Done | StageState::Failed)
+            && let Some(t) = *lock(&self.started)
+        {
+            self.elapsed_ms
+                .store(t.elapsed().as_millis() as u64, Ordering::Relaxed);
         }
         *lock(&self.state) = state;
     }

@@ -256,10 +256,10 @@ impl Fetcher {
         // The agent's own descriptor: what it wrote, whatever is at the path by then.
         let probe = self.log.as_ref().and_then(|_| file.try_clone().ok());
         self.clone().fill(file, rel, meta.clone(), staged).await?;
-        if let (Some(log), Some(probe)) = (&self.log, probe) {
-            if let Ok(id) = blocking(move || resume::Identity::of(&probe)).await {
-                log.done(resume::Entry::new(path, &meta, id)).await;
-            }
+        if let (Some(log), Some(probe)) = (&self.log, probe)
+            && let Ok(id) = blocking(move || resume::Identity::of(&probe)).await
+        {
+            log.done(resume::Entry::new(path, &meta, id)).await;
         }
         Ok(())
     }
@@ -489,10 +489,10 @@ impl Fetcher {
             }
             None => self.clone().fill_plain(&dest, rel, meta).await,
         };
-        if filled.is_ok() {
-            if let Some(fill) = Arc::into_inner(dest).and_then(|d| d.tee) {
-                blocking(move || fill.commit()).await;
-            }
+        if filled.is_ok()
+            && let Some(fill) = Arc::into_inner(dest).and_then(|d| d.tee)
+        {
+            blocking(move || fill.commit()).await;
         }
         filled
     }
@@ -521,13 +521,13 @@ impl Fetcher {
         })
         .await
         .map_err(|e| self.hot_error(rel, e.raw_os_error(), e.to_string()))?;
-        if let (Some(peers), Some(unit_size)) = (&self.peers, unit_size) {
-            if size > 0 {
-                let units = units_of(&staged.unit_file, size, unit_size);
-                peers.add_object(staged.root, staged.rel_at, &units);
-                for (unit, hash) in units.iter().zip(copied) {
-                    peers.held(unit, hash);
-                }
+        if let (Some(peers), Some(unit_size)) = (&self.peers, unit_size)
+            && size > 0
+        {
+            let units = units_of(&staged.unit_file, size, unit_size);
+            peers.add_object(staged.root, staged.rel_at, &units);
+            for (unit, hash) in units.iter().zip(copied) {
+                peers.held(unit, hash);
             }
         }
         let p = &self.progress;

@@ -867,7 +867,7 @@ impl JobPeers {
 
 /// The slot of `unit` if it is exactly one of the recorded units (file, offset and length).
 fn slot_mut<'a>(st: &'a mut State, unit: &Unit, unit_size: u64) -> Option<&'a mut (u64, Held)> {
-    if unit.offset % unit_size != 0 {
+    if !unit.offset.is_multiple_of(unit_size) {
         return None;
     }
     let object = st.objects.get_mut(&unit.file)?;

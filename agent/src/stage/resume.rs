@@ -183,10 +183,8 @@ impl JobResume {
     /// Blocking. The staging logs of `job`; unless `resuming`, those of an earlier run of the job
     /// id are removed.
     pub fn open(state_dir: &Path, job: JobId, resuming: bool) -> JobResume {
-        if !resuming {
-            if let Err(e) = forget(state_dir, job) {
-                tracing::warn!(job_id = job, "removing an earlier run's staging logs: {e}");
-            }
+        if !resuming && let Err(e) = forget(state_dir, job) {
+            tracing::warn!(job_id = job, "removing an earlier run's staging logs: {e}");
         }
         JobResume {
             dir: job_dir(state_dir, job),

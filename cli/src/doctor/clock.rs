@@ -113,10 +113,10 @@ pub fn judge_clock(endpoint: &str, skew: Result<f64, String>) -> Finding {
 pub async fn check_clocks(profiles: &[StoreProfile], timeout: Duration) -> Vec<Finding> {
     let mut seen: Vec<String> = Vec::new();
     for p in profiles {
-        if let Some(e) = endpoint_of(p) {
-            if !seen.contains(&e) {
-                seen.push(e);
-            }
+        if let Some(e) = endpoint_of(p)
+            && !seen.contains(&e)
+        {
+            seen.push(e);
         }
     }
     let mut out = Vec::new();

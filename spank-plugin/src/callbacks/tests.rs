@@ -718,6 +718,7 @@ fn empty_status() -> sluice_proto::msg::NodeStatus {
         hot_free_bytes: 0,
         hot_used_bytes: 0,
         cache: None,
+        workers: Vec::new(),
         jobs: vec![],
     }
 }
