@@ -237,10 +237,10 @@ fn documented(md: &str) -> (BTreeSet<String>, Vec<String>) {
             tables.extend(table.clone());
         } else if let (Some(t), Some(row)) = (&table, line.strip_prefix('|')) {
             let first = row.split('|').next().unwrap_or_default().trim();
-            if let Some(key) = first.strip_prefix('`').and_then(|k| k.strip_suffix('`')) {
-                if is_key(key) {
-                    keys.push(format!("{t}.{key}"));
-                }
+            if let Some(key) = first.strip_prefix('`').and_then(|k| k.strip_suffix('`'))
+                && is_key(key)
+            {
+                keys.push(format!("{t}.{key}"));
             }
         }
     }
@@ -257,14 +257,14 @@ fn in_example(toml: &str, maps: &BTreeSet<String>) -> BTreeSet<String> {
         let line = line.strip_prefix("# ").unwrap_or(line);
         if let Some(t) = table_header(line) {
             table = t.to_string();
-        } else if let Some((key, _)) = line.split_once(" = ") {
-            if is_key(key) {
-                keys.insert(if maps.contains(&table) {
-                    table.clone()
-                } else {
-                    format!("{table}.{key}")
-                });
-            }
+        } else if let Some((key, _)) = line.split_once(" = ")
+            && is_key(key)
+        {
+            keys.insert(if maps.contains(&table) {
+                table.clone()
+            } else {
+                format!("{table}.{key}")
+            });
         }
     }
     keys
