@@ -16,7 +16,6 @@
 //! the three checkpoints of a 3-node job (the issue says "a few hundred MiB"; the code paths are the
 //! same: several files per node, one of them stored above the 5 MiB part size, i.e. multipart).
 
-
 use crate::common::*;
 use serde_json::{Value, json};
 use sluice_proto::msg::CkptState;

@@ -2,7 +2,6 @@
 //! ends — here by `scancel`, the path a normal end does not take — it is removed from every node's hot
 //! tier. (Normal ends are checked by every staging test.)
 
-
 use crate::common::*;
 use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
@@ -88,6 +87,5 @@ fn cancelled_job_leaves_no_data_and_running_job_data_is_private() {
     );
     let end = cluster.wait_end(&job, CLEANUP_TIMEOUT);
     cluster.assert_ended(&job, &end, "CANCELLED", "the cancelled job");
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }

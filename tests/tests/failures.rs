@@ -4,7 +4,6 @@
 //! draining a node or leaving data on a hot tier (DESIGN.md, "User mistakes fail the job, never the
 //! node").
 
-
 use crate::common::*;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;

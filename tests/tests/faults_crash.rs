@@ -7,7 +7,6 @@
 //! that one staging pass lasts several seconds and the kills land while it runs. Each agent is started
 //! again exactly as `cluster.sh up` started it.
 
-
 use crate::common::*;
 use sluice_proto::msg::JobState;
 use std::time::{Duration, Instant};

@@ -5,7 +5,6 @@
 //! One node's hot tier is replaced, while the agents run, by a 32 MiB tmpfs mounted over it (the agent
 //! opens the hot-tier root by path for every job), and a 3-node job stages a dataset of about 66 MiB.
 
-
 use crate::common::*;
 use std::fs;
 use std::path::{Path, PathBuf};

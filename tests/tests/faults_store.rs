@@ -6,7 +6,6 @@
 //! The faults come from `tests/harness/faultproxy.py`, which sits in front of Garage on the endpoint
 //! of the agents' `s3://ckpt-faulty` profile. What the tests check is read from Garage directly.
 
-
 use crate::common::*;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -24,7 +24,6 @@
 //! Without PyTorch installed (`tests/harness/install.sh`, unless `SLUICE_NO_TORCH=1`) every test
 //! here fails saying so.
 
-
 use crate::common::*;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};

@@ -3,7 +3,6 @@
 //! endpoints, and a query to its HTTP API shows the bytes a job staged — on each node, and summed
 //! over the agents.
 
-
 use crate::common::*;
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -3,7 +3,6 @@
 //! no node gets a job directory for it. These tests also pass on a cluster started without the plugin
 //! (SLUICE_NO_PLUGIN=1), which is how the comparison is made.
 
-
 use crate::common::*;
 use std::time::Duration;
 

@@ -13,7 +13,6 @@
 //! the committed checkpoint is untouched. At the
 //! job's end the tmpfs is gone and the checkpoint stays on the hot tier and in the archive.
 
-
 use crate::common::*;
 use serde_json::Value;
 use std::fs;

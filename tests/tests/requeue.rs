@@ -22,7 +22,6 @@
 //! restore` of `s1` and `s2` gives what was written; each node's hot tier holds exactly `s2` (what
 //! `--ckpt-keep=1` keeps) as that node wrote it, and the agents' journals say so; every node is idle.
 
-
 use crate::common::*;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -292,8 +291,7 @@ fn assert_archived(
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     let t0 = Instant::now();
     let at = |t: Instant| t.duration_since(t0).as_secs_f64();
 

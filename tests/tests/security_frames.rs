@@ -3,7 +3,6 @@
 //! refused with a clear `bad_request` reply, the agent process survives (same pid, no panic in its
 //! log), keeps answering, and a job on that node still stages and runs.
 
-
 use crate::common::*;
 use crate::security_support::*;
 use serde_json::{Value, json};

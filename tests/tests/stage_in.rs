@@ -6,7 +6,6 @@
 //! files, awkward names) is staged from each kind of origin: a POSIX directory, Garage (S3) and
 //! Azurite (Azure Blob).
 
-
 use crate::common::*;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -72,11 +71,7 @@ fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, datasets: &[(&str, &D
     );
     for node in &cluster.nodes {
         let file = |name: &str| task_file(out, node, name);
-        assert!(
-            out.join(node).join("done").exists(),
-            "no task ran to the end on {node}\n{}",
-            cluster.evidence(job)
-        );
+        cluster.assert_task_done(job, out, node);
 
         let expected_stage = cluster.job_dir(node, job).join("stage");
         assert_eq!(
@@ -86,37 +81,12 @@ fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, datasets: &[(&str, &D
             file("env")
         );
         for (name, ds) in datasets {
-            let sums = file(&format!("sums-{name}"));
-            assert!(
-                sums == ds.sums,
-                "dataset {name} on {node} differs from its source: {}",
-                diff_listings(&ds.sums, &sums)
-            );
-            assert_eq!(
-                file(&format!("dirs-{name}")),
-                ds.dirs,
-                "directories of dataset {name} on {node}"
-            );
+            cluster.assert_dataset_listed(job, out, node, name, &ds.sums, &ds.dirs);
         }
-        let owners = file("owners");
-        let foreign: Vec<&str> = owners
-            .lines()
-            .filter(|l| !l.starts_with(&format!("{} ", cluster.user)))
-            .take(10)
-            .collect();
-        assert!(
-            foreign.is_empty() && !owners.is_empty(),
-            "entries under SLUICE_STAGE_DIR on {node} not owned by {}: {foreign:?}",
-            cluster.user
-        );
-        assert_eq!(
-            file("jobdir").trim(),
-            format!("{} 700", cluster.user),
-            "the job directory on {node} must belong to the job user, mode 0700"
-        );
+        cluster.assert_staged_owned_by_user(out, node);
+        cluster.assert_job_dir_private(out, node);
     }
-    cluster.assert_hot_tier_cleaned(job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(job, CLEANUP_TIMEOUT);
 }
 
 /// Runs a job (`directives` in its script, `args` to sbatch) whose tasks list what they see of each
@@ -196,8 +166,7 @@ fn stage_azure_prefix_to_three_nodes() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn several_sources_from_repeated_and_comma_separated_options() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     let ds = Dataset::new(&cluster, "stage-several", false);
     let prefix = ds.upload(&cluster, &["garage", "azurite"]);
     let first = format!(

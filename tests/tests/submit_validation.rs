@@ -2,7 +2,6 @@
 //! message that says what is wrong, and no job is created. (The plugin validates in the allocator
 //! and local contexts; SLURM-TESTBED.md.)
 
-
 use crate::common::*;
 
 /// (arguments, what stderr must say). Each case also has to name the option it complains about.

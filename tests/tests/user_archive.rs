@@ -4,7 +4,6 @@
 //! node's agent — and the other test user, asking the agent about the same URL, sees none of it
 //! and restores none of it.
 
-
 use crate::common::*;
 use serde_json::Value;
 use std::os::unix::fs::MetadataExt;

@@ -7,7 +7,6 @@
 //! agent with the envelope's `version` raised by one, and the replies back unchanged. Both ends are the
 //! real programs; only the version number differs.
 
-
 use crate::common::*;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;

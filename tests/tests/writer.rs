@@ -15,7 +15,6 @@
 //! `target/debug/libsluice_writer.so`) into the work directory, where the test user can read them:
 //! the job finds them through `PYTHONPATH` and `SLUICE_WRITER_LIB`, as a checkout's user would.
 
-
 use crate::common::*;
 use serde_json::Value;
 use std::collections::BTreeSet;

@@ -7,7 +7,7 @@ use super::cluster::{Cluster, run, run_dir, tail_of, write_atomically};
 use super::jobs::Job;
 use super::trees::SplitMix64;
 use sluice_e2e::relay::CountingRelay;
-use sluice_proto::msg::{CkptStatus, JobStatus, Request, Response};
+use sluice_proto::msg::{CkptStatus, JobStatus, Request, Response, StageProgress};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -26,6 +26,15 @@ impl Cluster {
             Response::Job(status) => Ok(status),
             other => Err(format!("unexpected reply: {other:?}")),
         }
+    }
+
+    /// The node's agent's progress record of the job's first stage; panics when the agent does
+    /// not answer.
+    pub fn agent_stage(&self, node: &str, job: &Job) -> StageProgress {
+        let status = self
+            .agent_job(node, job)
+            .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
+        status.stages[0].clone()
     }
 
     /// The job's checkpoints as the node's agent lists them (`ckpt_list`, asked as root).
