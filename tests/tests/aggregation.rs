@@ -26,16 +26,9 @@ const ORIGIN_SLACK: f64 = 1.02;
 
 // ---------------------------------------------------------------------------------- datasets
 
-/// The test dataset (nested directories, an empty file, a few hundred small files, odd names)
-/// plus one 200 MiB object, with its listings and its size in bytes.
-struct Dataset {
-    dir: PathBuf,
-    sums: String,
-    dirs: String,
-    bytes: u64,
-}
-
 impl Dataset {
+    /// The test dataset (nested directories, an empty file, a few hundred small files, odd
+    /// names), with one 200 MiB object if `big`.
     fn new(cluster: &Cluster, test: &str, big: bool) -> Dataset {
         let dir = cluster.dataset(test, false);
         if big {
@@ -48,16 +41,6 @@ impl Dataset {
             )));
         }
         Dataset::of(dir)
-    }
-
-    /// The listings and size of the tree at `dir`, as it is now.
-    fn of(dir: PathBuf) -> Dataset {
-        Dataset {
-            sums: checksums(&dir),
-            dirs: directories(&dir),
-            bytes: tree_bytes(&dir),
-            dir,
-        }
     }
 
     /// Uploads it straight to Garage (not through the relay) at `bucket/e2e/<unique>/train`;
@@ -76,6 +59,18 @@ fn s3_dataset(test: &str, big: bool, bucket: &str) -> (Cluster, Dataset, String)
     let ds = Dataset::new(&cluster, test, big);
     let prefix = ds.upload(&cluster, bucket);
     (cluster, ds, prefix)
+}
+
+/// `test`'s dataset without the big object, plus what the shell command `more` writes into it
+/// (`{d}` in it stands for the dataset's directory), uploaded to the relayed bucket; with its
+/// prefix there.
+fn relayed_dataset_with(cluster: &Cluster, test: &str, more: &str) -> (Dataset, String) {
+    let dir = cluster.dataset(test, false);
+    let more = more.replace("{d}", &dir.display().to_string());
+    run(std::process::Command::new("bash").arg("-c").arg(more));
+    let ds = Dataset::of(dir);
+    let prefix = ds.upload(cluster, "datasets-relayed");
+    (ds, prefix)
 }
 
 /// The listing script (see `listing_script`), with each node's `sluice job` view of the job too.
@@ -815,13 +810,11 @@ fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
     let cluster = Cluster::for_s3();
     // The usual small files, plus 15 files of 12 MiB: each node owns several big ones, so the
     // victim is caught with some of its share written and some not.
-    let dir = cluster.dataset("aggregation-shared-dead", false);
-    run(std::process::Command::new("bash").arg("-c").arg(format!(
+    let (ds, prefix) = relayed_dataset_with(
+        &cluster,
+        "aggregation-shared-dead",
         "mkdir -p '{d}/big' && for i in $(seq 1 15); do head -c 12582912 /dev/urandom > \"{d}/big/part-$i.bin\"; done && chmod -R u=rwX,go=rX '{d}'",
-        d = dir.display()
-    )));
-    let ds = Dataset::of(dir);
-    let prefix = ds.upload(&cluster, "datasets-relayed");
+    );
     // A POSIX dataset too: the survivors' copy helpers take over its files as the job user.
     let posix = Dataset::new(&cluster, "aggregation-shared-dead-posix", false);
     let relay = cluster.origin_relay();
@@ -1052,15 +1045,13 @@ touch "$o/done"
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
     let cluster = Cluster::for_s3();
-    let dir = cluster.dataset("resume-served", false);
     // Volume: 48 files of one 1 MiB unit each, spread over the nodes' shares.
-    run(std::process::Command::new("bash").arg("-c").arg(format!(
+    let (ds, prefix) = relayed_dataset_with(
+        &cluster,
+        "resume-served",
         "mkdir -p '{d}/mb' && for i in $(seq -w 0 47); do head -c 1048576 /dev/urandom > \
          '{d}/mb/f-'$i.bin; done && chmod -R u=rwX,go=rX '{d}'",
-        d = dir.display()
-    )));
-    let ds = Dataset::of(dir);
-    let prefix = ds.upload(&cluster, "datasets-relayed");
+    );
     let relay = cluster.origin_relay();
     // Slow enough that no node has listed the dataset by the time n2 and n3 are down.
     relay.set_pace(100_000);

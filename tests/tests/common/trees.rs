@@ -109,6 +109,27 @@ touch "$o/done"
     )
 }
 
+/// A dataset on local disk with what a job's listing of it must show (see [`listing_script`]):
+/// its `sha256sum` listing and its directories; and its size in bytes.
+pub struct Dataset {
+    pub dir: PathBuf,
+    pub sums: String,
+    pub dirs: String,
+    pub bytes: u64,
+}
+
+impl Dataset {
+    /// The listings and size of the tree at `dir`, as it is now.
+    pub fn of(dir: PathBuf) -> Dataset {
+        Dataset {
+            sums: checksums(&dir),
+            dirs: directories(&dir),
+            bytes: tree_bytes(&dir),
+            dir,
+        }
+    }
+}
+
 /// Writes `len` random bytes to `path`, creating its directory.
 pub fn random_file(path: &Path, len: u64) {
     fs::create_dir_all(path.parent().unwrap()).unwrap();
