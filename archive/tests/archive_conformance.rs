@@ -10,11 +10,10 @@
 //! Runs as root in CI (files of the checkpoint belong to an unprivileged uid, as a job's would).
 
 use futures::TryStreamExt;
-use futures::stream::BoxStream;
 use object_store::path::Path;
 use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, UploadPart,
+    MultipartUpload, ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload,
+    PutResult, UploadPart,
 };
 use sluice_archive::config::Config;
 use sluice_archive::safefs::{self, Owner};
@@ -26,9 +25,15 @@ use sluice_archive::{
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path as FsPath;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+
+#[macro_use]
+mod support {
+    #[macro_use]
+    pub mod forwarding;
+}
+use support::forwarding::{Fut, complete_then};
 
 // ------------------------------------------------------------------------------------ the recorder
 
@@ -65,8 +70,6 @@ impl Recorder {
             .insert(location.to_string(), class);
     }
 }
-
-type Fut<'a, T> = Pin<Box<dyn Future<Output = object_store::Result<T>> + Send + 'a>>;
 
 impl std::fmt::Display for Recorder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -122,56 +125,7 @@ impl ObjectStore for Recorder {
         })
     }
 
-    fn get_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 Path,
-        options: GetOptions,
-    ) -> Fut<'a, GetResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        self.inner.get_opts(location, options)
-    }
-
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<Path>>,
-    ) -> BoxStream<'static, object_store::Result<Path>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    fn list_with_delimiter<'l0, 'l1, 'a>(
-        &'l0 self,
-        prefix: Option<&'l1 Path>,
-    ) -> Fut<'a, ListResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        self.inner.list_with_delimiter(prefix)
-    }
-
-    fn copy_opts<'l0, 'l1, 'l2, 'a>(
-        &'l0 self,
-        from: &'l1 Path,
-        to: &'l2 Path,
-        options: CopyOptions,
-    ) -> Fut<'a, ()>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        'l2: 'a,
-        Self: 'a,
-    {
-        self.inner.copy_opts(from, to, options)
-    }
+    forward_to_inner!();
 }
 
 #[derive(Debug)]
@@ -202,15 +156,9 @@ impl MultipartUpload for RecordingUpload {
         'l0: 'a,
         Self: 'a,
     {
-        Box::pin(async move {
-            let r = self.inner.complete().await;
-            if r.is_ok() {
-                self.log
-                    .lock()
-                    .unwrap()
-                    .push(Write::Multipart(self.key.clone()));
-            }
-            r
+        let (log, key) = (&self.log, &self.key);
+        complete_then(&mut self.inner, move || {
+            log.lock().unwrap().push(Write::Multipart(key.clone()));
         })
     }
 
@@ -833,48 +781,25 @@ async fn azurite_blob() {
 /// through the harness's rclone). `None`: the store names no class.
 fn stored_class(env: &BTreeMap<String, String>, scheme: &str, key: &str) -> Option<String> {
     let v = |k: &str| env.get(k).unwrap_or_else(|| panic!("no {k}")).as_str();
-    let run = |cmd: &mut std::process::Command| {
-        let out = cmd
-            .env_remove("AWS_CA_BUNDLE")
-            .output()
-            .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "{cmd:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
     match scheme {
-        "s3" => {
-            let head = run(std::process::Command::new("curl")
-                .args(["--fail-with-body", "-sS", "-I", "--aws-sigv4"])
-                .arg(format!("aws:amz:{}:s3", v("SLUICE_TEST_S3_REGION")))
-                .arg("--user")
-                .arg(format!(
-                    "{}:{}",
-                    v("SLUICE_TEST_S3_KEY_ID"),
-                    v("SLUICE_TEST_S3_SECRET")
-                ))
-                .args(["-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"])
-                .arg(format!("{}/ckpt/{key}", v("SLUICE_TEST_S3_ENDPOINT"))));
-            head.lines().find_map(|l| {
-                let (name, value) = l.split_once(':')?;
-                name.eq_ignore_ascii_case("x-amz-storage-class")
-                    .then(|| value.trim().to_string())
-            })
-        }
+        "s3" => sluice_e2e::storage_class::s3(
+            &format!("{}/ckpt/{key}", v("SLUICE_TEST_S3_ENDPOINT")),
+            v("SLUICE_TEST_S3_REGION"),
+            v("SLUICE_TEST_S3_KEY_ID"),
+            v("SLUICE_TEST_S3_SECRET"),
+        ),
         "az" => {
-            let stat = run(std::process::Command::new(v("SLUICE_TEST_RCLONE"))
-                .args(["lsjson", "--stat"])
-                .arg(format!("azurite:ckpt/{key}"))
-                .env(
-                    "RCLONE_CONFIG",
-                    "/nonexistent/sluice-conformance-rclone.conf",
-                )
-                .env("RCLONE_CONFIG_AZURITE_TYPE", "azureblob")
-                .env("RCLONE_CONFIG_AZURITE_USE_EMULATOR", "true"));
+            let stat = sluice_e2e::storage_class::run_ok(
+                std::process::Command::new(v("SLUICE_TEST_RCLONE"))
+                    .args(["lsjson", "--stat"])
+                    .arg(format!("azurite:ckpt/{key}"))
+                    .env(
+                        "RCLONE_CONFIG",
+                        "/nonexistent/sluice-conformance-rclone.conf",
+                    )
+                    .env("RCLONE_CONFIG_AZURITE_TYPE", "azureblob")
+                    .env("RCLONE_CONFIG_AZURITE_USE_EMULATOR", "true"),
+            );
             let j: serde_json::Value = serde_json::from_str(&stat).unwrap();
             j["Tier"]
                 .as_str()
@@ -1122,15 +1047,14 @@ async fn tiering_suite(
     // keeps no class at all (a HEAD names none: everything is STANDARD). Should Garage start
     // keeping classes, docs/admin-guide.md's "Archive tiering" must say so.
     let azure = name == "az";
-    for (rel, _) in &files {
-        let key = h.key(&format!("step1/data/{rel}")).to_string();
+    let data = files
+        .iter()
+        .map(|(rel, _)| (format!("step1/data/{rel}"), class));
+    let meta = ["step1/MANIFEST", "step1/parts/n1.json"].map(|rel| (rel.to_string(), "Hot"));
+    for (rel, want) in data.chain(meta) {
+        let key = h.key(&rel).to_string();
         let got = stored_class(env, name, &key);
-        assert_eq!(got.as_deref(), azure.then_some(class), "{name}: {key}");
-    }
-    for rel in ["step1/MANIFEST", "step1/parts/n1.json"] {
-        let key = h.key(rel).to_string();
-        let got = stored_class(env, name, &key);
-        assert_eq!(got.as_deref(), azure.then_some("Hot"), "{name}: {key}");
+        assert_eq!(got.as_deref(), azure.then_some(want), "{name}: {key}");
     }
 
     // The data restores (an online class).

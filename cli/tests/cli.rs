@@ -76,6 +76,12 @@ fn assert_has(text: &str, part: &str) {
     assert!(text.contains(part), "{part:?} is not in:\n{text}");
 }
 
+/// Asserts that `text` starts with `start`, showing all of `text` when it does not.
+#[track_caller]
+fn assert_starts(text: &str, start: &str) {
+    assert!(text.starts_with(start), "{start:?} does not start:\n{text}");
+}
+
 /// The stderr of a run that must have failed with exit status 1 (a refusal, not a usage error).
 fn failed(out: &Output) -> String {
     let stderr = text(&out.stderr);
@@ -123,12 +129,29 @@ fn ask(response: Response, args: &[&str], env: &[(&str, &str)]) -> (Request, Out
     (agent.join().unwrap(), out)
 }
 
+/// [`ask`], asserting that the CLI asked the agent `want`; the CLI's output.
+#[track_caller]
+fn asked(response: Response, args: &[&str], env: &[(&str, &str)], want: Request) -> Output {
+    let (request, out) = ask(response, args, env);
+    assert_eq!(request, want, "what sluice {args:?} asked the agent");
+    out
+}
+
+/// `stdout` starts with `start` and holds every one of `parts`.
+#[track_caller]
+fn assert_shows(stdout: &str, start: &str, parts: &[&str]) {
+    assert_starts(stdout, start);
+    for part in parts {
+        assert_has(stdout, part);
+    }
+}
+
 #[test]
 fn status_shows_the_node_and_its_jobs() {
     let (request, out) = ask(Response::Status(fixtures::node_status()), &["status"], &[]);
     assert_eq!(request, Request::Status);
     let stdout = succeeded(&out);
-    assert!(stdout.starts_with("node      gpu07\n"), "{stdout}");
+    assert_starts(&stdout, "node      gpu07\n");
     assert_has(&stdout, "\nJOBID  USER   STATE    DATASETS  ");
     assert_has(&stdout, "\n4250   bob    failed   corpus  ");
     // The agent's workers, the stuck one with its error.
@@ -155,24 +178,15 @@ fn status_json_is_the_agents_answer() {
 
 #[test]
 fn job_shows_every_dataset() {
-    let (request, out) = ask(
-        Response::Job(fixtures::staging_job()),
-        &["job", "4242"],
-        &[],
-    );
-    assert_eq!(request, Request::Job { job_id: 4242 });
-    let stdout = succeeded(&out);
-    assert!(
-        stdout.starts_with("job 4242  staging\n  user       alice (uid 1000)\n"),
-        "{stdout}"
-    );
-    assert_has(
-        &stdout,
-        "  imagenet  copying\n    source   s3://datasets/imagenet\n    files    812/1000 (81%)\n",
-    );
-    assert_has(
-        &stdout,
-        "  weights  listing\n    source   /lustre/models/llama-8b\n",
+    let job = Response::Job(fixtures::staging_job());
+    let out = asked(job, &["job", "4242"], &[], Request::Job { job_id: 4242 });
+    assert_shows(
+        &succeeded(&out),
+        "job 4242  staging\n  user       alice (uid 1000)\n",
+        &[
+            "  imagenet  copying\n    source   s3://datasets/imagenet\n    files    812/1000 (81%)\n",
+            "  weights  listing\n    source   /lustre/models/llama-8b\n",
+        ],
     );
 }
 
@@ -225,7 +239,7 @@ fn unreachable_agent_names_the_socket_and_what_to_check() {
         "sluice: cannot reach the sluice agent at {} (from $SLUICE_SOCKET): ",
         d.socket.display()
     );
-    assert!(stderr.starts_with(&want), "{stderr}");
+    assert_starts(&stderr, &want);
     assert!(
         stderr.contains("check that sluiced runs on this node") && stderr.contains("--socket PATH"),
         "{stderr}"
@@ -378,16 +392,17 @@ fn commit_errors_from_the_agent_are_printed_as_they_come() {
 
 #[test]
 fn list_shows_the_jobs_checkpoints() {
-    let (request, out) = ask(ckpts(), &["ckpt", "list"], &[("SLURM_JOB_ID", "4242")]);
-    assert_eq!(request, Request::CkptList { job_id: 4242 });
-    let stdout = succeeded(&out);
-    assert!(
-        stdout.starts_with("job 4242 on this node; archive s3://ckpt/alice/train\n\nTAG      STATE              WHERE     SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR\n"),
-        "{stdout}"
+    let env = [("SLURM_JOB_ID", "4242")];
+    let out = asked(
+        ckpts(),
+        &["ckpt", "list"],
+        &env,
+        Request::CkptList { job_id: 4242 },
     );
-    assert_has(
-        &stdout,
-        "\nstep100  archived           -         3.0 GiB  2.0 GiB  1.46x  ",
+    assert_shows(
+        &succeeded(&out),
+        "job 4242 on this node; archive s3://ckpt/alice/train\n\nTAG      STATE              WHERE     SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR\n",
+        &["\nstep100  archived           -         3.0 GiB  2.0 GiB  1.46x  "],
     );
 }
 
@@ -448,40 +463,29 @@ fn status_shows_the_cache_when_the_node_has_one() {
 #[ignore = "needs root: cache commands are root's and a user is refused before the agent is asked; run as root with --ignored, as tests/harness/run-e2e.sh does"]
 fn cache_list_asks_for_the_entries_under_the_prefix() {
     require_root();
-    let (request, out) = ask(
-        Response::Cache(fixtures::cache_listing()),
-        &["cache", "list", "s3://datasets/"],
-        &[],
-    );
-    assert_eq!(
-        request,
-        Request::CacheList {
-            prefix: Some("s3://datasets/".into()),
-            entries: true
-        }
-    );
+    let list = |args: &[&str], prefix: Option<&str>| {
+        let listing = Response::Cache(fixtures::cache_listing());
+        let prefix = prefix.map(String::from);
+        asked(
+            listing,
+            args,
+            &[],
+            Request::CacheList {
+                prefix,
+                entries: true,
+            },
+        )
+    };
+    let out = list(&["cache", "list", "s3://datasets/"], Some("s3://datasets/"));
     let stdout = succeeded(&out);
-    assert!(
-        stdout.starts_with(
-            "cache on gpu07 (/var/lib/sluice/gpu07/hot/cache): 33.0 GiB of 100.0 GiB (33%), 3 \
+    assert_starts(
+        &stdout,
+        "cache on gpu07 (/var/lib/sluice/gpu07/hot/cache): 33.0 GiB of 100.0 GiB (33%), 3 \
              entries; hit ratio 87.5%\n\nURL                                     SIZE      LAST USE              IN USE\n\
-             s3://datasets/corpus/v1.tar             2.0 GiB   2026-05-01T10:05:00Z  no\n"
-        ),
-        "{stdout}"
+             s3://datasets/corpus/v1.tar             2.0 GiB   2026-05-01T10:05:00Z  no\n",
     );
     // Without a prefix, all of them; --json is the agent's answer.
-    let (request, out) = ask(
-        Response::Cache(fixtures::cache_listing()),
-        &["cache", "list", "--json"],
-        &[],
-    );
-    assert_eq!(
-        request,
-        Request::CacheList {
-            prefix: None,
-            entries: true
-        }
-    );
+    let out = list(&["cache", "list", "--json"], None);
     let parsed: CacheListing = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(parsed, fixtures::cache_listing());
     assert!(out.stderr.is_empty());
@@ -502,7 +506,10 @@ fn cache_stats_asks_for_the_counters_only() {
         }
     );
     let stdout = succeeded(&out);
-    assert!(stdout.starts_with("cache on gpu07\n  root        /var/lib/sluice/gpu07/hot/cache\n  capacity    100.0 GiB\n"), "{stdout}");
+    assert_starts(
+        &stdout,
+        "cache on gpu07\n  root        /var/lib/sluice/gpu07/hot/cache\n  capacity    100.0 GiB\n",
+    );
     assert_has(&stdout, "\n  hit ratio   87.5%\n");
     assert_has(
         &stdout,
@@ -528,12 +535,10 @@ fn cache_warm_says_what_it_cached_and_fails_on_an_error() {
     );
     assert_eq!(request, Request::CacheWarm { url: url.into() });
     let stdout = succeeded(&out);
-    assert!(
-        stdout.starts_with(
-            "warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB\n  \
-             cached before  500 object(s), 4.0 GiB (nothing read)\n"
-        ),
-        "{stdout}"
+    assert_starts(
+        &stdout,
+        "warmed s3://datasets/imagenet/ on gpu07: 1000 object(s), 10.0 GiB\n  \
+             cached before  500 object(s), 4.0 GiB (nothing read)\n",
     );
     assert_has(
         &stdout,
@@ -774,7 +779,7 @@ fn an_agent_without_a_cache_is_named_as_too_old() {
 // ------------------------------------------------------------------------------------ ckpt, URL
 
 mod archive {
-    use super::{assert_has, failed, sluice, succeeded, text};
+    use super::{assert_has, assert_starts, failed, sluice, succeeded, text};
     use sluice_archive::config::Config;
     use sluice_archive::safefs;
     use sluice_archive::synth::{bf16_weights, fp32_values};
@@ -810,6 +815,41 @@ mod archive {
             all.extend_from_slice(&["--config", self.config.to_str().unwrap()]);
             sluice(&all, &[])
         }
+
+        /// `sluice ckpt restore URL TAG DEST FLAGS... --config CFG`.
+        fn restore(&self, tag: &str, dest: &Path, flags: &[&str]) -> std::process::Output {
+            let mut args = vec!["restore", &self.url, tag, dest.to_str().unwrap()];
+            args.extend_from_slice(flags);
+            self.run(&args)
+        }
+
+        /// Flips one byte in the middle of step100's `model/weights.bf16` data object.
+        fn damage(&self) {
+            let object = self.archive_dir().join("step100/data/model/weights.bf16");
+            let mut bytes = std::fs::read(&object).unwrap();
+            let mid = bytes.len() / 2;
+            bytes[mid] ^= 0x40;
+            std::fs::write(&object, &bytes).unwrap();
+        }
+
+        /// What a restore of step100 into `dest` prints on stdout.
+        fn restored_step100(&self, dest: &Path) -> String {
+            format!(
+                "restored step100 from {} into {}: 4 file(s), 1.4 MiB, checksums verified\n",
+                self.url,
+                dest.display()
+            )
+        }
+    }
+
+    /// The checkpoint `tag` in `sluice ckpt list --json`'s document.
+    fn listed<'a>(list: &'a serde_json::Value, tag: &str) -> &'a serde_json::Value {
+        list["ckpts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["tag"] == tag)
+            .unwrap_or_else(|| panic!("no {tag} in {list:#}"))
     }
 
     /// A `file://` archive holding `step100` (complete, one node) and `step200` (only one of its
@@ -886,9 +926,9 @@ mod archive {
         // list: step100 complete with a ratio, step200 partial.
         let out = f.run(&["list", url]);
         let stdout = succeeded(&out);
-        assert!(
-            stdout.starts_with(&format!("archive {url}\n\nTAG      STATE     FILES  ")),
-            "{stdout}"
+        assert_starts(
+            &stdout,
+            &format!("archive {url}\n\nTAG      STATE     FILES  "),
         );
         let line = stdout
             .lines()
@@ -911,13 +951,7 @@ mod archive {
         succeeded(&out);
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["url"], url);
-        let c = &v["ckpts"];
-        let step100 = c
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["tag"] == "step100")
-            .unwrap();
+        let step100 = listed(&v, "step100");
         assert_eq!(step100["state"], "complete");
         assert_eq!(step100["files"], 4);
         assert_eq!(step100["data_classes"], serde_json::json!(["default"]));
@@ -928,9 +962,9 @@ mod archive {
         // verify: OK.
         let out = f.run(&["verify", url, "step100"]);
         let stdout = succeeded(&out);
-        assert!(
-            stdout.starts_with(&format!("checkpoint step100 at {url}: OK\n  4 file(s), ")),
-            "{stdout}"
+        assert_starts(
+            &stdout,
+            &format!("checkpoint step100 at {url}: OK\n  4 file(s), "),
         );
         // A partial checkpoint cannot be verified: it has no MANIFEST.
         let stderr = failed(&f.run(&["verify", url, "step200"]));
@@ -938,18 +972,12 @@ mod archive {
 
         // restore: identical bytes, owned by the caller, into a new directory and via `latest`.
         let dest = f.tmp.path().join("restored");
-        let stdout = succeeded(&f.run(&["restore", url, "step100", dest.to_str().unwrap()]));
-        assert_eq!(
-            stdout,
-            format!(
-                "restored step100 from {url} into {}: 4 file(s), 1.4 MiB, checksums verified\n",
-                dest.display()
-            )
-        );
+        let stdout = succeeded(&f.restore("step100", &dest, &[]));
+        assert_eq!(stdout, f.restored_step100(&dest));
         assert_restored(&dest);
         let empty = f.tmp.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
-        let out = f.run(&["restore", url, "latest", empty.to_str().unwrap(), "--json"]);
+        let out = f.restore("latest", &empty, &["--json"]);
         let v: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
         assert_eq!(
             (v["tag"].as_str(), v["files"].as_u64()),
@@ -957,25 +985,21 @@ mod archive {
         );
         assert_restored(&empty);
         // Not into a directory that holds something.
-        let stderr = failed(&f.run(&["restore", url, "step100", dest.to_str().unwrap()]));
+        let stderr = failed(&f.restore("step100", &dest, &[]));
         assert_has(&stderr, "is not empty");
         assert_restored(&dest);
 
         // Damage: one byte flipped in the middle of a data object.
-        let object = f.archive_dir().join("step100/data/model/weights.bf16");
-        let mut bytes = std::fs::read(&object).unwrap();
-        let mid = bytes.len() / 2;
-        bytes[mid] ^= 0x40;
-        std::fs::write(&object, &bytes).unwrap();
+        f.damage();
 
         let out = f.run(&["verify", url, "step100"]);
         failed(&out);
         let stdout = text(&out.stdout);
-        assert!(
-            stdout.starts_with(&format!(
+        assert_starts(
+            &stdout,
+            &format!(
                 "checkpoint step100 at {url}: DAMAGED, 1 of 4 file(s)\n  model/weights.bf16: "
-            )),
-            "{stdout}"
+            ),
         );
         let out = f.run(&["verify", url, "step100", "--json"]);
         failed(&out);
@@ -985,7 +1009,7 @@ mod archive {
 
         // A damaged checkpoint is not restored, and nothing is left behind.
         let dest2 = f.tmp.path().join("restored2");
-        let stderr = failed(&f.run(&["restore", url, "step100", dest2.to_str().unwrap()]));
+        let stderr = failed(&f.restore("step100", &dest2, &[]));
         assert!(
             stderr.contains("is damaged: 'model/weights.bf16'")
                 && stderr.ends_with("was removed again\n"),
@@ -993,7 +1017,7 @@ mod archive {
         );
         assert!(!dest2.exists());
         // `latest` says it skips the damaged one, and finds no other.
-        let stderr = failed(&f.run(&["restore", url, "latest", dest2.to_str().unwrap()]));
+        let stderr = failed(&f.restore("latest", &dest2, &[]));
         assert!(
             stderr.contains("checkpoint step100 cannot be restored")
                 && stderr.contains("falling back to the next newest")
@@ -1076,41 +1100,23 @@ mod archive {
         let all = "1.4 MiB of 1.4 MiB, 4 of 4 files";
 
         let dest = f.tmp.path().join("restored");
-        let out = f.run(&["restore", url, "step100", dest.to_str().unwrap()]);
+        let out = f.restore("step100", &dest, &[]);
         let stdout = succeeded(&out);
-        assert_eq!(
-            stdout,
-            format!(
-                "restored step100 from {url} into {}: 4 file(s), 1.4 MiB, checksums verified\n",
-                dest.display()
-            )
-        );
+        assert_eq!(stdout, f.restored_step100(&dest));
         let stderr = text(&out.stderr);
         let lines = assert_progress(&stderr, "restore step100", all, "done in");
         assert_eq!(lines.len(), stderr.lines().count(), "{stderr}");
         assert_restored(&dest);
 
         let quiet = f.tmp.path().join("quiet");
-        let out = f.run(&[
-            "restore",
-            url,
-            "step100",
-            quiet.to_str().unwrap(),
-            "--quiet",
-        ]);
+        let out = f.restore("step100", &quiet, &["--quiet"]);
         assert!(succeeded(&out).starts_with("restored step100 from "));
         assert_eq!(text(&out.stderr), "");
         assert_restored(&quiet);
 
         // --json: the same document on stdout (no progress in it), the progress on stderr.
         let json_dest = f.tmp.path().join("json");
-        let out = f.run(&[
-            "restore",
-            url,
-            "latest",
-            json_dest.to_str().unwrap(),
-            "--json",
-        ]);
+        let out = f.restore("latest", &json_dest, &["--json"]);
         let v: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
         let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
         assert_eq!(
@@ -1136,8 +1142,7 @@ mod archive {
         assert_eq!(v["dest"], json_dest.to_str().unwrap());
         assert_progress(&text(&out.stderr), "restore step100", all, "done in");
         let quiet_json = f.tmp.path().join("quiet-json");
-        let dest_arg = quiet_json.to_str().unwrap();
-        let out = f.run(&["restore", url, "latest", dest_arg, "--json", "-q"]);
+        let out = f.restore("latest", &quiet_json, &["--json", "-q"]);
         let mut q: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
         assert_eq!(text(&out.stderr), "");
         q["dest"] = v["dest"].clone();
@@ -1157,11 +1162,7 @@ mod archive {
 
         // Damaged: verify reads everything and counts the intact files; a restore says where it
         // stopped, before its error.
-        let object = f.archive_dir().join("step100/data/model/weights.bf16");
-        let mut bytes = std::fs::read(&object).unwrap();
-        let mid = bytes.len() / 2;
-        bytes[mid] ^= 0x40;
-        std::fs::write(&object, &bytes).unwrap();
+        f.damage();
         let out = f.run(&["verify", url, "step100"]);
         let stderr = failed(&out);
         let counts = "of 1.4 MiB, 3 of 4 files";
@@ -1170,7 +1171,7 @@ mod archive {
             .unwrap();
         assert_has(&last, counts);
         let broken = f.tmp.path().join("broken");
-        let stderr = failed(&f.run(&["restore", url, "step100", broken.to_str().unwrap()]));
+        let stderr = failed(&f.restore("step100", &broken, &[]));
         let last = assert_progress(&stderr, "restore step100", "", "stopped after").pop();
         assert_has(&last.unwrap(), " of 1.4 MiB, ");
         assert!(stderr.ends_with("was removed again\n"), "{stderr}");
@@ -1205,24 +1206,12 @@ mod archive {
         let url = f.url.as_str();
         let list: serde_json::Value =
             serde_json::from_slice(&f.run(&["list", url, "--json"]).stdout).unwrap();
-        let step100 = list["ckpts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["tag"] == "step100")
-            .unwrap()
-            .clone();
+        let step100 = listed(&list, "step100");
         let stored = step100["stored_bytes"].as_u64().unwrap();
         let before = tree(f.tmp.path());
 
         let dest = f.tmp.path().join("new");
-        let out = f.run(&[
-            "restore",
-            url,
-            "latest",
-            dest.to_str().unwrap(),
-            "--dry-run",
-        ]);
+        let out = f.restore("latest", &dest, &["--dry-run"]);
         let shown = dest.display();
         assert_eq!(
             succeeded(&out),
@@ -1237,14 +1226,7 @@ mod archive {
         assert_eq!(text(&out.stderr), "", "no progress for a dry run");
         assert!(!dest.exists(), "a dry run created {shown}");
 
-        let out = f.run(&[
-            "restore",
-            url,
-            "step100",
-            dest.to_str().unwrap(),
-            "--dry-run",
-            "--json",
-        ]);
+        let out = f.restore("step100", &dest, &["--dry-run", "--json"]);
         let v: serde_json::Value = serde_json::from_str(&succeeded(&out)).unwrap();
         assert_eq!(v["dry_run"], true);
         assert_eq!(v["tag"], "step100");
@@ -1265,13 +1247,7 @@ mod archive {
         // An empty directory would be filled, and stays empty.
         let empty = f.tmp.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
-        let stdout = succeeded(&f.run(&[
-            "restore",
-            url,
-            "step100",
-            empty.to_str().unwrap(),
-            "--dry-run",
-        ]));
+        let stdout = succeeded(&f.restore("step100", &empty, &["--dry-run"]));
         assert_has(
             &stdout,
             &format!(
@@ -1283,13 +1259,7 @@ mod archive {
 
         // Refused, as the restore would refuse it, and left alone: not empty, a missing parent.
         std::fs::write(empty.join("keep"), b"mine").unwrap();
-        let out = f.run(&[
-            "restore",
-            url,
-            "step100",
-            empty.to_str().unwrap(),
-            "--dry-run",
-        ]);
+        let out = f.restore("step100", &empty, &["--dry-run"]);
         failed(&out);
         let why = format!(
             "{} is not empty; give the path of a new or empty directory",
@@ -1300,16 +1270,9 @@ mod archive {
             &format!("\n  the restore would be refused: {why}\n"),
         );
         assert_eq!(std::fs::read(empty.join("keep")).unwrap(), b"mine");
-        let real = failed(&f.run(&["restore", url, "step100", empty.to_str().unwrap()]));
+        let real = failed(&f.restore("step100", &empty, &[]));
         assert_has(&real, &why);
-        let out = f.run(&[
-            "restore",
-            url,
-            "step100",
-            empty.to_str().unwrap(),
-            "--dry-run",
-            "--json",
-        ]);
+        let out = f.restore("step100", &empty, &["--dry-run", "--json"]);
         failed(&out);
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(
@@ -1317,25 +1280,13 @@ mod archive {
             (Some("refused"), Some(why.as_str()))
         );
         let orphan = f.tmp.path().join("no/such/dir");
-        let out = f.run(&[
-            "restore",
-            url,
-            "step100",
-            orphan.to_str().unwrap(),
-            "--dry-run",
-        ]);
+        let out = f.restore("step100", &orphan, &["--dry-run"]);
         failed(&out);
         assert_has(&text(&out.stdout), "create its parent directory first\n");
         assert!(!f.tmp.path().join("no").exists());
 
         // A checkpoint that cannot be restored is an error, as for the restore.
-        let stderr = failed(&f.run(&[
-            "restore",
-            url,
-            "step200",
-            dest.to_str().unwrap(),
-            "--dry-run",
-        ]));
+        let stderr = failed(&f.restore("step200", &dest, &["--dry-run"]));
         assert_has(&stderr, "has no MANIFEST");
         assert!(!dest.exists());
     }

@@ -1,6 +1,7 @@
 //! End-to-end tests live in `tests/tests/`; this crate hosts them, and holds what several test files
 //! share that needs nothing of the cluster's description: the byte-counting relay in front of an
-//! origin and the plain relay under it (see [`relay`]).
+//! origin and the plain relay under it (see [`relay`]), and what a store itself says of an object's
+//! storage class (see [`storage_class`]), which the archive crate's conformance suite reads too.
 
 pub mod relay {
     //! TCP relays in front of a server, stopping (and cutting their connections) when dropped.
@@ -185,5 +186,47 @@ pub mod relay {
             }
         }
         let _ = to.shutdown(Shutdown::Write);
+    }
+}
+
+pub mod storage_class {
+    //! What a store itself says the storage class of an object is, read behind object_store's back
+    //! (object_store does not report it).
+
+    use std::process::Command;
+
+    /// The `x-amz-storage-class` header of a HEAD of `url` (`ENDPOINT/BUCKET/KEY`), signed by curl
+    /// with the key `key_id`/`secret` for `region`. `None`: the store names no class.
+    pub fn s3(url: &str, region: &str, key_id: &str, secret: &str) -> Option<String> {
+        let head = run_ok(
+            Command::new("curl")
+                .args(["--fail-with-body", "-sS", "-I", "--aws-sigv4"])
+                .arg(format!("aws:amz:{region}:s3"))
+                .arg("--user")
+                .arg(format!("{key_id}:{secret}"))
+                .args(["-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"])
+                .arg(url),
+        );
+        head.lines().find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("x-amz-storage-class")
+                .then(|| value.trim().to_string())
+        })
+    }
+
+    /// Runs `cmd` (without `AWS_CA_BUNDLE`: the test stores speak plain HTTP), which must succeed;
+    /// its stdout.
+    pub fn run_ok(cmd: &mut Command) -> String {
+        let out = cmd
+            .env_remove("AWS_CA_BUNDLE")
+            .output()
+            .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{cmd:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
     }
 }

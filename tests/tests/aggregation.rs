@@ -26,16 +26,9 @@ const ORIGIN_SLACK: f64 = 1.02;
 
 // ---------------------------------------------------------------------------------- datasets
 
-/// The test dataset (nested directories, an empty file, a few hundred small files, odd names)
-/// plus one 200 MiB object, with its listings and its size in bytes.
-struct Dataset {
-    dir: PathBuf,
-    sums: String,
-    dirs: String,
-    bytes: u64,
-}
-
 impl Dataset {
+    /// The test dataset (nested directories, an empty file, a few hundred small files, odd
+    /// names), with one 200 MiB object if `big`.
     fn new(cluster: &Cluster, test: &str, big: bool) -> Dataset {
         let dir = cluster.dataset(test, false);
         if big {
@@ -47,13 +40,7 @@ impl Dataset {
                 dir.display()
             )));
         }
-        let bytes = hash_tree_bytes(&dir);
-        Dataset {
-            sums: checksums(&dir),
-            dirs: directories(&dir),
-            bytes,
-            dir,
-        }
+        Dataset::of(dir)
     }
 
     /// Uploads it straight to Garage (not through the relay) at `bucket/e2e/<unique>/train`;
@@ -65,22 +52,25 @@ impl Dataset {
     }
 }
 
-/// The bytes of every file below `dir`.
-fn hash_tree_bytes(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).unwrap() {
-            let e = e.unwrap();
-            let md = e.metadata().unwrap();
-            if md.is_dir() {
-                stack.push(e.path());
-            } else {
-                total += md.len();
-            }
-        }
-    }
-    total
+/// The cluster (which must have S3) and `test`'s dataset (with the 200 MiB object if `big`),
+/// uploaded to `bucket`; with its prefix there.
+fn s3_dataset(test: &str, big: bool, bucket: &str) -> (Cluster, Dataset, String) {
+    let cluster = Cluster::for_s3();
+    let ds = Dataset::new(&cluster, test, big);
+    let prefix = ds.upload(&cluster, bucket);
+    (cluster, ds, prefix)
+}
+
+/// `test`'s dataset without the big object, plus what the shell command `more` writes into it
+/// (`{d}` in it stands for the dataset's directory), uploaded to the relayed bucket; with its
+/// prefix there.
+fn relayed_dataset_with(cluster: &Cluster, test: &str, more: &str) -> (Dataset, String) {
+    let dir = cluster.dataset(test, false);
+    let more = more.replace("{d}", &dir.display().to_string());
+    run(std::process::Command::new("bash").arg("-c").arg(more));
+    let ds = Dataset::of(dir);
+    let prefix = ds.upload(cluster, "datasets-relayed");
+    (ds, prefix)
 }
 
 /// The listing script (see `listing_script`), with each node's `sluice job` view of the job too.
@@ -100,40 +90,19 @@ fn script_with_job_view(cluster: &Cluster, out: &Path, names: &[&str]) -> String
 /// job directory of mode 0700; then the job's directories go and the nodes return to service.
 fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, name: &str, ds: &Dataset) {
     for node in &cluster.nodes {
-        let file = |f: &str| task_file(out, node, f);
-        assert!(
-            out.join(node).join("done").exists(),
-            "no task ran to the end on {node}\n{}",
-            cluster.evidence(job)
-        );
-        let sums = file(&format!("sums-{name}"));
-        assert!(
-            sums == ds.sums,
-            "dataset {name} on {node} differs from its source: {}",
-            diff_listings(&ds.sums, &sums)
-        );
-        assert_eq!(
-            file(&format!("dirs-{name}")),
-            ds.dirs,
-            "directories on {node}"
-        );
-        let owners = file("owners");
-        let foreign: Vec<&str> = owners
-            .lines()
-            .filter(|l| !l.starts_with(&format!("{} ", cluster.user)))
-            .take(10)
-            .collect();
-        assert!(
-            foreign.is_empty() && !owners.is_empty(),
-            "entries under SLUICE_STAGE_DIR on {node} not owned by {}: {foreign:?}",
-            cluster.user
-        );
-        assert_eq!(
-            file("jobdir").trim(),
-            format!("{} 700", cluster.user),
-            "the job directory on {node}"
-        );
+        cluster.assert_task_done(job, out, node);
+        cluster.assert_dataset_listed(job, out, node, name, &ds.sums, &ds.dirs);
+        cluster.assert_staged_owned_by_user(out, node);
+        cluster.assert_job_dir_private(out, node);
     }
+}
+
+/// Submits from `work` the 3-node `--stage-mode=replicate` job of `stage_in` running `script`,
+/// which must complete (`what` names it).
+fn replicate_job(cluster: &Cluster, work: &Path, stage_in: &str, script: &str, what: &str) -> Job {
+    let job = cluster.submit(work, &["-N3", stage_in, "--stage-mode=replicate"], script);
+    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, what);
+    job
 }
 
 /// What each node's agent counted for the job's one dataset: (origin bytes, peer bytes).
@@ -142,10 +111,7 @@ fn byte_sources(cluster: &Cluster, job: &Job, ds: &Dataset) -> Vec<(u64, u64)> {
         .nodes
         .iter()
         .map(|node| {
-            let status = cluster
-                .agent_job(node, job)
-                .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
-            let s = &status.stages[0];
+            let s = cluster.agent_stage(node, job);
             assert_eq!(
                 (s.bytes_done, s.origin_bytes + s.peer_bytes),
                 (ds.bytes, ds.bytes),
@@ -164,10 +130,7 @@ fn byte_sources(cluster: &Cluster, job: &Job, ds: &Dataset) -> Vec<(u64, u64)> {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_replicate_from_s3_reads_the_origin_once() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let ds = Dataset::new(&cluster, "aggregation-replicate", true);
-    let prefix = ds.upload(&cluster, "datasets-relayed");
+    let (cluster, ds, prefix) = s3_dataset("aggregation-replicate", true, "datasets-relayed");
     let relay = cluster.origin_relay();
 
     let work = cluster.workdir("aggregation-replicate");
@@ -175,12 +138,7 @@ fn aggregation_replicate_from_s3_reads_the_origin_once() {
     let script = script_with_job_view(&cluster, &out, &["train"]);
     let stage_in = format!("--stage-in=train=s3://datasets-relayed/{prefix}");
     let started = Instant::now();
-    let job = cluster.submit(
-        &work,
-        &["-N3", &stage_in, "--stage-mode=replicate"],
-        &script,
-    );
-    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the replicate job");
+    let job = replicate_job(&cluster, &work, &stage_in, &script, "the replicate job");
     assert_staged(&cluster, &job, &out, "train", &ds);
 
     let served = relay.served();
@@ -227,8 +185,7 @@ fn aggregation_replicate_from_s3_reads_the_origin_once() {
         !output.contains("note: peer transfers"),
         "no peer was routed around, yet the job output says:\n{output}"
     );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }
 
 /// The mode, type and path of every entry below the current directory, sorted: what the tasks
@@ -318,12 +275,13 @@ fn aggregation_replicate_from_posix_reads_the_origin_once() {
     );
     let stage_in = format!("--stage-in=train={}", ds.dir.display());
     let started = Instant::now();
-    let job = cluster.submit(
+    let job = replicate_job(
+        &cluster,
         &work,
-        &["-N3", &stage_in, "--stage-mode=replicate"],
+        &stage_in,
         &script,
+        "the POSIX replicate job",
     );
-    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the POSIX replicate job");
     eprintln!(
         "[aggregation] 3-node POSIX replicate done in {:.1} s",
         started.elapsed().as_secs_f64()
@@ -337,8 +295,7 @@ fn aggregation_replicate_from_posix_reads_the_origin_once() {
         );
     }
     assert_read_once_by_the_nodes(&cluster, &job, &out, &ds, "POSIX");
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }
 
 /// A 3-node replicate job from Azure Blob (Azurite): every node has the whole dataset,
@@ -355,16 +312,26 @@ fn aggregation_replicate_from_azure_reads_the_origin_once() {
     let out = work.join("out");
     let script = script_with_job_view(&cluster, &out, &["train"]);
     let stage_in = format!("--stage-in=train=az://datasets/{prefix}");
-    let job = cluster.submit(
+    let job = replicate_job(
+        &cluster,
         &work,
-        &["-N3", &stage_in, "--stage-mode=replicate"],
+        &stage_in,
         &script,
+        "the Azure replicate job",
     );
-    cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the Azure replicate job");
     assert_staged(&cluster, &job, &out, "train", &ds);
     assert_read_once_by_the_nodes(&cluster, &job, &out, &ds, "Azure");
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
+}
+
+/// Every agent's peer address, node → `host:port` (the harness's `SLUICE_TEST_PEER_ADDRS`).
+fn peer_addrs(cluster: &Cluster) -> std::collections::BTreeMap<String, String> {
+    cluster
+        .var("SLUICE_TEST_PEER_ADDRS")
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(n, a)| (n.to_string(), a.to_string()))
+        .collect()
 }
 
 /// A user process on a node, during a job that is being served there, connects to every agent's
@@ -373,22 +340,14 @@ fn aggregation_replicate_from_azure_reads_the_origin_once() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_peer_port_gives_a_user_process_nothing() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let ds = Dataset::new(&cluster, "aggregation-foreign", false);
-    let prefix = ds.upload(&cluster, "datasets");
+    let (cluster, ds, prefix) = s3_dataset("aggregation-foreign", false, "datasets");
     let file = "nested/a/sibling.bin";
     let content = fs::read(ds.dir.join(file)).unwrap();
     // Every 32-byte run of the file: an answer holding any of them carries the dataset's bytes.
     let runs: std::collections::HashSet<&[u8]> = content.windows(32).collect();
     let work = cluster.workdir("aggregation-foreign");
     let out = work.join("out");
-    let addrs: Vec<(String, String)> = cluster
-        .var("SLUICE_TEST_PEER_ADDRS")
-        .split_whitespace()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(n, a)| (n.to_string(), a.to_string()))
-        .collect();
+    let addrs = peer_addrs(&cluster);
     assert_eq!(addrs.len(), 3, "SLUICE_TEST_PEER_ADDRS");
     let query = format!(
         "file=ds%2F{}&offset=0&len={}",
@@ -431,7 +390,7 @@ fn aggregation_peer_port_gives_a_user_process_nothing() {
             "the dataset was not staged on {node}, so the probes ran against nothing\n{}",
             cluster.evidence(&job)
         );
-        for (peer, _) in &addrs {
+        for peer in addrs.keys() {
             for (how, want) in [("plain", "401"), ("forged", "401"), ("post", "405")] {
                 let code = task_file(&out, node, &format!("{peer}-{how}.code"));
                 assert_eq!(
@@ -460,28 +419,14 @@ fn aggregation_peer_port_gives_a_user_process_nothing() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_an_agent_killed_mid_transfer_is_routed_around() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let ds = Dataset::new(&cluster, "aggregation-kill", true);
-    let prefix = ds.upload(&cluster, "datasets-relayed");
+    let (cluster, ds, prefix) = s3_dataset("aggregation-kill", true, "datasets-relayed");
     let relay = cluster.origin_relay();
     // 20 MB/s for everyone: about 10 s to read the dataset once.
     relay.set_pace(20_000_000);
 
-    let work = cluster.workdir("aggregation-kill");
-    let out = work.join("out");
-    // The tasks wait for the test's go, so none of them waits on the agent while it is down.
-    let go = work.join("go");
-    let script = listing_script(&out, &["train"]).replacen(
-        "#!/bin/bash\n",
-        &format!(
-            "#!/bin/bash\nwhile [ ! -e '{}' ]; do sleep 0.2; done\n",
-            go.display()
-        ),
-        1,
-    );
     let stage_in = format!("--stage-in=train=s3://datasets-relayed/{prefix}");
-    let job = cluster.submit(&work, &["-N3", &stage_in], &script);
+    let (job, out, go) =
+        submit_waiting_for_go(&cluster, "aggregation-kill", &["train"], &stage_in, &[]);
     cluster.wait_running(&job, Duration::from_secs(60));
     let nodes = cluster.job_nodes(&job);
     let victim = nodes.last().unwrap().clone();
@@ -521,8 +466,26 @@ fn aggregation_an_agent_killed_mid_transfer_is_routed_around() {
         relay.served(),
         relay.served() as f64 / ds.bytes as f64
     );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
+}
+
+/// Submits `test`'s 3-node job of `stage_in` (and the sbatch options `more`) whose tasks wait for
+/// the test's go file, so none of them waits on an agent while the test has it down, then list
+/// `names` (see `listing_script`). Returns the job, where its tasks write and the go file.
+fn submit_waiting_for_go(
+    cluster: &Cluster,
+    test: &str,
+    names: &[&str],
+    stage_in: &str,
+    more: &[&str],
+) -> (Job, PathBuf, PathBuf) {
+    let work = cluster.workdir(test);
+    let out = work.join("out");
+    let go = work.join("go");
+    let script = waiting_for_go(&listing_script(&out, names), &go);
+    let mut args = vec!["-N3", stage_in];
+    args.extend_from_slice(more);
+    (cluster.submit(&work, &args, &script), out, go)
 }
 
 /// Relays TCP to `upstream`, changing one byte in the body of every answer longer than 4 KiB that
@@ -624,16 +587,8 @@ impl Drop for AgentWithConfig<'_> {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_a_tampering_relay_between_agents_is_detected() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let ds = Dataset::new(&cluster, "aggregation-tamper", true);
-    let prefix = ds.upload(&cluster, "datasets");
-    let addrs: std::collections::BTreeMap<String, String> = cluster
-        .var("SLUICE_TEST_PEER_ADDRS")
-        .split_whitespace()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(n, a)| (n.to_string(), a.to_string()))
-        .collect();
+    let (cluster, ds, prefix) = s3_dataset("aggregation-tamper", true, "datasets");
+    let addrs = peer_addrs(&cluster);
     let relay = TamperingRelay::start(addrs["n2"].clone());
     // n1's config: the cluster's, with n2's peer address pointing at the relay.
     let config = PathBuf::from("/etc/sluice/sluice.toml");
@@ -683,19 +638,22 @@ fn aggregation_a_tampering_relay_between_agents_is_detected() {
 
 /// The datasets of the shard and shared-tier tests: the big dataset on S3 (read through the
 /// counting relay, which runs from here on), the small one on Azure Blob and as a POSIX directory;
-/// with the `--stage-in` naming them `s3ds`, `azds` and `posixds`.
-fn three_sources(cluster: &Cluster, test: &str) -> (Dataset, Dataset, String, CountingRelay) {
-    cluster.require_s3();
-    let big = Dataset::new(cluster, &format!("{test}-s3"), true);
-    let s3 = big.upload(cluster, "datasets-relayed");
-    let small = Dataset::new(cluster, &format!("{test}-az"), false);
+/// with the `--stage-in` naming them `s3ds`, `azds` and `posixds`; and the cluster and `test`'s work
+/// directory.
+fn three_sources(test: &str) -> (Cluster, PathBuf, Dataset, Dataset, String, CountingRelay) {
+    let cluster = Cluster::for_s3();
+    let big = Dataset::new(&cluster, &format!("{test}-s3"), true);
+    let s3 = big.upload(&cluster, "datasets-relayed");
+    let small = Dataset::new(&cluster, &format!("{test}-az"), false);
     let az = format!("e2e/{}/train", unique());
     cluster.upload(&small.dir, "azurite", &format!("datasets/{az}"));
     let stage_in = format!(
         "--stage-in=s3ds=s3://datasets-relayed/{s3},azds=az://datasets/{az},posixds={}",
         small.dir.display()
     );
-    (big, small, stage_in, cluster.origin_relay())
+    let relay = cluster.origin_relay();
+    let work = cluster.workdir(test);
+    (cluster, work, big, small, stage_in, relay)
 }
 
 /// The origin behind `relay` served a `bytes`-byte dataset about once (at most [`ORIGIN_SLACK`]
@@ -722,10 +680,7 @@ fn assert_origin_once(cluster: &Cluster, job: &Job, relay: &CountingRelay, bytes
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
-    let cluster = Cluster::for_sluice();
-    let (big, small, stage_in, relay) = three_sources(&cluster, "aggregation-shard");
-
-    let work = cluster.workdir("aggregation-shard");
+    let (cluster, work, big, small, stage_in, relay) = three_sources("aggregation-shard");
     let out = work.join("out");
     let names = ["s3ds", "azds", "posixds"];
     let script = listing_script(&out, &names).replacen(
@@ -798,8 +753,7 @@ fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
         }
     }
     assert_origin_once(&cluster, &job, &relay, big.bytes, "shard");
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }
 
 /// `--stage-tier=shared` on 3 nodes, from S3 (through the counting relay), Azure Blob and a POSIX
@@ -811,20 +765,13 @@ fn aggregation_shard_gives_each_node_its_files_and_the_same_manifest() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
-    let cluster = Cluster::for_sluice();
-    let (big, small, stage_in, relay) = three_sources(&cluster, "aggregation-shared");
-
-    let work = cluster.workdir("aggregation-shared");
+    let (cluster, work, big, small, stage_in, relay) = three_sources("aggregation-shared");
     let out = work.join("out");
     let script = listing_script(&out, &["s3ds", "azds", "posixds"]);
     let job = cluster.submit(&work, &["-N3", &stage_in, "--stage-tier=shared"], &script);
     cluster.assert_completes(&job, STAGE_JOB_TIMEOUT, "the shared-tier job");
 
-    let job_dir = PathBuf::from(
-        cluster
-            .var("SLUICE_TEST_SHARED_TIER")
-            .replace("%j", &job.id.to_string()),
-    );
+    let job_dir = shared_job_dir(&cluster, &job);
     for node in &cluster.nodes {
         assert_eq!(
             task_file(&out, node, "stage_dir").trim(),
@@ -833,12 +780,8 @@ fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
         );
         for (name, ds) in [("s3ds", &big), ("azds", &small), ("posixds", &small)] {
             let sums = task_file(&out, node, &format!("sums-{name}"));
-            assert!(
-                sums == ds.sums,
-                "{name} on {node} differs from its source: {}\n{}",
-                diff_listings(&ds.sums, &sums),
-                cluster.evidence(&job)
-            );
+            let what = format!("{name} on {node} differs from its source");
+            cluster.assert_same_listing(&job, &ds.sums, &sums, &what);
         }
         cluster.assert_staged_owned_by_user(&out, node);
     }
@@ -847,22 +790,11 @@ fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
     let origin: u64 = cluster
         .nodes
         .iter()
-        .map(|node| {
-            let status = cluster
-                .agent_job(node, &job)
-                .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
-            status.stages[0].origin_bytes
-        })
+        .map(|node| cluster.agent_stage(node, &job).origin_bytes)
         .sum();
     assert_eq!(origin, big.bytes, "bytes the three agents read from S3");
-    cluster.wait_for(
-        &format!("the job's shared directory {} to go", job_dir.display()),
-        CLEANUP_TIMEOUT,
-        Some(&job),
-        || !job_dir.exists(),
-    );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    assert_shared_job_dir_goes(&cluster, &job, &job_dir);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }
 
 /// `--stage-tier=shared` on 3 nodes from S3 (paced at the origin so staging lasts a while) and a
@@ -875,45 +807,31 @@ fn aggregation_shared_tier_writes_each_file_once_for_all_nodes() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     // The usual small files, plus 15 files of 12 MiB: each node owns several big ones, so the
     // victim is caught with some of its share written and some not.
-    let dir = cluster.dataset("aggregation-shared-dead", false);
-    run(std::process::Command::new("bash").arg("-c").arg(format!(
+    let (ds, prefix) = relayed_dataset_with(
+        &cluster,
+        "aggregation-shared-dead",
         "mkdir -p '{d}/big' && for i in $(seq 1 15); do head -c 12582912 /dev/urandom > \"{d}/big/part-$i.bin\"; done && chmod -R u=rwX,go=rX '{d}'",
-        d = dir.display()
-    )));
-    let ds = Dataset {
-        sums: checksums(&dir),
-        dirs: directories(&dir),
-        bytes: hash_tree_bytes(&dir),
-        dir,
-    };
-    let prefix = ds.upload(&cluster, "datasets-relayed");
+    );
     // A POSIX dataset too: the survivors' copy helpers take over its files as the job user.
     let posix = Dataset::new(&cluster, "aggregation-shared-dead-posix", false);
     let relay = cluster.origin_relay();
     // 10 MB/s for everyone: about 18 s to read the dataset once.
     relay.set_pace(10_000_000);
 
-    let work = cluster.workdir("aggregation-shared-dead");
-    let out = work.join("out");
-    // The tasks wait for the test's go, so none of them waits on the agent while it is down.
-    let go = work.join("go");
-    let script = listing_script(&out, &["train", "posixds"]).replacen(
-        "#!/bin/bash\n",
-        &format!(
-            "#!/bin/bash\nwhile [ ! -e '{}' ]; do sleep 0.2; done\n",
-            go.display()
-        ),
-        1,
-    );
     let stage_in = format!(
         "--stage-in=train=s3://datasets-relayed/{prefix},posixds={}",
         posix.dir.display()
     );
-    let job = cluster.submit(&work, &["-N3", &stage_in, "--stage-tier=shared"], &script);
+    let (job, out, go) = submit_waiting_for_go(
+        &cluster,
+        "aggregation-shared-dead",
+        &["train", "posixds"],
+        &stage_in,
+        &["--stage-tier=shared"],
+    );
     // Should the test fail before the go, the job still ends rather than hold the cluster.
     let _go = GoOnDrop(go.clone());
     cluster.wait_running(&job, Duration::from_secs(60));
@@ -942,11 +860,7 @@ fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
         agent.pid
     );
     relay.set_pace(0);
-    let job_dir = PathBuf::from(
-        cluster
-            .var("SLUICE_TEST_SHARED_TIER")
-            .replace("%j", &job.id.to_string()),
-    );
+    let job_dir = shared_job_dir(&cluster, &job);
     let takeover = job_dir.join(format!(".sluice/{victim}+takeover"));
     cluster.wait_for(
         &format!(
@@ -967,18 +881,7 @@ fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
     );
     for node in &cluster.nodes {
         for (name, ds) in [("train", &ds), ("posixds", &posix)] {
-            let sums = task_file(&out, node, &format!("sums-{name}"));
-            assert!(
-                sums == ds.sums,
-                "{name} on {node} differs from its source: {}\n{}",
-                diff_listings(&ds.sums, &sums),
-                cluster.evidence(&job)
-            );
-            assert_eq!(
-                task_file(&out, node, &format!("dirs-{name}")),
-                ds.dirs,
-                "{name}'s directories on {node}"
-            );
+            cluster.assert_dataset_listed(&job, &out, node, name, &ds.sums, &ds.dirs);
         }
         cluster.assert_staged_owned_by_user(&out, node);
     }
@@ -1007,13 +910,27 @@ fn aggregation_shared_tier_takes_over_a_dead_nodes_share() {
         ds.bytes,
         cluster.evidence(&job)
     );
+    assert_shared_job_dir_goes(&cluster, &job, &job_dir);
+    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+}
+
+/// The job's directory on the shared tier (the harness's `SLUICE_TEST_SHARED_TIER`, `%j` the job id).
+fn shared_job_dir(cluster: &Cluster, job: &Job) -> PathBuf {
+    PathBuf::from(
+        cluster
+            .var("SLUICE_TEST_SHARED_TIER")
+            .replace("%j", &job.id.to_string()),
+    )
+}
+
+/// The job's directory on the shared tier goes after the job.
+fn assert_shared_job_dir_goes(cluster: &Cluster, job: &Job, job_dir: &Path) {
     cluster.wait_for(
         &format!("the job's shared directory {} to go", job_dir.display()),
         CLEANUP_TIMEOUT,
-        Some(&job),
+        Some(job),
         || !job_dir.exists(),
     );
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
 }
 
 /// Lets a job that waits for the test's go file run on when dropped.
@@ -1033,8 +950,7 @@ impl Drop for GoOnDrop {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn aggregation_restore_reads_the_archive_once() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     let archive = Archive::new(&cluster, Backend::RelayedGarage, "restore-agg");
     let work = cluster.workdir("aggregation-restore");
     let src = work.join("ckpt-src");
@@ -1095,12 +1011,8 @@ touch "$o/done"
     for node in &cluster.nodes {
         assert_eq!(task_file(&out, node, "tag").trim(), "step-1", "on {node}");
         let got = task_file(&out, node, "sums");
-        assert!(
-            got == sums,
-            "step-1 restored on {node} differs from what was written: {}\n{}",
-            diff_listings(&sums, &got),
-            cluster.evidence(&job)
-        );
+        let what = format!("step-1 restored on {node} differs from what was written");
+        cluster.assert_same_listing(&job, &sums, &got, &what);
     }
     let ratio = served as f64 / stored as f64;
     eprintln!(
@@ -1132,39 +1044,21 @@ touch "$o/done"
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let dir = cluster.dataset("resume-served", false);
+    let cluster = Cluster::for_s3();
     // Volume: 48 files of one 1 MiB unit each, spread over the nodes' shares.
-    run(std::process::Command::new("bash").arg("-c").arg(format!(
+    let (ds, prefix) = relayed_dataset_with(
+        &cluster,
+        "resume-served",
         "mkdir -p '{d}/mb' && for i in $(seq -w 0 47); do head -c 1048576 /dev/urandom > \
          '{d}/mb/f-'$i.bin; done && chmod -R u=rwX,go=rX '{d}'",
-        d = dir.display()
-    )));
-    let ds = Dataset {
-        bytes: hash_tree_bytes(&dir),
-        sums: checksums(&dir),
-        dirs: directories(&dir),
-        dir,
-    };
-    let prefix = ds.upload(&cluster, "datasets-relayed");
+    );
     let relay = cluster.origin_relay();
     // Slow enough that no node has listed the dataset by the time n2 and n3 are down.
     relay.set_pace(100_000);
 
-    let work = cluster.workdir("resume-served");
-    let out = work.join("out");
-    let go = work.join("go");
-    let script = listing_script(&out, &["train"]).replacen(
-        "#!/bin/bash\n",
-        &format!(
-            "#!/bin/bash\nwhile [ ! -e '{}' ]; do sleep 0.2; done\n",
-            go.display()
-        ),
-        1,
-    );
     let stage_in = format!("--stage-in=train=s3://datasets-relayed/{prefix}");
-    let job = cluster.submit(&work, &["-N3", &stage_in], &script);
+    let (job, out, go) =
+        submit_waiting_for_go(&cluster, "resume-served", &["train"], &stage_in, &[]);
     let (keeper, others) = ("n1", ["n2", "n3"]);
     // As soon as n2 and n3 start staging (their prologs answered), their agents die: n1 finds
     // their ports closed and stages the whole dataset from the origin itself.
@@ -1235,10 +1129,7 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
     // what neither read came from n1.
     let mut from_origin = 0;
     for node in others {
-        let s = cluster
-            .agent_job(node, &job)
-            .unwrap_or_else(|e| panic!("the agent of {node}: {e}"));
-        let p = &s.stages[0];
+        let p = cluster.agent_stage(node, &job);
         assert_eq!(
             (p.bytes_done, p.origin_bytes + p.peer_bytes),
             (ds.bytes, ds.bytes),
@@ -1264,6 +1155,5 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
         "the restarted agent of {keeper} did not say it serves the job's other nodes\n{}",
         cluster.evidence(&job)
     );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }

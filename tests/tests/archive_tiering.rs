@@ -90,42 +90,13 @@ impl Drop for TieredAgent<'_> {
 /// `x-amz-storage-class` of a HEAD on Garage (signed by curl), the access tier of Get Blob
 /// Properties (rclone's `Tier`) on Azurite. `None`: the store names none.
 fn stored_class(cluster: &Cluster, url: &str, key: &str) -> Option<String> {
-    let run = |cmd: &mut Command| {
-        let out = cmd
-            .env_remove("AWS_CA_BUNDLE")
-            .output()
-            .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "{cmd:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
     if let Some(path) = url.strip_prefix("s3://") {
-        let head = run(Command::new("curl")
-            .args(["--fail-with-body", "-sS", "-I", "--aws-sigv4"])
-            .arg(format!(
-                "aws:amz:{}:s3",
-                cluster.var("SLUICE_TEST_S3_REGION")
-            ))
-            .arg("--user")
-            .arg(format!(
-                "{}:{}",
-                cluster.var("SLUICE_TEST_S3_KEY_ID"),
-                cluster.var("SLUICE_TEST_S3_SECRET")
-            ))
-            .args(["-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"])
-            .arg(format!(
-                "{}/{path}/{key}",
-                cluster.var("SLUICE_TEST_S3_ENDPOINT")
-            )));
-        head.lines().find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("x-amz-storage-class")
-                .then(|| value.trim().to_string())
-        })
+        sluice_e2e::storage_class::s3(
+            &format!("{}/{path}/{key}", cluster.var("SLUICE_TEST_S3_ENDPOINT")),
+            cluster.var("SLUICE_TEST_S3_REGION"),
+            cluster.var("SLUICE_TEST_S3_KEY_ID"),
+            cluster.var("SLUICE_TEST_S3_SECRET"),
+        )
     } else {
         let path = url
             .strip_prefix("az://")

@@ -47,15 +47,15 @@ const MIB: u64 = 1 << 20;
 ///
 /// The configuration also narrows who may stage from the relayed bucket: everyone below
 /// `s3://datasets-relayed/cache-e2e/`, each user below `s3://datasets-relayed/{user}/`.
-struct CachedAgents<'a> {
-    cluster: &'a Cluster,
+struct CachedAgents {
+    cluster: Cluster,
     originals: Vec<AgentProcess>,
     config: PathBuf,
 }
 
-impl<'a> CachedAgents<'a> {
+impl CachedAgents {
     /// `cache` is the body of the `[cache]` section, e.g. `size = "256MiB"`.
-    fn start(cluster: &'a Cluster, cache: &str) -> CachedAgents<'a> {
+    fn start(cluster: &Cluster, cache: &str) -> CachedAgents {
         let originals: Vec<AgentProcess> = cluster
             .nodes
             .iter()
@@ -93,18 +93,28 @@ impl<'a> CachedAgents<'a> {
             cluster.start_agent(&agent.with_config(&config));
         }
         CachedAgents {
-            cluster,
+            cluster: cluster.clone(),
             originals,
             config,
         }
     }
 }
 
-impl Drop for CachedAgents<'_> {
+/// The start of a test on S3 datasets: the cluster, which has S3; its agents running with
+/// `[cache]` `cache` (see [`CachedAgents::start`]); the relay counting what the origin serves from
+/// here on. Bound in this order, they are dropped in the reverse: the relay first.
+fn s3_cache(cache: &str) -> (Cluster, CachedAgents, CountingRelay) {
+    let cluster = Cluster::for_s3();
+    let agents = CachedAgents::start(&cluster, cache);
+    let relay = cluster.origin_relay();
+    (cluster, agents, relay)
+}
+
+impl Drop for CachedAgents {
     fn drop(&mut self) {
         for agent in &self.originals {
             self.cluster.kill_agent_and_its_ports(&agent.node);
-            remove_cache_dir(self.cluster, &agent.node);
+            remove_cache_dir(&self.cluster, &agent.node);
             self.cluster.start_agent(agent);
         }
         let _ = fs::remove_file(&self.config);
@@ -162,8 +172,21 @@ impl Ds {
         run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&dir));
         let prefix = format!("{under}/{}/train", unique());
         cluster.upload(&dir, "garage", &format!("datasets-relayed/{prefix}"));
+        Ds::at(dir, format!("s3://datasets-relayed/{prefix}"), prefix)
+    }
+
+    /// The harness's test dataset plus `big/weights.bin` of `big` random bytes as a POSIX tree
+    /// every user may read; its URL is its path.
+    fn posix(cluster: &Cluster, test: &str, big: u64) -> Ds {
+        let dir = cluster.dataset(test, false);
+        random_file(&dir.join("big/weights.bin"), big);
+        run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&dir));
+        Ds::at(dir.clone(), dir.display().to_string(), String::new())
+    }
+
+    fn at(dir: PathBuf, url: String, prefix: String) -> Ds {
         let mut ds = Ds {
-            url: format!("s3://datasets-relayed/{prefix}"),
+            url,
             prefix,
             sums: String::new(),
             bytes: 0,
@@ -176,7 +199,7 @@ impl Ds {
     /// Re-reads the local copy's checksums and size (after a test changed a file).
     fn refresh(&mut self) {
         self.sums = checksums(&self.dir);
-        self.bytes = file_sizes(&self.dir).values().sum();
+        self.bytes = tree_bytes(&self.dir);
     }
 
     /// The objects of the dataset: URL → size.
@@ -186,32 +209,6 @@ impl Ds {
             .map(|(rel, n)| (format!("{}/{rel}", self.url), n))
             .collect()
     }
-}
-
-fn random_file(path: &Path, len: u64) {
-    fs::create_dir_all(path.parent().unwrap()).unwrap();
-    run(Command::new("bash")
-        .arg("-c")
-        .arg(format!("head -c {len} /dev/urandom > '{}'", path.display())));
-}
-
-/// Every file below `dir`: relative path → size.
-fn file_sizes(dir: &Path) -> std::collections::BTreeMap<String, u64> {
-    let mut out = std::collections::BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).unwrap() {
-            let e = e.unwrap();
-            let md = e.metadata().unwrap();
-            if md.is_dir() {
-                stack.push(e.path());
-            } else {
-                let rel = e.path().strip_prefix(dir).unwrap().display().to_string();
-                out.insert(rel, md.len());
-            }
-        }
-    }
-    out
 }
 
 // ------------------------------------------------------------------------------ jobs
@@ -477,17 +474,7 @@ fn assert_cache_private(cluster: &Cluster, node: &str) {
 
 /// `sluice --socket <NODE's> ARGS` as root; (exit status, stdout, stderr).
 fn sluice_cli(cluster: &Cluster, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(built_cli())
-        .arg("--socket")
-        .arg(cluster.agent_socket(NODE))
-        .args(args)
-        .output()
-        .expect("run sluice");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    sluice_cli_on(cluster, NODE, args)
 }
 
 /// `sluice cache ARGS --json` as root, which must succeed; its JSON.
@@ -501,6 +488,44 @@ fn cache_json(cluster: &Cluster, args: &[&str]) -> Value {
         .unwrap_or_else(|e| panic!("sluice {all:?} printed no JSON ({e}):\n{stdout}"))
 }
 
+/// The entries of `sluice cache list --json`: URL → size.
+fn listed_entries(listed: &Value) -> std::collections::BTreeMap<String, u64> {
+    listed["entries"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no entries in sluice cache list --json:\n{listed:#}"))
+        .iter()
+        .map(|e| {
+            (
+                e["url"].as_str().unwrap().to_string(),
+                e["size"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// `job` (of `who`, its stage-in refused: `why`) stopped before its script: the script wrote no
+/// `done` below `out`, the cache counted no hit since `hits_before`, and the job left nothing
+/// behind on the node.
+fn assert_refused_job_left_no_trace(
+    cluster: &Cluster,
+    job: &Job,
+    out: &Path,
+    hits_before: u64,
+    who: &str,
+    why: &str,
+) {
+    assert!(
+        !out.join(NODE).join("done").exists(),
+        "{who}'s job script ran although {why}"
+    );
+    assert_eq!(
+        listing(cluster, NODE).stats.hits,
+        hits_before,
+        "the cache counted a hit for a job whose stage-in was refused ({who}: {why})"
+    );
+    cluster.assert_job_left_nothing(job, CLEANUP_TIMEOUT);
+}
+
 // ------------------------------------------------------------------------------ tests
 
 /// A user's second and third job on a node stage the same S3 dataset (a 32 MiB object and a few
@@ -512,21 +537,24 @@ fn cache_json(cluster: &Cluster, args: &[&str]) -> Value {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cache_a_users_second_job_reads_the_dataset_from_the_nodes_cache() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = cluster.origin_relay();
+    let (cluster, _agents, relay) = s3_cache("size = \"256MiB\"");
     let ds = Ds::standard(&cluster, "cache-hit", 32 * MIB, SHARED);
-    let user = cluster.user.clone();
 
-    let first = stage_job(&cluster, &relay, &user, "cache-hit-1", &ds.url, "");
+    let first = stage_job(&cluster, &relay, &cluster.user, "cache-hit-1", &ds.url, "");
     first.assert_got(&cluster, &ds, "the first job");
     first.assert_miss(&cluster, &ds, "the first job (an empty cache)");
 
     // In place, as a careless training script would: a hard link to the cache would take it along.
     let scribble = "printf JOB-WROTE-THIS | dd of=\"$SLUICE_STAGE_DIR/ds/big/weights.bin\" bs=1 \
                     seek=4096 conv=notrunc status=none && echo yes > \"$o/scribbled\"";
-    let second = stage_job(&cluster, &relay, &user, "cache-hit-2", &ds.url, scribble);
+    let second = stage_job(
+        &cluster,
+        &relay,
+        &cluster.user,
+        "cache-hit-2",
+        &ds.url,
+        scribble,
+    );
     second.assert_got(&cluster, &ds, "the second job");
     second.assert_hit(&cluster, &ds, "the second job");
     assert_eq!(
@@ -540,7 +568,7 @@ fn cache_a_users_second_job_reads_the_dataset_from_the_nodes_cache() {
         "the second job's output does not say its dataset came from the node's cache:\n{output}"
     );
 
-    let third = stage_job(&cluster, &relay, &user, "cache-hit-3", &ds.url, "");
+    let third = stage_job(&cluster, &relay, &cluster.user, "cache-hit-3", &ds.url, "");
     third.assert_got(
         &cluster,
         &ds,
@@ -555,8 +583,7 @@ fn cache_a_users_second_job_reads_the_dataset_from_the_nodes_cache() {
         ds.bytes
     );
     assert_cache_private(&cluster, NODE);
-    cluster.assert_hot_tier_cleaned(&third.job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&third.job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&third.job, CLEANUP_TIMEOUT);
 }
 
 /// Authorisation on every hit. A dataset below the shared prefix, cached by the test user's job, is
@@ -568,10 +595,7 @@ fn cache_a_users_second_job_reads_the_dataset_from_the_nodes_cache() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cache_another_user_hits_only_what_the_allow_rules_give_them() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = cluster.origin_relay();
+    let (cluster, _agents, relay) = s3_cache("size = \"256MiB\"");
     let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
 
     let shared = Ds::standard(&cluster, "cache-users-shared", 8 * MIB, SHARED);
@@ -653,22 +677,13 @@ fn cache_another_user_hits_only_what_the_allow_rules_give_them() {
         )),
         "{b}'s job output does not carry the policy's refusal:\n{text}"
     );
-    assert!(
-        !out.join(NODE).join("done").exists(),
-        "{b}'s job script ran although the stage-in was refused"
-    );
     assert_eq!(
         relay.served() - served_before,
         0,
         "the origin served bytes for a refused job"
     );
-    assert_eq!(
-        listing(&cluster, NODE).stats.hits,
-        hits_before,
-        "the cache counted a hit for a refused job"
-    );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    let why = "the stage-in was refused";
+    assert_refused_job_left_no_trace(&cluster, &job, &out, hits_before, &b, why);
 }
 
 /// An object re-uploaded with other bytes of the same size (a new ETag; its size alone would not
@@ -677,14 +692,17 @@ fn cache_another_user_hits_only_what_the_allow_rules_give_them() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cache_a_changed_object_is_read_again_from_the_origin() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = cluster.origin_relay();
+    let (cluster, _agents, relay) = s3_cache("size = \"256MiB\"");
     let mut ds = Ds::standard(&cluster, "cache-changed", 8 * MIB, SHARED);
-    let user = cluster.user.clone();
 
-    let first = stage_job(&cluster, &relay, &user, "cache-changed-1", &ds.url, "");
+    let first = stage_job(
+        &cluster,
+        &relay,
+        &cluster.user,
+        "cache-changed-1",
+        &ds.url,
+        "",
+    );
     first.assert_got(&cluster, &ds, "the first job");
     let old_sums = ds.sums.clone();
 
@@ -699,7 +717,14 @@ fn cache_a_changed_object_is_read_again_from_the_origin() {
     ds.refresh();
     assert_ne!(old_sums, ds.sums, "the re-upload changed nothing");
 
-    let second = stage_job(&cluster, &relay, &user, "cache-changed-2", &ds.url, "");
+    let second = stage_job(
+        &cluster,
+        &relay,
+        &cluster.user,
+        "cache-changed-2",
+        &ds.url,
+        "",
+    );
     second.assert_got(
         &cluster,
         &ds,
@@ -737,10 +762,7 @@ fn cache_a_changed_object_is_read_again_from_the_origin() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cache_eviction_under_pressure_keeps_usage_bounded_and_a_running_jobs_data_intact() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let _agents = CachedAgents::start(&cluster, "size = \"24MiB\"");
-    let relay = cluster.origin_relay();
+    let (cluster, _agents, relay) = s3_cache("size = \"24MiB\"");
     let unit = 4 * MIB;
     let ds_a = Ds::objects(&cluster, "cache-evict-a", 4, unit);
     let ds_b = Ds::objects(&cluster, "cache-evict-b", 4, unit);
@@ -874,8 +896,7 @@ fn cache_eviction_under_pressure_keeps_usage_bounded_and_a_running_jobs_data_int
         "the cache directory reached {disk} bytes on disk: above the high watermark {high} plus \
          one {unit}-byte object"
     );
-    cluster.assert_hot_tier_cleaned(&job_a, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job_a, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job_a, CLEANUP_TIMEOUT);
 }
 
 /// The node's agent is SIGKILLed while it fills a cache entry (the origin paced so the 48 MiB
@@ -886,19 +907,15 @@ fn cache_eviction_under_pressure_keeps_usage_bounded_and_a_running_jobs_data_int
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cache_an_entry_torn_by_a_killed_agent_is_never_served() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = cluster.origin_relay();
-    let size = 48 * MIB;
-    let ds = Ds::objects(&cluster, "cache-torn", 1, size);
-    let user = cluster.user.clone();
+    let (cluster, _agents, relay) = s3_cache("size = \"256MiB\"");
+    let ds = Ds::objects(&cluster, "cache-torn", 1, 48 * MIB);
+    let size = ds.bytes; // of its one object
     relay.set_pace(4_000_000);
 
-    let out = out_dir(&cluster, &user, "cache-torn");
+    let out = out_dir(&cluster, &cluster.user, "cache-torn");
     let job = submit(
         &cluster,
-        &user,
+        &cluster.user,
         "cache-torn",
         &ds.url,
         &out,
@@ -967,15 +984,21 @@ fn cache_an_entry_torn_by_a_killed_agent_is_never_served() {
         "sluice cache list shows the object more than once:\n{table}"
     );
 
-    let next = stage_job(&cluster, &relay, &user, "cache-torn-next", &ds.url, "");
+    let next = stage_job(
+        &cluster,
+        &relay,
+        &cluster.user,
+        "cache-torn-next",
+        &ds.url,
+        "",
+    );
     next.assert_got(&cluster, &ds, "the next job");
     next.assert_hit(
         &cluster,
         &ds,
         "the next job (the entry the restarted agent filled)",
     );
-    cluster.assert_hot_tier_cleaned(&next.job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&next.job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&next.job, CLEANUP_TIMEOUT);
 }
 
 /// `sluice cache` as root on the node: `stats` of an empty cache; `warm URL` reads the dataset from
@@ -986,10 +1009,7 @@ fn cache_an_entry_torn_by_a_killed_agent_is_never_served() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cache_admin_commands_list_stats_warm_and_evict() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = cluster.origin_relay();
+    let (cluster, _agents, relay) = s3_cache("size = \"256MiB\"");
     let ds = Ds::standard(&cluster, "cache-cli", 8 * MIB, SHARED);
     let user = cluster.user.clone();
     let objects = ds.objects_by_url();
@@ -1034,17 +1054,7 @@ fn cache_admin_commands_list_stats_warm_and_evict() {
         ds.bytes
     );
     let listed = cache_json(&cluster, &["list"]);
-    let entries: std::collections::BTreeMap<String, u64> = listed["entries"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no entries in sluice cache list --json:\n{listed:#}"))
-        .iter()
-        .map(|e| {
-            (
-                e["url"].as_str().unwrap().to_string(),
-                e["size"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let entries = listed_entries(&listed);
     for url in &non_empty {
         assert_eq!(
             entries.get(*url),
@@ -1113,11 +1123,30 @@ fn cache_admin_commands_list_stats_warm_and_evict() {
     let miss = stage_job(&cluster, &relay, &user, "cache-cli-evicted", &ds.url, "");
     miss.assert_got(&cluster, &ds, "the job after evict");
     miss.assert_miss(&cluster, &ds, "the job after evict");
-    cluster.assert_hot_tier_cleaned(&miss.job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&miss.job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&miss.job, CLEANUP_TIMEOUT);
 }
 
 // ------------------------------------------------------------------------------ peers' caches
+
+/// `test`'s 3-node `--stage-mode=replicate` job staging `ds` as `ds`, which must complete (`what`
+/// names it); every node's copy must be identical to the source.
+fn replicate_job(cluster: &Cluster, test: &str, ds: &Ds, what: &str) -> Job {
+    let work = cluster.workdir(test);
+    let out = work.join("out");
+    let stage_in = format!("--stage-in=ds={}", ds.url);
+    let job = cluster.submit(
+        &work,
+        &["-N3", "-w", "n[1-3]", &stage_in, "--stage-mode=replicate"],
+        &listing_script(&out, &["ds"]),
+    );
+    cluster.assert_completes(&job, JOB_TIMEOUT, what);
+    for node in &cluster.nodes {
+        let sums = task_file(&out, node, "sums-ds");
+        let differs = format!("{what}: the dataset on {node} differs from its source");
+        cluster.assert_same_listing(&job, &ds.sums, &sums, &differs);
+    }
+    job
+}
 
 /// `sluice --socket <node's> ARGS` as root; (exit status, stdout, stderr).
 fn sluice_cli_on(cluster: &Cluster, node: &str, args: &[&str]) -> (bool, String, String) {
@@ -1142,10 +1171,7 @@ fn sluice_cli_on(cluster: &Cluster, node: &str, args: &[&str]) -> (bool, String,
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cache_a_multi_node_job_takes_what_one_node_cached_from_that_nodes_cache() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let _agents = CachedAgents::start(&cluster, "size = \"512MiB\"");
-    let relay = cluster.origin_relay();
+    let (cluster, _agents, relay) = s3_cache("size = \"512MiB\"");
     let ds = Ds::standard(&cluster, "cache-peers", 64 * MIB, SHARED);
     let warm_node = "n2";
     let (ok, stdout, stderr) =
@@ -1158,29 +1184,12 @@ fn cache_a_multi_node_job_takes_what_one_node_cached_from_that_nodes_cache() {
     }
     relay.take_served();
 
-    let work = cluster.workdir("cache-peers");
-    let out = work.join("out");
-    let stage_in = format!("--stage-in=ds={}", ds.url);
-    let job = cluster.submit(
-        &work,
-        &["-N3", "-w", "n[1-3]", &stage_in, "--stage-mode=replicate"],
-        &listing_script(&out, &["ds"]),
-    );
-    cluster.assert_completes(&job, JOB_TIMEOUT, "the 3-node job");
+    let job = replicate_job(&cluster, "cache-peers", &ds, "the 3-node job");
     let served = relay.take_served();
     eprintln!(
         "[cache] cache-peers: job {}: origin served {served} bytes of a {}-byte dataset",
         job.id, ds.bytes
     );
-    for node in &cluster.nodes {
-        let sums = task_file(&out, node, "sums-ds");
-        assert!(
-            sums == ds.sums,
-            "the dataset on {node} differs from its source: {}\n{}",
-            diff_listings(&ds.sums, &sums),
-            cluster.evidence(&job)
-        );
-    }
     let share = served as f64 / ds.bytes as f64;
     assert!(
         share <= HIT_ORIGIN_SHARE,
@@ -1192,10 +1201,7 @@ fn cache_a_multi_node_job_takes_what_one_node_cached_from_that_nodes_cache() {
         cluster.evidence(&job)
     );
     for node in &cluster.nodes {
-        let status = cluster
-            .agent_job(node, &job)
-            .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
-        let p = &status.stages[0];
+        let p = cluster.agent_stage(node, &job);
         assert_eq!(
             p.origin_bytes, 0,
             "{node} read from the origin what {warm_node} had cached: {p:?}"
@@ -1203,8 +1209,7 @@ fn cache_a_multi_node_job_takes_what_one_node_cached_from_that_nodes_cache() {
         let used = listing(&cluster, node).stats.used_bytes;
         assert_eq!(used, ds.bytes, "{node}'s cache after the job");
     }
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }
 
 /// A POSIX source is cached per user (`(path, device, inode, size, mtime)` and the job user). A
@@ -1221,18 +1226,8 @@ fn cache_a_users_second_job_on_a_posix_tree_reads_the_nodes_cache() {
     let cluster = Cluster::for_sluice();
     let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
     let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
-    let dir = cluster.dataset("cache-posix", false);
-    let big = dir.join("big/weights.bin");
-    random_file(&big, 32 * MIB);
-    run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&dir));
-    let path = dir.display().to_string();
-    let ds = Ds {
-        sums: checksums(&dir),
-        bytes: file_sizes(&dir).values().sum(),
-        prefix: String::new(),
-        url: path.clone(),
-        dir,
-    };
+    let ds = Ds::posix(&cluster, "cache-posix", 32 * MIB);
+    let (path, big) = (ds.url.clone(), ds.dir.join("big/weights.bin"));
     let job = |user: &str, test: &str| {
         let out = out_dir(&cluster, user, test);
         let job = submit(&cluster, user, test, &path, &out, &script(&out, ""));
@@ -1320,17 +1315,8 @@ fn cache_a_users_second_job_on_a_posix_tree_reads_the_nodes_cache() {
         !text.contains(head.trim()),
         "{a}'s job output holds the closed file's bytes:\n{text}"
     );
-    assert!(
-        !out.join(NODE).join("done").exists(),
-        "{a}'s job script ran although its stage-in was denied"
-    );
-    assert_eq!(
-        listing(&cluster, NODE).stats.hits,
-        hits_before,
-        "the cache counted a hit for a job whose user cannot read the source"
-    );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    let why = "its stage-in was denied: the user cannot read the source";
+    assert_refused_job_left_no_trace(&cluster, &job, &out, hits_before, &a, why);
 }
 
 /// A multi-node job on a POSIX tree (`--stage-mode=replicate`, shared through the job's peers)
@@ -1344,34 +1330,13 @@ fn cache_a_users_second_job_on_a_posix_tree_reads_the_nodes_cache() {
 fn cache_a_multi_node_job_on_a_posix_tree_reads_every_nodes_own_cache() {
     let cluster = Cluster::for_sluice();
     let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let dir = cluster.dataset("cache-posix-peers", false);
-    random_file(&dir.join("big/weights.bin"), 24 * MIB);
-    run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&dir));
-    let path = dir.display().to_string();
-    let (sums, bytes): (String, u64) = (checksums(&dir), file_sizes(&dir).values().sum());
+    let ds = Ds::posix(&cluster, "cache-posix-peers", 24 * MIB);
+    let bytes = ds.bytes;
     let job = |test: &str| {
-        let work = cluster.workdir(test);
-        let out = work.join("out");
-        let stage_in = format!("--stage-in=ds={path}");
-        let job = cluster.submit(
-            &work,
-            &["-N3", "-w", "n[1-3]", &stage_in, "--stage-mode=replicate"],
-            &listing_script(&out, &["ds"]),
-        );
-        cluster.assert_completes(&job, JOB_TIMEOUT, &format!("{test}: the 3-node job"));
+        let job = replicate_job(&cluster, test, &ds, &format!("{test}: the 3-node job"));
         let mut from = Vec::new();
         for node in &cluster.nodes {
-            let got = task_file(&out, node, "sums-ds");
-            assert!(
-                got == sums,
-                "{test}: the dataset on {node} differs from its source: {}\n{}",
-                diff_listings(&sums, &got),
-                cluster.evidence(&job)
-            );
-            let status = cluster
-                .agent_job(node, &job)
-                .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
-            let p = &status.stages[0];
+            let p = cluster.agent_stage(node, &job);
             from.push((p.cache_bytes, p.origin_bytes, p.peer_bytes));
         }
         eprintln!(
@@ -1412,8 +1377,7 @@ fn cache_a_multi_node_job_on_a_posix_tree_reads_every_nodes_own_cache() {
         output.contains("100 % from this node's cache"),
         "the second job's output does not say its dataset came from the node's cache:\n{output}"
     );
-    cluster.assert_hot_tier_cleaned(&second, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&second, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&second, CLEANUP_TIMEOUT);
 }
 
 /// `sluice cache warm URL --nodes n[1-3],n9` as root on n1: n1's agent warms its own cache and
@@ -1424,12 +1388,8 @@ fn cache_a_multi_node_job_on_a_posix_tree_reads_every_nodes_own_cache() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn cache_warm_on_a_node_list_fills_every_nodes_cache_through_its_agent() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let _agents = CachedAgents::start(&cluster, "size = \"256MiB\"");
-    let relay = cluster.origin_relay();
+    let (cluster, _agents, relay) = s3_cache("size = \"256MiB\"");
     let ds = Ds::standard(&cluster, "cache-warm-nodes", 8 * MIB, SHARED);
-    let objects = ds.objects_by_url();
     let (ok, stdout, stderr) = sluice_cli_on(
         &cluster,
         NODE,
@@ -1439,6 +1399,7 @@ fn cache_warm_on_a_node_list_fills_every_nodes_cache_through_its_agent() {
         !ok,
         "a warm with a node that cannot be reached must fail:\n{stdout}{stderr}"
     );
+    let objects = ds.objects_by_url();
     let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
         panic!("no JSON from sluice cache warm --nodes ({e}):\n{stdout}{stderr}")
     });
@@ -1472,17 +1433,7 @@ fn cache_warm_on_a_node_list_fills_every_nodes_cache_through_its_agent() {
         let (ok, listed, err) = sluice_cli_on(&cluster, node, &["cache", "list", "--json"]);
         assert!(ok, "sluice cache list on {node}:\n{listed}{err}");
         let listed: Value = serde_json::from_str(&listed).unwrap();
-        let entries: std::collections::BTreeMap<String, u64> = listed["entries"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| {
-                (
-                    e["url"].as_str().unwrap().to_string(),
-                    e["size"].as_u64().unwrap(),
-                )
-            })
-            .collect();
+        let entries = listed_entries(&listed);
         for (url, size) in objects.iter().filter(|(_, n)| **n > 0) {
             assert_eq!(
                 entries.get(url),

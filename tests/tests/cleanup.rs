@@ -87,6 +87,5 @@ fn cancelled_job_leaves_no_data_and_running_job_data_is_private() {
     );
     let end = cluster.wait_end(&job, CLEANUP_TIMEOUT);
     cluster.assert_ended(&job, &end, "CANCELLED", "the cancelled job");
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }

@@ -109,8 +109,7 @@ impl Drop for Restart<'_> {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn doctor_passes_on_a_healthy_node_and_names_each_fault_with_its_fix() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     // ckpt-faulty's profile goes through the tests' fault proxy: let it pass requests through.
     let _proxy = FaultProxy::start(&cluster);
     let dir = scratch(&cluster);

@@ -70,8 +70,7 @@ while [ ! -e $w/stop ]; do sleep 0.2; done
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_written() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     let (mut dice, seed) = Dice::new();
     let archive = Archive::new(&cluster, Backend::FaultyGarage, "crash-archive");
     let url = archive.url.clone();

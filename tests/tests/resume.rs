@@ -23,11 +23,24 @@ const OBJECT_SIZE: u64 = 128 << 10;
 /// response headers of its GET.
 const PER_OBJECT_OVERHEAD: u64 = 2048;
 
-fn random_file(path: &Path, len: u64) {
-    fs::create_dir_all(path.parent().unwrap()).unwrap();
-    run(Command::new("bash")
-        .arg("-c")
-        .arg(format!("head -c {len} /dev/urandom > '{}'", path.display())));
+/// The restarted agent's record of the job's stage on [`NODE`].
+fn restarted_stage(cluster: &Cluster, job: &Job) -> sluice_proto::msg::StageProgress {
+    cluster
+        .agent_job(NODE, job)
+        .ok()
+        .and_then(|s| s.stages.first().cloned())
+        .unwrap_or_else(|| panic!("the restarted agent has no record of job {}", job.id))
+}
+
+/// The job output says part of the dataset was kept across the restart, and the job left
+/// nothing behind.
+fn assert_says_resumed_and_cleans_up(cluster: &Cluster, job: &Job) {
+    let output = job.output_text();
+    assert!(
+        output.contains("resumed from before the agent restarted"),
+        "the job output does not say that part of the dataset was kept across the restart:\n{output}"
+    );
+    cluster.assert_job_left_nothing(job, CLEANUP_TIMEOUT);
 }
 
 /// A 1-node job stages 240 objects; once about a third are staged its node's agent is SIGKILLed
@@ -39,8 +52,7 @@ fn random_file(path: &Path, len: u64) {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn resume_an_agent_killed_mid_stage_keeps_the_files_it_staged_whole() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     let dir = cluster.data_dir("resume").join("train");
     for i in 0..OBJECTS {
         random_file(&dir.join(format!("d{}/obj-{i:03}.bin", i % 4)), OBJECT_SIZE);
@@ -100,12 +112,8 @@ fn resume_an_agent_killed_mid_stage_keeps_the_files_it_staged_whole() {
     let after = relay.served() - before;
 
     let got = task_file(&out, NODE, "sums-ds");
-    assert!(
-        got == sums,
-        "the job whose agent was killed mid-stage got other bytes: {}\n{}",
-        diff_listings(&sums, &got),
-        cluster.evidence(&job)
-    );
+    let what = "the job whose agent was killed mid-stage got other bytes";
+    cluster.assert_same_listing(&job, &sums, &got, what);
     let complete_before = whole * OBJECT_SIZE;
     eprintln!(
         "[resume] after the restart the origin served {after} bytes (the dataset less what was \
@@ -123,23 +131,13 @@ fn resume_an_agent_killed_mid_stage_keeps_the_files_it_staged_whole() {
         dataset - complete_before,
         cluster.evidence(&job)
     );
-    let p = cluster
-        .agent_job(NODE, &job)
-        .ok()
-        .and_then(|s| s.stages.first().cloned())
-        .unwrap_or_else(|| panic!("the restarted agent has no record of job {}", job.id));
+    let p = restarted_stage(&cluster, &job);
     assert_eq!(
         (p.resumed_bytes, p.bytes_done),
         (complete_before, dataset),
         "the restarted agent's count of the bytes it kept: {p:?}"
     );
-    let output = job.output_text();
-    assert!(
-        output.contains("resumed from before the agent restarted"),
-        "the job output does not say that part of the dataset was kept across the restart:\n{output}"
-    );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    assert_says_resumed_and_cleans_up(&cluster, &job);
 }
 
 /// 600 files of 256 KiB (150 MiB), a few hundred of them read-only: long enough for the copy
@@ -274,12 +272,8 @@ fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_who
     cluster.assert_completes(&job, JOB_TIMEOUT, "the job whose agent was killed mid-copy");
 
     let got = task_file(&out, NODE, "sums-ds");
-    assert!(
-        got == sums,
-        "the job whose agent was killed mid-copy got other bytes: {}\n{}",
-        diff_listings(&sums, &got),
-        cluster.evidence(&job)
-    );
+    let what = "the job whose agent was killed mid-copy got other bytes";
+    cluster.assert_same_listing(&job, &sums, &got, what);
     assert_eq!(
         task_file(&out, NODE, "modes"),
         src_modes,
@@ -308,22 +302,12 @@ fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_who
         whole.len(),
         cluster.evidence(&job)
     );
-    let p = cluster
-        .agent_job(NODE, &job)
-        .ok()
-        .and_then(|s| s.stages.first().cloned())
-        .unwrap_or_else(|| panic!("the restarted agent has no record of job {}", job.id));
+    let p = restarted_stage(&cluster, &job);
     let kept_bytes = kept.len() as u64 * POSIX_FILE_SIZE;
     assert_eq!(
         (p.bytes_done, p.resumed_bytes, p.origin_bytes),
         (dataset, kept_bytes, dataset - kept_bytes),
         "the restarted agent's counts: it kept exactly the files that are unchanged: {p:?}"
     );
-    let output = job.output_text();
-    assert!(
-        output.contains("resumed from before the agent restarted"),
-        "the job output does not say that part of the dataset was kept across the restart:\n{output}"
-    );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    assert_says_resumed_and_cleans_up(&cluster, &job);
 }

@@ -24,8 +24,7 @@ fn ckpts(cluster: &Cluster, job: &Job) -> Result<BTreeMap<String, CkptStatus>, S
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn security_symlinks_and_hardlinks_in_a_checkpoint_never_reach_the_archive() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     let (secret, secret_text) = root_secret(&cluster, "ckpt");
     let protected_hardlinks = std::fs::read_to_string("/proc/sys/fs/protected_hardlinks")
         .unwrap_or_default()

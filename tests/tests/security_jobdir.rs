@@ -137,7 +137,6 @@ cat "$SLUICE_STAGE_DIR/ds/private.txt" > {w}/staged"#,
         "stage and ckpt directories"
     );
     assert_eq!(read("staged"), "A's staged data\n");
-    cluster.assert_hot_tier_cleaned(job, Duration::from_secs(60));
-    cluster.assert_nodes_return_idle(job, Duration::from_secs(60));
+    cluster.assert_job_left_nothing(job, Duration::from_secs(60));
     assert_eq!(owner_mode(&jobs), "root 711", "jobs/ after the job");
 }

@@ -7,7 +7,7 @@
 //! Azurite (Azure Blob).
 
 use crate::common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -16,26 +16,15 @@ const STAGE_JOB_TIMEOUT: Duration = Duration::from_secs(300);
 /// The plugin's epilog_timeout is 30 s; cleanup may finish in the background after it.
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A dataset on local disk with its expected listings.
-struct Dataset {
-    dir: PathBuf,
-    sums: String,
-    dirs: String,
-}
-
 impl Dataset {
-    fn new(cluster: &Cluster, test: &str, big: bool) -> Dataset {
-        let dir = cluster.dataset(test, big);
-        Dataset {
-            sums: checksums(&dir),
-            dirs: directories(&dir),
-            dir,
-        }
+    /// The harness's test dataset (see [`make_dataset`]), with its file over 64 MiB if `big`.
+    fn standard(cluster: &Cluster, test: &str, big: bool) -> Dataset {
+        Dataset::of(cluster.dataset(test, big))
     }
 
     /// Uploads it to `datasets/e2e/<unique>/train` of each remote (`garage`, `azurite`), the
     /// prefix the harness's `[[stage.allow]]` rules open; returns that prefix.
-    fn upload(&self, cluster: &Cluster, remotes: &[&str]) -> String {
+    fn upload_to(&self, cluster: &Cluster, remotes: &[&str]) -> String {
         let prefix = format!("e2e/{}/train", unique());
         for remote in remotes {
             cluster.upload(&self.dir, remote, &format!("datasets/{prefix}"));
@@ -47,7 +36,7 @@ impl Dataset {
 /// The large dataset, generated once per test binary and shared by the three origin tests.
 fn big_dataset(cluster: &Cluster) -> &'static Dataset {
     static DS: OnceLock<Dataset> = OnceLock::new();
-    DS.get_or_init(|| Dataset::new(cluster, "stage-big", true))
+    DS.get_or_init(|| Dataset::standard(cluster, "stage-big", true))
 }
 
 /// Checks what each task recorded (see [`listing_script`]) against the datasets, then that the job
@@ -71,11 +60,7 @@ fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, datasets: &[(&str, &D
     );
     for node in &cluster.nodes {
         let file = |name: &str| task_file(out, node, name);
-        assert!(
-            out.join(node).join("done").exists(),
-            "no task ran to the end on {node}\n{}",
-            cluster.evidence(job)
-        );
+        cluster.assert_task_done(job, out, node);
 
         let expected_stage = cluster.job_dir(node, job).join("stage");
         assert_eq!(
@@ -85,37 +70,12 @@ fn assert_staged(cluster: &Cluster, job: &Job, out: &Path, datasets: &[(&str, &D
             file("env")
         );
         for (name, ds) in datasets {
-            let sums = file(&format!("sums-{name}"));
-            assert!(
-                sums == ds.sums,
-                "dataset {name} on {node} differs from its source: {}",
-                diff_listings(&ds.sums, &sums)
-            );
-            assert_eq!(
-                file(&format!("dirs-{name}")),
-                ds.dirs,
-                "directories of dataset {name} on {node}"
-            );
+            cluster.assert_dataset_listed(job, out, node, name, &ds.sums, &ds.dirs);
         }
-        let owners = file("owners");
-        let foreign: Vec<&str> = owners
-            .lines()
-            .filter(|l| !l.starts_with(&format!("{} ", cluster.user)))
-            .take(10)
-            .collect();
-        assert!(
-            foreign.is_empty() && !owners.is_empty(),
-            "entries under SLUICE_STAGE_DIR on {node} not owned by {}: {foreign:?}",
-            cluster.user
-        );
-        assert_eq!(
-            file("jobdir").trim(),
-            format!("{} 700", cluster.user),
-            "the job directory on {node} must belong to the job user, mode 0700"
-        );
+        cluster.assert_staged_owned_by_user(out, node);
+        cluster.assert_job_dir_private(out, node);
     }
-    cluster.assert_hot_tier_cleaned(job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(job, CLEANUP_TIMEOUT);
 }
 
 /// Runs a job (`directives` in its script, `args` to sbatch) whose tasks list what they see of each
@@ -157,11 +117,11 @@ fn stage_big_dataset_from(origin: Origin, name: &str) {
         Origin::Garage => {
             cluster.require_s3();
             // No NAME=: the dataset is named after the last component of the prefix, `train`.
-            let prefix = ds.upload(&cluster, &["garage"]);
+            let prefix = ds.upload_to(&cluster, &["garage"]);
             ("stage-s3", format!("s3://datasets/{prefix}"))
         }
         Origin::Azurite => {
-            let prefix = ds.upload(&cluster, &["azurite"]);
+            let prefix = ds.upload_to(&cluster, &["azurite"]);
             ("stage-az", format!("{name}=az://datasets/{prefix}"))
         }
     };
@@ -195,10 +155,9 @@ fn stage_azure_prefix_to_three_nodes() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn several_sources_from_repeated_and_comma_separated_options() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
-    let ds = Dataset::new(&cluster, "stage-several", false);
-    let prefix = ds.upload(&cluster, &["garage", "azurite"]);
+    let cluster = Cluster::for_s3();
+    let ds = Dataset::standard(&cluster, "stage-several", false);
+    let prefix = ds.upload_to(&cluster, &["garage", "azurite"]);
     let first = format!(
         "--stage-in=local={},objects=s3://datasets/{prefix}",
         ds.dir.display()
@@ -218,7 +177,7 @@ fn several_sources_from_repeated_and_comma_separated_options() {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_in_from_an_sbatch_directive() {
     let cluster = Cluster::for_sluice();
-    let ds = Dataset::new(&cluster, "stage-directive", false);
+    let ds = Dataset::standard(&cluster, "stage-directive", false);
     let directives = format!(
         "#SBATCH -N3\n#SBATCH --stage-in=data={}\n",
         ds.dir.display()
@@ -238,7 +197,7 @@ fn stage_in_from_an_sbatch_directive() {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn stage_in_with_export_none() {
     let cluster = Cluster::for_sluice();
-    let ds = Dataset::new(&cluster, "stage-export-none", false);
+    let ds = Dataset::standard(&cluster, "stage-export-none", false);
     let stage_in = format!("--stage-in=data={}", ds.dir.display());
     let args = ["-N3", "--export=NONE", &stage_in];
     stage(&cluster, "stage-export-none", "", &args, &[("data", &ds)]);

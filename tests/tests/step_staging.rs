@@ -64,8 +64,7 @@ fn srun_stage_in_in_a_job_without_options_stages_for_the_step() {
         "n3 staged for a step it is not part of"
     );
     // No epilog tells the agents: they end the job themselves once Slurm no longer runs it.
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }
 
 /// A 3-node job staging `jobds` whose step adds `stepds` from S3: the step's tasks see both; a
@@ -74,8 +73,7 @@ fn srun_stage_in_in_a_job_without_options_stages_for_the_step() {
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn srun_stage_in_adds_a_dataset_to_the_jobs_own() {
-    let cluster = Cluster::for_sluice();
-    cluster.require_s3();
+    let cluster = Cluster::for_s3();
     let jobds = cluster.dataset("step-staging-job", false);
     let stepds = cluster.dataset("step-staging-step", false);
     let prefix = format!("e2e/{}/train", unique());
@@ -119,6 +117,5 @@ fn srun_stage_in_adds_a_dataset_to_the_jobs_own() {
             && conflict.contains("refused"),
         "a step naming the job's dataset from another source must fail, saying why:\n{conflict}"
     );
-    cluster.assert_hot_tier_cleaned(&job, CLEANUP_TIMEOUT);
-    cluster.assert_nodes_return_idle(&job, CLEANUP_TIMEOUT);
+    cluster.assert_job_left_nothing(&job, CLEANUP_TIMEOUT);
 }

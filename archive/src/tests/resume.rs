@@ -3,16 +3,14 @@
 //! publishes.
 
 use super::*;
-use futures::stream::BoxStream;
-use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta,
-    PutMultipartOptions, PutOptions, PutResult, UploadPart,
-};
+use object_store::{MultipartUpload, PutMultipartOptions, PutOptions, PutResult, UploadPart};
 use std::collections::BTreeSet;
-use std::pin::Pin;
 use std::sync::Mutex;
 
-type Fut<'a, T> = Pin<Box<dyn Future<Output = object_store::Result<T>> + Send + 'a>>;
+#[path = "../../tests/support/forwarding.rs"]
+#[macro_use]
+mod forwarding;
+use forwarding::{Fut, complete_then};
 
 /// An in-memory store that records the data objects it stored (a PUT or a multipart upload that
 /// completed) and fails the PUT of one file while told to. (object_store's trait is declared with
@@ -99,59 +97,7 @@ impl ObjectStore for Counting {
         })
     }
 
-    fn get_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 ObjPath,
-        options: GetOptions,
-    ) -> Fut<'a, GetResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        self.inner.get_opts(location, options)
-    }
-
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<ObjPath>>,
-    ) -> BoxStream<'static, object_store::Result<ObjPath>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(
-        &self,
-        prefix: Option<&ObjPath>,
-    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    fn list_with_delimiter<'l0, 'l1, 'a>(
-        &'l0 self,
-        prefix: Option<&'l1 ObjPath>,
-    ) -> Fut<'a, ListResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        self.inner.list_with_delimiter(prefix)
-    }
-
-    fn copy_opts<'l0, 'l1, 'l2, 'a>(
-        &'l0 self,
-        from: &'l1 ObjPath,
-        to: &'l2 ObjPath,
-        options: CopyOptions,
-    ) -> Fut<'a, ()>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        'l2: 'a,
-        Self: 'a,
-    {
-        self.inner.copy_opts(from, to, options)
-    }
+    forward_to_inner!();
 }
 
 #[derive(Debug)]
@@ -172,12 +118,11 @@ impl MultipartUpload for CountingUpload {
         'l0: 'a,
         Self: 'a,
     {
-        Box::pin(async move {
-            let r = self.inner.complete().await;
-            if let (Ok(_), Some(f)) = (&r, &self.file) {
-                crate::rt::lock(&self.stored).push(f.clone());
+        let (file, stored) = (&self.file, &self.stored);
+        complete_then(&mut self.inner, move || {
+            if let Some(f) = file {
+                crate::rt::lock(stored).push(f.clone());
             }
-            r
         })
     }
 

@@ -7,7 +7,7 @@ use super::cluster::{Cluster, run, run_dir, tail_of, write_atomically};
 use super::jobs::Job;
 use super::trees::SplitMix64;
 use sluice_e2e::relay::CountingRelay;
-use sluice_proto::msg::{CkptStatus, JobStatus, Request, Response};
+use sluice_proto::msg::{CkptStatus, JobStatus, Request, Response, StageProgress};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -26,6 +26,15 @@ impl Cluster {
             Response::Job(status) => Ok(status),
             other => Err(format!("unexpected reply: {other:?}")),
         }
+    }
+
+    /// The node's agent's progress record of the job's first stage; panics when the agent does
+    /// not answer.
+    pub fn agent_stage(&self, node: &str, job: &Job) -> StageProgress {
+        let status = self
+            .agent_job(node, job)
+            .unwrap_or_else(|e| panic!("the agent of {node} on job {}: {e}", job.id));
+        status.stages[0].clone()
     }
 
     /// The job's checkpoints as the node's agent lists them (`ckpt_list`, asked as root).
@@ -63,15 +72,7 @@ impl FaultProxy {
     /// Starts the proxy in `pass` mode and waits until it accepts connections.
     pub fn start(cluster: &Cluster) -> FaultProxy {
         cluster.require_s3();
-        let port: u16 = cluster
-            .var("SLUICE_TEST_FAULT_PROXY_PORT")
-            .parse()
-            .expect("SLUICE_TEST_FAULT_PROXY_PORT");
-        let upstream = cluster
-            .var("SLUICE_TEST_S3_ENDPOINT")
-            .trim_start_matches("http://")
-            .trim_end_matches('/')
-            .to_string();
+        let (port, upstream) = cluster.s3_hop("SLUICE_TEST_FAULT_PROXY_PORT");
         let dir = run_dir();
         let control = dir.join("faultproxy.ctl");
         let stats = dir.join("faultproxy.stats.json");
@@ -171,16 +172,20 @@ impl Drop for FaultProxy {
 impl Cluster {
     /// The byte-counting relay (`sluice_e2e::relay`) in front of Garage, on the port of the
     /// agents' `s3://datasets-relayed` store profile: what it counts is what the origin served.
-    pub fn origin_relay(&self) -> CountingRelay {
-        let port: u16 = self
-            .var("SLUICE_TEST_ORIGIN_RELAY_PORT")
-            .parse()
-            .expect("SLUICE_TEST_ORIGIN_RELAY_PORT");
+    /// A hop in front of Garage: the port the env file gives it (`port_var`), and Garage's
+    /// `host:port`, where it forwards to.
+    fn s3_hop(&self, port_var: &str) -> (u16, String) {
+        let port: u16 = self.var(port_var).parse().expect(port_var);
         let upstream = self
             .var("SLUICE_TEST_S3_ENDPOINT")
             .trim_start_matches("http://")
             .trim_end_matches('/')
             .to_string();
+        (port, upstream)
+    }
+
+    pub fn origin_relay(&self) -> CountingRelay {
+        let (port, upstream) = self.s3_hop("SLUICE_TEST_ORIGIN_RELAY_PORT");
         CountingRelay::start(port, &upstream).unwrap_or_else(|e| {
             panic!(
                 "cannot listen on 127.0.0.1:{port} for the origin relay (a relay left over?): {e}"

@@ -20,6 +20,7 @@ pub const DEFAULT_ENV_FILE: &str = "/run/sluice-test/env";
 pub(super) const POLL: Duration = Duration::from_millis(200);
 
 /// The running test cluster, as described by the harness's env file.
+#[derive(Clone)]
 pub struct Cluster {
     vars: BTreeMap<String, String>,
     pub user: String,
@@ -60,6 +61,13 @@ impl Cluster {
     pub fn for_sluice() -> Cluster {
         let cluster = Cluster::get();
         cluster.require_sluice();
+        cluster
+    }
+
+    /// [`Cluster::for_sluice`] for a test that needs Garage (S3) too.
+    pub fn for_s3() -> Cluster {
+        let cluster = Cluster::for_sluice();
+        cluster.require_s3();
         cluster
     }
 
@@ -201,6 +209,13 @@ impl Cluster {
             Some(job),
             || dirs.iter().all(|d| !d.exists()),
         );
+    }
+
+    /// What every job must leave: no directory in any node's hot tier, and every node back in
+    /// service ([`Cluster::assert_hot_tier_cleaned`], then [`Cluster::assert_nodes_return_idle`]).
+    pub fn assert_job_left_nothing(&self, job: &Job, timeout: Duration) {
+        self.assert_hot_tier_cleaned(job, timeout);
+        self.assert_nodes_return_idle(job, timeout);
     }
 
     /// Polls `done` every 200 ms for at most `timeout`; panics naming `what`, with the evidence.

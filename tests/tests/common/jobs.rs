@@ -392,6 +392,25 @@ impl Cluster {
 
 /// Reads one file a task wrote under `<out>/<node>/`.
 impl Cluster {
+    /// The task on `node` ran [`listing_script`](super::listing_script) to its end.
+    pub fn assert_task_done(&self, job: &Job, out: &Path, node: &str) {
+        assert!(
+            out.join(node).join("done").exists(),
+            "no task ran to the end on {node}\n{}",
+            self.evidence(job)
+        );
+    }
+
+    /// The job directory the task on `node` listed (`jobdir`, see
+    /// [`listing_script`](super::listing_script)) is the job user's, mode 0700.
+    pub fn assert_job_dir_private(&self, out: &Path, node: &str) {
+        assert_eq!(
+            task_file(out, node, "jobdir").trim(),
+            format!("{} 700", self.user),
+            "the job directory on {node} must belong to the job user, mode 0700"
+        );
+    }
+
     /// Every entry under `$SLUICE_STAGE_DIR` that the task on `node` listed (`owners`, see
     /// `listing_script`) is the job user's, and there is at least one.
     pub fn assert_staged_owned_by_user(&self, out: &Path, node: &str) {

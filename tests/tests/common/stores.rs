@@ -210,28 +210,24 @@ impl Archive {
             cluster.require_s3();
         }
         let base = format!("{}/e2e-{name}-{}", cluster.user, unique());
-        let (url, remote) = match backend {
-            Backend::Garage => (
-                format!("s3://ckpt/{base}"),
-                Ok(format!("garage:ckpt/{base}")),
-            ),
-            Backend::FaultyGarage => (
-                format!("s3://ckpt-faulty/{base}"),
-                Ok(format!("garage:ckpt-faulty/{base}")),
-            ),
-            Backend::RelayedGarage => (
-                format!("s3://datasets-relayed/{base}"),
-                Ok(format!("garage:datasets-relayed/{base}")),
-            ),
-            Backend::Azurite => (
-                format!("az://ckpt/{base}"),
-                Ok(format!("azurite:ckpt/{base}")),
-            ),
+        // (URL scheme, rclone remote, bucket or container) of the object stores.
+        let store = match backend {
+            Backend::Garage => ("s3", "garage", "ckpt"),
+            Backend::FaultyGarage => ("s3", "garage", "ckpt-faulty"),
+            Backend::RelayedGarage => ("s3", "garage", "datasets-relayed"),
+            Backend::Azurite => ("az", "azurite", "ckpt"),
             Backend::File => {
                 let dir = PathBuf::from(cluster.var("SLUICE_TEST_ARCHIVE_ROOT")).join(&base);
-                (format!("file://{}", dir.display()), Err(dir))
+                let url = format!("file://{}", dir.display());
+                return Archive {
+                    url,
+                    remote: Err(dir),
+                };
             }
         };
+        let (scheme, remote, bucket) = store;
+        let url = format!("{scheme}://{bucket}/{base}");
+        let remote = Ok(format!("{remote}:{bucket}/{base}"));
         Archive { url, remote }
     }
 

@@ -3,6 +3,7 @@
 //! path → sha256 maps of whole trees with readable differences.
 
 use super::cluster::{Cluster, run};
+use super::jobs::{Job, task_file};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -108,6 +109,82 @@ touch "$o/done"
     )
 }
 
+/// A dataset on local disk with what a job's listing of it must show (see [`listing_script`]):
+/// its `sha256sum` listing and its directories; and its size in bytes.
+pub struct Dataset {
+    pub dir: PathBuf,
+    pub sums: String,
+    pub dirs: String,
+    pub bytes: u64,
+}
+
+impl Dataset {
+    /// The listings and size of the tree at `dir`, as it is now.
+    pub fn of(dir: PathBuf) -> Dataset {
+        Dataset {
+            sums: checksums(&dir),
+            dirs: directories(&dir),
+            bytes: tree_bytes(&dir),
+            dir,
+        }
+    }
+}
+
+/// Writes `len` random bytes to `path`, creating its directory.
+pub fn random_file(path: &Path, len: u64) {
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    run(Command::new("bash")
+        .arg("-c")
+        .arg(format!("head -c {len} /dev/urandom > '{}'", path.display())));
+}
+
+/// `script` (a batch script), made to wait for the test's `go` file before anything else: so that
+/// none of its tasks waits on an agent the test is about to take down.
+pub fn waiting_for_go(script: &str, go: &Path) -> String {
+    script.replacen(
+        "#!/bin/bash\n",
+        &format!(
+            "#!/bin/bash\nwhile [ ! -e '{}' ]; do sleep 0.2; done\n",
+            go.display()
+        ),
+        1,
+    )
+}
+
+impl Cluster {
+    /// A `sha256sum` listing `got` that `job` made is `want`; else panics with `what` (e.g. "the
+    /// dataset on n1 differs from its source"), how the two differ, and the job's evidence.
+    pub fn assert_same_listing(&self, job: &Job, want: &str, got: &str, what: &str) {
+        assert!(
+            got == want,
+            "{what}: {}\n{}",
+            diff_listings(want, got),
+            self.evidence(job)
+        );
+    }
+
+    /// What the task on `node` recorded of dataset `name` with [`listing_script`]: its `sha256sum`
+    /// listing is `sums` and its directories are `dirs`.
+    pub fn assert_dataset_listed(
+        &self,
+        job: &Job,
+        out: &Path,
+        node: &str,
+        name: &str,
+        sums: &str,
+        dirs: &str,
+    ) {
+        let got = task_file(out, node, &format!("sums-{name}"));
+        let what = format!("dataset {name} on {node} differs from its source");
+        self.assert_same_listing(job, sums, &got, &what);
+        assert_eq!(
+            task_file(out, node, &format!("dirs-{name}")),
+            dirs,
+            "directories of dataset {name} on {node}"
+        );
+    }
+}
+
 /// Describes how two `sha256sum` listings differ (see [`diff_trees`]), and how the actual one
 /// starts (a listing of error messages tells more than its differences).
 pub fn diff_listings(expected: &str, actual: &str) -> String {
@@ -210,4 +287,28 @@ pub fn entries(dir: &Path) -> BTreeSet<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// Every file below `dir`: relative path → size.
+pub fn file_sizes(dir: &Path) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            let md = e.metadata().unwrap();
+            if md.is_dir() {
+                stack.push(e.path());
+            } else {
+                let rel = e.path().strip_prefix(dir).unwrap().display().to_string();
+                out.insert(rel, md.len());
+            }
+        }
+    }
+    out
+}
+
+/// The bytes of every file below `dir`.
+pub fn tree_bytes(dir: &Path) -> u64 {
+    file_sizes(dir).values().sum()
 }
