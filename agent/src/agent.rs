@@ -100,6 +100,44 @@ pub(crate) enum SetupError {
     },
 }
 
+impl SetupError {
+    /// What failed, for the `sluice_failures_total{operation}` label: the staging or the restore,
+    /// or the step before them (`setup`).
+    pub(crate) fn operation(&self) -> &'static str {
+        match self {
+            SetupError::Stage { .. } | SetupError::Timeout { .. } => "stage",
+            SetupError::Restore(_) => "restore",
+            SetupError::Options(_)
+            | SetupError::Policy(_)
+            | SetupError::SharedTier
+            | SetupError::RamTier
+            | SetupError::RamDir { .. }
+            | SetupError::NotInJob { .. }
+            | SetupError::JobDir { .. }
+            | SetupError::Bug { .. } => "setup",
+        }
+    }
+
+    /// A stable word for this error, for the `sluice_failures_total{code}` label: a staging's or a
+    /// restore's own code ([`StageError::code`], [`RestoreError::code`]). Dashboards and alerts
+    /// query these words: keep them.
+    pub(crate) fn code(&self) -> &'static str {
+        match self {
+            SetupError::Options(_) => "options",
+            SetupError::Policy(_) => "policy",
+            SetupError::SharedTier => "shared_tier",
+            SetupError::RamTier => "ram_tier",
+            SetupError::RamDir { .. } => "ram_dir",
+            SetupError::NotInJob { .. } => "not_in_job",
+            SetupError::JobDir { .. } => "job_dir",
+            SetupError::Bug { .. } => "bug",
+            SetupError::Stage { source, .. } => source.code(),
+            SetupError::Restore(e) => e.code(),
+            SetupError::Timeout { .. } => "timeout",
+        }
+    }
+}
+
 fn reply(code: ErrorCode, message: impl Into<String>) -> Response {
     Response::Error(ErrorReply::new(code, message))
 }
@@ -666,7 +704,8 @@ impl Agent {
                             })
                         });
                         if let Err(e) = done {
-                            this.metrics.set_up_done(&j, Err(&e));
+                            this.metrics.set_up_done(&j);
+                            this.metrics.failure(e.operation(), e.code());
                             tracing::warn!(job_id = j.start.job_id, "{e}");
                             j.cancel.cancel();
                             j.set_failed(e);
@@ -1037,7 +1076,7 @@ impl Agent {
                 if let Some(p) = &peers.0 {
                     job.add_stage_notes(p.notes());
                 }
-                self.metrics.set_up_done(job, Ok(()));
+                self.metrics.set_up_done(job);
                 job.set_ready();
                 self.persist(job).await;
                 // Staged: a restarted agent no longer stages the job (the journal says it is
@@ -1605,5 +1644,30 @@ fn prune_ended(jobs: &mut HashMap<JobId, Arc<Job>>) {
         for (_, id) in &ended[..ended.len() - KEEP_ENDED] {
             jobs.remove(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_set_up_is_labelled_by_what_failed() {
+        let stage = SetupError::Stage {
+            node: "n1".into(),
+            source: StageError::NotFound {
+                dataset: "s3://b/x".into(),
+            },
+        };
+        assert_eq!((stage.operation(), stage.code()), ("stage", "not_found"));
+        let restore = SetupError::Restore(RestoreError::NoArchive);
+        assert_eq!(
+            (restore.operation(), restore.code()),
+            ("restore", "no_archive")
+        );
+        assert_eq!(
+            (SetupError::RamTier.operation(), SetupError::RamTier.code()),
+            ("setup", "ram_tier")
+        );
     }
 }

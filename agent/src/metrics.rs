@@ -11,9 +11,10 @@
 //!   the moment of the scrape — the job table, each job's checkpoint entries, the hot tier's file
 //!   system — so they can never drift from what `sluice status` shows.
 //!
-//! Labels are bounded by construction: a source kind, an operation and a stable error code
-//! (`*_code` below, one exhaustive match per error type), an admission reason, a job state. Never
-//! a job id, a user, a tag or a path: those belong in `sluice status`, not in a time series.
+//! Labels are bounded by construction: a source kind, an operation and a stable error code (each
+//! error type's own `code()`, one exhaustive match beside the type), an admission reason, a job
+//! state. Never a job id, a user, a tag or a path: those belong in `sluice status`, not in a time
+//! series.
 //!
 //! Staged bytes come from the dataset's origin, with `[peer]` from the job's other nodes, and with
 //! `[cache]` from this node's cache: `sluice_origin_bytes_total` and `sluice_peer_bytes_total`
@@ -25,11 +26,8 @@
 //! for its archive whose size is not known yet, remembered per commit). The listener serves at
 //! most [`MAX_CONNECTIONS`] connections at once, each given [`HEADER_TIMEOUT`] to send a request.
 
-use crate::agent::{Agent, SetupError};
-use crate::ckpt::RestoreError;
+use crate::agent::Agent;
 use crate::job::Job;
-use crate::server::Refused;
-use crate::stage::StageError;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -44,7 +42,6 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 use sluice_archive::config::MetricsConfig;
 use sluice_archive::rt::{blocking, lock};
-use sluice_archive::store::StoreErrorKind;
 use sluice_archive::{ArchiveError, PartManifest};
 use sluice_proto::msg::{CacheStats, CkptState, JobId, JobState, StageProgress, StageState};
 use sluice_proto::options::{ObjectScheme, Source};
@@ -101,6 +98,8 @@ struct BuildLabels {
 }
 
 const SOURCES: [&str; 4] = ["s3", "azure", "gcs", "posix"];
+/// Why admission refuses a connection (the socket server's `Refused::reason`).
+pub(crate) const REFUSAL_REASONS: [&str; 2] = ["user_limit", "full"];
 
 /// Durations from half a second to a little over two hours, doubling.
 fn duration_buckets() -> Histogram {
@@ -148,7 +147,7 @@ impl Default for Metrics {
             drop(m.peer_bytes.get_or_create(&l));
             drop(m.stage_duration.get_or_create(&l));
         }
-        for reason in ["user_limit", "full"] {
+        for reason in REFUSAL_REASONS {
             drop(m.refused.get_or_create(&ReasonLabels { reason }));
         }
         m
@@ -156,10 +155,10 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// A job's set-up (staging and restore) ended: what each dataset put on the hot tier, how long
-    /// the completed ones took, and why the set-up failed, if it did. Bytes of a dataset cut short
-    /// count too: they were read and written.
-    pub(crate) fn set_up_done(&self, job: &Job, result: Result<(), &SetupError>) {
+    /// A job's set-up (staging and restore) ended: what each dataset put on the hot tier, and how
+    /// long the completed ones took. Bytes of a dataset cut short count too: they were read and
+    /// written. (A failed set-up's reason is counted by [`Metrics::failure`].)
+    pub(crate) fn set_up_done(&self, job: &Job) {
         if let Ok(options) = &job.options {
             for (spec, progress) in options.stage_in.iter().zip(&job.stages) {
                 let l = SourceLabels {
@@ -176,10 +175,6 @@ impl Metrics {
                         .observe(p.elapsed_ms as f64 / 1000.0);
                 }
             }
-        }
-        if let Err(e) = result {
-            let (operation, code) = setup_code(e);
-            self.failure(operation, code);
         }
     }
 
@@ -202,20 +197,19 @@ impl Metrics {
                 self.archive_bytes.inc_by(part.raw_bytes());
                 self.archive_stored_bytes.inc_by(part.stored_bytes());
             }
-            Err(e) => self.failure("archive", archive_code(e)),
+            Err(e) => self.failure("archive", e.code()),
         }
     }
 
-    /// Admission closed a connection to the agent's socket.
-    pub(crate) fn refused(&self, why: Refused) {
-        let reason = match why {
-            Refused::UserLimit { .. } => "user_limit",
-            Refused::Full { .. } => "full",
-        };
+    /// Admission closed a connection to the agent's socket, for `reason` (the refusal's own word,
+    /// one of [`REFUSAL_REASONS`]).
+    pub(crate) fn refused(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabels { reason }).inc();
     }
 
-    fn failure(&self, operation: &'static str, code: &'static str) {
+    /// `operation` (`setup`, `stage`, `restore` or `archive`) failed with the error whose stable
+    /// code is `code` (the error type's own `code()`).
+    pub(crate) fn failure(&self, operation: &'static str, code: &'static str) {
         self.failures
             .get_or_create(&FailureLabels { operation, code })
             .inc();
@@ -319,87 +313,6 @@ fn source_kind(source: &Source) -> &'static str {
             ObjectScheme::Azure => "azure",
             ObjectScheme::Gcs => "gcs",
         },
-    }
-}
-
-/// `(operation, code)` of a failed set-up: the staging or the restore that failed, or the step
-/// before them.
-fn setup_code(e: &SetupError) -> (&'static str, &'static str) {
-    match e {
-        SetupError::Options(_) => ("setup", "options"),
-        SetupError::Policy(_) => ("setup", "policy"),
-        SetupError::SharedTier => ("setup", "shared_tier"),
-        SetupError::RamTier => ("setup", "ram_tier"),
-        SetupError::RamDir { .. } => ("setup", "ram_dir"),
-        SetupError::NotInJob { .. } => ("setup", "not_in_job"),
-        SetupError::JobDir { .. } => ("setup", "job_dir"),
-        SetupError::Bug { .. } => ("setup", "bug"),
-        SetupError::Stage { source, .. } => ("stage", stage_code(source)),
-        SetupError::Restore(e) => ("restore", restore_code(e)),
-        SetupError::Timeout { .. } => ("stage", "timeout"),
-    }
-}
-
-fn stage_code(e: &StageError) -> &'static str {
-    match e {
-        StageError::NotFound { .. } => "not_found",
-        StageError::Denied { .. } => "denied",
-        StageError::NoSpace { .. } => "no_space",
-        StageError::Origin { .. } => "origin",
-        StageError::HotTier { .. } => "hot_tier",
-        StageError::BadKeys { .. } => "bad_keys",
-        StageError::UnsafeKeys { .. } => "unsafe_keys",
-        StageError::Unreachable { .. } => "unreachable",
-        StageError::Cancelled { .. } => "cancelled",
-        StageError::SharedPeer { .. } => "shared_peer",
-    }
-}
-
-fn restore_code(e: &RestoreError) -> &'static str {
-    match e {
-        RestoreError::NoArchive => "no_archive",
-        RestoreError::Open { source, .. }
-        | RestoreError::List { source, .. }
-        | RestoreError::Restore { source, .. } => archive_code(source),
-        RestoreError::NoneOfYours { .. } => "none_of_yours",
-        RestoreError::NoneIntact { .. } => "none_intact",
-        RestoreError::Foreign { .. } => "foreign",
-        RestoreError::CreateDir { .. } => "create_dir",
-    }
-}
-
-fn archive_code(e: &ArchiveError) -> &'static str {
-    match e {
-        ArchiveError::BadUrl { .. } => "bad_url",
-        ArchiveError::BadConfig(_) => "bad_config",
-        ArchiveError::BadName { .. } => "bad_name",
-        ArchiveError::Refused { .. } => "refused",
-        ArchiveError::Modified { .. } => "modified",
-        ArchiveError::Read { .. } => "read",
-        ArchiveError::Write { errno, .. } => {
-            let full = [nix::errno::Errno::ENOSPC, nix::errno::Errno::EDQUOT];
-            if full.iter().any(|f| *errno == Some(*f as i32)) {
-                "no_space"
-            } else {
-                "write"
-            }
-        }
-        ArchiveError::Store { .. } => match e.store_kind() {
-            Some(StoreErrorKind::NotFound) => "store_not_found",
-            Some(StoreErrorKind::Denied) => "store_denied",
-            Some(StoreErrorKind::Throttled) => "store_throttled",
-            Some(StoreErrorKind::Unreachable) => "store_unreachable",
-            Some(StoreErrorKind::TimedOut) => "store_timed_out",
-            Some(StoreErrorKind::Other) | None => "store_other",
-        },
-        ArchiveError::NotArchived { .. } => "not_archived",
-        ArchiveError::BadManifest { .. } => "bad_manifest",
-        ArchiveError::Corrupt { .. } => "corrupt",
-        ArchiveError::Conflict { .. } => "conflict",
-        ArchiveError::ManifestTooLarge { .. } => "manifest_too_large",
-        ArchiveError::Stopped { .. } => "stopped",
-        ArchiveError::AlreadyPublished { .. } => "already_published",
-        ArchiveError::NotAsFlushed { .. } => "not_as_flushed",
     }
 }
 
@@ -735,7 +648,7 @@ mod tests {
                 path: "p".into(),
             }),
         );
-        m.refused(Refused::UserLimit { uid: 1000 });
+        m.refused("user_limit");
         m.restored(Some("step-1"), Duration::from_secs(3));
         m.restored(None, Duration::from_secs(1));
         let text = exposition(&m);
@@ -781,43 +694,6 @@ mod tests {
             text.contains("# TYPE sluice_stage_bytes_total counter\n")
                 && text.contains("# TYPE sluice_restore_duration_seconds histogram\n"),
             "{text}"
-        );
-    }
-
-    #[test]
-    fn error_codes_are_stable_words() {
-        let store = ArchiveError::Store {
-            url: "s3://b/".into(),
-            op: "put",
-            key: "k".into(),
-            error: Box::new(object_store::Error::NotFound {
-                path: "k".into(),
-                source: "gone".into(),
-            }),
-        };
-        assert_eq!(archive_code(&store), "store_not_found");
-        let full = ArchiveError::Write {
-            tag: "t".into(),
-            path: "p".into(),
-            detail: "full".into(),
-            errno: Some(nix::errno::Errno::ENOSPC as i32),
-        };
-        assert_eq!(archive_code(&full), "no_space");
-        assert_eq!(
-            restore_code(&RestoreError::Restore {
-                tag: "t".into(),
-                source: Box::new(full),
-            }),
-            "no_space"
-        );
-        assert_eq!(
-            setup_code(&SetupError::Stage {
-                node: "n1".into(),
-                source: StageError::NotFound {
-                    dataset: "s3://b/x".into()
-                },
-            }),
-            ("stage", "not_found")
         );
     }
 

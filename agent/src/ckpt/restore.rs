@@ -68,6 +68,24 @@ pub enum RestoreError {
     },
 }
 
+impl RestoreError {
+    /// A stable word for this error, for the `sluice_failures_total{operation="restore",code}`
+    /// label ([`crate::metrics`]): an archive error's own code ([`ArchiveError::code`]). Dashboards
+    /// and alerts query these words: keep them.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RestoreError::NoArchive => "no_archive",
+            RestoreError::Open { source, .. }
+            | RestoreError::List { source, .. }
+            | RestoreError::Restore { source, .. } => source.code(),
+            RestoreError::NoneOfYours { .. } => "none_of_yours",
+            RestoreError::NoneIntact { .. } => "none_intact",
+            RestoreError::Foreign { .. } => "foreign",
+            RestoreError::CreateDir { .. } => "create_dir",
+        }
+    }
+}
+
 /// Why a local copy of a checkpoint is not the archived one.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum VerifyError {
@@ -442,4 +460,25 @@ pub(crate) fn verify_local(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_restore_is_labelled_by_its_archive_error() {
+        let full = ArchiveError::Write {
+            tag: "t".into(),
+            path: "p".into(),
+            detail: "full".into(),
+            errno: Some(nix::errno::Errno::ENOSPC as i32),
+        };
+        let e = RestoreError::Restore {
+            tag: "t".into(),
+            source: Box::new(full),
+        };
+        assert_eq!(e.code(), "no_space");
+        assert_eq!(RestoreError::NoArchive.code(), "no_archive");
+    }
 }
