@@ -6,13 +6,14 @@
 //!
 //! The parts it drives own their state: [`HotTier`] the directory layout, [`Policy`] who may stage or
 //! archive what, [`crate::stage`] the downloads and their budget, [`crate::ckpt`] the checkpoints
-//! (commit, the per-job [`CkptWorker`], restore, retention), [`Journal`] what survives a restart, and
-//! [`Workers`] the background loops. `Agent` keeps the job table and dispatches requests.
+//! (commit, the per-job [`CkptWorker`], restore, retention), [`JobTable`] the jobs and what of them
+//! survives a restart, and [`Workers`] the background loops. `Agent` dispatches requests.
 
 use crate::ckpt::{self, CkptEntry, CkptWorker, CommitError, RestoreError};
 use crate::hot_tier::{HotTier, HotTierError};
 use crate::job::{self, Job};
-use crate::journal::{CkptRecord, JobRecord, Journal, JournalError, RECORD_VERSION};
+use crate::job_table::JobTable;
+use crate::journal::{CkptRecord, JobRecord, JournalError, RECORD_VERSION};
 use crate::policy::{Policy, PolicyError, Requester};
 use crate::stage::{self, JobPeers, NodePeers, ShardPlan, Sharing, StageCtx, StageError};
 use crate::worker::{StatusCell, Worker, WorkerStatus, Workers};
@@ -23,9 +24,8 @@ use sluice_proto::msg::{
     ErrorCode, ErrorReply, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
 use sluice_proto::options::{self, OptionError, StageMode, StageTier};
-use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -36,8 +36,6 @@ mod step;
 pub use crate::identity::Peer;
 use crate::identity::{JobIdentity, squeue_job};
 
-/// Ended jobs kept for `sluice job`/`status` before they are forgotten.
-const KEEP_ENDED: usize = 64;
 /// Longest a task may ask to wait for staging.
 const MAX_WAIT: Duration = Duration::from_secs(48 * 3600);
 /// Most `(name, value)` option pairs accepted in one JobStart.
@@ -146,8 +144,8 @@ pub struct Agent {
     pub(crate) cfg: Arc<Config>,
     pub(crate) hot: HotTier,
     policy: Policy,
-    jobs: Mutex<HashMap<JobId, Arc<Job>>>,
-    journal: Journal,
+    /// The jobs on this node and their journal, shared with the checkpoint workers and the metrics.
+    pub(crate) jobs: Arc<JobTable>,
     /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
     pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
     /// The node-wide stage-in download budget (`stage.concurrency`, `stage.memory`), shared by all jobs.
@@ -209,7 +207,7 @@ impl Agent {
         tracker: TaskTracker,
     ) -> Result<Arc<Agent>, AgentError> {
         let hot = HotTier::open(&cfg.hot_root, cfg.ckpt.high_water)?;
-        let journal = Journal::open(&cfg.state_dir)?;
+        let jobs = Arc::new(JobTable::open(&cfg.state_dir)?);
         let cache = crate::cache::Cache::open(&cfg)?;
         let ram = cfg
             .fast_tier
@@ -225,8 +223,7 @@ impl Agent {
             upload_slots: cfg
                 .upload_slots()
                 .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
-            jobs: Mutex::new(HashMap::new()),
-            journal,
+            jobs,
             helper_exe,
             workers: Workers::new(tracker.clone(), cancel.clone()),
             metrics: Default::default(),
@@ -280,17 +277,14 @@ impl Agent {
         }
     }
 
-    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
-        lock(&self.jobs)
-    }
-
-    fn job(&self, job_id: JobId) -> Option<Arc<Job>> {
-        self.jobs().get(&job_id).cloned()
-    }
-
-    /// Every job in the table, at this moment.
-    pub(crate) fn jobs_snapshot(&self) -> Vec<Arc<Job>> {
-        self.jobs().values().cloned().collect()
+    /// The state the metrics endpoint reads at each scrape.
+    pub(crate) fn metrics_snapshot(&self) -> crate::metrics::Snapshot {
+        crate::metrics::Snapshot::new(
+            self.jobs.clone(),
+            self.hot.clone(),
+            self.cfg.clone(),
+            self.cache.clone(),
+        )
     }
 
     /// Tasks the agent runs now: requests, set-ups, workers.
@@ -311,7 +305,7 @@ impl Agent {
     /// were already staged stay as they are (their tasks may be using the data); pending
     /// checkpoint archives continue. Starts housekeeping.
     pub(crate) fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
-        let (records, bad) = self.journal.load()?;
+        let (records, bad) = self.jobs.load()?;
         for e in bad {
             tracing::error!("{e}; left in place for inspection");
         }
@@ -371,7 +365,7 @@ impl Agent {
             _ => None,
         };
         let span = job_id
-            .and_then(|id| self.job(id))
+            .and_then(|id| self.jobs.get(id))
             .map_or_else(tracing::Span::none, |job| job.span());
         self.answer(peer, request).instrument(span).await
     }
@@ -447,7 +441,7 @@ impl Agent {
     }
 
     fn authorised_job(&self, peer: Peer, job_id: JobId) -> Result<Arc<Job>, ErrorReply> {
-        let job = self.job(job_id).ok_or_else(|| {
+        let job = self.jobs.get(job_id).ok_or_else(|| {
             ErrorReply::new(
                 ErrorCode::NotFound,
                 format!(
@@ -477,7 +471,7 @@ impl Agent {
                 self.cfg.node
             );
         }
-        if let Some(existing) = self.job(start.job_id) {
+        if let Some(existing) = self.jobs.get(start.job_id) {
             if !existing.has_ended() && existing.start == start {
                 return Response::Ok; // a repeated prolog: idempotent
             }
@@ -487,7 +481,8 @@ impl Agent {
         // before's checkpoints that are still here from its first write on, so that an agent
         // killed at any point of the new run's start still knows them.
         let inherited = self
-            .job(start.job_id)
+            .jobs
+            .get(start.job_id)
             .map(|old| Inherited::from(&old))
             .unwrap_or_default();
         let record = JobRecord {
@@ -503,9 +498,7 @@ impl Agent {
             ram: inherited.ram_root.is_some(),
             ram_root: inherited.ram_root,
         };
-        let journal = self.journal.clone();
-        let saved = record.clone();
-        if let Err(e) = blocking(move || journal.save(&saved)).await {
+        if let Err(e) = self.jobs.save(&record).await {
             tracing::error!("{e}");
             return reply(
                 ErrorCode::Internal,
@@ -650,18 +643,9 @@ impl Agent {
                 }),
             );
         }
-        {
-            let mut jobs = self.jobs();
-            if let Some(old) = jobs.insert(start.job_id, job.clone()) {
-                // A new run of the same job id (requeue): the old run's worker must stop before it
-                // trims, finalises or journals anything, since those act on paths keyed by the id.
-                // What of its checkpoints is still here, the new run's record carries
-                // ([`Inherited`]).
-                old.finish();
-                old.ckpts.wake.notify_one();
-            }
-            prune_ended(&mut jobs);
-        }
+        // A run before of the same job id (a requeue) is finished here; what of its checkpoints
+        // is still here, the new run's record carries ([`Inherited`]).
+        self.jobs.insert(job.clone());
         if record.ready || record.ended {
             // Staged before a restart: the hashes of what this node read went with the agent.
             // Its peers still staging are told at once (not after the join grace) that it knows
@@ -1066,7 +1050,7 @@ impl Agent {
                 }
             }
             job.set_restored(tag, notes);
-            self.persist(job).await;
+            self.jobs.persist(job).await;
             Ok(())
         };
         let limit = self.cfg.stage.timeout;
@@ -1078,7 +1062,7 @@ impl Agent {
                 }
                 self.metrics.set_up_done(job);
                 job.set_ready();
-                self.persist(job).await;
+                self.jobs.persist(job).await;
                 // Staged: a restarted agent no longer stages the job (the journal says it is
                 // ready), but serves the job's other nodes the files its staging logs name, so
                 // they stay until the job ends.
@@ -1098,55 +1082,6 @@ impl Agent {
     pub(crate) async fn upload_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
         let slots = self.upload_slots.clone()?;
         slots.acquire_owned().await.ok()
-    }
-
-    /// Writes the job's current record to the journal (errors are logged: the in-memory state stays
-    /// authoritative until the next successful write).
-    pub(crate) async fn persist(&self, job: &Job) {
-        if self.replaced(job) {
-            return;
-        }
-        let record = JobRecord {
-            version: RECORD_VERSION,
-            start: job.start.clone(),
-            started_at: job.started_at,
-            ready: job.state() == JobState::Ready,
-            ended: job.has_ended(),
-            archive_url: job.archive_url().map(String::from),
-            ckpts: job.ckpts.entries().iter().map(|e| ckpt_record(e)).collect(),
-            step_stage_in: lock(&job.extras)
-                .values()
-                .filter(|e| *e.state.borrow() == job::ExtraState::Done)
-                .map(|e| e.spec.clone())
-                .collect(),
-            from_step: job.from_step.load(std::sync::atomic::Ordering::Relaxed),
-            ram: job.is_ram(),
-            ram_root: job
-                .ram_tier
-                .get()
-                .filter(|_| job.is_ram())
-                .map(|t| t.config().root.clone()),
-        };
-        let journal = self.journal.clone();
-        if let Err(e) = blocking(move || journal.save(&record)).await {
-            tracing::error!(job_id = job.start.job_id, "{e}");
-        }
-    }
-
-    /// Whether a newer run of the same job id took this job's place in the table (a requeue): the
-    /// old run must no longer touch `jobs/<id>` or the journal record `<id>.json`.
-    pub(crate) fn replaced(&self, job: &Job) -> bool {
-        self.jobs()
-            .get(&job.start.job_id)
-            .is_some_and(|current| !std::ptr::eq(&**current, job))
-    }
-
-    /// Forgets a finished job on disk (its journal record).
-    pub(crate) async fn forget(&self, job_id: JobId) {
-        let journal = self.journal.clone();
-        if let Err(e) = blocking(move || journal.remove(job_id)).await {
-            tracing::error!(job_id, "{e}");
-        }
     }
 
     /// `sluice ckpt commit TAG`: record the commit and wake the job's checkpoint worker.
@@ -1191,7 +1126,7 @@ impl Agent {
     /// removal of the job directory) in the background.
     async fn job_end(self: &Arc<Self>, job_id: JobId) -> Response {
         let node = &self.cfg.node;
-        let Some(job) = self.job(job_id) else {
+        let Some(job) = self.jobs.get(job_id) else {
             // Unknown (e.g. its journal record could not be read): its staged data goes, but its
             // checkpoints may not be archived, so they stay for the admin (issue 10, defect 5).
             let hot = self.hot.clone();
@@ -1261,7 +1196,7 @@ impl Agent {
             Ok(Err(e)) => tracing::error!(job_id, "removing staged data: {e}"),
             Err(e) => tracing::error!(job_id, "removing staged data: {e}"),
         }
-        self.persist(&job).await;
+        self.jobs.persist(&job).await;
         job.ckpts.wake.notify_one();
         // Wait (bounded) until the checkpoint worker finished: archives done and the job cleaned up.
         let mut rx = job.subscribe();
@@ -1283,7 +1218,7 @@ impl Agent {
     async fn wait_staged(&self, peer: Peer, job_id: JobId, timeout_ms: u64) -> Response {
         let job = match self.authorised_job(peer, job_id) {
             Ok(job) => job,
-            Err(_) if self.job(job_id).is_none() => {
+            Err(_) if self.jobs.get(job_id).is_none() => {
                 return reply(
                     ErrorCode::NotFound,
                     format!(
@@ -1394,8 +1329,9 @@ impl Agent {
 
     async fn status(&self, peer: Peer) -> NodeStatus {
         let mut jobs: Vec<_> = self
-            .jobs()
-            .values()
+            .jobs
+            .snapshot()
+            .iter()
             .filter(|j| peer.is_root() || j.start.uid == peer.uid)
             .map(|j| j.status())
             .collect();
@@ -1481,7 +1417,8 @@ impl Worker for Housekeeper {
                 status.set("trimming");
                 let mut ended: Vec<Arc<Job>> = self
                     .agent
-                    .jobs_snapshot()
+                    .jobs
+                    .snapshot()
                     .into_iter()
                     .filter(|j| j.has_ended())
                     .collect();
@@ -1601,7 +1538,7 @@ impl Inherited {
             .iter()
             .filter(|e| e.is_lost() || (!e.is_refused() && (e.on_hot() || (in_ram && e.in_ram()))))
             .map(|e| {
-                let mut c = ckpt_record(e);
+                let mut c = CkptRecord::from(&**e);
                 c.in_ram &= in_ram;
                 if !c.in_ram {
                     c.flush_blake3 = None;
@@ -1610,40 +1547,6 @@ impl Inherited {
             })
             .collect();
         Inherited { ckpts, ram_root }
-    }
-}
-
-/// A checkpoint's entry as the journal keeps it.
-fn ckpt_record(e: &CkptEntry) -> CkptRecord {
-    CkptRecord {
-        tag: e.tag.clone(),
-        committed_at: e.committed_at,
-        archived_at: e.archived_at(),
-        on_hot: e.on_hot(),
-        in_ram: e.in_ram(),
-        flush_blake3: e.flush_hashes().map(|h| {
-            h.iter()
-                .map(|(p, x)| (p.clone(), x.to_hex().to_string()))
-                .collect()
-        }),
-        lost: e.lost(),
-    }
-}
-
-/// Forgets the oldest finished jobs beyond [`KEEP_ENDED`] — only those that hold nothing on the hot
-/// tier any more: a job with checkpoints there stays in the table (its count is bounded by the hot
-/// tier itself), so retention and high-water trimming keep seeing them (issue 10, defect 4).
-fn prune_ended(jobs: &mut HashMap<JobId, Arc<Job>>) {
-    let mut ended: Vec<_> = jobs
-        .values()
-        .filter(|j| j.is_finished() && !j.ckpts.entries().iter().any(|e| e.on_hot()))
-        .map(|j| (j.started_at, j.start.job_id))
-        .collect();
-    if ended.len() > KEEP_ENDED {
-        ended.sort();
-        for (_, id) in &ended[..ended.len() - KEEP_ENDED] {
-            jobs.remove(id);
-        }
     }
 }
 

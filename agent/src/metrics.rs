@@ -26,8 +26,10 @@
 //! for its archive whose size is not known yet, remembered per commit). The listener serves at
 //! most [`MAX_CONNECTIONS`] connections at once, each given [`HEADER_TIMEOUT`] to send a request.
 
-use crate::agent::Agent;
+use crate::cache::Cache;
+use crate::hot_tier::HotTier;
 use crate::job::Job;
+use crate::job_table::JobTable;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -40,7 +42,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
-use sluice_archive::config::MetricsConfig;
+use sluice_archive::config::{Config, MetricsConfig};
 use sluice_archive::rt::{blocking, lock};
 use sluice_archive::{ArchiveError, PartManifest};
 use sluice_proto::msg::{CacheStats, CkptState, JobId, JobState, StageProgress, StageState};
@@ -316,9 +318,12 @@ fn source_kind(source: &Source) -> &'static str {
     }
 }
 
-/// The gauges read from the agent at each scrape.
-struct Snapshot {
-    agent: Arc<Agent>,
+/// The gauges read from the agent's state at each scrape.
+pub(crate) struct Snapshot {
+    jobs: Arc<JobTable>,
+    hot: HotTier,
+    cfg: Arc<Config>,
+    cache: Option<Arc<Cache>>,
     /// Sizes of checkpoints waiting for their archive, by (job, tag, commit generation): a
     /// committed checkpoint's files do not change (if they do, it is committed again), so each is
     /// walked once, not at every scrape.
@@ -343,12 +348,28 @@ struct Backlog {
 }
 
 impl Snapshot {
+    /// Reads the agent's job table, hot tier, configuration and cache at each scrape.
+    pub(crate) fn new(
+        jobs: Arc<JobTable>,
+        hot: HotTier,
+        cfg: Arc<Config>,
+        cache: Option<Arc<Cache>>,
+    ) -> Snapshot {
+        Snapshot {
+            jobs,
+            hot,
+            cfg,
+            cache,
+            sizes: Mutex::new(HashMap::new()),
+        }
+    }
+
     /// Blocks: may walk checkpoint directories.
     fn backlog(&self) -> Backlog {
         let mut b = Backlog::default();
         let mut sizes = lock(&self.sizes);
         let mut seen = HashSet::new();
-        for job in self.agent.jobs_snapshot() {
+        for job in self.jobs.snapshot() {
             for e in job.ckpts.entries() {
                 if e.state() == CkptState::Archived {
                     continue;
@@ -381,7 +402,6 @@ impl Snapshot {
     /// archive attempt will say why).
     fn ckpt_size(&self, job: &Job, tag: &str) -> u64 {
         let dir = self
-            .agent
             .hot
             .open_ckpt(job.start.job_id)
             .and_then(|d| sluice_archive::safefs::open_dir(d, tag));
@@ -394,11 +414,11 @@ impl Snapshot {
 
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let usage = self.agent.hot.usage();
-        let high_water = f64::from(self.agent.cfg.ckpt.high_water) / 100.0;
+        let usage = self.hot.usage();
+        let high_water = f64::from(self.cfg.ckpt.high_water) / 100.0;
         let backlog = self.backlog();
         let mut jobs: HashMap<&'static str, u64> = HashMap::new();
-        for j in self.agent.jobs_snapshot() {
+        for j in self.jobs.snapshot() {
             *jobs.entry(j.state().as_str()).or_default() += 1;
         }
         let mut gauge = |name: &str, help: &str, unit: Option<&Unit>, v: ConstGauge<u64>| {
@@ -443,7 +463,7 @@ impl Collector for Snapshot {
             ratio.metric_type(),
         )?;
         ratio.encode(m)?;
-        if let Some(cache) = &self.agent.cache {
+        if let Some(cache) = &self.cache {
             encode_cache(&mut enc, &cache.stats())?;
         }
         let mut family = enc.encode_descriptor(
@@ -563,14 +583,16 @@ pub async fn bind(cfg: &MetricsConfig) -> Result<TcpListener, MetricsError> {
 }
 
 /// Serves `GET /metrics` on `listener` until `cancel` is cancelled, then waits for the connections
-/// it started (each ends with the same token).
-pub(crate) async fn serve(agent: Arc<Agent>, listener: TcpListener, cancel: CancellationToken) {
-    let mut registry = agent.metrics.registry();
-    registry.register_collector(Box::new(Snapshot {
-        agent: agent.clone(),
-        sizes: Mutex::new(HashMap::new()),
-    }));
-    drop(agent);
+/// it started (each ends with the same token): the event `metrics` and, read at each scrape, the
+/// `state` gauges.
+pub(crate) async fn serve(
+    metrics: Metrics,
+    state: Snapshot,
+    listener: TcpListener,
+    cancel: CancellationToken,
+) {
+    let mut registry = metrics.registry();
+    registry.register_collector(Box::new(state));
     let registry = Arc::new(registry);
     if let Ok(a) = listener.local_addr() {
         tracing::info!("metrics: serving http://{a}/metrics");

@@ -298,7 +298,7 @@ async fn from_hot_tier(
     ckpt_dir: Arc<OwnedFd>,
 ) -> Option<String> {
     let uid = job.start.uid;
-    let (old_job, old_entry) = agent.jobs_snapshot().into_iter().find_map(|j| {
+    let (old_job, old_entry) = agent.jobs.snapshot().into_iter().find_map(|j| {
         let same = j.has_ended() && j.start.uid == uid && j.start.job_id != job.start.job_id;
         let same = same && j.archive_url() == Some(url);
         let e = j
@@ -343,7 +343,7 @@ async fn from_hot_tier(
     };
     if moved {
         old_entry.set_on_hot(false);
-        agent.persist(&old_job).await;
+        agent.jobs.persist(&old_job).await;
     }
     match why {
         None => {

@@ -60,7 +60,7 @@ pub(crate) async fn commit(
     }
     if outcome != CommitOutcome::AlreadyPending {
         tracing::info!(job_id = id, tag, ?outcome, "checkpoint committed");
-        agent.persist(job).await;
+        agent.jobs.persist(job).await;
         job.ckpts.wake.notify_one();
     }
     Ok(outcome)
@@ -69,7 +69,7 @@ pub(crate) async fn commit(
 /// Retention: removes archived checkpoints beyond the newest `keep` from the hot tier; above the
 /// high-water mark, every archived checkpoint but the newest.
 pub(crate) async fn trim(agent: &Agent, job: &Job) {
-    if agent.replaced(job) {
+    if agent.jobs.replaced(job) {
         return;
     }
     let hot = agent.hot.clone();
@@ -109,7 +109,7 @@ pub(crate) async fn trim(agent: &Agent, job: &Job) {
                     Err(e) => tracing::warn!(job_id = id, tag = entry.tag, "trimming: {e}"),
                 }
             }
-            agent.persist(job).await;
+            agent.jobs.persist(job).await;
         }
         Err(e) => tracing::warn!(job_id = id, "trimming: {e}"),
     }
@@ -119,7 +119,7 @@ pub(crate) async fn trim(agent: &Agent, job: &Job) {
 /// hot copies of its archived checkpoints (safe in the archive). Never an unarchived or a refused
 /// one. When nothing of the job is left there, its directory and journal record go too.
 pub(crate) async fn release(agent: &Agent, job: &Arc<Job>) {
-    if agent.replaced(job) {
+    if agent.jobs.replaced(job) {
         return;
     }
     let id = job.start.job_id;
@@ -155,13 +155,13 @@ pub(crate) async fn release(agent: &Agent, job: &Arc<Job>) {
         }
     }
     if job.ckpts.entries().iter().any(|e| e.on_hot()) {
-        agent.persist(job).await;
+        agent.jobs.persist(job).await;
     } else {
         let hot = agent.hot.clone();
         if let Err(e) = blocking(move || hot.remove_job(id, who)).await {
             tracing::warn!(job_id = id, "removing the job directory: {e}");
         }
-        agent.forget(id).await;
+        agent.jobs.forget(id).await;
     }
 }
 
@@ -475,7 +475,7 @@ impl CkptWorker {
                         tag = entry.tag,
                         "the hot tier's copy hashes as flushed from RAM (verified by its upload)"
                     );
-                    self.agent.persist(job).await;
+                    self.agent.jobs.persist(job).await;
                 }
             }
             Err(ArchiveError::NotAsFlushed { damaged, .. }) => {
@@ -564,7 +564,7 @@ impl CkptWorker {
                     tag = entry.tag,
                     "identical to the archived checkpoint"
                 );
-                self.agent.persist(job).await;
+                self.agent.jobs.persist(job).await;
             }
             Ok(Err(e)) => {
                 let message = format!(
@@ -609,7 +609,7 @@ impl CkptWorker {
                     tag = entry.tag,
                     "checkpoint archived"
                 );
-                self.agent.persist(job).await;
+                self.agent.jobs.persist(job).await;
             }
             Ok(Publish::Waiting { missing }) => {
                 let limit = self.agent.cfg.ckpt.publish_wait;
@@ -630,7 +630,7 @@ impl CkptWorker {
                     tracing::warn!(job_id = job.start.job_id, tag = entry.tag, "{message}");
                     self.waiting_since.remove(&entry.tag);
                     entry.incomplete(message);
-                    self.agent.persist(job).await;
+                    self.agent.jobs.persist(job).await;
                 } else {
                     entry.note_failure(); // asks again at the backoff, not every scan
                     let left = limit.saturating_sub(waited).as_secs();
@@ -763,7 +763,7 @@ impl CkptWorker {
                         secs = started.elapsed().as_secs_f64(),
                         "checkpoint flushed from the RAM tier to the hot tier"
                     );
-                    self.agent.persist(&job).await;
+                    self.agent.jobs.persist(&job).await;
                 }
                 Err(e @ FlushError::Refused(_)) => {
                     tracing::warn!(job_id = id, tag = entry.tag, "not flushed: {e}");
@@ -856,7 +856,7 @@ impl CkptWorker {
             entry.lose(message);
         }
         if changed {
-            self.agent.persist(job).await;
+            self.agent.jobs.persist(job).await;
         }
     }
 
@@ -922,7 +922,7 @@ impl CkptWorker {
                     secs = started.elapsed().as_secs_f64(),
                     "the hot tier's copy reads back as flushed from RAM (verified)"
                 );
-                self.agent.persist(job).await;
+                self.agent.jobs.persist(job).await;
             }
             Err(ReadBack::Differs(path)) => {
                 let damaged = [archive::Damaged {
@@ -966,7 +966,7 @@ impl CkptWorker {
             tracing::error!(job_id = job.start.job_id, tag = entry.tag, "{message}");
             entry.conflict(message);
         }
-        self.agent.persist(job).await;
+        self.agent.jobs.persist(job).await;
         job.ckpts.wake.notify_one();
     }
 
@@ -1006,7 +1006,7 @@ impl CkptWorker {
                         e.set_in_ram(false);
                     }
                 }
-                self.agent.persist(job).await;
+                self.agent.jobs.persist(job).await;
             }
             Err(e) => tracing::warn!(job_id = job.start.job_id, "freeing the RAM tier: {e}"),
         }
@@ -1037,7 +1037,7 @@ impl CkptWorker {
     async fn finalize(&self) {
         let job = &self.job;
         let id = job.start.job_id;
-        if self.agent.replaced(job) {
+        if self.agent.jobs.replaced(job) {
             // Requeued: `jobs/<id>` and the journal record belong to the new run now.
             tracing::info!(
                 job_id = id,
@@ -1084,9 +1084,9 @@ impl CkptWorker {
             }
         }
         if keep_any {
-            self.agent.persist(job).await;
-        } else if !self.agent.replaced(job) {
-            self.agent.forget(id).await;
+            self.agent.jobs.persist(job).await;
+        } else if !self.agent.jobs.replaced(job) {
+            self.agent.jobs.forget(id).await;
         }
         job.finish();
         tracing::info!(
