@@ -9,7 +9,7 @@
 //! (commit, the per-job [`CkptWorker`], restore, retention), [`JobTable`] the jobs and what of them
 //! survives a restart, and [`Workers`] the background loops. `Agent` dispatches requests.
 
-use crate::ckpt::{self, CkptEntry, CkptWorker, CommitError, RestoreError};
+use crate::ckpt::{self, CkptCtx, CkptEntry, CkptWorker, CommitError, RestoreError};
 use crate::hot_tier::{HotTier, HotTierError};
 use crate::job::{self, Job};
 use crate::job_table::JobTable;
@@ -145,14 +145,12 @@ pub struct Agent {
     pub(crate) hot: HotTier,
     policy: Policy,
     /// The jobs on this node and their journal, shared with the checkpoint workers and the metrics.
-    pub(crate) jobs: Arc<JobTable>,
-    /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
-    pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
+    jobs: Arc<JobTable>,
     /// The node-wide stage-in download budget (`stage.concurrency`, `stage.memory`), shared by all jobs.
     stage_budget: Arc<stage::Budget>,
-    /// Checkpoint uploads the node's `[agent] memory` budget holds at once, over all jobs (each
-    /// holds up to `Config::archive_memory` of buffers); `None` without a budget.
-    upload_slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// What the checkpoint workers, restores and commits use: the job table, the hot tier, the
+    /// node's upload bandwidth and memory, the metrics.
+    ckpt: Arc<CkptCtx>,
     /// The `sluiced` binary that runs `copy-as-user`.
     helper_exe: PathBuf,
     /// The agent's one cancellation: every job's token and every worker's is a child of it.
@@ -170,34 +168,6 @@ pub struct Agent {
     pub(crate) ram: Option<Arc<crate::ram_tier::RamTier>>,
 }
 
-/// Where a job's checkpoints are: `$SLUICE_CKPT_DIR` (the RAM tier's, or the hot tier's), and the
-/// hot tier's, which checkpoints are archived from. Cheap to clone into a blocking closure.
-#[derive(Clone)]
-pub(crate) struct CkptDirs {
-    hot: HotTier,
-    ram: Option<Arc<crate::ram_tier::RamTier>>,
-    job_id: JobId,
-}
-
-impl CkptDirs {
-    /// `$SLUICE_CKPT_DIR`, where the job writes and commits (blocking).
-    pub(crate) fn user(&self) -> Result<std::os::fd::OwnedFd, SafeFsError> {
-        match &self.ram {
-            Some(ram) => ram.open_ckpt(self.job_id),
-            None => self.hot.open_ckpt(self.job_id),
-        }
-    }
-
-    /// The hot tier's `jobs/<id>/ckpt` (blocking).
-    pub(crate) fn hot(&self) -> Result<std::os::fd::OwnedFd, SafeFsError> {
-        self.hot.open_ckpt(self.job_id)
-    }
-
-    pub(crate) fn ram(&self) -> Option<&Arc<crate::ram_tier::RamTier>> {
-        self.ram.as_ref()
-    }
-}
-
 impl Agent {
     /// Prepares the hot tier and opens the journal. Nothing runs until [`Agent::recover`].
     pub(crate) fn new(
@@ -213,20 +183,24 @@ impl Agent {
             .fast_tier
             .clone()
             .map(|f| Arc::new(crate::ram_tier::RamTier::new(f, &cfg.node)));
+        let metrics = crate::metrics::Metrics::default();
+        let ckpt = Arc::new(CkptCtx::new(
+            cfg.clone(),
+            hot.clone(),
+            jobs.clone(),
+            metrics.clone(),
+        ));
         Ok(Arc::new(Agent {
             cache,
             ram,
             hot,
             policy: Policy::new(&cfg),
-            bandwidth: cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new),
             stage_budget: stage::Budget::new(&cfg.stage),
-            upload_slots: cfg
-                .upload_slots()
-                .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
+            ckpt,
             jobs,
             helper_exe,
             workers: Workers::new(tracker.clone(), cancel.clone()),
-            metrics: Default::default(),
+            metrics,
             peers: OnceLock::new(),
             cancel,
             tracker,
@@ -265,15 +239,6 @@ impl Agent {
             (Some(tier), Some(root)) => tier.config().root == root,
             (Some(_), None) => true,
             (None, _) => false,
-        }
-    }
-
-    /// Where `job`'s checkpoints are.
-    pub(crate) fn ckpt_dirs(&self, job: &Job) -> CkptDirs {
-        CkptDirs {
-            hot: self.hot.clone(),
-            ram: job.ram_tier.get().cloned().filter(|_| job.is_ram()),
-            job_id: job.start.job_id,
         }
     }
 
@@ -659,7 +624,7 @@ impl Agent {
                 self.serve_staged(&job);
             }
             // Its tmpfs, set up by an agent before they were private: closed to other users now.
-            if let Some(tier) = self.ckpt_dirs(&job).ram().cloned() {
+            if let Some(tier) = self.ckpt.dirs(&job).ram().cloned() {
                 let (id, owner) = (
                     start.job_id,
                     Owner {
@@ -699,7 +664,7 @@ impl Agent {
                 ),
             );
         }
-        self.workers.spawn(CkptWorker::new(self.clone(), job));
+        self.workers.spawn(CkptWorker::new(self.ckpt.clone(), job));
     }
 
     /// After a restart, a job recovered staged and still running (`--stage-mode=replicate` on the
@@ -858,7 +823,7 @@ impl Agent {
         })?;
         // On the RAM tier `$SLUICE_CKPT_DIR` is the job's tmpfs: a restore goes there. A tmpfs
         // holding checkpoints this run inherited is kept (never prepared fresh).
-        let ckpt_fd = match self.ckpt_dirs(job).ram() {
+        let ckpt_fd = match self.ckpt.dirs(job).ram() {
             Some(tier) => {
                 let ram = tier.clone();
                 let keep: Vec<String> = job
@@ -1039,8 +1004,15 @@ impl Agent {
             };
             let url = job.archive_url().ok_or(RestoreError::NoArchive)?;
             let started = std::time::Instant::now();
-            let (tag, notes) =
-                ckpt::restore(self, job, url, which, ckpt_fd.clone(), peers.0.clone()).await?;
+            let (tag, notes) = ckpt::restore(
+                &self.ckpt,
+                job,
+                url,
+                which,
+                ckpt_fd.clone(),
+                peers.0.clone(),
+            )
+            .await?;
             self.metrics.restored(tag.as_deref(), started.elapsed());
             if let Some(t) = tag.clone() {
                 let dir = ckpt_fd.clone();
@@ -1077,19 +1049,12 @@ impl Agent {
         }
     }
 
-    /// Waits until the node's memory budget holds one more checkpoint upload; the upload holds
-    /// the permit while it runs (`None`: no budget, no wait).
-    pub(crate) async fn upload_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let slots = self.upload_slots.clone()?;
-        slots.acquire_owned().await.ok()
-    }
-
     /// `sluice ckpt commit TAG`: record the commit and wake the job's checkpoint worker.
     async fn ckpt_commit(&self, job: &Arc<Job>, tag: &str) -> Response {
         let committed = if job.has_ended() {
             Err(CommitError::JobEnded(job.start.job_id))
         } else {
-            ckpt::commit(self, job, tag).await
+            ckpt::commit(&self.ckpt, job, tag).await
         };
         if let Err(e) = committed {
             return reply(ErrorCode::BadRequest, e.to_string());
@@ -1424,14 +1389,14 @@ impl Worker for Housekeeper {
                     .collect();
                 ended.sort_by_key(|j| j.started_at);
                 for job in &ended {
-                    ckpt::trim(&self.agent, job).await;
+                    ckpt::trim(&self.agent.ckpt, job).await;
                 }
                 // Still above: the archived copies finished jobs keep go too, oldest job first.
                 for job in ended.iter().filter(|j| j.is_finished()) {
                     if !above().await {
                         break;
                     }
-                    ckpt::release(&self.agent, job).await;
+                    ckpt::release(&self.agent.ckpt, job).await;
                 }
             }
             status.turn(None);

@@ -17,8 +17,9 @@
 //! (keep >= 1), and never an uncommitted directory while the job runs.
 //!
 //! Parts: this module (a checkpoint's entry and a job's set of them, with the commit and retention
-//! rules), [`signals`] (commit checks and frameworks' completion signals), `worker` (the per-job
-//! loop from commit to MANIFEST, retention and clean-up), `restore` (`--ckpt-restore`).
+//! rules; [`CkptCtx`], what the rest needs of the agent; [`CkptDirs`], where a job's checkpoints
+//! are), [`signals`] (commit checks and frameworks' completion signals), `worker` (the per-job loop
+//! from commit to MANIFEST, retention and clean-up), `restore` (`--ckpt-restore`).
 
 mod restore;
 mod shared_restore;
@@ -29,15 +30,104 @@ pub(crate) use restore::{RestoreError, restore};
 pub use signals::{CommitError, check_commit_dir, scan_signals, write_restored_signal};
 pub(crate) use worker::{CkptWorker, RESUME_LOG_AGE, commit, release, resume_dir, trim};
 
+use crate::hot_tier::HotTier;
+use crate::job::Job;
+use crate::job_table::JobTable;
+use crate::metrics::Metrics;
+use crate::ram_tier::RamTier;
+use sluice_archive::config::Config;
 use sluice_archive::flush::FlushHashes;
 use sluice_archive::rt::lock;
-use sluice_proto::msg::{CkptState, CkptStatus};
+use sluice_archive::safefs::SafeFsError;
+use sluice_proto::msg::{CkptState, CkptStatus, JobId};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Automatic re-reads of a checkpoint whose files changed while it was archived.
 pub(crate) const MAX_MODIFIED_RETRIES: u64 = 4;
+
+/// What the checkpoint side needs of the agent (a job's worker, its restore, a commit, retention
+/// and the high-water trim) instead of the whole agent: the node's configuration, hot tier, job
+/// table and metrics, and its shared limits on archive uploads.
+pub(crate) struct CkptCtx {
+    pub(crate) cfg: Arc<Config>,
+    pub(crate) hot: HotTier,
+    /// The jobs on this node and their journal: a job's record is written after each change of
+    /// its checkpoints, and a restore looks for the copy an ended job left on the hot tier.
+    pub(crate) jobs: Arc<JobTable>,
+    /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
+    pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
+    /// Checkpoint uploads the node's `[agent] memory` budget holds at once, over all jobs (each
+    /// holds up to `Config::archive_memory` of buffers); `None` without a budget.
+    upload_slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// The agent's event counters (shared with it).
+    pub(crate) metrics: Metrics,
+}
+
+impl CkptCtx {
+    pub(crate) fn new(
+        cfg: Arc<Config>,
+        hot: HotTier,
+        jobs: Arc<JobTable>,
+        metrics: Metrics,
+    ) -> CkptCtx {
+        CkptCtx {
+            bandwidth: cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new),
+            upload_slots: cfg
+                .upload_slots()
+                .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
+            cfg,
+            hot,
+            jobs,
+            metrics,
+        }
+    }
+
+    /// Where `job`'s checkpoints are.
+    pub(crate) fn dirs(&self, job: &Job) -> CkptDirs {
+        CkptDirs {
+            hot: self.hot.clone(),
+            ram: job.ram_tier.get().cloned().filter(|_| job.is_ram()),
+            job_id: job.start.job_id,
+        }
+    }
+
+    /// Waits until the node's memory budget holds one more checkpoint upload; the upload holds
+    /// the permit while it runs (`None`: no budget, no wait).
+    pub(crate) async fn upload_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let slots = self.upload_slots.clone()?;
+        slots.acquire_owned().await.ok()
+    }
+}
+
+/// Where a job's checkpoints are: `$SLUICE_CKPT_DIR` (the RAM tier's, or the hot tier's), and the
+/// hot tier's, which checkpoints are archived from. Cheap to clone into a blocking closure.
+#[derive(Clone)]
+pub(crate) struct CkptDirs {
+    hot: HotTier,
+    ram: Option<Arc<RamTier>>,
+    job_id: JobId,
+}
+
+impl CkptDirs {
+    /// `$SLUICE_CKPT_DIR`, where the job writes and commits (blocking).
+    pub(crate) fn user(&self) -> Result<std::os::fd::OwnedFd, SafeFsError> {
+        match &self.ram {
+            Some(ram) => ram.open_ckpt(self.job_id),
+            None => self.hot.open_ckpt(self.job_id),
+        }
+    }
+
+    /// The hot tier's `jobs/<id>/ckpt` (blocking).
+    pub(crate) fn hot(&self) -> Result<std::os::fd::OwnedFd, SafeFsError> {
+        self.hot.open_ckpt(self.job_id)
+    }
+
+    pub(crate) fn ram(&self) -> Option<&Arc<RamTier>> {
+        self.ram.as_ref()
+    }
+}
 
 /// One committed checkpoint.
 #[derive(Debug)]
