@@ -9,6 +9,7 @@
 //! (commit, the per-job [`CkptWorker`], restore, retention), [`JobTable`] the jobs and what of them
 //! survives a restart, and [`Workers`] the background loops. `Agent` dispatches requests.
 
+use crate::archive_access::ArchiveAccess;
 use crate::ckpt::{self, CkptCtx, CkptEntry, CkptWorker, CommitError, RestoreError};
 use crate::hot_tier::{HotTier, HotTierError};
 use crate::job::{self, Job};
@@ -166,6 +167,8 @@ pub struct Agent {
     pub(crate) cache: Option<Arc<crate::cache::Cache>>,
     /// The RAM tier for `--ckpt-tier=ram` (`[fast_tier]`).
     pub(crate) ram: Option<Arc<crate::ram_tier::RamTier>>,
+    /// Users' requests on their archives, through this agent's places.
+    pub(crate) archive_access: ArchiveAccess,
 }
 
 impl Agent {
@@ -202,6 +205,7 @@ impl Agent {
             workers: Workers::new(tracker.clone(), cancel.clone()),
             metrics,
             peers: OnceLock::new(),
+            archive_access: ArchiveAccess::new(cfg.clone()),
             cancel,
             tracker,
             cfg,
@@ -395,9 +399,7 @@ impl Agent {
             // The socket server sends these there itself, with the restore directory passed.
             r @ (Request::ArchiveList { .. }
             | Request::ArchiveVerify { .. }
-            | Request::ArchiveRestore { .. }) => {
-                crate::archive_access::handle(self, peer, r, None).await
-            }
+            | Request::ArchiveRestore { .. }) => self.archive_access.handle(peer, r, None).await,
             r @ (Request::CacheList { .. }
             | Request::CacheWarm { .. }
             | Request::CacheWarmNodes { .. }

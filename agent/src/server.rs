@@ -16,7 +16,8 @@
 //! client sees the connection closed without an answer, which the plugin's `task_init` retries
 //! (a node running more than [`MAX_PER_USER`] tasks of one user gets through in turns).
 
-use crate::agent::{Agent, Peer};
+use crate::agent::Agent;
+use crate::identity::Peer;
 use sluice_proto::msg::{ErrorCode, ErrorReply, Request, Response};
 use sluice_proto::wire;
 use std::collections::HashMap;
@@ -272,7 +273,7 @@ async fn serve(agent: Arc<Agent>, peer: Peer, mut stream: UnixStream) {
                 r @ (Request::ArchiveList { .. }
                 | Request::ArchiveVerify { .. }
                 | Request::ArchiveRestore { .. }) => {
-                    crate::archive_access::handle(&agent, peer, r, passed_fd).await
+                    agent.archive_access.handle(peer, r, passed_fd).await
                 }
                 r => agent.handle(peer, r).await,
             }
