@@ -8,7 +8,7 @@
 //! the record `<id>.json` ([`JobTable::replaced`]). Ended jobs stay for `sluice job` and
 //! `sluice status` until more than [`KEEP_ENDED`] of them hold nothing on the hot tier any more.
 
-use crate::ckpt::CkptEntry;
+use crate::job::ckpts::CkptEntry;
 use crate::job::{self, Job};
 use crate::journal::{CkptRecord, JobRecord, Journal, JournalError, RECORD_VERSION};
 use sluice_archive::rt::{blocking, lock};

@@ -6,7 +6,7 @@
 //!
 //! - [`server`]: the socket — admission from peer credentials, framing, one task per request;
 //! - [`agent`]: the request dispatch; a job's set-up (stage + restore) and end;
-//! - [`job`]: one job's identity, options, state and lifecycle;
+//! - [`job`]: one job's identity, options, state and lifecycle, and its checkpoints' state;
 //! - [`job_table`]: the jobs on this node and their journal, which everything below the agent
 //!   reads jobs from;
 //! - [`hot_tier`]: the node-local tier's layout (`jobs/<id>/{stage,ckpt}`), usage and watermark;
