@@ -64,8 +64,8 @@ fn reply(code: ErrorCode, message: impl Into<String>) -> Response {
 }
 
 pub struct Agent {
-    pub(crate) cfg: Arc<Config>,
-    pub(crate) hot: HotTier,
+    cfg: Arc<Config>,
+    hot: HotTier,
     policy: Policy,
     /// The jobs on this node and their journal, shared with the checkpoint workers and the metrics.
     jobs: Arc<JobTable>,
@@ -86,9 +86,9 @@ pub struct Agent {
     /// Peer transfers with the other agents of multi-node jobs (`[peer]`), once started.
     peers: OnceLock<NodePeers>,
     /// The cross-job cache (`[cache]`).
-    pub(crate) cache: Option<Arc<crate::cache::Cache>>,
+    cache: Option<Arc<crate::cache::Cache>>,
     /// The RAM tier for `--ckpt-tier=ram` (`[fast_tier]`).
-    pub(crate) ram: Option<Arc<crate::ram_tier::RamTier>>,
+    ram: Option<Arc<crate::ram_tier::RamTier>>,
     /// Users' requests on their archives, through this agent's places.
     pub(crate) archive_access: ArchiveAccess,
 }
