@@ -6,15 +6,17 @@
 //!
 //! The parts it drives own their state: [`HotTier`] the directory layout, [`Policy`] who may stage or
 //! archive what, [`crate::stage`] the downloads and their budget, [`crate::ckpt`] the checkpoints
-//! (commit, the per-job [`CkptWorker`], restore, retention), [`Journal`] what survives a restart, and
-//! [`Workers`] the background loops. `Agent` keeps the job table and dispatches requests.
+//! (commit, the per-job [`CkptWorker`], restore, retention), [`JobTable`] the jobs and what of them
+//! survives a restart, and [`Workers`] the background loops. `Agent` dispatches requests.
 
-use crate::ckpt::{self, CkptEntry, CkptWorker, CommitError, RestoreError};
+use crate::archive_access::ArchiveAccess;
+use crate::ckpt::{self, CkptCtx, CkptEntry, CkptWorker, CommitError};
 use crate::hot_tier::{HotTier, HotTierError};
 use crate::job::{self, Job};
-use crate::journal::{CkptRecord, JobRecord, Journal, JournalError, RECORD_VERSION};
+use crate::job_table::JobTable;
+use crate::journal::{CkptRecord, JobRecord, JournalError, RECORD_VERSION};
 use crate::policy::{Policy, PolicyError, Requester};
-use crate::stage::{self, JobPeers, NodePeers, ShardPlan, Sharing, StageCtx, StageError};
+use crate::stage::{self, JobPeers, NodePeers, ShardPlan, Sharing, StageCtx};
 use crate::worker::{StatusCell, Worker, WorkerStatus, Workers};
 use sluice_archive::config::Config;
 use sluice_archive::rt::{blocking, lock, now_secs};
@@ -22,22 +24,22 @@ use sluice_archive::safefs::{self, Owner, SafeFsError};
 use sluice_proto::msg::{
     ErrorCode, ErrorReply, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
-use sluice_proto::options::{self, OptionError, StageMode, StageTier};
-use std::collections::HashMap;
+use sluice_proto::options::{self, StageMode, StageTier};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+mod setup;
 mod step;
+
+use setup::SetupError;
 
 pub use crate::identity::Peer;
 use crate::identity::{JobIdentity, squeue_job};
 
-/// Ended jobs kept for `sluice job`/`status` before they are forgotten.
-const KEEP_ENDED: usize = 64;
 /// Longest a task may ask to wait for staging.
 const MAX_WAIT: Duration = Duration::from_secs(48 * 3600);
 /// Most `(name, value)` option pairs accepted in one JobStart.
@@ -57,109 +59,38 @@ pub enum AgentError {
     Cache(#[from] crate::cache::CacheError),
 }
 
-/// Why a job could not be set up on this node (staged, restored). The message is what its tasks
-/// show; the job fails, the node stays up.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum SetupError {
-    #[error("invalid sluice option: {0}")]
-    Options(OptionError),
-    #[error(transparent)]
-    Policy(PolicyError),
-    #[error(
-        "--stage-tier=shared: no shared tier is configured on this cluster; use --stage-tier=local"
-    )]
-    SharedTier,
-    #[error("--ckpt-tier=ram: no RAM tier is configured on this cluster; use --ckpt-tier=local")]
-    RamTier,
-    #[error("sluice could not prepare the job's RAM tier on node {node}: {source}")]
-    RamDir {
-        node: String,
-        source: crate::ram_tier::RamTierError,
-    },
-    #[error(
-        "--stage-mode=shard: this node ({node}) is not in the job's node list ({nodes}); the job start named a node outside the job"
-    )]
-    NotInJob { node: String, nodes: String },
-    #[error("sluice could not prepare the job directory on node {node}: {source}")]
-    JobDir { node: String, source: SafeFsError },
-    #[error("stage-in failed on node {node}: {source}")]
-    Stage { node: String, source: StageError },
-    #[error(
-        "sluice hit a bug while setting up the job on node {node} ({bug}); the job was not started — tell your admin, whose agent log has the details"
-    )]
-    Bug { node: String, bug: String },
-    #[error(transparent)]
-    Restore(#[from] RestoreError),
-    #[error(
-        "stage-in on node {node} did not finish within {limit} (the admin's stage timeout); {progress}"
-    )]
-    Timeout {
-        node: String,
-        limit: String,
-        progress: String,
-    },
-}
-
 fn reply(code: ErrorCode, message: impl Into<String>) -> Response {
     Response::Error(ErrorReply::new(code, message))
 }
 
 pub struct Agent {
-    pub(crate) cfg: Arc<Config>,
-    pub(crate) hot: HotTier,
+    cfg: Arc<Config>,
+    hot: HotTier,
     policy: Policy,
-    jobs: Mutex<HashMap<JobId, Arc<Job>>>,
-    journal: Journal,
-    /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
-    pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
+    /// The jobs on this node and their journal, shared with the checkpoint workers and the metrics.
+    jobs: Arc<JobTable>,
     /// The node-wide stage-in download budget (`stage.concurrency`, `stage.memory`), shared by all jobs.
     stage_budget: Arc<stage::Budget>,
-    /// Checkpoint uploads the node's `[agent] memory` budget holds at once, over all jobs (each
-    /// holds up to `Config::archive_memory` of buffers); `None` without a budget.
-    upload_slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// What the checkpoint workers, restores and commits use: the job table, the hot tier, the
+    /// node's upload bandwidth and memory, the metrics.
+    ckpt: Arc<CkptCtx>,
     /// The `sluiced` binary that runs `copy-as-user`.
     helper_exe: PathBuf,
     /// The agent's one cancellation: every job's token and every worker's is a child of it.
     cancel: CancellationToken,
     /// Every task the agent starts (requests, staging, workers), waited for when it stops.
     tracker: TaskTracker,
-    workers: Workers,
+    workers: Arc<Workers>,
     /// What the Prometheus endpoint counts (recorded whether or not `[metrics]` serves it).
     pub(crate) metrics: crate::metrics::Metrics,
     /// Peer transfers with the other agents of multi-node jobs (`[peer]`), once started.
     peers: OnceLock<NodePeers>,
     /// The cross-job cache (`[cache]`).
-    pub(crate) cache: Option<Arc<crate::cache::Cache>>,
+    cache: Option<Arc<crate::cache::Cache>>,
     /// The RAM tier for `--ckpt-tier=ram` (`[fast_tier]`).
-    pub(crate) ram: Option<Arc<crate::ram_tier::RamTier>>,
-}
-
-/// Where a job's checkpoints are: `$SLUICE_CKPT_DIR` (the RAM tier's, or the hot tier's), and the
-/// hot tier's, which checkpoints are archived from. Cheap to clone into a blocking closure.
-#[derive(Clone)]
-pub(crate) struct CkptDirs {
-    hot: HotTier,
     ram: Option<Arc<crate::ram_tier::RamTier>>,
-    job_id: JobId,
-}
-
-impl CkptDirs {
-    /// `$SLUICE_CKPT_DIR`, where the job writes and commits (blocking).
-    pub(crate) fn user(&self) -> Result<std::os::fd::OwnedFd, SafeFsError> {
-        match &self.ram {
-            Some(ram) => ram.open_ckpt(self.job_id),
-            None => self.hot.open_ckpt(self.job_id),
-        }
-    }
-
-    /// The hot tier's `jobs/<id>/ckpt` (blocking).
-    pub(crate) fn hot(&self) -> Result<std::os::fd::OwnedFd, SafeFsError> {
-        self.hot.open_ckpt(self.job_id)
-    }
-
-    pub(crate) fn ram(&self) -> Option<&Arc<crate::ram_tier::RamTier>> {
-        self.ram.as_ref()
-    }
+    /// Users' requests on their archives, through this agent's places.
+    pub(crate) archive_access: ArchiveAccess,
 }
 
 impl Agent {
@@ -171,28 +102,32 @@ impl Agent {
         tracker: TaskTracker,
     ) -> Result<Arc<Agent>, AgentError> {
         let hot = HotTier::open(&cfg.hot_root, cfg.ckpt.high_water)?;
-        let journal = Journal::open(&cfg.state_dir)?;
+        let jobs = Arc::new(JobTable::open(&cfg.state_dir)?);
         let cache = crate::cache::Cache::open(&cfg)?;
         let ram = cfg
             .fast_tier
             .clone()
             .map(|f| Arc::new(crate::ram_tier::RamTier::new(f, &cfg.node)));
+        let metrics = crate::metrics::Metrics::default();
+        let ckpt = Arc::new(CkptCtx::new(
+            cfg.clone(),
+            hot.clone(),
+            jobs.clone(),
+            metrics.clone(),
+        ));
         Ok(Arc::new(Agent {
             cache,
             ram,
             hot,
             policy: Policy::new(&cfg),
-            bandwidth: cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new),
             stage_budget: stage::Budget::new(&cfg.stage),
-            upload_slots: cfg
-                .upload_slots()
-                .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
-            jobs: Mutex::new(HashMap::new()),
-            journal,
+            ckpt,
+            jobs,
             helper_exe,
-            workers: Workers::new(tracker.clone(), cancel.clone()),
-            metrics: Default::default(),
+            workers: Arc::new(Workers::new(tracker.clone(), cancel.clone())),
+            metrics,
             peers: OnceLock::new(),
+            archive_access: ArchiveAccess::new(cfg.clone()),
             cancel,
             tracker,
             cfg,
@@ -233,26 +168,15 @@ impl Agent {
         }
     }
 
-    /// Where `job`'s checkpoints are.
-    pub(crate) fn ckpt_dirs(&self, job: &Job) -> CkptDirs {
-        CkptDirs {
-            hot: self.hot.clone(),
-            ram: job.ram_tier.get().cloned().filter(|_| job.is_ram()),
-            job_id: job.start.job_id,
-        }
-    }
-
-    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
-        lock(&self.jobs)
-    }
-
-    fn job(&self, job_id: JobId) -> Option<Arc<Job>> {
-        self.jobs().get(&job_id).cloned()
-    }
-
-    /// Every job in the table, at this moment.
-    pub(crate) fn jobs_snapshot(&self) -> Vec<Arc<Job>> {
-        self.jobs().values().cloned().collect()
+    /// The state the metrics endpoint reads at each scrape.
+    pub(crate) fn metrics_snapshot(&self) -> crate::metrics::Snapshot {
+        crate::metrics::Snapshot::new(
+            self.jobs.clone(),
+            self.hot.clone(),
+            self.cfg.clone(),
+            self.cache.clone(),
+            self.workers.clone(),
+        )
     }
 
     /// Tasks the agent runs now: requests, set-ups, workers.
@@ -273,7 +197,7 @@ impl Agent {
     /// were already staged stay as they are (their tasks may be using the data); pending
     /// checkpoint archives continue. Starts housekeeping.
     pub(crate) fn recover(self: &Arc<Self>) -> Result<usize, AgentError> {
-        let (records, bad) = self.journal.load()?;
+        let (records, bad) = self.jobs.load()?;
         for e in bad {
             tracing::error!("{e}; left in place for inspection");
         }
@@ -333,7 +257,7 @@ impl Agent {
             _ => None,
         };
         let span = job_id
-            .and_then(|id| self.job(id))
+            .and_then(|id| self.jobs.get(id))
             .map_or_else(tracing::Span::none, |job| job.span());
         self.answer(peer, request).instrument(span).await
     }
@@ -398,9 +322,7 @@ impl Agent {
             // The socket server sends these there itself, with the restore directory passed.
             r @ (Request::ArchiveList { .. }
             | Request::ArchiveVerify { .. }
-            | Request::ArchiveRestore { .. }) => {
-                crate::archive_access::handle(self, peer, r, None).await
-            }
+            | Request::ArchiveRestore { .. }) => self.archive_access.handle(peer, r, None).await,
             r @ (Request::CacheList { .. }
             | Request::CacheWarm { .. }
             | Request::CacheWarmNodes { .. }
@@ -409,7 +331,7 @@ impl Agent {
     }
 
     fn authorised_job(&self, peer: Peer, job_id: JobId) -> Result<Arc<Job>, ErrorReply> {
-        let job = self.job(job_id).ok_or_else(|| {
+        let job = self.jobs.get(job_id).ok_or_else(|| {
             ErrorReply::new(
                 ErrorCode::NotFound,
                 format!(
@@ -439,7 +361,7 @@ impl Agent {
                 self.cfg.node
             );
         }
-        if let Some(existing) = self.job(start.job_id)
+        if let Some(existing) = self.jobs.get(start.job_id)
             && !existing.has_ended()
             && existing.start == start
         {
@@ -450,7 +372,8 @@ impl Agent {
         // before's checkpoints that are still here from its first write on, so that an agent
         // killed at any point of the new run's start still knows them.
         let inherited = self
-            .job(start.job_id)
+            .jobs
+            .get(start.job_id)
             .map(|old| Inherited::from(&old))
             .unwrap_or_default();
         let record = JobRecord {
@@ -466,9 +389,7 @@ impl Agent {
             ram: inherited.ram_root.is_some(),
             ram_root: inherited.ram_root,
         };
-        let journal = self.journal.clone();
-        let saved = record.clone();
-        if let Err(e) = blocking(move || journal.save(&saved)).await {
+        if let Err(e) = self.jobs.save(&record).await {
             tracing::error!("{e}");
             return reply(
                 ErrorCode::Internal,
@@ -613,18 +534,9 @@ impl Agent {
                 }),
             );
         }
-        {
-            let mut jobs = self.jobs();
-            if let Some(old) = jobs.insert(start.job_id, job.clone()) {
-                // A new run of the same job id (requeue): the old run's worker must stop before it
-                // trims, finalises or journals anything, since those act on paths keyed by the id.
-                // What of its checkpoints is still here, the new run's record carries
-                // ([`Inherited`]).
-                old.finish();
-                old.ckpts.wake.notify_one();
-            }
-            prune_ended(&mut jobs);
-        }
+        // A run before of the same job id (a requeue) is finished here; what of its checkpoints
+        // is still here, the new run's record carries ([`Inherited`]).
+        self.jobs.insert(job.clone());
         if record.ready || record.ended {
             // Staged before a restart: the hashes of what this node read went with the agent.
             // Its peers still staging are told at once (not after the join grace) that it knows
@@ -638,7 +550,7 @@ impl Agent {
                 self.serve_staged(&job);
             }
             // Its tmpfs, set up by an agent before they were private: closed to other users now.
-            if let Some(tier) = self.ckpt_dirs(&job).ram().cloned() {
+            if let Some(tier) = self.ckpt.dirs(&job).ram().cloned() {
                 let (id, owner) = (
                     start.job_id,
                     Owner {
@@ -667,7 +579,8 @@ impl Agent {
                             })
                         });
                         if let Err(e) = done {
-                            this.metrics.set_up_done(&j, Err(&e));
+                            this.metrics.set_up_done(&j);
+                            this.metrics.failure(e.operation(), e.code());
                             tracing::warn!(job_id = j.start.job_id, "{e}");
                             j.cancel.cancel();
                             j.set_failed(e);
@@ -677,7 +590,7 @@ impl Agent {
                 ),
             );
         }
-        self.workers.spawn(CkptWorker::new(self.clone(), job));
+        self.workers.spawn(CkptWorker::new(self.ckpt.clone(), job));
     }
 
     /// After a restart, a job recovered staged and still running (`--stage-mode=replicate` on the
@@ -738,385 +651,12 @@ impl Agent {
         drop(self.spawn(serve.instrument(span)));
     }
 
-    /// Stages the job's datasets and restores its checkpoint, within the admin's stage timeout.
-    async fn set_up(&self, job: &Arc<Job>, fresh_dirs: bool) -> Result<(), SetupError> {
-        let job_id = job.start.job_id;
-        let node = self.cfg.node.clone();
-        let options = job.options.clone().map_err(SetupError::Options)?;
-        if let Some(refusal) = job.archive_refusal() {
-            return Err(SetupError::Policy(refusal.clone()));
-        }
-        let shared_tier = match (options.stage_tier, &self.cfg.shared_tier) {
-            (StageTier::Shared, None) => return Err(SetupError::SharedTier),
-            (StageTier::Shared, Some(cfg)) => Some(cfg.clone()),
-            (StageTier::Local, _) => None,
-        };
-        if options.ckpt_tier == options::CkptTier::Ram && self.ram.is_none() {
-            return Err(SetupError::RamTier);
-        }
-        let owner = Owner {
-            uid: job.start.uid,
-            gid: job.start.gid,
-        };
-        // Shard, and the shared tier: each node stages the files it owns. Replicate: the job's
-        // nodes share its datasets through their peers.
-        let shard = match (options.stage_mode, &shared_tier) {
-            (StageMode::Shard, _) | (_, Some(_)) => Some(
-                ShardPlan::new(&job.start.nodes, &job.start.node).ok_or_else(|| {
-                    SetupError::NotInJob {
-                        node: job.start.node.clone(),
-                        nodes: job.start.nodes.join(","),
-                    }
-                })?,
-            ),
-            (StageMode::Replicate, None) => None,
-        };
-        // The pieces of work the job's nodes share: each dataset (replicate, object stores and
-        // POSIX sources alike), and the restore (`--ckpt-restore`: each file of the checkpoint
-        // read by one node).
-        let restores = usize::from(options.ckpt_restore.is_some());
-        let shared_work = match shard {
-            Some(_) => restores,
-            None => options.stage_in.len() + restores,
-        };
-        // The job's object-store datasets, as admitted: what its peers may read from this node's
-        // cache.
-        let datasets: Vec<String> = options
-            .stage_in
-            .iter()
-            .filter(|s| s.source.bucket_url().is_some())
-            .map(|s| s.source.to_string())
-            .collect();
-        // On the shared tier the job joins its peers even with nothing to share through them:
-        // its other nodes tell from this node's agent answering for the job that it is alive,
-        // and take over its share when it is not (`stage::shared`).
-        let peers = ClosePeers(self.peers.get().and_then(|p| match &shared_tier {
-            Some(_) => p.join_shared_tier(job_id, &job.start.nodes, owner, shared_work),
-            None => p.join_with(job_id, &job.start.nodes, owner, shared_work, &datasets),
-        }));
-        let hot = self.hot.clone();
-        // A fresh start removes what an earlier run of the job id left, except the committed
-        // checkpoints this run inherited. A recovered job's datasets on this node's hot tier
-        // resume: what the run before the agent's restart staged of them stays, and their staging
-        // logs say which files of it are whole ([`stage::resume`]) — object-store datasets, and
-        // POSIX ones the copy helper copies whole (alone, without a cache, or a shard); those
-        // shared with peers or through the cache are staged again from the start.
-        let resuming = !fresh_dirs && shared_tier.is_none();
-        let posix_resumes = shard.is_some() || (peers.0.is_none() && self.cache.is_none());
-        let keep_staged: Vec<String> = options
-            .stage_in
-            .iter()
-            .filter(|s| resuming && (s.source.bucket_url().is_some() || posix_resumes))
-            .map(|s| s.name.clone())
-            .collect();
-        let resume = match shared_tier {
-            None => {
-                let state_dir = self.cfg.state_dir.clone();
-                let open = move || stage::resume::JobResume::open(&state_dir, job_id, resuming);
-                Some(Arc::new(blocking(open).await))
-            }
-            Some(_) => None,
-        };
-        let inherited: Vec<String> = job.ckpts.entries().iter().map(|e| e.tag.clone()).collect();
-        let (stage_fd, ckpt_fd) = blocking(move || {
-            let fresh = fresh_dirs && inherited.is_empty();
-            let dirs = hot.prepare_job(job_id, owner, fresh, &keep_staged)?;
-            if fresh_dirs && !inherited.is_empty() {
-                hot.remove_ckpt_except(job_id, &inherited, owner.into())?;
-            }
-            Ok(dirs)
-        })
-        .await
-        .map_err(|source| {
-            tracing::error!(job_id, "preparing job directories: {source}");
-            SetupError::JobDir {
-                node: node.clone(),
-                source,
-            }
-        })?;
-        // On the RAM tier `$SLUICE_CKPT_DIR` is the job's tmpfs: a restore goes there. A tmpfs
-        // holding checkpoints this run inherited is kept (never prepared fresh).
-        let ckpt_fd = match self.ckpt_dirs(job).ram() {
-            Some(tier) => {
-                let ram = tier.clone();
-                let keep: Vec<String> = job
-                    .ckpts
-                    .entries()
-                    .iter()
-                    .filter(|e| e.in_ram())
-                    .map(|e| e.tag.clone())
-                    .collect();
-                blocking(move || ram.prepare(job_id, owner, fresh_dirs, &keep))
-                    .await
-                    .map_err(|source| {
-                        tracing::error!(job_id, "preparing the job's RAM tier: {source}");
-                        SetupError::RamDir {
-                            node: node.clone(),
-                            source,
-                        }
-                    })?
-            }
-            None => ckpt_fd,
-        };
-        // On the shared tier the datasets go into the job's shared directory, not this node's.
-        let shared_job = match &shared_tier {
-            Some(cfg) => {
-                let (cfg, this_node) = (cfg.clone(), job.start.node.clone());
-                let opened = blocking(move || {
-                    stage::shared::SharedJob::open(&cfg, job_id, &this_node, owner, fresh_dirs)
-                })
-                .await
-                .map_err(|source| {
-                    tracing::error!(
-                        job_id,
-                        "preparing the job's shared-tier directory: {source}"
-                    );
-                    SetupError::JobDir {
-                        node: node.clone(),
-                        source,
-                    }
-                })?;
-                Some(Arc::new(opened))
-            }
-            None => None,
-        };
-        let stage_fd = match &shared_job {
-            Some(s) => s.stage.try_clone().map_err(|e| SetupError::JobDir {
-                node: node.clone(),
-                source: SafeFsError::Sys {
-                    op: "dup",
-                    path: job.dirs.stage_dir.clone(),
-                    errno: nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0)),
-                },
-            })?,
-            None => stage_fd,
-        };
-        let ctx = StageCtx {
-            cfg: self.cfg.clone(),
-            owner,
-            user: job.start.user.clone(),
-            stage_path: job.dirs.stage_dir.clone().into(),
-            stage_fd: Arc::new(stage_fd),
-            helper_exe: self.helper_exe.clone(),
-            cancel: job.cancel.child_token(),
-            budget: self.stage_budget.clone(),
-            shared_tier: shared_job
-                .as_ref()
-                .map(|s| Arc::new(s.layout_for(&job.start.node))),
-            cache: self.cache.clone(),
-            resume,
-        };
-        let own_share = async {
-            if shared_job.as_ref().is_some_and(|s| s.done) {
-                // A restarted agent: this node's share is written, and tasks may be reading it.
-                return Ok(());
-            }
-            if shared_job.as_ref().is_some_and(|s| s.taken_over) {
-                // The job's other nodes found this node's agent dead and write its share: a
-                // restarted agent leaves it to them, so two writers never race on a file.
-                tracing::warn!(
-                    job_id,
-                    "this node's share on the shared tier was taken over"
-                );
-                return Ok(());
-            }
-            let writing =
-                futures::future::try_join_all(options.stage_in.iter().zip(&job.stages).map(
-                    |(spec, progress)| {
-                        let sharing = match (&shard, &peers.0) {
-                            (Some(plan), _) => Sharing::Shard(plan),
-                            (None, Some(p)) => Sharing::Peers(p),
-                            (None, None) => Sharing::Alone,
-                        };
-                        stage::stage_with(&ctx, spec, progress.clone(), sharing)
-                    },
-                ));
-            // An agent that was found dead while it wrote (it hung, or its peer port could not be
-            // reached) stops as soon as it sees the takeover.
-            let taken_over = async {
-                let Some(shared) = &shared_job else {
-                    return std::future::pending().await;
-                };
-                loop {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    let (s, n) = (shared.clone(), job.start.node.clone());
-                    if blocking(move || s.is_taken_over(&n)).await {
-                        tracing::warn!(
-                            job_id,
-                            "this node's share on the shared tier was taken over; it stops writing it"
-                        );
-                        return;
-                    }
-                }
-            };
-            tokio::select! {
-                r = writing => r.map(drop),
-                () = taken_over => Ok(()),
-            }
-        };
-        let staging = async {
-            let mut result = own_share.await;
-            if let (Some(shared), Some(plan)) = (&shared_job, &shard) {
-                // The job's other nodes learn how this node's share went (unless they took it
-                // over), then this node waits for theirs, taking over the share of a node found
-                // dead: its tasks see the whole dataset or fail.
-                let (s, n, r) = (shared.clone(), job.start.node.clone(), result.clone());
-                let marked = blocking(move || {
-                    if s.is_taken_over(&n) {
-                        return Ok(());
-                    }
-                    s.mark(&n, r.as_ref().map(|_| ()))
-                })
-                .await;
-                if let Err(e) = marked {
-                    tracing::error!(job_id, "marking this node's share on the shared tier: {e}");
-                }
-                if result.is_ok() {
-                    let take = |sub: ShardPlan| -> futures::future::BoxFuture<'_, _> {
-                        let (ctx, specs) = (&ctx, &options.stage_in);
-                        Box::pin(async move {
-                            let sub = &sub;
-                            futures::future::try_join_all(specs.iter().zip(&job.stages).map(
-                                |(spec, own)| async move {
-                                    let part = Arc::new(stage::Progress::new(spec));
-                                    let r = stage::stage_with(
-                                        ctx,
-                                        spec,
-                                        part.clone(),
-                                        Sharing::Shard(sub),
-                                    )
-                                    .await;
-                                    // What this node wrote for the lost node counts as its own.
-                                    own.absorb(&part);
-                                    r
-                                },
-                            ))
-                            .await
-                            .map(drop)
-                        })
-                    };
-                    let liveness = peers
-                        .0
-                        .as_deref()
-                        .map(|p| p as &dyn stage::shared::Liveness);
-                    result = shared
-                        .wait_for_all(plan, &ctx.cancel, liveness, &take)
-                        .await
-                        .map(|notes| job.add_stage_notes(notes));
-                }
-            }
-            result.map_err(|source| SetupError::Stage {
-                node: node.clone(),
-                source,
-            })
-        };
-        let ckpt_fd = Arc::new(ckpt_fd);
-        let restoring = async {
-            let Some(which) = &options.ckpt_restore else {
-                return Ok::<(), SetupError>(());
-            };
-            let url = job.archive_url().ok_or(RestoreError::NoArchive)?;
-            let started = std::time::Instant::now();
-            let (tag, notes) =
-                ckpt::restore(self, job, url, which, ckpt_fd.clone(), peers.0.clone()).await?;
-            self.metrics.restored(tag.as_deref(), started.elapsed());
-            if let Some(t) = tag.clone() {
-                let dir = ckpt_fd.clone();
-                if let Err(e) = blocking(move || ckpt::write_restored_signal(&dir, &t, owner)).await
-                {
-                    tracing::warn!(job_id, "writing the restored checkpoint's signal file: {e}");
-                }
-            }
-            job.set_restored(tag, notes);
-            self.persist(job).await;
-            Ok(())
-        };
-        let limit = self.cfg.stage.timeout;
-        match tokio::time::timeout(limit, futures::future::try_join(staging, restoring)).await {
-            Ok(Ok(_)) => {
-                tracing::info!(job_id, "staged {} dataset(s)", options.stage_in.len());
-                if let Some(p) = &peers.0 {
-                    job.add_stage_notes(p.notes());
-                }
-                self.metrics.set_up_done(job, Ok(()));
-                job.set_ready();
-                self.persist(job).await;
-                // Staged: a restarted agent no longer stages the job (the journal says it is
-                // ready), but serves the job's other nodes the files its staging logs name, so
-                // they stay until the job ends.
-                Ok(())
-            }
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(SetupError::Timeout {
-                node,
-                limit: humantime::format_duration(limit).to_string(),
-                progress: job.progress_summary(),
-            }),
-        }
-    }
-
-    /// Waits until the node's memory budget holds one more checkpoint upload; the upload holds
-    /// the permit while it runs (`None`: no budget, no wait).
-    pub(crate) async fn upload_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let slots = self.upload_slots.clone()?;
-        slots.acquire_owned().await.ok()
-    }
-
-    /// Writes the job's current record to the journal (errors are logged: the in-memory state stays
-    /// authoritative until the next successful write).
-    pub(crate) async fn persist(&self, job: &Job) {
-        if self.replaced(job) {
-            return;
-        }
-        let record = JobRecord {
-            version: RECORD_VERSION,
-            start: job.start.clone(),
-            started_at: job.started_at,
-            ready: job.state() == JobState::Ready,
-            ended: job.has_ended(),
-            archive_url: job.archive_url().map(String::from),
-            ckpts: job.ckpts.entries().iter().map(|e| ckpt_record(e)).collect(),
-            step_stage_in: lock(&job.extras)
-                .values()
-                .filter(|e| *e.state.borrow() == job::ExtraState::Done)
-                .map(|e| e.spec.clone())
-                .collect(),
-            from_step: job.from_step.load(std::sync::atomic::Ordering::Relaxed),
-            ram: job.is_ram(),
-            ram_root: job
-                .ram_tier
-                .get()
-                .filter(|_| job.is_ram())
-                .map(|t| t.config().root.clone()),
-        };
-        let journal = self.journal.clone();
-        if let Err(e) = blocking(move || journal.save(&record)).await {
-            tracing::error!(job_id = job.start.job_id, "{e}");
-        }
-    }
-
-    /// Whether a newer run of the same job id took this job's place in the table (a requeue): the
-    /// old run must no longer touch `jobs/<id>` or the journal record `<id>.json`.
-    pub(crate) fn replaced(&self, job: &Job) -> bool {
-        self.jobs()
-            .get(&job.start.job_id)
-            .is_some_and(|current| !std::ptr::eq(&**current, job))
-    }
-
-    /// Forgets a finished job on disk (its journal record).
-    pub(crate) async fn forget(&self, job_id: JobId) {
-        let journal = self.journal.clone();
-        if let Err(e) = blocking(move || journal.remove(job_id)).await {
-            tracing::error!(job_id, "{e}");
-        }
-    }
-
     /// `sluice ckpt commit TAG`: record the commit and wake the job's checkpoint worker.
     async fn ckpt_commit(&self, job: &Arc<Job>, tag: &str) -> Response {
         let committed = if job.has_ended() {
             Err(CommitError::JobEnded(job.start.job_id))
         } else {
-            ckpt::commit(self, job, tag).await
+            ckpt::commit(&self.ckpt, job, tag).await
         };
         if let Err(e) = committed {
             return reply(ErrorCode::BadRequest, e.to_string());
@@ -1153,7 +693,7 @@ impl Agent {
     /// removal of the job directory) in the background.
     async fn job_end(self: &Arc<Self>, job_id: JobId) -> Response {
         let node = &self.cfg.node;
-        let Some(job) = self.job(job_id) else {
+        let Some(job) = self.jobs.get(job_id) else {
             // Unknown (e.g. its journal record could not be read): its staged data goes, but its
             // checkpoints may not be archived, so they stay for the admin (issue 10, defect 5).
             let hot = self.hot.clone();
@@ -1223,7 +763,7 @@ impl Agent {
             Ok(Err(e)) => tracing::error!(job_id, "removing staged data: {e}"),
             Err(e) => tracing::error!(job_id, "removing staged data: {e}"),
         }
-        self.persist(&job).await;
+        self.jobs.persist(&job).await;
         job.ckpts.wake.notify_one();
         // Wait (bounded) until the checkpoint worker finished: archives done and the job cleaned up.
         let mut rx = job.subscribe();
@@ -1245,7 +785,7 @@ impl Agent {
     async fn wait_staged(&self, peer: Peer, job_id: JobId, timeout_ms: u64) -> Response {
         let job = match self.authorised_job(peer, job_id) {
             Ok(job) => job,
-            Err(_) if self.job(job_id).is_none() => {
+            Err(_) if self.jobs.get(job_id).is_none() => {
                 return reply(
                     ErrorCode::NotFound,
                     format!(
@@ -1356,8 +896,9 @@ impl Agent {
 
     async fn status(&self, peer: Peer) -> NodeStatus {
         let mut jobs: Vec<_> = self
-            .jobs()
-            .values()
+            .jobs
+            .snapshot()
+            .iter()
             .filter(|j| peer.is_root() || j.start.uid == peer.uid)
             .map(|j| j.status())
             .collect();
@@ -1455,20 +996,21 @@ impl Worker for Housekeeper {
                 status.set("trimming");
                 let mut ended: Vec<Arc<Job>> = self
                     .agent
-                    .jobs_snapshot()
+                    .jobs
+                    .snapshot()
                     .into_iter()
                     .filter(|j| j.has_ended())
                     .collect();
                 ended.sort_by_key(|j| j.started_at);
                 for job in &ended {
-                    ckpt::trim(&self.agent, job).await;
+                    ckpt::trim(&self.agent.ckpt, job).await;
                 }
                 // Still above: the archived copies finished jobs keep go too, oldest job first.
                 for job in ended.iter().filter(|j| j.is_finished()) {
                     if !above().await {
                         break;
                     }
-                    ckpt::release(&self.agent, job).await;
+                    ckpt::release(&self.agent.ckpt, job).await;
                 }
             }
             status.turn(None);
@@ -1575,7 +1117,7 @@ impl Inherited {
             .iter()
             .filter(|e| e.is_lost() || (!e.is_refused() && (e.on_hot() || (in_ram && e.in_ram()))))
             .map(|e| {
-                let mut c = ckpt_record(e);
+                let mut c = CkptRecord::from(&**e);
                 c.in_ram &= in_ram;
                 if !c.in_ram {
                     c.flush_blake3 = None;
@@ -1584,39 +1126,5 @@ impl Inherited {
             })
             .collect();
         Inherited { ckpts, ram_root }
-    }
-}
-
-/// A checkpoint's entry as the journal keeps it.
-fn ckpt_record(e: &CkptEntry) -> CkptRecord {
-    CkptRecord {
-        tag: e.tag.clone(),
-        committed_at: e.committed_at,
-        archived_at: e.archived_at(),
-        on_hot: e.on_hot(),
-        in_ram: e.in_ram(),
-        flush_blake3: e.flush_hashes().map(|h| {
-            h.iter()
-                .map(|(p, x)| (p.clone(), x.to_hex().to_string()))
-                .collect()
-        }),
-        lost: e.lost(),
-    }
-}
-
-/// Forgets the oldest finished jobs beyond [`KEEP_ENDED`] — only those that hold nothing on the hot
-/// tier any more: a job with checkpoints there stays in the table (its count is bounded by the hot
-/// tier itself), so retention and high-water trimming keep seeing them (issue 10, defect 4).
-fn prune_ended(jobs: &mut HashMap<JobId, Arc<Job>>) {
-    let mut ended: Vec<_> = jobs
-        .values()
-        .filter(|j| j.is_finished() && !j.ckpts.entries().iter().any(|e| e.on_hot()))
-        .map(|j| (j.started_at, j.start.job_id))
-        .collect();
-    if ended.len() > KEEP_ENDED {
-        ended.sort();
-        for (_, id) in &ended[..ended.len() - KEEP_ENDED] {
-            jobs.remove(id);
-        }
     }
 }

@@ -15,9 +15,12 @@
 //! What one request may cost is bounded: at most [`MAX_AT_ONCE`] run on a node at once (the rest
 //! wait up to [`QUEUE_WAIT`]), one user holds at most [`MAX_PER_USER`] of them, and each has a
 //! deadline ([`LIST_LIMIT`], [`READ_LIMIT`]). The server cancels a request whose client hangs up.
+//! Those places are the agent's own ([`ArchiveAccess`]): two agents in one process (the tests')
+//! share none.
 
-use crate::agent::{Agent, Peer};
+use crate::identity::Peer;
 use crate::policy::{Policy, PolicyError, Requester};
+use sluice_archive::config::Config;
 use sluice_archive::rt::{blocking, lock};
 use sluice_archive::safefs::{self, Owner};
 use sluice_archive::{
@@ -30,7 +33,7 @@ use sluice_proto::msg::{
 };
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Semaphore;
 
@@ -51,28 +54,41 @@ const MAX_DAMAGED: usize = 1000;
 /// `TAG` meaning the newest intact checkpoint.
 const LATEST: &str = "latest";
 
-/// The places of [`MAX_AT_ONCE`] and who holds how many. One agent runs per process, so this is
-/// the node's.
+/// Archive requests of users, as the agent serves them: with the site's configuration (its store
+/// credentials, its allow rules), through the node's places ([`Gate`]).
+pub(crate) struct ArchiveAccess {
+    cfg: Arc<Config>,
+    gate: Gate,
+}
+
+/// The places of [`MAX_AT_ONCE`] and who holds how many: the agent's, so the node's.
 struct Gate {
     running: Semaphore,
     per_uid: Mutex<HashMap<u32, usize>>,
 }
 
-static GATE: LazyLock<Gate> = LazyLock::new(|| Gate {
-    running: Semaphore::new(MAX_AT_ONCE),
-    per_uid: Mutex::new(HashMap::new()),
-});
+impl Gate {
+    fn new() -> Gate {
+        Gate {
+            running: Semaphore::new(MAX_AT_ONCE),
+            per_uid: Mutex::new(HashMap::new()),
+        }
+    }
+}
 
 /// A uid's count in [`Gate::per_uid`], given back when dropped.
-struct Held(u32);
+struct Held<'a> {
+    gate: &'a Gate,
+    uid: u32,
+}
 
-impl Drop for Held {
+impl Drop for Held<'_> {
     fn drop(&mut self) {
-        let mut m = lock(&GATE.per_uid);
-        if let Some(n) = m.get_mut(&self.0) {
+        let mut m = lock(&self.gate.per_uid);
+        if let Some(n) = m.get_mut(&self.uid) {
             *n -= 1;
             if *n == 0 {
-                m.remove(&self.0);
+                m.remove(&self.uid);
             }
         }
     }
@@ -82,42 +98,53 @@ fn refuse(code: ErrorCode, message: impl Into<String>) -> ErrorReply {
     ErrorReply::new(code, message)
 }
 
-/// Answers an archive request ([`Request::ArchiveList`], `ArchiveVerify`, `ArchiveRestore`) of
-/// `peer`; `dir` is the descriptor the client passed with it (a restore's directory).
-pub(crate) async fn handle(
-    agent: &Arc<Agent>,
-    peer: Peer,
-    request: Request,
-    dir: Option<OwnedFd>,
-) -> Response {
-    match serve(agent, peer, request, dir).await {
-        Ok(r) => r,
-        Err(e) => Response::Error(e),
-    }
-}
-
-async fn serve(
-    agent: &Arc<Agent>,
-    peer: Peer,
-    request: Request,
-    dir: Option<OwnedFd>,
-) -> Result<Response, ErrorReply> {
-    let node = agent.cfg.node.clone();
-    let _held = {
-        let mut m = lock(&GATE.per_uid);
-        let n = m.entry(peer.uid).or_insert(0);
-        if !peer.is_root() && *n >= MAX_PER_USER {
-            return Err(refuse(
-                ErrorCode::Forbidden,
-                format!(
-                    "you already have {MAX_PER_USER} archive requests running on the sluice agent of node {node}; wait for them to finish"
-                ),
-            ));
+impl ArchiveAccess {
+    pub(crate) fn new(cfg: Arc<Config>) -> ArchiveAccess {
+        ArchiveAccess {
+            cfg,
+            gate: Gate::new(),
         }
-        *n += 1;
-        Held(peer.uid)
-    };
-    let _place = tokio::time::timeout(QUEUE_WAIT, GATE.running.acquire())
+    }
+
+    /// Answers an archive request ([`Request::ArchiveList`], `ArchiveVerify`, `ArchiveRestore`) of
+    /// `peer`; `dir` is the descriptor the client passed with it (a restore's directory).
+    pub(crate) async fn handle(
+        &self,
+        peer: Peer,
+        request: Request,
+        dir: Option<OwnedFd>,
+    ) -> Response {
+        match self.serve(peer, request, dir).await {
+            Ok(r) => r,
+            Err(e) => Response::Error(e),
+        }
+    }
+
+    async fn serve(
+        &self,
+        peer: Peer,
+        request: Request,
+        dir: Option<OwnedFd>,
+    ) -> Result<Response, ErrorReply> {
+        let node = self.cfg.node.clone();
+        let _held = {
+            let mut m = lock(&self.gate.per_uid);
+            let n = m.entry(peer.uid).or_insert(0);
+            if !peer.is_root() && *n >= MAX_PER_USER {
+                return Err(refuse(
+                    ErrorCode::Forbidden,
+                    format!(
+                        "you already have {MAX_PER_USER} archive requests running on the sluice agent of node {node}; wait for them to finish"
+                    ),
+                ));
+            }
+            *n += 1;
+            Held {
+                gate: &self.gate,
+                uid: peer.uid,
+            }
+        };
+        let _place = tokio::time::timeout(QUEUE_WAIT, self.gate.running.acquire())
         .await
         .map_err(|_| {
             refuse(
@@ -128,54 +155,57 @@ async fn serve(
             )
         })?
         .map_err(|_| refuse(ErrorCode::Internal, "the agent is stopping"))?;
-    let caller = Caller::of(peer).await?;
-    let (url, limit) = match &request {
-        Request::ArchiveList { url } => (url.clone(), LIST_LIMIT),
-        Request::ArchiveVerify { url, .. } | Request::ArchiveRestore { url, .. } => {
-            (url.clone(), READ_LIMIT)
+        let caller = Caller::of(peer).await?;
+        let (url, limit) = match &request {
+            Request::ArchiveList { url } => (url.clone(), LIST_LIMIT),
+            Request::ArchiveVerify { url, .. } | Request::ArchiveRestore { url, .. } => {
+                (url.clone(), READ_LIMIT)
+            }
+            _ => return Err(refuse(ErrorCode::BadRequest, "not an archive request")),
+        };
+        if let Some(who) = &caller.requester {
+            Policy::new(&self.cfg)
+                .check_archive_read(who, &url)
+                .map_err(|e| not_allowed(&url, e))?;
         }
-        _ => return Err(refuse(ErrorCode::BadRequest, "not an archive request")),
-    };
-    if let Some(who) = &caller.requester {
-        Policy::new(&agent.cfg)
-            .check_archive_read(who, &url)
-            .map_err(|e| not_allowed(&url, e))?;
-    }
-    let archiver = open(agent, &url).await?;
-    let work = async {
-        match request {
-            Request::ArchiveList { .. } => list(&archiver, &caller).await.map(Response::Archive),
-            Request::ArchiveVerify { tag, .. } => verify(&archiver, &caller, &tag)
-                .await
-                .map(Response::Verified),
-            Request::ArchiveRestore {
-                tag, dry_run: true, ..
-            } => plan(&archiver, &caller, &tag).await.map(Response::Restored),
-            Request::ArchiveRestore { tag, .. } => {
-                let dir = dir.ok_or_else(|| {
+        let archiver = open(&self.cfg, &url).await?;
+        let work = async {
+            match request {
+                Request::ArchiveList { .. } => {
+                    list(&archiver, &caller).await.map(Response::Archive)
+                }
+                Request::ArchiveVerify { tag, .. } => verify(&archiver, &caller, &tag)
+                    .await
+                    .map(Response::Verified),
+                Request::ArchiveRestore {
+                    tag, dry_run: true, ..
+                } => plan(&archiver, &caller, &tag).await.map(Response::Restored),
+                Request::ArchiveRestore { tag, .. } => {
+                    let dir = dir.ok_or_else(|| {
                     refuse(
                         ErrorCode::BadRequest,
                         "a restore through the agent needs its destination directory passed open with the request (use the sluice CLI of this release)",
                     )
                 })?;
-                let dir = Arc::new(dir);
-                check_dest(dir.clone(), caller.owner.uid).await?;
-                restore(&archiver, &caller, &tag, dir)
-                    .await
-                    .map(Response::Restored)
+                    let dir = Arc::new(dir);
+                    check_dest(dir.clone(), caller.owner.uid).await?;
+                    restore(&archiver, &caller, &tag, dir)
+                        .await
+                        .map(Response::Restored)
+                }
+                _ => unreachable!("checked above"),
             }
-            _ => unreachable!("checked above"),
+        };
+        match tokio::time::timeout(limit, work).await {
+            Ok(r) => r,
+            Err(_) => Err(refuse(
+                ErrorCode::Timeout,
+                format!(
+                    "the request on {url} did not finish within {} (the agent's limit for it); a restore's directory holds a partial restore to remove",
+                    humantime::format_duration(limit)
+                ),
+            )),
         }
-    };
-    match tokio::time::timeout(limit, work).await {
-        Ok(r) => r,
-        Err(_) => Err(refuse(
-            ErrorCode::Timeout,
-            format!(
-                "the request on {url} did not finish within {} (the agent's limit for it); a restore's directory holds a partial restore to remove",
-                humantime::format_duration(limit)
-            ),
-        )),
     }
 }
 
@@ -241,7 +271,7 @@ fn not_allowed(url: &str, e: PolicyError) -> ErrorReply {
 }
 
 /// Opens `url` for reading. A `file://` archive must exist: the opener would create it (as root).
-async fn open(agent: &Agent, url: &str) -> Result<Archiver, ErrorReply> {
+async fn open(cfg: &Arc<Config>, url: &str) -> Result<Archiver, ErrorReply> {
     let bad = |e: ArchiveError| refuse(ErrorCode::BadRequest, e.to_string());
     let loc = parse_archive_url(url).map_err(bad)?;
     if let ArchiveStore::Local(path) = &loc.store {
@@ -256,7 +286,7 @@ async fn open(agent: &Agent, url: &str) -> Result<Archiver, ErrorReply> {
             ));
         }
     }
-    let cfg = agent.cfg.clone();
+    let cfg = cfg.clone();
     let url = url.to_string();
     blocking(move || open_archive(&cfg, &url))
         .await

@@ -6,9 +6,11 @@
 //! Slurm" and "finished on this node" are two steps of one lifecycle, kept by this type alone:
 //! finishing implies ended.
 
-use crate::ckpt::JobCkpts;
+pub mod ckpts;
+
 use crate::policy::PolicyError;
 use crate::stage::{Progress, ShardPlan};
+use ckpts::JobCkpts;
 use sluice_archive::rt::lock;
 use sluice_proto::msg::{JobDirs, JobStart, JobState, JobStatus};
 use sluice_proto::options::{self, JobOptions, OptionError, StageMode};

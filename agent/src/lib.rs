@@ -5,8 +5,10 @@
 //! The parts, each owning its state (docs/ARCHITECTURE.md draws them):
 //!
 //! - [`server`]: the socket — admission from peer credentials, framing, one task per request;
-//! - [`agent`]: the job table and the request dispatch; a job's set-up (stage + restore) and end;
-//! - [`job`]: one job's identity, options, state and lifecycle;
+//! - [`agent`]: the request dispatch; a job's set-up (stage + restore) and end;
+//! - [`job`]: one job's identity, options, state and lifecycle, and its checkpoints' state;
+//! - [`job_table`]: the jobs on this node and their journal, which everything below the agent
+//!   reads jobs from;
 //! - [`hot_tier`]: the node-local tier's layout (`jobs/<id>/{stage,ckpt}`), usage and watermark;
 //! - [`policy`]: who may stage what, and where a job's checkpoints are archived;
 //! - [`stage`]: origin → hot tier (object stores, POSIX through a user-identity helper, the budget,
@@ -31,6 +33,7 @@ pub mod hot_tier;
 mod http;
 pub mod identity;
 pub mod job;
+pub mod job_table;
 pub mod journal;
 pub mod metrics;
 pub mod peer;
@@ -99,7 +102,13 @@ pub async fn run_with_helper(
     }
     let recovered = agent.recover()?;
     if let Some(listener) = metrics_listener {
-        drop(agent.spawn(metrics::serve(agent.clone(), listener, shutdown.clone())));
+        let serve = metrics::serve(
+            agent.metrics.clone(),
+            agent.metrics_snapshot(),
+            listener,
+            shutdown.clone(),
+        );
+        drop(agent.spawn(serve));
     }
     tracing::info!(node = %cfg.node, socket = %cfg.socket.display(), recovered, "sluiced ready");
     server::run(agent, listener, shutdown).await;

@@ -12,9 +12,10 @@
 //!   system, the background workers' statuses ([`encode_workers`]) — so they can never drift from
 //!   what `sluice status` shows.
 //!
-//! Labels are bounded by construction: a source kind, an operation and a stable error code
-//! (`*_code` below, one exhaustive match per error type), an admission reason, a job state. Never
-//! a job id, a user, a tag or a path: those belong in `sluice status`, not in a time series.
+//! Labels are bounded by construction: a source kind, an operation and a stable error code (each
+//! error type's own `code()`, one exhaustive match beside the type), an admission reason, a job
+//! state. Never a job id, a user, a tag or a path: those belong in `sluice status`, not in a time
+//! series.
 //!
 //! Staged bytes come from the dataset's origin, with `[peer]` from the job's other nodes, and with
 //! `[cache]` from this node's cache: `sluice_origin_bytes_total` and `sluice_peer_bytes_total`
@@ -26,11 +27,11 @@
 //! for its archive whose size is not known yet, remembered per commit). The listener serves at
 //! most [`MAX_CONNECTIONS`] connections at once, each given [`HEADER_TIMEOUT`] to send a request.
 
-use crate::agent::{Agent, SetupError};
-use crate::ckpt::RestoreError;
+use crate::cache::Cache;
+use crate::hot_tier::HotTier;
 use crate::job::Job;
-use crate::server::Refused;
-use crate::stage::StageError;
+use crate::job_table::JobTable;
+use crate::worker::Workers;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -43,9 +44,8 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
-use sluice_archive::config::MetricsConfig;
+use sluice_archive::config::{Config, MetricsConfig};
 use sluice_archive::rt::{blocking, lock};
-use sluice_archive::store::StoreErrorKind;
 use sluice_archive::{ArchiveError, PartManifest};
 use sluice_proto::msg::{
     CacheStats, CkptState, JobId, JobState, StageProgress, StageState, WorkerStatus,
@@ -104,6 +104,8 @@ struct BuildLabels {
 }
 
 const SOURCES: [&str; 4] = ["s3", "azure", "gcs", "posix"];
+/// Why admission refuses a connection (the socket server's `Refused::reason`).
+pub(crate) const REFUSAL_REASONS: [&str; 2] = ["user_limit", "full"];
 
 /// Durations from half a second to a little over two hours, doubling.
 fn duration_buckets() -> Histogram {
@@ -151,7 +153,7 @@ impl Default for Metrics {
             drop(m.peer_bytes.get_or_create(&l));
             drop(m.stage_duration.get_or_create(&l));
         }
-        for reason in ["user_limit", "full"] {
+        for reason in REFUSAL_REASONS {
             drop(m.refused.get_or_create(&ReasonLabels { reason }));
         }
         m
@@ -159,10 +161,10 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// A job's set-up (staging and restore) ended: what each dataset put on the hot tier, how long
-    /// the completed ones took, and why the set-up failed, if it did. Bytes of a dataset cut short
-    /// count too: they were read and written.
-    pub(crate) fn set_up_done(&self, job: &Job, result: Result<(), &SetupError>) {
+    /// A job's set-up (staging and restore) ended: what each dataset put on the hot tier, and how
+    /// long the completed ones took. Bytes of a dataset cut short count too: they were read and
+    /// written. (A failed set-up's reason is counted by [`Metrics::failure`].)
+    pub(crate) fn set_up_done(&self, job: &Job) {
         if let Ok(options) = &job.options {
             for (spec, progress) in options.stage_in.iter().zip(&job.stages) {
                 let l = SourceLabels {
@@ -179,10 +181,6 @@ impl Metrics {
                         .observe(p.elapsed_ms as f64 / 1000.0);
                 }
             }
-        }
-        if let Err(e) = result {
-            let (operation, code) = setup_code(e);
-            self.failure(operation, code);
         }
     }
 
@@ -205,20 +203,19 @@ impl Metrics {
                 self.archive_bytes.inc_by(part.raw_bytes());
                 self.archive_stored_bytes.inc_by(part.stored_bytes());
             }
-            Err(e) => self.failure("archive", archive_code(e)),
+            Err(e) => self.failure("archive", e.code()),
         }
     }
 
-    /// Admission closed a connection to the agent's socket.
-    pub(crate) fn refused(&self, why: Refused) {
-        let reason = match why {
-            Refused::UserLimit { .. } => "user_limit",
-            Refused::Full { .. } => "full",
-        };
+    /// Admission closed a connection to the agent's socket, for `reason` (the refusal's own word,
+    /// one of [`REFUSAL_REASONS`]).
+    pub(crate) fn refused(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabels { reason }).inc();
     }
 
-    fn failure(&self, operation: &'static str, code: &'static str) {
+    /// `operation` (`setup`, `stage`, `restore` or `archive`) failed with the error whose stable
+    /// code is `code` (the error type's own `code()`).
+    pub(crate) fn failure(&self, operation: &'static str, code: &'static str) {
         self.failures
             .get_or_create(&FailureLabels { operation, code })
             .inc();
@@ -325,90 +322,13 @@ fn source_kind(source: &Source) -> &'static str {
     }
 }
 
-/// `(operation, code)` of a failed set-up: the staging or the restore that failed, or the step
-/// before them.
-fn setup_code(e: &SetupError) -> (&'static str, &'static str) {
-    match e {
-        SetupError::Options(_) => ("setup", "options"),
-        SetupError::Policy(_) => ("setup", "policy"),
-        SetupError::SharedTier => ("setup", "shared_tier"),
-        SetupError::RamTier => ("setup", "ram_tier"),
-        SetupError::RamDir { .. } => ("setup", "ram_dir"),
-        SetupError::NotInJob { .. } => ("setup", "not_in_job"),
-        SetupError::JobDir { .. } => ("setup", "job_dir"),
-        SetupError::Bug { .. } => ("setup", "bug"),
-        SetupError::Stage { source, .. } => ("stage", stage_code(source)),
-        SetupError::Restore(e) => ("restore", restore_code(e)),
-        SetupError::Timeout { .. } => ("stage", "timeout"),
-    }
-}
-
-fn stage_code(e: &StageError) -> &'static str {
-    match e {
-        StageError::NotFound { .. } => "not_found",
-        StageError::Denied { .. } => "denied",
-        StageError::NoSpace { .. } => "no_space",
-        StageError::Origin { .. } => "origin",
-        StageError::HotTier { .. } => "hot_tier",
-        StageError::BadKeys { .. } => "bad_keys",
-        StageError::UnsafeKeys { .. } => "unsafe_keys",
-        StageError::Unreachable { .. } => "unreachable",
-        StageError::Cancelled { .. } => "cancelled",
-        StageError::SharedPeer { .. } => "shared_peer",
-    }
-}
-
-fn restore_code(e: &RestoreError) -> &'static str {
-    match e {
-        RestoreError::NoArchive => "no_archive",
-        RestoreError::Open { source, .. }
-        | RestoreError::List { source, .. }
-        | RestoreError::Restore { source, .. } => archive_code(source),
-        RestoreError::NoneOfYours { .. } => "none_of_yours",
-        RestoreError::NoneIntact { .. } => "none_intact",
-        RestoreError::Foreign { .. } => "foreign",
-        RestoreError::CreateDir { .. } => "create_dir",
-    }
-}
-
-fn archive_code(e: &ArchiveError) -> &'static str {
-    match e {
-        ArchiveError::BadUrl { .. } => "bad_url",
-        ArchiveError::BadConfig(_) => "bad_config",
-        ArchiveError::BadName { .. } => "bad_name",
-        ArchiveError::Refused { .. } => "refused",
-        ArchiveError::Modified { .. } => "modified",
-        ArchiveError::Read { .. } => "read",
-        ArchiveError::Write { errno, .. } => {
-            let full = [nix::errno::Errno::ENOSPC, nix::errno::Errno::EDQUOT];
-            if full.iter().any(|f| *errno == Some(*f as i32)) {
-                "no_space"
-            } else {
-                "write"
-            }
-        }
-        ArchiveError::Store { .. } => match e.store_kind() {
-            Some(StoreErrorKind::NotFound) => "store_not_found",
-            Some(StoreErrorKind::Denied) => "store_denied",
-            Some(StoreErrorKind::Throttled) => "store_throttled",
-            Some(StoreErrorKind::Unreachable) => "store_unreachable",
-            Some(StoreErrorKind::TimedOut) => "store_timed_out",
-            Some(StoreErrorKind::Other) | None => "store_other",
-        },
-        ArchiveError::NotArchived { .. } => "not_archived",
-        ArchiveError::BadManifest { .. } => "bad_manifest",
-        ArchiveError::Corrupt { .. } => "corrupt",
-        ArchiveError::Conflict { .. } => "conflict",
-        ArchiveError::ManifestTooLarge { .. } => "manifest_too_large",
-        ArchiveError::Stopped { .. } => "stopped",
-        ArchiveError::AlreadyPublished { .. } => "already_published",
-        ArchiveError::NotAsFlushed { .. } => "not_as_flushed",
-    }
-}
-
-/// The gauges read from the agent at each scrape.
-struct Snapshot {
-    agent: Arc<Agent>,
+/// The gauges read from the agent's state at each scrape.
+pub(crate) struct Snapshot {
+    jobs: Arc<JobTable>,
+    hot: HotTier,
+    cfg: Arc<Config>,
+    cache: Option<Arc<Cache>>,
+    workers: Arc<Workers>,
     /// Sizes of checkpoints waiting for their archive, by (job, tag, commit generation): a
     /// committed checkpoint's files do not change (if they do, it is committed again), so each is
     /// walked once, not at every scrape.
@@ -433,12 +353,30 @@ struct Backlog {
 }
 
 impl Snapshot {
+    /// Reads the agent's job table, hot tier, configuration and cache at each scrape.
+    pub(crate) fn new(
+        jobs: Arc<JobTable>,
+        hot: HotTier,
+        cfg: Arc<Config>,
+        cache: Option<Arc<Cache>>,
+        workers: Arc<Workers>,
+    ) -> Snapshot {
+        Snapshot {
+            jobs,
+            hot,
+            cfg,
+            cache,
+            workers,
+            sizes: Mutex::new(HashMap::new()),
+        }
+    }
+
     /// Blocks: may walk checkpoint directories.
     fn backlog(&self) -> Backlog {
         let mut b = Backlog::default();
         let mut sizes = lock(&self.sizes);
         let mut seen = HashSet::new();
-        for job in self.agent.jobs_snapshot() {
+        for job in self.jobs.snapshot() {
             for e in job.ckpts.entries() {
                 if e.state() == CkptState::Archived {
                     continue;
@@ -471,7 +409,6 @@ impl Snapshot {
     /// archive attempt will say why).
     fn ckpt_size(&self, job: &Job, tag: &str) -> u64 {
         let dir = self
-            .agent
             .hot
             .open_ckpt(job.start.job_id)
             .and_then(|d| sluice_archive::safefs::open_dir(d, tag));
@@ -484,11 +421,11 @@ impl Snapshot {
 
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let usage = self.agent.hot.usage();
-        let high_water = f64::from(self.agent.cfg.ckpt.high_water) / 100.0;
+        let usage = self.hot.usage();
+        let high_water = f64::from(self.cfg.ckpt.high_water) / 100.0;
         let backlog = self.backlog();
         let mut jobs: HashMap<&'static str, u64> = HashMap::new();
-        for j in self.agent.jobs_snapshot() {
+        for j in self.jobs.snapshot() {
             *jobs.entry(j.state().as_str()).or_default() += 1;
         }
         let mut gauge = |name: &str, help: &str, unit: Option<&Unit>, v: ConstGauge<u64>| {
@@ -533,10 +470,10 @@ impl Collector for Snapshot {
             ratio.metric_type(),
         )?;
         ratio.encode(m)?;
-        if let Some(cache) = &self.agent.cache {
+        if let Some(cache) = &self.cache {
             encode_cache(&mut enc, &cache.stats())?;
         }
-        encode_workers(&mut enc, &self.agent.worker_statuses())?;
+        encode_workers(&mut enc, &self.workers.statuses())?;
         let mut family = enc.encode_descriptor(
             "jobs",
             "Jobs in the agent's table, by state",
@@ -682,14 +619,16 @@ pub async fn bind(cfg: &MetricsConfig) -> Result<TcpListener, MetricsError> {
 }
 
 /// Serves `GET /metrics` on `listener` until `cancel` is cancelled, then waits for the connections
-/// it started (each ends with the same token).
-pub(crate) async fn serve(agent: Arc<Agent>, listener: TcpListener, cancel: CancellationToken) {
-    let mut registry = agent.metrics.registry();
-    registry.register_collector(Box::new(Snapshot {
-        agent: agent.clone(),
-        sizes: Mutex::new(HashMap::new()),
-    }));
-    drop(agent);
+/// it started (each ends with the same token): the event `metrics` and, read at each scrape, the
+/// `state` gauges.
+pub(crate) async fn serve(
+    metrics: Metrics,
+    state: Snapshot,
+    listener: TcpListener,
+    cancel: CancellationToken,
+) {
+    let mut registry = metrics.registry();
+    registry.register_collector(Box::new(state));
     let registry = Arc::new(registry);
     if let Ok(a) = listener.local_addr() {
         tracing::info!("metrics: serving http://{a}/metrics");
@@ -767,7 +706,7 @@ mod tests {
                 path: "p".into(),
             }),
         );
-        m.refused(Refused::UserLimit { uid: 1000 });
+        m.refused("user_limit");
         m.restored(Some("step-1"), Duration::from_secs(3));
         m.restored(None, Duration::from_secs(1));
         let text = exposition(&m);
@@ -813,43 +752,6 @@ mod tests {
             text.contains("# TYPE sluice_stage_bytes_total counter\n")
                 && text.contains("# TYPE sluice_restore_duration_seconds histogram\n"),
             "{text}"
-        );
-    }
-
-    #[test]
-    fn error_codes_are_stable_words() {
-        let store = ArchiveError::Store {
-            url: "s3://b/".into(),
-            op: "put",
-            key: "k".into(),
-            error: Box::new(object_store::Error::NotFound {
-                path: "k".into(),
-                source: "gone".into(),
-            }),
-        };
-        assert_eq!(archive_code(&store), "store_not_found");
-        let full = ArchiveError::Write {
-            tag: "t".into(),
-            path: "p".into(),
-            detail: "full".into(),
-            errno: Some(nix::errno::Errno::ENOSPC as i32),
-        };
-        assert_eq!(archive_code(&full), "no_space");
-        assert_eq!(
-            restore_code(&RestoreError::Restore {
-                tag: "t".into(),
-                source: Box::new(full),
-            }),
-            "no_space"
-        );
-        assert_eq!(
-            setup_code(&SetupError::Stage {
-                node: "n1".into(),
-                source: StageError::NotFound {
-                    dataset: "s3://b/x".into()
-                },
-            }),
-            ("stage", "not_found")
         );
     }
 

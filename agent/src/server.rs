@@ -16,7 +16,8 @@
 //! client sees the connection closed without an answer, which the plugin's `task_init` retries
 //! (a node running more than [`MAX_PER_USER`] tasks of one user gets through in turns).
 
-use crate::agent::{Agent, Peer};
+use crate::agent::Agent;
+use crate::identity::Peer;
 use sluice_proto::msg::{ErrorCode, ErrorReply, Request, Response};
 use sluice_proto::wire;
 use std::collections::HashMap;
@@ -72,7 +73,7 @@ pub async fn run(agent: Arc<Agent>, listener: UnixListener, shutdown: Cancellati
             Ok(slot) => slot,
             Err(refused) => {
                 admission.note_refusal(refused);
-                agent.metrics.refused(refused);
+                agent.metrics.refused(refused.reason());
                 continue; // dropping the stream closes it: the client reads end-of-file
             }
         };
@@ -110,6 +111,17 @@ pub enum Refused {
     UserLimit { uid: u32 },
     /// Every slot open to this peer is taken.
     Full { uid: u32 },
+}
+
+impl Refused {
+    /// A stable word for the reason, for the `sluice_connections_refused_total{reason}` label (one
+    /// of [`crate::metrics::REFUSAL_REASONS`]). Dashboards and alerts query these words: keep them.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refused::UserLimit { .. } => "user_limit",
+            Refused::Full { .. } => "full",
+        }
+    }
 }
 
 /// The connection slots: who holds how many. A [`Slot`] gives its place back when dropped.
@@ -261,7 +273,7 @@ async fn serve(agent: Arc<Agent>, peer: Peer, mut stream: UnixStream) {
                 r @ (Request::ArchiveList { .. }
                 | Request::ArchiveVerify { .. }
                 | Request::ArchiveRestore { .. }) => {
-                    crate::archive_access::handle(&agent, peer, r, passed_fd).await
+                    agent.archive_access.handle(peer, r, passed_fd).await
                 }
                 r => agent.handle(peer, r).await,
             }
@@ -417,6 +429,16 @@ mod tests {
         drop(roots);
         assert_eq!(a.admit(1002).unwrap_err(), Refused::Full { uid: 1002 });
         let _r = a.admit(0).unwrap();
+    }
+
+    #[test]
+    fn refusal_reasons_are_the_metrics_words() {
+        let reasons = [
+            Refused::UserLimit { uid: 1000 }.reason(),
+            Refused::Full { uid: 1000 }.reason(),
+        ];
+        assert_eq!(reasons, ["user_limit", "full"]);
+        assert_eq!(reasons, crate::metrics::REFUSAL_REASONS);
     }
 
     #[test]

@@ -317,6 +317,44 @@ impl ArchiveError {
         )
     }
 
+    /// A stable word for this error, for the agent's `sluice_failures_total{code}` label: one per
+    /// variant (a store error by its [`store::StoreErrorKind`], a failed write as `no_space` when the
+    /// disk is full), never a message text. Dashboards and alerts query these words: keep them.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ArchiveError::BadUrl { .. } => "bad_url",
+            ArchiveError::BadConfig(_) => "bad_config",
+            ArchiveError::BadName { .. } => "bad_name",
+            ArchiveError::Refused { .. } => "refused",
+            ArchiveError::Modified { .. } => "modified",
+            ArchiveError::Read { .. } => "read",
+            ArchiveError::Write { errno, .. } => {
+                let full = [nix::errno::Errno::ENOSPC, nix::errno::Errno::EDQUOT];
+                if full.iter().any(|f| *errno == Some(*f as i32)) {
+                    "no_space"
+                } else {
+                    "write"
+                }
+            }
+            ArchiveError::Store { .. } => match self.store_kind() {
+                Some(store::StoreErrorKind::NotFound) => "store_not_found",
+                Some(store::StoreErrorKind::Denied) => "store_denied",
+                Some(store::StoreErrorKind::Throttled) => "store_throttled",
+                Some(store::StoreErrorKind::Unreachable) => "store_unreachable",
+                Some(store::StoreErrorKind::TimedOut) => "store_timed_out",
+                Some(store::StoreErrorKind::Other) | None => "store_other",
+            },
+            ArchiveError::NotArchived { .. } => "not_archived",
+            ArchiveError::BadManifest { .. } => "bad_manifest",
+            ArchiveError::Corrupt { .. } => "corrupt",
+            ArchiveError::Conflict { .. } => "conflict",
+            ArchiveError::ManifestTooLarge { .. } => "manifest_too_large",
+            ArchiveError::Stopped { .. } => "stopped",
+            ArchiveError::AlreadyPublished { .. } => "already_published",
+            ArchiveError::NotAsFlushed { .. } => "not_as_flushed",
+        }
+    }
+
     /// What a failed store request means (unreachable, not found, ...); `None` for errors that are
     /// not a store request's.
     pub fn store_kind(&self) -> Option<store::StoreErrorKind> {

@@ -661,3 +661,25 @@ async fn a_checkpoint_written_on_one_node_of_three_is_published() {
 
 mod resume;
 mod tiering;
+
+/// The agent's `sluice_failures_total{code}` words for archive errors: stable, whatever the message.
+#[test]
+fn error_codes_are_stable_words() {
+    let store = ArchiveError::Store {
+        url: "s3://b/".into(),
+        op: "put",
+        key: "k".into(),
+        error: Box::new(object_store::Error::NotFound {
+            path: "k".into(),
+            source: "gone".into(),
+        }),
+    };
+    assert_eq!(store.code(), "store_not_found");
+    let full = ArchiveError::Write {
+        tag: "t".into(),
+        path: "p".into(),
+        detail: "full".into(),
+        errno: Some(nix::errno::Errno::ENOSPC as i32),
+    };
+    assert_eq!(full.code(), "no_space");
+}

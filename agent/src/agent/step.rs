@@ -50,7 +50,7 @@ impl Agent {
             // Checked again (and reported) where the options are used.
             return Ok(None);
         };
-        let Some(job) = self.job(job_id).filter(|j| !j.has_ended()) else {
+        let Some(job) = self.jobs.get(job_id).filter(|j| !j.has_ended()) else {
             if opts.stage_in.is_empty() {
                 return Ok(None);
             }
@@ -195,7 +195,7 @@ impl Agent {
                         }
                     };
                     e.state.send_replace(state);
-                    this.persist(&j).await;
+                    this.jobs.persist(&j).await;
                 }
                 .instrument(span),
             ),
@@ -304,9 +304,9 @@ impl Agent {
                 ));
             }
         }
-        if let Some(job) = self.job(job_id) {
+        if let Some(job) = self.jobs.get(job_id) {
             job.from_step.store(true, Ordering::Relaxed);
-            self.persist(&job).await;
+            self.jobs.persist(&job).await;
         }
         Ok(())
     }
@@ -318,7 +318,8 @@ impl Agent {
             return;
         };
         let jobs: Vec<Arc<Job>> = self
-            .jobs_snapshot()
+            .jobs
+            .snapshot()
             .into_iter()
             .filter(|j| j.from_step.load(Ordering::Relaxed) && !j.has_ended())
             .collect();

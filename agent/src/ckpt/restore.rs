@@ -10,8 +10,7 @@
 //! meanwhile. `latest` skips other users' checkpoints and says so; an explicit tag of another user
 //! fails the job.
 
-use super::CkptEntry;
-use crate::agent::Agent;
+use super::{CkptCtx, CkptEntry};
 use crate::job::Job;
 use crate::stage::JobPeers;
 use sluice_archive::rt::{blocking, now_secs};
@@ -68,6 +67,24 @@ pub enum RestoreError {
     },
 }
 
+impl RestoreError {
+    /// A stable word for this error, for the `sluice_failures_total{operation="restore",code}`
+    /// label ([`crate::metrics`]): an archive error's own code ([`ArchiveError::code`]). Dashboards
+    /// and alerts query these words: keep them.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RestoreError::NoArchive => "no_archive",
+            RestoreError::Open { source, .. }
+            | RestoreError::List { source, .. }
+            | RestoreError::Restore { source, .. } => source.code(),
+            RestoreError::NoneOfYours { .. } => "none_of_yours",
+            RestoreError::NoneIntact { .. } => "none_intact",
+            RestoreError::Foreign { .. } => "foreign",
+            RestoreError::CreateDir { .. } => "create_dir",
+        }
+    }
+}
+
 /// Why a local copy of a checkpoint is not the archived one.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum VerifyError {
@@ -104,7 +121,7 @@ enum HotCopy {
 /// holds no checkpoint yet restores nothing (`None`) and says so: the first run of a job that
 /// always asks for `latest` (a `--requeue` job) starts fresh. A named tag that is not there fails.
 pub(crate) async fn restore(
-    agent: &Agent,
+    ctx: &CkptCtx,
     job: &Arc<Job>,
     url: &str,
     which: &Restore,
@@ -114,7 +131,7 @@ pub(crate) async fn restore(
     // With the job's other nodes, the first checkpoint tried is restored together (each file
     // read from the archive by one node); a fallback one, by each node alone.
     let mut shared = peers.map(super::shared_restore::Done);
-    let archiver = archive::open_archive(&agent.cfg, url).map_err(|e| RestoreError::Open {
+    let archiver = archive::open_archive(&ctx.cfg, url).map_err(|e| RestoreError::Open {
         url: url.into(),
         source: Box::new(e),
     })?;
@@ -184,8 +201,7 @@ pub(crate) async fn restore(
             foreign.push(tag);
             continue;
         }
-        if let Some(note) = from_hot_tier(agent, job, url, &tag, &archiver, ckpt_dir.clone()).await
-        {
+        if let Some(note) = from_hot_tier(ctx, job, url, &tag, &archiver, ckpt_dir.clone()).await {
             notes.push(note);
             // This node has the whole checkpoint: it serves its share to the job's other nodes.
             if let Some(share) = shared.take() {
@@ -272,7 +288,7 @@ pub(crate) async fn restore(
 /// of every file). The directory is moved, not copied. Returns the note for the job, or `None` when
 /// there is no usable copy (then the caller restores from the archive).
 async fn from_hot_tier(
-    agent: &Agent,
+    ctx: &CkptCtx,
     job: &Arc<Job>,
     url: &str,
     tag: &str,
@@ -280,7 +296,7 @@ async fn from_hot_tier(
     ckpt_dir: Arc<OwnedFd>,
 ) -> Option<String> {
     let uid = job.start.uid;
-    let (old_job, old_entry) = agent.jobs_snapshot().into_iter().find_map(|j| {
+    let (old_job, old_entry) = ctx.jobs.snapshot().into_iter().find_map(|j| {
         let same = j.has_ended() && j.start.uid == uid && j.start.job_id != job.start.job_id;
         let same = same && j.archive_url() == Some(url);
         let e = j
@@ -290,7 +306,7 @@ async fn from_hot_tier(
         Some((j, e))
     })?;
     let manifest = archiver.manifest(tag).await.ok()?;
-    let (hot, old_id, t) = (agent.hot.clone(), old_job.start.job_id, tag.to_string());
+    let (hot, old_id, t) = (ctx.hot.clone(), old_job.start.job_id, tag.to_string());
     let dest = ckpt_dir.clone();
     // Move first (the old job's directory is the user's: verifying in place and then moving would
     // leave a window to swap files), verify, and move back if the copy is not usable (e.g. only
@@ -325,7 +341,7 @@ async fn from_hot_tier(
     };
     if moved {
         old_entry.set_on_hot(false);
-        agent.persist(&old_job).await;
+        ctx.jobs.persist(&old_job).await;
     }
     match why {
         None => {
@@ -442,4 +458,25 @@ pub(crate) fn verify_local(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_restore_is_labelled_by_its_archive_error() {
+        let full = ArchiveError::Write {
+            tag: "t".into(),
+            path: "p".into(),
+            detail: "full".into(),
+            errno: Some(nix::errno::Errno::ENOSPC as i32),
+        };
+        let e = RestoreError::Restore {
+            tag: "t".into(),
+            source: Box::new(full),
+        };
+        assert_eq!(e.code(), "no_space");
+        assert_eq!(RestoreError::NoArchive.code(), "no_archive");
+    }
 }

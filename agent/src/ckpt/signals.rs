@@ -2,6 +2,7 @@
 //! frameworks leave in the checkpoint directory (read without following links, as root, so only
 //! files the job user owns count).
 
+use crate::job::ckpts::CommitError;
 use nix::errno::Errno;
 use sluice_archive::safefs::{self, Owner, SafeFsError};
 use sluice_proto::options::validate_tag;
@@ -9,35 +10,6 @@ use std::os::fd::{AsFd, OwnedFd};
 
 /// Largest completion-signal file read (`latest`, `latest_checkpointed_iteration.txt`).
 const MAX_SIGNAL_FILE: usize = 256;
-
-/// Why a commit is refused. The message is what `sluice ckpt commit` prints.
-#[derive(Debug, thiserror::Error)]
-pub enum CommitError {
-    #[error("{0}")]
-    BadTag(String),
-    #[error("there is no checkpoint directory $SLUICE_CKPT_DIR/{tag} on this node")]
-    Missing { tag: String },
-    #[error("$SLUICE_CKPT_DIR/{tag} is not a directory (symlinks are not followed)")]
-    NotADirectory { tag: String },
-    #[error("$SLUICE_CKPT_DIR/{tag}: {source}")]
-    Unusable {
-        tag: String,
-        #[source]
-        source: SafeFsError,
-    },
-    #[error("$SLUICE_CKPT_DIR/{tag}: {errno}")]
-    Stat { tag: String, errno: Errno },
-    #[error("$SLUICE_CKPT_DIR/{tag} is not owned by the job's user")]
-    NotOwned { tag: String },
-    #[error("the job's checkpoint directory: {0}")]
-    NoCkptDir(#[source] SafeFsError),
-    #[error(
-        "checkpoint {tag} is already archived (or waiting for the job's other nodes); archives are immutable — save the new state under a new tag"
-    )]
-    Immutable { tag: String },
-    #[error("job {0} has ended")]
-    JobEnded(u32),
-}
 
 /// Checks a commit's tag and that `ckpt/TAG` is a directory owned by the job user (no symlink).
 pub fn check_commit_dir(ckpt_dir: &OwnedFd, tag: &str, uid: u32) -> Result<(), CommitError> {

@@ -2,8 +2,7 @@
 //! retention, and cleans up after the job — also after the job ended and after a restart.
 
 use super::restore::{VerifyError, verify_local};
-use super::{CkptEntry, CommitError, CommitOutcome, check_commit_dir, scan_signals};
-use crate::agent::Agent;
+use super::{CkptCtx, CkptEntry, CommitError, CommitOutcome, check_commit_dir, scan_signals};
 use crate::backoff::{Backoff, Schedule};
 use crate::job::Job;
 use crate::worker::{StatusCell, Worker};
@@ -34,12 +33,12 @@ pub(crate) const RESUME_LOG_AGE: std::time::Duration =
 /// Records a commit of `tag` for `job` (from `sluice ckpt commit`, a framework signal, or another
 /// node through the archive) and wakes the job's worker.
 pub(crate) async fn commit(
-    agent: &Agent,
+    ctx: &CkptCtx,
     job: &Arc<Job>,
     tag: &str,
 ) -> Result<CommitOutcome, CommitError> {
     let (dirs, id, uid, t) = (
-        agent.ckpt_dirs(job),
+        ctx.dirs(job),
         job.start.job_id,
         job.start.uid,
         tag.to_string(),
@@ -60,7 +59,7 @@ pub(crate) async fn commit(
     }
     if outcome != CommitOutcome::AlreadyPending {
         tracing::info!(job_id = id, tag, ?outcome, "checkpoint committed");
-        agent.persist(job).await;
+        ctx.jobs.persist(job).await;
         job.ckpts.wake.notify_one();
     }
     Ok(outcome)
@@ -68,11 +67,11 @@ pub(crate) async fn commit(
 
 /// Retention: removes archived checkpoints beyond the newest `keep` from the hot tier; above the
 /// high-water mark, every archived checkpoint but the newest.
-pub(crate) async fn trim(agent: &Agent, job: &Job) {
-    if agent.replaced(job) {
+pub(crate) async fn trim(ctx: &CkptCtx, job: &Job) {
+    if ctx.jobs.replaced(job) {
         return;
     }
-    let hot = agent.hot.clone();
+    let hot = ctx.hot.clone();
     let keep = if blocking(move || hot.above_high_water()).await {
         1
     } else {
@@ -82,7 +81,7 @@ pub(crate) async fn trim(agent: &Agent, job: &Job) {
     if victims.is_empty() {
         return;
     }
-    let (hot, id) = (agent.hot.clone(), job.start.job_id);
+    let (hot, id) = (ctx.hot.clone(), job.start.job_id);
     let who = safefs::RemoveAs { uid: job.start.uid };
     let tags: Vec<String> = victims.iter().map(|e| e.tag.clone()).collect();
     let results = blocking(move || {
@@ -109,7 +108,7 @@ pub(crate) async fn trim(agent: &Agent, job: &Job) {
                     Err(e) => tracing::warn!(job_id = id, tag = entry.tag, "trimming: {e}"),
                 }
             }
-            agent.persist(job).await;
+            ctx.jobs.persist(job).await;
         }
         Err(e) => tracing::warn!(job_id = id, "trimming: {e}"),
     }
@@ -118,8 +117,8 @@ pub(crate) async fn trim(agent: &Agent, job: &Job) {
 /// Frees what a finished job keeps on the hot tier when the tier is above its high-water mark: the
 /// hot copies of its archived checkpoints (safe in the archive). Never an unarchived or a refused
 /// one. When nothing of the job is left there, its directory and journal record go too.
-pub(crate) async fn release(agent: &Agent, job: &Arc<Job>) {
-    if agent.replaced(job) {
+pub(crate) async fn release(ctx: &CkptCtx, job: &Arc<Job>) {
+    if ctx.jobs.replaced(job) {
         return;
     }
     let id = job.start.job_id;
@@ -130,7 +129,7 @@ pub(crate) async fn release(agent: &Agent, job: &Arc<Job>) {
         .filter(|e| e.on_hot() && e.state() == CkptState::Archived)
         .collect();
     let (hot, tags) = (
-        agent.hot.clone(),
+        ctx.hot.clone(),
         archived.iter().map(|e| e.tag.clone()).collect::<Vec<_>>(),
     );
     let who = safefs::RemoveAs { uid: job.start.uid };
@@ -155,20 +154,20 @@ pub(crate) async fn release(agent: &Agent, job: &Arc<Job>) {
         }
     }
     if job.ckpts.entries().iter().any(|e| e.on_hot()) {
-        agent.persist(job).await;
+        ctx.jobs.persist(job).await;
     } else {
-        let hot = agent.hot.clone();
+        let hot = ctx.hot.clone();
         if let Err(e) = blocking(move || hot.remove_job(id, who)).await {
             tracing::warn!(job_id = id, "removing the job directory: {e}");
         }
-        agent.forget(id).await;
+        ctx.jobs.forget(id).await;
     }
 }
 
 /// The loop of one job's checkpoints on this node, from its start until nothing is left to do
 /// after it ended (or the agent stops: the journal carries the rest).
 pub(crate) struct CkptWorker {
-    agent: Arc<Agent>,
+    ctx: Arc<CkptCtx>,
     job: Arc<Job>,
     archiver: Option<Arc<Archiver>>,
     /// When each tag whose attempts failed may be tried again.
@@ -220,7 +219,7 @@ impl CkptWorker {
                 status.set("archiving");
                 self.archive_pending(&archiver).await;
             }
-            trim(&self.agent, &self.job).await;
+            trim(&self.ctx, &self.job).await;
             if self.job.has_ended() && self.wind_down().await {
                 return;
             }
@@ -228,7 +227,7 @@ impl CkptWorker {
             status.set("idle");
             tokio::select! {
                 _ = self.job.ckpts.wake.notified() => {}
-                _ = tokio::time::sleep(self.agent.cfg.ckpt.scan_interval) => {}
+                _ = tokio::time::sleep(self.ctx.cfg.ckpt.scan_interval) => {}
                 _ = cancel.cancelled() => return,
             }
         }
@@ -236,9 +235,9 @@ impl CkptWorker {
 }
 
 impl CkptWorker {
-    pub(crate) fn new(agent: Arc<Agent>, job: Arc<Job>) -> CkptWorker {
+    pub(crate) fn new(ctx: Arc<CkptCtx>, job: Arc<Job>) -> CkptWorker {
         CkptWorker {
-            agent,
+            ctx,
             job,
             archiver: None,
             retries: Schedule::new(Backoff::ARCHIVE),
@@ -269,7 +268,7 @@ impl CkptWorker {
             }
             self.scanned_after_end = true;
         }
-        let (dirs, uid) = (self.agent.ckpt_dirs(&job), job.start.uid);
+        let (dirs, uid) = (self.ctx.dirs(&job), job.start.uid);
         let tags = blocking(move || {
             dirs.user()
                 .map(|d| scan_signals(&d, uid))
@@ -278,7 +277,7 @@ impl CkptWorker {
         .await;
         for tag in tags {
             if job.ckpts.get(&tag).is_none() {
-                let _ = commit(&self.agent, &job, &tag).await;
+                let _ = commit(&self.ctx, &job, &tag).await;
             }
         }
     }
@@ -287,12 +286,12 @@ impl CkptWorker {
     /// checkpoint and tried again at the next turn).
     fn archiver(&mut self, url: &str) -> Option<Arc<Archiver>> {
         if self.archiver.is_none() {
-            match archive::open_archive(&self.agent.cfg, url) {
+            match archive::open_archive(&self.ctx.cfg, url) {
                 Ok(a) => {
                     let a = a
                         .for_job(self.job.start.job_id)
-                        .with_resume_dir(resume_dir(&self.agent.cfg));
-                    self.archiver = Some(Arc::new(match &self.agent.bandwidth {
+                        .with_resume_dir(resume_dir(&self.ctx.cfg));
+                    self.archiver = Some(Arc::new(match &self.ctx.bandwidth {
                         Some(bw) => a.with_bandwidth(bw),
                         None => a,
                     }))
@@ -317,7 +316,7 @@ impl CkptWorker {
         // Commits made on the job's other nodes reach this node through the archive.
         let due = self
             .last_remote_scan
-            .is_none_or(|t| t.elapsed() >= self.agent.cfg.ckpt.scan_interval * 3);
+            .is_none_or(|t| t.elapsed() >= self.ctx.cfg.ckpt.scan_interval * 3);
         if job.start.nodes.len() > 1 && due {
             self.last_remote_scan = Some(Instant::now());
             self.adopt_remote_commits(archiver).await;
@@ -364,10 +363,10 @@ impl CkptWorker {
         let multi_node = has_archive && job.start.nodes.len() > 1;
         // Another node's last commit may reach the archive just after this node's end: a node
         // answers (with its part, or an empty one) for two more scans before it is done.
-        let grace = self.agent.cfg.ckpt.scan_interval * 2;
+        let grace = self.ctx.cfg.ckpt.scan_interval * 2;
         let wait = multi_node
             && (ended_at.elapsed() < grace
-                || (ended_at.elapsed() < self.agent.cfg.ckpt.epilog_wait
+                || (ended_at.elapsed() < self.ctx.cfg.ckpt.epilog_wait
                     && self.has_uncommitted_dirs().await));
         if wait {
             self.last_remote_scan = None; // adopt at the next turn
@@ -386,13 +385,13 @@ impl CkptWorker {
         // First tell the job's other nodes (they answer with their parts, or with an empty one).
         if job.start.nodes.len() > 1
             && let Err(e) = archiver
-                .announce_commit(&entry.tag, &self.agent.cfg.node)
+                .announce_commit(&entry.tag, &self.ctx.cfg.node)
                 .await
         {
             entry.note_failure();
             return entry.set_error(CkptState::Retrying, e.describe());
         }
-        let (hot, tag) = (self.agent.hot.clone(), entry.tag.clone());
+        let (hot, tag) = (self.ctx.hot.clone(), entry.tag.clone());
         let dir =
             blocking(move || sluice_archive::safefs::open_dir(hot.open_ckpt(job_id)?, &tag)).await;
         let dir = match dir {
@@ -427,7 +426,7 @@ impl CkptWorker {
             return self.compare_with_archived(entry, &m, archiver.url()).await;
         }
         // Within the node's memory budget: another job's upload may have to finish first.
-        let _slot = self.agent.upload_slot().await;
+        let _slot = self.ctx.upload_slot().await;
         let progress = ArchiveProgress::default();
         let started = Instant::now();
         // Flushed from RAM: the upload's hashes of the hot tier's copy verify the flush.
@@ -437,7 +436,7 @@ impl CkptWorker {
                 archiver
                     .upload_part_as_flushed(
                         &entry.tag,
-                        &self.agent.cfg.node,
+                        &self.ctx.cfg.node,
                         dir,
                         job.start.uid,
                         &progress,
@@ -449,7 +448,7 @@ impl CkptWorker {
                 archiver
                     .upload_part(
                         &entry.tag,
-                        &self.agent.cfg.node,
+                        &self.ctx.cfg.node,
                         dir,
                         job.start.uid,
                         &progress,
@@ -457,7 +456,7 @@ impl CkptWorker {
                     .await
             }
         };
-        self.agent.metrics.part_uploaded(started.elapsed(), &result);
+        self.ctx.metrics.part_uploaded(started.elapsed(), &result);
         entry.set_bytes_done(progress.snapshot().bytes_done);
         if entry.generation() != generation {
             return entry.set_state(CkptState::Committed); // re-committed meanwhile: upload again
@@ -478,7 +477,7 @@ impl CkptWorker {
                         tag = entry.tag,
                         "the hot tier's copy hashes as flushed from RAM (verified by its upload)"
                     );
-                    self.agent.persist(job).await;
+                    self.ctx.jobs.persist(job).await;
                 }
             }
             Err(ArchiveError::NotAsFlushed { damaged, .. }) => {
@@ -529,11 +528,11 @@ impl CkptWorker {
     async fn compare_with_archived(&self, entry: &Arc<CkptEntry>, m: &Manifest, url: &str) {
         let job = &self.job;
         let (hot, id, uid, tag, node, manifest) = (
-            self.agent.hot.clone(),
+            self.ctx.hot.clone(),
             job.start.job_id,
             job.start.uid,
             entry.tag.clone(),
-            self.agent.cfg.node.clone(),
+            self.ctx.cfg.node.clone(),
             m.clone(),
         );
         let same = blocking(move || {
@@ -543,7 +542,7 @@ impl CkptWorker {
         .await;
         // Flushed from RAM: what the MANIFEST holds of this node's files must be what the flush read.
         if let (Ok(Ok(())), Some(flushed)) = (&same, entry.flush_hashes()) {
-            let node = &self.agent.cfg.node;
+            let node = &self.ctx.cfg.node;
             let damaged = sluice_archive::flush::differences(
                 &flushed,
                 m.files
@@ -567,7 +566,7 @@ impl CkptWorker {
                     tag = entry.tag,
                     "identical to the archived checkpoint"
                 );
-                self.agent.persist(job).await;
+                self.ctx.jobs.persist(job).await;
             }
             Ok(Err(e)) => {
                 let message = format!(
@@ -612,10 +611,10 @@ impl CkptWorker {
                     tag = entry.tag,
                     "checkpoint archived"
                 );
-                self.agent.persist(job).await;
+                self.ctx.jobs.persist(job).await;
             }
             Ok(Publish::Waiting { missing }) => {
-                let limit = self.agent.cfg.ckpt.publish_wait;
+                let limit = self.ctx.cfg.ckpt.publish_wait;
                 let waited = self
                     .waiting_since
                     .entry(entry.tag.clone())
@@ -633,7 +632,7 @@ impl CkptWorker {
                     tracing::warn!(job_id = job.start.job_id, tag = entry.tag, "{message}");
                     self.waiting_since.remove(&entry.tag);
                     entry.incomplete(message);
-                    self.agent.persist(job).await;
+                    self.ctx.jobs.persist(job).await;
                 } else {
                     entry.note_failure(); // asks again at the backoff, not every scan
                     let left = limit.saturating_sub(waited).as_secs();
@@ -687,7 +686,7 @@ impl CkptWorker {
                 continue;
             }
             let (dirs, id, uid, t) = (
-                self.agent.ckpt_dirs(&job),
+                self.ctx.dirs(&job),
                 job.start.job_id,
                 job.start.uid,
                 tag.clone(),
@@ -701,10 +700,10 @@ impl CkptWorker {
             match here {
                 Ok(()) => {
                     tracing::info!(job_id = id, tag, "committed on another node of the job");
-                    let _ = commit(&self.agent, &job, &tag).await;
+                    let _ = commit(&self.ctx, &job, &tag).await;
                 }
                 Err(CommitError::Missing { .. }) => {
-                    match archiver.put_empty_part(&tag, &self.agent.cfg.node).await {
+                    match archiver.put_empty_part(&tag, &self.ctx.cfg.node).await {
                         Ok(()) => {
                             tracing::info!(
                                 job_id = id,
@@ -730,8 +729,8 @@ impl CkptWorker {
     async fn flush_pending(&mut self) {
         let job = self.job.clone();
         let block = self
-            .agent
-            .ckpt_dirs(&job)
+            .ctx
+            .dirs(&job)
             .ram()
             .map_or(crate::ram_tier::DEFAULT_FLUSH_BLOCK, |t| {
                 t.config().flush_block
@@ -746,7 +745,7 @@ impl CkptWorker {
                 continue;
             }
             let generation = entry.generation();
-            let (dirs, tag) = (self.agent.ckpt_dirs(&job), entry.tag.clone());
+            let (dirs, tag) = (self.ctx.dirs(&job), entry.tag.clone());
             let started = Instant::now();
             let result = blocking(move || flush_one(&dirs, &tag, owner, block)).await;
             if entry.generation() != generation {
@@ -766,7 +765,7 @@ impl CkptWorker {
                         secs = started.elapsed().as_secs_f64(),
                         "checkpoint flushed from the RAM tier to the hot tier"
                     );
-                    self.agent.persist(&job).await;
+                    self.ctx.jobs.persist(&job).await;
                 }
                 Err(e @ FlushError::Refused(_)) => {
                     tracing::warn!(job_id = id, tag = entry.tag, "not flushed: {e}");
@@ -815,7 +814,7 @@ impl CkptWorker {
         if unflushed.is_empty() {
             return;
         }
-        let dirs = self.agent.ckpt_dirs(job);
+        let dirs = self.ctx.dirs(job);
         let where_ = dirs.ram().map_or_else(
             || "the RAM tier".to_string(),
             |t| t.ckpt_dir(job.start.job_id).display().to_string(),
@@ -859,7 +858,7 @@ impl CkptWorker {
             entry.lose(message);
         }
         if changed {
-            self.agent.persist(job).await;
+            self.ctx.jobs.persist(job).await;
         }
     }
 
@@ -877,7 +876,7 @@ impl CkptWorker {
             return;
         }
         let has_archive = job.archive_url().is_some();
-        let dirs = self.agent.ckpt_dirs(job);
+        let dirs = self.ctx.dirs(job);
         let tight = match dirs.ram().cloned() {
             Some(tier) => {
                 let id = job.start.job_id;
@@ -925,7 +924,7 @@ impl CkptWorker {
                     secs = started.elapsed().as_secs_f64(),
                     "the hot tier's copy reads back as flushed from RAM (verified)"
                 );
-                self.agent.persist(job).await;
+                self.ctx.jobs.persist(job).await;
             }
             Err(ReadBack::Differs(path)) => {
                 let damaged = [archive::Damaged {
@@ -969,7 +968,7 @@ impl CkptWorker {
             tracing::error!(job_id = job.start.job_id, tag = entry.tag, "{message}");
             entry.conflict(message);
         }
-        self.agent.persist(job).await;
+        self.ctx.jobs.persist(job).await;
         job.ckpts.wake.notify_one();
     }
 
@@ -989,7 +988,7 @@ impl CkptWorker {
             return;
         }
         let (dirs, tags) = (
-            self.agent.ckpt_dirs(job),
+            self.ctx.dirs(job),
             victims.iter().map(|e| e.tag.clone()).collect::<Vec<_>>(),
         );
         let who = safefs::RemoveAs { uid: job.start.uid };
@@ -1009,7 +1008,7 @@ impl CkptWorker {
                         e.set_in_ram(false);
                     }
                 }
-                self.agent.persist(job).await;
+                self.ctx.jobs.persist(job).await;
             }
             Err(e) => tracing::warn!(job_id = job.start.job_id, "freeing the RAM tier: {e}"),
         }
@@ -1017,7 +1016,7 @@ impl CkptWorker {
 
     /// Whether the job's checkpoint directory holds directories that are not committed checkpoints.
     async fn has_uncommitted_dirs(&self) -> bool {
-        let dirs = self.agent.ckpt_dirs(&self.job);
+        let dirs = self.ctx.dirs(&self.job);
         let committed: Vec<String> = self
             .job
             .ckpts
@@ -1040,7 +1039,7 @@ impl CkptWorker {
     async fn finalize(&self) {
         let job = &self.job;
         let id = job.start.job_id;
-        if self.agent.replaced(job) {
+        if self.ctx.jobs.replaced(job) {
             // Requeued: `jobs/<id>` and the journal record belong to the new run now.
             tracing::info!(
                 job_id = id,
@@ -1056,7 +1055,7 @@ impl CkptWorker {
             .map(|e| e.tag.clone())
             .collect();
         let keep_any = !keep.is_empty();
-        let hot = self.agent.hot.clone();
+        let hot = self.ctx.hot.clone();
         let who = safefs::RemoveAs { uid: job.start.uid };
         // Uncommitted leftovers (torn saves, framework marker files) go; committed ones stay.
         let removed = blocking(move || {
@@ -1081,15 +1080,15 @@ impl CkptWorker {
             tracing::error!(job_id = id, "cleaning up after the job: {e}");
         }
         // Every committed checkpoint of the RAM tier is on the hot tier now (wind_down waited).
-        if let Some(ram) = self.agent.ckpt_dirs(job).ram().cloned()
+        if let Some(ram) = self.ctx.dirs(job).ram().cloned()
             && let Err(e) = blocking(move || ram.remove(id, who)).await
         {
             tracing::error!(job_id = id, "removing the job's RAM tier: {e}");
         }
         if keep_any {
-            self.agent.persist(job).await;
-        } else if !self.agent.replaced(job) {
-            self.agent.forget(id).await;
+            self.ctx.jobs.persist(job).await;
+        } else if !self.ctx.jobs.replaced(job) {
+            self.ctx.jobs.forget(id).await;
         }
         job.finish();
         tracing::info!(
@@ -1112,7 +1111,7 @@ enum ReadBack {
 /// `.flush-TAG` first, renamed into place once every file is durable, so a flush cut
 /// short (the agent killed) never looks like a checkpoint and is simply done again.
 fn flush_one(
-    dirs: &crate::agent::CkptDirs,
+    dirs: &super::CkptDirs,
     tag: &str,
     owner: Owner,
     block: usize,

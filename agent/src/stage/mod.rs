@@ -104,6 +104,25 @@ pub enum StageError {
     SharedPeer { node: String, detail: String },
 }
 
+impl StageError {
+    /// A stable word for this error, for the `sluice_failures_total{operation="stage",code}`
+    /// label ([`crate::metrics`]). Dashboards and alerts query these words: keep them.
+    pub fn code(&self) -> &'static str {
+        match self {
+            StageError::NotFound { .. } => "not_found",
+            StageError::Denied { .. } => "denied",
+            StageError::NoSpace { .. } => "no_space",
+            StageError::Origin { .. } => "origin",
+            StageError::HotTier { .. } => "hot_tier",
+            StageError::BadKeys { .. } => "bad_keys",
+            StageError::UnsafeKeys { .. } => "unsafe_keys",
+            StageError::Unreachable { .. } => "unreachable",
+            StageError::Cancelled { .. } => "cancelled",
+            StageError::SharedPeer { .. } => "shared_peer",
+        }
+    }
+}
+
 /// Live counters of one dataset's staging, read by status requests while workers update them.
 #[derive(Debug)]
 pub struct Progress {
