@@ -64,6 +64,11 @@ pub struct Job {
     /// agent whose config no longer has that root, one opened at the root its record names (its
     /// checkpoints are flushed from there all the same).
     pub ram_tier: std::sync::OnceLock<Arc<crate::ram_tier::RamTier>>,
+    /// The run of the same job id this one replaced (a requeue), while anything of it still runs.
+    previous: std::sync::OnceLock<std::sync::Weak<Job>>,
+    /// Cancelled when this run's checkpoint worker has stopped: from then on nothing of this run
+    /// touches the job's directories.
+    worker_gone: CancellationToken,
 }
 
 /// A dataset a step of the job added: its spec, progress, and how its staging went.
@@ -123,7 +128,33 @@ impl Job {
             from_step: AtomicBool::new(false),
             ram: AtomicBool::new(false),
             ram_tier: std::sync::OnceLock::new(),
+            previous: std::sync::OnceLock::new(),
+            worker_gone: CancellationToken::new(),
         }
+    }
+
+    /// This run replaces `old`, a run before it of the same job id (a requeue onto this node).
+    pub fn replaces(&self, old: &Arc<Job>) {
+        let _ = self.previous.set(Arc::downgrade(old));
+    }
+
+    /// Held by this run's checkpoint worker while it runs: dropped (also by a panic), it tells a
+    /// newer run of the job that this one no longer touches the job's directories.
+    pub fn worker_running(&self) -> tokio_util::sync::DropGuard {
+        self.worker_gone.clone().drop_guard()
+    }
+
+    /// Waits, at most `limit`, until the run this one replaced has stopped touching the job's
+    /// directories (its checkpoint worker finishes what it was doing, e.g. flushing a checkpoint
+    /// from the RAM tier, and stops): a requeue's set-up and worker must not clear or flush into
+    /// directories the old run still writes. `false`: it still runs after `limit`.
+    pub async fn wait_for_previous_run(&self, limit: std::time::Duration) -> bool {
+        let Some(old) = self.previous.get().and_then(std::sync::Weak::upgrade) else {
+            return true; // no run before, or nothing of it is left
+        };
+        let gone = old.worker_gone.clone();
+        drop(old);
+        tokio::time::timeout(limit, gone.cancelled()).await.is_ok()
     }
 
     /// The span of everything the agent does for this job: every log line inside carries the

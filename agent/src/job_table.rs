@@ -57,6 +57,9 @@ impl JobTable {
     /// Puts `job` in the table, and forgets the oldest finished jobs beyond [`KEEP_ENDED`].
     pub(crate) fn insert(&self, job: Arc<Job>) {
         let mut jobs = self.jobs();
+        if let Some(old) = jobs.get(&job.start.job_id) {
+            job.replaces(old);
+        }
         if let Some(old) = jobs.insert(job.start.job_id, job) {
             // A new run of the same job id (requeue): the old run's worker must stop before it
             // trims, finalises or journals anything, since those act on paths keyed by the id.

@@ -127,6 +127,17 @@ impl Agent {
         let job_id = job.start.job_id;
         let node = self.cfg.node.clone();
         let plan = self.plan_set_up(job)?;
+        // A requeue: the run before must have stopped writing into the job's directories before
+        // they are prepared (its worker may be mid-flush from the RAM tier).
+        if !job
+            .wait_for_previous_run(crate::ckpt::PREVIOUS_RUN_WAIT)
+            .await
+        {
+            tracing::warn!(
+                job_id,
+                "the run before this requeue still works on its checkpoints; setting up regardless"
+            );
+        }
         let prepared = self.prepare_dirs(job, &plan, fresh_dirs).await?;
         let staging = self.stage_datasets(job, &plan, &prepared);
         let restoring = self.restore_ckpt(job, &plan, &prepared.ckpt_fd);

@@ -26,6 +26,7 @@ mod restore;
 mod shared_restore;
 mod signals;
 mod worker;
+pub(crate) use worker::PREVIOUS_RUN_WAIT;
 
 pub use crate::job::ckpts::{CkptEntry, CommitError, CommitOutcome, JobCkpts};
 pub(crate) use restore::{RestoreError, restore};

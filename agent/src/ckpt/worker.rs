@@ -164,6 +164,10 @@ pub(crate) async fn release(ctx: &CkptCtx, job: &Arc<Job>) {
     }
 }
 
+/// How long a requeued job's set-up and checkpoint worker wait for the run before to stop touching
+/// the job's directories (it finishes the flush or upload it is in, then stops).
+pub(crate) const PREVIOUS_RUN_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// The loop of one job's checkpoints on this node, from its start until nothing is left to do
 /// after it ended (or the agent stops: the journal carries the rest).
 pub(crate) struct CkptWorker {
@@ -200,6 +204,15 @@ impl Worker for CkptWorker {
 
 impl CkptWorker {
     async fn turns(mut self, cancel: CancellationToken, status: Arc<StatusCell>) {
+        let _running = self.job.worker_running();
+        // A requeue: the run before may still be flushing or archiving into the job's directories.
+        status.set("waiting for the run before");
+        if !self.job.wait_for_previous_run(PREVIOUS_RUN_WAIT).await {
+            tracing::warn!(
+                "the run of this job before the requeue still works on its checkpoints after {}; going on",
+                humantime::format_duration(PREVIOUS_RUN_WAIT)
+            );
+        }
         loop {
             if self.job.is_finished() {
                 return; // replaced by a newer run of the same job id
