@@ -366,11 +366,21 @@ fn faults_stage_in_from_an_unreachable_store_fails_the_job_in_time() {
 }
 
 /// Staging from a store that accepts connections but never answers (every response held back for
-/// ten minutes) must end at the admin's stage timeout (the agent's 110 s, under the plugin's 120 s)
-/// with a message saying so — not hang the job, not drain a node.
+/// ten minutes) must end at the admin's stage timeout with a message saying so — not hang the job,
+/// not drain a node. The agents run with `[stage] timeout = "20s"` here (the harness's 110 s, under
+/// the plugin's 120 s, would make this test wait two minutes for the same answer).
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn faults_stage_in_from_a_hung_store_fails_at_the_stage_timeout() {
+    let harness_timeout = "timeout = \"110s\"\n";
+    let _agents = Cluster::for_sluice().reconfigure_agents("stage-timeout", |text| {
+        assert!(
+            text.contains(harness_timeout),
+            "no {harness_timeout:?} in the agents' config: the harness changed"
+        );
+        text.replace(harness_timeout, "timeout = \"20s\"\n")
+    });
+    let started = Instant::now();
     let (output, _) = stage_in_fails(
         "faults-hung",
         "slow=600",
@@ -387,5 +397,11 @@ fn faults_stage_in_from_a_hung_store_fails_at_the_stage_timeout() {
                 .iter()
                 .any(|n| output.contains(&format!("node {n}"))),
         "the job output must say that stage-in on a node ran out of time:\n{output}"
+    );
+    // The agent's timeout ended it, not the plugin's 120 s.
+    assert!(
+        started.elapsed() < Duration::from_secs(100),
+        "the job took {:?} to fail; the agents' stage timeout is 20 s:\n{output}",
+        started.elapsed()
     );
 }

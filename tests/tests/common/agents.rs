@@ -3,12 +3,14 @@
 //! job's state, its checkpoints), the fault-injecting proxy and the byte-counting relay in front of
 //! Garage, and a seeded source of random fault timing.
 
-use super::cluster::{Cluster, run, run_dir, tail_of, write_atomically};
+use super::cluster::{Cluster, run, run_dir, tail_of, unique, write_atomically};
 use super::jobs::Job;
 use super::trees::SplitMix64;
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{CkptStatus, JobStatus, Request, Response, StageProgress};
 use std::fs;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -427,5 +429,59 @@ impl Cluster {
                 .is_ok()
             },
         );
+    }
+}
+
+/// The cluster's agents restarted with a configuration a test changed ([`Cluster::reconfigure_agents`]);
+/// dropped (also when the test panics), the agents are started again as the harness started them.
+pub struct ReconfiguredAgents {
+    cluster: Cluster,
+    originals: Vec<AgentProcess>,
+    config: PathBuf,
+}
+
+impl Cluster {
+    /// Restarts every node's agent with its configuration file changed by `change` (the harness's
+    /// text in, the test's out), written root-only under the harness's root as `e2e-NAME-*.toml`.
+    pub fn reconfigure_agents(
+        &self,
+        name: &str,
+        change: impl FnOnce(&str) -> String,
+    ) -> ReconfiguredAgents {
+        let originals: Vec<AgentProcess> =
+            self.nodes.iter().map(|n| self.agent_process(n)).collect();
+        let original = PathBuf::from(&originals[0].argv[originals[0].config_arg()]);
+        let text =
+            fs::read_to_string(&original).unwrap_or_else(|e| panic!("{}: {e}", original.display()));
+        let config = PathBuf::from(self.var("SLUICE_TEST_ROOT"))
+            .join(format!("e2e-{name}-{}.toml", unique()));
+        // Root-only from its creation: it holds the stores' credentials.
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&config)
+            .unwrap_or_else(|e| panic!("{}: {e}", config.display()));
+        file.write_all(change(&text).as_bytes()).unwrap();
+        for agent in &originals {
+            self.kill_agent_and_its_ports(&agent.node);
+        }
+        let changed: Vec<AgentProcess> = originals.iter().map(|a| a.with_config(&config)).collect();
+        self.start_agents(&changed);
+        ReconfiguredAgents {
+            cluster: self.clone(),
+            originals,
+            config,
+        }
+    }
+}
+
+impl Drop for ReconfiguredAgents {
+    fn drop(&mut self) {
+        for agent in &self.originals {
+            self.cluster.kill_agent_and_its_ports(&agent.node);
+        }
+        self.cluster.start_agents(&self.originals);
+        let _ = fs::remove_file(&self.config);
     }
 }
