@@ -3,61 +3,28 @@
 //! renders without a warning and whose NAME and SYNOPSIS name that command; `sluice generate
 //! completions SHELL` gives scripts that bash, zsh and fish accept and that complete sluice's
 //! commands; `sluice --version` names the protocol and `sluice --help` the exit statuses sluice
-//! really returns.
+//! really returns. (The agent's page is checked the same way in agent/tests/sluiced_cli.rs; what
+//! both share is `sluice_e2e::pages`.)
 //!
 //! A check that needs a program this machine lacks (man, zsh, fish) fails and says what to install
 //! (tests/harness/install.sh installs them all): it never passes unchecked.
 
+use sluice_e2e::pages::{
+    Binary, assert_has, assert_offers, exit_statuses, man, man_command, parses, require, section,
+    succeeded, text,
+};
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
+const SLUICE: Binary = Binary {
+    name: "sluice",
+    path: env!("CARGO_BIN_EXE_sluice"),
+    unset: &["SLUICE_SOCKET", "SLURMD_NODENAME", "SLURM_JOB_ID"],
+};
+
 fn sluice(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .env_remove("SLUICE_SOCKET")
-        .env_remove("SLURMD_NODENAME")
-        .env_remove("SLURM_JOB_ID")
-        .output()
-        .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8(bytes.to_vec()).unwrap()
-}
-
-/// The stdout of a run that must have succeeded.
-#[track_caller]
-fn succeeded(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    text(&out.stdout)
-}
-
-#[track_caller]
-fn assert_has(text: &str, part: &str) {
-    assert!(text.contains(part), "{part:?} is not in:\n{text}");
-}
-
-/// Fails the test unless `program` is on PATH, naming the check that needs it and the Debian
-/// package to install.
-#[track_caller]
-fn require(program: &str, check: &str) {
-    let found = std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(program).is_file()));
-    let package = match program {
-        "man" => "man-db",
-        other => other,
-    };
-    assert!(
-        found,
-        "{check} needs {program}, which is not on PATH: install {package} \
-         (tests/harness/install.sh installs it)"
-    );
+    SLUICE.run(args)
 }
 
 /// The commands `sluice ARGS --help` lists under "Commands:", without `help`.
@@ -162,40 +129,6 @@ fn every_command_in_help_has_its_man_page_and_nothing_else_has_one() {
     }
 }
 
-/// `man -l PAGE` as a user runs it: the text, after checking that man and groff had nothing to
-/// warn about.
-fn man(page: &Path) -> String {
-    let out = Command::new("man")
-        .args(["--warnings", "-l"])
-        .arg(page)
-        .env("MANWIDTH", "80")
-        .env("MANPAGER", "cat")
-        .env("LC_ALL", "C.UTF-8")
-        .output()
-        .unwrap();
-    let stderr = text(&out.stderr);
-    assert!(
-        out.status.success() && stderr.is_empty(),
-        "man -l {}: {:?}\n{stderr}",
-        page.display(),
-        out.status
-    );
-    text(&out.stdout)
-}
-
-/// The text of section `heading` in a rendered page, its words joined by single spaces (man
-/// justifies lines with more).
-fn section(rendered: &str, heading: &str) -> String {
-    rendered
-        .lines()
-        .skip_while(|l| *l != heading)
-        .skip(1)
-        .take_while(|l| l.is_empty() || l.starts_with(' '))
-        .flat_map(str::split_whitespace)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 #[test]
 fn man_renders_every_page_without_warnings_naming_its_command() {
     require("man", "rendering the man pages with man -l");
@@ -253,82 +186,31 @@ fn man_renders_every_page_without_warnings_naming_its_command() {
     assert_has(&ckpt, "sluice-ckpt-restore(1)");
 }
 
-/// `sluice generate completions SHELL`, written to a file in `dir`.
-fn completion_script(shell: &str, dir: &Path) -> PathBuf {
-    let script = succeeded(&sluice(&["generate", "completions", shell]));
-    let path = dir.join(format!("sluice.{shell}"));
-    std::fs::write(&path, script).unwrap();
-    path
-}
-
-/// What bash offers for the command line `words` (the last one the word being completed, "" after
-/// a space), with the completion script loaded as bash-completion would: source it, ask `complete`
-/// which function it registered for sluice, and call that with COMP_WORDS and COMP_CWORD set.
-fn bash_complete(script: &Path, words: &[&str]) -> Vec<String> {
-    let driver = r#"
-        script=$1; shift
-        source "$script" || exit 1
-        spec=$(complete -p sluice) || exit 1
-        [[ $spec =~ -F\ ([^ ]+) ]] || { echo "no completion function in: $spec" >&2; exit 1; }
-        COMP_WORDS=("$@")
-        COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 ))
-        COMP_LINE="${COMP_WORDS[*]}"
-        COMP_POINT=${#COMP_LINE}
-        prev=""
-        (( COMP_CWORD > 0 )) && prev=${COMP_WORDS[COMP_CWORD-1]}
-        "${BASH_REMATCH[1]}" sluice "${COMP_WORDS[COMP_CWORD]}" "$prev"
-        printf '%s\n' "${COMPREPLY[@]}"
-    "#;
-    let out = Command::new("bash")
-        .args(["--norc", "--noprofile", "-c", driver, "bash"])
-        .arg(script)
-        .args(words)
-        .output()
-        .unwrap();
-    succeeded(&out).lines().map(str::to_string).collect()
-}
-
-#[track_caller]
-fn assert_offers(offered: &[String], words: &[&str]) {
-    for w in words {
-        assert!(
-            offered.iter().any(|o| o == w),
-            "{w:?} is not offered: {offered:?}"
-        );
-    }
-}
-
 #[test]
 fn bash_completion_parses_and_completes_commands_and_options() {
     require("bash", "the bash completion");
     let dir = tempfile::tempdir().unwrap();
-    let script = completion_script("bash", dir.path());
-    succeeded(
-        &Command::new("bash")
-            .arg("-n")
-            .arg(&script)
-            .output()
-            .unwrap(),
-    );
+    let script = SLUICE.completion_script("bash", dir.path());
+    parses("bash", &["-n"], &script);
 
-    let top = bash_complete(&script, &["sluice", ""]);
+    let top = SLUICE.bash_complete(&script, &["sluice", ""]);
     assert_offers(
         &top,
         &["status", "job", "ckpt", "cache", "--socket", "--timeout"],
     );
-    let cache = bash_complete(&script, &["sluice", "cache", ""]);
+    let cache = SLUICE.bash_complete(&script, &["sluice", "cache", ""]);
     assert_offers(&cache, &["list", "stats", "warm", "evict"]);
     assert!(!top.iter().any(|w| w == "generate"), "{top:?}");
 
-    let ckpt = bash_complete(&script, &["sluice", "ckpt", ""]);
+    let ckpt = SLUICE.bash_complete(&script, &["sluice", "ckpt", ""]);
     assert_offers(&ckpt, &["commit", "list", "verify", "restore"]);
 
     // A prefix narrows it, and a command's own options come after it.
     assert_eq!(
-        bash_complete(&script, &["sluice", "ckpt", "re"]),
+        SLUICE.bash_complete(&script, &["sluice", "ckpt", "re"]),
         ["restore"]
     );
-    let list = bash_complete(&script, &["sluice", "ckpt", "list", "--"]);
+    let list = SLUICE.bash_complete(&script, &["sluice", "ckpt", "list", "--"]);
     assert_offers(&list, &["--job", "--config", "--json", "--socket"]);
     assert!(!list.iter().any(|w| w == "commit"), "{list:?}");
 }
@@ -337,16 +219,10 @@ fn bash_completion_parses_and_completes_commands_and_options() {
 fn zsh_completion_parses() {
     require("zsh", "the zsh completion");
     let dir = tempfile::tempdir().unwrap();
-    let script = completion_script("zsh", dir.path());
+    let script = SLUICE.completion_script("zsh", dir.path());
     let source = std::fs::read_to_string(&script).unwrap();
     assert!(source.starts_with("#compdef sluice\n"), "{source}");
-    succeeded(
-        &Command::new("zsh")
-            .args(["-n", "-f"])
-            .arg(&script)
-            .output()
-            .unwrap(),
-    );
+    parses("zsh", &["-n", "-f"], &script);
     // Loading it defines the completion function zsh's compinit would call for `sluice`.
     let out = Command::new("zsh")
         .args([
@@ -365,14 +241,8 @@ fn zsh_completion_parses() {
 fn fish_completion_parses_and_offers_the_ckpt_commands() {
     require("fish", "the fish completion");
     let dir = tempfile::tempdir().unwrap();
-    let script = completion_script("fish", dir.path());
-    succeeded(
-        &Command::new("fish")
-            .arg("--no-execute")
-            .arg(&script)
-            .output()
-            .unwrap(),
-    );
+    let script = SLUICE.completion_script("fish", dir.path());
+    parses("fish", &["--no-execute"], &script);
     let out = Command::new("fish")
         .args([
             "--no-config",
@@ -408,11 +278,7 @@ fn version_names_the_protocol() {
 fn help_documents_the_exit_statuses_sluice_returns() {
     for flag in ["--help", "-h"] {
         let help = succeeded(&sluice(&[flag]));
-        let exit: Vec<&str> = help
-            .lines()
-            .skip_while(|l| *l != "Exit status:")
-            .skip(1)
-            .collect();
+        let exit = exit_statuses(&help);
         assert!(exit[0].starts_with("  0  success"), "{help}");
         assert!(exit[1].starts_with("  1  failure"), "{help}");
         assert!(exit[1].contains("ckpt verify"), "{help}");
@@ -442,77 +308,10 @@ fn generate_is_kept_out_of_the_help_and_fails_like_any_command() {
     assert_has(&text(&out.stderr), &format!("creating {}", file.display()));
 }
 
-/// `path` as it lands under `root` when it is absolute (the admin guide's install steps write to
-/// /usr).
-fn under(root: &Path, path: &str) -> PathBuf {
-    match path.strip_prefix('/') {
-        Some(relative) => root.join(relative),
-        None => PathBuf::from(path),
-    }
-}
-
-/// The install steps of docs/admin-guide.md for sluice (its `sluice generate …` lines, with their `> FILE`), run as
-/// an admin runs them but with every absolute path under `root`. Also checks that the steps'
-/// `install -d` creates the directory of every `> FILE`.
-fn run_admin_guide_install_steps(root: &Path) {
-    let guide = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../docs/admin-guide.md"
-    ))
-    .unwrap();
-    let lines: Vec<&str> = guide.lines().map(str::trim).collect();
-    let created: Vec<&str> = lines
-        .iter()
-        .position(|l| l.starts_with("install -d "))
-        .map(|i| {
-            let mut words = Vec::new();
-            for line in &lines[i..] {
-                words.extend(line.trim_end_matches('\\').split_whitespace());
-                if !line.ends_with('\\') {
-                    break;
-                }
-            }
-            words.split_off(2)
-        })
-        .unwrap_or_default();
-    let steps: Vec<&str> = lines
-        .iter()
-        .filter(|l| l.starts_with("sluice generate "))
-        .map(|l| l.split(" #").next().unwrap().trim())
-        .collect();
-    assert!(
-        steps.len() >= 3,
-        "the admin guide's install steps for sluice: {steps:?}"
-    );
-    for step in steps {
-        let (command, target) = match step.split_once(" > ") {
-            Some((command, target)) => (command, Some(target.trim())),
-            None => (step, None),
-        };
-        let args: Vec<String> = command
-            .split_whitespace()
-            .skip(1)
-            .map(|a| under(root, a).to_str().unwrap().to_string())
-            .collect();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let out = succeeded(&sluice(&args));
-        if let Some(target) = target {
-            let parent = Path::new(target).parent().unwrap().to_str().unwrap();
-            assert!(
-                created.contains(&parent),
-                "the admin guide's install -d does not create {parent} for `{step}`: {created:?}"
-            );
-            let file = under(root, target);
-            std::fs::create_dir_all(file.parent().unwrap()).unwrap();
-            std::fs::write(file, out).unwrap();
-        }
-    }
-}
-
 #[test]
 fn the_admin_guide_install_steps_put_pages_and_completions_where_man_bash_and_zsh_look() {
     let root = tempfile::tempdir().unwrap();
-    run_admin_guide_install_steps(root.path());
+    SLUICE.run_admin_guide_install_steps(root.path());
     for file in [
         "usr/local/share/man/man1/sluice.1",
         "usr/local/share/man/man1/sluice-ckpt-restore.1",
@@ -527,16 +326,13 @@ fn the_admin_guide_install_steps_put_pages_and_completions_where_man_bash_and_zs
         .join("usr/share/bash-completion/completions/sluice");
     require("bash", "the installed bash completion");
     assert_offers(
-        &bash_complete(&bash, &["sluice", "ckpt", ""]),
+        &SLUICE.bash_complete(&bash, &["sluice", "ckpt", ""]),
         &["commit", "list", "verify", "restore"],
     );
     require("man", "man finding the installed page through MANPATH");
-    let out = Command::new("man")
-        .args(["--warnings", "sluice-ckpt-list"])
+    let out = man_command()
+        .arg("sluice-ckpt-list")
         .env("MANPATH", root.path().join("usr/local/share/man"))
-        .env("MANWIDTH", "80")
-        .env("MANPAGER", "cat")
-        .env("LC_ALL", "C.UTF-8")
         .output()
         .unwrap();
     assert_has(&section(&succeeded(&out), "NAME"), "sluice-ckpt-list - ");

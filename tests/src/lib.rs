@@ -1,7 +1,11 @@
 //! End-to-end tests live in `tests/tests/`; this crate hosts them, and holds what several test files
 //! share that needs nothing of the cluster's description: the byte-counting relay in front of an
 //! origin and the plain relay under it (see [`relay`]), and what a store itself says of an object's
-//! storage class (see [`storage_class`]), which the archive crate's conformance suite reads too.
+//! storage class (see [`storage_class`]), which the archive crate's conformance suite reads too,
+//! and what the agent's and the CLI's tests of their binaries' man pages, shell completions and
+//! `--help` share (see [`pages`]).
+
+pub mod pages;
 
 pub mod relay {
     //! TCP relays in front of a server, stopping (and cutting their connections) when dropped.
