@@ -178,20 +178,11 @@ fn prune_ended(jobs: &mut HashMap<JobId, Arc<Job>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_proto::msg::{JobDirs, JobStart};
+    use sluice_proto::msg::JobDirs;
     use tokio_util::sync::CancellationToken;
 
     fn run_of(job_id: JobId, started_at: u64) -> Arc<Job> {
-        let start = JobStart {
-            job_id,
-            uid: 1000,
-            gid: 1000,
-            user: "alice".into(),
-            node: "n1".into(),
-            nodes: vec!["n1".into()],
-            job_name: "train".into(),
-            options: Vec::new(),
-        };
+        let start = crate::journal::alice_start(job_id, Vec::new());
         let dirs = JobDirs {
             stage_dir: "/hot/stage".into(),
             ckpt_dir: "/hot/ckpt".into(),
@@ -201,6 +192,39 @@ mod tests {
         };
         let cancel = CancellationToken::new();
         Arc::new(Job::new(start, dirs, started_at, Ok(None), 1, cancel))
+    }
+
+    /// A requeue's set-up and worker wait until the run before has stopped touching the job's
+    /// directories: its checkpoint worker is gone (a RAM-tier flush cut short otherwise made the
+    /// new run fail with "rmdir .flush-TAG: ENOTEMPTY").
+    #[tokio::test]
+    async fn a_new_run_waits_until_the_old_runs_worker_has_stopped() {
+        let state = tempfile::tempdir().unwrap();
+        let table = JobTable::open(state.path()).unwrap();
+        let short = std::time::Duration::from_millis(50);
+        let old = run_of(7, 100);
+        let worker = old.worker_running();
+        table.insert(old.clone());
+        assert!(
+            old.wait_for_previous_run(short).await,
+            "a first run waits for nothing"
+        );
+        let new = run_of(7, 200);
+        table.insert(new.clone());
+        assert!(
+            !new.wait_for_previous_run(short).await,
+            "the old run's worker still runs"
+        );
+        drop(worker);
+        assert!(
+            new.wait_for_previous_run(short).await,
+            "the old run's worker has stopped"
+        );
+        // A run before whose job is gone altogether (nothing holds it) is nothing to wait for.
+        let newer = run_of(7, 300);
+        table.insert(newer.clone());
+        drop((old, new));
+        assert!(newer.wait_for_previous_run(short).await);
     }
 
     #[tokio::test]

@@ -165,6 +165,21 @@ impl Journal {
     }
 }
 
+/// A one-node job of user alice (uid 1000) on n1, for the tests of the journal and the job table.
+#[cfg(test)]
+pub(crate) fn alice_start(job_id: JobId, options: Vec<(String, String)>) -> JobStart {
+    JobStart {
+        job_id,
+        uid: 1000,
+        gid: 1000,
+        user: "alice".into(),
+        node: "n1".into(),
+        nodes: vec!["n1".into()],
+        job_name: "train".into(),
+        options,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,16 +191,7 @@ mod tests {
             ram: false,
             ram_root: None,
             version: RECORD_VERSION,
-            start: JobStart {
-                job_id,
-                uid: 1000,
-                gid: 1000,
-                user: "alice".into(),
-                node: "n1".into(),
-                nodes: vec!["n1".into()],
-                job_name: "train".into(),
-                options: vec![("stage-in".into(), "/data".into())],
-            },
+            start: alice_start(job_id, vec![("stage-in".into(), "/data".into())]),
             started_at: 1,
             ready: false,
             ended: false,
