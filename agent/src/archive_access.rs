@@ -74,6 +74,26 @@ impl Gate {
             per_uid: Mutex::new(HashMap::new()),
         }
     }
+
+    /// Counts one more request of `peer`'s uid, or refuses it when that uid has [`MAX_PER_USER`]
+    /// already (root never is): one user cannot take the node's places from the others.
+    fn admit(&self, peer: Peer, node: &str) -> Result<Held<'_>, ErrorReply> {
+        let mut m = lock(&self.per_uid);
+        let n = m.entry(peer.uid).or_insert(0);
+        if !peer.is_root() && *n >= MAX_PER_USER {
+            return Err(refuse(
+                ErrorCode::Forbidden,
+                format!(
+                    "you already have {MAX_PER_USER} archive requests running on the sluice agent of node {node}; wait for them to finish"
+                ),
+            ));
+        }
+        *n += 1;
+        Ok(Held {
+            gate: self,
+            uid: peer.uid,
+        })
+    }
 }
 
 /// A uid's count in [`Gate::per_uid`], given back when dropped.
@@ -127,23 +147,7 @@ impl ArchiveAccess {
         dir: Option<OwnedFd>,
     ) -> Result<Response, ErrorReply> {
         let node = self.cfg.node.clone();
-        let _held = {
-            let mut m = lock(&self.gate.per_uid);
-            let n = m.entry(peer.uid).or_insert(0);
-            if !peer.is_root() && *n >= MAX_PER_USER {
-                return Err(refuse(
-                    ErrorCode::Forbidden,
-                    format!(
-                        "you already have {MAX_PER_USER} archive requests running on the sluice agent of node {node}; wait for them to finish"
-                    ),
-                ));
-            }
-            *n += 1;
-            Held {
-                gate: &self.gate,
-                uid: peer.uid,
-            }
-        };
+        let _held = self.gate.admit(peer, &node)?;
         let _place = tokio::time::timeout(QUEUE_WAIT, self.gate.running.acquire())
         .await
         .map_err(|_| {
@@ -750,6 +754,46 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&f).unwrap(), "a2 of alice");
         use std::os::unix::fs::MetadataExt;
         assert_eq!(std::fs::metadata(&f).unwrap().uid(), me.uid);
+    }
+
+    /// Two requests of one user at a time on a node; a third is refused with what to do, another
+    /// user still gets in, and a finished request gives its place back. Root is never counted out.
+    #[test]
+    fn one_user_cannot_take_the_nodes_archive_places_from_another() {
+        let gate = Gate::new();
+        let (alice, bob, root) = (
+            Peer {
+                uid: 1000,
+                gid: 1000,
+            },
+            Peer {
+                uid: 1001,
+                gid: 1001,
+            },
+            Peer { uid: 0, gid: 0 },
+        );
+        let first = gate.admit(alice, "n1").unwrap();
+        let _second = gate.admit(alice, "n1").unwrap();
+        let Err(refused) = gate.admit(alice, "n1") else {
+            panic!("a third request of alice was admitted");
+        };
+        assert_eq!(refused.code, ErrorCode::Forbidden);
+        assert!(
+            refused
+                .message
+                .contains("you already have 2 archive requests running"),
+            "{refused:?}"
+        );
+        let _bob = gate
+            .admit(bob, "n1")
+            .expect("alice's requests keep bob out");
+        drop(first);
+        let _third = gate
+            .admit(alice, "n1")
+            .expect("a finished request gives its place back");
+        let _roots: Vec<_> = (0..MAX_PER_USER + 1)
+            .map(|_| gate.admit(root, "n1").unwrap())
+            .collect();
     }
 
     #[test]
