@@ -2,8 +2,8 @@
 # Every test of sluice, in one command, on a fresh Debian 12 machine as root (README: "Two commands").
 # Installs what is missing (apt, npm, pip, cargo; Garage is built once into $CARGO_HOME/bin and
 # reused), then runs, in order, stopping at the first failure:
-#   1. cargo fmt --check, cargo clippy -D warnings          (the gates, for the workspace and for
-#                                                            bench/, a workspace of its own)
+#   1. cargo fmt --check, cargo clippy -D warnings          (the gates, for the whole workspace,
+#                                                            bench/ included)
 #   2. cargo build, cargo test --workspace                  (unit tests, in-process agent tests),
 #      then the same binaries as the test user               (root-only tests must say "ignored"),
 #      then python/tests: sluice_ckpt with the harness's PyTorch
@@ -40,11 +40,6 @@ cargo fmt --all --check
 
 step "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
-
-# bench/ is its own workspace (so the root's `cargo test --workspace` never builds it): same gates.
-step "cargo fmt --check, cargo clippy --all-targets -- -D warnings for bench/"
-cargo fmt --manifest-path bench/Cargo.toml --check
-cargo clippy --manifest-path bench/Cargo.toml --all-targets -- -D warnings
 
 # `cargo test` builds libraries as rlibs only: the writer's cdylib (libsluice_writer.so, which the C
 # ABI test and python/tests load) and the binaries come from a build first, as on a clean clone.
