@@ -31,7 +31,7 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use hyper::header::CONTENT_LENGTH;
-use hyper::{Request, Response, StatusCode};
+use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -43,7 +43,7 @@ use tokio::time::{Instant, timeout};
 
 use super::auth::{
     AdminKey, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, READ_BACK_HEADER, READ_BACK_MARK,
-    TIME_HEADER, parse_hash,
+    RequestKey, TIME_HEADER, parse_hash,
 };
 use super::server::{ADMIN_WARM_PATH, cached_query, cached_unit, unit_query};
 use super::{CachedObject, HashFrom, LONG_POLL, Unit};
@@ -430,13 +430,8 @@ impl PeerClient {
                 .append_pair("url", url)
                 .finish()
         );
-        let time = now_secs();
-        let mac = key.request_mac("POST", &pq, &self.node, time);
-        let req = Request::post(format!("http://{addr}{pq}"))
-            .header(NODE_HEADER, self.node.as_str())
-            .header(TIME_HEADER, time)
-            .header(MAC_HEADER, mac.to_hex().as_str())
-            .body(Empty::new())
+        let (req, mac) = self
+            .signed(key, Method::POST, addr, &pq)
             .map_err(|e| unreachable(Box::new(e)))?;
         let res: Response<Incoming> = timeout(wait, self.http.request(req))
             .await
@@ -522,6 +517,27 @@ impl PeerClient {
         }
     }
 
+    /// The request `method` `pq` to `addr`, signed by this node now with `key`, and its MAC
+    /// (which the answer's MAC covers).
+    fn signed(
+        &self,
+        key: &impl RequestKey,
+        method: Method,
+        addr: &str,
+        pq: &str,
+    ) -> Result<(Request<Empty<Bytes>>, blake3::Hash), hyper::http::Error> {
+        let time = now_secs();
+        let mac = key.request_mac(method.as_str(), pq, &self.node, time);
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("http://{addr}{pq}"))
+            .header(NODE_HEADER, self.node.as_str())
+            .header(TIME_HEADER, time)
+            .header(MAC_HEADER, mac.to_hex().as_str())
+            .body(Empty::new())?;
+        Ok((req, mac))
+    }
+
     /// One request for `pq` and its answer, MAC'd over `unit`; headers awaited at most `wait`.
     async fn once(
         &self,
@@ -541,13 +557,8 @@ impl PeerClient {
             unit: unit.name(),
             what,
         };
-        let time = now_secs();
-        let mac = job.request_mac("GET", pq, &self.node, time);
-        let req = Request::get(format!("http://{addr}{pq}"))
-            .header(NODE_HEADER, self.node.as_str())
-            .header(TIME_HEADER, time)
-            .header(MAC_HEADER, mac.to_hex().as_str())
-            .body(Empty::new())
+        let (req, mac) = self
+            .signed(job, Method::GET, addr, pq)
             .map_err(|e| unreachable(Box::new(e)))?;
         let res: Response<Incoming> = timeout(wait, self.http.request(req))
             .await

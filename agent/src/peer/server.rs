@@ -50,7 +50,7 @@ use tracing::{debug, warn};
 
 use super::auth::{
     ClusterSecret, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, READ_BACK_HEADER, READ_BACK_MARK,
-    TIME_HEADER, parse_hash,
+    RequestKey, TIME_HEADER, parse_hash,
 };
 use super::{LONG_POLL, MAX_SKEW, Unit};
 use crate::worker::{StatusCell, Worker};
@@ -171,6 +171,40 @@ pub trait UnitSource: Send + Sync + 'static {
     ) -> Option<UnitStream> {
         let _ = (object, offset, len);
         None
+    }
+}
+
+/// What a signed request carries (see [`super::auth`]): the requesting node, its clock and the
+/// MAC, and the path and query the MAC covers, exactly as sent.
+struct Signature<'a> {
+    node: &'a str,
+    time: u64,
+    mac: blake3::Hash,
+    pq: &'a str,
+}
+
+impl<'a> Signature<'a> {
+    /// The signature of `req`, `what` (as the refusal names it); the refusal's reason when a
+    /// header is missing or malformed.
+    fn of<B>(req: &'a Request<B>, what: &str) -> Result<Signature<'a>, String> {
+        let headers = req.headers();
+        let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
+        let time = headers
+            .get(TIME_HEADER)
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        let mac = parse_hash(headers.get(MAC_HEADER));
+        let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
+            return Err(format!(
+                "unauthenticated: {what} carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
+            ));
+        };
+        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
+        Ok(Signature {
+            node,
+            time,
+            mac,
+            pq,
+        })
     }
 }
 
@@ -795,22 +829,15 @@ impl Inner {
             Some(Err(())) => return refused(StatusCode::BAD_REQUEST, "bad job id".into()),
             Some(Ok(parsed)) => parsed,
         };
-        let headers = req.headers();
-        let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
-        let time = headers
-            .get(TIME_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        let mac = parse_hash(headers.get(MAC_HEADER));
-        let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
-            return refused(
-                StatusCode::UNAUTHORIZED,
-                format!(
-                    "unauthenticated: a peer request carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
-                ),
-            );
+        let Signature {
+            node,
+            time,
+            mac,
+            pq,
+        } = match Signature::of(&req, "a peer request") {
+            Ok(signature) => signature,
+            Err(why) => return refused(StatusCode::UNAUTHORIZED, why),
         };
-        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
         let entry = match self.job(job) {
             Ok(e) => e,
             Err(Some(ended)) => {
@@ -914,22 +941,15 @@ impl Inner {
                 format!("method {} is not served here", req.method()),
             );
         }
-        let headers = req.headers();
-        let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
-        let time = headers
-            .get(TIME_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        let mac = parse_hash(headers.get(MAC_HEADER));
-        let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
-            return refused(
-                StatusCode::UNAUTHORIZED,
-                format!(
-                    "unauthenticated: an admin request carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
-                ),
-            );
+        let Signature {
+            node,
+            time,
+            mac,
+            pq,
+        } = match Signature::of(&req, "an admin request") {
+            Ok(signature) => signature,
+            Err(why) => return refused(StatusCode::UNAUTHORIZED, why),
         };
-        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
         if self.admin_key.request_mac("POST", pq, node, time) != mac {
             return refused(
                 StatusCode::UNAUTHORIZED,
