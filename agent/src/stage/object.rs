@@ -1581,7 +1581,6 @@ mod tests {
     /// The dataset `ds/`: 150 small objects, a large one of several parts (64 KiB) and an empty
     /// one; returns the store and each file's bytes.
     async fn resume_origin() -> (Arc<CountingStore>, BTreeMap<String, Vec<u8>>) {
-        let store = Arc::new(CountingStore::new());
         let mut files = BTreeMap::new();
         for i in 0..150u32 {
             let n = 500 + (i as usize * 37) % 3000;
@@ -1595,14 +1594,7 @@ mod tests {
             (0..300_000u32).map(|i| (i % 251) as u8).collect(),
         );
         files.insert("empty".into(), Vec::new());
-        for (k, v) in &files {
-            store
-                .inner
-                .put(&ObjPath::from(format!("ds/{k}")), v.clone().into())
-                .await
-                .unwrap();
-        }
-        (store, files)
+        (CountingStore::holding(&files).await, files)
     }
 
     /// One run of the agent staging `ds` alone into `stage` with the job's staging logs under

@@ -857,16 +857,7 @@ mod tests {
         create_file(&dir, "small", 10, me(), &layout).unwrap();
         assert!(!record.exists());
         // In the class: lfs makes it, then it is written through the checked open.
-        let mut f = (0..50)
-            .find_map(|_| match create_file(&dir, "big", 2 << 20, me(), &layout) {
-                Err(e) if e.contains("Text file busy") => {
-                    std::thread::sleep(Duration::from_millis(20));
-                    None
-                }
-                other => Some(other),
-            })
-            .unwrap()
-            .unwrap();
+        let mut f = while_busy(|| create_file(&dir, "big", 2 << 20, me(), &layout)).unwrap();
         std::io::Write::write_all(&mut f, b"bytes").unwrap();
         assert_eq!(std::fs::read(dir_path.join("big")).unwrap(), b"bytes");
         assert_eq!(
@@ -891,17 +882,22 @@ mod tests {
             lfs: lying,
             ..layout
         };
-        let e = (0..50)
-            .find_map(|_| match create_file(&dir, "link", 2 << 20, me(), &liar) {
+        let e = while_busy(|| create_file(&dir, "link", 2 << 20, me(), &liar)).unwrap_err();
+        assert!(e.contains("open 'link'"), "{e}");
+    }
+
+    /// `create`, again while the fake `lfs` it runs is still being written ("Text file busy": a
+    /// script just made executable by another test's thread).
+    fn while_busy<T>(mut create: impl FnMut() -> Result<T, String>) -> Result<T, String> {
+        (0..50)
+            .find_map(|_| match create() {
                 Err(e) if e.contains("Text file busy") => {
                     std::thread::sleep(Duration::from_millis(20));
                     None
                 }
                 other => Some(other),
             })
-            .unwrap()
-            .unwrap_err();
-        assert!(e.contains("open 'link'"), "{e}");
+            .expect("lfs could be run within a second")
     }
 
     fn no_take(_: ShardPlan) -> futures::future::BoxFuture<'static, Result<(), StageError>> {
