@@ -237,14 +237,9 @@ impl std::fmt::Debug for MacKey {
 /// A key that MACs requests: what [`crate::peer::PeerClient`] signs a request with, whichever
 /// role the key has.
 pub trait RequestKey {
-    /// The MAC of a request: `path_and_query` exactly as it is sent (percent-encoded).
-    fn request_mac(
-        &self,
-        method: &str,
-        path_and_query: &str,
-        node: &str,
-        time: u64,
-    ) -> blake3::Hash;
+    /// The MAC of a request from `node` at `time`: `pq`, its path and query exactly as it is
+    /// sent (percent-encoded).
+    fn request_mac(&self, method: &str, pq: &str, node: &str, time: u64) -> blake3::Hash;
 }
 
 /// The key of admin requests between agents (see [`ClusterSecret::admin_key`]).
@@ -260,14 +255,8 @@ impl std::fmt::Debug for AdminKey {
 }
 
 impl RequestKey for AdminKey {
-    fn request_mac(
-        &self,
-        method: &str,
-        path_and_query: &str,
-        node: &str,
-        time: u64,
-    ) -> blake3::Hash {
-        let request = [method, path_and_query].map(str::as_bytes);
+    fn request_mac(&self, method: &str, pq: &str, node: &str, time: u64) -> blake3::Hash {
+        let request = [method, pq].map(str::as_bytes);
         self.key
             .request_mac(ADMIN_REQUEST_LABEL, &request, node, time)
     }
@@ -356,15 +345,9 @@ impl JobKey {
 }
 
 impl RequestKey for JobKey {
-    fn request_mac(
-        &self,
-        method: &str,
-        path_and_query: &str,
-        node: &str,
-        time: u64,
-    ) -> blake3::Hash {
+    fn request_mac(&self, method: &str, pq: &str, node: &str, time: u64) -> blake3::Hash {
         let job = self.job.to_string();
-        let request = [method, path_and_query, &job].map(str::as_bytes);
+        let request = [method, pq, &job].map(str::as_bytes);
         self.key.request_mac(REQUEST_LABEL, &request, node, time)
     }
 }

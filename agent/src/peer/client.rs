@@ -685,52 +685,45 @@ impl PeerClient {
     ) -> Result<(u64, blake3::Hash), StreamError> {
         let mut body = res.into_body();
         let mut got = 0u64;
-        loop {
-            let frame = timeout(self.cfg.read_timeout, body.frame())
-                .await
-                .map_err(|_| {
-                    StreamError::Io(
-                        format!("the body stalled for {:?}", self.cfg.read_timeout).into(),
-                    )
-                })?;
-            let Some(frame) = frame else {
-                let hash = sink.finish().await.map_err(StreamError::Sink)?;
-                return Ok((got, hash));
-            };
-            let frame = frame.map_err(|e| StreamError::Io(Box::new(e)))?;
-            if let Ok(data) = frame.into_data() {
-                got += data.len() as u64;
-                if got > unit.len {
-                    return Err(StreamError::TooLong);
-                }
-                if !data.is_empty() {
-                    sink.write(data).await.map_err(StreamError::Sink)?;
-                }
+        while let Some(data) = self.next_data(&mut body).await.map_err(StreamError::Io)? {
+            got += data.len() as u64;
+            if got > unit.len {
+                return Err(StreamError::TooLong);
+            }
+            if !data.is_empty() {
+                sink.write(data).await.map_err(StreamError::Sink)?;
             }
         }
+        let hash = sink.finish().await.map_err(StreamError::Sink)?;
+        Ok((got, hash))
     }
 
     /// Reads a body of at most `max` bytes, none silent for longer than the read timeout.
     async fn read_body(&self, res: Response<Incoming>, max: usize) -> Result<Bytes, BodyError> {
         let mut body = res.into_body();
         let mut buf = BytesMut::with_capacity(max);
+        while let Some(data) = self.next_data(&mut body).await.map_err(BodyError::Io)? {
+            if buf.len() + data.len() > max {
+                return Err(BodyError::TooLong);
+            }
+            buf.extend_from_slice(&data);
+        }
+        Ok(buf.freeze())
+    }
+
+    /// The body's next data (other frames, trailers, are passed over), `None` at its end; an
+    /// error when a frame fails or none comes within the read timeout.
+    async fn next_data(&self, body: &mut Incoming) -> Result<Option<Bytes>, BoxError> {
+        let wait = self.cfg.read_timeout;
         loop {
-            let frame = timeout(self.cfg.read_timeout, body.frame())
+            let frame = timeout(wait, body.frame())
                 .await
-                .map_err(|_| {
-                    BodyError::Io(
-                        format!("the body stalled for {:?}", self.cfg.read_timeout).into(),
-                    )
-                })?;
+                .map_err(|_| format!("the body stalled for {wait:?}"))?;
             let Some(frame) = frame else {
-                return Ok(buf.freeze());
+                return Ok(None);
             };
-            let frame = frame.map_err(|e| BodyError::Io(Box::new(e)))?;
-            if let Ok(data) = frame.into_data() {
-                if buf.len() + data.len() > max {
-                    return Err(BodyError::TooLong);
-                }
-                buf.extend_from_slice(&data);
+            if let Ok(data) = frame?.into_data() {
+                return Ok(Some(data));
             }
         }
     }

@@ -175,37 +175,25 @@ pub trait UnitSource: Send + Sync + 'static {
 }
 
 /// What a signed request carries (see [`super::auth`]): the requesting node, its clock and the
-/// MAC, and the path and query the MAC covers, exactly as sent.
-struct Signature<'a> {
-    node: &'a str,
-    time: u64,
-    mac: blake3::Hash,
-    pq: &'a str,
-}
-
-impl<'a> Signature<'a> {
-    /// The signature of `req`, `what` (as the refusal names it); the refusal's reason when a
-    /// header is missing or malformed.
-    fn of<B>(req: &'a Request<B>, what: &str) -> Result<Signature<'a>, String> {
-        let headers = req.headers();
-        let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
-        let time = headers
-            .get(TIME_HEADER)
-            .and_then(|v| v.to_str().ok()?.parse().ok());
-        let mac = parse_hash(headers.get(MAC_HEADER));
-        let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
-            return Err(format!(
-                "unauthenticated: {what} carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
-            ));
-        };
-        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
-        Ok(Signature {
-            node,
-            time,
-            mac,
-            pq,
-        })
-    }
+/// MAC, and the path and query the MAC covers, exactly as sent; the refusal's reason when a header
+/// is missing or malformed (`what` names the request in it).
+fn signature<'a, B>(
+    req: &'a Request<B>,
+    what: &str,
+) -> Result<(&'a str, u64, blake3::Hash, &'a str), String> {
+    let headers = req.headers();
+    let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
+    let time = headers
+        .get(TIME_HEADER)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let mac = parse_hash(headers.get(MAC_HEADER));
+    let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
+        return Err(format!(
+            "unauthenticated: {what} carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
+        ));
+    };
+    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    Ok((node, time, mac, pq))
 }
 
 /// What an agent does for another agent's admin request (`sluice cache warm --nodes`): warm this
@@ -829,13 +817,8 @@ impl Inner {
             Some(Err(())) => return refused(StatusCode::BAD_REQUEST, "bad job id".into()),
             Some(Ok(parsed)) => parsed,
         };
-        let Signature {
-            node,
-            time,
-            mac,
-            pq,
-        } = match Signature::of(&req, "a peer request") {
-            Ok(signature) => signature,
+        let (node, time, mac, pq) = match signature(&req, "a peer request") {
+            Ok(signed) => signed,
             Err(why) => return refused(StatusCode::UNAUTHORIZED, why),
         };
         let entry = match self.job(job) {
@@ -941,13 +924,8 @@ impl Inner {
                 format!("method {} is not served here", req.method()),
             );
         }
-        let Signature {
-            node,
-            time,
-            mac,
-            pq,
-        } = match Signature::of(&req, "an admin request") {
-            Ok(signature) => signature,
+        let (node, time, mac, pq) = match signature(&req, "an admin request") {
+            Ok(signed) => signed,
             Err(why) => return refused(StatusCode::UNAUTHORIZED, why),
         };
         if self.admin_key.request_mac("POST", pq, node, time) != mac {

@@ -1113,14 +1113,20 @@ mod tests {
         assert_ne!(again.why, "late");
     }
 
+    /// Job `job` of nodes n1 and n2 on the shared tier, as n1 sees it once it wrote its part; and
+    /// n1's plan.
+    fn n1_wrote_its_part(cfg: &SharedTierConfig, job: u32) -> (Arc<SharedJob>, ShardPlan) {
+        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
+        let n1 = Arc::new(SharedJob::open(cfg, job, "n1", me(), true).unwrap());
+        n1.mark("n1", Ok(())).unwrap();
+        (n1, ShardPlan::new(&nodes, "n1").unwrap())
+    }
+
     #[tokio::test]
     async fn a_node_that_answers_is_never_taken_over_however_slow() {
         let root = tempfile::tempdir().unwrap();
         let cfg = cfg(root.path());
-        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
-        let n1 = Arc::new(SharedJob::open(&cfg, 8, "n1", me(), true).unwrap());
-        n1.mark("n1", Ok(())).unwrap();
-        let plan = ShardPlan::new(&nodes, "n1").unwrap();
+        let (n1, plan) = n1_wrote_its_part(&cfg, 8);
         let cancel = CancellationToken::new();
         let alive = Dead(&[]);
         // Longer than the probes take to find a dead node (DEAD_AFTER × PROBE_EVERY).
@@ -1143,10 +1149,7 @@ mod tests {
     async fn a_survivor_that_fails_its_part_fails_the_job_naming_it() {
         let root = tempfile::tempdir().unwrap();
         let cfg = cfg(root.path());
-        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
-        let n1 = Arc::new(SharedJob::open(&cfg, 9, "n1", me(), true).unwrap());
-        n1.mark("n1", Ok(())).unwrap();
-        let plan = ShardPlan::new(&nodes, "n1").unwrap();
+        let (n1, plan) = n1_wrote_its_part(&cfg, 9);
         let take = |_: ShardPlan| -> futures::future::BoxFuture<'static, _> {
             Box::pin(async {
                 Err(StageError::NotFound {
