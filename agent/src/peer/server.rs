@@ -757,6 +757,18 @@ impl Inner {
             .map(|(_, k)| k.clone()))
     }
 
+    /// Why a request sent at `time` is refused for its clock, if it is: more than `max_skew`
+    /// off this node's.
+    fn clock_off(&self, time: u64) -> Option<String> {
+        let skew = now_secs().abs_diff(time);
+        let max = self.cfg.max_skew.as_secs();
+        (skew > max).then(|| {
+            format!(
+                "the request's clock is {skew}s off this node's (at most {max}s): check NTP on both nodes"
+            )
+        })
+    }
+
     /// Logs a refusal, at most one line per period (see [`crate::http::LogLimit`]).
     fn log_refusal(&self, what: &str, remote: SocketAddr, status: StatusCode, reason: &str) {
         if let Some(held) = self.refusals.admit() {
@@ -849,15 +861,8 @@ impl Inner {
                 format!("node {node} is not a node of job {job}"),
             );
         }
-        let skew = now_secs().abs_diff(time);
-        if skew > self.cfg.max_skew.as_secs() {
-            return refused(
-                StatusCode::UNAUTHORIZED,
-                format!(
-                    "the request's clock is {skew}s off this node's (at most {}s): check NTP on both nodes",
-                    self.cfg.max_skew.as_secs()
-                ),
-            );
+        if let Some(why) = self.clock_off(time) {
+            return refused(StatusCode::UNAUTHORIZED, why);
         }
         let query = req.uri().query().unwrap_or_default();
         if resource == Resource::Cached {
@@ -935,15 +940,8 @@ impl Inner {
                     .into(),
             );
         }
-        let skew = now_secs().abs_diff(time);
-        if skew > self.cfg.max_skew.as_secs() {
-            return refused(
-                StatusCode::UNAUTHORIZED,
-                format!(
-                    "the request's clock is {skew}s off this node's (at most {}s): check NTP on both nodes",
-                    self.cfg.max_skew.as_secs()
-                ),
-            );
+        if let Some(why) = self.clock_off(time) {
+            return refused(StatusCode::UNAUTHORIZED, why);
         }
         let mut urls =
             url::form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes());

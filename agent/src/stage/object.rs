@@ -13,7 +13,7 @@
 use super::peers::NextStep;
 use super::resume::{self, DatasetLog};
 use super::shard::{ShardManifest, ShardPlan};
-use super::sink::{Closed, HashingSink, PeerUnit, WriteAt};
+use super::sink::{HashingSink, PeerUnit, WriteAt};
 use super::{
     Budget, JobPeers, Lease, Progress, StageCtx, StageError, hot_tier_error, is_no_space, local_fs,
 };
@@ -754,11 +754,7 @@ impl Fetcher {
         loop {
             let mut sink = self.peer_sink(file, rel, &unit);
             let fetched = peers.fetch(&node, &unit, &mut sink).await;
-            let Closed {
-                written,
-                hash,
-                error: sink_error,
-            } = sink.close();
+            let (written, hash, sink_error) = sink.close();
             let e = match fetched {
                 Ok(from) => {
                     if let (HashFrom::ReadBack, Some(fill)) = (from, &file.tee) {
@@ -808,11 +804,7 @@ impl Fetcher {
         let peers = self.peers.as_ref().expect("a shared dataset has peers");
         let mut sink = self.peer_sink(file, rel, &unit);
         let fetched = peers.fetch_cached(node, object, &unit, &mut sink).await;
-        let Closed {
-            written,
-            hash,
-            error: sink_error,
-        } = sink.close();
+        let (written, hash, sink_error) = sink.close();
         match fetched {
             Ok(true) => {
                 peers.held(&unit, hash.expect("a finished sink has a hash"));

@@ -39,7 +39,7 @@ use super::copy_as_user::{
 };
 use super::peers::{NextStep, open_staged_for_write};
 use super::resume::{self, DatasetLog};
-use super::sink::{Closed, HashingSink, PeerUnit};
+use super::sink::{HashingSink, PeerUnit};
 use super::{
     Budget, JobPeers, Progress, ShardPlan, Sharing, StageCtx, StageError, hot_tier_error,
     is_no_space,
@@ -1131,11 +1131,7 @@ async fn fetch_unit(
         let budget = shared.budget.clone();
         let mut sink = HashingSink::buffered(file.clone(), unit.offset, budget, target);
         let fetched = shared.peers.fetch(&node, &unit, &mut sink).await;
-        let Closed {
-            written,
-            hash,
-            error: sink_error,
-        } = sink.close();
+        let (written, hash, sink_error) = sink.close();
         let e = match fetched {
             // POSIX units are never read back (a restarted agent serves object-store datasets
             // only, `resume::serve_staged`), and a POSIX cache entry is the job user's alone.

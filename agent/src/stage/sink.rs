@@ -89,16 +89,6 @@ pub(crate) struct HashingSink<F: WriteAt, T: SinkTarget> {
     error: Option<T::Error>,
 }
 
-/// What a closed [`HashingSink`] did.
-pub(crate) struct Closed<E> {
-    /// Bytes written to the file (counted as they went; to be taken back if the fetch failed).
-    pub written: u64,
-    /// The hash of every byte written, once the fetch finished the sink.
-    pub hash: Option<blake3::Hash>,
-    /// Why a write failed, if one did.
-    pub error: Option<E>,
-}
-
 impl<F: WriteAt, T: SinkTarget> HashingSink<F, T> {
     /// A sink that writes at `at` of `file` through one buffer of `budget`.
     pub(crate) fn buffered(file: Arc<F>, at: u64, budget: Arc<Budget>, target: T) -> Self {
@@ -166,16 +156,14 @@ impl<F: WriteAt, T: SinkTarget> HashingSink<F, T> {
         r
     }
 
-    /// Gives the buffer back to the budget; says what the sink did.
-    pub(crate) fn close(mut self) -> Closed<T::Error> {
+    /// Gives the buffer back to the budget; says what the sink did: the bytes it wrote (counted
+    /// as they went, to be taken back if the fetch failed), the hash of them all once the fetch
+    /// finished it, and why a write failed if one did.
+    pub(crate) fn close(mut self) -> (u64, Option<blake3::Hash>, Option<T::Error>) {
         if let Some(lease) = self.lease.as_mut() {
             lease.buf = std::mem::take(&mut self.buf);
         }
-        Closed {
-            written: self.written,
-            hash: self.hash,
-            error: self.error.take(),
-        }
+        (self.written, self.hash, self.error.take())
     }
 }
 
@@ -296,11 +284,7 @@ mod tests {
         let hash = send(&mut sink, &body, 37).await.unwrap();
         assert_eq!(hash, blake3::hash(&body));
         assert_eq!(&file.bytes()[100..], &body[..]);
-        let closed = sink.close();
-        assert_eq!(
-            (closed.written, closed.hash, closed.error),
-            (1000, Some(hash), None)
-        );
+        assert_eq!(sink.close(), (1000, Some(hash), None));
         assert_eq!(counter.0.load(Ordering::Relaxed), 1000);
         assert_eq!(budget.free(), (1, 1), "the slot and its buffer are back");
     }
@@ -338,7 +322,7 @@ mod tests {
         let hash = send(&mut sink, &body, 300).await.unwrap();
         assert_eq!(hash, blake3::hash(&body));
         assert_eq!(file.bytes(), body);
-        assert_eq!(sink.close().written, 1000);
+        assert_eq!(sink.close().0, 1000);
     }
 
     #[tokio::test]
@@ -347,15 +331,15 @@ mod tests {
         let (file, counter, budget) = (MemFile::new(128), Counter::default(), Budget::with(1, 64));
         let mut sink = HashingSink::buffered(file.clone(), 0, budget.clone(), &counter);
         let e = send(&mut sink, &body(), 50).await.unwrap_err();
-        let closed = sink.close();
-        let error = closed.error.expect("the sink knows why");
+        let (written, hash, error) = sink.close();
+        let error = error.expect("the sink knows why");
         assert!(error.starts_with("hot tier: "), "{error}");
         assert_eq!(
             e.to_string(),
             error,
             "the client carries the sink's message"
         );
-        assert_eq!((closed.written, closed.hash), (128, None));
+        assert_eq!((written, hash), (128, None));
         assert_eq!(counter.0.load(Ordering::Relaxed), 128);
         assert_eq!(
             budget.free(),
@@ -367,9 +351,9 @@ mod tests {
         let e = send(&mut sink, b"more than ten bytes", 5)
             .await
             .unwrap_err();
-        let closed = sink.close();
-        assert_eq!(closed.error.unwrap().raw_os_error(), Some(ENOSPC));
-        assert_eq!(closed.written, 10, "{e}");
+        let (written, _, error) = sink.close();
+        assert_eq!(error.unwrap().raw_os_error(), Some(ENOSPC));
+        assert_eq!(written, 10, "{e}");
     }
 
     #[tokio::test]
