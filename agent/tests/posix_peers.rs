@@ -78,7 +78,9 @@ fn tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
 // The job's nodes, set up as the peer unit tests (`agent/src/stage/peers/tests.rs`) set up theirs.
 #[path = "support/peer_nodes.rs"]
 mod peer_nodes;
-use peer_nodes::{Node, Setup, job_nodes, listeners, me};
+use peer_nodes::{
+    Node, Setup, assert_each_read_some_and_took_the_rest, job_nodes, listeners, me, stop,
+};
 
 fn spec(src: &Path) -> StageSpec {
     parse_stage_entry(&format!("ds={}", src.display())).unwrap()
@@ -186,12 +188,8 @@ async fn three_nodes_read_a_posix_source_once_and_each_ends_with_the_whole_tree(
         bytes,
         "the helpers read each byte of the source once in all: {counts:?}"
     );
-    for (n, (origin, peer)) in nodes.iter().zip(&counts) {
-        assert!(*origin > 0 && *peer > 0, "{}: {origin} + {peer}", n.name);
-    }
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    assert_each_read_some_and_took_the_rest(&nodes, &counts);
+    stop(&nodes);
 }
 
 /// A dataset that is one file (`ds=/path/big.bin`): `$SLUICE_STAGE_DIR/ds` is that file on every
@@ -219,9 +217,7 @@ async fn a_single_file_is_shared_unit_by_unit() {
         origin += p.origin_bytes;
     }
     assert_eq!(origin, size, "each unit read once");
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    stop(&nodes);
 }
 
 /// n3's agent is not there: n1 and n2 route around it, copy its share of the units from the
@@ -245,9 +241,7 @@ async fn a_missing_peer_is_routed_around_and_its_share_copied_from_the_source() 
         bytes,
         "n3's share read once, by one of the others: {counts:?}"
     );
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    stop(&nodes);
 }
 
 /// [`nodes`] n1..n3, each with a cross-job cache (`caches`, one per node, kept between jobs).

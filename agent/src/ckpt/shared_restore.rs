@@ -7,16 +7,15 @@
 //! peer can make a node fetch again but never keep a wrong byte. A file a peer cannot give (gone,
 //! unreachable, corrupt, or it restored another checkpoint) is restored from the archive instead.
 
-use crate::peer::{UnitSink, units_of};
+use crate::peer::units_of;
 use crate::stage::JobPeers;
 use crate::stage::peers::open_staged;
-use bytes::Bytes;
+use crate::stage::sink::HashingSink;
 use futures::StreamExt;
 use sluice_archive::manifest::FileEntry;
 use sluice_archive::rt::blocking;
 use sluice_archive::safefs::{self, Owner};
 use sluice_archive::{ArchiveError, ArchiveProgress, Archiver, Manifest};
-use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::sync::Arc;
@@ -185,11 +184,7 @@ async fn fetch_file(
     .map(Arc::new)
     .map_err(|e| format!("creating it: {e}"))?;
     for unit in units_of(key, f.size, peers.unit_size()) {
-        let mut sink = FileSink {
-            file: file.clone(),
-            at: unit.offset,
-            hasher: Some(blake3::Hasher::new()),
-        };
+        let mut sink = HashingSink::direct(file.clone(), unit.offset, ());
         peers
             .fetch(&node, &unit, &mut sink)
             .await
@@ -226,43 +221,6 @@ fn remove_file(dest: &OwnedFd, path: &str, owner: Owner) -> Result<(), safefs::S
         dir = safefs::open_dir(&dir, d)?;
     }
     safefs::remove_tree(&dir, name, owner.into()).map(drop)
-}
-
-/// Where a fetched unit goes: at its offset of the file, hashed as written (on a blocking thread).
-struct FileSink {
-    file: Arc<File>,
-    at: u64,
-    hasher: Option<blake3::Hasher>,
-}
-
-#[async_trait::async_trait]
-impl UnitSink for FileSink {
-    async fn write(
-        &mut self,
-        bytes: Bytes,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let (file, at, mut hasher) = (self.file.clone(), self.at, self.hasher.take());
-        let n = bytes.len() as u64;
-        let (hasher, r) = blocking(move || {
-            let r = sluice_archive::pagecache::write_all_at(&file, &bytes, at);
-            if let (Ok(()), Some(h)) = (&r, hasher.as_mut()) {
-                h.update(&bytes);
-            }
-            (hasher, r)
-        })
-        .await;
-        self.hasher = hasher;
-        r?;
-        self.at += n;
-        Ok(())
-    }
-
-    async fn finish(&mut self) -> Result<blake3::Hash, Box<dyn std::error::Error + Send + Sync>> {
-        Ok(self
-            .hasher
-            .take()
-            .map_or_else(|| blake3::hash(b""), |h| h.finalize()))
-    }
 }
 
 /// The note for the job's output.

@@ -162,20 +162,12 @@ impl ClusterSecret {
         let mut nodes = nodes.to_vec();
         nodes.sort();
         nodes.dedup();
-        let mut h = blake3::Hasher::new_derive_key(JOB_KEY_CONTEXT);
         let job_text = job.to_string();
         let count = (nodes.len() as u64).to_le_bytes();
         let mut parts: Vec<&[u8]> = vec![&self.bytes, job_text.as_bytes(), &count];
         parts.extend(nodes.iter().map(|n| n.as_bytes()));
-        for part in parts {
-            h.update(&(part.len() as u64).to_le_bytes());
-            h.update(part);
-        }
-        JobKey {
-            job,
-            nodes,
-            key: *h.finalize().as_bytes(),
-        }
+        let key = MacKey::derive(JOB_KEY_CONTEXT, &parts);
+        JobKey { job, nodes, key }
     }
 }
 
@@ -185,19 +177,75 @@ impl ClusterSecret {
     /// secret)`. Only root on a node holding the secret can compute it; it is never sent, and no
     /// job key is ever it.
     pub fn admin_key(&self) -> AdminKey {
-        let mut h = blake3::Hasher::new_derive_key(ADMIN_KEY_CONTEXT);
-        h.update(&(self.bytes.len() as u64).to_le_bytes());
-        h.update(&self.bytes);
         AdminKey {
-            key: *h.finalize().as_bytes(),
+            key: MacKey::derive(ADMIN_KEY_CONTEXT, &[&self.bytes]),
         }
     }
+}
+
+/// Feeds `parts` to `h`, each after its length (so no two lists of parts hash alike), and
+/// finishes: what every key derivation and every MAC of this module hashes through.
+fn hash_parts(mut h: blake3::Hasher, parts: &[&[u8]]) -> blake3::Hash {
+    for part in parts {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.finalize()
+}
+
+/// The 32 bytes of a derived key and the keyed BLAKE3 MAC made with them: the one MAC code of
+/// both roles. Private, so only [`AdminKey`] and [`JobKey`] hold one, and neither can stand where
+/// the other is expected. Its `Debug` never shows the bytes.
+///
+/// ```compile_fail
+/// fn answer_job(_: &sluice_agent::peer::JobKey) {}
+/// let admin = sluice_agent::peer::ClusterSecret::from_bytes([7u8; 32]).admin_key();
+/// answer_job(&admin); // an admin key is never a job key
+/// ```
+#[derive(Clone)]
+struct MacKey([u8; 32]);
+
+impl MacKey {
+    /// `BLAKE3-derive_key(context, parts)`, the parts length-prefixed.
+    fn derive(context: &str, parts: &[&[u8]]) -> MacKey {
+        MacKey(*hash_parts(blake3::Hasher::new_derive_key(context), parts).as_bytes())
+    }
+
+    /// The keyed BLAKE3 hash of `parts`, length-prefixed. Compare MACs as [`blake3::Hash`]es,
+    /// whose equality is constant-time.
+    fn mac(&self, parts: &[&[u8]]) -> blake3::Hash {
+        hash_parts(blake3::Hasher::new_keyed(&self.0), parts)
+    }
+
+    /// The MAC of a request: `label`, then what the request is (method, path and query, and
+    /// for a job key the job), then who sent it when.
+    fn request_mac(&self, label: &[u8], request: &[&[u8]], node: &str, time: u64) -> blake3::Hash {
+        let time = time.to_string();
+        let mut parts = vec![label];
+        parts.extend_from_slice(request);
+        parts.extend([node.as_bytes(), time.as_bytes()]);
+        self.mac(&parts)
+    }
+}
+
+impl std::fmt::Debug for MacKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("..")
+    }
+}
+
+/// A key that MACs requests: what [`crate::peer::PeerClient`] signs a request with, whichever
+/// role the key has.
+pub trait RequestKey {
+    /// The MAC of a request from `node` at `time`: `pq`, its path and query exactly as it is
+    /// sent (percent-encoded).
+    fn request_mac(&self, method: &str, pq: &str, node: &str, time: u64) -> blake3::Hash;
 }
 
 /// The key of admin requests between agents (see [`ClusterSecret::admin_key`]).
 #[derive(Clone)]
 pub struct AdminKey {
-    key: [u8; 32],
+    key: MacKey,
 }
 
 impl std::fmt::Debug for AdminKey {
@@ -206,36 +254,18 @@ impl std::fmt::Debug for AdminKey {
     }
 }
 
+impl RequestKey for AdminKey {
+    fn request_mac(&self, method: &str, pq: &str, node: &str, time: u64) -> blake3::Hash {
+        let request = [method, pq].map(str::as_bytes);
+        self.key
+            .request_mac(ADMIN_REQUEST_LABEL, &request, node, time)
+    }
+}
+
 impl AdminKey {
-    fn mac(&self, parts: &[&[u8]]) -> blake3::Hash {
-        let mut h = blake3::Hasher::new_keyed(&self.key);
-        for part in parts {
-            h.update(&(part.len() as u64).to_le_bytes());
-            h.update(part);
-        }
-        h.finalize()
-    }
-
-    /// The MAC of an admin request: `path_and_query` exactly as sent.
-    pub fn request_mac(
-        &self,
-        method: &str,
-        path_and_query: &str,
-        node: &str,
-        time: u64,
-    ) -> blake3::Hash {
-        self.mac(&[
-            ADMIN_REQUEST_LABEL,
-            method.as_bytes(),
-            path_and_query.as_bytes(),
-            node.as_bytes(),
-            time.to_string().as_bytes(),
-        ])
-    }
-
     /// The MAC of the answer with `status` and `body` to the request whose MAC was `request`.
     pub fn response_mac(&self, status: u16, body: &[u8], request: &blake3::Hash) -> blake3::Hash {
-        self.mac(&[
+        self.key.mac(&[
             ADMIN_RESPONSE_LABEL,
             status.to_string().as_bytes(),
             body,
@@ -250,7 +280,7 @@ pub struct JobKey {
     job: JobId,
     /// Sorted, without duplicates.
     nodes: Vec<String>,
-    key: [u8; 32],
+    key: MacKey,
 }
 
 impl std::fmt::Debug for JobKey {
@@ -284,35 +314,8 @@ impl JobKey {
         JobKey {
             job: self.job,
             nodes: Vec::new(),
-            key: self.key,
+            key: self.key.clone(),
         }
-    }
-
-    fn mac(&self, parts: &[&[u8]]) -> blake3::Hash {
-        let mut h = blake3::Hasher::new_keyed(&self.key);
-        for part in parts {
-            h.update(&(part.len() as u64).to_le_bytes());
-            h.update(part);
-        }
-        h.finalize()
-    }
-
-    /// The MAC of a request: `path_and_query` exactly as it is sent (percent-encoded).
-    pub fn request_mac(
-        &self,
-        method: &str,
-        path_and_query: &str,
-        node: &str,
-        time: u64,
-    ) -> blake3::Hash {
-        self.mac(&[
-            REQUEST_LABEL,
-            method.as_bytes(),
-            path_and_query.as_bytes(),
-            self.job.to_string().as_bytes(),
-            node.as_bytes(),
-            time.to_string().as_bytes(),
-        ])
     }
 
     /// The MAC of a response with `status` to the request whose MAC was `request`: for a unit's
@@ -327,7 +330,7 @@ impl JobKey {
         request: &blake3::Hash,
     ) -> blake3::Hash {
         let hash = hash.map(|h| h.as_bytes().to_vec()).unwrap_or_default();
-        self.mac(&[
+        self.key.mac(&[
             RESPONSE_LABEL,
             status.to_string().as_bytes(),
             self.job.to_string().as_bytes(),
@@ -338,6 +341,14 @@ impl JobKey {
             reason,
             request.as_bytes(),
         ])
+    }
+}
+
+impl RequestKey for JobKey {
+    fn request_mac(&self, method: &str, pq: &str, node: &str, time: u64) -> blake3::Hash {
+        let job = self.job.to_string();
+        let request = [method, pq, &job].map(str::as_bytes);
+        self.key.request_mac(REQUEST_LABEL, &request, node, time)
     }
 }
 
@@ -372,10 +383,11 @@ mod tests {
         let p = secret_file(d.path(), &[7; 32], 0o600);
         let s = ClusterSecret::load_owned_by(&p, me()).unwrap();
         assert_eq!(
-            s.job_key(1, &nodes(&["n1"])).key,
+            s.job_key(1, &nodes(&["n1"])).key.0,
             ClusterSecret::from_bytes([7; 32])
                 .job_key(1, &nodes(&["n1"]))
                 .key
+                .0
         );
         // 0400 is stricter than 0600, and fine.
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o400)).unwrap();
@@ -431,7 +443,7 @@ mod tests {
         let s = ClusterSecret::from_bytes([1u8; 32]);
         let k = s.job_key(42, &nodes(&["n2", "n1", "n3", "n1"]));
         assert_eq!(
-            blake3::Hash::from(k.key).to_hex().as_str(),
+            blake3::Hash::from(k.key.0).to_hex().as_str(),
             "57e84de52aae58d8fdbbc6ee4736ea615f63dbd25724a669273a8895521620c7"
         );
         assert_eq!(
@@ -442,7 +454,7 @@ mod tests {
         assert!(k.has_node("n2") && !k.has_node("n4"));
         let same = s.job_key(42, &nodes(&["n3", "n2", "n1"]));
         assert_eq!(
-            k.key, same.key,
+            k.key.0, same.key.0,
             "the order of the node list does not matter"
         );
         for other in [
@@ -451,12 +463,12 @@ mod tests {
             s.job_key(42, &nodes(&["n1", "n2", "n3", "n4"])),
             ClusterSecret::from_bytes([2u8; 32]).job_key(42, &nodes(&["n1", "n2", "n3"])),
         ] {
-            assert_ne!(k.key, other.key);
+            assert_ne!(k.key.0, other.key.0);
         }
         // Field boundaries are part of the input: "n1","n23" is not "n12","n3".
         assert_ne!(
-            s.job_key(1, &nodes(&["n1", "n23"])).key,
-            s.job_key(1, &nodes(&["n12", "n3"])).key
+            s.job_key(1, &nodes(&["n1", "n23"])).key.0,
+            s.job_key(1, &nodes(&["n12", "n3"])).key.0
         );
     }
 
@@ -464,10 +476,13 @@ mod tests {
     fn the_admin_key_is_no_job_key_and_its_macs_bind_every_field() {
         let s = ClusterSecret::from_bytes([1u8; 32]);
         let a = s.admin_key();
-        assert_eq!(a.key, s.admin_key().key);
-        assert_ne!(a.key, ClusterSecret::from_bytes([2u8; 32]).admin_key().key);
+        assert_eq!(a.key.0, s.admin_key().key.0);
+        assert_ne!(
+            a.key.0,
+            ClusterSecret::from_bytes([2u8; 32]).admin_key().key.0
+        );
         let job = s.job_key(42, &nodes(&["n1"]));
-        assert_ne!(a.key, job.key);
+        assert_ne!(a.key.0, job.key.0);
         let pq = "/v1/admin/cache/warm?url=s3%3A%2F%2Fb%2Fds";
         let m = a.request_mac("POST", pq, "n1", 100);
         assert_ne!(m, job.request_mac("POST", pq, "n1", 100));
@@ -486,6 +501,50 @@ mod tests {
             r,
             a.response_mac(200, b"{}", &a.request_mac("POST", pq, "n1", 1))
         );
+    }
+
+    /// The wire format, spelled out apart from the code that makes it: keyed BLAKE3 over the
+    /// fields in order, each after its length as 8 little-endian bytes.
+    #[test]
+    fn request_macs_are_the_documented_fields_length_prefixed() {
+        let by_hand = |key: &MacKey, parts: &[&[u8]]| {
+            let mut h = blake3::Hasher::new_keyed(&key.0);
+            for p in parts {
+                h.update(&(p.len() as u64).to_le_bytes());
+                h.update(p);
+            }
+            h.finalize()
+        };
+        let s = ClusterSecret::from_bytes([3u8; 32]);
+        let (job, admin) = (s.job_key(42, &nodes(&["n1", "n2"])), s.admin_key());
+        let pq = "/v1/jobs/42/units?file=a&offset=0&len=1";
+        assert_eq!(
+            job.request_mac("GET", pq, "n1", 100),
+            by_hand(
+                &job.key,
+                &[REQUEST_LABEL, b"GET", pq.as_bytes(), b"42", b"n1", b"100"]
+            )
+        );
+        assert_eq!(
+            admin.request_mac("POST", "/v1/admin/cache/warm?url=u", "n2", 7),
+            by_hand(
+                &admin.key,
+                &[
+                    ADMIN_REQUEST_LABEL,
+                    b"POST",
+                    b"/v1/admin/cache/warm?url=u",
+                    b"n2",
+                    b"7"
+                ]
+            )
+        );
+        let admin_key = {
+            let mut h = blake3::Hasher::new_derive_key(ADMIN_KEY_CONTEXT);
+            h.update(&32u64.to_le_bytes());
+            h.update(&[3u8; 32]);
+            h.finalize()
+        };
+        assert_eq!(admin.key.0, *admin_key.as_bytes());
     }
 
     #[test]

@@ -31,7 +31,7 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use hyper::header::CONTENT_LENGTH;
-use hyper::{Request, Response, StatusCode};
+use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -43,7 +43,7 @@ use tokio::time::{Instant, timeout};
 
 use super::auth::{
     AdminKey, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, READ_BACK_HEADER, READ_BACK_MARK,
-    TIME_HEADER, parse_hash,
+    RequestKey, TIME_HEADER, parse_hash,
 };
 use super::server::{ADMIN_WARM_PATH, cached_query, cached_unit, unit_query};
 use super::{CachedObject, HashFrom, LONG_POLL, Unit};
@@ -430,13 +430,8 @@ impl PeerClient {
                 .append_pair("url", url)
                 .finish()
         );
-        let time = now_secs();
-        let mac = key.request_mac("POST", &pq, &self.node, time);
-        let req = Request::post(format!("http://{addr}{pq}"))
-            .header(NODE_HEADER, self.node.as_str())
-            .header(TIME_HEADER, time)
-            .header(MAC_HEADER, mac.to_hex().as_str())
-            .body(Empty::new())
+        let (req, mac) = self
+            .signed(key, Method::POST, addr, &pq)
             .map_err(|e| unreachable(Box::new(e)))?;
         let res: Response<Incoming> = timeout(wait, self.http.request(req))
             .await
@@ -522,6 +517,27 @@ impl PeerClient {
         }
     }
 
+    /// The request `method` `pq` to `addr`, signed by this node now with `key`, and its MAC
+    /// (which the answer's MAC covers).
+    fn signed(
+        &self,
+        key: &impl RequestKey,
+        method: Method,
+        addr: &str,
+        pq: &str,
+    ) -> Result<(Request<Empty<Bytes>>, blake3::Hash), hyper::http::Error> {
+        let time = now_secs();
+        let mac = key.request_mac(method.as_str(), pq, &self.node, time);
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("http://{addr}{pq}"))
+            .header(NODE_HEADER, self.node.as_str())
+            .header(TIME_HEADER, time)
+            .header(MAC_HEADER, mac.to_hex().as_str())
+            .body(Empty::new())?;
+        Ok((req, mac))
+    }
+
     /// One request for `pq` and its answer, MAC'd over `unit`; headers awaited at most `wait`.
     async fn once(
         &self,
@@ -541,13 +557,8 @@ impl PeerClient {
             unit: unit.name(),
             what,
         };
-        let time = now_secs();
-        let mac = job.request_mac("GET", pq, &self.node, time);
-        let req = Request::get(format!("http://{addr}{pq}"))
-            .header(NODE_HEADER, self.node.as_str())
-            .header(TIME_HEADER, time)
-            .header(MAC_HEADER, mac.to_hex().as_str())
-            .body(Empty::new())
+        let (req, mac) = self
+            .signed(job, Method::GET, addr, pq)
             .map_err(|e| unreachable(Box::new(e)))?;
         let res: Response<Incoming> = timeout(wait, self.http.request(req))
             .await
@@ -674,52 +685,45 @@ impl PeerClient {
     ) -> Result<(u64, blake3::Hash), StreamError> {
         let mut body = res.into_body();
         let mut got = 0u64;
-        loop {
-            let frame = timeout(self.cfg.read_timeout, body.frame())
-                .await
-                .map_err(|_| {
-                    StreamError::Io(
-                        format!("the body stalled for {:?}", self.cfg.read_timeout).into(),
-                    )
-                })?;
-            let Some(frame) = frame else {
-                let hash = sink.finish().await.map_err(StreamError::Sink)?;
-                return Ok((got, hash));
-            };
-            let frame = frame.map_err(|e| StreamError::Io(Box::new(e)))?;
-            if let Ok(data) = frame.into_data() {
-                got += data.len() as u64;
-                if got > unit.len {
-                    return Err(StreamError::TooLong);
-                }
-                if !data.is_empty() {
-                    sink.write(data).await.map_err(StreamError::Sink)?;
-                }
+        while let Some(data) = self.next_data(&mut body).await.map_err(StreamError::Io)? {
+            got += data.len() as u64;
+            if got > unit.len {
+                return Err(StreamError::TooLong);
+            }
+            if !data.is_empty() {
+                sink.write(data).await.map_err(StreamError::Sink)?;
             }
         }
+        let hash = sink.finish().await.map_err(StreamError::Sink)?;
+        Ok((got, hash))
     }
 
     /// Reads a body of at most `max` bytes, none silent for longer than the read timeout.
     async fn read_body(&self, res: Response<Incoming>, max: usize) -> Result<Bytes, BodyError> {
         let mut body = res.into_body();
         let mut buf = BytesMut::with_capacity(max);
+        while let Some(data) = self.next_data(&mut body).await.map_err(BodyError::Io)? {
+            if buf.len() + data.len() > max {
+                return Err(BodyError::TooLong);
+            }
+            buf.extend_from_slice(&data);
+        }
+        Ok(buf.freeze())
+    }
+
+    /// The body's next data (other frames, trailers, are passed over), `None` at its end; an
+    /// error when a frame fails or none comes within the read timeout.
+    async fn next_data(&self, body: &mut Incoming) -> Result<Option<Bytes>, BoxError> {
+        let wait = self.cfg.read_timeout;
         loop {
-            let frame = timeout(self.cfg.read_timeout, body.frame())
+            let frame = timeout(wait, body.frame())
                 .await
-                .map_err(|_| {
-                    BodyError::Io(
-                        format!("the body stalled for {:?}", self.cfg.read_timeout).into(),
-                    )
-                })?;
+                .map_err(|_| format!("the body stalled for {wait:?}"))?;
             let Some(frame) = frame else {
-                return Ok(buf.freeze());
+                return Ok(None);
             };
-            let frame = frame.map_err(|e| BodyError::Io(Box::new(e)))?;
-            if let Ok(data) = frame.into_data() {
-                if buf.len() + data.len() > max {
-                    return Err(BodyError::TooLong);
-                }
-                buf.extend_from_slice(&data);
+            if let Ok(data) = frame?.into_data() {
+                return Ok(Some(data));
             }
         }
     }

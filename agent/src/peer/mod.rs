@@ -90,7 +90,7 @@ mod tests;
 
 use std::time::Duration;
 
-pub use auth::{AdminKey, ClusterSecret, JobKey, SecretError};
+pub use auth::{AdminKey, ClusterSecret, JobKey, RequestKey, SecretError};
 pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
 pub use owner::{Unit, owner_of, unit_path, units_of, versioned};
 pub use pieces::UnitPieces;

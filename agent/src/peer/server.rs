@@ -50,7 +50,7 @@ use tracing::{debug, warn};
 
 use super::auth::{
     ClusterSecret, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, READ_BACK_HEADER, READ_BACK_MARK,
-    TIME_HEADER, parse_hash,
+    RequestKey, TIME_HEADER, parse_hash,
 };
 use super::{LONG_POLL, MAX_SKEW, Unit};
 use crate::worker::{StatusCell, Worker};
@@ -172,6 +172,28 @@ pub trait UnitSource: Send + Sync + 'static {
         let _ = (object, offset, len);
         None
     }
+}
+
+/// What a signed request carries (see [`super::auth`]): the requesting node, its clock and the
+/// MAC, and the path and query the MAC covers, exactly as sent; the refusal's reason when a header
+/// is missing or malformed (`what` names the request in it).
+fn signature<'a, B>(
+    req: &'a Request<B>,
+    what: &str,
+) -> Result<(&'a str, u64, blake3::Hash, &'a str), String> {
+    let headers = req.headers();
+    let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
+    let time = headers
+        .get(TIME_HEADER)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let mac = parse_hash(headers.get(MAC_HEADER));
+    let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
+        return Err(format!(
+            "unauthenticated: {what} carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
+        ));
+    };
+    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    Ok((node, time, mac, pq))
 }
 
 /// What an agent does for another agent's admin request (`sluice cache warm --nodes`): warm this
@@ -735,6 +757,18 @@ impl Inner {
             .map(|(_, k)| k.clone()))
     }
 
+    /// Why a request sent at `time` is refused for its clock, if it is: more than `max_skew`
+    /// off this node's.
+    fn clock_off(&self, time: u64) -> Option<String> {
+        let skew = now_secs().abs_diff(time);
+        let max = self.cfg.max_skew.as_secs();
+        (skew > max).then(|| {
+            format!(
+                "the request's clock is {skew}s off this node's (at most {max}s): check NTP on both nodes"
+            )
+        })
+    }
+
     /// Logs a refusal, at most one line per period (see [`crate::http::LogLimit`]).
     fn log_refusal(&self, what: &str, remote: SocketAddr, status: StatusCode, reason: &str) {
         if let Some(held) = self.refusals.admit() {
@@ -795,22 +829,10 @@ impl Inner {
             Some(Err(())) => return refused(StatusCode::BAD_REQUEST, "bad job id".into()),
             Some(Ok(parsed)) => parsed,
         };
-        let headers = req.headers();
-        let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
-        let time = headers
-            .get(TIME_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        let mac = parse_hash(headers.get(MAC_HEADER));
-        let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
-            return refused(
-                StatusCode::UNAUTHORIZED,
-                format!(
-                    "unauthenticated: a peer request carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
-                ),
-            );
+        let (node, time, mac, pq) = match signature(&req, "a peer request") {
+            Ok(signed) => signed,
+            Err(why) => return refused(StatusCode::UNAUTHORIZED, why),
         };
-        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
         let entry = match self.job(job) {
             Ok(e) => e,
             Err(Some(ended)) => {
@@ -839,15 +861,8 @@ impl Inner {
                 format!("node {node} is not a node of job {job}"),
             );
         }
-        let skew = now_secs().abs_diff(time);
-        if skew > self.cfg.max_skew.as_secs() {
-            return refused(
-                StatusCode::UNAUTHORIZED,
-                format!(
-                    "the request's clock is {skew}s off this node's (at most {}s): check NTP on both nodes",
-                    self.cfg.max_skew.as_secs()
-                ),
-            );
+        if let Some(why) = self.clock_off(time) {
+            return refused(StatusCode::UNAUTHORIZED, why);
         }
         let query = req.uri().query().unwrap_or_default();
         if resource == Resource::Cached {
@@ -914,22 +929,10 @@ impl Inner {
                 format!("method {} is not served here", req.method()),
             );
         }
-        let headers = req.headers();
-        let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
-        let time = headers
-            .get(TIME_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        let mac = parse_hash(headers.get(MAC_HEADER));
-        let (Some(node), Some(time), Some(mac)) = (node, time, mac) else {
-            return refused(
-                StatusCode::UNAUTHORIZED,
-                format!(
-                    "unauthenticated: an admin request carries {NODE_HEADER}, {TIME_HEADER} and {MAC_HEADER}"
-                ),
-            );
+        let (node, time, mac, pq) = match signature(&req, "an admin request") {
+            Ok(signed) => signed,
+            Err(why) => return refused(StatusCode::UNAUTHORIZED, why),
         };
-        let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
         if self.admin_key.request_mac("POST", pq, node, time) != mac {
             return refused(
                 StatusCode::UNAUTHORIZED,
@@ -937,15 +940,8 @@ impl Inner {
                     .into(),
             );
         }
-        let skew = now_secs().abs_diff(time);
-        if skew > self.cfg.max_skew.as_secs() {
-            return refused(
-                StatusCode::UNAUTHORIZED,
-                format!(
-                    "the request's clock is {skew}s off this node's (at most {}s): check NTP on both nodes",
-                    self.cfg.max_skew.as_secs()
-                ),
-            );
+        if let Some(why) = self.clock_off(time) {
+            return refused(StatusCode::UNAUTHORIZED, why);
         }
         let mut urls =
             url::form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes());

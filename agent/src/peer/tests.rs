@@ -150,15 +150,26 @@ async fn start(cfg: ServerConfig) -> Running {
     }
 }
 
-/// One server serving one unit of job JOB (nodes n1, n2) from a fresh source.
-async fn one_unit() -> (Running, Arc<MemSource>, Unit, Bytes) {
-    let r = start(server_cfg()).await;
-    let src = Arc::new(MemSource::default());
-    r.server.register(
+/// Registers job JOB (nodes n1, n2) on `server`, its units from `src`.
+fn register(server: &PeerServer, src: &Arc<MemSource>) {
+    server.register(
         JOB,
         &names(&["n1", "n2"]),
         src.clone() as Arc<dyn UnitSource>,
     );
+}
+
+/// A server started with `cfg`, serving job JOB (nodes n1, n2) from a fresh source.
+async fn serving(cfg: ServerConfig) -> (Running, Arc<MemSource>) {
+    let r = start(cfg).await;
+    let src = Arc::new(MemSource::default());
+    register(&r.server, &src);
+    (r, src)
+}
+
+/// One server serving one unit of job JOB (nodes n1, n2) from a fresh source.
+async fn one_unit() -> (Running, Arc<MemSource>, Unit, Bytes) {
+    let (r, src) = serving(server_cfg()).await;
     let unit = Unit {
         file: "train/shard 0.bin".into(),
         offset: 0,
@@ -270,13 +281,7 @@ async fn two_nodes_serve_their_own_units_and_every_node_gets_identical_bytes() {
 async fn a_unit_is_served_as_soon_as_its_owner_has_read_it() {
     let mut cfg = server_cfg();
     cfg.poll = Duration::from_secs(1);
-    let r = start(cfg).await;
-    let src = Arc::new(MemSource::default());
-    r.server.register(
-        JOB,
-        &names(&["n1", "n2"]),
-        src.clone() as Arc<dyn UnitSource>,
-    );
+    let (r, src) = serving(cfg).await;
     let unit = Unit {
         file: "later.bin".into(),
         offset: UNIT * 5,
@@ -421,17 +426,13 @@ async fn an_unknown_job_waits_for_a_late_registration_then_gives_up() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let src = Arc::new(MemSource::default());
     src.put(&unit, content(10, 0));
-    r.server
-        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    register(&r.server, &src);
     assert_eq!(fetch.await.unwrap().unwrap(), content(10, 0));
 }
 
 #[tokio::test]
 async fn an_ended_job_is_gone_and_its_waiting_requests_end_at_once() {
-    let r = start(server_cfg()).await;
-    let src = Arc::new(MemSource::default());
-    r.server
-        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let (r, _src) = serving(server_cfg()).await;
     let unit = Unit {
         file: "never".into(),
         offset: 0,
@@ -763,11 +764,7 @@ async fn the_server_holds_at_most_concurrency_unit_responses() {
         gate: Some(gate.clone()),
         ..Default::default()
     });
-    r.server.register(
-        JOB,
-        &names(&["n1", "n2"]),
-        src.clone() as Arc<dyn UnitSource>,
-    );
+    register(&r.server, &src);
     let units: Vec<Unit> = units_of("many", 6 * UNIT, UNIT);
     for (i, u) in units.iter().enumerate() {
         src.put(u, content(UNIT as usize, i as u8));
@@ -801,13 +798,7 @@ async fn the_server_holds_at_most_concurrency_unit_responses() {
 
 #[tokio::test]
 async fn the_client_holds_at_most_concurrency_fetches() {
-    let r = start(server_cfg()).await;
-    let src = Arc::new(MemSource::default());
-    r.server.register(
-        JOB,
-        &names(&["n1", "n2"]),
-        src.clone() as Arc<dyn UnitSource>,
-    );
+    let (r, src) = serving(server_cfg()).await;
     let mut cfg = client_cfg();
     cfg.concurrency = 1;
     let c = Arc::new(PeerClient::new("n2", cfg));
@@ -842,13 +833,7 @@ async fn a_unit_of_many_slices_arrives_whole() {
     let big = (3 << 20) + 5;
     let mut cfg = server_cfg();
     cfg.max_unit = 4 << 20;
-    let r = start(cfg).await;
-    let src = Arc::new(MemSource::default());
-    r.server.register(
-        JOB,
-        &names(&["n1", "n2"]),
-        src.clone() as Arc<dyn UnitSource>,
-    );
+    let (r, src) = serving(cfg).await;
     let unit = Unit {
         file: "big".into(),
         offset: 4 << 20,
@@ -878,7 +863,7 @@ async fn the_peer_service_runs_and_stops_as_an_agent_worker() {
         len: 5,
     };
     src.put(&unit, content(5, 0));
-    server.register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    register(&server, &src);
     let (tracker, cancel) = (
         tokio_util::task::TaskTracker::new(),
         CancellationToken::new(),
@@ -1059,10 +1044,7 @@ async fn admin_warms_need_the_admin_key_and_bring_back_the_report() {
 /// still reading), and only no agent at all reads as unreachable; an ended job reads as gone.
 #[tokio::test]
 async fn a_liveness_probe_tells_a_live_agent_from_a_dead_one() {
-    let r = start(server_cfg()).await;
-    let src = Arc::new(MemSource::default());
-    r.server
-        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let (r, _src) = serving(server_cfg()).await;
     let c = PeerClient::new("n2", client_cfg());
     let wait = Duration::from_secs(2);
     // The source never holds the probe's unit: the server's long poll ends in "pending", alive.
@@ -1098,10 +1080,7 @@ async fn an_unsigned_gone_is_no_evidence_that_an_agent_is_dead() {
     );
     assert!(!e.proves_gone(), "{e}");
     // A real agent's 410 for a job that ended there is MAC'd for the request: believed.
-    let r = start(server_cfg()).await;
-    let src = Arc::new(MemSource::default());
-    r.server
-        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let (r, _src) = serving(server_cfg()).await;
     r.server.unregister(JOB);
     let e = c.probe_alive(&r.addr, &key(), wait).await.unwrap_err();
     assert!(
@@ -1133,10 +1112,7 @@ async fn flood(addr: &str, source: &str, n: usize) -> Vec<TcpStream> {
 /// no evidence that the agent is gone.
 #[tokio::test]
 async fn a_flood_of_connections_from_one_address_does_not_make_a_live_agent_look_dead() {
-    let r = start(server_cfg()).await;
-    let src = Arc::new(MemSource::default());
-    r.server
-        .register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    let (r, _src) = serving(server_cfg()).await;
     let wait = Duration::from_secs(2);
     let _flood = flood(&r.addr, "127.0.0.2", 2 * server_cfg().max_connections).await;
     PeerClient::new("n2", client_cfg())
@@ -1205,7 +1181,7 @@ async fn an_agent_whose_port_was_taken_serves_once_it_is_free() {
     };
     let server = PeerServer::new(secret(), server_cfg());
     let src = Arc::new(MemSource::default());
-    server.register(JOB, &names(&["n1", "n2"]), src as Arc<dyn UnitSource>);
+    register(&server, &src);
     let (tracker, cancel) = (
         tokio_util::task::TaskTracker::new(),
         CancellationToken::new(),

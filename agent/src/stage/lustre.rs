@@ -210,6 +210,14 @@ mod tests {
         create_striped(lfs, dir, name, class, uid, gid)
     }
 
+    /// A temporary directory with a [`fake_lfs`] in it, which records into `record` there.
+    fn lfs_in_tmp(failing: bool) -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let record = tmp.path().join("record");
+        let lfs = fake_lfs(tmp.path(), &record, failing);
+        (tmp, record, lfs)
+    }
+
     fn me() -> (u32, u32) {
         (
             nix::unistd::getuid().as_raw(),
@@ -249,9 +257,7 @@ mod tests {
 
     #[test]
     fn lfs_is_given_the_class_in_bytes_and_the_file_through_the_open_directory() {
-        let tmp = tempfile::tempdir().unwrap();
-        let record = tmp.path().join("record");
-        let lfs = fake_lfs(tmp.path(), &record, false);
+        let (tmp, record, lfs) = lfs_in_tmp(false);
         let job = tmp.path().join("job");
         std::fs::create_dir(&job).unwrap();
         let dir = open_dir(&job);
@@ -286,9 +292,7 @@ mod tests {
 
     #[test]
     fn the_file_lands_in_the_open_directory_even_after_its_path_was_swapped() {
-        let tmp = tempfile::tempdir().unwrap();
-        let record = tmp.path().join("record");
-        let lfs = fake_lfs(tmp.path(), &record, false);
+        let (tmp, _record, lfs) = lfs_in_tmp(false);
         let job = tmp.path().join("job");
         std::fs::create_dir(&job).unwrap();
         let dir = open_dir(&job);
@@ -312,9 +316,7 @@ mod tests {
 
     #[test]
     fn a_failing_lfs_is_reported_with_its_last_line_of_stderr() {
-        let tmp = tempfile::tempdir().unwrap();
-        let record = tmp.path().join("record");
-        let lfs = fake_lfs(tmp.path(), &record, true);
+        let (tmp, _record, lfs) = lfs_in_tmp(true);
         let dir = open_dir(tmp.path());
         let (uid, gid) = me();
         let class = StripeClass {
@@ -342,9 +344,7 @@ mod tests {
 
     #[test]
     fn a_name_that_is_not_one_component_is_refused_before_lfs_runs() {
-        let tmp = tempfile::tempdir().unwrap();
-        let record = tmp.path().join("record");
-        let lfs = fake_lfs(tmp.path(), &record, false);
+        let (tmp, record, lfs) = lfs_in_tmp(false);
         let dir = open_dir(tmp.path());
         let (uid, gid) = me();
         for name in ["a/b", "../x", "/etc/passwd", ".", "..", "", "a\0b"] {

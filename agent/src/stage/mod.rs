@@ -50,6 +50,7 @@ mod posix;
 pub mod resume;
 pub mod shard;
 pub mod shared;
+pub(crate) mod sink;
 
 pub use budget::{Budget, Lease};
 pub use object::{KeyPath, map_key};
@@ -370,6 +371,28 @@ pub async fn warm(
 pub(crate) fn is_no_space(errno: Option<i32>) -> bool {
     errno == Some(nix::errno::Errno::ENOSPC as i32)
         || errno == Some(nix::errno::Errno::EDQUOT as i32)
+}
+
+/// A write to the hot tier that failed with `errno`: [`StageError::NoSpace`] for `dataset` on
+/// `node` when the tier (or the user's quota) is full, else [`StageError::HotTier`] for `path`.
+pub(crate) fn hot_tier_error(
+    node: &str,
+    dataset: &str,
+    path: &str,
+    errno: Option<i32>,
+    detail: String,
+) -> StageError {
+    if is_no_space(errno) {
+        StageError::NoSpace {
+            node: node.to_string(),
+            dataset: dataset.to_string(),
+        }
+    } else {
+        StageError::HotTier {
+            path: path.to_string(),
+            detail,
+        }
+    }
 }
 
 #[cfg(test)]

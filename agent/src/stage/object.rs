@@ -13,9 +13,12 @@
 use super::peers::NextStep;
 use super::resume::{self, DatasetLog};
 use super::shard::{ShardManifest, ShardPlan};
-use super::{Budget, JobPeers, Lease, Progress, StageCtx, StageError, is_no_space, local_fs};
+use super::sink::{HashingSink, PeerUnit, WriteAt};
+use super::{
+    Budget, JobPeers, Lease, Progress, StageCtx, StageError, hot_tier_error, is_no_space, local_fs,
+};
 use crate::cache::{Cache, Fill, Hit, Key};
-use crate::peer::{CachedObject, HashFrom, Unit, UnitPieces, UnitSink, units_of, versioned};
+use crate::peer::{CachedObject, HashFrom, Unit, UnitPieces, units_of, versioned};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
@@ -145,17 +148,46 @@ struct Dest {
     /// file anyway, and the parts waiting for it sleep here rather than spin on the inode's lock
     /// (see [`local_fs::one_writer`]).
     writing: Option<Mutex<()>>,
+    /// The node's cache, which a full hot tier takes room from before it fails the job.
+    cache: Option<Arc<Cache>>,
 }
 
 impl Dest {
-    fn new(file: Arc<std::fs::File>, tee: Option<Fill>, etag: Option<String>) -> Dest {
+    fn new(
+        file: Arc<std::fs::File>,
+        tee: Option<Fill>,
+        etag: Option<String>,
+        cache: Option<Arc<Cache>>,
+    ) -> Dest {
         let writing = local_fs::one_writer(&file).then(|| Mutex::new(()));
         Dest {
             file,
             tee,
             etag,
             writing,
+            cache,
         }
+    }
+}
+
+impl WriteAt for Dest {
+    /// Writes `buf` at `offset` of the job's file and of the cache entry beside it.
+    fn write_all_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        let _one = self.writing.as_ref().map(lock);
+        let mut r = sluice_archive::pagecache::write_all_at(&self.file, buf, offset);
+        // A full hot tier takes room from the cache before it fails the job.
+        while r.as_ref().is_err_and(|e| is_no_space(e.raw_os_error()))
+            && self
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.yield_space(buf.len() as u64 + (64 << 20)) > 0)
+        {
+            r = sluice_archive::pagecache::write_all_at(&self.file, buf, offset);
+        }
+        if let (Ok(()), Some(fill)) = (&r, &self.tee) {
+            fill.write_at(buf, offset);
+        }
+        r
     }
 }
 
@@ -192,17 +224,7 @@ impl Staged {
 
 impl Fetcher {
     fn hot_error(&self, path: &str, errno: Option<i32>, detail: String) -> StageError {
-        if is_no_space(errno) {
-            StageError::NoSpace {
-                node: self.node.clone(),
-                dataset: self.source.clone(),
-            }
-        } else {
-            StageError::HotTier {
-                path: path.to_string(),
-                detail,
-            }
-        }
+        hot_tier_error(&self.node, &self.source, path, errno, detail)
     }
 
     fn safefs_error(&self, path: &str, e: safefs::SafeFsError) -> StageError {
@@ -413,25 +435,11 @@ impl Fetcher {
         hasher: &mut Option<blake3::Hasher>,
         from: &AtomicU64,
     ) -> Result<Vec<u8>, StageError> {
-        let (d, offset, mut h, cache) = (file.clone(), *at, hasher.take(), self.cache.clone());
+        let (d, offset, mut h) = (file.clone(), *at, hasher.take());
         let (mut buf, h, written) = blocking(move || {
-            let _one = d.writing.as_ref().map(lock);
-            let mut r = sluice_archive::pagecache::write_all_at(&d.file, &buf, offset);
-            // A full hot tier takes room from the cache before it fails the job.
-            while r.as_ref().is_err_and(|e| is_no_space(e.raw_os_error()))
-                && cache
-                    .as_ref()
-                    .is_some_and(|c| c.yield_space(buf.len() as u64 + (64 << 20)) > 0)
-            {
-                r = sluice_archive::pagecache::write_all_at(&d.file, &buf, offset);
-            }
-            if let Ok(()) = &r {
-                if let Some(h) = h.as_mut() {
-                    h.update(&buf);
-                }
-                if let Some(fill) = &d.tee {
-                    fill.write_at(&buf, offset);
-                }
+            let r = d.write_all_at(&buf, offset);
+            if let (Ok(()), Some(h)) = (&r, h.as_mut()) {
+                h.update(&buf);
             }
             (buf, h, r)
         })
@@ -479,7 +487,12 @@ impl Fetcher {
                 Err(why) => tracing::info!("{}: not cached: {why}", self.source),
             }
         }
-        let dest = Arc::new(Dest::new(Arc::new(file), tee, meta.e_tag.clone()));
+        let dest = Arc::new(Dest::new(
+            Arc::new(file),
+            tee,
+            meta.e_tag.clone(),
+            self.cache.clone(),
+        ));
         let filled = match self.peers.clone() {
             Some(peers) => {
                 let cached_at = self.peer_cache_of(&peers, &meta, &staged).await;
@@ -739,10 +752,9 @@ impl Fetcher {
         let peers = self.peers.as_ref().expect("a shared dataset has peers");
         let mut corrupt_once: Option<String> = None;
         loop {
-            let mut sink = PeerSink::new(self, file, rel, unit.offset);
+            let mut sink = self.peer_sink(file, rel, &unit);
             let fetched = peers.fetch(&node, &unit, &mut sink).await;
-            let (written, hash) = (sink.written, sink.hash);
-            let sink_error = sink.close();
+            let (written, hash, sink_error) = sink.close();
             let e = match fetched {
                 Ok(from) => {
                     if let (HashFrom::ReadBack, Some(fill)) = (from, &file.tee) {
@@ -790,10 +802,9 @@ impl Fetcher {
         object: &CachedObject,
     ) -> Result<(), StageError> {
         let peers = self.peers.as_ref().expect("a shared dataset has peers");
-        let mut sink = PeerSink::new(self, file, rel, unit.offset);
+        let mut sink = self.peer_sink(file, rel, &unit);
         let fetched = peers.fetch_cached(node, object, &unit, &mut sink).await;
-        let (written, hash) = (sink.written, sink.hash);
-        let sink_error = sink.close();
+        let (written, hash, sink_error) = sink.close();
         match fetched {
             Ok(true) => {
                 peers.held(&unit, hash.expect("a finished sink has a hash"));
@@ -840,113 +851,22 @@ impl Fetcher {
     }
 }
 
-/// Where a unit fetched from a peer goes: at its offset of the staged file, through a budget
-/// buffer taken when the first bytes arrive (so a fetch waiting for its owner holds none), hashed
-/// on the blocking thread that writes it. Counted as peer bytes as written.
-struct PeerSink<'a> {
-    fetcher: &'a Fetcher,
-    file: &'a Arc<Dest>,
-    rel: &'a str,
-    at: u64,
-    lease: Option<Lease>,
-    buf: Vec<u8>,
-    hasher: Option<blake3::Hasher>,
-    /// Bytes written to the file so far (taken back if the fetch fails).
-    written: u64,
-    hash: Option<blake3::Hash>,
-    /// Why a write failed, for the job (the client only carries a message).
-    error: Option<StageError>,
-}
-
-impl<'a> PeerSink<'a> {
-    fn new(fetcher: &'a Fetcher, file: &'a Arc<Dest>, rel: &'a str, at: u64) -> Self {
-        PeerSink {
-            fetcher,
-            file,
+impl Fetcher {
+    /// Where a unit fetched from a peer goes: at its offset of `file`, through a buffer of the
+    /// node's budget.
+    fn peer_sink<'a>(
+        &'a self,
+        file: &Arc<Dest>,
+        rel: &'a str,
+        unit: &Unit,
+    ) -> HashingSink<Dest, PeerUnit<'a>> {
+        let target = PeerUnit {
+            progress: &self.progress,
+            node: &self.node,
+            dataset: &self.source,
             rel,
-            at,
-            lease: None,
-            buf: Vec::new(),
-            hasher: Some(blake3::Hasher::new()),
-            written: 0,
-            hash: None,
-            error: None,
-        }
-    }
-
-    async fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let buf = std::mem::take(&mut self.buf);
-        let n = buf.len() as u64;
-        let peer = &self.fetcher.progress.peer_bytes;
-        match self
-            .fetcher
-            .write_at(
-                self.file,
-                self.rel,
-                buf,
-                &mut self.at,
-                &mut self.hasher,
-                peer,
-            )
-            .await
-        {
-            Ok(buf) => {
-                self.buf = buf;
-                self.written += n;
-                Ok(())
-            }
-            Err(e) => {
-                let message = e.to_string();
-                self.error = Some(e);
-                Err(message.into())
-            }
-        }
-    }
-
-    /// Gives the buffer back to the budget; returns why a write failed, if one did.
-    fn close(mut self) -> Option<StageError> {
-        if let Some(lease) = self.lease.as_mut() {
-            lease.buf = std::mem::take(&mut self.buf);
-        }
-        self.lease = None;
-        self.error.take()
-    }
-}
-
-#[async_trait::async_trait]
-impl UnitSink for PeerSink<'_> {
-    async fn write(
-        &mut self,
-        bytes: bytes::Bytes,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        if self.lease.is_none() {
-            let mut lease = self.fetcher.budget.lease().await;
-            self.buf = std::mem::take(&mut lease.buf);
-            self.lease = Some(lease);
-        }
-        let cap = self.buf.capacity();
-        let mut rest = &bytes[..];
-        while !rest.is_empty() {
-            let n = rest.len().min(cap - self.buf.len());
-            self.buf.extend_from_slice(&rest[..n]);
-            rest = &rest[n..];
-            if self.buf.len() == cap {
-                self.flush().await?;
-            }
-        }
-        Ok(())
-    }
-
-    async fn finish(&mut self) -> Result<blake3::Hash, Box<dyn std::error::Error + Send + Sync>> {
-        if !self.buf.is_empty() {
-            self.flush().await?;
-        }
-        let hash = self
-            .hasher
-            .take()
-            .map_or_else(|| blake3::hash(b""), |h| h.finalize());
-        self.hash = Some(hash);
-        Ok(hash)
+        };
+        HashingSink::buffered(file.clone(), unit.offset, self.budget.clone(), target)
     }
 }
 
@@ -962,7 +882,7 @@ pub(super) async fn stage(
     let source = spec.source.to_string();
     let mut manifest = shard.map(|plan| ShardManifest::new(plan, &spec.name, &source));
     // However this ends, the job's peers learn that this node knows every unit it will.
-    let _done = peers.clone().map(DatasetDone);
+    let _done = peers.as_ref().map(JobPeers::dataset_guard);
     // Resumed staging is for the node's own hot tier (the shared tier has its own marks).
     let resume = ctx.resume.clone().filter(|_| ctx.shared_tier.is_none());
     let replace = resume.as_ref().is_some_and(|r| r.resuming());
@@ -1182,7 +1102,12 @@ impl Fetcher {
             Ok(fill) => fill,
             Err(why) => return Ok(Warmed::Skipped(why)),
         };
-        let dest = Arc::new(Dest::new(fill.file(), None, meta.e_tag.clone()));
+        let dest = Arc::new(Dest::new(
+            fill.file(),
+            None,
+            meta.e_tag.clone(),
+            self.cache.clone(),
+        ));
         let rel = meta.location.to_string();
         self.clone().fill_plain(&dest, &rel, meta).await?;
         drop(dest);
@@ -1374,15 +1299,6 @@ async fn write_manifest(
     })
     .await;
     written.map_err(|(errno, detail)| fetcher.hot_error(&name, errno, detail))
-}
-
-/// Tells the job's peers that one of its datasets is staged here, when dropped.
-struct DatasetDone(Arc<JobPeers>);
-
-impl Drop for DatasetDone {
-    fn drop(&mut self) {
-        self.0.dataset_done();
-    }
 }
 
 #[cfg(test)]
@@ -1657,7 +1573,6 @@ mod tests {
     /// The dataset `ds/`: 150 small objects, a large one of several parts (64 KiB) and an empty
     /// one; returns the store and each file's bytes.
     async fn resume_origin() -> (Arc<CountingStore>, BTreeMap<String, Vec<u8>>) {
-        let store = Arc::new(CountingStore::new());
         let mut files = BTreeMap::new();
         for i in 0..150u32 {
             let n = 500 + (i as usize * 37) % 3000;
@@ -1671,14 +1586,7 @@ mod tests {
             (0..300_000u32).map(|i| (i % 251) as u8).collect(),
         );
         files.insert("empty".into(), Vec::new());
-        for (k, v) in &files {
-            store
-                .inner
-                .put(&ObjPath::from(format!("ds/{k}")), v.clone().into())
-                .await
-                .unwrap();
-        }
-        (store, files)
+        (CountingStore::holding(&files).await, files)
     }
 
     /// One run of the agent staging `ds` alone into `stage` with the job's staging logs under

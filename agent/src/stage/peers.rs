@@ -570,6 +570,12 @@ impl JobPeers {
         self.bump();
     }
 
+    /// Tells the job's peers that one of its datasets is staged here (or gave up) when dropped,
+    /// however the staging ends: [`JobPeers::dataset_done`] as a guard.
+    pub(super) fn dataset_guard(self: &Arc<Self>) -> DatasetDone {
+        DatasetDone(self.clone())
+    }
+
     /// The node to fetch `unit` from, or `None` when this node reads it from the origin: the
     /// unit's owner among the job's nodes this node has not routed around.
     pub(super) fn route(&self, unit: &Unit) -> Option<String> {
@@ -917,38 +923,23 @@ impl UnitSource for JobPeers {
         let file = blocking(move || open_staged(&root, &rel, owner))
             .await
             .map_err(|e| UnitError::Failed(format!("reading this node's staged copy: {e}")))?;
-        let (file, job, name) = (Arc::new(file), self.job, unit.key());
-        let end = unit.offset + unit.len;
-        let slices = futures::stream::unfold(unit.offset, move |at| {
-            let (file, name) = (file.clone(), name.clone());
-            async move {
-                if at >= end {
-                    return None;
-                }
-                let n = (end - at).min(SERVE_SLICE) as usize;
-                let read = blocking(move || {
-                    let mut buf = vec![0u8; n];
-                    file.read_exact_at(&mut buf, at).map(|()| buf)
-                })
-                .await;
-                match read {
-                    Ok(buf) => Some((Bytes::from(buf), at + n as u64)),
-                    Err(e) => {
-                        // Ending early cuts the response short: the requester reads it elsewhere.
-                        tracing::warn!(
-                            job_id = job,
-                            "serving unit {name}: reading the staged copy: {e}"
-                        );
-                        None
-                    }
-                }
-            }
-        });
+        let (job, name) = (self.job, unit.key());
+        let slices = read_slices(
+            move |buf, at| file.read_exact_at(buf, at),
+            unit.offset..unit.offset + unit.len,
+            // Ending early cuts the response short: the requester reads it elsewhere.
+            move |e| {
+                tracing::warn!(
+                    job_id = job,
+                    "serving unit {name}: reading the staged copy: {e}"
+                )
+            },
+        );
         Ok(UnitStream {
             len: unit.len,
             hash,
             from,
-            body: Box::pin(slices),
+            body: slices,
         })
     }
 
@@ -982,6 +973,40 @@ impl UnitSource for JobPeers {
 /// The slices a served unit is read in.
 const SERVE_SLICE: u64 = 1 << 20;
 
+/// The bytes of `range`, read with `read` (which fills its buffer or fails, as `read_exact_at`
+/// does) a [`SERVE_SLICE`] at a time on blocking threads as a response body takes them. A failed
+/// read ends the body early, after `failed` says why: the requester, short of bytes, reads the
+/// unit elsewhere.
+fn read_slices(
+    read: impl Fn(&mut [u8], u64) -> std::io::Result<()> + Send + Sync + 'static,
+    range: std::ops::Range<u64>,
+    failed: impl Fn(std::io::Error) + Send + Sync + 'static,
+) -> futures::stream::BoxStream<'static, Bytes> {
+    let (read, failed, end) = (Arc::new(read), Arc::new(failed), range.end);
+    let slices = futures::stream::unfold(range.start, move |at| {
+        let (read, failed) = (read.clone(), failed.clone());
+        async move {
+            if at >= end {
+                return None;
+            }
+            let n = (end - at).min(SERVE_SLICE) as usize;
+            let got = blocking(move || {
+                let mut buf = vec![0u8; n];
+                (*read)(&mut buf, at).map(|()| buf)
+            })
+            .await;
+            match got {
+                Ok(buf) => Some((Bytes::from(buf), at + n as u64)),
+                Err(e) => {
+                    (*failed)(e);
+                    None
+                }
+            }
+        }
+    });
+    Box::pin(slices)
+}
+
 /// Serving a range of an object from this node's cache: hashed first (the hash goes before the
 /// body), then read again a slice at a time as the response goes out. An entry's file never
 /// changes once committed (a new version is another entry, eviction only unlinks it), and the
@@ -1009,33 +1034,16 @@ async fn cached_stream(hit: Hit, offset: u64, len: u64) -> Option<UnitStream> {
             return None;
         }
     };
-    let end = offset + len;
-    let slices = futures::stream::unfold(offset, move |at| {
-        let hit = hit.clone();
-        async move {
-            if at >= end {
-                return None;
-            }
-            let n = (end - at).min(SERVE_SLICE) as usize;
-            let read = blocking(move || {
-                let mut buf = vec![0u8; n];
-                hit.read_at(&mut buf, at).map(|()| buf)
-            })
-            .await;
-            match read {
-                Ok(buf) => Some((Bytes::from(buf), at + n as u64)),
-                Err(e) => {
-                    tracing::warn!("serving a peer from the cache: {e}");
-                    None
-                }
-            }
-        }
-    });
+    let slices = read_slices(
+        move |buf, at| hit.read_at(buf, at),
+        offset..offset + len,
+        |e| tracing::warn!("serving a peer from the cache: {e}"),
+    );
     Some(UnitStream {
         len,
         hash,
         from: HashFrom::Origin,
-        body: Box::pin(slices),
+        body: slices,
     })
 }
 
@@ -1099,6 +1107,15 @@ fn open_checked(root: &OwnedFd, rel: &str, owner: Owner, access: OFlag) -> std::
         )));
     }
     Ok(File::from(fd))
+}
+
+/// What [`JobPeers::dataset_guard`] returns.
+pub(super) struct DatasetDone(Arc<JobPeers>);
+
+impl Drop for DatasetDone {
+    fn drop(&mut self) {
+        self.0.dataset_done();
+    }
 }
 
 #[cfg(test)]

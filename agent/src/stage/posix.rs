@@ -39,11 +39,13 @@ use super::copy_as_user::{
 };
 use super::peers::{NextStep, open_staged_for_write};
 use super::resume::{self, DatasetLog};
+use super::sink::{HashingSink, PeerUnit};
 use super::{
-    Budget, JobPeers, Lease, Progress, ShardPlan, Sharing, StageCtx, StageError, is_no_space,
+    Budget, JobPeers, Progress, ShardPlan, Sharing, StageCtx, StageError, hot_tier_error,
+    is_no_space,
 };
 use crate::cache::{Cache, Hit, Key, PosixFile};
-use crate::peer::{Unit, UnitSink, units_of};
+use crate::peer::{Unit, units_of};
 use sluice_archive::rt::blocking;
 use sluice_archive::safefs::{self, Owner};
 use sluice_proto::msg::StageState;
@@ -382,7 +384,7 @@ async fn cached_root(
         .map(Arc::new)
         .map_err(|e| {
             let errno = e.errno().map(|e| e as i32);
-            hot_error_errno(
+            hot_tier_error(
                 &ctx.cfg.node,
                 &spec.source.to_string(),
                 &spec.name,
@@ -428,7 +430,7 @@ fn keep_checked(
         }
     };
     let copied = (|| -> std::io::Result<Vec<blake3::Hash>> {
-        let staged = open_staged(root, rel, owner, nix::fcntl::OFlag::O_RDONLY)?;
+        let staged = super::peers::open_staged(root, rel, owner)?;
         let size = key.size;
         if staged.metadata()?.len() != size {
             return Err(std::io::Error::other("its size changed"));
@@ -458,57 +460,8 @@ fn keep_checked(
     }
 }
 
-/// Opens `rel` below `root` (`/`-separated, each part a plain name, no link followed) with
-/// `access`, if it is a regular one-link file of `owner`'s: what the helper made as the user.
-fn open_staged(
-    root: &OwnedFd,
-    rel: &str,
-    owner: Owner,
-    access: nix::fcntl::OFlag,
-) -> std::io::Result<std::fs::File> {
-    use nix::fcntl::OFlag;
-    use nix::sys::stat::{Mode, SFlag, fstat};
-    let parts: Vec<&str> = rel.split('/').collect();
-    let (name, dirs) = parts.split_last().expect("split yields one part");
-    let mut dir = root.try_clone()?;
-    for d in dirs {
-        dir = safefs::open_dir(&dir, d).map_err(std::io::Error::other)?;
-    }
-    safefs::check_component(name).map_err(std::io::Error::other)?;
-    let flags = access | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
-    let fd = nix::fcntl::openat(&dir, *name, flags, Mode::empty())?;
-    let st = fstat(&fd)?;
-    let regular = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG;
-    if !regular || st.st_uid != owner.uid || st.st_nlink != 1 {
-        return Err(std::io::Error::other(format!(
-            "'{rel}' is no longer the file this node staged"
-        )));
-    }
-    Ok(std::fs::File::from(fd))
-}
-
 fn hot_error(node: &str, source: &str, path: &str, e: std::io::Error) -> StageError {
-    hot_error_errno(node, source, path, e.raw_os_error(), e.to_string())
-}
-
-fn hot_error_errno(
-    node: &str,
-    source: &str,
-    path: &str,
-    errno: Option<i32>,
-    detail: String,
-) -> StageError {
-    if is_no_space(errno) {
-        StageError::NoSpace {
-            node: node.to_string(),
-            dataset: source.to_string(),
-        }
-    } else {
-        StageError::HotTier {
-            path: path.to_string(),
-            detail,
-        }
-    }
+    hot_tier_error(node, source, path, e.raw_os_error(), e.to_string())
 }
 
 /// The helper's `--shard-nodes --shard-node --dataset --source` (and a takeover's
@@ -684,17 +637,7 @@ struct Shared {
 
 impl Shared {
     fn hot_error(&self, path: &str, errno: Option<i32>, detail: String) -> StageError {
-        if is_no_space(errno) {
-            StageError::NoSpace {
-                node: self.helper.node.clone(),
-                dataset: self.helper.source.clone(),
-            }
-        } else {
-            StageError::HotTier {
-                path: path.to_string(),
-                detail,
-            }
-        }
+        hot_tier_error(&self.helper.node, &self.helper.source, path, errno, detail)
     }
 
     /// Counts `n` bytes written as staged, and from the origin or a peer.
@@ -793,7 +736,7 @@ async fn replicate(
     progress: &Arc<Progress>,
     peers: &Arc<JobPeers>,
 ) -> Result<(), StageError> {
-    let _done = DatasetDone(peers.clone());
+    let _done = peers.dataset_guard();
     let nodes = peers.alive_nodes();
     let plan = ShardPlan::new(&nodes, peers.node()).expect("a node never routes around itself");
     let unit_size = peers.unit_size();
@@ -1179,10 +1122,16 @@ async fn fetch_unit(
         .map_err(|e| shared.hot_error(&rel, e.raw_os_error(), e.to_string()))?;
     let mut corrupt_once = None;
     loop {
-        let mut sink = FileSink::new(&shared, &file, &rel, unit.offset);
+        let target = PeerUnit {
+            progress: &shared.progress,
+            node: &shared.helper.node,
+            dataset: &shared.helper.source,
+            rel: &rel,
+        };
+        let budget = shared.budget.clone();
+        let mut sink = HashingSink::buffered(file.clone(), unit.offset, budget, target);
         let fetched = shared.peers.fetch(&node, &unit, &mut sink).await;
-        let (written, hash) = (sink.written, sink.hash);
-        let sink_error = sink.close();
+        let (written, hash, sink_error) = sink.close();
         let e = match fetched {
             // POSIX units are never read back (a restarted agent serves object-store datasets
             // only, `resume::serve_staged`), and a POSIX cache entry is the job user's alone.
@@ -1268,126 +1217,6 @@ async fn repair(
         });
     }
     Ok(Done::Repaired(done))
-}
-
-/// Tells the job's peers that one of its datasets is staged here (or gave up), when dropped.
-struct DatasetDone(Arc<JobPeers>);
-
-impl Drop for DatasetDone {
-    fn drop(&mut self) {
-        self.0.dataset_done();
-    }
-}
-
-/// Where a unit fetched from a peer goes: at its offset of the file, through a budget buffer taken
-/// when the first bytes arrive (so a fetch waiting for its owner holds none), hashed on the
-/// blocking thread that writes it. Counted as peer bytes as written.
-struct FileSink<'a> {
-    shared: &'a Shared,
-    file: &'a Arc<std::fs::File>,
-    rel: &'a str,
-    at: u64,
-    lease: Option<Lease>,
-    buf: Vec<u8>,
-    hasher: Option<blake3::Hasher>,
-    /// Bytes written to the file so far (taken back if the fetch fails).
-    written: u64,
-    hash: Option<blake3::Hash>,
-    /// Why a write failed, for the job (the client only carries a message).
-    error: Option<StageError>,
-}
-
-impl<'a> FileSink<'a> {
-    fn new(shared: &'a Shared, file: &'a Arc<std::fs::File>, rel: &'a str, at: u64) -> Self {
-        FileSink {
-            shared,
-            file,
-            rel,
-            at,
-            lease: None,
-            buf: Vec::new(),
-            hasher: Some(blake3::Hasher::new()),
-            written: 0,
-            hash: None,
-            error: None,
-        }
-    }
-
-    async fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let buf = std::mem::take(&mut self.buf);
-        let (f, offset, mut h) = (self.file.clone(), self.at, self.hasher.take());
-        let (mut buf, h, written) = blocking(move || {
-            let r = sluice_archive::pagecache::write_all_at(&f, &buf, offset);
-            if let (Ok(()), Some(h)) = (&r, h.as_mut()) {
-                h.update(&buf);
-            }
-            (buf, h, r)
-        })
-        .await;
-        self.hasher = h;
-        if let Err(e) = written {
-            let e = self
-                .shared
-                .hot_error(self.rel, e.raw_os_error(), e.to_string());
-            let message = e.to_string();
-            self.error = Some(e);
-            self.buf = buf;
-            return Err(message.into());
-        }
-        let n = buf.len() as u64;
-        self.at += n;
-        self.written += n;
-        self.shared.count(n, true);
-        buf.clear();
-        self.buf = buf;
-        Ok(())
-    }
-
-    /// Gives the buffer back to the budget; returns why a write failed, if one did.
-    fn close(mut self) -> Option<StageError> {
-        if let Some(lease) = self.lease.as_mut() {
-            lease.buf = std::mem::take(&mut self.buf);
-        }
-        self.lease = None;
-        self.error.take()
-    }
-}
-
-#[async_trait::async_trait]
-impl UnitSink for FileSink<'_> {
-    async fn write(
-        &mut self,
-        bytes: bytes::Bytes,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        if self.lease.is_none() {
-            let mut lease = self.shared.budget.lease().await;
-            self.buf = std::mem::take(&mut lease.buf);
-            self.lease = Some(lease);
-        }
-        let cap = self.buf.capacity();
-        let mut rest = &bytes[..];
-        while !rest.is_empty() {
-            let n = rest.len().min(cap - self.buf.len());
-            self.buf.extend_from_slice(&rest[..n]);
-            rest = &rest[n..];
-            if self.buf.len() == cap {
-                self.flush().await?;
-            }
-        }
-        Ok(())
-    }
-
-    async fn finish(&mut self) -> Result<blake3::Hash, Box<dyn std::error::Error + Send + Sync>> {
-        if !self.buf.is_empty() {
-            self.flush().await?;
-        }
-        let hash = self
-            .hasher
-            .take()
-            .map_or_else(|| blake3::hash(b""), |h| h.finalize());
-        self.hash = Some(hash);
-        Ok(hash)
-    }
 }
 
 #[cfg(test)]

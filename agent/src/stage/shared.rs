@@ -857,16 +857,7 @@ mod tests {
         create_file(&dir, "small", 10, me(), &layout).unwrap();
         assert!(!record.exists());
         // In the class: lfs makes it, then it is written through the checked open.
-        let mut f = (0..50)
-            .find_map(|_| match create_file(&dir, "big", 2 << 20, me(), &layout) {
-                Err(e) if e.contains("Text file busy") => {
-                    std::thread::sleep(Duration::from_millis(20));
-                    None
-                }
-                other => Some(other),
-            })
-            .unwrap()
-            .unwrap();
+        let mut f = while_busy(|| create_file(&dir, "big", 2 << 20, me(), &layout)).unwrap();
         std::io::Write::write_all(&mut f, b"bytes").unwrap();
         assert_eq!(std::fs::read(dir_path.join("big")).unwrap(), b"bytes");
         assert_eq!(
@@ -891,17 +882,22 @@ mod tests {
             lfs: lying,
             ..layout
         };
-        let e = (0..50)
-            .find_map(|_| match create_file(&dir, "link", 2 << 20, me(), &liar) {
+        let e = while_busy(|| create_file(&dir, "link", 2 << 20, me(), &liar)).unwrap_err();
+        assert!(e.contains("open 'link'"), "{e}");
+    }
+
+    /// `create`, again while the fake `lfs` it runs is still being written ("Text file busy": a
+    /// script just made executable by another test's thread).
+    fn while_busy<T>(mut create: impl FnMut() -> Result<T, String>) -> Result<T, String> {
+        (0..50)
+            .find_map(|_| match create() {
                 Err(e) if e.contains("Text file busy") => {
                     std::thread::sleep(Duration::from_millis(20));
                     None
                 }
                 other => Some(other),
             })
-            .unwrap()
-            .unwrap_err();
-        assert!(e.contains("open 'link'"), "{e}");
+            .expect("lfs could be run within a second")
     }
 
     fn no_take(_: ShardPlan) -> futures::future::BoxFuture<'static, Result<(), StageError>> {
@@ -1117,14 +1113,20 @@ mod tests {
         assert_ne!(again.why, "late");
     }
 
+    /// Job `job` of nodes n1 and n2 on the shared tier, as n1 sees it once it wrote its part; and
+    /// n1's plan.
+    fn n1_wrote_its_part(cfg: &SharedTierConfig, job: u32) -> (Arc<SharedJob>, ShardPlan) {
+        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
+        let n1 = Arc::new(SharedJob::open(cfg, job, "n1", me(), true).unwrap());
+        n1.mark("n1", Ok(())).unwrap();
+        (n1, ShardPlan::new(&nodes, "n1").unwrap())
+    }
+
     #[tokio::test]
     async fn a_node_that_answers_is_never_taken_over_however_slow() {
         let root = tempfile::tempdir().unwrap();
         let cfg = cfg(root.path());
-        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
-        let n1 = Arc::new(SharedJob::open(&cfg, 8, "n1", me(), true).unwrap());
-        n1.mark("n1", Ok(())).unwrap();
-        let plan = ShardPlan::new(&nodes, "n1").unwrap();
+        let (n1, plan) = n1_wrote_its_part(&cfg, 8);
         let cancel = CancellationToken::new();
         let alive = Dead(&[]);
         // Longer than the probes take to find a dead node (DEAD_AFTER × PROBE_EVERY).
@@ -1147,10 +1149,7 @@ mod tests {
     async fn a_survivor_that_fails_its_part_fails_the_job_naming_it() {
         let root = tempfile::tempdir().unwrap();
         let cfg = cfg(root.path());
-        let nodes: Vec<String> = ["n1", "n2"].map(String::from).into();
-        let n1 = Arc::new(SharedJob::open(&cfg, 9, "n1", me(), true).unwrap());
-        n1.mark("n1", Ok(())).unwrap();
-        let plan = ShardPlan::new(&nodes, "n1").unwrap();
+        let (n1, plan) = n1_wrote_its_part(&cfg, 9);
         let take = |_: ShardPlan| -> futures::future::BoxFuture<'static, _> {
             Box::pin(async {
                 Err(StageError::NotFound {

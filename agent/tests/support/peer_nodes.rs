@@ -120,3 +120,18 @@ pub async fn node(
         stop,
     }
 }
+
+/// Each of `nodes` read part of the dataset itself and took the rest from the others: `counts`
+/// are their bytes from the origin and from peers, in the same order.
+pub fn assert_each_read_some_and_took_the_rest(nodes: &[Node], counts: &[(u64, u64)]) {
+    for (n, (origin, peer)) in nodes.iter().zip(counts) {
+        assert!(*origin > 0 && *peer > 0, "{}: {origin} + {peer}", n.name);
+    }
+}
+
+/// Stops the nodes' peer servers.
+pub fn stop(nodes: &[Node]) {
+    for n in nodes {
+        n.stop.cancel();
+    }
+}

@@ -40,6 +40,19 @@ impl CountingStore {
             stall_after: AtomicU64::new(u64::MAX),
         }
     }
+
+    /// A store holding the dataset `ds/`: each of `files` (path below it, bytes).
+    pub(crate) async fn holding(files: &BTreeMap<String, Vec<u8>>) -> Arc<CountingStore> {
+        let store = Arc::new(CountingStore::new());
+        for (k, v) in files {
+            store
+                .inner
+                .put(&ObjPath::from(format!("ds/{k}")), v.clone().into())
+                .await
+                .unwrap();
+        }
+        store
+    }
 }
 
 impl std::fmt::Display for CountingStore {
@@ -120,7 +133,6 @@ impl ObjectStore for CountingStore {
 /// The dataset `ds/`: one object of several units (and a short last one), small objects, an
 /// empty one, a nested one. Returns the store and the dataset's files and their bytes.
 async fn origin() -> (Arc<CountingStore>, BTreeMap<String, Vec<u8>>) {
-    let store = Arc::new(CountingStore::new());
     let mut files = BTreeMap::new();
     let big: Vec<u8> = (0..(5 << 20) + 12_345u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
@@ -135,14 +147,7 @@ async fn origin() -> (Arc<CountingStore>, BTreeMap<String, Vec<u8>>) {
     }
     files.insert("empty".to_string(), Vec::new());
     files.insert("a/b/c/deep.txt".to_string(), b"deep".to_vec());
-    for (k, v) in &files {
-        store
-            .inner
-            .put(&ObjPath::from(format!("ds/{k}")), v.clone().into())
-            .await
-            .unwrap();
-    }
-    (store, files)
+    (CountingStore::holding(&files).await, files)
 }
 
 fn dataset_bytes(files: &BTreeMap<String, Vec<u8>>) -> u64 {
@@ -156,7 +161,9 @@ fn spec() -> StageSpec {
 // The job's nodes, set up as `agent/tests/posix_peers.rs` sets up its own (see that file's header).
 #[path = "../../../tests/support/peer_nodes.rs"]
 mod peer_nodes;
-use peer_nodes::{Node, Setup, job_nodes, listeners, me};
+use peer_nodes::{
+    Node, Setup, assert_each_read_some_and_took_the_rest, job_nodes, listeners, me, stop,
+};
 
 /// Starts node `name`'s peer server on `listener`; `addrs` is how this node reaches every node
 /// (a test may route one peer through a relay). Units of 2 MiB; the object stager copies no
@@ -170,6 +177,47 @@ async fn node(name: &str, listener: TcpListener, addrs: &BTreeMap<String, String
         spec: spec(),
     };
     peer_nodes::node(name, listener, addrs, &setup).await
+}
+
+/// The job's three nodes, each reaching the others directly.
+async fn three_nodes() -> Vec<Node> {
+    let (ls, addrs) = listeners().await;
+    start_nodes(ls, |_| &addrs).await
+}
+
+/// A [`node`] on each of `ls` (the job's nodes in order), node `name` reaching the others at
+/// `addrs_of(name)`.
+async fn start_nodes<'a>(
+    ls: Vec<TcpListener>,
+    addrs_of: impl Fn(&str) -> &'a BTreeMap<String, String>,
+) -> Vec<Node> {
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().iter().zip(ls) {
+        nodes.push(node(name, l, addrs_of(name)).await);
+    }
+    nodes
+}
+
+/// [`start_nodes`] with [`node_with_cache`]; the hot tiers live as long as the directories.
+async fn start_nodes_with_cache<'a>(
+    ls: Vec<TcpListener>,
+    addrs_of: impl Fn(&str) -> &'a BTreeMap<String, String>,
+) -> (Vec<Node>, Vec<tempfile::TempDir>) {
+    let (mut nodes, mut hots) = (Vec::new(), Vec::new());
+    for (name, l) in job_nodes().iter().zip(ls) {
+        let (n, hot) = node_with_cache(name, l, addrs_of(name)).await;
+        nodes.push(n);
+        hots.push(hot);
+    }
+    (nodes, hots)
+}
+
+/// `addrs` with n2 reached through a [`tampering_relay`]: how n1 sees the job in the tests of a
+/// relay that changes bytes.
+async fn n2_through_relay(addrs: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    let mut via_relay = addrs.clone();
+    via_relay.insert("n2".into(), tampering_relay(addrs["n2"].clone()).await);
+    via_relay
 }
 
 /// Stages the dataset on `nodes` at once, each sharing it with the job's three nodes, the way
@@ -274,11 +322,7 @@ fn assert_identical(nodes: &[&Node], files: &BTreeMap<String, Vec<u8>>) -> Vec<(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_read_the_origin_once_and_each_ends_with_the_whole_dataset() {
     let (store, files) = origin().await;
-    let (ls, addrs) = listeners().await;
-    let mut nodes = Vec::new();
-    for (name, l) in job_nodes().iter().zip(ls) {
-        nodes.push(node(name, l, &addrs).await);
-    }
+    let nodes = three_nodes().await;
     let all: Vec<&Node> = nodes.iter().collect();
     for (r, peers) in stage_all(&all, &store).await {
         r.unwrap();
@@ -293,12 +337,8 @@ async fn three_nodes_read_the_origin_once_and_each_ends_with_the_whole_dataset()
     );
     // Each node read its own share and took the rest from the others.
     assert_eq!(counts.iter().map(|c| c.0).sum::<u64>(), total);
-    for (n, (origin, peer)) in all.iter().zip(&counts) {
-        assert!(*origin > 0 && *peer > 0, "{}: {origin} + {peer}", n.name);
-    }
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    assert_each_read_some_and_took_the_rest(&nodes, &counts);
+    stop(&nodes);
 }
 
 /// An object overwritten while the job's nodes listed the dataset: n1 listed the old version,
@@ -326,11 +366,7 @@ async fn nodes_that_listed_two_versions_of_an_object_never_mix_them() {
         "the overwrite has a new ETag"
     );
 
-    let (ls, addrs) = listeners().await;
-    let mut nodes = Vec::new();
-    for (name, l) in job_nodes().iter().zip(ls) {
-        nodes.push(node(name, l, &addrs).await);
-    }
+    let nodes = three_nodes().await;
     let all: Vec<&Node> = nodes.iter().collect();
     for (r, _) in stage_each(&all, &[&old, &new, &new]).await {
         r.unwrap();
@@ -355,9 +391,7 @@ async fn nodes_that_listed_two_versions_of_an_object_never_mix_them() {
         served.0 >= big,
         "n1 read the old version itself: {served:?}"
     );
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    stop(&nodes);
 }
 
 /// `--stage-mode=shard` on three nodes: each holds exactly the files it owns, together they hold
@@ -367,11 +401,7 @@ async fn nodes_that_listed_two_versions_of_an_object_never_mix_them() {
 async fn three_shard_nodes_hold_the_dataset_once_and_write_the_same_manifest() {
     use crate::stage::shard::{ShardManifest, ShardPlan};
     let (store, files) = origin().await;
-    let (ls, addrs) = listeners().await;
-    let mut nodes = Vec::new();
-    for (name, l) in job_nodes().iter().zip(ls) {
-        nodes.push(node(name, l, &addrs).await);
-    }
+    let nodes = three_nodes().await;
     let runs = nodes.iter().map(|n| {
         let store = store.clone() as Arc<dyn ObjectStore>;
         async move {
@@ -431,9 +461,7 @@ async fn three_shard_nodes_hold_the_dataset_once_and_write_the_same_manifest() {
         union, files,
         "the nodes together hold the dataset, byte for byte"
     );
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    stop(&nodes);
 }
 
 /// n3's agent is not there (nothing listens on its port): n1 and n2 route around it and split its
@@ -444,10 +472,7 @@ async fn a_node_without_an_agent_is_routed_around_and_the_origin_still_read_once
     let (store, files) = origin().await;
     let (mut ls, addrs) = listeners().await;
     drop(ls.pop()); // n3's port: closed
-    let mut nodes = Vec::new();
-    for (name, l) in job_nodes().iter().zip(ls) {
-        nodes.push(node(name, l, &addrs).await);
-    }
+    let nodes = start_nodes(ls, |_| &addrs).await;
     let two: Vec<&Node> = nodes.iter().collect();
     for (r, peers) in stage_all(&two, &store).await {
         r.unwrap();
@@ -469,24 +494,12 @@ async fn a_node_without_an_agent_is_routed_around_and_the_origin_still_read_once
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_restarted_node_serves_the_units_it_kept_with_hashes_of_its_files_now() {
     let (store, files) = origin().await;
-    let (ls, addrs) = listeners().await;
-    let mut nodes = Vec::new();
-    for (name, l) in job_nodes().iter().zip(ls) {
-        nodes.push(node(name, l, &addrs).await);
-    }
+    let mut nodes = three_nodes().await;
     let state = tempfile::tempdir().unwrap();
-    let log = |resuming| {
-        Some(Arc::new(crate::stage::resume::JobResume::open(
-            state.path(),
-            JOB,
-            resuming,
-        )))
-    };
+    let log = |resuming| Some(job_resume(&state, resuming));
     // Before the restart: n1 alone staged it all.
     nodes[0].ctx.resume = log(false);
-    let before = Arc::new(Progress::new(&spec()));
-    let s = store.clone() as Arc<dyn ObjectStore>;
-    crate::stage::object::stage(&nodes[0].ctx, &spec(), s, "ds", before, None, None)
+    stage_alone(&nodes[0], &store, Arc::new(Progress::new(&spec())))
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -537,9 +550,7 @@ async fn a_restarted_node_serves_the_units_it_kept_with_hashes_of_its_files_now(
                 .all(|n| n.progress.snapshot().peer_bytes > 0),
         "n1's units came from n1: the origin served {served} of {total} bytes"
     );
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    stop(&nodes);
 }
 
 /// Issue 11 item 6: n1 had staged the whole dataset, then its agent restarted, while n2 and n3
@@ -550,24 +561,12 @@ async fn a_restarted_node_serves_the_units_it_kept_with_hashes_of_its_files_now(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others() {
     let (store, files) = origin().await;
-    let (ls, addrs) = listeners().await;
-    let mut nodes = Vec::new();
-    for (name, l) in job_nodes().iter().zip(ls) {
-        nodes.push(node(name, l, &addrs).await);
-    }
+    let mut nodes = three_nodes().await;
     let state = tempfile::tempdir().unwrap();
-    let resume = |resuming| {
-        Arc::new(crate::stage::resume::JobResume::open(
-            state.path(),
-            JOB,
-            resuming,
-        ))
-    };
+    let resume = |resuming| job_resume(&state, resuming);
     // Before the restart: n1 staged it all (its log names every file).
     nodes[0].ctx.resume = Some(resume(false));
-    let s = store.clone() as Arc<dyn ObjectStore>;
-    let before = Arc::new(Progress::new(&spec()));
-    crate::stage::object::stage(&nodes[0].ctx, &spec(), s, "ds", before, None, None)
+    stage_alone(&nodes[0], &store, Arc::new(Progress::new(&spec())))
         .await
         .unwrap();
     // The job's user rewrote one file in place since (same bytes: only its ctime tells).
@@ -633,9 +632,7 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
         served, expected,
         "the origin served n1's units only of the file changed on n1"
     );
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    stop(&nodes);
 }
 
 /// A relay between n1 and n2 that changes bytes: n1 detects it (the owner's hash), fetches again
@@ -645,14 +642,8 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
 async fn a_tampering_relay_is_detected_and_its_units_fetched_elsewhere() {
     let (store, files) = origin().await;
     let (ls, addrs) = listeners().await;
-    let relay = tampering_relay(addrs["n2"].clone()).await;
-    let mut via_relay = addrs.clone();
-    via_relay.insert("n2".into(), relay);
-    let mut nodes = Vec::new();
-    for (name, l) in job_nodes().iter().zip(ls) {
-        let seen = if name == "n1" { &via_relay } else { &addrs };
-        nodes.push(node(name, l, seen).await);
-    }
+    let via_relay = n2_through_relay(&addrs).await;
+    let nodes = start_nodes(ls, |name| if name == "n1" { &via_relay } else { &addrs }).await;
     let all: Vec<&Node> = nodes.iter().collect();
     let results = stage_all(&all, &store).await;
     for (i, (r, peers)) in results.iter().enumerate() {
@@ -888,17 +879,7 @@ async fn node_with_cache(
 /// each object filled into the cache as it is written), then empties its stage directory and
 /// progress for the job to come.
 async fn warm_alone(n: &mut Node, store: &Arc<CountingStore>) {
-    crate::stage::object::stage(
-        &n.ctx,
-        &spec(),
-        store.clone() as Arc<dyn ObjectStore>,
-        "ds",
-        n.progress.clone(),
-        None,
-        None,
-    )
-    .await
-    .unwrap();
+    stage_alone(n, store, n.progress.clone()).await.unwrap();
     std::fs::remove_dir_all(n.dir.path().join("ds")).unwrap();
     n.progress = Arc::new(Progress::new(&spec()));
 }
@@ -925,12 +906,7 @@ async fn a_node_that_misses_takes_its_units_from_a_peers_cache_before_the_origin
         files.insert(odd, bytes);
     }
     let (ls, addrs) = listeners().await;
-    let (mut nodes, mut hots) = (Vec::new(), Vec::new());
-    for (name, l) in job_nodes().iter().zip(ls) {
-        let (n, hot) = node_with_cache(name, l, &addrs).await;
-        nodes.push(n);
-        hots.push(hot);
-    }
+    let (mut nodes, _hots) = start_nodes_with_cache(ls, |_| &addrs).await;
     warm_alone(&mut nodes[1], &store).await;
     assert_eq!(store.served.load(Ordering::SeqCst), dataset_bytes(&files));
     store.served.store(0, Ordering::SeqCst);
@@ -959,9 +935,7 @@ async fn a_node_that_misses_takes_its_units_from_a_peers_cache_before_the_origin
         assert_eq!(n.progress.snapshot().peer_bytes, total, "{}", n.name);
         assert_eq!(cached(n), cached(&nodes[1]), "{} cached it too", n.name);
     }
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    stop(&nodes);
 }
 
 /// n1 reaches n2 (the only warm cache) through a relay that changes bytes: the ranges n1 takes
@@ -972,16 +946,9 @@ async fn a_node_that_misses_takes_its_units_from_a_peers_cache_before_the_origin
 async fn a_peers_cache_that_answers_wrong_bytes_is_left_for_the_origin() {
     let (store, files) = origin().await;
     let (ls, addrs) = listeners().await;
-    let relay = tampering_relay(addrs["n2"].clone()).await;
-    let mut via_relay = addrs.clone();
-    via_relay.insert("n2".into(), relay);
-    let (mut nodes, mut hots) = (Vec::new(), Vec::new());
-    for (name, l) in job_nodes().iter().zip(ls) {
-        let seen = if name == "n1" { &via_relay } else { &addrs };
-        let (n, hot) = node_with_cache(name, l, seen).await;
-        nodes.push(n);
-        hots.push(hot);
-    }
+    let via_relay = n2_through_relay(&addrs).await;
+    let (mut nodes, _hots) =
+        start_nodes_with_cache(ls, |name| if name == "n1" { &via_relay } else { &addrs }).await;
     warm_alone(&mut nodes[1], &store).await;
     store.served.store(0, Ordering::SeqCst);
     let all: Vec<&Node> = nodes.iter().collect();
@@ -1003,9 +970,7 @@ async fn a_peers_cache_that_answers_wrong_bytes_is_left_for_the_origin() {
         n1_cache.stats().entries,
         nodes[1].ctx.cache.as_ref().unwrap().stats().entries
     );
-    for n in &nodes {
-        n.stop.cancel();
-    }
+    stop(&nodes);
 }
 
 /// A node serves from its cache only objects under the job's own datasets, and answers at once
@@ -1117,17 +1082,9 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
     let (mut n2, _hot2) = node_with_cache("n2", ls.remove(0), &addrs).await;
     let (n3, _hot3) = node_with_cache("n3", ls.remove(0), &addrs).await;
     let state = tempfile::tempdir().unwrap();
-    let resume = |resuming| {
-        Arc::new(crate::stage::resume::JobResume::open(
-            state.path(),
-            JOB,
-            resuming,
-        ))
-    };
+    let resume = |resuming| job_resume(&state, resuming);
     n1.ctx.resume = Some(resume(false));
-    let s = store.clone() as Arc<dyn ObjectStore>;
-    let before = Arc::new(Progress::new(&spec()));
-    crate::stage::object::stage(&n1.ctx, &spec(), s, "ds", before, None, None)
+    stage_alone(&n1, &store, Arc::new(Progress::new(&spec())))
         .await
         .unwrap();
     // The user's bytes, in place, in every file; the log notes the files as they are now.
@@ -1250,15 +1207,24 @@ async fn a_corrupted_cache_entry_is_not_served() {
 /// [`warm_alone`] without emptying the stage directory after.
 async fn warm_alone_keeping(n: &mut Node, store: &Arc<CountingStore>) {
     n.progress = Arc::new(Progress::new(&spec()));
-    crate::stage::object::stage(
-        &n.ctx,
-        &spec(),
-        store.clone() as Arc<dyn ObjectStore>,
-        "ds",
-        n.progress.clone(),
-        None,
-        None,
-    )
-    .await
-    .unwrap();
+    stage_alone(n, store, n.progress.clone()).await.unwrap();
+}
+
+/// Stages the dataset on `n` alone (no peers, no shard), counting in `progress`.
+async fn stage_alone(
+    n: &Node,
+    store: &Arc<CountingStore>,
+    progress: Arc<Progress>,
+) -> Result<(), crate::stage::StageError> {
+    let store = store.clone() as Arc<dyn ObjectStore>;
+    crate::stage::object::stage(&n.ctx, &spec(), store, "ds", progress, None, None).await
+}
+
+/// The staging log of the job in `state`, as an agent that is `resuming` opens it.
+fn job_resume(state: &tempfile::TempDir, resuming: bool) -> Arc<crate::stage::resume::JobResume> {
+    Arc::new(crate::stage::resume::JobResume::open(
+        state.path(),
+        JOB,
+        resuming,
+    ))
 }
