@@ -105,11 +105,10 @@ async fn copy(
     }
     let mut helper = HelperCmd::new(ctx, spec, path).start(args, false)?;
     while let Some(line) = helper.line().await {
-        if let Some(event) = HelperMsg::decode(&line).ok().and_then(|m| m.event()) {
-            progress.apply(event);
-            if matches!(event, Event::Total { .. }) {
-                progress.set_state(StageState::Copying);
-            }
+        match HelperMsg::decode(&line).ok().and_then(|m| m.event()) {
+            Some(total @ Event::Total { .. }) => copying(progress, total),
+            Some(event) => progress.apply(event),
+            None => {}
         }
     }
     helper.finish().await
@@ -160,10 +159,7 @@ async fn resumable_copy(
         };
         if let Some(event) = msg.event() {
             match event {
-                Event::Total { .. } => {
-                    progress.apply(event);
-                    progress.set_state(StageState::Copying);
-                }
+                Event::Total { .. } => copying(progress, event),
                 Event::Progress { files, bytes } => {
                     progress.apply(Event::Progress {
                         files: files + kept_files,
@@ -199,6 +195,12 @@ async fn resumable_copy(
     }
     log.finish().await;
     helper.finish().await
+}
+
+/// Takes in the helper's `total` (what it copies): the dataset is copying now.
+fn copying(progress: &Progress, total: Event) {
+    progress.apply(total);
+    progress.set_state(StageState::Copying);
 }
 
 /// The path below the dataset `name` of `path` below the stage directory (`""` for the dataset
@@ -256,11 +258,7 @@ async fn copy_cached(
                 let msg = HelperMsg::decode(&line);
                 if let Some(event) = msg.as_ref().ok().and_then(HelperMsg::event) {
                     match event {
-                        Event::Total { files, bytes } => {
-                            progress.files_total.store(files, Ordering::Relaxed);
-                            progress.bytes_total.store(bytes, Ordering::Relaxed);
-                            progress.set_state(StageState::Copying);
-                        }
+                        total @ Event::Total { .. } => copying(progress, total),
                         // The helper's own counts; what the cache placed is added by its tasks.
                         Event::Progress { files, bytes } => {
                             let (df, db) = (files.saturating_sub(helper_files), bytes.saturating_sub(helper_bytes));
@@ -891,11 +889,7 @@ async fn replicate(
                 let msg = HelperMsg::decode(&line);
                 if let Some(event) = msg.as_ref().ok().and_then(HelperMsg::event) {
                     match event {
-                        Event::Total { files, bytes } => {
-                            progress.files_total.store(files, Ordering::Relaxed);
-                            progress.bytes_total.store(bytes, Ordering::Relaxed);
-                            progress.set_state(StageState::Copying);
-                        }
+                        total @ Event::Total { .. } => copying(progress, total),
                         Event::Progress { files, bytes } => {
                             whole_files = files;
                             progress
