@@ -213,13 +213,13 @@ fn run_internal(command: InternalCommand) -> ExitCode {
         } => {
             if let Err(e) = copy_as_user::become_user(who.uid, who.gid, &who.user) {
                 eprintln!("{e}");
-                return ExitCode::from(copy_as_user::EXIT_OTHER as u8);
+                return ExitCode::from(copy_as_user::Failure::Other.exit_code());
             }
             let shard = match shard.shard() {
                 Ok(s) => s,
                 Err(e) => {
                     eprintln!("{e}");
-                    return ExitCode::from(copy_as_user::EXIT_OTHER as u8);
+                    return ExitCode::from(copy_as_user::Failure::Other.exit_code());
                 }
             };
             let mut out = std::io::stdout().lock();
@@ -236,9 +236,9 @@ fn run_internal(command: InternalCommand) -> ExitCode {
             };
             match copied {
                 Ok(()) => ExitCode::SUCCESS,
-                Err((code, message)) => {
-                    eprintln!("{message}");
-                    ExitCode::from(code as u8)
+                Err(e) => {
+                    eprintln!("{e}");
+                    ExitCode::from(e.failure().exit_code())
                 }
             }
         }

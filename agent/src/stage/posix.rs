@@ -1,6 +1,7 @@
 //! Stage-in from POSIX sources (Lustre, NFS, GPFS, local paths): the agent's side of
-//! `sluiced copy-as-user` — it starts the helper as the job user, turns the helper's progress lines
-//! into [`Progress`], and its exit code and last error line into the [`StageError`] the job shows.
+//! `sluiced copy-as-user` — it starts the helper as the job user, turns the helper's messages
+//! ([`super::copy_as_user::protocol`]) into [`Progress`], and its exit ([`Failure`]) and last
+//! error line into the [`StageError`] the job shows.
 //!
 //! Shared with the job's other nodes (`--stage-mode=replicate` with `[peer]`, [`Sharing::Peers`]),
 //! a POSIX dataset is read from its origin once per job, like an object-store one: every node's
@@ -33,10 +34,8 @@
 //! miss once every unit is in, each checked against the hash of what was read from the source (by
 //! this node's helper, or by the unit's owner). Shard stages read their source as without a cache.
 
-use super::copy_as_user::{
-    CacheLine, EXIT_DENIED, EXIT_NO_SPACE, EXIT_NOT_FOUND, Event, FileIdent, PeerLine, ResumeLine,
-    copies_unit, keep_line, peer_unit_file, piece_hashes_hash,
-};
+use super::copy_as_user::protocol::{AgentMsg, Failure, HelperMsg};
+use super::copy_as_user::{Event, FileIdent, copies_unit, peer_unit_file, piece_hashes_hash};
 use super::peers::{NextStep, open_staged_for_write};
 use super::resume::{self, DatasetLog};
 use super::sink::{HashingSink, PeerUnit};
@@ -108,11 +107,10 @@ async fn copy(
     }
     let mut helper = HelperCmd::new(ctx, spec, path).start(args, false)?;
     while let Some(line) = helper.line().await {
-        if let Some(event) = Event::parse(&line) {
-            progress.apply(event);
-            if matches!(event, Event::Total { .. }) {
-                progress.set_state(StageState::Copying);
-            }
+        match HelperMsg::decode(&line).ok().and_then(|m| m.event()) {
+            Some(total @ Event::Total { .. }) => copying(progress, total),
+            Some(event) => progress.apply(event),
+            None => {}
         }
     }
     helper.finish().await
@@ -143,7 +141,11 @@ async fn resumable_copy(
                 let source = e.posix_source()?;
                 let rel = below_dataset(&name, e.path())?;
                 resume::resumable(&stage, e.path(), owner, &e)?;
-                Some(keep_line(&source, rel))
+                let offer = AgentMsg::Keep {
+                    file: source,
+                    path: rel.to_string(),
+                };
+                Some(offer.encode())
             })
             .collect()
     })
@@ -154,12 +156,12 @@ async fn resumable_copy(
     drop(stdin);
     let (mut kept_files, mut kept_bytes) = (0, 0);
     while let Some(line) = helper.line().await {
-        if let Some(event) = Event::parse(&line) {
+        let Ok(msg) = HelperMsg::decode(&line) else {
+            continue;
+        };
+        if let Some(event) = msg.event() {
             match event {
-                Event::Total { .. } => {
-                    progress.apply(event);
-                    progress.set_state(StageState::Copying);
-                }
+                Event::Total { .. } => copying(progress, event),
                 Event::Progress { files, bytes } => {
                     progress.apply(Event::Progress {
                         files: files + kept_files,
@@ -170,14 +172,14 @@ async fn resumable_copy(
             }
             continue;
         }
-        match ResumeLine::parse(&line) {
-            Some(ResumeLine::Kept { files, bytes }) => {
+        match msg {
+            HelperMsg::Kept { files, bytes } => {
                 (kept_files, kept_bytes) = (files, bytes);
                 progress.resumed_bytes.store(bytes, Ordering::Relaxed);
                 progress.files_done.store(files, Ordering::Relaxed);
                 progress.bytes_done.store(bytes, Ordering::Relaxed);
             }
-            Some(ResumeLine::Whole { file, path: rel }) => {
+            HelperMsg::Whole { file, path: rel } => {
                 let staged = peer_unit_file(&spec.name, &rel);
                 let (stage, owner) = (ctx.stage_fd.clone(), ctx.owner);
                 let s = staged.clone();
@@ -190,11 +192,17 @@ async fn resumable_copy(
                     log.done(resume::Entry::posix(staged, file, id)).await;
                 }
             }
-            None => {}
+            _ => {}
         }
     }
     log.finish().await;
     helper.finish().await
+}
+
+/// Takes in the helper's `total` (what it copies): the dataset is copying now.
+fn copying(progress: &Progress, total: Event) {
+    progress.apply(total);
+    progress.set_state(StageState::Copying);
 }
 
 /// The path below the dataset `name` of `path` below the stage directory (`""` for the dataset
@@ -235,10 +243,6 @@ async fn copy_cached(
     let cmd = HelperCmd::new(ctx, spec, path);
     let mut helper = cmd.start(vec!["--cached".into()], true)?;
     // Keys name files by the path the job gave, below which the helper reports each one.
-    let below = |rel: &str| match path.trim_end_matches('/') {
-        "" => format!("/{rel}"),
-        dir => format!("{dir}/{rel}"),
-    };
     let mut idents: HashMap<usize, Arc<Identified>> = HashMap::new();
     let mut hits: HashMap<usize, Hit> = HashMap::new();
     let mut answered = false;
@@ -248,24 +252,15 @@ async fn copy_cached(
         ctx.cfg.stage.concurrency.max(1),
     ));
     let (mut helper_files, mut helper_bytes) = (0u64, 0u64);
-    let garbage = |line: &str| StageError::Origin {
-        dataset: cmd.source.clone(),
-        detail: format!(
-            "the copy helper printed {:?}, which is no part of this dataset",
-            line.chars().take(200).collect::<String>()
-        ),
-    };
+    let garbage = |line: &str| helper_garbage(&cmd.source, line);
     loop {
         tokio::select! {
             line = helper.line() => {
                 let Some(line) = line else { break };
-                if let Some(event) = Event::parse(&line) {
+                let msg = HelperMsg::decode(&line);
+                if let Some(event) = msg.as_ref().ok().and_then(HelperMsg::event) {
                     match event {
-                        Event::Total { files, bytes } => {
-                            progress.files_total.store(files, Ordering::Relaxed);
-                            progress.bytes_total.store(bytes, Ordering::Relaxed);
-                            progress.set_state(StageState::Copying);
-                        }
+                        total @ Event::Total { .. } => copying(progress, total),
                         // The helper's own counts; what the cache placed is added by its tasks.
                         Event::Progress { files, bytes } => {
                             let (df, db) = (files.saturating_sub(helper_files), bytes.saturating_sub(helper_bytes));
@@ -277,29 +272,23 @@ async fn copy_cached(
                     }
                     continue;
                 }
-                match CacheLine::parse(&line) {
-                    Some(CacheLine::Ident { idx, file, mode, path: rel }) if !answered && idx == idents.len() => {
-                        let ok = rel.is_empty()
-                            || rel.split('/').all(|c| !c.is_empty() && c != "." && c != "..");
-                        if !ok {
+                match msg {
+                    Ok(HelperMsg::Ident { idx, file, mode, path: rel }) if !answered && idx == idents.len() => {
+                        let Some(key_path) = source_path(path, &rel) else {
                             return Err(garbage(&line));
-                        }
-                        let one_file = rel.is_empty();
-                        let (key_path, rel) = if one_file {
-                            (path.to_string(), spec.name.clone())
-                        } else {
-                            (below(&rel), rel)
                         };
+                        let one_file = rel.is_empty();
+                        let rel = if one_file { spec.name.clone() } else { rel };
                         let key = posix_key(&key_path, file, ctx.owner.uid);
                         idents.insert(idx, Arc::new(Identified { key, rel, mode, one_file }));
                     }
-                    Some(CacheLine::Idents { count }) if !answered && count == idents.len() => {
+                    Ok(HelperMsg::Idents { count }) if !answered && count == idents.len() => {
                         answered = true;
                         let keys = idents.iter().map(|(i, f)| (*i, f.key.clone())).collect();
                         let stdin = helper.stdin.take().expect("stdin is piped");
                         hits = answer_idents(cache.clone(), keys, stdin).await;
                     }
-                    Some(CacheLine::Cached { idx }) if answered => {
+                    Ok(HelperMsg::Cached { idx }) if answered => {
                         let (Some(hit), Some(file)) = (hits.remove(&idx), idents.get(&idx).cloned()) else {
                             return Err(garbage(&line));
                         };
@@ -323,7 +312,7 @@ async fn copy_cached(
                             Ok(())
                         });
                     }
-                    Some(CacheLine::Copied { idx, piece, hash }) if answered && piece >= 4096 => {
+                    Ok(HelperMsg::Copied { idx, piece, hash }) if answered && piece >= 4096 => {
                         let Some(file) = idents.get(&idx).cloned() else {
                             return Err(garbage(&line));
                         };
@@ -349,6 +338,25 @@ async fn copy_cached(
     // Hits the helper never made (it failed first) are given back here, unused.
     drop(hits);
     helper.finish().await
+}
+
+/// The path of the file the helper identified at `rel` below the dataset (`""`: the dataset is that
+/// file) below the source `path` as the job gave it, which cache keys name files by; `None` for a
+/// `rel` that is not a plain relative path (the helper runs as the user, who may make it say so).
+fn source_path(path: &str, rel: &str) -> Option<String> {
+    if rel.is_empty() {
+        return Some(path.to_string());
+    }
+    if !rel
+        .split('/')
+        .all(|c| !c.is_empty() && c != "." && c != "..")
+    {
+        return None;
+    }
+    Some(match path.trim_end_matches('/') {
+        "" => format!("/{rel}"),
+        dir => format!("{dir}/{rel}"),
+    })
 }
 
 /// The key of a POSIX file as the helper identified it, for `uid` alone.
@@ -584,36 +592,30 @@ impl Helper {
         if status.success() {
             return Ok(());
         }
-        let message = err_text
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("copy helper failed")
-            .to_string();
         Err(classify(
             &self.cmd.source,
             &self.cmd.node,
-            status.code(),
-            message,
+            Failure::from_exit(status.code()),
+            Failure::message(&err_text).to_string(),
         ))
     }
 }
 
 /// Turns the helper's exit into the error the job will show.
-fn classify(source: &str, node: &str, code: Option<i32>, message: String) -> StageError {
-    match code {
-        Some(EXIT_NOT_FOUND) => StageError::NotFound {
+fn classify(source: &str, node: &str, failure: Failure, message: String) -> StageError {
+    match failure {
+        Failure::NotFound => StageError::NotFound {
             dataset: source.to_string(),
         },
-        Some(EXIT_DENIED) => StageError::Denied {
+        Failure::Denied => StageError::Denied {
             dataset: source.to_string(),
             detail: message,
         },
-        Some(EXIT_NO_SPACE) => StageError::NoSpace {
+        Failure::NoSpace => StageError::NoSpace {
             node: node.to_string(),
             dataset: source.to_string(),
         },
-        _ => StageError::Origin {
+        Failure::Other => StageError::Origin {
             dataset: source.to_string(),
             detail: message,
         },
@@ -836,13 +838,10 @@ async fn replicate(
                     helper.take().expect("running").finish().await?;
                     continue;
                 };
-                if let Some(event) = Event::parse(&line) {
+                let msg = HelperMsg::decode(&line);
+                if let Some(event) = msg.as_ref().ok().and_then(HelperMsg::event) {
                     match event {
-                        Event::Total { files, bytes } => {
-                            progress.files_total.store(files, Ordering::Relaxed);
-                            progress.bytes_total.store(bytes, Ordering::Relaxed);
-                            progress.set_state(StageState::Copying);
-                        }
+                        total @ Event::Total { .. } => copying(progress, total),
                         Event::Progress { files, bytes } => {
                             whole_files = files;
                             progress
@@ -854,8 +853,8 @@ async fn replicate(
                     }
                     continue;
                 }
-                match PeerLine::parse(&line) {
-                    Some(PeerLine::File { idx, size, mode, path }) if idx == files.len() && answered => {
+                match msg {
+                    Ok(HelperMsg::File { idx, size, mode, path }) if idx == files.len() && answered => {
                         let (root, rel, rel_at) = if path.is_empty() {
                             (ctx.stage_fd.clone(), spec.name.clone(), 0)
                         } else {
@@ -880,7 +879,7 @@ async fn replicate(
                         let units = units_of(&unit_file, size, unit_size);
                         let key = idents.remove(&idx);
                         if key.as_ref().is_some_and(|k| k.size != size) {
-                            return Err(helper_garbage(&shared, &line));
+                            return Err(helper_garbage(&shared.helper.source, &line));
                         }
                         peers.add_object(root.clone(), rel_at, &units);
                         if let Some(hit) = hits.remove(&idx) {
@@ -903,7 +902,7 @@ async fn replicate(
                         let hit = false;
                         files.push(ListedFile { root, rel, path, unit_file, size, mode, left, hit, fill });
                     }
-                    Some(PeerLine::Unit { idx, offset, hash }) => {
+                    Ok(HelperMsg::Unit { idx, offset, hash }) => {
                         let unit = files.get(idx).and_then(|f| {
                             let u = Unit {
                                 file: f.unit_file.clone(),
@@ -914,10 +913,10 @@ async fn replicate(
                             (at_a_unit && (offset < f.size || f.size == 0)).then_some(u)
                         });
                         let Some(unit) = unit else {
-                            return Err(helper_garbage(&shared, &line));
+                            return Err(helper_garbage(&shared.helper.source, &line));
                         };
                         if files[idx].hit {
-                            return Err(helper_garbage(&shared, &line));
+                            return Err(helper_garbage(&shared.helper.source, &line));
                         }
                         peers.held(&unit, hash);
                         if let Some(k) = files[idx].unit_hash(unit_size, offset, hash) {
@@ -925,35 +924,27 @@ async fn replicate(
                         }
                         unit_in(&mut files, idx, &mut tasks);
                     }
-                    Some(PeerLine::Changed { idx }) if idx < files.len() => {
+                    Ok(HelperMsg::Changed { idx }) if idx < files.len() => {
                         files[idx].fill = None;
                     }
-                    _ => match CacheLine::parse(&line) {
-                        Some(CacheLine::Ident { idx, file, path: rel, .. })
-                            if !answered
-                                && files.is_empty()
-                                && last_ident.is_none_or(|i| i < idx)
-                                && (rel.is_empty()
-                                    || rel.split('/').all(|c| !c.is_empty() && c != "." && c != "..")) =>
-                        {
-                            let key_path = match (rel.as_str(), path.trim_end_matches('/')) {
-                                ("", _) => path.to_string(),
-                                (rel, "") => format!("/{rel}"),
-                                (rel, dir) => format!("{dir}/{rel}"),
-                            };
-                            idents.insert(idx, posix_key(&key_path, file, ctx.owner.uid));
-                            last_ident = Some(idx);
-                        }
-                        Some(CacheLine::Idents { count }) if !answered && count == idents.len() => {
-                            answered = true;
-                            let cache = shared.cache.clone().expect("asked with a cache");
-                            let keys = idents.iter().map(|(i, k)| (*i, k.clone())).collect();
-                            let h = helper.as_mut().expect("read while running");
-                            let stdin = h.stdin.take().expect("stdin is piped");
-                            hits = answer_idents(cache, keys, stdin).await;
-                        }
-                        _ => return Err(helper_garbage(&shared, &line)),
-                    },
+                    Ok(HelperMsg::Ident { idx, file, path: rel, .. })
+                        if !answered && files.is_empty() && last_ident.is_none_or(|i| i < idx) =>
+                    {
+                        let Some(key_path) = source_path(path, &rel) else {
+                            return Err(helper_garbage(&shared.helper.source, &line));
+                        };
+                        idents.insert(idx, posix_key(&key_path, file, ctx.owner.uid));
+                        last_ident = Some(idx);
+                    }
+                    Ok(HelperMsg::Idents { count }) if !answered && count == idents.len() => {
+                        answered = true;
+                        let cache = shared.cache.clone().expect("asked with a cache");
+                        let keys = idents.iter().map(|(i, k)| (*i, k.clone())).collect();
+                        let h = helper.as_mut().expect("read while running");
+                        let stdin = h.stdin.take().expect("stdin is piped");
+                        hits = answer_idents(cache, keys, stdin).await;
+                    }
+                    _ => return Err(helper_garbage(&shared.helper.source, &line)),
                 }
             }
             Some(done) = tasks.join_next(), if !tasks.is_empty() => {
@@ -1086,7 +1077,10 @@ async fn answer_idents(
             .collect()
     })
     .await;
-    let answer: String = hits.keys().map(|idx| format!("hit {idx}\n")).collect();
+    let answer: String = hits
+        .keys()
+        .map(|&idx| AgentMsg::Hit { idx }.encode())
+        .collect();
     // The helper reads every answer before it writes again; if it went away, its exit says why.
     let _ = stdin.write_all(answer.as_bytes()).await;
     hits
@@ -1094,9 +1088,9 @@ async fn answer_idents(
 
 /// A line of the helper that does not belong to the run (the helper runs as the job user, who
 /// may have had it print anything): the dataset fails.
-fn helper_garbage(shared: &Shared, line: &str) -> StageError {
+fn helper_garbage(source: &str, line: &str) -> StageError {
     StageError::Origin {
-        dataset: shared.helper.source.clone(),
+        dataset: source.to_string(),
         detail: format!(
             "the copy helper printed {:?}, which is no part of this dataset",
             line.chars().take(200).collect::<String>()
@@ -1180,9 +1174,14 @@ async fn repair(
     let requests: String = batch
         .iter()
         .enumerate()
-        .map(|(i, (_, u, path))| {
-            let quoted = serde_json::to_string(path).expect("a string serializes");
-            format!("{i} {} {} {quoted}\n", u.offset, u.len)
+        .map(|(idx, (_, u, path))| {
+            let request = AgentMsg::Repair {
+                idx,
+                offset: u.offset,
+                len: u.len,
+                path: path.clone(),
+            };
+            request.encode()
         })
         .collect();
     let mut stdin = helper.stdin.take().expect("stdin is piped");
@@ -1192,7 +1191,7 @@ async fn repair(
     let mut done = Vec::with_capacity(batch.len());
     let mut seen = vec![false; batch.len()];
     while let Some(line) = helper.line().await {
-        let Some(PeerLine::Unit { idx, offset, hash }) = PeerLine::parse(&line) else {
+        let Ok(HelperMsg::Unit { idx, offset, hash }) = HelperMsg::decode(&line) else {
             continue;
         };
         match batch.get(idx) {
@@ -1202,7 +1201,7 @@ async fn repair(
                 shared.peers.held(unit, hash);
                 done.push(*file);
             }
-            _ => return Err(helper_garbage(&shared, &line)),
+            _ => return Err(helper_garbage(&shared.helper.source, &line)),
         }
     }
     helper.finish().await?;
@@ -1224,20 +1223,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn identified_files_are_named_below_the_source_as_the_job_gave_it() {
+        assert_eq!(
+            source_path("/data/ds/", "a/b").as_deref(),
+            Some("/data/ds/a/b")
+        );
+        assert_eq!(source_path("/", "a").as_deref(), Some("/a"));
+        assert_eq!(source_path("/data/f", "").as_deref(), Some("/data/f"));
+        for bad in ["../x", "a//b", "./a", "a/..", "/a"] {
+            assert_eq!(source_path("/data/ds", bad), None, "{bad}");
+        }
+    }
+
+    #[test]
     fn helper_exits_become_the_errors_a_job_shows() {
-        let e = classify("/data/x", "n1", Some(EXIT_DENIED), "no".into());
+        let e = classify("/data/x", "n1", Failure::Denied, "no".into());
         assert!(matches!(e, StageError::Denied { .. }), "{e}");
-        let e = classify("/data/x", "n1", Some(EXIT_NO_SPACE), String::new());
+        let e = classify("/data/x", "n1", Failure::NoSpace, String::new());
         assert!(e.to_string().contains("node n1 is full"), "{e}");
-        let e = classify("/data/x", "n1", Some(9), "odd".into());
+        let e = classify("/data/x", "n1", Failure::from_exit(Some(9)), "odd".into());
         assert!(e.to_string().contains("odd"), "{e}");
     }
 
-    /// A miss is kept only if the job's staged copy hashes, piece by piece, to what the helper
-    /// reported reading; a copy that differs (the user wrote into it, or the source changed
-    /// under the helper) leaves no entry, and a link where the file was is not followed.
-    #[test]
-    fn a_staged_copy_is_kept_only_if_it_hashes_to_what_the_helper_read() {
+    /// A node's cache of 8 MiB in a fresh directory (its hot tier `hot`), with that directory.
+    fn node_cache() -> (tempfile::TempDir, Arc<Cache>) {
         let t = tempfile::tempdir().unwrap();
         let d = t.path();
         std::fs::create_dir_all(d.join("hot")).unwrap();
@@ -1248,6 +1257,16 @@ mod tests {
         );
         let cfg = sluice_archive::config::Config::parse(&text, "n1").unwrap();
         let cache = Cache::open(&cfg).unwrap().unwrap();
+        (t, cache)
+    }
+
+    /// A miss is kept only if the job's staged copy hashes, piece by piece, to what the helper
+    /// reported reading; a copy that differs (the user wrote into it, or the source changed
+    /// under the helper) leaves no entry, and a link where the file was is not followed.
+    #[test]
+    fn a_staged_copy_is_kept_only_if_it_hashes_to_what_the_helper_read() {
+        let (t, cache) = node_cache();
+        let d = t.path();
         let stage = d.join("stage");
         std::fs::create_dir(&stage).unwrap();
         let data: Vec<u8> = (0..10_000u32).map(|i| (i % 241) as u8).collect();
@@ -1300,16 +1319,8 @@ mod tests {
     /// and the entry of the old bytes was placed.
     #[test]
     fn a_source_rewritten_with_its_mtime_set_back_is_a_cache_miss() {
-        let t = tempfile::tempdir().unwrap();
+        let (t, cache) = node_cache();
         let d = t.path();
-        std::fs::create_dir_all(d.join("hot")).unwrap();
-        let text = format!(
-            "[agent]\nsocket='{d}/s'\nstate_dir='{d}/st'\n[hot_tier]\nroot='{d}/hot'\n\
-             [cache]\nsize='8MiB'\nmin_free=0\n",
-            d = d.display()
-        );
-        let cfg = sluice_archive::config::Config::parse(&text, "n1").unwrap();
-        let cache = Cache::open(&cfg).unwrap().unwrap();
         let src = d.join("f");
         let old = vec![1u8; 10_000];
         std::fs::write(&src, &old).unwrap();
