@@ -5,7 +5,11 @@ use std::path::Path;
 
 /// The `i`th small file: every third in `small/deeper`, the others in `small`.
 pub fn small_file(i: u32) -> String {
-    let sub = if i % 3 == 0 { "small/deeper" } else { "small" };
+    let sub = if i.is_multiple_of(3) {
+        "small/deeper"
+    } else {
+        "small"
+    };
     format!("{sub}/part-{i:03}.bin")
 }
 
