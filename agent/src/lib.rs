@@ -41,6 +41,8 @@ pub mod policy;
 pub mod ram_tier;
 pub mod server;
 pub mod stage;
+#[cfg(test)]
+mod testing;
 pub mod worker;
 
 pub use agent::AgentError;

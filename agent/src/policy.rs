@@ -280,6 +280,15 @@ mod tests {
         }
     }
 
+    /// A `[[ckpt.allow]]` rule for `prefix`, for members of `groups` (none: everyone).
+    fn rule(prefix: &str, groups: &[&str]) -> AllowRule {
+        AllowRule {
+            prefix: prefix.into(),
+            groups: groups.iter().map(|g| g.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
     fn policy(allow: Vec<AllowRule>) -> Policy {
         let mut cfg = Config::parse(BASE, "n1").unwrap();
         cfg.ckpt.allow = allow;
@@ -290,15 +299,8 @@ mod tests {
     #[test]
     fn archive_policy() {
         let p = policy(vec![
-            AllowRule {
-                prefix: "s3://ckpt/{user}/".into(),
-                ..Default::default()
-            },
-            AllowRule {
-                prefix: "s3://team/".into(),
-                groups: vec!["ml".into()],
-                ..Default::default()
-            },
+            rule("s3://ckpt/{user}/", &[]),
+            rule("s3://team/", &["ml"]),
         ]);
         let alice = who("alice", &[]);
         assert_eq!(
@@ -336,29 +338,16 @@ mod tests {
             "nor the default archive"
         );
         // Any URL only where the admin says so.
-        let any = policy(vec![AllowRule {
-            prefix: ANY_URL.into(),
-            ..Default::default()
-        }]);
+        let any = policy(vec![rule(ANY_URL, &[])]);
         assert!(any.archive_url(&alice, Some("file:///var/x")).is_ok());
     }
 
     #[test]
     fn reading_an_archive_outside_a_job_takes_the_same_rules() {
         let p = policy(vec![
-            AllowRule {
-                prefix: "s3://ckpt/{user}/".into(),
-                ..Default::default()
-            },
-            AllowRule {
-                prefix: "s3://runs/{user}/{job_id}-{job_name}/".into(),
-                ..Default::default()
-            },
-            AllowRule {
-                prefix: "s3://team/".into(),
-                groups: vec!["ml".into()],
-                ..Default::default()
-            },
+            rule("s3://ckpt/{user}/", &[]),
+            rule("s3://runs/{user}/{job_id}-{job_name}/", &[]),
+            rule("s3://team/", &["ml"]),
         ]);
         let alice = who("alice", &[]);
         assert!(p.check_archive_read(&alice, "s3://ckpt/alice/run1").is_ok());

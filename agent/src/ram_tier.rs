@@ -313,6 +313,7 @@ fn unmount(path: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::me;
 
     fn tier(root: &Path, mount: bool) -> RamTier {
         RamTier::new(
@@ -325,13 +326,6 @@ mod tests {
             },
             "n1",
         )
-    }
-
-    fn me() -> Owner {
-        Owner {
-            uid: nix::unistd::getuid().as_raw(),
-            gid: nix::unistd::getgid().as_raw(),
-        }
     }
 
     #[test]
@@ -413,10 +407,7 @@ mod tests {
     #[test]
     #[ignore = "needs root, like sluiced (it mounts a tmpfs); run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn a_job_gets_its_own_tmpfs_of_its_share() {
-        assert!(
-            nix::unistd::geteuid().is_root(),
-            "this test needs root: it mounts a tmpfs"
-        );
+        crate::testing::assert_root("it mounts a tmpfs");
         let t = tempfile::tempdir().unwrap();
         let r = tier(t.path(), true);
         r.reserve(7, false).unwrap();

@@ -4,31 +4,25 @@
 //! Needs root (the agent's identity in production): it creates files owned by another user. Object
 //! stores are covered by the end-to-end tests against Garage and Azurite.
 
-use sluice_archive::config::Config;
 use sluice_proto::client::{self, ClientError};
-use sluice_proto::msg::{ErrorCode, JobStart, JobState, Request, Response};
+use sluice_proto::msg::{ErrorCode, JobState, Request, Response};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
-const NOBODY: u32 = 65534;
+#[macro_use]
+#[path = "support/as_root.rs"]
+mod as_root;
+use as_root::{NOBODY, Running, make_dataset, nobody_job, spawn_agent};
 
 struct TestAgent {
     _tmp: tempfile::TempDir,
     socket: PathBuf,
     hot: PathBuf,
     data: PathBuf,
-    shutdown: CancellationToken,
-    handle: tokio::task::JoinHandle<Result<(), sluice_agent::AgentError>>,
+    agent: Running,
 }
-
-/// Every test here needs root, like sluiced itself (the job's files belong to another user), so each
-/// is `#[ignore]`d with that reason and run by tests/harness/run-e2e.sh (as root, `--ignored`); run
-/// by hand without root, it fails here rather than passing without having run.
-const NEEDS_ROOT: &str = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does";
 
 /// A fresh agent with the test dataset in place, and the path of its temp directory (for a test
 /// that starts another agent on the same state).
@@ -56,27 +50,9 @@ async fn root_agent() -> TestAgent {
     start(tempfile::tempdir().unwrap()).await
 }
 
-/// A root-only test: the agent's own runtime shape, `#[ignore]`d with [`NEEDS_ROOT`]'s reason (an
-/// attribute takes only a literal), failing at once when run without root.
-macro_rules! root_test {
-    ($(#[$meta:meta])* async fn $name:ident() $body:block) => {
-        $(#[$meta])*
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        #[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-        async fn $name() {
-            require_root();
-            $body
-        }
-    };
-}
-
 /// Asserts that one of the notes the job's tasks get matches.
 fn assert_note(dirs: &sluice_proto::msg::JobDirs, matches: impl Fn(&str) -> bool) {
     assert!(dirs.notes.iter().any(|n| matches(n)), "{:?}", dirs.notes);
-}
-
-fn require_root() {
-    assert!(nix::unistd::geteuid().is_root(), "this test {NEEDS_ROOT}");
 }
 
 async fn start(tmp: tempfile::TempDir) -> TestAgent {
@@ -108,31 +84,13 @@ async fn start_scanning(
          [[ckpt.allow]]\nprefix = 'file://{r}/'\n",
         r = root.display()
     );
-    let cfg = Arc::new(Config::parse(&cfg, "n1").unwrap());
-    std::fs::create_dir_all(cfg.hot_root.parent().unwrap()).unwrap();
-    std::fs::set_permissions(
-        cfg.hot_root.parent().unwrap(),
-        std::fs::Permissions::from_mode(0o755),
-    )
-    .unwrap();
-    let _ = std::fs::remove_file(&cfg.socket); // left by a previous agent on the same state
-    let listener = tokio::net::UnixListener::bind(&cfg.socket).unwrap();
-    std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let shutdown = CancellationToken::new();
-    // The agent's one entry point, as sluiced runs it; the helper is the test's own sluiced build.
-    let handle = tokio::spawn(sluice_agent::run_with_helper(
-        cfg.clone(),
-        listener,
-        shutdown.clone(),
-        env!("CARGO_BIN_EXE_sluiced").into(),
-    ));
+    let agent = spawn_agent(&cfg);
     TestAgent {
-        socket: cfg.socket.clone(),
-        hot: cfg.hot_root.clone(),
+        socket: agent.cfg.socket.clone(),
+        hot: agent.cfg.hot_root.clone(),
         data: root.join("data"),
         _tmp: tmp,
-        shutdown,
-        handle,
+        agent,
     }
 }
 
@@ -232,42 +190,13 @@ impl TestAgent {
 
     /// Stops like sluiced on SIGTERM; returns the temp dir holding its state.
     async fn stop(self) -> tempfile::TempDir {
-        self.shutdown.cancel();
-        self.handle.await.unwrap().unwrap();
+        self.agent.stop().await;
         self._tmp
     }
 }
 
-/// A job of user nobody on node n1 with these sluice options, as its prolog announces it.
-fn nobody_job(job_id: u32, job_name: &str, options: Vec<(String, String)>) -> Request {
-    Request::JobStart(JobStart {
-        job_id,
-        uid: NOBODY,
-        gid: NOBODY,
-        user: "nobody".into(),
-        node: "n1".into(),
-        nodes: vec!["n1".into()],
-        job_name: job_name.into(),
-        options,
-    })
-}
-
 fn job_start(job_id: u32, stage_in: &str) -> Request {
     nobody_job(job_id, "test", vec![("stage-in".into(), stage_in.into())])
-}
-
-fn make_dataset(dir: &Path) {
-    std::fs::create_dir_all(dir.join("train/shard-0")).unwrap();
-    std::fs::write(dir.join("train/shard-0/a.bin"), vec![1u8; 300_000]).unwrap();
-    std::fs::write(dir.join("train/empty"), b"").unwrap();
-    std::fs::write(dir.join("labels.txt"), b"cat\ndog\n").unwrap();
-    for p in [
-        dir.to_path_buf(),
-        dir.join("train"),
-        dir.join("train/shard-0"),
-    ] {
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
 }
 
 root_test! {
@@ -450,6 +379,14 @@ root_test! {
         );
         t2.stop().await;
     }
+}
+
+/// The `file://` URL of an archive at `dir` that the agent cannot write to for now: `dir` is made
+/// another user's (nobody's) directory.
+fn unwritable_archive(dir: &Path) -> String {
+    std::fs::create_dir_all(dir).unwrap();
+    std::os::unix::fs::chown(dir, Some(NOBODY), Some(NOBODY)).unwrap();
+    format!("file://{}", dir.display())
 }
 
 fn ckpt_job(job_id: u32, archive: &str, extra: &[(&str, &str)]) -> Request {
@@ -1174,9 +1111,7 @@ root_test! {
             t.hot.join("jobs/82/ckpt"),
         );
         // No archive yet (its directory is another user's): the agent keeps retrying.
-        std::fs::create_dir_all(&archive).unwrap();
-        std::os::unix::fs::chown(&archive, Some(NOBODY), Some(NOBODY)).unwrap();
-        let url = format!("file://{}", archive.display());
+        let url = unwritable_archive(&archive);
         t.job(ckpt_job(82, &url, &[("ckpt-tier", "ram")])).await;
         let ckpt = PathBuf::from(t.ready(82).await.ckpt_dir);
         write_ckpt(&ckpt, "s1", 7, false);
@@ -1248,9 +1183,7 @@ root_test! {
         );
         let state = t.data.parent().unwrap().join("state/n1/jobs/87.json");
         // The archive is another user's directory for now: the first upload fails.
-        std::fs::create_dir_all(&archive).unwrap();
-        std::os::unix::fs::chown(&archive, Some(NOBODY), Some(NOBODY)).unwrap();
-        let url = format!("file://{}", archive.display());
+        let url = unwritable_archive(&archive);
         t.job(ckpt_job(87, &url, &[("ckpt-tier", "ram")])).await;
         let ckpt = PathBuf::from(t.ready(87).await.ckpt_dir);
         write_ckpt(&ckpt, "s1", 9, false);
@@ -1416,9 +1349,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, _ram) = ram_agent("16MiB").await;
         let archive = t.data.parent().unwrap().join("archive");
-        std::fs::create_dir_all(&archive).unwrap();
-        std::os::unix::fs::chown(&archive, Some(NOBODY), Some(NOBODY)).unwrap();
-        let url = format!("file://{}", archive.display());
+        let url = unwritable_archive(&archive);
         t.job(ckpt_job(91, &url, &[("ckpt-tier", "ram")])).await;
         let ckpt = PathBuf::from(t.ready(91).await.ckpt_dir);
         write_ckpt(&ckpt, "s1", 3, false);

@@ -5,42 +5,28 @@
 //! Needs root, like sluiced (staging writes files owned by the job user); run as root with
 //! `--ignored`, as tests/harness/run-e2e.sh does.
 
-use sluice_archive::config::Config;
 use sluice_proto::client;
-use sluice_proto::msg::{CkptState, JobStart, Request, Response};
+use sluice_proto::msg::{CkptState, Request, Response};
 use std::collections::{BTreeMap, HashSet};
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
-const NOBODY: u32 = 65534;
+#[macro_use]
+#[path = "support/as_root.rs"]
+mod as_root;
+use as_root::{NOBODY, Running, make_dataset, nobody_job, spawn_agent};
+
 /// What [`make_dataset`] writes: 300,000 + 0 + 8 bytes in 3 files.
 const DATASET_BYTES: f64 = 300_008.0;
 /// What [`write_ckpt`] writes: 3,000,000 + 4,096 bytes.
 const CKPT_BYTES: f64 = 3_004_096.0;
 
-/// A root-only test, `#[ignore]`d with the reason, failing at once when run without root (the
-/// convention of agent/tests/agent.rs).
-macro_rules! root_test {
-    ($(#[$meta:meta])* async fn $name:ident() $body:block) => {
-        $(#[$meta])*
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        #[ignore = "needs root, like sluiced (the job's files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
-        async fn $name() {
-            assert!(nix::unistd::geteuid().is_root(), "this test needs root, like sluiced");
-            $body
-        }
-    };
-}
-
 struct TestAgent {
     root: PathBuf,
     socket: PathBuf,
-    shutdown: CancellationToken,
-    handle: tokio::task::JoinHandle<Result<(), sluice_agent::AgentError>>,
+    agent: Running,
 }
 
 /// Starts an agent in a new directory `root` with `extra` appended to its configuration.
@@ -54,27 +40,11 @@ async fn start(root: &Path, extra: &str) -> TestAgent {
          [[ckpt.allow]]\nprefix = 'file://{r}/'\n{extra}",
         r = root.display()
     );
-    let cfg = Arc::new(Config::parse(&cfg, "n1").unwrap());
-    std::fs::create_dir_all(cfg.hot_root.parent().unwrap()).unwrap();
-    std::fs::set_permissions(
-        cfg.hot_root.parent().unwrap(),
-        std::fs::Permissions::from_mode(0o755),
-    )
-    .unwrap();
-    let _ = std::fs::remove_file(&cfg.socket);
-    let listener = tokio::net::UnixListener::bind(&cfg.socket).unwrap();
-    let shutdown = CancellationToken::new();
-    let handle = tokio::spawn(sluice_agent::run_with_helper(
-        cfg.clone(),
-        listener,
-        shutdown.clone(),
-        env!("CARGO_BIN_EXE_sluiced").into(),
-    ));
+    let agent = spawn_agent(&cfg);
     TestAgent {
         root: root.to_path_buf(),
-        socket: cfg.socket.clone(),
-        shutdown,
-        handle,
+        socket: agent.cfg.socket.clone(),
+        agent,
     }
 }
 
@@ -91,20 +61,12 @@ impl TestAgent {
     }
 
     async fn job(&self, job_id: u32, options: &[(&str, String)]) {
-        let start = JobStart {
-            job_id,
-            uid: NOBODY,
-            gid: NOBODY,
-            user: "nobody".into(),
-            node: "n1".into(),
-            nodes: vec!["n1".into()],
-            job_name: "metrics".into(),
-            options: options
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.clone()))
-                .collect(),
-        };
-        assert_eq!(self.call(Request::JobStart(start)).await, Response::Ok);
+        let options = options
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        let start = nobody_job(job_id, "metrics", options);
+        assert_eq!(self.call(start).await, Response::Ok);
     }
 
     /// Waits for the job's set-up; returns what its tasks get.
@@ -132,23 +94,24 @@ impl TestAgent {
         );
     }
 
-    async fn stop(self) {
-        self.shutdown.cancel();
-        self.handle.await.unwrap().unwrap();
+    /// Job `job_id` archiving to `archive`: its task writes checkpoint `step-1` and commits it;
+    /// returns once the checkpoint is in state `want`.
+    async fn commit_one(&self, job_id: u32, archive: String, want: CkptState) {
+        self.job(job_id, &[("ckpt-archive", archive)]).await;
+        let Response::Ready(dirs) = self.wait(job_id).await else {
+            panic!("job {job_id} not ready")
+        };
+        write_ckpt(Path::new(&dirs.ckpt_dir), "step-1");
+        let commit = Request::CkptCommit {
+            job_id,
+            tag: "step-1".into(),
+        };
+        assert_eq!(self.call(commit).await, Response::Ok);
+        self.wait_for_ckpt(job_id, "step-1", want).await;
     }
-}
 
-fn make_dataset(dir: &Path) {
-    std::fs::create_dir_all(dir.join("train/shard-0")).unwrap();
-    std::fs::write(dir.join("train/shard-0/a.bin"), vec![1u8; 300_000]).unwrap();
-    std::fs::write(dir.join("train/empty"), b"").unwrap();
-    std::fs::write(dir.join("labels.txt"), b"cat\ndog\n").unwrap();
-    for p in [
-        dir.to_path_buf(),
-        dir.join("train"),
-        dir.join("train/shard-0"),
-    ] {
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    async fn stop(self) {
+        self.agent.stop().await;
     }
 }
 
@@ -323,12 +286,7 @@ root_test! {
 
         // A checkpoint archived: its bytes and one upload duration; nothing waits.
         let archive = format!("file://{}/archive", t.root.display());
-        t.job(23, &[("ckpt-archive", archive)]).await;
-        let Response::Ready(dirs) = t.wait(23).await else { panic!("job 23 not ready") };
-        write_ckpt(Path::new(&dirs.ckpt_dir), "step-1");
-        let commit = Request::CkptCommit { job_id: 23, tag: "step-1".into() };
-        assert_eq!(t.call(commit).await, Response::Ok);
-        t.wait_for_ckpt(23, "step-1", CkptState::Archived).await;
+        t.commit_one(23, archive, CkptState::Archived).await;
         let s = scrape(port).await;
         assert_eq!(value(&s, "sluice_archive_bytes_total"), CKPT_BYTES);
         let stored = value(&s, "sluice_archive_stored_bytes_total");
@@ -344,12 +302,7 @@ root_test! {
         std::fs::create_dir_all(&blocked).unwrap();
         std::fs::write(blocked.join("step-1"), b"not a directory").unwrap();
         let blocked = format!("file://{}", blocked.display());
-        t.job(24, &[("ckpt-archive", blocked)]).await;
-        let Response::Ready(dirs) = t.wait(24).await else { panic!("job 24 not ready") };
-        write_ckpt(Path::new(&dirs.ckpt_dir), "step-1");
-        let commit = Request::CkptCommit { job_id: 24, tag: "step-1".into() };
-        assert_eq!(t.call(commit).await, Response::Ok);
-        t.wait_for_ckpt(24, "step-1", CkptState::Retrying).await;
+        t.commit_one(24, blocked, CkptState::Retrying).await;
         let s = scrape(port).await;
         assert_eq!(value(&s, "sluice_archive_backlog_checkpoints"), 1.0);
         assert_eq!(value(&s, "sluice_archive_backlog_bytes"), CKPT_BYTES);

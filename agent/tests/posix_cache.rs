@@ -11,12 +11,18 @@ use sluice_archive::config::Config;
 use sluice_archive::safefs::{self, Owner};
 use sluice_proto::msg::StageProgress;
 use sluice_proto::options::{StageSpec, parse_stage_entry};
-use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
+
+#[path = "support/small_files.rs"]
+mod small_files;
+#[path = "support/tree.rs"]
+mod tree;
+use small_files::{small_file, small_files};
+use tree::tree;
 
 /// A user the helper runs as: uid, gid, name.
 #[derive(Clone)]
@@ -61,15 +67,7 @@ fn source(dir: &Path) -> u64 {
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
         .collect();
     std::fs::write(dir.join("big.bin"), &big).unwrap();
-    let mut bytes = big.len() as u64;
-    std::fs::create_dir_all(dir.join("small/deeper")).unwrap();
-    for i in 0..20u32 {
-        let n = 500 + i as usize * 1013;
-        let data: Vec<u8> = (0..n).map(|j| (j as u32 ^ (i * 7)) as u8).collect();
-        let sub = if i % 3 == 0 { "small/deeper" } else { "small" };
-        std::fs::write(dir.join(format!("{sub}/part-{i:03}.bin")), data).unwrap();
-        bytes += n as u64;
-    }
+    let bytes = big.len() as u64 + small_files(dir, 20);
     std::fs::write(dir.join("empty"), b"").unwrap();
     std::os::unix::fs::symlink("big.bin", dir.join("link")).unwrap();
     // Readable to everyone (a dataset on a shared file system), one file the owner's alone.
@@ -80,36 +78,12 @@ fn source(dir: &Path) -> u64 {
         chmod(d, 0o755);
     }
     chmod("big.bin", 0o444);
-    for i in 0..20u32 {
-        let sub = if i % 3 == 0 { "small/deeper" } else { "small" };
-        chmod(&format!("{sub}/part-{i:03}.bin"), 0o644);
+    for i in 0..20 {
+        chmod(&small_file(i), 0o644);
     }
     chmod("small/part-001.bin", 0o600);
     chmod("empty", 0o644);
     bytes
-}
-
-/// Every entry below `root`: files with their bytes and mode, links with their target.
-fn tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            let rel = p.strip_prefix(root).unwrap().display().to_string();
-            let md = std::fs::symlink_metadata(&p).unwrap();
-            if md.is_dir() {
-                out.insert(rel, (b"dir".to_vec(), (md.mode() & 0o7777) | 0o700));
-                stack.push(p);
-            } else if md.file_type().is_symlink() {
-                let target = std::fs::read_link(&p).unwrap();
-                out.insert(rel, (target.display().to_string().into_bytes(), 0));
-            } else {
-                out.insert(rel, (std::fs::read(&p).unwrap(), md.mode() & 0o7777));
-            }
-        }
-    }
-    out
 }
 
 /// A node with a cache below `dir` (`min_free = 0`: how full the build machine's disk is decides
@@ -132,10 +106,16 @@ struct Node {
     /// Where the stage directories are made (traversable by the job users).
     dir: PathBuf,
     runs: std::sync::atomic::AtomicU32,
+    /// The node's own temp directory (traversable by the job users), holding all of the above.
+    _home: tempfile::TempDir,
 }
 
 impl Node {
-    fn new(dir: &Path) -> Node {
+    /// A node of its own: config, cache and stage directories in a new temp directory.
+    fn new() -> Node {
+        let home = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = home.path();
         let cfg = cache_config(dir);
         let cache = Cache::open(&cfg).unwrap().expect("[cache] is configured");
         let stages = dir.join("stages");
@@ -147,6 +127,7 @@ impl Node {
             cache,
             dir: stages,
             runs: Default::default(),
+            _home: home,
         }
     }
 
@@ -194,14 +175,8 @@ fn source_dir() -> (tempfile::TempDir, PathBuf, u64) {
     (t, src, bytes)
 }
 
-fn node_dir() -> tempfile::TempDir {
-    let t = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    t
-}
-
 fn assert_copy(src: &Path, staged: &Path, what: &str) {
-    let (want, got) = (tree(src), tree(staged));
+    let (want, got) = (tree(src, 0o700), tree(staged, 0o700));
     assert_eq!(
         got.keys().collect::<Vec<_>>(),
         want.keys().collect::<Vec<_>>(),
@@ -219,8 +194,7 @@ const FILES: u64 = 22;
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_users_second_stage_of_an_unchanged_tree_comes_from_the_cache() {
     let (_t, src, bytes) = source_dir();
-    let home = node_dir();
-    let node = Node::new(home.path());
+    let node = Node::new();
     let me = me();
 
     let (first, p) = node.stage(&me, &src).await;
@@ -266,8 +240,7 @@ async fn a_users_second_stage_of_an_unchanged_tree_comes_from_the_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_rewritten_replaced_or_grown_file_is_read_from_the_source_again() {
     let (_t, src, bytes) = source_dir();
-    let home = node_dir();
-    let node = Node::new(home.path());
+    let node = Node::new();
     let me = me();
     node.stage(&me, &src).await.1.unwrap();
 
@@ -316,8 +289,7 @@ async fn a_rewritten_replaced_or_grown_file_is_read_from_the_source_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dataset_that_is_one_file_is_cached_too() {
     let (_t, src, _) = source_dir();
-    let home = node_dir();
-    let node = Node::new(home.path());
+    let node = Node::new();
     let me = me();
     let file = src.join("big.bin");
     let size = std::fs::metadata(&file).unwrap().len();
@@ -359,8 +331,7 @@ async fn another_user_never_hits_a_users_entries() {
         std::fs::Permissions::from_mode(0o644),
     )
     .unwrap();
-    let home = node_dir();
-    let node = Node::new(home.path());
+    let node = Node::new();
     let (a, b) = (user("nobody"), user("daemon"));
     let (staged, p) = node.stage(&a, &src).await;
     assert_copy(&src, &staged, "nobody's stage");
@@ -387,8 +358,7 @@ async fn another_user_never_hits_a_users_entries() {
 async fn a_user_who_can_no_longer_read_a_file_gets_nothing_from_the_cache() {
     assert_root();
     let (_t, src, bytes) = source_dir();
-    let home = node_dir();
-    let node = Node::new(home.path());
+    let node = Node::new();
     let who = user("nobody");
     // The user's own dataset (the 0600 file is theirs).
     for e in walk(&src) {
@@ -408,7 +378,7 @@ async fn a_user_who_can_no_longer_read_a_file_gets_nothing_from_the_cache() {
     assert!(
         !staged.exists(),
         "nothing is staged when a file cannot be read: {:?}",
-        tree(&staged)
+        tree(&staged, 0o700)
     );
     assert_eq!(node.cache.stats().hits, hits, "no lookup was a hit");
 

@@ -8,7 +8,6 @@ use sluice_agent::cache::Cache;
 use sluice_agent::peer::{ClusterSecret, PeerServer, PeerService, ServerConfig};
 use sluice_agent::stage::{self, Budget, NodePeers, Progress, Sharing, StageCtx};
 use sluice_proto::options::{StageSpec, parse_stage_entry};
-use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
@@ -52,35 +51,16 @@ fn source(dir: &Path) -> u64 {
     bytes + 4
 }
 
-/// Every entry below `root`: files with their bytes and mode, links with their target.
-fn tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            let rel = p.strip_prefix(root).unwrap().display().to_string();
-            let md = std::fs::symlink_metadata(&p).unwrap();
-            if md.is_dir() {
-                out.insert(rel, (b"dir".to_vec(), md.mode() & 0o7777));
-                stack.push(p);
-            } else if md.file_type().is_symlink() {
-                let target = std::fs::read_link(&p).unwrap();
-                out.insert(rel, (target.display().to_string().into_bytes(), 0));
-            } else {
-                out.insert(rel, (std::fs::read(&p).unwrap(), md.mode() & 0o7777));
-            }
-        }
-    }
-    out
-}
-
 // The job's nodes, set up as the peer unit tests (`agent/src/stage/peers/tests.rs`) set up theirs.
 #[path = "support/peer_nodes.rs"]
 mod peer_nodes;
 use peer_nodes::{
     Node, Setup, assert_each_read_some_and_took_the_rest, job_nodes, listeners, me, stop,
 };
+
+#[path = "support/tree.rs"]
+mod tree;
+use tree::tree;
 
 fn spec(src: &Path) -> StageSpec {
     parse_stage_entry(&format!("ds={}", src.display())).unwrap()
@@ -143,10 +123,10 @@ fn assert_identical(nodes: &[Node], src: &Path, bytes: u64) -> Vec<(u64, u64)> {
 
 /// Each node's copy is the source's tree (bytes, modes, links), and its progress says so.
 fn assert_trees(nodes: &[Node], src: &Path, bytes: u64) {
-    let want = tree(src);
+    let want = tree(src, 0);
     for n in nodes {
         {
-            let got = tree(&n.dir.path().join("ds"));
+            let got = tree(&n.dir.path().join("ds"), 0);
             assert_eq!(
                 got.keys().collect::<Vec<_>>(),
                 want.keys().collect::<Vec<_>>(),

@@ -18,6 +18,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+#[path = "support/small_files.rs"]
+mod small_files;
+#[path = "support/tree.rs"]
+mod tree;
+use small_files::small_files;
+use tree::tree;
+
 const JOB: u32 = 42;
 
 fn me() -> (Owner, String) {
@@ -44,15 +51,7 @@ fn source(dir: &Path) -> u64 {
         .collect();
     std::fs::write(dir.join("big.bin"), &big).unwrap();
     std::fs::set_permissions(dir.join("big.bin"), std::fs::Permissions::from_mode(0o444)).unwrap();
-    let mut bytes = big.len() as u64;
-    std::fs::create_dir_all(dir.join("small/deeper")).unwrap();
-    for i in 0..12u32 {
-        let n = 500 + i as usize * 1013;
-        let data: Vec<u8> = (0..n).map(|j| (j as u32 ^ (i * 7)) as u8).collect();
-        let sub = if i % 3 == 0 { "small/deeper" } else { "small" };
-        std::fs::write(dir.join(format!("{sub}/part-{i:03}.bin")), data).unwrap();
-        bytes += n as u64;
-    }
+    let bytes = big.len() as u64 + small_files(dir, 12);
     std::fs::set_permissions(
         dir.join("small/part-001.bin"),
         std::fs::Permissions::from_mode(0o600),
@@ -61,29 +60,6 @@ fn source(dir: &Path) -> u64 {
     std::fs::write(dir.join("empty"), b"").unwrap();
     std::os::unix::fs::symlink("big.bin", dir.join("link")).unwrap();
     bytes
-}
-
-/// Every entry below `root`: files with their bytes and mode, links with their target.
-fn tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            let rel = p.strip_prefix(root).unwrap().display().to_string();
-            let md = std::fs::symlink_metadata(&p).unwrap();
-            if md.is_dir() {
-                out.insert(rel, (b"dir".to_vec(), (md.mode() & 0o7777) | 0o700));
-                stack.push(p);
-            } else if md.file_type().is_symlink() {
-                let target = std::fs::read_link(&p).unwrap();
-                out.insert(rel, (target.display().to_string().into_bytes(), 0));
-            } else {
-                out.insert(rel, (std::fs::read(&p).unwrap(), md.mode() & 0o7777));
-            }
-        }
-    }
-    out
 }
 
 /// Stages `src` as `ds` into `stage_dir` with the job's staging log in `state` (`resuming`: as
@@ -134,7 +110,7 @@ async fn a_restarted_stage_keeps_the_files_staged_whole_and_copies_the_rest() {
     let first = stage_once(&src, &stage_dir, &state, false).await;
     assert_eq!((first.bytes_done, first.resumed_bytes), (bytes, 0));
     let ds = stage_dir.join("ds");
-    assert_eq!(tree(&ds), tree(&src));
+    assert_eq!(tree(&ds, 0o700), tree(&src, 0o700));
     let ino = |rel: &str| std::fs::symlink_metadata(ds.join(rel)).unwrap().ino();
     let before: BTreeMap<&str, u64> =
         ["big.bin", "small/part-002.bin", "small/deeper/part-003.bin"]
@@ -160,7 +136,11 @@ async fn a_restarted_stage_keeps_the_files_staged_whole_and_copies_the_rest() {
     std::fs::write(ds.join("small/stale.bin"), b"not in the source").unwrap();
 
     let again = stage_once(&src, &stage_dir, &state, true).await;
-    assert_eq!(tree(&ds), tree(&src), "the job's copy after the restart");
+    assert_eq!(
+        tree(&ds, 0o700),
+        tree(&src, 0o700),
+        "the job's copy after the restart"
+    );
     let copied_again: u64 = [
         "small/part-004.bin",
         "small/part-005.bin",

@@ -22,7 +22,7 @@ mod render;
 mod socket;
 
 use agent::Agent;
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use sluice_archive::safefs::Owner;
 use sluice_proto::msg::JobId;
 use std::io::{self, Write};
@@ -214,15 +214,8 @@ enum CkptCommand {
         url: String,
         /// The checkpoint, or `latest` for the newest complete one
         tag: String,
-        /// The agent's configuration, for store profiles [default: /etc/sluice/sluice.toml]
-        #[arg(long, value_name = "PATH")]
-        config: Option<PathBuf>,
-        /// Print JSON (stable for scripts)
-        #[arg(long)]
-        json: bool,
-        /// No progress on stderr (warnings and errors are still printed)
-        #[arg(long, short)]
-        quiet: bool,
+        #[command(flatten)]
+        read: ArchiveRead,
     },
     /// Restore an archived checkpoint into a directory, checking every checksum.
     ///
@@ -240,20 +233,28 @@ enum CkptCommand {
         tag: String,
         /// Where the checkpoint's files go
         dest: PathBuf,
-        /// The agent's configuration, for store profiles [default: /etc/sluice/sluice.toml]
-        #[arg(long, value_name = "PATH")]
-        config: Option<PathBuf>,
-        /// Print JSON (stable for scripts)
-        #[arg(long)]
-        json: bool,
-        /// No progress on stderr (warnings and errors are still printed)
-        #[arg(long, short)]
-        quiet: bool,
+        #[command(flatten)]
+        read: ArchiveRead,
         /// Only say what would be restored (checkpoint, files, bytes) and whether DEST would be
         /// accepted; write nothing, create nothing. Exits 1 when DEST would be refused
         #[arg(long)]
         dry_run: bool,
     },
+}
+
+// How `ckpt verify` and `ckpt restore` read an archive and report. (Plain comments: a doc comment
+// here would become the subcommands' help text.)
+#[derive(Debug, Args)]
+struct ArchiveRead {
+    /// The agent's configuration, for store profiles [default: /etc/sluice/sluice.toml]
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Print JSON (stable for scripts)
+    #[arg(long)]
+    json: bool,
+    /// No progress on stderr (warnings and errors are still printed)
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 /// What a command prints on stdout, and whether it succeeded (`verify` prints its findings and
@@ -475,9 +476,12 @@ fn run_ckpt(
         CkptCommand::Verify {
             url,
             tag,
-            config,
-            json: as_json,
-            quiet,
+            read:
+                ArchiveRead {
+                    config,
+                    json: as_json,
+                    quiet,
+                },
         } => {
             let verified = match route(config.as_deref()) {
                 ckpt::Route::Agent => {
@@ -506,9 +510,12 @@ fn run_ckpt(
             url,
             tag,
             dest,
-            config,
-            json: as_json,
-            quiet,
+            read:
+                ArchiveRead {
+                    config,
+                    json: as_json,
+                    quiet,
+                },
             dry_run,
         } => {
             if tag != ckpt::LATEST {
@@ -520,38 +527,19 @@ fn run_ckpt(
             };
             if route(config.as_deref()) == ckpt::Route::Agent {
                 let agent = agent()?;
-                let (text, ok) = if dry_run {
+                if dry_run {
                     let plan = remote::plan_restore(&agent, &url, &tag, &dest, owner.uid)?;
-                    let ok = !matches!(plan.dest_check, ckpt::DestCheck::Refused { .. });
-                    let text = if as_json {
-                        json(&plan)?
-                    } else {
-                        render::restore_plan(&plan)
-                    };
-                    (text, ok)
-                } else {
-                    let dest = ckpt::prepare_dest(&dest, owner.uid)?;
-                    let restored = remote::restore(&agent, &url, &tag, &dest)?;
-                    let text = if as_json {
-                        json(&restored)?
-                    } else {
-                        render::restored(&restored)
-                    };
-                    (text, true)
-                };
-                return Ok(Output { text, ok });
+                    return restore_plan(&plan, as_json);
+                }
+                let dest = ckpt::prepare_dest(&dest, owner.uid)?;
+                let restored = remote::restore(&agent, &url, &tag, &dest)?;
+                return restored_output(&restored, as_json);
             }
             let archiver = open_archive(config, &url)?;
             let rt = ckpt::runtime()?;
             if dry_run {
                 let plan = rt.block_on(ckpt::plan_restore(&archiver, &tag, &dest, owner.uid))?;
-                let ok = !matches!(plan.dest_check, ckpt::DestCheck::Refused { .. });
-                let text = if as_json {
-                    json(&plan)?
-                } else {
-                    render::restore_plan(&plan)
-                };
-                return Ok(Output { text, ok });
+                return restore_plan(&plan, as_json);
             }
             let dest = ckpt::prepare_dest(&dest, owner.uid)?;
             let note = |n: &str| eprintln!("sluice: {n}");
@@ -559,14 +547,31 @@ fn run_ckpt(
             // The archive's errors name the checkpoint and the archive.
             let restored =
                 rt.block_on(ckpt::restore(&archiver, &tag, &dest, owner, note, progress))?;
-            Ok(if as_json {
-                json(&restored)?
-            } else {
-                render::restored(&restored)
-            }
-            .into())
+            restored_output(&restored, as_json)
         }
     }
+}
+
+/// What `ckpt restore --dry-run` prints; it fails when DEST would be refused.
+fn restore_plan(plan: &ckpt::RestorePlan, as_json: bool) -> anyhow::Result<Output> {
+    Ok(Output {
+        text: if as_json {
+            json(plan)?
+        } else {
+            render::restore_plan(plan)
+        },
+        ok: !matches!(plan.dest_check, ckpt::DestCheck::Refused { .. }),
+    })
+}
+
+/// What `ckpt restore` prints once the checkpoint is restored.
+fn restored_output(restored: &ckpt::Restored, as_json: bool) -> anyhow::Result<Output> {
+    Ok(if as_json {
+        json(restored)?
+    } else {
+        render::restored(restored)
+    }
+    .into())
 }
 
 /// Whether `ckpt list|verify|restore URL` reads the archive itself or asks the agent

@@ -1120,19 +1120,49 @@ datasets (2)
         assert_eq!(job_detail(&fixtures::staging_job(), now), want);
     }
 
-    /// A dataset shared with the job's other nodes says how much of it came from the origin.
+    /// A dataset shared with the job's other nodes, found in this node's cache or kept across an
+    /// agent restart says where its bytes came from.
     #[test]
-    fn job_view_shows_origin_and_peer_bytes() {
-        let mut job = fixtures::staging_job();
-        job.stages[0].origin_bytes = 3 * (1 << 30);
-        job.stages[0].peer_bytes = 6 * (1 << 30);
-        let text = job_detail(&job, UNIX_EPOCH);
-        assert!(
-            text.contains(
-                "    elapsed  16.0s\n    from     3.0 GiB origin, 6.0 GiB peers\n  weights  listing\n"
+    fn job_view_says_where_a_datasets_bytes_came_from() {
+        const GIB: u64 = 1 << 30;
+        // (origin, peers, this node's cache, kept across a restart): what the view says
+        for (origin, peer, cache, resumed, want) in [
+            (
+                3 * GIB,
+                6 * GIB,
+                0,
+                0,
+                "    elapsed  16.0s\n    from     3.0 GiB origin, 6.0 GiB peers\n  weights  listing\n",
             ),
-            "{text}"
-        );
+            (
+                GIB,
+                0,
+                7 * GIB,
+                0,
+                "    elapsed  16.0s\n    from     1.0 GiB origin, 7.0 GiB this node's cache\n",
+            ),
+            (
+                GIB,
+                GIB / 2,
+                7 * GIB,
+                0,
+                "    from     1.0 GiB origin, 512.0 MiB peers, 7.0 GiB this node's cache\n",
+            ),
+            (
+                GIB,
+                0,
+                0,
+                3 * GIB,
+                "    from     1.0 GiB origin, 3.0 GiB kept from before the agent restarted\n",
+            ),
+        ] {
+            let mut job = fixtures::staging_job();
+            let stage = &mut job.stages[0];
+            (stage.origin_bytes, stage.peer_bytes) = (origin, peer);
+            (stage.cache_bytes, stage.resumed_bytes) = (cache, resumed);
+            let text = job_detail(&job, UNIX_EPOCH);
+            assert!(text.contains(want), "{text}");
+        }
         // Without peer transfers there is no such line (every byte came from the origin).
         assert!(!job_detail(&fixtures::staging_job(), UNIX_EPOCH).contains("    from "));
     }
@@ -1430,40 +1460,6 @@ JOBID  USER   STATE    DATASETS  ";
         );
         // Without a cache (or from an agent before it), no cache lines.
         assert!(!node_status(&fixtures::node_status(), UNIX_EPOCH).contains("cache"));
-    }
-
-    #[test]
-    fn job_view_shows_bytes_from_the_cache() {
-        let mut job = fixtures::staging_job();
-        job.stages[0].origin_bytes = 1 << 30;
-        job.stages[0].cache_bytes = 7 * (1 << 30);
-        let text = job_detail(&job, UNIX_EPOCH);
-        assert!(
-            text.contains(
-                "    elapsed  16.0s\n    from     1.0 GiB origin, 7.0 GiB this node's cache\n"
-            ),
-            "{text}"
-        );
-        job.stages[0].peer_bytes = 1 << 29;
-        assert!(
-            job_detail(&job, UNIX_EPOCH).contains(
-                "    from     1.0 GiB origin, 512.0 MiB peers, 7.0 GiB this node's cache\n"
-            )
-        );
-    }
-
-    #[test]
-    fn job_view_shows_bytes_kept_across_an_agent_restart() {
-        let mut job = fixtures::staging_job();
-        job.stages[0].origin_bytes = 1 << 30;
-        job.stages[0].resumed_bytes = 3 * (1 << 30);
-        let text = job_detail(&job, UNIX_EPOCH);
-        assert!(
-            text.contains(
-                "    from     1.0 GiB origin, 3.0 GiB kept from before the agent restarted\n"
-            ),
-            "{text}"
-        );
     }
 
     #[test]

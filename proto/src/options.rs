@@ -597,6 +597,13 @@ mod tests {
         parse_stage_entry(entry).unwrap()
     }
 
+    /// Asserts that `parsed` is refused with a message that says `says`.
+    #[track_caller]
+    fn assert_refused<T: std::fmt::Debug>(parsed: Result<T, OptionError>, says: &str) {
+        let e = parsed.unwrap_err();
+        assert!(e.message.contains(says), "{e}");
+    }
+
     #[test]
     fn names_default_to_last_component() {
         assert_eq!(one("/lustre/proj/imagenet/").name, "imagenet");
@@ -630,12 +637,7 @@ mod tests {
                 prefix: "k=v".into()
             }
         );
-        assert!(
-            parse_stage_entry("s3://b/k=v")
-                .unwrap_err()
-                .message
-                .contains("may only hold")
-        );
+        assert_refused(parse_stage_entry("s3://b/k=v"), "may only hold");
     }
 
     #[test]
@@ -664,47 +666,17 @@ mod tests {
         assert!(e.message.contains("used twice"), "{e}");
         assert!(parse_stage_in(["/a/data", "x=/b/data"]).is_ok());
         let long = format!("/{}", "a".repeat(MAX_OPTION_LEN));
-        assert!(
-            parse_stage_in([long.as_str()])
-                .unwrap_err()
-                .message
-                .contains("at most")
-        );
-        assert!(
-            parse_stage_in(["/a\nb"])
-                .unwrap_err()
-                .message
-                .contains("control character")
-        );
-        assert!(
-            parse_stage_in(["/a,,/b"])
-                .unwrap_err()
-                .message
-                .contains("empty entry")
-        );
+        assert_refused(parse_stage_in([long.as_str()]), "at most");
+        assert_refused(parse_stage_in(["/a\nb"]), "control character");
+        assert_refused(parse_stage_in(["/a,,/b"]), "empty entry");
     }
 
     #[test]
     fn scalar_options() {
         assert_eq!(parse_ckpt_keep("3"), Ok(3));
-        assert!(
-            parse_ckpt_keep("two")
-                .unwrap_err()
-                .message
-                .contains("not a number")
-        );
-        assert!(
-            parse_ckpt_keep("0")
-                .unwrap_err()
-                .message
-                .contains("out of range")
-        );
-        assert!(
-            parse_stage_tier("nvme")
-                .unwrap_err()
-                .message
-                .contains("local (default), shared")
-        );
+        assert_refused(parse_ckpt_keep("two"), "not a number");
+        assert_refused(parse_ckpt_keep("0"), "out of range");
+        assert_refused(parse_stage_tier("nvme"), "local (default), shared");
         assert_eq!(parse_ckpt_tier(" ram ").unwrap(), CkptTier::Ram);
         assert!(
             parse_ckpt_tier("gpu")
@@ -715,18 +687,14 @@ mod tests {
         let o = parse_job_options(|n| (n == names::CKPT_TIER).then(|| "ram".to_string())).unwrap();
         assert_eq!(o.ckpt_tier, CkptTier::Ram);
         assert!(validate_option(names::CKPT_TIER, "tmpfs").is_err());
-        assert!(
-            parse_stage_mode("stripe")
-                .unwrap_err()
-                .message
-                .contains("accepted: replicate (the default), shard")
+        assert_refused(
+            parse_stage_mode("stripe"),
+            "accepted: replicate (the default), shard",
         );
         assert_eq!(parse_stage_mode("shard"), Ok(StageMode::Shard));
-        assert!(
-            parse_stage_entry("ds.shard.json=s3://b/ds")
-                .unwrap_err()
-                .message
-                .contains("kept for shard manifests")
+        assert_refused(
+            parse_stage_entry("ds.shard.json=s3://b/ds"),
+            "kept for shard manifests",
         );
         assert_eq!(parse_ckpt_restore("latest"), Ok(Restore::Latest));
         assert_eq!(

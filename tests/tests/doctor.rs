@@ -38,6 +38,12 @@ impl Doctor {
             .to_string()
     }
 
+    /// Asserts that the check `name`'s `field` (detail, fix) says `words`.
+    #[track_caller]
+    fn assert_says(&self, name: &str, field: &str, words: &str) {
+        assert!(self.field(name, field).contains(words), "{}", self.text);
+    }
+
     fn assert_pass(&self, names: &[&str]) {
         for name in names {
             assert_eq!(self.status(name), "pass", "{name}:\n{}", self.text);
@@ -142,20 +148,8 @@ fn doctor_passes_on_a_healthy_node_and_names_each_fault_with_its_fix() {
         "doctor failed on a healthy node:\n{}",
         healthy.text
     );
-    assert!(
-        healthy
-            .field("agent", "detail")
-            .contains("/run/sluice/n1.sock"),
-        "{}",
-        healthy.text
-    );
-    assert!(
-        healthy
-            .field("plugin version", "detail")
-            .contains("built for Slurm 22.05"),
-        "{}",
-        healthy.text
-    );
+    healthy.assert_says("agent", "detail", "/run/sluice/n1.sock");
+    healthy.assert_says("plugin version", "detail", "built for Slurm 22.05");
     // The hot tier may be above high water on a busy machine (a warning), never failing here.
     let hot = healthy.field("hot tier", "detail");
     assert_ne!(healthy.status("hot tier"), "fail", "{}", healthy.text);
@@ -182,11 +176,7 @@ fn doctor_passes_on_a_healthy_node_and_names_each_fault_with_its_fix() {
     let open = doctor(&["--config", config_arg]);
     assert!(!open.ok, "{}", open.text);
     assert_eq!(open.status("config"), "fail", "{}", open.text);
-    assert!(
-        open.field("config", "detail").contains("mode 0644"),
-        "{}",
-        open.text
-    );
+    open.assert_says("config", "detail", "mode 0644");
     assert_eq!(
         open.field("config", "fix"),
         format!("chmod 600 {config_arg}")
@@ -203,11 +193,7 @@ fn doctor_passes_on_a_healthy_node_and_names_each_fault_with_its_fix() {
     );
     let user = parse(out);
     assert_eq!(user.status("config"), "warn", "{}", user.text);
-    assert!(
-        user.field("config", "detail").contains("doctor needs root"),
-        "{}",
-        user.text
-    );
+    user.assert_says("config", "detail", "doctor needs root");
 
     // A plugstack.conf without the plugin's line (commented out), then with it optional.
     let real = fs::read_to_string("/etc/slurm/plugstack.conf").unwrap();
@@ -227,24 +213,20 @@ fn doctor_passes_on_a_healthy_node_and_names_each_fault_with_its_fix() {
     let missing = doctor(&["--config", config_arg, "--plugstack", plugstack_arg]);
     assert!(!missing.ok, "{}", missing.text);
     assert_eq!(missing.status("plugstack"), "fail", "{}", missing.text);
-    assert!(
-        missing
-            .field("plugstack", "fix")
-            .contains("required /usr/local/lib/sluice/spank_sluice.so"),
-        "{}",
-        missing.text
+    missing.assert_says(
+        "plugstack",
+        "fix",
+        "required /usr/local/lib/sluice/spank_sluice.so",
     );
     assert_eq!(missing.status("plugin version"), "warn", "{}", missing.text);
     missing.assert_pass(&["config", "agent"]);
     fs::write(&plugstack, real.replace("required ", "optional ")).unwrap();
     let optional = doctor(&["--config", config_arg, "--plugstack", plugstack_arg]);
     assert_eq!(optional.status("plugstack"), "warn", "{}", optional.text);
-    assert!(
-        optional
-            .field("plugstack", "detail")
-            .contains("a failed stage-in does not stop the job"),
-        "{}",
-        optional.text
+    optional.assert_says(
+        "plugstack",
+        "detail",
+        "a failed stage-in does not stop the job",
     );
     assert!(
         optional.ok,

@@ -289,6 +289,18 @@ fn close_driver(library: &Library) {
     }
 }
 
+/// The function `name` (NUL-terminated) of `library`, copied out as a `T`.
+///
+/// # Safety
+/// `T` must be the type of the function's declaration, and the copy must not be called once
+/// `library` is unloaded.
+unsafe fn function<T: Copy>(library: &Library, name: &[u8]) -> Result<T, String> {
+    // SAFETY: the caller's.
+    unsafe { library.get::<T>(name) }
+        .map(|f| *f)
+        .map_err(|e| e.to_string())
+}
+
 /// The cuFile driver opened in this process, with the functions the write path calls. Kept open
 /// until the process ends (cuFile keeps per-process state; closing and reopening it between
 /// checkpoints would cost more than it frees).
@@ -324,19 +336,12 @@ impl Driver {
         // pointers are copied out while `library` is alive and `Driver` keeps it loaded for as
         // long as they can be called (a `'static` value).
         let (open, register, deregister, write) = unsafe {
-            let open = *library
-                .get::<DriverOpenFn>(b"cuFileDriverOpen\0")
-                .map_err(|e| e.to_string())?;
-            let register = *library
-                .get::<HandleRegisterFn>(b"cuFileHandleRegister\0")
-                .map_err(|e| e.to_string())?;
-            let deregister = *library
-                .get::<HandleDeregisterFn>(b"cuFileHandleDeregister\0")
-                .map_err(|e| e.to_string())?;
-            let write = *library
-                .get::<WriteFn>(b"cuFileWrite\0")
-                .map_err(|e| e.to_string())?;
-            (open, register, deregister, write)
+            (
+                function::<DriverOpenFn>(&library, b"cuFileDriverOpen\0")?,
+                function::<HandleRegisterFn>(&library, b"cuFileHandleRegister\0")?,
+                function::<HandleDeregisterFn>(&library, b"cuFileHandleDeregister\0")?,
+                function::<WriteFn>(&library, b"cuFileWrite\0")?,
+            )
         };
         // SAFETY: as declared; no pointers.
         let opened = unsafe { open() };

@@ -808,6 +808,7 @@ pub fn remove(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::me;
     use std::sync::Arc;
 
     fn cfg(root: &std::path::Path) -> SharedTierConfig {
@@ -815,13 +816,6 @@ mod tests {
             job_dir: format!("{}/job-%j", root.display()),
             lfs: "lfs".into(),
             stripes: Vec::new(),
-        }
-    }
-
-    fn me() -> Owner {
-        Owner {
-            uid: nix::unistd::getuid().as_raw(),
-            gid: nix::unistd::getgid().as_raw(),
         }
     }
 
@@ -965,10 +959,7 @@ mod tests {
     #[ignore = "needs root, like sluiced (the staged files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn staged_data_is_the_job_users_alone() {
         use std::os::unix::fs::PermissionsExt;
-        assert!(
-            nix::unistd::geteuid().is_root(),
-            "this test needs root: the job's files belong to another user"
-        );
+        crate::testing::assert_root("the job's files belong to another user");
         let root = tempfile::tempdir().unwrap();
         // The admin's directory, as docs/admin-guide.md makes it: root's, everyone may pass
         // through.

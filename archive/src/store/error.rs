@@ -287,6 +287,10 @@ mod tests {
         crate::store::open(&config(port, max_retries), ObjectScheme::S3, "data").unwrap()
     }
 
+    fn azure(port: u16, max_retries: u32) -> Arc<dyn ObjectStore> {
+        crate::store::open(&config(port, max_retries), ObjectScheme::Azure, "data").unwrap()
+    }
+
     async fn list_error(store: &dyn ObjectStore) -> object_store::Error {
         use futures::TryStreamExt;
         store
@@ -363,8 +367,7 @@ mod tests {
             "404 The specified container does not exist.",
             "\u{feff}<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>ContainerNotFound</Code><Message>The specified container does not exist.\nRequestId:8d5f\nTime:2024-01-01T00:00:00.0000000Z</Message></Error>",
         );
-        let cfg = config(server.port, 1);
-        let store = crate::store::open(&cfg, ObjectScheme::Azure, "data").unwrap();
+        let store = azure(server.port, 1);
         let e = list_error(&*store).await;
         assert_eq!(classify(&e), StoreErrorKind::NotFound, "{e}");
         let d = describe(&e);
@@ -432,8 +435,7 @@ mod tests {
             "409 This operation is not permitted on an archived blob.",
             "\u{feff}<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>BlobArchived</Code><Message>This operation is not permitted on an archived blob.\nRequestId:8d5f\nTime:2024-01-01T00:00:00.0000000Z</Message></Error>",
         );
-        let cfg = config(server.port, 1);
-        let store = crate::store::open(&cfg, ObjectScheme::Azure, "data").unwrap();
+        let store = azure(server.port, 1);
         let e = get_error(&*store).await;
         assert_eq!(classify(&e), StoreErrorKind::Other, "{e}");
         let d = describe(&e);

@@ -283,12 +283,15 @@ pub fn judge_plugin_version(
     slurm: Result<u32, String>,
 ) -> Finding {
     let check = "plugin version";
+    // Every finding but a pass says what to do.
+    let finding = |status, detail: String, fix: &str| {
+        Finding::new(check, status, detail, Some(fix.to_string()))
+    };
     let Some(so) = so else {
-        return Finding::new(
-            check,
+        return finding(
             Status::Warn,
             "not checked: no plugin file to read (see plugstack)".into(),
-            Some("fix the plugstack check first".into()),
+            "fix the plugstack check first",
         );
     };
     let rebuild = format!(
@@ -298,29 +301,22 @@ pub fn judge_plugin_version(
     let plugin = match plugin {
         Ok(v) => v,
         Err(e) => {
-            return Finding::new(
-                check,
-                Status::Warn,
-                format!(
-                    "not checked: cannot read plugin_version from {}: {e}",
-                    so.display()
-                ),
-                Some(rebuild),
+            let detail = format!(
+                "not checked: cannot read plugin_version from {}: {e}",
+                so.display()
             );
+            return finding(Status::Warn, detail, &rebuild);
         }
     };
     let slurm = match slurm {
         Ok(v) => v,
         Err(e) => {
-            return Finding::new(
-                check,
-                Status::Warn,
-                format!(
-                    "plugin built for Slurm {}; not compared: the running Slurm's version is unknown ({e})",
-                    version_text(plugin)
-                ),
-                Some("make scontrol runnable on this node (scontrol --version)".into()),
+            let detail = format!(
+                "plugin built for Slurm {}; not compared: the running Slurm's version is unknown ({e})",
+                version_text(plugin)
             );
+            let fix = "make scontrol runnable on this node (scontrol --version)";
+            return finding(Status::Warn, detail, fix);
         }
     };
     let (p, s) = (version_text(plugin), version_text(slurm));
@@ -332,25 +328,17 @@ pub fn judge_plugin_version(
             None,
         )
     } else if plugin >> 8 == slurm >> 8 {
-        Finding::new(
-            check,
-            Status::Warn,
-            format!(
-                "{} built for Slurm {p}, running {s}: Slurm loads it (same release), but it was built against other headers",
-                so.display()
-            ),
-            Some(rebuild),
-        )
+        let detail = format!(
+            "{} built for Slurm {p}, running {s}: Slurm loads it (same release), but it was built against other headers",
+            so.display()
+        );
+        finding(Status::Warn, detail, &rebuild)
     } else {
-        Finding::new(
-            check,
-            Status::Fail,
-            format!(
-                "{} built for Slurm {p}, running {s}: Slurm refuses to load a plugin of another release",
-                so.display()
-            ),
-            Some(rebuild),
-        )
+        let detail = format!(
+            "{} built for Slurm {p}, running {s}: Slurm refuses to load a plugin of another release",
+            so.display()
+        );
+        finding(Status::Fail, detail, &rebuild)
     }
 }
 

@@ -1,0 +1,27 @@
+//! The small files of the POSIX test datasets (`agent/tests/posix_cache.rs`, `posix_resume.rs`,
+//! each including this file with `#[path]`): many files of different sizes in two directories.
+
+use std::path::Path;
+
+/// The `i`th small file: every third in `small/deeper`, the others in `small`.
+pub fn small_file(i: u32) -> String {
+    let sub = if i.is_multiple_of(3) {
+        "small/deeper"
+    } else {
+        "small"
+    };
+    format!("{sub}/part-{i:03}.bin")
+}
+
+/// Writes `count` small files below `dir`, the `i`th of 500 + 1013·i bytes; returns their bytes.
+pub fn small_files(dir: &Path, count: u32) -> u64 {
+    std::fs::create_dir_all(dir.join("small/deeper")).unwrap();
+    let mut bytes = 0;
+    for i in 0..count {
+        let n = 500 + i as usize * 1013;
+        let data: Vec<u8> = (0..n).map(|j| (j as u32 ^ (i * 7)) as u8).collect();
+        std::fs::write(dir.join(small_file(i)), data).unwrap();
+        bytes += n as u64;
+    }
+    bytes
+}
