@@ -9,6 +9,7 @@
 
 use crate::render::{bytes, duration_ms};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
+use sluice_archive::access::Watch;
 use sluice_archive::{ArchiveProgress, ProgressSnapshot};
 use std::fmt::Write;
 use std::time::{Duration, Instant};
@@ -80,6 +81,35 @@ pub async fn show<F: Future>(
         eprintln!("{line}");
     }
     out
+}
+
+/// The archive-access module's [`Watch`]: its verifies and restores shown as `mode` says, its
+/// notes on stderr through `note`.
+pub struct Shown<N> {
+    mode: Mode,
+    note: N,
+}
+
+impl<N: FnMut(&str)> Shown<N> {
+    pub fn new(mode: Mode, note: N) -> Shown<N> {
+        Shown { mode, note }
+    }
+}
+
+impl<N: FnMut(&str)> Watch for Shown<N> {
+    fn watch<F: Future>(
+        &mut self,
+        label: &str,
+        counters: &ArchiveProgress,
+        finished: fn(&F::Output) -> bool,
+        work: F,
+    ) -> impl Future<Output = F::Output> {
+        show(self.mode, label, counters, finished, work)
+    }
+
+    fn note(&mut self, text: &str) {
+        (self.note)(text)
+    }
 }
 
 /// Awaits `work`, calling `each` every `period` meanwhile.
