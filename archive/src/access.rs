@@ -17,6 +17,7 @@
 //! code they travel with ([`AccessError::code`]).
 
 use crate::config::Config;
+use crate::manifest::Manifest;
 use crate::rt::blocking;
 use crate::safefs::{Owner, RemoveAs};
 use crate::{
@@ -131,18 +132,27 @@ impl Reader {
     }
 }
 
+/// One verify or restore a [`Watch`] follows.
+pub struct Reading<'a, T> {
+    /// `restore step-3`, `verify step-3`.
+    pub label: String,
+    /// What it has done so far, of what.
+    pub counters: &'a ArchiveProgress,
+    /// Tells an outcome that went through everything from one that stopped short.
+    pub finished: fn(&T) -> bool,
+}
+
 /// How a caller follows a long read: the CLI shows progress and notes on a terminal, the agent
 /// nothing ([`Unwatched`]).
 pub trait Watch {
-    /// Awaits `work`, a verify or restore labelled `label` (`restore step-3`) counting in
-    /// `counters`; `finished` tells an outcome that went through everything from one that stopped.
+    /// Awaits `work`, the [`Reading`] `_what`; by default without showing anything.
     fn watch<F: Future>(
         &mut self,
-        label: &str,
-        counters: &ArchiveProgress,
-        finished: fn(&F::Output) -> bool,
+        _what: Reading<'_, F::Output>,
         work: F,
-    ) -> impl Future<Output = F::Output>;
+    ) -> impl Future<Output = F::Output> {
+        work
+    }
 
     /// Something to tell the caller now (a damaged checkpoint `latest` passes over).
     fn note(&mut self, _text: &str) {}
@@ -151,17 +161,7 @@ pub trait Watch {
 /// A [`Watch`] that shows nothing.
 pub struct Unwatched;
 
-impl Watch for Unwatched {
-    fn watch<F: Future>(
-        &mut self,
-        _label: &str,
-        _counters: &ArchiveProgress,
-        _finished: fn(&F::Output) -> bool,
-        work: F,
-    ) -> impl Future<Output = F::Output> {
-        work
-    }
-}
+impl Watch for Unwatched {}
 
 /// Opens `url` for reading. A `file://` archive must exist: the opener would create it, and a typo
 /// should not leave an empty archive behind (made by root, for the agent).
@@ -256,14 +256,14 @@ pub async fn verify(
     };
     drop(m);
     let counters = ArchiveProgress::default();
+    let what = Reading {
+        label: format!("verify {tag}"),
+        counters: &counters,
+        // Damage found is a verify that went through everything.
+        finished: |r| matches!(r, Ok(_) | Err(ArchiveError::Corrupt { .. })),
+    };
     let checked = watch
-        .watch(
-            &format!("verify {tag}"),
-            &counters,
-            // Damage found is a verify that went through everything.
-            |r| matches!(r, Ok(_) | Err(ArchiveError::Corrupt { .. })),
-            a.verify_with_progress(&tag, &counters),
-        )
+        .watch(what, a.verify_with_progress(&tag, &counters))
         .await;
     match checked {
         Ok(_) => Ok(out),
@@ -290,14 +290,19 @@ pub async fn plan(
         // `latest` found its objects all there already.
         a.check_objects(&m).await?;
     }
-    Ok(ArchiveRestored {
+    Ok(restored(a, resolved, &m, Vec::new()))
+}
+
+/// The answer about a restore of `tag` (by its MANIFEST `m`), which passed over `skipped`.
+fn restored(a: &Archiver, tag: String, m: &Manifest, skipped: Vec<String>) -> ArchiveRestored {
+    ArchiveRestored {
         url: a.url().to_string(),
-        tag: resolved,
+        tag,
         files: m.files.len() as u64,
         raw_bytes: m.raw_bytes,
         stored_bytes: m.stored_bytes,
-        skipped: Vec::new(),
-    })
+        skipped,
+    }
 }
 
 /// Why a restore's directory is refused.
@@ -445,26 +450,16 @@ pub async fn restore(
     loop {
         let t = resolve(a, reader, tag, &skipped).await?;
         let counters = ArchiveProgress::default();
-        let restored = watch
-            .watch(
-                &format!("restore {t}"),
-                &counters,
-                Result::is_ok,
-                a.restore(&t, dest.fd.clone(), dest.owner, &counters),
-            )
-            .await;
-        match restored {
+        let what = Reading {
+            label: format!("restore {t}"),
+            counters: &counters,
+            finished: Result::is_ok,
+        };
+        let work = a.restore(&t, dest.fd.clone(), dest.owner, &counters);
+        let outcome = watch.watch(what, work).await;
+        match outcome {
             // The MANIFEST the restore used may have been replaced since `resolve` read it.
-            Ok(m) if reader.owns(Some(&m.job.user)) => {
-                return Ok(ArchiveRestored {
-                    url: a.url().to_string(),
-                    tag: t,
-                    files: m.files.len() as u64,
-                    raw_bytes: m.raw_bytes,
-                    stored_bytes: m.stored_bytes,
-                    skipped,
-                });
-            }
+            Ok(m) if reader.owns(Some(&m.job.user)) => return Ok(restored(a, t, &m, skipped)),
             Ok(_) => {
                 let e = AccessError::NotYours {
                     url: a.url().to_string(),

@@ -9,7 +9,7 @@
 
 use crate::render::{bytes, duration_ms};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
-use sluice_archive::access::Watch;
+use sluice_archive::access::{Reading, Watch};
 use sluice_archive::{ArchiveProgress, ProgressSnapshot};
 use std::fmt::Write;
 use std::time::{Duration, Instant};
@@ -97,14 +97,8 @@ impl<N: FnMut(&str)> Shown<N> {
 }
 
 impl<N: FnMut(&str)> Watch for Shown<N> {
-    fn watch<F: Future>(
-        &mut self,
-        label: &str,
-        counters: &ArchiveProgress,
-        finished: fn(&F::Output) -> bool,
-        work: F,
-    ) -> impl Future<Output = F::Output> {
-        show(self.mode, label, counters, finished, work)
+    async fn watch<F: Future>(&mut self, what: Reading<'_, F::Output>, work: F) -> F::Output {
+        show(self.mode, &what.label, what.counters, what.finished, work).await
     }
 
     fn note(&mut self, text: &str) {

@@ -23,25 +23,33 @@ fn user(name: &str) -> Reader {
     Reader::User(name.into())
 }
 
+/// Publishes `tag` as `owner`'s from node n1: `sub/model.bin` (enough data for several frames)
+/// and `who`, which says whose it is.
+async fn publish(a: &Archiver, tag: &str, owner: &str) {
+    let src = tempfile::tempdir().unwrap();
+    let sub = src.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    std::fs::write(sub.join("model.bin"), fp32_values(20_000, 1)).unwrap();
+    std::fs::write(src.path().join("who"), format!("{tag} of {owner}")).unwrap();
+    let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
+    let counters = ArchiveProgress::default();
+    a.upload_part(tag, "n1", fd, me().uid, &counters)
+        .await
+        .unwrap();
+    let job = JobMeta {
+        job_id: 7,
+        user: owner.into(),
+        job_name: "train".into(),
+    };
+    a.try_publish(tag, &["n1".into()], job).await.unwrap();
+}
+
 /// An in-memory archive in which alice published `a1` and then `a2`, bob `b1` in between.
 async fn shared_archive() -> (Arc<InMemory>, Archiver) {
     let store = Arc::new(InMemory::new());
     let a = Archiver::new(store.clone(), PREFIX, ArchiveConfig::default()).unwrap();
     for (tag, owner) in [("a1", "alice"), ("b1", "bob"), ("a2", "alice")] {
-        let src = tempfile::tempdir().unwrap();
-        std::fs::create_dir(src.path().join("sub")).unwrap();
-        std::fs::write(src.path().join("sub/model.bin"), fp32_values(20_000, 1)).unwrap();
-        std::fs::write(src.path().join("who"), format!("{tag} of {owner}")).unwrap();
-        let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
-        a.upload_part(tag, "n1", fd, me().uid, &ArchiveProgress::default())
-            .await
-            .unwrap();
-        let job = JobMeta {
-            job_id: 7,
-            user: owner.into(),
-            job_name: "train".into(),
-        };
-        a.try_publish(tag, &["n1".to_string()], job).await.unwrap();
+        publish(&a, tag, owner).await;
         // MANIFEST times are in milliseconds: keep the order unambiguous.
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -51,14 +59,8 @@ async fn shared_archive() -> (Arc<InMemory>, Archiver) {
 /// Flips one byte in the middle of `tag`'s `sub/model.bin` data object.
 async fn damage(store: &InMemory, tag: &str) {
     let key = StorePath::from(format!("{PREFIX}/{tag}/data/sub/model.bin"));
-    let mut bytes = store
-        .get(&key)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
+    let got = store.get(&key).await.unwrap();
+    let mut bytes = got.bytes().await.unwrap().to_vec();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x40;
     store.put(&key, bytes.into()).await.unwrap();
@@ -83,14 +85,8 @@ struct Seen {
 }
 
 impl Watch for Seen {
-    async fn watch<F: Future>(
-        &mut self,
-        label: &str,
-        _counters: &ArchiveProgress,
-        _finished: fn(&F::Output) -> bool,
-        work: F,
-    ) -> F::Output {
-        self.labels.push(label.to_string());
+    async fn watch<F: Future>(&mut self, what: Reading<'_, F::Output>, work: F) -> F::Output {
+        self.labels.push(what.label);
         work.await
     }
 
