@@ -33,13 +33,13 @@ async fn publish(a: &Archiver, tag: &str, owner: &str) {
     std::fs::write(src.path().join("who"), format!("{tag} of {owner}")).unwrap();
     let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
     let counters = ArchiveProgress::default();
-    a.upload_part(tag, "n1", fd, me().uid, &counters)
-        .await
-        .unwrap();
+    let part = a.upload_part(tag, "n1", fd, me().uid, &counters);
+    part.await.unwrap();
+    let (user, job_name) = (owner.to_string(), "train".to_string());
     let job = JobMeta {
         job_id: 7,
-        user: owner.into(),
-        job_name: "train".into(),
+        user,
+        job_name,
     };
     a.try_publish(tag, &["n1".into()], job).await.unwrap();
 }
