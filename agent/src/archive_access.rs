@@ -1,32 +1,30 @@
 //! Users reach their own archives without root: `sluice ckpt list|verify|restore URL` from a user
 //! who cannot read the agent's configuration (it holds the site's store credentials) comes here
-//! over the socket, and the agent reads the archive for them.
+//! over the socket, and the agent reads the archive for them with the one archive-access
+//! implementation ([`sluice_archive::access`]), which the CLI uses directly as root.
 //!
-//! The same rules as for jobs (docs/SECURITY.md, "Archives for users outside jobs"):
+//! What the agent adds on top (docs/SECURITY.md, "Archives for users outside jobs"):
 //! - the URL must be one a job of the caller's could archive to under `[[ckpt.allow]]`
 //!   ([`Policy::check_archive_read`]); root may name any;
-//! - a user sees, verifies and restores only checkpoints whose MANIFEST names them as the job's
-//!   user (by name, as `--ckpt-restore` does: the MANIFEST records no uid); another user's
-//!   checkpoint is answered exactly like a missing one, so its existence is not told either;
-//! - a restore writes only into the directory the caller passed open over the socket: a directory
-//!   of their own, empty, never a path the agent resolves (root must not write where a path a user
-//!   names leads). Files and directories are created below it fd-relative and owned by the caller.
+//! - the caller is a [`Reader`] by their user name (NSS, from `SO_PEERCRED`): they see, verify and
+//!   restore only checkpoints whose MANIFEST names them; another user's reads as a missing one;
+//! - a restore writes only into the directory the caller passed open over the socket, checked as
+//!   theirs ([`Destination::check`]), never a path the agent resolves (root must not write where a
+//!   path a user names leads).
 //!
 //! What one request may cost is bounded: at most [`MAX_AT_ONCE`] run on a node at once (the rest
 //! wait up to [`QUEUE_WAIT`]), one user holds at most [`MAX_PER_USER`] of them, and each has a
-//! deadline ([`LIST_LIMIT`], [`READ_LIMIT`]). The server cancels a request whose client hangs up.
-//! Those places are the agent's own ([`ArchiveAccess`]): two agents in one process (the tests')
-//! share none.
+//! deadline ([`LIST_LIMIT`], [`READ_LIMIT`]); an answer fits one frame ([`MAX_LISTED`],
+//! [`MAX_DAMAGED`]). The server cancels a request whose client hangs up. Those places are the
+//! agent's own ([`ArchiveAccess`]): two agents in one process (the tests') share none.
 
 use crate::identity::Peer;
 use crate::policy::{Policy, PolicyError, Requester};
+use sluice_archive::access::{self, Destination, Reader, Unwatched};
 use sluice_archive::config::Config;
 use sluice_archive::rt::{blocking, lock};
-use sluice_archive::safefs::{self, Owner};
-use sluice_archive::{
-    ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, CheckpointState,
-    check_name, open_archive, parse_archive_url,
-};
+use sluice_archive::safefs::Owner;
+use sluice_archive::{Archiver, CheckpointInfo};
 use sluice_proto::msg::{
     ArchiveListing, ArchiveRestored, ArchiveVerified, ArchivedCkpt, ErrorCode, ErrorReply, Request,
     Response,
@@ -51,8 +49,6 @@ pub const READ_LIMIT: Duration = Duration::from_secs(12 * 3600);
 const MAX_LISTED: usize = 2000;
 /// Most damaged files one verify names (the answer must fit one frame).
 const MAX_DAMAGED: usize = 1000;
-/// `TAG` meaning the newest intact checkpoint.
-const LATEST: &str = "latest";
 
 /// Archive requests of users, as the agent serves them: with the site's configuration (its store
 /// credentials, its allow rules), through the node's places ([`Gate`]).
@@ -183,7 +179,10 @@ impl ArchiveAccess {
                     .map(Response::Verified),
                 Request::ArchiveRestore {
                     tag, dry_run: true, ..
-                } => plan(&archiver, &caller, &tag).await.map(Response::Restored),
+                } => access::plan(&archiver, &caller.reader(), &tag)
+                    .await
+                    .map(Response::Restored)
+                    .map_err(ErrorReply::from),
                 Request::ArchiveRestore { tag, .. } => {
                     let dir = dir.ok_or_else(|| {
                     refuse(
@@ -191,9 +190,7 @@ impl ArchiveAccess {
                         "a restore through the agent needs its destination directory passed open with the request (use the sluice CLI of this release)",
                     )
                 })?;
-                    let dir = Arc::new(dir);
-                    check_dest(dir.clone(), caller.owner.uid).await?;
-                    restore(&archiver, &caller, &tag, dir)
+                    restore(&archiver, &caller, &tag, Arc::new(dir))
                         .await
                         .map(Response::Restored)
                 }
@@ -252,11 +249,11 @@ impl Caller {
         })
     }
 
-    /// Whether the checkpoint's MANIFEST (its job's user) makes it the caller's.
-    fn owns(&self, job_user: Option<&str>) -> bool {
+    /// Whose checkpoints the caller may see.
+    fn reader(&self) -> Reader {
         match &self.requester {
-            None => true,
-            Some(who) => job_user == Some(who.user.as_str()),
+            None => Reader::Anyone,
+            Some(who) => Reader::User(who.user.clone()),
         }
     }
 }
@@ -274,99 +271,28 @@ fn not_allowed(url: &str, e: PolicyError) -> ErrorReply {
     refuse(ErrorCode::Forbidden, message)
 }
 
-/// Opens `url` for reading. A `file://` archive must exist: the opener would create it (as root).
+/// Opens `url` for reading ([`access::open`]: a missing `file://` archive is not created).
 async fn open(cfg: &Arc<Config>, url: &str) -> Result<Archiver, ErrorReply> {
-    let bad = |e: ArchiveError| refuse(ErrorCode::BadRequest, e.to_string());
-    let loc = parse_archive_url(url).map_err(bad)?;
-    if let ArchiveStore::Local(path) = &loc.store {
-        let p = path.clone();
-        if blocking(move || std::fs::symlink_metadata(&p))
-            .await
-            .is_err()
-        {
-            return Err(refuse(
-                ErrorCode::NotFound,
-                format!("{loc}: nothing is archived there"),
-            ));
-        }
-    }
-    let cfg = cfg.clone();
-    let url = url.to_string();
-    blocking(move || open_archive(&cfg, &url))
-        .await
-        .map_err(bad)
-}
-
-/// An archive error, as the user reads it.
-fn failed(e: ArchiveError) -> ErrorReply {
-    let code = match &e {
-        ArchiveError::NotArchived { .. } => ErrorCode::NotFound,
-        _ => ErrorCode::Internal,
-    };
-    refuse(code, e.to_string())
-}
-
-/// The tags of complete checkpoints that are not the caller's (what `latest` must pass over).
-async fn foreign_tags(a: &Archiver, caller: &Caller) -> Result<Vec<String>, ErrorReply> {
-    if caller.requester.is_none() {
-        return Ok(Vec::new());
-    }
-    let all = a.list().await.map_err(failed)?;
-    Ok(all
-        .into_iter()
-        .filter(|i| !caller.owns(i.job.as_ref().map(|j| j.user.as_str())))
-        .map(|i| i.tag)
-        .collect())
-}
-
-/// `tag` of the caller's, `latest` resolved among theirs (passing over those in `skip`). Another
-/// user's tag reads as a missing one.
-async fn resolve(
-    a: &Archiver,
-    caller: &Caller,
-    tag: &str,
-    skip: &[String],
-) -> Result<String, ErrorReply> {
-    let none = |what: &str| {
-        refuse(
-            ErrorCode::NotFound,
-            format!("{}: no {what} of yours", a.url()),
-        )
-    };
-    if tag == LATEST {
-        let mut exclude = foreign_tags(a, caller).await?;
-        exclude.extend(skip.iter().cloned());
-        let found = a.latest(&exclude).await.map_err(failed)?;
-        return found.ok_or_else(|| {
-            none(if skip.is_empty() {
-                "complete checkpoint"
-            } else {
-                "other complete checkpoint"
-            })
-        });
-    }
-    check_name("checkpoint tag", tag).map_err(|e| refuse(ErrorCode::BadRequest, e.to_string()))?;
-    match a.manifest(tag).await {
-        Ok(m) if caller.owns(Some(&m.job.user)) => Ok(tag.to_string()),
-        Ok(_) | Err(ArchiveError::NotArchived { .. }) => {
-            Err(none(&format!("archived checkpoint {tag}")))
-        }
-        Err(e) => Err(failed(e)),
-    }
+    let (cfg, url) = (cfg.clone(), url.to_string());
+    Ok(blocking(move || access::open(&cfg, &url)).await?)
 }
 
 async fn list(a: &Archiver, caller: &Caller) -> Result<ArchiveListing, ErrorReply> {
-    let all = a.list().await.map_err(failed)?;
+    let all = a
+        .list()
+        .await
+        .map_err(|e| ErrorReply::from(access::AccessError::from(e)))?;
     Ok(listing(a.url(), all, caller))
 }
 
 /// The caller's checkpoints of a listing (oldest first), the newest [`MAX_LISTED`] of them. A
 /// partial or invalid checkpoint has no owner to show it to, so only root sees those.
 fn listing(url: &str, all: Vec<CheckpointInfo>, caller: &Caller) -> ArchiveListing {
-    let mut ckpts: Vec<ArchivedCkpt> = all
+    let mut ckpts: Vec<ArchivedCkpt> = caller
+        .reader()
+        .visible(all)
         .into_iter()
-        .filter(|i| caller.owns(i.job.as_ref().map(|j| j.user.as_str())))
-        .map(wire)
+        .map(ArchivedCkpt::from)
         .collect();
     let left_out = ckpts.len().saturating_sub(MAX_LISTED);
     ckpts.drain(..left_out);
@@ -377,231 +303,57 @@ fn listing(url: &str, all: Vec<CheckpointInfo>, caller: &Caller) -> ArchiveListi
     }
 }
 
-fn wire(i: CheckpointInfo) -> ArchivedCkpt {
-    let (state, reason) = match i.state {
-        CheckpointState::Complete => ("complete", None),
-        CheckpointState::Partial => ("partial", None),
-        CheckpointState::Invalid { reason } => ("invalid", Some(reason)),
-    };
-    ArchivedCkpt {
-        tag: i.tag,
-        state: state.into(),
-        reason,
-        files: i.files,
-        raw_bytes: i.raw_bytes,
-        stored_bytes: i.stored_bytes,
-        created_unix_ms: i.created_unix_ms,
-        job_id: i.job.as_ref().map(|j| j.job_id),
-        user: i.job.as_ref().map(|j| j.user.clone()),
-        job_name: i.job.map(|j| j.job_name),
-        nodes: i.nodes,
-        data_classes: i.data_classes,
-    }
-}
-
+/// [`access::verify`] for the caller, naming at most [`MAX_DAMAGED`] damaged files.
 async fn verify(a: &Archiver, caller: &Caller, tag: &str) -> Result<ArchiveVerified, ErrorReply> {
-    let tag = resolve(a, caller, tag, &[]).await?;
-    let m = a.manifest(&tag).await.map_err(failed)?;
-    let mut out = ArchiveVerified {
-        url: a.url().to_string(),
-        tag: tag.clone(),
-        ok: true,
-        files: m.files.len() as u64,
-        raw_bytes: m.raw_bytes,
-        stored_bytes: m.stored_bytes,
-        damaged: Vec::new(),
-    };
-    drop(m);
-    match a.verify(&tag).await {
-        Ok(_) => Ok(out),
-        Err(ArchiveError::Corrupt { damaged, .. }) => {
-            out.ok = false;
-            let n = damaged.len();
-            out.damaged = damaged
-                .into_iter()
-                .take(MAX_DAMAGED)
-                .map(|d| (d.path, d.detail))
-                .collect();
-            if n > MAX_DAMAGED {
-                out.damaged.push((
-                    format!("({} more)", n - MAX_DAMAGED),
-                    "not named: too many to list".into(),
-                ));
-            }
-            Ok(out)
-        }
-        Err(e) => Err(failed(e)),
+    let mut out = access::verify(a, &caller.reader(), tag, &mut Unwatched).await?;
+    let n = out.damaged.len();
+    if n > MAX_DAMAGED {
+        out.damaged.truncate(MAX_DAMAGED);
+        out.damaged.push((
+            format!("({} more)", n - MAX_DAMAGED),
+            "not named: too many to list".into(),
+        ));
     }
-}
-
-/// `--dry-run`: the checkpoint a restore would take now, and its size; nothing is written.
-async fn plan(a: &Archiver, caller: &Caller, tag: &str) -> Result<ArchiveRestored, ErrorReply> {
-    let resolved = resolve(a, caller, tag, &[]).await?;
-    let m = a.manifest(&resolved).await.map_err(failed)?;
-    if tag != LATEST {
-        a.check_objects(&m).await.map_err(failed)?;
-    }
-    Ok(ArchiveRestored {
-        url: a.url().to_string(),
-        tag: resolved,
-        files: m.files.len() as u64,
-        raw_bytes: m.raw_bytes,
-        stored_bytes: m.stored_bytes,
-        skipped: Vec::new(),
-    })
-}
-
-/// Why a passed directory is refused, in the words of the CLI's own check.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum DestRefusal {
-    NotDir,
-    Theirs(u32),
-    NotEmpty,
-    Special,
-}
-
-impl DestRefusal {
-    fn text(&self) -> String {
-        let again = "give the path of a new or empty directory";
-        match self {
-            DestRefusal::NotDir => format!("the destination is not a directory; {again}"),
-            DestRefusal::Theirs(uid) => format!(
-                "the destination belongs to uid {uid}; restore into a directory of your own"
-            ),
-            DestRefusal::NotEmpty => format!("the destination is not empty; {again}"),
-            DestRefusal::Special => {
-                format!("the destination is on a kernel file system (proc, sys, cgroup); {again}")
-            }
-        }
-    }
-}
-
-/// The checks on a restore's directory, on the open descriptor itself (no path is looked at): a
-/// directory, owned by `uid`, empty, not on a kernel pseudo file system.
-pub(crate) fn dest_refusal(dir: &OwnedFd, uid: u32) -> Result<Option<DestRefusal>, nix::Error> {
-    use nix::sys::statfs::{
-        BPF_FS_MAGIC, CGROUP_SUPER_MAGIC, CGROUP2_SUPER_MAGIC, DEBUGFS_MAGIC, PROC_SUPER_MAGIC,
-        SECURITYFS_MAGIC, SYSFS_MAGIC, TRACEFS_MAGIC, fstatfs,
-    };
-    let st = nix::sys::stat::fstat(dir)?;
-    if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFDIR {
-        return Ok(Some(DestRefusal::NotDir));
-    }
-    if st.st_uid != uid {
-        return Ok(Some(DestRefusal::Theirs(st.st_uid)));
-    }
-    let fs = fstatfs(dir)?.filesystem_type();
-    let special = [
-        PROC_SUPER_MAGIC,
-        SYSFS_MAGIC,
-        CGROUP_SUPER_MAGIC,
-        CGROUP2_SUPER_MAGIC,
-        BPF_FS_MAGIC,
-        DEBUGFS_MAGIC,
-        SECURITYFS_MAGIC,
-        TRACEFS_MAGIC,
-    ];
-    if special.contains(&fs) {
-        return Ok(Some(DestRefusal::Special));
-    }
-    let flags =
-        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC;
-    let mut d = nix::dir::Dir::openat(dir, ".", flags, nix::sys::stat::Mode::empty())?;
-    for e in d.iter() {
-        let name = e?.file_name().to_bytes().to_vec();
-        if name != b"." && name != b".." {
-            return Ok(Some(DestRefusal::NotEmpty));
-        }
-    }
-    Ok(None)
-}
-
-async fn check_dest(dir: Arc<OwnedFd>, uid: u32) -> Result<(), ErrorReply> {
-    match blocking(move || dest_refusal(&dir, uid)).await {
-        Ok(None) => Ok(()),
-        Ok(Some(r)) => Err(refuse(ErrorCode::Forbidden, r.text())),
-        Err(e) => Err(refuse(
-            ErrorCode::BadRequest,
-            format!("the destination passed cannot be checked: {e}"),
-        )),
-    }
-}
-
-/// Removes everything of the caller's (or root's) below `dir` (a failed restore's partial files),
-/// fd-relative, never following a link; another user's entries moved in there stay. Says what is
-/// left, if anything.
-async fn clear(dir: Arc<OwnedFd>, who: safefs::RemoveAs) -> Option<String> {
-    blocking(move || safefs::clear_dir(&dir, who)).await.err()
+    Ok(out)
 }
 
 /// Restores the caller's `tag` (`latest`: their newest intact one, passing over damaged ones) into
-/// `dir`, every file owned by them. A failed restore leaves `dir` empty again.
+/// `dir`, once it is checked as theirs, every file owned by them. A failed restore leaves `dir`
+/// empty again.
 async fn restore(
     a: &Archiver,
     caller: &Caller,
     tag: &str,
     dir: Arc<OwnedFd>,
 ) -> Result<ArchiveRestored, ErrorReply> {
-    let mut skipped: Vec<String> = Vec::new();
-    let fail = |e: ErrorReply, left: Option<String>| match left {
-        None => e,
-        Some(left) => ErrorReply::new(
-            e.code,
-            format!(
-                "{}; the destination holds a partial restore ({left}): remove it",
-                e.message
-            ),
-        ),
-    };
-    loop {
-        let t = resolve(a, caller, tag, &skipped).await?;
-        let restored = a
-            .restore(&t, dir.clone(), caller.owner, &ArchiveProgress::default())
-            .await;
-        match restored {
-            // The MANIFEST the restore used may have been replaced since `resolve` read it.
-            Ok(m) if caller.owns(Some(&m.job.user)) => {
-                tracing::info!(
-                    uid = caller.owner.uid,
-                    tag = t,
-                    url = a.url(),
-                    "checkpoint restored for a user"
-                );
-                return Ok(ArchiveRestored {
-                    url: a.url().to_string(),
-                    tag: t,
-                    files: m.files.len() as u64,
-                    raw_bytes: m.raw_bytes,
-                    stored_bytes: m.stored_bytes,
-                    skipped,
-                });
-            }
-            Ok(_) => {
-                let left = clear(dir.clone(), caller.owner.into()).await;
-                let e = refuse(
-                    ErrorCode::NotFound,
-                    format!("{}: no archived checkpoint {t} of yours", a.url()),
-                );
-                return Err(fail(e, left));
-            }
-            Err(e) if tag == LATEST && e.is_corrupt() => {
-                if let Some(left) = clear(dir.clone(), caller.owner.into()).await {
-                    return Err(fail(failed(e), Some(left)));
-                }
-                skipped.push(t);
-            }
-            Err(e) => {
-                let left = clear(dir.clone(), caller.owner.into()).await;
-                return Err(fail(failed(e), left));
-            }
-        }
-    }
+    let owner = caller.owner;
+    let dest = blocking(move || Destination::check(dir, owner, "the destination")).await?;
+    let restored = access::restore(a, &caller.reader(), tag, &dest, &mut Unwatched).await?;
+    tracing::info!(
+        uid = owner.uid,
+        tag = restored.tag,
+        url = a.url(),
+        "checkpoint restored for a user"
+    );
+    Ok(restored)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_archive::JobMeta;
+    use sluice_archive::access::LATEST;
+    use sluice_archive::{ArchiveProgress, CheckpointState, JobMeta, safefs};
+
+    /// `tag` of the caller's, `latest` resolved among theirs (passing over those in `skip`), as
+    /// the agent answers it: another user's tag reads as a missing one.
+    async fn resolve(
+        a: &Archiver,
+        caller: &Caller,
+        tag: &str,
+        skip: &[String],
+    ) -> Result<String, ErrorReply> {
+        Ok(access::resolve(a, &caller.reader(), tag, skip).await?)
+    }
 
     fn user(name: &str) -> Caller {
         Caller {
@@ -804,37 +556,5 @@ mod tests {
         let l = listing("u", all, &user("alice"));
         assert_eq!((l.ckpts.len(), l.left_out), (MAX_LISTED, 3));
         assert_eq!(l.ckpts[0].tag, "t3");
-    }
-
-    #[test]
-    fn the_destination_must_be_the_callers_own_empty_directory() {
-        let tmp = tempfile::tempdir().unwrap();
-        let me = nix::unistd::geteuid().as_raw();
-        let open = |p: &std::path::Path| safefs::open_root_dir(p).unwrap();
-        let empty = tmp.path().join("empty");
-        std::fs::create_dir(&empty).unwrap();
-        assert_eq!(dest_refusal(&open(&empty), me).unwrap(), None);
-        // Someone else's (the fd is checked, whatever path led to it).
-        assert_eq!(
-            dest_refusal(&open(&empty), me + 1).unwrap(),
-            Some(DestRefusal::Theirs(me))
-        );
-        let full = tmp.path().join("full");
-        std::fs::create_dir(&full).unwrap();
-        std::fs::write(full.join(".hidden"), b"x").unwrap();
-        assert_eq!(
-            dest_refusal(&open(&full), me).unwrap(),
-            Some(DestRefusal::NotEmpty)
-        );
-        let file: OwnedFd = std::fs::File::create(tmp.path().join("f")).unwrap().into();
-        assert_eq!(dest_refusal(&file, me).unwrap(), Some(DestRefusal::NotDir));
-        // A kernel file system the caller owns a directory of.
-        let mine = std::path::PathBuf::from(format!("/proc/{}", std::process::id()));
-        let proc_self = safefs::open_root_dir(&mine).unwrap();
-        assert!(matches!(
-            dest_refusal(&proc_self, me).unwrap(),
-            Some(DestRefusal::Special | DestRefusal::NotEmpty)
-        ));
-        assert!(DestRefusal::Theirs(5).text().contains("belongs to uid 5"));
     }
 }

@@ -56,6 +56,7 @@
 // `deny`, not `forbid`: the aligned-buffer module alone is allowed `unsafe` (each block argued).
 #![deny(unsafe_code)]
 
+pub mod access;
 pub mod config;
 mod download;
 pub mod durable;

@@ -1,25 +1,25 @@
 //! `sluice ckpt`: checkpoints of a job through this node's agent (`commit`, `list`), and archives
-//! reached directly by URL (`list URL`, `verify`, `restore`) with the agent's own archive engine
-//! and store profiles — how admins inspect and rescue what is in object storage. Users who may not
-//! read the agent's configuration reach their own archived checkpoints through the agent instead
-//! ([`route`], [`crate::remote`]).
+//! reached directly by URL (`list URL`, `verify`, `restore`) with the agent's own archive engine,
+//! store profiles and archive-access rules ([`sluice_archive::access`], as root: every checkpoint)
+//! — how admins inspect and rescue what is in object storage. Users who may not read the agent's
+//! configuration reach their own archived checkpoints through the agent instead ([`route`],
+//! [`crate::remote`]), which applies the same module. Both routes print the same values: the
+//! socket's answers are turned into this module's output types once (`Verified::from`,
+//! `Restored::new`, `RestorePlan::new`).
 //!
 //! Choices that need the environment (`$SLURM_JOB_ID`, the node's name, the config file) are pure
 //! functions of their inputs here, so they are unit-tested; `main` passes the real environment.
 
-use crate::progress::{self, Mode};
+use crate::progress::{Mode, Shown};
 use anyhow::{Context, anyhow, bail};
 use serde::Serialize;
+use sluice_archive::access::{self, AccessError, DestRefusal, Destination, Reader};
 use sluice_archive::config::{Config, ConfigError};
-use sluice_archive::safefs::{self, Owner};
-use sluice_archive::{
-    ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, check_name,
-    open_archive, parse_archive_url,
-};
-use sluice_proto::msg::{CkptStatus, JobId};
+use sluice_archive::safefs::{self, Owner, RemoveAs};
+use sluice_archive::{Archiver, CheckpointInfo};
+use sluice_proto::msg::{ArchiveRestored, ArchiveVerified, CkptStatus, JobId};
 use std::ffi::OsString;
 use std::io::ErrorKind;
-use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -28,7 +28,7 @@ pub const JOB_ID_ENV: &str = "SLURM_JOB_ID";
 /// The agent's configuration: store profiles and archive settings for URL mode.
 pub const DEFAULT_CONFIG: &str = "/etc/sluice/sluice.toml";
 /// `TAG` of `verify` and `restore` that means the newest intact checkpoint.
-pub const LATEST: &str = "latest";
+pub use sluice_archive::access::LATEST;
 
 /// The job a command is about: `--job`, else `$SLURM_JOB_ID` (empty counts as unset). `other` names
 /// another way to say what is meant, for the error outside a job (e.g. "or give an archive URL").
@@ -156,47 +156,12 @@ pub fn route(
     }
 }
 
-/// Opens the archive at `url` for reading. A `file://` archive must exist: the agent's opener
-/// would create it, and a typo should not leave an empty archive behind.
-pub fn open(cfg: &Config, url: &str) -> anyhow::Result<Archiver> {
-    let loc = parse_archive_url(url)?;
-    if let ArchiveStore::Local(path) = &loc.store {
-        match std::fs::symlink_metadata(path) {
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                bail!(
-                    "{loc}: {} does not exist; nothing is archived there",
-                    path.display()
-                )
-            }
-            Err(e) => bail!("{loc}: {}: {e}", path.display()),
-            Ok(_) => {}
-        }
-    }
-    Ok(open_archive(cfg, url)?)
-}
-
 /// A small runtime for the archive engine: its blocking work runs on tokio's blocking pool.
 pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")
-}
-
-/// `latest` becomes the newest complete checkpoint whose objects are all there; other tags are
-/// checked and kept.
-async fn resolve_tag(a: &Archiver, tag: &str, exclude: &[String]) -> anyhow::Result<String> {
-    if tag != LATEST {
-        check_name("checkpoint tag", tag)?;
-        return Ok(tag.to_string());
-    }
-    a.latest(exclude).await?.ok_or_else(|| {
-        let what = if exclude.is_empty() { "" } else { " other" };
-        anyhow!(
-            "{}: no{what} complete checkpoint to use as 'latest'",
-            a.url()
-        )
-    })
 }
 
 // ------------------------------------------------------------------------------------ list
@@ -213,8 +178,12 @@ pub struct JobListing {
     pub ckpts: Vec<CkptStatus>,
 }
 
-pub async fn list(a: &Archiver) -> anyhow::Result<Vec<CheckpointInfo>> {
-    Ok(a.list().await?)
+/// Every checkpoint of the archive (root reads them all), oldest first.
+pub async fn list(a: &Archiver) -> anyhow::Result<ArchiveListing> {
+    Ok(ArchiveListing {
+        url: a.url().to_string(),
+        ckpts: access::list(a, &Reader::Anyone).await?,
+    })
 }
 
 // ------------------------------------------------------------------------------------ verify
@@ -237,95 +206,42 @@ pub struct Verified {
     pub damaged: Vec<DamagedFile>,
 }
 
-/// Reads every object of the checkpoint and checks it against the MANIFEST, showing how far it is
-/// as `progress` says. Damage is an answer, not an error; a missing MANIFEST or an unreachable
-/// store is an error.
-pub async fn verify(a: &Archiver, tag: &str, progress: Mode) -> anyhow::Result<Verified> {
-    let tag = resolve_tag(a, tag, &[]).await?;
-    let m = a.manifest(&tag).await?;
-    let mut out = Verified {
-        url: a.url().to_string(),
-        tag: tag.clone(),
-        ok: true,
-        files: m.files.len() as u64,
-        raw_bytes: m.raw_bytes,
-        stored_bytes: m.stored_bytes,
-        damaged: Vec::new(),
-    };
-    let counters = ArchiveProgress::default();
-    let checked = progress::show(
-        progress,
-        &format!("verify {tag}"),
-        &counters,
-        // Damage found is a verify that went through everything.
-        |r| matches!(r, Ok(_) | Err(ArchiveError::Corrupt { .. })),
-        a.verify_with_progress(&tag, &counters),
-    )
-    .await;
-    match checked {
-        Ok(_) => Ok(out),
-        Err(ArchiveError::Corrupt { damaged, .. }) => {
-            out.ok = false;
-            out.damaged = damaged
+impl From<ArchiveVerified> for Verified {
+    fn from(v: ArchiveVerified) -> Verified {
+        Verified {
+            url: v.url,
+            tag: v.tag,
+            ok: v.ok,
+            files: v.files,
+            raw_bytes: v.raw_bytes,
+            stored_bytes: v.stored_bytes,
+            damaged: v
+                .damaged
                 .into_iter()
-                .map(|d| DamagedFile {
-                    path: d.path,
-                    detail: d.detail,
-                })
-                .collect();
-            Ok(out)
+                .map(|(path, detail)| DamagedFile { path, detail })
+                .collect(),
         }
-        Err(e) => Err(e.into()),
     }
+}
+
+/// Reads every object of the checkpoint and checks it against the MANIFEST ([`access::verify`]),
+/// showing how far it is as `progress` says. Damage is an answer, not an error.
+pub async fn verify(a: &Archiver, tag: &str, progress: Mode) -> anyhow::Result<Verified> {
+    let mut shown = Shown::new(progress, |_| {});
+    Ok(access::verify(a, &Reader::Anyone, tag, &mut shown)
+        .await?
+        .into())
 }
 
 // ------------------------------------------------------------------------------------ restore
 
-/// The directory a restore writes into, opened without following a symlink.
+/// The directory a restore writes into, opened without following a symlink and checked
+/// ([`Destination::check`]).
 pub struct Dest {
     pub path: PathBuf,
-    fd: Arc<OwnedFd>,
+    dest: Destination,
     /// Made by this restore, so removed again when it fails.
     created: bool,
-}
-
-/// The names in a directory, `.` and `..` left out.
-fn entries(dir: &OwnedFd) -> anyhow::Result<Vec<OsString>> {
-    use nix::fcntl::OFlag;
-    use std::os::unix::ffi::OsStrExt;
-    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
-    let mut d = nix::dir::Dir::openat(dir, ".", flags, nix::sys::stat::Mode::empty())?;
-    let mut names = Vec::new();
-    for e in d.iter() {
-        let name = e?.file_name().to_bytes().to_vec();
-        if name != b"." && name != b".." {
-            names.push(std::ffi::OsStr::from_bytes(&name).to_os_string());
-        }
-    }
-    Ok(names)
-}
-
-/// Why a restore refuses a destination, worded once for the restore and its dry run.
-enum Refusal {
-    Symlink,
-    NotDir,
-    Theirs(u32),
-    NotEmpty,
-}
-
-impl Refusal {
-    fn text(&self, path: &Path) -> String {
-        let shown = path.display();
-        let again = "give the path of a new or empty directory";
-        match self {
-            Refusal::Symlink => format!("{shown} is a symbolic link; {again}"),
-            Refusal::NotDir => format!("{shown} exists and is not a directory; {again}"),
-            Refusal::Theirs(owner) => {
-                format!("{shown} belongs to uid {owner}; restore into a directory of your own")
-            }
-            Refusal::NotEmpty => format!("{shown} is not empty; {again}"),
-        }
-    }
 }
 
 /// `path` cannot be created, for `e`.
@@ -338,42 +254,59 @@ fn cannot_create(path: &Path, e: &std::io::Error) -> String {
     format!("cannot create {}: {e}{hint}", path.display())
 }
 
-/// Opens `path` for a restore by user `uid`: created when missing (its parent must exist), else
-/// an empty directory of that user. Never a symlink.
-pub fn prepare_dest(path: &Path, uid: u32) -> anyhow::Result<Dest> {
+/// The directory `path` would be created in, when it is missing.
+fn parent_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// Whether `dir` is on a kernel file system ([`access::is_kernel_fs`]); unknown counts as not
+/// (creating there then fails on its own).
+fn on_kernel_fs(dir: &Path) -> bool {
+    nix::sys::statfs::statfs(dir).is_ok_and(|s| access::is_kernel_fs(s.filesystem_type()))
+}
+
+/// Opens `path` for a restore whose files become `owner`'s: created when missing (its parent must
+/// exist, and not be on a kernel file system), else an empty directory of that user. Never a
+/// symlink; the open directory passes [`Destination::check`].
+pub fn prepare_dest(path: &Path, owner: Owner) -> anyhow::Result<Dest> {
     let shown = path.display();
+    let refused = |r: DestRefusal| anyhow!(r.message(&shown.to_string()));
     let created = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == ErrorKind::NotFound => {
+            if on_kernel_fs(parent_of(path)) {
+                return Err(refused(DestRefusal::KernelFs));
+            }
             std::fs::create_dir(path).map_err(|e| anyhow!(cannot_create(path, &e)))?;
             true
         }
         Err(e) => bail!("{shown}: {e}"),
-        Ok(m) if m.file_type().is_symlink() => bail!(Refusal::Symlink.text(path)),
-        Ok(m) if !m.is_dir() => bail!(Refusal::NotDir.text(path)),
+        Ok(m) if m.file_type().is_symlink() => return Err(refused(DestRefusal::Symlink)),
+        Ok(m) if !m.is_dir() => return Err(refused(DestRefusal::NotDir)),
         Ok(_) => false,
     };
     let fd = safefs::open_root_dir(path).with_context(|| format!("opening {shown}"))?;
-    let dest = Dest {
-        path: path.to_path_buf(),
-        fd: Arc::new(fd),
-        created,
-    };
-    let owner = nix::sys::stat::fstat(&*dest.fd)
-        .with_context(|| format!("{shown}"))?
-        .st_uid;
-    if owner != uid {
-        let why = Refusal::Theirs(owner).text(path);
-        // Only a directory this call made (and someone swapped meanwhile) is cleaned up; an
-        // existing one is left exactly as it is.
-        if dest.created {
-            dest.discard();
+    let fd = Arc::new(fd);
+    match Destination::check(fd.clone(), owner, shown.to_string()) {
+        Ok(dest) => Ok(Dest {
+            path: path.to_path_buf(),
+            dest,
+            created,
+        }),
+        Err(e) => {
+            // Only a directory this call made (and someone swapped meanwhile) is cleaned up; an
+            // existing one is left exactly as it is.
+            if created {
+                let me = RemoveAs {
+                    uid: nix::unistd::geteuid().as_raw(),
+                };
+                let _ = safefs::clear_dir(&fd, me);
+                let _ = std::fs::remove_dir(path);
+            }
+            Err(e.into())
         }
-        bail!(why);
     }
-    if !created && !entries(&dest.fd)?.is_empty() {
-        bail!(Refusal::NotEmpty.text(path));
-    }
-    Ok(dest)
 }
 
 /// What a restore would make of its destination, found without changing anything (`--dry-run`).
@@ -393,14 +326,13 @@ pub enum DestCheck {
 pub fn check_dest(path: &Path, uid: u32) -> DestCheck {
     use std::os::unix::fs::MetadataExt;
     let refused = |reason: String| DestCheck::Refused { reason };
+    let refusal = |r: DestRefusal| refused(r.message(&path.display().to_string()));
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == ErrorKind::NotFound => {
-            let parent = path
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(Path::new("."));
+            let parent = parent_of(path);
             let usable = match std::fs::metadata(parent) {
                 Ok(m) if !m.is_dir() => Err(std::io::Error::from_raw_os_error(nix::libc::ENOTDIR)),
+                Ok(_) if on_kernel_fs(parent) => return refusal(DestRefusal::KernelFs),
                 Ok(_) => {
                     use nix::unistd::{AccessFlags, access};
                     access(parent, AccessFlags::W_OK | AccessFlags::X_OK)
@@ -414,12 +346,13 @@ pub fn check_dest(path: &Path, uid: u32) -> DestCheck {
             }
         }
         Err(e) => refused(format!("{}: {e}", path.display())),
-        Ok(m) if m.file_type().is_symlink() => refused(Refusal::Symlink.text(path)),
-        Ok(m) if !m.is_dir() => refused(Refusal::NotDir.text(path)),
-        Ok(m) if m.uid() != uid => refused(Refusal::Theirs(m.uid()).text(path)),
+        Ok(m) if m.file_type().is_symlink() => refusal(DestRefusal::Symlink),
+        Ok(m) if !m.is_dir() => refusal(DestRefusal::NotDir),
+        Ok(_) if on_kernel_fs(path) => refusal(DestRefusal::KernelFs),
+        Ok(m) if m.uid() != uid => refusal(DestRefusal::Theirs(m.uid())),
         Ok(_) => match std::fs::read_dir(path).map(|mut d| d.next().is_none()) {
             Ok(true) => DestCheck::Empty,
-            Ok(false) => refused(Refusal::NotEmpty.text(path)),
+            Ok(false) => refusal(DestRefusal::NotEmpty),
             Err(e) => refused(format!("{}: {e}", path.display())),
         },
     }
@@ -442,9 +375,25 @@ pub struct RestorePlan {
     pub stored_bytes: u64,
 }
 
+impl RestorePlan {
+    /// The plan of a restore into `dest` ([`access::plan`], here or the agent's), with what
+    /// becomes of `dest`.
+    pub fn new(r: ArchiveRestored, dest: &Path, dest_check: DestCheck) -> RestorePlan {
+        RestorePlan {
+            dry_run: true,
+            url: r.url,
+            tag: r.tag,
+            dest: dest.to_path_buf(),
+            dest_check,
+            files: r.files,
+            raw_bytes: r.raw_bytes,
+            stored_bytes: r.stored_bytes,
+        }
+    }
+}
+
 /// What restoring `tag` into `dest` as user `uid` would do, without writing anything: the
-/// checkpoint (`latest` resolved to the newest whose objects are all there), its size, and what
-/// becomes of `dest`. Its checksums are not read: a restore checks them as the data arrives.
+/// checkpoint ([`access::plan`]), its size, and what becomes of `dest`.
 pub async fn plan_restore(
     a: &Archiver,
     tag: &str,
@@ -452,45 +401,26 @@ pub async fn plan_restore(
     uid: u32,
 ) -> anyhow::Result<RestorePlan> {
     let dest_check = check_dest(dest, uid);
-    let resolved = resolve_tag(a, tag, &[]).await?;
-    let m = a.manifest(&resolved).await?;
-    if tag != LATEST {
-        // `latest` found its objects all there already.
-        a.check_objects(&m).await?;
-    }
-    Ok(RestorePlan {
-        dry_run: true,
-        url: a.url().to_string(),
-        tag: resolved,
-        dest: dest.to_path_buf(),
-        dest_check,
-        files: m.files.len() as u64,
-        raw_bytes: m.raw_bytes,
-        stored_bytes: m.stored_bytes,
-    })
+    let r = access::plan(a, &Reader::Anyone, tag).await?;
+    Ok(RestorePlan::new(r, dest, dest_check))
 }
 
 impl Dest {
     /// The open directory (passed to the agent for a restore through it).
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;
-        self.fd.as_fd()
+        self.dest.fd().as_fd()
     }
 
-    /// Removes what a failed restore left below the directory (symlink-safe, never leaving it):
-    /// the caller's own entries and root's, never another user's moved in there.
-    fn clear(&self) -> Result<(), String> {
-        let me = safefs::RemoveAs {
-            uid: nix::unistd::geteuid().as_raw(),
-        };
-        safefs::clear_dir(&self.fd, me)
-    }
-
-    /// Undoes a failed restore: the partial files, and the directory itself when it was made for
-    /// this restore. Says what happened, for the error message.
+    /// Undoes a failed restore: the partial files (the caller's own entries and root's, never
+    /// another user's moved in there), and the directory itself when it was made for this
+    /// restore. Says what happened, for the error message.
     fn discard(&self) -> String {
         let shown = self.path.display();
-        match self.clear() {
+        let me = RemoveAs {
+            uid: nix::unistd::geteuid().as_raw(),
+        };
+        match safefs::clear_dir(self.dest.fd(), me) {
             Err(e) => format!("{shown} holds a partial restore ({e}); remove it by hand"),
             Ok(()) if self.created => match std::fs::remove_dir(&self.path) {
                 Ok(()) => format!("{shown} was removed again"),
@@ -514,64 +444,45 @@ pub struct Restored {
     pub skipped: Vec<String>,
 }
 
-/// Restores `tag` (or the newest intact checkpoint, for `latest`) into `dest`, every file owned by
-/// `owner` and checked against its checksums, showing how far it is as `progress` says. `latest`
-/// falls back past damaged checkpoints, telling `note` about each; a named tag does not. On
-/// failure `dest` is left as it was found.
-pub async fn restore(
-    a: &Archiver,
-    tag: &str,
-    dest: &Dest,
-    owner: Owner,
-    mut note: impl FnMut(&str),
-    progress: Mode,
-) -> anyhow::Result<Restored> {
-    let mut skipped: Vec<String> = Vec::new();
-    loop {
-        let t = match resolve_tag(a, tag, &skipped).await {
-            Ok(t) => t,
-            Err(e) => return Err(fail(e, dest)),
-        };
-        let counters = ArchiveProgress::default();
-        let result = progress::show(
-            progress,
-            &format!("restore {t}"),
-            &counters,
-            Result::is_ok,
-            a.restore(&t, dest.fd.clone(), owner, &counters),
-        )
-        .await;
-        match result {
-            Ok(m) => {
-                return Ok(Restored {
-                    url: a.url().to_string(),
-                    tag: t,
-                    dest: dest.path.clone(),
-                    files: m.files.len() as u64,
-                    raw_bytes: m.raw_bytes,
-                    stored_bytes: m.stored_bytes,
-                    skipped,
-                });
-            }
-            Err(e) if tag == LATEST && e.is_corrupt() => {
-                if let Err(left) = dest.clear() {
-                    return Err(fail(
-                        anyhow!("{e}; cleaning up for the next newest checkpoint: {left}"),
-                        dest,
-                    ));
-                }
-                note(&format!(
-                    "checkpoint {t} cannot be restored ({e}); falling back to the next newest"
-                ));
-                skipped.push(t);
-            }
-            Err(e) => return Err(fail(e.into(), dest)),
+impl Restored {
+    /// A restore ([`access::restore`], here or the agent's) into `dest`.
+    pub fn new(r: ArchiveRestored, dest: &Path) -> Restored {
+        Restored {
+            url: r.url,
+            tag: r.tag,
+            dest: dest.to_path_buf(),
+            files: r.files,
+            raw_bytes: r.raw_bytes,
+            stored_bytes: r.stored_bytes,
+            skipped: r.skipped,
         }
     }
 }
 
-/// A failed restore: the error, then what became of `dest`.
+/// Restores `tag` (or the newest intact checkpoint, for `latest`) into `dest` with
+/// [`access::restore`], every file owned by `dest`'s owner, showing how far it is as `progress`
+/// says and telling `note` about each damaged checkpoint `latest` passes over. On failure `dest`
+/// is left as it was found.
+pub async fn restore(
+    a: &Archiver,
+    tag: &str,
+    dest: &Dest,
+    note: impl FnMut(&str),
+    progress: Mode,
+) -> anyhow::Result<Restored> {
+    let mut shown = Shown::new(progress, note);
+    match access::restore(a, &Reader::Anyone, tag, &dest.dest, &mut shown).await {
+        Ok(r) => Ok(Restored::new(r, &dest.path)),
+        Err(e) => Err(fail(e.into(), dest)),
+    }
+}
+
+/// A failed restore: the error, then what became of `dest`. An error that already says what is
+/// left there (clearing it failed) stands alone.
 pub fn fail(e: anyhow::Error, dest: &Dest) -> anyhow::Error {
+    if let Some(AccessError::Partial { .. }) = e.downcast_ref() {
+        return e;
+    }
     let left = dest.discard();
     anyhow!("{}; {left}", crate::render::error_text(&e))
 }
@@ -702,27 +613,16 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_file_archive_is_not_created() {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = Config::parse(BUILTIN_CONFIG, "n1").unwrap();
-        let url = format!("file://{}/archive", dir.path().display());
-        let e = open(&cfg, &url).err().unwrap().to_string();
-        assert!(
-            e.ends_with("does not exist; nothing is archived there"),
-            "{e}"
-        );
-        assert!(!dir.path().join("archive").exists());
-        let e = open(&cfg, "ftp://x/y").err().unwrap().to_string();
-        assert!(e.contains("unknown scheme"), "{e}");
-    }
-
-    #[test]
     fn restore_destinations() {
         let dir = tempfile::tempdir().unwrap();
         let me = nix::unistd::geteuid().as_raw();
+        let owner = |uid| Owner {
+            uid,
+            gid: nix::unistd::getegid().as_raw(),
+        };
         // Missing: created, and removed again when the restore fails.
         let new = dir.path().join("new");
-        let d = prepare_dest(&new, me).unwrap();
+        let d = prepare_dest(&new, owner(me)).unwrap();
         assert!(d.created && new.is_dir());
         std::fs::write(new.join("partial"), b"x").unwrap();
         std::fs::create_dir_all(new.join("a/b")).unwrap();
@@ -731,14 +631,14 @@ mod tests {
         // Existing and empty: used, and emptied again (not removed) on failure.
         let empty = dir.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
-        let d = prepare_dest(&empty, me).unwrap();
+        let d = prepare_dest(&empty, owner(me)).unwrap();
         assert!(!d.created);
         std::fs::write(empty.join("partial"), b"x").unwrap();
         assert!(d.discard().ends_with("was emptied again"));
         assert!(empty.is_dir() && std::fs::read_dir(&empty).unwrap().next().is_none());
         // Refused: not empty, a file, a symlink, a missing parent, someone else's.
         std::fs::write(empty.join("x"), b"x").unwrap();
-        let err = |p: &Path, uid| prepare_dest(p, uid).err().unwrap().to_string();
+        let err = |p: &Path, uid| prepare_dest(p, owner(uid)).err().unwrap().to_string();
         assert!(
             err(&empty, me).ends_with("is not empty; give the path of a new or empty directory")
         );
@@ -758,5 +658,32 @@ mod tests {
         let e = err(&empty, me + 1);
         assert!(e.contains(&format!("belongs to uid {me}")), "{e}");
         assert_eq!(std::fs::read(empty.join("x")).unwrap(), b"x");
+    }
+
+    /// Root's CLI refuses what the agent refuses: a destination on a kernel file system, existing
+    /// or to be created there, before anything is made; the dry run says the same (a cgroup file
+    /// system: tests/cli.rs).
+    #[test]
+    fn kernel_file_systems_are_no_restore_destinations() {
+        let me = nix::unistd::geteuid().as_raw();
+        let owner = Owner {
+            uid: me,
+            gid: nix::unistd::getegid().as_raw(),
+        };
+        let kernel =
+            "is on a kernel file system (proc, sys, cgroup); restore into a directory on a disk";
+        let mine = PathBuf::from(format!("/proc/{}", std::process::id()));
+        let new = mine.join("sluice-restore");
+        for p in [&mine, &new] {
+            let e = prepare_dest(p, owner).err().unwrap().to_string();
+            assert_eq!(e, format!("{} {kernel}", p.display()));
+            assert_eq!(
+                check_dest(p, me),
+                DestCheck::Refused {
+                    reason: format!("{} {kernel}", p.display())
+                }
+            );
+        }
+        assert!(!new.exists());
     }
 }

@@ -459,11 +459,7 @@ fn run_ckpt(
                 ckpt::Route::Agent => remote::list(&agent()?, &url)?,
                 ckpt::Route::Direct => {
                     let archiver = open_archive(config, &url)?;
-                    let list = ckpt::runtime()?.block_on(ckpt::list(&archiver))?;
-                    ckpt::ArchiveListing {
-                        url: archiver.url().to_string(),
-                        ckpts: list,
-                    }
+                    ckpt::runtime()?.block_on(ckpt::list(&archiver))?
                 }
             };
             Ok(if as_json {
@@ -531,7 +527,7 @@ fn run_ckpt(
                     let plan = remote::plan_restore(&agent, &url, &tag, &dest, owner.uid)?;
                     return restore_plan(&plan, as_json);
                 }
-                let dest = ckpt::prepare_dest(&dest, owner.uid)?;
+                let dest = ckpt::prepare_dest(&dest, owner)?;
                 let restored = remote::restore(&agent, &url, &tag, &dest)?;
                 return restored_output(&restored, as_json);
             }
@@ -541,12 +537,11 @@ fn run_ckpt(
                 let plan = rt.block_on(ckpt::plan_restore(&archiver, &tag, &dest, owner.uid))?;
                 return restore_plan(&plan, as_json);
             }
-            let dest = ckpt::prepare_dest(&dest, owner.uid)?;
+            let dest = ckpt::prepare_dest(&dest, owner)?;
             let note = |n: &str| eprintln!("sluice: {n}");
             let progress = progress::Mode::for_stderr(quiet);
             // The archive's errors name the checkpoint and the archive.
-            let restored =
-                rt.block_on(ckpt::restore(&archiver, &tag, &dest, owner, note, progress))?;
+            let restored = rt.block_on(ckpt::restore(&archiver, &tag, &dest, note, progress))?;
             restored_output(&restored, as_json)
         }
     }
@@ -588,7 +583,7 @@ fn open_archive(config: Option<PathBuf>, url: &str) -> anyhow::Result<sluice_arc
     if let Some(note) = note {
         eprintln!("sluice: {note}");
     }
-    ckpt::open(&cfg, url)
+    Ok(sluice_archive::access::open(&cfg, url)?)
 }
 
 /// `sluice --version`: this build, and the socket protocol it speaks (the plugin, the agent and the

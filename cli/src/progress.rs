@@ -9,6 +9,7 @@
 
 use crate::render::{bytes, duration_ms};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
+use sluice_archive::access::{Reading, Watch};
 use sluice_archive::{ArchiveProgress, ProgressSnapshot};
 use std::fmt::Write;
 use std::time::{Duration, Instant};
@@ -80,6 +81,29 @@ pub async fn show<F: Future>(
         eprintln!("{line}");
     }
     out
+}
+
+/// The archive-access module's [`Watch`]: its verifies and restores shown as `mode` says, its
+/// notes on stderr through `note`.
+pub struct Shown<N> {
+    mode: Mode,
+    note: N,
+}
+
+impl<N: FnMut(&str)> Shown<N> {
+    pub fn new(mode: Mode, note: N) -> Shown<N> {
+        Shown { mode, note }
+    }
+}
+
+impl<N: FnMut(&str)> Watch for Shown<N> {
+    async fn watch<F: Future>(&mut self, what: Reading<'_, F::Output>, work: F) -> F::Output {
+        show(self.mode, &what.label, what.counters, what.finished, work).await
+    }
+
+    fn note(&mut self, text: &str) {
+        (self.note)(text)
+    }
 }
 
 /// Awaits `work`, calling `each` every `period` meanwhile.

@@ -8,11 +8,10 @@
 //! turned into the same values the direct mode prints, so the output is the same either way.
 
 use crate::agent::Agent;
-use crate::ckpt::{self, ArchiveListing, DamagedFile, Dest, RestorePlan, Restored, Verified};
+use crate::ckpt::{self, ArchiveListing, Dest, RestorePlan, Restored, Verified};
 use anyhow::anyhow;
-use sluice_archive::manifest::ratio;
-use sluice_archive::{CheckpointInfo, CheckpointState, JobMeta};
-use sluice_proto::msg::{ArchivedCkpt, ErrorCode, ErrorReply, Request, Response};
+use sluice_archive::CheckpointInfo;
+use sluice_proto::msg::{ErrorCode, ErrorReply, Request, Response};
 use std::path::Path;
 use std::time::Duration;
 
@@ -63,44 +62,10 @@ pub fn list(agent: &Agent, url: &str) -> anyhow::Result<ArchiveListing> {
             }
             Ok(ArchiveListing {
                 url: l.url,
-                ckpts: l.ckpts.into_iter().map(info).collect(),
+                ckpts: l.ckpts.into_iter().map(CheckpointInfo::from).collect(),
             })
         }
         other => Err(agent.unexpected("archive list", &other)),
-    }
-}
-
-/// A checkpoint as the agent sent it, as the archive engine describes it to the renderers.
-fn info(c: ArchivedCkpt) -> CheckpointInfo {
-    let state = match c.state.as_str() {
-        "complete" => CheckpointState::Complete,
-        "partial" => CheckpointState::Partial,
-        "invalid" => CheckpointState::Invalid {
-            reason: c.reason.unwrap_or_default(),
-        },
-        other => CheckpointState::Invalid {
-            reason: format!("the agent reports a state this CLI does not know: {other}"),
-        },
-    };
-    let job = match (c.job_id, c.user, c.job_name) {
-        (Some(job_id), Some(user), Some(job_name)) => Some(JobMeta {
-            job_id,
-            user,
-            job_name,
-        }),
-        _ => None,
-    };
-    CheckpointInfo {
-        ratio: (state == CheckpointState::Complete).then(|| ratio(c.raw_bytes, c.stored_bytes)),
-        tag: c.tag,
-        state,
-        files: c.files,
-        raw_bytes: c.raw_bytes,
-        stored_bytes: c.stored_bytes,
-        created_unix_ms: c.created_unix_ms,
-        job,
-        nodes: c.nodes,
-        data_classes: c.data_classes,
     }
 }
 
@@ -111,19 +76,7 @@ pub fn verify(agent: &Agent, url: &str, tag: &str) -> anyhow::Result<Verified> {
         tag: tag.into(),
     };
     match call(agent, request, None, READ_WAIT)? {
-        Response::Verified(v) => Ok(Verified {
-            url: v.url,
-            tag: v.tag,
-            ok: v.ok,
-            files: v.files,
-            raw_bytes: v.raw_bytes,
-            stored_bytes: v.stored_bytes,
-            damaged: v
-                .damaged
-                .into_iter()
-                .map(|(path, detail)| DamagedFile { path, detail })
-                .collect(),
-        }),
+        Response::Verified(v) => Ok(Verified::from(v)),
         other => Err(agent.unexpected("archive verify", &other)),
     }
 }
@@ -143,16 +96,7 @@ pub fn plan_restore(
         dry_run: true,
     };
     match call(agent, request, None, LIST_WAIT)? {
-        Response::Restored(r) => Ok(RestorePlan {
-            dry_run: true,
-            url: r.url,
-            tag: r.tag,
-            dest: dest.to_path_buf(),
-            dest_check,
-            files: r.files,
-            raw_bytes: r.raw_bytes,
-            stored_bytes: r.stored_bytes,
-        }),
+        Response::Restored(r) => Ok(RestorePlan::new(r, dest, dest_check)),
         other => Err(agent.unexpected("archive restore", &other)),
     }
 }
@@ -173,15 +117,7 @@ pub fn restore(agent: &Agent, url: &str, tag: &str, dest: &Dest) -> anyhow::Resu
                     "sluice: checkpoint {t} cannot be restored (damaged); fell back to the next newest"
                 );
             }
-            Ok(Restored {
-                url: r.url,
-                tag: r.tag,
-                dest: dest.path.clone(),
-                files: r.files,
-                raw_bytes: r.raw_bytes,
-                stored_bytes: r.stored_bytes,
-                skipped: r.skipped,
-            })
+            Ok(Restored::new(r, &dest.path))
         }
         Ok(other) => Err(ckpt::fail(
             agent.unexpected("archive restore", &other),
@@ -209,48 +145,5 @@ mod tests {
         ));
         assert!(!too_old(&refused));
         assert!(!too_old(&anyhow!("cannot reach the sluice agent")));
-    }
-
-    #[test]
-    fn the_agents_listing_reads_as_the_archive_engines() {
-        let c = ArchivedCkpt {
-            tag: "step1".into(),
-            state: "complete".into(),
-            reason: None,
-            files: 3,
-            raw_bytes: 300,
-            stored_bytes: 100,
-            created_unix_ms: 5,
-            job_id: Some(7),
-            user: Some("alice".into()),
-            job_name: Some("train".into()),
-            nodes: vec!["n1".into()],
-            data_classes: vec!["default".into()],
-        };
-        let i = info(c.clone());
-        assert_eq!(i.state, CheckpointState::Complete);
-        assert_eq!(i.ratio, Some(3.0));
-        assert_eq!(i.job.as_ref().map(|j| j.user.as_str()), Some("alice"));
-        assert_eq!((i.files, i.nodes.len()), (3, 1));
-        let bad = info(ArchivedCkpt {
-            state: "invalid".into(),
-            reason: Some("truncated".into()),
-            job_id: None,
-            ..c.clone()
-        });
-        assert_eq!(
-            bad.state,
-            CheckpointState::Invalid {
-                reason: "truncated".into()
-            }
-        );
-        assert!(bad.job.is_none() && bad.ratio.is_none());
-        let future = info(ArchivedCkpt {
-            state: "frozen".into(),
-            ..c
-        });
-        assert!(
-            matches!(future.state, CheckpointState::Invalid { reason } if reason.contains("frozen"))
-        );
     }
 }

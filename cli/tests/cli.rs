@@ -1290,4 +1290,48 @@ mod archive {
         assert_has(&stderr, "has no MANIFEST");
         assert!(!dest.exists());
     }
+
+    /// Issue 25: the CLI (root, reading the archive itself) refuses what the agent refuses: a
+    /// destination on proc, sys or a cgroup file system, existing or to be made there, saying
+    /// what to do, and creates nothing; the dry run says the same.
+    #[test]
+    fn kernel_file_systems_are_refused_as_destinations() {
+        let f = archive();
+        let kernel =
+            "is on a kernel file system (proc, sys, cgroup); restore into a directory on a disk";
+        // The test's own /proc/PID (the CLI's is gone by the time anyone looks) and a new
+        // directory below it.
+        let proc_dir = PathBuf::from(format!("/proc/{}", std::process::id()));
+        for dest in [proc_dir.clone(), proc_dir.join("sluice-restore")] {
+            let stderr = failed(&f.restore("step100", &dest, &[]));
+            assert_has(&stderr, &format!("{} {kernel}", dest.display()));
+            let out = f.restore("latest", &dest, &["--dry-run"]);
+            failed(&out);
+            assert_has(
+                &text(&out.stdout),
+                &format!("the restore would be refused: {} {kernel}", dest.display()),
+            );
+        }
+        assert!(!proc_dir.join("sluice-restore").exists());
+        // A cgroup file system wherever it is mounted (under a tmpfs with cgroup v1).
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        let cgroup = mounts
+            .lines()
+            .map(|l| l.split(' ').collect::<Vec<_>>())
+            .find(|f| f.len() > 2 && (f[2] == "cgroup" || f[2] == "cgroup2"))
+            .map(|f| PathBuf::from(f[1]));
+        if let Some(cgroup) = cgroup {
+            // Root making a directory there would make a cgroup.
+            let made = cgroup.join("sluice-restore-test");
+            let stderr = failed(&f.restore("step100", &made, &[]));
+            let created = made.exists();
+            if created {
+                let _ = std::fs::remove_dir(&made);
+            }
+            assert!(!created, "a cgroup was created");
+            assert_has(&stderr, &format!("{} {kernel}", made.display()));
+            let stderr = failed(&f.restore("step100", &cgroup, &[]));
+            assert_has(&stderr, &format!("{} {kernel}", cgroup.display()));
+        }
+    }
 }

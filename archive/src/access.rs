@@ -1,0 +1,550 @@
+//! Reading archived checkpoints on someone's behalf: which exist (`list`, `latest` resolved),
+//! whether one is intact (`verify`), what a restore would take (`plan`), and the restore itself
+//! into a directory passed open. The one implementation behind `sluice ckpt list|verify|restore
+//! URL`, whether the CLI reads the archive itself (root, an admin) or the agent reads it for a
+//! user over its socket; the agent adds only who may name which archive (its policy) and how many
+//! requests one user may run (its gate).
+//!
+//! The rules, stated once (docs/SECURITY.md, "Archives for users outside jobs"):
+//! - a [`Reader`] sees, verifies and restores only the checkpoints whose MANIFEST names them as
+//!   the job's user; another user's checkpoint is answered exactly like a missing one;
+//! - a restore writes only below a directory the caller opened ([`Destination`]), fd-relative,
+//!   never re-resolving a path; that directory must be a directory, the caller's, empty, and not
+//!   on a kernel file system (proc, sys, cgroup, …: root creating files there changes the
+//!   kernel's state). A failed restore leaves it empty again.
+//!
+//! Answers are the socket's types ([`ArchiveVerified`], [`ArchiveRestored`]); errors carry the
+//! code they travel with ([`AccessError::code`]).
+
+use crate::config::Config;
+use crate::manifest::Manifest;
+use crate::rt::blocking;
+use crate::safefs::{Owner, RemoveAs};
+use crate::{
+    ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, CheckpointState,
+    JobMeta, check_name, open_archive, parse_archive_url,
+};
+use sluice_proto::msg::{ArchiveRestored, ArchiveVerified, ArchivedCkpt, ErrorCode, ErrorReply};
+use std::future::Future;
+use std::io::ErrorKind;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+/// `TAG` meaning the newest intact checkpoint.
+pub const LATEST: &str = "latest";
+
+/// Why a checkpoint cannot be read, listed or restored for a caller.
+#[derive(Debug, thiserror::Error)]
+pub enum AccessError {
+    /// A `file://` archive that does not exist (opening it would create it, as root).
+    #[error("{url}: {path} does not exist; nothing is archived there")]
+    NothingThere { url: String, path: String },
+    #[error("{url}: {path}: {source}")]
+    Unreadable {
+        url: String,
+        path: String,
+        source: std::io::Error,
+    },
+    /// The URL or the store settings are unusable.
+    #[error(transparent)]
+    Open(ArchiveError),
+    /// `latest` found no complete checkpoint (of the reader's; `other`: besides those passed over).
+    #[error(
+        "{url}: no{} complete checkpoint{} to use as 'latest'",
+        if *other { " other" } else { "" },
+        if *of_yours { " of yours" } else { "" }
+    )]
+    NoLatest {
+        url: String,
+        other: bool,
+        of_yours: bool,
+    },
+    /// A tag that is missing or another user's: the two read the same.
+    #[error("{url}: no archived checkpoint {tag} of yours")]
+    NotYours { url: String, tag: String },
+    #[error(transparent)]
+    Archive(#[from] ArchiveError),
+    #[error("{}", refusal.message(dest))]
+    Refused { dest: String, refusal: DestRefusal },
+    #[error("{dest} cannot be checked: {source}")]
+    Unchecked { dest: String, source: nix::Error },
+    /// A failed restore whose partial files could not all be removed.
+    #[error("{source}; {dest} holds a partial restore ({left}): remove it")]
+    Partial {
+        source: Box<AccessError>,
+        dest: String,
+        left: String,
+    },
+}
+
+impl AccessError {
+    /// The code the error travels with over the agent's socket.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            AccessError::NothingThere { .. }
+            | AccessError::Unreadable { .. }
+            | AccessError::NoLatest { .. }
+            | AccessError::NotYours { .. }
+            | AccessError::Archive(ArchiveError::NotArchived { .. }) => ErrorCode::NotFound,
+            AccessError::Open(_)
+            | AccessError::Unchecked { .. }
+            | AccessError::Archive(ArchiveError::BadName { .. }) => ErrorCode::BadRequest,
+            AccessError::Refused { .. } => ErrorCode::Forbidden,
+            AccessError::Archive(_) => ErrorCode::Internal,
+            AccessError::Partial { source, .. } => source.code(),
+        }
+    }
+}
+
+impl From<AccessError> for ErrorReply {
+    fn from(e: AccessError) -> ErrorReply {
+        ErrorReply::new(e.code(), e.to_string())
+    }
+}
+
+/// Whose checkpoints a caller may see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reader {
+    /// Root: every checkpoint, partial and invalid ones too.
+    Anyone,
+    /// A user, by name (as `--ckpt-restore` matches: the MANIFEST records no uid): the complete
+    /// checkpoints whose job was theirs. A partial or invalid one has no owner to show it to.
+    User(String),
+}
+
+impl Reader {
+    /// Whether a checkpoint whose MANIFEST names `job_user` (none: partial or invalid) is theirs.
+    pub fn owns(&self, job_user: Option<&str>) -> bool {
+        match self {
+            Reader::Anyone => true,
+            Reader::User(name) => job_user == Some(name.as_str()),
+        }
+    }
+
+    /// Whether a listed checkpoint is theirs.
+    fn sees(&self, i: &CheckpointInfo) -> bool {
+        self.owns(i.job.as_ref().map(|j| j.user.as_str()))
+    }
+
+    /// The reader's checkpoints among `all`, in their order.
+    pub fn visible(&self, all: Vec<CheckpointInfo>) -> Vec<CheckpointInfo> {
+        all.into_iter().filter(|i| self.sees(i)).collect()
+    }
+}
+
+/// One verify or restore a [`Watch`] follows.
+pub struct Reading<'a, T> {
+    /// `restore step-3`, `verify step-3`.
+    pub label: String,
+    /// What it has done so far, of what.
+    pub counters: &'a ArchiveProgress,
+    /// Tells an outcome that went through everything from one that stopped short.
+    pub finished: fn(&T) -> bool,
+}
+
+/// How a caller follows a long read: the CLI shows progress and notes on a terminal, the agent
+/// nothing ([`Unwatched`]).
+pub trait Watch {
+    /// Awaits `work`, the [`Reading`] `_what`; by default without showing anything.
+    fn watch<F: Future>(
+        &mut self,
+        _what: Reading<'_, F::Output>,
+        work: F,
+    ) -> impl Future<Output = F::Output> {
+        work
+    }
+
+    /// Something to tell the caller now (a damaged checkpoint `latest` passes over).
+    fn note(&mut self, _text: &str) {}
+}
+
+/// A [`Watch`] that shows nothing.
+pub struct Unwatched;
+
+impl Watch for Unwatched {}
+
+/// Opens `url` for reading. A `file://` archive must exist: the opener would create it, and a typo
+/// should not leave an empty archive behind (made by root, for the agent).
+pub fn open(cfg: &Config, url: &str) -> Result<Archiver, AccessError> {
+    let loc = parse_archive_url(url).map_err(AccessError::Open)?;
+    if let ArchiveStore::Local(path) = &loc.store {
+        match std::fs::symlink_metadata(path) {
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                return Err(AccessError::NothingThere {
+                    url: loc.to_string(),
+                    path: path.display().to_string(),
+                });
+            }
+            Err(source) => {
+                return Err(AccessError::Unreadable {
+                    url: loc.to_string(),
+                    path: path.display().to_string(),
+                    source,
+                });
+            }
+            Ok(_) => {}
+        }
+    }
+    open_archive(cfg, url).map_err(AccessError::Open)
+}
+
+/// The reader's checkpoints in the archive, oldest first.
+pub async fn list(a: &Archiver, reader: &Reader) -> Result<Vec<CheckpointInfo>, AccessError> {
+    Ok(reader.visible(a.list().await?))
+}
+
+/// `tag`, checked, when it is the reader's; `latest` resolved to the reader's newest complete
+/// checkpoint whose objects are all there, passing over those in `skip`. Another user's tag reads
+/// as a missing one.
+pub async fn resolve(
+    a: &Archiver,
+    reader: &Reader,
+    tag: &str,
+    skip: &[String],
+) -> Result<String, AccessError> {
+    let user = matches!(reader, Reader::User(_));
+    if tag == LATEST {
+        let mut exclude: Vec<String> = Vec::new();
+        if user {
+            let all = a.list().await?;
+            exclude.extend(all.into_iter().filter(|i| !reader.sees(i)).map(|i| i.tag));
+        }
+        exclude.extend(skip.iter().cloned());
+        return a
+            .latest(&exclude)
+            .await?
+            .ok_or_else(|| AccessError::NoLatest {
+                url: a.url().to_string(),
+                other: !skip.is_empty(),
+                of_yours: user,
+            });
+    }
+    check_name("checkpoint tag", tag)?;
+    if !user {
+        return Ok(tag.to_string());
+    }
+    let not_yours = || AccessError::NotYours {
+        url: a.url().to_string(),
+        tag: tag.to_string(),
+    };
+    match a.manifest(tag).await {
+        Ok(m) if reader.owns(Some(&m.job.user)) => Ok(tag.to_string()),
+        Ok(_) | Err(ArchiveError::NotArchived { .. }) => Err(not_yours()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Reads every object of the reader's checkpoint `tag` and checks it against the MANIFEST's
+/// checksums. Damage is an answer (`ok: false`, every damaged file named), not an error; a missing
+/// MANIFEST or an unreachable store is an error.
+pub async fn verify(
+    a: &Archiver,
+    reader: &Reader,
+    tag: &str,
+    watch: &mut impl Watch,
+) -> Result<ArchiveVerified, AccessError> {
+    let tag = resolve(a, reader, tag, &[]).await?;
+    let m = a.manifest(&tag).await?;
+    let mut out = ArchiveVerified {
+        url: a.url().to_string(),
+        tag: tag.clone(),
+        ok: true,
+        files: m.files.len() as u64,
+        raw_bytes: m.raw_bytes,
+        stored_bytes: m.stored_bytes,
+        damaged: Vec::new(),
+    };
+    drop(m);
+    let counters = ArchiveProgress::default();
+    let what = Reading {
+        label: format!("verify {tag}"),
+        counters: &counters,
+        // Damage found is a verify that went through everything.
+        finished: |r| matches!(r, Ok(_) | Err(ArchiveError::Corrupt { .. })),
+    };
+    let checked = watch
+        .watch(what, a.verify_with_progress(&tag, &counters))
+        .await;
+    match checked {
+        Ok(_) => Ok(out),
+        Err(ArchiveError::Corrupt { damaged, .. }) => {
+            out.ok = false;
+            out.damaged = damaged.into_iter().map(|d| (d.path, d.detail)).collect();
+            Ok(out)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What a restore of the reader's `tag` would take now (`latest` resolved to the newest whose
+/// objects are all there) and its size; nothing is written, no checksum read (a restore checks
+/// them as the data arrives).
+pub async fn plan(
+    a: &Archiver,
+    reader: &Reader,
+    tag: &str,
+) -> Result<ArchiveRestored, AccessError> {
+    let resolved = resolve(a, reader, tag, &[]).await?;
+    let m = a.manifest(&resolved).await?;
+    if tag != LATEST {
+        // `latest` found its objects all there already.
+        a.check_objects(&m).await?;
+    }
+    Ok(restored(a, resolved, &m, Vec::new()))
+}
+
+/// The answer about a restore of `tag` (by its MANIFEST `m`), which passed over `skipped`.
+fn restored(a: &Archiver, tag: String, m: &Manifest, skipped: Vec<String>) -> ArchiveRestored {
+    ArchiveRestored {
+        url: a.url().to_string(),
+        tag,
+        files: m.files.len() as u64,
+        raw_bytes: m.raw_bytes,
+        stored_bytes: m.stored_bytes,
+        skipped,
+    }
+}
+
+/// Why a restore's directory is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DestRefusal {
+    /// Its path ends in a symbolic link (seen only where a path is looked at: the CLI's).
+    Symlink,
+    NotDir,
+    /// On proc, sys, a cgroup or another kernel pseudo file system.
+    KernelFs,
+    /// Another uid's.
+    Theirs(u32),
+    NotEmpty,
+}
+
+impl DestRefusal {
+    /// What is wrong with `dest` (its path, or "the destination"), and what to do.
+    pub fn message(&self, dest: &str) -> String {
+        let again = "give the path of a new or empty directory";
+        match self {
+            DestRefusal::Symlink => format!("{dest} is a symbolic link; {again}"),
+            DestRefusal::NotDir => format!("{dest} exists and is not a directory; {again}"),
+            DestRefusal::KernelFs => format!(
+                "{dest} is on a kernel file system (proc, sys, cgroup); restore into a directory on a disk"
+            ),
+            DestRefusal::Theirs(uid) => {
+                format!("{dest} belongs to uid {uid}; restore into a directory of your own")
+            }
+            DestRefusal::NotEmpty => format!("{dest} is not empty; {again}"),
+        }
+    }
+}
+
+/// Whether a file system type is one of the kernel's pseudo file systems, where creating files
+/// and directories changes the kernel's state (a directory made in cgroupfs is a new cgroup).
+pub fn is_kernel_fs(fs: nix::sys::statfs::FsType) -> bool {
+    use nix::sys::statfs::{
+        BPF_FS_MAGIC, CGROUP_SUPER_MAGIC, CGROUP2_SUPER_MAGIC, DEBUGFS_MAGIC, PROC_SUPER_MAGIC,
+        SECURITYFS_MAGIC, SYSFS_MAGIC, TRACEFS_MAGIC,
+    };
+    [
+        PROC_SUPER_MAGIC,
+        SYSFS_MAGIC,
+        CGROUP_SUPER_MAGIC,
+        CGROUP2_SUPER_MAGIC,
+        BPF_FS_MAGIC,
+        DEBUGFS_MAGIC,
+        SECURITYFS_MAGIC,
+        TRACEFS_MAGIC,
+    ]
+    .contains(&fs)
+}
+
+/// The checks on a restore's directory, on the open descriptor itself (no path is looked at): a
+/// directory, not on a kernel file system, owned by `uid`, empty.
+pub fn dest_refusal(dir: &OwnedFd, uid: u32) -> Result<Option<DestRefusal>, nix::Error> {
+    let st = nix::sys::stat::fstat(dir)?;
+    if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFDIR {
+        return Ok(Some(DestRefusal::NotDir));
+    }
+    if is_kernel_fs(nix::sys::statfs::fstatfs(dir)?.filesystem_type()) {
+        return Ok(Some(DestRefusal::KernelFs));
+    }
+    if st.st_uid != uid {
+        return Ok(Some(DestRefusal::Theirs(st.st_uid)));
+    }
+    let flags =
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC;
+    let mut d = nix::dir::Dir::openat(dir, ".", flags, nix::sys::stat::Mode::empty())?;
+    for e in d.iter() {
+        let name = e?.file_name().to_bytes().to_vec();
+        if name != b"." && name != b".." {
+            return Ok(Some(DestRefusal::NotEmpty));
+        }
+    }
+    Ok(None)
+}
+
+/// A restore's directory, open and checked ([`dest_refusal`]): the only place a restore writes.
+#[derive(Debug, Clone)]
+pub struct Destination {
+    fd: Arc<OwnedFd>,
+    owner: Owner,
+    /// How messages name it: its path, or "the destination".
+    shown: String,
+}
+
+impl Destination {
+    /// Takes `dir` for a restore whose files become `owner`'s, or says why not. Blocking (a few
+    /// system calls); `shown` names it in messages.
+    pub fn check(
+        dir: Arc<OwnedFd>,
+        owner: Owner,
+        shown: impl Into<String>,
+    ) -> Result<Destination, AccessError> {
+        let dest = shown.into();
+        match dest_refusal(&dir, owner.uid) {
+            Ok(None) => Ok(Destination {
+                fd: dir,
+                owner,
+                shown: dest,
+            }),
+            Ok(Some(refusal)) => Err(AccessError::Refused { dest, refusal }),
+            Err(source) => Err(AccessError::Unchecked { dest, source }),
+        }
+    }
+
+    /// The open directory.
+    pub fn fd(&self) -> &Arc<OwnedFd> {
+        &self.fd
+    }
+
+    /// Removes what a failed restore left below the directory, fd-relative, never following a
+    /// link: the owner's entries and root's, never another user's moved in there. `Err` says what
+    /// is left.
+    pub async fn clear(&self) -> Result<(), String> {
+        let (dir, who) = (self.fd.clone(), RemoveAs::from(self.owner));
+        blocking(move || crate::safefs::clear_dir(&dir, who)).await
+    }
+
+    /// `e`, and what is left in the directory if clearing it failed.
+    async fn cleared_after(&self, e: AccessError) -> AccessError {
+        match self.clear().await {
+            Ok(()) => e,
+            Err(left) => AccessError::Partial {
+                source: Box::new(e),
+                dest: self.shown.clone(),
+                left,
+            },
+        }
+    }
+}
+
+/// Restores the reader's `tag` (`latest`: their newest intact one, passing over damaged ones and
+/// telling `watch` about each) into `dest`, every file owned by its owner and checked against its
+/// checksums. A failed restore leaves `dest` empty again (or says what is left).
+pub async fn restore(
+    a: &Archiver,
+    reader: &Reader,
+    tag: &str,
+    dest: &Destination,
+    watch: &mut impl Watch,
+) -> Result<ArchiveRestored, AccessError> {
+    let mut skipped: Vec<String> = Vec::new();
+    loop {
+        let t = resolve(a, reader, tag, &skipped).await?;
+        let counters = ArchiveProgress::default();
+        let what = Reading {
+            label: format!("restore {t}"),
+            counters: &counters,
+            finished: Result::is_ok,
+        };
+        let work = a.restore(&t, dest.fd.clone(), dest.owner, &counters);
+        let outcome = watch.watch(what, work).await;
+        match outcome {
+            // The MANIFEST the restore used may have been replaced since `resolve` read it.
+            Ok(m) if reader.owns(Some(&m.job.user)) => return Ok(restored(a, t, &m, skipped)),
+            Ok(_) => {
+                let e = AccessError::NotYours {
+                    url: a.url().to_string(),
+                    tag: t,
+                };
+                return Err(dest.cleared_after(e).await);
+            }
+            Err(e) if tag == LATEST && e.is_corrupt() => {
+                let note = format!(
+                    "checkpoint {t} cannot be restored ({e}); falling back to the next newest"
+                );
+                if let e @ AccessError::Partial { .. } = dest.cleared_after(e.into()).await {
+                    return Err(e);
+                }
+                watch.note(&note);
+                skipped.push(t);
+            }
+            Err(e) => return Err(dest.cleared_after(e.into()).await),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ on the socket
+
+impl From<CheckpointInfo> for ArchivedCkpt {
+    fn from(i: CheckpointInfo) -> ArchivedCkpt {
+        let (state, reason) = match i.state {
+            CheckpointState::Complete => ("complete", None),
+            CheckpointState::Partial => ("partial", None),
+            CheckpointState::Invalid { reason } => ("invalid", Some(reason)),
+        };
+        ArchivedCkpt {
+            tag: i.tag,
+            state: state.into(),
+            reason,
+            files: i.files,
+            raw_bytes: i.raw_bytes,
+            stored_bytes: i.stored_bytes,
+            created_unix_ms: i.created_unix_ms,
+            job_id: i.job.as_ref().map(|j| j.job_id),
+            user: i.job.as_ref().map(|j| j.user.clone()),
+            job_name: i.job.map(|j| j.job_name),
+            nodes: i.nodes,
+            data_classes: i.data_classes,
+        }
+    }
+}
+
+impl From<ArchivedCkpt> for CheckpointInfo {
+    /// A checkpoint as the agent sent it, as the archive engine describes it; a state this build
+    /// does not know reads as invalid, saying so.
+    fn from(c: ArchivedCkpt) -> CheckpointInfo {
+        let state = match c.state.as_str() {
+            "complete" => CheckpointState::Complete,
+            "partial" => CheckpointState::Partial,
+            "invalid" => CheckpointState::Invalid {
+                reason: c.reason.unwrap_or_default(),
+            },
+            other => CheckpointState::Invalid {
+                reason: format!("the agent reports a state this CLI does not know: {other}"),
+            },
+        };
+        let job = match (c.job_id, c.user, c.job_name) {
+            (Some(job_id), Some(user), Some(job_name)) => Some(JobMeta {
+                job_id,
+                user,
+                job_name,
+            }),
+            _ => None,
+        };
+        CheckpointInfo {
+            ratio: (state == CheckpointState::Complete)
+                .then(|| crate::manifest::ratio(c.raw_bytes, c.stored_bytes)),
+            tag: c.tag,
+            state,
+            files: c.files,
+            raw_bytes: c.raw_bytes,
+            stored_bytes: c.stored_bytes,
+            created_unix_ms: c.created_unix_ms,
+            job,
+            nodes: c.nodes,
+            data_classes: c.data_classes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
