@@ -20,13 +20,13 @@
 
 use crate::identity::Peer;
 use crate::policy::{Policy, PolicyError, Requester};
-use sluice_archive::config::Config;
-use sluice_archive::rt::{blocking, lock};
-use sluice_archive::safefs::{self, Owner};
 use sluice_archive::{
     ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, CheckpointState,
     check_name, open_archive, parse_archive_url,
 };
+use sluice_core::config::Config;
+use sluice_core::rt::{blocking, lock};
+use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::{
     ArchiveListing, ArchiveRestored, ArchiveVerified, ArchivedCkpt, ErrorCode, ErrorReply, Request,
     Response,

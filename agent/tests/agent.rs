@@ -4,7 +4,7 @@
 //! Needs root (the agent's identity in production): it creates files owned by another user. Object
 //! stores are covered by the end-to-end tests against Garage and Azurite.
 
-use sluice_archive::config::Config;
+use sluice_core::config::Config;
 use sluice_proto::client::{self, ClientError};
 use sluice_proto::msg::{ErrorCode, JobStart, JobState, Request, Response};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -108,7 +108,7 @@ async fn start_scanning(
          [[ckpt.allow]]\nprefix = 'file://{r}/'\n",
         r = root.display()
     );
-    let cfg = Arc::new(Config::parse(&cfg, "n1").unwrap());
+    let cfg = Arc::new(Config::parse(&cfg, "n1", sluice_archive::upload_memory).unwrap());
     std::fs::create_dir_all(cfg.hot_root.parent().unwrap()).unwrap();
     std::fs::set_permissions(
         cfg.hot_root.parent().unwrap(),

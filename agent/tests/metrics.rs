@@ -5,7 +5,7 @@
 //! Needs root, like sluiced (staging writes files owned by the job user); run as root with
 //! `--ignored`, as tests/harness/run-e2e.sh does.
 
-use sluice_archive::config::Config;
+use sluice_core::config::Config;
 use sluice_proto::client;
 use sluice_proto::msg::{CkptState, JobStart, Request, Response};
 use std::collections::{BTreeMap, HashSet};
@@ -54,7 +54,7 @@ async fn start(root: &Path, extra: &str) -> TestAgent {
          [[ckpt.allow]]\nprefix = 'file://{r}/'\n{extra}",
         r = root.display()
     );
-    let cfg = Arc::new(Config::parse(&cfg, "n1").unwrap());
+    let cfg = Arc::new(Config::parse(&cfg, "n1", sluice_archive::upload_memory).unwrap());
     std::fs::create_dir_all(cfg.hot_root.parent().unwrap()).unwrap();
     std::fs::set_permissions(
         cfg.hot_root.parent().unwrap(),

@@ -13,9 +13,9 @@ use crate::stage::peers::open_staged;
 use bytes::Bytes;
 use futures::StreamExt;
 use sluice_archive::manifest::FileEntry;
-use sluice_archive::rt::blocking;
-use sluice_archive::safefs::{self, Owner};
 use sluice_archive::{ArchiveError, ArchiveProgress, Archiver, Manifest};
+use sluice_core::rt::blocking;
+use sluice_core::safefs::{self, Owner};
 use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
@@ -244,7 +244,7 @@ impl UnitSink for FileSink {
         let (file, at, mut hasher) = (self.file.clone(), self.at, self.hasher.take());
         let n = bytes.len() as u64;
         let (hasher, r) = blocking(move || {
-            let r = sluice_archive::pagecache::write_all_at(&file, &bytes, at);
+            let r = sluice_core::pagecache::write_all_at(&file, &bytes, at);
             if let (Ok(()), Some(h)) = (&r, hasher.as_mut()) {
                 h.update(&bytes);
             }

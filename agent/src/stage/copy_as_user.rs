@@ -12,7 +12,7 @@ use super::local_fs::{is_local_fs, preallocate};
 use super::shard::{ShardManifest, ShardPlan};
 use crate::peer::{Unit, units_of};
 use nix::unistd::{Gid, Uid, geteuid, initgroups, setresgid, setresuid};
-use sluice_archive::config::StripeClass;
+use sluice_core::config::StripeClass;
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs;
@@ -1573,7 +1573,7 @@ fn copy_hashed(
             ));
         }
         hasher.update(&buf[..got]);
-        sluice_archive::pagecache::write_all_at(dst, &buf[..got], at)?;
+        sluice_core::pagecache::write_all_at(dst, &buf[..got], at)?;
         at += got as u64;
     }
     Ok(hasher.finalize())
@@ -1598,7 +1598,7 @@ fn copy_to_end_hashed(
             break;
         }
         hasher.update(&buf[..got]);
-        sluice_archive::pagecache::write_all_at(dst, &buf[..got], at)?;
+        sluice_core::pagecache::write_all_at(dst, &buf[..got], at)?;
         at += got as u64;
     }
     Ok((at - offset, hasher.finalize()))

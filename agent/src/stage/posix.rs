@@ -44,8 +44,8 @@ use super::{
 };
 use crate::cache::{Cache, Hit, Key, PosixFile};
 use crate::peer::{Unit, UnitSink, units_of};
-use sluice_archive::rt::blocking;
-use sluice_archive::safefs::{self, Owner};
+use sluice_core::rt::blocking;
+use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use std::collections::{HashMap, VecDeque};
@@ -1317,7 +1317,7 @@ impl<'a> FileSink<'a> {
         let buf = std::mem::take(&mut self.buf);
         let (f, offset, mut h) = (self.file.clone(), self.at, self.hasher.take());
         let (mut buf, h, written) = blocking(move || {
-            let r = sluice_archive::pagecache::write_all_at(&f, &buf, offset);
+            let r = sluice_core::pagecache::write_all_at(&f, &buf, offset);
             if let (Ok(()), Some(h)) = (&r, h.as_mut()) {
                 h.update(&buf);
             }
@@ -1417,7 +1417,8 @@ mod tests {
              [cache]\nsize='8MiB'\nmin_free=0\n",
             d = d.display()
         );
-        let cfg = sluice_archive::config::Config::parse(&text, "n1").unwrap();
+        let cfg =
+            sluice_core::config::Config::parse(&text, "n1", sluice_archive::upload_memory).unwrap();
         let cache = Cache::open(&cfg).unwrap().unwrap();
         let stage = d.join("stage");
         std::fs::create_dir(&stage).unwrap();
@@ -1479,7 +1480,8 @@ mod tests {
              [cache]\nsize='8MiB'\nmin_free=0\n",
             d = d.display()
         );
-        let cfg = sluice_archive::config::Config::parse(&text, "n1").unwrap();
+        let cfg =
+            sluice_core::config::Config::parse(&text, "n1", sluice_archive::upload_memory).unwrap();
         let cache = Cache::open(&cfg).unwrap().unwrap();
         let src = d.join("f");
         let old = vec![1u8; 10_000];
