@@ -17,10 +17,10 @@ use crate::job_table::JobTable;
 use crate::journal::{CkptRecord, JobRecord, JournalError, RECORD_VERSION};
 use crate::policy::{Policy, PolicyError, Requester};
 use crate::stage::{self, JobPeers, NodePeers, ShardPlan, Sharing, StageCtx};
-use crate::worker::{StatusCell, Worker, WorkerStatus, Workers};
-use sluice_archive::config::Config;
-use sluice_archive::rt::{blocking, lock, now_secs};
-use sluice_archive::safefs::{self, Owner, SafeFsError};
+use sluice_core::config::Config;
+use sluice_core::rt::{blocking, lock, now_secs};
+use sluice_core::safefs::{self, Owner, SafeFsError};
+use sluice_core::worker::{StatusCell, Worker, WorkerStatus, Workers};
 use sluice_proto::msg::{
     ErrorCode, ErrorReply, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
@@ -137,7 +137,11 @@ impl Agent {
     /// Starts serving peers (the job's other nodes fetch units of its datasets from this node) and
     /// shares the datasets of multi-node jobs (object stores and POSIX sources) from now on. Call before
     /// [`Agent::recover`], so that recovered jobs are shared too.
-    pub(crate) fn start_peers(&self, mut peers: NodePeers, service: impl crate::worker::Worker) {
+    pub(crate) fn start_peers(
+        &self,
+        mut peers: NodePeers,
+        service: impl sluice_core::worker::Worker,
+    ) {
         peers.share_cache(self.cache.clone());
         peers.serve_warm(stage::WarmHere {
             cfg: self.cfg.clone(),
@@ -571,7 +575,7 @@ impl Agent {
             drop(
                 self.spawn(
                     async move {
-                        let done = sluice_archive::rt::contained(this.set_up(&j, fresh_dirs));
+                        let done = sluice_core::rt::contained(this.set_up(&j, fresh_dirs));
                         let done = done.await.unwrap_or_else(|bug| {
                             Err(SetupError::Bug {
                                 node: this.cfg.node.clone(),

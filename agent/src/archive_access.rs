@@ -21,10 +21,10 @@
 use crate::identity::Peer;
 use crate::policy::{Policy, PolicyError, Requester};
 use sluice_archive::access::{self, Destination, Reader, Unwatched};
-use sluice_archive::config::Config;
-use sluice_archive::rt::{blocking, lock};
-use sluice_archive::safefs::Owner;
 use sluice_archive::{Archiver, CheckpointInfo};
+use sluice_core::config::Config;
+use sluice_core::rt::{blocking, lock};
+use sluice_core::safefs::Owner;
 use sluice_proto::msg::{
     ArchiveListing, ArchiveRestored, ArchiveVerified, ArchivedCkpt, ErrorCode, ErrorReply, Request,
     Response,
@@ -342,7 +342,8 @@ async fn restore(
 mod tests {
     use super::*;
     use sluice_archive::access::LATEST;
-    use sluice_archive::{ArchiveProgress, CheckpointState, JobMeta, safefs};
+    use sluice_archive::{ArchiveProgress, CheckpointState, JobMeta};
+    use sluice_core::safefs;
 
     /// `tag` of the caller's, `latest` resolved among theirs (passing over those in `skip`), as
     /// the agent answers it: another user's tag reads as a missing one.

@@ -48,9 +48,10 @@
 //!   hit, right after verifying, and notes the file as verified as it is then.)
 
 use serde::{Deserialize, Serialize};
-use sluice_archive::config::{CacheConfig, Config};
-use sluice_archive::rt::{lock, now_secs};
-use sluice_archive::{FileIdentity, safefs};
+use sluice_archive::FileIdentity;
+use sluice_core::config::{CacheConfig, Config};
+use sluice_core::rt::{lock, now_secs};
+use sluice_core::safefs;
 use sluice_proto::msg::{CacheEntry, CacheEvicted, CacheStats};
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -650,7 +651,7 @@ fn copy_hashing(src: &File, dst: &File, size: u64, unit: u64) -> io::Result<Vec<
     while at < size {
         let n = (buf.len() as u64).min(size - at).min(unit - in_unit) as usize;
         src.read_exact_at(&mut buf[..n], at)?;
-        sluice_archive::pagecache::write_all_at(dst, &buf[..n], at)?;
+        sluice_core::pagecache::write_all_at(dst, &buf[..n], at)?;
         hasher.update(&buf[..n]);
         at += n as u64;
         in_unit += n as u64;
@@ -730,7 +731,7 @@ impl Fill {
         if self.tainted.load(Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = sluice_archive::pagecache::write_all_at(&self.file, buf, offset) {
+        if let Err(e) = sluice_core::pagecache::write_all_at(&self.file, buf, offset) {
             self.taint(&format!("writing it failed: {e}"));
         }
     }

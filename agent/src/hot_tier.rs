@@ -11,7 +11,7 @@
 //! tasks ([`HotTier::task_dirs`]) are for the job's own processes, never for root's file operations.
 //! Blocking calls: run them on the blocking pool.
 
-use sluice_archive::safefs::{self, Owner, RemoveAs, Removed, SafeFsError};
+use sluice_core::safefs::{self, Owner, RemoveAs, Removed, SafeFsError};
 use sluice_proto::msg::{JobDirs, JobId};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};

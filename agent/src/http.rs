@@ -58,7 +58,7 @@ impl LogLimit {
     /// one; `None`: this one is held back (and counted).
     pub(crate) fn admit(&self) -> Option<u64> {
         let now = Instant::now();
-        let mut st = sluice_archive::rt::lock(&self.state);
+        let mut st = sluice_core::rt::lock(&self.state);
         let (last, held) = &mut *st;
         if last.is_some_and(|t| now.duration_since(t) < self.every) {
             *held += 1;
@@ -95,7 +95,7 @@ struct SourceSlot {
 
 impl Sources {
     fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<SourceSlot> {
-        let mut held = sluice_archive::rt::lock(&self.0);
+        let mut held = sluice_core::rt::lock(&self.0);
         let n = held.entry(ip).or_default();
         if *n >= max {
             return None;
@@ -110,7 +110,7 @@ impl Sources {
 
 impl Drop for SourceSlot {
     fn drop(&mut self) {
-        let mut held = sluice_archive::rt::lock(&self.sources.0);
+        let mut held = sluice_core::rt::lock(&self.sources.0);
         if let Some(n) = held.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {

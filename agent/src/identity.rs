@@ -90,7 +90,7 @@ impl JobIdentity {
             return Err(format!("job {job_id} does not run on node {node}"));
         }
         let uid = job.uid;
-        let user = sluice_archive::rt::blocking(move || {
+        let user = sluice_core::rt::blocking(move || {
             nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
                 .ok()
                 .flatten()

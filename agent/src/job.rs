@@ -11,7 +11,7 @@ pub mod ckpts;
 use crate::policy::PolicyError;
 use crate::stage::{Progress, ShardPlan};
 use ckpts::JobCkpts;
-use sluice_archive::rt::lock;
+use sluice_core::rt::lock;
 use sluice_proto::msg::{JobDirs, JobStart, JobState, JobStatus};
 use sluice_proto::options::{self, JobOptions, OptionError, StageMode};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -11,7 +11,7 @@
 use crate::job::ckpts::CkptEntry;
 use crate::job::{self, Job};
 use crate::journal::{CkptRecord, JobRecord, Journal, JournalError, RECORD_VERSION};
-use sluice_archive::rt::{blocking, lock};
+use sluice_core::rt::{blocking, lock};
 use sluice_proto::msg::{JobId, JobState};
 use std::collections::HashMap;
 use std::path::Path;

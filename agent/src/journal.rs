@@ -5,7 +5,7 @@
 //! version; a record of an unknown version is kept on disk and reported, never misread.
 
 use serde::{Deserialize, Serialize};
-use sluice_archive::durable::write_durable;
+use sluice_core::durable::write_durable;
 use sluice_proto::msg::{JobId, JobStart};
 use std::path::{Path, PathBuf};
 

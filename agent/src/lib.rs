@@ -16,17 +16,17 @@
 //! - [`peer`]: transfers between the agents of a job (ownership, per-job keys, server, client);
 //! - [`ckpt`]: checkpoints — commit and signals, the per-job worker (archive, publish, retention,
 //!   clean-up), restore;
-//! - [`journal`]: durable per-job records; [`worker`]: the shape of background loops; [`backoff`]:
-//!   the pause before re-queued work is tried again;
+//! - [`journal`]: durable per-job records;
 //! - [`metrics`]: the Prometheus endpoint (`[metrics]`), its counters and scrape-time gauges.
 //!
-//! The archive engine, the site config, store clients and root-safe file access live in
-//! `sluice-archive`, shared with the CLI.
+//! The archive engine and store clients live in `sluice-archive`, shared with the CLI; the site
+//! config, root-safe file access, durable writes, the shape of background loops
+//! (`sluice_core::worker`) and the pause before re-queued work is tried again
+//! (`sluice_core::backoff`) in `sluice-core`.
 #![forbid(unsafe_code)]
 
 pub mod agent;
 mod archive_access;
-pub mod backoff;
 pub mod cache;
 pub mod ckpt;
 pub mod hot_tier;
@@ -43,11 +43,10 @@ pub mod server;
 pub mod stage;
 #[cfg(test)]
 mod testing;
-pub mod worker;
 
 pub use agent::AgentError;
 
-use sluice_archive::config::Config;
+use sluice_core::config::Config;
 use std::path::PathBuf;
 use std::sync::Arc;
 use tokio::net::UnixListener;

@@ -31,7 +31,6 @@ use crate::cache::Cache;
 use crate::hot_tier::HotTier;
 use crate::job::Job;
 use crate::job_table::JobTable;
-use crate::worker::Workers;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -44,9 +43,10 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
-use sluice_archive::config::{Config, MetricsConfig};
-use sluice_archive::rt::{blocking, lock};
 use sluice_archive::{ArchiveError, PartManifest};
+use sluice_core::config::{Config, MetricsConfig};
+use sluice_core::rt::{blocking, lock};
+use sluice_core::worker::Workers;
 use sluice_proto::msg::{
     CacheStats, CkptState, JobId, JobState, StageProgress, StageState, WorkerStatus,
 };
@@ -411,7 +411,7 @@ impl Snapshot {
         let dir = self
             .hot
             .open_ckpt(job.start.job_id)
-            .and_then(|d| sluice_archive::safefs::open_dir(d, tag));
+            .and_then(|d| sluice_core::safefs::open_dir(d, tag));
         let Ok(dir) = dir else { return 0 };
         sluice_archive::walk::walk(&dir, job.start.uid)
             .map(|t| t.files.iter().map(|f| f.size).sum())

@@ -6,7 +6,7 @@
 //! by name or through one of their groups; the groups are looked up once per job ([`Requester`]).
 
 use crate::identity::JobIdentity;
-use sluice_archive::config::{AllowRule, CkptConfig, Config};
+use sluice_core::config::{AllowRule, CkptConfig, Config};
 use sluice_proto::options::{JobOptions, Source};
 
 /// A request the policy refuses. The message is what the job's output shows.
@@ -290,7 +290,7 @@ mod tests {
     }
 
     fn policy(allow: Vec<AllowRule>) -> Policy {
-        let mut cfg = Config::parse(BASE, "n1").unwrap();
+        let mut cfg = Config::parse(BASE, "n1", sluice_archive::upload_memory).unwrap();
         cfg.ckpt.allow = allow;
         cfg.ckpt.default_archive = Some("s3://ckpt/{user}/{job_name}".into());
         Policy::new(&cfg)
@@ -391,7 +391,7 @@ mod tests {
     #[test]
     fn example_stage_rules() {
         let text = include_str!("../../slurm-conf/sluice.toml");
-        let p = Policy::new(&Config::parse(text, "n2").unwrap());
+        let p = Policy::new(&Config::parse(text, "n2", sluice_archive::upload_memory).unwrap());
         let opts = |url: &str| JobOptions {
             stage_in: parse_stage_in([url]).unwrap(),
             ..Default::default()

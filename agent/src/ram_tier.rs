@@ -23,9 +23,9 @@
 //! With `mount = false` the admin has mounted a tmpfs at `root` already; jobs get directories in
 //! it (the job user's, 0700) and the share is not enforced.
 
-use sluice_archive::config::FastTierConfig;
-use sluice_archive::rt::lock;
-use sluice_archive::safefs::{self, Owner, SafeFsError};
+use sluice_core::config::FastTierConfig;
+use sluice_core::rt::lock;
+use sluice_core::safefs::{self, Owner, SafeFsError};
 use sluice_proto::msg::JobId;
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;

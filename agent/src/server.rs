@@ -572,7 +572,9 @@ mod tests {
              region = 'x'\naccess_key_id = 'k'\nsecret_access_key = 's'\n\
              [retry]\nmax_retries = 100\ntimeout = '15min'\n"
         );
-        let cfg = Arc::new(sluice_archive::config::Config::parse(&cfg, "n1").unwrap());
+        let cfg = Arc::new(
+            sluice_core::config::Config::parse(&cfg, "n1", sluice_archive::upload_memory).unwrap(),
+        );
         let (cancel, tracker) = (
             CancellationToken::new(),
             tokio_util::task::TaskTracker::new(),

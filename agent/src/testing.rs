@@ -1,7 +1,7 @@
 //! What the crate's unit tests share: who the test process is and the check that a root-only test
 //! runs as root. Compiled for tests only; nothing here ships in the agent.
 
-use sluice_archive::safefs::Owner;
+use sluice_core::safefs::Owner;
 
 /// Fails the test, saying why it needs root, unless it runs as root. Such tests are also
 /// `#[ignore]`d with the reason, so that a plain `cargo test` reports them ignored rather than

@@ -7,8 +7,8 @@
 
 use sluice_agent::cache::Cache;
 use sluice_agent::stage::{self, Budget, Progress, StageCtx, StageError};
-use sluice_archive::config::Config;
-use sluice_archive::safefs::{self, Owner};
+use sluice_core::config::Config;
+use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::StageProgress;
 use sluice_proto::options::{StageSpec, parse_stage_entry};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -96,7 +96,7 @@ fn cache_config(dir: &Path) -> Arc<Config> {
         d = dir.display()
     );
     std::fs::create_dir_all(dir.join("hot")).unwrap();
-    Arc::new(Config::parse(&text, "n1").unwrap())
+    Arc::new(Config::parse(&text, "n1", sluice_archive::upload_memory).unwrap())
 }
 
 struct Node {

@@ -240,7 +240,8 @@ fn cache_of(name: &str, dir: &Path) -> Arc<Cache> {
          [cache]\nsize='64MiB'\nmin_free=0\n",
         d = dir.display()
     );
-    let cfg = sluice_archive::config::Config::parse(&text, name).unwrap();
+    let cfg =
+        sluice_core::config::Config::parse(&text, name, sluice_archive::upload_memory).unwrap();
     Cache::open(&cfg).unwrap().expect("a [cache] section")
 }
 

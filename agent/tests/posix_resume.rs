@@ -7,8 +7,8 @@
 
 use sluice_agent::stage::resume::JobResume;
 use sluice_agent::stage::{self, Budget, Progress, StageCtx};
-use sluice_archive::config::Config;
-use sluice_archive::safefs::{self, Owner};
+use sluice_core::config::Config;
+use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::StageProgress;
 use sluice_proto::options::parse_stage_entry;
 use std::collections::BTreeMap;
@@ -70,7 +70,7 @@ async fn stage_once(src: &Path, stage_dir: &Path, state: &Path, resuming: bool) 
          [stage]\nconcurrency = 4\nmemory = '1MiB'\ntimeout = '60s'\n",
         d = state.display()
     );
-    let cfg = Arc::new(Config::parse(&text, "n1").unwrap());
+    let cfg = Arc::new(Config::parse(&text, "n1", sluice_archive::upload_memory).unwrap());
     let (owner, user) = me();
     let ctx = StageCtx {
         budget: Budget::new(&cfg.stage),

@@ -16,14 +16,14 @@
 //! Answers are the socket's types ([`ArchiveVerified`], [`ArchiveRestored`]); errors carry the
 //! code they travel with ([`AccessError::code`]).
 
-use crate::config::Config;
 use crate::manifest::Manifest;
-use crate::rt::blocking;
-use crate::safefs::{Owner, RemoveAs};
 use crate::{
     ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, CheckpointState,
     JobMeta, check_name, open_archive, parse_archive_url,
 };
+use sluice_core::config::Config;
+use sluice_core::rt::blocking;
+use sluice_core::safefs::{Owner, RemoveAs};
 use sluice_proto::msg::{ArchiveRestored, ArchiveVerified, ArchivedCkpt, ErrorCode, ErrorReply};
 use std::future::Future;
 use std::io::ErrorKind;
@@ -420,7 +420,7 @@ impl Destination {
     /// is left.
     pub async fn clear(&self) -> Result<(), String> {
         let (dir, who) = (self.fd.clone(), RemoveAs::from(self.owner));
-        blocking(move || crate::safefs::clear_dir(&dir, who)).await
+        blocking(move || sluice_core::safefs::clear_dir(&dir, who)).await
     }
 
     /// `e`, and what is left in the directory if clearing it failed.

@@ -11,13 +11,13 @@
 use super::format;
 use super::manifest::{FileEntry, Manifest, check_rel_path};
 use super::{ArchiveError, ArchiveProgress, Archiver, Damaged};
-use crate::iobuf::{self, AlignedBuf};
-use crate::rt::blocking;
-use crate::safefs::{self, Owner};
 use blake3::hazmat::{
     ChainingValue, HasherExt, Mode, left_subtree_len, merge_subtrees_non_root, merge_subtrees_root,
 };
 use futures::{Stream, StreamExt};
+use sluice_core::iobuf::{self, AlignedBuf};
+use sluice_core::rt::blocking;
+use sluice_core::safefs::{self, Owner};
 use std::cell::RefCell;
 use std::fs::File;
 use std::ops::Range;
@@ -648,7 +648,7 @@ impl Output {
     /// Writes `raw` at `offset` through the page cache and starts its writeback.
     fn write_cached_at(&self, raw: &[u8], offset: u64) -> std::io::Result<()> {
         if !raw.is_empty() {
-            crate::pagecache::write_all_at(&self.file, raw, offset)?;
+            sluice_core::pagecache::write_all_at(&self.file, raw, offset)?;
             start_writeback(&self.file, offset, raw.len());
         }
         Ok(())
@@ -801,7 +801,7 @@ mod tests {
     #[test]
     fn aligned_blocks_are_written_directly_and_the_rest_through_the_page_cache() {
         use std::io::Read;
-        let dir = crate::iobuf::tests::direct_io_dir();
+        let dir = sluice_core::testing::direct_io_dir();
         let path = dir.path().join("restored");
         let out = Output::new(File::create_new(&path).unwrap());
         let block = iobuf::ALIGN;
@@ -820,7 +820,7 @@ mod tests {
         assert!(
             out.direct.is_some(),
             "{} ({})",
-            crate::iobuf::tests::DIRECT_IO_REFUSED,
+            sluice_core::testing::DIRECT_IO_REFUSED,
             dir.path().display()
         );
         assert!(

@@ -3,7 +3,7 @@
 //! The source is the job user's tree on a tmpfs, read as [`crate::walk`] reads a checkpoint for the
 //! archive (fd-relative, no links followed, only regular files and directories of the job user);
 //! the copy is written as root, owned by the job user, in a directory the agent created. Each file
-//! is copied block by block through [`BUFFERS`] 4 KiB-aligned buffers ([`crate::iobuf`]): one
+//! is copied block by block through [`BUFFERS`] 4 KiB-aligned buffers ([`sluice_core::iobuf`]): one
 //! thread reads the next blocks from RAM while another writes block N to the disk with `O_DIRECT`
 //! (no page-cache copy of a checkpoint that is in RAM already; the tail shorter than a block, or
 //! every block where the file system refuses `O_DIRECT`, through the page cache). The source bytes are hashed (BLAKE3) as
@@ -19,9 +19,9 @@
 //! the flush's disk I/O for a check the upload repeats.
 
 use crate::download::Output;
-use crate::iobuf::AlignedBuf;
-use crate::safefs::{self, Owner};
 use crate::walk::{self, WalkError};
+use sluice_core::iobuf::AlignedBuf;
+use sluice_core::safefs::{self, Owner};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
@@ -181,7 +181,7 @@ pub fn flush_tree(
         done.hashes.insert(f.rel.clone(), hash);
         done.files += 1;
         done.bytes += size;
-        done.direct &= out.direct() || size < crate::iobuf::ALIGN as u64;
+        done.direct &= out.direct() || size < sluice_core::iobuf::ALIGN as u64;
     }
     for d in &tree.dirs {
         let parts: Vec<&str> = d.split('/').collect();

@@ -1,9 +1,10 @@
 //! sluice-archive: the checkpoint archive engine — committed checkpoints from the hot tier to object
-//! storage, and back — with what it stands on and what the agent and the `sluice` CLI both need:
-//! [`config`] (the site's `sluice.toml`, parsed and validated once, for the agent and for the CLI's
-//! URL mode), [`store`] (object-store clients from the admin's store profiles), [`safefs`] (root-safe,
-//! fd-relative file access), [`durable`] (the one durable-write helper) and [`rt`] (blocking work, the
-//! clock, poison-free locks). The CLI depends on this crate, never on the agent.
+//! storage, and back — and the object stores it talks to: [`store`] (object-store clients from the
+//! admin's store profiles, with the site's retry policy in object_store's terms), [`url`]s of
+//! archives, the RAM tier's [`flush`]. It stands on sluice-core (config, root-safe file access,
+//! durable writes, aligned buffers, blocking work); [`upload_memory`] is the figure the core's
+//! config checks the node's memory budget against. The CLI depends on this crate, never on the
+//! agent.
 //!
 //! # On-store layout
 //!
@@ -53,23 +54,15 @@
 //! aligned blocks with `O_DIRECT` (no page-cache copy; the restored files are not left in the page
 //! cache) where the file system allows it, and fsyncs every file before it returns.
 
-// `deny`, not `forbid`: the aligned-buffer module alone is allowed `unsafe` (each block argued).
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod access;
-pub mod config;
 mod download;
-pub mod durable;
 pub mod flush;
 pub mod format;
-#[allow(unsafe_code)]
-pub mod iobuf;
 pub mod manifest;
-pub mod pagecache;
 mod resume;
 pub use resume::Identity as FileIdentity;
-pub mod rt;
-pub mod safefs;
 pub mod store;
 pub mod synth;
 mod throttle;
@@ -81,12 +74,13 @@ pub use download::VerifyReport;
 pub use format::{Codec, FileCompression, Transform};
 pub use manifest::{ChunkEntry, FileEntry, JobMeta, Manifest, PartManifest};
 pub use resume::prune_resume_logs;
+pub use upload::upload_memory;
 pub use url::{ArchiveLocation, ArchiveStore, open_archive, open_archive_with, parse_archive_url};
 
-use config::within;
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use sluice_core::config::within;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

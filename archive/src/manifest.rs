@@ -10,8 +10,8 @@
 //! plain relative path and every chunk list adds up, before restore acts on it.
 
 use super::format::{self, Codec, Expected, FileCompression, HEADER_LEN, Transform};
-use crate::safefs;
 use serde::{Deserialize, Serialize};
+use sluice_core::safefs;
 
 pub const FORMAT: &str = "sluice-checkpoint";
 pub const PART_FORMAT: &str = "sluice-checkpoint-part";

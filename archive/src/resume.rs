@@ -33,11 +33,11 @@
 use super::manifest::{FileEntry, VERSION};
 use super::walk::{Snapshot, TreeFile};
 use super::{ArchiveError, ArchiveProgress, Archiver};
-use crate::durable::write_durable;
-use crate::rt::blocking;
 use futures::TryStreamExt;
 use object_store::path::Path as ObjPath;
 use serde::{Deserialize, Serialize};
+use sluice_core::durable::write_durable;
+use sluice_core::rt::blocking;
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};

@@ -1,17 +1,18 @@
 //! Object-store clients built from the admin's store profiles, each with the site's one retry
-//! policy ([`Config::retry`]), and what their errors mean ([`classify`], [`describe`]).
+//! policy ([`Config::retry`], as object_store's [`RetryConfig`]: [`retry_config`]), and what their
+//! errors mean ([`classify`], [`describe`]).
 //! Credentials live here, in the agent (root), and are never handed to jobs or written to logs.
 //!
 //! A profile may also name the storage class of the checkpoint data written to its buckets
-//! (`data_class`, [`check_data_class`]): object_store sends it on each data object's PUT or
+//! (`data_class`, checked by [`sluice_core::config::check_data_class`]): object_store sends it on each data object's PUT or
 //! multipart upload as `x-amz-storage-class` (S3), `x-ms-access-tier` (Azure) or
 //! `x-goog-storage-class` (GCS).
 
-use crate::config::{Config, StoreProfile};
-use object_store::ObjectStore;
 use object_store::aws::AmazonS3Builder;
 use object_store::azure::MicrosoftAzureBuilder;
 use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::{BackoffConfig, ObjectStore, RetryConfig};
+use sluice_core::config::{Config, RetryPolicy, StoreProfile};
 use sluice_proto::options::ObjectScheme;
 use std::sync::Arc;
 
@@ -28,7 +29,7 @@ pub fn open(
 ) -> object_store::Result<Arc<dyn ObjectStore>> {
     let url = format!("{}://{bucket}/", scheme.url_scheme());
     let profile = cfg.store_for(&url);
-    let retry = cfg.retry.clone();
+    let retry = retry_config(&cfg.retry);
     Ok(match scheme {
         ObjectScheme::S3 => Arc::new(s3(profile, bucket).with_retry(retry).build()?),
         ObjectScheme::Azure => Arc::new(azure(profile, bucket).with_retry(retry).build()?),
@@ -42,6 +43,20 @@ pub fn open(
             Arc::new(b.build()?)
         }
     })
+}
+
+/// The site's `[retry]` policy in object_store's terms: exponential backoff with object_store's base
+/// (2) and jitter.
+pub fn retry_config(p: &RetryPolicy) -> RetryConfig {
+    RetryConfig {
+        max_retries: p.max_retries,
+        retry_timeout: p.timeout,
+        backoff: BackoffConfig {
+            init_backoff: p.initial_backoff,
+            max_backoff: p.max_backoff,
+            ..BackoffConfig::default()
+        },
+    }
 }
 
 fn s3(profile: Option<&StoreProfile>, bucket: &str) -> AmazonS3Builder {
@@ -86,52 +101,6 @@ fn azure(profile: Option<&StoreProfile>, container: &str) -> MicrosoftAzureBuild
     b
 }
 
-/// S3's storage classes (PutObject's `x-amz-storage-class`).
-const S3_CLASSES: &[&str] = &[
-    "STANDARD",
-    "STANDARD_IA",
-    "ONEZONE_IA",
-    "INTELLIGENT_TIERING",
-    "GLACIER_IR",
-    "GLACIER",
-    "DEEP_ARCHIVE",
-    "REDUCED_REDUNDANCY",
-    "EXPRESS_ONEZONE",
-    "OUTPOSTS",
-    "SNOW",
-];
-/// Azure Blob's access tiers for block blobs (Put Blob's and Put Block List's `x-ms-access-tier`).
-const AZURE_TIERS: &[&str] = &["Hot", "Cool", "Cold", "Archive"];
-/// Google Cloud Storage's storage classes.
-const GCS_CLASSES: &[&str] = &["STANDARD", "NEARLINE", "COLDLINE", "ARCHIVE"];
-
-/// Checks a store profile's `data_class` against the classes the store of its `prefix` (`s3://`,
-/// `az://`, `gs://`) knows, ignoring case, and returns it spelled as the store spells it
-/// (`standard_ia` → `STANDARD_IA`, `cool` → `Cool`). The error names the profile and the key.
-pub fn check_data_class(prefix: &str, class: &str) -> Result<String, String> {
-    let scheme = prefix.split_once("://").map_or("", |(s, _)| s);
-    let (store, known) = match scheme {
-        "s3" => ("an S3 storage class", S3_CLASSES),
-        "az" | "azure" | "abfs" => ("an Azure access tier", AZURE_TIERS),
-        "gs" => ("a GCS storage class", GCS_CLASSES),
-        _ => {
-            return Err(format!(
-                "[[store]] prefix '{prefix}': data_class applies to object stores only (s3://, az://, gs://)"
-            ));
-        }
-    };
-    known
-        .iter()
-        .find(|k| k.eq_ignore_ascii_case(class))
-        .map(|k| k.to_string())
-        .ok_or_else(|| {
-            format!(
-                "[[store]] prefix '{prefix}': data_class '{class}' is not {store}; use one of {}",
-                known.join(", ")
-            )
-        })
-}
-
 /// The storage class checkpoint data written to `scheme://bucket` gets: the `data_class` of the
 /// profile [`open`] takes the bucket's endpoint and credentials from; `None` = the store's
 /// default.
@@ -151,33 +120,27 @@ pub fn is_offline_class(class: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// An unset `[retry]` key keeps object_store's default: sluice-core spells the defaults out
+    /// (it does not link object_store), and this holds them to object_store's own.
     #[test]
-    fn data_classes_are_checked_for_the_profiles_store_and_spelled_as_it_spells_them() {
-        let ok = |prefix, class| check_data_class(prefix, class).unwrap();
-        assert_eq!(ok("s3://", "STANDARD_IA"), "STANDARD_IA");
-        assert_eq!(ok("s3://ckpt", "glacier_ir"), "GLACIER_IR");
-        assert_eq!(ok("az://", "cool"), "Cool");
-        assert_eq!(ok("azure://ckpt", "ARCHIVE"), "Archive");
-        assert_eq!(ok("gs://b", "Nearline"), "NEARLINE");
-        let bad = |prefix, class| check_data_class(prefix, class).unwrap_err();
-        let e = bad("s3://", "Cool");
-        assert!(
-            e.contains("[[store]] prefix 's3://': data_class 'Cool' is not an S3 storage class")
-                && e.contains("STANDARD_IA, ONEZONE_IA"),
-            "{e}"
+    fn the_default_retry_policy_is_object_stores() {
+        let (ours, theirs) = (
+            retry_config(&RetryPolicy::default()),
+            RetryConfig::default(),
         );
-        let e = bad("az://", "STANDARD_IA");
-        assert!(
-            e.contains("data_class 'STANDARD_IA' is not an Azure access tier; use one of Hot, Cool, Cold, Archive"),
-            "{e}"
+        assert_eq!(
+            (ours.max_retries, ours.retry_timeout),
+            (theirs.max_retries, theirs.retry_timeout)
         );
-        let e = bad("gs://", "GLACIER");
-        assert!(e.contains("not a GCS storage class"), "{e}");
-        let e = bad("file:///lustre", "Cool");
-        assert!(
-            e.contains("data_class applies to object stores only"),
-            "{e}"
+        let (ours, theirs) = (ours.backoff, theirs.backoff);
+        assert_eq!(
+            (ours.init_backoff, ours.max_backoff, ours.base),
+            (theirs.init_backoff, theirs.max_backoff, theirs.base)
         );
+    }
+
+    #[test]
+    fn glacier_and_azure_archive_are_offline_classes() {
         assert!(is_offline_class("GLACIER") && is_offline_class("Archive"));
         assert!(!is_offline_class("GLACIER_IR") && !is_offline_class("ARCHIVE"));
     }

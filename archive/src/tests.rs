@@ -3,9 +3,9 @@
 
 use super::walk::tests::{assert_root, chown_tree, test_uid};
 use super::*;
-use crate::safefs::{self, Owner};
 use crate::synth::{bf16_weights, fp32_values};
 use object_store::memory::InMemory;
+use sluice_core::safefs::{self, Owner};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 

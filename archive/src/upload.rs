@@ -25,7 +25,6 @@ use super::manifest::{ChunkEntry, FileEntry, PART_FORMAT, PartManifest, VERSION}
 use super::resume::{Identity, Journal, Pending};
 use super::walk::{self, Snapshot, TreeFile, WalkError};
 use super::{ArchiveError, ArchiveProgress, Archiver, check_name, unix_ms_now};
-use crate::rt::blocking;
 use blake3::hazmat::{ChainingValue, HasherExt};
 use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
@@ -35,6 +34,8 @@ use object_store::{
     Attribute, Attributes, MultipartUpload, ObjectStoreExt, PutMultipartOptions, PutOptions,
     PutPayload,
 };
+use sluice_core::config::CkptConfig;
+use sluice_core::rt::blocking;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
@@ -122,6 +123,19 @@ pub(crate) fn in_flight_bound(cfg: &super::ArchiveConfig) -> u64 {
     let frames = threads + 1;
     part_buffers(cfg.concurrency) as u64 * cfg.part_size
         + (raw + scratch + frames) * (chunk + format::HEADER_LEN as u64)
+}
+
+/// The most bytes of buffers one checkpoint upload holds at once under a `[ckpt]` section
+/// (`part_size`, `concurrency`, and the default chunk size and compress threads): what
+/// [`Config::parse`](sluice_core::config::Config::parse) checks `[agent] memory` against, and what
+/// each of the node's upload slots ([`Config::upload_slots`](sluice_core::config::Config::upload_slots))
+/// stands for.
+pub fn upload_memory(ckpt: &CkptConfig) -> u64 {
+    in_flight_bound(&super::ArchiveConfig {
+        part_size: ckpt.part_size,
+        concurrency: ckpt.concurrency,
+        ..super::ArchiveConfig::default()
+    })
 }
 
 /// An object's last piece small enough to be copied out of its part buffer (which then returns to
@@ -1137,6 +1151,7 @@ impl Archiver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sluice_core::config::Config;
 
     /// The archive's part memory is the pool's: no more buffers than slots, each reused once its
     /// upload drops it.
@@ -1222,5 +1237,72 @@ mod tests {
 
     fn lock_len(b: &RawBuffers) -> usize {
         b.0.lock().unwrap().len()
+    }
+
+    #[test]
+    fn the_memory_budget_bounds_stage_and_archive_buffers() {
+        let cfg = |agent: &str, rest: &str| {
+            Config::parse(
+                &format!(
+                    "[agent]\nsocket='/s'\nstate_dir='/st'\n{agent}[hot_tier]\nroot='/h'\n{rest}"
+                ),
+                "n1",
+                upload_memory,
+            )
+        };
+        // Not set: no budget, stage.memory as before.
+        let c = cfg("", "").unwrap();
+        assert_eq!((c.memory, c.stage.memory), (None, 32 << 20));
+        assert_eq!(
+            c.upload_slots(upload_memory(&c.ckpt)),
+            None,
+            "no budget, no limit on uploads"
+        );
+        // The defaults: 5 part buffers of 16MiB, and 3 chunk buffers per compress thread plus 4.
+        let archive = upload_memory(&c.ckpt);
+        let threads = crate::ArchiveConfig::default().compress_threads as u64;
+        assert_eq!(archive, (80 << 20) + (3 * threads + 4) * ((4 << 20) + 16));
+        let c = cfg("memory='256MiB'\n", "").unwrap();
+        assert_eq!((c.memory, c.stage.memory), (Some(256 << 20), 32 << 20));
+        assert!(c.stage.memory + upload_memory(&c.ckpt) <= 256 << 20);
+        // Uploads at once, over all jobs: what the budget holds beside stage-in, at least one.
+        let slots = c.upload_slots(archive).unwrap();
+        assert_eq!(slots as u64, ((256 << 20) - c.stage.memory) / archive);
+        assert!(slots >= 1 && c.stage.memory + slots as u64 * archive <= 256 << 20);
+        let c = cfg("memory='2GiB'\n", "").unwrap();
+        assert!(
+            c.upload_slots(archive).unwrap() > slots,
+            "a larger budget holds more uploads"
+        );
+        // A tight budget: an unset stage.memory gets what the archive leaves.
+        let mib = archive.div_ceil(1 << 20) + 8;
+        let c = cfg(&format!("memory='{mib}MiB'\n"), "").unwrap();
+        assert_eq!(c.stage.memory + upload_memory(&c.ckpt), mib << 20);
+        assert_eq!(
+            c.upload_slots(archive),
+            Some(1),
+            "one upload at a time in a tight budget"
+        );
+        // Set explicitly, their sum must fit: the message names what to change.
+        let e = cfg(&format!("memory='{mib}MiB'\n"), "[stage]\nmemory='32MiB'\n").unwrap_err();
+        assert!(e.contains(&format!("agent.memory ({mib}MiB)")), "{e}");
+        assert!(e.contains("stage.memory (32MiB)"), "{e}");
+        assert!(
+            e.contains("ckpt.part_size = 16MiB and ckpt.concurrency = 8"),
+            "{e}"
+        );
+        // Smaller parts fit the same budget.
+        let c = cfg(
+            &format!("memory='{mib}MiB'\n"),
+            "[stage]\nmemory='32MiB'\n[ckpt]\npart_size='8MiB'\n",
+        )
+        .unwrap();
+        assert!(c.stage.memory + upload_memory(&c.ckpt) <= mib << 20);
+        let e = cfg("memory='lots'\n", "").unwrap_err();
+        assert!(e.contains("lots"), "{e}");
+        // The example's budget holds its stage-in and the real upload figure.
+        let example = include_str!("../../slurm-conf/sluice.toml");
+        let c = Config::parse(example, "n1", upload_memory).unwrap();
+        assert!(c.memory.is_some() && c.upload_slots(upload_memory(&c.ckpt)).is_some());
     }
 }

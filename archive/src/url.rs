@@ -1,10 +1,10 @@
 //! Archive URLs (`--ckpt-archive`): which store, which bucket, which base prefix.
 
 use super::{ArchiveConfig, ArchiveError, Archiver};
-use crate::config::Config;
 use crate::store;
 use object_store::ObjectStore;
 use object_store::local::LocalFileSystem;
+use sluice_core::config::Config;
 use sluice_proto::options::ObjectScheme;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -165,7 +165,7 @@ fn open_local_root(
     };
     let mut cur_path = PathBuf::from("/");
     before_step(&cur_path);
-    let mut cur = crate::safefs::open_root_dir(&cur_path).map_err(|e| e.to_string())?;
+    let mut cur = sluice_core::safefs::open_root_dir(&cur_path).map_err(|e| e.to_string())?;
     check(&cur, &cur_path)?;
     for c in path.components().skip(1) {
         let std::path::Component::Normal(name) = c else {
@@ -177,7 +177,7 @@ fn open_local_root(
         cur_path.push(name);
         before_step(&cur_path);
         // Creates the component if it is missing; an existing entry is opened O_NOFOLLOW.
-        let next = match crate::safefs::ensure_dir(&cur, name, None, 0o700) {
+        let next = match sluice_core::safefs::ensure_dir(&cur, name, None, 0o700) {
             Ok(fd) => fd,
             Err(e) if matches!(e.errno(), Some(Errno::ELOOP | Errno::ENOTDIR)) => {
                 let st = fstatat(&cur, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW);
@@ -346,6 +346,7 @@ mod tests {
         let cfg = Config::parse(
             "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
             "n1",
+            crate::upload_memory,
         )
         .unwrap();
         let a = open_archive(&cfg, &format!("file://{}", dir.display())).unwrap();

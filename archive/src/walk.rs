@@ -15,10 +15,10 @@
 //!
 //! A refusal stops the archive before anything is uploaded. These functions block.
 
-use crate::safefs;
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat};
+use sluice_core::safefs;
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 

@@ -15,13 +15,13 @@ use object_store::{
     MultipartUpload, ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload,
     PutResult, UploadPart,
 };
-use sluice_archive::config::Config;
-use sluice_archive::safefs::{self, Owner};
 use sluice_archive::synth::{bf16_weights, fp32_values};
 use sluice_archive::{
     ArchiveConfig, ArchiveError, ArchiveProgress, Archiver, CheckpointState, JobMeta, Manifest,
     Transform, open_archive_with,
 };
+use sluice_core::config::Config;
+use sluice_core::safefs::{self, Owner};
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path as FsPath;
@@ -233,7 +233,7 @@ fn agent_config_with_class(env: Option<&BTreeMap<String, String>>, s3: &str, az:
             v("SLUICE_TEST_S3_SECRET"),
         );
     }
-    Config::parse(&text, "n1").unwrap()
+    Config::parse(&text, "n1", sluice_archive::upload_memory).unwrap()
 }
 
 struct Backend {

@@ -12,9 +12,9 @@
 //! Needs root, like the agent: the checkpoint belongs to another uid, the secret to root.
 
 use nix::fcntl::{RenameFlags, renameat2};
-use sluice_archive::config::Config;
-use sluice_archive::safefs::{self, Owner};
 use sluice_archive::{ArchiveConfig, ArchiveError, ArchiveProgress, JobMeta, open_archive_with};
+use sluice_core::config::Config;
+use sluice_core::safefs::{self, Owner};
 use std::collections::{BTreeMap, HashSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -140,6 +140,7 @@ async fn a_directory_swapped_for_a_symlink_during_the_walk_never_leaks_root_file
     let cfg = Config::parse(
         "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
         "n1",
+        sluice_archive::upload_memory,
     )
     .unwrap();
     let url = format!("file://{}/run", store_dir.display());

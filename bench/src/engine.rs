@@ -5,9 +5,9 @@
 
 use anyhow::{Context, Result, bail};
 use sluice_agent::stage::{self, Progress, StageCtx};
-use sluice_archive::config::Config;
-use sluice_archive::safefs::Owner;
 use sluice_archive::{ArchiveConfig, ArchiveProgress, Archiver, JobMeta, open_archive};
+use sluice_core::config::Config;
+use sluice_core::safefs::Owner;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::OwnedFd;
@@ -58,7 +58,8 @@ pub fn agent_config(env: &BTreeMap<String, String>, root: &Path) -> Result<Confi
     // For experiments only (bench/run never sets it): extra agent TOML, e.g. "[stage]\nconcurrency = 32".
     let extra = std::env::var("SLUICE_BENCH_AGENT_TOML").unwrap_or_default();
     let text = format!("{text}\n{extra}\n");
-    Config::parse(&text, "n1").map_err(|e| anyhow::anyhow!("agent config: {e}"))
+    Config::parse(&text, "n1", sluice_archive::upload_memory)
+        .map_err(|e| anyhow::anyhow!("agent config: {e}"))
 }
 
 /// The tunables in force, for the report.
@@ -359,7 +360,7 @@ pub fn flush(src: &Path, dst: &Path, block: usize) -> Result<()> {
     let t = Instant::now();
     let uid = std::fs::metadata(src)?.uid();
     let gid = std::fs::metadata(src)?.gid();
-    let owner = sluice_archive::safefs::Owner { uid, gid };
+    let owner = sluice_core::safefs::Owner { uid, gid };
     let (s, d) = (open_dir(src)?, open_dir(dst)?);
     let done = sluice_archive::flush::flush_tree(&s, uid, &d, owner, block)?;
     println!(

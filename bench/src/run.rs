@@ -1482,7 +1482,7 @@ impl Bench {
 
     // ------------------------------------------------------------------------------------ main
 
-    fn method(&self, cfg: &sluice_archive::config::Config) -> String {
+    fn method(&self, cfg: &sluice_core::config::Config) -> String {
         format!(
             "sluice = the agent engine in-process (sluice-bench driver calling sluice_agent::stage::stage, \
              Archiver::upload_part/try_publish/restore, and upload_part into a file:// store for compression, {} build), one process per run; \

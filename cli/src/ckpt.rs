@@ -14,9 +14,9 @@ use crate::progress::{Mode, Shown};
 use anyhow::{Context, anyhow, bail};
 use serde::Serialize;
 use sluice_archive::access::{self, AccessError, DestRefusal, Destination, Reader};
-use sluice_archive::config::{Config, ConfigError};
-use sluice_archive::safefs::{self, Owner, RemoveAs};
 use sluice_archive::{Archiver, CheckpointInfo};
+use sluice_core::config::{Config, ConfigError};
+use sluice_core::safefs::{self, Owner, RemoveAs};
 use sluice_proto::msg::{ArchiveRestored, ArchiveVerified, CkptStatus, JobId};
 use std::ffi::OsString;
 use std::io::ErrorKind;
@@ -102,12 +102,13 @@ pub fn load_config(
     node: &str,
 ) -> anyhow::Result<(Config, Option<String>)> {
     let path = flag.unwrap_or(Path::new(DEFAULT_CONFIG));
-    match Config::load(path, node) {
+    match Config::load(path, node, sluice_archive::upload_memory) {
         Ok(cfg) => Ok((cfg, None)),
         Err(ConfigError::Read { source, .. })
             if flag.is_none() && source.kind() == ErrorKind::NotFound =>
         {
-            let cfg = Config::parse(BUILTIN_CONFIG, node).map_err(|e| anyhow!("{e}"))?;
+            let cfg = Config::parse(BUILTIN_CONFIG, node, sluice_archive::upload_memory)
+                .map_err(|e| anyhow!("{e}"))?;
             let note = (!url.starts_with("file:")).then(|| {
                 format!(
                     "{DEFAULT_CONFIG} does not exist: using the object store's credentials from the \
@@ -588,7 +589,7 @@ mod tests {
         assert!(load_config(Some(&cfg), "file:///x", "n1").is_err());
         // The built-in settings parse, and serve when the default file is missing (a login node):
         // with a note where credentials matter.
-        Config::parse(BUILTIN_CONFIG, "n1").unwrap();
+        Config::parse(BUILTIN_CONFIG, "n1", sluice_archive::upload_memory).unwrap();
         if !Path::new(DEFAULT_CONFIG).exists() {
             let (_, note) = load_config(None, "s3://b/x", "n1").unwrap();
             assert!(note.unwrap().contains("--config PATH"));

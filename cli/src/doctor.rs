@@ -15,7 +15,7 @@ mod slurm;
 
 use crate::socket::{self, Socket};
 use serde::Serialize;
-use sluice_archive::config::{Config, SharedTierConfig, StoreProfile};
+use sluice_core::config::{Config, SharedTierConfig, StoreProfile};
 use sluice_proto::client::{self, ClientError};
 use sluice_proto::msg::{Request, Response};
 use sluice_proto::options::ObjectScheme;
@@ -245,7 +245,7 @@ pub fn judge_config(
         fixes.push(format!("chmod 600 {p}"));
     }
     let cfg = match text {
-        Ok(text) => match Config::parse(&text, node) {
+        Ok(text) => match Config::parse(&text, node, sluice_archive::upload_memory) {
             Ok(cfg) => {
                 found.push(format!("valid for node {node}"));
                 Some(cfg)
@@ -836,7 +836,7 @@ async fn check_stores(cfg: &Config, timeout: Duration) -> Vec<Finding> {
     // The doctor asks once and says what happened: no minutes of retries behind one line.
     let mut cfg = cfg.clone();
     cfg.retry.max_retries = 1;
-    cfg.retry.retry_timeout = timeout;
+    cfg.retry.timeout = timeout;
     let mut out = Vec::new();
     for (profile, targets) in targets(&cfg) {
         let mut results = Vec::new();
@@ -1017,7 +1017,7 @@ pub fn judge_squeue(
 
 /// `sluice config check FILE`: the agent's own validation, and what it found.
 pub fn config_check(path: &Path, node: &str) -> anyhow::Result<String> {
-    let cfg = Config::load(path, node)?;
+    let cfg = Config::load(path, node, sluice_archive::upload_memory)?;
     Ok(config_summary(&cfg))
 }
 

@@ -23,7 +23,7 @@ mod socket;
 
 use agent::Agent;
 use clap::{Args, CommandFactory, Parser, Subcommand};
-use sluice_archive::safefs::Owner;
+use sluice_core::safefs::Owner;
 use sluice_proto::msg::JobId;
 use std::io::{self, Write};
 use std::path::PathBuf;
@@ -324,7 +324,7 @@ fn run(cli: Cli) -> anyhow::Result<Output> {
         } => {
             let opts = doctor::Options {
                 config,
-                node: node.unwrap_or_else(sluice_archive::config::default_node_name),
+                node: node.unwrap_or_else(sluice_core::config::default_node_name),
                 socket: cli.socket,
                 plugstack,
                 timeout: cli.timeout,
@@ -341,7 +341,7 @@ fn run(cli: Cli) -> anyhow::Result<Output> {
             }
         }
         Command::Config(ConfigCommand::Check { file, node }) => {
-            let node = node.unwrap_or_else(sluice_archive::config::default_node_name);
+            let node = node.unwrap_or_else(sluice_core::config::default_node_name);
             doctor::config_check(&file, &node)?.into()
         }
     })
@@ -578,7 +578,7 @@ fn route(config: Option<&std::path::Path>) -> ckpt::Route {
 
 /// Opens an archive by URL with the agent's configuration (see [`ckpt::load_config`]).
 fn open_archive(config: Option<PathBuf>, url: &str) -> anyhow::Result<sluice_archive::Archiver> {
-    let node = sluice_archive::config::default_node_name();
+    let node = sluice_core::config::default_node_name();
     let (cfg, note) = ckpt::load_config(config.as_deref(), url, &node)?;
     if let Some(note) = note {
         eprintln!("sluice: {note}");

@@ -780,10 +780,10 @@ fn an_agent_without_a_cache_is_named_as_too_old() {
 
 mod archive {
     use super::{assert_has, assert_starts, failed, sluice, succeeded, text};
-    use sluice_archive::config::Config;
-    use sluice_archive::safefs;
     use sluice_archive::synth::{bf16_weights, fp32_values};
     use sluice_archive::{ArchiveConfig, ArchiveProgress, JobMeta, open_archive_with};
+    use sluice_core::config::Config;
+    use sluice_core::safefs;
     use std::os::unix::fs::MetadataExt;
     use std::path::{Path, PathBuf};
     use std::sync::Arc;
@@ -860,7 +860,7 @@ mod archive {
         let toml = "[agent]\nsocket = '/run/sluice/%n.sock'\nstate_dir = '/var/lib/sluice/%n/state'\n\
                     [hot_tier]\nroot = '/var/lib/sluice/%n/hot'\n";
         std::fs::write(&config, toml).unwrap();
-        let cfg = Config::parse(toml, "n1").unwrap();
+        let cfg = Config::parse(toml, "n1", sluice_archive::upload_memory).unwrap();
         let url = format!("file://{}", tmp.path().join("archive").display());
         // Small chunks and parts, so the big file is several chunks and a multipart upload.
         let acfg = ArchiveConfig {

@@ -3,7 +3,7 @@
 //! fills block N+1.
 //!
 //! - **Alignment.** `O_DIRECT` needs the buffer's address, the file offset and the length to be
-//!   multiples of the logical block size; [`sluice_archive::iobuf::AlignedBuf`] gives the first,
+//!   multiples of the logical block size; [`sluice_core::iobuf::AlignedBuf`] gives the first,
 //!   and every block but the last is a whole multiple of [`ALIGN`] long, so each lands at an aligned
 //!   offset. The last block's whole 4 KiB pages are written with `O_DIRECT` too; its unaligned tail
 //!   (`len % 4096` bytes) is written after `O_DIRECT` was switched off on the descriptor
@@ -18,7 +18,7 @@
 //!   still writing the previous one. An error of the thread is kept and returned by the next
 //!   [`write`](AlignedWriter::write) or by [`close`](AlignedWriter::close).
 
-use sluice_archive::iobuf::{ALIGN, AlignedBuf, round_up};
+use sluice_core::iobuf::{ALIGN, AlignedBuf, round_up};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -409,15 +409,7 @@ pub const BLOCK_ALIGN: usize = ALIGN;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A directory `O_DIRECT` can be tried in: beside the test binary (the target directory),
-    /// since /tmp may be a tmpfs.
-    fn disk_dir() -> tempfile::TempDir {
-        let exe = std::env::current_exe().unwrap();
-        tempfile::tempdir_in(exe.parent().unwrap())
-            .or_else(|_| tempfile::tempdir())
-            .unwrap()
-    }
+    use sluice_core::testing::{DIRECT_IO_REFUSED, direct_io_dir};
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
@@ -456,7 +448,7 @@ mod tests {
 
     #[test]
     fn aligned_and_unaligned_sizes_read_back_byte_identical() {
-        let dir = disk_dir();
+        let dir = direct_io_dir();
         for (i, &size) in SIZES.iter().enumerate() {
             let data = pattern(size, i as u8);
             // Blocks of 64 KiB so that most sizes span several blocks (both buffers in turn), in
@@ -472,16 +464,11 @@ mod tests {
 
     #[test]
     fn a_disk_file_system_is_written_with_o_direct() {
-        let dir = disk_dir();
+        let dir = direct_io_dir();
         let direct = roundtrip(dir.path(), "d", &pattern(200_000, 3), 50_000, 65536);
         // The target directory is on the build machine's disk. A file system that refuses
         // O_DIRECT there leaves this test nothing to check (the fallback is tested below).
-        assert!(
-            direct,
-            "{}: this file system refuses O_DIRECT, so the O_DIRECT path cannot be checked here: \
-             put the target directory (CARGO_TARGET_DIR) on a disk file system such as ext4 or XFS",
-            dir.path().display()
-        );
+        assert!(direct, "{DIRECT_IO_REFUSED} ({})", dir.path().display());
     }
 
     /// A file system that refuses `open(O_DIRECT)` with EINVAL (tmpfs before Linux 6.6, some
@@ -489,7 +476,7 @@ mod tests {
     /// the page cache, and the file is still exact.
     #[test]
     fn where_o_direct_is_refused_the_writer_falls_back_to_buffered_writes() {
-        let dir = disk_dir();
+        let dir = direct_io_dir();
         let tried_direct = std::cell::Cell::new(0);
         for size in [0, 4096, 100_001, (1 << 20) + 3] {
             let path = dir.path().join(format!("t{size}"));
@@ -544,7 +531,7 @@ mod tests {
 
     #[test]
     fn bytes_written_around_the_writer_after_a_flush_keep_their_place() {
-        let dir = disk_dir();
+        let dir = direct_io_dir();
         let path = dir.path().join("around");
         let mut w = AlignedWriter::create(&path, 8192).unwrap();
         w.write(&[1; 4096]).unwrap();

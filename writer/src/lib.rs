@@ -2,7 +2,8 @@
 //! quickly and the same way from Python and from any other language.
 //!
 //! - [`file`]: [`AlignedWriter`](file::AlignedWriter), one file written through two 4 KiB-aligned
-//!   buffers (`sluice_archive::iobuf`, the buffers the agent's restore path uses) by a writer
+//!   buffers (`sluice_core::iobuf`, the buffers the agent's restore path uses; sluice-core is linked
+//!   without its `runtime` feature, so no tokio in the training process) by a writer
 //!   thread, with `O_DIRECT` where the file system allows it (not on tmpfs: a RAM tier is written
 //!   through the page cache, which is its memory), the unaligned tail through the page cache, and
 //!   an fsync at close. It does not care which tier the directory is on.
@@ -16,7 +17,7 @@
 //! TAG` (the Python package does) once every file of the tag is closed.
 //!
 //! `unsafe` lives only at the FFI boundaries, `ffi` (the C ABI) and `cufile` (the calls into
-//! libcufile); the aligned memory itself is `sluice_archive::iobuf`'s.
+//! libcufile); the aligned memory itself is `sluice_core::iobuf`'s.
 
 #![deny(unsafe_code)]
 

@@ -23,7 +23,7 @@
 use super::*;
 use crate::identity::JobIdentity;
 use crate::job::{Extra, ExtraState};
-use sluice_archive::safefs;
+use sluice_core::safefs;
 use sluice_proto::msg::StepStart;
 use sluice_proto::options::StageSpec;
 use std::sync::atomic::Ordering;

@@ -6,7 +6,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use clap_mangen::Man;
 use clap_mangen::roff::{Roff, bold, roman};
 use sluice_agent::stage::copy_as_user;
-use sluice_archive::config;
+use sluice_core::config;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -260,7 +260,11 @@ fn run_internal(command: InternalCommand) -> ExitCode {
 
 fn run(args: Args) -> anyhow::Result<()> {
     let node = args.node.unwrap_or_else(config::default_node_name);
-    let cfg = Arc::new(config::Config::load(&args.config, &node)?);
+    let cfg = Arc::new(config::Config::load(
+        &args.config,
+        &node,
+        sluice_archive::upload_memory,
+    )?);
     if args.check {
         println!(
             "{}: configuration is valid for node {node}",
@@ -296,7 +300,7 @@ fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// A panic is a bug: it is logged (with where it happened) in the agent's log. One inside a job's
-/// set-up fails that job with a message in its output (`sluice_archive::rt::contained`); any other
+/// set-up fails that job with a message in its output (`sluice_core::rt::contained`); any other
 /// aborts the agent, so systemd restarts it and the journal resumes its jobs — never an agent
 /// that runs on with a dead task (a listener, a worker) while it looks alive.
 fn install_panic_hook() {
@@ -311,7 +315,7 @@ fn install_panic_hook() {
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_default();
         let backtrace = std::backtrace::Backtrace::force_capture();
-        if sluice_archive::rt::panic_is_contained() {
+        if sluice_core::rt::panic_is_contained() {
             tracing::error!("bug (the job it happened for fails): panic{at}: {what}\n{backtrace}");
         } else {
             tracing::error!("bug: panic{at}: {what}; aborting so the agent restarts\n{backtrace}");

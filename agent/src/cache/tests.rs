@@ -8,7 +8,7 @@ fn config(dir: &Path, cache: &str) -> Config {
         d = dir.display()
     );
     std::fs::create_dir_all(dir.join("hot")).unwrap();
-    Config::parse(&text, "n1").unwrap()
+    Config::parse(&text, "n1", sluice_archive::upload_memory).unwrap()
 }
 
 fn key(name: &str, etag: &str, size: u64) -> Key {

@@ -38,8 +38,8 @@ use crate::job::Job;
 use crate::job_table::JobTable;
 use crate::metrics::Metrics;
 use crate::ram_tier::RamTier;
-use sluice_archive::config::Config;
-use sluice_archive::safefs::SafeFsError;
+use sluice_core::config::Config;
+use sluice_core::safefs::SafeFsError;
 use sluice_proto::msg::JobId;
 use std::sync::Arc;
 
@@ -55,7 +55,7 @@ pub(crate) struct CkptCtx {
     /// The node-wide cap on archive upload bandwidth (`ckpt.bandwidth_limit`), shared by all jobs.
     pub(crate) bandwidth: Option<sluice_archive::Bandwidth>,
     /// Checkpoint uploads the node's `[agent] memory` budget holds at once, over all jobs (each
-    /// holds up to `Config::archive_memory` of buffers); `None` without a budget.
+    /// holds up to `sluice_archive::upload_memory` of buffers); `None` without a budget.
     upload_slots: Option<Arc<tokio::sync::Semaphore>>,
     /// The agent's event counters (shared with it).
     pub(crate) metrics: Metrics,
@@ -71,7 +71,7 @@ impl CkptCtx {
         CkptCtx {
             bandwidth: cfg.ckpt.bandwidth_limit.map(sluice_archive::Bandwidth::new),
             upload_slots: cfg
-                .upload_slots()
+                .upload_slots(sluice_archive::upload_memory(&cfg.ckpt))
                 .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
             cfg,
             hot,

@@ -4,7 +4,7 @@
 
 use crate::job::ckpts::CommitError;
 use nix::errno::Errno;
-use sluice_archive::safefs::{self, Owner, SafeFsError};
+use sluice_core::safefs::{self, Owner, SafeFsError};
 use sluice_proto::options::validate_tag;
 use std::os::fd::{AsFd, OwnedFd};
 

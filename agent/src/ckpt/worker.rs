@@ -3,16 +3,16 @@
 
 use super::restore::{VerifyError, verify_local};
 use super::{CkptCtx, CkptEntry, CommitError, CommitOutcome, check_commit_dir, scan_signals};
-use crate::backoff::{Backoff, Schedule};
 use crate::job::Job;
-use crate::worker::{StatusCell, Worker};
 use sluice_archive::flush::{FlushError, Flushed};
-use sluice_archive::rt::{blocking, now_secs};
-use sluice_archive::safefs::{self, Owner};
 use sluice_archive::store::StoreErrorKind;
 use sluice_archive::{
     self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Manifest, Publish,
 };
+use sluice_core::backoff::{Backoff, Schedule};
+use sluice_core::rt::{blocking, now_secs};
+use sluice_core::safefs::{self, Owner};
+use sluice_core::worker::{StatusCell, Worker};
 use sluice_proto::msg::CkptState;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -22,7 +22,7 @@ use tracing::Instrument;
 
 /// Where interrupted uploads keep what they stored, so that an agent restarted mid-archive resumes
 /// per data object instead of from the start (issue 10, defect 8). Root-only agent state.
-pub(crate) fn resume_dir(cfg: &sluice_archive::config::Config) -> std::path::PathBuf {
+pub(crate) fn resume_dir(cfg: &sluice_core::config::Config) -> std::path::PathBuf {
     cfg.state_dir.join("uploads")
 }
 
@@ -86,7 +86,7 @@ pub(crate) async fn trim(ctx: &CkptCtx, job: &Job) {
     let tags: Vec<String> = victims.iter().map(|e| e.tag.clone()).collect();
     let results = blocking(move || {
         let dir = hot.open_ckpt(id)?;
-        Ok::<_, sluice_archive::safefs::SafeFsError>(
+        Ok::<_, sluice_core::safefs::SafeFsError>(
             tags.iter()
                 .map(|t| safefs::remove_tree(&dir, t, who))
                 .collect::<Vec<_>>(),
@@ -135,7 +135,7 @@ pub(crate) async fn release(ctx: &CkptCtx, job: &Arc<Job>) {
     let who = safefs::RemoveAs { uid: job.start.uid };
     let removed = blocking(move || {
         let dir = hot.open_ckpt(id)?;
-        Ok::<_, sluice_archive::safefs::SafeFsError>(
+        Ok::<_, sluice_core::safefs::SafeFsError>(
             tags.iter()
                 .map(|t| safefs::remove_tree(&dir, t, who).is_ok())
                 .collect::<Vec<_>>(),
@@ -406,7 +406,7 @@ impl CkptWorker {
         }
         let (hot, tag) = (self.ctx.hot.clone(), entry.tag.clone());
         let dir =
-            blocking(move || sluice_archive::safefs::open_dir(hot.open_ckpt(job_id)?, &tag)).await;
+            blocking(move || sluice_core::safefs::open_dir(hot.open_ckpt(job_id)?, &tag)).await;
         let dir = match dir {
             Ok(d) => Arc::new(d),
             Err(e) => {
@@ -1007,7 +1007,7 @@ impl CkptWorker {
         let who = safefs::RemoveAs { uid: job.start.uid };
         let removed = blocking(move || {
             let ram = dirs.user()?;
-            Ok::<_, sluice_archive::safefs::SafeFsError>(
+            Ok::<_, sluice_core::safefs::SafeFsError>(
                 tags.iter()
                     .map(|t| safefs::remove_tree(&ram, t, who).is_ok())
                     .collect::<Vec<_>>(),

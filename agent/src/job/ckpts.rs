@@ -6,8 +6,8 @@
 
 use nix::errno::Errno;
 use sluice_archive::flush::FlushHashes;
-use sluice_archive::rt::lock;
-use sluice_archive::safefs::SafeFsError;
+use sluice_core::rt::lock;
+use sluice_core::safefs::SafeFsError;
 use sluice_proto::msg::{CkptState, CkptStatus};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -40,8 +40,8 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{CONNECTION, CONTENT_LENGTH, HeaderMap};
 use hyper::{Method, Request, Response, StatusCode};
-use sluice_archive::config::PeerConfig;
-use sluice_archive::rt::{lock, now_secs};
+use sluice_core::config::PeerConfig;
+use sluice_core::rt::{lock, now_secs};
 use sluice_proto::msg::JobId;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -53,7 +53,7 @@ use super::auth::{
     RequestKey, TIME_HEADER, parse_hash,
 };
 use super::{LONG_POLL, MAX_SKEW, Unit};
-use crate::worker::{StatusCell, Worker};
+use sluice_core::worker::{StatusCell, Worker};
 
 /// What a unit's hash was computed from, and so what its bytes may be trusted for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sluice_archive::rt::{lock, now_secs};
+use sluice_core::rt::{lock, now_secs};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
@@ -868,7 +868,7 @@ async fn the_peer_service_runs_and_stops_as_an_agent_worker() {
         tokio_util::task::TaskTracker::new(),
         CancellationToken::new(),
     );
-    let workers = crate::worker::Workers::new(tracker.clone(), cancel.clone());
+    let workers = sluice_core::worker::Workers::new(tracker.clone(), cancel.clone());
     workers.spawn(PeerService {
         server: server.clone(),
         listener,
@@ -893,7 +893,8 @@ async fn the_peer_service_runs_and_stops_as_an_agent_worker() {
 fn the_peer_section_configures_both_sides() {
     let text = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
                 [peer]\nunit_size='32MiB'\nconcurrency=4\nread_timeout='10s'\n";
-    let cfg = sluice_archive::config::Config::parse(text, "n1").unwrap();
+    let cfg =
+        sluice_core::config::Config::parse(text, "n1", sluice_archive::upload_memory).unwrap();
     let p = cfg.peer.as_ref().unwrap();
     let s = ServerConfig::from_config(p);
     assert_eq!((s.concurrency, s.max_unit), (4, 32 << 20));
@@ -1186,7 +1187,7 @@ async fn an_agent_whose_port_was_taken_serves_once_it_is_free() {
         tokio_util::task::TaskTracker::new(),
         CancellationToken::new(),
     );
-    let workers = crate::worker::Workers::new(tracker.clone(), cancel.clone());
+    let workers = sluice_core::worker::Workers::new(tracker.clone(), cancel.clone());
     workers.spawn(PeerWorker::Rebinding(PeerRebind {
         server,
         listen: addr.clone(),

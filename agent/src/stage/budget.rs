@@ -1,6 +1,6 @@
 //! The node's budget for stage-in downloads: request slots and reused buffers.
 
-use sluice_archive::rt::lock;
+use sluice_core::rt::lock;
 use std::sync::{Arc, Mutex};
 use tokio::sync::Semaphore;
 
@@ -27,7 +27,7 @@ impl std::fmt::Debug for Budget {
 
 impl Budget {
     /// The budget `[stage]` configures: `concurrency` requests, `memory` bytes of buffers.
-    pub fn new(cfg: &sluice_archive::config::StageConfig) -> Arc<Budget> {
+    pub fn new(cfg: &sluice_core::config::StageConfig) -> Arc<Budget> {
         Budget::with(
             cfg.concurrency,
             (cfg.memory / cfg.concurrency as u64) as usize,
@@ -89,7 +89,7 @@ impl Drop for Lease {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_archive::config::Config;
+    use sluice_core::config::Config;
 
     #[tokio::test]
     async fn the_budget_bounds_requests_and_reuses_buffers() {
@@ -111,8 +111,7 @@ mod tests {
 
         let cfg = Config::parse(
             "[agent]\nsocket='/s'\nstate_dir='/t'\n[hot_tier]\nroot='/h'\n[stage]\nconcurrency=4\nmemory='8MiB'\n",
-            "n1",
-        )
+            "n1", sluice_archive::upload_memory)
         .unwrap();
         let budget = Budget::new(&cfg.stage);
         assert_eq!(budget.buffer, 2 << 20);

@@ -28,7 +28,7 @@
 //! magic number comparison and the `lfs` invocation (arguments, identity, directory, errors) are
 //! unit-tested with a fake `lfs` script, not against Lustre.
 
-use sluice_archive::config::StripeClass;
+use sluice_core::config::StripeClass;
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::AsFd;

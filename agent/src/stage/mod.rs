@@ -5,7 +5,7 @@
 //!   fetched as parallel ranged GETs. Every response body streams through a reused buffer from the
 //!   node's one [`Budget`] and is written at its offset, so the agent's memory is bounded by the
 //!   budget, not by part sizes, datasets or jobs. Files are written as root with fd-relative,
-//!   no-follow operations ([`sluice_archive::safefs`]) and owned by the job user.
+//!   no-follow operations ([`sluice_core::safefs`]) and owned by the job user.
 //! - POSIX sources are read by a helper process running with the job user's identity
 //!   ([`copy_as_user`]), so a user can stage only what they could read themselves.
 //!
@@ -57,9 +57,9 @@ pub use object::{KeyPath, map_key};
 pub use peers::{JobPeers, NodePeers, WarmHere, warm_nodes};
 pub use shard::ShardPlan;
 
-use sluice_archive::config::Config;
-use sluice_archive::rt::lock;
-use sluice_archive::safefs::Owner;
+use sluice_core::config::Config;
+use sluice_core::rt::lock;
+use sluice_core::safefs::Owner;
 use sluice_proto::msg::{StageProgress, StageState};
 use sluice_proto::options::{Source, StageSpec};
 use std::os::fd::OwnedFd;

@@ -22,9 +22,9 @@ use crate::peer::{CachedObject, HashFrom, Unit, UnitPieces, units_of, versioned}
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
-use sluice_archive::rt::{blocking, lock};
-use sluice_archive::safefs::{self, Owner};
 use sluice_archive::store::{self, StoreErrorKind};
+use sluice_core::rt::{blocking, lock};
+use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use std::os::fd::OwnedFd;
@@ -127,7 +127,7 @@ struct Fetcher {
     /// The node's cache: objects are copied from it when it has them, and filled into it as
     /// they are staged ([`crate::cache`]).
     cache: Option<Arc<Cache>>,
-    cfg: Arc<sluice_archive::config::Config>,
+    cfg: Arc<sluice_core::config::Config>,
     /// `s3://bucket`: objects' URLs are this and their location (the cache's keys).
     bucket_url: String,
     /// The dataset's staging log: files staged whole are noted in it, and after an agent restart
@@ -174,7 +174,7 @@ impl WriteAt for Dest {
     /// Writes `buf` at `offset` of the job's file and of the cache entry beside it.
     fn write_all_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
         let _one = self.writing.as_ref().map(lock);
-        let mut r = sluice_archive::pagecache::write_all_at(&self.file, buf, offset);
+        let mut r = sluice_core::pagecache::write_all_at(&self.file, buf, offset);
         // A full hot tier takes room from the cache before it fails the job.
         while r.as_ref().is_err_and(|e| is_no_space(e.raw_os_error()))
             && self
@@ -182,7 +182,7 @@ impl WriteAt for Dest {
                 .as_ref()
                 .is_some_and(|c| c.yield_space(buf.len() as u64 + (64 << 20)) > 0)
         {
-            r = sluice_archive::pagecache::write_all_at(&self.file, buf, offset);
+            r = sluice_core::pagecache::write_all_at(&self.file, buf, offset);
         }
         if let (Ok(()), Some(fill)) = (&r, &self.tee) {
             fill.write_at(buf, offset);
@@ -1124,7 +1124,7 @@ impl Fetcher {
 /// `sluice cache warm URL`: fills the node's cache with the objects at `url` that it does not
 /// hold, read with the agent's credentials through the node's download budget.
 pub(super) async fn warm(
-    cfg: Arc<sluice_archive::config::Config>,
+    cfg: Arc<sluice_core::config::Config>,
     budget: Arc<Budget>,
     cache: Arc<Cache>,
     url: &str,
@@ -1312,7 +1312,7 @@ mod tests {
     fn a_node_found_dead_never_replaces_a_file_a_survivor_wrote() {
         use super::super::shared::{SharedJob, Takeover};
         let root = tempfile::tempdir().unwrap();
-        let cfg = sluice_archive::config::SharedTierConfig {
+        let cfg = sluice_core::config::SharedTierConfig {
             job_dir: format!("{}/job-%j", root.path().display()),
             lfs: "lfs".into(),
             stripes: Vec::new(),
@@ -1394,9 +1394,10 @@ mod tests {
             shared_tier: None,
             cache: None,
             cfg: Arc::new(
-                sluice_archive::config::Config::parse(
+                sluice_core::config::Config::parse(
                     "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
                     "n1",
+                    sluice_archive::upload_memory,
                 )
                 .unwrap(),
             ),
@@ -1486,13 +1487,12 @@ mod tests {
     /// A fetcher like [`fetcher`], with a cache in `dir`.
     fn cached_fetcher(store: Arc<dyn ObjectStore>, dir: &std::path::Path) -> Arc<Fetcher> {
         let cfg = Arc::new(
-            sluice_archive::config::Config::parse(
+            sluice_core::config::Config::parse(
                 &format!(
                     "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='{}'\n[cache]\nsize='16MiB'\nmin_free=0\n",
                     dir.display()
                 ),
-                "n1",
-            )
+                "n1", sluice_archive::upload_memory)
             .unwrap(),
         );
         let cache = Cache::open(&cfg).unwrap().unwrap();
@@ -1593,10 +1593,11 @@ mod tests {
     /// `state` (`resuming`: the agent restarted while it was staging).
     fn resume_ctx(stage: &std::path::Path, state: &std::path::Path, resuming: bool) -> StageCtx {
         let cfg = Arc::new(
-            sluice_archive::config::Config::parse(
+            sluice_core::config::Config::parse(
                 "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
                  [stage]\npart_size='64KiB'\nconcurrency=4\n",
                 "n1",
+                sluice_archive::upload_memory,
             )
             .unwrap(),
         );

@@ -50,9 +50,9 @@ use crate::peer::{
 use bytes::Bytes;
 use nix::fcntl::{OFlag, openat};
 use nix::sys::stat::{Mode, SFlag, fstat};
-use sluice_archive::config::{Config, PeerConfig};
-use sluice_archive::rt::{blocking, lock};
-use sluice_archive::safefs;
+use sluice_core::config::{Config, PeerConfig};
+use sluice_core::rt::{blocking, lock};
+use sluice_core::safefs;
 use sluice_proto::msg::JobId;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;

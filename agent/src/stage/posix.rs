@@ -45,8 +45,8 @@ use super::{
 };
 use crate::cache::{Cache, Hit, Key, PosixFile};
 use crate::peer::{Unit, units_of};
-use sluice_archive::rt::blocking;
-use sluice_archive::safefs::{self, Owner};
+use sluice_core::rt::blocking;
+use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use std::collections::{HashMap, VecDeque};
@@ -1255,7 +1255,8 @@ mod tests {
              [cache]\nsize='8MiB'\nmin_free=0\n",
             d = d.display()
         );
-        let cfg = sluice_archive::config::Config::parse(&text, "n1").unwrap();
+        let cfg =
+            sluice_core::config::Config::parse(&text, "n1", sluice_archive::upload_memory).unwrap();
         let cache = Cache::open(&cfg).unwrap().unwrap();
         (t, cache)
     }

@@ -104,8 +104,8 @@
 
 use super::copy_as_user::FileIdent;
 use serde::{Deserialize, Serialize};
-use sluice_archive::durable::write_durable;
-use sluice_archive::safefs::Owner;
+use sluice_core::durable::write_durable;
+use sluice_core::safefs::Owner;
 use sluice_proto::msg::JobId;
 use sluice_proto::options::StageSpec;
 use std::collections::{HashMap, HashSet};
@@ -117,7 +117,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use object_store::ObjectMeta;
-use sluice_archive::rt::{blocking, lock};
+use sluice_core::rt::{blocking, lock};
 
 const FORMAT: &str = "sluice-stage-resume";
 const LOG_VERSION: u32 = 1;
@@ -766,7 +766,7 @@ mod tests {
         let size = origin.len() as u64;
         let id = Identity::of(&std::fs::File::open(&path).unwrap()).unwrap();
         let entry = Entry::new("f".into(), &meta("ds/f", Some("e"), size), id);
-        let root = sluice_archive::safefs::open_root_dir(dir.path()).unwrap();
+        let root = sluice_core::safefs::open_root_dir(dir.path()).unwrap();
         let owner = Owner {
             uid: nix::unistd::geteuid().as_raw(),
             gid: nix::unistd::getegid().as_raw(),

@@ -77,8 +77,8 @@
 //! on no node at all may find that run's marks of the other nodes.
 
 use super::{ShardPlan, StageError};
-use sluice_archive::config::{SharedTierConfig, StripeClass};
-use sluice_archive::safefs::{self, Owner, SafeFsError};
+use sluice_core::config::{SharedTierConfig, StripeClass};
+use sluice_core::safefs::{self, Owner, SafeFsError};
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
@@ -577,7 +577,7 @@ impl SharedJob {
         loop {
             let this = self.clone();
             let nodes = plan.nodes().to_vec();
-            let seen = sluice_archive::rt::blocking(move || {
+            let seen = sluice_core::rt::blocking(move || {
                 nodes.into_iter().map(|n| this.look(&n)).collect::<Vec<_>>()
             })
             .await;
@@ -638,7 +638,7 @@ impl SharedJob {
                 };
                 let (this, lost, by, r) =
                     (self.clone(), t.lost.clone(), me.clone(), result.clone());
-                let marked = sluice_archive::rt::blocking(move || {
+                let marked = sluice_core::rt::blocking(move || {
                     this.mark_part(&lost, &by, r.as_ref().map(|_| ()))
                 })
                 .await;
@@ -687,7 +687,7 @@ impl SharedJob {
                         why,
                     };
                     let this = self.clone();
-                    match sluice_archive::rt::blocking(move || {
+                    match sluice_core::rt::blocking(move || {
                         // It may have marked its share since: then nothing is taken over.
                         if read_mark(&this.marks, &want.lost).is_some() {
                             return Ok(None);

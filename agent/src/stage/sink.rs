@@ -11,7 +11,7 @@
 use super::budget::{Budget, Lease};
 use super::{Progress, StageError, hot_tier_error};
 use crate::peer::UnitSink;
-use sluice_archive::rt::blocking;
+use sluice_core::rt::blocking;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -26,7 +26,7 @@ pub(crate) trait WriteAt: Send + Sync + 'static {
 
 impl WriteAt for std::fs::File {
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        sluice_archive::pagecache::write_all_at(self, buf, offset)
+        sluice_core::pagecache::write_all_at(self, buf, offset)
     }
 }
 

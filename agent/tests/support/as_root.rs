@@ -3,7 +3,7 @@
 //! configuration as `sluiced` runs it. Each includes this file with `#[macro_use] #[path]`
 //! (integration tests share no crate).
 
-use sluice_archive::config::Config;
+use sluice_core::config::Config;
 use sluice_proto::msg::{JobStart, Request};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -77,7 +77,7 @@ pub struct Running {
 /// open to every user, and the agent's one entry point spawned as sluiced runs it, the copy helper
 /// being this build's `sluiced`.
 pub fn spawn_agent(cfg: &str) -> Running {
-    let cfg = Arc::new(Config::parse(cfg, "n1").unwrap());
+    let cfg = Arc::new(Config::parse(cfg, "n1", sluice_archive::upload_memory).unwrap());
     let hot_parent = cfg.hot_root.parent().unwrap();
     std::fs::create_dir_all(hot_parent).unwrap();
     std::fs::set_permissions(hot_parent, std::fs::Permissions::from_mode(0o755)).unwrap();

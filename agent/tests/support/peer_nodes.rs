@@ -11,8 +11,8 @@
 
 use super::StageCtx;
 use super::{Budget, ClusterSecret, NodePeers, PeerServer, PeerService, Progress, ServerConfig};
-use sluice_archive::config::Config;
-use sluice_archive::safefs::{self, Owner};
+use sluice_core::config::Config;
+use sluice_core::safefs::{self, Owner};
 use sluice_proto::options::StageSpec;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -86,7 +86,7 @@ pub async fn node(
     for (n, a) in addrs {
         text.push_str(&format!("{n} = '{a}'\n"));
     }
-    let cfg = Arc::new(Config::parse(&text, name).unwrap());
+    let cfg = Arc::new(Config::parse(&text, name, sluice_archive::upload_memory).unwrap());
     let peer_cfg = cfg.peer.clone().unwrap();
     let server = PeerServer::new(
         ClusterSecret::from_bytes(*b"an in-process test secret, 32 b!"),

@@ -2,11 +2,11 @@
 //! refusals of a restore's directory, and damage found by verify and restore.
 
 use super::*;
-use crate::safefs::{self, Owner};
 use crate::{ArchiveConfig, synth::fp32_values};
 use object_store::ObjectStoreExt;
 use object_store::memory::InMemory;
 use object_store::path::Path as StorePath;
+use sluice_core::safefs::{self, Owner};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -301,6 +301,7 @@ fn a_missing_file_archive_is_not_created() {
     let cfg = Config::parse(
         "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
         "n1",
+        crate::upload_memory,
     )
     .unwrap();
     let url = format!("file://{}/archive", dir.path().display());

@@ -206,9 +206,9 @@ mod tests {
     //! S3 and Azure answer (or nothing at all).
 
     use super::*;
-    use crate::config::Config;
     use object_store::path::Path as ObjPath;
     use object_store::{ObjectStore, ObjectStoreExt};
+    use sluice_core::config::Config;
     use sluice_proto::options::ObjectScheme;
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
@@ -280,7 +280,7 @@ mod tests {
              [[store]]\nprefix='az://'\nendpoint='http://127.0.0.1:{port}'\naccount='sluicetest'\n\
              access_key='bm90LWEtc2VjcmV0'\nallow_http=true\n"
         );
-        Config::parse(&text, "n1").unwrap()
+        Config::parse(&text, "n1", crate::upload_memory).unwrap()
     }
 
     fn s3(port: u16, max_retries: u32) -> Arc<dyn ObjectStore> {

@@ -26,13 +26,13 @@ struct Counting {
 impl Counting {
     /// The files (paths below `data/`) whose objects were stored since the last call.
     fn take_stored(&self) -> BTreeSet<String> {
-        std::mem::take(&mut *crate::rt::lock(&self.stored))
+        std::mem::take(&mut *sluice_core::rt::lock(&self.stored))
             .into_iter()
             .collect()
     }
 
     fn fail_on(&self, rel: Option<&str>) {
-        *crate::rt::lock(&self.fail) = rel.map(String::from);
+        *sluice_core::rt::lock(&self.fail) = rel.map(String::from);
     }
 }
 
@@ -61,7 +61,7 @@ impl ObjectStore for Counting {
     {
         Box::pin(async move {
             let file = data_file(location.as_ref());
-            if file.is_some() && file == *crate::rt::lock(&self.fail) {
+            if file.is_some() && file == *sluice_core::rt::lock(&self.fail) {
                 return Err(object_store::Error::Generic {
                     store: "Counting",
                     source: "injected PUT failure".into(),
@@ -71,7 +71,7 @@ impl ObjectStore for Counting {
             let payload = PutPayload::from(payload.iter().flatten().copied().collect::<Vec<u8>>());
             let r = self.inner.put_opts(location, payload, opts).await;
             if let (Ok(_), Some(f)) = (&r, file) {
-                crate::rt::lock(&self.stored).push(f);
+                sluice_core::rt::lock(&self.stored).push(f);
             }
             r
         })
@@ -121,7 +121,7 @@ impl MultipartUpload for CountingUpload {
         let (file, stored) = (&self.file, &self.stored);
         complete_then(&mut self.inner, move || {
             if let Some(f) = file {
-                crate::rt::lock(stored).push(f.clone());
+                sluice_core::rt::lock(stored).push(f.clone());
             }
         })
     }

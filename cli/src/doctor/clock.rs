@@ -8,7 +8,7 @@
 //! round trip.
 
 use super::{Finding, Status};
-use sluice_archive::config::StoreProfile;
+use sluice_core::config::StoreProfile;
 use std::time::{Duration, SystemTime};
 
 /// Beyond this the clock is worth a look (and retention ages are off by it).

@@ -195,7 +195,7 @@ fn mount_is_the_longest_mount_point_above() {
 
 #[test]
 fn stores_are_probed_through_the_buckets_they_serve() {
-    let cfg = Config::parse(CONFIG, "n1").unwrap();
+    let cfg = Config::parse(CONFIG, "n1", sluice_archive::upload_memory).unwrap();
     let t = targets(&cfg);
     let by: Vec<(&str, Vec<String>)> = t
         .iter()
@@ -314,7 +314,7 @@ fn rendering_puts_the_fix_under_a_warning_or_failure_and_json_has_every_field() 
 
 #[test]
 fn config_check_summarises_what_the_agent_would_use() {
-    let cfg = Config::parse(CONFIG, "n1").unwrap();
+    let cfg = Config::parse(CONFIG, "n1", sluice_archive::upload_memory).unwrap();
     let s = config_summary(&cfg);
     assert!(s.starts_with("OK (node n1)\n"), "{s}");
     assert!(s.contains("hot tier:   /var/lib/sluice/n1/hot"), "{s}");
@@ -327,6 +327,7 @@ fn config_check_summarises_what_the_agent_would_use() {
     let with = Config::parse(
         &format!("{CONFIG}[shared_tier]\njob_dir='/lustre/sluice/%j'\n"),
         "n1",
+        sluice_archive::upload_memory,
     )
     .unwrap();
     let s = config_summary(&with);
@@ -343,7 +344,10 @@ fn shared_tier(job_dir: &str, stripes: bool) -> SharedTierConfig {
         ""
     };
     let text = format!("{CONFIG}[shared_tier]\njob_dir='{job_dir}'\n{classes}");
-    Config::parse(&text, "n1").unwrap().shared_tier.unwrap()
+    Config::parse(&text, "n1", sluice_archive::upload_memory)
+        .unwrap()
+        .shared_tier
+        .unwrap()
 }
 
 fn on(fs: &str, lfs: Option<&str>) -> io::Result<SharedTierFacts> {

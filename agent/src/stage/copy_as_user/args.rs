@@ -2,7 +2,7 @@
 //! job's peers, and the Lustre stripe classes of a shared tier, as the agent passes them.
 
 use crate::stage::shard::ShardPlan;
-use sluice_archive::config::StripeClass;
+use sluice_core::config::StripeClass;
 use std::path::PathBuf;
 use std::sync::Arc;
 

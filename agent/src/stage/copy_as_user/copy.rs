@@ -6,7 +6,7 @@
 use super::error::HelperError;
 use super::protocol::{FileIdent, HelperMsg, send};
 use crate::stage::local_fs::{is_local_fs, preallocate};
-use sluice_archive::config::StripeClass;
+use sluice_core::config::StripeClass;
 use std::fs;
 use std::io::{self, Read, Seek, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
@@ -375,7 +375,7 @@ fn copy_to_end_hashed(
             break;
         }
         hasher.update(&buf[..got]);
-        sluice_archive::pagecache::write_all_at(dst, &buf[..got], at)?;
+        sluice_core::pagecache::write_all_at(dst, &buf[..got], at)?;
         at += got as u64;
     }
     Ok((at - offset, hasher.finalize()))

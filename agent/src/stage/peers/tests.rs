@@ -12,7 +12,7 @@ use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
     ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
-use sluice_archive::config::Config;
+use sluice_core::config::Config;
 use sluice_proto::options::{StageSpec, parse_stage_entry};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -868,7 +868,7 @@ async fn node_with_cache(
          [cache]\nsize = '64MiB'\nmin_free = 0\n",
         hot.path().display()
     );
-    let cfg = Config::parse(&text, name).unwrap();
+    let cfg = Config::parse(&text, name, sluice_archive::upload_memory).unwrap();
     let cache = crate::cache::Cache::open(&cfg).unwrap();
     n.peers.share_cache(cache.clone());
     n.ctx.cache = cache;

@@ -4,7 +4,7 @@
 //! `sluice status` shows and metrics count while it runs. A worker returns when its work is done or
 //! when the token is cancelled (the agent stopping); work cut short resumes from the journal.
 
-use sluice_archive::rt::{lock, now_secs};
+use crate::rt::{lock, now_secs};
 use sluice_proto::msg::JobId;
 pub use sluice_proto::msg::WorkerStatus;
 use std::future::Future;

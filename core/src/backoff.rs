@@ -1,6 +1,6 @@
 //! The pause before work whose last attempt failed is attempted again — a checkpoint archive whose
 //! store requests failed even after object_store's own retries (the site's `[retry]` policy,
-//! `sluice_archive::config::Config::retry`). This is not a second retry loop around a request: a
+//! [`crate::config::Config::retry`]). This is not a second retry loop around a request: a
 //! worker makes attempts on its own turns, and [`Schedule`] says which keys a turn may attempt.
 //!
 //! Times are [`tokio::time::Instant`]s, so tests run the schedule with paused time.

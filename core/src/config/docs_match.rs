@@ -300,7 +300,7 @@ fn parse_with(found: &Found, table: &str, line: &str) -> Result<(), String> {
         };
         text += &format!("{header}\n{line}\n");
     }
-    super::Config::parse(&text, "n1").map(drop)
+    super::tests::parse(&text, "n1").map(drop)
 }
 
 #[test]
@@ -357,7 +357,7 @@ fn config_md_documents_every_key_of_the_code_once_and_no_other() {
         .collect();
     assert!(
         missing.is_empty(),
-        "docs/config.md does not document these keys of archive/src/config.rs: {}",
+        "docs/config.md does not document these keys of core/src/config.rs: {}",
         listed(missing)
     );
     let unknown: Vec<&&str> = seen.iter().filter(|k| !c.keys.contains(**k)).collect();

@@ -1,11 +1,10 @@
 //! 4 KiB-aligned, reusable I/O buffers: the memory that `O_DIRECT` reads and writes go through, and
 //! that GPUDirect Storage (cuFile) will register, both of which need the buffer's address, the file
 //! offset and the length to be multiples of the logical block size. Restore decodes each chunk into
-//! one of these and writes its whole blocks straight to the disk (download.rs); a RAM flush tier
-//! reuses them.
+//! one of these and writes its whole blocks straight to the disk (sluice-archive's download.rs); the
+//! RAM tier's flush and the checkpoint writer (sluice-writer) reuse them.
 //!
-//! This module is the one place outside the SPANK plugin's FFI where the crate allows `unsafe`: a
-//! `Vec<u8>` is aligned only by luck, and the global allocator hands out aligned memory only through
+//! This module is the one place in sluice-core where `unsafe` is allowed: a `Vec<u8>` is aligned only by luck, and the global allocator hands out aligned memory only through
 //! a [`Layout`], which the same layout must then free. Every block argues its safety from the
 //! invariants stated on [`AlignedBuf`]. Plain `std::alloc` rather than a crate: the whole of it is
 //! one allocation, one free and two slice views, and a `Vec` of `#[repr(align(4096))]` blocks would
@@ -233,8 +232,9 @@ impl fmt::Debug for AlignedBuf {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
+    use crate::testing::{DIRECT_IO_REFUSED, direct_io_dir};
 
     const SIZES: [usize; 9] = [0, 1, 100, 4095, 4096, 4097, 65536, 1 << 20, (4 << 20) + 5];
 
@@ -312,23 +312,6 @@ pub(crate) mod tests {
         .join()
         .unwrap();
         assert_eq!(back.len(), ALIGN);
-    }
-
-    /// A temporary directory for `O_DIRECT` tests: beside the test binary (the target directory),
-    /// since `/tmp` is often a tmpfs, which refuses `O_DIRECT`; the temp directory where the
-    /// target directory is not writable (another user runs the binaries).
-    /// What a test that needs `O_DIRECT` says where the file system refuses it.
-    pub(crate) const DIRECT_IO_REFUSED: &str = "the target directory's file system refuses O_DIRECT \
-        (EINVAL), so the O_DIRECT path cannot be checked here: put the target directory \
-        (CARGO_TARGET_DIR) on a disk file system such as ext4 or XFS";
-
-    /// A temporary directory beside the test binary, in the target directory: on the build
-    /// machine's disk, where `O_DIRECT` works (see [`DIRECT_IO_REFUSED`]).
-    pub(crate) fn direct_io_dir() -> tempfile::TempDir {
-        let exe = std::env::current_exe().unwrap();
-        tempfile::tempdir_in(exe.parent().unwrap())
-            .or_else(|_| tempfile::tempdir())
-            .unwrap()
     }
 
     /// Writes whole aligned blocks from an `AlignedBuf` with `O_DIRECT` and reads them back. The

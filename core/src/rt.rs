@@ -1,6 +1,6 @@
-//! Small runtime helpers every part of the engine uses: blocking work off the async workers, the
-//! wall clock in the seconds that records and manifests carry, mutexes that a panic elsewhere
-//! does not poison for everyone, and where a panic is contained.
+//! Small runtime helpers every part of sluice uses: the wall clock in the seconds that records and
+//! manifests carry, mutexes that a panic elsewhere does not poison for everyone, and (feature
+//! `runtime`) blocking work off the async workers and where a panic is contained.
 //!
 //! **Panics.** A panic is a bug. The agent's panic hook (`sluiced`) logs every one and aborts the
 //! process — systemd restarts it and the journal resumes — unless the panic happens inside
@@ -10,12 +10,15 @@
 //! [`blocking`] carries to the blocking thread it runs a closure on.
 
 use std::cell::Cell;
-use std::future::Future;
-use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard};
-use std::task::{Context, Poll};
 use std::time::{SystemTime, UNIX_EPOCH};
+#[cfg(feature = "runtime")]
+use std::{
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    task::{Context, Poll},
+};
 
 thread_local! {
     static CONTAINED: Cell<bool> = const { Cell::new(false) };
@@ -26,22 +29,26 @@ pub fn panic_is_contained() -> bool {
     CONTAINED.with(Cell::get)
 }
 
+#[cfg(feature = "runtime")]
 /// Sets this thread's flag for its lifetime and puts the previous value back when dropped, also
 /// while unwinding.
 struct Flag(bool);
 
+#[cfg(feature = "runtime")]
 impl Flag {
     fn set(to: bool) -> Flag {
         Flag(CONTAINED.with(|c| c.replace(to)))
     }
 }
 
+#[cfg(feature = "runtime")]
 impl Drop for Flag {
     fn drop(&mut self) {
         CONTAINED.with(|c| c.set(self.0));
     }
 }
 
+#[cfg(feature = "runtime")]
 /// Runs blocking file I/O, hashing or compression on tokio's blocking pool, never on a runtime
 /// worker. A panic in `f` is a bug and propagates (inside [`contained`] work too).
 pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -58,6 +65,7 @@ pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static)
     }
 }
 
+#[cfg(feature = "runtime")]
 /// Runs `f`; a panic in it (or in [`blocking`] work it awaits) is `Err` with the panic's message
 /// instead of unwinding further, and the panic hook lets it be.
 pub async fn contained<F: Future>(f: F) -> Result<F::Output, String> {
@@ -74,9 +82,11 @@ pub async fn contained<F: Future>(f: F) -> Result<F::Output, String> {
         })
 }
 
+#[cfg(feature = "runtime")]
 /// A future polled with this thread's flag set.
 struct Contained<F>(Pin<Box<F>>);
 
+#[cfg(feature = "runtime")]
 impl<F: Future> Future for Contained<F> {
     type Output = F::Output;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
@@ -99,7 +109,7 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "runtime"))]
 mod tests {
     use super::*;
 

@@ -1,8 +1,13 @@
 //! The site's configuration (`sluice.toml`, read by the agent and by the CLI's URL mode): TOML into a
 //! raw serde struct (unknown keys refused), then validated into
 //! [`Config`]. `%n` in paths becomes the node name, so one file serves every node.
+//!
+//! Plain data only: the `[retry]` section is sluice's [`RetryPolicy`] (sluice-archive builds
+//! object_store's retry configuration from it), a store profile's `data_class` is checked and
+//! spelled here ([`check_data_class`]), and the one figure that depends on the archive engine, how
+//! many bytes of buffers a checkpoint upload holds, is asked of the caller at parse time
+//! ([`Config::parse`]'s `upload_memory`: `sluice_archive::upload_memory`).
 
-use object_store::{BackoffConfig, RetryConfig};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -87,8 +92,7 @@ struct RawPeer {
     nodes: BTreeMap<String, String>,
 }
 
-/// object_store's retry policy for every object-store request; unset keys keep object_store's
-/// defaults.
+/// The retry policy of every object-store request; unset keys keep object_store's defaults.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawRetry {
@@ -178,8 +182,7 @@ pub struct StoreProfile {
     /// The storage class (S3: `STANDARD_IA`, `GLACIER_IR`, ...; GCS: `NEARLINE`, ...) or access
     /// tier (Azure: `Hot`, `Cool`, `Cold`, `Archive`) of the checkpoint data objects written to
     /// archives in this profile's buckets; MANIFESTs stay in the default class. Checked against
-    /// the prefix's store and spelled as the store spells it once parsed
-    /// ([`crate::store::check_data_class`]).
+    /// the prefix's store and spelled as the store spells it once parsed ([`check_data_class`]).
     pub data_class: Option<String>,
 }
 
@@ -253,7 +256,7 @@ pub struct Config {
     /// connection errors, timeouts of idempotent requests): the one retry policy of the agent and
     /// the CLI. Work re-queued after a request finally failed waits on top of it, never in a loop
     /// around it.
-    pub retry: RetryConfig,
+    pub retry: RetryPolicy,
     /// Peer transfers between the agents of a job; `None` = off (every node reads the origin).
     pub peer: Option<PeerConfig>,
     /// The Prometheus endpoint; `None` = off (no listener).
@@ -267,34 +270,48 @@ pub struct Config {
     pub fast_tier: Option<FastTierConfig>,
     /// `[agent] memory`: the node's budget of data buffers, which stage-in's download buffers
     /// (`stage.memory`) and a checkpoint archive's in-flight buffers (chunks being compressed,
-    /// parts being uploaded: [`Config::archive_memory`]) are both drawn from; parsing refuses a
+    /// parts being uploaded: `sluice_archive::upload_memory`) are both drawn from; parsing refuses a
     /// `[stage]`/`[ckpt]` whose sum exceeds it. `None` = not set (no check).
     pub memory: Option<u64>,
 }
 
 impl Config {
-    /// The most bytes of buffers one checkpoint upload holds at once under `[ckpt]`'s
-    /// `part_size` and `concurrency` (and the default chunk size and compress threads).
-    pub fn archive_memory(&self) -> u64 {
-        archive_memory(&self.ckpt)
-    }
-
     /// How many checkpoint uploads may run at once on the node, over all jobs: as many as
-    /// `[agent] memory` holds beside the stage-in budget, at least one (parsing refuses a budget
-    /// that holds less); `None` (no limit) without a budget.
-    pub fn upload_slots(&self) -> Option<usize> {
+    /// `[agent] memory` holds beside the stage-in budget, each holding `upload_memory` bytes of
+    /// buffers (`sluice_archive::upload_memory`), at least one (parsing refuses a budget that holds
+    /// less); `None` (no limit) without a budget.
+    pub fn upload_slots(&self, upload_memory: u64) -> Option<usize> {
         let budget = self.memory?;
-        let each = self.archive_memory().max(1);
-        Some((budget.saturating_sub(self.stage.memory) / each).max(1) as usize)
+        Some((budget.saturating_sub(self.stage.memory) / upload_memory.max(1)).max(1) as usize)
     }
 }
 
-fn archive_memory(ckpt: &CkptConfig) -> u64 {
-    crate::upload::in_flight_bound(&crate::ArchiveConfig {
-        part_size: ckpt.part_size,
-        concurrency: ckpt.concurrency,
-        ..crate::ArchiveConfig::default()
-    })
+/// The `[retry]` section: how every object-store client built from the config retries a failed
+/// request. Unset keys keep object_store's defaults ([`RetryPolicy::default`], which
+/// sluice-archive's tests hold to object_store's own); sluice-archive turns it into object_store's
+/// `RetryConfig` (exponential backoff, base 2, with jitter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// `max_retries`: retries after the first attempt.
+    pub max_retries: usize,
+    /// `timeout`: no retry starts later than this after the first attempt.
+    pub timeout: Duration,
+    /// `initial_backoff`: the first pause between attempts.
+    pub initial_backoff: Duration,
+    /// `max_backoff`: the longest pause between attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// object_store's defaults.
+    fn default() -> Self {
+        RetryPolicy {
+            max_retries: 10,
+            timeout: Duration::from_secs(3 * 60),
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(15),
+        }
+    }
 }
 
 /// `[fast_tier]`: checkpoints saved at memory speed. Each `--ckpt-tier=ram` job gets its own
@@ -735,7 +752,7 @@ fn duration(what: &str, v: Option<&str>, default: Duration) -> Result<Duration, 
 
 /// `Err("{what}, got {v}")` unless `v` lies in `range`: the one shape of every range check of the
 /// configuration and the archive settings.
-pub(crate) fn within<T: PartialOrd + std::fmt::Display>(
+pub fn within<T: PartialOrd + std::fmt::Display>(
     v: T,
     range: std::ops::RangeInclusive<T>,
     what: &str,
@@ -785,47 +802,43 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size '{s}' is too large"))
 }
 
-/// The `[retry]` section as object_store's policy. At least one retry, and a timeout no shorter
-/// than object_store's 30 s request timeout, so that an error reported as "after retries" was
-/// retried (a request that timed out after the retry timeout is not retried); at most 15
-/// minutes, because retries reuse the signed request and S3 refuses a signature older than that
-/// (object_store advises staying under 5 minutes).
-fn retry_config(raw: &RawRetry) -> Result<RetryConfig, String> {
-    let d = RetryConfig::default();
-    let r = RetryConfig {
+/// The `[retry]` section, checked. At least one retry, and a timeout no shorter than
+/// object_store's 30 s request timeout, so that an error reported as "after retries" was retried (a
+/// request that timed out after the retry timeout is not retried); at most 15 minutes, because
+/// retries reuse the signed request and S3 refuses a signature older than that (object_store
+/// advises staying under 5 minutes).
+fn retry_policy(raw: &RawRetry) -> Result<RetryPolicy, String> {
+    let d = RetryPolicy::default();
+    let r = RetryPolicy {
         max_retries: raw.max_retries.unwrap_or(d.max_retries),
-        retry_timeout: duration("retry.timeout", raw.timeout.as_deref(), d.retry_timeout)?,
-        backoff: BackoffConfig {
-            init_backoff: duration(
-                "retry.initial_backoff",
-                raw.initial_backoff.as_deref(),
-                d.backoff.init_backoff,
-            )?,
-            max_backoff: duration(
-                "retry.max_backoff",
-                raw.max_backoff.as_deref(),
-                d.backoff.max_backoff,
-            )?,
-            base: d.backoff.base,
-        },
+        timeout: duration("retry.timeout", raw.timeout.as_deref(), d.timeout)?,
+        initial_backoff: duration(
+            "retry.initial_backoff",
+            raw.initial_backoff.as_deref(),
+            d.initial_backoff,
+        )?,
+        max_backoff: duration(
+            "retry.max_backoff",
+            raw.max_backoff.as_deref(),
+            d.max_backoff,
+        )?,
     };
     within(r.max_retries, 1..=100, "retry.max_retries must be 1..=100")?;
-    if !(Duration::from_secs(30)..=Duration::from_secs(15 * 60)).contains(&r.retry_timeout) {
+    if !(Duration::from_secs(30)..=Duration::from_secs(15 * 60)).contains(&r.timeout) {
         return Err(format!(
             "retry.timeout must be between 30s (a request's own timeout) and 15min (retries reuse the signed request), got {}",
-            humantime::format_duration(r.retry_timeout)
+            humantime::format_duration(r.timeout)
         ));
     }
-    let b = &r.backoff;
-    if b.init_backoff < Duration::from_millis(1)
-        || b.init_backoff > b.max_backoff
-        || b.max_backoff > r.retry_timeout
+    if r.initial_backoff < Duration::from_millis(1)
+        || r.initial_backoff > r.max_backoff
+        || r.max_backoff > r.timeout
     {
         return Err(format!(
             "retry backoff must satisfy 1ms <= retry.initial_backoff ({}) <= retry.max_backoff ({}) <= retry.timeout ({})",
-            humantime::format_duration(b.init_backoff),
-            humantime::format_duration(b.max_backoff),
-            humantime::format_duration(r.retry_timeout)
+            humantime::format_duration(r.initial_backoff),
+            humantime::format_duration(r.max_backoff),
+            humantime::format_duration(r.timeout)
         ));
     }
     Ok(r)
@@ -835,10 +848,56 @@ fn retry_config(raw: &RawRetry) -> Result<RetryConfig, String> {
 fn with_data_classes(mut stores: Vec<StoreProfile>) -> Result<Vec<StoreProfile>, String> {
     for s in &mut stores {
         if let Some(class) = &s.data_class {
-            s.data_class = Some(crate::store::check_data_class(&s.prefix, class)?);
+            s.data_class = Some(check_data_class(&s.prefix, class)?);
         }
     }
     Ok(stores)
+}
+
+/// S3's storage classes (PutObject's `x-amz-storage-class`).
+const S3_CLASSES: &[&str] = &[
+    "STANDARD",
+    "STANDARD_IA",
+    "ONEZONE_IA",
+    "INTELLIGENT_TIERING",
+    "GLACIER_IR",
+    "GLACIER",
+    "DEEP_ARCHIVE",
+    "REDUCED_REDUNDANCY",
+    "EXPRESS_ONEZONE",
+    "OUTPOSTS",
+    "SNOW",
+];
+/// Azure Blob's access tiers for block blobs (Put Blob's and Put Block List's `x-ms-access-tier`).
+const AZURE_TIERS: &[&str] = &["Hot", "Cool", "Cold", "Archive"];
+/// Google Cloud Storage's storage classes.
+const GCS_CLASSES: &[&str] = &["STANDARD", "NEARLINE", "COLDLINE", "ARCHIVE"];
+
+/// Checks a store profile's `data_class` against the classes the store of its `prefix` (`s3://`,
+/// `az://`, `gs://`) knows, ignoring case, and returns it spelled as the store spells it
+/// (`standard_ia` → `STANDARD_IA`, `cool` → `Cool`). The error names the profile and the key.
+pub fn check_data_class(prefix: &str, class: &str) -> Result<String, String> {
+    let scheme = prefix.split_once("://").map_or("", |(s, _)| s);
+    let (store, known) = match scheme {
+        "s3" => ("an S3 storage class", S3_CLASSES),
+        "az" | "azure" | "abfs" => ("an Azure access tier", AZURE_TIERS),
+        "gs" => ("a GCS storage class", GCS_CLASSES),
+        _ => {
+            return Err(format!(
+                "[[store]] prefix '{prefix}': data_class applies to object stores only (s3://, az://, gs://)"
+            ));
+        }
+    };
+    known
+        .iter()
+        .find(|k| k.eq_ignore_ascii_case(class))
+        .map(|k| k.to_string())
+        .ok_or_else(|| {
+            format!(
+                "[[store]] prefix '{prefix}': data_class '{class}' is not {store}; use one of {}",
+                known.join(", ")
+            )
+        })
 }
 
 fn substitute(s: &str, node: &str) -> PathBuf {
@@ -855,19 +914,32 @@ pub fn default_node_name() -> String {
         .unwrap_or_else(|| "localhost".to_string())
 }
 
+/// The bytes of buffers one checkpoint upload holds at once under a `[ckpt]` section: the archive
+/// engine's figure (`sluice_archive::upload_memory`), which [`Config::parse`] checks the node's
+/// memory budget against.
+pub type UploadMemory = fn(&CkptConfig) -> u64;
+
 impl Config {
-    pub fn load(path: &Path, node: &str) -> Result<Config, ConfigError> {
+    /// Reads and parses `path` for `node` (see [`Config::parse`]).
+    pub fn load(
+        path: &Path,
+        node: &str,
+        upload_memory: UploadMemory,
+    ) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.into(),
             source,
         })?;
-        Config::parse(&text, node).map_err(|message| ConfigError::Invalid {
+        Config::parse(&text, node, upload_memory).map_err(|message| ConfigError::Invalid {
             path: path.into(),
             message,
         })
     }
 
-    pub fn parse(text: &str, node: &str) -> Result<Config, String> {
+    /// Parses and checks `text` for `node`. `upload_memory` is what one checkpoint upload holds
+    /// under a `[ckpt]` section (`sluice_archive::upload_memory`): `[agent] memory` must hold it
+    /// beside `[stage] memory`, which, unset, defaults to what it leaves.
+    pub fn parse(text: &str, node: &str, upload_memory: UploadMemory) -> Result<Config, String> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| e.to_string())?;
         if node.is_empty() || node.contains('/') {
             return Err(format!("node name '{node}' is not usable in paths"));
@@ -898,15 +970,11 @@ impl Config {
                 .map(parse_size)
                 .transpose()?
                 .unwrap_or(32 << 20),
-            timeout: raw
-                .stage
-                .timeout
-                .as_deref()
-                .map(|t| {
-                    humantime::parse_duration(t).map_err(|e| format!("stage.timeout '{t}': {e}"))
-                })
-                .transpose()?
-                .unwrap_or(Duration::from_secs(7200)),
+            timeout: duration(
+                "stage.timeout",
+                raw.stage.timeout.as_deref(),
+                Duration::from_secs(7200),
+            )?,
             allow: raw.stage.allow.clone(),
         };
         within(
@@ -998,7 +1066,7 @@ impl Config {
         }
         let memory = raw.agent.memory.as_deref().map(parse_size).transpose()?;
         if let Some(budget) = memory {
-            let archive = archive_memory(&ckpt);
+            let archive = upload_memory(&ckpt);
             // Unset, stage.memory takes its default from what the archive leaves of the budget.
             if raw.stage.memory.is_none() {
                 stage.memory = stage
@@ -1019,7 +1087,7 @@ impl Config {
                 ));
             }
         }
-        let retry = retry_config(&raw.retry)?;
+        let retry = retry_policy(&raw.retry)?;
         Ok(Config {
             memory,
             node: node.to_string(),
@@ -1092,10 +1160,51 @@ mod docs_match;
 mod tests {
     use super::*;
 
+    /// A stand-in for the archive engine's figure (`sluice_archive::upload_memory`, whose tests
+    /// check the memory budget against the real one): the part buffers alone.
+    fn upload_memory(c: &CkptConfig) -> u64 {
+        c.part_size * c.concurrency as u64
+    }
+
+    pub(super) fn parse(text: &str, node: &str) -> Result<Config, String> {
+        Config::parse(text, node, upload_memory)
+    }
+
+    /// The smallest valid configuration.
+    const BASE: &str = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
+    const EXAMPLE: &str = include_str!("../../slurm-conf/sluice.toml");
+
+    /// [`BASE`] with `rest` after it, for node n1.
+    fn base_with(rest: &str) -> Result<Config, String> {
+        parse(&format!("{BASE}{rest}"), "n1")
+    }
+
+    /// Why [`BASE`] with `[section]` holding `body` is refused.
+    fn bad(section: &str, body: &str) -> String {
+        base_with(&format!("[{section}]\n{body}\n")).unwrap_err()
+    }
+
+    /// The example with its commented `# [section]` block switched on: the block's TOML lines
+    /// (`# [table]`, `# key = value`) uncommented, its prose left as it is.
+    fn example_with(section: &str) -> String {
+        let start = EXAMPLE
+            .find(&format!("# [{section}]\n"))
+            .unwrap_or_else(|| panic!("the example has a [{section}] section"));
+        let block = &EXAMPLE[start..start + EXAMPLE[start..].find("\n\n").unwrap()];
+        let toml: Vec<&str> = block
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("# ").filter(|t| {
+                    t.starts_with('[') || t.split_once(" = ").is_some_and(|(k, _)| !k.contains(' '))
+                })
+            })
+            .collect();
+        EXAMPLE.replace(block, &toml.join("\n"))
+    }
+
     #[test]
     fn example_config_parses() {
-        let text = include_str!("../../slurm-conf/sluice.toml");
-        let c = Config::parse(text, "n2").unwrap();
+        let c = parse(EXAMPLE, "n2").unwrap();
         assert_eq!(c.socket, PathBuf::from("/run/sluice/n2.sock"));
         assert_eq!(c.drain_timeout, Duration::from_secs(5));
         assert_eq!(c.log_format, LogFormat::Text);
@@ -1110,102 +1219,35 @@ mod tests {
         assert!(c.store_for("gs://b").is_none());
         assert_eq!(c.stage.allow.len(), 3);
         // The example spells out object_store's defaults.
-        assert_default_retry(&c);
-    }
-
-    #[test]
-    fn the_memory_budget_bounds_stage_and_archive_buffers() {
-        let cfg = |agent: &str, rest: &str| {
-            Config::parse(
-                &format!(
-                    "[agent]\nsocket='/s'\nstate_dir='/st'\n{agent}[hot_tier]\nroot='/h'\n{rest}"
-                ),
-                "n1",
-            )
-        };
-        // Not set: no budget, stage.memory as before.
-        let c = cfg("", "").unwrap();
-        assert_eq!((c.memory, c.stage.memory), (None, 32 << 20));
-        assert_eq!(c.upload_slots(), None, "no budget, no limit on uploads");
-        // The defaults: 5 part buffers of 16MiB, and 3 chunk buffers per compress thread plus 4.
-        let archive = c.archive_memory();
-        let threads = crate::ArchiveConfig::default().compress_threads as u64;
-        assert_eq!(archive, (80 << 20) + (3 * threads + 4) * ((4 << 20) + 16));
-        let c = cfg("memory='256MiB'\n", "").unwrap();
-        assert_eq!((c.memory, c.stage.memory), (Some(256 << 20), 32 << 20));
-        assert!(c.stage.memory + c.archive_memory() <= 256 << 20);
-        // Uploads at once, over all jobs: what the budget holds beside stage-in, at least one.
-        let slots = c.upload_slots().unwrap();
-        assert_eq!(slots as u64, ((256 << 20) - c.stage.memory) / archive);
-        assert!(slots >= 1 && c.stage.memory + slots as u64 * archive <= 256 << 20);
-        let c = cfg("memory='2GiB'\n", "").unwrap();
-        assert!(
-            c.upload_slots().unwrap() > slots,
-            "a larger budget holds more uploads"
-        );
-        // A tight budget: an unset stage.memory gets what the archive leaves.
-        let mib = archive.div_ceil(1 << 20) + 8;
-        let c = cfg(&format!("memory='{mib}MiB'\n"), "").unwrap();
-        assert_eq!(c.stage.memory + c.archive_memory(), mib << 20);
-        assert_eq!(
-            c.upload_slots(),
-            Some(1),
-            "one upload at a time in a tight budget"
-        );
-        // Set explicitly, their sum must fit: the message names what to change.
-        let e = cfg(&format!("memory='{mib}MiB'\n"), "[stage]\nmemory='32MiB'\n").unwrap_err();
-        assert!(e.contains(&format!("agent.memory ({mib}MiB)")), "{e}");
-        assert!(e.contains("stage.memory (32MiB)"), "{e}");
-        assert!(
-            e.contains("ckpt.part_size = 16MiB and ckpt.concurrency = 8"),
-            "{e}"
-        );
-        // Smaller parts fit the same budget.
-        let c = cfg(
-            &format!("memory='{mib}MiB'\n"),
-            "[stage]\nmemory='32MiB'\n[ckpt]\npart_size='8MiB'\n",
-        )
-        .unwrap();
-        assert!(c.stage.memory + c.archive_memory() <= mib << 20);
-        let e = cfg("memory='lots'\n", "").unwrap_err();
-        assert!(e.contains("lots"), "{e}");
+        assert_eq!(c.retry, RetryPolicy::default());
     }
 
     #[test]
     fn bad_config_says_what_is_wrong() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
-        assert!(Config::parse(base, "n1").is_ok());
-        let e =
-            Config::parse(&format!("{base}[stage]\npart_size='16 parsecs'\n"), "n1").unwrap_err();
+        let e = bad("stage", "part_size='16 parsecs'");
         assert!(e.contains("unknown size unit"), "{e}");
-        let c = Config::parse(base, "n1").unwrap();
+        let c = base_with("").unwrap();
         assert_eq!((c.stage.concurrency, c.stage.memory), (16, 32 << 20));
         let with_format = |f: &str| {
-            base.replace(
+            BASE.replace(
                 "state_dir='/st'\n",
                 &format!("state_dir='/st'\nlog_format='{f}'\n"),
             )
         };
         assert_eq!(
-            Config::parse(&with_format("json"), "n1")
-                .unwrap()
-                .log_format,
+            parse(&with_format("json"), "n1").unwrap().log_format,
             LogFormat::Json
         );
-        let e = Config::parse(&with_format("xml"), "n1").unwrap_err();
+        let e = parse(&with_format("xml"), "n1").unwrap_err();
         assert!(
             e.contains("agent.log_format must be \"text\" or \"json\", got 'xml'"),
             "{e}"
         );
-        let e = Config::parse(
-            &format!("{base}[stage]\nconcurrency=64\nmemory='1MiB'\n"),
-            "n1",
-        )
-        .unwrap_err();
+        let e = bad("stage", "concurrency=64\nmemory='1MiB'");
         assert!(e.contains("stage.memory must be at least"), "{e}");
-        let e = Config::parse(&format!("{base}bogus=1\n"), "n1").unwrap_err();
+        let e = base_with("bogus=1\n").unwrap_err();
         assert!(e.contains("unknown field"), "{e}");
-        let e = Config::parse(&base.replace("'/h'", "'h'"), "n1").unwrap_err();
+        let e = parse(&BASE.replace("'/h'", "'h'"), "n1").unwrap_err();
         assert!(e.contains("absolute"), "{e}");
         assert_eq!(parse_size("2GiB"), Ok(2 << 30));
         assert!(parse_size("x").is_err());
@@ -1213,15 +1255,13 @@ mod tests {
 
     #[test]
     fn metrics_are_off_unless_configured_and_each_node_may_have_its_port() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
-        assert!(Config::parse(base, "n1").unwrap().metrics.is_none());
+        assert!(base_with("").unwrap().metrics.is_none());
         let text = format!(
-            "{base}[metrics]\nlisten='0.0.0.0:9464'\n[metrics.nodes]\nn2='127.0.0.1:9472'\n"
+            "{BASE}[metrics]\nlisten='0.0.0.0:9464'\n[metrics.nodes]\nn2='127.0.0.1:9472'\n"
         );
-        let listen = |node| Config::parse(&text, node).unwrap().metrics.unwrap().listen;
+        let listen = |node| parse(&text, node).unwrap().metrics.unwrap().listen;
         assert_eq!(listen("n1"), "0.0.0.0:9464".parse().unwrap());
         assert_eq!(listen("n2"), "127.0.0.1:9472".parse().unwrap());
-        let bad = |m: &str| Config::parse(&format!("{base}[metrics]\n{m}\n"), "n1").unwrap_err();
         for (m, want) in [
             ("listen='localhost:9464'", "metrics.listen must be IP:port"),
             ("listen='9464'", "metrics.listen must be IP:port"),
@@ -1233,43 +1273,25 @@ mod tests {
             ("port=9464", "unknown field"),
             ("", "missing field `listen`"),
         ] {
-            let e = bad(m);
+            let e = bad("metrics", m);
             assert!(e.contains(want), "{m}: {e}");
         }
     }
 
     #[test]
     fn the_example_metrics_section_parses_once_uncommented() {
-        let text = include_str!("../../slurm-conf/sluice.toml");
-        let start = text
-            .find("# [metrics]\n")
-            .expect("the example has a [metrics] section");
-        let block = &text[start..start + text[start..].find("\n\n").unwrap()];
-        // Its TOML lines, not its prose: `# [table]` and `# key = value`.
-        let toml: Vec<&str> = block
-            .lines()
-            .map(|l| l.strip_prefix("# ").unwrap_or(l))
-            .filter(|l| l.starts_with('[') || l.contains(" = "))
-            .collect();
-        let uncommented = text.replace(block, &toml.join("\n"));
-        let listen = |node| {
-            Config::parse(&uncommented, node)
-                .unwrap()
-                .metrics
-                .unwrap()
-                .listen
-        };
+        let uncommented = example_with("metrics");
+        let listen = |node| parse(&uncommented, node).unwrap().metrics.unwrap().listen;
         assert_eq!(listen("n9"), "0.0.0.0:9464".parse().unwrap());
         assert_eq!(listen("n2"), "127.0.0.1:9472".parse().unwrap());
     }
 
     #[test]
     fn peer_transfers_are_off_unless_configured_and_checked() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
-        assert!(Config::parse(base, "n1").unwrap().peer.is_none());
+        assert!(base_with("").unwrap().peer.is_none());
         // The test cluster: three agents on one host, each on its own port.
-        let c = Config::parse(
-            &format!("{base}[peer]\nsecret_file='/etc/sluice/peer.key'\nunit_size='16MiB'\n[peer.nodes]\nn1='127.0.0.1:7071'\nn2='127.0.0.1:7072'\n"),
+        let c = parse(
+            &format!("{BASE}[peer]\nsecret_file='/etc/sluice/peer.key'\nunit_size='16MiB'\n[peer.nodes]\nn1='127.0.0.1:7071'\nn2='127.0.0.1:7072'\n"),
             "n2",
         )
         .unwrap();
@@ -1282,11 +1304,7 @@ mod tests {
         assert_eq!(p.addr_of("n9"), "n9:7070", "other nodes by the %n pattern");
         assert_eq!((p.unit_size, p.concurrency), (16 << 20, 8));
         assert_eq!(p.read_timeout, Duration::from_secs(30));
-        let c = Config::parse(
-            &format!("{base}[peer]\naddr='%n-ib:7000'\nlisten='0.0.0.0:7000'\n"),
-            "n1",
-        )
-        .unwrap();
+        let c = base_with("[peer]\naddr='%n-ib:7000'\nlisten='0.0.0.0:7000'\n").unwrap();
         let p = c.peer.unwrap();
         assert_eq!(
             (p.listen.as_str(), p.addr_of("n3")),
@@ -1295,27 +1313,13 @@ mod tests {
         assert_eq!(p.unit_size, 64 << 20);
         assert_eq!(p.secret_file, PathBuf::from("/etc/sluice/peer.key"));
         // The example's commented [peer] section, switched on, is valid as written.
-        let example = include_str!("../../slurm-conf/sluice.toml");
-        fn key_line(l: &str) -> Option<&str> {
-            l.strip_prefix("# ").filter(|t| {
-                t.starts_with('[') || t.split_once(" = ").is_some_and(|(k, _)| !k.contains(' '))
-            })
-        }
-        let (head, tail) = example.split_once("# [peer]\n").unwrap();
-        let (peer, rest) = tail.split_once("\n[retry]").unwrap();
-        let peer: String = peer
-            .lines()
-            .filter_map(key_line)
-            .map(|l| format!("{l}\n"))
-            .collect();
-        let on = Config::parse(&format!("{head}[peer]\n{peer}\n[retry]{rest}"), "n2").unwrap();
+        let on = parse(&example_with("peer"), "n2").unwrap();
         let p = on.peer.unwrap();
         assert_eq!(
             (p.listen.as_str(), p.addr_of("n3")),
             ("0.0.0.0:7070", "127.0.0.1:7073".into())
         );
         assert_eq!(p.secret_file, PathBuf::from("/etc/sluice/peer.key"));
-        let bad = |peer: &str| Config::parse(&format!("{base}[peer]\n{peer}\n"), "n1").unwrap_err();
         for (peer, want) in [
             (
                 "unit_size='4KiB'",
@@ -1344,26 +1348,49 @@ mod tests {
             ),
             ("port=7070", "unknown field"),
         ] {
-            let e = bad(peer);
+            let e = bad("peer", peer);
             assert!(e.contains(want), "{peer}: {e}");
         }
     }
 
     #[test]
+    fn data_classes_are_checked_for_the_profiles_store_and_spelled_as_it_spells_them() {
+        let ok = |prefix, class| check_data_class(prefix, class).unwrap();
+        assert_eq!(ok("s3://", "STANDARD_IA"), "STANDARD_IA");
+        assert_eq!(ok("s3://ckpt", "glacier_ir"), "GLACIER_IR");
+        assert_eq!(ok("az://", "cool"), "Cool");
+        assert_eq!(ok("azure://ckpt", "ARCHIVE"), "Archive");
+        assert_eq!(ok("gs://b", "Nearline"), "NEARLINE");
+        let bad = |prefix, class| check_data_class(prefix, class).unwrap_err();
+        let e = bad("s3://", "Cool");
+        assert!(
+            e.contains("[[store]] prefix 's3://': data_class 'Cool' is not an S3 storage class")
+                && e.contains("STANDARD_IA, ONEZONE_IA"),
+            "{e}"
+        );
+        let e = bad("az://", "STANDARD_IA");
+        assert!(
+            e.contains("data_class 'STANDARD_IA' is not an Azure access tier; use one of Hot, Cool, Cold, Archive"),
+            "{e}"
+        );
+        let e = bad("gs://", "GLACIER");
+        assert!(e.contains("not a GCS storage class"), "{e}");
+        let e = bad("file:///lustre", "Cool");
+        assert!(
+            e.contains("data_class applies to object stores only"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_store_profile_may_name_the_class_of_checkpoint_data() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
-        let c = Config::parse(
-            &format!("{base}[[store]]\nprefix='s3://'\n[[store]]\nprefix='s3://cold'\ndata_class='standard_ia'\n[[store]]\nprefix='az://'\nuse_emulator=true\ndata_class='cool'\n"),
-            "n1",
-        )
-        .unwrap();
+        let c = base_with("[[store]]\nprefix='s3://'\n[[store]]\nprefix='s3://cold'\ndata_class='standard_ia'\n[[store]]\nprefix='az://'\nuse_emulator=true\ndata_class='cool'\n").unwrap();
         let class = |url| c.store_for(url).and_then(|p| p.data_class.as_deref());
         // Spelled as the store spells it once parsed.
         assert_eq!(class("s3://cold/alice"), Some("STANDARD_IA"));
         assert_eq!(class("az://ckpt/alice"), Some("Cool"));
         assert_eq!(class("s3://ckpt/alice"), None);
-        let bad =
-            |store: &str| Config::parse(&format!("{base}[[store]]\n{store}\n"), "n1").unwrap_err();
+        let bad = |store: &str| bad("[store]", store);
         let e = bad("prefix='az://'\ndata_class='STANDARD_IA'");
         assert!(
             e.contains("[[store]] prefix 'az://': data_class 'STANDARD_IA' is not an Azure access tier; use one of Hot, Cool, Cold, Archive"),
@@ -1374,9 +1401,8 @@ mod tests {
         let e = bad("prefix='s3://'\ndata_class=3");
         assert!(e.contains("data_class"), "{e}");
         // The example's commented data_class lines are valid once uncommented.
-        let example = include_str!("../../slurm-conf/sluice.toml")
-            .replace("# data_class = ", "data_class = ");
-        let c = Config::parse(&example, "n1").unwrap();
+        let example = EXAMPLE.replace("# data_class = ", "data_class = ");
+        let c = parse(&example, "n1").unwrap();
         assert_eq!(
             c.store_for("s3://ckpt/").unwrap().data_class.as_deref(),
             Some("STANDARD_IA")
@@ -1387,34 +1413,23 @@ mod tests {
         );
     }
 
-    fn assert_default_retry(c: &Config) {
-        let d = RetryConfig::default();
-        assert_eq!(
-            (c.retry.max_retries, c.retry.retry_timeout),
-            (d.max_retries, d.retry_timeout)
-        );
-        assert_eq!(
-            (c.retry.backoff.init_backoff, c.retry.backoff.max_backoff),
-            (d.backoff.init_backoff, d.backoff.max_backoff)
-        );
-    }
-
     #[test]
     fn the_retry_policy_defaults_to_object_stores_and_is_checked() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
-        let c = Config::parse(base, "n1").unwrap();
-        assert_default_retry(&c);
-        let c = Config::parse(
-            &format!("{base}[retry]\nmax_retries=3\ntimeout='1min'\ninitial_backoff='50ms'\nmax_backoff='5s'\n"),
-            "n1",
+        assert_eq!(base_with("").unwrap().retry, RetryPolicy::default());
+        let c = base_with(
+            "[retry]\nmax_retries=3\ntimeout='1min'\ninitial_backoff='50ms'\nmax_backoff='5s'\n",
         )
         .unwrap();
-        assert_eq!(c.retry.max_retries, 3);
-        assert_eq!(c.retry.retry_timeout, Duration::from_secs(60));
-        assert_eq!(c.retry.backoff.init_backoff, Duration::from_millis(50));
-        assert_eq!(c.retry.backoff.max_backoff, Duration::from_secs(5));
-        let bad =
-            |retry: &str| Config::parse(&format!("{base}[retry]\n{retry}\n"), "n1").unwrap_err();
+        assert_eq!(
+            c.retry,
+            RetryPolicy {
+                max_retries: 3,
+                timeout: Duration::from_secs(60),
+                initial_backoff: Duration::from_millis(50),
+                max_backoff: Duration::from_secs(5),
+            }
+        );
+        let bad = |retry: &str| bad("retry", retry);
         let e = bad("max_retries=0");
         assert!(e.contains("retry.max_retries must be 1..=100"), "{e}");
         for timeout in ["1h", "10s"] {
@@ -1439,10 +1454,9 @@ mod tests {
 
     #[test]
     fn the_ram_tier_is_off_unless_configured_and_its_share_fits() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
-        assert!(Config::parse(base, "n1").unwrap().fast_tier.is_none());
-        let c = Config::parse(
-            &format!("{base}[fast_tier]\nroot='/dev/shm/sluice/%n'\ncapacity='64GiB'\njob_share='16GiB'\n"),
+        assert!(base_with("").unwrap().fast_tier.is_none());
+        let c = parse(
+            &format!("{BASE}[fast_tier]\nroot='/dev/shm/sluice/%n'\ncapacity='64GiB'\njob_share='16GiB'\n"),
             "n2",
         )
         .unwrap()
@@ -1453,7 +1467,7 @@ mod tests {
             (c.capacity, c.job_share, c.flush_block, c.mount),
             (64 << 30, 16 << 30, 8 << 20, true)
         );
-        let bad = |t: &str| Config::parse(&format!("{base}[fast_tier]\n{t}\n"), "n1").unwrap_err();
+        let bad = |t: &str| bad("fast_tier", t);
         assert!(bad("root='/r'\ncapacity='1GiB'\njob_share='2GiB'").contains("job_share must be"));
         assert!(bad("root='r'\ncapacity='1GiB'\njob_share='1GiB'").contains("fast_tier.root"));
         assert!(
@@ -1464,12 +1478,8 @@ mod tests {
 
     #[test]
     fn the_cache_is_off_unless_configured_and_its_watermarks_are_ordered() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
-        assert!(Config::parse(base, "n1").unwrap().cache.is_none());
-        let c = Config::parse(&format!("{base}[cache]\n"), "n1")
-            .unwrap()
-            .cache
-            .unwrap();
+        assert!(base_with("").unwrap().cache.is_none());
+        let c = base_with("[cache]\n").unwrap().cache.unwrap();
         assert_eq!(
             c,
             CacheConfig {
@@ -1480,9 +1490,9 @@ mod tests {
             }
         );
         assert_eq!(c.capacity(1000), 500);
-        let c = Config::parse(&format!("{base}[cache]\nsize='64MiB'\n"), "n1").unwrap();
+        let c = base_with("[cache]\nsize='64MiB'\n").unwrap();
         assert_eq!(c.cache.unwrap().capacity(1 << 40), 64 << 20);
-        let bad = |t: &str| Config::parse(&format!("{base}[cache]\n{t}\n"), "n1").unwrap_err();
+        let bad = |t: &str| bad("cache", t);
         assert!(bad("low_water=90").contains("must be below cache.high_water"));
         assert!(bad("size='99%'").contains("1%..=95%"));
         assert!(bad("size='lots'").contains("cache.size"));
@@ -1492,13 +1502,8 @@ mod tests {
 
     #[test]
     fn the_shared_tier_is_off_unless_configured_and_its_job_dir_is_per_job() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n";
-        assert!(Config::parse(base, "n1").unwrap().shared_tier.is_none());
-        let c = Config::parse(
-            &format!("{base}[shared_tier]\njob_dir='/lustre/scratch/sluice/job-%j'\n"),
-            "n1",
-        )
-        .unwrap();
+        assert!(base_with("").unwrap().shared_tier.is_none());
+        let c = base_with("[shared_tier]\njob_dir='/lustre/scratch/sluice/job-%j'\n").unwrap();
         let t = c.shared_tier.unwrap();
         assert_eq!(
             t.job_dir_for(4242),
@@ -1509,15 +1514,11 @@ mod tests {
         assert_eq!(t.lfs, PathBuf::from("lfs"), "looked up on PATH by default");
         assert!(t.stripes.is_empty(), "the directory's default layout");
         let lfs = |l: &str| {
-            Config::parse(
-                &format!("{base}[shared_tier]\njob_dir='/beeond/%j'\nlfs='{l}'\n"),
-                "n1",
-            )
-            .map(|c| c.shared_tier.unwrap().lfs)
+            base_with(&format!("[shared_tier]\njob_dir='/beeond/%j'\nlfs='{l}'\n"))
+                .map(|c| c.shared_tier.unwrap().lfs)
         };
         assert_eq!(lfs("/usr/bin/lfs"), Ok(PathBuf::from("/usr/bin/lfs")));
-        let bad =
-            |t: &str| Config::parse(&format!("{base}[shared_tier]\n{t}\n"), "n1").unwrap_err();
+        let bad = |t: &str| bad("shared_tier", t);
         for (t, want) in [
             (
                 "job_dir='lustre/%j'",
@@ -1564,7 +1565,7 @@ mod tests {
 
     #[test]
     fn stripe_classes_are_checked_sorted_and_chosen_by_file_size() {
-        let base = "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n[shared_tier]\njob_dir='/lustre/sluice/%j'\n";
+        let base = format!("{BASE}[shared_tier]\njob_dir='/lustre/sluice/%j'\n");
         let class = |min: &str, count: i64, size: &str| {
             format!("[[shared_tier.stripe]]\nmin_size='{min}'\ncount={count}\nsize='{size}'\n")
         };
@@ -1575,11 +1576,7 @@ mod tests {
             class("0", 1, "1MiB"),
             class("64MiB", 4, "1MiB")
         );
-        let stripes = Config::parse(&text, "n1")
-            .unwrap()
-            .shared_tier
-            .unwrap()
-            .stripes;
+        let stripes = parse(&text, "n1").unwrap().shared_tier.unwrap().stripes;
         let want = |min_size, count, size| StripeClass {
             min_size,
             count,
@@ -1602,7 +1599,7 @@ mod tests {
         assert_eq!(StripeClass::for_size(&stripes[1..], 4096), None);
         assert_eq!(StripeClass::for_size(&[], 4096), None);
 
-        let bad = |classes: &str| Config::parse(&format!("{base}{classes}"), "n1").unwrap_err();
+        let bad = |classes: &str| parse(&format!("{base}{classes}"), "n1").unwrap_err();
         for (classes, want) in [
             (
                 class("0", 0, "1MiB"),
@@ -1640,22 +1637,12 @@ mod tests {
             assert!(e.contains(want), "{classes}: {e}");
         }
         // Lustre's largest stripe below 4GiB is accepted.
-        assert!(Config::parse(&format!("{base}{}", class("0", 1, "4194240KiB")), "n1").is_ok());
+        assert!(parse(&format!("{base}{}", class("0", 1, "4194240KiB")), "n1").is_ok());
     }
 
     #[test]
     fn the_example_shared_tier_section_parses_once_uncommented() {
-        let text = include_str!("../../slurm-conf/sluice.toml");
-        let start = text
-            .find("# [shared_tier]\n")
-            .expect("the example has a [shared_tier] section");
-        let block = &text[start..start + text[start..].find("\n\n").unwrap()];
-        let toml: Vec<&str> = block
-            .lines()
-            .map(|l| l.strip_prefix("# ").unwrap_or(l))
-            .filter(|l| l.starts_with('[') || l.contains(" = "))
-            .collect();
-        let t = Config::parse(&text.replace(block, &toml.join("\n")), "n2")
+        let t = parse(&example_with("shared_tier"), "n2")
             .unwrap()
             .shared_tier
             .unwrap();
