@@ -5,7 +5,7 @@
 //! wait for and look at their own jobs only.
 //!
 //! The parts it drives own their state: [`HotTier`] the directory layout, [`Policy`] who may stage or
-//! archive what, [`crate::stage`] the downloads and their budget, [`crate::ckpt`] the checkpoints
+//! archive what, [`sluice_stage`] the downloads and their budget, [`crate::ckpt`] the checkpoints
 //! (commit, the per-job [`CkptWorker`], restore, retention), [`JobTable`] the jobs and what of them
 //! survives a restart, and [`Workers`] the background loops. `Agent` dispatches requests.
 
@@ -16,7 +16,6 @@ use crate::job::{self, Job};
 use crate::job_table::JobTable;
 use crate::journal::{CkptRecord, JobRecord, JournalError, RECORD_VERSION};
 use crate::policy::{Policy, PolicyError, Requester};
-use crate::stage::{self, JobPeers, NodePeers, ShardPlan, Sharing, StageCtx};
 use sluice_core::config::Config;
 use sluice_core::rt::{blocking, lock, now_secs};
 use sluice_core::safefs::{self, Owner, SafeFsError};
@@ -25,6 +24,7 @@ use sluice_proto::msg::{
     ErrorCode, ErrorReply, JobId, JobStart, JobState, NodeStatus, Request, Response,
 };
 use sluice_proto::options::{self, StageMode, StageTier};
+use sluice_stage::{self as stage, JobPeers, NodePeers, ShardPlan, Sharing, StageCtx};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -56,7 +56,7 @@ pub enum AgentError {
     #[error(transparent)]
     Metrics(#[from] crate::metrics::MetricsError),
     #[error(transparent)]
-    Cache(#[from] crate::cache::CacheError),
+    Cache(#[from] sluice_stage::cache::CacheError),
 }
 
 fn reply(code: ErrorCode, message: impl Into<String>) -> Response {
@@ -86,7 +86,7 @@ pub struct Agent {
     /// Peer transfers with the other agents of multi-node jobs (`[peer]`), once started.
     peers: OnceLock<NodePeers>,
     /// The cross-job cache (`[cache]`).
-    cache: Option<Arc<crate::cache::Cache>>,
+    cache: Option<Arc<sluice_stage::cache::Cache>>,
     /// The RAM tier for `--ckpt-tier=ram` (`[fast_tier]`).
     ram: Option<Arc<crate::ram_tier::RamTier>>,
     /// Users' requests on their archives, through this agent's places.
@@ -103,7 +103,7 @@ impl Agent {
     ) -> Result<Arc<Agent>, AgentError> {
         let hot = HotTier::open(&cfg.hot_root, cfg.ckpt.high_water)?;
         let jobs = Arc::new(JobTable::open(&cfg.state_dir)?);
-        let cache = crate::cache::Cache::open(&cfg)?;
+        let cache = sluice_stage::cache::Cache::open(&cfg)?;
         let ram = cfg
             .fast_tier
             .clone()

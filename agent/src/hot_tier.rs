@@ -294,7 +294,7 @@ mod tests {
     #[test]
     #[ignore = "needs root (the jobs directory is made root's, as sluiced runs); run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn layout_and_cleanup() {
-        crate::testing::assert_root("HotTier::open makes the jobs directory root's");
+        sluice_core::testing::assert_root("HotTier::open makes the jobs directory root's");
         let tmp = tempfile::tempdir().unwrap();
         let me = Owner {
             uid: nix::unistd::geteuid().as_raw(),
@@ -358,7 +358,7 @@ mod tests {
     #[test]
     #[ignore = "needs root (the job's files belong to other users, as with sluiced); run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn another_users_files_moved_into_a_job_stay() {
-        crate::testing::assert_root("the job's files belong to other users");
+        sluice_core::testing::assert_root("the job's files belong to other users");
         let tmp = tempfile::tempdir().unwrap();
         let hot = HotTier::open(tmp.path(), 90).unwrap();
         let (user, other) = (4401, 4402);

@@ -9,11 +9,11 @@
 pub mod ckpts;
 
 use crate::policy::PolicyError;
-use crate::stage::{Progress, ShardPlan};
 use ckpts::JobCkpts;
 use sluice_core::rt::lock;
 use sluice_proto::msg::{JobDirs, JobStart, JobState, JobStatus};
 use sluice_proto::options::{self, JobOptions, OptionError, StageMode};
+use sluice_stage::{Progress, ShardPlan};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;

@@ -11,38 +11,32 @@
 //!   reads jobs from;
 //! - [`hot_tier`]: the node-local tier's layout (`jobs/<id>/{stage,ckpt}`), usage and watermark;
 //! - [`policy`]: who may stage what, and where a job's checkpoints are archived;
-//! - [`stage`]: origin → hot tier (object stores, POSIX through a user-identity helper, the budget,
-//!   datasets shared with the job's other nodes);
-//! - [`peer`]: transfers between the agents of a job (ownership, per-job keys, server, client);
 //! - [`ckpt`]: checkpoints — commit and signals, the per-job worker (archive, publish, retention,
 //!   clean-up), restore;
 //! - [`journal`]: durable per-job records;
 //! - [`metrics`]: the Prometheus endpoint (`[metrics]`), its counters and scrape-time gauges.
 //!
-//! The archive engine and store clients live in `sluice-archive`, shared with the CLI; the site
-//! config, root-safe file access, durable writes, the shape of background loops
-//! (`sluice_core::worker`) and the pause before re-queued work is tried again
-//! (`sluice_core::backoff`) in `sluice-core`.
+//! Stage-in (origin → hot tier: object stores, POSIX through a user-identity helper, the budget,
+//! datasets shared with the job's other nodes, the node's cross-job cache) lives in
+//! `sluice-stage`; the archive engine and store clients in `sluice-archive`, shared with the CLI;
+//! the transfers between the agents of a job (ownership, per-job keys, server, client) and the HTTP
+//! accept loop of the metrics and peer ports in `sluice-peer`; the site config, root-safe file
+//! access, durable writes, the shape of background loops (`sluice_core::worker`) and the pause
+//! before re-queued work is tried again (`sluice_core::backoff`) in `sluice-core`.
 #![forbid(unsafe_code)]
 
 pub mod agent;
 mod archive_access;
-pub mod cache;
 pub mod ckpt;
 pub mod hot_tier;
-mod http;
 pub mod identity;
 pub mod job;
 pub mod job_table;
 pub mod journal;
 pub mod metrics;
-pub mod peer;
 pub mod policy;
 pub mod ram_tier;
 pub mod server;
-pub mod stage;
-#[cfg(test)]
-mod testing;
 
 pub use agent::AgentError;
 
@@ -66,22 +60,6 @@ pub async fn run(
     run_with_helper(cfg, listener, shutdown, helper).await
 }
 
-/// Binds a TCP listener (the metrics and peer ports). An agent restarted right after a crash may
-/// find its port still held by the dying process for a moment: it tries again for up to 5 s
-/// before the address counts as taken.
-pub(crate) async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
-    let mut tries = 0;
-    loop {
-        match tokio::net::TcpListener::bind(addr).await {
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 20 => {
-                tries += 1;
-                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-            }
-            bound => return bound,
-        }
-    }
-}
-
 /// [`run`] with the `sluiced` binary for user-identity copies given explicitly (tests run the agent
 /// inside the test binary).
 pub async fn run_with_helper(
@@ -95,7 +73,7 @@ pub async fn run_with_helper(
         None => None,
     };
     // Without its secret or its port, a node stages on its own (logged); its peers route around it.
-    let peers = stage::NodePeers::bind(&cfg).await;
+    let peers = sluice_stage::NodePeers::bind(&cfg).await;
     let tracker = TaskTracker::new();
     let agent = agent::Agent::new(cfg.clone(), helper_exe, shutdown.clone(), tracker.clone())?;
     if let Some((peers, service)) = peers {

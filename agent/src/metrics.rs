@@ -27,7 +27,6 @@
 //! for its archive whose size is not known yet, remembered per commit). The listener serves at
 //! most [`MAX_CONNECTIONS`] connections at once, each given [`HEADER_TIMEOUT`] to send a request.
 
-use crate::cache::Cache;
 use crate::hot_tier::HotTier;
 use crate::job::Job;
 use crate::job_table::JobTable;
@@ -51,6 +50,7 @@ use sluice_proto::msg::{
     CacheStats, CkptState, JobId, JobState, StageProgress, StageState, WorkerStatus,
 };
 use sluice_proto::options::{ObjectScheme, Source};
+use sluice_stage::cache::Cache;
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -610,7 +610,7 @@ fn encode_workers(
 /// Binds `[metrics] listen`, before the agent starts anything: a wrong address stops the agent
 /// with the reason instead of leaving it unwatched.
 pub async fn bind(cfg: &MetricsConfig) -> Result<TcpListener, MetricsError> {
-    crate::bind_tcp(&cfg.listen.to_string())
+    sluice_peer::http::bind_tcp(&cfg.listen.to_string())
         .await
         .map_err(|source| MetricsError::Listen {
             addr: cfg.listen,
@@ -633,13 +633,13 @@ pub(crate) async fn serve(
     if let Ok(a) = listener.local_addr() {
         tracing::info!("metrics: serving http://{a}/metrics");
     }
-    let limits = crate::http::Limits {
+    let limits = sluice_peer::http::Limits {
         max_connections: MAX_CONNECTIONS,
         max_per_source: MAX_CONNECTIONS,
         header_timeout: HEADER_TIMEOUT,
         max_buf_size: 16 << 10,
     };
-    crate::http::serve("metrics", listener, cancel, limits, move |req, _remote| {
+    sluice_peer::http::serve("metrics", listener, cancel, limits, move |req, _remote| {
         answer(req, registry.clone())
     })
     .await;

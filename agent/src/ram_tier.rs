@@ -313,7 +313,7 @@ fn unmount(path: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::me;
+    use sluice_core::testing::me;
 
     fn tier(root: &Path, mount: bool) -> RamTier {
         RamTier::new(
@@ -407,7 +407,7 @@ mod tests {
     #[test]
     #[ignore = "needs root, like sluiced (it mounts a tmpfs); run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn a_job_gets_its_own_tmpfs_of_its_share() {
-        crate::testing::assert_root("it mounts a tmpfs");
+        sluice_core::testing::assert_root("it mounts a tmpfs");
         let t = tempfile::tempdir().unwrap();
         let r = tier(t.path(), true);
         r.reserve(7, false).unwrap();

@@ -5,12 +5,12 @@
 //! hits a user's entries; a user who can no longer read a file fails as without a cache and gets
 //! nothing from it. The last two run the helper as other users, so they need root.
 
-use sluice_agent::cache::Cache;
-use sluice_agent::stage::{self, Budget, Progress, StageCtx, StageError};
 use sluice_core::config::Config;
 use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::StageProgress;
 use sluice_proto::options::{StageSpec, parse_stage_entry};
+use sluice_stage::cache::Cache;
+use sluice_stage::{self as stage, Budget, Progress, StageCtx, StageError};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -4,10 +4,10 @@
 //! modes, links), each byte read from the source by one node's helper, the rest taken from peers;
 //! and with one node's agent missing, the others copy its share from the source themselves.
 
-use sluice_agent::cache::Cache;
-use sluice_agent::peer::{ClusterSecret, PeerServer, PeerService, ServerConfig};
-use sluice_agent::stage::{self, Budget, NodePeers, Progress, Sharing, StageCtx};
+use sluice_peer::{ClusterSecret, PeerServer, PeerService, ServerConfig};
 use sluice_proto::options::{StageSpec, parse_stage_entry};
+use sluice_stage::cache::Cache;
+use sluice_stage::{self as stage, Budget, NodePeers, Progress, Sharing, StageCtx};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
@@ -51,8 +51,8 @@ fn source(dir: &Path) -> u64 {
     bytes + 4
 }
 
-// The job's nodes, set up as the peer unit tests (`agent/src/stage/peers/tests.rs`) set up theirs.
-#[path = "support/peer_nodes.rs"]
+// The job's nodes, set up as the peer unit tests (`stage/src/peers/tests.rs`) set up theirs.
+#[path = "../../stage/tests/support/peer_nodes.rs"]
 mod peer_nodes;
 use peer_nodes::{
     Node, Setup, assert_each_read_some_and_took_the_rest, job_nodes, listeners, me, stop,

@@ -5,12 +5,12 @@
 //! is read from the source — a file the user changed after it was staged, a file whose source
 //! changed, a name the source no longer has are not kept.
 
-use sluice_agent::stage::resume::JobResume;
-use sluice_agent::stage::{self, Budget, Progress, StageCtx};
 use sluice_core::config::Config;
 use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::StageProgress;
 use sluice_proto::options::parse_stage_entry;
+use sluice_stage::resume::JobResume;
+use sluice_stage::{self as stage, Budget, Progress, StageCtx};
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;

@@ -1,13 +1,13 @@
-//! The sluice side of every case: the agent's own engine (`sluice_agent::stage`, `Archiver`, its
+//! The sluice side of every case: the agent's own engine (`sluice_stage`, `Archiver`, its
 //! upload pipeline for compression too), run in this process exactly as `sluiced` runs it — same
 //! code, same default tunables, integrity checks on — one operation per process, so the orchestrator measures it like
 //! any peer tool (wall time, and CPU of the process tree from `wait`'s rusage).
 
 use anyhow::{Context, Result, bail};
-use sluice_agent::stage::{self, Progress, StageCtx};
 use sluice_archive::{ArchiveConfig, ArchiveProgress, Archiver, JobMeta, open_archive};
 use sluice_core::config::Config;
 use sluice_core::safefs::Owner;
+use sluice_stage::{self as stage, Progress, StageCtx};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::OwnedFd;

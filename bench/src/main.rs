@@ -44,7 +44,7 @@ struct Job {
     #[command(flatten)]
     common: Common,
     #[command(flatten)]
-    who: sluice_agent::stage::copy_as_user::JobUser,
+    who: sluice_stage::copy_as_user::JobUser,
 }
 
 /// What to stage, and how.

@@ -1484,7 +1484,7 @@ impl Bench {
 
     fn method(&self, cfg: &sluice_core::config::Config) -> String {
         format!(
-            "sluice = the agent engine in-process (sluice-bench driver calling sluice_agent::stage::stage, \
+            "sluice = the agent engine in-process (sluice-bench driver calling sluice_stage::stage, \
              Archiver::upload_part/try_publish/restore, and upload_part into a file:// store for compression, {} build), one process per run; \
              agent defaults: {}. Client CPU = user+sys of the measured process tree. Ratio > 1 favours sluice \
              (peer/sluice for time and bytes, sluice/peer for compression ratio and speed).",

@@ -12,12 +12,12 @@
 
 use super::{CkptCtx, CkptEntry};
 use crate::job::Job;
-use crate::stage::JobPeers;
 use sluice_archive::{self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Manifest};
 use sluice_core::rt::{blocking, now_secs};
 use sluice_core::safefs::{self, Owner, SafeFsError};
 use sluice_proto::msg::CkptState;
 use sluice_proto::options::Restore;
+use sluice_stage::JobPeers;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 

@@ -7,15 +7,15 @@
 //! peer can make a node fetch again but never keep a wrong byte. A file a peer cannot give (gone,
 //! unreachable, corrupt, or it restored another checkpoint) is restored from the archive instead.
 
-use crate::peer::units_of;
-use crate::stage::JobPeers;
-use crate::stage::peers::open_staged;
-use crate::stage::sink::HashingSink;
 use futures::StreamExt;
 use sluice_archive::manifest::FileEntry;
 use sluice_archive::{ArchiveError, ArchiveProgress, Archiver, Manifest};
 use sluice_core::rt::blocking;
 use sluice_core::safefs::{self, Owner};
+use sluice_peer::units_of;
+use sluice_stage::JobPeers;
+use sluice_stage::peers::open_staged;
+use sluice_stage::sink::HashingSink;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::sync::Arc;
@@ -137,7 +137,7 @@ pub(crate) async fn offer(m: &Manifest, dest: &Arc<OwnedFd>, owner: Owner, done:
             Ok(hashes) => {
                 // Read back from the restored copy, which its user can write.
                 for (u, h) in units.iter().zip(hashes) {
-                    peers.held_from(u, h, crate::peer::HashFrom::ReadBack);
+                    peers.held_from(u, h, sluice_peer::HashFrom::ReadBack);
                 }
                 offered += f.size;
             }
@@ -154,7 +154,7 @@ pub(crate) async fn offer(m: &Manifest, dest: &Arc<OwnedFd>, owner: Owner, done:
 
 /// The job's peers, told when dropped that this node offered all it will of the restore (it is
 /// one of the job's shared pieces of work, like each object-store dataset: see
-/// [`NodePeers::join`](crate::stage::NodePeers::join)). Dropped exactly once, whichever way the
+/// [`NodePeers::join`](sluice_stage::NodePeers::join)). Dropped exactly once, whichever way the
 /// restore goes.
 pub(crate) struct Done(pub(crate) Arc<JobPeers>);
 

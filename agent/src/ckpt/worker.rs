@@ -797,7 +797,7 @@ impl CkptWorker {
                 Err(e) => {
                     tracing::warn!(job_id = id, tag = entry.tag, "flush attempt failed: {e}");
                     entry.note_failure();
-                    let message = if crate::stage::is_no_space(e.errno()) {
+                    let message = if sluice_stage::is_no_space(e.errno()) {
                         format!(
                             "the hot tier is full, so the checkpoint stays in RAM and its flush is retried ({e})"
                         )

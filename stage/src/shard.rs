@@ -21,8 +21,8 @@
 //! `SLUICE_SHARD_COUNT` of them. Directories are created on every node (a shard keeps the
 //! dataset's layout); symbolic links of a POSIX dataset are copied on every node and not listed.
 
-use crate::peer::owner_of;
 use serde::{Deserialize, Serialize};
+use sluice_peer::owner_of;
 use sluice_proto::options::SHARD_MANIFEST_SUFFIX;
 
 /// The variables a shard job's tasks get: this node's place in the manifest's `nodes`, and their

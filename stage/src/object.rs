@@ -18,13 +18,13 @@ use super::{
     Budget, JobPeers, Lease, Progress, StageCtx, StageError, hot_tier_error, is_no_space, local_fs,
 };
 use crate::cache::{Cache, Fill, Hit, Key};
-use crate::peer::{CachedObject, HashFrom, Unit, UnitPieces, units_of, versioned};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
 use sluice_archive::store::{self, StoreErrorKind};
 use sluice_core::rt::{blocking, lock};
 use sluice_core::safefs::{self, Owner};
+use sluice_peer::{CachedObject, HashFrom, Unit, UnitPieces, units_of, versioned};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use std::os::fd::OwnedFd;
@@ -811,7 +811,7 @@ impl Fetcher {
                 return Ok(());
             }
             Ok(false) => {}
-            Err(e @ crate::peer::PeerError::Sink { .. }) => {
+            Err(e @ sluice_peer::PeerError::Sink { .. }) => {
                 let e = sink_error.unwrap_or_else(|| StageError::HotTier {
                     path: rel.to_string(),
                     detail: super::peers::error_chain(&e),
@@ -1565,8 +1565,8 @@ mod tests {
 
     // ------------------------------------------------------------- resuming after a restart
 
-    use crate::stage::peers::tests::CountingStore;
-    use crate::stage::resume::JobResume;
+    use crate::peers::tests::CountingStore;
+    use crate::resume::JobResume;
     use std::collections::BTreeMap;
     use std::time::Duration;
 

@@ -13,8 +13,8 @@ use super::copy::{
 use super::error::{HelperError, Input};
 use super::protocol::{AgentMsg, FileIdent, HelperMsg, send};
 use super::walk::{Entry, Tree, below, remove_any, umask};
-use crate::peer::{Unit, units_of};
-use crate::stage::shard::{ShardManifest, ShardPlan};
+use crate::shard::{ShardManifest, ShardPlan};
+use sluice_peer::{Unit, units_of};
 use std::collections::HashMap;
 use std::fs;
 use std::io::{self, Write};
@@ -127,7 +127,7 @@ fn copy_tree_in_pieces(
 // ----------------------------------------------------------- resumed after an agent restart
 
 /// [`copy_tree`] (or, with `shard`, [`copy_shard`]'s share of the files) that a restarted agent
-/// can resume (`--resume`, see [`crate::stage::resume`]). `dst` may hold what an earlier run of this
+/// can resume (`--resume`, see [`crate::resume`]). `dst` may hold what an earlier run of this
 /// copy left. First the helper reads the agent's offers on `input` to their end: `keep SIZE DEV
 /// INO MTIME MTIME_NS CTIME CTIME_NS "PATH"` for each file the agent noted as copied whole from
 /// the source at PATH (below the dataset, JSON-quoted, `""` for a dataset that is one file) while
@@ -539,7 +539,7 @@ fn write_manifest(
     let path = dst
         .parent()
         .unwrap_or(Path::new("/"))
-        .join(crate::stage::shard::manifest_name(dataset));
+        .join(crate::shard::manifest_name(dataset));
     fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -597,7 +597,7 @@ fn read_agent(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stage::copy_as_user::{Event, Failure, ShardArgs, piece_hashes_hash};
+    use crate::copy_as_user::{Event, Failure, ShardArgs, piece_hashes_hash};
     use std::os::unix::fs::PermissionsExt;
     use std::time::Duration;
 

@@ -42,17 +42,17 @@
 
 use super::Owner;
 use crate::cache::{Cache, Hit, Key};
-use crate::peer::{
-    CachedObject, ClientConfig, ClusterSecret, HashFrom, JobKey, PeerClient, PeerError, PeerRebind,
-    PeerServer, PeerService, PeerWorker, ServerConfig, Unit, UnitData, UnitError, UnitSink,
-    UnitSource, UnitStream, owner_of, unit_path,
-};
 use bytes::Bytes;
 use nix::fcntl::{OFlag, openat};
 use nix::sys::stat::{Mode, SFlag, fstat};
 use sluice_core::config::{Config, PeerConfig};
 use sluice_core::rt::{blocking, lock};
 use sluice_core::safefs;
+use sluice_peer::{
+    CachedObject, ClientConfig, ClusterSecret, HashFrom, JobKey, PeerClient, PeerError, PeerRebind,
+    PeerServer, PeerService, PeerWorker, ServerConfig, Unit, UnitData, UnitError, UnitSink,
+    UnitSource, UnitStream, owner_of, unit_path,
+};
 use sluice_proto::msg::JobId;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -113,7 +113,7 @@ impl NodePeers {
                     server,
                     listen: peer.listen.clone(),
                     error,
-                    every: crate::peer::server::REBIND_EVERY,
+                    every: sluice_peer::server::REBIND_EVERY,
                 };
                 Some((peers, PeerWorker::Rebinding(rebind)))
             }
@@ -322,7 +322,7 @@ impl WarmHere {
 }
 
 #[async_trait::async_trait]
-impl crate::peer::AdminSource for WarmHere {
+impl sluice_peer::AdminSource for WarmHere {
     async fn warm(&self, url: &str) -> Result<sluice_proto::msg::CacheWarmed, String> {
         WarmHere::warm(self, url).await
     }
@@ -467,7 +467,7 @@ struct Object {
 
 struct State {
     /// By unit file name (`NAME/key`, or `NAME` for a single-object dataset, then the version
-    /// listed, if any: see [`versioned`](crate::peer::versioned)).
+    /// listed, if any: see [`versioned`](sluice_peer::versioned)).
     objects: HashMap<String, Object>,
     /// The unit file name of each path in `objects` (the version of it this node stages).
     versions: HashMap<String, String>,
@@ -545,9 +545,9 @@ impl JobPeers {
     }
 
     /// Records the units of one object this node stages (`units` from
-    /// [`units_of`](crate::peer::units_of) with [`unit_size`](Self::unit_size)); `root` and
+    /// [`units_of`](sluice_peer::units_of) with [`unit_size`](Self::unit_size)); `root` and
     /// `rel_at` say where its staged copy is, for serving it.
-    pub(crate) fn add_object(&self, root: Arc<OwnedFd>, rel_at: usize, units: &[Unit]) {
+    pub fn add_object(&self, root: Arc<OwnedFd>, rel_at: usize, units: &[Unit]) {
         let Some(first) = units.first() else { return };
         let object = Object {
             root,
@@ -563,7 +563,7 @@ impl JobPeers {
     }
 
     /// One object-store dataset of the job is listed and staged here (or gave up).
-    pub(crate) fn dataset_done(&self) {
+    pub fn dataset_done(&self) {
         let mut st = lock(&self.state);
         st.listing = st.listing.saturating_sub(1);
         drop(st);
@@ -676,12 +676,12 @@ impl JobPeers {
     /// [`held`](Self::held), with `hash` computed `from` an origin read or a read-back: served on
     /// under that mark, so a read-back's bytes never reach any node's cross-job cache however many
     /// nodes pass them on.
-    pub(crate) fn held_from(&self, unit: &Unit, hash: blake3::Hash, from: HashFrom) {
+    pub fn held_from(&self, unit: &Unit, hash: blake3::Hash, from: HashFrom) {
         self.set(unit, Held::Yes(hash, from));
     }
 
     /// This node will not hold `unit` (its origin read failed): peers asking for it are told why.
-    pub(crate) fn failed(&self, unit: &Unit, why: String) {
+    pub fn failed(&self, unit: &Unit, why: String) {
         self.set(unit, Held::Failed(why));
     }
 
@@ -816,7 +816,7 @@ impl JobPeers {
 
     /// Fetches `unit` from `node` into `sink` (see [`PeerClient::fetch_into`]); what the hash it
     /// was checked against was computed from.
-    pub(crate) async fn fetch(
+    pub async fn fetch(
         &self,
         node: &str,
         unit: &Unit,
@@ -849,7 +849,7 @@ impl JobPeers {
 
     /// What this node can say about `unit` now: `Some` is final, `None` means wait.
     fn answer(&self, unit: &Unit) -> Option<Result<blake3::Hash, UnitError>> {
-        if unit.file == crate::peer::client::ALIVE_PROBE {
+        if unit.file == sluice_peer::client::ALIVE_PROBE {
             // A liveness probe: answered at once, whatever this node is still staging.
             return Some(Err(UnitError::NotOwner));
         }
@@ -1074,7 +1074,7 @@ impl JobPeers {
 /// Opens the staged file `rel` below `root` for reading: every component opened without
 /// following links, the file only if it is a regular file of `owner` with one link (a user cannot
 /// have the agent read a hard link to someone else's file, or hang on a FIFO).
-pub(crate) fn open_staged(root: &OwnedFd, rel: &str, owner: Owner) -> std::io::Result<File> {
+pub fn open_staged(root: &OwnedFd, rel: &str, owner: Owner) -> std::io::Result<File> {
     open_checked(root, rel, owner, OFlag::O_RDONLY)
 }
 

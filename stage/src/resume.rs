@@ -81,7 +81,7 @@
 //!   once they are read ([`hash_kept`]); a peer checks the bytes it receives against them, as it
 //!   checks an origin read's. But a read-back's hash is of whatever the job user left in their
 //!   file (they could write it in the moments named above, or between the check and the read), so
-//!   those units are served marked as read back ([`crate::peer::HashFrom::ReadBack`], MAC'd): the
+//!   those units are served marked as read back ([`sluice_peer::HashFrom::ReadBack`], MAC'd): the
 //!   job's other nodes write them into the job's copies and never into their cross-job caches, and
 //!   pass the mark on with them. (Otherwise a user who rewrote a kept file at the right moment
 //!   would plant bytes in other nodes' caches, served to every user's later jobs under the
@@ -389,7 +389,7 @@ impl Entry {
     /// file: datasets the helper copies whole are not shared through peers.
     pub(crate) fn unit_file(&self) -> Option<String> {
         match &self.of {
-            Of::Object { e_tag, version, .. } => Some(crate::peer::versioned(
+            Of::Object { e_tag, version, .. } => Some(sluice_peer::versioned(
                 &self.path,
                 e_tag.as_deref().or(version.as_deref()),
             )),
@@ -555,7 +555,7 @@ pub(crate) fn resumable(
 /// Only object-store datasets: their log names every file staged, by its object version. A POSIX
 /// dataset shared through peers keeps no log (the agent writes part of each file itself), so its
 /// units are read from the origin by the job's other nodes once this node's agent restarted.
-pub(crate) async fn serve_staged(
+pub async fn serve_staged(
     peers: &super::JobPeers,
     resume: Arc<JobResume>,
     specs: Vec<StageSpec>,
@@ -576,7 +576,7 @@ pub(crate) async fn serve_staged(
         let Some(unit_file) = entry.unit_file().filter(|_| entry.file.size > 0) else {
             continue;
         };
-        let units = crate::peer::units_of(&unit_file, entry.file.size, unit_size);
+        let units = sluice_peer::units_of(&unit_file, entry.file.size, unit_size);
         let ranges: Vec<(u64, u64)> = units.iter().map(|u| (u.offset, u.len)).collect();
         let root = stage.clone();
         let (hashes, b) = blocking(move || {
@@ -589,7 +589,7 @@ pub(crate) async fn serve_staged(
         // Units name their file by its path below the stage directory: `stage` is their root.
         peers.add_object(stage.clone(), 0, &units);
         for (unit, hash) in units.iter().zip(hashes) {
-            peers.held_from(unit, hash, crate::peer::HashFrom::ReadBack);
+            peers.held_from(unit, hash, sluice_peer::HashFrom::ReadBack);
         }
         files += 1;
         bytes += units.iter().map(|u| u.len).sum::<u64>();
@@ -602,7 +602,7 @@ pub(crate) async fn serve_staged(
 /// ([`resumable`]) both before and after the read: a file its user wrote while it was hashed (any
 /// write sets its ctime) is not kept, and is read from the origin again. Even so the hashes are
 /// of a file the job user can write, and are served marked as such
-/// ([`crate::peer::HashFrom::ReadBack`]).
+/// ([`sluice_peer::HashFrom::ReadBack`]).
 pub(crate) fn hash_kept(
     root: &OwnedFd,
     rel: &str,

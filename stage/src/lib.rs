@@ -38,9 +38,15 @@
 //! process as the job user), [`shard`] (which node owns which file, the shard manifest),
 //! [`shared`] (the job's directory on the shared tier: each node's share, the wait for all of
 //! them, removal), [`lustre`] (Lustre detection and stripe layouts), [`resume`] (the staging logs
-//! a restarted agent resumes from).
+//! a restarted agent resumes from), [`cache`] (the node's cross-job cache of staged objects and
+//! POSIX files).
+//!
+//! The agent (`sluice-agent`) owns the jobs and calls in through [`StageCtx`]; the transfers
+//! between nodes are `sluice-peer`'s.
+#![forbid(unsafe_code)]
 
 mod budget;
+pub mod cache;
 pub mod copy_as_user;
 pub mod local_fs;
 pub mod lustre;
@@ -50,7 +56,7 @@ mod posix;
 pub mod resume;
 pub mod shard;
 pub mod shared;
-pub(crate) mod sink;
+pub mod sink;
 
 pub use budget::{Budget, Lease};
 pub use object::{KeyPath, map_key};
@@ -107,7 +113,7 @@ pub enum StageError {
 
 impl StageError {
     /// A stable word for this error, for the `sluice_failures_total{operation="stage",code}`
-    /// label ([`crate::metrics`]). Dashboards and alerts query these words: keep them.
+    /// label (the agent's `metrics`). Dashboards and alerts query these words: keep them.
     pub fn code(&self) -> &'static str {
         match self {
             StageError::NotFound { .. } => "not_found",
@@ -368,7 +374,8 @@ pub async fn warm(
     }
 }
 
-pub(crate) fn is_no_space(errno: Option<i32>) -> bool {
+/// Whether `errno` says the file system (or the user's quota) is full: `ENOSPC` or `EDQUOT`.
+pub fn is_no_space(errno: Option<i32>) -> bool {
     errno == Some(nix::errno::Errno::ENOSPC as i32)
         || errno == Some(nix::errno::Errno::EDQUOT as i32)
 }

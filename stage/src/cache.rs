@@ -90,7 +90,7 @@ pub struct Key {
 }
 
 /// What names one version of a POSIX file, as the job user's copy helper found it by `fstat` on
-/// the descriptor it opened for reading ([`crate::stage::copy_as_user`]), and the user it is
+/// the descriptor it opened for reading ([`crate::copy_as_user`]), and the user it is
 /// cached for: an entry of a POSIX source is only ever served to the same user, and only after
 /// that user's helper opened the source again and found the same identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -31,7 +31,7 @@
 //! that has not marked its share through the peers layer: one request for the job on the node's
 //! peer port, MAC'd under the job's key ([`super::JobPeers::alive`]; the shared-tier job is
 //! registered with the peer server for this alone). Only evidence no process without the job key
-//! can fake counts ([`crate::peer::PeerError::proves_gone`]): no connection, no answer within
+//! can fake counts ([`sluice_peer::PeerError::proves_gone`]): no connection, no answer within
 //! `[peer] read_timeout`, or an answer MAC'd under the job's key that the job ended there; and
 //! only [`DEAD_AFTER`] times in a row, [`PROBE_EVERY`] apart. An unsigned answer of any kind (a
 //! user's process can send one) and a connection accepted then closed unanswered (what an agent
@@ -808,7 +808,7 @@ pub fn remove(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::me;
+    use sluice_core::testing::me;
     use std::sync::Arc;
 
     fn cfg(root: &std::path::Path) -> SharedTierConfig {
@@ -959,7 +959,7 @@ mod tests {
     #[ignore = "needs root, like sluiced (the staged files belong to another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn staged_data_is_the_job_users_alone() {
         use std::os::unix::fs::PermissionsExt;
-        crate::testing::assert_root("the job's files belong to another user");
+        sluice_core::testing::assert_root("the job's files belong to another user");
         let root = tempfile::tempdir().unwrap();
         // The admin's directory, as docs/admin-guide.md makes it: root's, everyone may pass
         // through.

@@ -1,13 +1,13 @@
 //! The helper's command line beyond the identity and the paths: a shard, a replica through the
 //! job's peers, and the Lustre stripe classes of a shared tier, as the agent passes them.
 
-use crate::stage::shard::ShardPlan;
+use crate::shard::ShardPlan;
 use sluice_core::config::StripeClass;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 /// `--stage-mode=shard` for the helper: copy only the files this node owns, and write the
-/// manifest of the whole dataset next to it (see [`crate::stage::shard`]).
+/// manifest of the whole dataset next to it (see [`crate::shard`]).
 #[derive(Debug, Clone)]
 pub struct Shard {
     pub plan: ShardPlan,

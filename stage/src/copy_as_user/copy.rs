@@ -5,7 +5,7 @@
 
 use super::error::HelperError;
 use super::protocol::{FileIdent, HelperMsg, send};
-use crate::stage::local_fs::{is_local_fs, preallocate};
+use crate::local_fs::{is_local_fs, preallocate};
 use sluice_core::config::StripeClass;
 use std::fs;
 use std::io::{self, Read, Seek, Write};
@@ -163,10 +163,7 @@ pub(super) fn create_pair(
         // `lfs setstripe` creates the empty file with its layout (this process is the job user:
         // it can do nothing through the path that the user could not do themselves).
         let out = std::process::Command::new(lfs.as_path())
-            .args(crate::stage::lustre::setstripe_args(
-                class,
-                job.dst.as_os_str(),
-            ))
+            .args(crate::lustre::setstripe_args(class, job.dst.as_os_str()))
             .stdin(std::process::Stdio::null())
             .output()
             .map_err(|source| HelperError::RunLfs {
@@ -657,7 +654,7 @@ mod tests {
         assert!(is_local_fs(EXT4_SUPER_MAGIC));
         assert!(!is_local_fs(NFS_SUPER_MAGIC));
         assert!(!is_local_fs(nix::sys::statfs::FsType(
-            crate::stage::lustre::LL_SUPER_MAGIC as _
+            crate::lustre::LL_SUPER_MAGIC as _
         )));
         let dir = tempfile::tempdir().unwrap();
         // A destination that does not exist yet is judged by its nearest existing ancestor.

@@ -198,8 +198,8 @@ fn hash_parts(mut h: blake3::Hasher, parts: &[&[u8]]) -> blake3::Hash {
 /// the other is expected. Its `Debug` never shows the bytes.
 ///
 /// ```compile_fail
-/// fn answer_job(_: &sluice_agent::peer::JobKey) {}
-/// let admin = sluice_agent::peer::ClusterSecret::from_bytes([7u8; 32]).admin_key();
+/// fn answer_job(_: &sluice_peer::JobKey) {}
+/// let admin = sluice_peer::ClusterSecret::from_bytes([7u8; 32]).admin_key();
 /// answer_job(&admin); // an admin key is never a job key
 /// ```
 #[derive(Clone)]

@@ -59,10 +59,10 @@ use sluice_core::worker::{StatusCell, Worker};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HashFrom {
     /// The bytes as they came from the origin (on whichever node read them), or from a node's
-    /// cross-job cache, which holds only such bytes ([`crate::cache`]).
+    /// cross-job cache, which holds only such bytes (`sluice_stage::cache`).
     Origin,
     /// A read-back of a staged copy the job user can write (a node whose agent restarted serves
-    /// the files it kept so, [`crate::stage::resume`]). Good for the job's own copies, which their
+    /// the files it kept so, `sluice_stage::resume`). Good for the job's own copies, which their
     /// user may change anyway; never for the node's cross-job cache, which other users' jobs read.
     ReadBack,
 }
@@ -331,7 +331,7 @@ impl PeerServer {
         secret: ClusterSecret,
     ) -> Result<(PeerServer, TcpListener), PeerServerError> {
         let listener =
-            crate::bind_tcp(&cfg.listen)
+            crate::http::bind_tcp(&cfg.listen)
                 .await
                 .map_err(|source| PeerServerError::Listen {
                     addr: cfg.listen.clone(),

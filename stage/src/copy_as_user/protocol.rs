@@ -1,4 +1,4 @@
-//! What the helper and the agent ([`crate::stage::posix`]) say to each other, typed and encoded in
+//! What the helper and the agent ([`crate::posix`]) say to each other, typed and encoded in
 //! this one place: [`HelperMsg`] on the helper's stdout, [`AgentMsg`] on its stdin, and a failure
 //! as the helper's exit code ([`Failure`]) with its message as the last line on stderr.
 //!
@@ -8,7 +8,7 @@
 //! may make it print anything: decoding a line the protocol does not have is an error, never a
 //! panic, and each side takes only the messages its run has.
 //!
-//! The helper is the agent's own executable (`sluiced copy-as-user`, [`crate::run`] starts
+//! The helper is the agent's own executable (`sluiced copy-as-user`, `sluice_agent::run` starts
 //! `current_exe`), so both ends are always the same version.
 
 use std::fmt;
@@ -56,7 +56,7 @@ impl Failure {
     }
 }
 
-/// A count of the helper's files and bytes, as [`crate::stage::Progress`] takes it in.
+/// A count of the helper's files and bytes, as [`crate::Progress`] takes it in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
     /// What the helper copies (after the walk): `total F B`.

@@ -361,7 +361,7 @@ mod tests {
     #[test]
     #[ignore = "needs root, like sluiced (lfs runs as another user); run as root with --ignored, as tests/harness/run-e2e.sh does"]
     fn lfs_runs_as_the_job_user_with_no_other_groups() {
-        crate::testing::assert_root("it runs lfs as another user");
+        sluice_core::testing::assert_root("it runs lfs as another user");
         let (uid, gid) = (65534, 65533);
         let tmp = tempfile::tempdir().unwrap();
         std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();

@@ -44,9 +44,9 @@ use super::{
     is_no_space,
 };
 use crate::cache::{Cache, Hit, Key, PosixFile};
-use crate::peer::{Unit, units_of};
 use sluice_core::rt::blocking;
 use sluice_core::safefs::{self, Owner};
+use sluice_peer::{Unit, units_of};
 use sluice_proto::msg::StageState;
 use sluice_proto::options::StageSpec;
 use std::collections::{HashMap, VecDeque};

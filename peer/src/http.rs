@@ -26,7 +26,7 @@ use tokio_util::task::TaskTracker;
 
 /// What one server allows.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits {
+pub struct Limits {
     /// Connections served at once.
     pub max_connections: usize,
     /// Connections served at once from one source address.
@@ -84,6 +84,22 @@ pub(crate) fn held_back(held: u64) -> String {
     }
 }
 
+/// Binds a TCP listener (the metrics and peer ports). An agent restarted right after a crash may
+/// find its port still held by the dying process for a moment: it tries again for up to 5 s
+/// before the address counts as taken.
+pub async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let mut tries = 0;
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 20 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            bound => return bound,
+        }
+    }
+}
+
 /// The connections of each source address being served; a [`SourceSlot`] gives one back.
 #[derive(Default)]
 struct Sources(Mutex<HashMap<IpAddr, usize>>);
@@ -122,7 +138,7 @@ impl Drop for SourceSlot {
 
 /// Serves `listener` until `cancel`: each request of a connection is answered by `answer(request,
 /// remote address)`. `what` names the server in the log.
-pub(crate) async fn serve<F, Fut, B>(
+pub async fn serve<F, Fut, B>(
     what: &'static str,
     listener: TcpListener,
     cancel: CancellationToken,

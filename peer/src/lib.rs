@@ -1,7 +1,7 @@
 //! Peer transfers: the agents of one job's nodes share the dataset so that each byte is read
 //! from the origin once per job, however many nodes the job has.
 //!
-//! This module owns the peer layer; the stager decides what to fetch from whom.
+//! This crate owns the peer layer; the stager (`sluice-stage`) decides what to fetch from whom.
 //!
 //! - [`owner`]: units (ranges of a file) and who owns each — rendezvous hashing over the job's
 //!   node list, the same answer on every node;
@@ -11,7 +11,9 @@
 //! - [`server`]: [`PeerServer`] serves this node's units of each registered job from the
 //!   stager's [`UnitSource`], waiting for units the owner is still reading;
 //! - [`client`]: [`PeerClient::fetch`] takes one unit from its owner and checks its length, hash
-//!   and MAC before returning it.
+//!   and MAC before returning it;
+//! - [`http`]: the accept loop the peer port and the agent's Prometheus endpoint share (connection
+//!   bounds, header timeout), and [`http::bind_tcp`] that binds their ports.
 //!
 //! # On the wire
 //!
@@ -52,7 +54,7 @@
 //! node's cache with a dataset as `sluice cache warm` on that node would.
 //!
 //! The `cached` resource is how a node that misses its own cache takes the units it owns from a
-//! job peer's cache before the origin (`stage::object`). It never waits for staging, so it adds no
+//! job peer's cache before the origin (`sluice_stage::object`). It never waits for staging, so it adds no
 //! edge to the wait graph of units; a node serves from its cache only objects under the job's own
 //! datasets (as its own policy admitted them at job start). An agent that predates it answers
 //! `404` without a MAC, which the requester takes as "nothing cached there" for the rest of the job.
@@ -73,14 +75,17 @@
 //! A unit's hash is the owner's, computed when it read the unit from the origin; the requester
 //! compares it with the bytes it received, so a unit is checked end to end. The one exception is
 //! marked: a node whose agent restarted serves the files it kept with hashes read back from them
-//! (`stage::resume`), and says so with `x-sluice-read-back: 1` (covered by the response MAC,
+//! (`sluice_stage::resume`), and says so with `x-sluice-read-back: 1` (covered by the response MAC,
 //! [`HashFrom::ReadBack`]); the requester uses such a unit for the job's copy only, never for its
 //! cross-job cache, and serves it on under the same mark. (An agent that predates the mark fails
 //! the MAC of a marked answer, as a corrupt unit, and takes the unit elsewhere.) Peer traffic is
 //! authenticated and integrity-checked, not encrypted (docs/SECURITY.md, "Peer transfers").
 
+#![forbid(unsafe_code)]
+
 pub mod auth;
 pub mod client;
+pub mod http;
 pub mod owner;
 pub mod pieces;
 pub mod server;

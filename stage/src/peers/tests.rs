@@ -3,8 +3,7 @@
 //! a job would see: every node's copy identical to the origin, and the origin read once.
 
 use super::*;
-use crate::peer::{PeerServer, PeerService, ServerConfig};
-use crate::stage::{Budget, Progress, StageCtx};
+use crate::{Budget, Progress, StageCtx};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use object_store::path::Path as ObjPath;
@@ -13,6 +12,7 @@ use object_store::{
     ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
 use sluice_core::config::Config;
+use sluice_peer::{PeerServer, PeerService, ServerConfig};
 use sluice_proto::options::{StageSpec, parse_stage_entry};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -158,8 +158,8 @@ fn spec() -> StageSpec {
     parse_stage_entry("ds=s3://b/ds").unwrap()
 }
 
-// The job's nodes, set up as `agent/tests/posix_peers.rs` sets up its own (see that file's header).
-#[path = "../../../tests/support/peer_nodes.rs"]
+// The job's nodes, set up as the agent's `agent/tests/posix_peers.rs` sets up its own (see that file's header).
+#[path = "../../tests/support/peer_nodes.rs"]
 mod peer_nodes;
 use peer_nodes::{
     Node, Setup, assert_each_read_some_and_took_the_rest, job_nodes, listeners, me, stop,
@@ -226,7 +226,7 @@ async fn n2_through_relay(addrs: &BTreeMap<String, String>) -> BTreeMap<String, 
 async fn stage_all(
     nodes: &[&Node],
     store: &Arc<CountingStore>,
-) -> Vec<(Result<(), crate::stage::StageError>, Arc<JobPeers>)> {
+) -> Vec<(Result<(), crate::StageError>, Arc<JobPeers>)> {
     stage_each(nodes, &vec![store; nodes.len()]).await
 }
 
@@ -234,7 +234,7 @@ async fn stage_all(
 async fn stage_each(
     nodes: &[&Node],
     stores: &[&Arc<CountingStore>],
-) -> Vec<(Result<(), crate::stage::StageError>, Arc<JobPeers>)> {
+) -> Vec<(Result<(), crate::StageError>, Arc<JobPeers>)> {
     let runs = nodes.iter().zip(stores).map(|(n, store)| {
         let store = (*store).clone() as Arc<dyn ObjectStore>;
         async move {
@@ -243,7 +243,7 @@ async fn stage_each(
                 .join_with(JOB, &job_nodes(), me(), 1, &datasets())
                 .unwrap();
             let spec = spec();
-            let run = crate::stage::object::stage(
+            let run = crate::object::stage(
                 &n.ctx,
                 &spec,
                 store,
@@ -399,7 +399,7 @@ async fn nodes_that_listed_two_versions_of_an_object_never_mix_them() {
 /// names the holder of each file).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_shard_nodes_hold_the_dataset_once_and_write_the_same_manifest() {
-    use crate::stage::shard::{ShardManifest, ShardPlan};
+    use crate::shard::{ShardManifest, ShardPlan};
     let (store, files) = origin().await;
     let nodes = three_nodes().await;
     let runs = nodes.iter().map(|n| {
@@ -407,7 +407,7 @@ async fn three_shard_nodes_hold_the_dataset_once_and_write_the_same_manifest() {
         async move {
             let plan = ShardPlan::new(&job_nodes(), &n.name).unwrap();
             let spec = spec();
-            crate::stage::object::stage(
+            crate::object::stage(
                 &n.ctx,
                 &spec,
                 store,
@@ -579,7 +579,7 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
         .peers
         .join_with(JOB, &job_nodes(), me(), 1, &datasets())
         .unwrap();
-    let (offered, bytes) = crate::stage::resume::serve_staged(
+    let (offered, bytes) = crate::resume::serve_staged(
         &peers,
         resume(true),
         vec![spec()],
@@ -614,9 +614,9 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
     for meta in &listed {
         let rel = &meta.location.as_ref()["ds/".len()..];
         let version = meta.e_tag.as_deref().or(meta.version.as_deref());
-        let unit_file = crate::peer::versioned(&format!("ds/{rel}"), version);
-        for u in crate::peer::units_of(&unit_file, meta.size, peers.unit_size()) {
-            expected += match job_nodes()[crate::peer::owner_of(&u.key(), &job_nodes())].as_str() {
+        let unit_file = sluice_peer::versioned(&format!("ds/{rel}"), version);
+        for u in sluice_peer::units_of(&unit_file, meta.size, peers.unit_size()) {
+            expected += match job_nodes()[sluice_peer::owner_of(&u.key(), &job_nodes())].as_str() {
                 "n1" if rel == changed => 2 * u.len,
                 "n1" => 0,
                 _ => u.len,
@@ -1094,7 +1094,7 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         std::os::unix::fs::FileExt::write_all_at(&f, &bytes, 0).unwrap();
     }
-    let logs = crate::stage::resume::job_dir(state.path(), JOB);
+    let logs = crate::resume::job_dir(state.path(), JOB);
     for log in std::fs::read_dir(&logs).unwrap() {
         let log = log.unwrap().path();
         let text = std::fs::read_to_string(&log).unwrap();
@@ -1104,7 +1104,7 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
             if i > 0 {
                 let rel = v["path"].as_str().unwrap().to_string();
                 let f = std::fs::File::open(n1.dir.path().join(rel)).unwrap();
-                let now = crate::stage::resume::Identity::of(&f).unwrap();
+                let now = crate::resume::Identity::of(&f).unwrap();
                 v["file"] = serde_json::to_value(now).unwrap();
             }
             out.push_str(&format!("{v}\n"));
@@ -1116,7 +1116,7 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
         .peers
         .join_with(JOB, &job_nodes(), me(), 1, &datasets())
         .unwrap();
-    let (offered, _) = crate::stage::resume::serve_staged(
+    let (offered, _) = crate::resume::serve_staged(
         &peers,
         resume(true),
         vec![spec()],
@@ -1139,7 +1139,7 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
     // A later job on n2, alone: from its cache what it holds, the rest from the origin.
     std::fs::remove_dir_all(n2.dir.path().join("ds")).unwrap();
     n2.progress = Arc::new(Progress::new(&spec()));
-    crate::stage::object::stage(
+    crate::object::stage(
         &n2.ctx,
         &spec(),
         store.clone() as Arc<dyn ObjectStore>,
@@ -1215,16 +1215,12 @@ async fn stage_alone(
     n: &Node,
     store: &Arc<CountingStore>,
     progress: Arc<Progress>,
-) -> Result<(), crate::stage::StageError> {
+) -> Result<(), crate::StageError> {
     let store = store.clone() as Arc<dyn ObjectStore>;
-    crate::stage::object::stage(&n.ctx, &spec(), store, "ds", progress, None, None).await
+    crate::object::stage(&n.ctx, &spec(), store, "ds", progress, None, None).await
 }
 
 /// The staging log of the job in `state`, as an agent that is `resuming` opens it.
-fn job_resume(state: &tempfile::TempDir, resuming: bool) -> Arc<crate::stage::resume::JobResume> {
-    Arc::new(crate::stage::resume::JobResume::open(
-        state.path(),
-        JOB,
-        resuming,
-    ))
+fn job_resume(state: &tempfile::TempDir, resuming: bool) -> Arc<crate::resume::JobResume> {
+    Arc::new(crate::resume::JobResume::open(state.path(), JOB, resuming))
 }

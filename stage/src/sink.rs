@@ -10,8 +10,8 @@
 
 use super::budget::{Budget, Lease};
 use super::{Progress, StageError, hot_tier_error};
-use crate::peer::UnitSink;
 use sluice_core::rt::blocking;
+use sluice_peer::UnitSink;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A file a [`HashingSink`] writes to, from a blocking thread.
-pub(crate) trait WriteAt: Send + Sync + 'static {
+pub trait WriteAt: Send + Sync + 'static {
     /// Writes all of `buf` at `offset`.
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
 }
@@ -31,7 +31,7 @@ impl WriteAt for std::fs::File {
 }
 
 /// Whom a [`HashingSink`] tells about its writes: what is counted, and what a failure means.
-pub(crate) trait SinkTarget: Send + Sync {
+pub trait SinkTarget: Send + Sync {
     /// Why a write failed, for whoever closes the sink (the client only carries a message).
     type Error: std::fmt::Display + Send;
     /// `n` more bytes are in the file.
@@ -73,7 +73,7 @@ impl SinkTarget for PeerUnit<'_> {
 }
 
 /// Writes a unit at its offset of `file`, hashing what it wrote; see the module header.
-pub(crate) struct HashingSink<F: WriteAt, T: SinkTarget> {
+pub struct HashingSink<F: WriteAt, T: SinkTarget> {
     file: Arc<F>,
     target: T,
     /// Where the buffer comes from; `None` writes each piece as it arrives.
@@ -96,7 +96,7 @@ impl<F: WriteAt, T: SinkTarget> HashingSink<F, T> {
     }
 
     /// A sink that writes each piece at `at` of `file` as it arrives.
-    pub(crate) fn direct(file: Arc<F>, at: u64, target: T) -> Self {
+    pub fn direct(file: Arc<F>, at: u64, target: T) -> Self {
         Self::new(file, at, None, target)
     }
 

@@ -1,13 +1,13 @@
-//! The nodes of one job in one process, for the peer tests: `agent/tests/posix_peers.rs` (a POSIX
-//! source, the real copy helper) and the unit tests in `agent/src/stage/peers/tests.rs` (an
-//! in-memory object store handed to the private object stager). Each node gets a config with a
-//! `[peer]` section naming every node, a peer server on its own 127.0.0.1 port and a fresh stage
-//! directory.
+//! The nodes of one job in one process, for the peer tests: the agent's `agent/tests/posix_peers.rs`
+//! (a POSIX source, the real copy helper, which is the agent's `sluiced` binary) and the unit tests
+//! in `stage/src/peers/tests.rs` (an in-memory object store handed to the private object stager).
+//! Each node gets a config with a `[peer]` section naming every node, a peer server on its own
+//! 127.0.0.1 port and a fresh stage directory.
 //!
 //! A file both include with `#[path]` rather than a module of the library: an integration test
 //! sees only the crate's public API, the unit tests need its private one, and test set-up has no
-//! place in what the agent ships. The agent's own types come from the includer (`use super::…`),
-//! which imports them as `sluice_agent::…` or `crate::…`.
+//! place in what the stager ships. The stager's and peer layer's types come from the includer
+//! (`use super::…`), which imports them as `sluice_stage::…`/`sluice_peer::…` or `crate::…`.
 
 use super::StageCtx;
 use super::{Budget, ClusterSecret, NodePeers, PeerServer, PeerService, Progress, ServerConfig};
@@ -45,12 +45,7 @@ pub struct Setup {
 }
 
 /// The test process's own uid and gid: the job's user.
-pub fn me() -> Owner {
-    Owner {
-        uid: nix::unistd::getuid().as_raw(),
-        gid: nix::unistd::getgid().as_raw(),
-    }
-}
+pub use sluice_core::testing::me;
 
 pub fn job_nodes() -> Vec<String> {
     ["n1", "n2", "n3"].map(String::from).to_vec()

@@ -1176,7 +1176,7 @@ async fn refusals_are_logged_at_a_bounded_rate() {
 async fn an_agent_whose_port_was_taken_serves_once_it_is_free() {
     let squatter = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = squatter.local_addr().unwrap().to_string();
-    let error = crate::peer::PeerServerError::Listen {
+    let error = crate::PeerServerError::Listen {
         addr: addr.clone(),
         source: TcpListener::bind(&addr).await.unwrap_err(),
     };
