@@ -48,7 +48,7 @@ pub const MAC_HEADER: &str = "x-sluice-mac";
 /// Response header: the unit's BLAKE3 hash (hex) as the owner read it from the origin.
 pub const HASH_HEADER: &str = "x-sluice-blake3";
 /// Response header, present (`1`) when the unit's hash is not of an origin read but of a read-back
-/// of the serving node's staged copy ([`crate::peer::HashFrom::ReadBack`]). It is MAC'd: the
+/// of the serving node's staged copy ([`crate::HashFrom::ReadBack`]). It is MAC'd: the
 /// response MAC of a `200` covers [`READ_BACK_MARK`] in place of the (empty) reason, so stripping
 /// or adding the header fails the MAC.
 pub const READ_BACK_HEADER: &str = "x-sluice-read-back";
@@ -234,7 +234,7 @@ impl std::fmt::Debug for MacKey {
     }
 }
 
-/// A key that MACs requests: what [`crate::peer::PeerClient`] signs a request with, whichever
+/// A key that MACs requests: what [`crate::PeerClient`] signs a request with, whichever
 /// role the key has.
 pub trait RequestKey {
     /// The MAC of a request from `node` at `time`: `pq`, its path and query exactly as it is
