@@ -1,7 +1,8 @@
 //! The agent crate's modules depend on each other one way (docs/ARCHITECTURE.md): the agent on top
 //! of everything, only the socket server (and `lib.rs`, the binary) above it, and no cycle among
-//! the crate's top-level modules. Until the crate is split along these seams (where a cycle is a
-//! compile error), this test reads `src/` and fails on a cycle or on a new user of the agent.
+//! the crate's top-level modules. Between crates (core, archive, peer, stage, agent) a cycle is a
+//! compile error; inside the agent it is not, so this test reads `src/` and fails on a cycle or on
+//! a new user of the agent.
 //!
 //! A module uses another when its files name `crate::other` (a path or a `use crate::{...}`
 //! group). Comments and string literals are skipped; `super::` never leaves a top-level module.
