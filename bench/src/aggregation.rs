@@ -21,7 +21,7 @@
 use crate::cluster::{
     Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree, tree_bytes,
 };
-use crate::measure::{median, process_cpu_s};
+use crate::measure::{interleaved, median, process_cpu_s};
 use crate::run::{Bench, GIB, MIB, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
 use sluice_e2e::relay::CountingRelay;
@@ -436,33 +436,23 @@ impl Bench {
                 tree,
             }];
             let bytes = tree_bytes(tree);
-            let mut samples: Vec<Vec<Outcome>> = vec![Vec::new(); hows.len()];
-            for rep in 0..self.a.reps {
-                for k in 0..hows.len() {
-                    let i = (k + rep) % hows.len();
-                    let how = hows[i];
-                    let o = self
-                        .agg_job(
-                            relay,
-                            agents,
-                            how,
-                            3,
-                            &ds,
-                            &format!("origin-{name}-{}", how.label()),
-                        )
-                        .with_context(|| {
-                            format!("{} of {shape}, repetition {}", how.label(), rep + 1)
-                        })?;
-                    log(format!(
-                        "agg: 3-node {} of {shape}: origin served {} bytes ({:.4}x), staging {:.2} s",
-                        how.label(),
-                        o.served,
-                        o.served as f64 / bytes as f64,
-                        o.stage_s
-                    ));
-                    samples[i].push(o);
-                }
-            }
+            let samples = interleaved(hows.len(), self.a.reps, |i, rep| {
+                let how = hows[i];
+                let job_name = format!("origin-{name}-{}", how.label());
+                let o = self
+                    .agg_job(relay, agents, how, 3, &ds, &job_name)
+                    .with_context(|| {
+                        format!("{} of {shape}, repetition {}", how.label(), rep + 1)
+                    })?;
+                log(format!(
+                    "agg: 3-node {} of {shape}: origin served {} bytes ({:.4}x), staging {:.2} s",
+                    how.label(),
+                    o.served,
+                    o.served as f64 / bytes as f64,
+                    o.stage_s
+                ));
+                Ok(o)
+            })?;
             let size = if tree.len() == 1 {
                 size_label(bytes)
             } else {
@@ -531,43 +521,30 @@ impl Bench {
             (How::Rclone, 1),
             (How::Rclone, 3),
         ];
-        let mut samples: Vec<Vec<Outcome>> = vec![Vec::new(); runs.len()];
         relay.set_pace(rate);
-        let result = (|| -> Result<()> {
-            for rep in 0..self.a.reps {
-                for k in 0..runs.len() {
-                    let i = (k + rep) % runs.len();
-                    let (how, n) = runs[i];
-                    let o = self
-                        .agg_job(
-                            relay,
-                            agents,
-                            how,
-                            n,
-                            &ds,
-                            &format!("paced-{}-{n}", how.label()),
-                        )
-                        .with_context(|| {
-                            format!(
-                                "paced {} on {n} node(s), repetition {}",
-                                how.label(),
-                                rep + 1
-                            )
-                        })?;
-                    log(format!(
-                        "agg: paced {} on {n} node(s): staging {:.2} s (submit to script {:.2} s), origin {:.4}x",
+        let samples = interleaved(runs.len(), self.a.reps, |i, rep| {
+            let (how, n) = runs[i];
+            let job_name = format!("paced-{}-{n}", how.label());
+            let o = self
+                .agg_job(relay, agents, how, n, &ds, &job_name)
+                .with_context(|| {
+                    format!(
+                        "paced {} on {n} node(s), repetition {}",
                         how.label(),
-                        o.stage_s,
-                        o.submit_to_start_s,
-                        o.served as f64 / bytes as f64
-                    ));
-                    samples[i].push(o);
-                }
-            }
-            Ok(())
-        })();
+                        rep + 1
+                    )
+                })?;
+            log(format!(
+                "agg: paced {} on {n} node(s): staging {:.2} s (submit to script {:.2} s), origin {:.4}x",
+                how.label(),
+                o.stage_s,
+                o.submit_to_start_s,
+                o.served as f64 / bytes as f64
+            ));
+            Ok(o)
+        });
         relay.set_pace(0);
-        result?;
+        let samples = samples?;
         let times = |v: &[Outcome]| v.iter().map(|o| o.stage_s).collect::<Vec<_>>();
         let m: Vec<f64> = samples.iter().map(|v| median(&times(v))).collect();
         let (s, p) = (m[1] / m[0], m[3] / m[2]);

@@ -24,6 +24,7 @@ use crate::cluster::{
 use crate::measure::{median, run_quiet};
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
+use sluice_e2e::agent_addrs;
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{CacheListing, CacheStats, Request, Response, StageProgress, StageState};
 use std::net::TcpStream;
@@ -142,17 +143,7 @@ impl Bench {
         let _ = Command::new("kill")
             .args(["-KILL", &pid.to_string()])
             .status();
-        let ports: Vec<String> = ["SLUICE_TEST_PEER_ADDRS", "SLUICE_TEST_METRICS_ADDRS"]
-            .iter()
-            .flat_map(|v| {
-                self.env(v)
-                    .split_whitespace()
-                    .filter_map(|kv| kv.split_once('='))
-                    .filter(|(n, _)| *n == NODE)
-                    .map(|(_, a)| a.to_string())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        let ports = agent_addrs(|v| self.env(v), NODE);
         let t = Instant::now();
         loop {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();

@@ -93,13 +93,11 @@ pub fn measure(cmd: &mut Command) -> Result<Sample> {
     let wall_s = t.elapsed().as_secs_f64();
     let cpu_s = children_cpu() - before;
     if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let tail: Vec<&str> = err.lines().rev().take(8).collect();
         bail!(
             "{:?} failed ({}): {}",
             cmd.get_program(),
             out.status,
-            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+            stderr_tail(&out.stderr, 8, " | ")
         );
     }
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -114,6 +112,31 @@ pub fn measure(cmd: &mut Command) -> Result<Sample> {
         stdout,
         extra,
     })
+}
+
+/// Runs each of `cases` cases `reps` times, `run(case, rep)`, every repetition starting one case
+/// later than the one before, so that no case always runs first (after whatever the case before
+/// it left); returns the results case by case, in the order of their repetitions.
+pub fn interleaved<T>(
+    cases: usize,
+    reps: usize,
+    mut run: impl FnMut(usize, usize) -> Result<T>,
+) -> Result<Vec<Vec<T>>> {
+    let mut out: Vec<Vec<T>> = (0..cases).map(|_| Vec::new()).collect();
+    for rep in 0..reps {
+        for k in 0..cases {
+            let i = (k + rep) % cases;
+            out[i].push(run(i, rep)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The last `n` lines of a command's stderr, joined by `sep`: what a failure message quotes.
+pub fn stderr_tail(stderr: &[u8], n: usize, sep: &str) -> String {
+    let err = String::from_utf8_lossy(stderr);
+    let tail: Vec<&str> = err.lines().rev().take(n).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join(sep)
 }
 
 /// Runs an unmeasured helper command (setup, cleanup); errors carry stderr's tail.

@@ -16,7 +16,7 @@
 //! the agent's flush to the NVMe hot tier and the archive upload. One job per repetition.
 
 use crate::cluster::Patience;
-use crate::measure::median;
+use crate::measure::{median, stderr_tail};
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
 use std::os::unix::fs::{PermissionsExt, chown};
@@ -130,13 +130,11 @@ impl Bench {
             .output()
             .with_context(|| format!("running {}", py.display()))?;
         if !out.status.success() {
-            let err = String::from_utf8_lossy(&out.stderr);
-            let tail: Vec<&str> = err.lines().rev().take(12).collect();
             bail!(
                 "{} exited {}: {}",
                 script.display(),
                 out.status,
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                stderr_tail(&out.stderr, 12, "\n")
             );
         }
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -256,28 +254,24 @@ impl Bench {
         }
         // The synchronous calls write (and fsync) before they return: what they cost, not the
         // stall a training loop that wants the target takes (it uses the asynchronous forms).
-        let sluice = secs("sluice");
-        if !sluice.is_empty() {
-            rows.push(row(
+        for (key, case, note) in [
+            (
+                "sluice",
                 "writer: dcp.save(SluiceWriter) to tmpfs, stall (synchronous)",
-                &sluice,
-                memcpy_name,
-                &memcpy,
-                false,
                 "the call's time, in-process (perf_counter): serialise, write, fsync, commit before it returns",
-            ));
-        }
-        let save = secs("sluice-save");
-        if !save.is_empty() {
-            rows.push(row(
+            ),
+            (
+                "sluice-save",
                 "writer: sluice_ckpt.save (torch.save) to tmpfs, stall (synchronous)",
-                &save,
-                memcpy_name,
-                &memcpy,
-                false,
                 "one file through the aligned writer, fsynced, before it returns",
-            ));
+            ),
+        ] {
+            let samples = secs(key);
+            if !samples.is_empty() {
+                rows.push(row(case, &samples, memcpy_name, &memcpy, false, note));
+            }
         }
+        let sluice = secs("sluice");
         for (tool, name, note) in [
             (
                 "dcp-hot",

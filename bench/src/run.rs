@@ -6,7 +6,9 @@
 //! exactly like the peers: wall time from spawn to exit, and user + system CPU of the process tree.
 
 use crate::data::{self, Kind};
-use crate::measure::{Sample, measure, median, process_cpu_s, run_quiet, sync, thread_cpu_s};
+use crate::measure::{
+    Sample, interleaved, measure, median, process_cpu_s, run_quiet, sync, thread_cpu_s,
+};
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -580,28 +582,23 @@ impl Bench {
     // ------------------------------------------------------------------------------------ runs
 
     fn run_tools(&self, case: &str, tools: &[Tool], reps: usize) -> Result<Vec<Vec<Sample>>> {
-        let mut out: Vec<Vec<Sample>> = tools.iter().map(|_| Vec::new()).collect();
-        for rep in 0..reps {
-            for k in 0..tools.len() {
-                let i = (k + rep) % tools.len();
-                let t = &tools[i];
-                (t.prepare)(rep).with_context(|| format!("preparing {}", t.name))?;
-                sync();
-                let mut s = measure(&mut (t.command)(rep))
-                    .with_context(|| format!("{} (repetition {})", t.name, rep + 1))?;
-                (t.after)(rep, &mut s)
-                    .with_context(|| format!("{} (repetition {})", t.name, rep + 1))?;
-                log(format!(
-                    "{case}: {} {}/{reps}: {:.2} s, CPU {:.2} s",
-                    t.name,
-                    rep + 1,
-                    s.wall_s,
-                    s.cpu_s
-                ));
-                out[i].push(s);
-            }
-        }
-        Ok(out)
+        interleaved(tools.len(), reps, |i, rep| {
+            let t = &tools[i];
+            (t.prepare)(rep).with_context(|| format!("preparing {}", t.name))?;
+            sync();
+            let mut s = measure(&mut (t.command)(rep))
+                .with_context(|| format!("{} (repetition {})", t.name, rep + 1))?;
+            (t.after)(rep, &mut s)
+                .with_context(|| format!("{} (repetition {})", t.name, rep + 1))?;
+            log(format!(
+                "{case}: {} {}/{reps}: {:.2} s, CPU {:.2} s",
+                t.name,
+                rep + 1,
+                s.wall_s,
+                s.cpu_s
+            ));
+            Ok(s)
+        })
     }
 
     /// Runs `t` once, untimed and checked as usual. The first run of a case pays for whatever the

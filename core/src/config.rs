@@ -525,12 +525,7 @@ fn peer_config(raw: &RawPeer, node: &str) -> Result<PeerConfig, String> {
             raw.secret_file.as_deref().unwrap_or("/etc/sluice/peer.key"),
             node,
         ),
-        unit_size: raw
-            .unit_size
-            .as_deref()
-            .map(parse_size)
-            .transpose()?
-            .unwrap_or(64 << 20),
+        unit_size: size(raw.unit_size.as_deref(), 64 << 20)?,
         concurrency: raw.concurrency.unwrap_or(8),
         connect_timeout: duration(
             "peer.connect_timeout",
@@ -750,6 +745,11 @@ fn duration(what: &str, v: Option<&str>, default: Duration) -> Result<Duration, 
         .map(|d| d.unwrap_or(default))
 }
 
+/// A size setting ([`parse_size`]), `default` when unset.
+fn size(v: Option<&str>, default: u64) -> Result<u64, String> {
+    v.map(parse_size).transpose().map(|s| s.unwrap_or(default))
+}
+
 /// `Err("{what}, got {v}")` unless `v` lies in `range`: the one shape of every range check of the
 /// configuration and the archive settings.
 pub fn within<T: PartialOrd + std::fmt::Display>(
@@ -956,20 +956,8 @@ impl Config {
         };
         let mut stage = StageConfig {
             concurrency: raw.stage.concurrency.unwrap_or(16),
-            part_size: raw
-                .stage
-                .part_size
-                .as_deref()
-                .map(parse_size)
-                .transpose()?
-                .unwrap_or(8 << 20),
-            memory: raw
-                .stage
-                .memory
-                .as_deref()
-                .map(parse_size)
-                .transpose()?
-                .unwrap_or(32 << 20),
+            part_size: size(raw.stage.part_size.as_deref(), 8 << 20)?,
+            memory: size(raw.stage.memory.as_deref(), 32 << 20)?,
             timeout: duration(
                 "stage.timeout",
                 raw.stage.timeout.as_deref(),
@@ -1023,12 +1011,7 @@ impl Config {
                 c.publish_wait.as_deref(),
                 Duration::from_secs(3600),
             )?,
-            part_size: c
-                .part_size
-                .as_deref()
-                .map(parse_size)
-                .transpose()?
-                .unwrap_or(16 << 20),
+            part_size: size(c.part_size.as_deref(), 16 << 20)?,
             concurrency: c.concurrency.unwrap_or(8),
             zstd_level: c.zstd_level.unwrap_or(1),
             bandwidth_limit: c

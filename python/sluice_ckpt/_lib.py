@@ -10,6 +10,7 @@ Where the library is, first found:
 
 import ctypes
 import errno
+import functools
 import glob
 import os
 import shutil
@@ -46,32 +47,41 @@ def library_path():
     )
 
 
-_lib = None
-_lib_lock = threading.Lock()
+def once(make):
+    """`make` made into a function that calls it once per process, even when threads ask at the
+    same time, and returns that result from then on (a call that raised is tried again)."""
+    lock = threading.Lock()
+    made = []
+
+    @functools.wraps(make)
+    def get():
+        with lock:
+            if not made:
+                made.append(make())
+            return made[0]
+
+    return get
 
 
+@once
 def lib():
     """The loaded library, with its functions' types declared (once per process)."""
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            # CDLL: ctypes releases the GIL for every call, so DCP's writer threads and the
-            # training thread run while a block is written.
-            l = ctypes.CDLL(library_path())
-            vp, sz, i, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p
-            l.sluice_writer_open.argtypes, l.sluice_writer_open.restype = [cp, sz], vp
-            l.sluice_writer_write.argtypes, l.sluice_writer_write.restype = [vp, vp, sz], i
-            l.sluice_writer_write_cuda.argtypes, l.sluice_writer_write_cuda.restype = [vp, vp, sz], i
-            l.sluice_writer_position.argtypes, l.sluice_writer_position.restype = [vp], ctypes.c_int64
-            l.sluice_writer_is_direct.argtypes, l.sluice_writer_is_direct.restype = [vp], i
-            l.sluice_writer_close.argtypes, l.sluice_writer_close.restype = [vp], i
-            l.sluice_writer_abort.argtypes, l.sluice_writer_abort.restype = [vp], None
-            l.sluice_writer_last_error.argtypes, l.sluice_writer_last_error.restype = [], cp
-            l.sluice_writer_version.argtypes, l.sluice_writer_version.restype = [], cp
-            l.sluice_cufile_probe.argtypes = [cp, ctypes.c_uint, ctypes.c_char_p, sz]
-            l.sluice_cufile_probe.restype = i
-            _lib = l
-        return _lib
+    # CDLL: ctypes releases the GIL for every call, so DCP's writer threads and the
+    # training thread run while a block is written.
+    l = ctypes.CDLL(library_path())
+    vp, sz, i, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p
+    l.sluice_writer_open.argtypes, l.sluice_writer_open.restype = [cp, sz], vp
+    l.sluice_writer_write.argtypes, l.sluice_writer_write.restype = [vp, vp, sz], i
+    l.sluice_writer_write_cuda.argtypes, l.sluice_writer_write_cuda.restype = [vp, vp, sz], i
+    l.sluice_writer_position.argtypes, l.sluice_writer_position.restype = [vp], ctypes.c_int64
+    l.sluice_writer_is_direct.argtypes, l.sluice_writer_is_direct.restype = [vp], i
+    l.sluice_writer_close.argtypes, l.sluice_writer_close.restype = [vp], i
+    l.sluice_writer_abort.argtypes, l.sluice_writer_abort.restype = [vp], None
+    l.sluice_writer_last_error.argtypes, l.sluice_writer_last_error.restype = [], cp
+    l.sluice_writer_version.argtypes, l.sluice_writer_version.restype = [], cp
+    l.sluice_cufile_probe.argtypes = [cp, ctypes.c_uint, ctypes.c_char_p, sz]
+    l.sluice_cufile_probe.restype = i
+    return l
 
 
 def _fail(rc, what):

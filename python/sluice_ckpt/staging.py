@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ._lib import once
+
 __all__ = ["Lease", "Stager", "default_stager"]
 
 
@@ -150,14 +152,7 @@ class Stager:
         self._signature = None
 
 
-_default = None
-_default_lock = threading.Lock()
-
-
+@once
 def default_stager():
     """The process's Stager, shared by SluiceWriter (dcp.async_save) and save(async_=True)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Stager()
-        return _default
+    return Stager()

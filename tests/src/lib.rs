@@ -3,9 +3,39 @@
 //! origin and the plain relay under it (see [`relay`]), and what a store itself says of an object's
 //! storage class (see [`storage_class`]), which the archive crate's conformance suite reads too,
 //! and what the agent's and the CLI's tests of their binaries' man pages, shell completions and
-//! `--help` share (see [`pages`]).
+//! `--help` share (see [`pages`]), and how the harness's env file names an agent's ports, which the
+//! bench reads too (see [`agent_addrs`]).
 
 pub mod pages;
+
+/// The addresses `node`'s agent listens on, its peer and its metrics port, from the harness's env
+/// file (`tests/harness/cluster.sh up`), whose variables `var` reads: each lists every node's
+/// `node=host:port`, separated by spaces.
+pub fn agent_addrs(var: impl Fn(&str) -> String, node: &str) -> Vec<String> {
+    ["SLUICE_TEST_PEER_ADDRS", "SLUICE_TEST_METRICS_ADDRS"]
+        .iter()
+        .flat_map(|v| {
+            var(v)
+                .split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .filter(|(n, _)| *n == node)
+                .map(|(_, a)| a.to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+#[test]
+fn agent_addrs_reads_the_nodes_entries() {
+    let var = |v: &str| match v {
+        "SLUICE_TEST_PEER_ADDRS" => "n1=127.0.0.1:7001 n2=127.0.0.1:7002 ".to_string(),
+        "SLUICE_TEST_METRICS_ADDRS" => "n1=127.0.0.1:9001 n2=127.0.0.1:9002 ".to_string(),
+        _ => String::new(),
+    };
+    assert_eq!(agent_addrs(var, "n2"), ["127.0.0.1:7002", "127.0.0.1:9002"]);
+    assert!(agent_addrs(var, "n3").is_empty());
+}
 
 pub mod relay {
     //! TCP relays in front of a server, stopping (and cutting their connections) when dropped.

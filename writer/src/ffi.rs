@@ -124,6 +124,37 @@ pub unsafe extern "C" fn sluice_writer_open(path: *const c_char, block_size: usi
     )
 }
 
+/// The shape of both writes: 0 or `-errno`; `write` runs on the live writer `w` unless there is
+/// nothing to write (`len` 0, where `data` may be NULL); a NULL `data` with bytes to write is
+/// refused (`what` names it in the message).
+///
+/// # Safety
+/// `w` must be null or a pointer from `sluice_writer_open` not yet closed, used by one thread at
+/// a time (as for [`handle`]).
+unsafe fn write_call(
+    w: *mut Handle,
+    data: *const c_void,
+    len: usize,
+    what: &str,
+    write: impl FnOnce(&mut Handle) -> Result<(), Failure>,
+) -> c_int {
+    guard(
+        |e| -e,
+        || {
+            // SAFETY: by this function's contract.
+            let h = unsafe { handle(w) }?;
+            if len == 0 {
+                return Ok(0);
+            }
+            if data.is_null() {
+                return Err(invalid(format!("{what} is NULL")));
+            }
+            write(h)?;
+            Ok(0)
+        },
+    )
+}
+
 /// See `sluice_writer.h`.
 ///
 /// # Safety
@@ -134,24 +165,14 @@ pub unsafe extern "C" fn sluice_writer_write(
     buf: *const c_void,
     len: usize,
 ) -> c_int {
-    guard(
-        |e| -e,
-        || {
-            // SAFETY: `w` is a live writer of this thread (header contract).
-            let h = unsafe { handle(w) }?;
-            if len == 0 {
-                return Ok(0);
-            }
-            if buf.is_null() {
-                return Err(invalid("buf is NULL"));
-            }
-            // SAFETY: non-null, and `len` readable bytes that the caller does not change during
-            // the call (header contract); they are copied before it returns.
-            let bytes = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) };
-            h.writer.write(bytes)?;
-            Ok(0)
-        },
-    )
+    let write = |h: &mut Handle| {
+        // SAFETY: non-null, and `len` readable bytes that the caller does not change during the
+        // call (header contract); they are copied before it returns.
+        let bytes = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) };
+        Ok(h.writer.write(bytes)?)
+    };
+    // SAFETY: `w` is a live writer of this thread (header contract).
+    unsafe { write_call(w, buf, len, "buf", write) }
 }
 
 /// See `sluice_writer.h`.
@@ -164,34 +185,24 @@ pub unsafe extern "C" fn sluice_writer_write_cuda(
     devptr: *const c_void,
     len: usize,
 ) -> c_int {
-    guard(
-        |e| -e,
-        || {
-            // SAFETY: `w` is a live writer of this thread (header contract).
-            let h = unsafe { handle(w) }?;
-            if len == 0 {
-                return Ok(0);
-            }
-            if devptr.is_null() {
-                return Err(invalid("devptr is NULL"));
-            }
-            let unsupported = |message: String| Failure {
-                errno: libc::EOPNOTSUPP,
-                message,
-            };
-            if h.cufile.is_none() {
-                h.cufile = Some(CuFileHandle::register(&h.writer).map_err(unsupported)?);
-            }
-            let cu = h.cufile.as_ref().expect("registered above");
-            // SAFETY: `devptr` is `len` bytes of device memory, unchanged during the call
-            // (header contract), and `cu` is the registration of this handle's writer.
-            unsafe { cu.write(&mut h.writer, devptr, len) }.map_err(|message| Failure {
-                errno: libc::EIO,
-                message,
-            })?;
-            Ok(0)
-        },
-    )
+    let write = |h: &mut Handle| {
+        let unsupported = |message: String| Failure {
+            errno: libc::EOPNOTSUPP,
+            message,
+        };
+        if h.cufile.is_none() {
+            h.cufile = Some(CuFileHandle::register(&h.writer).map_err(unsupported)?);
+        }
+        let cu = h.cufile.as_ref().expect("registered above");
+        // SAFETY: `devptr` is `len` bytes of device memory, unchanged during the call (header
+        // contract), and `cu` is the registration of this handle's writer.
+        unsafe { cu.write(&mut h.writer, devptr, len) }.map_err(|message| Failure {
+            errno: libc::EIO,
+            message,
+        })
+    };
+    // SAFETY: `w` is a live writer of this thread (header contract).
+    unsafe { write_call(w, devptr, len, "devptr", write) }
 }
 
 /// See `sluice_writer.h`.

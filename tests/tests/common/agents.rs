@@ -6,6 +6,7 @@
 use super::cluster::{Cluster, run, run_dir, tail_of, unique, write_atomically};
 use super::jobs::Job;
 use super::trees::SplitMix64;
+use sluice_e2e::agent_addrs;
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{CkptStatus, JobStatus, Request, Response, StageProgress};
 use std::fs;
@@ -338,17 +339,7 @@ impl Cluster {
     /// zombie until reaped, and its last threads may still hold its listeners.
     pub fn kill_agent_and_its_ports(&self, node: &str) -> AgentProcess {
         let agent = self.kill_agent(node);
-        let ports: Vec<String> = ["SLUICE_TEST_PEER_ADDRS", "SLUICE_TEST_METRICS_ADDRS"]
-            .iter()
-            .flat_map(|var| {
-                self.var(var)
-                    .split_whitespace()
-                    .filter_map(|kv| kv.split_once('='))
-                    .filter(|(n, _)| *n == node)
-                    .map(|(_, a)| a.to_string())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        let ports = agent_addrs(|v| self.var(v).to_string(), node);
         self.wait_for(
             &format!("the ports {ports:?} of {node}'s killed agent to close"),
             Duration::from_secs(20),
