@@ -153,12 +153,16 @@ impl TestAgent {
 
     /// Starts a job whose set-up must fail; returns why it failed, as its tasks see it.
     async fn fails_to_set_up(&self, start: Request) -> String {
-        let Request::JobStart(ref js) = start else {
-            panic!("not a job start: {start:?}")
-        };
-        let job_id = js.job_id;
+        let job_id = job_id(&start);
         self.job(start).await;
         self.set_up_fails(job_id).await.message
+    }
+
+    /// Starts a job ([`Self::job`]) and waits for it ([`Self::ready`]): its checkpoint directory.
+    async fn ckpt_dir_of(&self, start: Request) -> PathBuf {
+        let job_id = job_id(&start);
+        self.job(start).await;
+        PathBuf::from(self.ready(job_id).await.ckpt_dir)
     }
 
     /// `sluice ckpt commit TAG` of job `job_id`; panics unless the agent takes it.
@@ -314,17 +318,7 @@ root_test! {
     async fn a_missing_or_unreadable_dataset_fails_the_job_with_a_clear_message() {
         let t = root_agent().await;
         t.job(job_start(21, "/nonexistent/imagenet")).await;
-        let e = t
-            .call(Request::WaitStaged {
-                job_id: 21,
-                timeout_ms: 20_000,
-            step: None,
-            })
-            .await
-            .unwrap_err();
-        let ClientError::Agent(e) = e else {
-            panic!("{e}")
-        };
+        let e = t.set_up_fails(21).await;
         assert_eq!(e.code, ErrorCode::StageFailed);
         assert!(
             e.message.contains("/nonexistent/imagenet not found"),
@@ -387,6 +381,14 @@ fn unwritable_archive(dir: &Path) -> String {
     std::fs::create_dir_all(dir).unwrap();
     std::os::unix::fs::chown(dir, Some(NOBODY), Some(NOBODY)).unwrap();
     format!("file://{}", dir.display())
+}
+
+/// The job a job start starts.
+fn job_id(start: &Request) -> u32 {
+    let Request::JobStart(js) = start else {
+        panic!("not a job start: {start:?}")
+    };
+    js.job_id
 }
 
 fn ckpt_job(job_id: u32, archive: &str, extra: &[(&str, &str)]) -> Request {
@@ -656,8 +658,7 @@ root_test! {
         };
 
         // A (nobody) archives step-1.
-        t.job(ckpt_job(61, &url, &[])).await;
-        let a_ckpt = PathBuf::from(t.ready(61).await.ckpt_dir);
+        let a_ckpt = t.ckpt_dir_of(ckpt_job(61, &url, &[])).await;
         write_ckpt(&a_ckpt, "step-1", 3, false);
         let a_optim = std::fs::read(a_ckpt.join("step-1/optim.pt")).unwrap();
         t.commit(61, "step-1").await;
@@ -691,8 +692,7 @@ root_test! {
 
         // B archives into the same prefix: its own step-2 is published, but its step-1 would overwrite
         // A's and is refused.
-        t.job(ckpt_job_as(64, OTHER, "other", &url, &[])).await;
-        let b_ckpt = PathBuf::from(t.ready(64).await.ckpt_dir);
+        let b_ckpt = t.ckpt_dir_of(ckpt_job_as(64, OTHER, "other", &url, &[])).await;
         write_ckpt(&b_ckpt, "step-1", 7, false);
         write_ckpt(&b_ckpt, "step-2", 9, false);
         chown_tree(&b_ckpt.join("step-1"), OTHER);
@@ -830,8 +830,7 @@ root_test! {
         wait_for_state(&t, 71, "s1", CkptState::Archived).await;
         t.call(Request::JobEnd { job_id: 71 }).await.unwrap();
         // Job 72 commits other bytes under the same tag.
-        t.job(ckpt_job(72, &url, &[("ckpt-keep", "1")])).await;
-        let ckpt72 = PathBuf::from(t.ready(72).await.ckpt_dir);
+        let ckpt72 = t.ckpt_dir_of(ckpt_job(72, &url, &[("ckpt-keep", "1")])).await;
         write_ckpt(&ckpt72, "s1", 4, false);
         assert_eq!(t.call(commit(72)).await.unwrap(), Response::Ok);
         let refused = wait_for_state(&t, 72, "s1", CkptState::Refused).await;
@@ -879,8 +878,7 @@ root_test! {
         std::fs::create_dir_all(&archive_dir).unwrap();
         std::os::unix::fs::chown(&archive_dir, Some(NOBODY), Some(NOBODY)).unwrap();
         let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(95, &url, &[])).await;
-        let ckpt = PathBuf::from(t.ready(95).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(95, &url, &[])).await;
         write_ckpt(&ckpt, "s1", 5, false);
         std::fs::create_dir_all(ckpt.join("torn")).unwrap();
         std::os::unix::fs::chown(ckpt.join("torn"), Some(NOBODY), Some(NOBODY)).unwrap();
@@ -913,8 +911,7 @@ root_test! {
         std::fs::create_dir_all(archive_dir.join("s1")).unwrap();
         std::fs::write(archive_dir.join("s1/MANIFEST"), b"not a manifest").unwrap();
         let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(96, &url, &[])).await;
-        let ckpt = PathBuf::from(t.ready(96).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(96, &url, &[])).await;
         write_ckpt(&ckpt, "s1", 6, false);
         let commit = Request::CkptCommit {
             job_id: 96,
@@ -944,8 +941,7 @@ root_test! {
         let t = start_with(tempfile::tempdir().unwrap(), "", "high_water = 1").await;
         let archive_dir = t.data.parent().unwrap().join("archive");
         let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(81, &url, &[])).await;
-        let ckpt = PathBuf::from(t.ready(81).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(81, &url, &[])).await;
         write_ckpt(&ckpt, "s1", 8, false);
         t.commit(81, "s1").await;
         wait_for_state(&t, 81, "s1", CkptState::Archived).await;
@@ -974,8 +970,7 @@ root_test! {
             unreachable!()
         };
         start.nodes = vec!["n1".into(), "ghost".into()]; // ghost's agent never answers
-        t.job(Request::JobStart(start)).await;
-        let ckpt = PathBuf::from(t.ready(81).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(Request::JobStart(start)).await;
         write_ckpt(&ckpt, "s1", 3, false);
         t.commit(81, "s1").await;
         let waiting = wait_for_state(&t, 81, "s1", CkptState::WaitingForNodes).await;
@@ -1112,8 +1107,7 @@ root_test! {
         );
         // No archive yet (its directory is another user's): the agent keeps retrying.
         let url = unwritable_archive(&archive);
-        t.job(ckpt_job(82, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt = PathBuf::from(t.ready(82).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(82, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 7, false);
         let tmp = t.stop().await;
         // What a kill mid-flush leaves: a partial copy under the flush's name, and the commit in
@@ -1184,8 +1178,7 @@ root_test! {
         let state = t.data.parent().unwrap().join("state/n1/jobs/87.json");
         // The archive is another user's directory for now: the first upload fails.
         let url = unwritable_archive(&archive);
-        t.job(ckpt_job(87, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt = PathBuf::from(t.ready(87).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(87, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 9, false);
         t.commit(87, "s1").await;
         let s1 = wait_for_state(&t, 87, "s1", CkptState::Retrying).await;
@@ -1231,8 +1224,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let state = t.data.parent().unwrap().join("state/n1/jobs/88.json");
-        t.job(nobody_job(88, "train", vec![("ckpt-tier".into(), "ram".into())])).await;
-        let ckpt = PathBuf::from(t.ready(88).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(nobody_job(88, "train", vec![("ckpt-tier".into(), "ram".into())])).await;
         let nvme = t.hot.join("jobs/88/ckpt");
         // Committed, with a warning that nothing will archive it.
         let commit = |tag: &str| Request::CkptCommit { job_id: 88, tag: tag.into() };
@@ -1277,12 +1269,10 @@ root_test! {
         let (t, ram) = ram_agent("16MiB").await;
         let archive = t.data.parent().unwrap().join("archive");
         let url = format!("file://{}", archive.display());
-        t.job(ckpt_job(89, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt89 = PathBuf::from(t.ready(89).await.ckpt_dir);
+        let ckpt89 = t.ckpt_dir_of(ckpt_job(89, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt89, "s1", 5, false);
         // Job 90 commits s1, but its flush cannot run (the hot tier's directory is not usable).
-        t.job(ckpt_job(90, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt90 = PathBuf::from(t.ready(90).await.ckpt_dir);
+        let ckpt90 = t.ckpt_dir_of(ckpt_job(90, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt90, "s1", 6, false);
         let hot90 = t.hot.join("jobs/90/ckpt");
         std::fs::rename(&hot90, t.hot.join("jobs/90/aside")).unwrap();
@@ -1350,8 +1340,7 @@ root_test! {
         let (t, _ram) = ram_agent("16MiB").await;
         let archive = t.data.parent().unwrap().join("archive");
         let url = unwritable_archive(&archive);
-        t.job(ckpt_job(91, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt = PathBuf::from(t.ready(91).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(91, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 3, false);
         t.commit(91, "s1").await;
         write_ckpt(&ckpt, "s2", 4, false);
@@ -1391,8 +1380,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
-        t.job(ckpt_job(92, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt = PathBuf::from(t.ready(92).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(92, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 3, false);
         let file = ckpt.join("s1/optim.pt");
         assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o644);
@@ -1506,8 +1494,7 @@ root_test! {
         let archive = t.data.parent().unwrap().join("archive");
         let url = format!("file://{}", archive.display());
         let start = ckpt_job(93, &url, &[("ckpt-tier", "ram")]);
-        t.job(start.clone()).await;
-        let ckpt = PathBuf::from(t.ready(93).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(start.clone()).await;
         write_ckpt(&ckpt, "s1", 5, false);
         let saved = std::fs::read(ckpt.join("s1/shards/rank0.bin")).unwrap();
         std::fs::create_dir_all(ckpt.join("torn")).unwrap();
@@ -1561,8 +1548,7 @@ root_test! {
         let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
         let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
         let start = ckpt_job(94, &url, &[("ckpt-tier", "ram")]);
-        t.job(start.clone()).await;
-        let ckpt = PathBuf::from(t.ready(94).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(start.clone()).await;
         write_ckpt(&ckpt, "s1", 6, false);
         t.commit(94, "s1").await;
         wait_for_state(&t, 94, "s1", CkptState::Retrying).await;
@@ -1606,8 +1592,7 @@ root_test! {
         let t = start_scanning(tmp, "", "", "1h").await;
         let archive = t.data.parent().unwrap().join("archive");
         let url = format!("file://{}", archive.display());
-        t.job(ckpt_job(91, &url, &[])).await;
-        let ckpt = PathBuf::from(t.ready(91).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(91, &url, &[])).await;
         write_ckpt(&ckpt, "dcp-1", 4, true);
         assert_eq!(
             t.call(Request::JobEnd { job_id: 91 }).await.unwrap(),

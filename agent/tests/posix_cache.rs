@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 mod small_files;
 #[path = "support/tree.rs"]
 mod tree;
-use small_files::{small_file, small_files};
+use small_files::{big_file, small_file, small_files};
 use tree::tree;
 
 /// A user the helper runs as: uid, gid, name.
@@ -63,11 +63,7 @@ fn user(name: &str) -> User {
 /// The source: a file of several helper pieces (a big one, read-only), small files in nested
 /// directories, one of mode 0600, an empty one, a link.
 fn source(dir: &Path) -> u64 {
-    let big: Vec<u8> = (0..(5 << 20) + 777u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
-    std::fs::write(dir.join("big.bin"), &big).unwrap();
-    let bytes = big.len() as u64 + small_files(dir, 20);
+    let bytes = big_file(dir, (5 << 20) + 777) + small_files(dir, 20);
     std::fs::write(dir.join("empty"), b"").unwrap();
     std::os::unix::fs::symlink("big.bin", dir.join("link")).unwrap();
     // Readable to everyone (a dataset on a shared file system), one file the owner's alone.
@@ -77,7 +73,6 @@ fn source(dir: &Path) -> u64 {
     for d in ["", "small", "small/deeper"] {
         chmod(d, 0o755);
     }
-    chmod("big.bin", 0o444);
     for i in 0..20 {
         chmod(&small_file(i), 0o644);
     }

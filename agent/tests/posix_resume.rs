@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 mod small_files;
 #[path = "support/tree.rs"]
 mod tree;
-use small_files::small_files;
+use small_files::{big_file, small_files};
 use tree::tree;
 
 const JOB: u32 = 42;
@@ -46,12 +46,7 @@ fn me() -> (Owner, String) {
 
 /// The source: a big read-only file, small files in nested directories, an empty one, a link.
 fn source(dir: &Path) -> u64 {
-    let big: Vec<u8> = (0..(3 << 20) + 777u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
-    std::fs::write(dir.join("big.bin"), &big).unwrap();
-    std::fs::set_permissions(dir.join("big.bin"), std::fs::Permissions::from_mode(0o444)).unwrap();
-    let bytes = big.len() as u64 + small_files(dir, 12);
+    let bytes = big_file(dir, (3 << 20) + 777) + small_files(dir, 12);
     std::fs::set_permissions(
         dir.join("small/part-001.bin"),
         std::fs::Permissions::from_mode(0o600),
