@@ -158,11 +158,16 @@ impl TestAgent {
         self.set_up_fails(job_id).await.message
     }
 
-    /// Starts a job ([`Self::job`]) and waits for it ([`Self::ready`]): its checkpoint directory.
-    async fn ckpt_dir_of(&self, start: Request) -> PathBuf {
+    /// Starts a job ([`Self::job`]) and waits for it ([`Self::ready`]): its directories.
+    async fn started(&self, start: Request) -> sluice_proto::msg::JobDirs {
         let job_id = job_id(&start);
         self.job(start).await;
-        PathBuf::from(self.ready(job_id).await.ckpt_dir)
+        self.ready(job_id).await
+    }
+
+    /// The checkpoint directory of a job [`Self::started`].
+    async fn ckpt_dir_of(&self, start: Request) -> PathBuf {
+        PathBuf::from(self.started(start).await.ckpt_dir)
     }
 
     /// `sluice ckpt commit TAG` of job `job_id`; panics unless the agent takes it.
@@ -450,8 +455,7 @@ root_test! {
         let t = root_agent().await;
         let archive_dir = t.data.parent().unwrap().join("archive");
         let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(41, &url, &[("ckpt-keep", "1")])).await;
-        let dirs = t.ready(41).await;
+        let dirs = t.started(ckpt_job(41, &url, &[("ckpt-keep", "1")])).await;
         let ckpt = PathBuf::from(&dirs.ckpt_dir);
 
         // Explicit commit.
@@ -503,9 +507,7 @@ root_test! {
         // where job 41 left it, after verifying it against the archive's MANIFEST.
         let optim = std::fs::read(ckpt.join("step-2/optim.pt")).unwrap();
         let rank0 = std::fs::read(ckpt.join("step-2/shards/rank0.bin")).unwrap();
-        t.job(ckpt_job(42, &url, &[("ckpt-restore", "latest")]))
-            .await;
-        let dirs2 = t.ready(42).await;
+        let dirs2 = t.started(ckpt_job(42, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(dirs2.restored_tag.as_deref(), Some("step-2"));
         assert!(
             dirs2.notes.iter().any(|n| n.contains("hot tier")),
@@ -534,9 +536,7 @@ root_test! {
         );
         std::fs::write(restored.join("optim.pt"), b"tampered").unwrap();
         std::os::unix::fs::lchown(restored.join("optim.pt"), Some(NOBODY), Some(NOBODY)).unwrap();
-        t.job(ckpt_job(45, &url, &[("ckpt-restore", "step-2")]))
-            .await;
-        let d = t.ready(45).await;
+        let d = t.started(ckpt_job(45, &url, &[("ckpt-restore", "step-2")])).await;
         assert!(
             !d.notes.iter().any(|n| n.contains("hot tier")),
             "{:?}",
@@ -553,9 +553,7 @@ root_test! {
         let last = bytes.len() - 1;
         bytes[last] ^= 0xff;
         std::fs::write(&victim, bytes).unwrap();
-        t.job(ckpt_job(43, &url, &[("ckpt-restore", "latest")]))
-            .await;
-        let dirs3 = t.ready(43).await;
+        let dirs3 = t.started(ckpt_job(43, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(dirs3.restored_tag.as_deref(), Some("step-1"));
         assert_note(&dirs3, |n| {
             n.contains("step-2") && n.contains("falling back")
@@ -722,9 +720,7 @@ root_test! {
         );
 
         // A's `latest` restores A's step-1, whole, not B's newer step-2, and says it skipped it.
-        t.job(ckpt_job(65, &url, &[("ckpt-restore", "latest")]))
-            .await;
-        let d = t.ready(65).await;
+        let d = t.started(ckpt_job(65, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(d.restored_tag.as_deref(), Some("step-1"));
         assert_note(&d, |n| {
             n.contains("skipped 1 checkpoint(s)") && n.contains("(step-2)")
@@ -746,8 +742,7 @@ root_test! {
         // Slurm requeues the job and its new run's prolog arrives (with other options): the old run is
         // over, and its checkpoint worker has every reason to clean up `jobs/91` — which is the new
         // run's directory now.
-        t.job(job_start(91, &format!("again={src}"))).await;
-        let dirs = t.ready(91).await;
+        let dirs = t.started(job_start(91, &format!("again={src}"))).await;
         let staged = Path::new(&dirs.stage_dir).join("again/labels.txt");
         let journal = keep.join("state/n1/jobs");
         for _ in 0..30 {
@@ -774,9 +769,7 @@ root_test! {
         let t = root_agent().await;
         let archive_dir = t.data.parent().unwrap().join("archive");
         let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(61, &url, &[("ckpt-restore", "latest")]))
-            .await;
-        let dirs = t.ready(61).await;
+        let dirs = t.started(ckpt_job(61, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(dirs.restored_tag, None);
         assert_note(&dirs, |n| {
             n.contains("holds no checkpoint yet; the job starts fresh")
@@ -1048,8 +1041,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
-        t.job(ckpt_job(81, &url, &[("ckpt-tier", "ram")])).await;
-        let dirs = t.ready(81).await;
+        let dirs = t.started(ckpt_job(81, &url, &[("ckpt-tier", "ram")])).await;
         let ckpt = PathBuf::from(&dirs.ckpt_dir);
         assert_eq!(ckpt, ram.join("jobs/81/ckpt"), "$SLUICE_CKPT_DIR is not on the RAM tier");
         let fs = nix::sys::statfs::statfs(&ckpt).unwrap();
@@ -1150,8 +1142,7 @@ root_test! {
             t.job(ckpt_job(id, &url, &[("ckpt-tier", "ram")])).await;
             assert!(t.ready(id).await.ckpt_dir.starts_with(ram.to_str().unwrap()));
         }
-        t.job(ckpt_job(86, &url, &[("ckpt-tier", "ram")])).await;
-        let dirs = t.ready(86).await;
+        let dirs = t.started(ckpt_job(86, &url, &[("ckpt-tier", "ram")])).await;
         assert_eq!(PathBuf::from(&dirs.ckpt_dir), t.hot.join("jobs/86/ckpt"));
         assert_note(&dirs, |n| n.contains("RAM tier of node n1 is full") && n.contains("NVMe hot tier"));
         t.stop().await;

@@ -8,7 +8,7 @@ use sluice_agent::cache::Cache;
 use sluice_agent::peer::{ClusterSecret, PeerServer, PeerService, ServerConfig};
 use sluice_agent::stage::{self, Budget, NodePeers, Progress, Sharing, StageCtx};
 use sluice_proto::options::{StageSpec, parse_stage_entry};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,11 +27,7 @@ fn user_name() -> String {
 /// are), small files, an empty one, a nested one, a file of mode 0600, a symbolic link.
 fn source(dir: &Path) -> u64 {
     let bytes = big_file(dir, (3 << 20) + 12_345) + small_files(dir, 30);
-    std::fs::set_permissions(
-        dir.join("small/part-007.bin"),
-        std::fs::Permissions::from_mode(0o600),
-    )
-    .unwrap();
+    chmod(dir, "small/part-007.bin", 0o600);
     std::fs::write(dir.join("empty"), b"").unwrap();
     std::fs::create_dir_all(dir.join("a/b")).unwrap();
     std::fs::write(dir.join("a/b/deep.txt"), b"deep").unwrap();
@@ -41,7 +37,7 @@ fn source(dir: &Path) -> u64 {
 
 #[path = "support/small_files.rs"]
 mod small_files;
-use small_files::{big_file, small_file, small_files};
+use small_files::{big_file, chmod, small_file, small_files};
 // The job's nodes, set up as the peer unit tests (`agent/src/stage/peers/tests.rs`) set up theirs.
 #[path = "support/peer_nodes.rs"]
 mod peer_nodes;

@@ -12,7 +12,7 @@ use sluice_core::safefs::{self, Owner};
 use sluice_proto::msg::StageProgress;
 use sluice_proto::options::parse_stage_entry;
 use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 mod small_files;
 #[path = "support/tree.rs"]
 mod tree;
-use small_files::{big_file, small_files};
+use small_files::{big_file, chmod, small_files};
 use tree::tree;
 
 const JOB: u32 = 42;
@@ -47,11 +47,7 @@ fn me() -> (Owner, String) {
 /// The source: a big read-only file, small files in nested directories, an empty one, a link.
 fn source(dir: &Path) -> u64 {
     let bytes = big_file(dir, (3 << 20) + 777) + small_files(dir, 12);
-    std::fs::set_permissions(
-        dir.join("small/part-001.bin"),
-        std::fs::Permissions::from_mode(0o600),
-    )
-    .unwrap();
+    chmod(dir, "small/part-001.bin", 0o600);
     std::fs::write(dir.join("empty"), b"").unwrap();
     std::os::unix::fs::symlink("big.bin", dir.join("link")).unwrap();
     bytes

@@ -11,10 +11,14 @@ pub fn big_file(dir: &Path, len: u32) -> u64 {
     let big: Vec<u8> = (0..len)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
         .collect();
-    let path = dir.join("big.bin");
-    std::fs::write(&path, &big).unwrap();
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444)).unwrap();
+    std::fs::write(dir.join("big.bin"), &big).unwrap();
+    chmod(dir, "big.bin", 0o444);
     len.into()
+}
+
+/// Sets the mode of `rel` below `dir`.
+pub fn chmod(dir: &Path, rel: &str, mode: u32) {
+    std::fs::set_permissions(dir.join(rel), std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
 /// The `i`th small file: every third in `small/deeper`, the others in `small`.
