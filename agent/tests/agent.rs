@@ -192,6 +192,16 @@ impl TestAgent {
         }
     }
 
+    /// The directory of the tests' `file://` archive, beside the agent's data.
+    fn archive_dir(&self) -> PathBuf {
+        self.data.parent().unwrap().join("archive")
+    }
+
+    /// The URL of [`Self::archive_dir`].
+    fn archive_url(&self) -> String {
+        format!("file://{}", self.archive_dir().display())
+    }
+
     /// The agent's journal directory (`state_dir`).
     fn keep_state(&self) -> PathBuf {
         self._tmp.path().join("state/n1")
@@ -453,8 +463,7 @@ root_test! {
     async fn checkpoints_are_committed_archived_trimmed_and_restored() {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive_dir.display());
+        let (archive_dir, url) = (t.archive_dir(), t.archive_url());
         let dirs = t.started(ckpt_job(41, &url, &[("ckpt-keep", "1")])).await;
         let ckpt = PathBuf::from(&dirs.ckpt_dir);
 
@@ -647,8 +656,7 @@ root_test! {
     async fn restore_gives_only_the_users_own_checkpoints_from_a_shared_prefix() {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive_dir.display());
+        let (archive_dir, url) = (t.archive_dir(), t.archive_url());
         let chown_tree = |dir: &Path, uid: u32| {
             for e in walk(dir) {
                 std::os::unix::fs::lchown(&e, Some(uid), Some(uid)).unwrap();
@@ -767,8 +775,7 @@ root_test! {
     /// says so (the first run of a `--requeue` job); a named tag that is not there still fails the job.
     async fn restore_latest_from_an_empty_archive_starts_fresh_with_a_note() {
         let t = root_agent().await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive_dir.display());
+        let url = t.archive_url();
         let dirs = t.started(ckpt_job(61, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(dirs.restored_tag, None);
         assert_note(&dirs, |n| {
@@ -811,7 +818,7 @@ root_test! {
     async fn a_reused_tag_with_other_content_is_refused_and_kept() {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         let commit = |job_id: u32| Request::CkptCommit {
             job_id,
             tag: "s1".into(),
@@ -867,7 +874,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
         // An archive the agent refuses to open for now (a user owns its directory): commits pile up.
-        let archive_dir = t.data.parent().unwrap().join("archive");
+        let archive_dir = t.archive_dir();
         std::fs::create_dir_all(&archive_dir).unwrap();
         std::os::unix::fs::chown(&archive_dir, Some(NOBODY), Some(NOBODY)).unwrap();
         let url = format!("file://{}", archive_dir.display());
@@ -900,7 +907,7 @@ root_test! {
     async fn a_permanent_archive_error_is_final_and_keeps_the_copy() {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
+        let archive_dir = t.archive_dir();
         std::fs::create_dir_all(archive_dir.join("s1")).unwrap();
         std::fs::write(archive_dir.join("s1/MANIFEST"), b"not a manifest").unwrap();
         let url = format!("file://{}", archive_dir.display());
@@ -932,8 +939,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         // Any file system is more than 1 % full: always above the mark.
         let t = start_with(tempfile::tempdir().unwrap(), "", "high_water = 1").await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive_dir.display());
+        let (archive_dir, url) = (t.archive_dir(), t.archive_url());
         let ckpt = t.ckpt_dir_of(ckpt_job(81, &url, &[])).await;
         write_ckpt(&ckpt, "s1", 8, false);
         t.commit(81, "s1").await;
@@ -958,7 +964,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let tmp = tempfile::tempdir().unwrap();
         let t = start_with(tmp, "", "publish_wait = '3s'").await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         let Request::JobStart(mut start) = ckpt_job(81, &url, &[]) else {
             unreachable!()
         };
@@ -1040,7 +1046,7 @@ root_test! {
     async fn a_ram_tier_checkpoint_is_flushed_to_nvme_archived_and_freed() {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         let dirs = t.started(ckpt_job(81, &url, &[("ckpt-tier", "ram")])).await;
         let ckpt = PathBuf::from(&dirs.ckpt_dir);
         assert_eq!(ckpt, ram.join("jobs/81/ckpt"), "$SLUICE_CKPT_DIR is not on the RAM tier");
@@ -1094,7 +1100,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let (archive, nvme) = (
-            t.data.parent().unwrap().join("archive"),
+            t.archive_dir(),
             t.hot.join("jobs/82/ckpt"),
         );
         // No archive yet (its directory is another user's): the agent keeps retrying.
@@ -1128,7 +1134,7 @@ root_test! {
     /// with the node's RAM tier full, a job gets the hot tier and a note saying so.
     async fn without_room_on_the_ram_tier_a_job_is_told() {
         let t = root_agent().await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         t.job(ckpt_job(83, &url, &[("ckpt-tier", "ram")])).await;
         let e = t
             .refused(Request::WaitStaged { job_id: 83, timeout_ms: 20_000, step: None })
@@ -1137,7 +1143,7 @@ root_test! {
         t.stop().await;
         // Capacity 64 MiB, shares of 32 MiB: the third job finds none free.
         let (t, ram) = ram_agent("32MiB").await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         for id in [84, 85] {
             t.job(ckpt_job(id, &url, &[("ckpt-tier", "ram")])).await;
             assert!(t.ready(id).await.ckpt_dir.starts_with(ram.to_str().unwrap()));
@@ -1163,7 +1169,7 @@ root_test! {
         // Turns only when woken (by the commit): nothing reads the copy before the test damages it.
         let t = start_scanning(tmp, "", &fast, "1h").await;
         let (archive, nvme) = (
-            t.data.parent().unwrap().join("archive"),
+            t.archive_dir(),
             t.hot.join("jobs/87/ckpt"),
         );
         let state = t.data.parent().unwrap().join("state/n1/jobs/87.json");
@@ -1258,8 +1264,7 @@ root_test! {
     async fn a_ram_job_recovered_without_its_fast_tier_is_flushed_or_reported_lost() {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
-        let archive = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive.display());
+        let url = t.archive_url();
         let ckpt89 = t.ckpt_dir_of(ckpt_job(89, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt89, "s1", 5, false);
         // Job 90 commits s1, but its flush cannot run (the hot tier's directory is not usable).
@@ -1329,7 +1334,7 @@ root_test! {
     async fn with_the_archive_down_older_checkpoints_still_leave_ram() {
         use sluice_proto::msg::CkptState;
         let (t, _ram) = ram_agent("16MiB").await;
-        let archive = t.data.parent().unwrap().join("archive");
+        let archive = t.archive_dir();
         let url = unwritable_archive(&archive);
         let ckpt = t.ckpt_dir_of(ckpt_job(91, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 3, false);
@@ -1370,7 +1375,7 @@ root_test! {
     async fn a_ram_tier_checkpoint_is_private_to_the_job_user() {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         let ckpt = t.ckpt_dir_of(ckpt_job(92, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 3, false);
         let file = ckpt.join("s1/optim.pt");
@@ -1482,8 +1487,7 @@ root_test! {
     async fn a_requeue_keeps_the_ram_checkpoints_the_run_before_did_not_flush() {
         use sluice_proto::msg::CkptState;
         let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
-        let archive = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive.display());
+        let (archive, url) = (t.archive_dir(), t.archive_url());
         let start = ckpt_job(93, &url, &[("ckpt-tier", "ram")]);
         let ckpt = t.ckpt_dir_of(start.clone()).await;
         write_ckpt(&ckpt, "s1", 5, false);
@@ -1537,7 +1541,7 @@ root_test! {
     async fn a_ram_checkpoint_a_requeue_cannot_keep_is_reported_lost_to_the_new_run() {
         use sluice_proto::msg::CkptState;
         let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         let start = ckpt_job(94, &url, &[("ckpt-tier", "ram")]);
         let ckpt = t.ckpt_dir_of(start.clone()).await;
         write_ckpt(&ckpt, "s1", 6, false);
@@ -1581,8 +1585,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let tmp = tempfile::tempdir().unwrap();
         let t = start_scanning(tmp, "", "", "1h").await;
-        let archive = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive.display());
+        let (archive, url) = (t.archive_dir(), t.archive_url());
         let ckpt = t.ckpt_dir_of(ckpt_job(91, &url, &[])).await;
         write_ckpt(&ckpt, "dcp-1", 4, true);
         assert_eq!(
