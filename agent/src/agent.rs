@@ -626,8 +626,7 @@ impl Agent {
             uid: job.start.uid,
             gid: job.start.gid,
         };
-        let Some(peers) = node_peers.join_with(job_id, &job.start.nodes, owner, 1, &datasets)
-        else {
+        let Some(peers) = node_peers.join(job_id, &job.start.nodes, owner, 1, &datasets) else {
             return;
         };
         let (hot, state_dir) = (self.hot.clone(), self.cfg.state_dir.clone());

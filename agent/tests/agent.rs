@@ -153,12 +153,21 @@ impl TestAgent {
 
     /// Starts a job whose set-up must fail; returns why it failed, as its tasks see it.
     async fn fails_to_set_up(&self, start: Request) -> String {
-        let Request::JobStart(ref js) = start else {
-            panic!("not a job start: {start:?}")
-        };
-        let job_id = js.job_id;
+        let job_id = job_id(&start);
         self.job(start).await;
         self.set_up_fails(job_id).await.message
+    }
+
+    /// Starts a job ([`Self::job`]) and waits for it ([`Self::ready`]): its directories.
+    async fn started(&self, start: Request) -> sluice_proto::msg::JobDirs {
+        let job_id = job_id(&start);
+        self.job(start).await;
+        self.ready(job_id).await
+    }
+
+    /// The checkpoint directory of a job [`Self::started`].
+    async fn ckpt_dir_of(&self, start: Request) -> PathBuf {
+        PathBuf::from(self.started(start).await.ckpt_dir)
     }
 
     /// `sluice ckpt commit TAG` of job `job_id`; panics unless the agent takes it.
@@ -181,6 +190,16 @@ impl TestAgent {
             Err(ClientError::Agent(e)) => e,
             other => panic!("{req:?} was not refused: {other:?}"),
         }
+    }
+
+    /// The directory of the tests' `file://` archive, beside the agent's data.
+    fn archive_dir(&self) -> PathBuf {
+        self.data.parent().unwrap().join("archive")
+    }
+
+    /// The URL of [`Self::archive_dir`].
+    fn archive_url(&self) -> String {
+        format!("file://{}", self.archive_dir().display())
     }
 
     /// The agent's journal directory (`state_dir`).
@@ -314,17 +333,7 @@ root_test! {
     async fn a_missing_or_unreadable_dataset_fails_the_job_with_a_clear_message() {
         let t = root_agent().await;
         t.job(job_start(21, "/nonexistent/imagenet")).await;
-        let e = t
-            .call(Request::WaitStaged {
-                job_id: 21,
-                timeout_ms: 20_000,
-            step: None,
-            })
-            .await
-            .unwrap_err();
-        let ClientError::Agent(e) = e else {
-            panic!("{e}")
-        };
+        let e = t.set_up_fails(21).await;
         assert_eq!(e.code, ErrorCode::StageFailed);
         assert!(
             e.message.contains("/nonexistent/imagenet not found"),
@@ -389,6 +398,14 @@ fn unwritable_archive(dir: &Path) -> String {
     format!("file://{}", dir.display())
 }
 
+/// The job a job start starts.
+fn job_id(start: &Request) -> u32 {
+    let Request::JobStart(js) = start else {
+        panic!("not a job start: {start:?}")
+    };
+    js.job_id
+}
+
 fn ckpt_job(job_id: u32, archive: &str, extra: &[(&str, &str)]) -> Request {
     let mut options = vec![("ckpt-archive".to_string(), archive.to_string())];
     options.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
@@ -446,10 +463,8 @@ root_test! {
     async fn checkpoints_are_committed_archived_trimmed_and_restored() {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(41, &url, &[("ckpt-keep", "1")])).await;
-        let dirs = t.ready(41).await;
+        let (archive_dir, url) = (t.archive_dir(), t.archive_url());
+        let dirs = t.started(ckpt_job(41, &url, &[("ckpt-keep", "1")])).await;
         let ckpt = PathBuf::from(&dirs.ckpt_dir);
 
         // Explicit commit.
@@ -501,9 +516,7 @@ root_test! {
         // where job 41 left it, after verifying it against the archive's MANIFEST.
         let optim = std::fs::read(ckpt.join("step-2/optim.pt")).unwrap();
         let rank0 = std::fs::read(ckpt.join("step-2/shards/rank0.bin")).unwrap();
-        t.job(ckpt_job(42, &url, &[("ckpt-restore", "latest")]))
-            .await;
-        let dirs2 = t.ready(42).await;
+        let dirs2 = t.started(ckpt_job(42, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(dirs2.restored_tag.as_deref(), Some("step-2"));
         assert!(
             dirs2.notes.iter().any(|n| n.contains("hot tier")),
@@ -532,9 +545,7 @@ root_test! {
         );
         std::fs::write(restored.join("optim.pt"), b"tampered").unwrap();
         std::os::unix::fs::lchown(restored.join("optim.pt"), Some(NOBODY), Some(NOBODY)).unwrap();
-        t.job(ckpt_job(45, &url, &[("ckpt-restore", "step-2")]))
-            .await;
-        let d = t.ready(45).await;
+        let d = t.started(ckpt_job(45, &url, &[("ckpt-restore", "step-2")])).await;
         assert!(
             !d.notes.iter().any(|n| n.contains("hot tier")),
             "{:?}",
@@ -551,9 +562,7 @@ root_test! {
         let last = bytes.len() - 1;
         bytes[last] ^= 0xff;
         std::fs::write(&victim, bytes).unwrap();
-        t.job(ckpt_job(43, &url, &[("ckpt-restore", "latest")]))
-            .await;
-        let dirs3 = t.ready(43).await;
+        let dirs3 = t.started(ckpt_job(43, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(dirs3.restored_tag.as_deref(), Some("step-1"));
         assert_note(&dirs3, |n| {
             n.contains("step-2") && n.contains("falling back")
@@ -647,8 +656,7 @@ root_test! {
     async fn restore_gives_only_the_users_own_checkpoints_from_a_shared_prefix() {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive_dir.display());
+        let (archive_dir, url) = (t.archive_dir(), t.archive_url());
         let chown_tree = |dir: &Path, uid: u32| {
             for e in walk(dir) {
                 std::os::unix::fs::lchown(&e, Some(uid), Some(uid)).unwrap();
@@ -656,8 +664,7 @@ root_test! {
         };
 
         // A (nobody) archives step-1.
-        t.job(ckpt_job(61, &url, &[])).await;
-        let a_ckpt = PathBuf::from(t.ready(61).await.ckpt_dir);
+        let a_ckpt = t.ckpt_dir_of(ckpt_job(61, &url, &[])).await;
         write_ckpt(&a_ckpt, "step-1", 3, false);
         let a_optim = std::fs::read(a_ckpt.join("step-1/optim.pt")).unwrap();
         t.commit(61, "step-1").await;
@@ -691,8 +698,7 @@ root_test! {
 
         // B archives into the same prefix: its own step-2 is published, but its step-1 would overwrite
         // A's and is refused.
-        t.job(ckpt_job_as(64, OTHER, "other", &url, &[])).await;
-        let b_ckpt = PathBuf::from(t.ready(64).await.ckpt_dir);
+        let b_ckpt = t.ckpt_dir_of(ckpt_job_as(64, OTHER, "other", &url, &[])).await;
         write_ckpt(&b_ckpt, "step-1", 7, false);
         write_ckpt(&b_ckpt, "step-2", 9, false);
         chown_tree(&b_ckpt.join("step-1"), OTHER);
@@ -722,9 +728,7 @@ root_test! {
         );
 
         // A's `latest` restores A's step-1, whole, not B's newer step-2, and says it skipped it.
-        t.job(ckpt_job(65, &url, &[("ckpt-restore", "latest")]))
-            .await;
-        let d = t.ready(65).await;
+        let d = t.started(ckpt_job(65, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(d.restored_tag.as_deref(), Some("step-1"));
         assert_note(&d, |n| {
             n.contains("skipped 1 checkpoint(s)") && n.contains("(step-2)")
@@ -746,8 +750,7 @@ root_test! {
         // Slurm requeues the job and its new run's prolog arrives (with other options): the old run is
         // over, and its checkpoint worker has every reason to clean up `jobs/91` — which is the new
         // run's directory now.
-        t.job(job_start(91, &format!("again={src}"))).await;
-        let dirs = t.ready(91).await;
+        let dirs = t.started(job_start(91, &format!("again={src}"))).await;
         let staged = Path::new(&dirs.stage_dir).join("again/labels.txt");
         let journal = keep.join("state/n1/jobs");
         for _ in 0..30 {
@@ -772,11 +775,8 @@ root_test! {
     /// says so (the first run of a `--requeue` job); a named tag that is not there still fails the job.
     async fn restore_latest_from_an_empty_archive_starts_fresh_with_a_note() {
         let t = root_agent().await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(61, &url, &[("ckpt-restore", "latest")]))
-            .await;
-        let dirs = t.ready(61).await;
+        let url = t.archive_url();
+        let dirs = t.started(ckpt_job(61, &url, &[("ckpt-restore", "latest")])).await;
         assert_eq!(dirs.restored_tag, None);
         assert_note(&dirs, |n| {
             n.contains("holds no checkpoint yet; the job starts fresh")
@@ -818,7 +818,7 @@ root_test! {
     async fn a_reused_tag_with_other_content_is_refused_and_kept() {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         let commit = |job_id: u32| Request::CkptCommit {
             job_id,
             tag: "s1".into(),
@@ -830,8 +830,7 @@ root_test! {
         wait_for_state(&t, 71, "s1", CkptState::Archived).await;
         t.call(Request::JobEnd { job_id: 71 }).await.unwrap();
         // Job 72 commits other bytes under the same tag.
-        t.job(ckpt_job(72, &url, &[("ckpt-keep", "1")])).await;
-        let ckpt72 = PathBuf::from(t.ready(72).await.ckpt_dir);
+        let ckpt72 = t.ckpt_dir_of(ckpt_job(72, &url, &[("ckpt-keep", "1")])).await;
         write_ckpt(&ckpt72, "s1", 4, false);
         assert_eq!(t.call(commit(72)).await.unwrap(), Response::Ok);
         let refused = wait_for_state(&t, 72, "s1", CkptState::Refused).await;
@@ -875,12 +874,11 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
         // An archive the agent refuses to open for now (a user owns its directory): commits pile up.
-        let archive_dir = t.data.parent().unwrap().join("archive");
+        let archive_dir = t.archive_dir();
         std::fs::create_dir_all(&archive_dir).unwrap();
         std::os::unix::fs::chown(&archive_dir, Some(NOBODY), Some(NOBODY)).unwrap();
         let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(95, &url, &[])).await;
-        let ckpt = PathBuf::from(t.ready(95).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(95, &url, &[])).await;
         write_ckpt(&ckpt, "s1", 5, false);
         std::fs::create_dir_all(ckpt.join("torn")).unwrap();
         std::os::unix::fs::chown(ckpt.join("torn"), Some(NOBODY), Some(NOBODY)).unwrap();
@@ -909,12 +907,11 @@ root_test! {
     async fn a_permanent_archive_error_is_final_and_keeps_the_copy() {
         use sluice_proto::msg::CkptState;
         let t = root_agent().await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
+        let archive_dir = t.archive_dir();
         std::fs::create_dir_all(archive_dir.join("s1")).unwrap();
         std::fs::write(archive_dir.join("s1/MANIFEST"), b"not a manifest").unwrap();
         let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(96, &url, &[])).await;
-        let ckpt = PathBuf::from(t.ready(96).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(96, &url, &[])).await;
         write_ckpt(&ckpt, "s1", 6, false);
         let commit = Request::CkptCommit {
             job_id: 96,
@@ -942,10 +939,8 @@ root_test! {
         use sluice_proto::msg::CkptState;
         // Any file system is more than 1 % full: always above the mark.
         let t = start_with(tempfile::tempdir().unwrap(), "", "high_water = 1").await;
-        let archive_dir = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive_dir.display());
-        t.job(ckpt_job(81, &url, &[])).await;
-        let ckpt = PathBuf::from(t.ready(81).await.ckpt_dir);
+        let (archive_dir, url) = (t.archive_dir(), t.archive_url());
+        let ckpt = t.ckpt_dir_of(ckpt_job(81, &url, &[])).await;
         write_ckpt(&ckpt, "s1", 8, false);
         t.commit(81, "s1").await;
         wait_for_state(&t, 81, "s1", CkptState::Archived).await;
@@ -969,13 +964,12 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let tmp = tempfile::tempdir().unwrap();
         let t = start_with(tmp, "", "publish_wait = '3s'").await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         let Request::JobStart(mut start) = ckpt_job(81, &url, &[]) else {
             unreachable!()
         };
         start.nodes = vec!["n1".into(), "ghost".into()]; // ghost's agent never answers
-        t.job(Request::JobStart(start)).await;
-        let ckpt = PathBuf::from(t.ready(81).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(Request::JobStart(start)).await;
         write_ckpt(&ckpt, "s1", 3, false);
         t.commit(81, "s1").await;
         let waiting = wait_for_state(&t, 81, "s1", CkptState::WaitingForNodes).await;
@@ -1052,9 +1046,8 @@ root_test! {
     async fn a_ram_tier_checkpoint_is_flushed_to_nvme_archived_and_freed() {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
-        t.job(ckpt_job(81, &url, &[("ckpt-tier", "ram")])).await;
-        let dirs = t.ready(81).await;
+        let url = t.archive_url();
+        let dirs = t.started(ckpt_job(81, &url, &[("ckpt-tier", "ram")])).await;
         let ckpt = PathBuf::from(&dirs.ckpt_dir);
         assert_eq!(ckpt, ram.join("jobs/81/ckpt"), "$SLUICE_CKPT_DIR is not on the RAM tier");
         let fs = nix::sys::statfs::statfs(&ckpt).unwrap();
@@ -1107,13 +1100,12 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let (archive, nvme) = (
-            t.data.parent().unwrap().join("archive"),
+            t.archive_dir(),
             t.hot.join("jobs/82/ckpt"),
         );
         // No archive yet (its directory is another user's): the agent keeps retrying.
         let url = unwritable_archive(&archive);
-        t.job(ckpt_job(82, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt = PathBuf::from(t.ready(82).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(82, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 7, false);
         let tmp = t.stop().await;
         // What a kill mid-flush leaves: a partial copy under the flush's name, and the commit in
@@ -1142,7 +1134,7 @@ root_test! {
     /// with the node's RAM tier full, a job gets the hot tier and a note saying so.
     async fn without_room_on_the_ram_tier_a_job_is_told() {
         let t = root_agent().await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         t.job(ckpt_job(83, &url, &[("ckpt-tier", "ram")])).await;
         let e = t
             .refused(Request::WaitStaged { job_id: 83, timeout_ms: 20_000, step: None })
@@ -1151,13 +1143,12 @@ root_test! {
         t.stop().await;
         // Capacity 64 MiB, shares of 32 MiB: the third job finds none free.
         let (t, ram) = ram_agent("32MiB").await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         for id in [84, 85] {
             t.job(ckpt_job(id, &url, &[("ckpt-tier", "ram")])).await;
             assert!(t.ready(id).await.ckpt_dir.starts_with(ram.to_str().unwrap()));
         }
-        t.job(ckpt_job(86, &url, &[("ckpt-tier", "ram")])).await;
-        let dirs = t.ready(86).await;
+        let dirs = t.started(ckpt_job(86, &url, &[("ckpt-tier", "ram")])).await;
         assert_eq!(PathBuf::from(&dirs.ckpt_dir), t.hot.join("jobs/86/ckpt"));
         assert_note(&dirs, |n| n.contains("RAM tier of node n1 is full") && n.contains("NVMe hot tier"));
         t.stop().await;
@@ -1178,14 +1169,13 @@ root_test! {
         // Turns only when woken (by the commit): nothing reads the copy before the test damages it.
         let t = start_scanning(tmp, "", &fast, "1h").await;
         let (archive, nvme) = (
-            t.data.parent().unwrap().join("archive"),
+            t.archive_dir(),
             t.hot.join("jobs/87/ckpt"),
         );
         let state = t.data.parent().unwrap().join("state/n1/jobs/87.json");
         // The archive is another user's directory for now: the first upload fails.
         let url = unwritable_archive(&archive);
-        t.job(ckpt_job(87, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt = PathBuf::from(t.ready(87).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(87, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 9, false);
         t.commit(87, "s1").await;
         let s1 = wait_for_state(&t, 87, "s1", CkptState::Retrying).await;
@@ -1231,8 +1221,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let state = t.data.parent().unwrap().join("state/n1/jobs/88.json");
-        t.job(nobody_job(88, "train", vec![("ckpt-tier".into(), "ram".into())])).await;
-        let ckpt = PathBuf::from(t.ready(88).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(nobody_job(88, "train", vec![("ckpt-tier".into(), "ram".into())])).await;
         let nvme = t.hot.join("jobs/88/ckpt");
         // Committed, with a warning that nothing will archive it.
         let commit = |tag: &str| Request::CkptCommit { job_id: 88, tag: tag.into() };
@@ -1275,14 +1264,11 @@ root_test! {
     async fn a_ram_job_recovered_without_its_fast_tier_is_flushed_or_reported_lost() {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
-        let archive = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive.display());
-        t.job(ckpt_job(89, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt89 = PathBuf::from(t.ready(89).await.ckpt_dir);
+        let url = t.archive_url();
+        let ckpt89 = t.ckpt_dir_of(ckpt_job(89, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt89, "s1", 5, false);
         // Job 90 commits s1, but its flush cannot run (the hot tier's directory is not usable).
-        t.job(ckpt_job(90, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt90 = PathBuf::from(t.ready(90).await.ckpt_dir);
+        let ckpt90 = t.ckpt_dir_of(ckpt_job(90, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt90, "s1", 6, false);
         let hot90 = t.hot.join("jobs/90/ckpt");
         std::fs::rename(&hot90, t.hot.join("jobs/90/aside")).unwrap();
@@ -1348,10 +1334,9 @@ root_test! {
     async fn with_the_archive_down_older_checkpoints_still_leave_ram() {
         use sluice_proto::msg::CkptState;
         let (t, _ram) = ram_agent("16MiB").await;
-        let archive = t.data.parent().unwrap().join("archive");
+        let archive = t.archive_dir();
         let url = unwritable_archive(&archive);
-        t.job(ckpt_job(91, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt = PathBuf::from(t.ready(91).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(ckpt_job(91, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 3, false);
         t.commit(91, "s1").await;
         write_ckpt(&ckpt, "s2", 4, false);
@@ -1390,9 +1375,8 @@ root_test! {
     async fn a_ram_tier_checkpoint_is_private_to_the_job_user() {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
-        t.job(ckpt_job(92, &url, &[("ckpt-tier", "ram")])).await;
-        let ckpt = PathBuf::from(t.ready(92).await.ckpt_dir);
+        let url = t.archive_url();
+        let ckpt = t.ckpt_dir_of(ckpt_job(92, &url, &[("ckpt-tier", "ram")])).await;
         write_ckpt(&ckpt, "s1", 3, false);
         let file = ckpt.join("s1/optim.pt");
         assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o644);
@@ -1503,11 +1487,9 @@ root_test! {
     async fn a_requeue_keeps_the_ram_checkpoints_the_run_before_did_not_flush() {
         use sluice_proto::msg::CkptState;
         let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
-        let archive = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive.display());
+        let (archive, url) = (t.archive_dir(), t.archive_url());
         let start = ckpt_job(93, &url, &[("ckpt-tier", "ram")]);
-        t.job(start.clone()).await;
-        let ckpt = PathBuf::from(t.ready(93).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(start.clone()).await;
         write_ckpt(&ckpt, "s1", 5, false);
         let saved = std::fs::read(ckpt.join("s1/shards/rank0.bin")).unwrap();
         std::fs::create_dir_all(ckpt.join("torn")).unwrap();
@@ -1559,10 +1541,9 @@ root_test! {
     async fn a_ram_checkpoint_a_requeue_cannot_keep_is_reported_lost_to_the_new_run() {
         use sluice_proto::msg::CkptState;
         let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
-        let url = format!("file://{}", t.data.parent().unwrap().join("archive").display());
+        let url = t.archive_url();
         let start = ckpt_job(94, &url, &[("ckpt-tier", "ram")]);
-        t.job(start.clone()).await;
-        let ckpt = PathBuf::from(t.ready(94).await.ckpt_dir);
+        let ckpt = t.ckpt_dir_of(start.clone()).await;
         write_ckpt(&ckpt, "s1", 6, false);
         t.commit(94, "s1").await;
         wait_for_state(&t, 94, "s1", CkptState::Retrying).await;
@@ -1604,10 +1585,8 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let tmp = tempfile::tempdir().unwrap();
         let t = start_scanning(tmp, "", "", "1h").await;
-        let archive = t.data.parent().unwrap().join("archive");
-        let url = format!("file://{}", archive.display());
-        t.job(ckpt_job(91, &url, &[])).await;
-        let ckpt = PathBuf::from(t.ready(91).await.ckpt_dir);
+        let (archive, url) = (t.archive_dir(), t.archive_url());
+        let ckpt = t.ckpt_dir_of(ckpt_job(91, &url, &[])).await;
         write_ckpt(&ckpt, "dcp-1", 4, true);
         assert_eq!(
             t.call(Request::JobEnd { job_id: 91 }).await.unwrap(),

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 mod small_files;
 #[path = "support/tree.rs"]
 mod tree;
-use small_files::{small_file, small_files};
+use small_files::{big_file, chmod, small_file, small_files};
 use tree::tree;
 
 /// A user the helper runs as: uid, gid, name.
@@ -63,26 +63,18 @@ fn user(name: &str) -> User {
 /// The source: a file of several helper pieces (a big one, read-only), small files in nested
 /// directories, one of mode 0600, an empty one, a link.
 fn source(dir: &Path) -> u64 {
-    let big: Vec<u8> = (0..(5 << 20) + 777u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
-    std::fs::write(dir.join("big.bin"), &big).unwrap();
-    let bytes = big.len() as u64 + small_files(dir, 20);
+    let bytes = big_file(dir, (5 << 20) + 777) + small_files(dir, 20);
     std::fs::write(dir.join("empty"), b"").unwrap();
     std::os::unix::fs::symlink("big.bin", dir.join("link")).unwrap();
     // Readable to everyone (a dataset on a shared file system), one file the owner's alone.
-    let chmod = |p: &str, m: u32| {
-        std::fs::set_permissions(dir.join(p), std::fs::Permissions::from_mode(m)).unwrap()
-    };
     for d in ["", "small", "small/deeper"] {
-        chmod(d, 0o755);
+        chmod(dir, d, 0o755);
     }
-    chmod("big.bin", 0o444);
     for i in 0..20 {
-        chmod(&small_file(i), 0o644);
+        chmod(dir, &small_file(i), 0o644);
     }
-    chmod("small/part-001.bin", 0o600);
-    chmod("empty", 0o644);
+    chmod(dir, "small/part-001.bin", 0o600);
+    chmod(dir, "empty", 0o644);
     bytes
 }
 
@@ -222,11 +214,7 @@ async fn a_users_second_stage_of_an_unchanged_tree_comes_from_the_cache() {
     );
     assert_eq!(node.cache.stats().hit_bytes, bytes);
     // The job's copy is its own: writing into it changes nothing in the cache.
-    std::fs::set_permissions(
-        second.join("small/part-002.bin"),
-        std::fs::Permissions::from_mode(0o644),
-    )
-    .unwrap();
+    chmod(&second, "small/part-002.bin", 0o644);
     std::fs::write(second.join("small/part-002.bin"), b"JOB WROTE THIS").unwrap();
     let (third, p) = node.stage(&me, &src).await;
     assert_eq!(p.unwrap().cache_bytes, bytes);
@@ -326,11 +314,7 @@ async fn another_user_never_hits_a_users_entries() {
     assert_root();
     let (_t, src, bytes) = source_dir();
     // Both users may read every file (the 0600 one is opened to them).
-    std::fs::set_permissions(
-        src.join("small/part-001.bin"),
-        std::fs::Permissions::from_mode(0o644),
-    )
-    .unwrap();
+    chmod(&src, "small/part-001.bin", 0o644);
     let node = Node::new();
     let (a, b) = (user("nobody"), user("daemon"));
     let (staged, p) = node.stage(&a, &src).await;

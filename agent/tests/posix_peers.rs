@@ -8,7 +8,7 @@ use sluice_peer::{ClusterSecret, PeerServer, PeerService, ServerConfig};
 use sluice_proto::options::{StageSpec, parse_stage_entry};
 use sluice_stage::cache::Cache;
 use sluice_stage::{self as stage, Budget, NodePeers, Progress, Sharing, StageCtx};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,24 +26,8 @@ fn user_name() -> String {
 /// The source: a file of several 1 MiB units with a short last one (read-only, as datasets often
 /// are), small files, an empty one, a nested one, a file of mode 0600, a symbolic link.
 fn source(dir: &Path) -> u64 {
-    let big: Vec<u8> = (0..(3 << 20) + 12_345u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
-    std::fs::write(dir.join("big.bin"), &big).unwrap();
-    std::fs::set_permissions(dir.join("big.bin"), std::fs::Permissions::from_mode(0o444)).unwrap();
-    std::fs::create_dir_all(dir.join("small")).unwrap();
-    let mut bytes = big.len() as u64;
-    for i in 0..30u32 {
-        let n = 1000 + i as usize * 997;
-        let data: Vec<u8> = (0..n).map(|j| (j as u32 ^ i) as u8).collect();
-        std::fs::write(dir.join(format!("small/part-{i:03}.bin")), data).unwrap();
-        bytes += n as u64;
-    }
-    std::fs::set_permissions(
-        dir.join("small/part-007.bin"),
-        std::fs::Permissions::from_mode(0o600),
-    )
-    .unwrap();
+    let bytes = big_file(dir, (3 << 20) + 12_345) + small_files(dir, 30);
+    chmod(dir, "small/part-007.bin", 0o600);
     std::fs::write(dir.join("empty"), b"").unwrap();
     std::fs::create_dir_all(dir.join("a/b")).unwrap();
     std::fs::write(dir.join("a/b/deep.txt"), b"deep").unwrap();
@@ -51,6 +35,9 @@ fn source(dir: &Path) -> u64 {
     bytes + 4
 }
 
+#[path = "support/small_files.rs"]
+mod small_files;
+use small_files::{big_file, chmod, small_file, small_files};
 // The job's nodes, set up as the peer unit tests (`stage/src/peers/tests.rs`) set up theirs.
 #[path = "../../stage/tests/support/peer_nodes.rs"]
 mod peer_nodes;
@@ -90,7 +77,7 @@ async fn nodes(running: &[&str], src: &Path) -> Vec<Node> {
 /// agent's set-up does (join, stage, close).
 async fn stage_all(nodes: &[Node], src: &Path) -> Vec<Vec<String>> {
     let runs = nodes.iter().map(|n| async move {
-        let peers = n.peers.join(JOB, &job_nodes(), me(), 1).unwrap();
+        let peers = n.peers.join(JOB, &job_nodes(), me(), 1, &[]).unwrap();
         let spec = spec(src);
         let run = stage::stage_with(&n.ctx, &spec, n.progress.clone(), Sharing::Peers(&peers));
         let r = tokio::time::timeout(Duration::from_secs(120), run)
@@ -300,8 +287,8 @@ async fn a_second_job_on_the_same_nodes_stages_a_posix_tree_from_each_nodes_cach
 
     // A file rewritten (new bytes, new size, new mtime) is a miss on every node.
     let changed: Vec<u8> = (0..5_555u32).map(|i| (i * 7) as u8).collect();
-    std::fs::write(src.path().join("small/part-003.bin"), &changed).unwrap();
-    let bytes = bytes - (1000 + 3 * 997) + changed.len() as u64;
+    std::fs::write(src.path().join(small_file(3)), &changed).unwrap();
+    let bytes = bytes - (500 + 3 * 1013) + changed.len() as u64;
     let third = nodes_with_caches(src.path(), &caches).await;
     for notes in stage_all(&third, src.path()).await {
         assert!(notes.is_empty(), "{notes:?}");

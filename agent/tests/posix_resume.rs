@@ -12,7 +12,7 @@ use sluice_proto::options::parse_stage_entry;
 use sluice_stage::resume::JobResume;
 use sluice_stage::{self as stage, Budget, Progress, StageCtx};
 use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 mod small_files;
 #[path = "support/tree.rs"]
 mod tree;
-use small_files::small_files;
+use small_files::{big_file, chmod, small_files};
 use tree::tree;
 
 const JOB: u32 = 42;
@@ -46,17 +46,8 @@ fn me() -> (Owner, String) {
 
 /// The source: a big read-only file, small files in nested directories, an empty one, a link.
 fn source(dir: &Path) -> u64 {
-    let big: Vec<u8> = (0..(3 << 20) + 777u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
-    std::fs::write(dir.join("big.bin"), &big).unwrap();
-    std::fs::set_permissions(dir.join("big.bin"), std::fs::Permissions::from_mode(0o444)).unwrap();
-    let bytes = big.len() as u64 + small_files(dir, 12);
-    std::fs::set_permissions(
-        dir.join("small/part-001.bin"),
-        std::fs::Permissions::from_mode(0o600),
-    )
-    .unwrap();
+    let bytes = big_file(dir, (3 << 20) + 777) + small_files(dir, 12);
+    chmod(dir, "small/part-001.bin", 0o600);
     std::fs::write(dir.join("empty"), b"").unwrap();
     std::os::unix::fs::symlink("big.bin", dir.join("link")).unwrap();
     bytes

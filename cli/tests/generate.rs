@@ -10,8 +10,7 @@
 //! (tests/harness/install.sh installs them all): it never passes unchecked.
 
 use sluice_e2e::pages::{
-    Binary, assert_has, assert_offers, exit_statuses, man, man_command, parses, require, section,
-    succeeded, text,
+    Binary, assert_has, assert_offers, exit_statuses, man, man_command, require, section, succeeded,
 };
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -188,10 +187,8 @@ fn man_renders_every_page_without_warnings_naming_its_command() {
 
 #[test]
 fn bash_completion_parses_and_completes_commands_and_options() {
-    require("bash", "the bash completion");
     let dir = tempfile::tempdir().unwrap();
-    let script = SLUICE.completion_script("bash", dir.path());
-    parses("bash", &["-n"], &script);
+    let script = SLUICE.checked_completion("bash", dir.path());
 
     let top = SLUICE.bash_complete(&script, &["sluice", ""]);
     assert_offers(
@@ -217,12 +214,8 @@ fn bash_completion_parses_and_completes_commands_and_options() {
 
 #[test]
 fn zsh_completion_parses() {
-    require("zsh", "the zsh completion");
     let dir = tempfile::tempdir().unwrap();
-    let script = SLUICE.completion_script("zsh", dir.path());
-    let source = std::fs::read_to_string(&script).unwrap();
-    assert!(source.starts_with("#compdef sluice\n"), "{source}");
-    parses("zsh", &["-n", "-f"], &script);
+    let script = SLUICE.checked_completion("zsh", dir.path());
     // Loading it defines the completion function zsh's compinit would call for `sluice`.
     let out = Command::new("zsh")
         .args([
@@ -239,10 +232,8 @@ fn zsh_completion_parses() {
 
 #[test]
 fn fish_completion_parses_and_offers_the_ckpt_commands() {
-    require("fish", "the fish completion");
     let dir = tempfile::tempdir().unwrap();
-    let script = SLUICE.completion_script("fish", dir.path());
-    parses("fish", &["--no-execute"], &script);
+    let script = SLUICE.checked_completion("fish", dir.path());
     let out = Command::new("fish")
         .args([
             "--no-config",
@@ -263,67 +254,46 @@ fn fish_completion_parses_and_offers_the_ckpt_commands() {
 
 #[test]
 fn version_names_the_protocol() {
-    let out = sluice(&["--version"]);
-    assert_eq!(
-        succeeded(&out),
-        format!(
-            "sluice {} (protocol {})\n",
-            env!("CARGO_PKG_VERSION"),
-            sluice_proto::PROTO_VERSION
-        )
-    );
+    SLUICE.assert_version(env!("CARGO_PKG_VERSION"), sluice_proto::PROTO_VERSION);
 }
 
 #[test]
 fn help_documents_the_exit_statuses_sluice_returns() {
-    for flag in ["--help", "-h"] {
-        let help = succeeded(&sluice(&[flag]));
-        let exit = exit_statuses(&help);
-        assert!(exit[0].starts_with("  0  success"), "{help}");
-        assert!(exit[1].starts_with("  1  failure"), "{help}");
-        assert!(exit[1].contains("ckpt verify"), "{help}");
-        assert!(exit[2].starts_with("  2  usage error"), "{help}");
-    }
-    // And they are what sluice returns: a usage error, and a failure (no agent on that socket).
-    let usage = sluice(&["no-such-command"]);
-    assert_eq!(usage.status.code(), Some(2), "{}", text(&usage.stderr));
+    let statuses = ["  0  success", "  1  failure", "  2  usage error"];
+    // A failure: no agent on that socket.
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("none.sock");
-    let failed = sluice(&["--socket", socket.to_str().unwrap(), "status"]);
-    assert_eq!(failed.status.code(), Some(1), "{}", text(&failed.stderr));
-    assert_has(&text(&failed.stderr), "sluice: ");
+    let no_agent = ["--socket", socket.to_str().unwrap(), "status"];
+    for help in SLUICE.assert_exit_statuses(statuses, &["no-such-command"], &no_agent) {
+        assert!(exit_statuses(&help)[1].contains("ckpt verify"), "{help}");
+    }
 }
 
 #[test]
 fn generate_is_kept_out_of_the_help_and_fails_like_any_command() {
     let help = succeeded(&sluice(&["--help"]));
     assert!(!help.contains("generate"), "{help}");
-    let bad = sluice(&["generate", "completions", "tcsh"]);
-    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+    SLUICE.exits(&["generate", "completions", "tcsh"], 2);
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("file");
     std::fs::write(&file, "").unwrap();
-    let out = sluice(&["generate", "man", file.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
-    assert_has(&text(&out.stderr), &format!("creating {}", file.display()));
+    let out = SLUICE.exits(&["generate", "man", file.to_str().unwrap()], 1);
+    assert_has(&out, &format!("creating {}", file.display()));
 }
 
 #[test]
 fn the_admin_guide_install_steps_put_pages_and_completions_where_man_bash_and_zsh_look() {
     let root = tempfile::tempdir().unwrap();
-    SLUICE.run_admin_guide_install_steps(root.path());
-    for file in [
-        "usr/local/share/man/man1/sluice.1",
-        "usr/local/share/man/man1/sluice-ckpt-restore.1",
-        "usr/local/share/zsh/site-functions/_sluice",
-    ] {
-        assert!(root.path().join(file).is_file(), "{file} is not installed");
-    }
+    let bash = SLUICE.run_admin_guide_install_steps(
+        root.path(),
+        &[
+            "usr/local/share/man/man1/sluice.1",
+            "usr/local/share/man/man1/sluice-ckpt-restore.1",
+            "usr/local/share/zsh/site-functions/_sluice",
+        ],
+    );
     // bash-completion loads completions/NAME when NAME is first completed: the file must be
     // sluice's, and complete.
-    let bash = root
-        .path()
-        .join("usr/share/bash-completion/completions/sluice");
     require("bash", "the installed bash completion");
     assert_offers(
         &SLUICE.bash_complete(&bash, &["sluice", "ckpt", ""]),

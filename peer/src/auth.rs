@@ -559,11 +559,7 @@ mod tests {
         ] {
             assert_ne!(m, other);
         }
-        let u = Unit {
-            file: "a".into(),
-            offset: 0,
-            len: 1,
-        };
+        let u = Unit::new("a", 0, 1);
         let h = blake3::hash(b"x");
         let r = k.response_mac(200, &u, Some(&h), b"", &m);
         assert_ne!(

@@ -498,11 +498,7 @@ impl PeerClient {
         job: &JobKey,
         wait: Duration,
     ) -> Result<(), PeerError> {
-        let unit = Unit {
-            file: ALIVE_PROBE.into(),
-            offset: 0,
-            len: 0,
-        };
+        let unit = Unit::new(ALIVE_PROBE, 0, 0);
         let mut sink = MemorySink {
             buf: BytesMut::new(),
         };

@@ -42,6 +42,15 @@ pub fn unit_path(file: &str) -> &str {
 }
 
 impl Unit {
+    /// The `len` bytes at `offset` of `file`.
+    pub fn new(file: impl Into<String>, offset: u64, len: u64) -> Unit {
+        Unit {
+            file: file.into(),
+            offset,
+            len,
+        }
+    }
+
     /// The unit's identity for ownership: the file and the offset (`file@offset`). The offset is
     /// the decimal digits after the last `@`, so the key is unambiguous whatever the file name
     /// holds.
@@ -66,20 +75,12 @@ impl Unit {
 pub fn units_of(file: &str, size: u64, unit_size: u64) -> Vec<Unit> {
     assert!(unit_size > 0, "a unit has at least one byte");
     if size == 0 {
-        return vec![Unit {
-            file: file.to_string(),
-            offset: 0,
-            len: 0,
-        }];
+        return vec![Unit::new(file, 0, 0)];
     }
     (0..size.div_ceil(unit_size))
         .map(|i| {
             let offset = i * unit_size;
-            Unit {
-                file: file.to_string(),
-                offset,
-                len: unit_size.min(size - offset),
-            }
+            Unit::new(file, offset, unit_size.min(size - offset))
         })
         .collect()
 }
@@ -141,14 +142,7 @@ mod tests {
             [(0, 4), (4, 4), (8, 2)]
         );
         assert_eq!(units_of("a", 8, 4).len(), 2, "no empty tail unit");
-        assert_eq!(
-            units_of("empty", 0, 4),
-            [Unit {
-                file: "empty".into(),
-                offset: 0,
-                len: 0
-            }]
-        );
+        assert_eq!(units_of("empty", 0, 4), [Unit::new("empty", 0, 0)]);
         // A 200 GiB file at 64 MiB units: 3200 units, so it spreads over every node of a job.
         let u = units_of("huge", 200 << 30, 64 << 20);
         assert_eq!(u.len(), 3200);
@@ -157,22 +151,10 @@ mod tests {
 
     #[test]
     fn unit_keys_are_unambiguous() {
-        let a = Unit {
-            file: "a@1".into(),
-            offset: 2,
-            len: 1,
-        };
-        let b = Unit {
-            file: "a".into(),
-            offset: 12,
-            len: 1,
-        };
+        let a = Unit::new("a@1", 2, 1);
+        let b = Unit::new("a", 12, 1);
         assert_eq!(a.key(), "a@1@2");
-        let v = Unit {
-            file: versioned("ds/x", Some("\"e1\"")),
-            offset: 4,
-            len: 1,
-        };
+        let v = Unit::new(versioned("ds/x", Some("\"e1\"")), 4, 1);
         assert_eq!(unit_path(&v.file), "ds/x");
         assert_eq!(v.name(), "ds/x@4 (version \"e1\")");
         assert_ne!(

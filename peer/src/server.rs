@@ -734,11 +734,7 @@ pub(crate) fn cached_query(object: &CachedObject, offset: u64, len: u64) -> Stri
 
 /// The unit a cached range's answer is MAC'd over: the object's URL as its file.
 pub(crate) fn cached_unit(object: &CachedObject, offset: u64, len: u64) -> Unit {
-    Unit {
-        file: object.url.clone(),
-        offset,
-        len,
-    }
+    Unit::new(object.url.clone(), offset, len)
 }
 
 /// How long a cached range waits for a response slot before it answers `503 busy` (the requester
@@ -1034,11 +1030,7 @@ mod tests {
             "/lead",
             "100%",
         ] {
-            let u = Unit {
-                file: file.into(),
-                offset: 1 << 40,
-                len: 7,
-            };
+            let u = Unit::new(file, 1 << 40, 7);
             let q = unit_query(&u);
             assert!(q.bytes().all(|b| b.is_ascii_graphic() && b != b'#'), "{q}");
             assert_eq!(parse_query(&q), Ok(u));

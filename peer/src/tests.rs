@@ -170,11 +170,7 @@ async fn serving(cfg: ServerConfig) -> (Running, Arc<MemSource>) {
 /// One server serving one unit of job JOB (nodes n1, n2) from a fresh source.
 async fn one_unit() -> (Running, Arc<MemSource>, Unit, Bytes) {
     let (r, src) = serving(server_cfg()).await;
-    let unit = Unit {
-        file: "train/shard 0.bin".into(),
-        offset: 0,
-        len: 3000,
-    };
+    let unit = Unit::new("train/shard 0.bin", 0, 3000);
     let bytes = content(3000, 1);
     src.put(&unit, bytes.clone());
     (r, src, unit, bytes)
@@ -282,11 +278,7 @@ async fn a_unit_is_served_as_soon_as_its_owner_has_read_it() {
     let mut cfg = server_cfg();
     cfg.poll = Duration::from_secs(1);
     let (r, src) = serving(cfg).await;
-    let unit = Unit {
-        file: "later.bin".into(),
-        offset: UNIT * 5,
-        len: UNIT,
-    };
+    let unit = Unit::new("later.bin", UNIT * 5, UNIT);
     let mut ccfg = client_cfg();
     ccfg.poll = Duration::from_secs(1);
     let client = Arc::new(PeerClient::new("n2", ccfg));
@@ -405,11 +397,7 @@ async fn another_jobs_key_never_gets_this_jobs_data() {
 #[tokio::test]
 async fn an_unknown_job_waits_for_a_late_registration_then_gives_up() {
     let r = start(server_cfg()).await;
-    let unit = Unit {
-        file: "f".into(),
-        offset: 0,
-        len: 10,
-    };
+    let unit = Unit::new("f", 0, 10);
     let c = Arc::new(PeerClient::new("n2", client_cfg()));
     // Never registered: UnknownJob after the join grace (0.6 s).
     let t = tokio::time::Instant::now();
@@ -433,11 +421,7 @@ async fn an_unknown_job_waits_for_a_late_registration_then_gives_up() {
 #[tokio::test]
 async fn an_ended_job_is_gone_and_its_waiting_requests_end_at_once() {
     let (r, _src) = serving(server_cfg()).await;
-    let unit = Unit {
-        file: "never".into(),
-        offset: 0,
-        len: 10,
-    };
+    let unit = Unit::new("never", 0, 10);
     let c = Arc::new(PeerClient::new("n2", client_cfg()));
     let (cc, a, u) = (c.clone(), r.addr.clone(), unit.clone());
     let fetch = tokio::spawn(async move { cc.fetch(&a, &key(), &u).await });
@@ -606,24 +590,19 @@ impl UnitSink for VecSink {
 async fn a_read_back_unit_arrives_marked_and_the_mark_cannot_be_stripped() {
     let (r, src, unit, bytes) = one_unit().await;
     let c = PeerClient::new("n2", client_cfg());
-    let mut sink = VecSink::default();
-    let from = c
-        .fetch_into(&r.addr, &key(), &unit, &mut sink)
-        .await
-        .unwrap();
-    assert_eq!((from, &sink.0[..]), (HashFrom::Origin, &bytes[..]));
+    let fetched = || async {
+        let mut sink = VecSink::default();
+        let from = c.fetch_into(&r.addr, &key(), &unit, &mut sink).await;
+        (from.unwrap(), sink.0)
+    };
+    assert_eq!(fetched().await, (HashFrom::Origin, bytes.to_vec()));
     let data = UnitData {
         hash: blake3::hash(&bytes),
         bytes: bytes.clone(),
         from: HashFrom::ReadBack,
     };
     lock(&src.units).insert(unit.clone(), Ok(data));
-    let mut sink = VecSink::default();
-    let from = c
-        .fetch_into(&r.addr, &key(), &unit, &mut sink)
-        .await
-        .unwrap();
-    assert_eq!((from, &sink.0[..]), (HashFrom::ReadBack, &bytes[..]));
+    assert_eq!(fetched().await, (HashFrom::ReadBack, bytes.to_vec()));
     let relay = tampering_relay(r.addr.clone(), Tamper::ReadBackMark).await;
     let e = c
         .fetch_into(&relay, &key(), &unit, &mut VecSink::default())
@@ -633,6 +612,17 @@ async fn a_read_back_unit_arrives_marked_and_the_mark_cannot_be_stripped() {
         matches!(&e, PeerError::Corrupt { what, .. } if what.contains("MAC")),
         "{e}"
     );
+}
+
+/// A `200 OK` whose head says `len` bytes hashing to `hash` under the MAC `mac` (hex), then
+/// `body` (which a fake may cut short).
+fn ok_response(len: usize, hash: &str, mac: &str, body: &[u8]) -> Vec<u8> {
+    let mut r = format!(
+        "HTTP/1.1 200 OK\r\ncontent-length: {len}\r\nx-sluice-blake3: {hash}\r\nx-sluice-mac: {mac}\r\n\r\n"
+    )
+    .into_bytes();
+    r.extend_from_slice(body);
+    r
 }
 
 /// A process that is not an agent listening where a peer should be: answers every request with
@@ -664,25 +654,13 @@ async fn fake_server(answer: impl Fn(&str) -> Vec<u8> + Send + Sync + 'static) -
 
 #[tokio::test]
 async fn a_forged_server_on_the_peer_port_cannot_plant_data_or_stall_a_fetch() {
-    let unit = Unit {
-        file: "f".into(),
-        offset: 0,
-        len: 16,
-    };
+    let unit = Unit::new("f", 0, 16);
     let c = PeerClient::new("n2", client_cfg());
     // Plausible data with its true hash, but without the job key for the MAC.
     let evil = b"EVIL-EVIL-EVIL!!".to_vec();
     let hash = blake3::hash(&evil).to_hex().to_string();
     let mac = blake3::hash(b"guess").to_hex().to_string();
-    let addr = fake_server(move |_| {
-        let mut r = format!(
-            "HTTP/1.1 200 OK\r\ncontent-length: 16\r\nx-sluice-blake3: {hash}\r\nx-sluice-mac: {mac}\r\n\r\n"
-        )
-        .into_bytes();
-        r.extend_from_slice(&evil);
-        r
-    })
-    .await;
+    let addr = fake_server(move |_| ok_response(16, &hash, &mac, &evil)).await;
     let e = c.fetch(&addr, &key(), &unit).await.unwrap_err();
     assert!(
         matches!(&e, PeerError::Corrupt { what, .. } if what.contains("MAC")),
@@ -701,11 +679,7 @@ async fn a_forged_server_on_the_peer_port_cannot_plant_data_or_stall_a_fetch() {
 
 #[tokio::test]
 async fn a_peer_that_dies_mid_transfer_is_unreachable_not_corrupt() {
-    let unit = Unit {
-        file: "f".into(),
-        offset: 0,
-        len: 4000,
-    };
+    let unit = Unit::new("f", 0, 4000);
     let c = PeerClient::new("n2", client_cfg());
     // The agent of the job (it has the key) sends a correct head, then half the body, and dies.
     let body = content(4000, 3);
@@ -719,17 +693,15 @@ async fn a_peer_that_dies_mid_transfer_is_unreachable_not_corrupt() {
                 .to_string()
         };
         let pq = head.split(' ').nth(1).unwrap().to_string();
-        let req_mac = key().request_mac("GET", &pq, &line("x-sluice-node:"), line("x-sluice-time:").parse().unwrap());
+        let req_mac = key().request_mac(
+            "GET",
+            &pq,
+            &line("x-sluice-node:"),
+            line("x-sluice-time:").parse().unwrap(),
+        );
         let u = super::server::parse_query(pq.split_once('?').unwrap().1).unwrap();
         let mac = key().response_mac(200, &u, Some(&hash), b"", &req_mac);
-        let mut r = format!(
-            "HTTP/1.1 200 OK\r\ncontent-length: 4000\r\nx-sluice-blake3: {}\r\nx-sluice-mac: {}\r\n\r\n",
-            hash.to_hex(),
-            mac.to_hex()
-        )
-        .into_bytes();
-        r.extend_from_slice(&body[..2000]);
-        r
+        ok_response(4000, &hash.to_hex(), &mac.to_hex(), &body[..2000])
     })
     .await;
     let e = c.fetch(&addr, &key(), &unit).await.unwrap_err();
@@ -802,16 +774,8 @@ async fn the_client_holds_at_most_concurrency_fetches() {
     let mut cfg = client_cfg();
     cfg.concurrency = 1;
     let c = Arc::new(PeerClient::new("n2", cfg));
-    let slow = Unit {
-        file: "slow".into(),
-        offset: 0,
-        len: 100,
-    };
-    let ready = Unit {
-        file: "ready".into(),
-        offset: 0,
-        len: 100,
-    };
+    let slow = Unit::new("slow", 0, 100);
+    let ready = Unit::new("ready", 0, 100);
     src.put(&ready, content(100, 1));
     let (c1, a1, u1) = (c.clone(), r.addr.clone(), slow.clone());
     let first = tokio::spawn(async move { c1.fetch(&a1, &key(), &u1).await });
@@ -834,11 +798,7 @@ async fn a_unit_of_many_slices_arrives_whole() {
     let mut cfg = server_cfg();
     cfg.max_unit = 4 << 20;
     let (r, src) = serving(cfg).await;
-    let unit = Unit {
-        file: "big".into(),
-        offset: 4 << 20,
-        len: big,
-    };
+    let unit = Unit::new("big", 4 << 20, big);
     let bytes = content(big as usize, 5);
     src.put(&unit, bytes.clone());
     let mut ccfg = client_cfg();
@@ -857,11 +817,7 @@ async fn the_peer_service_runs_and_stops_as_an_agent_worker() {
     let addr = listener.local_addr().unwrap().to_string();
     let server = PeerServer::new(secret(), server_cfg());
     let src = Arc::new(MemSource::default());
-    let unit = Unit {
-        file: "f".into(),
-        offset: 0,
-        len: 5,
-    };
+    let unit = Unit::new("f", 0, 5);
     src.put(&unit, content(5, 0));
     register(&server, &src);
     let (tracker, cancel) = (

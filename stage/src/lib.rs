@@ -236,6 +236,23 @@ impl Progress {
         }
     }
 
+    /// A whole file of `size` bytes placed from this node's cache.
+    fn file_from_cache(&self, size: u64) {
+        self.file_done(size, &self.cache_bytes);
+    }
+
+    /// A whole file of `size` bytes a restarted agent found staged and kept ([`resume`]).
+    fn file_kept(&self, size: u64) {
+        self.file_done(size, &self.resumed_bytes);
+    }
+
+    /// A whole file of `size` bytes staged, counted also in `from` (where its bytes came from).
+    fn file_done(&self, size: u64, from: &AtomicU64) {
+        self.bytes_done.fetch_add(size, Ordering::Relaxed);
+        from.fetch_add(size, Ordering::Relaxed);
+        self.files_done.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> StageProgress {
         let state = *lock(&self.state);
         let elapsed_ms = match (state, *lock(&self.started)) {

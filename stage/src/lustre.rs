@@ -218,15 +218,27 @@ mod tests {
         (tmp, record, lfs)
     }
 
-    fn me() -> (u32, u32) {
-        (
-            nix::unistd::getuid().as_raw(),
-            nix::unistd::getgid().as_raw(),
-        )
+    /// [`create`] as the user running the tests.
+    fn create_as_me(
+        lfs: &Path,
+        dir: &OwnedFd,
+        name: &str,
+        class: &StripeClass,
+    ) -> Result<(), LustreError> {
+        let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+        create(lfs, dir, name, class, uid.as_raw(), gid.as_raw())
     }
 
     fn open_dir(p: &Path) -> OwnedFd {
         File::open(p).unwrap().into()
+    }
+
+    /// A `job` directory in `tmp`, and it held open as the stager holds a job's directory.
+    fn job_dir(tmp: &Path) -> (PathBuf, OwnedFd) {
+        let job = tmp.join("job");
+        std::fs::create_dir(&job).unwrap();
+        let dir = open_dir(&job);
+        (job, dir)
     }
 
     fn args_of(record: &Path) -> Vec<String> {
@@ -258,11 +270,8 @@ mod tests {
     #[test]
     fn lfs_is_given_the_class_in_bytes_and_the_file_through_the_open_directory() {
         let (tmp, record, lfs) = lfs_in_tmp(false);
-        let job = tmp.path().join("job");
-        std::fs::create_dir(&job).unwrap();
-        let dir = open_dir(&job);
-        let (uid, gid) = me();
-        create(&lfs, &dir, "train-00001.tar", &ONE_MIB, uid, gid).unwrap();
+        let (job, dir) = job_dir(tmp.path());
+        create_as_me(&lfs, &dir, "train-00001.tar", &ONE_MIB).unwrap();
         assert_eq!(
             args_of(&record),
             [
@@ -282,7 +291,7 @@ mod tests {
             count: -1,
             size: 4 << 20,
         };
-        create(&lfs, &dir, "big.bin", &all, uid, gid).unwrap();
+        create_as_me(&lfs, &dir, "big.bin", &all).unwrap();
         assert_eq!(
             args_of(&record)[..5],
             ["setstripe", "-c", "-1", "-S", "4194304"]
@@ -293,17 +302,14 @@ mod tests {
     #[test]
     fn the_file_lands_in_the_open_directory_even_after_its_path_was_swapped() {
         let (tmp, _record, lfs) = lfs_in_tmp(false);
-        let job = tmp.path().join("job");
-        std::fs::create_dir(&job).unwrap();
-        let dir = open_dir(&job);
+        let (job, dir) = job_dir(tmp.path());
         // What a job user could do to their own directory: move it and put a link in its place.
         let moved = tmp.path().join("moved");
         std::fs::rename(&job, &moved).unwrap();
         let elsewhere = tmp.path().join("elsewhere");
         std::fs::create_dir(&elsewhere).unwrap();
         std::os::unix::fs::symlink(&elsewhere, &job).unwrap();
-        let (uid, gid) = me();
-        create(&lfs, &dir, "x", &ONE_MIB, uid, gid).unwrap();
+        create_as_me(&lfs, &dir, "x", &ONE_MIB).unwrap();
         assert!(
             moved.join("x").is_file(),
             "created in the directory held open"
@@ -318,13 +324,12 @@ mod tests {
     fn a_failing_lfs_is_reported_with_its_last_line_of_stderr() {
         let (tmp, _record, lfs) = lfs_in_tmp(true);
         let dir = open_dir(tmp.path());
-        let (uid, gid) = me();
         let class = StripeClass {
             min_size: 0,
             count: -1,
             size: 1 << 20,
         };
-        let e = create(&lfs, &dir, "f", &class, uid, gid).unwrap_err();
+        let e = create_as_me(&lfs, &dir, "f", &class).unwrap_err();
         assert!(matches!(e, LustreError::Failed { .. }), "{e:?}");
         assert_eq!(
             e.to_string(),
@@ -334,7 +339,7 @@ mod tests {
             )
         );
         let missing = tmp.path().join("no-lfs");
-        let e = create(&missing, &dir, "f", &class, uid, gid).unwrap_err();
+        let e = create_as_me(&missing, &dir, "f", &class).unwrap_err();
         assert!(
             e.to_string()
                 .starts_with(&format!("cannot run {}: ", missing.display())),
@@ -346,9 +351,8 @@ mod tests {
     fn a_name_that_is_not_one_component_is_refused_before_lfs_runs() {
         let (tmp, record, lfs) = lfs_in_tmp(false);
         let dir = open_dir(tmp.path());
-        let (uid, gid) = me();
         for name in ["a/b", "../x", "/etc/passwd", ".", "..", "", "a\0b"] {
-            let e = create(&lfs, &dir, name, &ONE_MIB, uid, gid).unwrap_err();
+            let e = create_as_me(&lfs, &dir, name, &ONE_MIB).unwrap_err();
             assert!(matches!(e, LustreError::BadName { .. }), "{name:?}: {e:?}");
             assert!(
                 e.to_string().contains("one path component"),

@@ -348,10 +348,7 @@ impl Fetcher {
                 }
             }
         }
-        let p = &self.progress;
-        p.bytes_done.fetch_add(size, Ordering::Relaxed);
-        p.resumed_bytes.fetch_add(size, Ordering::Relaxed);
-        p.files_done.fetch_add(1, Ordering::Relaxed);
+        self.progress.file_kept(size);
         Ok(())
     }
 
@@ -543,10 +540,7 @@ impl Fetcher {
                 peers.held(unit, hash);
             }
         }
-        let p = &self.progress;
-        p.bytes_done.fetch_add(size, Ordering::Relaxed);
-        p.cache_bytes.fetch_add(size, Ordering::Relaxed);
-        p.files_done.fetch_add(1, Ordering::Relaxed);
+        self.progress.file_from_cache(size);
         Ok(())
     }
 
@@ -581,9 +575,7 @@ impl Fetcher {
                 done.expect("part task panicked")?;
             }
         }
-        while let Some(done) = parts.join_next().await {
-            done.expect("part task panicked")?;
-        }
+        all_of(&mut parts, "part").await?;
         self.progress.files_done.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -693,9 +685,7 @@ impl Fetcher {
                     done.expect("unit task panicked")?;
                 }
             }
-            while let Some(done) = tasks.join_next().await {
-                done.expect("unit task panicked")?;
-            }
+            all_of(&mut tasks, "unit").await?;
         }
         self.progress.files_done.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -1028,9 +1018,7 @@ pub(super) async fn stage(
     }
     progress.files_total.store(files, Ordering::Relaxed);
     progress.bytes_total.store(bytes, Ordering::Relaxed);
-    while let Some(done) = tasks.join_next().await {
-        done.expect("stage task panicked")?;
-    }
+    all_of(&mut tasks, "stage").await?;
     if listed == 0 && bad == 0 {
         return Err(StageError::NotFound { dataset: source });
     }
@@ -1299,6 +1287,14 @@ async fn write_manifest(
     })
     .await;
     written.map_err(|(errno, detail)| fetcher.hot_error(&name, errno, detail))
+}
+
+/// Waits for all of the `what` tasks (parts, units, files): the first error.
+async fn all_of(tasks: &mut JoinSet<Result<(), StageError>>, what: &str) -> Result<(), StageError> {
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap_or_else(|e| panic!("{what} task panicked: {e:?}"))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

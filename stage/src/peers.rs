@@ -192,52 +192,15 @@ impl NodePeers {
 
     /// Starts sharing `job`'s work with the job's other nodes: registers the job's [`JobPeers`]
     /// with the peer server. `shared_work` counts the pieces of it (each dataset staged through
-    /// the peers, the restore), each of which calls [`JobPeers::dataset_done`] once. `None` when
-    /// the job has one node, this node is not in its node list, or it shares nothing. The job's
-    /// peers read nothing from this node's cache ([`join_with`](Self::join_with) names what they
-    /// may).
-    pub fn join(
-        &self,
-        job: JobId,
-        nodes: &[String],
-        owner: Owner,
-        shared_work: usize,
-    ) -> Option<Arc<JobPeers>> {
-        self.join_with(job, nodes, owner, shared_work, &[])
-    }
-
-    /// [`join`](Self::join), with the URLs of the job's object-store datasets
+    /// the peers, the restore), each of which calls [`JobPeers::dataset_done`] once; a
+    /// `--stage-tier=shared` job joins even when it shares no work through the peers
+    /// (`shared_work` 0), so that its other nodes can tell this node's agent is alive
+    /// ([`JobPeers::alive`]), which is what decides whether they take over a share it has not
+    /// written (`stage::shared`). `datasets` are the URLs of the job's object-store datasets
     /// (`s3://bucket/prefix`) as this node's policy admitted them: the job's peers may read
-    /// objects under them from this node's cache, nothing else.
-    pub fn join_with(
-        &self,
-        job: JobId,
-        nodes: &[String],
-        owner: Owner,
-        shared_work: usize,
-        datasets: &[String],
-    ) -> Option<Arc<JobPeers>> {
-        if shared_work == 0 {
-            return None;
-        }
-        self.join_inner(job, nodes, owner, shared_work, datasets)
-    }
-
-    /// [`join`](Self::join) for a `--stage-tier=shared` job, even when it shares no work through
-    /// the peers (`shared_work` may be 0): the job is registered with the peer server so that its
-    /// other nodes can tell this node's agent is alive ([`JobPeers::alive`]), which is what
-    /// decides whether they take over a share it has not written (`stage::shared`).
-    pub fn join_shared_tier(
-        &self,
-        job: JobId,
-        nodes: &[String],
-        owner: Owner,
-        shared_work: usize,
-    ) -> Option<Arc<JobPeers>> {
-        self.join_inner(job, nodes, owner, shared_work, &[])
-    }
-
-    fn join_inner(
+    /// objects under them from this node's cache, nothing else. `None` when the job has one node
+    /// or this node is not in its node list.
+    pub fn join(
         &self,
         job: JobId,
         nodes: &[String],

@@ -305,10 +305,7 @@ async fn copy_cached(
                             })
                             .await
                             .map_err(|e| hot_error(&node, &source, &file.rel, e))?;
-                            let n = file.key.size;
-                            progress.cache_bytes.fetch_add(n, Ordering::Relaxed);
-                            progress.bytes_done.fetch_add(n, Ordering::Relaxed);
-                            progress.files_done.fetch_add(1, Ordering::Relaxed);
+                            progress.file_from_cache(file.key.size);
                             Ok(())
                         });
                     }
@@ -904,11 +901,7 @@ async fn replicate(
                     }
                     Ok(HelperMsg::Unit { idx, offset, hash }) => {
                         let unit = files.get(idx).and_then(|f| {
-                            let u = Unit {
-                                file: f.unit_file.clone(),
-                                offset,
-                                len: unit_size.min(f.size.saturating_sub(offset)),
-                            };
+                            let u = Unit::new(f.unit_file.clone(), offset, unit_size.min(f.size.saturating_sub(offset)));
                             let at_a_unit = offset % unit_size == 0;
                             (at_a_unit && (offset < f.size || f.size == 0)).then_some(u)
                         });

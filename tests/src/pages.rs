@@ -31,6 +31,69 @@ impl Binary {
         command.output().unwrap()
     }
 
+    /// Runs it with `args`, which must exit with `code`: what it wrote to stderr.
+    #[track_caller]
+    pub fn exits(&self, args: &[&str], code: i32) -> String {
+        let out = self.run(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{stderr}");
+        stderr
+    }
+
+    /// Checks that `NAME --version` says `NAME VERSION (protocol PROTOCOL)`.
+    #[track_caller]
+    pub fn assert_version(&self, version: &str, protocol: impl std::fmt::Display) {
+        assert_eq!(
+            succeeded(&self.run(&["--version"])),
+            format!("{} {version} (protocol {protocol})\n", self.name)
+        );
+    }
+
+    /// Checks that its `--help` and `-h` list, under "Exit status:", the statuses 0, 1 and 2 as
+    /// lines that start with `statuses`, and that it returns them: 2 for the arguments
+    /// `usage_error`, 1 for `failure`, saying what failed after its name. Returns the two helps.
+    #[track_caller]
+    pub fn assert_exit_statuses(
+        &self,
+        statuses: [&str; 3],
+        usage_error: &[&str],
+        failure: &[&str],
+    ) -> [String; 2] {
+        self.exits(usage_error, 2);
+        assert_has(&self.exits(failure, 1), &format!("{}: ", self.name));
+        ["--help", "-h"].map(|flag| {
+            let help = succeeded(&self.run(&[flag]));
+            let listed = exit_statuses(&help);
+            assert!(listed.len() >= statuses.len(), "{help}");
+            for (line, status) in listed.iter().zip(statuses) {
+                assert!(line.starts_with(status), "{status:?} in:\n{help}");
+            }
+            help
+        })
+    }
+
+    /// `NAME generate completions SHELL` in `dir` ([`Binary::completion_script`]), checked the
+    /// way SHELL loads it: its syntax (`bash -n`, `zsh -n -f`, `fish --no-execute`), and for zsh
+    /// the `#compdef NAME` line compinit looks for. Fails unless SHELL is installed.
+    #[track_caller]
+    pub fn checked_completion(&self, shell: &str, dir: &Path) -> PathBuf {
+        require(shell, &format!("the {shell} completion"));
+        let script = self.completion_script(shell, dir);
+        let check: &[&str] = match shell {
+            "bash" => &["-n"],
+            "zsh" => &["-n", "-f"],
+            "fish" => &["--no-execute"],
+            other => panic!("no syntax check for {other}"),
+        };
+        if shell == "zsh" {
+            let source = std::fs::read_to_string(&script).unwrap();
+            let compdef = format!("#compdef {}\n", self.name);
+            assert!(source.starts_with(&compdef), "{source}");
+        }
+        parses(shell, check, &script);
+        script
+    }
+
     /// `NAME generate completions SHELL`, written to the file `NAME.SHELL` in `dir`.
     pub fn completion_script(&self, shell: &str, dir: &Path) -> PathBuf {
         let script = succeeded(&self.run(&["generate", "completions", shell]));
@@ -69,10 +132,12 @@ impl Binary {
 
     /// The install steps of docs/admin-guide.md for this binary (its `NAME generate …` lines, with
     /// their `> FILE`), run as an admin runs them but with every absolute path under `root`. Also
-    /// checks that there are at least three, and that the steps' `install -d` creates the
-    /// directory of every `> FILE`.
+    /// checks that there are at least three, that the steps' `install -d` creates the directory
+    /// of every `> FILE`, and that they installed each of `files` (paths below `root`) and the
+    /// bash completion, whose path this returns (bash-completion's `completions/NAME`, loaded
+    /// when NAME is first completed).
     #[track_caller]
-    pub fn run_admin_guide_install_steps(&self, root: &Path) {
+    pub fn run_admin_guide_install_steps(&self, root: &Path, files: &[&str]) -> PathBuf {
         let guide = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../docs/admin-guide.md"
@@ -127,6 +192,14 @@ impl Binary {
                 std::fs::write(file, out).unwrap();
             }
         }
+        for file in files {
+            assert!(root.join(file).is_file(), "{file} is not installed");
+        }
+        let bash = root
+            .join("usr/share/bash-completion/completions")
+            .join(self.name);
+        assert!(bash.is_file(), "{} is not installed", bash.display());
+        bash
     }
 }
 

@@ -218,8 +218,9 @@ impl Agent {
         // its other nodes tell from this node's agent answering for the job that it is alive,
         // and take over its share when it is not (`stage::shared`).
         let peers = ClosePeers(self.peers.get().and_then(|p| match &shared_tier {
-            Some(_) => p.join_shared_tier(job_id, &job.start.nodes, owner, shared_work),
-            None => p.join_with(job_id, &job.start.nodes, owner, shared_work, &datasets),
+            Some(_) => p.join(job_id, &job.start.nodes, owner, shared_work, &[]),
+            None if shared_work == 0 => None,
+            None => p.join(job_id, &job.start.nodes, owner, shared_work, &datasets),
         }));
         Ok(SetUpPlan {
             options,
@@ -366,7 +367,7 @@ impl Agent {
         })
     }
 
-    /// Stages the job's datasets: this node's own part ([`Agent::stage_own_share`]), then, on the
+    /// Stages the job's datasets: this node's own part ([`stage_own_share`]), then, on the
     /// shared tier, waits for the other nodes' shares, taking over those of nodes found dead.
     async fn stage_datasets(
         &self,
@@ -375,20 +376,9 @@ impl Agent {
         prepared: &Prepared,
     ) -> Result<(), SetupError> {
         let job_id = job.start.job_id;
-        let node = self.cfg.node.clone();
-        let SetUpPlan {
-            options,
-            shard,
-            peers,
-            ..
-        } = plan;
-        let Prepared {
-            shared_job,
-            stage: ctx,
-            ..
-        } = prepared;
-        let mut result = self.stage_own_share(job, plan, prepared).await;
-        if let (Some(shared), Some(plan)) = (&shared_job, &shard) {
+        let ctx = &prepared.stage;
+        let mut result = stage_own_share(job, plan, prepared).await;
+        if let (Some(shared), Some(shard)) = (&prepared.shared_job, &plan.shard) {
             // The job's other nodes learn how this node's share went (unless they took it
             // over), then this node waits for theirs, taking over the share of a node found
             // dead: its tasks see the whole dataset or fail.
@@ -405,7 +395,7 @@ impl Agent {
             }
             if result.is_ok() {
                 let take = |sub: ShardPlan| -> futures::future::BoxFuture<'_, _> {
-                    let (ctx, specs) = (&ctx, &options.stage_in);
+                    let specs = &plan.options.stage_in;
                     Box::pin(async move {
                         let sub = &sub;
                         futures::future::try_join_all(specs.iter().zip(&job.stages).map(
@@ -423,87 +413,21 @@ impl Agent {
                         .map(drop)
                     })
                 };
-                let liveness = peers
+                let liveness = plan
+                    .peers
                     .0
                     .as_deref()
                     .map(|p| p as &dyn stage::shared::Liveness);
                 result = shared
-                    .wait_for_all(plan, &ctx.cancel, liveness, &take)
+                    .wait_for_all(shard, &ctx.cancel, liveness, &take)
                     .await
                     .map(|notes| job.add_stage_notes(notes));
             }
         }
         result.map_err(|source| SetupError::Stage {
-            node: node.clone(),
+            node: self.cfg.node.clone(),
             source,
         })
-    }
-
-    /// Stages this node's own part of the job's datasets: all of them, or its share (shard, the
-    /// shared tier, where it stops as soon as the job's other nodes took its share over).
-    async fn stage_own_share(
-        &self,
-        job: &Arc<Job>,
-        plan: &SetUpPlan,
-        prepared: &Prepared,
-    ) -> Result<(), StageError> {
-        let job_id = job.start.job_id;
-        let SetUpPlan {
-            options,
-            shard,
-            peers,
-            ..
-        } = plan;
-        let Prepared {
-            shared_job,
-            stage: ctx,
-            ..
-        } = prepared;
-        if shared_job.as_ref().is_some_and(|s| s.done) {
-            // A restarted agent: this node's share is written, and tasks may be reading it.
-            return Ok(());
-        }
-        if shared_job.as_ref().is_some_and(|s| s.taken_over) {
-            // The job's other nodes found this node's agent dead and write its share: a
-            // restarted agent leaves it to them, so two writers never race on a file.
-            tracing::warn!(
-                job_id,
-                "this node's share on the shared tier was taken over"
-            );
-            return Ok(());
-        }
-        let writing = futures::future::try_join_all(options.stage_in.iter().zip(&job.stages).map(
-            |(spec, progress)| {
-                let sharing = match (&shard, &peers.0) {
-                    (Some(plan), _) => Sharing::Shard(plan),
-                    (None, Some(p)) => Sharing::Peers(p),
-                    (None, None) => Sharing::Alone,
-                };
-                stage::stage_with(ctx, spec, progress.clone(), sharing)
-            },
-        ));
-        // An agent that was found dead while it wrote (it hung, or its peer port could not be
-        // reached) stops as soon as it sees the takeover.
-        let taken_over = async {
-            let Some(shared) = &shared_job else {
-                return std::future::pending().await;
-            };
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                let (s, n) = (shared.clone(), job.start.node.clone());
-                if blocking(move || s.is_taken_over(&n)).await {
-                    tracing::warn!(
-                        job_id,
-                        "this node's share on the shared tier was taken over; it stops writing it"
-                    );
-                    return;
-                }
-            }
-        };
-        tokio::select! {
-            r = writing => r.map(drop),
-            () = taken_over => Ok(()),
-        }
     }
 
     /// `--ckpt-restore`: places the checkpoint in `$SLUICE_CKPT_DIR` (`ckpt_fd`).
@@ -540,6 +464,61 @@ impl Agent {
         job.set_restored(tag, notes);
         self.jobs.persist(job).await;
         Ok(())
+    }
+}
+
+/// Stages this node's own part of the job's datasets: all of them, or its share (shard, the
+/// shared tier, where it stops as soon as the job's other nodes took its share over).
+async fn stage_own_share(
+    job: &Arc<Job>,
+    plan: &SetUpPlan,
+    prepared: &Prepared,
+) -> Result<(), StageError> {
+    let shared_job = &prepared.shared_job;
+    if shared_job.as_ref().is_some_and(|s| s.done) {
+        // A restarted agent: this node's share is written, and tasks may be reading it.
+        return Ok(());
+    }
+    if shared_job.as_ref().is_some_and(|s| s.taken_over) {
+        // The job's other nodes found this node's agent dead and write its share: a
+        // restarted agent leaves it to them, so two writers never race on a file.
+        tracing::warn!(
+            job_id = job.start.job_id,
+            "this node's share on the shared tier was taken over"
+        );
+        return Ok(());
+    }
+    let writing = futures::future::try_join_all(plan.options.stage_in.iter().zip(&job.stages).map(
+        |(spec, progress)| {
+            let sharing = match (&plan.shard, &plan.peers.0) {
+                (Some(plan), _) => Sharing::Shard(plan),
+                (None, Some(p)) => Sharing::Peers(p),
+                (None, None) => Sharing::Alone,
+            };
+            stage::stage_with(&prepared.stage, spec, progress.clone(), sharing)
+        },
+    ));
+    // An agent that was found dead while it wrote (it hung, or its peer port could not be
+    // reached) stops as soon as it sees the takeover.
+    let taken_over = async {
+        let Some(shared) = shared_job else {
+            return std::future::pending().await;
+        };
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let (s, n) = (shared.clone(), job.start.node.clone());
+            if blocking(move || s.is_taken_over(&n)).await {
+                tracing::warn!(
+                    job_id = job.start.job_id,
+                    "this node's share on the shared tier was taken over; it stops writing it"
+                );
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        r = writing => r.map(drop),
+        () = taken_over => Ok(()),
     }
 }
 

@@ -54,26 +54,30 @@ struct Internal {
 #[derive(Subcommand)]
 enum InternalCommand {
     /// Copy a POSIX dataset with a job user's identity (started by the agent).
-    CopyAsUser {
-        #[command(flatten)]
-        who: copy_as_user::JobUser,
-        #[arg(long)]
-        src: PathBuf,
-        #[arg(long)]
-        dst: PathBuf,
-        #[command(flatten)]
-        shard: copy_as_user::ShardArgs,
-        /// Ask the agent (on stdin) which files its cache holds for this user (a whole copy).
-        #[arg(long, conflicts_with = "shard_nodes")]
-        cached: bool,
-        /// A copy a restarted agent can resume: keep the files the agent offers on stdin whose
-        /// source is unchanged, and report each file copied whole (the whole dataset, or a shard).
-        #[arg(long, conflicts_with_all = ["cached", "peer_unit_size", "shared_tier"])]
-        resume: bool,
-    },
+    CopyAsUser(CopyAsUser),
     /// Render the man page or the shell completions.
     #[command(subcommand)]
     Generate(Generate),
+}
+
+/// `sluiced copy-as-user`'s arguments.
+#[derive(clap::Args)]
+struct CopyAsUser {
+    #[command(flatten)]
+    who: copy_as_user::JobUser,
+    #[arg(long)]
+    src: PathBuf,
+    #[arg(long)]
+    dst: PathBuf,
+    #[command(flatten)]
+    shard: copy_as_user::ShardArgs,
+    /// Ask the agent (on stdin) which files its cache holds for this user (a whole copy).
+    #[arg(long, conflicts_with = "shard_nodes")]
+    cached: bool,
+    /// A copy a restarted agent can resume: keep the files the agent offers on stdin whose
+    /// source is unchanged, and report each file copied whole (the whole dataset, or a shard).
+    #[arg(long, conflicts_with_all = ["cached", "peer_unit_size", "shared_tier"])]
+    resume: bool,
 }
 
 #[derive(Subcommand)]
@@ -203,14 +207,14 @@ fn is_internal(argv: &[std::ffi::OsString]) -> bool {
 
 fn run_internal(command: InternalCommand) -> ExitCode {
     match command {
-        InternalCommand::CopyAsUser {
+        InternalCommand::CopyAsUser(CopyAsUser {
             who,
             src,
             dst,
             shard,
             cached,
             resume,
-        } => {
+        }) => {
             if let Err(e) = copy_as_user::become_user(who.uid, who.gid, &who.user) {
                 eprintln!("{e}");
                 return ExitCode::from(copy_as_user::Failure::Other.exit_code());
@@ -405,25 +409,18 @@ mod tests {
             "/hot/a",
         ])
         .unwrap();
-        let InternalCommand::CopyAsUser {
-            who,
-            src,
-            dst,
-            shard,
-            cached,
-            resume,
-        } = parsed.command
-        else {
+        let InternalCommand::CopyAsUser(copy) = parsed.command else {
             panic!("not copy-as-user");
         };
-        assert!(!cached, "the cache is asked only with --cached");
-        assert!(!resume, "resumable only with --resume");
+        assert!(!copy.cached, "the cache is asked only with --cached");
+        assert!(!copy.resume, "resumable only with --resume");
+        let who = &copy.who;
         assert_eq!((who.uid, who.gid, who.user.as_str()), (1000, 100, "alice"));
         assert_eq!(
-            (src, dst),
+            (copy.src, copy.dst),
             (PathBuf::from("/data/a"), PathBuf::from("/hot/a"))
         );
-        assert!(shard.shard().unwrap().is_none(), "the whole dataset");
+        assert!(copy.shard.shard().unwrap().is_none(), "the whole dataset");
         // A shard needs all four of its arguments.
         let partial = Internal::try_parse_from([
             "sluiced",

@@ -82,18 +82,7 @@ pub(crate) async fn trim(ctx: &CkptCtx, job: &Job) {
         return;
     }
     let (hot, id) = (ctx.hot.clone(), job.start.job_id);
-    let who = safefs::RemoveAs { uid: job.start.uid };
-    let tags: Vec<String> = victims.iter().map(|e| e.tag.clone()).collect();
-    let results = blocking(move || {
-        let dir = hot.open_ckpt(id)?;
-        Ok::<_, sluice_core::safefs::SafeFsError>(
-            tags.iter()
-                .map(|t| safefs::remove_tree(&dir, t, who))
-                .collect::<Vec<_>>(),
-        )
-    })
-    .await;
-    match results {
+    match remove_ckpts(move || hot.open_ckpt(id), job, &victims).await {
         Ok(results) => {
             for (entry, r) in victims.iter().zip(results) {
                 match r {
@@ -114,6 +103,25 @@ pub(crate) async fn trim(ctx: &CkptCtx, job: &Job) {
     }
 }
 
+/// Removes the checkpoints `victims` of `job` from the directory `open` opens, as the job's user
+/// would (on a blocking thread): how each removal went, or why the directory would not open.
+async fn remove_ckpts(
+    open: impl FnOnce() -> Result<std::os::fd::OwnedFd, safefs::SafeFsError> + Send + 'static,
+    job: &Job,
+    victims: &[Arc<CkptEntry>],
+) -> Result<Vec<Result<safefs::Removed, safefs::SafeFsError>>, safefs::SafeFsError> {
+    let who = safefs::RemoveAs { uid: job.start.uid };
+    let tags: Vec<String> = victims.iter().map(|e| e.tag.clone()).collect();
+    blocking(move || {
+        let dir = open()?;
+        Ok(tags
+            .iter()
+            .map(|t| safefs::remove_tree(&dir, t, who))
+            .collect())
+    })
+    .await
+}
+
 /// Frees what a finished job keeps on the hot tier when the tier is above its high-water mark: the
 /// hot copies of its archived checkpoints (safe in the archive). Never an unarchived or a refused
 /// one. When nothing of the job is left there, its directory and journal record go too.
@@ -128,23 +136,12 @@ pub(crate) async fn release(ctx: &CkptCtx, job: &Arc<Job>) {
         .into_iter()
         .filter(|e| e.on_hot() && e.state() == CkptState::Archived)
         .collect();
-    let (hot, tags) = (
-        ctx.hot.clone(),
-        archived.iter().map(|e| e.tag.clone()).collect::<Vec<_>>(),
-    );
-    let who = safefs::RemoveAs { uid: job.start.uid };
-    let removed = blocking(move || {
-        let dir = hot.open_ckpt(id)?;
-        Ok::<_, sluice_core::safefs::SafeFsError>(
-            tags.iter()
-                .map(|t| safefs::remove_tree(&dir, t, who).is_ok())
-                .collect::<Vec<_>>(),
-        )
-    })
-    .await;
-    let Ok(removed) = removed else { return };
-    for (entry, ok) in archived.iter().zip(removed) {
-        if ok {
+    let hot = ctx.hot.clone();
+    let Ok(removed) = remove_ckpts(move || hot.open_ckpt(id), job, &archived).await else {
+        return;
+    };
+    for (entry, r) in archived.iter().zip(removed) {
+        if r.is_ok() {
             entry.set_on_hot(false);
             tracing::info!(
                 job_id = id,
@@ -156,7 +153,7 @@ pub(crate) async fn release(ctx: &CkptCtx, job: &Arc<Job>) {
     if job.ckpts.entries().iter().any(|e| e.on_hot()) {
         ctx.jobs.persist(job).await;
     } else {
-        let hot = ctx.hot.clone();
+        let (hot, who) = (ctx.hot.clone(), safefs::RemoveAs { uid: job.start.uid });
         if let Err(e) = blocking(move || hot.remove_job(id, who)).await {
             tracing::warn!(job_id = id, "removing the job directory: {e}");
         }
@@ -1000,24 +997,11 @@ impl CkptWorker {
         if victims.is_empty() {
             return;
         }
-        let (dirs, tags) = (
-            self.ctx.dirs(job),
-            victims.iter().map(|e| e.tag.clone()).collect::<Vec<_>>(),
-        );
-        let who = safefs::RemoveAs { uid: job.start.uid };
-        let removed = blocking(move || {
-            let ram = dirs.user()?;
-            Ok::<_, sluice_core::safefs::SafeFsError>(
-                tags.iter()
-                    .map(|t| safefs::remove_tree(&ram, t, who).is_ok())
-                    .collect::<Vec<_>>(),
-            )
-        })
-        .await;
-        match removed {
+        let dirs = self.ctx.dirs(job);
+        match remove_ckpts(move || dirs.user(), job, &victims).await {
             Ok(removed) => {
-                for (e, ok) in victims.iter().zip(removed) {
-                    if ok {
+                for (e, r) in victims.iter().zip(removed) {
+                    if r.is_ok() {
                         e.set_in_ram(false);
                     }
                 }

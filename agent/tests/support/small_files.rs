@@ -1,7 +1,25 @@
-//! The small files of the POSIX test datasets (`agent/tests/posix_cache.rs`, `posix_resume.rs`,
-//! each including this file with `#[path]`): many files of different sizes in two directories.
+//! The files of the POSIX test datasets (`agent/tests/posix_cache.rs`, `posix_peers.rs`,
+//! `posix_resume.rs`, each including this file with `#[path]`): a big read-only file, and many
+//! small files of different sizes in two directories.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+
+/// Writes `big.bin` below `dir`: `len` bytes of a pseudo-random pattern, of mode 0444 (read-only,
+/// as datasets often are); returns its bytes.
+pub fn big_file(dir: &Path, len: u32) -> u64 {
+    let big: Vec<u8> = (0..len)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    std::fs::write(dir.join("big.bin"), &big).unwrap();
+    chmod(dir, "big.bin", 0o444);
+    len.into()
+}
+
+/// Sets the mode of `rel` below `dir`.
+pub fn chmod(dir: &Path, rel: &str, mode: u32) {
+    std::fs::set_permissions(dir.join(rel), std::fs::Permissions::from_mode(mode)).unwrap();
+}
 
 /// The `i`th small file: every third in `small/deeper`, the others in `small`.
 pub fn small_file(i: u32) -> String {

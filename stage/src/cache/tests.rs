@@ -11,6 +11,19 @@ fn config(dir: &Path, cache: &str) -> Config {
     Config::parse(&text, "n1", sluice_archive::upload_memory).unwrap()
 }
 
+/// The cache `cfg` configures (it has one), opened as the agent opens it at start.
+fn open(cfg: &Config) -> Arc<Cache> {
+    Cache::open(cfg).unwrap().unwrap()
+}
+
+/// An 8 MiB cache in `dir`, opened: its config (to open it again, as a restarted agent does) and
+/// the cache.
+fn eight_mib(dir: &Path) -> (Config, Arc<Cache>) {
+    let cfg = config(dir, "size='8MiB'");
+    let cache = open(&cfg);
+    (cfg, cache)
+}
+
 fn key(name: &str, etag: &str, size: u64) -> Key {
     Key {
         url: format!("s3://bucket/{name}"),
@@ -41,9 +54,7 @@ fn read_hit(cache: &Arc<Cache>, key: &Key, dir: &Path) -> Option<Vec<u8>> {
 #[test]
 fn a_committed_entry_is_hit_and_a_changed_object_misses() {
     let t = tempfile::tempdir().unwrap();
-    let cache = Cache::open(&config(t.path(), "size='8MiB'"))
-        .unwrap()
-        .unwrap();
+    let (_, cache) = eight_mib(t.path());
     let k = key("a", "\"e1\"", 1000);
     assert!(cache.lookup(&k).is_none());
     put(&cache, &k, 7).unwrap();
@@ -69,8 +80,7 @@ fn a_committed_entry_is_hit_and_a_changed_object_misses() {
 #[test]
 fn a_fill_that_never_committed_is_never_served_even_after_a_restart() {
     let t = tempfile::tempdir().unwrap();
-    let cfg = config(t.path(), "size='8MiB'");
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let (cfg, cache) = eight_mib(t.path());
     let k = key("torn", "\"e\"", 4096);
     let fill = cache.begin_fill(k.clone()).unwrap();
     fill.write_at(&[1; 2048], 0);
@@ -80,7 +90,7 @@ fn a_fill_that_never_committed_is_never_served_even_after_a_restart() {
     std::mem::forget(fill);
     assert!(cache.lookup(&k).is_none());
     drop(cache);
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let cache = open(&cfg);
     assert!(cache.lookup(&k).is_none());
     assert_eq!(
         std::fs::read_dir(t.path().join("hot/cache/fill"))
@@ -99,7 +109,7 @@ fn a_fill_that_never_committed_is_never_served_even_after_a_restart() {
         .unwrap()
         .set_len(100)
         .unwrap();
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let cache = open(&cfg);
     assert!(cache.lookup(&k).is_none());
     assert!(!data.exists());
     // A tainted fill (the origin's bytes were not the listed version's) is not committed.
@@ -118,13 +128,12 @@ fn a_fill_that_never_committed_is_never_served_even_after_a_restart() {
 #[test]
 fn entries_survive_a_restart_with_their_last_use() {
     let t = tempfile::tempdir().unwrap();
-    let cfg = config(t.path(), "size='8MiB'");
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let (cfg, cache) = eight_mib(t.path());
     let (a, b) = (key("a", "1", 10), key("b", "1", 20));
     put(&cache, &a, 1).unwrap();
     put(&cache, &b, 2).unwrap();
     drop(cache);
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let cache = open(&cfg);
     assert_eq!(cache.stats().used_bytes, 30);
     assert_eq!(read_hit(&cache, &b, t.path()), Some(vec![2; 20]));
     let urls: Vec<String> = cache.entries(None).into_iter().map(|e| e.url).collect();
@@ -136,12 +145,10 @@ fn entries_survive_a_restart_with_their_last_use() {
 fn filling_past_the_high_watermark_evicts_the_least_recently_used_down_to_the_low_one() {
     let t = tempfile::tempdir().unwrap();
     // 10 MiB, high 90 % = 9 MiB, low 50 % = 5 MiB.
-    let cache = Cache::open(&config(
+    let cache = open(&config(
         t.path(),
         "size='10MiB'\nhigh_water=90\nlow_water=50",
-    ))
-    .unwrap()
-    .unwrap();
+    ));
     let mib = 1 << 20;
     let keys: Vec<Key> = (0..4)
         .map(|i| key(&format!("k{i}"), "1", 2 * mib))
@@ -192,9 +199,7 @@ fn filling_past_the_high_watermark_evicts_the_least_recently_used_down_to_the_lo
 #[test]
 fn a_hit_copied_with_units_hashes_each_unit() {
     let t = tempfile::tempdir().unwrap();
-    let cache = Cache::open(&config(t.path(), "size='8MiB'"))
-        .unwrap()
-        .unwrap();
+    let (_, cache) = eight_mib(t.path());
     let k = key("u", "1", 10_000);
     let fill = cache.begin_fill(k.clone()).unwrap();
     let bytes: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
@@ -228,8 +233,7 @@ fn flip(dir: &Path, k: &Key, at: u64) {
 #[test]
 fn an_entry_whose_bytes_changed_is_dropped_not_served() {
     let t = tempfile::tempdir().unwrap();
-    let cfg = config(t.path(), "size='8MiB'");
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let (cfg, cache) = eight_mib(t.path());
     let k = key("c", "\"e\"", 5000);
     let data = t.path().join("hot/cache/data").join(k.id());
     put(&cache, &k, 7).unwrap();
@@ -246,13 +250,13 @@ fn an_entry_whose_bytes_changed_is_dropped_not_served() {
     put(&cache, &k, 7).unwrap();
     drop(cache);
     flip(t.path(), &k, 0);
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let cache = open(&cfg);
     assert_eq!(cache.stats().entries, 1);
     assert!(cache.lookup_for_peer(&k).is_none(), "not served to a peer");
     assert!(!data.exists());
     put(&cache, &k, 7).unwrap();
     drop(cache);
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let cache = open(&cfg);
     assert_eq!(read_hit(&cache, &k, t.path()), Some(vec![7; 5000]));
 
     // An entry whose .meta holds its key but no hash (filled by an agent that kept none).
@@ -262,7 +266,7 @@ fn an_entry_whose_bytes_changed_is_dropped_not_served() {
         serde_json::to_vec(&k).unwrap(),
     )
     .unwrap();
-    let cache = Cache::open(&cfg).unwrap().unwrap();
+    let cache = open(&cfg);
     assert_eq!(cache.stats().entries, 0);
     assert!(!data.exists());
 }

@@ -221,26 +221,21 @@ async fn n2_through_relay(addrs: &BTreeMap<String, String>) -> BTreeMap<String, 
 }
 
 /// Stages the dataset on `nodes` at once, each sharing it with the job's three nodes, the way
-/// the agent's set-up does (join, stage, close); returns each node's result and job peers. The
-/// stager is handed the test's counting store directly (the agent opens it from the config).
-async fn stage_all(
-    nodes: &[&Node],
-    store: &Arc<CountingStore>,
-) -> Vec<(Result<(), crate::StageError>, Arc<JobPeers>)> {
+/// the agent's set-up does (join, stage, close); fails unless every node staged it, and returns
+/// each node's job peers. The stager is handed the test's counting store directly (the agent
+/// opens it from the config).
+async fn stage_all(nodes: &[&Node], store: &Arc<CountingStore>) -> Vec<Arc<JobPeers>> {
     stage_each(nodes, &vec![store; nodes.len()]).await
 }
 
 /// [`stage_all`], node `i` listing and reading `stores[i]`.
-async fn stage_each(
-    nodes: &[&Node],
-    stores: &[&Arc<CountingStore>],
-) -> Vec<(Result<(), crate::StageError>, Arc<JobPeers>)> {
+async fn stage_each(nodes: &[&Node], stores: &[&Arc<CountingStore>]) -> Vec<Arc<JobPeers>> {
     let runs = nodes.iter().zip(stores).map(|(n, store)| {
         let store = (*store).clone() as Arc<dyn ObjectStore>;
         async move {
             let peers = n
                 .peers
-                .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+                .join(JOB, &job_nodes(), me(), 1, &datasets())
                 .unwrap();
             let spec = spec();
             let run = crate::object::stage(
@@ -256,7 +251,8 @@ async fn stage_each(
                 .await
                 .unwrap_or_else(|_| panic!("{} did not finish staging", n.name));
             peers.close("done");
-            (r, peers)
+            r.unwrap_or_else(|e| panic!("{} could not stage: {e:?}", n.name));
+            peers
         }
     });
     futures::future::join_all(runs).await
@@ -324,8 +320,7 @@ async fn three_nodes_read_the_origin_once_and_each_ends_with_the_whole_dataset()
     let (store, files) = origin().await;
     let nodes = three_nodes().await;
     let all: Vec<&Node> = nodes.iter().collect();
-    for (r, peers) in stage_all(&all, &store).await {
-        r.unwrap();
+    for peers in stage_all(&all, &store).await {
         assert!(peers.notes().is_empty(), "{:?}", peers.notes());
     }
     let counts = assert_identical(&all, &files);
@@ -368,9 +363,7 @@ async fn nodes_that_listed_two_versions_of_an_object_never_mix_them() {
 
     let nodes = three_nodes().await;
     let all: Vec<&Node> = nodes.iter().collect();
-    for (r, _) in stage_each(&all, &[&old, &new, &new]).await {
-        r.unwrap();
-    }
+    stage_each(&all, &[&old, &new, &new]).await;
     assert_identical(&all[..1], &files);
     assert_identical(&all[1..], &new_files);
     // Every other object's bytes crossed the origin once. Of the object of two versions, n1 read
@@ -474,8 +467,7 @@ async fn a_node_without_an_agent_is_routed_around_and_the_origin_still_read_once
     drop(ls.pop()); // n3's port: closed
     let nodes = start_nodes(ls, |_| &addrs).await;
     let two: Vec<&Node> = nodes.iter().collect();
-    for (r, peers) in stage_all(&two, &store).await {
-        r.unwrap();
+    for peers in stage_all(&two, &store).await {
         let notes = peers.notes();
         assert!(
             notes.len() == 1 && notes[0].contains("node n3's agent could not be used"),
@@ -515,8 +507,7 @@ async fn a_restarted_node_serves_the_units_it_kept_with_hashes_of_its_files_now(
     let served = store.served.load(Ordering::SeqCst);
 
     let all: Vec<&Node> = nodes.iter().collect();
-    for (r, peers) in stage_all(&all, &store).await {
-        r.unwrap();
+    for peers in stage_all(&all, &store).await {
         assert!(peers.notes().is_empty(), "{:?}", peers.notes());
     }
     let total = dataset_bytes(&files);
@@ -577,7 +568,7 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
     // The restarted agent: the job is staged here; it joins and serves what the log names.
     let peers = nodes[0]
         .peers
-        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .join(JOB, &job_nodes(), me(), 1, &datasets())
         .unwrap();
     let (offered, bytes) = crate::resume::serve_staged(
         &peers,
@@ -596,9 +587,7 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
     // n2 and n3 stage now.
     let served = store.served.load(Ordering::SeqCst);
     let rest: Vec<&Node> = nodes[1..].iter().collect();
-    for (r, _) in stage_all(&rest, &store).await {
-        r.unwrap();
-    }
+    stage_all(&rest, &store).await;
     for n in &rest {
         assert_eq!(read_tree(n.dir.path()), files, "{}'s copy", n.name);
     }
@@ -645,9 +634,7 @@ async fn a_tampering_relay_is_detected_and_its_units_fetched_elsewhere() {
     let via_relay = n2_through_relay(&addrs).await;
     let nodes = start_nodes(ls, |name| if name == "n1" { &via_relay } else { &addrs }).await;
     let all: Vec<&Node> = nodes.iter().collect();
-    let results = stage_all(&all, &store).await;
-    for (i, (r, peers)) in results.iter().enumerate() {
-        assert!(r.is_ok(), "{}: {r:?}", all[i].name);
+    for (i, peers) in stage_all(&all, &store).await.iter().enumerate() {
         let notes = peers.notes();
         if i == 0 {
             assert!(
@@ -679,52 +666,47 @@ async fn the_source_waits_for_units_it_will_hold_and_refuses_others() {
     let (ls, addrs) = listeners().await;
     let mut ls = ls.into_iter();
     let n = node("n1", ls.next().unwrap(), &addrs).await;
-    let peers = n.peers.join(JOB, &job_nodes(), me(), 1).unwrap();
-    let unit = |file: &str, offset: u64, len: u64| Unit {
-        file: file.into(),
-        offset,
-        len,
-    };
+    let peers = n.peers.join(JOB, &job_nodes(), me(), 1, &[]).unwrap();
     let pending = |u: Unit| {
         let p = peers.clone();
         async move { p.ready(&u).await }
     };
     // Not listed yet: waits.
-    let early = tokio::spawn(pending(unit("ds/x", 0, 10)));
+    let early = tokio::spawn(pending(Unit::new("ds/x", 0, 10)));
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(!early.is_finished());
     let root = n.ctx.stage_fd.clone();
     std::fs::write(n.dir.path().join("x"), b"0123456789").unwrap();
-    peers.add_object(root, 3, &[unit("ds/x", 0, 10)]);
+    peers.add_object(root, 3, &[Unit::new("ds/x", 0, 10)]);
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(!early.is_finished(), "listed but not held: still waits");
-    peers.held(&unit("ds/x", 0, 10), blake3::hash(b"0123456789"));
+    peers.held(&Unit::new("ds/x", 0, 10), blake3::hash(b"0123456789"));
     assert_eq!(early.await.unwrap(), Ok(()));
-    let data = peers.unit(&unit("ds/x", 0, 10)).await.unwrap();
+    let data = peers.unit(&Unit::new("ds/x", 0, 10)).await.unwrap();
     assert_eq!(&data.bytes[..], b"0123456789");
-    let streamed = peers.unit_stream(&unit("ds/x", 0, 10)).await.unwrap();
+    let streamed = peers.unit_stream(&Unit::new("ds/x", 0, 10)).await.unwrap();
     assert_eq!((streamed.len, streamed.hash), (10, data.hash));
     let slices: Vec<Bytes> = streamed.body.collect().await;
     assert_eq!(slices.concat(), b"0123456789");
     // Another length or offset of a known file is not one of the job's units.
     assert_eq!(
-        peers.unit(&unit("ds/x", 0, 9)).await.unwrap_err(),
+        peers.unit(&Unit::new("ds/x", 0, 9)).await.unwrap_err(),
         UnitError::NotOwner
     );
     assert_eq!(
-        peers.ready(&unit("ds/x", 5, 5)).await.unwrap_err(),
+        peers.ready(&Unit::new("ds/x", 5, 5)).await.unwrap_err(),
         UnitError::NotOwner
     );
     // A path that walks out of the dataset is never opened: it is not a recorded unit.
     assert_eq!(
         peers
-            .unit(&unit("ds/../../etc/passwd", 0, 10))
+            .unit(&Unit::new("ds/../../etc/passwd", 0, 10))
             .await
             .unwrap_err(),
         UnitError::NotOwner
     );
-    let late = tokio::spawn(pending(unit("ds/y", 0, 4)));
-    peers.add_object(n.ctx.stage_fd.clone(), 3, &[unit("ds/y", 0, 4)]);
+    let late = tokio::spawn(pending(Unit::new("ds/y", 0, 4)));
+    peers.add_object(n.ctx.stage_fd.clone(), 3, &[Unit::new("ds/y", 0, 4)]);
     peers.close("node n1 failed");
     let e = late.await.unwrap().unwrap_err();
     assert!(
@@ -733,13 +715,13 @@ async fn the_source_waits_for_units_it_will_hold_and_refuses_others() {
     );
     // Listed everything (closed): an unknown unit is refused at once.
     assert_eq!(
-        peers.ready(&unit("ds/z", 0, 4)).await.unwrap_err(),
+        peers.ready(&Unit::new("ds/z", 0, 4)).await.unwrap_err(),
         UnitError::NotOwner
     );
     // The staged copy replaced by something else (here a symlink) is not served.
     std::fs::remove_file(n.dir.path().join("x")).unwrap();
     std::os::unix::fs::symlink("/etc/passwd", n.dir.path().join("x")).unwrap();
-    let e = peers.unit(&unit("ds/x", 0, 10)).await.unwrap_err();
+    let e = peers.unit(&Unit::new("ds/x", 0, 10)).await.unwrap_err();
     assert!(matches!(e, UnitError::Failed(_)), "{e:?}");
 }
 
@@ -791,14 +773,10 @@ async fn tampering_relay(upstream: String) -> String {
 async fn a_failed_fetch_goes_where_the_rules_say() {
     let (mut ls, addrs) = listeners().await;
     let n1 = node("n1", ls.remove(0), &addrs).await;
-    let peers = n1.peers.join(JOB, &job_nodes(), me(), 1).unwrap();
+    let peers = n1.peers.join(JOB, &job_nodes(), me(), 1, &[]).unwrap();
     // A unit n2 owns among all three, whose next owner among n1 and n3 is n3.
     let unit = (0..1000)
-        .map(|i| Unit {
-            file: format!("ds/f{i}"),
-            offset: 0,
-            len: 10,
-        })
+        .map(|i| Unit::new(format!("ds/f{i}"), 0, 10))
         .find(|u| {
             let k = u.key();
             let all = job_nodes();
@@ -912,8 +890,7 @@ async fn a_node_that_misses_takes_its_units_from_a_peers_cache_before_the_origin
     store.served.store(0, Ordering::SeqCst);
 
     let all: Vec<&Node> = nodes.iter().collect();
-    for (r, peers) in stage_all(&all, &store).await {
-        r.unwrap();
+    for peers in stage_all(&all, &store).await {
         assert!(peers.notes().is_empty(), "{:?}", peers.notes());
     }
     assert_eq!(
@@ -952,10 +929,7 @@ async fn a_peers_cache_that_answers_wrong_bytes_is_left_for_the_origin() {
     warm_alone(&mut nodes[1], &store).await;
     store.served.store(0, Ordering::SeqCst);
     let all: Vec<&Node> = nodes.iter().collect();
-    let results = stage_all(&all, &store).await;
-    for (i, (r, _)) in results.iter().enumerate() {
-        assert!(r.is_ok(), "{}: {r:?}", all[i].name);
-    }
+    stage_all(&all, &store).await;
     for n in &all {
         assert_eq!(read_tree(n.dir.path()), files, "{}'s copy", n.name);
     }
@@ -983,7 +957,7 @@ async fn a_cache_serves_the_jobs_datasets_only() {
     warm_alone(&mut n, &store).await;
     let peers = n
         .peers
-        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .join(JOB, &job_nodes(), me(), 1, &datasets())
         .unwrap();
     let meta = store
         .inner
@@ -1012,7 +986,7 @@ async fn a_cache_serves_the_jobs_datasets_only() {
     assert!(peers.cached_range(&changed, 0, 0).await.is_none());
     let other = n
         .peers
-        .join_with(JOB + 1, &job_nodes(), me(), 1, &["s3://b/d".into()]);
+        .join(JOB + 1, &job_nodes(), me(), 1, &["s3://b/d".into()]);
     let other = other.unwrap();
     assert!(other.cached_range(&mine, 0, 0).await.is_none());
     assert!(other.cached_range(&mine, 0, 10).await.is_none());
@@ -1029,11 +1003,11 @@ async fn a_peer_without_a_cache_or_an_agent_is_not_asked_again() {
     drop(ls); // n3: no agent
     let p1 = n1
         .peers
-        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .join(JOB, &job_nodes(), me(), 1, &datasets())
         .unwrap();
     let _p2 = n2
         .peers
-        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .join(JOB, &job_nodes(), me(), 1, &datasets())
         .unwrap();
     let object = CachedObject {
         url: "s3://b/ds/x".into(),
@@ -1114,7 +1088,7 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
 
     let peers = n1
         .peers
-        .join_with(JOB, &job_nodes(), me(), 1, &datasets())
+        .join(JOB, &job_nodes(), me(), 1, &datasets())
         .unwrap();
     let (offered, _) = crate::resume::serve_staged(
         &peers,
@@ -1126,9 +1100,7 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
     .await;
     peers.close("staged before the agent restarted");
     assert!(offered > 0, "n1 serves what it kept");
-    for (r, _) in stage_all(&[&n2, &n3], &store).await {
-        r.unwrap();
-    }
+    stage_all(&[&n2, &n3], &store).await;
     assert!(
         [&n2, &n3]
             .iter()
