@@ -13,7 +13,7 @@ use sluice_core::backoff::{Backoff, Schedule};
 use sluice_core::rt::{blocking, now_secs};
 use sluice_core::safefs::{self, Owner};
 use sluice_core::worker::{StatusCell, Worker};
-use sluice_proto::msg::CkptState;
+use sluice_proto::msg::{CkptState, JobState};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -210,6 +210,16 @@ impl CkptWorker {
                 humantime::format_duration(PREVIOUS_RUN_WAIT)
             );
         }
+        // The set-up prepares the job's directories first: it clears what the run before left
+        // half-done there (a `.flush-TAG`, torn saves). Flushing into them meanwhile raced it (the
+        // new run failed with "rmdir .flush-TAG: ENOTEMPTY"). The checkpoints a requeue inherits
+        // wait where they are, kept, until the set-up is over (ready or failed).
+        status.set("waiting for the set-up");
+        let mut state = self.job.subscribe();
+        tokio::select! {
+            _ = state.wait_for(|s| *s != JobState::Staging) => {}
+            _ = cancel.cancelled() => return,
+        }
         loop {
             if self.job.is_finished() {
                 return; // replaced by a newer run of the same job id
@@ -269,7 +279,7 @@ impl CkptWorker {
     /// checkpoint, which would otherwise go with the uncommitted directories at job end.
     async fn adopt_framework_signals(&mut self) {
         let job = self.job.clone();
-        if job.state() != sluice_proto::msg::JobState::Ready {
+        if job.state() != JobState::Ready {
             return;
         }
         if job.has_ended() {
