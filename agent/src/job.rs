@@ -50,6 +50,9 @@ pub struct Job {
     pub ckpts: JobCkpts,
     /// Slurm ended the job (the epilog came, or the job was replaced by a newer run).
     ended: AtomicBool,
+    /// Its journal record was removed: nothing of this run writes one again (the job table's
+    /// journal lock orders this against a write already under way).
+    pub(crate) forgotten: AtomicBool,
     restored: Mutex<(Option<String>, Vec<String>)>,
     /// Notes from staging for the job output (e.g. a peer routed around).
     stage_notes: Mutex<Vec<String>>,
@@ -122,6 +125,7 @@ impl Job {
             keep,
             ckpts: JobCkpts::default(),
             ended: AtomicBool::new(false),
+            forgotten: AtomicBool::new(false),
             restored: Mutex::new((None, Vec::new())),
             stage_notes: Mutex::new(Vec::new()),
             extras: Mutex::new(std::collections::BTreeMap::new()),

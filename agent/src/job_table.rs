@@ -15,6 +15,7 @@ use sluice_core::rt::{blocking, lock};
 use sluice_proto::msg::{JobId, JobState};
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 /// Ended jobs kept for `sluice job`/`status` before they are forgotten.
@@ -24,6 +25,9 @@ const KEEP_ENDED: usize = 64;
 pub struct JobTable {
     jobs: Mutex<HashMap<JobId, Arc<Job>>>,
     journal: Journal,
+    /// Held across every write and removal of a record, so that a write of a job that raced with
+    /// its removal sees [`Job::forgotten`] and leaves the record removed.
+    writing: tokio::sync::Mutex<()>,
 }
 
 impl JobTable {
@@ -33,6 +37,7 @@ impl JobTable {
         Ok(JobTable {
             jobs: Mutex::new(HashMap::new()),
             journal: Journal::open(state_dir)?,
+            writing: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -87,8 +92,11 @@ impl JobTable {
 
     /// Writes the job's current record to the journal (errors are logged: the in-memory state stays
     /// authoritative until the next successful write).
+    /// Nothing is written for a run a newer one replaced, or whose record was removed (a set-up
+    /// that records the job ready as the epilog's clean-up forgets it must not bring it back).
     pub(crate) async fn persist(&self, job: &Job) {
-        if self.replaced(job) {
+        let _writing = self.writing.lock().await;
+        if self.replaced(job) || job.forgotten.load(Ordering::Relaxed) {
             return;
         }
         let record = JobRecord::from(job);
@@ -99,8 +107,10 @@ impl JobTable {
     }
 
     /// Forgets a finished job on disk (its journal record).
-    pub(crate) async fn forget(&self, job_id: JobId) {
-        let journal = self.journal.clone();
+    pub(crate) async fn forget(&self, job: &Job) {
+        let _writing = self.writing.lock().await;
+        job.forgotten.store(true, Ordering::Relaxed);
+        let (journal, job_id) = (self.journal.clone(), job.start.job_id);
         if let Err(e) = blocking(move || journal.remove(job_id)).await {
             tracing::error!(job_id, "{e}");
         }
@@ -247,8 +257,26 @@ mod tests {
         assert!(bad.is_empty());
         assert_eq!(records.len(), 1);
         assert_eq!((records[0].started_at, records[0].ended), (200, false));
-        table.forget(7).await;
+        table.forget(&new).await;
         assert!(table.load().unwrap().0.is_empty());
+    }
+
+    /// A set-up that records its job ready while the epilog's clean-up forgets the job must not
+    /// bring the record back (CI once found `jobs/31.json` left behind after a job's end).
+    #[tokio::test]
+    async fn a_forgotten_job_is_never_written_again() {
+        let state = tempfile::tempdir().unwrap();
+        let table = JobTable::open(state.path()).unwrap();
+        let job = run_of(8, 100);
+        table.insert(job.clone());
+        table.persist(&job).await;
+        assert_eq!(table.load().unwrap().0.len(), 1);
+        table.forget(&job).await;
+        table.persist(&job).await;
+        assert!(
+            table.load().unwrap().0.is_empty(),
+            "a late write brought the forgotten record back"
+        );
     }
 
     #[test]

@@ -157,7 +157,7 @@ pub(crate) async fn release(ctx: &CkptCtx, job: &Arc<Job>) {
         if let Err(e) = blocking(move || hot.remove_job(id, who)).await {
             tracing::warn!(job_id = id, "removing the job directory: {e}");
         }
-        ctx.jobs.forget(id).await;
+        ctx.jobs.forget(job).await;
     }
 }
 
@@ -1095,7 +1095,7 @@ impl CkptWorker {
         if keep_any {
             self.ctx.jobs.persist(job).await;
         } else if !self.ctx.jobs.replaced(job) {
-            self.ctx.jobs.forget(id).await;
+            self.ctx.jobs.forget(job).await;
         }
         job.finish();
         tracing::info!(
