@@ -13,6 +13,11 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+try:  # setuptools >= 70.1 has its own; older ones take the wheel package's
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:
+    from wheel.bdist_wheel import bdist_wheel
+
 HERE = Path(__file__).resolve().parent
 FILES = ("libsluice_writer.so", "sluice-cufile-probe")
 
@@ -45,4 +50,17 @@ class BuildPyWithLibrary(build_py):
         print(f"sluice-ckpt: bundled {', '.join(FILES)} from {src}")
 
 
-setup(cmdclass={"build_py": BuildPyWithLibrary})
+class PlatformWheel(bdist_wheel):
+    """The wheel carries a native library for this platform (loaded with ctypes, not a Python
+    extension): tagged py3-none-<platform>, so pip installs it on any Python 3 of this platform
+    and on no other."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self):
+        return "py3", "none", super().get_tag()[2]
+
+
+setup(cmdclass={"build_py": BuildPyWithLibrary, "bdist_wheel": PlatformWheel})

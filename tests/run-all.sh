@@ -6,7 +6,8 @@
 #                                                            bench/ included)
 #   2. cargo build, cargo test --workspace                  (unit tests, in-process agent tests),
 #      then the same binaries as the test user               (root-only tests must say "ignored"),
-#      then python/tests: sluice_ckpt with the harness's PyTorch
+#      then python/tests: sluice_ckpt with the harness's PyTorch,
+#      then tests/harness/package-test.sh                   (the .debs and the wheel in a clean Debian root)
 #   3. tests/harness/lock-test.sh                           (the cluster lock's helpers, no cluster: seconds)
 #      SLUICE_KEEP_CLUSTER=1 demo/run.sh                    (the demo, leaving its cluster up: then no
 #                                                            daemon may hold the lock, and the next step
@@ -59,6 +60,11 @@ tests/harness/unit-as-user.sh
 # target/debug/libsluice_writer.so that cargo test just built (about 15 s).
 step "sluice_ckpt (python/tests) with PyTorch from ${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}"
 "${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}/bin/python" -m unittest discover -s python/tests -v
+
+# The Debian packages and the wheel (packaging/build-debs.sh, of the debug build) installed into a clean
+# Debian 12 root made once by install.sh, through a throwaway overlay (about 25 s; no cluster).
+step "the packages in a clean Debian root (tests/harness/package-test.sh)"
+tests/harness/package-test.sh
 
 # The cluster lock's helpers on a lock file of the test's own, with fake holders (about 12 s): that a
 # waiting run says who holds the lock, stops a kept cluster nobody uses, and that cluster.sh passes the

@@ -28,7 +28,6 @@ from ._lib import (
     library_path,
     probe_cufile,
 )
-from .staging import Stager, default_stager
 
 __all__ = [
     "SluiceError",
@@ -76,7 +75,10 @@ def save(
     d = os.path.join(_lib.ckpt_dir(ckpt_dir), tag)
     if not async_:
         return _save(state_dict, d, tag, filename, commit, sluice, block_size)
-    stager = stager if stager is not None else default_stager()
+    if stager is None:
+        from .staging import default_stager
+
+        stager = default_stager()
     staged, lease = stager.stage(state_dict)
 
     def run():
@@ -120,9 +122,15 @@ def load(tag, *, filename=DEFAULT_FILE, ckpt_dir=None, **torch_load_kwargs):
 
 
 def __getattr__(name):
-    # The DCP pair imports torch.distributed.checkpoint: only when asked for.
+    # What needs torch is imported only when asked for: the DCP pair (torch.distributed.checkpoint)
+    # and the stager, so that a process without torch can use the writer and commit (torch is not
+    # a dependency of this package).
     if name in ("SluiceWriter", "SluiceReader", "SluiceFileSystem"):
         from . import dcp
 
         return getattr(dcp, name)
+    if name in ("Stager", "default_stager"):
+        from . import staging
+
+        return getattr(staging, name)
     raise AttributeError(f"module 'sluice_ckpt' has no attribute {name!r}")

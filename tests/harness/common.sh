@@ -14,6 +14,7 @@ SLURM_LOG_DIR=/var/log/slurm
 NODES=(n1 n2 n3)
 TEST_USER=sluiceuser
 OTHER_USER=sluiceother
+DEBIAN_ROOT=${SLUICE_DEBIAN_ROOT:-/opt/sluice-test/debian-root}   # package-test.sh installs the .debs into it
 VENV=/opt/sluice-test/venv                            # only used where the system python lacks our modules
 GARAGE_VERSION=2.5.0
 CARGO_HOME=${CARGO_HOME:-$HOME/.cargo}
