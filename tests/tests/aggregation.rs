@@ -432,15 +432,12 @@ fn aggregation_an_agent_killed_mid_transfer_is_routed_around() {
     let victim = nodes.last().unwrap().clone();
     // Mid-transfer: the victim has some of the dataset, far from all of it.
     let mid = |b: u64| b > ds.bytes / 10 && b < ds.bytes / 2;
-    cluster.wait_for(
+    cluster.wait_agent_job(
+        &victim,
+        &job,
         &format!("{victim} to be staging, a tenth of the dataset in"),
         Duration::from_secs(120),
-        Some(&job),
-        || {
-            cluster
-                .agent_job(&victim, &job)
-                .is_ok_and(|s| s.stages.first().is_some_and(|p| mid(p.bytes_done)))
-        },
+        |s| s.stages.first().is_some_and(|p| mid(p.bytes_done)),
     );
     let agent = cluster.kill_agent(&victim);
     eprintln!(

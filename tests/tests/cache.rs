@@ -922,15 +922,12 @@ fn cache_an_entry_torn_by_a_killed_agent_is_never_served() {
         &script(&out, ""),
     );
     cluster.wait_running(&job, Duration::from_secs(60));
-    cluster.wait_for(
+    cluster.wait_agent_job(
+        NODE,
+        &job,
         "the object's fill to be a fifth done",
         Duration::from_secs(120),
-        Some(&job),
-        || {
-            cluster
-                .agent_job(NODE, &job)
-                .is_ok_and(|s| s.stages.first().is_some_and(|p| p.bytes_done > size / 5))
-        },
+        |s| s.stages.first().is_some_and(|p| p.bytes_done > size / 5),
     );
     let agent = cluster.kill_agent_and_its_ports(NODE);
     let torn = disk_usage(&cache_dir(&cluster, NODE));
