@@ -326,12 +326,10 @@ fn aggregation_replicate_from_azure_reads_the_origin_once() {
 
 /// Every agent's peer address, node → `host:port` (the harness's `SLUICE_TEST_PEER_ADDRS`).
 fn peer_addrs(cluster: &Cluster) -> std::collections::BTreeMap<String, String> {
-    cluster
-        .var("SLUICE_TEST_PEER_ADDRS")
-        .split_whitespace()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(n, a)| (n.to_string(), a.to_string()))
-        .collect()
+    sluice_e2e::split_pairs(
+        cluster.var("SLUICE_TEST_PEER_ADDRS").split_whitespace(),
+        '=',
+    )
 }
 
 /// A user process on a node, during a job that is being served there, connects to every agent's

@@ -198,11 +198,7 @@ fn whole_files(dir: &Path, size: u64) -> BTreeMap<String, String> {
 
 /// `find -printf '%P %i %C@\n'` lines → path → identity (inode and ctime).
 fn identities(listing: &str) -> BTreeMap<String, String> {
-    listing
-        .lines()
-        .filter_map(|l| l.split_once(' '))
-        .map(|(p, id)| (p.to_string(), id.to_string()))
-        .collect()
+    sluice_e2e::split_pairs(listing.lines(), ' ')
 }
 
 /// A 1-node job stages a POSIX directory of 600 files; the agent's copy helper is held stopped
