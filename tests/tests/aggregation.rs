@@ -1057,19 +1057,21 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
     let (keeper, others) = ("n1", ["n2", "n3"]);
     // As soon as n2 and n3 start staging (their prologs answered), their agents die: n1 finds
     // their ports closed and stages the whole dataset from the origin itself.
-    let start = Instant::now();
-    while !others
-        .iter()
-        .all(|n| cluster.job_dir(n, &job).join("stage").exists())
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "the staging of job {} never started on {others:?}\n{}",
-            job.id,
-            cluster.evidence(&job)
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    poll_closely(
+        Duration::from_millis(1),
+        Duration::from_secs(120),
+        || {
+            let staging = |n: &&str| cluster.job_dir(n, &job).join("stage").exists();
+            others.iter().all(staging).then_some(())
+        },
+        || {
+            format!(
+                "the staging of job {} never started on {others:?}\n{}",
+                job.id,
+                cluster.evidence(&job)
+            )
+        },
+    );
     std::thread::sleep(Duration::from_millis(20));
     let stopped: Vec<AgentProcess> = others
         .iter()

@@ -251,20 +251,22 @@ fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_who
 
     // Catch the helper as it starts, then let it run a few milliseconds at a time until about a
     // third of the files are whole.
-    let start = std::time::Instant::now();
-    let helper = loop {
-        if let Some(pid) = copy_helper_of(&stage_ds) {
+    let helper = poll_closely(
+        Duration::from_millis(1),
+        Duration::from_secs(120),
+        || {
+            let pid = copy_helper_of(&stage_ds)?;
             signal(pid, "STOP");
-            break pid;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "the copy helper of job {} never started\n{}",
-            job.id,
-            cluster.evidence(&job)
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    };
+            Some(pid)
+        },
+        || {
+            format!(
+                "the copy helper of job {} never started\n{}",
+                job.id,
+                cluster.evidence(&job)
+            )
+        },
+    );
     let mut whole = whole_files(&stage_ds, POSIX_FILE_SIZE);
     while (whole.len() as u64) < POSIX_FILES / 3 {
         signal(helper, "CONT");
