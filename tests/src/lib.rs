@@ -4,9 +4,37 @@
 //! storage class (see [`storage_class`]), which the archive crate's conformance suite reads too,
 //! and what the agent's and the CLI's tests of their binaries' man pages, shell completions and
 //! `--help` share (see [`pages`]), and how the harness's env file names an agent's ports, which the
-//! bench reads too (see [`agent_addrs`]).
+//! bench reads too (see [`agent_addrs`]), and the `key=value` / `key value` lists that commands and
+//! the env file print, as maps (see [`split_pairs`]).
 
 pub mod pages;
+
+use std::collections::BTreeMap;
+
+/// Each of `items` split at its first `sep` into key → value (an item without `sep` is skipped, a
+/// later key replaces an earlier one): `n1=127.0.0.1:7001 …` or `find -printf` lines as a map.
+pub fn split_pairs<'a>(
+    items: impl IntoIterator<Item = &'a str>,
+    sep: char,
+) -> BTreeMap<String, String> {
+    items
+        .into_iter()
+        .filter_map(|item| item.split_once(sep))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[cfg(test)]
+#[test]
+fn split_pairs_keeps_what_follows_the_first_separator() {
+    let map = split_pairs("d0/f 17 1.5\nno-separator\nb 2\nb 3".lines(), ' ');
+    assert_eq!(
+        map.into_iter().collect::<Vec<_>>(),
+        [("b".into(), "3".into()), ("d0/f".into(), "17 1.5".into())]
+    );
+    let addrs = split_pairs("n1=h:1 n2=h:2 ".split_whitespace(), '=');
+    assert_eq!(addrs["n2"], "h:2");
+}
 
 /// The addresses `node`'s agent listens on, its peer and its metrics port, from the harness's env
 /// file (`tests/harness/cluster.sh up`), whose variables `var` reads: each lists every node's

@@ -326,12 +326,10 @@ fn aggregation_replicate_from_azure_reads_the_origin_once() {
 
 /// Every agent's peer address, node → `host:port` (the harness's `SLUICE_TEST_PEER_ADDRS`).
 fn peer_addrs(cluster: &Cluster) -> std::collections::BTreeMap<String, String> {
-    cluster
-        .var("SLUICE_TEST_PEER_ADDRS")
-        .split_whitespace()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(n, a)| (n.to_string(), a.to_string()))
-        .collect()
+    sluice_e2e::split_pairs(
+        cluster.var("SLUICE_TEST_PEER_ADDRS").split_whitespace(),
+        '=',
+    )
 }
 
 /// A user process on a node, during a job that is being served there, connects to every agent's
@@ -432,15 +430,12 @@ fn aggregation_an_agent_killed_mid_transfer_is_routed_around() {
     let victim = nodes.last().unwrap().clone();
     // Mid-transfer: the victim has some of the dataset, far from all of it.
     let mid = |b: u64| b > ds.bytes / 10 && b < ds.bytes / 2;
-    cluster.wait_for(
+    cluster.wait_agent_job(
+        &victim,
+        &job,
         &format!("{victim} to be staging, a tenth of the dataset in"),
         Duration::from_secs(120),
-        Some(&job),
-        || {
-            cluster
-                .agent_job(&victim, &job)
-                .is_ok_and(|s| s.stages.first().is_some_and(|p| mid(p.bytes_done)))
-        },
+        |s| s.stages.first().is_some_and(|p| mid(p.bytes_done)),
     );
     let agent = cluster.kill_agent(&victim);
     eprintln!(
@@ -1062,19 +1057,21 @@ fn resume_a_node_staged_before_its_agent_restarted_still_serves_its_peers() {
     let (keeper, others) = ("n1", ["n2", "n3"]);
     // As soon as n2 and n3 start staging (their prologs answered), their agents die: n1 finds
     // their ports closed and stages the whole dataset from the origin itself.
-    let start = Instant::now();
-    while !others
-        .iter()
-        .all(|n| cluster.job_dir(n, &job).join("stage").exists())
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "the staging of job {} never started on {others:?}\n{}",
-            job.id,
-            cluster.evidence(&job)
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    poll_closely(
+        Duration::from_millis(1),
+        Duration::from_secs(120),
+        || {
+            let staging = |n: &&str| cluster.job_dir(n, &job).join("stage").exists();
+            others.iter().all(staging).then_some(())
+        },
+        || {
+            format!(
+                "the staging of job {} never started on {others:?}\n{}",
+                job.id,
+                cluster.evidence(&job)
+            )
+        },
+    );
     std::thread::sleep(Duration::from_millis(20));
     let stopped: Vec<AgentProcess> = others
         .iter()

@@ -237,14 +237,11 @@ impl Staged {
     /// `$SLUICE_STAGE_DIR` owned by the job user.
     fn assert_got(&self, cluster: &Cluster, ds: &Ds, what: &str) {
         let sums = self.file("sums-ds");
-        assert!(
-            sums == ds.sums,
-            "{what}: the dataset job {} of {} staged differs from its source: {}\n{}",
-            self.job.id,
-            self.user,
-            diff_listings(&ds.sums, &sums),
-            cluster.evidence(&self.job)
+        let differs = format!(
+            "{what}: the dataset job {} of {} staged differs from its source",
+            self.job.id, self.user
         );
+        cluster.assert_same_listing(&self.job, &ds.sums, &sums, &differs);
         let owners = self.file("owners");
         let mine = format!("{} ", self.user);
         let foreign: Vec<&str> = owners
@@ -922,15 +919,12 @@ fn cache_an_entry_torn_by_a_killed_agent_is_never_served() {
         &script(&out, ""),
     );
     cluster.wait_running(&job, Duration::from_secs(60));
-    cluster.wait_for(
+    cluster.wait_agent_job(
+        NODE,
+        &job,
         "the object's fill to be a fifth done",
         Duration::from_secs(120),
-        Some(&job),
-        || {
-            cluster
-                .agent_job(NODE, &job)
-                .is_ok_and(|s| s.stages.first().is_some_and(|p| p.bytes_done > size / 5))
-        },
+        |s| s.stages.first().is_some_and(|p| p.bytes_done > size / 5),
     );
     let agent = cluster.kill_agent_and_its_ports(NODE);
     let torn = disk_usage(&cache_dir(&cluster, NODE));
@@ -947,12 +941,8 @@ fn cache_an_entry_torn_by_a_killed_agent_is_never_served() {
     cluster.assert_completes(&job, JOB_TIMEOUT, "the job whose agent was killed mid-fill");
     let served = relay.served() - before;
     let sums = task_file(&out, NODE, "sums-ds");
-    assert!(
-        sums == ds.sums,
-        "the job whose agent was killed mid-fill got other bytes: {}\n{}",
-        diff_listings(&ds.sums, &sums),
-        cluster.evidence(&job)
-    );
+    let what = "the job whose agent was killed mid-fill got other bytes";
+    cluster.assert_same_listing(&job, &ds.sums, &sums, what);
     assert!(
         served >= size,
         "after the restart the origin served {served} bytes of the {size}-byte object: part of it \

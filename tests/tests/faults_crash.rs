@@ -162,12 +162,8 @@ fn crash_loop_during_stage_in(test: &str, victim: Victim) {
         "COMPLETED" => {
             for n in &cluster.nodes {
                 let staged = task_file(&out, n, "sums-train");
-                assert!(
-                    staged == sums,
-                    "after the crashes, the dataset on {n} differs from its source: {}\n{}",
-                    diff_listings(&sums, &staged),
-                    cluster.evidence(&job)
-                );
+                let what = format!("after the crashes, the dataset on {n} differs from its source");
+                cluster.assert_same_listing(&job, &sums, &staged, &what);
             }
         }
         "FAILED" => {

@@ -93,15 +93,12 @@ fn faults_agent_crash_loop_during_archive_then_every_checkpoint_is_archived_as_w
     let node = cluster.job_field(&job, "BatchHost").expect("BatchHost");
     let nodes = cluster.job_nodes(&job);
     // Rank 0 (the batch host's task) commits: wait for the first commit on its agent.
-    cluster.wait_for(
+    cluster.wait_agent_job(
+        &node,
+        &job,
         &format!("the first commit on {node}"),
         Duration::from_secs(120),
-        Some(&job),
-        || {
-            cluster
-                .agent_job(&node, &job)
-                .is_ok_and(|s| !s.ckpts.is_empty())
-        },
+        |s| !s.ckpts.is_empty(),
     );
 
     // Kill the committing node's agent while it archives, again and again.

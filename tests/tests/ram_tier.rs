@@ -144,15 +144,17 @@ fn ram_tier_checkpoint_survives_an_agent_killed_mid_flush_and_a_full_share() {
     let hot = cluster.hot_root(NODE).join(format!("jobs/{}/ckpt", job.id));
     // Looked at every few milliseconds, not at the cluster's usual pace: the flush of s1 takes a
     // few tenths of a second (it reads nothing back), and the kill must land inside it.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !(hot.join(".flush-s1").exists() || hot.join("s1").exists()) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent did not start flushing s1 (.flush-s1 on the hot tier) in 30 s\n{}",
-            ev()
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    poll_closely(
+        Duration::from_millis(2),
+        Duration::from_secs(30),
+        || (hot.join(".flush-s1").exists() || hot.join("s1").exists()).then_some(()),
+        || {
+            format!(
+                "the agent did not start flushing s1 (.flush-s1 on the hot tier) in 30 s\n{}",
+                ev()
+            )
+        },
+    );
     let agent = cluster.kill_agent(NODE);
     assert!(
         hot.join(".flush-s1").exists() && !hot.join("s1").exists(),

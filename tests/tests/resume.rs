@@ -8,8 +8,9 @@
 //!   ctime) in the job's stage directory, and the agent counts exactly their bytes as resumed.
 
 use crate::common::*;
+use std::collections::BTreeMap;
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -30,6 +31,24 @@ fn restarted_stage(cluster: &Cluster, job: &Job) -> sluice_proto::msg::StageProg
         .ok()
         .and_then(|s| s.stages.first().cloned())
         .unwrap_or_else(|| panic!("the restarted agent has no record of job {}", job.id))
+}
+
+/// The dataset to stage: `files` random files of `size` bytes spread over `dirs` directories
+/// (`d{i % dirs}/{stem}-{i:03}.bin`) under the test's `train` directory, readable by everyone.
+fn random_train_dir(
+    cluster: &Cluster,
+    test: &str,
+    files: u64,
+    dirs: u64,
+    stem: &str,
+    size: u64,
+) -> PathBuf {
+    let dir = cluster.data_dir(test).join("train");
+    for i in 0..files {
+        random_file(&dir.join(format!("d{}/{stem}-{i:03}.bin", i % dirs)), size);
+    }
+    run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&dir));
+    dir
 }
 
 /// The job output says part of the dataset was kept across the restart, and the job left
@@ -53,11 +72,7 @@ fn assert_says_resumed_and_cleans_up(cluster: &Cluster, job: &Job) {
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn resume_an_agent_killed_mid_stage_keeps_the_files_it_staged_whole() {
     let cluster = Cluster::for_s3();
-    let dir = cluster.data_dir("resume").join("train");
-    for i in 0..OBJECTS {
-        random_file(&dir.join(format!("d{}/obj-{i:03}.bin", i % 4)), OBJECT_SIZE);
-    }
-    run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&dir));
+    let dir = random_train_dir(&cluster, "resume", OBJECTS, 4, "obj", OBJECT_SIZE);
     let prefix = format!("resume-e2e/{}/train", unique());
     cluster.upload(&dir, "garage", &format!("datasets-relayed/{prefix}"));
     let sums = checksums(&dir);
@@ -165,7 +180,7 @@ fn signal(pid: u32, sig: &str) {
 }
 
 /// Files below `dir` of `size` bytes: path → (inode, ctime as `stat` prints it).
-fn whole_files(dir: &Path, size: u64) -> std::collections::BTreeMap<String, String> {
+fn whole_files(dir: &Path, size: u64) -> BTreeMap<String, String> {
     let out = Command::new("find")
         .arg(dir)
         .args([
@@ -178,11 +193,12 @@ fn whole_files(dir: &Path, size: u64) -> std::collections::BTreeMap<String, Stri
         ])
         .output()
         .expect("find");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_once(' '))
-        .map(|(p, id)| (p.to_string(), id.to_string()))
-        .collect()
+    identities(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// `find -printf '%P %i %C@\n'` lines → path → identity (inode and ctime).
+fn identities(listing: &str) -> BTreeMap<String, String> {
+    sluice_e2e::split_pairs(listing.lines(), ' ')
 }
 
 /// A 1-node job stages a POSIX directory of 600 files; the agent's copy helper is held stopped
@@ -196,14 +212,14 @@ fn whole_files(dir: &Path, size: u64) -> std::collections::BTreeMap<String, Stri
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_whole() {
     let cluster = Cluster::for_sluice();
-    let src = cluster.data_dir("resume-posix").join("train");
-    for i in 0..POSIX_FILES {
-        random_file(
-            &src.join(format!("d{}/f-{i:03}.bin", i % 6)),
-            POSIX_FILE_SIZE,
-        );
-    }
-    run(Command::new("chmod").args(["-R", "u=rwX,go=rX"]).arg(&src));
+    let src = random_train_dir(
+        &cluster,
+        "resume-posix",
+        POSIX_FILES,
+        6,
+        "f",
+        POSIX_FILE_SIZE,
+    );
     run(Command::new("bash").arg("-c").arg(format!(
         "chmod 0444 '{}'/d0/* '{}'/d3/*",
         src.display(),
@@ -235,20 +251,22 @@ fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_who
 
     // Catch the helper as it starts, then let it run a few milliseconds at a time until about a
     // third of the files are whole.
-    let start = std::time::Instant::now();
-    let helper = loop {
-        if let Some(pid) = copy_helper_of(&stage_ds) {
+    let helper = poll_closely(
+        Duration::from_millis(1),
+        Duration::from_secs(120),
+        || {
+            let pid = copy_helper_of(&stage_ds)?;
             signal(pid, "STOP");
-            break pid;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "the copy helper of job {} never started\n{}",
-            job.id,
-            cluster.evidence(&job)
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    };
+            Some(pid)
+        },
+        || {
+            format!(
+                "the copy helper of job {} never started\n{}",
+                job.id,
+                cluster.evidence(&job)
+            )
+        },
+    );
     let mut whole = whole_files(&stage_ds, POSIX_FILE_SIZE);
     while (whole.len() as u64) < POSIX_FILES / 3 {
         signal(helper, "CONT");
@@ -280,11 +298,7 @@ fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_who
         "the modes of the staged files"
     );
     cluster.assert_staged_owned_by_user(&out, NODE);
-    let after: std::collections::BTreeMap<String, String> = task_file(&out, NODE, "identities")
-        .lines()
-        .filter_map(|l| l.split_once(' '))
-        .map(|(p, id)| (p.to_string(), id.to_string()))
-        .collect();
+    let after = identities(&task_file(&out, NODE, "identities"));
     let kept: Vec<&String> = whole
         .iter()
         .filter(|(p, id)| after.get(*p) == Some(*id))

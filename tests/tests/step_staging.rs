@@ -47,12 +47,8 @@ fn srun_stage_in_in_a_job_without_options_stages_for_the_step() {
             cluster.evidence(&job)
         );
         let got = task_file(&out, node, "sums-stepds");
-        assert!(
-            got == sums,
-            "the step's dataset on {node} differs from its source: {}\n{}",
-            diff_listings(&sums, &got),
-            cluster.evidence(&job)
-        );
+        let what = format!("the step's dataset on {node} differs from its source");
+        cluster.assert_same_listing(&job, &sums, &got, &what);
         cluster.assert_staged_owned_by_user(&out, node);
     }
     assert!(
@@ -101,12 +97,8 @@ fn srun_stage_in_adds_a_dataset_to_the_jobs_own() {
     for node in &cluster.nodes {
         for (name, want) in [("jobds", &job_sums), ("stepds", &step_sums)] {
             let got = task_file(&out, node, &format!("sums-{name}"));
-            assert!(
-                got == *want,
-                "{name} on {node} differs from its source: {}\n{}",
-                diff_listings(want, &got),
-                cluster.evidence(&job)
-            );
+            let what = format!("{name} on {node} differs from its source");
+            cluster.assert_same_listing(&job, want, &got, &what);
         }
     }
     // srun itself refuses it (it sees the job's --stage-in too), before any task starts.

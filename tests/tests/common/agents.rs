@@ -31,6 +31,21 @@ impl Cluster {
         }
     }
 
+    /// Waits (see [`Cluster::wait_for`]) until the node's agent answers for the job with a status
+    /// that `done` accepts; `what` names that moment in the failure message.
+    pub fn wait_agent_job(
+        &self,
+        node: &str,
+        job: &Job,
+        what: &str,
+        timeout: Duration,
+        mut done: impl FnMut(&JobStatus) -> bool,
+    ) {
+        self.wait_for(what, timeout, Some(job), || {
+            self.agent_job(node, job).is_ok_and(|s| done(&s))
+        });
+    }
+
     /// The node's agent's progress record of the job's first stage; panics when the agent does
     /// not answer.
     pub fn agent_stage(&self, node: &str, job: &Job) -> StageProgress {

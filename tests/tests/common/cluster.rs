@@ -284,6 +284,27 @@ impl Cluster {
     }
 }
 
+/// Tries `attempt` every `every` until it gives a value, and returns that; panics with `failure()`
+/// once `timeout` has passed. For a moment a test must act on as it happens (a kill that must land
+/// inside a transfer), which [`Cluster::wait_for`]'s 200 ms would miss.
+pub fn poll_closely<T>(
+    every: Duration,
+    timeout: Duration,
+    mut attempt: impl FnMut() -> Option<T>,
+    failure: impl FnOnce() -> String,
+) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(value) = attempt() {
+            return value;
+        }
+        if start.elapsed() >= timeout {
+            panic!("{}", failure());
+        }
+        std::thread::sleep(every);
+    }
+}
+
 /// The last 25 lines of a log file under a header, for failure messages.
 pub fn tail_of(file: &Path) -> String {
     let text = fs::read_to_string(file).unwrap_or_else(|e| format!("(cannot read: {e})"));
