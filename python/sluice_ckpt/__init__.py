@@ -41,6 +41,7 @@ __all__ = [
     "library_path",
     "load",
     "probe_cufile",
+    "reserve",
     "save",
 ]
 
@@ -129,7 +130,7 @@ def __getattr__(name):
         from . import dcp
 
         return getattr(dcp, name)
-    if name in ("Stager", "default_stager"):
+    if name in ("Stager", "default_stager", "reserve"):
         from . import staging
 
         return getattr(staging, name)

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
@@ -308,6 +309,135 @@ class AsyncStagingTests(Base):
         dcp.load(out, storage_reader=sluice_ckpt.SluiceReader("step-2200"))
         self.assertStateEqual(out, s)
         stager.close()
+
+
+def tensor_ptrs(obj):
+    """The data pointers of obj's tensors, in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj.data_ptr()]
+    if isinstance(obj, dict):
+        return [p for v in obj.values() for p in tensor_ptrs(v)]
+    return []
+
+
+def state_bytes(s):
+    return sum(t.numel() * t.element_size() for t in s["model"].values()) + s["optim"]["step"].element_size()
+
+
+class ReserveTests(Base):
+    """Stager.reserve: the first save's buffers allocated in the background, before the save
+    (issue 31, "no first-save stall"); the save copies into them and allocates nothing."""
+
+    def setUp(self):
+        super().setUp()
+        self.stager = sluice_ckpt.Stager()
+        self.addCleanup(self.stager.close)
+
+    def hold_allocations(self):
+        """Makes every buffer allocation wait until the returned Event is set."""
+        import torch.distributed._state_dict_utils as utils
+
+        real = utils._create_cpu_state_dict
+        go = threading.Event()
+        started = threading.Event()
+
+        def create(*a, **kw):
+            started.set()
+            go.wait(60)
+            return real(*a, **kw)
+
+        utils._create_cpu_state_dict = create
+        self.addCleanup(setattr, utils, "_create_cpu_state_dict", real)
+        self.addCleanup(go.set)
+        return go, started
+
+    def test_the_first_save_copies_into_the_reserved_buffers(self):
+        s = state(30)
+        self.stager.reserve(s, wait=True)
+        reserved = tensor_ptrs(self.stager._cache)
+        self.assertEqual((self.stager.allocations, self.stager.kept_bytes()), (1, state_bytes(s)))
+        bump(s, 1.0)  # values may change after the reserve: only shapes and dtypes were taken
+        staged, lease = self.stager.stage(s)
+        lease.release()
+        self.assertEqual(tensor_ptrs(staged), reserved, "the save allocated buffers of its own")
+        self.assertEqual(self.stager.allocations, 1)
+        sluice_ckpt.save(s, "step-3000", async_=True, stager=self.stager).result(timeout=60)
+        self.assertStateEqual(sluice_ckpt.load("step-3000"), s)
+        self.assertEqual(self.stager.allocations, 1)
+
+    def test_a_reserve_returns_at_once_and_a_save_before_it_finished_waits_for_it(self):
+        go, started = self.hold_allocations()
+        s = state(31)
+        self.stager.reserve(s)  # returns while the allocation is held
+        self.assertTrue(started.wait(10), "the reserve did not start allocating in the background")
+        self.assertEqual(self.stager.kept_bytes(), state_bytes(s), "a reserve in progress counts")
+        saved = []
+        t = threading.Thread(
+            target=lambda: saved.append(sluice_ckpt.save(s, "step-3100", async_=True, stager=self.stager))
+        )
+        t.start()
+        t.join(0.5)
+        self.assertTrue(t.is_alive(), "the save did not wait for the reserve it needs")
+        go.set()
+        t.join(60)
+        saved[0].result(timeout=60)
+        self.assertEqual(self.stager.allocations, 1, "the save allocated again instead of taking the reserve")
+        self.assertStateEqual(sluice_ckpt.load("step-3100"), s)
+
+    def test_a_reserve_from_a_model_reads_only_shapes_and_serves_its_state_dict(self):
+        model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 7))
+        self.stager.reserve(model, wait=True)
+        staged, lease = self.stager.stage(model.state_dict())
+        lease.release()
+        self.assertEqual(self.stager.allocations, 1)
+        for k, v in model.state_dict().items():
+            self.assertTrue(torch.equal(staged[k], v), k)
+
+    def test_a_save_of_another_structure_drops_the_reserve_and_keeps_one_copy(self):
+        self.stager.reserve(state(32), wait=True)
+        s = state(33)
+        s["model"]["w"] = torch.randn(3, 5)
+        sluice_ckpt.save(s, "step-3200", async_=True, stager=self.stager).result(timeout=60)
+        self.assertEqual(self.stager.allocations, 2)
+        self.assertEqual(self.stager.kept_bytes(), state_bytes(s), "the reserved copy was not freed")
+        self.assertStateEqual(sluice_ckpt.load("step-3200"), s)
+
+    def test_a_second_reserve_replaces_the_first_and_a_fitting_one_does_nothing(self):
+        small = state(34)
+        small["model"]["big"] = torch.randn(10)
+        self.stager.reserve(state(35))
+        self.stager.reserve(small, wait=True)
+        self.assertEqual(self.stager.kept_bytes(), state_bytes(small))
+        n = self.stager.allocations
+        self.stager.reserve(small, wait=True)
+        self.assertEqual((self.stager.allocations, self.stager.kept_bytes()), (n, state_bytes(small)))
+
+    def test_a_failed_reserve_is_raised_when_waited_for_and_the_save_allocates_itself(self):
+        import torch.distributed._state_dict_utils as utils
+
+        real = utils._create_cpu_state_dict
+
+        def create(*a, **kw):
+            raise MemoryError("no room for the reserve")
+
+        utils._create_cpu_state_dict = create
+        try:
+            with self.assertRaises(MemoryError):
+                self.stager.reserve(state(36), wait=True)
+            self.stager.reserve(state(36))
+        finally:
+            utils._create_cpu_state_dict = real
+        s = state(37)
+        sluice_ckpt.save(s, "step-3300", async_=True, stager=self.stager).result(timeout=60)
+        self.assertEqual(self.stager.allocations, 1)
+        self.assertStateEqual(sluice_ckpt.load("step-3300"), s)
+
+    def test_the_module_level_reserve_is_the_default_stagers(self):
+        stager = sluice_ckpt.default_stager()
+        self.addCleanup(stager.close)
+        s = state(38)
+        sluice_ckpt.reserve(s, wait=True)
+        self.assertGreaterEqual(stager.kept_bytes(), state_bytes(s))
 
 
 class SaveTests(Base):
