@@ -112,6 +112,10 @@ pub(crate) const REFUSAL_REASONS: [&str; 2] = ["user_limit", "full"];
 const BYTES: Option<&Unit> = Some(&Unit::Bytes);
 const SECONDS: Option<&Unit> = Some(&Unit::Seconds);
 
+/// One series as the tables here list it: its name (after `sluice_`), help, unit, and the metric
+/// or the value read.
+type Series<V> = (&'static str, &'static str, Option<&'static Unit>, V);
+
 /// Durations from half a second to a little over two hours, doubling.
 fn duration_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.5, 2.0, 15))
@@ -257,7 +261,7 @@ impl Metrics {
                 protocol: sluice_proto::PROTO_VERSION.to_string(),
             }),
         );
-        let events: [(&str, &str, Option<&Unit>, Box<dyn Metric>); 11] = [
+        let events: [Series<Box<dyn Metric>>; 11] = [
             (
                 "stage",
                 "Bytes staged onto the hot tier, by the kind of the dataset's source",
@@ -464,7 +468,7 @@ impl Collector for Snapshot {
         for j in self.jobs.snapshot() {
             *jobs.entry(j.state().as_str()).or_default() += 1;
         }
-        let gauges: [(&str, &str, Option<&Unit>, u64); 5] = [
+        let gauges: [Series<u64>; 5] = [
             (
                 "hot_tier_used",
                 "Bytes used on the hot tier's file system (by anyone)",
@@ -530,9 +534,9 @@ impl Collector for Snapshot {
 
 /// Encodes series without labels, read at the scrape: each `(name, help, unit, value)` as the
 /// metric `metric` makes of its value (a [`ConstGauge`] or a [`ConstCounter`]).
-fn encode_series<'u, V, M: EncodeMetric>(
+fn encode_series<V, M: EncodeMetric>(
     enc: &mut DescriptorEncoder,
-    series: impl IntoIterator<Item = (&'static str, &'static str, Option<&'u Unit>, V)>,
+    series: impl IntoIterator<Item = Series<V>>,
     metric: impl Fn(V) -> M,
 ) -> Result<(), std::fmt::Error> {
     for (name, help, unit, value) in series {
@@ -545,7 +549,7 @@ fn encode_series<'u, V, M: EncodeMetric>(
 /// The cross-job cache's series, from its [`CacheStats`]: sizes as gauges, the counters since the
 /// agent started as counters (they restart at 0 with it, which `rate()` and `increase()` expect).
 fn encode_cache(enc: &mut DescriptorEncoder, c: &CacheStats) -> Result<(), std::fmt::Error> {
-    let gauges: [(&str, &str, Option<&Unit>, u64); 5] = [
+    let gauges: [Series<u64>; 5] = [
         (
             "cache_capacity",
             "The cross-job cache's size limit ([cache])",
@@ -578,7 +582,7 @@ fn encode_cache(enc: &mut DescriptorEncoder, c: &CacheStats) -> Result<(), std::
         ),
     ];
     encode_series(enc, gauges, ConstGauge::new)?;
-    let counters: [(&str, &str, Option<&Unit>, u64); 6] = [
+    let counters: [Series<u64>; 6] = [
         (
             "cache_hits",
             "Objects staged from this node's cache instead of being read again",
@@ -628,7 +632,7 @@ fn encode_workers(
     workers: &[WorkerStatus],
 ) -> Result<(), std::fmt::Error> {
     let failing = workers.iter().filter(|w| w.last_error.is_some()).count();
-    let gauges: [(&str, &str, Option<&Unit>, usize); 2] = [
+    let gauges: [Series<usize>; 2] = [
         (
             "workers",
             "Background workers of the agent: one per job for its checkpoints, housekeeping, the peer server",
