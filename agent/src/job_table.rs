@@ -204,13 +204,27 @@ mod tests {
         Arc::new(Job::new(start, dirs, started_at, Ok(None), 1, cancel))
     }
 
+    /// A job table in a fresh state directory (which lives as long as the first value).
+    fn open_table() -> (tempfile::TempDir, JobTable) {
+        let state = tempfile::tempdir().unwrap();
+        let table = JobTable::open(state.path()).unwrap();
+        (state, table)
+    }
+
+    /// A run of `job_id` in `table`, with its record written.
+    async fn recorded(table: &JobTable, job_id: JobId, started_at: u64) -> Arc<Job> {
+        let job = run_of(job_id, started_at);
+        table.insert(job.clone());
+        table.persist(&job).await;
+        job
+    }
+
     /// A requeue's set-up and worker wait until the run before has stopped touching the job's
     /// directories: its checkpoint worker is gone (a RAM-tier flush cut short otherwise made the
     /// new run fail with "rmdir .flush-TAG: ENOTEMPTY").
     #[tokio::test]
     async fn a_new_run_waits_until_the_old_runs_worker_has_stopped() {
-        let state = tempfile::tempdir().unwrap();
-        let table = JobTable::open(state.path()).unwrap();
+        let (_state, table) = open_table();
         let short = std::time::Duration::from_millis(50);
         let old = run_of(7, 100);
         let worker = old.worker_running();
@@ -239,11 +253,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_new_run_of_a_job_id_takes_the_old_runs_place_and_record() {
-        let state = tempfile::tempdir().unwrap();
-        let table = JobTable::open(state.path()).unwrap();
-        let old = run_of(7, 100);
-        table.insert(old.clone());
-        table.persist(&old).await;
+        let (_state, table) = open_table();
+        let old = recorded(&table, 7, 100).await;
         let new = run_of(7, 200);
         table.insert(new.clone());
         assert!(old.is_finished(), "the old run's worker must stop");
@@ -265,11 +276,8 @@ mod tests {
     /// bring the record back (CI once found `jobs/31.json` left behind after a job's end).
     #[tokio::test]
     async fn a_forgotten_job_is_never_written_again() {
-        let state = tempfile::tempdir().unwrap();
-        let table = JobTable::open(state.path()).unwrap();
-        let job = run_of(8, 100);
-        table.insert(job.clone());
-        table.persist(&job).await;
+        let (_state, table) = open_table();
+        let job = recorded(&table, 8, 100).await;
         assert_eq!(table.load().unwrap().0.len(), 1);
         table.forget(&job).await;
         table.persist(&job).await;
@@ -281,8 +289,7 @@ mod tests {
 
     #[test]
     fn finished_jobs_beyond_the_kept_ones_are_forgotten_oldest_first() {
-        let state = tempfile::tempdir().unwrap();
-        let table = JobTable::open(state.path()).unwrap();
+        let (_state, table) = open_table();
         let running = run_of(1, 0);
         table.insert(running);
         for id in 2..(KEEP_ENDED as u32 + 4) {

@@ -35,13 +35,14 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::metrics::info::Info;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 use sluice_archive::{ArchiveError, PartManifest};
 use sluice_core::config::{Config, MetricsConfig};
 use sluice_core::rt::{blocking, lock};
@@ -107,9 +108,36 @@ const SOURCES: [&str; 4] = ["s3", "azure", "gcs", "posix"];
 /// Why admission refuses a connection (the socket server's `Refused::reason`).
 pub(crate) const REFUSAL_REASONS: [&str; 2] = ["user_limit", "full"];
 
+/// The units of series in bytes and in seconds (`_bytes`, `_seconds` after their names).
+const BYTES: Option<&Unit> = Some(&Unit::Bytes);
+const SECONDS: Option<&Unit> = Some(&Unit::Seconds);
+
+/// One series as the tables here list it: its name (after `sluice_`), help, unit, and the metric
+/// or the value read.
+type Series<V> = (&'static str, &'static str, Option<&'static Unit>, V);
+
 /// Durations from half a second to a little over two hours, doubling.
 fn duration_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.5, 2.0, 15))
+}
+
+/// A metric of any type, so that the event metrics' registrations can be one table (the
+/// library encodes a `Box<dyn EncodeMetric>` but does not take one as a [`Metric`]).
+#[derive(Debug)]
+struct AnyMetric(Box<dyn Metric>);
+
+impl EncodeMetric for AnyMetric {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// The agent's event counters. Cloning shares them.
@@ -233,69 +261,81 @@ impl Metrics {
                 protocol: sluice_proto::PROTO_VERSION.to_string(),
             }),
         );
-        r.register_with_unit(
-            "stage",
-            "Bytes staged onto the hot tier, by the kind of the dataset's source",
-            Unit::Bytes,
-            self.stage_bytes.clone(),
-        );
-        r.register(
-            "stage_files",
-            "Files staged onto the hot tier, by the kind of the dataset's source",
-            self.stage_files.clone(),
-        );
-        r.register_with_unit(
-            "origin",
-            "Bytes read from datasets' origins (object stores, POSIX file systems) for staging",
-            Unit::Bytes,
-            self.origin_bytes.clone(),
-        );
-        r.register_with_unit(
-            "peer",
-            "Of the bytes staged, those taken from the job's other nodes instead of the origin",
-            Unit::Bytes,
-            self.peer_bytes.clone(),
-        );
-        r.register_with_unit(
-            "stage_duration",
-            "Time to stage one dataset completely, by the kind of its source",
-            Unit::Seconds,
-            self.stage_duration.clone(),
-        );
-        r.register_with_unit(
-            "restore_duration",
-            "Time to put a job's --ckpt-restore checkpoint in place",
-            Unit::Seconds,
-            self.restore_duration.clone(),
-        );
-        r.register_with_unit(
-            "archive_duration",
-            "Time to upload this node's part of a checkpoint (read, compress, hash, upload)",
-            Unit::Seconds,
-            self.archive_duration.clone(),
-        );
-        r.register_with_unit(
-            "archive",
-            "Bytes of checkpoint files this node archived, as read from the hot tier",
-            Unit::Bytes,
-            self.archive_bytes.clone(),
-        );
-        r.register_with_unit(
-            "archive_stored",
-            "Bytes this node wrote to archives for those files, after compression",
-            Unit::Bytes,
-            self.archive_stored_bytes.clone(),
-        );
-        r.register(
-            "failures",
-            "Failed set-ups, stagings, restores and archive attempts, by stable error code",
-            self.failures.clone(),
-        );
-        r.register(
-            "connections_refused",
-            "Connections to the agent's socket closed by admission (per-user or total limit)",
-            self.refused.clone(),
-        );
+        let events: [Series<Box<dyn Metric>>; 11] = [
+            (
+                "stage",
+                "Bytes staged onto the hot tier, by the kind of the dataset's source",
+                BYTES,
+                Box::new(self.stage_bytes.clone()),
+            ),
+            (
+                "stage_files",
+                "Files staged onto the hot tier, by the kind of the dataset's source",
+                None,
+                Box::new(self.stage_files.clone()),
+            ),
+            (
+                "origin",
+                "Bytes read from datasets' origins (object stores, POSIX file systems) for staging",
+                BYTES,
+                Box::new(self.origin_bytes.clone()),
+            ),
+            (
+                "peer",
+                "Of the bytes staged, those taken from the job's other nodes instead of the origin",
+                BYTES,
+                Box::new(self.peer_bytes.clone()),
+            ),
+            (
+                "stage_duration",
+                "Time to stage one dataset completely, by the kind of its source",
+                SECONDS,
+                Box::new(self.stage_duration.clone()),
+            ),
+            (
+                "restore_duration",
+                "Time to put a job's --ckpt-restore checkpoint in place",
+                SECONDS,
+                Box::new(self.restore_duration.clone()),
+            ),
+            (
+                "archive_duration",
+                "Time to upload this node's part of a checkpoint (read, compress, hash, upload)",
+                SECONDS,
+                Box::new(self.archive_duration.clone()),
+            ),
+            (
+                "archive",
+                "Bytes of checkpoint files this node archived, as read from the hot tier",
+                BYTES,
+                Box::new(self.archive_bytes.clone()),
+            ),
+            (
+                "archive_stored",
+                "Bytes this node wrote to archives for those files, after compression",
+                BYTES,
+                Box::new(self.archive_stored_bytes.clone()),
+            ),
+            (
+                "failures",
+                "Failed set-ups, stagings, restores and archive attempts, by stable error code",
+                None,
+                Box::new(self.failures.clone()),
+            ),
+            (
+                "connections_refused",
+                "Connections to the agent's socket closed by admission (per-user or total limit)",
+                None,
+                Box::new(self.refused.clone()),
+            ),
+        ];
+        for (name, help, unit, metric) in events {
+            let metric = AnyMetric(metric);
+            match unit {
+                Some(unit) => r.register_with_unit(name, help, unit.clone(), metric),
+                None => r.register(name, help, metric),
+            }
+        }
         r
     }
 }
@@ -428,48 +468,46 @@ impl Collector for Snapshot {
         for j in self.jobs.snapshot() {
             *jobs.entry(j.state().as_str()).or_default() += 1;
         }
-        let mut gauge = |name: &str, help: &str, unit: Option<&Unit>, v: ConstGauge<u64>| {
-            let m = enc.encode_descriptor(name, help, unit, v.metric_type())?;
-            v.encode(m)
-        };
-        gauge(
-            "hot_tier_used",
-            "Bytes used on the hot tier's file system (by anyone)",
-            Some(&Unit::Bytes),
-            ConstGauge::new(usage.used_bytes),
-        )?;
-        gauge(
-            "hot_tier_capacity",
-            "Size of the hot tier's file system",
-            Some(&Unit::Bytes),
-            ConstGauge::new(usage.total_bytes),
-        )?;
-        gauge(
-            "archive_backlog_checkpoints",
-            "Checkpoints committed on this node and not archived yet that sluice is working on",
-            None,
-            ConstGauge::new(backlog.checkpoints),
-        )?;
-        gauge(
-            "archive_backlog",
-            "Bytes of those checkpoints on this node",
-            Some(&Unit::Bytes),
-            ConstGauge::new(backlog.bytes),
-        )?;
-        gauge(
-            "archive_blocked_checkpoints",
-            "Committed checkpoints sluice will not archive until their user acts (refused, incomplete, changing)",
-            None,
-            ConstGauge::new(backlog.blocked),
-        )?;
-        let ratio = ConstGauge::new(high_water);
-        let m = enc.encode_descriptor(
+        let gauges: [Series<u64>; 5] = [
+            (
+                "hot_tier_used",
+                "Bytes used on the hot tier's file system (by anyone)",
+                BYTES,
+                usage.used_bytes,
+            ),
+            (
+                "hot_tier_capacity",
+                "Size of the hot tier's file system",
+                BYTES,
+                usage.total_bytes,
+            ),
+            (
+                "archive_backlog_checkpoints",
+                "Checkpoints committed on this node and not archived yet that sluice is working on",
+                None,
+                backlog.checkpoints,
+            ),
+            (
+                "archive_backlog",
+                "Bytes of those checkpoints on this node",
+                BYTES,
+                backlog.bytes,
+            ),
+            (
+                "archive_blocked_checkpoints",
+                "Committed checkpoints sluice will not archive until their user acts (refused, incomplete, changing)",
+                None,
+                backlog.blocked,
+            ),
+        ];
+        encode_series(&mut enc, gauges, ConstGauge::new)?;
+        let ratio = (
             "hot_tier_high_water_ratio",
             "ckpt.high_water: above this fraction of the hot tier, archived checkpoints are trimmed",
             None,
-            ratio.metric_type(),
-        )?;
-        ratio.encode(m)?;
+            high_water,
+        );
+        encode_series(&mut enc, [ratio], ConstGauge::new)?;
         if let Some(cache) = &self.cache {
             encode_cache(&mut enc, &cache.stats())?;
         }
@@ -478,7 +516,7 @@ impl Collector for Snapshot {
             "jobs",
             "Jobs in the agent's table, by state",
             None,
-            prometheus_client::metrics::MetricType::Gauge,
+            MetricType::Gauge,
         )?;
         for state in [
             JobState::Staging,
@@ -494,33 +532,46 @@ impl Collector for Snapshot {
     }
 }
 
+/// Encodes series without labels, read at the scrape: each `(name, help, unit, value)` as the
+/// metric `metric` makes of its value (a [`ConstGauge`] or a [`ConstCounter`]).
+fn encode_series<V, M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    series: impl IntoIterator<Item = Series<V>>,
+    metric: impl Fn(V) -> M,
+) -> Result<(), std::fmt::Error> {
+    for (name, help, unit, value) in series {
+        let m = metric(value);
+        m.encode(enc.encode_descriptor(name, help, unit, m.metric_type())?)?;
+    }
+    Ok(())
+}
+
 /// The cross-job cache's series, from its [`CacheStats`]: sizes as gauges, the counters since the
 /// agent started as counters (they restart at 0 with it, which `rate()` and `increase()` expect).
 fn encode_cache(enc: &mut DescriptorEncoder, c: &CacheStats) -> Result<(), std::fmt::Error> {
-    let bytes = Some(&Unit::Bytes);
-    let gauges: [(&str, &str, Option<&Unit>, u64); 5] = [
+    let gauges: [Series<u64>; 5] = [
         (
             "cache_capacity",
             "The cross-job cache's size limit ([cache])",
-            bytes,
+            BYTES,
             c.capacity_bytes,
         ),
         (
             "cache_high_water",
             "Filling the cache past this evicts its least recently used entries",
-            bytes,
+            BYTES,
             c.high_water_bytes,
         ),
         (
             "cache_low_water",
             "Eviction stops when the cache is down to this",
-            bytes,
+            BYTES,
             c.low_water_bytes,
         ),
         (
             "cache_used",
             "Bytes of the cache's complete entries (fills in progress not counted)",
-            bytes,
+            BYTES,
             c.used_bytes,
         ),
         (
@@ -530,11 +581,8 @@ fn encode_cache(enc: &mut DescriptorEncoder, c: &CacheStats) -> Result<(), std::
             c.entries,
         ),
     ];
-    for (name, help, unit, v) in gauges {
-        let v = ConstGauge::new(v);
-        v.encode(enc.encode_descriptor(name, help, unit, v.metric_type())?)?;
-    }
-    let counters: [(&str, &str, Option<&Unit>, u64); 6] = [
+    encode_series(enc, gauges, ConstGauge::new)?;
+    let counters: [Series<u64>; 6] = [
         (
             "cache_hits",
             "Objects staged from this node's cache instead of being read again",
@@ -550,13 +598,13 @@ fn encode_cache(enc: &mut DescriptorEncoder, c: &CacheStats) -> Result<(), std::
         (
             "cache_hit",
             "Bytes placed into jobs from the cache: origin traffic saved",
-            bytes,
+            BYTES,
             c.hit_bytes,
         ),
         (
             "cache_filled",
             "Bytes written into new cache entries",
-            bytes,
+            BYTES,
             c.filled_bytes,
         ),
         (
@@ -568,15 +616,11 @@ fn encode_cache(enc: &mut DescriptorEncoder, c: &CacheStats) -> Result<(), std::
         (
             "cache_evicted",
             "Bytes of the evicted cache entries",
-            bytes,
+            BYTES,
             c.evicted_bytes,
         ),
     ];
-    for (name, help, unit, v) in counters {
-        let v = ConstCounter::new(v);
-        v.encode(enc.encode_descriptor(name, help, unit, v.metric_type())?)?;
-    }
-    Ok(())
+    encode_series(enc, counters, ConstCounter::new)
 }
 
 /// The background workers (each job's checkpoint worker, housekeeping, the peer server): how many
@@ -588,23 +632,21 @@ fn encode_workers(
     workers: &[WorkerStatus],
 ) -> Result<(), std::fmt::Error> {
     let failing = workers.iter().filter(|w| w.last_error.is_some()).count();
-    let gauges: [(&str, &str, usize); 2] = [
+    let gauges: [Series<usize>; 2] = [
         (
             "workers",
             "Background workers of the agent: one per job for its checkpoints, housekeeping, the peer server",
+            None,
             workers.len(),
         ),
         (
             "workers_failing",
             "Of those, the ones whose last turn met an error (a checkpoint not archived, the peer port taken); sluice status says which and why",
+            None,
             failing,
         ),
     ];
-    for (name, help, v) in gauges {
-        let v = ConstGauge::new(v as u64);
-        v.encode(enc.encode_descriptor(name, help, None, v.metric_type())?)?;
-    }
-    Ok(())
+    encode_series(enc, gauges, |v| ConstGauge::new(v as u64))
 }
 
 /// Binds `[metrics] listen`, before the agent starts anything: a wrong address stops the agent
@@ -699,6 +741,9 @@ mod tests {
     #[test]
     fn the_names_and_labels_admins_query() {
         let m = Metrics::default();
+        // A family whose labels are not known in advance is left out until its first series
+        // (the registry skips empty metrics, through `AnyMetric` too).
+        assert!(!exposition(&m).contains("sluice_failures_total"));
         m.part_uploaded(
             Duration::from_millis(1500),
             &Err(ArchiveError::Modified {

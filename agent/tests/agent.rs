@@ -1012,6 +1012,19 @@ async fn ram_agent(share: &str) -> (TestAgent, PathBuf) {
     (start_with(tmp, "", &fast).await, ram.join("n1"))
 }
 
+/// A checkpointing job on the RAM tier (`--ckpt-tier=ram`), archiving to `url`.
+fn ram_job(job_id: u32, url: &str) -> Request {
+    ckpt_job(job_id, url, &[("ckpt-tier", "ram")])
+}
+
+/// Starts [`ram_job`] `job_id` and writes checkpoint `s1` (from `seed`) into its checkpoint
+/// directory, the job's tmpfs, which it returns.
+async fn ram_job_with_s1(t: &TestAgent, job_id: u32, url: &str, seed: u8) -> PathBuf {
+    let ckpt = t.ckpt_dir_of(ram_job(job_id, url)).await;
+    write_ckpt(&ckpt, "s1", seed, false);
+    ckpt
+}
+
 /// The `[fast_tier]` of [`ram_agent`], below `ram`.
 fn fast_tier(ram: &Path, share: &str) -> String {
     format!(
@@ -1047,7 +1060,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let url = t.archive_url();
-        let dirs = t.started(ckpt_job(81, &url, &[("ckpt-tier", "ram")])).await;
+        let dirs = t.started(ram_job(81, &url)).await;
         let ckpt = PathBuf::from(&dirs.ckpt_dir);
         assert_eq!(ckpt, ram.join("jobs/81/ckpt"), "$SLUICE_CKPT_DIR is not on the RAM tier");
         let fs = nix::sys::statfs::statfs(&ckpt).unwrap();
@@ -1105,8 +1118,7 @@ root_test! {
         );
         // No archive yet (its directory is another user's): the agent keeps retrying.
         let url = unwritable_archive(&archive);
-        let ckpt = t.ckpt_dir_of(ckpt_job(82, &url, &[("ckpt-tier", "ram")])).await;
-        write_ckpt(&ckpt, "s1", 7, false);
+        let ckpt = ram_job_with_s1(&t, 82, &url, 7).await;
         let tmp = t.stop().await;
         // What a kill mid-flush leaves: a partial copy under the flush's name, and the commit in
         // the journal (here the commit reaches the journal through a second agent, stopped at once).
@@ -1135,7 +1147,7 @@ root_test! {
     async fn without_room_on_the_ram_tier_a_job_is_told() {
         let t = root_agent().await;
         let url = t.archive_url();
-        t.job(ckpt_job(83, &url, &[("ckpt-tier", "ram")])).await;
+        t.job(ram_job(83, &url)).await;
         let e = t
             .refused(Request::WaitStaged { job_id: 83, timeout_ms: 20_000, step: None })
             .await;
@@ -1145,10 +1157,10 @@ root_test! {
         let (t, ram) = ram_agent("32MiB").await;
         let url = t.archive_url();
         for id in [84, 85] {
-            t.job(ckpt_job(id, &url, &[("ckpt-tier", "ram")])).await;
+            t.job(ram_job(id, &url)).await;
             assert!(t.ready(id).await.ckpt_dir.starts_with(ram.to_str().unwrap()));
         }
-        let dirs = t.started(ckpt_job(86, &url, &[("ckpt-tier", "ram")])).await;
+        let dirs = t.started(ram_job(86, &url)).await;
         assert_eq!(PathBuf::from(&dirs.ckpt_dir), t.hot.join("jobs/86/ckpt"));
         assert_note(&dirs, |n| n.contains("RAM tier of node n1 is full") && n.contains("NVMe hot tier"));
         t.stop().await;
@@ -1175,8 +1187,7 @@ root_test! {
         let state = t.data.parent().unwrap().join("state/n1/jobs/87.json");
         // The archive is another user's directory for now: the first upload fails.
         let url = unwritable_archive(&archive);
-        let ckpt = t.ckpt_dir_of(ckpt_job(87, &url, &[("ckpt-tier", "ram")])).await;
-        write_ckpt(&ckpt, "s1", 9, false);
+        let ckpt = ram_job_with_s1(&t, 87, &url, 9).await;
         t.commit(87, "s1").await;
         let s1 = wait_for_state(&t, 87, "s1", CkptState::Retrying).await;
         assert!(s1.on_hot_tier && s1.in_ram, "{s1:?}");
@@ -1265,11 +1276,9 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let url = t.archive_url();
-        let ckpt89 = t.ckpt_dir_of(ckpt_job(89, &url, &[("ckpt-tier", "ram")])).await;
-        write_ckpt(&ckpt89, "s1", 5, false);
+        let ckpt89 = ram_job_with_s1(&t, 89, &url, 5).await;
         // Job 90 commits s1, but its flush cannot run (the hot tier's directory is not usable).
-        let ckpt90 = t.ckpt_dir_of(ckpt_job(90, &url, &[("ckpt-tier", "ram")])).await;
-        write_ckpt(&ckpt90, "s1", 6, false);
+        ram_job_with_s1(&t, 90, &url, 6).await;
         let hot90 = t.hot.join("jobs/90/ckpt");
         std::fs::rename(&hot90, t.hot.join("jobs/90/aside")).unwrap();
         std::fs::write(&hot90, b"not a directory").unwrap();
@@ -1336,8 +1345,7 @@ root_test! {
         let (t, _ram) = ram_agent("16MiB").await;
         let archive = t.archive_dir();
         let url = unwritable_archive(&archive);
-        let ckpt = t.ckpt_dir_of(ckpt_job(91, &url, &[("ckpt-tier", "ram")])).await;
-        write_ckpt(&ckpt, "s1", 3, false);
+        let ckpt = ram_job_with_s1(&t, 91, &url, 3).await;
         t.commit(91, "s1").await;
         write_ckpt(&ckpt, "s2", 4, false);
         t.commit(91, "s2").await;
@@ -1376,8 +1384,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram) = ram_agent("16MiB").await;
         let url = t.archive_url();
-        let ckpt = t.ckpt_dir_of(ckpt_job(92, &url, &[("ckpt-tier", "ram")])).await;
-        write_ckpt(&ckpt, "s1", 3, false);
+        let ckpt = ram_job_with_s1(&t, 92, &url, 3).await;
         let file = ckpt.join("s1/optim.pt");
         assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o644);
         t.commit(92, "s1").await;
@@ -1488,7 +1495,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
         let (archive, url) = (t.archive_dir(), t.archive_url());
-        let start = ckpt_job(93, &url, &[("ckpt-tier", "ram")]);
+        let start = ram_job(93, &url);
         let ckpt = t.ckpt_dir_of(start.clone()).await;
         write_ckpt(&ckpt, "s1", 5, false);
         let saved = std::fs::read(ckpt.join("s1/shards/rank0.bin")).unwrap();
@@ -1542,7 +1549,7 @@ root_test! {
         use sluice_proto::msg::CkptState;
         let (t, ram, hot_fs, filler) = ram_agent_with_a_full_hot_tier().await;
         let url = t.archive_url();
-        let start = ckpt_job(94, &url, &[("ckpt-tier", "ram")]);
+        let start = ram_job(94, &url);
         let ckpt = t.ckpt_dir_of(start.clone()).await;
         write_ckpt(&ckpt, "s1", 6, false);
         t.commit(94, "s1").await;

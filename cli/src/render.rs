@@ -1009,16 +1009,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn status_view() {
-        let want = "\
+    /// The node's lines of [`fixtures::node_status`]'s view, before the cache's and the tables.
+    const NODE_LINES: &str = "\
 node      gpu07
 agent     sluiced 0.1.0
 hot tier  /var/lib/sluice/gpu07/hot
   size    1.7 TiB
   free    1.2 TiB (68%)
   used    44.5 GiB by sluice jobs
+";
 
+    #[test]
+    fn status_view() {
+        let want = format!(
+            "{NODE_LINES}
 JOBID  USER   STATE    DATASETS          PROGRESS                                       ERROR
 4242   alice  staging  imagenet,weights  813/? files, 34.6 GiB/?, 2.2 GiB/s             -
 4250   bob    failed   corpus            0/0 files, 0 B/0 B, -                          corpus: s3://corpus/v2 not found — check the path; the job was not started
@@ -1029,7 +1033,8 @@ WORKER         STATE      FOR    TURNS  LAST ERROR
 housekeeping   idle       12.0s  3      -
 ckpt job 4242  archiving  1m32s  40     -
 ckpt job 4260  idle       2m12s  61     step-900: the archive store is unreachable; retrying (connecting to s3.example.org:443 timed out)
-";
+"
+        );
         let now = UNIX_EPOCH + Duration::from_secs(fixtures::STARTED_AT + 192);
         assert_eq!(node_status(&fixtures::node_status(), now), want);
     }
@@ -1419,22 +1424,18 @@ step150: unusable MANIFEST (unsupported version 9); it is never restored
     fn status_view_with_a_cache() {
         let mut status = fixtures::node_status();
         status.cache = Some(fixtures::cache_stats());
-        let want = "\
-node      gpu07
-agent     sluiced 0.1.0
-hot tier  /var/lib/sluice/gpu07/hot
-  size    1.7 TiB
-  free    1.2 TiB (68%)
-  used    44.5 GiB by sluice jobs
+        let want = format!(
+            "{NODE_LINES}\
 cache     /var/lib/sluice/gpu07/hot/cache
   used    33.0 GiB of 100.0 GiB (33%), 3 entries
   hits    87.5% of 8 lookups (7 hits, 1 miss)
   served  56.0 GiB from the cache (not read from the origin again)
   evicted 2 entries, 12.0 GiB
 
-JOBID  USER   STATE    DATASETS  ";
+JOBID  USER   STATE    DATASETS  "
+        );
         assert!(
-            node_status(&status, UNIX_EPOCH).starts_with(want),
+            node_status(&status, UNIX_EPOCH).starts_with(&want),
             "{}",
             node_status(&status, UNIX_EPOCH)
         );

@@ -212,39 +212,46 @@ fn bash_completion_parses_and_completes_commands_and_options() {
     assert!(!list.iter().any(|w| w == "commit"), "{list:?}");
 }
 
-#[test]
-fn zsh_completion_parses() {
+/// What `shell`, run with `args` and then the path of the completion script `sluice generate`
+/// writes for it (checked first), prints; its `HOME` is a fresh directory (fish writes there).
+fn sourced_completion(shell: &str, args: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
-    let script = SLUICE.checked_completion("zsh", dir.path());
-    // Loading it defines the completion function zsh's compinit would call for `sluice`.
-    let out = Command::new("zsh")
-        .args([
-            "-f",
-            "-c",
-            "source \"$1\" 2>/dev/null; whence -w _sluice",
-            "zsh",
-        ])
-        .arg(&script)
-        .output()
-        .unwrap();
-    assert_eq!(succeeded(&out).trim(), "_sluice: function");
-}
-
-#[test]
-fn fish_completion_parses_and_offers_the_ckpt_commands() {
-    let dir = tempfile::tempdir().unwrap();
-    let script = SLUICE.checked_completion("fish", dir.path());
-    let out = Command::new("fish")
-        .args([
-            "--no-config",
-            "-c",
-            "source $argv[1]; complete -C 'sluice ckpt '",
-        ])
+    let script = SLUICE.checked_completion(shell, dir.path());
+    let out = Command::new(shell)
+        .args(args)
         .arg(&script)
         .env("HOME", dir.path())
         .output()
         .unwrap();
-    let offered: Vec<String> = succeeded(&out)
+    succeeded(&out)
+}
+
+#[test]
+fn zsh_completion_parses() {
+    // Loading it defines the completion function zsh's compinit would call for `sluice`.
+    let out = sourced_completion(
+        "zsh",
+        &[
+            "-f",
+            "-c",
+            "source \"$1\" 2>/dev/null; whence -w _sluice",
+            "zsh",
+        ],
+    );
+    assert_eq!(out.trim(), "_sluice: function");
+}
+
+#[test]
+fn fish_completion_parses_and_offers_the_ckpt_commands() {
+    let out = sourced_completion(
+        "fish",
+        &[
+            "--no-config",
+            "-c",
+            "source $argv[1]; complete -C 'sluice ckpt '",
+        ],
+    );
+    let offered: Vec<String> = out
         .lines()
         .filter_map(|l| l.split('\t').next())
         .map(str::to_string)
