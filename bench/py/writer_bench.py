@@ -10,6 +10,8 @@ Every repetition times, in a rotating order, with time.perf_counter around the c
                for, untimed
   sluice-save  sluice_ckpt.save(state, tag, ckpt_dir=RAM, commit=False) (torch.save through the writer)
   sluice-save-async  the same with async_=True (its own sluice_ckpt.Stager): until it returns
+  sluice-save-reserved  the same with a Stager whose buffers were reserved (Stager.reserve, at
+               set-up, untimed and finished) before the first save
   dcp-hot      dcp.save with DCP's stock FileSystemWriter into HOT (the NVMe hot tier)
   dcp-shm      the same into SHM (/dev/shm)
   dcp-async-shm  dcp.async_save with the stock FileSystemWriter into SHM: its blocking part
@@ -97,6 +99,16 @@ def main():
             sluice_ckpt.save(state, os.path.basename(d), ckpt_dir=a.ram, commit=False, async_=True, stager=save_stager)
         )
 
+    reserved_stager = sluice_ckpt.Stager()
+    reserved_stager.reserve(state, wait=True)  # at set-up: the reserve had the time it needs
+
+    def sluice_save_reserved(d):
+        pending.append(
+            sluice_ckpt.save(
+                state, os.path.basename(d), ckpt_dir=a.ram, commit=False, async_=True, stager=reserved_stager
+            )
+        )
+
     def dcp_to(root):
         return lambda d: dcp.save(state, storage_writer=FileSystemWriter(d))
 
@@ -109,11 +121,12 @@ def main():
         ("sluice-async", sluice_async, a.ram),
         ("sluice-save", sluice_save, a.ram),
         ("sluice-save-async", sluice_save_async, a.ram),
+        ("sluice-save-reserved", sluice_save_reserved, a.ram),
         ("dcp-hot", dcp_to(a.hot), a.hot),
         ("dcp-shm", dcp_to(a.shm), a.shm),
         ("dcp-async-shm", dcp_async, a.shm),
     ]
-    kept = ("sluice-async", "sluice-save-async")  # tools whose buffers outlive a save
+    kept = ("sluice-async", "sluice-save-async", "sluice-save-reserved")  # buffers outlive a save
     seconds = {name: [] for name, _, _ in tools}
     seconds.update({f"{name}-first": [] for name in kept})
     errors = {}
