@@ -8,6 +8,7 @@ Where the library is, first found:
    target/release, then target/debug.
 """
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -129,6 +130,50 @@ def probe_cufile(timeout=10.0, refresh=False):
 # ------------------------------------------------------------------------------------------ a file
 
 
+class _PyBuffer(ctypes.Structure):
+    """CPython's Py_buffer (Include/pybuffer.h), filled by PyObject_GetBuffer."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+@once
+def _buffer_api():
+    api = ctypes.pythonapi
+    api.PyObject_GetBuffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+    api.PyObject_GetBuffer.restype = ctypes.c_int
+    api.PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
+    api.PyBuffer_Release.restype = None
+    return api
+
+
+@contextlib.contextmanager
+def _buffer_address(contiguous):
+    """The address of a C-contiguous buffer's bytes, held for the block: read-only ones too
+    (torch.save hands its records over as read-only memoryviews), without copying them. A copy
+    (memoryview.tobytes) would double the memory of every record — a whole tensor's bytes for a
+    moment, and glibc keeps much of it: 25x the state in RSS after 100 saves of 16 MiB."""
+    api = _buffer_api()
+    view = _PyBuffer()
+    if api.PyObject_GetBuffer(contiguous, ctypes.byref(view), 0) != 0:  # PyBUF_SIMPLE
+        raise BufferError("the buffer cannot be read in place")
+    try:
+        yield view.buf
+    finally:
+        api.PyBuffer_Release(ctypes.byref(view))
+
+
 class Writer:
     """One file written through libsluice_writer: aligned, double-buffered, O_DIRECT where the file
     system takes it, fsynced by close(). A context manager: leaving the block normally closes the
@@ -169,16 +214,11 @@ class Writer:
         mv = memoryview(data)
         if not mv.c_contiguous:
             mv = memoryview(mv.tobytes())
-        mv = mv.cast("B")
         n = mv.nbytes
         if n == 0:
             return 0
-        if mv.readonly:
-            # bytes, and other read-only buffers: ctypes hands bytes' own data pointer over.
-            buf = mv.obj if isinstance(mv.obj, bytes) and len(mv.obj) == n else mv.tobytes()
-            rc = lib().sluice_writer_write(self._handle(), buf, n)
-        else:
-            rc = lib().sluice_writer_write(self._handle(), (ctypes.c_char * n).from_buffer(mv), n)
+        with _buffer_address(mv) as address:
+            rc = lib().sluice_writer_write(self._handle(), address, n)
         if rc != 0:
             _fail(rc, f"write {self.path}")
         return n

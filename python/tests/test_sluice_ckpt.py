@@ -440,6 +440,36 @@ class ReserveTests(Base):
         self.assertGreaterEqual(stager.kept_bytes(), state_bytes(s))
 
 
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class MemoryTests(Base):
+    def test_a_hundred_async_saves_keep_the_process_rss_flat(self):
+        # Asynchronous saves must not grow host memory save after save (marin#6774: OOM-killed
+        # after hours): one kept copy of the state, whatever the number of saves.
+        stager = sluice_ckpt.Stager()
+        self.addCleanup(stager.close)
+        s = {"model": {"w": torch.randn(4 << 20)}, "optim": {"step": torch.tensor(0), "lr": 0.1}, "epoch": 0}
+        futures, rss = [], {}
+        for i in range(100):
+            s["model"]["w"].add_(1.0)
+            futures.append(sluice_ckpt.save(s, f"step-{i}", async_=True, stager=stager))
+            if len(futures) > 1:  # what training does not wait for, the test cleans up after
+                shutil.rmtree(os.path.dirname(futures.pop(0).result(timeout=60)))
+            if i + 1 in (10, 100):
+                rss[i + 1] = rss_bytes()
+        futures.pop().result(timeout=60)
+        state_bytes = 4 * (4 << 20)
+        self.assertEqual(stager.kept_bytes(), state_bytes + s["optim"]["step"].element_size())
+        self.assertEqual(stager.allocations, 1)
+        grown = rss[100] - rss[10]
+        self.assertLess(
+            grown, state_bytes // 2, f"RSS grew {grown >> 20} MiB from save 10 to save 100 (one copy: {state_bytes >> 20} MiB)"
+        )
+
+
 class SaveTests(Base):
     def test_save_writes_torch_save_bytes_and_commits(self):
         s = state(5)
