@@ -315,6 +315,18 @@ fn assert_identical(nodes: &[&Node], files: &BTreeMap<String, Vec<u8>>) -> Vec<(
         .collect()
 }
 
+/// A node routed around (or a cache given up) keeps the reason it was first given: a later
+/// failure of the same node neither replaces it nor counts as new.
+#[test]
+fn the_first_reason_for_a_node_stands() {
+    let mut reasons = BTreeMap::new();
+    assert!(first_reason(&mut reasons, "n2", "unreachable"));
+    assert!(!first_reason(&mut reasons, "n2", "corrupt twice"));
+    assert!(first_reason(&mut reasons, "n3", "corrupt twice"));
+    assert_eq!(reasons["n2"], "unreachable");
+    assert_eq!(reasons.len(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_read_the_origin_once_and_each_ends_with_the_whole_dataset() {
     let (store, files) = origin().await;
