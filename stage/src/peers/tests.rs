@@ -212,12 +212,31 @@ async fn start_nodes_with_cache<'a>(
     (nodes, hots)
 }
 
-/// `addrs` with n2 reached through a [`tampering_relay`]: how n1 sees the job in the tests of a
-/// relay that changes bytes.
-async fn n2_through_relay(addrs: &BTreeMap<String, String>) -> BTreeMap<String, String> {
-    let mut via_relay = addrs.clone();
-    via_relay.insert("n2".into(), tampering_relay(addrs["n2"].clone()).await);
-    via_relay
+/// How the nodes reach each other in the tests of a relay that changes bytes: n1 reaches n2
+/// through a [`tampering_relay`], every other route is direct.
+struct RelayedRoutes {
+    direct: BTreeMap<String, String>,
+    /// `direct` with n2 behind the relay.
+    n1s: BTreeMap<String, String>,
+}
+
+impl RelayedRoutes {
+    /// The job's listeners, and their routes with the relay in place.
+    async fn start() -> (Vec<TcpListener>, RelayedRoutes) {
+        let (ls, direct) = listeners().await;
+        let mut n1s = direct.clone();
+        n1s.insert("n2".into(), tampering_relay(direct["n2"].clone()).await);
+        (ls, RelayedRoutes { direct, n1s })
+    }
+
+    /// How node `name` reaches the others.
+    fn of(&self, name: &str) -> &BTreeMap<String, String> {
+        if name == "n1" {
+            &self.n1s
+        } else {
+            &self.direct
+        }
+    }
 }
 
 /// Stages the dataset on `nodes` at once, each sharing it with the job's three nodes, the way
@@ -578,19 +597,7 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
     std::fs::write(&path, std::fs::read(&path).unwrap()).unwrap();
 
     // The restarted agent: the job is staged here; it joins and serves what the log names.
-    let peers = nodes[0]
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
-    let (offered, bytes) = crate::resume::serve_staged(
-        &peers,
-        resume(true),
-        vec![spec()],
-        nodes[0].ctx.stage_fd.clone(),
-        me(),
-    )
-    .await;
-    peers.close("staged before the agent restarted");
+    let (peers, (offered, bytes)) = serve_after_restart(&nodes[0], resume(true)).await;
     let non_empty = files.values().filter(|v| !v.is_empty()).count() as u64;
     let total = dataset_bytes(&files);
     let changed_len = files[changed].len() as u64;
@@ -642,9 +649,8 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tampering_relay_is_detected_and_its_units_fetched_elsewhere() {
     let (store, files) = origin().await;
-    let (ls, addrs) = listeners().await;
-    let via_relay = n2_through_relay(&addrs).await;
-    let nodes = start_nodes(ls, |name| if name == "n1" { &via_relay } else { &addrs }).await;
+    let (ls, routes) = RelayedRoutes::start().await;
+    let nodes = start_nodes(ls, |name| routes.of(name)).await;
     let all: Vec<&Node> = nodes.iter().collect();
     for (i, peers) in stage_all(&all, &store).await.iter().enumerate() {
         let notes = peers.notes();
@@ -934,10 +940,8 @@ async fn a_node_that_misses_takes_its_units_from_a_peers_cache_before_the_origin
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_peers_cache_that_answers_wrong_bytes_is_left_for_the_origin() {
     let (store, files) = origin().await;
-    let (ls, addrs) = listeners().await;
-    let via_relay = n2_through_relay(&addrs).await;
-    let (mut nodes, _hots) =
-        start_nodes_with_cache(ls, |name| if name == "n1" { &via_relay } else { &addrs }).await;
+    let (ls, routes) = RelayedRoutes::start().await;
+    let (mut nodes, _hots) = start_nodes_with_cache(ls, |name| routes.of(name)).await;
     warm_alone(&mut nodes[1], &store).await;
     store.served.store(0, Ordering::SeqCst);
     let all: Vec<&Node> = nodes.iter().collect();
@@ -1098,19 +1102,7 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
         std::fs::write(&log, out).unwrap();
     }
 
-    let peers = n1
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
-    let (offered, _) = crate::resume::serve_staged(
-        &peers,
-        resume(true),
-        vec![spec()],
-        n1.ctx.stage_fd.clone(),
-        me(),
-    )
-    .await;
-    peers.close("staged before the agent restarted");
+    let (_peers, (offered, _)) = serve_after_restart(&n1, resume(true)).await;
     assert!(offered > 0, "n1 serves what it kept");
     stage_all(&[&n2, &n3], &store).await;
     assert!(
@@ -1202,6 +1194,25 @@ async fn stage_alone(
 ) -> Result<(), crate::StageError> {
     let store = store.clone() as Arc<dyn ObjectStore>;
     crate::object::stage(&n.ctx, &spec(), store, "ds", progress, None, None).await
+}
+
+/// `n`'s restarted agent, the job staged there before the restart (`resume`: its staging log, as
+/// reopened): it joins the job, serves the files the log names ([`crate::resume::serve_staged`])
+/// and closes its staging. Its job peers (held while the others stage), and the files and bytes
+/// it offers.
+async fn serve_after_restart(
+    n: &Node,
+    resume: Arc<crate::resume::JobResume>,
+) -> (Arc<JobPeers>, (u64, u64)) {
+    let peers = n
+        .peers
+        .join(JOB, &job_nodes(), me(), 1, &datasets())
+        .unwrap();
+    let offered =
+        crate::resume::serve_staged(&peers, resume, vec![spec()], n.ctx.stage_fd.clone(), me())
+            .await;
+    peers.close("staged before the agent restarted");
+    (peers, offered)
 }
 
 /// The staging log of the job in `state`, as an agent that is `resuming` opens it.
