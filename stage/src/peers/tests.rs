@@ -239,6 +239,14 @@ impl RelayedRoutes {
     }
 }
 
+/// `n` joins the test's job: its three nodes, one piece of shared work (the dataset) and the
+/// dataset's URL.
+fn join_job(n: &Node) -> Arc<JobPeers> {
+    n.peers
+        .join(JOB, &job_nodes(), me(), 1, &datasets())
+        .unwrap()
+}
+
 /// Stages the dataset on `nodes` at once, each sharing it with the job's three nodes, the way
 /// the agent's set-up does (join, stage, close); fails unless every node staged it, and returns
 /// each node's job peers. The stager is handed the test's counting store directly (the agent
@@ -252,10 +260,7 @@ async fn stage_each(nodes: &[&Node], stores: &[&Arc<CountingStore>]) -> Vec<Arc<
     let runs = nodes.iter().zip(stores).map(|(n, store)| {
         let store = (*store).clone() as Arc<dyn ObjectStore>;
         async move {
-            let peers = n
-                .peers
-                .join(JOB, &job_nodes(), me(), 1, &datasets())
-                .unwrap();
+            let peers = join_job(n);
             let spec = spec();
             let run = crate::object::stage(
                 &n.ctx,
@@ -971,10 +976,7 @@ async fn a_cache_serves_the_jobs_datasets_only() {
     let (mut ls, addrs) = listeners().await;
     let (mut n, _hot) = node_with_cache("n1", ls.remove(0), &addrs).await;
     warm_alone(&mut n, &store).await;
-    let peers = n
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
+    let peers = join_job(&n);
     let meta = store
         .inner
         .head(&ObjPath::from("ds/big.bin"))
@@ -1017,14 +1019,8 @@ async fn a_peer_without_a_cache_or_an_agent_is_not_asked_again() {
     let (n1, _hot) = node_with_cache("n1", ls.remove(0), &addrs).await;
     let n2 = node("n2", ls.remove(0), &addrs).await;
     drop(ls); // n3: no agent
-    let p1 = n1
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
-    let _p2 = n2
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
+    let p1 = join_job(&n1);
+    let _p2 = join_job(&n2);
     let object = CachedObject {
         url: "s3://b/ds/x".into(),
         etag: Some("e".into()),
@@ -1204,10 +1200,7 @@ async fn serve_after_restart(
     n: &Node,
     resume: Arc<crate::resume::JobResume>,
 ) -> (Arc<JobPeers>, (u64, u64)) {
-    let peers = n
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
+    let peers = join_job(n);
     let offered =
         crate::resume::serve_staged(&peers, resume, vec![spec()], n.ctx.stage_fd.clone(), me())
             .await;
