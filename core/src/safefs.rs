@@ -525,9 +525,32 @@ mod tests {
         std::os::unix::fs::lchown(p, Some(uid), Some(uid)).unwrap();
     }
 
-    /// The job user's and a third user's uids in the removal tests.
+    /// Root's, the job user's and a third user's uids in the removal tests.
+    const ROOT: u32 = 0;
     const USER: u32 = 4201;
     const OTHER: u32 = 4202;
+    /// What [`plant`] makes a directory.
+    const DIR: Option<&str> = None;
+
+    /// Makes each `(path, content, owner)` below `dir`, in order: a directory for [`DIR`], else a
+    /// file holding `content`; owned by `owner`, as are the parents it makes for it.
+    fn plant(dir: &Path, entries: &[(&str, Option<&str>, u32)]) {
+        for &(path, content, owner) in entries {
+            let parents: Vec<&Path> = Path::new(path).ancestors().skip(1).collect();
+            for parent in parents.into_iter().rev().map(|a| dir.join(a)) {
+                if !parent.exists() {
+                    std::fs::create_dir(&parent).unwrap();
+                    chown(&parent, owner);
+                }
+            }
+            let p = dir.join(path);
+            match content {
+                None => std::fs::create_dir(&p).unwrap(),
+                Some(content) => std::fs::write(&p, content).unwrap(),
+            }
+            chown(&p, owner);
+        }
+    }
 
     /// A failed restore's destination is cleared of the caller's files; another user's entry moved
     /// in stays, and the error says so.
@@ -536,12 +559,13 @@ mod tests {
     fn clear_dir_leaves_other_users_entries_and_says_so() {
         let tmp = tempfile::tempdir().unwrap();
         let dest = tmp.path();
-        std::fs::create_dir(dest.join("part")).unwrap();
-        std::fs::write(dest.join("part/f"), b"partial").unwrap();
-        std::fs::write(dest.join("theirs"), b"x").unwrap();
-        chown(&dest.join("part"), USER);
-        chown(&dest.join("part/f"), USER);
-        chown(&dest.join("theirs"), OTHER);
+        plant(
+            dest,
+            &[
+                ("part/f", Some("partial"), USER),
+                ("theirs", Some("x"), OTHER),
+            ],
+        );
         let fd = open_root_dir(dest).unwrap();
         let e = clear_dir(&fd, RemoveAs { uid: USER }).unwrap_err();
         assert_eq!(e, "1 entries of other users were left in place");
@@ -556,26 +580,19 @@ mod tests {
     fn remove_tree_leaves_other_users_files() {
         let tmp = tempfile::tempdir().unwrap();
         let job = tmp.path().join("job");
-        // The job user's own data, and a file root wrote for them (a mark, a manifest).
-        std::fs::create_dir_all(job.join("data/sub")).unwrap();
-        std::fs::write(job.join("data/sub/f"), b"1").unwrap();
-        std::fs::write(job.join("by-root"), b"2").unwrap();
-        for p in ["", "data", "data/sub", "data/sub/f"] {
-            chown(&job.join(p), USER);
-        }
-        // What the user moved in from where another user let them: a whole directory of that
-        // user's, and one of that user's files into a directory of their own.
-        std::fs::create_dir_all(job.join("moved/deeper")).unwrap();
-        std::fs::write(job.join("moved/deeper/secret"), b"theirs").unwrap();
-        for p in ["moved", "moved/deeper", "moved/deeper/secret"] {
-            chown(&job.join(p), OTHER);
-        }
-        std::fs::create_dir(job.join("mine")).unwrap();
-        std::fs::write(job.join("mine/own"), b"3").unwrap();
-        std::fs::write(job.join("mine/their-file"), b"theirs too").unwrap();
-        chown(&job.join("mine"), USER);
-        chown(&job.join("mine/own"), USER);
-        chown(&job.join("mine/their-file"), OTHER);
+        plant(
+            tmp.path(),
+            &[
+                // The job user's own data, and a file root wrote for them (a mark, a manifest).
+                ("job/data/sub/f", Some("1"), USER),
+                ("job/by-root", Some("2"), ROOT),
+                // What the user moved in from where another user let them: a whole directory of
+                // that user's, and one of that user's files into a directory of their own.
+                ("job/moved/deeper/secret", Some("theirs"), OTHER),
+                ("job/mine/own", Some("3"), USER),
+                ("job/mine/their-file", Some("theirs too"), OTHER),
+            ],
+        );
 
         let root = open_root_dir(tmp.path()).unwrap();
         let r = remove_tree(&root, "job", RemoveAs { uid: USER }).unwrap();
@@ -608,12 +625,13 @@ mod tests {
         assert!(job.join("moved/deeper/secret").exists());
 
         // A tree of the job user's (and root's) alone goes whole.
-        std::fs::create_dir_all(tmp.path().join("own/a/b")).unwrap();
-        std::fs::write(tmp.path().join("own/a/b/f"), b"x").unwrap();
-        std::fs::write(tmp.path().join("own/a/root-file"), b"y").unwrap();
-        for p in ["own", "own/a", "own/a/b", "own/a/b/f"] {
-            chown(&tmp.path().join(p), USER);
-        }
+        plant(
+            tmp.path(),
+            &[
+                ("own/a/b/f", Some("x"), USER),
+                ("own/a/root-file", Some("y"), ROOT),
+            ],
+        );
         let r = remove_tree(&root, "own", RemoveAs { uid: USER }).unwrap();
         assert_eq!(
             r,
@@ -639,11 +657,10 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let job = tmp.path().join("job");
         let mnt = job.join("mnt");
-        std::fs::create_dir_all(&mnt).unwrap();
-        std::fs::write(job.join("f"), b"1").unwrap();
-        for p in [&job, &mnt, &job.join("f")] {
-            chown(p, USER);
-        }
+        plant(
+            tmp.path(),
+            &[("job/mnt", DIR, USER), ("job/f", Some("1"), USER)],
+        );
         // Another file system below the job's tree, even one of the job user's own.
         nix::mount::mount(
             Some("sluice-test"),
@@ -654,8 +671,7 @@ mod tests {
         )
         .expect("mounting a tmpfs (the test runs as root)");
         let _guard = Mounted(mnt.clone());
-        std::fs::write(mnt.join("elsewhere"), b"kept").unwrap();
-        chown(&mnt.join("elsewhere"), USER);
+        plant(&mnt, &[("elsewhere", Some("kept"), USER)]);
 
         let root = open_root_dir(tmp.path()).unwrap();
         let r = remove_tree(&root, "job", RemoveAs { uid: USER }).unwrap();

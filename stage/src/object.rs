@@ -1338,12 +1338,7 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), b"n2-half");
         // n1 finds n2 dead and takes its share over: it replaces n2's half-written x, whole.
         let t = n1
-            .claim(&Takeover {
-                lost: "n2".into(),
-                survivors: vec!["n1".into()],
-                by: "n1".into(),
-                why: "unreachable".into(),
-            })
+            .claim(&Takeover::alone("n2", "n1", "unreachable"))
             .unwrap();
         let part = ShardPlan::new(&nodes, "n1")
             .unwrap()

@@ -448,6 +448,16 @@ struct State {
     notes: BTreeMap<(String, &'static str), String>,
 }
 
+/// Records `why` for `node` in `reasons` (`lost`, `no_cache`) unless it holds one already: the
+/// first reason stands. Whether this one was the first.
+fn first_reason(reasons: &mut BTreeMap<String, String>, node: &str, why: &str) -> bool {
+    if reasons.contains_key(node) {
+        return false;
+    }
+    reasons.insert(node.to_string(), why.to_string());
+    true
+}
+
 /// Which kind of trouble with a peer a note is about (one note per node and kind).
 #[derive(Debug, Clone, Copy)]
 pub enum Trouble {
@@ -650,12 +660,9 @@ impl JobPeers {
 
     /// Routes around `node` for the rest of the job: its units go to the other nodes.
     pub(super) fn lose(&self, node: &str, kind: Trouble, why: &str) {
-        let mut st = lock(&self.state);
-        if st.lost.contains_key(node) || node == self.node {
+        if node == self.node || !first_reason(&mut lock(&self.state).lost, node, why) {
             return;
         }
-        st.lost.insert(node.to_string(), why.to_string());
-        drop(st);
         tracing::warn!(
             job_id = self.job,
             "peer {node} is routed around for the rest of the job: {why}"
@@ -697,12 +704,9 @@ impl JobPeers {
 
     /// Stops asking `node`'s cache for the rest of the job (its units are still fetched from it).
     pub(crate) fn cache_off(&self, node: &str, why: &str) {
-        let mut st = lock(&self.state);
-        if st.no_cache.contains_key(node) {
+        if !first_reason(&mut lock(&self.state).no_cache, node, why) {
             return;
         }
-        st.no_cache.insert(node.to_string(), why.to_string());
-        drop(st);
         tracing::info!(
             job_id = self.job,
             "peer {node}'s cache is not asked again for this job: {why}"

@@ -190,6 +190,19 @@ impl Takeover {
     }
 }
 
+#[cfg(test)]
+impl Takeover {
+    /// `by` takes `lost`'s share over, the only survivor.
+    pub(crate) fn alone(lost: &str, by: &str, why: &str) -> Takeover {
+        Takeover {
+            lost: lost.into(),
+            survivors: vec![by.into()],
+            by: by.into(),
+            why: why.into(),
+        }
+    }
+}
+
 /// `$SLUICE_STAGE_DIR` of a shared-tier job.
 pub fn stage_dir(cfg: &SharedTierConfig, job_id: u32) -> PathBuf {
     cfg.job_dir_for(job_id).join(STAGE)
@@ -1092,14 +1105,7 @@ mod tests {
         let notes = n3.wait_for_all(&p3, &cancel, None, &no_take).await.unwrap();
         assert_eq!(notes.len(), 1);
         // A second claim (another survivor that found n3 dead a moment later) follows the first.
-        let again = n2
-            .claim(&Takeover {
-                lost: "n3".into(),
-                survivors: vec!["n2".into()],
-                by: "n2".into(),
-                why: "late".into(),
-            })
-            .unwrap();
+        let again = n2.claim(&Takeover::alone("n3", "n2", "late")).unwrap();
         assert_eq!(again.survivors, ["n1", "n2"]);
         assert_ne!(again.why, "late");
     }

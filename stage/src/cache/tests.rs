@@ -16,12 +16,13 @@ fn open(cfg: &Config) -> Arc<Cache> {
     Cache::open(cfg).unwrap().unwrap()
 }
 
-/// An 8 MiB cache in `dir`, opened: its config (to open it again, as a restarted agent does) and
-/// the cache.
-fn eight_mib(dir: &Path) -> (Config, Arc<Cache>) {
-    let cfg = config(dir, "size='8MiB'");
+/// An 8 MiB cache in a fresh temporary directory, opened: the directory, the config (to open it
+/// again, as a restarted agent does) and the cache.
+fn eight_mib() -> (tempfile::TempDir, Config, Arc<Cache>) {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = config(t.path(), "size='8MiB'");
     let cache = open(&cfg);
-    (cfg, cache)
+    (t, cfg, cache)
 }
 
 fn key(name: &str, etag: &str, size: u64) -> Key {
@@ -53,8 +54,7 @@ fn read_hit(cache: &Arc<Cache>, key: &Key, dir: &Path) -> Option<Vec<u8>> {
 
 #[test]
 fn a_committed_entry_is_hit_and_a_changed_object_misses() {
-    let t = tempfile::tempdir().unwrap();
-    let (_, cache) = eight_mib(t.path());
+    let (t, _, cache) = eight_mib();
     let k = key("a", "\"e1\"", 1000);
     assert!(cache.lookup(&k).is_none());
     put(&cache, &k, 7).unwrap();
@@ -79,8 +79,7 @@ fn a_committed_entry_is_hit_and_a_changed_object_misses() {
 
 #[test]
 fn a_fill_that_never_committed_is_never_served_even_after_a_restart() {
-    let t = tempfile::tempdir().unwrap();
-    let (cfg, cache) = eight_mib(t.path());
+    let (t, cfg, cache) = eight_mib();
     let k = key("torn", "\"e\"", 4096);
     let fill = cache.begin_fill(k.clone()).unwrap();
     fill.write_at(&[1; 2048], 0);
@@ -127,8 +126,7 @@ fn a_fill_that_never_committed_is_never_served_even_after_a_restart() {
 
 #[test]
 fn entries_survive_a_restart_with_their_last_use() {
-    let t = tempfile::tempdir().unwrap();
-    let (cfg, cache) = eight_mib(t.path());
+    let (t, cfg, cache) = eight_mib();
     let (a, b) = (key("a", "1", 10), key("b", "1", 20));
     put(&cache, &a, 1).unwrap();
     put(&cache, &b, 2).unwrap();
@@ -198,8 +196,7 @@ fn filling_past_the_high_watermark_evicts_the_least_recently_used_down_to_the_lo
 
 #[test]
 fn a_hit_copied_with_units_hashes_each_unit() {
-    let t = tempfile::tempdir().unwrap();
-    let (_, cache) = eight_mib(t.path());
+    let (t, _, cache) = eight_mib();
     let k = key("u", "1", 10_000);
     let fill = cache.begin_fill(k.clone()).unwrap();
     let bytes: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
@@ -232,8 +229,7 @@ fn flip(dir: &Path, k: &Key, at: u64) {
 /// start. Before, an entry was served on its size alone.
 #[test]
 fn an_entry_whose_bytes_changed_is_dropped_not_served() {
-    let t = tempfile::tempdir().unwrap();
-    let (cfg, cache) = eight_mib(t.path());
+    let (t, cfg, cache) = eight_mib();
     let k = key("c", "\"e\"", 5000);
     let data = t.path().join("hot/cache/data").join(k.id());
     put(&cache, &k, 7).unwrap();

@@ -620,20 +620,18 @@ mod tests {
             fs::read_link(dst.path().join("ds/link")).unwrap(),
             Path::new("a/b/x")
         );
-        let text = String::from_utf8(out).unwrap();
         assert_eq!(
-            event(text.lines().next().unwrap()),
-            Some(Event::Total {
-                files: 2,
-                bytes: 100_000
-            })
-        );
-        assert_eq!(
-            event(text.lines().last().unwrap()),
-            Some(Event::Progress {
-                files: 2,
-                bytes: 100_000
-            })
+            counts(&out),
+            (
+                Some(Event::Total {
+                    files: 2,
+                    bytes: 100_000
+                }),
+                Some(Event::Progress {
+                    files: 2,
+                    bytes: 100_000
+                })
+            )
         );
     }
 
@@ -655,6 +653,15 @@ mod tests {
     /// The count a line of the helper is, if it is one.
     fn event(line: &str) -> Option<Event> {
         HelperMsg::decode(line).ok()?.event()
+    }
+
+    /// The counts on the helper's first line (the total) and on its last (the final progress).
+    fn counts(out: &[u8]) -> (Option<Event>, Option<Event>) {
+        let text = std::str::from_utf8(out).unwrap();
+        (
+            text.lines().next().and_then(event),
+            text.lines().last().and_then(event),
+        )
     }
 
     /// What the agent offers a resumable copy to keep: one line.
@@ -796,9 +803,8 @@ mod tests {
         let small = dst.path().join("ds/small");
         assert_eq!(fs::read(&small).unwrap(), b"abc");
         assert_eq!(fs::metadata(&small).unwrap().mode() & 0o7777, 0o640);
-        let text = String::from_utf8(out).unwrap();
         assert_eq!(
-            event(text.lines().last().unwrap()),
+            counts(&out).1,
             Some(Event::Progress {
                 files: 2,
                 bytes: 100_006
@@ -863,9 +869,8 @@ mod tests {
             }
             assert_eq!(held, mine.len());
             let bytes: u64 = mine.iter().map(|f| f.size).sum();
-            let text = String::from_utf8(out).unwrap();
             assert_eq!(
-                event(text.lines().next().unwrap()),
+                counts(&out).0,
                 Some(Event::Total {
                     files: mine.len() as u64,
                     bytes
@@ -1242,7 +1247,7 @@ mod tests {
         assert_eq!((made.len(), made.mode() & 0o7777), (0, 0o644));
         assert_eq!(fs::read(dst.path().join("hit/d/small")).unwrap(), b"small");
         assert_eq!(
-            event(text.lines().last().unwrap()),
+            counts(text.as_bytes()).1,
             Some(Event::Progress { files: 2, bytes: 5 }),
             "the helper counts what it copied"
         );

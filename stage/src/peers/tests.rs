@@ -212,12 +212,39 @@ async fn start_nodes_with_cache<'a>(
     (nodes, hots)
 }
 
-/// `addrs` with n2 reached through a [`tampering_relay`]: how n1 sees the job in the tests of a
-/// relay that changes bytes.
-async fn n2_through_relay(addrs: &BTreeMap<String, String>) -> BTreeMap<String, String> {
-    let mut via_relay = addrs.clone();
-    via_relay.insert("n2".into(), tampering_relay(addrs["n2"].clone()).await);
-    via_relay
+/// How the nodes reach each other in the tests of a relay that changes bytes: n1 reaches n2
+/// through a [`tampering_relay`], every other route is direct.
+struct RelayedRoutes {
+    direct: BTreeMap<String, String>,
+    /// `direct` with n2 behind the relay.
+    n1s: BTreeMap<String, String>,
+}
+
+impl RelayedRoutes {
+    /// The job's listeners, and their routes with the relay in place.
+    async fn start() -> (Vec<TcpListener>, RelayedRoutes) {
+        let (ls, direct) = listeners().await;
+        let mut n1s = direct.clone();
+        n1s.insert("n2".into(), tampering_relay(direct["n2"].clone()).await);
+        (ls, RelayedRoutes { direct, n1s })
+    }
+
+    /// How node `name` reaches the others.
+    fn of(&self, name: &str) -> &BTreeMap<String, String> {
+        if name == "n1" {
+            &self.n1s
+        } else {
+            &self.direct
+        }
+    }
+}
+
+/// `n` joins the test's job: its three nodes, one piece of shared work (the dataset) and the
+/// dataset's URL.
+fn join_job(n: &Node) -> Arc<JobPeers> {
+    n.peers
+        .join(JOB, &job_nodes(), me(), 1, &datasets())
+        .unwrap()
 }
 
 /// Stages the dataset on `nodes` at once, each sharing it with the job's three nodes, the way
@@ -233,10 +260,7 @@ async fn stage_each(nodes: &[&Node], stores: &[&Arc<CountingStore>]) -> Vec<Arc<
     let runs = nodes.iter().zip(stores).map(|(n, store)| {
         let store = (*store).clone() as Arc<dyn ObjectStore>;
         async move {
-            let peers = n
-                .peers
-                .join(JOB, &job_nodes(), me(), 1, &datasets())
-                .unwrap();
+            let peers = join_job(n);
             let spec = spec();
             let run = crate::object::stage(
                 &n.ctx,
@@ -313,6 +337,18 @@ fn assert_identical(nodes: &[&Node], files: &BTreeMap<String, Vec<u8>>) -> Vec<(
             (p.origin_bytes, p.peer_bytes)
         })
         .collect()
+}
+
+/// A node routed around (or a cache given up) keeps the reason it was first given: a later
+/// failure of the same node neither replaces it nor counts as new.
+#[test]
+fn the_first_reason_for_a_node_stands() {
+    let mut reasons = BTreeMap::new();
+    assert!(first_reason(&mut reasons, "n2", "unreachable"));
+    assert!(!first_reason(&mut reasons, "n2", "corrupt twice"));
+    assert!(first_reason(&mut reasons, "n3", "corrupt twice"));
+    assert_eq!(reasons["n2"], "unreachable");
+    assert_eq!(reasons.len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -566,19 +602,7 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
     std::fs::write(&path, std::fs::read(&path).unwrap()).unwrap();
 
     // The restarted agent: the job is staged here; it joins and serves what the log names.
-    let peers = nodes[0]
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
-    let (offered, bytes) = crate::resume::serve_staged(
-        &peers,
-        resume(true),
-        vec![spec()],
-        nodes[0].ctx.stage_fd.clone(),
-        me(),
-    )
-    .await;
-    peers.close("staged before the agent restarted");
+    let (peers, (offered, bytes)) = serve_after_restart(&nodes[0], resume(true)).await;
     let non_empty = files.values().filter(|v| !v.is_empty()).count() as u64;
     let total = dataset_bytes(&files);
     let changed_len = files[changed].len() as u64;
@@ -630,9 +654,8 @@ async fn a_node_staged_before_its_agent_restarted_serves_its_files_to_the_others
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tampering_relay_is_detected_and_its_units_fetched_elsewhere() {
     let (store, files) = origin().await;
-    let (ls, addrs) = listeners().await;
-    let via_relay = n2_through_relay(&addrs).await;
-    let nodes = start_nodes(ls, |name| if name == "n1" { &via_relay } else { &addrs }).await;
+    let (ls, routes) = RelayedRoutes::start().await;
+    let nodes = start_nodes(ls, |name| routes.of(name)).await;
     let all: Vec<&Node> = nodes.iter().collect();
     for (i, peers) in stage_all(&all, &store).await.iter().enumerate() {
         let notes = peers.notes();
@@ -922,10 +945,8 @@ async fn a_node_that_misses_takes_its_units_from_a_peers_cache_before_the_origin
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_peers_cache_that_answers_wrong_bytes_is_left_for_the_origin() {
     let (store, files) = origin().await;
-    let (ls, addrs) = listeners().await;
-    let via_relay = n2_through_relay(&addrs).await;
-    let (mut nodes, _hots) =
-        start_nodes_with_cache(ls, |name| if name == "n1" { &via_relay } else { &addrs }).await;
+    let (ls, routes) = RelayedRoutes::start().await;
+    let (mut nodes, _hots) = start_nodes_with_cache(ls, |name| routes.of(name)).await;
     warm_alone(&mut nodes[1], &store).await;
     store.served.store(0, Ordering::SeqCst);
     let all: Vec<&Node> = nodes.iter().collect();
@@ -955,10 +976,7 @@ async fn a_cache_serves_the_jobs_datasets_only() {
     let (mut ls, addrs) = listeners().await;
     let (mut n, _hot) = node_with_cache("n1", ls.remove(0), &addrs).await;
     warm_alone(&mut n, &store).await;
-    let peers = n
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
+    let peers = join_job(&n);
     let meta = store
         .inner
         .head(&ObjPath::from("ds/big.bin"))
@@ -1001,14 +1019,8 @@ async fn a_peer_without_a_cache_or_an_agent_is_not_asked_again() {
     let (n1, _hot) = node_with_cache("n1", ls.remove(0), &addrs).await;
     let n2 = node("n2", ls.remove(0), &addrs).await;
     drop(ls); // n3: no agent
-    let p1 = n1
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
-    let _p2 = n2
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
+    let p1 = join_job(&n1);
+    let _p2 = join_job(&n2);
     let object = CachedObject {
         url: "s3://b/ds/x".into(),
         etag: Some("e".into()),
@@ -1086,19 +1098,7 @@ async fn a_restarted_nodes_read_back_units_never_reach_another_nodes_cache() {
         std::fs::write(&log, out).unwrap();
     }
 
-    let peers = n1
-        .peers
-        .join(JOB, &job_nodes(), me(), 1, &datasets())
-        .unwrap();
-    let (offered, _) = crate::resume::serve_staged(
-        &peers,
-        resume(true),
-        vec![spec()],
-        n1.ctx.stage_fd.clone(),
-        me(),
-    )
-    .await;
-    peers.close("staged before the agent restarted");
+    let (_peers, (offered, _)) = serve_after_restart(&n1, resume(true)).await;
     assert!(offered > 0, "n1 serves what it kept");
     stage_all(&[&n2, &n3], &store).await;
     assert!(
@@ -1190,6 +1190,22 @@ async fn stage_alone(
 ) -> Result<(), crate::StageError> {
     let store = store.clone() as Arc<dyn ObjectStore>;
     crate::object::stage(&n.ctx, &spec(), store, "ds", progress, None, None).await
+}
+
+/// `n`'s restarted agent, the job staged there before the restart (`resume`: its staging log, as
+/// reopened): it joins the job, serves the files the log names ([`crate::resume::serve_staged`])
+/// and closes its staging. Its job peers (held while the others stage), and the files and bytes
+/// it offers.
+async fn serve_after_restart(
+    n: &Node,
+    resume: Arc<crate::resume::JobResume>,
+) -> (Arc<JobPeers>, (u64, u64)) {
+    let peers = join_job(n);
+    let offered =
+        crate::resume::serve_staged(&peers, resume, vec![spec()], n.ctx.stage_fd.clone(), me())
+            .await;
+    peers.close("staged before the agent restarted");
+    (peers, offered)
 }
 
 /// The staging log of the job in `state`, as an agent that is `resuming` opens it.
