@@ -65,7 +65,7 @@ mod resume;
 pub use resume::Identity as FileIdentity;
 pub mod store;
 pub mod synth;
-#[cfg(any(test, feature = "testing"))]
+#[cfg(feature = "testing")]
 pub mod testing;
 mod throttle;
 mod upload;

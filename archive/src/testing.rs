@@ -2,9 +2,6 @@
 //! `testing`): [`Watched`], a store that passes every request to a real one and shows the writes to
 //! a [`Watch`] — the engine's resume tests count the data objects an upload stored, the conformance
 //! suite checks the order of the writes each backend saw, and both inject failures.
-//!
-//! object_store's traits are declared with `async_trait`; their expansion is spelled out here so
-//! the crate needs no extra dependency.
 
 use futures::stream::BoxStream;
 use object_store::path::Path;
@@ -13,10 +10,6 @@ use object_store::{
     ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult, UploadPart,
 };
 use std::sync::Arc;
-
-/// The boxed future an expanded `async_trait` method returns.
-type Fut<'a, T> =
-    std::pin::Pin<Box<dyn std::future::Future<Output = object_store::Result<T>> + Send + 'a>>;
 
 /// A write the store was asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,64 +81,46 @@ impl<W, S: std::fmt::Display> std::fmt::Display for Watched<W, S> {
     }
 }
 
+#[async_trait::async_trait]
 impl<W: Watch, S: ObjectStore> ObjectStore for Watched<W, S> {
-    fn put_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 Path,
+    async fn put_opts(
+        &self,
+        location: &Path,
         payload: PutPayload,
         opts: PutOptions,
-    ) -> Fut<'a, PutResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            self.watch
-                .before(location, Request::Put, &opts.attributes)?;
-            let payload = self.watch.payload(payload);
-            let r = self.inner.put_opts(location, payload, opts).await;
-            if r.is_ok() {
-                self.watch.wrote(Write::Put(location.to_string()));
-            }
-            r
-        })
+    ) -> object_store::Result<PutResult> {
+        self.watch
+            .before(location, Request::Put, &opts.attributes)?;
+        let payload = self.watch.payload(payload);
+        let r = self.inner.put_opts(location, payload, opts).await;
+        if r.is_ok() {
+            self.watch.wrote(Write::Put(location.to_string()));
+        }
+        r
     }
 
-    fn put_multipart_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 Path,
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
         opts: PutMultipartOptions,
-    ) -> Fut<'a, Box<dyn MultipartUpload>>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            self.watch
-                .before(location, Request::Multipart, &opts.attributes)?;
-            let inner = self.inner.put_multipart_opts(location, opts).await?;
-            Ok(Box::new(WatchedUpload {
-                inner,
-                location: location.clone(),
-                watch: self.watch.clone(),
-                parts: 0,
-            }) as Box<dyn MultipartUpload>)
-        })
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.watch
+            .before(location, Request::Multipart, &opts.attributes)?;
+        let inner = self.inner.put_multipart_opts(location, opts).await?;
+        Ok(Box::new(WatchedUpload {
+            inner,
+            location: location.clone(),
+            watch: self.watch.clone(),
+            parts: 0,
+        }))
     }
 
-    fn get_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 Path,
+    async fn get_opts(
+        &self,
+        location: &Path,
         options: GetOptions,
-    ) -> Fut<'a, GetResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        self.inner.get_opts(location, options)
+    ) -> object_store::Result<GetResult> {
+        self.inner.get_opts(location, options).await
     }
 
     fn delete_stream(
@@ -159,31 +134,17 @@ impl<W: Watch, S: ObjectStore> ObjectStore for Watched<W, S> {
         self.inner.list(prefix)
     }
 
-    fn list_with_delimiter<'l0, 'l1, 'a>(
-        &'l0 self,
-        prefix: Option<&'l1 Path>,
-    ) -> Fut<'a, ListResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        self.inner.list_with_delimiter(prefix)
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
     }
 
-    fn copy_opts<'l0, 'l1, 'l2, 'a>(
-        &'l0 self,
-        from: &'l1 Path,
-        to: &'l2 Path,
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
         options: CopyOptions,
-    ) -> Fut<'a, ()>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        'l2: 'a,
-        Self: 'a,
-    {
-        self.inner.copy_opts(from, to, options)
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
     }
 }
 
@@ -197,6 +158,7 @@ struct WatchedUpload<W> {
     parts: usize,
 }
 
+#[async_trait::async_trait]
 impl<W: Watch> MultipartUpload for WatchedUpload<W> {
     fn put_part(&mut self, data: PutPayload) -> UploadPart {
         self.parts += 1;
@@ -206,31 +168,19 @@ impl<W: Watch> MultipartUpload for WatchedUpload<W> {
         self.inner.put_part(self.watch.payload(data))
     }
 
-    fn complete<'l0, 'a>(&'l0 mut self) -> Fut<'a, PutResult>
-    where
-        'l0: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            let r = self.inner.complete().await;
-            if r.is_ok() {
-                self.watch
-                    .wrote(Write::Multipart(self.location.to_string()));
-            }
-            r
-        })
+    async fn complete(&mut self) -> object_store::Result<PutResult> {
+        let r = self.inner.complete().await;
+        if r.is_ok() {
+            self.watch
+                .wrote(Write::Multipart(self.location.to_string()));
+        }
+        r
     }
 
-    fn abort<'l0, 'a>(&'l0 mut self) -> Fut<'a, ()>
-    where
-        'l0: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            let r = self.inner.abort().await;
-            self.watch.wrote(Write::Aborted(self.location.to_string()));
-            r
-        })
+    async fn abort(&mut self) -> object_store::Result<()> {
+        let r = self.inner.abort().await;
+        self.watch.wrote(Write::Aborted(self.location.to_string()));
+        r
     }
 }
 
