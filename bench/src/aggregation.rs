@@ -20,6 +20,7 @@
 
 use crate::cluster::{
     Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree, tree_bytes,
+    tree_label,
 };
 use crate::measure::{interleaved, median, process_cpu_s};
 use crate::run::{Bench, GIB, MIB, Report, Row, log, remove, size_label};
@@ -458,11 +459,7 @@ impl Bench {
                 ));
                 Ok(o)
             })?;
-            let size = if tree.len() == 1 {
-                size_label(bytes)
-            } else {
-                format!("{} x {}", tree.len(), size_label(bytes / tree.len() as u64))
-            };
+            let size = tree_label(tree);
             let ratios = |v: &[Outcome]| {
                 v.iter()
                     .map(|o| o.served as f64 / bytes as f64)
