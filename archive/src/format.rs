@@ -63,13 +63,15 @@ const MIN_SAMPLED: u64 = 16 << 10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+// The discriminants are the codes in a frame's header.
+#[repr(u8)]
 pub enum Transform {
     #[default]
-    None,
+    None = 0,
     /// Byte planes of 2-byte elements (bf16, fp16).
-    Bytegroup2,
+    Bytegroup2 = 2,
     /// Byte planes of 4-byte elements (fp32).
-    Bytegroup4,
+    Bytegroup4 = 4,
 }
 
 impl Transform {
@@ -88,11 +90,7 @@ impl Transform {
     }
 
     fn code(self) -> u8 {
-        match self {
-            Transform::None => 0,
-            Transform::Bytegroup2 => 2,
-            Transform::Bytegroup4 => 4,
-        }
+        self as u8
     }
 
     fn from_code(c: u8) -> Option<Transform> {
@@ -102,21 +100,19 @@ impl Transform {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+// The discriminants are the codes in a frame's header and a plane entry.
+#[repr(u8)]
 pub enum Codec {
     /// The raw bytes, because compressing them did not make them smaller.
-    Stored,
-    Zstd,
+    Stored = 0,
+    Zstd = 1,
     /// Byte planes coded one by one, each stored or zstd (chunks only; see the module doc).
-    ZstdPlanes,
+    ZstdPlanes = 2,
 }
 
 impl Codec {
     fn code(self) -> u8 {
-        match self {
-            Codec::Stored => 0,
-            Codec::Zstd => 1,
-            Codec::ZstdPlanes => 2,
-        }
+        self as u8
     }
 
     fn from_code(c: u8) -> Option<Codec> {

@@ -65,6 +65,8 @@ mod resume;
 pub use resume::Identity as FileIdentity;
 pub mod store;
 pub mod synth;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod throttle;
 mod upload;
 mod url;

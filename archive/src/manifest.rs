@@ -435,6 +435,11 @@ mod tests {
         }
     }
 
+    /// The checkpoint `step10` of [`job`], merged from `parts`.
+    fn merged(parts: Vec<PartManifest>) -> Result<Manifest, Conflict> {
+        merge("step10", job(), parts)
+    }
+
     #[test]
     fn manifests_round_trip_and_merge_deterministically() {
         let w = bf16_weights(3000, 1);
@@ -448,8 +453,8 @@ mod tests {
         assert_eq!(back, p1);
         assert!(PartManifest::parse(&p1.to_json(), "step10", "n2").is_err());
 
-        let m = merge("step10", job(), vec![p2.clone(), p1.clone()]).unwrap();
-        let m2 = merge("step10", job(), vec![p1.clone(), p2.clone()]).unwrap();
+        let m = merged(vec![p2.clone(), p1.clone()]).unwrap();
+        let m2 = merged(vec![p1.clone(), p2.clone()]).unwrap();
         assert_eq!(m.to_json(), m2.to_json(), "merge order must not matter");
         assert_eq!(m.nodes, ["n1", "n2"]);
         assert_eq!(m.created_unix_ms, 9);
@@ -470,12 +475,7 @@ mod tests {
     #[test]
     fn newer_foreign_and_hostile_manifests_are_refused() {
         let w = bf16_weights(3000, 1);
-        let m = merge(
-            "step10",
-            job(),
-            vec![part("n1", vec![file("a", "n1", &w)], 1)],
-        )
-        .unwrap();
+        let m = merged(vec![part("n1", vec![file("a", "n1", &w)], 1)]).unwrap();
         let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
         let with = |f: &dyn Fn(&mut serde_json::Value)| {
             let mut x = v.clone();
@@ -514,12 +514,7 @@ mod tests {
         let w = bf16_weights(3000, 1);
         let mut cold = file("a.bin", "n1", &w);
         cold.storage_class = Some("STANDARD_IA".into());
-        let m = merge(
-            "step10",
-            job(),
-            vec![part("n1", vec![cold, file("b", "n1", b"x")], 1)],
-        )
-        .unwrap();
+        let m = merged(vec![part("n1", vec![cold, file("b", "n1", b"x")], 1)]).unwrap();
         let json = m.to_json();
         let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
         assert_eq!(v["files"][0]["storage_class"], "STANDARD_IA");
@@ -552,12 +547,7 @@ mod tests {
         let mut a = file("cfg.json", "n1", b"{}");
         a.storage_class = Some("Cool".into());
         let b = file("cfg.json", "n2", b"{}");
-        let m = merge(
-            "step10",
-            job(),
-            vec![part("n2", vec![b], 1), part("n1", vec![a], 1)],
-        )
-        .unwrap();
+        let m = merged(vec![part("n2", vec![b], 1), part("n1", vec![a], 1)]).unwrap();
         assert_eq!(m.files.len(), 1);
         assert_eq!(m.files[0].storage_class.as_deref(), Some("Cool"));
     }
@@ -565,25 +555,17 @@ mod tests {
     #[test]
     fn nodes_may_share_identical_files_but_not_conflicting_ones() {
         let w = bf16_weights(3000, 1);
-        let same = merge(
-            "step10",
-            job(),
-            vec![
-                part("n1", vec![file("cfg.json", "n1", b"{}")], 1),
-                part("n2", vec![file("cfg.json", "n2", b"{}")], 1),
-            ],
-        )
+        let same = merged(vec![
+            part("n1", vec![file("cfg.json", "n1", b"{}")], 1),
+            part("n2", vec![file("cfg.json", "n2", b"{}")], 1),
+        ])
         .unwrap();
         assert_eq!(same.files.len(), 1);
         assert_eq!(same.files[0].node, "n1");
-        let c = merge(
-            "step10",
-            job(),
-            vec![
-                part("n2", vec![file("x", "n2", &w[..10])], 1),
-                part("n1", vec![file("x", "n1", &w[..20])], 1),
-            ],
-        )
+        let c = merged(vec![
+            part("n2", vec![file("x", "n2", &w[..10])], 1),
+            part("n1", vec![file("x", "n1", &w[..20])], 1),
+        ])
         .unwrap_err();
         assert_eq!(c.path, "x");
         assert_eq!(c.nodes, ("n1".to_string(), "n2".to_string()));

@@ -11,11 +11,9 @@
 
 use futures::TryStreamExt;
 use object_store::path::Path;
-use object_store::{
-    MultipartUpload, ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload,
-    PutResult, UploadPart,
-};
+use object_store::{ObjectStore, ObjectStoreExt};
 use sluice_archive::synth::{bf16_weights, fp32_values};
+use sluice_archive::testing::{Request, Watch, Watched, Write};
 use sluice_archive::{
     ArchiveConfig, ArchiveError, ArchiveProgress, Archiver, CheckpointState, JobMeta, Manifest,
     Transform, open_archive_with,
@@ -28,30 +26,11 @@ use std::path::Path as FsPath;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-#[macro_use]
-mod support {
-    #[macro_use]
-    pub mod forwarding;
-}
-use support::forwarding::{Fut, complete_then};
-
 // ------------------------------------------------------------------------------------ the recorder
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Write {
-    /// A single PUT returned.
-    Put(String),
-    /// A multipart upload completed.
-    Multipart(String),
-    /// A multipart upload was aborted.
-    Aborted(String),
-}
-
-/// Forwards to a real store, logging writes that completed. (object_store's trait is declared with
-/// `async_trait`; its expansion is spelled out here so the test needs no extra dependency.)
+/// Watches the writes the backend's store completed, noting the storage class each asked for.
 #[derive(Debug)]
 struct Recorder {
-    inner: Arc<dyn ObjectStore>,
     log: Arc<Mutex<Vec<Write>>>,
     /// Fail every multipart part after the first.
     fail_parts: Arc<AtomicBool>,
@@ -59,8 +38,13 @@ struct Recorder {
     classes: Arc<Mutex<BTreeMap<String, Option<String>>>>,
 }
 
-impl Recorder {
-    fn note_class(&self, location: &Path, attributes: &object_store::Attributes) {
+impl Watch for Recorder {
+    fn before(
+        &self,
+        location: &Path,
+        _: Request,
+        attributes: &object_store::Attributes,
+    ) -> object_store::Result<()> {
         let class = attributes
             .get(&object_store::Attribute::StorageClass)
             .map(|v| v.as_ref().to_string());
@@ -68,113 +52,21 @@ impl Recorder {
             .lock()
             .unwrap()
             .insert(location.to_string(), class);
-    }
-}
-
-impl std::fmt::Display for Recorder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Recorder({})", self.inner)
-    }
-}
-
-impl ObjectStore for Recorder {
-    fn put_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 Path,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> Fut<'a, PutResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            self.note_class(location, &opts.attributes);
-            let r = self.inner.put_opts(location, payload, opts).await;
-            if r.is_ok() {
-                self.log
-                    .lock()
-                    .unwrap()
-                    .push(Write::Put(location.to_string()));
-            }
-            r
-        })
+        Ok(())
     }
 
-    fn put_multipart_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 Path,
-        opts: PutMultipartOptions,
-    ) -> Fut<'a, Box<dyn MultipartUpload>>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            self.note_class(location, &opts.attributes);
-            let inner = self.inner.put_multipart_opts(location, opts).await?;
-            Ok(Box::new(RecordingUpload {
-                inner,
-                key: location.to_string(),
-                log: self.log.clone(),
-                fail_parts: self.fail_parts.load(Ordering::Relaxed),
-                parts: 0,
-            }) as Box<dyn MultipartUpload>)
-        })
-    }
-
-    forward_to_inner!();
-}
-
-#[derive(Debug)]
-struct RecordingUpload {
-    inner: Box<dyn MultipartUpload>,
-    key: String,
-    log: Arc<Mutex<Vec<Write>>>,
-    fail_parts: bool,
-    parts: usize,
-}
-
-impl MultipartUpload for RecordingUpload {
-    fn put_part(&mut self, data: PutPayload) -> UploadPart {
-        self.parts += 1;
-        if self.fail_parts && self.parts > 1 {
-            return Box::pin(async {
-                Err(object_store::Error::Generic {
-                    store: "Recorder",
-                    source: "injected part failure".into(),
-                })
+    fn before_part(&self, _: &Path, n: usize) -> object_store::Result<()> {
+        if self.fail_parts.load(Ordering::Relaxed) && n > 1 {
+            return Err(object_store::Error::Generic {
+                store: "Recorder",
+                source: "injected part failure".into(),
             });
         }
-        self.inner.put_part(data)
+        Ok(())
     }
 
-    fn complete<'l0, 'a>(&'l0 mut self) -> Fut<'a, PutResult>
-    where
-        'l0: 'a,
-        Self: 'a,
-    {
-        let (log, key) = (&self.log, &self.key);
-        complete_then(&mut self.inner, move || {
-            log.lock().unwrap().push(Write::Multipart(key.clone()));
-        })
-    }
-
-    fn abort<'l0, 'a>(&'l0 mut self) -> Fut<'a, ()>
-    where
-        'l0: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            let r = self.inner.abort().await;
-            self.log
-                .lock()
-                .unwrap()
-                .push(Write::Aborted(self.key.clone()));
-            r
-        })
+    fn wrote(&self, write: Write) {
+        self.log.lock().unwrap().push(write);
     }
 }
 
@@ -320,12 +212,14 @@ fn harness(b: &Backend) -> Harness {
     let log = Arc::new(Mutex::new(Vec::new()));
     let fail_parts = Arc::new(AtomicBool::new(false));
     let classes = Arc::new(Mutex::new(BTreeMap::new()));
-    let rec = Arc::new(Recorder {
-        inner: raw.clone(),
-        log: log.clone(),
-        fail_parts: fail_parts.clone(),
-        classes: classes.clone(),
-    });
+    let rec = Arc::new(Watched::new(
+        raw.clone(),
+        Recorder {
+            log: log.clone(),
+            fail_parts: fail_parts.clone(),
+            classes: classes.clone(),
+        },
+    ));
     let archiver = Archiver::with_url(rec, &base, archive_cfg(), opened.url().to_string())
         .unwrap()
         .with_data_class(opened.data_class().map(String::from));
@@ -1012,14 +906,20 @@ async fn tiering_suite(
     // carried x-amz-storage-class; the part manifest's and the MANIFEST's PUT did not.
     if let Some(relay) = relay {
         let key = |rel: &str| format!("/ckpt/{}", h.key(rel));
-        for rel in ["step1/data/model/config.json", "step1/data/empty"] {
+        let asked = [
+            ("step1/data/model/config.json", Some(class)),
+            ("step1/data/empty", Some(class)),
+            ("step1/MANIFEST", None),
+            ("step1/parts/n1.json", None),
+        ];
+        for (rel, want) in asked {
             let puts = relay.requests("PUT", &key(rel), "");
             assert!(
                 !puts.is_empty(),
                 "{name}: no PUT of {rel} went through the relay"
             );
             for put in puts {
-                assert_eq!(header(&put, "x-amz-storage-class"), Some(class), "{put}");
+                assert_eq!(header(&put, "x-amz-storage-class"), want, "{put}");
             }
         }
         let create = relay.requests("POST", &key("step1/data/optim/exp_avg.fp32"), "uploads");
@@ -1030,16 +930,6 @@ async fn tiering_suite(
             "{}",
             create[0]
         );
-        for rel in ["step1/MANIFEST", "step1/parts/n1.json"] {
-            let puts = relay.requests("PUT", &key(rel), "");
-            assert!(
-                !puts.is_empty(),
-                "{name}: no PUT of {rel} went through the relay"
-            );
-            for put in puts {
-                assert_eq!(header(&put, "x-amz-storage-class"), None, "{put}");
-            }
-        }
     }
 
     // What the store made of it: Azurite keeps the tier of every data object (Put Blob and Put

@@ -20,6 +20,7 @@
 
 use crate::cluster::{
     Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree, tree_bytes,
+    tree_label,
 };
 use crate::measure::{interleaved, median, process_cpu_s};
 use crate::run::{Bench, GIB, MIB, Report, Row, log, remove, size_label};
@@ -134,6 +135,15 @@ struct Outcome {
     peer_bytes: u64,
 }
 
+/// What every part of the case runs against: the cluster's agents, the byte-counting relay in
+/// front of Garage, and the big and the small source tree.
+struct Rig {
+    agents: Vec<Agent>,
+    relay: CountingRelay,
+    big: Tree,
+    small: Tree,
+}
+
 /// One dataset a job stages: its name in the job and its prefix in the relayed bucket.
 struct Ds<'t> {
     name: &'static str,
@@ -222,13 +232,13 @@ impl Bench {
     /// node holds, and reports what the origin served, the staging time and the agents' CPU and RSS.
     fn agg_job(
         &self,
-        relay: &CountingRelay,
-        agents: &[Agent],
+        rig: &Rig,
         how: How,
         nodes: usize,
         datasets: &[Ds],
         label: &str,
     ) -> Result<Outcome> {
+        let Rig { relay, agents, .. } = rig;
         let w = self.user_workdir("sluice-bench-agg", label)?;
         let mut args = vec![format!("-N{nodes}")];
         if how != How::Rclone {
@@ -401,16 +411,20 @@ impl Bench {
                 relay.port(),
                 self.sizes.agg_pace / MIB
             ));
-            let big = source_tree(&self.data.join("big"))?;
-            let small = source_tree(&self.data.join("small"))?;
+            let rig = Rig {
+                agents,
+                relay,
+                big: source_tree(&self.data.join("big"))?,
+                small: source_tree(&self.data.join("small"))?,
+            };
             if self.wants_part(case, "origin") {
-                self.agg_origin(r, &relay, &agents, &big, &small)?;
+                self.agg_origin(r, &rig)?;
             }
             if self.wants_part(case, "paced") {
-                self.agg_paced(r, &relay, &agents, &big)?;
+                self.agg_paced(r, &rig)?;
             }
             if self.wants_part(case, "rss") {
-                self.agg_rss(r, &relay, &agents, &big)?;
+                self.agg_rss(r, &rig)?;
             }
             Ok(())
         })();
@@ -420,14 +434,8 @@ impl Bench {
     }
 
     /// Part 1: origin bytes per 3-node job, each sluice mode and rclone on every node, alternating.
-    fn agg_origin(
-        &self,
-        r: &mut Report,
-        relay: &CountingRelay,
-        agents: &[Agent],
-        big: &Tree,
-        small: &Tree,
-    ) -> Result<()> {
+    fn agg_origin(&self, r: &mut Report, rig: &Rig) -> Result<()> {
+        let Rig { big, small, .. } = rig;
         let hows = [How::Replicate, How::Shard, How::Shared, How::Rclone];
         for (shape, name, tree) in [("one object", "big", big), ("many objects", "small", small)] {
             let ds = [Ds {
@@ -439,11 +447,9 @@ impl Bench {
             let samples = interleaved(hows.len(), self.a.reps, |i, rep| {
                 let how = hows[i];
                 let job_name = format!("origin-{name}-{}", how.label());
-                let o = self
-                    .agg_job(relay, agents, how, 3, &ds, &job_name)
-                    .with_context(|| {
-                        format!("{} of {shape}, repetition {}", how.label(), rep + 1)
-                    })?;
+                let o = self.agg_job(rig, how, 3, &ds, &job_name).with_context(|| {
+                    format!("{} of {shape}, repetition {}", how.label(), rep + 1)
+                })?;
                 log(format!(
                     "agg: 3-node {} of {shape}: origin served {} bytes ({:.4}x), staging {:.2} s",
                     how.label(),
@@ -453,11 +459,7 @@ impl Bench {
                 ));
                 Ok(o)
             })?;
-            let size = if tree.len() == 1 {
-                size_label(bytes)
-            } else {
-                format!("{} x {}", tree.len(), size_label(bytes / tree.len() as u64))
-            };
+            let size = tree_label(tree);
             let ratios = |v: &[Outcome]| {
                 v.iter()
                     .map(|o| o.served as f64 / bytes as f64)
@@ -501,13 +503,8 @@ impl Bench {
     }
 
     /// Part 2: the origin paced for everyone together: 3-node ÷ 1-node staging time of the big object.
-    fn agg_paced(
-        &self,
-        r: &mut Report,
-        relay: &CountingRelay,
-        agents: &[Agent],
-        big: &Tree,
-    ) -> Result<()> {
+    fn agg_paced(&self, r: &mut Report, rig: &Rig) -> Result<()> {
+        let Rig { relay, big, .. } = rig;
         let rate = self.sizes.agg_pace;
         let bytes = tree_bytes(big);
         let ds = [Ds {
@@ -525,15 +522,13 @@ impl Bench {
         let samples = interleaved(runs.len(), self.a.reps, |i, rep| {
             let (how, n) = runs[i];
             let job_name = format!("paced-{}-{n}", how.label());
-            let o = self
-                .agg_job(relay, agents, how, n, &ds, &job_name)
-                .with_context(|| {
-                    format!(
-                        "paced {} on {n} node(s), repetition {}",
-                        how.label(),
-                        rep + 1
-                    )
-                })?;
+            let o = self.agg_job(rig, how, n, &ds, &job_name).with_context(|| {
+                format!(
+                    "paced {} on {n} node(s), repetition {}",
+                    how.label(),
+                    rep + 1
+                )
+            })?;
             log(format!(
                 "agg: paced {} on {n} node(s): staging {:.2} s (submit to script {:.2} s), origin {:.4}x",
                 how.label(),
@@ -601,13 +596,8 @@ impl Bench {
 
     /// Part 3: the agents' CPU per GiB and peak RSS during a 3-node replicate of two copies of the
     /// big object (4 GiB in --full), unpaced.
-    fn agg_rss(
-        &self,
-        r: &mut Report,
-        relay: &CountingRelay,
-        agents: &[Agent],
-        big: &Tree,
-    ) -> Result<()> {
+    fn agg_rss(&self, r: &mut Report, rig: &Rig) -> Result<()> {
+        let big = &rig.big;
         let ds = ["a", "b"].map(|name| Ds {
             name,
             prefix: "bench/big".into(),
@@ -617,7 +607,7 @@ impl Bench {
         let mut samples = Vec::new();
         for rep in 0..self.a.reps {
             let o = self
-                .agg_job(relay, agents, How::Replicate, 3, &ds, "rss")
+                .agg_job(rig, How::Replicate, 3, &ds, "rss")
                 .with_context(|| {
                     format!("3-node replicate of 2 datasets, repetition {}", rep + 1)
                 })?;

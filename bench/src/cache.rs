@@ -19,7 +19,7 @@
 //! source tree; a stage that is not `done`, or a wrong listing, is an error, never a number.
 
 use crate::cluster::{
-    Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree,
+    Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree, tree_label,
 };
 use crate::measure::{median, run_quiet};
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
@@ -521,11 +521,7 @@ impl Bench {
                 cold.push(c);
                 warm.push(w);
             }
-            let size = if tree.len() == 1 {
-                size_label(bytes)
-            } else {
-                format!("{} x {}", tree.len(), size_label(bytes / tree.len() as u64))
-            };
+            let size = tree_label(&tree);
             let pct_cache: Vec<f64> = warm
                 .iter()
                 .map(|o| 100.0 * o.progress.cache_bytes as f64 / bytes as f64)

@@ -70,6 +70,20 @@ pub(crate) fn tree_bytes(t: &Tree) -> u64 {
     t.values().sum()
 }
 
+/// A tree's size as a report row shows it: the file's size, or "N x" the files' mean size.
+pub(crate) fn tree_label(t: &Tree) -> String {
+    let bytes = tree_bytes(t);
+    if t.len() == 1 {
+        crate::run::size_label(bytes)
+    } else {
+        format!(
+            "{} x {}",
+            t.len(),
+            crate::run::size_label(bytes / t.len() as u64)
+        )
+    }
+}
+
 /// How `got` differs from `want`, for an error.
 pub(crate) fn describe_diff(want: &Tree, got: &Tree) -> String {
     let missing: Vec<&String> = want.keys().filter(|k| !got.contains_key(*k)).collect();

@@ -223,7 +223,8 @@ mod tests {
     }
 
     impl Canned {
-        fn start(status: &'static str, body: &'static str) -> Canned {
+        fn start(status: impl Into<String>, body: impl Into<String>) -> Canned {
+            let (status, body) = (status.into(), body.into());
             let listener = TcpListener::bind("127.0.0.1:0").unwrap();
             let port = listener.local_addr().unwrap().port();
             let requests = Arc::new(AtomicUsize::new(0));
@@ -243,6 +244,19 @@ mod tests {
                 }
             });
             Canned { port, requests }
+        }
+
+        /// What Azure (and Azurite) answer to a request that fails with `status` and `code`: the
+        /// message as the status line's reason phrase, and an XML body behind a byte-order mark
+        /// with the message, a request id and the time.
+        fn azure_error(status: u16, code: &str, message: &str) -> Canned {
+            Canned::start(
+                format!("{status} {message}"),
+                format!(
+                    "\u{feff}<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>{code}</Code>\
+                     <Message>{message}\nRequestId:8d5f\nTime:2024-01-01T00:00:00.0000000Z</Message></Error>"
+                ),
+            )
         }
 
         fn requests(&self) -> usize {
@@ -363,9 +377,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_missing_azure_container_is_not_found() {
-        let server = Canned::start(
-            "404 The specified container does not exist.",
-            "\u{feff}<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>ContainerNotFound</Code><Message>The specified container does not exist.\nRequestId:8d5f\nTime:2024-01-01T00:00:00.0000000Z</Message></Error>",
+        let server = Canned::azure_error(
+            404,
+            "ContainerNotFound",
+            "The specified container does not exist.",
         );
         let store = azure(server.port, 1);
         let e = list_error(&*store).await;
@@ -431,9 +446,10 @@ mod tests {
              the store restores (rehydrates) it (InvalidObjectState: The operation is not valid \
              for the object's storage class)"
         );
-        let server = Canned::start(
-            "409 This operation is not permitted on an archived blob.",
-            "\u{feff}<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>BlobArchived</Code><Message>This operation is not permitted on an archived blob.\nRequestId:8d5f\nTime:2024-01-01T00:00:00.0000000Z</Message></Error>",
+        let server = Canned::azure_error(
+            409,
+            "BlobArchived",
+            "This operation is not permitted on an archived blob.",
         );
         let store = azure(server.port, 1);
         let e = get_error(&*store).await;

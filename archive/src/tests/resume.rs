@@ -3,24 +3,24 @@
 //! publishes.
 
 use super::*;
-use object_store::{MultipartUpload, PutMultipartOptions, PutOptions, PutResult, UploadPart};
+use crate::testing::{Request, Watch, Watched, Write};
+use object_store::Attributes;
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
-#[path = "../../tests/support/forwarding.rs"]
-#[macro_use]
-mod forwarding;
-use forwarding::{Fut, complete_then};
-
-/// An in-memory store that records the data objects it stored (a PUT or a multipart upload that
-/// completed) and fails the PUT of one file while told to. (object_store's trait is declared with
-/// `async_trait`; its expansion is spelled out, as in the conformance suite.)
+/// A watch on an in-memory store that records the data objects it stored (a PUT or a multipart
+/// upload that completed) and fails the PUT of one file while told to.
 #[derive(Debug, Default)]
 struct Counting {
-    inner: InMemory,
-    stored: Arc<Mutex<Vec<String>>>,
+    stored: Mutex<Vec<String>>,
     /// Fail PUTs of the data object of this file.
     fail: Mutex<Option<String>>,
+}
+
+type CountingStore = Watched<Counting, InMemory>;
+
+fn counting_store() -> CountingStore {
+    Watched::new(InMemory::new(), Counting::default())
 }
 
 impl Counting {
@@ -41,97 +41,34 @@ fn data_file(key: &str) -> Option<String> {
     key.split_once("/data/").map(|(_, rel)| rel.to_string())
 }
 
-impl std::fmt::Display for Counting {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Counting({})", self.inner)
-    }
-}
-
-impl ObjectStore for Counting {
-    fn put_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 ObjPath,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> Fut<'a, PutResult>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            let file = data_file(location.as_ref());
-            if file.is_some() && file == *sluice_core::rt::lock(&self.fail) {
-                return Err(object_store::Error::Generic {
-                    store: "Counting",
-                    source: "injected PUT failure".into(),
-                });
-            }
-            // A copy, as a real store keeps: InMemory would hold on to the upload's part buffer.
-            let payload = PutPayload::from(payload.iter().flatten().copied().collect::<Vec<u8>>());
-            let r = self.inner.put_opts(location, payload, opts).await;
-            if let (Ok(_), Some(f)) = (&r, file) {
-                sluice_core::rt::lock(&self.stored).push(f);
-            }
-            r
-        })
+impl Watch for Counting {
+    fn before(
+        &self,
+        location: &ObjPath,
+        request: Request,
+        _: &Attributes,
+    ) -> object_store::Result<()> {
+        let file = data_file(location.as_ref());
+        if request == Request::Put && file.is_some() && file == *sluice_core::rt::lock(&self.fail) {
+            return Err(object_store::Error::Generic {
+                store: "Counting",
+                source: "injected PUT failure".into(),
+            });
+        }
+        Ok(())
     }
 
-    fn put_multipart_opts<'l0, 'l1, 'a>(
-        &'l0 self,
-        location: &'l1 ObjPath,
-        opts: PutMultipartOptions,
-    ) -> Fut<'a, Box<dyn MultipartUpload>>
-    where
-        'l0: 'a,
-        'l1: 'a,
-        Self: 'a,
-    {
-        Box::pin(async move {
-            let inner = self.inner.put_multipart_opts(location, opts).await?;
-            Ok(Box::new(CountingUpload {
-                inner,
-                file: data_file(location.as_ref()),
-                stored: self.stored.clone(),
-            }) as Box<dyn MultipartUpload>)
-        })
+    /// A copy, as a real store keeps: InMemory would hold on to the upload's part buffer.
+    fn payload(&self, payload: PutPayload) -> PutPayload {
+        PutPayload::from(payload.iter().flatten().copied().collect::<Vec<u8>>())
     }
 
-    forward_to_inner!();
-}
-
-#[derive(Debug)]
-struct CountingUpload {
-    inner: Box<dyn MultipartUpload>,
-    file: Option<String>,
-    stored: Arc<Mutex<Vec<String>>>,
-}
-
-impl MultipartUpload for CountingUpload {
-    fn put_part(&mut self, data: PutPayload) -> UploadPart {
-        let data = PutPayload::from(data.iter().flatten().copied().collect::<Vec<u8>>());
-        self.inner.put_part(data)
-    }
-
-    fn complete<'l0, 'a>(&'l0 mut self) -> Fut<'a, PutResult>
-    where
-        'l0: 'a,
-        Self: 'a,
-    {
-        let (file, stored) = (&self.file, &self.stored);
-        complete_then(&mut self.inner, move || {
-            if let Some(f) = file {
-                sluice_core::rt::lock(stored).push(f.clone());
-            }
-        })
-    }
-
-    fn abort<'l0, 'a>(&'l0 mut self) -> Fut<'a, ()>
-    where
-        'l0: 'a,
-        Self: 'a,
-    {
-        self.inner.abort()
+    fn wrote(&self, write: Write) {
+        if let Write::Put(key) | Write::Multipart(key) = write
+            && let Some(f) = data_file(&key)
+        {
+            sluice_core::rt::lock(&self.stored).push(f);
+        }
     }
 }
 
@@ -163,7 +100,7 @@ struct Setup {
     src: tempfile::TempDir,
     _state: tempfile::TempDir,
     resume: std::path::PathBuf,
-    store: Arc<Counting>,
+    store: Arc<CountingStore>,
     a: Archiver,
 }
 
@@ -178,7 +115,7 @@ fn setup(cfg: ArchiveConfig) -> Setup {
     chown_tree(src.path(), test_uid());
     let state = tempfile::tempdir().unwrap();
     let resume = state.path().join("agent/resume");
-    let store = Arc::new(Counting::default());
+    let store = Arc::new(counting_store());
     let a = Archiver::new(store.clone(), "alice/run1", cfg)
         .unwrap()
         .with_resume_dir(resume.clone());
@@ -194,13 +131,13 @@ fn setup(cfg: ArchiveConfig) -> Setup {
 impl Setup {
     /// A first upload of `tag` that fails at the PUT of `fail`; returns the files it stored.
     async fn interrupted(&self, tag: &str, fail: &str) -> BTreeSet<String> {
-        self.store.fail_on(Some(fail));
+        self.store.watch.fail_on(Some(fail));
         let e = upload(&self.a, tag, "n1", self.src.path())
             .await
             .unwrap_err();
-        self.store.fail_on(None);
+        self.store.watch.fail_on(None);
         assert!(e.to_string().contains("injected PUT failure"), "{e}");
-        let stored = self.store.take_stored();
+        let stored = self.store.watch.take_stored();
         assert!(!stored.contains(fail), "{stored:?}");
         assert!(
             !keys(&self.store.inner)
@@ -239,7 +176,7 @@ impl Setup {
 
 /// The part a fresh upload of `dir` writes, without resume, into a store of its own.
 async fn fresh_part(cfg: ArchiveConfig, dir: &Path) -> PartManifest {
-    let a = Archiver::new(Arc::new(Counting::default()), "alice/run1", cfg).unwrap();
+    let a = Archiver::new(Arc::new(counting_store()), "alice/run1", cfg).unwrap();
     upload(&a, "fresh", "n1", dir).await.unwrap()
 }
 
@@ -296,7 +233,7 @@ async fn an_interrupted_upload_resumes_with_the_objects_it_did_not_store() {
         s.a.upload_part("s1", "n1", fd, test_uid(), &progress)
             .await
             .unwrap();
-    let second = s.store.take_stored();
+    let second = s.store.watch.take_stored();
     assert!(second.contains("optim.fp32"), "{second:?}");
     assert!(
         first.is_disjoint(&second),
@@ -374,7 +311,7 @@ async fn a_resumed_upload_uploads_again_what_changed_since() {
         .unwrap();
 
     let part = upload(&s.a, "s1", "n1", d).await.unwrap();
-    let second = s.store.take_stored();
+    let second = s.store.watch.take_stored();
     let changed = all(&["nested/a/b/latest", "touched", "empty", "optim.fp32"]);
     let expected: BTreeSet<String> = all(&files)
         .into_iter()
@@ -409,9 +346,13 @@ async fn a_torn_or_foreign_resume_log_is_ignored() {
         .into_iter()
         .filter(|f| !logged.contains(f) || f == torn_file)
         .collect();
-    assert_eq!(s.store.take_stored(), expected, "{torn_file} was torn");
+    assert_eq!(
+        s.store.watch.take_stored(),
+        expected,
+        "{torn_file} was torn"
+    );
     publish_and_restore(&s.a, "s1", s.src.path()).await;
-    s.store.take_stored();
+    s.store.watch.take_stored();
 
     s.interrupted("s2", "optim.fp32").await;
     let (_, logged) = s.log();
@@ -424,7 +365,7 @@ async fn a_torn_or_foreign_resume_log_is_ignored() {
         .unwrap()
         .with_resume_dir(s.resume.clone());
     let part = upload(&other, "s2", "n1", s.src.path()).await.unwrap();
-    assert_eq!(s.store.take_stored(), all(&FILES), "nothing reused");
+    assert_eq!(s.store.watch.take_stored(), all(&FILES), "nothing reused");
     assert_eq!(part.chunk_size, 128 << 10);
     same_files(&part, &fresh_part(cfg, s.src.path()).await);
     publish_and_restore(&other, "s2", s.src.path()).await;
@@ -437,12 +378,12 @@ async fn without_a_resume_dir_a_rerun_uploads_everything() {
     let s = setup(one_at_a_time());
     let plain = Archiver::new(s.store.clone(), "alice/run1", one_at_a_time()).unwrap();
     assert!(plain.resume_log("s1", "n1").is_none());
-    s.store.fail_on(Some("optim.fp32"));
+    s.store.watch.fail_on(Some("optim.fp32"));
     upload(&plain, "s1", "n1", s.src.path()).await.unwrap_err();
-    s.store.fail_on(None);
-    assert!(!s.store.take_stored().is_empty());
+    s.store.watch.fail_on(None);
+    assert!(!s.store.watch.take_stored().is_empty());
     upload(&plain, "s1", "n1", s.src.path()).await.unwrap();
-    assert_eq!(s.store.take_stored(), all(&FILES));
+    assert_eq!(s.store.watch.take_stored(), all(&FILES));
     assert_eq!(s.logs_left(), 0, "the resume directory was never created");
 }
 
@@ -454,11 +395,11 @@ async fn a_published_tag_removes_its_stale_resume_log() {
     assert_eq!(s.logs_left(), 1);
     let plain = Archiver::new(s.store.clone(), "alice/run1", one_at_a_time()).unwrap();
     let m = publish_alone(&plain, "s1", s.src.path()).await;
-    s.store.take_stored();
+    s.store.watch.take_stored();
     let part = upload(&s.a, "s1", "n1", s.src.path()).await.unwrap();
     assert_eq!(part.files, m.files);
     assert!(
-        s.store.take_stored().is_empty(),
+        s.store.watch.take_stored().is_empty(),
         "a published tag is not uploaded"
     );
     assert_eq!(s.logs_left(), 0);
