@@ -209,6 +209,7 @@ impl Bench {
         let asy_first = secs("sluice-async-first");
         let save_asy = secs("sluice-save-async");
         let save_asy_first = secs("sluice-save-async-first");
+        let reserved_first = secs("sluice-save-reserved-first");
         for (case, samples, with_target, note) in [
             (
                 "writer: dcp.async_save(SluiceWriter) to tmpfs, blocking part, 2nd+ save",
@@ -236,10 +237,26 @@ impl Bench {
                 false,
                 "the first save of its Stager: allocates and faults in the buffers".to_string(),
             ),
+            (
+                "writer: sluice_ckpt.save(async_=True) after Stager.reserve, stall, 1st save",
+                &reserved_first,
+                true,
+                "the first save of a Stager whose buffers were reserved at set-up (allocated and faulted in by a background thread, finished before the save): the first save is one copy too".to_string(),
+            ),
         ] {
             if !samples.is_empty() {
                 rows.push(row(case, samples, memcpy_name, &memcpy, with_target, &note));
             }
+        }
+        if !reserved_first.is_empty() && !save_asy_first.is_empty() {
+            rows.push(row(
+                "writer: sluice_ckpt.save(async_=True) after Stager.reserve, stall, 1st save",
+                &reserved_first,
+                "the same without a reserve (the save allocates the buffers)",
+                &save_asy_first,
+                false,
+                "what a reserve at set-up takes off the first save (with CUDA, pinning: about 1 s per GiB)",
+            ));
         }
         let stock_async = secs("dcp-async-shm");
         if !asy.is_empty() && !stock_async.is_empty() {
