@@ -19,6 +19,10 @@ committed with `sluice ckpt commit TAG` and the node's agent archives it.
 """
 
 import os
+import time
+
+from . import deadline
+from .deadline import end_time, save_cost, should_save, time_left
 from ._lib import (
     SluiceError,
     Writer,
@@ -38,11 +42,15 @@ __all__ = [
     "commit",
     "cufile_library",
     "default_stager",
+    "end_time",
     "library_path",
     "load",
     "probe_cufile",
     "reserve",
     "save",
+    "save_cost",
+    "should_save",
+    "time_left",
 ]
 
 #: The file save() writes below the tag.
@@ -74,8 +82,9 @@ def save(
 
     tag = _lib.check_tag(tag)
     d = os.path.join(_lib.ckpt_dir(ckpt_dir), tag)
+    started = time.monotonic()
     if not async_:
-        return _save(state_dict, d, tag, filename, commit, sluice, block_size)
+        return _save(state_dict, d, tag, filename, commit, sluice, block_size, started=started)
     if stager is None:
         from .staging import default_stager
 
@@ -84,7 +93,7 @@ def save(
 
     def run():
         try:
-            return _save(staged, d, tag, filename, commit, sluice, block_size, lease)
+            return _save(staged, d, tag, filename, commit, sluice, block_size, lease, started)
         finally:
             lease.release()
 
@@ -94,7 +103,7 @@ def save(
     return stager.writer().submit(run)
 
 
-def _save(state_dict, d, tag, filename, commit, sluice, block_size, lease=None):
+def _save(state_dict, d, tag, filename, commit, sluice, block_size, lease=None, started=None):
     import torch
 
     from . import _lib
@@ -108,6 +117,8 @@ def _save(state_dict, d, tag, filename, commit, sluice, block_size, lease=None):
     _lib.fsync_dir(d)
     if _lib.should_commit(commit):
         _lib.commit(tag, sluice)
+    if started is not None:
+        deadline.record_save(time.monotonic() - started)
     return path
 
 

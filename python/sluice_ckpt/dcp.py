@@ -29,13 +29,14 @@ For CUDA tensors straight to the file through GPUDirect Storage use `Writer.writ
 import io
 import os
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from . import _lib
+from . import _lib, deadline
 from .staging import default_stager
 
 
@@ -123,11 +124,13 @@ class SluiceWriter(FileSystemWriter):
         self.stager = stager
         self._lease = None
         self._staging_thread = None
+        self._started = None  # when this save began (its staging, or its reset): for should_save()
 
     def stage(self, state_dict):
         """dcp.async_save's staging (on the training thread): one copy into the kept buffers."""
         if self.stager is False:
             return super().stage(state_dict)
+        self._started = time.monotonic()
         self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the state is on the host now
         stager = self.stager if self.stager is not None else default_stager()
         staged, lease = stager.stage(state_dict)
@@ -143,11 +146,17 @@ class SluiceWriter(FileSystemWriter):
         if self._lease is not None and threading.current_thread() is not self._staging_thread:
             self._lease.bind(threading.current_thread())
 
+    def _begin(self):
+        if self._started is None:
+            self._started = time.monotonic()
+
     def reset(self, checkpoint_id=None):
+        self._begin()
         self._bind_lease()
         super().reset(checkpoint_id)
 
     def set_up_storage_writer(self, *args, **kwargs):
+        self._begin()
         self._bind_lease()
         return super().set_up_storage_writer(*args, **kwargs)
 
@@ -170,6 +179,9 @@ class SluiceWriter(FileSystemWriter):
         _lib.fsync_dir(os.fspath(self.path))
         if _lib.should_commit(self.commit):
             self.commit_output = _lib.commit(os.path.basename(os.fspath(self.path)), self.sluice)
+        if self._started is not None:
+            deadline.record_save(time.monotonic() - self._started)
+            self._started = None
 
 
 class SluiceReader(FileSystemReader):

@@ -12,6 +12,8 @@ probe answering "unavailable" in under a second; and `pip install ./python` givi
 finds its bundled library.
 """
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -468,6 +470,83 @@ class MemoryTests(Base):
         self.assertLess(
             grown, state_bytes // 2, f"RSS grew {grown >> 20} MiB from save 10 to save 100 (one copy: {state_bytes >> 20} MiB)"
         )
+
+
+class DeadlineTests(Base):
+    """time_left()/should_save(): the job's end time from Slurm (a stand-in squeue here; the
+    end-to-end test tests/tests/writer.rs asks the real one) against the recent saves' cost."""
+
+    def setUp(self):
+        super().setUp()
+        from sluice_ckpt import deadline
+
+        self.deadline = deadline
+        deadline._durations.clear()
+        deadline._end.update(at=None, asked=None)
+        deadline._said.clear()
+        self.addCleanup(deadline._durations.clear)
+        self.addCleanup(deadline._said.clear)
+        self.squeue_log = os.path.join(self.dir, "squeue.log")
+        self.squeue = os.path.join(self.dir, "squeue")
+        self.set_env("SLUICE_SQUEUE", self.squeue)
+
+    def set_env(self, key, value):
+        old = os.environ.get(key)
+        os.environ[key] = value
+        self.addCleanup(lambda: os.environ.pop(key, None) if old is None else os.environ.__setitem__(key, old))
+
+    def squeue_says(self, text):
+        with open(self.squeue, "w") as f:
+            f.write(f"#!/bin/sh\necho \"$@\" >> {self.squeue_log}\necho '{text}'\n")
+        os.chmod(self.squeue, 0o755)
+
+    def ends_in(self, seconds):
+        self.squeue_says(time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + seconds)))
+
+    def test_the_time_left_is_slurms_end_time_asked_once_a_minute(self):
+        self.ends_in(300)
+        left = sluice_ckpt.time_left()
+        self.assertTrue(297 <= left <= 301, left)
+        sluice_ckpt.time_left()
+        with open(self.squeue_log) as f:
+            self.assertEqual(f.read().splitlines(), ["--noheader --jobs 4242 --format %e"])
+
+    def test_no_time_limit_or_no_job_means_no_deadline(self):
+        for answer in ("Unknown", "NONE", ""):
+            self.deadline._end.update(at=None, asked=None)
+            self.squeue_says(answer)
+            self.assertIsNone(sluice_ckpt.time_left(), answer)
+            self.assertFalse(sluice_ckpt.should_save(), answer)
+        os.environ.pop("SLURM_JOB_ID")
+        self.deadline._end.update(at=None, asked=None)
+        self.assertIsNone(sluice_ckpt.end_time())
+
+    def test_should_save_once_the_limit_is_nearer_than_a_save_and_the_margin(self):
+        self.ends_in(100)
+        self.assertFalse(sluice_ckpt.should_save(margin=60), "100 s left, nothing saved yet, margin 60 s")
+        self.deadline.record_save(30.0)
+        self.deadline.record_save(50.0)
+        self.assertEqual(sluice_ckpt.save_cost(), 50.0)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertTrue(sluice_ckpt.should_save(margin=60), "100 s left, a save takes 50 s, margin 60 s")
+            self.assertTrue(sluice_ckpt.should_save(margin=60))
+        said = err.getvalue().splitlines()
+        self.assertEqual(len(said), 1, said)
+        self.assertIn("before job 4242's time limit; one save takes up to 50.0 s", said[0])
+
+    def test_the_end_time_may_be_given(self):
+        self.set_env("SLUICE_JOB_END_TIME", str(time.time() + 20))
+        self.assertTrue(sluice_ckpt.should_save(margin=30))
+        self.assertFalse(os.path.exists(self.squeue_log), "squeue was asked although the end time was given")
+
+    def test_every_save_records_what_it_took(self):
+        sluice_ckpt.save(state(40), "step-4000", commit=False)
+        self.assertEqual(len(self.deadline._durations), 1)
+        sluice_ckpt.save(state(41), "step-4100", commit=False, async_=True, stager=sluice_ckpt.Stager()).result(60)
+        dcp.save(state(42), storage_writer=sluice_ckpt.SluiceWriter("step-4200", commit=False))
+        self.assertEqual(len(self.deadline._durations), 3)
+        self.assertGreater(sluice_ckpt.save_cost(), 0.0)
 
 
 class SaveTests(Base):
