@@ -60,6 +60,9 @@ tests/harness/unit-as-user.sh
 # target/debug/libsluice_writer.so that cargo test just built (about 15 s).
 step "sluice_ckpt (python/tests) with PyTorch from ${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}"
 "${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}/bin/python" -m unittest discover -s python/tests -v
+# bench/run --cases gpu's script on host tensors (--device cpu): its logic, on machines without a GPU.
+PYTHONPATH=python "${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}/bin/python" bench/py/gpu_bench.py \
+  --device cpu --dir /var/tmp --gib 0.125 --reps 1
 
 # The Debian packages and the wheel (packaging/build-debs.sh, of the debug build) installed into a clean
 # Debian 12 root made once by install.sh, through a throwaway overlay (about 25 s; no cluster).
