@@ -39,7 +39,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -221,17 +221,19 @@ impl Target {
 
     /// Writes `buf` at `offset`: its whole pages directly when the descriptor has `O_DIRECT`
     /// (falling back to the page cache for good if the file system refuses that with `EINVAL`),
-    /// the rest through the page cache. Only a partial block has a tail.
-    fn write_block(&self, buf: &AlignedBuf, offset: u64) -> Result<(), WriteError> {
+    /// the rest through the page cache. Only a partial block has a tail. With `O_DIRECT`, `buf`
+    /// starts at a 4 KiB-aligned address (an [`AlignedBuf`], or caller memory checked to be).
+    fn write_block(&self, buf: &[u8], offset: u64) -> Result<(), WriteError> {
         let err = |at: u64, source| WriteError::Write {
             path: self.path.clone(),
             offset: at,
             source,
         };
         let mut tail_from = 0;
-        if self.direct() && !buf.blocks().is_empty() {
-            match self.pwrite(buf.blocks(), offset) {
-                Ok(()) => tail_from = buf.aligned_len(),
+        let aligned_len = buf.len() / ALIGN * ALIGN;
+        if self.direct() && aligned_len > 0 {
+            match self.pwrite(&buf[..aligned_len], offset) {
+                Ok(()) => tail_from = aligned_len,
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     // The open was accepted but a direct write is not: the page cache it is.
                     self.buffered().map_err(|e| err(offset, e))?;
@@ -428,9 +430,21 @@ impl AlignedWriter {
         self.offset + self.filled as u64
     }
 
-    /// Appends `bytes` to the file (copied: the caller may reuse its buffer at once).
+    /// Appends `bytes` to the file. When this returns, the caller may reuse its buffer: the bytes
+    /// were copied into the writer's buffers, or, for a span of at least two whole blocks starting
+    /// at a block boundary of the file (and, with `O_DIRECT`, at a 4 KiB-aligned address), written
+    /// straight from the caller's memory by the writer threads, which saves the copy.
     pub fn write(&mut self, mut bytes: &[u8]) -> Result<(), WriteError> {
         self.check()?;
+        let whole = bytes.len() / self.block * self.block;
+        if self.filled == 0
+            && whole >= 2 * self.block
+            && self.offset % self.block as u64 == 0
+            && (bytes.as_ptr() as usize % ALIGN == 0 || !self.target.direct())
+        {
+            self.write_straight(&bytes[..whole])?;
+            bytes = &bytes[whole..];
+        }
         while !bytes.is_empty() {
             let fill = match &mut self.fill {
                 Some(b) => b,
@@ -524,6 +538,54 @@ impl AlignedWriter {
             .expect("no thread started yet")
             .fail_from = Some(at);
         self
+    }
+
+    /// Writes `span` (whole blocks, at the current offset) from the caller's memory: up to
+    /// `threads` scoped threads take its blocks in turn, after the blocks with the pool's threads
+    /// are written (never more than `threads` writing at once); returns when all are written.
+    fn write_straight(&mut self, span: &[u8]) -> Result<(), WriteError> {
+        self.wait_all()?;
+        let blocks: Vec<&[u8]> = span.chunks(self.block).collect();
+        let next = AtomicUsize::new(0);
+        let (target, block, start) = (&*self.target, self.block as u64, self.offset);
+        let one = || -> Result<(), WriteError> {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= blocks.len() || target.failed.load(Ordering::Acquire) {
+                    return Ok(());
+                }
+                if let Err(e) = target.write_block(blocks[i], start + i as u64 * block) {
+                    target.failed.store(true, Ordering::Release);
+                    return Err(e);
+                }
+            }
+        };
+        let threads = self.threads.min(blocks.len());
+        let r = std::thread::scope(|s| {
+            // The calling thread is one of them.
+            // One that cannot be started leaves its share to the others.
+            let helpers: Vec<_> = (1..threads)
+                .filter_map(|_| std::thread::Builder::new().spawn_scoped(s, one).ok())
+                .collect();
+            let mut r = one();
+            for h in helpers {
+                let lost = || WriteError::ThreadLost {
+                    path: target.path.clone(),
+                };
+                let h = h.join().unwrap_or_else(|_| Err(lost()));
+                if r.is_ok() {
+                    r = h;
+                }
+            }
+            r
+        });
+        match r {
+            Ok(()) => {
+                self.offset += span.len() as u64;
+                Ok(())
+            }
+            Err(e) => Err(self.fail(e)),
+        }
     }
 
     /// A buffer to fill: one back from the threads, a new one while fewer than `threads + 1`
@@ -869,6 +931,14 @@ mod tests {
         assert_eq!(e.errno(), libc::ENOSPC, "{e}");
     }
 
+    /// `bytes` in 4 KiB-aligned memory.
+    fn aligned(bytes: &[u8]) -> AlignedBuf {
+        let mut b = AlignedBuf::new(bytes.len());
+        b.truncate(bytes.len());
+        b.copy_from_slice(bytes);
+        b
+    }
+
     /// A writer of `path` on a file system that refuses `open(O_DIRECT)`, as tmpfs did before
     /// Linux 6.6: the page-cache path.
     fn refusing_direct(path: &Path, options: Options) -> AlignedWriter {
@@ -902,7 +972,8 @@ mod tests {
     fn one_two_and_four_writer_threads_write_the_same_bytes_direct_and_through_the_page_cache() {
         let dir = direct_io_dir();
         for (i, &size) in EDGE_SIZES.iter().enumerate() {
-            let data = pattern(size, i as u8);
+            // 4 KiB-aligned, as pinned tensors are: large pieces go straight from it.
+            let data = aligned(&pattern(size, i as u8));
             for threads in [1, 2, 4] {
                 for piece in [size.max(1), 65536 + 7, 1000] {
                     let name = format!("d{size}-{threads}-{piece}");
@@ -918,7 +989,10 @@ mod tests {
                         w.write(chunk).unwrap();
                     }
                     assert_eq!(w.close().unwrap(), size as u64);
-                    assert!(std::fs::read(&path).unwrap() == data, "{path:?} differs");
+                    assert!(
+                        std::fs::read(&path).unwrap()[..] == data[..],
+                        "{path:?} differs"
+                    );
                 }
             }
         }
@@ -950,6 +1024,15 @@ mod tests {
             assert!(w.running.len() <= 3 && w.allocated <= 4);
         }
         w.close().unwrap();
+        // Whole blocks from aligned memory: written straight from it, no buffer taken.
+        let src = aligned(&pattern(8 * 65536, 3));
+        let mut w = AlignedWriter::open(&dir.path().join("straight"), options(4)).unwrap();
+        w.write(&src).unwrap();
+        w.write(&src[..100]).unwrap();
+        assert_eq!((w.running.len(), w.allocated), (0, 1));
+        w.close().unwrap();
+        let back = std::fs::read(dir.path().join("straight")).unwrap();
+        assert!(back[..8 * 65536] == src[..] && back[8 * 65536..] == src[..100]);
         // An empty file: nothing at all.
         let w = AlignedWriter::open(&dir.path().join("none"), options(4)).unwrap();
         assert_eq!((w.running.len(), w.allocated), (0, 0));
@@ -996,8 +1079,9 @@ mod tests {
     fn a_failure_mid_file_fails_close_and_leaves_no_file_called_complete() {
         let dir = direct_io_dir();
         let size = 10 * 65536 + 100;
-        let data = pattern(size, 5);
-        for threads in [1, 2, 4] {
+        let data = aligned(&pattern(size, 5));
+        // Small pieces go through the writer's buffers, one large aligned one straight.
+        for (threads, piece) in [(1, 30_000), (2, 30_000), (4, 30_000), (1, size), (4, size)] {
             for fail_at in [5 * 65536 + 10, size as u64 - 50] {
                 for buffered in [false, true] {
                     for previous in [None, Some(&b"old"[..])] {
@@ -1019,7 +1103,7 @@ mod tests {
                         let case = format!(
                             "{threads} threads, fail at {fail_at}, buffered {buffered}, previous {previous:?}"
                         );
-                        let r = data.chunks(30_000).try_for_each(|c| w.write(c));
+                        let r = data.chunks(piece).try_for_each(|c| w.write(c));
                         let e = match r {
                             Err(e) => {
                                 drop(w);
