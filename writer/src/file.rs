@@ -439,8 +439,8 @@ impl AlignedWriter {
         let whole = bytes.len() / self.block * self.block;
         if self.filled == 0
             && whole >= 2 * self.block
-            && self.offset % self.block as u64 == 0
-            && (bytes.as_ptr() as usize % ALIGN == 0 || !self.target.direct())
+            && self.offset.is_multiple_of(self.block as u64)
+            && ((bytes.as_ptr() as usize).is_multiple_of(ALIGN) || !self.target.direct())
         {
             self.write_straight(&bytes[..whole])?;
             bytes = &bytes[whole..];
