@@ -14,8 +14,8 @@ The asynchronous forms stall training for one copy of the state dict into buffer
 to save (staging.py); the write and the commit run in the background.
 
 Files are written by libsluice_writer.so (the `writer/` crate of sluice, over its C ABI with
-ctypes): 4 KiB-aligned, double-buffered, O_DIRECT where the tier allows it, fsynced; then the tag is
-committed with `sluice ckpt commit TAG` and the node's agent archives it.
+ctypes): 4 KiB-aligned, several writer threads per file, O_DIRECT where the tier allows it,
+fsynced and renamed into place; then the tag is committed with `sluice ckpt commit TAG` and the node's agent archives it.
 """
 
 import os

@@ -175,9 +175,10 @@ def _buffer_address(contiguous):
 
 
 class Writer:
-    """One file written through libsluice_writer: aligned, double-buffered, O_DIRECT where the file
-    system takes it, fsynced by close(). A context manager: leaving the block normally closes the
-    file, leaving it with an exception abandons it (no fsync)."""
+    """One file written through libsluice_writer: aligned, several writer threads, O_DIRECT where
+    the file system takes it, fsynced and renamed into place by close(). A context manager: leaving
+    the block normally closes the file, leaving it with an exception abandons it (the unfinished
+    file is removed; the name keeps what it held)."""
 
     def __init__(self, path, block_size=0):
         self.path = os.fspath(path)
@@ -302,7 +303,7 @@ class Writer:
                 _fail(rc, f"close {self.path}")
 
     def abort(self):
-        """Abandons the file: nothing more is written, nothing fsynced."""
+        """Abandons the file: nothing more is written, the unfinished file is removed."""
         w, self._w = getattr(self, "_w", None), None
         if w:
             lib().sluice_writer_abort(w)

@@ -6,8 +6,8 @@
 
 SluiceWriter is DCP's FileSystemWriter (same files, same layout: `__R_N.distcp` per rank and
 `.metadata`, so the agent's DCP signal and every DCP reader understand it) with a file system whose
-write streams are libsluice_writer files: 4 KiB-aligned blocks, written by a writer thread while
-DCP fills the next, O_DIRECT where the tier allows it, fsynced at close. When the save completes
+write streams are libsluice_writer files: 4 KiB-aligned blocks, written by a few writer threads
+while DCP fills the next, O_DIRECT where the tier allows it, fsynced at close. When the save completes
 (`finish`, on the coordinator, after every rank wrote), it fsyncs the directory and runs
 `sluice ckpt commit TAG` (inside a Slurm job; `commit=` overrides): the commit the agent's
 `.metadata` signal would also see, at once rather than at its next scan.

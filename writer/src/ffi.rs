@@ -11,7 +11,7 @@
 #![allow(unsafe_code)]
 
 use crate::cufile::{self, CuFileHandle};
-use crate::file::AlignedWriter;
+use crate::file::{AlignedWriter, Options};
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -110,12 +110,30 @@ unsafe fn handle<'a>(w: *mut Handle) -> Result<&'a mut Handle, Failure> {
 /// `path` must be a NUL-terminated string.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sluice_writer_open(path: *const c_char, block_size: usize) -> *mut Handle {
+    // SAFETY: the caller passes a NUL-terminated path (header contract).
+    unsafe { sluice_writer_open_threads(path, block_size, 0) }
+}
+
+/// See `sluice_writer.h`.
+///
+/// # Safety
+/// `path` must be a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sluice_writer_open_threads(
+    path: *const c_char,
+    block_size: usize,
+    threads: c_uint,
+) -> *mut Handle {
     guard(
         |_| std::ptr::null_mut(),
         || {
             // SAFETY: the caller passes a NUL-terminated path (header contract).
             let path = unsafe { c_str(path, "path") }?;
-            let writer = AlignedWriter::create(Path::new(path), block_size)?;
+            let options = Options {
+                block_size,
+                threads: threads as usize,
+            };
+            let writer = AlignedWriter::open(Path::new(path), options)?;
             Ok(Box::into_raw(Box::new(Handle {
                 writer,
                 cufile: None,
@@ -266,7 +284,7 @@ pub unsafe extern "C" fn sluice_writer_abort(w: *mut Handle) {
         || {
             if !w.is_null() {
                 // SAFETY: as in `sluice_writer_close`: the box comes back once and is dropped,
-                // which stops the writer thread without an fsync.
+                // which stops the writer threads and removes the unfinished file.
                 drop(unsafe { Box::from_raw(w) });
             }
             Ok(())

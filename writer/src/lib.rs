@@ -1,12 +1,12 @@
 //! `libsluice_writer.so`: how training code writes checkpoint files into `$SLUICE_CKPT_DIR`
 //! quickly and the same way from Python and from any other language.
 //!
-//! - [`file`]: [`AlignedWriter`](file::AlignedWriter), one file written through two 4 KiB-aligned
+//! - [`file`]: [`AlignedWriter`](file::AlignedWriter), one file written through a few 4 KiB-aligned
 //!   buffers (`sluice_core::iobuf`, the buffers the agent's restore path uses; sluice-core is linked
-//!   without its `runtime` feature, so no tokio in the training process) by a writer
-//!   thread, with `O_DIRECT` where the file system allows it (not on tmpfs: a RAM tier is written
-//!   through the page cache, which is its memory), the unaligned tail through the page cache, and
-//!   an fsync at close. It does not care which tier the directory is on.
+//!   without its `runtime` feature, so no tokio in the training process) by a few writer
+//!   threads at their own offsets, with `O_DIRECT` where the file system allows it, the unaligned
+//!   tail last through the page cache, an fsync at close and a rename into place. It does not care
+//!   which tier the directory is on.
 //! - [`cufile`]: GPUDirect Storage: the probe (in a child process, with a deadline) and, where it
 //!   says available, CUDA memory written to the file by `cuFileWrite`. `libcufile.so.0` is loaded
 //!   at run time; nothing here links against CUDA.

@@ -37,6 +37,31 @@ int main(int argc, char **argv) {
     fclose(f);
     if (got != total || memcmp(back, data, total) != 0) { fprintf(stderr, "bytes differ (%zu read)\n", got); return 1; }
 
+    /* Four writer threads: the same bytes. */
+    char path4[4096];
+    snprintf(path4, sizeof path4, "%s/out4", argv[1]);
+    sluice_writer *w4 = sluice_writer_open_threads(path4, 1 << 16, 4);
+    if (!w4) { fprintf(stderr, "open_threads: %s\n", sluice_writer_last_error()); return 1; }
+    for (size_t at = 0; at < total; at += 100000) {
+        size_t n = total - at < 100000 ? total - at : 100000;
+        if (sluice_writer_write(w4, data + at, n) != 0) { fprintf(stderr, "write4: %s\n", sluice_writer_last_error()); return 1; }
+    }
+    if (sluice_writer_close(w4) != 0) { fprintf(stderr, "close4: %s\n", sluice_writer_last_error()); return 1; }
+    f = fopen(path4, "rb");
+    got = fread(back, 1, total + 1, f);
+    fclose(f);
+    if (got != total || memcmp(back, data, total) != 0) { fprintf(stderr, "4 threads: bytes differ\n"); return 1; }
+    /* An aborted file leaves nothing under its name. */
+    char gone[4096];
+    snprintf(gone, sizeof gone, "%s/aborted", argv[1]);
+    sluice_writer *wa = sluice_writer_open_threads(gone, 0, 2);
+    if (!wa || sluice_writer_write(wa, data, 5000) != 0) return 1;
+    sluice_writer_abort(wa);
+    if (fopen(gone, "rb") != NULL) { fprintf(stderr, "an aborted file has its name\n"); return 1; }
+    /* Too many threads: refused, saying what to choose. */
+    if (sluice_writer_open_threads(gone, 0, 65) != NULL) return 1;
+    if (strstr(sluice_writer_last_error(), "choose 1 to 64") == NULL) { fprintf(stderr, "%s\n", sluice_writer_last_error()); return 1; }
+
     /* Errors: a negative errno and a message naming the file. */
     if (sluice_writer_open("/nonexistent-sluice-dir/x", 0) != NULL) return 1;
     if (strstr(sluice_writer_last_error(), "/nonexistent-sluice-dir/x") == NULL) return 1;

@@ -1,6 +1,6 @@
 //! The C ABI from C: `c_abi.c`, compiled against `include/sluice_writer.h` and linked with the
-//! `libsluice_writer.so` cargo built for this test run, writes and checks a file, the error
-//! returns, the refusal of CUDA writes without cuFile, and the probe's answer.
+//! `libsluice_writer.so` cargo built for this test run, writes and checks a file (one with four
+//! writer threads), that an aborted file leaves nothing under its name, the error returns, the refusal of CUDA writes without cuFile, and the probe's answer.
 
 use std::path::Path;
 use std::process::Command;
