@@ -449,7 +449,10 @@ fn writer_a_final_save_beats_the_jobs_time_limit_and_the_next_job_restores_it() 
             loaded["restored_tag"].as_str(),
             loaded["restored_step"].as_u64()
         ),
-        (Some(format!("step-{final_step}").as_str()), Some(final_step)),
+        (
+            Some(format!("step-{final_step}").as_str()),
+            Some(final_step)
+        ),
         "the next job must restore the final save\n{}",
         cluster.evidence(&restore)
     );
