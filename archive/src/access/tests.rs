@@ -484,7 +484,7 @@ async fn latest_skips_a_poisoned_checkpoint_and_a_named_restore_needs_force() {
         "checkpoint a2 in {} is poisoned (marked bad by alice (uid 1000) at 2023-11-14T22:13:20Z: loss is NaN); skipped it for the next newest",
         a.url()
     );
-    assert_eq!(seen.notes, [said.clone()]);
+    assert_eq!(seen.notes, std::slice::from_ref(&said));
     assert_eq!(r.notes, [said]);
     assert_eq!(
         std::fs::read_to_string(dir.join("who")).unwrap(),
