@@ -929,7 +929,6 @@ mod archive {
             bandwidth_limit: None,
         };
         let archiver = open_archive_with(&cfg, &url, acfg).unwrap();
-        let me = nix::unistd::geteuid().as_raw();
         let src = tmp.path().join("src");
         for (rel, data) in files() {
             let p = src.join(rel);
@@ -941,27 +940,37 @@ mod archive {
             .build()
             .unwrap();
         rt.block_on(async {
-            let job = JobMeta {
-                job_id: 4242,
-                user: "alice".into(),
-                job_name: "train".into(),
-            };
-            for (tag, nodes) in [("step100", vec!["n1"]), ("step200", vec!["n1", "n2"])] {
-                let fd = Arc::new(safefs::open_root_dir(&src).unwrap());
-                archiver
-                    .upload_part(tag, "n1", fd, me, &ArchiveProgress::default())
-                    .await
-                    .unwrap();
-                let nodes: Vec<String> = nodes.into_iter().map(String::from).collect();
-                let published = archiver
-                    .try_publish(tag, &nodes, job.clone())
-                    .await
-                    .unwrap()
-                    .into_manifest();
-                assert_eq!(published.is_some(), tag == "step100");
+            for (tag, nodes) in [("step100", &["n1"][..]), ("step200", &["n1", "n2"])] {
+                let published = publish(&archiver, &src, tag, nodes, "alice").await;
+                assert_eq!(published, tag == "step100");
             }
         });
         Fixture { tmp, url, config }
+    }
+
+    /// Uploads `src` as node n1's part of `tag` and publishes it for `nodes` as `user`'s job 4242;
+    /// whether it is published (every node of `nodes` wrote its part).
+    async fn publish(
+        archiver: &sluice_archive::Archiver,
+        src: &Path,
+        tag: &str,
+        nodes: &[&str],
+        user: &str,
+    ) -> bool {
+        let (user, job_name) = (user.to_string(), "train".to_string());
+        let job = JobMeta {
+            job_id: 4242,
+            user,
+            job_name,
+        };
+        let me = nix::unistd::geteuid().as_raw();
+        let fd = Arc::new(safefs::open_root_dir(src).unwrap());
+        let counters = ArchiveProgress::default();
+        let part = archiver.upload_part(tag, "n1", fd, me, &counters);
+        part.await.unwrap();
+        let nodes: Vec<String> = nodes.iter().map(|n| n.to_string()).collect();
+        let published = archiver.try_publish(tag, &nodes, job).await.unwrap();
+        published.into_manifest().is_some()
     }
 
     fn assert_restored(dest: &Path) {
@@ -1407,20 +1416,7 @@ mod archive {
             .unwrap();
         rt.block_on(async {
             for tag in tags {
-                let fd = Arc::new(safefs::open_root_dir(&src).unwrap());
-                archiver
-                    .upload_part(tag, "n1", fd, uid.as_raw(), &ArchiveProgress::default())
-                    .await
-                    .unwrap();
-                let job = JobMeta {
-                    job_id: 77,
-                    user: me.clone(),
-                    job_name: "train".into(),
-                };
-                archiver
-                    .try_publish(tag, &["n1".into()], job)
-                    .await
-                    .unwrap();
+                assert!(publish(&archiver, &src, tag, &["n1"], &me).await);
                 // MANIFEST times are in milliseconds: keep the order unambiguous.
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }

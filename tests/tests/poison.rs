@@ -7,37 +7,27 @@
 use crate::common::*;
 use serde_json::Value;
 use std::path::Path;
-use std::process::Output;
 use std::time::Duration;
 
+/// Each job: one node, a few small files, a `file://` archive.
 const JOB_TIMEOUT: Duration = Duration::from_secs(180);
-const NODE: &str = "n1";
-
-fn text(out: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
 fn poison_latest_passes_over_a_poisoned_checkpoint_and_says_why() {
     let cluster = Cluster::for_sluice();
-    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
-    let (a_uid, _) = cluster.ids_of(&a);
-    let u = unique();
-    let root = cluster.var("SLUICE_TEST_ARCHIVE_ROOT").to_string();
-    // The shared prefix (an allow rule without `{user}`): the other user may name the URL.
-    let archive = Path::new(&root).join(format!("shared/po-{u}"));
-    let url = format!("file://{}", archive.display());
+    let node = "n1";
     let work = cluster.workdir("poison");
     let cli = cluster.user_cli();
+    // A's checkpoints under the shared prefix (an allow rule without `{user}`): B may name the URL.
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
+    let a_uid = cluster.ids_of(&a).0;
+    let u = unique();
+    let archive = Path::new(cluster.var("SLUICE_TEST_ARCHIVE_ROOT")).join(format!("shared/po-{u}"));
+    let url = format!("file://{}", archive.display());
     let args = [
         "-N1".to_string(),
-        format!("--nodelist={NODE}"),
+        format!("--nodelist={node}"),
         format!("--ckpt-archive={url}"),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -76,7 +66,7 @@ fn poison_latest_passes_over_a_poisoned_checkpoint_and_says_why() {
     );
 
     // The other user, outside any job, through the agent: refused as not theirs, nothing written.
-    let socket = cluster.agent_socket(NODE);
+    let socket = cluster.agent_socket(node);
     let out = cluster.as_someone(
         &b,
         Path::new("/tmp"),
@@ -95,9 +85,9 @@ fn poison_latest_passes_over_a_poisoned_checkpoint_and_says_why() {
     );
     assert!(
         out.status.code() == Some(1)
-            && text(&out).contains("no archived checkpoint step-1 of yours"),
+            && printed(&out).contains("no archived checkpoint step-1 of yours"),
         "{b} poisoning {a}'s step-1:\n{}",
-        text(&out)
+        printed(&out)
     );
     assert!(
         !archive.join("step-1/POISON").exists(),

@@ -389,6 +389,11 @@ fn a_listing_crosses_the_socket_intact() {
 
 // ------------------------------------------------------------------------------ poisoned checkpoints
 
+/// Alice (uid 1000) poisons `tag` by its archive URL (no tag without a MANIFEST).
+async fn alice_poisons(a: &Archiver, tag: &str, reason: &str) -> Result<CkptPoisoned, AccessError> {
+    poison(a, &user("alice"), tag, mark("alice", 1000, reason), false).await
+}
+
 fn mark(user: &str, uid: u32, reason: &str) -> PoisonMark {
     PoisonMark {
         user: user.into(),
@@ -418,28 +423,14 @@ async fn a_poison_mark_is_written_once_and_listed() {
         all
     };
     let data_before = objects(store.clone()).await;
-    let first = poison(
-        &a,
-        &user("alice"),
-        "a2",
-        mark("alice", 1000, "loss is NaN at step 3"),
-        false,
-    )
-    .await
-    .unwrap();
+    let first = alice_poisons(&a, "a2", "loss is NaN at step 3")
+        .await
+        .unwrap();
     assert!(!first.already && !first.unpublished, "{first:?}");
     assert_eq!(first.mark.reason, "loss is NaN at step 3");
     assert_eq!(a.poison_mark("a2").await.unwrap(), Some(first.mark.clone()));
     // A second poison keeps the first mark, and says so.
-    let second = poison(
-        &a,
-        &user("alice"),
-        "a2",
-        mark("alice", 1000, "another reason"),
-        false,
-    )
-    .await
-    .unwrap();
+    let second = alice_poisons(&a, "a2", "another reason").await.unwrap();
     assert!(second.already);
     assert_eq!(second.mark, first.mark);
     // The data and the MANIFEST are as they were.
