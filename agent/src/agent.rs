@@ -256,6 +256,7 @@ impl Agent {
             | Request::WaitStaged { job_id, .. }
             | Request::Job { job_id }
             | Request::CkptCommit { job_id, .. }
+            | Request::CkptPoison { job_id, .. }
             | Request::CkptList { job_id } => Some(*job_id),
             Request::JobStart(start) => Some(start.job_id),
             _ => None,
@@ -323,6 +324,26 @@ impl Agent {
                 },
                 Err(e) => Response::Error(e),
             },
+            Request::CkptPoison {
+                job_id,
+                tag,
+                reason,
+            } => match self.authorised_job(peer, job_id) {
+                Ok(job) => self.ckpt_poison(peer, &job, &tag, &reason).await,
+                Err(e) => Response::Error(e),
+            },
+            Request::ArchivePoison { url, tag, reason } => {
+                let request = Request::ArchivePoison {
+                    url,
+                    tag: tag.clone(),
+                    reason,
+                };
+                let answer = self.archive_access.handle(peer, request, None).await;
+                if let Response::Poisoned(p) = &answer {
+                    self.note_poisoned(&p.url, &tag).await;
+                }
+                answer
+            }
             // The socket server sends these there itself, with the restore directory passed.
             r @ (Request::ArchiveList { .. }
             | Request::ArchiveVerify { .. }
@@ -519,6 +540,9 @@ impl Agent {
             if let Some(message) = &c.lost {
                 entry.lose(message.clone());
             }
+            if c.poisoned {
+                entry.set_poisoned();
+            }
             job.ckpts.insert(entry);
         }
         if record.ended {
@@ -689,6 +713,33 @@ impl Agent {
             }
         }
         Response::Ok
+    }
+
+    /// `sluice ckpt poison TAG` from inside the job: the mark at the job's archive, and the
+    /// job's entry marked so that retention keeps a good checkpoint instead.
+    async fn ckpt_poison(&self, peer: Peer, job: &Arc<Job>, tag: &str, reason: &str) -> Response {
+        match self.archive_access.poison_job(peer, job, tag, reason).await {
+            Ok(p) => {
+                self.note_poisoned(job.archive_url().unwrap_or(&p.url), tag)
+                    .await;
+                Response::Poisoned(p)
+            }
+            Err(e) => Response::Error(e),
+        }
+    }
+
+    /// Marks `tag` poisoned in the jobs on this node that archive to `url` (retention then keeps
+    /// a good checkpoint of theirs on the hot tier rather than it).
+    async fn note_poisoned(&self, url: &str, tag: &str) {
+        for job in self.jobs.snapshot() {
+            let Some(entry) = job.ckpts.get(tag) else {
+                continue;
+            };
+            if job.archive_url() == Some(url) && !entry.is_poisoned() {
+                entry.set_poisoned();
+                self.jobs.persist(&job).await;
+            }
+        }
     }
 
     /// Ends a job on this node: stops staging, removes the staged data at once, then gives pending

@@ -1,4 +1,4 @@
-//! Users reach their own archives without root: `sluice ckpt list|verify|restore URL` from a user
+//! Users reach their own archives without root: `sluice ckpt list|verify|restore|poison URL` from a user
 //! who cannot read the agent's configuration (it holds the site's store credentials) comes here
 //! over the socket, and the agent reads the archive for them with the one archive-access
 //! implementation ([`sluice_archive::access`]), which the CLI uses directly as root.
@@ -10,7 +10,10 @@
 //!   restore only checkpoints whose MANIFEST names them; another user's reads as a missing one;
 //! - a restore writes only into the directory the caller passed open over the socket, checked as
 //!   theirs ([`Destination::check`]), never a path the agent resolves (root must not write where a
-//!   path a user names leads).
+//!   path a user names leads);
+//! - a poison marks only a checkpoint the caller owns by the same rule (its MANIFEST names them),
+//!   or, from inside the job that committed it, a tag not archived yet ([`ArchiveAccess::poison_job`]);
+//!   the mark records the caller's user name and uid from the socket.
 //!
 //! What one request may cost is bounded: at most [`MAX_AT_ONCE`] run on a node at once (the rest
 //! wait up to [`QUEUE_WAIT`]), one user holds at most [`MAX_PER_USER`] of them, and each has a
@@ -19,6 +22,7 @@
 //! agent's own ([`ArchiveAccess`]): two agents in one process (the tests') share none.
 
 use crate::identity::Peer;
+use crate::job::Job;
 use crate::policy::{Policy, PolicyError, Requester};
 use sluice_archive::access::{self, Destination, Reader, Unwatched};
 use sluice_archive::{Archiver, CheckpointInfo};
@@ -26,8 +30,8 @@ use sluice_core::config::Config;
 use sluice_core::rt::{blocking, lock};
 use sluice_core::safefs::Owner;
 use sluice_proto::msg::{
-    ArchiveListing, ArchiveRestored, ArchiveVerified, ArchivedCkpt, ErrorCode, ErrorReply, Request,
-    Response,
+    ArchiveListing, ArchiveRestored, ArchiveVerified, ArchivedCkpt, CkptPoisoned, ErrorCode,
+    ErrorReply, PoisonMark, Request, Response,
 };
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -136,15 +140,61 @@ impl ArchiveAccess {
         }
     }
 
-    async fn serve(
+    /// Marks `tag` of `job` bad at the job's archive, for `peer` (the job's user or root, checked
+    /// by the caller): a tag the job committed even before its MANIFEST is there (the mark waits
+    /// beside it), else one of the job user's archived checkpoints.
+    pub(crate) async fn poison_job(
         &self,
         peer: Peer,
-        request: Request,
-        dir: Option<OwnedFd>,
-    ) -> Result<Response, ErrorReply> {
+        job: &Job,
+        tag: &str,
+        reason: &str,
+    ) -> Result<CkptPoisoned, ErrorReply> {
         let node = self.cfg.node.clone();
-        let _held = self.gate.admit(peer, &node)?;
-        let _place = tokio::time::timeout(QUEUE_WAIT, self.gate.running.acquire())
+        let (_held, _place) = self.admit(peer, &node).await?;
+        let url = job.archive_url().ok_or_else(|| {
+            refuse(
+                ErrorCode::BadRequest,
+                format!(
+                    "job {} has no archive (no --ckpt-archive, and the site sets no default): there is nothing to poison",
+                    job.start.job_id
+                ),
+            )
+        })?;
+        let archiver = open(&self.cfg, url).await?;
+        let reader = if peer.is_root() {
+            Reader::Anyone
+        } else {
+            Reader::User(job.start.user.clone())
+        };
+        let user = if peer.is_root() {
+            "root".to_string()
+        } else {
+            job.start.user.clone()
+        };
+        let committed_here = job.ckpts.get(tag).is_some();
+        let work = access::poison(
+            &archiver,
+            &reader,
+            tag,
+            mark(user, peer.uid, reason),
+            committed_here,
+        );
+        let poisoned = tokio::time::timeout(LIST_LIMIT, work)
+            .await
+            .map_err(|_| timed_out(url, LIST_LIMIT))??;
+        tracing::info!(uid = peer.uid, tag, url, "checkpoint poisoned");
+        Ok(poisoned)
+    }
+
+    /// A place for one request of `peer`: counted for its uid, then one of the node's.
+    async fn admit(
+        &self,
+        peer: Peer,
+        node: &str,
+    ) -> Result<(Held<'_>, tokio::sync::SemaphorePermit<'_>), ErrorReply> {
+        let held = self.gate.admit(peer, node)?;
+        let place = tokio::time::timeout(QUEUE_WAIT, self.gate.running.acquire())
         .await
         .map_err(|_| {
             refuse(
@@ -155,9 +205,22 @@ impl ArchiveAccess {
             )
         })?
         .map_err(|_| refuse(ErrorCode::Internal, "the agent is stopping"))?;
+        Ok((held, place))
+    }
+
+    async fn serve(
+        &self,
+        peer: Peer,
+        request: Request,
+        dir: Option<OwnedFd>,
+    ) -> Result<Response, ErrorReply> {
+        let node = self.cfg.node.clone();
+        let (_held, _place) = self.admit(peer, &node).await?;
         let caller = Caller::of(peer).await?;
         let (url, limit) = match &request {
-            Request::ArchiveList { url } => (url.clone(), LIST_LIMIT),
+            Request::ArchiveList { url } | Request::ArchivePoison { url, .. } => {
+                (url.clone(), LIST_LIMIT)
+            }
             Request::ArchiveVerify { url, .. } | Request::ArchiveRestore { url, .. } => {
                 (url.clone(), READ_LIMIT)
             }
@@ -178,19 +241,40 @@ impl ArchiveAccess {
                     .await
                     .map(Response::Verified),
                 Request::ArchiveRestore {
-                    tag, dry_run: true, ..
-                } => access::plan(&archiver, &caller.reader(), &tag)
+                    tag,
+                    dry_run: true,
+                    force,
+                    ..
+                } => access::plan(&archiver, &caller.reader(), &tag, force)
                     .await
                     .map(Response::Restored)
                     .map_err(ErrorReply::from),
-                Request::ArchiveRestore { tag, .. } => {
+                Request::ArchivePoison { tag, reason, .. } => {
+                    let user = caller.name();
+                    let mark = mark(user, peer.uid, &reason);
+                    // Root may mark a tag before its MANIFEST; a user, outside the job that
+                    // committed it, only one whose MANIFEST names them.
+                    access::poison(&archiver, &caller.reader(), &tag, mark, peer.is_root())
+                        .await
+                        .map(|p| {
+                            tracing::info!(
+                                uid = peer.uid,
+                                tag,
+                                url = archiver.url(),
+                                "checkpoint poisoned"
+                            );
+                            Response::Poisoned(p)
+                        })
+                        .map_err(ErrorReply::from)
+                }
+                Request::ArchiveRestore { tag, force, .. } => {
                     let dir = dir.ok_or_else(|| {
                     refuse(
                         ErrorCode::BadRequest,
                         "a restore through the agent needs its destination directory passed open with the request (use the sluice CLI of this release)",
                     )
                 })?;
-                    restore(&archiver, &caller, &tag, Arc::new(dir))
+                    restore(&archiver, &caller, &tag, force, Arc::new(dir))
                         .await
                         .map(Response::Restored)
                 }
@@ -199,14 +283,30 @@ impl ArchiveAccess {
         };
         match tokio::time::timeout(limit, work).await {
             Ok(r) => r,
-            Err(_) => Err(refuse(
-                ErrorCode::Timeout,
-                format!(
-                    "the request on {url} did not finish within {} (the agent's limit for it); a restore's directory holds a partial restore to remove",
-                    humantime::format_duration(limit)
-                ),
-            )),
+            Err(_) => Err(timed_out(&url, limit)),
         }
+    }
+}
+
+fn timed_out(url: &str, limit: Duration) -> ErrorReply {
+    refuse(
+        ErrorCode::Timeout,
+        format!(
+            "the request on {url} did not finish within {} (the agent's limit for it); a restore's directory holds a partial restore to remove",
+            humantime::format_duration(limit)
+        ),
+    )
+}
+
+/// The poison mark of `user` (`uid`, from the socket) now, for `reason`.
+fn mark(user: String, uid: u32, reason: &str) -> PoisonMark {
+    PoisonMark {
+        user,
+        uid,
+        at_unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        reason: reason.trim().to_string(),
     }
 }
 
@@ -247,6 +347,14 @@ impl Caller {
             requester: Some(who),
             owner,
         })
+    }
+
+    /// The caller's user name, as a poison mark records it.
+    fn name(&self) -> String {
+        match &self.requester {
+            None => "root".into(),
+            Some(who) => who.user.clone(),
+        }
     }
 
     /// Whose checkpoints the caller may see.
@@ -324,11 +432,12 @@ async fn restore(
     a: &Archiver,
     caller: &Caller,
     tag: &str,
+    force: bool,
     dir: Arc<OwnedFd>,
 ) -> Result<ArchiveRestored, ErrorReply> {
     let owner = caller.owner;
     let dest = blocking(move || Destination::check(dir, owner, "the destination")).await?;
-    let restored = access::restore(a, &caller.reader(), tag, &dest, &mut Unwatched).await?;
+    let restored = access::restore(a, &caller.reader(), tag, force, &dest, &mut Unwatched).await?;
     tracing::info!(
         uid = owner.uid,
         tag = restored.tag,
@@ -387,6 +496,7 @@ mod tests {
             }),
             nodes: vec!["n1".into()],
             data_classes: Vec::new(),
+            poison: None,
         }
     }
 
@@ -497,11 +607,15 @@ mod tests {
             ..user(name)
         };
         // Bob asks for alice's checkpoint: refused, nothing written.
-        let e = restore(&a, &as_me("bob"), "a1", open()).await.unwrap_err();
+        let e = restore(&a, &as_me("bob"), "a1", false, open())
+            .await
+            .unwrap_err();
         assert!(e.message.contains("of yours"), "{e:?}");
         assert_eq!(std::fs::read_dir(dest.path()).unwrap().count(), 0);
         // Alice's `latest`: her a2, in place, hers.
-        let r = restore(&a, &as_me("alice"), LATEST, open()).await.unwrap();
+        let r = restore(&a, &as_me("alice"), LATEST, false, open())
+            .await
+            .unwrap();
         assert_eq!((r.tag.as_str(), r.files), ("a2", 1));
         let f = dest.path().join("sub/model.bin");
         assert_eq!(std::fs::read_to_string(&f).unwrap(), "a2 of alice");

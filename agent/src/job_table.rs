@@ -164,6 +164,7 @@ impl From<&CkptEntry> for CkptRecord {
                     .collect()
             }),
             lost: e.lost(),
+            poisoned: e.is_poisoned(),
         }
     }
 }

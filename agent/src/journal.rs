@@ -72,6 +72,9 @@ pub struct CkptRecord {
     /// Lost with the RAM tier before it was flushed: what the user is told.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost: Option<String>,
+    /// Marked bad with `sluice ckpt poison` (retention keeps a good one instead).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub poisoned: bool,
 }
 
 /// Removes `path` durably (the directory entry removal is fsynced).

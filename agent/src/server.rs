@@ -522,6 +522,7 @@ mod tests {
             url: "file:///a".into(),
             tag: "t".into(),
             dry_run: false,
+            force: false,
         }))
         .unwrap();
         let (client, server) = std::os::unix::net::UnixStream::pair().unwrap();

@@ -1724,3 +1724,110 @@ fn walk_files(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// A second user with a name (the agent looks the caller's name up; uid 4242 has none here).
+const DAEMON: u32 = 1;
+
+root_test! {
+    /// `sluice ckpt poison`: only the checkpoint's owner marks it (another user, by the job or by
+    /// the archive URL, is refused and nothing is written); the mark is written once; a tag
+    /// poisoned as soon as it is committed stays poisoned once archived; `latest` passes over
+    /// poisoned checkpoints and the job's output says who marked them and why; a named restore of
+    /// one fails the job unless forced with `TAG!`.
+    async fn a_poisoned_checkpoint_is_never_latest_and_only_its_owner_poisons_it() {
+        use sluice_proto::msg::CkptState;
+        let t = root_agent().await;
+        let (archive_dir, url) = (t.archive_dir(), t.archive_url());
+        let ckpt = t.ckpt_dir_of(ckpt_job(71, &url, &[])).await;
+        for (tag, seed) in [("step-1", 3), ("step-2", 5)] {
+            write_ckpt(&ckpt, tag, seed, false);
+            t.commit(71, tag).await;
+            wait_for_state(&t, 71, tag, CkptState::Archived).await;
+        }
+        let step1 = std::fs::read(ckpt.join("step-1/optim.pt")).unwrap();
+        let poison_job = |tag: &str, reason: &str| Request::CkptPoison {
+            job_id: 71,
+            tag: tag.into(),
+            reason: reason.into(),
+        };
+        let marks = || {
+            ["step-1", "step-2", "step-3"]
+                .into_iter()
+                .filter(|t| archive_dir.join(t).join("POISON").exists())
+                .collect::<Vec<_>>()
+        };
+
+        // Another user: not through the job (not theirs), not by URL (not their checkpoint).
+        let refused = t.call_as(OTHER, poison_job("step-2", "theirs")).unwrap();
+        assert!(
+            matches!(&refused, Response::Error(e) if e.code == ErrorCode::Forbidden
+                && e.message.contains("belongs to another user")),
+            "{refused:?}"
+        );
+        let by_url = Request::ArchivePoison {
+            url: url.clone(),
+            tag: "step-2".into(),
+            reason: "theirs".into(),
+        };
+        let refused = t.call_as(DAEMON, by_url).unwrap();
+        assert!(
+            matches!(&refused, Response::Error(e) if e.code == ErrorCode::NotFound
+                && e.message.ends_with("no archived checkpoint step-2 of yours")),
+            "{refused:?}"
+        );
+        assert!(marks().is_empty(), "another user's poison wrote {:?}", marks());
+
+        // The owner, from the job: written once, the first reason stands.
+        let Response::Poisoned(p) = t.call_as(NOBODY, poison_job("step-2", "loss is NaN")).unwrap()
+        else {
+            panic!("the owner's poison was refused");
+        };
+        assert_eq!((p.mark.user.as_str(), p.mark.uid, p.already), ("nobody", NOBODY, false));
+        let Response::Poisoned(again) = t.call_as(NOBODY, poison_job("step-2", "other")).unwrap()
+        else {
+            panic!("a second poison was refused");
+        };
+        assert!(again.already && again.mark.reason == "loss is NaN", "{again:?}");
+        // A tag poisoned right as it is committed, archived or not yet: poisoned for good.
+        write_ckpt(&ckpt, "step-3", 7, false);
+        t.commit(71, "step-3").await;
+        let Response::Poisoned(p3) = t.call_as(NOBODY, poison_job("step-3", "diverged")).unwrap()
+        else {
+            panic!("poisoning a just-committed tag was refused");
+        };
+        assert!(!p3.already);
+        wait_for_state(&t, 71, "step-3", CkptState::Archived).await;
+        assert_eq!(marks(), ["step-2", "step-3"]);
+        // Uncommitted, unarchived: nothing to poison.
+        let e = t.refused(poison_job("step-9", "x")).await;
+        assert!(e.message.contains("no archived checkpoint step-9 of yours"), "{e:?}");
+        t.call(Request::JobEnd { job_id: 71 }).await.unwrap();
+
+        // `latest`: step-1, with a note naming each poisoned one and its reason.
+        let d = t.started(ckpt_job(72, &url, &[("ckpt-restore", "latest")])).await;
+        assert_eq!(d.restored_tag.as_deref(), Some("step-1"));
+        assert_note(&d, |n| {
+            n.starts_with("checkpoint step-2 in ")
+                && n.contains("is poisoned (marked bad by nobody (uid 65534) at ")
+                && n.ends_with(": loss is NaN); skipped it for the next newest")
+        });
+        assert_note(&d, |n| n.contains("checkpoint step-3 in ") && n.contains(": diverged)"));
+        assert_eq!(
+            std::fs::read(PathBuf::from(&d.ckpt_dir).join("step-1/optim.pt")).unwrap(),
+            step1
+        );
+        // Named: the job fails, saying how to force it; forced, it is restored, and said so.
+        let m = t
+            .fails_to_set_up(ckpt_job(73, &url, &[("ckpt-restore", "step-2")]))
+            .await;
+        assert!(
+            m.contains("checkpoint step-2 in") && m.contains("is poisoned (marked bad by nobody")
+                && m.ends_with("or force this one with --ckpt-restore=step-2!"),
+            "{m}"
+        );
+        let d = t.started(ckpt_job(74, &url, &[("ckpt-restore", "step-2!")])).await;
+        assert_eq!(d.restored_tag.as_deref(), Some("step-2"));
+        assert_note(&d, |n| n.ends_with("loss is NaN); restored anyway, as forced"));
+        t.stop().await;
+    }
+}

@@ -17,6 +17,7 @@
 //! code they travel with ([`AccessError::code`]).
 
 use crate::manifest::Manifest;
+use crate::poison::{self, Poisoned};
 use crate::{
     ArchiveError, ArchiveProgress, ArchiveStore, Archiver, CheckpointInfo, CheckpointState,
     JobMeta, check_name, open_archive, parse_archive_url,
@@ -24,7 +25,9 @@ use crate::{
 use sluice_core::config::Config;
 use sluice_core::rt::blocking;
 use sluice_core::safefs::{Owner, RemoveAs};
-use sluice_proto::msg::{ArchiveRestored, ArchiveVerified, ArchivedCkpt, ErrorCode, ErrorReply};
+use sluice_proto::msg::{
+    ArchiveRestored, ArchiveVerified, ArchivedCkpt, CkptPoisoned, ErrorCode, ErrorReply, PoisonMark,
+};
 use std::future::Future;
 use std::io::ErrorKind;
 use std::os::fd::OwnedFd;
@@ -68,6 +71,29 @@ pub enum AccessError {
     Refused { dest: String, refusal: DestRefusal },
     #[error("{dest} cannot be checked: {source}")]
     Unchecked { dest: String, source: nix::Error },
+    /// A named restore of a poisoned checkpoint, not forced.
+    #[error(
+        "{url}: checkpoint {tag} is poisoned ({}); restore another one, or force this one (sluice ckpt restore --force, or --ckpt-restore={tag}!)",
+        poison::describe(mark)
+    )]
+    Poisoned {
+        url: String,
+        tag: String,
+        mark: Box<PoisonMark>,
+    },
+    /// The tag has a poison mark that does not count (not its owner's nor root's), which cannot
+    /// be replaced: the owner's poison would be lost.
+    #[error(
+        "{url}: checkpoint {tag} holds a POISON mark by {user}, who does not own it, so it does not count and cannot be replaced; ask your admin to remove {tag}/POISON from the archive, then poison it again"
+    )]
+    ForeignMark {
+        url: String,
+        tag: String,
+        user: String,
+    },
+    /// A request that cannot be served as given (the message says what to give instead).
+    #[error("{0}")]
+    Usage(String),
     /// A failed restore whose partial files could not all be removed.
     #[error("{source}; {dest} holds a partial restore ({left}): remove it")]
     Partial {
@@ -89,7 +115,10 @@ impl AccessError {
             AccessError::Open(_)
             | AccessError::Unchecked { .. }
             | AccessError::Archive(ArchiveError::BadName { .. }) => ErrorCode::BadRequest,
-            AccessError::Refused { .. } => ErrorCode::Forbidden,
+            AccessError::Usage(_) => ErrorCode::BadRequest,
+            AccessError::Refused { .. }
+            | AccessError::Poisoned { .. }
+            | AccessError::ForeignMark { .. } => ErrorCode::Forbidden,
             AccessError::Archive(_) => ErrorCode::Internal,
             AccessError::Partial { source, .. } => source.code(),
         }
@@ -194,14 +223,24 @@ pub async fn list(a: &Archiver, reader: &Reader) -> Result<Vec<CheckpointInfo>, 
 }
 
 /// `tag`, checked, when it is the reader's; `latest` resolved to the reader's newest complete
-/// checkpoint whose objects are all there, passing over those in `skip`. Another user's tag reads
-/// as a missing one.
+/// checkpoint that is not poisoned and whose objects are all there, passing over those in `skip`.
+/// Another user's tag reads as a missing one.
 pub async fn resolve(
     a: &Archiver,
     reader: &Reader,
     tag: &str,
     skip: &[String],
 ) -> Result<String, AccessError> {
+    Ok(resolve_noting(a, reader, tag, skip).await?.0)
+}
+
+/// [`resolve`], with a note for each poisoned checkpoint `latest` passed over.
+async fn resolve_noting(
+    a: &Archiver,
+    reader: &Reader,
+    tag: &str,
+    skip: &[String],
+) -> Result<(String, Vec<String>), AccessError> {
     let user = matches!(reader, Reader::User(_));
     if tag == LATEST {
         let mut exclude: Vec<String> = Vec::new();
@@ -210,28 +249,97 @@ pub async fn resolve(
             exclude.extend(all.into_iter().filter(|i| !reader.sees(i)).map(|i| i.tag));
         }
         exclude.extend(skip.iter().cloned());
-        return a
-            .latest(&exclude)
-            .await?
-            .ok_or_else(|| AccessError::NoLatest {
-                url: a.url().to_string(),
-                other: !skip.is_empty(),
-                of_yours: user,
-            });
+        let found = a.latest_good(&exclude).await?;
+        let notes = found
+            .poisoned
+            .iter()
+            .map(|(t, mark)| poison::skipped_note(a.url(), t, mark))
+            .collect();
+        let tag = found.tag.ok_or_else(|| AccessError::NoLatest {
+            url: a.url().to_string(),
+            other: !skip.is_empty() || !found.poisoned.is_empty(),
+            of_yours: user,
+        })?;
+        return Ok((tag, notes));
     }
     check_name("checkpoint tag", tag)?;
     if !user {
-        return Ok(tag.to_string());
+        return Ok((tag.to_string(), Vec::new()));
     }
     let not_yours = || AccessError::NotYours {
         url: a.url().to_string(),
         tag: tag.to_string(),
     };
     match a.manifest(tag).await {
-        Ok(m) if reader.owns(Some(&m.job.user)) => Ok(tag.to_string()),
+        Ok(m) if reader.owns(Some(&m.job.user)) => Ok((tag.to_string(), Vec::new())),
         Ok(_) | Err(ArchiveError::NotArchived { .. }) => Err(not_yours()),
         Err(e) => Err(e.into()),
     }
+}
+
+/// A named restore of `tag`: refused when it is poisoned, unless `force` (then the note says
+/// what was restored).
+async fn check_poison(a: &Archiver, tag: &str, force: bool) -> Result<Vec<String>, AccessError> {
+    match a.poison_of(tag).await? {
+        None => Ok(Vec::new()),
+        Some(mark) if force => Ok(vec![poison::forced_note(a.url(), tag, &mark)]),
+        Some(mark) => Err(AccessError::Poisoned {
+            url: a.url().to_string(),
+            tag: tag.to_string(),
+            mark: Box::new(mark),
+        }),
+    }
+}
+
+/// Marks the reader's checkpoint `tag` bad with `mark` ([`crate::poison`]): once; a second
+/// poison answers the first mark (`already`). `unpublished_ok`: the caller knows the tag is
+/// theirs without a MANIFEST (the job that committed it; root), so a tag not archived yet is
+/// marked too, ahead of its MANIFEST; otherwise such a tag reads as a missing one.
+pub async fn poison(
+    a: &Archiver,
+    reader: &Reader,
+    tag: &str,
+    mark: PoisonMark,
+    unpublished_ok: bool,
+) -> Result<CkptPoisoned, AccessError> {
+    if tag == LATEST {
+        return Err(AccessError::Usage(format!(
+            "name the checkpoint to poison (a tag such as step-100), not '{LATEST}': which one is newest may change under you"
+        )));
+    }
+    check_name("checkpoint tag", tag)?;
+    poison::check_reason(&mark.reason).map_err(AccessError::Usage)?;
+    let not_yours = || AccessError::NotYours {
+        url: a.url().to_string(),
+        tag: tag.to_string(),
+    };
+    let owner = match a.manifest(tag).await {
+        Ok(m) if reader.owns(Some(&m.job.user)) => Some(m.job.user),
+        Ok(_) => return Err(not_yours()),
+        Err(ArchiveError::NotArchived { .. }) if unpublished_ok => None,
+        Err(ArchiveError::NotArchived { .. }) => return Err(not_yours()),
+        Err(e) => return Err(e.into()),
+    };
+    let (mark, already) = match a.poison(tag, mark).await? {
+        Poisoned::Now(m) => (m, false),
+        Poisoned::Already(m) => (m, true),
+    };
+    if let Some(owner) = &owner
+        && !poison::counts_for(&mark, owner)
+    {
+        return Err(AccessError::ForeignMark {
+            url: a.url().to_string(),
+            tag: tag.to_string(),
+            user: mark.user,
+        });
+    }
+    Ok(CkptPoisoned {
+        url: a.url().to_string(),
+        tag: tag.to_string(),
+        mark,
+        already,
+        unpublished: owner.is_none(),
+    })
 }
 
 /// Reads every object of the reader's checkpoint `tag` and checks it against the MANIFEST's
@@ -283,18 +391,28 @@ pub async fn plan(
     a: &Archiver,
     reader: &Reader,
     tag: &str,
+    force: bool,
 ) -> Result<ArchiveRestored, AccessError> {
-    let resolved = resolve(a, reader, tag, &[]).await?;
+    let (resolved, mut notes) = resolve_noting(a, reader, tag, &[]).await?;
+    if tag != LATEST {
+        notes.extend(check_poison(a, &resolved, force).await?);
+    }
     let m = a.manifest(&resolved).await?;
     if tag != LATEST {
         // `latest` found its objects all there already.
         a.check_objects(&m).await?;
     }
-    Ok(restored(a, resolved, &m, Vec::new()))
+    Ok(restored(a, resolved, &m, Vec::new(), notes))
 }
 
 /// The answer about a restore of `tag` (by its MANIFEST `m`), which passed over `skipped`.
-fn restored(a: &Archiver, tag: String, m: &Manifest, skipped: Vec<String>) -> ArchiveRestored {
+fn restored(
+    a: &Archiver,
+    tag: String,
+    m: &Manifest,
+    skipped: Vec<String>,
+    notes: Vec<String>,
+) -> ArchiveRestored {
     ArchiveRestored {
         url: a.url().to_string(),
         tag,
@@ -302,6 +420,7 @@ fn restored(a: &Archiver, tag: String, m: &Manifest, skipped: Vec<String>) -> Ar
         raw_bytes: m.raw_bytes,
         stored_bytes: m.stored_bytes,
         skipped,
+        notes,
     }
 }
 
@@ -436,19 +555,34 @@ impl Destination {
     }
 }
 
-/// Restores the reader's `tag` (`latest`: their newest intact one, passing over damaged ones and
-/// telling `watch` about each) into `dest`, every file owned by its owner and checked against its
+/// Restores the reader's `tag` (`latest`: their newest intact one that is not poisoned, passing
+/// over damaged and poisoned ones and telling `watch` about each; a named one that is poisoned
+/// only with `force`) into `dest`, every file owned by its owner and checked against its
 /// checksums. A failed restore leaves `dest` empty again (or says what is left).
 pub async fn restore(
     a: &Archiver,
     reader: &Reader,
     tag: &str,
+    force: bool,
     dest: &Destination,
     watch: &mut impl Watch,
 ) -> Result<ArchiveRestored, AccessError> {
     let mut skipped: Vec<String> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
     loop {
-        let t = resolve(a, reader, tag, &skipped).await?;
+        let (t, poisoned) = resolve_noting(a, reader, tag, &skipped).await?;
+        for n in poisoned {
+            if !notes.contains(&n) {
+                watch.note(&n);
+                notes.push(n);
+            }
+        }
+        if tag != LATEST {
+            for n in check_poison(a, &t, force).await? {
+                watch.note(&n);
+                notes.push(n);
+            }
+        }
         let counters = ArchiveProgress::default();
         let what = Reading {
             label: format!("restore {t}"),
@@ -459,7 +593,9 @@ pub async fn restore(
         let outcome = watch.watch(what, work).await;
         match outcome {
             // The MANIFEST the restore used may have been replaced since `resolve` read it.
-            Ok(m) if reader.owns(Some(&m.job.user)) => return Ok(restored(a, t, &m, skipped)),
+            Ok(m) if reader.owns(Some(&m.job.user)) => {
+                return Ok(restored(a, t, &m, skipped, notes));
+            }
             Ok(_) => {
                 let e = AccessError::NotYours {
                     url: a.url().to_string(),
@@ -504,6 +640,7 @@ impl From<CheckpointInfo> for ArchivedCkpt {
             job_name: i.job.map(|j| j.job_name),
             nodes: i.nodes,
             data_classes: i.data_classes,
+            poison: i.poison,
         }
     }
 }
@@ -542,6 +679,7 @@ impl From<ArchivedCkpt> for CheckpointInfo {
             job,
             nodes: c.nodes,
             data_classes: c.data_classes,
+            poison: c.poison,
         }
     }
 }

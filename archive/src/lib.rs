@@ -17,6 +17,8 @@
 //! BASE/TAG/parts/<node>.json    what one node archived (PartManifest, with its job id), after its
 //!                               data objects; empty for a node that holds none of the tag
 //! BASE/TAG/MANIFEST             the checkpoint (Manifest): written last, after every part
+//! BASE/TAG/POISON               who marked the checkpoint bad, when and why (poison.rs): written
+//!                               once, at any time; `latest` passes over it, a named restore needs force
 //! ```
 //!
 //! **Tiering.** Data objects are written in the storage class (S3, GCS) or access tier (Azure) of
@@ -61,6 +63,7 @@ mod download;
 pub mod flush;
 pub mod format;
 pub mod manifest;
+pub mod poison;
 mod resume;
 pub use resume::Identity as FileIdentity;
 pub mod store;
@@ -470,6 +473,9 @@ pub struct CheckpointInfo {
     /// from the manifests (no request per object): sorted, `"default"` for objects written without
     /// one; empty for a checkpoint without files and an invalid one.
     pub data_classes: Vec<String>,
+    /// A complete checkpoint's poison mark that counts ([`poison`]): `latest` passes over it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poison: Option<sluice_proto::msg::PoisonMark>,
 }
 
 impl CheckpointInfo {
@@ -486,6 +492,7 @@ impl CheckpointInfo {
             job: None,
             nodes: Vec::new(),
             data_classes: Vec::new(),
+            poison: None,
         }
     }
 }
@@ -1082,6 +1089,7 @@ impl Archiver {
     async fn info(&self, tag: String) -> Result<CheckpointInfo, ArchiveError> {
         match self.manifest_opt(&tag).await {
             Ok(Some(m)) => Ok(CheckpointInfo {
+                poison: self.poisoned(&m).await?,
                 tag,
                 state: CheckpointState::Complete,
                 files: m.files.len() as u64,
@@ -1131,6 +1139,7 @@ impl Archiver {
                     job: None,
                     nodes,
                     data_classes: classes.into_iter().collect(),
+                    poison: None,
                 })
             }
             Err(e @ ArchiveError::BadManifest { .. }) => {
@@ -1143,16 +1152,29 @@ impl Archiver {
         }
     }
 
-    /// The newest complete checkpoint (by manifest time) that is not in `exclude` and whose data
-    /// objects are all present with the right sizes. A restore that then finds damaged content
-    /// fails with [`ArchiveError::Corrupt`]; call again with that tag excluded to fall back.
-    /// Reads the MANIFESTs as [`Archiver::list`] does, then again one at a time, newest first,
-    /// stopping at the first intact one: never more than `concurrency` in memory.
+    /// The newest complete checkpoint (by manifest time) that is not in `exclude`, not poisoned,
+    /// and whose data objects are all present with the right sizes ([`Archiver::latest_good`],
+    /// without the poisoned ones it passed over).
     pub async fn latest(&self, exclude: &[String]) -> Result<Option<String>, ArchiveError> {
+        Ok(self.latest_good(exclude).await?.tag)
+    }
+
+    /// The newest complete checkpoint (by manifest time) that is not in `exclude`, not poisoned
+    /// ([`poison`]), and whose data objects are all present with the right sizes; with the
+    /// poisoned newer ones it passed over, for the caller to say so. A restore that then finds
+    /// damaged content fails with [`ArchiveError::Corrupt`]; call again with that tag excluded to
+    /// fall back. Reads the MANIFESTs as [`Archiver::list`] does, then again one at a time, newest
+    /// first, stopping at the first intact one: never more than `concurrency` in memory.
+    pub async fn latest_good(&self, exclude: &[String]) -> Result<Latest, ArchiveError> {
         let mut all = self.list().await?;
         all.reverse();
+        let mut poisoned = Vec::new();
         for info in all {
             if info.state != CheckpointState::Complete || exclude.contains(&info.tag) {
+                continue;
+            }
+            if let Some(mark) = info.poison {
+                poisoned.push((info.tag, mark));
                 continue;
             }
             // Gone or replaced since the listing: the next one.
@@ -1162,7 +1184,12 @@ impl Archiver {
                 Err(e) => return Err(e),
             };
             match self.check_objects(&m).await {
-                Ok(()) => return Ok(Some(info.tag)),
+                Ok(()) => {
+                    return Ok(Latest {
+                        tag: Some(info.tag),
+                        poisoned,
+                    });
+                }
                 Err(e) if e.is_corrupt() => {
                     tracing::warn!(
                         tag = info.tag,
@@ -1173,8 +1200,20 @@ impl Archiver {
                 Err(e) => return Err(e),
             }
         }
-        Ok(None)
+        Ok(Latest {
+            tag: None,
+            poisoned,
+        })
     }
+}
+
+/// What [`Archiver::latest_good`] found.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Latest {
+    /// The newest intact checkpoint that is not poisoned.
+    pub tag: Option<String>,
+    /// The poisoned checkpoints passed over on the way, newest first, with their marks.
+    pub poisoned: Vec<(String, sluice_proto::msg::PoisonMark)>,
 }
 
 #[cfg(test)]

@@ -556,6 +556,7 @@ fn a_listing_serialises_as_the_cli_prints_it() {
         job: None,
         nodes: vec!["n1".into()],
         data_classes: vec!["STANDARD_IA".into()],
+        poison: None,
     };
     let v = serde_json::to_value(info(CheckpointState::Invalid {
         reason: "bad MANIFEST".into(),

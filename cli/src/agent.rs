@@ -6,7 +6,9 @@
 use crate::socket::{Origin, Socket};
 use anyhow::anyhow;
 use sluice_proto::client::{self, ClientError};
-use sluice_proto::msg::{CkptStatus, JobId, JobStatus, NodeStatus, Request, Response};
+use sluice_proto::msg::{
+    CkptPoisoned, CkptStatus, JobId, JobStatus, NodeStatus, Request, Response,
+};
 use sluice_proto::wire::FrameError;
 use std::io::ErrorKind;
 use std::os::fd::BorrowedFd;
@@ -41,6 +43,27 @@ impl Agent {
         match self.call(request)? {
             Response::Ok => Ok(()),
             other => Err(self.unexpected("checkpoint commit", &other)),
+        }
+    }
+
+    /// Marks checkpoint TAG of the job bad at the job's archive.
+    pub fn ckpt_poison(
+        &self,
+        job_id: JobId,
+        tag: &str,
+        reason: &str,
+    ) -> anyhow::Result<CkptPoisoned> {
+        let request = Request::CkptPoison {
+            job_id,
+            tag: tag.to_string(),
+            reason: reason.to_string(),
+        };
+        match self
+            .call(request)
+            .map_err(crate::remote::explain_too_old(self))?
+        {
+            Response::Poisoned(p) => Ok(p),
+            other => Err(self.unexpected("checkpoint poison", &other)),
         }
     }
 
@@ -118,6 +141,7 @@ impl Agent {
             Response::CacheWarmed(_) => "cache warm report",
             Response::CacheWarmedNodes { .. } => "cache warm report of nodes",
             Response::CacheEvicted(_) => "cache evict report",
+            Response::Poisoned(_) => "poison report",
             Response::Error(_) => "error",
         };
         anyhow!(

@@ -17,7 +17,9 @@ use sluice_archive::access::{self, AccessError, DestRefusal, Destination, Reader
 use sluice_archive::{Archiver, CheckpointInfo};
 use sluice_core::config::{Config, ConfigError};
 use sluice_core::safefs::{self, Owner, RemoveAs};
-use sluice_proto::msg::{ArchiveRestored, ArchiveVerified, CkptStatus, JobId};
+use sluice_proto::msg::{
+    ArchiveRestored, ArchiveVerified, CkptPoisoned, CkptStatus, JobId, PoisonMark,
+};
 use std::ffi::OsString;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
@@ -397,12 +399,15 @@ impl RestorePlan {
 /// checkpoint ([`access::plan`]), its size, and what becomes of `dest`.
 pub async fn plan_restore(
     a: &Archiver,
-    tag: &str,
+    (tag, force): (&str, bool),
     dest: &Path,
     uid: u32,
 ) -> anyhow::Result<RestorePlan> {
     let dest_check = check_dest(dest, uid);
-    let r = access::plan(a, &Reader::Anyone, tag).await?;
+    let r = access::plan(a, &Reader::Anyone, tag, force).await?;
+    for n in &r.notes {
+        eprintln!("sluice: {n}");
+    }
     Ok(RestorePlan::new(r, dest, dest_check))
 }
 
@@ -443,6 +448,9 @@ pub struct Restored {
     pub stored_bytes: u64,
     /// Damaged newer checkpoints skipped on the way to `latest`.
     pub skipped: Vec<String>,
+    /// Poisoned newer checkpoints `latest` passed over; a poisoned one restored as forced.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 impl Restored {
@@ -456,6 +464,7 @@ impl Restored {
             raw_bytes: r.raw_bytes,
             stored_bytes: r.stored_bytes,
             skipped: r.skipped,
+            notes: r.notes,
         }
     }
 }
@@ -466,16 +475,43 @@ impl Restored {
 /// is left as it was found.
 pub async fn restore(
     a: &Archiver,
-    tag: &str,
+    (tag, force): (&str, bool),
     dest: &Dest,
     note: impl FnMut(&str),
     progress: Mode,
 ) -> anyhow::Result<Restored> {
     let mut shown = Shown::new(progress, note);
-    match access::restore(a, &Reader::Anyone, tag, &dest.dest, &mut shown).await {
+    match access::restore(a, &Reader::Anyone, tag, force, &dest.dest, &mut shown).await {
         Ok(r) => Ok(Restored::new(r, &dest.path)),
         Err(e) => Err(fail(e.into(), dest)),
     }
+}
+
+// ------------------------------------------------------------------------------------ poison
+
+/// Marks checkpoint `tag` bad directly in the archive ([`access::poison`]) as this process's
+/// user: root any checkpoint, archived or not yet; another user (who may read the agent's
+/// configuration, or gives --config) only an archived checkpoint of theirs, as the agent would.
+pub async fn poison(a: &Archiver, tag: &str, reason: &str) -> anyhow::Result<CkptPoisoned> {
+    let uid = nix::unistd::geteuid();
+    let user = nix::unistd::User::from_uid(uid)
+        .ok()
+        .flatten()
+        .map_or_else(|| uid.to_string(), |u| u.name);
+    let (reader, unpublished_ok) = if uid.is_root() {
+        (Reader::Anyone, true)
+    } else {
+        (Reader::User(user.clone()), false)
+    };
+    let mark = PoisonMark {
+        user,
+        uid: uid.as_raw(),
+        at_unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        reason: reason.trim().to_string(),
+    };
+    Ok(access::poison(a, &reader, tag, mark, unpublished_ok).await?)
 }
 
 /// A failed restore: the error, then what became of `dest`. An error that already says what is

@@ -231,6 +231,7 @@ pub fn archive_listing() -> Vec<CheckpointInfo> {
             }),
             nodes: vec!["gpu07".into(), "gpu08".into()],
             data_classes: vec!["STANDARD_IA".into()],
+            poison: None,
         },
         CheckpointInfo {
             tag: "step200".into(),
@@ -243,6 +244,7 @@ pub fn archive_listing() -> Vec<CheckpointInfo> {
             job: None,
             nodes: vec!["gpu07".into()],
             data_classes: vec!["default".into()],
+            poison: None,
         },
         CheckpointInfo::invalid("step150".into(), "unsupported version 9".into()),
     ]

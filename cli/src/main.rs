@@ -239,6 +239,39 @@ enum CkptCommand {
         /// accepted; write nothing, create nothing. Exits 1 when DEST would be refused
         #[arg(long)]
         dry_run: bool,
+        /// Restore TAG even though it is poisoned (see `sluice ckpt poison`)
+        #[arg(long)]
+        force: bool,
+    },
+    /// Mark a checkpoint bad: --ckpt-restore=latest never restores it again.
+    ///
+    /// Inside a job, `sluice ckpt poison TAG --reason "..."` marks a checkpoint of the job (one it
+    /// committed, archived yet or not, or the one it restored) at the job's archive; elsewhere,
+    /// give the archive URL. The mark, beside the checkpoint's MANIFEST, records who, when and
+    /// why; it is written once (a second poison keeps the first reason) and changes nothing of
+    /// the checkpoint. `latest` passes over a poisoned checkpoint, naming it and the reason in the
+    /// job's output; a named restore of it is refused unless forced (--ckpt-restore=TAG!, or
+    /// `sluice ckpt restore --force`). Only the checkpoint's owner, or root, may poison it.
+    #[command(override_usage = "sluice ckpt poison [URL] TAG --reason TEXT")]
+    Poison {
+        /// The archive URL (s3://, az://, gs://, file:///); leave it out inside a job
+        #[arg(value_name = "URL")]
+        first: String,
+        /// The checkpoint
+        #[arg(value_name = "TAG")]
+        tag: Option<String>,
+        /// Why it is bad (one line): what the next job's output shows
+        #[arg(long, value_name = "TEXT")]
+        reason: String,
+        /// The job, without a URL [default: $SLURM_JOB_ID]
+        #[arg(long, value_name = "JOBID")]
+        job: Option<JobId>,
+        /// The agent's configuration, for store profiles [default: /etc/sluice/sluice.toml]
+        #[arg(long, value_name = "PATH")]
+        config: Option<PathBuf>,
+        /// Print JSON (stable for scripts)
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -513,10 +546,12 @@ fn run_ckpt(
                     quiet,
                 },
             dry_run,
+            force,
         } => {
             if tag != ckpt::LATEST {
                 ckpt::check_tag(&tag)?;
             }
+            let which = (tag.as_str(), force);
             let owner = Owner {
                 uid: nix::unistd::geteuid().as_raw(),
                 gid: nix::unistd::getegid().as_raw(),
@@ -524,25 +559,65 @@ fn run_ckpt(
             if route(config.as_deref()) == ckpt::Route::Agent {
                 let agent = agent()?;
                 if dry_run {
-                    let plan = remote::plan_restore(&agent, &url, &tag, &dest, owner.uid)?;
+                    let plan = remote::plan_restore(&agent, &url, which, &dest, owner.uid)?;
                     return restore_plan(&plan, as_json);
                 }
                 let dest = ckpt::prepare_dest(&dest, owner)?;
-                let restored = remote::restore(&agent, &url, &tag, &dest)?;
+                let restored = remote::restore(&agent, &url, which, &dest)?;
                 return restored_output(&restored, as_json);
             }
             let archiver = open_archive(config, &url)?;
             let rt = ckpt::runtime()?;
             if dry_run {
-                let plan = rt.block_on(ckpt::plan_restore(&archiver, &tag, &dest, owner.uid))?;
+                let plan = rt.block_on(ckpt::plan_restore(&archiver, which, &dest, owner.uid))?;
                 return restore_plan(&plan, as_json);
             }
             let dest = ckpt::prepare_dest(&dest, owner)?;
             let note = |n: &str| eprintln!("sluice: {n}");
             let progress = progress::Mode::for_stderr(quiet);
             // The archive's errors name the checkpoint and the archive.
-            let restored = rt.block_on(ckpt::restore(&archiver, &tag, &dest, note, progress))?;
+            let restored = rt.block_on(ckpt::restore(&archiver, which, &dest, note, progress))?;
             restored_output(&restored, as_json)
+        }
+        CkptCommand::Poison {
+            first,
+            tag,
+            reason,
+            job,
+            config,
+            json: as_json,
+        } => {
+            let (url, tag) = match tag {
+                Some(tag) => (Some(first), tag),
+                None => (None, first),
+            };
+            if tag == ckpt::LATEST {
+                anyhow::bail!(
+                    "name the checkpoint to poison (a tag such as step-100), not 'latest': which one is newest may change under you"
+                );
+            }
+            ckpt::check_tag(&tag)?;
+            let reason = reason.trim();
+            sluice_archive::poison::check_reason(reason).map_err(|e| anyhow::anyhow!(e))?;
+            let poisoned = match url {
+                None => {
+                    let job_id = ckpt::job_id(job, env, " or give the archive URL")?;
+                    agent()?.ckpt_poison(job_id, &tag, reason)?
+                }
+                Some(url) => match route(config.as_deref()) {
+                    ckpt::Route::Agent => remote::poison(&agent()?, &url, &tag, reason)?,
+                    ckpt::Route::Direct => {
+                        let archiver = open_archive(config, &url)?;
+                        ckpt::runtime()?.block_on(ckpt::poison(&archiver, &tag, reason))?
+                    }
+                },
+            };
+            Ok(if as_json {
+                json(&poisoned)?
+            } else {
+                render::poisoned(&poisoned)
+            }
+            .into())
         }
     }
 }

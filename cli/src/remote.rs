@@ -11,7 +11,7 @@ use crate::agent::Agent;
 use crate::ckpt::{self, ArchiveListing, Dest, RestorePlan, Restored, Verified};
 use anyhow::anyhow;
 use sluice_archive::CheckpointInfo;
-use sluice_proto::msg::{ErrorCode, ErrorReply, Request, Response};
+use sluice_proto::msg::{CkptPoisoned, ErrorCode, ErrorReply, Request, Response};
 use std::path::Path;
 use std::time::Duration;
 
@@ -28,17 +28,37 @@ fn call(
     fd: Option<std::os::fd::BorrowedFd<'_>>,
     wait: Duration,
 ) -> anyhow::Result<Response> {
-    agent.call_with(request, fd, wait).map_err(|e| {
+    agent
+        .call_with(request, fd, wait)
+        .map_err(explain_too_old(agent))
+}
+
+/// An error that says so when the agent is too old to know the request.
+pub(crate) fn explain_too_old(agent: &Agent) -> impl Fn(anyhow::Error) -> anyhow::Error + '_ {
+    move |e| {
         if too_old(&e) {
             anyhow!(
-                "the sluice agent at {} is older than this CLI and cannot read archives for users; \
+                "the sluice agent at {} is older than this CLI and does not know this request; \
                  ask your admin to update sluiced on this node (root can read the archive directly)",
                 agent.socket
             )
         } else {
             e
         }
-    })
+    }
+}
+
+/// Marks the caller's archived checkpoint `tag` bad.
+pub fn poison(agent: &Agent, url: &str, tag: &str, reason: &str) -> anyhow::Result<CkptPoisoned> {
+    let request = Request::ArchivePoison {
+        url: url.into(),
+        tag: tag.into(),
+        reason: reason.into(),
+    };
+    match call(agent, request, None, LIST_WAIT)? {
+        Response::Poisoned(p) => Ok(p),
+        other => Err(agent.unexpected("archive poison", &other)),
+    }
 }
 
 /// Whether the agent refused the request for not knowing it: an agent before these requests
@@ -85,7 +105,7 @@ pub fn verify(agent: &Agent, url: &str, tag: &str) -> anyhow::Result<Verified> {
 pub fn plan_restore(
     agent: &Agent,
     url: &str,
-    tag: &str,
+    (tag, force): (&str, bool),
     dest: &Path,
     uid: u32,
 ) -> anyhow::Result<RestorePlan> {
@@ -94,6 +114,7 @@ pub fn plan_restore(
         url: url.into(),
         tag: tag.into(),
         dry_run: true,
+        force,
     };
     match call(agent, request, None, LIST_WAIT)? {
         Response::Restored(r) => Ok(RestorePlan::new(r, dest, dest_check)),
@@ -104,11 +125,17 @@ pub fn plan_restore(
 /// Restores the caller's checkpoint `tag` (or `latest`) into `dest`, which this process opened
 /// (or created) as the user: the agent gets its descriptor, never its path. On failure `dest` is
 /// left as it was found (see [`ckpt::fail`]).
-pub fn restore(agent: &Agent, url: &str, tag: &str, dest: &Dest) -> anyhow::Result<Restored> {
+pub fn restore(
+    agent: &Agent,
+    url: &str,
+    (tag, force): (&str, bool),
+    dest: &Dest,
+) -> anyhow::Result<Restored> {
     let request = Request::ArchiveRestore {
         url: url.into(),
         tag: tag.into(),
         dry_run: false,
+        force,
     };
     match call(agent, request, Some(dest.fd()), READ_WAIT) {
         Ok(Response::Restored(r)) => {
@@ -116,6 +143,9 @@ pub fn restore(agent: &Agent, url: &str, tag: &str, dest: &Dest) -> anyhow::Resu
                 eprintln!(
                     "sluice: checkpoint {t} cannot be restored (damaged); fell back to the next newest"
                 );
+            }
+            for n in &r.notes {
+                eprintln!("sluice: {n}");
             }
             Ok(Restored::new(r, &dest.path))
         }

@@ -10,8 +10,8 @@ use crate::ckpt::{DestCheck, RestorePlan, Restored, Verified};
 use sluice_archive::store::is_offline_class;
 use sluice_archive::{CheckpointInfo, CheckpointState};
 use sluice_proto::msg::{
-    CacheEntry, CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptState, CkptStatus, JobId,
-    JobStatus, NodeStatus, NodeWarmed, StageProgress, WorkerStatus,
+    CacheEntry, CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptPoisoned, CkptState,
+    CkptStatus, JobId, JobStatus, NodeStatus, NodeWarmed, StageProgress, WorkerStatus,
 };
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -537,7 +537,11 @@ pub fn archive_ckpts(url: &str, list: &[CheckpointInfo]) -> String {
             };
             vec![
                 clean(&c.tag),
-                archive_state(&c.state).to_string(),
+                if c.poison.is_some() {
+                    "poisoned".to_string()
+                } else {
+                    archive_state(&c.state).to_string()
+                },
                 if invalid { dash() } else { c.files.to_string() },
                 if invalid { dash() } else { bytes(c.raw_bytes) },
                 if invalid {
@@ -563,6 +567,13 @@ pub fn archive_ckpts(url: &str, list: &[CheckpointInfo]) -> String {
     let notes: Vec<String> = list
         .iter()
         .filter_map(|c| match &c.state {
+            _ if c.poison.is_some() => c.poison.as_ref().map(|m| {
+                format!(
+                    "{}: poisoned ({}); latest passes over it, a restore needs --force\n",
+                    clean(&c.tag),
+                    clean(&sluice_archive::poison::describe(m))
+                )
+            }),
             CheckpointState::Invalid { reason } => Some(format!(
                 "{}: unusable MANIFEST ({}); it is never restored\n",
                 clean(&c.tag),
@@ -628,6 +639,27 @@ pub fn verify(v: &Verified) -> String {
 }
 
 /// `sluice ckpt restore`: what is where now.
+/// `sluice ckpt poison`: the mark now on the checkpoint (or the one it had already).
+pub fn poisoned(p: &CkptPoisoned) -> String {
+    let (tag, url) = (clean(&p.tag), clean(&p.url));
+    let why = clean(&sluice_archive::poison::describe(&p.mark));
+    if p.already {
+        return format!(
+            "checkpoint {tag} in {url} is poisoned already ({why}); the first mark stays\n"
+        );
+    }
+    let mut out = format!("poisoned {tag} in {url}: {why}\n");
+    if p.unpublished {
+        out.push_str(
+            "  it is not archived yet: the mark waits beside its MANIFEST, and no restore can take it before\n",
+        );
+    }
+    out.push_str(&format!(
+        "  --ckpt-restore=latest passes over it; to restore it anyway: --ckpt-restore={tag}! or sluice ckpt restore --force\n"
+    ));
+    out
+}
+
 pub fn restored(r: &Restored) -> String {
     format!(
         "restored {} from {} into {}: {} file(s), {}, checksums verified\n",
@@ -1385,6 +1417,7 @@ step150: unusable MANIFEST (unsupported version 9); it is never restored
             raw_bytes: 3 << 30,
             stored_bytes: 2 << 30,
             skipped: vec!["step300".into()],
+            notes: Vec::new(),
         };
         assert_eq!(
             restored(&r),

@@ -421,6 +421,63 @@ fn list_json_with_an_explicit_job() {
     assert_eq!(ckpts, fixtures::job_ckpts());
 }
 
+fn poisoned(already: bool) -> Response {
+    Response::Poisoned(sluice_proto::msg::CkptPoisoned {
+        url: fixtures::CKPT_URL.into(),
+        tag: "step200".into(),
+        mark: sluice_proto::msg::PoisonMark {
+            user: "alice".into(),
+            uid: 1000,
+            at_unix_ms: 1_700_000_000_000,
+            reason: "loss is NaN".into(),
+        },
+        already,
+        unpublished: !already,
+    })
+}
+
+#[test]
+fn poison_inside_a_job_asks_the_agent_for_the_jobs_checkpoint() {
+    let want = Request::CkptPoison {
+        job_id: 4242,
+        tag: "step200".into(),
+        reason: "loss is NaN".into(),
+    };
+    let args = ["ckpt", "poison", "step200", "--reason", " loss is NaN"];
+    let job = [("SLURM_JOB_ID", "4242")];
+    let stdout = succeeded(&asked(poisoned(false), &args, &job, want.clone()));
+    assert_eq!(
+        stdout,
+        format!(
+            "poisoned step200 in {url}: marked bad by alice (uid 1000) at 2023-11-14T22:13:20Z: loss is NaN\n  \
+             it is not archived yet: the mark waits beside its MANIFEST, and no restore can take it before\n  \
+             --ckpt-restore=latest passes over it; to restore it anyway: --ckpt-restore=step200! or sluice ckpt restore --force\n",
+            url = fixtures::CKPT_URL
+        )
+    );
+    let stdout = succeeded(&asked(poisoned(true), &args, &job, want));
+    assert_eq!(
+        stdout,
+        format!(
+            "checkpoint step200 in {} is poisoned already (marked bad by alice (uid 1000) at 2023-11-14T22:13:20Z: loss is NaN); the first mark stays\n",
+            fixtures::CKPT_URL
+        )
+    );
+    // Outside a job, without a URL: what to give instead, and the agent is not asked.
+    let stderr = failed(&sluice(
+        &["ckpt", "poison", "step200", "--reason", "x"],
+        &[],
+    ));
+    assert_has(&stderr, "pass --job JOBID or give the archive URL");
+    // The agent's refusal (another user's job) is printed as it comes.
+    let refused = Response::Error(ErrorReply::new(
+        ErrorCode::Forbidden,
+        "job 4242 belongs to another user",
+    ));
+    let (_, out) = ask(refused, &args, &job);
+    assert_has(&failed(&out), "job 4242 belongs to another user");
+}
+
 #[test]
 fn list_outside_a_job_and_conflicting_arguments() {
     let out = sluice(&["--socket", "/nonexistent.sock", "ckpt", "list"], &[]);
@@ -872,7 +929,6 @@ mod archive {
             bandwidth_limit: None,
         };
         let archiver = open_archive_with(&cfg, &url, acfg).unwrap();
-        let me = nix::unistd::geteuid().as_raw();
         let src = tmp.path().join("src");
         for (rel, data) in files() {
             let p = src.join(rel);
@@ -884,27 +940,37 @@ mod archive {
             .build()
             .unwrap();
         rt.block_on(async {
-            let job = JobMeta {
-                job_id: 4242,
-                user: "alice".into(),
-                job_name: "train".into(),
-            };
-            for (tag, nodes) in [("step100", vec!["n1"]), ("step200", vec!["n1", "n2"])] {
-                let fd = Arc::new(safefs::open_root_dir(&src).unwrap());
-                archiver
-                    .upload_part(tag, "n1", fd, me, &ArchiveProgress::default())
-                    .await
-                    .unwrap();
-                let nodes: Vec<String> = nodes.into_iter().map(String::from).collect();
-                let published = archiver
-                    .try_publish(tag, &nodes, job.clone())
-                    .await
-                    .unwrap()
-                    .into_manifest();
-                assert_eq!(published.is_some(), tag == "step100");
+            for (tag, nodes) in [("step100", &["n1"][..]), ("step200", &["n1", "n2"])] {
+                let published = publish(&archiver, &src, tag, nodes, "alice").await;
+                assert_eq!(published, tag == "step100");
             }
         });
         Fixture { tmp, url, config }
+    }
+
+    /// Uploads `src` as node n1's part of `tag` and publishes it for `nodes` as `user`'s job 4242;
+    /// whether it is published (every node of `nodes` wrote its part).
+    async fn publish(
+        archiver: &sluice_archive::Archiver,
+        src: &Path,
+        tag: &str,
+        nodes: &[&str],
+        user: &str,
+    ) -> bool {
+        let (user, job_name) = (user.to_string(), "train".to_string());
+        let job = JobMeta {
+            job_id: 4242,
+            user,
+            job_name,
+        };
+        let me = nix::unistd::geteuid().as_raw();
+        let fd = Arc::new(safefs::open_root_dir(src).unwrap());
+        let counters = ArchiveProgress::default();
+        let part = archiver.upload_part(tag, "n1", fd, me, &counters);
+        part.await.unwrap();
+        let nodes: Vec<String> = nodes.iter().map(|n| n.to_string()).collect();
+        let published = archiver.try_publish(tag, &nodes, job).await.unwrap();
+        published.into_manifest().is_some()
     }
 
     fn assert_restored(dest: &Path) {
@@ -1333,5 +1399,118 @@ mod archive {
             let stderr = failed(&f.restore("step100", &cgroup, &[]));
             assert_has(&stderr, &format!("{} {kernel}", cgroup.display()));
         }
+    }
+
+    /// Publishes `tags` (the fixture's files) in the fixture's archive as this process's user's,
+    /// one after the other, so that whoever runs the tests owns them.
+    fn publish_mine(f: &Fixture, tags: &[&str]) {
+        let toml = std::fs::read_to_string(&f.config).unwrap();
+        let cfg = Config::parse(&toml, "n1", sluice_archive::upload_memory).unwrap();
+        let archiver = sluice_archive::open_archive(&cfg, &f.url).unwrap();
+        let uid = nix::unistd::geteuid();
+        let me = nix::unistd::User::from_uid(uid).unwrap().unwrap().name;
+        let src = f.tmp.path().join("src");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            for tag in tags {
+                assert!(publish(&archiver, &src, tag, &["n1"], &me).await);
+                // MANIFEST times are in milliseconds: keep the order unambiguous.
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        });
+    }
+
+    /// `sluice ckpt poison URL TAG`: the mark is written once (the second run says so and keeps
+    /// the first reason), `list` shows it, `restore latest` passes over it saying why, a named
+    /// restore is refused (nothing written) unless --force.
+    #[test]
+    fn poison_marks_once_list_shows_it_and_restore_needs_force() {
+        let f = archive();
+        publish_mine(&f, &["mine-1", "mine-2"]);
+        let url = f.url.as_str();
+        let out = f.run(&["poison", url, "mine-2", "--reason", "loss is NaN at step 3"]);
+        let stdout = succeeded(&out);
+        assert_starts(
+            &stdout,
+            &format!("poisoned mine-2 in {url}: marked bad by "),
+        );
+        assert_has(&stdout, ": loss is NaN at step 3\n");
+        assert_has(
+            &stdout,
+            "--ckpt-restore=mine-2! or sluice ckpt restore --force",
+        );
+        let mark = f.archive_dir().join("mine-2/POISON");
+        let first = std::fs::read(&mark).unwrap();
+        let again = succeeded(&f.run(&["poison", url, "mine-2", "--reason", "other"]));
+        assert_starts(
+            &again,
+            &format!("checkpoint mine-2 in {url} is poisoned already ("),
+        );
+        assert_has(&again, "loss is NaN at step 3); the first mark stays");
+        assert_eq!(
+            std::fs::read(&mark).unwrap(),
+            first,
+            "the mark was rewritten"
+        );
+
+        // list: the state says it, a note says why; --json carries the mark.
+        let listed = succeeded(&f.run(&["list", url]));
+        let line = listed.lines().find(|l| l.starts_with("mine-2 ")).unwrap();
+        assert_eq!(line.split_whitespace().nth(1), Some("poisoned"), "{listed}");
+        assert_has(&listed, "mine-2: poisoned (marked bad by ");
+        let doc: serde_json::Value =
+            serde_json::from_slice(&f.run(&["list", url, "--json"]).stdout).unwrap();
+        assert_eq!(
+            listed_json(&doc, "mine-2")["poison"]["reason"],
+            "loss is NaN at step 3"
+        );
+        assert!(
+            listed_json(&doc, "mine-1").get("poison").is_none(),
+            "{doc:#}"
+        );
+
+        // restore: latest is mine-1 (said on stderr); mine-2 refused, then forced.
+        let dest = f.tmp.path().join("latest");
+        let out = f.restore("latest", &dest, &["--quiet"]);
+        assert_starts(&succeeded(&out), "restored mine-1 from ");
+        assert_has(&text(&out.stderr), "checkpoint mine-2 in ");
+        assert_has(
+            &text(&out.stderr),
+            "loss is NaN at step 3); skipped it for the next newest",
+        );
+        let dest = f.tmp.path().join("named");
+        let stderr = failed(&f.restore("mine-2", &dest, &["--quiet"]));
+        assert_has(&stderr, "checkpoint mine-2 is poisoned (marked bad by ");
+        assert_has(
+            &stderr,
+            "sluice ckpt restore --force, or --ckpt-restore=mine-2!",
+        );
+        assert!(!dest.exists(), "a refused restore left {}", dest.display());
+        let out = f.restore("mine-2", &dest, &["--quiet", "--force"]);
+        assert_starts(&succeeded(&out), "restored mine-2 from ");
+        assert_has(&text(&out.stderr), "restored anyway, as forced");
+        assert_restored(&dest);
+    }
+
+    /// Bad input is refused before anything is written: no reason, an empty one, `latest`.
+    #[test]
+    fn poison_needs_a_tag_and_a_reason() {
+        let f = archive();
+        let url = f.url.as_str();
+        let out = f.run(&["poison", url, "step100"]);
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+        assert_has(&text(&out.stderr), "--reason <TEXT>");
+        let stderr = failed(&f.run(&["poison", url, "step100", "--reason", " "]));
+        assert_has(&stderr, "give a reason");
+        let stderr = failed(&f.run(&["poison", url, "latest", "--reason", "x"]));
+        assert_has(&stderr, "name the checkpoint to poison");
+        assert!(!f.archive_dir().join("step100/POISON").exists());
+    }
+
+    fn listed_json<'a>(list: &'a serde_json::Value, tag: &str) -> &'a serde_json::Value {
+        listed(list, tag)
     }
 }

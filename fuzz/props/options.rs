@@ -94,7 +94,7 @@ pub fn check_accepted(opts: &JobOptions) {
     if let Some(k) = opts.ckpt_keep {
         assert!((1..=MAX_CKPT_KEEP).contains(&k));
     }
-    if let Some(Restore::Tag(t)) = &opts.ckpt_restore {
+    if let Some(t) = opts.ckpt_restore.as_ref().and_then(Restore::tag) {
         assert!(
             options::validate_tag("ckpt-restore", t).is_ok(),
             "restore tag {t:?}"

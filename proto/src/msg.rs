@@ -80,6 +80,25 @@ pub enum Request {
         tag: String,
         #[serde(default)]
         dry_run: bool,
+        /// Restore `tag` even though it is poisoned ([`PoisonMark`]); an agent before poisoning
+        /// ignores it (and knows no poison).
+        #[serde(default, skip_serializing_if = "is_false")]
+        force: bool,
+    },
+    /// As [`Request::ArchiveList`]: mark one of the peer's archived checkpoints bad (write-once,
+    /// beside its MANIFEST): `latest` passes over it, a named restore refuses it unless forced.
+    ArchivePoison {
+        url: String,
+        tag: String,
+        reason: String,
+    },
+    /// Owner or root: as [`Request::ArchivePoison`], for a checkpoint of the job at the job's
+    /// archive — one it committed (archived yet or not: the mark waits beside where its MANIFEST
+    /// will be) or one of the job user's archived there before (the restored one).
+    CkptPoison {
+        job_id: JobId,
+        tag: String,
+        reason: String,
     },
     /// Root only: this node's cache — its counters, and with `entries` the entries whose source URL
     /// starts with `prefix` (all without one), least recently used first.
@@ -121,7 +140,40 @@ pub enum Response {
     CacheWarmed(CacheWarmed),
     CacheWarmedNodes { nodes: Vec<NodeWarmed> },
     CacheEvicted(CacheEvicted),
+    Poisoned(CkptPoisoned),
     Error(ErrorReply),
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// Who marked a checkpoint bad, when and why: the content of its poison mark, which is written
+/// once and never replaced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoisonMark {
+    /// The user name and uid of whoever poisoned it (the checkpoint's owner, or root).
+    pub user: String,
+    pub uid: u32,
+    /// Unix milliseconds.
+    pub at_unix_ms: u64,
+    pub reason: String,
+}
+
+/// The most bytes of a poison reason (it travels in every listing of the checkpoint).
+pub const MAX_POISON_REASON: usize = 1000;
+
+/// [`Request::ArchivePoison`]'s and [`Request::CkptPoison`]'s answer: the checkpoint's mark, now
+/// written, or the one it had already (`already`: the first reason stands).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CkptPoisoned {
+    pub url: String,
+    pub tag: String,
+    pub mark: PoisonMark,
+    pub already: bool,
+    /// Not archived yet: the mark waits for its MANIFEST (nothing restores the tag before).
+    #[serde(default)]
+    pub unpublished: bool,
 }
 
 /// This node's cross-job cache: counters since the agent started, sizes now.
@@ -268,6 +320,9 @@ pub struct ArchivedCkpt {
     pub nodes: Vec<String>,
     #[serde(default)]
     pub data_classes: Vec<String>,
+    /// Marked bad: `latest` passes over it, a named restore refuses it unless forced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub poison: Option<PoisonMark>,
 }
 
 /// What a verify through the agent found ([`Request::ArchiveVerify`]).
@@ -295,6 +350,10 @@ pub struct ArchiveRestored {
     pub stored_bytes: u64,
     /// Damaged newer checkpoints of the peer's that `latest` passed over.
     pub skipped: Vec<String>,
+    /// What the caller should read: poisoned newer checkpoints `latest` passed over, a poisoned
+    /// one restored because forced. An agent before poisoning sends none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 /// The directories a job's tasks see.

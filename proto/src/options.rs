@@ -142,6 +142,18 @@ pub const SHARD_MANIFEST_SUFFIX: &str = ".shard.json";
 pub enum Restore {
     Latest,
     Tag(String),
+    /// `TAG!`: this tag even though it is poisoned (marked bad with `sluice ckpt poison`).
+    Forced(String),
+}
+
+impl Restore {
+    /// The tag a named restore asks for (`None` for `latest`).
+    pub fn tag(&self) -> Option<&str> {
+        match self {
+            Restore::Latest => None,
+            Restore::Tag(t) | Restore::Forced(t) => Some(t),
+        }
+    }
 }
 
 /// Everything a job asked of sluice.
@@ -513,13 +525,31 @@ pub fn parse_ckpt_restore(value: &str) -> Result<Restore, OptionError> {
     if v == "latest" {
         return Ok(Restore::Latest);
     }
-    validate_tag(names::CKPT_RESTORE, v).map_err(|e| {
+    // `TAG!` forces a poisoned checkpoint ('!' is never part of a tag).
+    let (tag, forced) = match v.strip_suffix('!') {
+        Some(t) => (t, true),
+        None => (v, false),
+    };
+    if tag == "latest" {
+        return Err(err(
+            names::CKPT_RESTORE,
+            "'latest!' forces nothing: latest never restores a poisoned checkpoint; name the tag to force (TAG!)",
+        ));
+    }
+    validate_tag(names::CKPT_RESTORE, tag).map_err(|e| {
         err(
             names::CKPT_RESTORE,
-            format!("{}; or give 'latest'", e.message),
+            format!(
+                "{}; or give 'latest' (or TAG! to restore a poisoned checkpoint)",
+                e.message
+            ),
         )
     })?;
-    Ok(Restore::Tag(v.to_string()))
+    Ok(if forced {
+        Restore::Forced(tag.to_string())
+    } else {
+        Restore::Tag(tag.to_string())
+    })
 }
 
 pub fn parse_ckpt_archive(value: &str) -> Result<String, OptionError> {
@@ -702,6 +732,17 @@ mod tests {
             Ok(Restore::Tag("step-100".into()))
         );
         assert!(parse_ckpt_restore("../x").is_err());
+        assert_eq!(
+            parse_ckpt_restore("step-100!"),
+            Ok(Restore::Forced("step-100".into()))
+        );
+        assert_eq!(
+            parse_ckpt_restore("step-100!").unwrap().tag(),
+            Some("step-100")
+        );
+        for bad in ["!", "latest!", "step!!", "st!ep"] {
+            assert!(parse_ckpt_restore(bad).is_err(), "{bad}");
+        }
         assert_eq!(
             parse_ckpt_archive("s3://ckpt/alice/").unwrap(),
             "s3://ckpt/alice"

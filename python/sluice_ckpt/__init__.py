@@ -10,6 +10,10 @@ or without DCP, from one rank:
     sluice_ckpt.save(state_dict, "step-100")
     fut = sluice_ckpt.save(state_dict, "step-200", async_=True)   # fut.result(): the path
 
+and, when a step turns out bad (a NaN loss), so that no later job restores it as `latest`:
+
+    sluice_ckpt.poison("step-200", "loss is NaN at step 230")
+
 The asynchronous forms stall training for one copy of the state dict into buffers kept from save
 to save (staging.py); the write and the commit run in the background.
 
@@ -30,6 +34,7 @@ from ._lib import (
     commit,
     cufile_library,
     library_path,
+    poison,
     probe_cufile,
 )
 
@@ -45,6 +50,7 @@ __all__ = [
     "end_time",
     "library_path",
     "load",
+    "poison",
     "probe_cufile",
     "reserve",
     "save",

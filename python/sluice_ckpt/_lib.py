@@ -387,6 +387,37 @@ def commit(tag, sluice=None, timeout=300):
     raise SluiceError(errno.EIO, f"sluice ckpt commit {tag} exited {p.returncode}: {said}")
 
 
+def poison(tag, reason, *, url=None, sluice=None, timeout=300):
+    """`sluice ckpt poison TAG --reason REASON`: marks a checkpoint of this job bad (e.g. on a NaN
+    loss, or $SLUICE_RESTORED_TAG when the run diverges right after restoring it), at the job's
+    archive, archived yet or not. `--ckpt-restore=latest` then never restores it, and says why in
+    the next job's output; a named restore of it needs TAG!. With url=, the archived checkpoint
+    at that archive URL (outside a job). Written once: poisoning a tag again keeps the first
+    reason. Only the checkpoint's owner (or root) may poison it. Returns what the CLI said;
+    raises SluiceError if it failed."""
+    tag = check_tag(tag)
+    reason = " ".join(str(reason).split())
+    if not reason:
+        raise ValueError("poison needs a reason: it is what the next job's output shows")
+    cli = sluice or os.environ.get("SLUICE_CLI") or shutil.which("sluice")
+    if not cli:
+        raise SluiceError(
+            errno.ENOENT,
+            f"cannot poison {tag}: the sluice CLI is not on PATH (set SLUICE_CLI or pass sluice=)",
+        )
+    where = [url] if url else []
+    p = subprocess.run(
+        [cli, "ckpt", "poison", *where, tag, "--reason", reason],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    said = (p.stdout + p.stderr).strip()
+    if p.returncode != 0:
+        raise SluiceError(errno.EIO, f"sluice ckpt poison {tag} exited {p.returncode}: {said}")
+    return said
+
+
 #: What `sluice ckpt list --json` says of a tag whose commit the agent holds and works on or did.
 _COMMITTED_STATES = {
     "committed",

@@ -109,6 +109,28 @@ class Base(unittest.TestCase):
         self.assertEqual(got["epoch"], want["epoch"])
 
 
+class PoisonTests(Base):
+    def test_poison_asks_the_cli_for_the_jobs_checkpoint_with_the_reason(self):
+        said = sluice_ckpt.poison("step-2", "loss is NaN\n at step 3")
+        self.assertEqual(said, "committed step-2")  # what the stand-in CLI answers
+        with open(self.log) as f:
+            self.assertEqual(f.read(), "ckpt poison step-2 --reason loss is NaN at step 3\n")
+        sluice_ckpt.poison("step-2", "again", url="s3://ckpt/alice/run")
+        self.assertEqual(self.commits()[1], ["ckpt", "poison", "s3://ckpt/alice/run", "step-2", "--reason", "again"])
+
+    def test_a_refused_poison_raises_with_the_clis_reason_and_bad_input_asks_nothing(self):
+        os.environ["FAIL_COMMIT"] = "job 4242 belongs to another user"
+        with self.assertRaises(sluice_ckpt.SluiceError) as e:
+            sluice_ckpt.poison("step-2", "loss is NaN")
+        self.assertIn("sluice ckpt poison step-2 exited 1", str(e.exception))
+        self.assertIn("belongs to another user", str(e.exception))
+        with self.assertRaises(ValueError):
+            sluice_ckpt.poison("step-2", "  ")
+        with self.assertRaises(ValueError):
+            sluice_ckpt.poison("../x", "bad")
+        self.assertEqual(len(self.commits()), 1)
+
+
 class DcpTests(Base):
     def test_dcp_save_through_sluice_writer_loads_tensor_equal_and_commits_the_tag(self):
         s = state(1)

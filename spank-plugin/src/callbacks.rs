@@ -76,7 +76,8 @@ pub fn option_specs() -> Vec<OptionSpec> {
                 }
                 names::CKPT_RESTORE => (
                     "latest|TAG",
-                    "sluice: before the first step, place checkpoint TAG (or the latest) in $SLUICE_CKPT_DIR",
+                    "sluice: before the first step, place checkpoint TAG (or the latest not poisoned) in $SLUICE_CKPT_DIR; \
+                     TAG! restores a poisoned one",
                 ),
                 names::CKPT_TIER => (
                     "local|ram",

@@ -25,6 +25,7 @@ mod frameworks;
 mod hostile_keys;
 mod metrics;
 mod plain_jobs;
+mod poison;
 mod ram_tier;
 mod requeue;
 mod resume;

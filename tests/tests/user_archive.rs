@@ -14,15 +14,6 @@ use std::time::Duration;
 const JOB_TIMEOUT: Duration = Duration::from_secs(180);
 const NODE: &str = "n1";
 
-fn text(out: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 /// A user's job archives a checkpoint into the harness's shared prefix (an allow rule without
 /// `{user}`, so the other user may name the same URL); then, as that user and not root, `sluice
 /// ckpt list URL` shows it, `verify` passes and `restore` gives back byte-identical files owned by
@@ -109,14 +100,14 @@ fn user_archive_a_user_reaches_their_own_checkpoints_and_not_anothers() {
 
     // A lists the archive: s1, theirs, complete.
     let out = cli_as(&a, &work, &["ckpt", "list", &url]);
-    let shown = text(&out);
+    let shown = printed(&out);
     assert!(out.status.success(), "{a}'s list of {url}:\n{shown}");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("s1") && !shown.contains("Permission denied"),
         "{a}'s list of {url} must show s1:\n{shown}"
     );
     let out = cli_as(&a, &work, &["ckpt", "list", &url, "--json"]);
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", printed(&out));
     let listing: Value = serde_json::from_slice(&out.stdout).unwrap();
     let ckpts = listing["ckpts"].as_array().unwrap();
     assert_eq!(ckpts.len(), 1, "{listing:#}");
@@ -129,7 +120,7 @@ fn user_archive_a_user_reaches_their_own_checkpoints_and_not_anothers() {
     // A verifies it (by tag and as `latest`).
     for tag in ["s1", "latest"] {
         let out = cli_as(&a, &work, &["ckpt", "verify", &url, tag]);
-        let shown = text(&out);
+        let shown = printed(&out);
         assert!(
             out.status.success() && shown.contains("checkpoint s1 at") && shown.contains(": OK"),
             "{a}'s verify {tag}:\n{shown}"
@@ -143,7 +134,7 @@ fn user_archive_a_user_reaches_their_own_checkpoints_and_not_anothers() {
         &work,
         &["ckpt", "restore", &url, "s1", dest.to_str().unwrap()],
     );
-    let shown = text(&out);
+    let shown = printed(&out);
     assert!(
         out.status.success() && shown.contains("restored s1 from"),
         "{a}'s restore:\n{shown}"
@@ -168,9 +159,9 @@ fn user_archive_a_user_reaches_their_own_checkpoints_and_not_anothers() {
         &["ckpt", "restore", &url, "s1", dest.to_str().unwrap()],
     );
     assert!(
-        !out.status.success() && text(&out).contains("is not empty"),
+        !out.status.success() && printed(&out).contains("is not empty"),
         "{}",
-        text(&out)
+        printed(&out)
     );
     assert_eq!(std::fs::read(dest.join("model.bin")).unwrap(), files[0].1);
 
@@ -183,9 +174,13 @@ fn user_archive_a_user_reaches_their_own_checkpoints_and_not_anothers() {
         &[b_work.to_str().unwrap()],
         None,
     );
-    assert!(mkdir.status.success(), "{}", text(&mkdir));
+    assert!(mkdir.status.success(), "{}", printed(&mkdir));
     let out = cli_as(&b, &b_work, &["ckpt", "list", &url, "--json"]);
-    assert!(out.status.success(), "{b}'s list of {url}:\n{}", text(&out));
+    assert!(
+        out.status.success(),
+        "{b}'s list of {url}:\n{}",
+        printed(&out)
+    );
     let listing: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         listing["ckpts"].as_array().map(Vec::len),
@@ -196,11 +191,11 @@ fn user_archive_a_user_reaches_their_own_checkpoints_and_not_anothers() {
     assert!(
         out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("s1"),
         "{b}'s list of {url}:\n{}",
-        text(&out)
+        printed(&out)
     );
     for tag in ["s1", "latest"] {
         let out = cli_as(&b, &b_work, &["ckpt", "verify", &url, tag]);
-        let shown = text(&out);
+        let shown = printed(&out);
         assert!(
             !out.status.success() && shown.contains("of yours") && !shown.contains(": OK"),
             "{b}'s verify {tag} of {a}'s checkpoint:\n{shown}"
@@ -211,7 +206,7 @@ fn user_archive_a_user_reaches_their_own_checkpoints_and_not_anothers() {
             &b_work,
             &["ckpt", "restore", &url, tag, b_dest.to_str().unwrap()],
         );
-        let shown = text(&out);
+        let shown = printed(&out);
         assert!(
             !out.status.success() && shown.contains("of yours"),
             "{b}'s restore {tag} of {a}'s checkpoint:\n{shown}"
@@ -225,7 +220,7 @@ fn user_archive_a_user_reaches_their_own_checkpoints_and_not_anothers() {
     // And A's own prefix is not B's to name at all (the allow rules, `{user}` for B).
     let a_private = format!("file://{root}/{a}/ua-{u}");
     let out = cli_as(&b, &b_work, &["ckpt", "list", &a_private]);
-    let shown = text(&out);
+    let shown = printed(&out);
     assert!(
         !out.status.success()
             && shown.contains("not an archive location")

@@ -14,7 +14,8 @@
 //!
 //! Retention keeps the newest `--ckpt-keep` archived checkpoints on the hot tier and deletes older
 //! archived ones. It never deletes a checkpoint that is not archived, never the newest archived one
-//! (keep >= 1), and never an uncommitted directory while the job runs.
+//! that is not poisoned (keep >= 1; a poisoned one is not "the last good one", and goes once
+//! archived), and never an uncommitted directory while the job runs.
 //!
 //! Parts: this module ([`CkptCtx`], what the rest needs of the agent; [`CkptDirs`], where a job's
 //! checkpoints are), [`signals`] (commit checks and frameworks' completion signals), `worker` (the

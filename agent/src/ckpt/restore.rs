@@ -9,6 +9,10 @@
 //! before anything is fetched and again on the MANIFEST the restore used, in case it was replaced
 //! meanwhile. `latest` skips other users' checkpoints and says so; an explicit tag of another user
 //! fails the job.
+//!
+//! A poisoned checkpoint (`sluice ckpt poison`, `sluice_archive::poison`) is never `latest`: the
+//! job's output names each one passed over, with who marked it bad and why. Named, it fails the
+//! job unless forced (`--ckpt-restore=TAG!`).
 
 use super::{CkptCtx, CkptEntry};
 use crate::job::Job;
@@ -53,6 +57,14 @@ pub enum RestoreError {
         owner: String,
         user: String,
     },
+    #[error(
+        "--ckpt-restore={tag}: checkpoint {tag} in {url} is poisoned ({why}); restore another one (--ckpt-restore=latest passes over poisoned ones), or force this one with --ckpt-restore={tag}!"
+    )]
+    Poisoned {
+        tag: String,
+        url: String,
+        why: String,
+    },
     #[error("--ckpt-restore: creating $SLUICE_CKPT_DIR/{tag}: {source}")]
     CreateDir {
         tag: String,
@@ -80,6 +92,7 @@ impl RestoreError {
             RestoreError::NoneOfYours { .. } => "none_of_yours",
             RestoreError::NoneIntact { .. } => "none_intact",
             RestoreError::Foreign { .. } => "foreign",
+            RestoreError::Poisoned { .. } => "poisoned",
             RestoreError::CreateDir { .. } => "create_dir",
         }
     }
@@ -165,10 +178,13 @@ pub(crate) async fn restore(
     };
     loop {
         let tag = match which {
-            Restore::Tag(t) => t.clone(),
-            Restore::Latest => match archiver.latest(&exclude).await.map_err(list_error)? {
+            Restore::Tag(t) | Restore::Forced(t) => t.clone(),
+            Restore::Latest => match latest(&archiver, url, &exclude, &mut notes)
+                .await
+                .map_err(list_error)?
+            {
                 Some(t) => t,
-                None if exclude.is_empty() => {
+                None if exclude.is_empty() && notes.is_empty() => {
                     notes.push(format!(
                         "--ckpt-restore=latest: {url} holds no checkpoint yet; the job starts fresh"
                     ));
@@ -193,13 +209,26 @@ pub(crate) async fn restore(
         };
         // Before anything is fetched or moved. A missing or unreadable MANIFEST is left to the
         // restore below, which reports it (and the owner is checked again after).
-        if let Ok(m) = archiver.manifest(&tag).await
-            && m.job.user != job.start.user
-        {
-            refuse_foreign(job, url, &tag, &m.job, which)?;
-            exclude.push(tag.clone());
-            foreign.push(tag);
-            continue;
+        if let Ok(m) = archiver.manifest(&tag).await {
+            if m.job.user != job.start.user {
+                refuse_foreign(job, url, &tag, &m.job, which)?;
+                exclude.push(tag.clone());
+                foreign.push(tag);
+                continue;
+            }
+            // `latest` passed over the poisoned ones already.
+            if *which != Restore::Latest
+                && let Some(mark) = archiver.poisoned(&m).await.map_err(list_error)?
+            {
+                if !matches!(which, Restore::Forced(_)) {
+                    return Err(RestoreError::Poisoned {
+                        tag,
+                        url: url.into(),
+                        why: archive::poison::describe(&mark),
+                    });
+                }
+                notes.push(archive::poison::forced_note(url, &tag, &mark));
+            }
         }
         if let Some(note) = from_hot_tier(ctx, job, url, &tag, &archiver, ckpt_dir.clone()).await {
             notes.push(note);
@@ -269,7 +298,7 @@ pub(crate) async fn restore(
                         Restore::Latest => notes.push(format!(
                             "checkpoint {tag} in {url} cannot be restored ({source}); falling back to the next newest"
                         )),
-                        Restore::Tag(_) => {
+                        Restore::Tag(_) | Restore::Forced(_) => {
                             return Err(RestoreError::Restore {
                                 tag,
                                 source: Box::new(source),
@@ -281,6 +310,24 @@ pub(crate) async fn restore(
             }
         }
     }
+}
+
+/// The newest intact checkpoint not in `exclude` that is not poisoned; a note for each poisoned
+/// one passed over (once, however often the restore falls back).
+async fn latest(
+    archiver: &Archiver,
+    url: &str,
+    exclude: &[String],
+    notes: &mut Vec<String>,
+) -> Result<Option<String>, ArchiveError> {
+    let found = archiver.latest_good(exclude).await?;
+    for (tag, mark) in &found.poisoned {
+        let note = archive::poison::skipped_note(url, tag, mark);
+        if !notes.contains(&note) {
+            notes.push(note);
+        }
+    }
+    Ok(found.tag)
 }
 
 /// Takes `tag` from a checkpoint an ended job of the same user left on this node's hot tier (same
@@ -400,7 +447,7 @@ fn refuse_foreign(
 ) -> Result<(), RestoreError> {
     match which {
         Restore::Latest => Ok(()),
-        Restore::Tag(_) => Err(RestoreError::Foreign {
+        Restore::Tag(_) | Restore::Forced(_) => Err(RestoreError::Foreign {
             tag: tag.into(),
             url: url.into(),
             owner: owner.user.clone(),

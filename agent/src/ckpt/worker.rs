@@ -65,8 +65,9 @@ pub(crate) async fn commit(
     Ok(outcome)
 }
 
-/// Retention: removes archived checkpoints beyond the newest `keep` from the hot tier; above the
-/// high-water mark, every archived checkpoint but the newest.
+/// Retention: removes archived checkpoints beyond the newest `keep` good ones from the hot tier;
+/// above the high-water mark, every archived checkpoint but the newest good one (poisoned ones
+/// never count: [`crate::job::JobCkpts::to_trim`]).
 pub(crate) async fn trim(ctx: &CkptCtx, job: &Job) {
     if ctx.jobs.replaced(job) {
         return;

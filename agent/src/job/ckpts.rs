@@ -73,6 +73,8 @@ pub struct CkptEntry {
     refused: AtomicBool,
     /// Committed on the RAM tier and gone with it before it was flushed: what the user is told.
     lost: Mutex<Option<String>>,
+    /// Marked bad (`sluice ckpt poison`): never the last good checkpoint retention keeps.
+    poisoned: AtomicBool,
 }
 
 impl CkptEntry {
@@ -94,7 +96,17 @@ impl CkptEntry {
             failures: AtomicU64::new(0),
             refused: AtomicBool::new(false),
             lost: Mutex::new(None),
+            poisoned: AtomicBool::new(false),
         }
+    }
+
+    /// Marked bad: retention does not count it among the checkpoints it keeps.
+    pub fn set_poisoned(&self) {
+        self.poisoned.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Relaxed)
     }
 
     pub fn state(&self) -> CkptState {
@@ -377,15 +389,28 @@ impl JobCkpts {
         })
     }
 
-    /// Tags retention removes now: archived ones on the hot tier beyond the newest `keep`.
+    /// Tags retention removes now: archived ones on the hot tier beyond the newest `keep` good
+    /// ones. A poisoned checkpoint is never one of those (the newest good one stays, however many
+    /// poisoned ones follow it), and goes once archived: the archive keeps it for a forced restore.
     pub fn to_trim(&self, keep: u32) -> Vec<Arc<CkptEntry>> {
         let archived: Vec<_> = self
             .entries()
             .into_iter()
             .filter(|e| e.state() == CkptState::Archived && e.on_hot())
             .collect();
-        let excess = archived.len().saturating_sub(keep.max(1) as usize);
-        archived.into_iter().take(excess).collect()
+        let good = archived.iter().filter(|e| !e.is_poisoned()).count();
+        let mut excess = good.saturating_sub(keep.max(1) as usize);
+        archived
+            .into_iter()
+            .filter(|e| {
+                if e.is_poisoned() {
+                    return true;
+                }
+                let trim = excess > 0;
+                excess = excess.saturating_sub(1);
+                trim
+            })
+            .collect()
     }
 }
 
@@ -427,6 +452,19 @@ mod tests {
         assert_eq!(c.commit("c", 13).unwrap(), CommitOutcome::Recommitted);
         assert_eq!(c.get("c").unwrap().generation(), 2);
         assert!(c.pending());
+        // A poisoned checkpoint is not the last good one: with keep=1, b (good) stays, c
+        // (newer, poisoned) goes once archived.
+        c.get("c").unwrap().set_archived(16);
+        c.get("c").unwrap().set_poisoned();
+        let trimmed = |k| {
+            c.to_trim(k)
+                .iter()
+                .map(|e| e.tag.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(trimmed(1), ["a", "c"]);
+        assert_eq!(trimmed(2), ["c"]);
+        c.get("c").unwrap().set_state(CkptState::Committed);
         // A lost checkpoint left nothing anywhere: its tag takes a new save.
         c.commit("d", 14).unwrap();
         c.get("d").unwrap().lose("LOST".into());

@@ -147,8 +147,8 @@ async fn another_users_checkpoint_reads_as_a_missing_one() {
         ["a1", "b1", "a2"]
     );
     assert!(verify(&a, &bob, "a1", &mut Unwatched).await.is_err());
-    assert!(plan(&a, &bob, "a1").await.is_err());
-    let p = plan(&a, &bob, LATEST).await.unwrap();
+    assert!(plan(&a, &bob, "a1", false).await.is_err());
+    let p = plan(&a, &bob, LATEST, false).await.unwrap();
     assert_eq!((p.tag.as_str(), p.files), ("b1", 2));
 }
 
@@ -173,17 +173,31 @@ async fn verify_names_a_corrupted_part_and_restore_refuses_it() {
     // A named damaged tag is not restored, and nothing is left behind.
     let tmp = tempfile::tempdir().unwrap();
     let dir = empty_dir(tmp.path(), "named");
-    let e = restore(&a, &user("alice"), "a2", &destination(&dir), &mut Unwatched)
-        .await
-        .unwrap_err();
+    let e = restore(
+        &a,
+        &user("alice"),
+        "a2",
+        false,
+        &destination(&dir),
+        &mut Unwatched,
+    )
+    .await
+    .unwrap_err();
     assert!(e.to_string().contains("is damaged: 'sub/model.bin'"), "{e}");
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
     // `latest` passes over it, says so, and restores alice's a1.
     let dir = empty_dir(tmp.path(), "latest");
     let mut seen = Seen::default();
-    let r = restore(&a, &user("alice"), LATEST, &destination(&dir), &mut seen)
-        .await
-        .unwrap();
+    let r = restore(
+        &a,
+        &user("alice"),
+        LATEST,
+        false,
+        &destination(&dir),
+        &mut seen,
+    )
+    .await
+    .unwrap();
     assert_eq!(
         (r.tag.as_str(), r.skipped.as_slice()),
         ("a1", ["a2".to_string()].as_slice())
@@ -206,14 +220,28 @@ async fn a_restore_gives_only_the_readers_own_files_owned_by_them() {
     let (_, a) = shared_archive().await;
     let tmp = tempfile::tempdir().unwrap();
     let dir = empty_dir(tmp.path(), "d");
-    let e = restore(&a, &user("bob"), "a1", &destination(&dir), &mut Unwatched)
-        .await
-        .unwrap_err();
+    let e = restore(
+        &a,
+        &user("bob"),
+        "a1",
+        false,
+        &destination(&dir),
+        &mut Unwatched,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(e.code(), ErrorCode::NotFound);
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
-    let r = restore(&a, &user("bob"), LATEST, &destination(&dir), &mut Unwatched)
-        .await
-        .unwrap();
+    let r = restore(
+        &a,
+        &user("bob"),
+        LATEST,
+        false,
+        &destination(&dir),
+        &mut Unwatched,
+    )
+    .await
+    .unwrap();
     assert_eq!((r.tag.as_str(), r.files), ("b1", 2));
     use std::os::unix::fs::MetadataExt;
     let f = dir.join("sub/model.bin");
@@ -335,8 +363,10 @@ fn a_listing_crosses_the_socket_intact() {
         }),
         nodes: vec!["n1".into()],
         data_classes: vec!["default".into()],
+        poison: Some(mark("alice", 1000, "loss is NaN")),
     };
     let partial = CheckpointInfo {
+        poison: None,
         state: CheckpointState::Partial,
         ratio: None,
         job: None,
@@ -355,4 +385,219 @@ fn a_listing_crosses_the_socket_intact() {
         CheckpointInfo::from(future).state,
         CheckpointState::Invalid { reason } if reason.contains("frozen")
     ));
+}
+
+// ------------------------------------------------------------------------------ poisoned checkpoints
+
+/// Alice (uid 1000) poisons `tag` by its archive URL (no tag without a MANIFEST).
+async fn alice_poisons(a: &Archiver, tag: &str, reason: &str) -> Result<CkptPoisoned, AccessError> {
+    poison(a, &user("alice"), tag, mark("alice", 1000, reason), false).await
+}
+
+fn mark(user: &str, uid: u32, reason: &str) -> PoisonMark {
+    PoisonMark {
+        user: user.into(),
+        uid,
+        at_unix_ms: 1_700_000_000_000,
+        reason: reason.into(),
+    }
+}
+
+/// The mark travels as written, is never replaced (the first reason stands), changes nothing of
+/// the checkpoint, and shows in listings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_mark_is_written_once_and_listed() {
+    let (store, a) = shared_archive().await;
+    let before = a.manifest("a2").await.unwrap();
+    let objects = |s: Arc<InMemory>| async move {
+        let prefix = StorePath::from(format!("{PREFIX}/a2/data"));
+        use futures::TryStreamExt;
+        use object_store::ObjectStore;
+        let mut all: Vec<_> = s
+            .list(Some(&prefix))
+            .map_ok(|o| (o.location, o.e_tag))
+            .try_collect::<Vec<_>>()
+            .await
+            .unwrap();
+        all.sort();
+        all
+    };
+    let data_before = objects(store.clone()).await;
+    let first = alice_poisons(&a, "a2", "loss is NaN at step 3")
+        .await
+        .unwrap();
+    assert!(!first.already && !first.unpublished, "{first:?}");
+    assert_eq!(first.mark.reason, "loss is NaN at step 3");
+    assert_eq!(a.poison_mark("a2").await.unwrap(), Some(first.mark.clone()));
+    // A second poison keeps the first mark, and says so.
+    let second = alice_poisons(&a, "a2", "another reason").await.unwrap();
+    assert!(second.already);
+    assert_eq!(second.mark, first.mark);
+    // The data and the MANIFEST are as they were.
+    assert_eq!(a.manifest("a2").await.unwrap(), before);
+    assert_eq!(objects(store.clone()).await, data_before);
+    let listed = list(&a, &user("alice")).await.unwrap();
+    let poisoned: Vec<_> = listed
+        .iter()
+        .map(|i| (i.tag.as_str(), i.poison.as_ref().map(|p| p.reason.as_str())))
+        .collect();
+    assert_eq!(
+        poisoned,
+        [("a1", None), ("a2", Some("loss is NaN at step 3"))]
+    );
+    // What the engine describes.
+    let text = crate::poison::describe(&first.mark);
+    assert_eq!(
+        text,
+        "marked bad by alice (uid 1000) at 2023-11-14T22:13:20Z: loss is NaN at step 3"
+    );
+}
+
+/// `latest` passes over a poisoned checkpoint, saying why; a named restore of it is refused
+/// (nothing written) unless forced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latest_skips_a_poisoned_checkpoint_and_a_named_restore_needs_force() {
+    let (_, a) = shared_archive().await;
+    let alice = user("alice");
+    poison(&a, &alice, "a2", mark("alice", 1000, "loss is NaN"), false)
+        .await
+        .unwrap();
+    assert_eq!(resolve(&a, &alice, LATEST, &[]).await.unwrap(), "a1");
+    assert_eq!(a.latest(&[]).await.unwrap().as_deref(), Some("b1"));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = empty_dir(tmp.path(), "latest");
+    let mut seen = Seen::default();
+    let r = restore(&a, &alice, LATEST, false, &destination(&dir), &mut seen)
+        .await
+        .unwrap();
+    assert_eq!(r.tag, "a1");
+    let said = format!(
+        "checkpoint a2 in {} is poisoned (marked bad by alice (uid 1000) at 2023-11-14T22:13:20Z: loss is NaN); skipped it for the next newest",
+        a.url()
+    );
+    assert_eq!(seen.notes, std::slice::from_ref(&said));
+    assert_eq!(r.notes, [said]);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("who")).unwrap(),
+        "a1 of alice"
+    );
+    // Named: refused, the destination left empty; the plan says the same.
+    let dir = empty_dir(tmp.path(), "named");
+    let e = restore(&a, &alice, "a2", false, &destination(&dir), &mut Unwatched)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Forbidden);
+    let text = e.to_string();
+    assert!(
+        text.contains("checkpoint a2 is poisoned (marked bad by alice")
+            && text.contains("sluice ckpt restore --force, or --ckpt-restore=a2!"),
+        "{text}"
+    );
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    assert!(matches!(
+        plan(&a, &alice, "a2", false).await,
+        Err(AccessError::Poisoned { .. })
+    ));
+    // Forced: restored, with a note that says what it was.
+    let r = restore(&a, &alice, "a2", true, &destination(&dir), &mut Unwatched)
+        .await
+        .unwrap();
+    assert_eq!(r.tag, "a2");
+    assert!(
+        r.notes[0].ends_with("loss is NaN); restored anyway, as forced"),
+        "{:?}",
+        r.notes
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("who")).unwrap(),
+        "a2 of alice"
+    );
+    // Nothing of alice's left but poisoned ones: `latest` says there is no other.
+    poison(&a, &alice, "a1", mark("alice", 1000, "bad data"), false)
+        .await
+        .unwrap();
+    let none = resolve(&a, &alice, LATEST, &[]).await.unwrap_err();
+    assert!(
+        none.to_string()
+            .ends_with("no other complete checkpoint of yours to use as 'latest'"),
+        "{none}"
+    );
+}
+
+/// Only the owner (or root) poisons: another user's tag reads as missing and gets no mark; a
+/// mark someone else put there does not count, and says so rather than hide the owner's poison.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_owner_poisons_and_a_foreign_mark_does_not_count() {
+    let (store, a) = shared_archive().await;
+    let e = poison(&a, &user("bob"), "a2", mark("bob", 1001, "mine now"), false)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::NotFound);
+    assert!(
+        e.to_string()
+            .ends_with("no archived checkpoint a2 of yours"),
+        "{e}"
+    );
+    assert_eq!(a.poison_mark("a2").await.unwrap(), None);
+    // Bob, who can write the prefix, puts a mark there himself: it does not count.
+    a.poison("a2", mark("bob", 1001, "mine now")).await.unwrap();
+    assert_eq!(a.poison_of("a2").await.unwrap(), None);
+    assert_eq!(
+        resolve(&a, &user("alice"), LATEST, &[]).await.unwrap(),
+        "a2"
+    );
+    let e = poison(&a, &user("alice"), "a2", mark("alice", 1000, "NaN"), false)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, AccessError::ForeignMark { .. }), "{e}");
+    assert!(
+        e.to_string().contains("ask your admin to remove a2/POISON"),
+        "{e}"
+    );
+    // A tag with no MANIFEST: only for a caller who knows it is theirs (the job that committed it).
+    let e = poison(&a, &user("alice"), "a3", mark("alice", 1000, "NaN"), false)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::NotFound);
+    let early = poison(
+        &a,
+        &user("alice"),
+        "a3",
+        mark("alice", 1000, "NaN early"),
+        true,
+    )
+    .await
+    .unwrap();
+    assert!(early.unpublished && !early.already);
+    // Its MANIFEST comes later: the mark was waiting for it, and `latest` never takes it.
+    publish(&a, "a3", "alice").await;
+    assert_eq!(
+        a.poison_of("a3").await.unwrap().map(|m| m.reason),
+        Some("NaN early".into())
+    );
+    assert_eq!(
+        resolve(&a, &user("alice"), LATEST, &[]).await.unwrap(),
+        "a2"
+    );
+    // `latest` and empty reasons are refused before anything is written.
+    let e = poison(&a, &Reader::Anyone, LATEST, mark("root", 0, "x"), true)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::BadRequest);
+    let e = poison(&a, &Reader::Anyone, "a1", mark("root", 0, " "), true)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().starts_with("give a reason"), "{e}");
+    let e = poison(
+        &a,
+        &Reader::Anyone,
+        "a1",
+        mark("root", 0, "two\nlines"),
+        true,
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("one line"), "{e}");
+    assert_eq!(a.poison_mark("a1").await.unwrap(), None);
+    drop(store);
 }

@@ -317,6 +317,17 @@ impl JobEnd {
     }
 }
 
+/// What a command run as a user printed, for an assertion's message: its exit status, stdout and
+/// stderr.
+pub fn printed(out: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 /// A batch script that leaves `<work>/script-ran` behind, then runs one step: how a test tells whether
 /// the script ran at all. Returns the script and the marker's path.
 pub fn marker_script(work: &Path) -> (String, PathBuf) {
