@@ -22,12 +22,15 @@ saves faster than the tier takes the bytes waits here instead of overwriting a c
 flight.
 """
 
+import errno
+import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._lib import once
+from ._lib import SluiceError, once
 
 __all__ = ["Lease", "Stager", "default_stager", "reserve"]
 
@@ -74,6 +77,21 @@ def _fault_in(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             _fault_in(v)
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text):
+    """Bytes from "68719476736", "64GiB", "64G" or "512 MiB" (binary units); raises ValueError."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 64GiB, 512MiB, or bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _gib(n):
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 class _Reservation:
@@ -124,11 +142,19 @@ class Lease:
 class Stager:
     """Copies state dicts into CPU buffers kept from save to save (see the module's text).
 
-    pin_memory: None (default) pins them when CUDA is available. Not for concurrent stage()
-    calls from several threads: one training thread saves."""
+    pin_memory: None (default) pins them when CUDA is available. max_bytes: the most its buffers
+    may hold (None: $SLUICE_CKPT_MAX_KEPT, e.g. "64GiB"; unset: no cap); a save or reserve of a
+    state that needs more is refused before anything is allocated or copied. Not for concurrent
+    stage() calls from several threads: one training thread saves."""
 
-    def __init__(self, pin_memory=None):
+    def __init__(self, pin_memory=None, max_bytes=None):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        if max_bytes is None and os.environ.get("SLUICE_CKPT_MAX_KEPT"):
+            try:
+                max_bytes = parse_size(os.environ["SLUICE_CKPT_MAX_KEPT"])
+            except ValueError as e:
+                raise SluiceError(errno.EINVAL, f"SLUICE_CKPT_MAX_KEPT: {e}") from None
+        self.max_bytes = max_bytes
         self._cond = threading.Condition()
         self._lease = None
         self._signature = None
@@ -175,6 +201,7 @@ class Stager:
         are allocated (and raises what failed)."""
         if isinstance(state, torch.nn.Module):
             state = state.state_dict()
+        self._check_cap(state)
         sig = _signature(state)
         previous = self._reservation
         fits = previous.signature == sig if previous is not None else (
@@ -222,6 +249,17 @@ class Stager:
         r.buffers = None
         return r
 
+    def _check_cap(self, state):
+        need = _tensor_bytes(state)
+        if self.max_bytes is not None and need > self.max_bytes:
+            raise SluiceError(
+                errno.ENOMEM,
+                f"an asynchronous save of this state needs {_gib(need)} of kept host buffers, above "
+                f"the cap of {_gib(self.max_bytes)} (Stager max_bytes, SLUICE_CKPT_MAX_KEPT): save it "
+                "synchronously (sluice_ckpt.save without async_, dcp.save), shard it over more ranks, "
+                "or raise the cap; nothing was copied or saved",
+            )
+
     def kept_bytes(self):
         """The bytes of the buffers this stager keeps or is reserving: what its saves hold in host
         memory between saves (pinned where CUDA is), over one copy of the state."""
@@ -234,6 +272,7 @@ class Stager:
         write no longer reads the staged tensors, or binds it to the thread that writes them."""
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+        self._check_cap(state_dict)
         sig = _signature(state_dict)
         self._join_reservation(keep=sig)
         lease = self._wait_free()

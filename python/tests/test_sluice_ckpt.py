@@ -456,6 +456,42 @@ class ReserveTests(Base):
         self.assertEqual(self.stager.allocations, 1)
         self.assertStateEqual(sluice_ckpt.load("step-3300"), s)
 
+    def test_a_state_above_the_cap_is_refused_before_anything_is_copied(self):
+        s = state(43)
+        cap = state_bytes(s) - 1
+        stager = sluice_ckpt.Stager(max_bytes=cap)
+        self.addCleanup(stager.close)
+        with self.assertRaises(sluice_ckpt.SluiceError) as e:
+            sluice_ckpt.save(s, "step-4300", async_=True, stager=stager)
+        self.assertIn("above the cap of", str(e.exception))
+        self.assertIn("save it synchronously", str(e.exception))
+        with self.assertRaises(sluice_ckpt.SluiceError):
+            stager.reserve(s)
+        self.assertEqual((stager.allocations, stager.kept_bytes()), (0, 0))
+        self.assertFalse(os.path.exists(os.path.join(self.ckpt, "step-4300")), "a refused save wrote")
+        self.assertEqual(self.commits(), [])
+        # The same state synchronously, and asynchronously under a cap that fits it.
+        sluice_ckpt.save(s, "step-4300")
+        roomy = sluice_ckpt.Stager(max_bytes=state_bytes(s))
+        self.addCleanup(roomy.close)
+        sluice_ckpt.save(s, "step-4301", async_=True, stager=roomy).result(timeout=60)
+        self.assertStateEqual(sluice_ckpt.load("step-4301"), s)
+
+    def test_the_cap_comes_from_the_environment(self):
+        from sluice_ckpt.staging import parse_size
+
+        self.assertEqual(
+            [parse_size(t) for t in ("1024", "64GiB", "64G", "512 MiB", "1.5k")],
+            [1024, 64 << 30, 64 << 30, 512 << 20, 1536],
+        )
+        os.environ["SLUICE_CKPT_MAX_KEPT"] = "1MiB"
+        self.addCleanup(os.environ.pop, "SLUICE_CKPT_MAX_KEPT", None)
+        self.assertEqual(sluice_ckpt.Stager().max_bytes, 1 << 20)
+        os.environ["SLUICE_CKPT_MAX_KEPT"] = "lots"
+        with self.assertRaises(sluice_ckpt.SluiceError) as e:
+            sluice_ckpt.Stager()
+        self.assertIn("SLUICE_CKPT_MAX_KEPT: 'lots' is not a size", str(e.exception))
+
     def test_the_module_level_reserve_is_the_default_stagers(self):
         stager = sluice_ckpt.default_stager()
         self.addCleanup(stager.close)
