@@ -609,6 +609,80 @@ class DeadlineTests(Base):
         self.assertGreater(sluice_ckpt.save_cost(), 0.0)
 
 
+class LightningTests(Base):
+    """SluiceCheckpointIO in a real Lightning Trainer (CPU): each checkpoint in its own tag
+    directory, committed; a resume from the restored tag ends where an uninterrupted run does."""
+
+    def setUp(self):
+        super().setUp()
+        try:
+            import lightning  # noqa: F401
+        except ImportError:
+            self.skipTest("lightning is not installed (tests/harness/install.sh installs it)")
+
+    def fit(self, ckpt_dir, steps, ckpt_path=None, top_k=-1):
+        import lightning as L
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from sluice_ckpt.lightning import SluiceCheckpointIO
+
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(8, 3)
+
+            def training_step(self, batch, _):
+                x, y = batch
+                return torch.nn.functional.mse_loss(self.net(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 3, generator=g)),
+            batch_size=8,
+        )
+        torch.manual_seed(0)
+        model = Model()
+        every = ModelCheckpoint(
+            dirpath=ckpt_dir, filename="step-{step}", auto_insert_metric_name=False,
+            every_n_train_steps=4, save_top_k=top_k, monitor="step" if top_k > 0 else None, mode="max",
+        )
+        trainer = L.Trainer(
+            max_steps=steps, plugins=[SluiceCheckpointIO()], callbacks=[every], accelerator="cpu", devices=1,
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return model, trainer.optimizers[0].state_dict()["state"]
+
+    def test_each_checkpoint_is_a_committed_tag_and_a_resume_ends_where_an_uninterrupted_run_does(self):
+        from sluice_ckpt.lightning import restored_checkpoint
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            whole, whole_opt = self.fit(self.ckpt, 16, top_k=2)
+        tags = ["step-4", "step-8", "step-12", "step-16"]
+        self.assertEqual(sorted(os.listdir(self.ckpt)), sorted(tags), "one tag directory per checkpoint")
+        for t in tags:
+            self.assertEqual(os.listdir(os.path.join(self.ckpt, t)), [f"{t}.ckpt"])
+        self.assertEqual(self.commits(), [["ckpt", "commit", t] for t in tags])
+        self.assertIn("is left to sluice", err.getvalue(), "save_top_k's removals are sluice's retention's")
+
+        self.assertIsNone(restored_checkpoint())
+        os.environ["SLUICE_RESTORED_TAG"] = "step-8"
+        self.addCleanup(os.environ.pop, "SLUICE_RESTORED_TAG", None)
+        restored = restored_checkpoint()
+        self.assertEqual(restored, os.path.join(self.ckpt, "step-8", "step-8.ckpt"))
+        again = os.path.join(self.dir, "again")
+        resumed, resumed_opt = self.fit(again, 16, ckpt_path=restored)
+        for (k, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+            self.assertTrue(torch.equal(a, b), f"{k} after the resume differs from the uninterrupted run")
+        for k, st in whole_opt.items():
+            self.assertTrue(torch.equal(st["momentum_buffer"], resumed_opt[k]["momentum_buffer"]), f"momentum {k}")
+        self.assertEqual(sorted(os.listdir(again)), ["step-12", "step-16"], "the resumed run saves on from step 8")
+
+
 class SaveTests(Base):
     def test_save_writes_torch_save_bytes_and_commits(self):
         s = state(5)

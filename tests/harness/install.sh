@@ -15,6 +15,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 TORCH_VENV=${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}
 TORCH_VERSION=2.15.0
 DEEPSPEED_VERSION=0.19.8
+LIGHTNING_VERSION=2.6.6
 
 APT_PACKAGES=(slurmd slurmctld slurm-client libslurm-dev slurm-wlm-plugins-dev munge
               libclang-dev clang fio zstd rsync build-essential pkg-config procps iproute2 python3-venv curl
@@ -146,6 +147,14 @@ install_torch() {
     else
       rm -f "$DS_FAILED.log"
     fi
+  fi
+  # PyTorch Lightning for sluice_ckpt.lightning's tests (python/tests): the package and its
+  # requirements by hand with --no-deps, as for DeepSpeed (pip would complete torch's too).
+  if "$TORCH_VENV/bin/python" -c "import lightning, sys; sys.exit(lightning.__version__ != '$LIGHTNING_VERSION')" 2>/dev/null; then
+    log "lightning: $LIGHTNING_VERSION present ($TORCH_VENV)"
+  else
+    log "lightning: pip install lightning==$LIGHTNING_VERSION into $TORCH_VENV"
+    tpip --no-deps "lightning==$LIGHTNING_VERSION" lightning-utilities==0.15.3 torchmetrics==1.9.0 pyyaml==6.0.4
   fi
   chmod a+rx "$(dirname "$TORCH_VENV")"
   chmod -R a+rX "$TORCH_VENV"
