@@ -84,6 +84,22 @@ def time_left():
     return None if end is None else end - time.time()
 
 
+def should_save_everywhere(margin=60.0):
+    """should_save() as rank 0 of torch.distributed sees it, on every rank (a save is collective:
+    ranks that disagreed would wait for each other for ever); should_save() without a process
+    group."""
+    due = should_save(margin)
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return due
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [due]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
+    return due
+
+
 def should_save(margin=60.0):
     """True when the job's time limit is closer than the cost of one more save (the longest of
     this process's recent saves) plus `margin` seconds: save now, and stop. False without a

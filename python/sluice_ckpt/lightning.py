@@ -18,6 +18,9 @@ retention (`--ckpt-keep`) removes archived checkpoints and never an unarchived o
 from the trainer could not know. Tag names are the file names' stems with characters other than
 letters, digits, `.`, `_`, `+` and `-` made `_` (Lightning's default `epoch=0-step=50` becomes
 `epoch_0-step_50`).
+
+`SluiceFinalSave(margin=120)` among the callbacks saves once more and stops when the job's time
+limit comes closer than one save plus the margin (`sluice_ckpt.should_save`, as rank 0 sees it).
 """
 
 import os
@@ -25,11 +28,13 @@ import re
 import sys
 
 try:
+    from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins.io import CheckpointIO
 except ImportError:  # the older package name
+    from pytorch_lightning.callbacks import Callback
     from pytorch_lightning.plugins.io import CheckpointIO
 
-from . import _lib
+from . import _lib, deadline
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
@@ -130,3 +135,28 @@ class SluiceCheckpointIO(CheckpointIO):
 
     def teardown(self):
         self._settle(wait=True)
+
+
+class SluiceFinalSave(Callback):
+    """Saves once more (DIRPATH/FILENAME.ckpt, FILENAME formatted with step=) and stops training
+    when the job's time limit comes closer than one save plus `margin` seconds, as rank 0 sees it.
+    dirpath: default $SLUICE_CKPT_DIR."""
+
+    def __init__(self, margin=120.0, dirpath=None, filename="step-{step}"):
+        super().__init__()
+        self.margin = margin
+        self.dirpath = dirpath
+        self.filename = filename
+        self.final_step = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        due = deadline.should_save(margin=self.margin)
+        if not trainer.strategy.broadcast(due, src=0):
+            return
+        step = trainer.global_step
+        path = os.path.join(self.dirpath or _lib.ckpt_dir(None), self.filename.format(step=step) + ".ckpt")
+        trainer.save_checkpoint(path)
+        trainer.should_stop = True
+        self.final_step = step
+        if trainer.is_global_zero:
+            print(f"sluice_ckpt: final save before the time limit: {tag_of(path)}", file=sys.stderr, flush=True)

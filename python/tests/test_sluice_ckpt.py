@@ -620,7 +620,7 @@ class LightningTests(Base):
         except ImportError:
             self.skipTest("lightning is not installed (tests/harness/install.sh installs it)")
 
-    def fit(self, ckpt_dir, steps, ckpt_path=None, top_k=-1):
+    def fit(self, ckpt_dir, steps, ckpt_path=None, top_k=-1, callbacks=()):
         import lightning as L
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -650,7 +650,7 @@ class LightningTests(Base):
             every_n_train_steps=4, save_top_k=top_k, monitor="step" if top_k > 0 else None, mode="max",
         )
         trainer = L.Trainer(
-            max_steps=steps, plugins=[SluiceCheckpointIO()], callbacks=[every], accelerator="cpu", devices=1,
+            max_steps=steps, plugins=[SluiceCheckpointIO()], callbacks=[every, *callbacks], accelerator="cpu", devices=1,
             logger=False, enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(model, data, ckpt_path=ckpt_path)
@@ -681,6 +681,103 @@ class LightningTests(Base):
         for k, st in whole_opt.items():
             self.assertTrue(torch.equal(st["momentum_buffer"], resumed_opt[k]["momentum_buffer"]), f"momentum {k}")
         self.assertEqual(sorted(os.listdir(again)), ["step-12", "step-16"], "the resumed run saves on from step 8")
+
+    def test_a_final_save_stops_lightning_before_the_time_limit(self):
+        from sluice_ckpt import deadline
+        from sluice_ckpt.lightning import SluiceFinalSave
+
+        deadline._said.clear()
+        self.addCleanup(deadline._said.clear)
+        os.environ["SLUICE_JOB_END_TIME"] = str(time.time() + 30)
+        self.addCleanup(os.environ.pop, "SLUICE_JOB_END_TIME", None)
+        final = SluiceFinalSave(margin=1000)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.fit(self.ckpt, 16, callbacks=[final])
+        self.assertEqual(final.final_step, 1, "30 s left and a margin of 1000 s: save after the first step")
+        self.assertEqual(os.listdir(os.path.join(self.ckpt, "step-1")), ["step-1.ckpt"])
+        self.assertEqual(self.commits(), [["ckpt", "commit", "step-1"]])
+        self.assertIn("sluice_ckpt: final save before the time limit: step-1", err.getvalue())
+
+
+class HuggingFaceTests(Base):
+    """SluiceCallback in a real transformers Trainer (CPU, a tiny BERT built from its config, no
+    download): every checkpoint committed; a resume from the restored tag ends where an
+    uninterrupted run does; the final save before the time limit."""
+
+    def setUp(self):
+        super().setUp()
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            self.skipTest("transformers is not installed (tests/harness/install.sh installs it)")
+        from sluice_ckpt import deadline
+
+        deadline._said.clear()
+        self.addCleanup(deadline._said.clear)
+
+    def train(self, output_dir, steps, resume=None, callback=None):
+        from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+        from sluice_ckpt.hf import SluiceCallback
+
+        class Data(torch.utils.data.Dataset):
+            def __len__(self):
+                return 32
+
+            def __getitem__(self, i):
+                g = torch.Generator().manual_seed(i)
+                return {"input_ids": torch.randint(0, 50, (8,), generator=g), "labels": torch.tensor(i % 2)}
+
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, num_labels=2)
+        model = BertForSequenceClassification(config)
+        args = TrainingArguments(output_dir=output_dir, max_steps=steps, save_steps=4, per_device_train_batch_size=4,
+                                 report_to=[], use_cpu=True, logging_strategy="no", seed=0, data_seed=0)
+        callback = callback or SluiceCallback()
+        trainer = Trainer(model=model, args=args, train_dataset=Data(), callbacks=[callback])
+        trainer.train(resume_from_checkpoint=resume)
+        return model, trainer
+
+    def test_each_checkpoint_is_committed_and_a_resume_ends_where_an_uninterrupted_run_does(self):
+        from sluice_ckpt.hf import restored_checkpoint
+
+        whole, _ = self.train(self.ckpt, 8)
+        self.assertEqual(sorted(os.listdir(self.ckpt)), ["checkpoint-4", "checkpoint-8"])
+        self.assertEqual(self.commits(), [["ckpt", "commit", "checkpoint-4"], ["ckpt", "commit", "checkpoint-8"]])
+        self.assertIsNone(restored_checkpoint())
+        os.environ["SLUICE_RESTORED_TAG"] = "checkpoint-4"
+        self.addCleanup(os.environ.pop, "SLUICE_RESTORED_TAG", None)
+        self.assertEqual(restored_checkpoint(), os.path.join(self.ckpt, "checkpoint-4"))
+        again = os.path.join(self.dir, "again")
+        resumed, _ = self.train(again, 8, resume=restored_checkpoint(), callback=self.uncommitted())
+        for (k, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+            self.assertTrue(torch.equal(a, b), f"{k} after the resume differs from the uninterrupted run")
+
+    def uncommitted(self):
+        from sluice_ckpt.hf import SluiceCallback
+
+        return SluiceCallback(commit=False)
+
+    def test_the_output_dir_must_be_the_jobs_checkpoint_directory(self):
+        elsewhere = os.path.join(self.dir, "elsewhere")
+        with self.assertRaises(sluice_ckpt.SluiceError) as e:
+            self.train(elsewhere, 4)
+        self.assertIn("is not $SLUICE_CKPT_DIR", str(e.exception))
+
+    def test_a_final_save_stops_the_trainer_before_the_time_limit(self):
+        from sluice_ckpt.hf import SluiceCallback
+
+        os.environ["SLUICE_JOB_END_TIME"] = str(time.time() + 30)
+        self.addCleanup(os.environ.pop, "SLUICE_JOB_END_TIME", None)
+        callback = SluiceCallback(final_save_margin=1000)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            _, trainer = self.train(self.ckpt, 8, callback=callback)
+        self.assertEqual((callback.final_step, trainer.state.global_step), (1, 1))
+        self.assertEqual(self.commits(), [["ckpt", "commit", "checkpoint-1"]])
+        self.assertIn("sluice_ckpt: final save before the time limit: step 1", err.getvalue())
 
 
 class SaveTests(Base):

@@ -16,6 +16,7 @@ TORCH_VENV=${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}
 TORCH_VERSION=2.15.0
 DEEPSPEED_VERSION=0.19.8
 LIGHTNING_VERSION=2.6.6
+TRANSFORMERS_VERSION=5.25.0
 
 APT_PACKAGES=(slurmd slurmctld slurm-client libslurm-dev slurm-wlm-plugins-dev munge
               libclang-dev clang fio zstd rsync build-essential pkg-config procps iproute2 python3-venv curl
@@ -155,6 +156,16 @@ install_torch() {
   else
     log "lightning: pip install lightning==$LIGHTNING_VERSION into $TORCH_VENV"
     tpip --no-deps "lightning==$LIGHTNING_VERSION" lightning-utilities==0.15.3 torchmetrics==1.9.0 pyyaml==6.0.4
+  fi
+  # Hugging Face transformers (and accelerate, which its Trainer needs) for sluice_ckpt.hf's tests,
+  # the same way: what `import transformers` and its Trainer load, pinned, and nothing of torch's.
+  if "$TORCH_VENV/bin/python" -c "import transformers, accelerate, sys; sys.exit(transformers.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
+    log "transformers: $TRANSFORMERS_VERSION present ($TORCH_VENV)"
+  else
+    log "transformers: pip install transformers==$TRANSFORMERS_VERSION accelerate into $TORCH_VENV"
+    tpip --no-deps "transformers==$TRANSFORMERS_VERSION" accelerate==1.16.0 huggingface_hub==2.4.0 \
+      safetensors==0.8.0 tokenizers==0.23.3 regex==2026.12.2 httpx2==2.17.0 httpcore2==2.17.0 \
+      h11==0.16.0 idna==3.20 truststore==0.10.5 pyyaml==6.0.4
   fi
   chmod a+rx "$(dirname "$TORCH_VENV")"
   chmod -R a+rX "$TORCH_VENV"
