@@ -48,7 +48,9 @@ log "test: cargo test --workspace --test e2e --no-fail-fast -- --ignored --test-
 # 9>&-: tests restart agents (tests/tests/common/agents.rs spawns `setsid sluiced ...`), and a restarted
 # agent must not inherit the lock either; this script (and its caller) hold it for the tests.
 # Every line of the output gets the time it was written (a test's "ok" line is written when it ends),
-# and the slowest tests of sluice-e2e are listed afterwards: where the suite's minutes go.
+# and the slowest tests of sluice-e2e are listed afterwards: where the suite's minutes go (sed, not
+# head: head's early exit could end sort with SIGPIPE, which pipefail and set -e made a silent
+# failure of the whole run after every test had passed).
 TIMES=$(mktemp)
 rc=0
 ignored_tests() {
@@ -63,7 +65,7 @@ ignored_tests() {
 log "the slowest tests (seconds):"
 awk '$2 == "Running" { e2e = ($3 == "tests/e2e.rs") }
      $2 == "running" { prev = e2e ? $1 : 0; next }
-     $2 == "test" && $3 != "result:" && prev { print $1 - prev, $3; prev = $1 }' "$TIMES" | sort -rn | head -n 15 >&2
+     $2 == "test" && $3 != "result:" && prev { print $1 - prev, $3; prev = $1 }' "$TIMES" | sort -rn | sed -n 1,15p >&2
 rm -f "$TIMES"
 ((rc == 0)) || die "end-to-end tests failed (see above)"
 assert_no_daemon_holds_cluster_lock || die "after the tests, a daemon holds $CLUSTER_LOCK (see above)"
