@@ -5,7 +5,7 @@
     trainer.train(resume_from_checkpoint=restored_checkpoint())   # None on a first run
 
 The Trainer writes each checkpoint as `output_dir/checkpoint-STEP/`; the callback commits that tag
-(from the main process, inside a Slurm job) so the node's agent archives it, and
+(from the main process once every rank wrote its part, inside a Slurm job) so the node's agent archives it, and
 `restored_checkpoint()` is the directory `--ckpt-restore` put back. With `final_save_margin` (seconds)
 it also saves once more and stops when the job's time limit comes closer than one save plus the
 margin (`sluice_ckpt.should_save`, which learns what a save takes from the Trainer's own saves).
@@ -30,6 +30,15 @@ def restored_checkpoint(ckpt_dir=None):
     if not tag:
         return None
     return os.path.join(_lib.ckpt_dir(ckpt_dir), _lib.check_tag(tag))
+
+
+def _barrier(args):
+    if args.world_size <= 1:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 class SluiceCallback(TrainerCallback):
@@ -69,6 +78,10 @@ class SluiceCallback(TrainerCallback):
         if self._save_started is not None:
             deadline.record_save(time.monotonic() - self._save_started)
             self._save_started = None
+        # Every rank writes its part of the checkpoint (its rng_state_R.pth, on its own node) before
+        # its on_save, and nothing in the Trainer waits for the others: wait here, so that the
+        # commit covers every rank's files whole.
+        _barrier(args)
         if not state.is_world_process_zero:
             return control
         tag = f"checkpoint-{state.global_step}"

@@ -128,36 +128,9 @@ os.replace(os.path.join(work, f"report-{phase}.json.tmp"), os.path.join(work, f"
 sys.exit(1 if report["errors"] else 0)
 "#;
 
-/// A file `cargo build --workspace` left beside the sluice CLI (target/debug).
-fn built(name: &str) -> PathBuf {
-    let dir = built_cli().parent().unwrap().to_path_buf();
-    let p = dir.join(name);
-    assert!(
-        p.is_file(),
-        "no {} (cargo build --workspace builds it; run-e2e.sh does)",
-        p.display()
-    );
-    p
-}
-
-/// The package and the library, copied into the work directory for the test user.
+/// The package, the library and the two training programs, in the work directory.
 fn install_package(work: &Path) {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../python/sluice_ckpt")
-        .canonicalize()
-        .unwrap();
-    let pkg = work.join("py/sluice_ckpt");
-    fs::create_dir_all(&pkg).unwrap();
-    for e in fs::read_dir(&src).unwrap().flatten() {
-        if e.path().extension().is_some_and(|x| x == "py") {
-            fs::copy(e.path(), pkg.join(e.file_name())).unwrap();
-        }
-    }
-    let lib = work.join("lib");
-    fs::create_dir_all(&lib).unwrap();
-    for f in ["libsluice_writer.so", "sluice-cufile-probe"] {
-        fs::copy(built(f), lib.join(f)).unwrap();
-    }
+    install_sluice_ckpt(work);
     fs::write(work.join("train.py"), TRAIN_PY).unwrap();
     fs::write(work.join("deadline.py"), DEADLINE_PY).unwrap();
 }
@@ -194,12 +167,11 @@ impl Run {
     /// `PROGRAM PHASE WORK` in a one-node job with `extra` options; asserts the job completed and
     /// its report (`WORK/report-PHASE.json`) has no errors, and returns it.
     fn job(&self, phase: &str, extra: &[&str]) -> (Job, Value) {
-        let w = self.work.display();
         let script = format!(
-            "#!/bin/bash\nexport OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-             PYTHONPATH={w}/py SLUICE_WRITER_LIB={w}/lib/libsluice_writer.so SLUICE_CLI={cli}\n\
+            "#!/bin/bash\nexport OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 {env}\n\
              {py} {w}/{program} {phase} {w}\n",
-            cli = self.cli.display(),
+            env = sluice_ckpt_env(&self.work, &self.cli),
+            w = self.work.display(),
             py = self.python.display(),
             program = self.program,
         );

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_TORCH_VENV: &str = "/opt/sluice-test/torch-venv";
 
 /// The job scripts, by file name: the shared checks and one script per framework.
-pub const FRAMEWORK_SCRIPTS: [(&str, &str); 5] = [
+pub const FRAMEWORK_SCRIPTS: [(&str, &str); 7] = [
     (
         "fwcheck.py",
         include_str!("../../harness/frameworks/fwcheck.py"),
@@ -25,6 +25,14 @@ pub const FRAMEWORK_SCRIPTS: [(&str, &str); 5] = [
     (
         "megatron.py",
         include_str!("../../harness/frameworks/megatron.py"),
+    ),
+    (
+        "lightning_ddp.py",
+        include_str!("../../harness/frameworks/lightning_ddp.py"),
+    ),
+    (
+        "hf_trainer.py",
+        include_str!("../../harness/frameworks/hf_trainer.py"),
     ),
 ];
 
@@ -90,4 +98,49 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("bind 127.0.0.1:0")
+}
+
+/// A file `cargo build --workspace` left beside the sluice CLI (target/debug).
+pub fn built(name: &str) -> PathBuf {
+    let dir = super::built_cli().parent().unwrap().to_path_buf();
+    let p = dir.join(name);
+    assert!(
+        p.is_file(),
+        "no {} (cargo build --workspace builds it; run-e2e.sh does)",
+        p.display()
+    );
+    p
+}
+
+/// The `sluice_ckpt` package (`WORK/py`) and the writer library with its probe (`WORK/lib`),
+/// copied from the clone and the build into a work directory, where the test user can read them:
+/// jobs find them through `PYTHONPATH` and `SLUICE_WRITER_LIB` ([`sluice_ckpt_env`]), as a
+/// checkout's user would.
+pub fn install_sluice_ckpt(work: &Path) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../python/sluice_ckpt")
+        .canonicalize()
+        .unwrap();
+    let pkg = work.join("py/sluice_ckpt");
+    fs::create_dir_all(&pkg).unwrap();
+    for e in fs::read_dir(&src).unwrap().flatten() {
+        if e.path().extension().is_some_and(|x| x == "py") {
+            fs::copy(e.path(), pkg.join(e.file_name())).unwrap();
+        }
+    }
+    let lib = work.join("lib");
+    fs::create_dir_all(&lib).unwrap();
+    for f in ["libsluice_writer.so", "sluice-cufile-probe"] {
+        fs::copy(built(f), lib.join(f)).unwrap();
+    }
+}
+
+/// The variables a job script exports to use what [`install_sluice_ckpt`] put into `work`, with
+/// `cli` as the sluice CLI its commits run.
+pub fn sluice_ckpt_env(work: &Path, cli: &Path) -> String {
+    format!(
+        "PYTHONPATH={w}/py SLUICE_WRITER_LIB={w}/lib/libsluice_writer.so SLUICE_CLI={cli}",
+        w = work.display(),
+        cli = cli.display()
+    )
 }
