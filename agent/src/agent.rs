@@ -1003,8 +1003,10 @@ impl Drop for ClosePeers {
     }
 }
 
-/// Every minute: when the hot tier is above its high-water mark, trims the checkpoints that ended
-/// jobs left on it (archived ones only, never a job's newest archived one).
+/// Every `agent.housekeeping_interval` (a minute by default): ends the jobs learnt of from a step
+/// that Slurm no longer runs, prunes old upload resume logs, and when the hot tier is above its
+/// high-water mark, trims the checkpoints that ended jobs left on it (archived ones only, never a
+/// job's newest archived one).
 struct Housekeeper {
     agent: Arc<Agent>,
 }
@@ -1015,8 +1017,7 @@ impl Worker for Housekeeper {
     }
 
     async fn run(self, cancel: CancellationToken, status: Arc<StatusCell>) {
-        // Every 30 checkpoint scans: a minute with the default 2 s.
-        let period = self.agent.cfg.ckpt.scan_interval * 30;
+        let period = self.agent.cfg.housekeeping_interval;
         let above = || {
             let hot = self.agent.hot.clone();
             blocking(move || hot.above_high_water())

@@ -138,6 +138,7 @@ struct RawAgent {
     state_dir: String,
     squeue: Option<String>,
     drain_timeout: Option<String>,
+    housekeeping_interval: Option<String>,
     log_format: Option<String>,
     memory: Option<String>,
 }
@@ -246,6 +247,9 @@ pub struct Config {
     /// How long a stopping agent waits for its requests and background work to return (they resume
     /// from the journal on the next start).
     pub drain_timeout: Duration,
+    /// How often housekeeping runs: ends jobs learnt of from a step once Slurm no longer runs
+    /// them, prunes old upload resume logs, trims the hot tier above its high-water mark.
+    pub housekeeping_interval: Duration,
     pub socket: PathBuf,
     pub state_dir: PathBuf,
     pub hot_root: PathBuf,
@@ -1088,6 +1092,19 @@ impl Config {
                 raw.agent.drain_timeout.as_deref(),
                 Duration::from_secs(5),
             )?,
+            housekeeping_interval: match duration(
+                "agent.housekeeping_interval",
+                raw.agent.housekeeping_interval.as_deref(),
+                Duration::from_secs(60),
+            )? {
+                d if (Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&d) => d,
+                d => {
+                    return Err(format!(
+                        "agent.housekeeping_interval must lie between 1s and 1h, got {}",
+                        humantime::format_duration(d)
+                    ));
+                }
+            },
             squeue: match raw.agent.squeue.as_deref() {
                 None => Some(PathBuf::from("squeue")),
                 Some("") => None,
@@ -1190,6 +1207,7 @@ mod tests {
         let c = parse(EXAMPLE, "n2").unwrap();
         assert_eq!(c.socket, PathBuf::from("/run/sluice/n2.sock"));
         assert_eq!(c.drain_timeout, Duration::from_secs(5));
+        assert_eq!(c.housekeeping_interval, Duration::from_secs(60));
         assert_eq!(c.log_format, LogFormat::Text);
         assert_eq!(c.hot_root, PathBuf::from("/var/lib/sluice/n2/hot"));
         assert_eq!(c.stage.part_size, 8 << 20);

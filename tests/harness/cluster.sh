@@ -367,6 +367,9 @@ write_agent_config() {
 [agent]
 socket = "/run/sluice/%n.sock"
 state_dir = "$TEST_ROOT/%n/state"
+# Jobs learnt of from a step end within seconds of Slurm's (a minute by default): the step-staging
+# tests wait for it.
+housekeeping_interval = "5s"
 
 [hot_tier]
 root = "$TEST_ROOT/%n/hot"

@@ -9,7 +9,8 @@ use std::path::Path;
 use std::time::Duration;
 
 const STAGE_JOB_TIMEOUT: Duration = Duration::from_secs(300);
-/// A job the agents learnt of from a step is ended by their housekeeping (every 30 s here).
+/// A job the agents learnt of from a step is ended by their housekeeping (every 5 s here,
+/// `agent.housekeeping_interval` in tests/harness/cluster.sh).
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The listing script of [`listing_script`], with its one srun given `srun_args` (one task on
