@@ -11,6 +11,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 [[ $(id -u) -eq 0 ]] || die "install.sh must run as root (it installs packages and creates users)"
 
+# tests/run-all.sh runs this script as its first step and exports SLUICE_INSTALL_DONE=1 after it: the
+# demo, run-e2e.sh and bench/run it starts later call this script again, and checking everything
+# once more (importing torch, DeepSpeed, Lightning and transformers: ~12 s) would find nothing to do.
+if [[ ${SLUICE_INSTALL_DONE:-0} == 1 ]]; then
+  log "install: done by this run's first step (SLUICE_INSTALL_DONE=1)"
+  exit 0
+fi
+
 # The framework tests' venv (tests/tests/common/frameworks.rs reads the same SLUICE_TORCH_VENV).
 TORCH_VENV=${SLUICE_TORCH_VENV:-/opt/sluice-test/torch-venv}
 TORCH_VERSION=2.15.0
