@@ -383,6 +383,26 @@ async fn publishing_twice_keeps_the_first_manifest() {
     assert_eq!(a.manifest("step5").await.unwrap(), m);
 }
 
+/// A writer killed mid-save left a temporary file beside the file a later save finished: the
+/// archived checkpoint is the finished files, and nothing of the temporary one is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_torn_writer_temp_file_is_not_archived() {
+    let (src, store, a) = tree_and_store();
+    std::fs::write(src.path().join(".optim.fp32.31337.0.tmp"), b"half a save").unwrap();
+    chown_tree(src.path(), test_uid());
+    let m = publish_alone(&a, "step6", src.path()).await;
+    let paths: Vec<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
+    assert!(
+        paths.contains(&"optim.fp32") && !paths.iter().any(|p| p.ends_with(".tmp")),
+        "{paths:?}"
+    );
+    assert!(
+        !keys(&store).await.iter().any(|k| k.contains(".tmp")),
+        "{:?}",
+        keys(&store).await
+    );
+}
+
 /// F5: whoever can write the archive prefix can put a huge MANIFEST or part there. The agent refuses
 /// it from its size, naming the object, without reading it: the file store's object here is a
 /// 64 GiB sparse file, which reading whole would take minutes and 64 GiB of memory.

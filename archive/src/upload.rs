@@ -972,6 +972,15 @@ impl Archiver {
         let tree = blocking(move || walk::walk(&root, expected_uid))
             .await
             .map_err(|e| walk_error(&t, e))?;
+        if !tree.superseded.is_empty() {
+            tracing::warn!(
+                tag,
+                node,
+                files = ?tree.superseded,
+                "left out of the archive: writers' temporary files whose finished file stands \
+                 beside them (a writer killed mid-save leaves one)"
+            );
+        }
         progress.set_totals(
             tree.files.len() as u64,
             tree.files.iter().map(|f| f.size).sum(),

@@ -13,6 +13,11 @@
 //! - nothing may sit on another file system than the checkpoint directory;
 //! - symlinks, FIFOs, sockets and devices are refused, naming the entry.
 //!
+//! A writer's temporary file whose finished file stands beside it (`.NAME.PID.SEQ.tmp` next to
+//! `NAME`, [`sluice_core::durable::temp_beside`]) is left out: a writer killed mid-save leaves one,
+//! and a later save of the same file finished without it. It is no part of the checkpoint, and
+//! archiving it would store (and restore) a torn copy under a hidden name.
+//!
 //! A refusal stops the archive before anything is uploaded. These functions block.
 
 use nix::errno::Errno;
@@ -80,6 +85,23 @@ pub struct Tree {
     pub files: Vec<TreeFile>,
     /// Every directory below the root, sorted.
     pub dirs: Vec<String>,
+    /// Writers' temporary files left out because their finished file stands beside them (see
+    /// the module doc), sorted.
+    pub superseded: Vec<String>,
+}
+
+/// Whether `name` is a temporary name of `durable::temp_beside` (`.NAME.PID.SEQ.tmp`) whose `NAME`
+/// is in `names`.
+fn superseded_temp(name: &str, names: &std::collections::BTreeSet<String>) -> bool {
+    let Some(inner) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+        return false;
+    };
+    let mut fields = inner.rsplitn(3, '.');
+    let (Some(seq), Some(pid), Some(target)) = (fields.next(), fields.next(), fields.next()) else {
+        return false;
+    };
+    let digits = |f: &str| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit());
+    digits(seq) && digits(pid) && names.contains(target)
 }
 
 fn kind(st: &FileStat) -> SFlag {
@@ -171,6 +193,7 @@ pub fn walk(root: &OwnedFd, uid: u32) -> Result<Tree, WalkError> {
     walk_dir(dup, "", 1, uid, st.st_dev, &mut tree)?;
     tree.files.sort_by(|a, b| a.rel.cmp(&b.rel));
     tree.dirs.sort();
+    tree.superseded.sort();
     Ok(tree)
 }
 
@@ -205,8 +228,9 @@ fn walk_dir(
             names.push(name.to_string());
         }
     }
-    names.sort();
-    for name in names {
+    let all: std::collections::BTreeSet<String> = names.into_iter().collect();
+    for name in &all {
+        let name = name.clone();
         let rel = join(prefix, &name);
         if name.len() > 255 {
             return Err(refused(&rel, "has a name longer than 255 bytes"));
@@ -221,6 +245,7 @@ fn walk_dir(
                 tree.dirs.push(rel.clone());
                 walk_dir(sub, &rel, depth + 1, uid, dev, tree)?;
             }
+            SFlag::S_IFREG if superseded_temp(&name, &all) => tree.superseded.push(rel),
             SFlag::S_IFREG => {
                 check_file(&rel, &st, uid, dev)?;
                 tree.files.push(TreeFile {
@@ -406,6 +431,45 @@ pub(crate) mod tests {
         let root = safefs::open_root_dir(d).unwrap();
         let (_, snap) = open_file(&root, &t.files[1], test_uid()).unwrap();
         assert_eq!(snap.size, 2);
+    }
+
+    /// A writer killed mid-save left `.model.pt.PID.SEQ.tmp`, and a later save finished
+    /// `model.pt`: the temporary file is left out (and said), never archived under its hidden
+    /// name. Without its finished file beside it, or with a name that only looks like one, a file
+    /// is the job's like any other.
+    #[test]
+    fn a_writers_temporary_file_beside_its_finished_file_is_left_out() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        std::fs::create_dir_all(d.join("sub")).unwrap();
+        for (name, data) in [
+            ("model.pt", &b"whole"[..]),
+            (".model.pt.4242.0.tmp", b"to"),
+            ("sub/optim.pt", b"whole"),
+            ("sub/.optim.pt.17.3.tmp", b"t"),
+            (".rank1.pt.99.0.tmp", b"only copy"),
+            (".model.pt.x.0.tmp", b"a user's"),
+            (".model.pt.1.tmp", b"a user's"),
+        ] {
+            std::fs::write(d.join(name), data).unwrap();
+        }
+        chown_tree(d, test_uid());
+        let t = tree(d).unwrap();
+        let files: Vec<&str> = t.files.iter().map(|f| f.rel.as_str()).collect();
+        assert_eq!(
+            files,
+            [
+                ".model.pt.1.tmp",
+                ".model.pt.x.0.tmp",
+                ".rank1.pt.99.0.tmp",
+                "model.pt",
+                "sub/optim.pt"
+            ]
+        );
+        assert_eq!(
+            t.superseded,
+            [".model.pt.4242.0.tmp", "sub/.optim.pt.17.3.tmp"]
+        );
     }
 
     /// Each hostile tree is refused naming the entry, and nothing outside the tree is opened.

@@ -26,7 +26,8 @@
 //!   `close` fsyncs it, renames it to its name and fsyncs the directory. Any error (a write, the
 //!   fsync, a writer thread lost) fails `close`, and a writer that did not close successfully
 //!   removes its temporary file when dropped: the name then holds what it held before the open
-//!   (nothing, or the previous complete file). After a crash only a hidden `.tmp` file can remain.
+//!   (nothing, or the previous complete file). After a crash only a hidden `.tmp` file can remain;
+//!   once a later save finishes `NAME`, the archive leaves it out (`sluice_archive::walk`).
 //!   A path that exists and is not a regular file (a device such as `/dev/null`, a symbolic link)
 //!   is written in place, as it always was.
 //! - **Errors.** The first error of any thread is kept and returned by the next
