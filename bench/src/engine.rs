@@ -370,3 +370,40 @@ pub fn flush(src: &Path, dst: &Path, block: usize) -> Result<()> {
     );
     Ok(())
 }
+
+/// `ceiling`: one file of `size` bytes written at `path` from 4 KiB-aligned host memory (as pinned
+/// memory is: the blocks go to the file straight from it) through the checkpoint writer with
+/// `threads` writer threads, in 64 MiB pieces as a tensor-by-tensor save writes them; timed from
+/// open to close (fsync and rename included), the source filled beforehand. Checks the file's size.
+pub fn ceiling(path: &Path, size: usize, threads: usize) -> Result<()> {
+    use sluice_writer::file::{AlignedWriter, Options};
+    let mut source = sluice_core::iobuf::AlignedBuf::new(size);
+    for (i, b) in source.as_mut_slice().iter_mut().enumerate() {
+        *b = (i as u32).wrapping_mul(2_654_435_761) as u8;
+    }
+    let t = Instant::now();
+    let mut w = AlignedWriter::open(
+        path,
+        Options {
+            block_size: 0,
+            threads,
+        },
+    )?;
+    let (direct, used) = (w.is_direct(), w.threads());
+    for piece in source.as_slice()[..size].chunks(64 << 20) {
+        w.write(piece)?;
+    }
+    w.close()?;
+    let secs = t.elapsed().as_secs_f64();
+    let written = std::fs::metadata(path)?.len();
+    anyhow::ensure!(
+        written == size as u64,
+        "{} holds {written} bytes, {size} were written",
+        path.display()
+    );
+    println!(
+        "{}",
+        serde_json::json!({"bytes": size, "direct": direct, "threads": used, "inner_wall_s": secs})
+    );
+    Ok(())
+}

@@ -6,6 +6,7 @@
 
 mod aggregation;
 mod cache;
+mod ceiling;
 mod cluster;
 mod data;
 mod engine;
@@ -99,7 +100,7 @@ struct RunOpts {
     #[arg(long, default_value = "sluiceuser")]
     user: String,
     /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss, agg, cache, flush,
-    /// writer, commit; one part of agg alone: agg.origin, agg.paced, agg.rss.
+    /// writer, commit, ceiling; one part of agg alone: agg.origin, agg.paced, agg.rss.
     #[arg(long, value_delimiter = ',')]
     cases: Option<Vec<String>>,
     #[arg(long, default_value = "/etc/slurm/plugstack.conf")]
@@ -156,6 +157,17 @@ enum Cmd {
         dst: PathBuf,
         #[arg(long, default_value_t = 8 << 20)]
         block: usize,
+    },
+    /// Write one file of --size bytes at --path from 4 KiB-aligned host memory through the
+    /// checkpoint writer (AlignedWriter) with --threads writer threads, open to close; prints the
+    /// time of that alone (the source is filled beforehand).
+    Ceiling {
+        #[arg(long)]
+        path: PathBuf,
+        #[arg(long)]
+        size: usize,
+        #[arg(long)]
+        threads: usize,
     },
     /// Print the table of result files (merging runs of different --cases).
     Table { files: Vec<PathBuf> },
@@ -239,6 +251,11 @@ fn real_main() -> Result<bool> {
         }
         Cmd::Table { files } => run::print_tables(&files).map(|_| true),
         Cmd::Flush { src, dst, block } => engine::flush(&src, &dst, block).map(|_| true),
+        Cmd::Ceiling {
+            path,
+            size,
+            threads,
+        } => engine::ceiling(&path, size, threads).map(|_| true),
         Cmd::Compress {
             input,
             output,

@@ -122,22 +122,25 @@ impl Sizes {
 /// What "met" means for a row. The ratio column is always oriented so that > 1 favours sluice:
 /// peer/sluice for times and bytes, sluice/peer for compression ratio and speed.
 #[derive(Debug, Clone, Copy)]
-enum Target {
+pub(crate) enum Target {
     None,
     Gain(f64),
     /// Gain, and fewer client CPU seconds per GiB than the peer.
     GainAndCpu(f64),
     /// An absolute ceiling on sluice's value (peak RSS).
     AtMost(f64),
+    /// An absolute floor under sluice's value (a rate).
+    AtLeast(f64),
 }
 
 impl Target {
-    fn text(self) -> String {
+    pub(crate) fn text(self) -> String {
         match self {
             Target::None => "-".into(),
             Target::Gain(g) => format!(">= {g:.2}x"),
             Target::GainAndCpu(g) => format!(">= {g:.2}x, less CPU"),
             Target::AtMost(v) => format!("<= {v:.0}"),
+            Target::AtLeast(v) => format!(">= {v:.0}"),
         }
     }
 }
@@ -346,6 +349,7 @@ impl Report {
             Target::Gain(g) => Some(ratio >= g),
             Target::GainAndCpu(g) => Some(ratio >= g && sc < pc),
             Target::AtMost(v) => Some(sw <= v),
+            Target::AtLeast(v) => Some(sw >= v),
         };
         self.rows.push(Row {
             case: case.into(),
@@ -471,7 +475,7 @@ impl Bench {
 
     /// The driver, run as the agent runs: with the environment `slurm-conf/sluiced.service` gives
     /// `sluiced` (its allocator settings shape the agent's speed and peak RSS).
-    fn driver(&self) -> Command {
+    pub(crate) fn driver(&self) -> Command {
         let mut c = Command::new(&self.exe);
         c.envs(agent_unit_env());
         c
@@ -1563,6 +1567,7 @@ impl Bench {
             ("flush", Box::new(|b, r| b.flush_case(r))),
             ("writer", Box::new(|b, r| b.writer_case(r))),
             ("commit", Box::new(|b, r| b.commit_case(r))),
+            ("ceiling", Box::new(|b, r| b.ceiling_case(r))),
         ];
         for (name, case) in cases {
             if self.wants(name) {
