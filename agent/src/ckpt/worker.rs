@@ -994,17 +994,10 @@ impl CkptWorker {
     }
 
     /// Removes from the RAM tier the checkpoints that are safe on the hot tier (flushed and
-    /// verified), but the newest.
+    /// verified), but the newest good one ([`crate::job::JobCkpts::ram_to_free`]).
     async fn free_ram(&self) {
         let job = &self.job;
-        let entries = job.ckpts.entries();
-        let Some(newest) = entries.last().map(|e| e.tag.clone()) else {
-            return;
-        };
-        let victims: Vec<Arc<CkptEntry>> = entries
-            .into_iter()
-            .filter(|e| e.in_ram() && e.on_hot() && !e.awaits_verify() && e.tag != newest)
-            .collect();
+        let victims = job.ckpts.ram_to_free();
         if victims.is_empty() {
             return;
         }

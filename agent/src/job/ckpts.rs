@@ -389,6 +389,23 @@ impl JobCkpts {
         })
     }
 
+    /// Checkpoints whose RAM-tier copy may go now: safe on the hot tier (flushed and verified),
+    /// all but the newest good one (a poisoned checkpoint is no reason to keep a copy in RAM, and
+    /// the newest good one below it keeps its copy).
+    pub fn ram_to_free(&self) -> Vec<Arc<CkptEntry>> {
+        let entries = self.entries();
+        let keep = entries
+            .iter()
+            .rev()
+            .find(|e| !e.is_poisoned())
+            .map(|e| e.tag.clone());
+        entries
+            .into_iter()
+            .filter(|e| e.in_ram() && e.on_hot() && !e.awaits_verify())
+            .filter(|e| keep.as_deref() != Some(e.tag.as_str()))
+            .collect()
+    }
+
     /// Tags retention removes now: archived ones on the hot tier beyond the newest `keep` good
     /// ones. A poisoned checkpoint is never one of those (the newest good one stays, however many
     /// poisoned ones follow it), and goes once archived: the archive keeps it for a forced restore.
@@ -417,6 +434,40 @@ impl JobCkpts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The RAM tier keeps the newest good checkpoint: a poisoned newer one goes once it is safe
+    /// on the hot tier, and one not verified there yet stays.
+    #[test]
+    fn the_ram_tier_keeps_the_newest_good_checkpoint() {
+        let c = JobCkpts::default();
+        for (i, t) in ["a", "b", "c", "d"].iter().enumerate() {
+            c.commit(t, i as u64).unwrap();
+            let e = c.get(t).unwrap();
+            e.set_in_ram(true);
+            e.set_on_hot(true);
+        }
+        let freed = || {
+            c.ram_to_free()
+                .iter()
+                .map(|e| e.tag.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(freed(), ["a", "b", "c"]);
+        c.get("d").unwrap().set_poisoned();
+        c.get("c").unwrap().set_poisoned();
+        assert_eq!(freed(), ["a", "c", "d"], "b is the newest good one");
+        c.get("a").unwrap().set_poisoned();
+        c.get("b").unwrap().set_poisoned();
+        assert_eq!(freed(), ["a", "b", "c", "d"], "nothing good to keep");
+        c.get("a")
+            .unwrap()
+            .set_flush_hashes(Some(FlushHashes::default()));
+        assert_eq!(
+            freed(),
+            ["b", "c", "d"],
+            "a is not verified on the hot tier"
+        );
+    }
 
     #[test]
     fn commit_and_retention_rules() {
