@@ -79,7 +79,7 @@ async fn start_scanning(
     let root = tmp.path().to_path_buf();
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
     let cfg = format!(
-        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\ndrain_timeout = '60s'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
+        "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\ndrain_timeout = '60s'\nhousekeeping_interval = '2s'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
          [ckpt]\nscan_interval = '{scan_interval}'\nepilog_wait = '20s'\npart_size = '5MiB'\n{ckpt}\n\
          [[ckpt.allow]]\nprefix = 'file://{r}/'\n",
         r = root.display()
@@ -946,7 +946,7 @@ root_test! {
         wait_for_state(&t, 81, "s1", CkptState::Archived).await;
         assert!(ckpt.join("s1").exists(), "a running job keeps its newest archived checkpoint");
         t.call(Request::JobEnd { job_id: 81 }).await.unwrap();
-        // Housekeeping runs every 30 scans (6 s here).
+        // Housekeeping runs every 2 s here (`agent.housekeeping_interval`).
         wait_gone(&t.hot.join("jobs/81"), "the finished job's directory").await;
         assert!(archive_dir.join("s1/MANIFEST").exists(), "the archive keeps s1");
         wait_gone(&t.keep_state().join("jobs/81.json"), "its journal record").await;
