@@ -740,7 +740,7 @@ impl Fetcher {
         mut node: String,
     ) -> Result<(), StageError> {
         let peers = self.peers.as_ref().expect("a shared dataset has peers");
-        let mut corrupt_once: Option<String> = None;
+        let mut retried: Option<String> = None;
         loop {
             let mut sink = self.peer_sink(file, rel, &unit);
             let fetched = peers.fetch(&node, &unit, &mut sink).await;
@@ -760,7 +760,7 @@ impl Fetcher {
                 Err(e) => e,
             };
             self.uncount(written, &self.progress.peer_bytes);
-            match peers.next_after(&unit, &node, &e, &mut corrupt_once, &self.source) {
+            match peers.next_after(&unit, &node, &e, &mut retried, &self.source) {
                 NextStep::From(next) => node = next,
                 NextStep::Origin => {
                     return self.unit_from_origin_now(file, rel, location, &unit).await;

@@ -584,8 +584,10 @@ impl JobPeers {
     ///   does not know the job after the join grace, ended it, refused this node, still reading
     ///   after the stage timeout): it is routed around for the rest of the job, and the unit goes
     ///   to its next owner among the rest: another node, or this one, which then reads the origin;
-    /// - a corrupt unit (its hash or MAC does not verify): fetched again once from the same node
-    ///   (`corrupt_once` remembers it), then that node is routed around like a lost one;
+    /// - a corrupt unit (its hash or MAC does not verify), or a connection the node accepted and
+    ///   closed without an answer (a pooled connection to an agent that restarted, one over its
+    ///   limits): fetched again once from the same node (`retried` remembers it), then that node is
+    ///   routed around like a lost one — a single reset no longer costs the job that node's share;
     /// - the node says it does not own the unit, or its own origin read failed: this node reads
     ///   the origin, with a note;
     /// - this node could not write the bytes ([`PeerError::Sink`]): [`NextStep::Fail`].
@@ -596,15 +598,17 @@ impl JobPeers {
         unit: &Unit,
         node: &str,
         e: &PeerError,
-        corrupt_once: &mut Option<String>,
+        retried: &mut Option<String>,
         dataset: &str,
     ) -> NextStep {
         let why = error_chain(e);
         match e {
             PeerError::Sink { .. } => return NextStep::Fail(why),
-            PeerError::Corrupt { .. } if corrupt_once.as_deref() != Some(node) => {
+            PeerError::Corrupt { .. } | PeerError::Dropped { .. }
+                if retried.as_deref() != Some(node) =>
+            {
                 tracing::warn!("{dataset}: {why}; fetching it again");
-                *corrupt_once = Some(node.to_string());
+                *retried = Some(node.to_string());
                 return NextStep::From(node.to_string());
             }
             PeerError::Corrupt { .. } => self.lose(node, Trouble::Corrupt, &why),

@@ -1107,7 +1107,7 @@ async fn fetch_unit(
         .await
         .map(Arc::new)
         .map_err(|e| shared.hot_error(&rel, e.raw_os_error(), e.to_string()))?;
-    let mut corrupt_once = None;
+    let mut retried = None;
     loop {
         let target = PeerUnit {
             progress: &shared.progress,
@@ -1132,7 +1132,7 @@ async fn fetch_unit(
         let dataset = &shared.helper.source;
         match shared
             .peers
-            .next_after(&unit, &node, &e, &mut corrupt_once, dataset)
+            .next_after(&unit, &node, &e, &mut retried, dataset)
         {
             NextStep::From(next) => node = next,
             NextStep::Origin => return Ok(Done::ToOrigin { idx, unit }),

@@ -788,9 +788,10 @@ async fn tampering_relay(upstream: String) -> String {
     addr
 }
 
-/// Where a failed fetch goes next, for both stagers: a corrupt unit is fetched once more from the
-/// same node, then that node is routed around (with the job's note) and the unit goes to its next
-/// owner; an unreachable node is routed around at once; a node that does not own the unit sends
+/// Where a failed fetch goes next, for both stagers: a corrupt unit, or a connection closed
+/// without an answer, is fetched once more from the same node, then that node is routed around
+/// (with the job's note) and the unit goes to its next owner; an unreachable node is routed around
+/// at once; a node that does not own the unit sends
 /// this node to the origin, with a note; a write this node could not do fails the unit.
 #[tokio::test]
 async fn a_failed_fetch_goes_where_the_rules_say() {
@@ -813,10 +814,23 @@ async fn a_failed_fetch_goes_where_the_rules_say() {
         unit: unit.key(),
         what: "hash".into(),
     };
-    let mut once = None;
     let next = |e: &PeerError, from: &str, once: &mut Option<String>| {
         peers.next_after(&unit, from, e, once, "s3://b/ds")
     };
+    // A reset connection (e.g. pooled to an agent that restarted): once more from n2, and a
+    // second one of the same unit routes n2 around.
+    let dropped = PeerError::Dropped {
+        addr: "a".into(),
+        source: "connection closed before message completed".into(),
+    };
+    let mut once = None;
+    assert_eq!(next(&dropped, "n2", &mut once), NextStep::From("n2".into()));
+    assert_eq!(
+        peers.alive_nodes(),
+        ["n1", "n2", "n3"],
+        "n2 is not routed around for one"
+    );
+    let mut once = None;
     assert_eq!(next(&corrupt, "n2", &mut once), NextStep::From("n2".into()));
     assert_eq!(next(&corrupt, "n2", &mut once), NextStep::From("n3".into()));
     assert_eq!(peers.alive_nodes(), ["n1", "n3"]);
