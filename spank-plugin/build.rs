@@ -26,6 +26,17 @@ fn main() {
         println!("cargo:rerun-if-changed={}", header.display());
     }
 
+    // Slurm 25.05 lets a plugin choose what a failing slurm_spank_init fails: the node (drained, the
+    // default) or only the job (`int slurm_spank_init_failure_mode = ESPANK_JOB_FAILURE;`). The
+    // constant is in slurm_errno.h from that release on; entry.rs exports the symbol only then.
+    println!("cargo::rustc-check-cfg=cfg(spank_init_failure_mode)");
+    let errno_h = include_dir.join("slurm/slurm_errno.h");
+    println!("cargo:rerun-if-changed={}", errno_h.display());
+    let errno_text = fs::read_to_string(&errno_h).unwrap_or_default();
+    if errno_text.contains("ESPANK_JOB_FAILURE") {
+        println!("cargo:rustc-cfg=spank_init_failure_mode");
+    }
+
     let version_text = fs::read_to_string(&version_h).expect("read slurm_version.h");
     let version = slurm_version_number(&version_text).unwrap_or_else(|| {
         panic!(

@@ -14,7 +14,8 @@
 #                                                            takes it at once)
 #      tests/harness/run-e2e.sh                             (real Slurm cluster + Garage + Azurite:
 #                                                            end-to-end jobs, archive conformance)
-#   4. bench/run --smoke                                    (the benchmark harness on tiny data)
+#   4. bench/run --smoke --no-cluster                       (the benchmark harness on tiny data, on
+#                                                            the cluster the end-to-end suite kept)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=harness/common.sh
@@ -94,9 +95,15 @@ lock_wait_from=$SECONDS
 take_cluster_lock
 ((SECONDS - lock_wait_from < 5)) || { echo "the test cluster lock took $((SECONDS - lock_wait_from)) s behind the demo's kept cluster: nothing else holds it, so it must be free at once" >&2; exit 1; }
 
+# The end-to-end suite keeps its cluster for the benchmark smoke run (--no-cluster: a second
+# `cluster.sh up` would cost about 25 s and test nothing new); it goes down after the smoke run, or
+# when either fails.
 step "end-to-end on the local Slurm cluster"
-tests/harness/run-e2e.sh
+trap 'tests/harness/cluster.sh down >/dev/null 2>&1 9>&- || true' EXIT
+SLUICE_KEEP_CLUSTER=1 tests/harness/run-e2e.sh
 
-step "benchmark harness smoke run (tiny data; targets are not judged here)"
-bench/run --smoke --out /tmp/sluice-bench-smoke.json
+step "benchmark harness smoke run on the end-to-end suite's cluster (tiny data; targets are not judged here)"
+bench/run --smoke --no-cluster --out /tmp/sluice-bench-smoke.json
+tests/harness/cluster.sh down 9>&-
+trap - EXIT
 step "done: every step passed in $((SECONDS - RUN_START))s"

@@ -16,6 +16,7 @@ use crate::job::{self, Job};
 use crate::job_table::JobTable;
 use crate::journal::{CkptRecord, JobRecord, JournalError, RECORD_VERSION};
 use crate::policy::{Policy, PolicyError, Requester};
+use crate::replica_area::ReplicaArea;
 use sluice_core::config::Config;
 use sluice_core::rt::{blocking, lock, now_secs};
 use sluice_core::safefs::{self, Owner, SafeFsError};
@@ -89,6 +90,8 @@ pub struct Agent {
     cache: Option<Arc<sluice_stage::cache::Cache>>,
     /// The RAM tier for `--ckpt-tier=ram` (`[fast_tier]`).
     ram: Option<Arc<crate::ram_tier::RamTier>>,
+    /// Other nodes' replicas of their checkpoint parts (`[fast_tier] replicas`), once peers start.
+    replicas: OnceLock<Arc<ReplicaArea>>,
     /// Users' requests on their archives, through this agent's places.
     pub(crate) archive_access: ArchiveAccess,
 }
@@ -127,6 +130,7 @@ impl Agent {
             workers: Arc::new(Workers::new(tracker.clone(), cancel.clone())),
             metrics,
             peers: OnceLock::new(),
+            replicas: OnceLock::new(),
             archive_access: ArchiveAccess::new(cfg.clone()),
             cancel,
             tracker,
@@ -149,6 +153,29 @@ impl Agent {
             cache: self.cache.clone(),
             cancel: self.cancel.clone(),
         });
+        let _ = self.ckpt.peers.set(peers.replica_peers());
+        peers.serve_events(Arc::new(ckpt::CommitNotices {
+            jobs: self.jobs.clone(),
+        }));
+        // Other nodes' replicas of RAM-tier checkpoints (`[fast_tier] replicas`), on the peer port.
+        if let Some(ft) = self.cfg.fast_tier.as_ref().filter(|f| f.max_replicas > 0) {
+            let dir = ft.root.join("replicas");
+            match ReplicaArea::open(&dir, ft.replica_room, ft.mount) {
+                Ok(area) => {
+                    let area = Arc::new(area);
+                    // The area's parts, and this node's own parts of its jobs' checkpoints.
+                    peers.serve_replicas(Arc::new(ckpt::NodeReplicas {
+                        area: area.clone(),
+                        ckpt: self.ckpt.clone(),
+                    }));
+                    let _ = self.replicas.set(area);
+                }
+                Err(e) => tracing::error!(
+                    "this node takes no replicas of other nodes' checkpoints ({}): {e}",
+                    dir.display()
+                ),
+            }
+        }
         if self.peers.set(peers).is_ok() {
             self.workers.spawn(service);
         }
@@ -491,6 +518,20 @@ impl Agent {
                 ram_tier = Some(Arc::new(tier));
                 true
             }
+            // An ended job with nothing left in RAM (finished, retained on the hot tier for its
+            // archive or its retention) takes no share of the node's RAM tier: new jobs would be
+            // sent to NVMe for it after every agent restart. Its directory, if any is left, still
+            // goes at its end.
+            Some(tier)
+                if !fresh_dirs
+                    && record.ended
+                    && record.ram
+                    && record.ckpts.iter().all(|c| !c.in_ram) =>
+            {
+                dirs.ckpt_dir = tier.ckpt_dir(start.job_id).display().to_string();
+                ram_tier = Some(tier.clone());
+                true
+            }
             Some(tier) if record.ram || (wants_ram && fresh_dirs) => {
                 match tier.reserve(start.job_id, record.ram) {
                     Ok(()) => {
@@ -542,6 +583,11 @@ impl Agent {
             }
             if c.poisoned {
                 entry.set_poisoned();
+            }
+            {
+                let mut r = entry.replication();
+                r.part = c.replica_part.clone().map(Arc::new);
+                r.generation = entry.generation();
             }
             job.ckpts.insert(entry);
         }
@@ -687,6 +733,11 @@ impl Agent {
         };
         if let Err(e) = committed {
             return reply(ErrorCode::BadRequest, e.to_string());
+        }
+        // The job's other nodes commit their parts too: told over the peer port at once (with
+        // replicas), and through the archive below.
+        if let Some(notices) = ckpt::announce(&self.ckpt, job, tag) {
+            drop(self.spawn(notices));
         }
         let Some(url) = job.archive_url() else {
             return reply(
@@ -1037,6 +1088,7 @@ impl Worker for Housekeeper {
                 Err(e) => tracing::warn!("pruning upload resume logs: {e}"),
             }
             self.agent.end_gone_step_jobs().await;
+            self.agent.free_replicas_of_forgotten_jobs().await;
             // The cache gives way first: jobs' checkpoints matter more than later jobs' speed.
             if let Some(cache) = self.agent.cache.clone() {
                 while above().await {
@@ -1069,6 +1121,27 @@ impl Worker for Housekeeper {
                 }
             }
             status.turn(None);
+        }
+    }
+}
+
+impl Agent {
+    /// Frees the replicas other nodes pushed here for jobs this node no longer knows (forgotten
+    /// once finished): a requeue of the job would have registered it again.
+    async fn free_replicas_of_forgotten_jobs(&self) {
+        let Some(area) = self.replicas.get() else {
+            return;
+        };
+        for job_id in area.jobs() {
+            if self
+                .jobs
+                .get(job_id)
+                .is_none_or(|j| j.forgotten.load(std::sync::atomic::Ordering::Relaxed))
+            {
+                let area = area.clone();
+                blocking(move || area.free_job(job_id)).await;
+                tracing::info!(job_id, "replicas of a job this node no longer knows freed");
+            }
         }
     }
 }

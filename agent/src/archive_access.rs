@@ -552,7 +552,7 @@ mod tests {
             std::fs::create_dir(src.path().join("sub")).unwrap();
             std::fs::write(src.path().join("sub/model.bin"), format!("{tag} of {user}")).unwrap();
             let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
-            a.upload_part(tag, "n1", fd, me, &ArchiveProgress::default())
+            a.upload_part(tag, "n1", fd, me, &ArchiveProgress::default(), None)
                 .await
                 .unwrap();
             let job = JobMeta {

@@ -32,6 +32,16 @@ pub fn parse_options(start: &JobStart) -> Result<JobOptions, OptionError> {
     })
 }
 
+/// The replicas a RAM-tier job asks for: its `--ckpt-replicas`, else the site's
+/// `[fast_tier] replicas`; never more than the site's `max_replicas` (the set-up refuses a job
+/// that asks for more).
+pub fn replicas_asked(options: &JobOptions, fast_tier: &sluice_core::config::FastTierConfig) -> u8 {
+    options
+        .ckpt_replicas
+        .unwrap_or(fast_tier.replicas)
+        .min(fast_tier.max_replicas)
+}
+
 pub struct Job {
     pub start: JobStart,
     /// Parsed and validated on the root side; `Err` is what the job will fail with.
@@ -278,7 +288,7 @@ impl Job {
                     .entries()
                     .iter()
                     .find(|e| e.is_lost())
-                    .map(|e| e.status("").problem().unwrap_or_default())
+                    .map(|e| e.status("", 0).problem().unwrap_or_default())
             }),
             ckpts: self.ckpt_statuses(),
         }
@@ -286,7 +296,25 @@ impl Job {
 
     pub fn ckpt_statuses(&self) -> Vec<sluice_proto::msg::CkptStatus> {
         let url = self.archive_url().unwrap_or_default();
-        self.ckpts.entries().iter().map(|e| e.status(url)).collect()
+        let replicas = self.replicas_wanted();
+        self.ckpts
+            .entries()
+            .iter()
+            .map(|e| e.status(url, replicas))
+            .collect()
+    }
+
+    /// How many other nodes of the job hold a replica of each checkpoint's part of this node
+    /// (`--ckpt-replicas`, else `[fast_tier] replicas`; at most the job's other nodes): a RAM-tier
+    /// job's only.
+    pub fn replicas_wanted(&self) -> u8 {
+        let others = self.start.nodes.len().saturating_sub(1);
+        match (self.ram_tier.get(), &self.options) {
+            (Some(tier), Ok(options)) if self.is_ram() => {
+                replicas_asked(options, tier.config()).min(u8::try_from(others).unwrap_or(u8::MAX))
+            }
+            _ => 0,
+        }
     }
 
     /// Where each dataset's staging stands, for timeout messages.

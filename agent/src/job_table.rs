@@ -165,6 +165,7 @@ impl From<&CkptEntry> for CkptRecord {
             }),
             lost: e.lost(),
             poisoned: e.is_poisoned(),
+            replica_part: e.replication().part.as_deref().cloned(),
         }
     }
 }

@@ -75,6 +75,10 @@ pub struct CkptRecord {
     /// Marked bad with `sluice ckpt poison` (retention keeps a good one instead).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub poisoned: bool,
+    /// This node's part as sealed for its replicas (`Replication::part`): what a restore from
+    /// replicas is served of this node's own copy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_part: Option<sluice_peer::ReplicaSeal>,
 }
 
 /// Removes `path` durably (the directory entry removal is fsynced).
@@ -222,5 +226,40 @@ mod tests {
         j.remove(7).unwrap();
         j.remove(7).unwrap();
         assert_eq!(j.load().unwrap().0.len(), 1);
+    }
+
+    /// This node's sealed part of a checkpoint survives a restart of the agent (it serves it to a
+    /// restore from replicas), and a record written before parts were journaled still reads.
+    #[test]
+    fn a_checkpoints_sealed_part_is_kept_and_older_records_read() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::open(tmp.path()).unwrap();
+        let part = sluice_peer::ReplicaSeal {
+            files: vec![sluice_peer::ReplicaFile {
+                path: "shards/rank0.bin".into(),
+                size: 3,
+                blake3: blake3::hash(b"abc").to_hex().to_string(),
+            }],
+            nodes: vec!["n1".into(), "n2".into()],
+            committed_at: 1_750_000_000,
+        };
+        let mut rec = record(8);
+        rec.ckpts.push(CkptRecord {
+            tag: "s1".into(),
+            committed_at: 1_750_000_000,
+            archived_at: None,
+            on_hot: true,
+            in_ram: true,
+            flush_blake3: None,
+            lost: None,
+            poisoned: false,
+            replica_part: Some(part.clone()),
+        });
+        j.save(&rec).unwrap();
+        let (records, _) = j.load().unwrap();
+        assert_eq!(records[0].ckpts[0].replica_part, Some(part));
+        let older = r#"{"tag":"s0","committed_at":1,"archived_at":null,"on_hot":true}"#;
+        let c: CkptRecord = serde_json::from_str(older).unwrap();
+        assert_eq!((c.tag.as_str(), c.replica_part), ("s0", None));
     }
 }

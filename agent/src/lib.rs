@@ -36,6 +36,7 @@ pub mod journal;
 pub mod metrics;
 pub mod policy;
 pub mod ram_tier;
+pub mod replica_area;
 pub mod server;
 
 pub use agent::AgentError;

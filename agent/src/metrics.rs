@@ -154,6 +154,8 @@ pub struct Metrics {
     archive_stored_bytes: Counter,
     failures: Family<FailureLabels, Counter>,
     refused: Family<ReasonLabels, Counter>,
+    replica_bytes: Counter,
+    replicas_short: Counter,
 }
 
 impl Default for Metrics {
@@ -170,6 +172,8 @@ impl Default for Metrics {
             archive_stored_bytes: Counter::default(),
             failures: Family::default(),
             refused: Family::default(),
+            replica_bytes: Counter::default(),
+            replicas_short: Counter::default(),
         };
         // Every series of a bounded label set exists from the start, at 0, so that `increase()`
         // sees the first event and a dashboard shows 0 rather than nothing.
@@ -241,6 +245,16 @@ impl Metrics {
         self.refused.get_or_create(&ReasonLabels { reason }).inc();
     }
 
+    /// This node's part of a checkpoint went to another node of the job as a replica.
+    pub(crate) fn replica_sent(&self, bytes: u64) {
+        self.replica_bytes.inc_by(bytes);
+    }
+
+    /// A node of the job did not take a replica of this node's part (no room, not reached).
+    pub(crate) fn replica_refused(&self) {
+        self.replicas_short.inc();
+    }
+
     /// `operation` (`setup`, `stage`, `restore` or `archive`) failed with the error whose stable
     /// code is `code` (the error type's own `code()`).
     pub(crate) fn failure(&self, operation: &'static str, code: &'static str) {
@@ -261,7 +275,7 @@ impl Metrics {
                 protocol: sluice_proto::PROTO_VERSION.to_string(),
             }),
         );
-        let events: [Series<Box<dyn Metric>>; 11] = [
+        let events: [Series<Box<dyn Metric>>; 13] = [
             (
                 "stage",
                 "Bytes staged onto the hot tier, by the kind of the dataset's source",
@@ -327,6 +341,18 @@ impl Metrics {
                 "Connections to the agent's socket closed by admission (per-user or total limit)",
                 None,
                 Box::new(self.refused.clone()),
+            ),
+            (
+                "replica",
+                "Bytes of this node's checkpoint parts copied to other nodes of the job as replicas",
+                BYTES,
+                Box::new(self.replica_bytes.clone()),
+            ),
+            (
+                "replicas_not_placed",
+                "Times a node of the job did not take a replica of this node's part (no room, not reached)",
+                None,
+                Box::new(self.replicas_short.clone()),
             ),
         ];
         for (name, help, unit, metric) in events {
@@ -427,7 +453,7 @@ impl Snapshot {
                 }
                 b.checkpoints += 1;
                 let key = (job.start.job_id, e.tag.clone(), e.generation());
-                let known = e.status("").raw_bytes;
+                let known = e.status("", 0).raw_bytes;
                 let size = match sizes.get(&key) {
                     Some(s) => *s,
                     None if known > 0 => known,
@@ -813,20 +839,7 @@ mod tests {
     #[test]
     fn the_caches_sizes_and_counters() {
         const GIB: u64 = 1 << 30;
-        let stats = CacheStats {
-            root: "/hot/cache".into(),
-            capacity_bytes: 100 * GIB,
-            high_water_bytes: 90 * GIB,
-            low_water_bytes: 75 * GIB,
-            used_bytes: 33 * GIB,
-            entries: 3,
-            hits: 7,
-            misses: 1,
-            hit_bytes: 56 * GIB,
-            filled_bytes: 45 * GIB,
-            evictions: 2,
-            evicted_bytes: 12 * GIB,
-        };
+        let stats = sluice_proto::testing::cache_stats();
         let mut r = Registry::with_prefix("sluice");
         r.register_collector(Box::new(CacheOnly(stats)));
         let mut text = String::new();

@@ -90,6 +90,9 @@ impl RamTier {
                 job_share: 0,
                 flush_block: DEFAULT_FLUSH_BLOCK,
                 mount: false,
+                replicas: 0,
+                max_replicas: 0,
+                replica_room: 0,
             },
             node,
         )
@@ -169,22 +172,16 @@ impl RamTier {
         // The mount point (with `mount = false`, the job's directory itself).
         safefs::ensure_dir(&jobs, &name, Some(owner), 0o700).map_err(dir_err)?;
         if self.cfg.mount && !is_mount_point(&path) {
-            use nix::mount::MsFlags;
             let data = format!(
                 "size={},mode=0700,uid={},gid={}",
                 self.cfg.job_share, owner.uid, owner.gid
             );
-            nix::mount::mount(
-                Some("sluice-ram"),
-                &path,
-                Some("tmpfs"),
-                MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-                Some(data.as_str()),
-            )
-            .map_err(|errno| RamTierError::Mount {
-                path: path.display().to_string(),
-                errno,
-            })?;
+            mount_tmpfs("sluice-ram", &path, &data, nix::mount::MsFlags::empty()).map_err(
+                |errno| RamTierError::Mount {
+                    path: path.display().to_string(),
+                    errno,
+                },
+            )?;
         }
         let job = safefs::open_dir(&jobs, &name).map_err(dir_err)?;
         // Whatever mounted it (an agent before tmpfs roots were private: root's, 0755), the job's
@@ -268,8 +265,27 @@ impl RamTier {
     }
 }
 
+/// Mounts a tmpfs named `source` at `path` with the options `data` (`size=…,mode=…`), `nosuid`,
+/// `nodev` and `flags` besides (blocking). The replica area mounts its own too
+/// ([`crate::replica_area`]).
+pub(crate) fn mount_tmpfs(
+    source: &str,
+    path: &Path,
+    data: &str,
+    flags: nix::mount::MsFlags,
+) -> Result<(), nix::errno::Errno> {
+    use nix::mount::MsFlags;
+    nix::mount::mount(
+        Some(source),
+        path,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | flags,
+        Some(data),
+    )
+}
+
 /// Whether `path` is a mount point (another device than its parent's).
-fn is_mount_point(path: &Path) -> bool {
+pub(crate) fn is_mount_point(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     let (Ok(here), Some(Ok(up))) = (
         std::fs::symlink_metadata(path),
@@ -302,7 +318,7 @@ fn private(dir: &OwnedFd, owner: Owner, name: &str) -> Result<(), SafeFsError> {
     })
 }
 
-fn unmount(path: &Path) {
+pub(crate) fn unmount(path: &Path) {
     if is_mount_point(path)
         && let Err(e) = nix::mount::umount2(path, nix::mount::MntFlags::MNT_DETACH)
     {
@@ -323,6 +339,9 @@ mod tests {
                 job_share: 1 << 20,
                 flush_block: 1 << 20,
                 mount,
+                replicas: 0,
+                max_replicas: 0,
+                replica_room: 0,
             },
             "n1",
         )

@@ -588,16 +588,12 @@ mod tests {
         )
         .unwrap();
         agent.recover().unwrap();
-        let start = sluice_proto::msg::JobStart {
-            job_id: 5,
-            uid: 65534,
-            gid: 65534,
-            user: "nobody".into(),
-            node: "n1".into(),
-            nodes: vec!["n1".into()],
-            job_name: "j".into(),
-            options: vec![("stage-in".into(), "s3://b/ds".into())],
-        };
+        let start = sluice_proto::testing::nobody_job(
+            5,
+            "n1",
+            "j",
+            vec![("stage-in".into(), "s3://b/ds".into())],
+        );
         let root = Peer { uid: 0, gid: 0 };
         assert_eq!(
             agent.handle(root, Request::JobStart(start)).await,

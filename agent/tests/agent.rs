@@ -14,10 +14,10 @@ use std::time::Duration;
 #[macro_use]
 #[path = "support/as_root.rs"]
 mod as_root;
-use as_root::{NOBODY, Running, make_dataset, nobody_job, spawn_agent};
+use as_root::{NOBODY, Running, TestDir, give_to_nobody, make_dataset, nobody_job, spawn_agent};
 
 struct TestAgent {
-    _tmp: tempfile::TempDir,
+    _tmp: TestDir,
     socket: PathBuf,
     hot: PathBuf,
     data: PathBuf,
@@ -27,7 +27,7 @@ struct TestAgent {
 /// A fresh agent with the test dataset in place, and the path of its temp directory (for a test
 /// that starts another agent on the same state).
 async fn agent_with_dataset() -> (TestAgent, PathBuf) {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = TestDir::new();
     let path = tmp.path().to_path_buf();
     let t = start(tmp).await;
     make_dataset(&t.data);
@@ -47,7 +47,7 @@ async fn wait_gone(path: &Path, what: &str) {
 
 /// A fresh agent on a new temp directory.
 async fn root_agent() -> TestAgent {
-    start(tempfile::tempdir().unwrap()).await
+    start(TestDir::new()).await
 }
 
 /// Asserts that one of the notes the job's tasks get matches.
@@ -55,32 +55,33 @@ fn assert_note(dirs: &sluice_proto::msg::JobDirs, matches: impl Fn(&str) -> bool
     assert!(dirs.notes.iter().any(|n| matches(n)), "{:?}", dirs.notes);
 }
 
-async fn start(tmp: tempfile::TempDir) -> TestAgent {
+async fn start(tmp: TestDir) -> TestAgent {
     start_with_squeue(tmp, "").await
 }
 
 /// `squeue`: the program asked after a restart whether journaled jobs still run ("" = never ask).
-async fn start_with_squeue(tmp: tempfile::TempDir, squeue: &str) -> TestAgent {
+async fn start_with_squeue(tmp: TestDir, squeue: &str) -> TestAgent {
     start_with(tmp, squeue, "").await
 }
 
 /// `ckpt`: more `[ckpt]` settings.
-async fn start_with(tmp: tempfile::TempDir, squeue: &str, ckpt: &str) -> TestAgent {
+async fn start_with(tmp: TestDir, squeue: &str, ckpt: &str) -> TestAgent {
     start_scanning(tmp, squeue, ckpt, "200ms").await
 }
 
-/// [`start_with`], the checkpoint workers rescanning every `scan_interval` (and when woken).
-async fn start_scanning(
-    tmp: tempfile::TempDir,
-    squeue: &str,
-    ckpt: &str,
-    scan_interval: &str,
-) -> TestAgent {
+/// [`start_with`], the checkpoint workers rescanning every `scan_interval` (and when woken). The
+/// epilog waits 20 s for archives unless `ckpt` says otherwise.
+async fn start_scanning(tmp: TestDir, squeue: &str, ckpt: &str, scan_interval: &str) -> TestAgent {
     let root = tmp.path().to_path_buf();
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let epilog_wait = if ckpt.contains("epilog_wait") {
+        ""
+    } else {
+        "epilog_wait = '20s'\n"
+    };
     let cfg = format!(
         "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = '{squeue}'\ndrain_timeout = '60s'\nhousekeeping_interval = '2s'\n[hot_tier]\nroot = '{r}/hot/%n'\n[stage]\ntimeout = '30s'\n\
-         [ckpt]\nscan_interval = '{scan_interval}'\nepilog_wait = '20s'\npart_size = '5MiB'\n{ckpt}\n\
+         [ckpt]\nscan_interval = '{scan_interval}'\n{epilog_wait}part_size = '5MiB'\n{ckpt}\n\
          [[ckpt.allow]]\nprefix = 'file://{r}/'\n",
         r = root.display()
     );
@@ -208,7 +209,7 @@ impl TestAgent {
     }
 
     /// Stops like sluiced on SIGTERM; returns the temp dir holding its state.
-    async fn stop(self) -> tempfile::TempDir {
+    async fn stop(self) -> TestDir {
         self.agent.stop().await;
         self._tmp
     }
@@ -424,9 +425,7 @@ fn write_ckpt(dir: &Path, tag: &str, seed: u8, dcp: bool) {
     if dcp {
         std::fs::write(d.join(".metadata"), b"dcp").unwrap();
     }
-    for e in walk(&d) {
-        std::os::unix::fs::lchown(&e, Some(NOBODY), Some(NOBODY)).unwrap();
-    }
+    give_to_nobody(&d);
 }
 
 fn walk(p: &Path) -> Vec<PathBuf> {
@@ -578,7 +577,7 @@ root_test! {
 root_test! {
     async fn a_client_that_hangs_up_mid_request_harms_nothing() {
         use std::io::Write;
-        let t = start(tempfile::tempdir().unwrap()).await;
+        let t = start(TestDir::new()).await;
         make_dataset(&t.data);
         t.job(job_start(51, &t.data.display().to_string())).await;
         // A task that gives up while waiting (killed, timed out), and a client that sends half a frame.
@@ -938,7 +937,7 @@ root_test! {
     async fn above_the_high_water_mark_finished_jobs_give_back_their_archived_copies() {
         use sluice_proto::msg::CkptState;
         // Any file system is more than 1 % full: always above the mark.
-        let t = start_with(tempfile::tempdir().unwrap(), "", "high_water = 1").await;
+        let t = start_with(TestDir::new(), "", "high_water = 1").await;
         let (archive_dir, url) = (t.archive_dir(), t.archive_url());
         let ckpt = t.ckpt_dir_of(ckpt_job(81, &url, &[])).await;
         write_ckpt(&ckpt, "s1", 8, false);
@@ -962,7 +961,7 @@ root_test! {
     /// and a new commit of the tag tries again.
     async fn a_part_that_never_comes_makes_the_checkpoint_incomplete_and_kept() {
         use sluice_proto::msg::CkptState;
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = TestDir::new();
         let t = start_with(tmp, "", "publish_wait = '3s'").await;
         let url = t.archive_url();
         let Request::JobStart(mut start) = ckpt_job(81, &url, &[]) else {
@@ -1006,7 +1005,7 @@ root_test! {
 
 /// An agent with a RAM tier of `share` bytes per job (a tmpfs the agent mounts for each job).
 async fn ram_agent(share: &str) -> (TestAgent, PathBuf) {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = TestDir::new();
     let ram = tmp.path().join("ram");
     let fast = fast_tier(&ram, share);
     (start_with(tmp, "", &fast).await, ram.join("n1"))
@@ -1142,6 +1141,52 @@ root_test! {
 }
 
 root_test! {
+    /// An ended RAM-tier job gives its share of the RAM tier back once its checkpoints are on
+    /// NVMe, not once the archive holds them (here the archive is down): new jobs get the RAM
+    /// tier, and so they do after an agent restart, which recovers the ended jobs from its journal
+    /// (found by the bench: after the e2e suite, ended jobs waiting for an archive sent a RAM job
+    /// to NVMe).
+    async fn ended_ram_jobs_give_their_share_back_before_the_archive_has_them() {
+        use sluice_proto::msg::CkptState;
+        // Capacity 64 MiB, shares of 32 MiB: two jobs fill it. The epilog waits 1 s for the
+        // archive, which is down throughout.
+        let tmp = TestDir::new();
+        let ram = tmp.path().join("ram");
+        let config = format!("epilog_wait = '1s'\n{}", fast_tier(&ram, "32MiB"));
+        let ram = ram.join("n1");
+        let t = start_with(tmp, "", &config).await;
+        let url = unwritable_archive(&t.archive_dir());
+        for id in [87, 88] {
+            ram_job_with_s1(&t, id, &url, 9).await;
+            t.commit(id, "s1").await;
+            t.call(Request::JobEnd { job_id: id }).await.unwrap();
+            wait_gone(&ram.join(format!("jobs/{id}")), "the ended job's RAM tier").await;
+            let Response::Ckpts { ckpts } = t.call(Request::CkptList { job_id: id }).await.unwrap()
+            else {
+                panic!()
+            };
+            let s1 = ckpt_status(&ckpts, "s1");
+            assert!(
+                s1.state != CkptState::Archived && s1.on_hot_tier && !s1.in_ram,
+                "{s1:?}"
+            );
+        }
+        let dirs = t.started(ram_job(89, &url)).await;
+        assert!(dirs.ckpt_dir.starts_with(ram.to_str().unwrap()), "{dirs:?}");
+        // A restarted agent recovers the three from its journal; 87 and 88, ended and waiting for
+        // the archive, take no share: a new job gets the RAM tier's other half.
+        let tmp = t.stop().await;
+        let t = start_with(tmp, "", &config).await;
+        let dirs = t.started(ram_job(90, &url)).await;
+        assert!(
+            dirs.ckpt_dir.starts_with(ram.to_str().unwrap()),
+            "job 90 was not given the RAM tier: {dirs:?}"
+        );
+        t.stop().await;
+    }
+}
+
+root_test! {
     /// Issue 13: `--ckpt-tier=ram` on a node without `[fast_tier]` fails the job with what to do;
     /// with the node's RAM tier full, a job gets the hot tier and a note saying so.
     async fn without_room_on_the_ram_tier_a_job_is_told() {
@@ -1175,7 +1220,7 @@ root_test! {
     /// archive gets what the job saved, never the damaged copy.
     async fn a_hot_copy_that_is_not_as_flushed_is_flushed_again_from_ram() {
         use sluice_proto::msg::CkptState;
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = TestDir::new();
         let ram = tmp.path().join("ram");
         let fast = fast_tier(&ram, "16MiB");
         // Turns only when woken (by the commit): nothing reads the copy before the test damages it.
@@ -1332,7 +1377,7 @@ root_test! {
 }
 
 /// The hot tier of the agents started on `tmp`.
-fn t_hot(tmp: &tempfile::TempDir) -> PathBuf {
+fn t_hot(tmp: &TestDir) -> PathBuf {
     tmp.path().join("hot/n1")
 }
 
@@ -1471,7 +1516,7 @@ impl Drop for Mounted {
 /// `filler` fills (the file is removed to make room): a flush from RAM then fails with ENOSPC and
 /// is retried.
 async fn ram_agent_with_a_full_hot_tier() -> (TestAgent, PathBuf, Mounted, PathBuf) {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = TestDir::new();
     let hot = t_hot(&tmp);
     let hot_fs = Mounted::tmpfs(&hot, "size=8m,mode=0755");
     let filler = hot.join("filler");
@@ -1590,7 +1635,7 @@ root_test! {
     /// hour here: only the look after the job's end can find it.)
     async fn a_framework_signal_written_just_before_the_job_ends_is_archived() {
         use sluice_proto::msg::CkptState;
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = TestDir::new();
         let t = start_scanning(tmp, "", "", "1h").await;
         let (archive, url) = (t.archive_dir(), t.archive_url());
         let ckpt = t.ckpt_dir_of(ckpt_job(91, &url, &[])).await;
@@ -1642,7 +1687,7 @@ root_test! {
     /// a permission error and none of the group's data. Before, the copy helper took the frame's
     /// user and gid for `initgroups`/`setresgid` and staged the secret into B's job.
     async fn a_step_cannot_claim_another_users_identity() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = TestDir::new();
         let squeue = fake_squeue(tmp.path(), &format!("{NOBODY}|{NOBODY}|RUNNING|n1|job"));
         let t = start_with_squeue(tmp, &squeue).await;
         let private = t.data.join("daemon-only");
@@ -1690,7 +1735,7 @@ root_test! {
             (format!("{NOBODY}|{NOBODY}|RUNNING|n[2-3]|job"), "does not run on node n1"),
             ("4242|4242|RUNNING|n1|job".to_string(), "does not run job 82 as uid"),
         ] {
-            let tmp = tempfile::tempdir().unwrap();
+            let tmp = TestDir::new();
             let squeue = fake_squeue(tmp.path(), &line);
             let t = start_with_squeue(tmp, &squeue).await;
             make_dataset(&t.data);

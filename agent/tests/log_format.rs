@@ -58,19 +58,11 @@ fn the_agent_logs_json_lines_when_asked() {
 
     // A job starts and ends: what the agent logs while answering its requests (here the job end)
     // carries the job's id and user, like its staging does.
-    use sluice_proto::msg::{JobStart, Request, Response};
+    use sluice_proto::msg::{Request, Response};
+    use sluice_proto::testing::nobody_job;
     let socket = tmp.path().join("n7.sock");
     let call = |r: Request| sluice_proto::client::call(&socket, r, Duration::from_secs(10));
-    let start = JobStart {
-        job_id: 4242,
-        uid: 65534,
-        gid: 65534,
-        user: "nobody".into(),
-        node: "n7".into(),
-        nodes: vec!["n7".into()],
-        job_name: "logs".into(),
-        options: vec![("ckpt-keep".into(), "2".into())],
-    };
+    let start = nobody_job(4242, "n7", "logs", vec![("ckpt-keep".into(), "2".into())]);
     assert!(matches!(call(Request::JobStart(start)), Ok(Response::Ok)));
     assert!(matches!(
         call(Request::JobEnd { job_id: 4242 }),

@@ -16,7 +16,10 @@ use std::time::Duration;
 #[macro_use]
 #[path = "support/as_root.rs"]
 mod as_root;
-use as_root::{NOBODY, Running, make_dataset, nobody_job, spawn_agent};
+#[path = "support/ports.rs"]
+mod ports;
+use as_root::{Running, TestDir, give_to_nobody, make_dataset, nobody_job, spawn_agent};
+use ports::free_port;
 
 /// What [`make_dataset`] writes: 300,000 + 0 + 8 bytes in 3 files.
 const DATASET_BYTES: f64 = 300_008.0;
@@ -122,14 +125,7 @@ fn write_ckpt(dir: &Path, tag: &str) {
     let weights: Vec<u8> = (0..3_000_000u32).map(|i| (i >> 7) as u8).collect();
     std::fs::write(d.join("shards/rank0.bin"), weights).unwrap();
     std::fs::write(d.join("optim.pt"), vec![7u8; 4096]).unwrap();
-    for p in [
-        d.clone(),
-        d.join("shards"),
-        d.join("shards/rank0.bin"),
-        d.join("optim.pt"),
-    ] {
-        std::os::unix::fs::lchown(&p, Some(NOBODY), Some(NOBODY)).unwrap();
-    }
+    give_to_nobody(&d);
 }
 
 /// Inodes of the TCP sockets this process listens on (`/proc/net/tcp{,6}` state 0A, matched
@@ -157,15 +153,6 @@ fn tcp_listeners() -> HashSet<String> {
         })
         .filter(|inode| ours.contains(inode))
         .collect()
-}
-
-/// A port nothing listens on right now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `GET /metrics` as Prometheus sends it: (status line, content type, body).
@@ -231,7 +218,7 @@ fn value(series: &(BTreeMap<String, f64>, String), key: &str) -> f64 {
 
 root_test! {
     async fn prometheus_sees_what_the_agent_did_and_nothing_listens_without_metrics() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = TestDir::new();
 
         // Off by default: an agent without [metrics] listens on no TCP port.
         let off = start(&tmp.path().join("off"), "").await;

@@ -14,7 +14,7 @@
 //!
 //! The copy is verified later, where it is read anyway: the archive's upload reads and hashes
 //! every file of the hot tier's copy for its MANIFEST, and refuses a part whose hashes are not the
-//! flush's ([`crate::Archiver::upload_part_as_flushed`]). Where no archive reads it, the agent reads
+//! flush's ([`crate::Archiver::upload_part`] with the flush's hashes). Where no archive reads it, the agent reads
 //! it back once, in the background ([`verify_tree`]). Reading the copy back inside the flush doubled
 //! the flush's disk I/O for a check the upload repeats.
 
@@ -423,13 +423,13 @@ mod tests {
         let progress = ArchiveProgress::default();
         // Intact: the upload's hashes are the flush's, and the part is written.
         let part = a
-            .upload_part_as_flushed("s1", "n1", fd(), me().uid, &progress, &done.hashes)
+            .upload_part("s1", "n1", fd(), me().uid, &progress, Some(&done.hashes))
             .await
             .unwrap();
         assert_eq!(part.files.len(), 2);
         damage(dst.path());
         let e = a
-            .upload_part_as_flushed("s1", "n1", fd(), me().uid, &progress, &done.hashes)
+            .upload_part("s1", "n1", fd(), me().uid, &progress, Some(&done.hashes))
             .await
             .unwrap_err();
         match &e {

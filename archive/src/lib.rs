@@ -168,7 +168,10 @@ impl ArchiveConfig {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+/// [`ArchiveError::code`] is each variant's name in snake_case (derived), but for a store error and
+/// a failed write, which say more.
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ArchiveError {
     #[error("archive URL '{url}': {reason}")]
     BadUrl { url: String, reason: String },
@@ -257,7 +260,7 @@ pub enum ArchiveError {
         node: String,
     },
     /// The hot tier's copy of a checkpoint flushed from the RAM tier does not hash as the flush
-    /// read it ([`Archiver::upload_part_as_flushed`]): no part manifest was written.
+    /// read it ([`Archiver::upload_part`] with the flush's hashes): no part manifest was written.
     #[error(
         "checkpoint {tag}: the hot tier's copy is not what was flushed from RAM: {}; nothing was published",
         describe(damaged)
@@ -322,12 +325,6 @@ impl ArchiveError {
     /// disk is full), never a message text. Dashboards and alerts query these words: keep them.
     pub fn code(&self) -> &'static str {
         match self {
-            ArchiveError::BadUrl { .. } => "bad_url",
-            ArchiveError::BadConfig(_) => "bad_config",
-            ArchiveError::BadName { .. } => "bad_name",
-            ArchiveError::Refused { .. } => "refused",
-            ArchiveError::Modified { .. } => "modified",
-            ArchiveError::Read { .. } => "read",
             ArchiveError::Write { errno, .. } => {
                 let full = [nix::errno::Errno::ENOSPC, nix::errno::Errno::EDQUOT];
                 if full.iter().any(|f| *errno == Some(*f as i32)) {
@@ -344,14 +341,7 @@ impl ArchiveError {
                 Some(store::StoreErrorKind::TimedOut) => "store_timed_out",
                 Some(store::StoreErrorKind::Other) | None => "store_other",
             },
-            ArchiveError::NotArchived { .. } => "not_archived",
-            ArchiveError::BadManifest { .. } => "bad_manifest",
-            ArchiveError::Corrupt { .. } => "corrupt",
-            ArchiveError::Conflict { .. } => "conflict",
-            ArchiveError::ManifestTooLarge { .. } => "manifest_too_large",
-            ArchiveError::Stopped { .. } => "stopped",
-            ArchiveError::AlreadyPublished { .. } => "already_published",
-            ArchiveError::NotAsFlushed { .. } => "not_as_flushed",
+            other => other.into(),
         }
     }
 

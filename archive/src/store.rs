@@ -30,9 +30,15 @@ pub fn open(
     let url = format!("{}://{bucket}/", scheme.url_scheme());
     let profile = cfg.store_for(&url);
     let retry = retry_config(&cfg.retry);
-    Ok(match scheme {
-        ObjectScheme::S3 => Arc::new(s3(profile, bucket).with_retry(retry).build()?),
-        ObjectScheme::Azure => Arc::new(azure(profile, bucket).with_retry(retry).build()?),
+    let built: object_store::Result<Arc<dyn ObjectStore>> = match scheme {
+        ObjectScheme::S3 => s3(profile, bucket)
+            .with_retry(retry)
+            .build()
+            .map(|s| Arc::new(s) as _),
+        ObjectScheme::Azure => azure(profile, bucket)
+            .with_retry(retry)
+            .build()
+            .map(|s| Arc::new(s) as _),
         ObjectScheme::Gcs => {
             let mut b = GoogleCloudStorageBuilder::from_env()
                 .with_bucket_name(bucket)
@@ -40,9 +46,31 @@ pub fn open(
             if let Some(p) = profile.and_then(|p| p.service_account_path.as_ref()) {
                 b = b.with_service_account_path(p);
             }
-            Arc::new(b.build()?)
+            b.build().map(|s| Arc::new(s) as _)
         }
-    })
+    };
+    built.map_err(without_ca_certificates)
+}
+
+/// The HTTP client loads the system's CA certificates when it is built, for http:// endpoints
+/// too, and fails without any with only "Generic HTTP client error: builder error" on top: a node
+/// image without them (a minimal container, a fresh chroot) gets that for every store. Says what is
+/// missing and what to install instead.
+fn without_ca_certificates(e: object_store::Error) -> object_store::Error {
+    let mut source: Option<&dyn std::error::Error> = Some(&e);
+    while let Some(s) = source {
+        if s.to_string().contains("No CA certificates") {
+            return object_store::Error::Generic {
+                store: "HTTP client",
+                source: "this node has no CA certificates (the store client reads the system's, \
+                         even for http:// endpoints): install them (Debian: apt-get install \
+                         ca-certificates)"
+                    .into(),
+            };
+        }
+        source = s.source();
+    }
+    e
 }
 
 /// The site's `[retry]` policy in object_store's terms: exponential backoff with object_store's base

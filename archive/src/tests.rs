@@ -61,7 +61,7 @@ async fn upload(
     dir: &Path,
 ) -> Result<PartManifest, ArchiveError> {
     let fd = Arc::new(safefs::open_root_dir(dir).unwrap());
-    a.upload_part(tag, node, fd, test_uid(), &ArchiveProgress::default())
+    a.upload_part(tag, node, fd, test_uid(), &ArchiveProgress::default(), None)
         .await
 }
 
@@ -97,7 +97,7 @@ async fn archive_publish_restore_round_trip() {
     let progress = ArchiveProgress::default();
     let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
     let part = a
-        .upload_part("step10", "n1", fd, test_uid(), &progress)
+        .upload_part("step10", "n1", fd, test_uid(), &progress, None)
         .await
         .unwrap();
     let p = progress.snapshot();
@@ -696,11 +696,36 @@ fn error_codes_are_stable_words() {
         }),
     };
     assert_eq!(store.code(), "store_not_found");
-    let full = ArchiveError::Write {
+    // A failed write says `no_space` when the disk (or the user's quota) is full.
+    let write = |errno: nix::errno::Errno| ArchiveError::Write {
         tag: "t".into(),
         path: "p".into(),
-        detail: "full".into(),
-        errno: Some(nix::errno::Errno::ENOSPC as i32),
+        detail: errno.desc().into(),
+        errno: Some(errno as i32),
     };
-    assert_eq!(full.code(), "no_space");
+    assert_eq!(write(nix::errno::Errno::ENOSPC).code(), "no_space");
+    assert_eq!(write(nix::errno::Errno::EDQUOT).code(), "no_space");
+    assert_eq!(write(nix::errno::Errno::EACCES).code(), "write");
+    // The words the variants' names give (derived): pinned, so a renamed variant cannot change them.
+    let (s, t) = (String::new, || "t".to_string());
+    #[rustfmt::skip]
+    let derived = [
+        (ArchiveError::BadUrl { url: s(), reason: s() }, "bad_url"),
+        (ArchiveError::BadConfig(s()), "bad_config"),
+        (ArchiveError::BadName { what: "tag", name: s() }, "bad_name"),
+        (ArchiveError::Refused { tag: t(), path: s(), reason: s() }, "refused"),
+        (ArchiveError::Modified { tag: t(), path: s() }, "modified"),
+        (ArchiveError::Read { tag: t(), path: s(), detail: s() }, "read"),
+        (ArchiveError::NotArchived { url: s(), tag: t() }, "not_archived"),
+        (ArchiveError::BadManifest { url: s(), tag: t(), what: s(), reason: s() }, "bad_manifest"),
+        (ArchiveError::Corrupt { url: s(), tag: t(), damaged: vec![] }, "corrupt"),
+        (ArchiveError::Conflict { tag: t(), path: s(), nodes: (s(), s()) }, "conflict"),
+        (ArchiveError::ManifestTooLarge { tag: t(), what: s(), size: 0 }, "manifest_too_large"),
+        (ArchiveError::Stopped { tag: t() }, "stopped"),
+        (ArchiveError::AlreadyPublished { url: s(), tag: t(), node: s() }, "already_published"),
+        (ArchiveError::NotAsFlushed { tag: t(), damaged: vec![] }, "not_as_flushed"),
+    ];
+    for (error, code) in derived {
+        assert_eq!(error.code(), code, "{error:?}");
+    }
 }

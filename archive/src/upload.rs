@@ -904,38 +904,14 @@ impl Archiver {
     /// is read fails the upload with [`ArchiveError::Modified`] (retry later); no part manifest is
     /// written then. Once the checkpoint is published, returns the node's existing part.
     ///
+    /// `flushed`: the hashes of a checkpoint flushed from the RAM tier. The hashes the upload
+    /// computes of the hot tier's copy (as it reads it for the MANIFEST) must be those, file for
+    /// file; else [`ArchiveError::NotAsFlushed`] and no part manifest, so no node publishes a copy
+    /// that is not what the job saved.
+    ///
     /// With a resume directory ([`Archiver::with_resume_dir`]) a rerun after an interruption
     /// uploads only the files whose objects it did not store yet (see [`super::resume`]).
     pub async fn upload_part(
-        &self,
-        tag: &str,
-        node: &str,
-        dir: Arc<OwnedFd>,
-        expected_uid: u32,
-        progress: &ArchiveProgress,
-    ) -> Result<PartManifest, ArchiveError> {
-        self.upload_part_checked(tag, node, dir, expected_uid, progress, None)
-            .await
-    }
-
-    /// [`Archiver::upload_part`] of a checkpoint flushed from the RAM tier: the hashes the upload
-    /// computes of the hot tier's copy (as it reads it for the MANIFEST) must be the ones the flush
-    /// computed of the RAM copy, file for file; else [`ArchiveError::NotAsFlushed`] and no part
-    /// manifest, so no node publishes a copy that is not what the job saved.
-    pub async fn upload_part_as_flushed(
-        &self,
-        tag: &str,
-        node: &str,
-        dir: Arc<OwnedFd>,
-        expected_uid: u32,
-        progress: &ArchiveProgress,
-        flushed: &crate::flush::FlushHashes,
-    ) -> Result<PartManifest, ArchiveError> {
-        self.upload_part_checked(tag, node, dir, expected_uid, progress, Some(flushed))
-            .await
-    }
-
-    async fn upload_part_checked(
         &self,
         tag: &str,
         node: &str,

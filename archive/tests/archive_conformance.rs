@@ -309,7 +309,7 @@ fn write_ckpt(dir: &FsPath, files: &[(&str, Vec<u8>)]) {
 async fn upload(h: &Harness, tag: &str, node: &str, dir: &FsPath) -> Result<(), ArchiveError> {
     let fd = Arc::new(safefs::open_root_dir(dir).unwrap());
     h.archiver
-        .upload_part(tag, node, fd, job_uid(), &ArchiveProgress::default())
+        .upload_part(tag, node, fd, job_uid(), &ArchiveProgress::default(), None)
         .await
         .map(|_| ())
 }

@@ -196,7 +196,7 @@ async fn a_directory_swapped_for_a_symlink_during_the_walk_never_leaks_root_file
         let tag = format!("a{attempt}");
         let fd = Arc::new(safefs::open_root_dir(&ckpt).unwrap());
         let result = archiver
-            .upload_part(&tag, "n1", fd, UID, &ArchiveProgress::default())
+            .upload_part(&tag, "n1", fd, UID, &ArchiveProgress::default(), None)
             .await;
         match result {
             Ok(part) => {

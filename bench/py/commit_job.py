@@ -7,9 +7,9 @@ Saves a state dict of BYTES (bf16 and fp32 tensors) with sluice_ckpt.save into $
 (time.time(), the host's clock, which the driver shares) just before the commit, when the CLI
 returned, the file's size and the file system type of $SLUICE_CKPT_DIR. Then it waits for the
 driver's WORK/go (the job stays alive while the agent flushes and archives), at most 600 s.
+The driver copies tests/harness/jobreport.py beside it.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -17,24 +17,15 @@ import time
 
 import torch
 
+import jobreport
 import sluice_ckpt
 
 work, total, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 ckpt = os.environ["SLUICE_CKPT_DIR"]
-report = {"ckpt_dir": ckpt, "errors": []}
-
-
-def put():
-    with open(os.path.join(work, "report.json.tmp"), "w") as f:
-        json.dump(report, f)
-    os.replace(os.path.join(work, "report.json.tmp"), os.path.join(work, "report.json"))
-
+report = jobreport.Report(work, ckpt_dir=ckpt)
 
 try:
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split() for line in f]
-    best = max((m for m in mounts if ckpt.startswith(m[4])), key=lambda m: len(m[4]))
-    report["fs_type"] = best[best.index("-") + 1]
+    report["fs_type"] = jobreport.fs_type(ckpt)
     torch.manual_seed(0)
     half = total // 2
     state = {
@@ -51,7 +42,7 @@ try:
         report["errors"].append(f"sluice ckpt commit {tag} exited {p.returncode}: {report['commit_output']}")
 except Exception as e:
     report["errors"].append(f"{type(e).__name__}: {e}")
-put()
+report.write()
 deadline = time.monotonic() + 600
 while not os.path.exists(os.path.join(work, "go")) and time.monotonic() < deadline:
     time.sleep(0.1)

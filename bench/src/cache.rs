@@ -534,26 +534,26 @@ impl Bench {
             let times = |v: &[Outcome]| v.iter().map(|o| o.stage_s).collect::<Vec<_>>();
             let jobs = |v: &[Outcome]| v.iter().map(|o| o.job_s).collect::<Vec<_>>();
             let (ct, wt) = (median(&times(&cold)), median(&times(&warm)));
-            let m = median(&pct_cache);
-            r.rows.push(Row {
-                case: format!("cache: second job, % of bytes from the cache, {shape}"),
+            // What the three rows of this shape share: the case's wording, the dataset, the unit.
+            let row = |case: &str, unit: &str| Row {
+                case: format!("cache: {case}, {shape}"),
                 size: size.clone(),
                 bytes,
-                unit: "%".into(),
+                unit: unit.into(),
+                ..Row::default()
+            };
+            let m = median(&pct_cache);
+            r.rows.push(Row {
                 sluice: m,
                 peer_name: "-".into(),
                 target: format!(">= {FROM_CACHE_TARGET:.0} %"),
                 met: Some(m >= FROM_CACHE_TARGET),
                 note: "StageProgress.cache_bytes of the warm job ÷ the dataset".into(),
                 sluice_samples: pct_cache,
-                ..Row::default()
+                ..row("second job, % of bytes from the cache", "%")
             });
             let m = median(&pct_origin);
             r.rows.push(Row {
-                case: format!("cache: second job, origin bytes / dataset, {shape}"),
-                size: size.clone(),
-                bytes,
-                unit: "%".into(),
                 sluice: m,
                 peer_name: "cold job".into(),
                 peer: Some(100.0 * cold_origin / bytes as f64),
@@ -563,13 +563,9 @@ impl Bench {
                        task's listing (listing and headers included)"
                     .into(),
                 sluice_samples: pct_origin,
-                ..Row::default()
+                ..row("second job, origin bytes / dataset", "%")
             });
             r.rows.push(Row {
-                case: format!("cache: staging time, cold / warm, {shape}"),
-                size,
-                bytes,
-                unit: "s".into(),
                 sluice: wt,
                 peer_name: "cold job".into(),
                 peer: Some(ct),
@@ -584,7 +580,7 @@ impl Bench {
                 ),
                 sluice_samples: times(&warm),
                 peer_samples: times(&cold),
-                ..Row::default()
+                ..row("staging time, cold / warm", "s")
             });
         }
         Ok(())

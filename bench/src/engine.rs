@@ -184,7 +184,14 @@ async fn run_archive(job: &ArchiveJob, cfg: &Config) -> Result<(u64, u64, u64)> 
     let archiver = open_archive(cfg, &job.url)?;
     let progress = ArchiveProgress::default();
     archiver
-        .upload_part(&job.tag, "n1", open_dir(&job.dir)?, job.uid, &progress)
+        .upload_part(
+            &job.tag,
+            "n1",
+            open_dir(&job.dir)?,
+            job.uid,
+            &progress,
+            None,
+        )
         .await?;
     let meta = JobMeta {
         job_id: 1,
@@ -337,6 +344,7 @@ pub fn compress(input: &Path, output: &Path, threads: Option<usize>, level: i32)
         open_dir(src)?,
         uid,
         &ArchiveProgress::default(),
+        None,
     ))?;
     let [f] = &part.files[..] else {
         bail!("{} archived as {} files", src.display(), part.files.len());

@@ -4,7 +4,8 @@
 
 use anyhow::{Result, bail};
 use serde::Serialize;
-use std::process::{Command, Stdio};
+use std::fmt::Display;
+use std::process::{Command, Output, Stdio};
 use std::time::Instant;
 
 #[derive(Debug, Clone, Serialize)]
@@ -92,14 +93,7 @@ pub fn measure(cmd: &mut Command) -> Result<Sample> {
         .output()?;
     let wall_s = t.elapsed().as_secs_f64();
     let cpu_s = children_cpu() - before;
-    if !out.status.success() {
-        bail!(
-            "{:?} failed ({}): {}",
-            cmd.get_program(),
-            out.status,
-            stderr_tail(&out.stderr, 8, " | ")
-        );
-    }
+    ensure_success(format_args!("{:?}", cmd.get_program()), &out, 8, " | ")?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let extra = stdout
         .lines()
@@ -132,8 +126,21 @@ pub fn interleaved<T>(
     Ok(out)
 }
 
+/// An error unless `out` exited 0, naming `what` (the program), its exit status and the last
+/// `lines` lines of its stderr joined by `sep`.
+pub fn ensure_success(what: impl Display, out: &Output, lines: usize, sep: &str) -> Result<()> {
+    if out.status.success() {
+        return Ok(());
+    }
+    bail!(
+        "{what} failed ({}): {}",
+        out.status,
+        stderr_tail(&out.stderr, lines, sep)
+    )
+}
+
 /// The last `n` lines of a command's stderr, joined by `sep`: what a failure message quotes.
-pub fn stderr_tail(stderr: &[u8], n: usize, sep: &str) -> String {
+fn stderr_tail(stderr: &[u8], n: usize, sep: &str) -> String {
     let err = String::from_utf8_lossy(stderr);
     let tail: Vec<&str> = err.lines().rev().take(n).collect();
     tail.into_iter().rev().collect::<Vec<_>>().join(sep)

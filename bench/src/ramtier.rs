@@ -16,7 +16,7 @@
 //! the agent's flush to the NVMe hot tier and the archive upload. One job per repetition.
 
 use crate::cluster::Patience;
-use crate::measure::{median, stderr_tail};
+use crate::measure::{ensure_success, median};
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
 use std::os::unix::fs::{PermissionsExt, chown};
@@ -129,14 +129,7 @@ impl Bench {
             .stdin(Stdio::null())
             .output()
             .with_context(|| format!("running {}", py.display()))?;
-        if !out.status.success() {
-            bail!(
-                "{} exited {}: {}",
-                script.display(),
-                out.status,
-                stderr_tail(&out.stderr, 12, "\n")
-            );
-        }
+        ensure_success(script.display(), &out, 12, "\n")?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         let v: serde_json::Value = serde_json::from_str(stdout.trim().lines().last().unwrap_or(""))
             .with_context(|| format!("writer_bench.py printed {stdout:?}"))?;
@@ -348,10 +341,13 @@ impl Bench {
             dir.join("lib/libsluice_writer.so"),
         )?;
         std::fs::copy(self.built("sluice")?, dir.join("lib/sluice"))?;
-        std::fs::copy(
-            self.a.repo.join("bench/py/commit_job.py"),
-            dir.join("commit_job.py"),
-        )?;
+        // The job script, and the report writer it imports from beside it.
+        for (script, from) in [
+            ("commit_job.py", "bench/py"),
+            ("jobreport.py", "tests/harness"),
+        ] {
+            std::fs::copy(self.a.repo.join(from).join(script), dir.join(script))?;
+        }
         Ok(dir)
     }
 

@@ -374,6 +374,43 @@ impl Report {
     }
 }
 
+/// A row comparing sluice's samples with the peer's by `value`, where more is better (a rate, a
+/// compression ratio): `base` says what is compared (case, size, bytes, unit, peer, note); the row
+/// adds both sides' medians and samples, the gain sluice / peer, whether it meets `target` (a
+/// [`Target::Gain`]; any other target is not checked), and both sides' CPU seconds, also per GiB of
+/// `base.bytes`.
+fn gain_row(
+    base: Row,
+    sluice: &[Sample],
+    peer: &[Sample],
+    value: &dyn Fn(&Sample) -> f64,
+    target: Target,
+) -> Row {
+    let values = |v: &[Sample]| v.iter().map(value).collect::<Vec<_>>();
+    let cpu = |v: &[Sample]| v.iter().map(|s| s.cpu_s).collect::<Vec<_>>();
+    let per_gib = |v: &[Sample]| median(&cpu(v)) / (base.bytes as f64 / GIB);
+    let (sv, pv) = (values(sluice), values(peer));
+    let (sm, pm) = (median(&sv), median(&pv));
+    let gain = sm / pm;
+    Row {
+        sluice: sm,
+        peer: Some(pm),
+        ratio: Some(gain),
+        sluice_cpu_s_per_gib: Some(per_gib(sluice)),
+        peer_cpu_s_per_gib: Some(per_gib(peer)),
+        target: target.text(),
+        met: match target {
+            Target::Gain(g) => Some(gain >= g),
+            _ => None,
+        },
+        sluice_samples: sv,
+        peer_samples: pv,
+        sluice_cpu_s: cpu(sluice),
+        peer_cpu_s: cpu(peer),
+        ..base
+    }
+}
+
 /// The `Environment=` settings of the agent's systemd unit, as shipped.
 fn agent_unit_env() -> Vec<(&'static str, &'static str)> {
     include_str!("../../slurm-conf/sluiced.service")
@@ -1077,20 +1114,10 @@ impl Bench {
                     continue;
                 }
             };
-            let ratio = |v: &[Sample]| {
-                v.iter()
-                    .map(|s| {
-                        raw as f64 / s.extra["stored_bytes_on_disk"].as_u64().unwrap_or(1) as f64
-                    })
-                    .collect::<Vec<_>>()
+            let ratio = |s: &Sample| {
+                raw as f64 / s.extra["stored_bytes_on_disk"].as_u64().unwrap_or(1) as f64
             };
-            let speed = |v: &[Sample]| {
-                v.iter()
-                    .map(|s| raw as f64 / MIB as f64 / s.wall_s)
-                    .collect::<Vec<_>>()
-            };
-            let cpu = |v: &[Sample]| v.iter().map(|s| s.cpu_s).collect::<Vec<_>>();
-            let per_gib = |v: &[Sample]| median(&cpu(v)) / (raw as f64 / GIB);
+            let speed = |s: &Sample| raw as f64 / MIB as f64 / s.wall_s;
             let transform = samples[0]
                 .first()
                 .map(|s| s.extra["transform"].as_str().unwrap_or("?").to_string())
@@ -1102,7 +1129,7 @@ impl Bench {
             for (what, f, target) in [
                 (
                     "ratio",
-                    &ratio as &dyn Fn(&[Sample]) -> Vec<f64>,
+                    &ratio as &dyn Fn(&Sample) -> f64,
                     if targeted {
                         Target::Gain(1.12)
                     } else {
@@ -1119,10 +1146,7 @@ impl Bench {
                     },
                 ),
             ] {
-                let (sv, pv) = (f(&samples[0]), f(&samples[1]));
-                let (sm, pm) = (median(&sv), median(&pv));
-                let gain = sm / pm;
-                r.rows.push(Row {
+                let base = Row {
                     case: format!("{case}: {what}"),
                     size: size_label(raw),
                     bytes: raw,
@@ -1131,26 +1155,14 @@ impl Bench {
                     } else {
                         "MiB/s".into()
                     },
-                    sluice: sm,
                     peer_name: "zstd -3 -T0".into(),
-                    peer: Some(pm),
-                    ratio: Some(gain),
-                    sluice_cpu_s_per_gib: Some(per_gib(&samples[0])),
-                    peer_cpu_s_per_gib: Some(per_gib(&samples[1])),
-                    target: target.text(),
-                    met: match target {
-                        Target::Gain(g) => Some(gain >= g),
-                        _ => None,
-                    },
                     note: format!(
                         "sluice: zstd level 1, {transform}, {threads} compress thread(s) + reader"
                     ),
-                    sluice_samples: sv,
-                    peer_samples: pv,
-                    sluice_cpu_s: cpu(&samples[0]),
-                    peer_cpu_s: cpu(&samples[1]),
                     ..Row::default()
-                });
+                };
+                r.rows
+                    .push(gain_row(base, &samples[0], &samples[1], f, target));
             }
         }
     }
@@ -1233,42 +1245,34 @@ impl Bench {
             }
         };
         let _ = std::fs::remove_dir_all(&ram);
-        let speed = |v: &[Sample]| {
-            v.iter()
-                .map(|s| raw as f64 / MIB as f64 / s.wall_s)
-                .collect::<Vec<_>>()
-        };
-        let cpu = |v: &[Sample]| v.iter().map(|s| s.cpu_s).collect::<Vec<_>>();
-        let per_gib = |v: &[Sample]| median(&cpu(v)) / (raw as f64 / GIB);
-        let (sv, pv) = (speed(&samples[0]), speed(&samples[1]));
-        let (sm, pm) = (median(&sv), median(&pv));
         let direct = samples[0]
             .first()
             .and_then(|s| s.extra["direct"].as_bool())
             .unwrap_or(false);
-        r.rows.push(Row {
+        let base = Row {
             case: case.into(),
             size: format!("{files} files, {}", size_label(raw)),
             bytes: raw,
             unit: "MiB/s".into(),
-            sluice: sm,
             peer_name: "fio --rw=write --bs=4M --direct=1".into(),
-            peer: Some(pm),
-            ratio: Some(sm / pm),
-            sluice_cpu_s_per_gib: Some(per_gib(&samples[0])),
-            peer_cpu_s_per_gib: Some(per_gib(&samples[1])),
-            target: Target::Gain(0.9).text(),
-            met: Some(sm / pm >= 0.9),
             note: format!(
                 "sluice reads the tree from /dev/shm, writes with O_DIRECT ({}), hashes each file (BLAKE3) as it reads it from RAM and fsyncs (the upload, or a background read-back where no archive is set, checks the copy against those hashes); fio only writes",
-                if direct { "every file" } else { "refused somewhere: page cache" }
+                if direct {
+                    "every file"
+                } else {
+                    "refused somewhere: page cache"
+                }
             ),
-            sluice_samples: sv,
-            peer_samples: pv,
-            sluice_cpu_s: cpu(&samples[0]),
-            peer_cpu_s: cpu(&samples[1]),
             ..Row::default()
-        });
+        };
+        let speed = |s: &Sample| raw as f64 / MIB as f64 / s.wall_s;
+        r.rows.push(gain_row(
+            base,
+            &samples[0],
+            &samples[1],
+            &speed,
+            Target::Gain(0.9),
+        ));
     }
 
     // ------------------------------------------------------------------------------------ slurm

@@ -3,8 +3,8 @@
 
 use sluice_archive::{CheckpointInfo, CheckpointState, JobMeta};
 use sluice_proto::msg::{
-    CacheEntry, CacheEvicted, CacheListing, CacheStats, CacheWarmed, CkptState, CkptStatus,
-    JobDirs, JobState, JobStatus, NodeStatus, StageProgress, StageState, WorkerStatus,
+    CacheEntry, CacheEvicted, CacheListing, CacheWarmed, CkptState, CkptStatus, JobDirs, JobState,
+    JobStatus, NodeStatus, ReplicaStatus, StageProgress, StageState, WorkerStatus,
 };
 
 /// 2026-05-01T10:00:00Z.
@@ -168,6 +168,7 @@ fn ckpt(tag: &str, state: CkptState, minutes: u64) -> CkptStatus {
         committed_at: STARTED_AT + minutes * 60,
         archived_at: None,
         error: None,
+        replicas: None,
     }
 }
 
@@ -199,9 +200,25 @@ pub fn job_ckpts() -> Vec<CkptStatus> {
         },
         // A --ckpt-tier=ram job's: flushed and being archived (its RAM copy is the newest's), and
         // committed in RAM, not flushed yet.
+        // Replicated to gpu08 (`[fast_tier] replicas = 1`), and one gpu08 had no room for.
         CkptStatus {
             in_ram: true,
+            replicas: Some(ReplicaStatus {
+                wanted: 1,
+                held_by: vec!["gpu08".into()],
+                protected: true,
+                ..ReplicaStatus::default()
+            }),
             ..ckpt("step500", CkptState::Archiving, 50)
+        },
+        CkptStatus {
+            in_ram: true,
+            replicas: Some(ReplicaStatus {
+                wanted: 1,
+                short: Some("gpu08 has no room for replicas: 8.0 GiB asked, 1.0 GiB free".into()),
+                ..ReplicaStatus::default()
+            }),
+            ..ckpt("step550", CkptState::Archiving, 55)
         },
         CkptStatus {
             in_ram: true,
@@ -250,23 +267,7 @@ pub fn archive_listing() -> Vec<CheckpointInfo> {
     ]
 }
 
-/// gpu07's cache: 100 GiB, a third full, after a few sweeps.
-pub fn cache_stats() -> CacheStats {
-    CacheStats {
-        root: "/var/lib/sluice/gpu07/hot/cache".into(),
-        capacity_bytes: 100 * GIB,
-        high_water_bytes: 90 * GIB,
-        low_water_bytes: 75 * GIB,
-        used_bytes: 33 * GIB,
-        entries: 3,
-        hits: 7,
-        misses: 1,
-        hit_bytes: 56 * GIB,
-        filled_bytes: 45 * GIB,
-        evictions: 2,
-        evicted_bytes: 12 * GIB,
-    }
-}
+pub use sluice_proto::testing::cache_stats;
 
 /// Its entries, least recently used first; the newest one a job is reading.
 pub fn cache_listing() -> CacheListing {

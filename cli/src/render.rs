@@ -434,15 +434,53 @@ fn ckpt_size_known(c: &CkptStatus) -> bool {
         || c.stored_bytes > 0
 }
 
-/// Where this node holds a checkpoint: `ram` (the RAM tier; alone: not flushed yet), `nvme` (the
-/// hot tier), both, or `-` (only in the archive, if STATE says archived).
-fn location(c: &CkptStatus) -> &'static str {
-    match (c.in_ram, c.on_hot_tier) {
-        (true, true) => "ram+nvme",
-        (true, false) => "ram",
-        (false, true) => "nvme",
-        (false, false) => "-",
+/// Where a checkpoint's part of this node is: `ram` (the RAM tier; alone: not flushed yet),
+/// `nvme` (the hot tier), both, then `+NODE` for each node holding a replica of it
+/// (`[fast_tier] replicas`), or `-` (only in the archive, if STATE says archived).
+fn location(c: &CkptStatus) -> String {
+    let mut at: Vec<String> = Vec::new();
+    if c.in_ram {
+        at.push("ram".into());
     }
+    if c.on_hot_tier {
+        at.push("nvme".into());
+    }
+    if let Some(r) = c.replicas.as_ref().filter(|r| !r.freed) {
+        at.extend(r.held_by.iter().map(|n| clean(n)));
+    }
+    if at.is_empty() {
+        "-".into()
+    } else {
+        at.join("+")
+    }
+}
+
+/// Where the checkpoint stands with its replicas: `protected` (every node's part is on as many
+/// other nodes as asked), `1/1` (this node's part is; not yet known of the others'), `0/1`,
+/// `freed` (archived: the replicas went), `-` (none asked or not flushed yet).
+fn replicas(c: &CkptStatus) -> String {
+    match &c.replicas {
+        None => "-".into(),
+        Some(r) if r.freed => "freed".into(),
+        Some(r) if r.protected => "protected".into(),
+        Some(r) if r.held_by.is_empty() && r.short.is_none() => "-".into(),
+        Some(r) => format!("{}/{}", r.held_by.len(), r.wanted),
+    }
+}
+
+/// Why fewer nodes than asked hold a replica of the checkpoint, while it is not archived.
+fn replicas_short(c: &CkptStatus) -> Option<String> {
+    let r = c
+        .replicas
+        .as_ref()
+        .filter(|r| !r.freed && c.archived_at.is_none())?;
+    let short = r.short.as_deref()?;
+    Some(format!(
+        "replicas: {} of {} ({})",
+        r.held_by.len(),
+        r.wanted,
+        clean(short)
+    ))
 }
 
 /// `sluice ckpt list` in a job: the job's checkpoints on this node, oldest commit first as the
@@ -462,39 +500,39 @@ pub fn job_ckpts(job_id: JobId, ckpts: &[CkptStatus]) -> String {
         );
         return out;
     }
+    // REPLICAS only for a job that has them (`[fast_tier] replicas`).
+    let replicated = ckpts.iter().any(|c| c.replicas.is_some());
     let rows: Vec<Vec<String>> = ckpts
         .iter()
         .map(|c| {
             let known = ckpt_size_known(c);
             let size = |n: u64| if known { bytes(n) } else { "-".to_string() };
-            vec![
-                clean(&c.tag),
-                c.state.as_str().to_string(),
-                location(c).to_string(),
+            let mut row = vec![clean(&c.tag), c.state.as_str().to_string(), location(c)];
+            if replicated {
+                row.push(replicas(c));
+            }
+            row.extend([
                 size(c.raw_bytes),
                 size(c.stored_bytes),
                 ratio(ratio_of(c.raw_bytes, c.stored_bytes).filter(|_| known)),
                 timestamp(c.committed_at),
                 c.archived_at.map_or_else(|| "-".to_string(), timestamp),
-                c.error.as_deref().map_or_else(|| "-".to_string(), clean),
-            ]
+                match (c.error.as_deref(), replicas_short(c)) {
+                    (Some(e), _) => clean(e),
+                    (None, Some(short)) => short,
+                    (None, None) => "-".to_string(),
+                },
+            ]);
+            row
         })
         .collect();
+    let mut header = vec!["TAG", "STATE", "WHERE"];
+    if replicated {
+        header.push("REPLICAS");
+    }
+    header.extend(["SIZE", "STORED", "RATIO", "COMMITTED", "ARCHIVED", "ERROR"]);
     out.push('\n');
-    out.push_str(&table(
-        &[
-            "TAG",
-            "STATE",
-            "WHERE",
-            "SIZE",
-            "STORED",
-            "RATIO",
-            "COMMITTED",
-            "ARCHIVED",
-            "ERROR",
-        ],
-        &rows,
-    ));
+    out.push_str(&table(&header, &rows));
     out
 }
 
@@ -1283,13 +1321,14 @@ datasets (2)
         let want = "\
 job 4242 on this node; archive s3://ckpt/alice/train
 
-TAG      STATE              WHERE     SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR
-step100  archived           -         3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:10:00Z  2026-05-01T10:11:10Z  -
-step200  archived           nvme      3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:20:00Z  2026-05-01T10:21:10Z  -
-step300  waiting-for-nodes  nvme      1.5 GiB  1.0 GiB  1.46x  2026-05-01T10:30:00Z  -                     -
-step400  retrying           nvme      -        -        -      2026-05-01T10:40:00Z  -                     s3://ckpt/alice/train: put 'alice/train/step400/data/model.bin': connection refused
-step500  archiving          ram+nvme  -        -        -      2026-05-01T10:50:00Z  -                     -
-step600  committed          ram       -        -        -      2026-05-01T11:00:00Z  -                     -
+TAG      STATE              WHERE           REPLICAS   SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR
+step100  archived           -               -          3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:10:00Z  2026-05-01T10:11:10Z  -
+step200  archived           nvme            -          3.0 GiB  2.0 GiB  1.46x  2026-05-01T10:20:00Z  2026-05-01T10:21:10Z  -
+step300  waiting-for-nodes  nvme            -          1.5 GiB  1.0 GiB  1.46x  2026-05-01T10:30:00Z  -                     -
+step400  retrying           nvme            -          -        -        -      2026-05-01T10:40:00Z  -                     s3://ckpt/alice/train: put 'alice/train/step400/data/model.bin': connection refused
+step500  archiving          ram+nvme+gpu08  protected  -        -        -      2026-05-01T10:50:00Z  -                     -
+step550  archiving          ram+nvme        0/1        -        -        -      2026-05-01T10:55:00Z  -                     replicas: 0 of 1 (gpu08 has no room for replicas: 8.0 GiB asked, 1.0 GiB free)
+step600  committed          ram             -          -        -        -      2026-05-01T11:00:00Z  -                     -
 ";
         assert_eq!(job_ckpts(fixtures::CKPT_JOB, &fixtures::job_ckpts()), want);
     }

@@ -401,8 +401,11 @@ fn list_shows_the_jobs_checkpoints() {
     );
     assert_shows(
         &succeeded(&out),
-        "job 4242 on this node; archive s3://ckpt/alice/train\n\nTAG      STATE              WHERE     SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR\n",
-        &["\nstep100  archived           -         3.0 GiB  2.0 GiB  1.46x  "],
+        "job 4242 on this node; archive s3://ckpt/alice/train\n\nTAG      STATE              WHERE           REPLICAS   SIZE     STORED   RATIO  COMMITTED             ARCHIVED              ERROR\n",
+        &[
+            "\nstep100  archived           -               -          3.0 GiB  2.0 GiB  1.46x  ",
+            "\nstep500  archiving          ram+nvme+gpu08  protected  ",
+        ],
     );
 }
 
@@ -966,7 +969,7 @@ mod archive {
         let me = nix::unistd::geteuid().as_raw();
         let fd = Arc::new(safefs::open_root_dir(src).unwrap());
         let counters = ArchiveProgress::default();
-        let part = archiver.upload_part(tag, "n1", fd, me, &counters);
+        let part = archiver.upload_part(tag, "n1", fd, me, &counters, None);
         part.await.unwrap();
         let nodes: Vec<String> = nodes.iter().map(|n| n.to_string()).collect();
         let published = archiver.try_publish(tag, &nodes, job).await.unwrap();
@@ -1093,16 +1096,18 @@ mod archive {
         assert!(!dest2.exists());
     }
 
+    /// A minimal agent configuration in `dir`, with `more` after it; its path.
+    fn config_in(dir: &Path, more: &str) -> String {
+        let config = dir.join("sluice.toml");
+        let text = format!("[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n{more}");
+        std::fs::write(&config, text).unwrap();
+        config.to_str().unwrap().to_string()
+    }
+
     #[test]
     fn urls_that_do_not_lead_to_an_archive() {
         let tmp = tempfile::tempdir().unwrap();
-        let config = tmp.path().join("sluice.toml");
-        std::fs::write(
-            &config,
-            "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n",
-        )
-        .unwrap();
-        let cfg = config.to_str().unwrap();
+        let cfg = &config_in(tmp.path(), "");
         let missing = format!("file://{}/nothing", tmp.path().display());
         let stderr = failed(&sluice(&["ckpt", "list", &missing, "--config", cfg], &[]));
         assert!(
@@ -1121,6 +1126,29 @@ mod archive {
         let url = format!("file://{}", empty.display());
         let stdout = succeeded(&sluice(&["ckpt", "list", &url, "--config", cfg], &[]));
         assert_eq!(stdout, format!("archive {url}\n\nNo checkpoints there.\n"));
+    }
+
+    /// A node without CA certificates (a minimal image) cannot build any store client, even for an
+    /// http:// endpoint: the message says so and what to install, not only "builder error".
+    #[test]
+    fn a_node_without_ca_certificates_is_told_to_install_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = &config_in(
+            tmp.path(),
+            "[[store]]\nprefix='s3://'\nendpoint='http://127.0.0.1:9'\nregion='r'\n\
+             access_key_id='k'\nsecret_access_key='s'\nallow_http=true\n",
+        );
+        // The system's roots, as rustls-native-certs finds them: here, none.
+        let no_roots = [
+            ("SSL_CERT_FILE", "/dev/null"),
+            ("SSL_CERT_DIR", "/nonexistent"),
+        ];
+        let stderr = failed(&sluice(
+            &["ckpt", "list", "s3://b/x", "--config", cfg],
+            &no_roots,
+        ));
+        assert_has(&stderr, "this node has no CA certificates");
+        assert_has(&stderr, "apt-get install ca-certificates");
     }
 
     /// The progress lines of `label` in `stderr`, checked: plain text (no escape codes), every line

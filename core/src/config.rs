@@ -55,6 +55,12 @@ struct RawFastTier {
     flush_block: Option<String>,
     #[serde(default)]
     mount: Option<bool>,
+    #[serde(default)]
+    replicas: Option<u8>,
+    #[serde(default)]
+    max_replicas: Option<u8>,
+    #[serde(default)]
+    replica_room: Option<String>,
 }
 
 /// `[cache]`: the cross-job cache on the hot tier; off without the section.
@@ -332,7 +338,19 @@ pub struct FastTierConfig {
     /// Mount a tmpfs per job (the share is then a hard limit); `false`: `root` is already a
     /// tmpfs the admin mounted, and the share is not enforced by the kernel.
     pub mount: bool,
+    /// Other nodes of the job each committed checkpoint's files are copied to (0: none), for a
+    /// job that does not say (`--ckpt-replicas`).
+    pub replicas: u8,
+    /// The most a job may ask for with `--ckpt-replicas` (at least `replicas`).
+    pub max_replicas: u8,
+    /// The bytes of RAM this node gives to other nodes' replicas, beside `capacity` (its own tmpfs
+    /// at `<root>/replicas` when `mount`); 0 when `max_replicas` is 0.
+    pub replica_room: u64,
 }
+
+/// The most replicas `fast_tier.replicas` and `max_replicas` may ask for (the most a job's
+/// `--ckpt-replicas` may give, `sluice_proto::options::MAX_CKPT_REPLICAS`).
+pub const MAX_REPLICAS: u8 = 3;
 
 fn fast_tier_config(raw: &RawFastTier, node: &str) -> Result<FastTierConfig, String> {
     let root = substitute(&raw.root, node);
@@ -352,6 +370,32 @@ fn fast_tier_config(raw: &RawFastTier, node: &str) -> Result<FastTierConfig, Str
             None => 8 << 20,
         },
         mount: raw.mount.unwrap_or(true),
+        replicas: raw.replicas.unwrap_or(0),
+        max_replicas: raw.max_replicas.or(raw.replicas).unwrap_or(0),
+        replica_room: 0,
+    };
+    if c.replicas > MAX_REPLICAS {
+        return Err(format!(
+            "fast_tier.replicas must be between 0 and {MAX_REPLICAS}, got {}",
+            c.replicas
+        ));
+    }
+    if c.max_replicas > MAX_REPLICAS || c.max_replicas < c.replicas {
+        return Err(format!(
+            "fast_tier.max_replicas must be between fast_tier.replicas ({}) and {MAX_REPLICAS}, got {}",
+            c.replicas, c.max_replicas
+        ));
+    }
+    let c = FastTierConfig {
+        replica_room: match (c.max_replicas, raw.replica_room.as_deref()) {
+            (0, _) => 0,
+            (_, None) => c.job_share,
+            (_, Some(r)) => match size("replica_room", r)? {
+                0 => return Err("fast_tier.replica_room must be more than 0 bytes when fast_tier.replicas or max_replicas is set (say how much RAM other nodes' replicas may take, e.g. \"64GiB\")".into()),
+                room => room,
+            },
+        },
+        ..c
     };
     if c.job_share == 0 || c.job_share > c.capacity {
         return Err(format!(
@@ -1075,7 +1119,7 @@ impl Config {
             }
         }
         let retry = retry_policy(&raw.retry)?;
-        Ok(Config {
+        let config = Config {
             memory,
             node: node.to_string(),
             log_format: match raw.agent.log_format.as_deref() {
@@ -1138,7 +1182,19 @@ impl Config {
                 .as_ref()
                 .map(|f| fast_tier_config(f, node))
                 .transpose()?,
-        })
+        };
+        if config.peer.is_none()
+            && config
+                .fast_tier
+                .as_ref()
+                .is_some_and(|f| f.max_replicas > 0)
+        {
+            return Err(
+                "fast_tier.replicas (and max_replicas) copy checkpoints to the job's other nodes over the peer port: add a [peer] section, or set them to 0"
+                    .into(),
+            );
+        }
+        Ok(config)
     }
 
     /// The profile for an object URL: the one with the longest matching prefix.
@@ -1475,6 +1531,53 @@ mod tests {
             bad("root='/r'\ncapacity='1GiB'\njob_share='1GiB'\nflush_block='5000'")
                 .contains("flush_block")
         );
+        assert!(
+            bad("root='/r'\ncapacity='1GiB'\njob_share='1GiB'\nreplicas=4")
+                .contains("between 0 and 3")
+        );
+        assert!(
+            bad("root='/r'\ncapacity='1GiB'\njob_share='1GiB'\nreplicas=1\nreplica_room='0'")
+                .contains("replica_room must be more than 0")
+        );
+    }
+
+    #[test]
+    fn replicas_take_their_own_room_and_need_the_peer_port() {
+        let ft = "[fast_tier]\nroot='/r'\ncapacity='8GiB'\njob_share='2GiB'\n";
+        let c = base_with(ft).unwrap().fast_tier.unwrap();
+        assert_eq!((c.replicas, c.replica_room), (0, 0), "off unless asked for");
+        let e = base_with(&format!("{ft}replicas=1\n")).unwrap_err();
+        assert!(e.contains("add a [peer] section"), "{e}");
+        let with_peer = |extra: &str| {
+            parse(&format!("{BASE}[peer]\naddr='%n:7000'\n{ft}{extra}"), "n1")
+                .unwrap()
+                .fast_tier
+                .unwrap()
+        };
+        let c = with_peer("replicas=1\n");
+        assert_eq!(
+            (c.replicas, c.replica_room),
+            (1, 2 << 30),
+            "one job's share by default"
+        );
+        let c = with_peer("replicas=2\nreplica_room='16GiB'\n");
+        assert_eq!(
+            (c.replicas, c.max_replicas, c.replica_room),
+            (2, 2, 16 << 30),
+            "jobs may ask for up to the site's count unless max_replicas says more"
+        );
+        // Off by default, but a job may ask for up to two: the room is there.
+        let c = with_peer("max_replicas=2\n");
+        assert_eq!(
+            (c.replicas, c.max_replicas, c.replica_room),
+            (0, 2, 2 << 30)
+        );
+        let e = base_with(&format!("{ft}max_replicas=1\n")).unwrap_err();
+        assert!(e.contains("add a [peer] section"), "{e}");
+        for bad in ["replicas=2\nmax_replicas=1\n", "max_replicas=4\n"] {
+            let e = parse(&format!("{BASE}[peer]\naddr='%n:7000'\n{ft}{bad}"), "n1").unwrap_err();
+            assert!(e.contains("max_replicas must be between"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use hyper::header::CONTENT_LENGTH;
@@ -47,8 +48,33 @@ use super::auth::{
 };
 use super::server::{ADMIN_WARM_PATH, cached_query, cached_unit, unit_query};
 use super::{CachedObject, HashFrom, LONG_POLL, Unit};
+use crate::http::BodyError;
+
+mod events;
+mod replicas;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What every request carries as its body: nothing, a small JSON, or a replica's bytes as they
+/// are read.
+type ReqBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// The empty body of a request that sends none.
+fn empty() -> ReqBody {
+    Empty::new().map_err(|never| match never {}).boxed_unsync()
+}
+
+/// An answer that carries no data, as [`PeerClient::take_reason`] read it.
+struct Reason {
+    status: StatusCode,
+    /// MAC'd for the request by an agent of the job.
+    signed: bool,
+    body: Bytes,
+    /// `body`, as text.
+    text: String,
+    /// The body was longer than the caller reads (then empty, and not signed).
+    too_long: bool,
+}
 
 /// The longest pause before asking again a peer that does not know the job yet. Its prolog runs
 /// about when this node's did, and every fetch slot waiting for it waits this long at worst past
@@ -126,6 +152,40 @@ pub enum PeerError {
     /// The caller asked for a unit larger than the client's budget allows.
     #[error("unit {unit} of {len} bytes is larger than the peer unit limit of {max} bytes")]
     TooLarge { unit: String, len: u64, max: u64 },
+    /// The holder of replicas has no room for this one: its replica area cannot take `need` more
+    /// bytes (`free` are left). Push the part to another node, or free older checkpoints.
+    #[error(
+        "peer {addr} has no room for {what}: {need} bytes asked, {free} free in its replica area"
+    )]
+    NoRoom {
+        addr: String,
+        what: String,
+        need: u64,
+        free: u64,
+    },
+    /// The holder of replicas refused a request about one, MAC'd, with its reason: `409` the
+    /// bytes were not what was announced (size or BLAKE3) or a sealed file was not pushed, `400`
+    /// not a checkpoint's tag, path or file list, `500` it could not write or read its copy,
+    /// `503` busy with other pushes. It keeps nothing of a refused push.
+    #[error("peer {addr} refused the request about {what} ({status}): {reason}")]
+    ReplicaRefused {
+        addr: String,
+        what: String,
+        status: u16,
+        reason: String,
+    },
+    /// The agent does not hold the replica asked for (never pushed, not sealed, or freed).
+    #[error("peer {addr} does not hold {what}")]
+    NotHeld { addr: String, what: String },
+    /// A replica to push could not be read here, or was not the size announced (the file changed
+    /// under the push?): the push was cut, and the holder keeps nothing of it.
+    #[error("{what} could not be pushed to peer {addr}: {source}")]
+    PushSource {
+        addr: String,
+        what: String,
+        #[source]
+        source: BoxError,
+    },
     /// The [`UnitSink`] could not take the bytes (e.g. the hot tier is full); the sink knows why.
     #[error("unit {unit}: {source}")]
     Sink {
@@ -226,7 +286,7 @@ impl ClientConfig {
 
 /// Fetches units from the other agents of a job. One per node; cheap to share behind an `Arc`.
 pub struct PeerClient {
-    http: Client<HttpConnector, Empty<Bytes>>,
+    http: Client<HttpConnector, ReqBody>,
     /// This node's name, as the job's node list spells it.
     node: String,
     cfg: ClientConfig,
@@ -431,7 +491,7 @@ impl PeerClient {
                 .finish()
         );
         let (req, mac) = self
-            .signed(key, Method::POST, addr, &pq)
+            .signed(key, Method::POST, addr, &pq, empty())
             .map_err(|e| unreachable(Box::new(e)))?;
         let res: Response<Incoming> = timeout(wait, self.http.request(req))
             .await
@@ -513,15 +573,16 @@ impl PeerClient {
         }
     }
 
-    /// The request `method` `pq` to `addr`, signed by this node now with `key`, and its MAC
-    /// (which the answer's MAC covers).
+    /// The request `method` `pq` to `addr` with `body`, signed by this node now with `key`, and
+    /// its MAC (which the answer's MAC covers).
     fn signed(
         &self,
         key: &impl RequestKey,
         method: Method,
         addr: &str,
         pq: &str,
-    ) -> Result<(Request<Empty<Bytes>>, blake3::Hash), hyper::http::Error> {
+        body: ReqBody,
+    ) -> Result<(Request<ReqBody>, blake3::Hash), hyper::http::Error> {
         let time = now_secs();
         let mac = key.request_mac(method.as_str(), pq, &self.node, time);
         let req = Request::builder()
@@ -530,8 +591,48 @@ impl PeerClient {
             .header(NODE_HEADER, self.node.as_str())
             .header(TIME_HEADER, time)
             .header(MAC_HEADER, mac.to_hex().as_str())
-            .body(Empty::new())?;
+            .header(crate::release::VERSION_HEADER, crate::release::RELEASE)
+            .body(body)?;
         Ok((req, mac))
+    }
+
+    /// Sends `req` to `addr` and waits for the answer's headers: at most `wait`, or, with
+    /// `progress` (a body being sent), at most `wait` after the last bytes the body gave.
+    async fn send(
+        &self,
+        addr: &str,
+        req: Request<ReqBody>,
+        wait: Duration,
+        progress: Option<&replicas::Progress>,
+    ) -> Result<Response<Incoming>, PeerError> {
+        let unreachable = |source: BoxError| PeerError::Unreachable {
+            addr: addr.into(),
+            source,
+        };
+        let answer = self.http.request(req);
+        tokio::pin!(answer);
+        let answered = loop {
+            let since = progress.map_or(Instant::now(), replicas::Progress::last);
+            tokio::select! {
+                r = &mut answer => break r,
+                _ = tokio::time::sleep_until(since + wait) => {
+                    if progress.is_none_or(|p| p.last() == since) {
+                        return Err(unreachable(format!("no answer within {wait:?}").into()));
+                    }
+                }
+            }
+        };
+        answered.map_err(|e| {
+            if e.is_connect() {
+                unreachable(Box::new(e))
+            } else {
+                // Connected, then closed before an answer: a full server, not a dead one.
+                PeerError::Dropped {
+                    addr: addr.into(),
+                    source: Box::new(e),
+                }
+            }
+        })
     }
 
     /// One request for `pq` and its answer, MAC'd over `unit`; headers awaited at most `wait`.
@@ -544,97 +645,30 @@ impl PeerClient {
         wait: Duration,
         sink: &mut dyn UnitSink,
     ) -> Result<Answer, PeerError> {
-        let unreachable = |source: BoxError| PeerError::Unreachable {
-            addr: addr.into(),
-            source,
-        };
+        let (req, mac) = self
+            .signed(job, Method::GET, addr, pq, empty())
+            .map_err(|e| PeerError::Unreachable {
+                addr: addr.into(),
+                source: Box::new(e),
+            })?;
+        let res = self.send(addr, req, wait, None).await?;
+        if res.status() == StatusCode::OK {
+            let (from, _) = self.take_data(addr, job, res, unit, &mac, sink).await?;
+            return Ok(Answer::Delivered(from));
+        }
+        let Reason {
+            status,
+            signed,
+            text,
+            ..
+        } = self
+            .take_reason(addr, job, res, unit, &mac, REASON_MAX)
+            .await?;
         let corrupt = |what: String| PeerError::Corrupt {
             addr: addr.into(),
             unit: unit.name(),
             what,
         };
-        let (req, mac) = self
-            .signed(job, Method::GET, addr, pq)
-            .map_err(|e| unreachable(Box::new(e)))?;
-        let res: Response<Incoming> = timeout(wait, self.http.request(req))
-            .await
-            .map_err(|_| unreachable(format!("no answer within {wait:?}").into()))?
-            .map_err(|e| {
-                if e.is_connect() {
-                    unreachable(Box::new(e))
-                } else {
-                    // Connected, then closed before an answer: a full server, not a dead one.
-                    PeerError::Dropped {
-                        addr: addr.into(),
-                        source: Box::new(e),
-                    }
-                }
-            })?;
-        let status = res.status();
-        let their_mac = parse_hash(res.headers().get(MAC_HEADER));
-        if status == StatusCode::OK {
-            let hash = parse_hash(res.headers().get(HASH_HEADER))
-                .ok_or_else(|| corrupt("the answer has no unit hash".into()))?;
-            let from = if res.headers().contains_key(READ_BACK_HEADER) {
-                HashFrom::ReadBack
-            } else {
-                HashFrom::Origin
-            };
-            let mark = match from {
-                HashFrom::ReadBack => READ_BACK_MARK,
-                HashFrom::Origin => b"",
-            };
-            if their_mac != Some(job.response_mac(200, unit, Some(&hash), mark, &mac)) {
-                return Err(corrupt(
-                    "the answer's MAC does not verify: not an agent of this job, or changed on the way"
-                        .into(),
-                ));
-            }
-            let len = res
-                .headers()
-                .get(CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok());
-            if len != Some(unit.len) {
-                return Err(corrupt(format!(
-                    "the answer's length is {len:?}, the unit's {}",
-                    unit.len
-                )));
-            }
-            let got = self
-                .stream_body(res, unit, sink)
-                .await
-                .map_err(|e| match e {
-                    StreamError::Io(source) => unreachable(source),
-                    StreamError::TooLong => corrupt("the body is longer than the unit".into()),
-                    StreamError::Sink(source) => PeerError::Sink {
-                        unit: unit.name(),
-                        source,
-                    },
-                })?;
-            if got.0 != unit.len {
-                return Err(corrupt(format!(
-                    "the body has {} bytes, the unit {}",
-                    got.0, unit.len
-                )));
-            }
-            if got.1 != hash {
-                return Err(corrupt(format!(
-                    "its BLAKE3 hash is {}, the owner read {hash}",
-                    got.1
-                )));
-            }
-            return Ok(Answer::Delivered(from));
-        }
-        // An error answer: a short reason, MAC'd when the peer authenticated the request.
-        let reason = match self.read_body(res, REASON_MAX).await {
-            Ok(b) => b,
-            Err(BodyError::TooLong) => Bytes::new(),
-            Err(BodyError::Io(source)) => return Err(unreachable(source)),
-        };
-        let text = String::from_utf8_lossy(&reason).into_owned();
-        let signed =
-            their_mac == Some(job.response_mac(status.as_u16(), unit, None, &reason, &mac));
         let (addr, job_id) = (addr.to_string(), job.job());
         match (signed, status) {
             (true, StatusCode::SERVICE_UNAVAILABLE) => Ok(Answer::Pending),
@@ -670,6 +704,117 @@ impl PeerClient {
         }
     }
 
+    /// A data answer (`200`) to the request whose MAC was `mac`, into `sink`: its MAC over
+    /// `unit` and the hash it names, its length (`unit.len`, from `Content-Length` before anything
+    /// is read, then on the bytes) and the sink's hash of the bytes. Returns what the hash was
+    /// computed from and the hash.
+    async fn take_data(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        res: Response<Incoming>,
+        unit: &Unit,
+        mac: &blake3::Hash,
+        sink: &mut dyn UnitSink,
+    ) -> Result<(HashFrom, blake3::Hash), PeerError> {
+        let corrupt = |what: String| PeerError::Corrupt {
+            addr: addr.into(),
+            unit: unit.name(),
+            what,
+        };
+        let their_mac = parse_hash(res.headers().get(MAC_HEADER));
+        let hash = parse_hash(res.headers().get(HASH_HEADER))
+            .ok_or_else(|| corrupt("the answer has no unit hash".into()))?;
+        let from = if res.headers().contains_key(READ_BACK_HEADER) {
+            HashFrom::ReadBack
+        } else {
+            HashFrom::Origin
+        };
+        let mark = match from {
+            HashFrom::ReadBack => READ_BACK_MARK,
+            HashFrom::Origin => b"",
+        };
+        if their_mac != Some(job.response_mac(200, unit, Some(&hash), mark, mac)) {
+            return Err(corrupt(
+                "the answer's MAC does not verify: not an agent of this job, or changed on the way"
+                    .into(),
+            ));
+        }
+        let len = res
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if len != Some(unit.len) {
+            return Err(corrupt(format!(
+                "the answer's length is {len:?}, the unit's {}",
+                unit.len
+            )));
+        }
+        let got = self
+            .stream_body(res, unit, sink)
+            .await
+            .map_err(|e| match e {
+                StreamError::Io(source) => PeerError::Unreachable {
+                    addr: addr.into(),
+                    source,
+                },
+                StreamError::TooLong => corrupt("the body is longer than the unit".into()),
+                StreamError::Sink(source) => PeerError::Sink {
+                    unit: unit.name(),
+                    source,
+                },
+            })?;
+        if got.0 != unit.len {
+            return Err(corrupt(format!(
+                "the body has {} bytes, the unit {}",
+                got.0, unit.len
+            )));
+        }
+        if got.1 != hash {
+            return Err(corrupt(format!(
+                "its BLAKE3 hash is {}, the owner read {hash}",
+                got.1
+            )));
+        }
+        Ok((from, hash))
+    }
+
+    /// An answer that carries no data (an error, or a short report such as a replica index): its
+    /// body of at most `max` bytes, and whether it is MAC'd over `unit` for the request whose MAC
+    /// was `mac`.
+    async fn take_reason(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        res: Response<Incoming>,
+        unit: &Unit,
+        mac: &blake3::Hash,
+        max: usize,
+    ) -> Result<Reason, PeerError> {
+        let status = res.status();
+        let their_mac = parse_hash(res.headers().get(MAC_HEADER));
+        let (body, too_long) = match self.read_body(res, max).await {
+            Ok(b) => (b, false),
+            Err(BodyError::TooLong) => (Bytes::new(), true),
+            Err(BodyError::Io(source)) => {
+                return Err(PeerError::Unreachable {
+                    addr: addr.into(),
+                    source,
+                });
+            }
+        };
+        let signed = !too_long
+            && their_mac == Some(job.response_mac(status.as_u16(), unit, None, &body, mac));
+        Ok(Reason {
+            status,
+            signed,
+            text: String::from_utf8_lossy(&body).into_owned(),
+            body,
+            too_long,
+        })
+    }
+
     /// Hands a data body to `sink` frame by frame, none silent for longer than the read timeout
     /// (the sink's own time does not count), refusing more than the unit's length; returns the
     /// bytes received and the sink's hash of them.
@@ -696,32 +841,13 @@ impl PeerClient {
 
     /// Reads a body of at most `max` bytes, none silent for longer than the read timeout.
     async fn read_body(&self, res: Response<Incoming>, max: usize) -> Result<Bytes, BodyError> {
-        let mut body = res.into_body();
-        let mut buf = BytesMut::with_capacity(max);
-        while let Some(data) = self.next_data(&mut body).await.map_err(BodyError::Io)? {
-            if buf.len() + data.len() > max {
-                return Err(BodyError::TooLong);
-            }
-            buf.extend_from_slice(&data);
-        }
-        Ok(buf.freeze())
+        crate::http::read_bounded(&mut res.into_body(), max, self.cfg.read_timeout).await
     }
 
-    /// The body's next data (other frames, trailers, are passed over), `None` at its end; an
-    /// error when a frame fails or none comes within the read timeout.
+    /// The body's next data, `None` at its end; an error when a frame fails or none comes within
+    /// the read timeout.
     async fn next_data(&self, body: &mut Incoming) -> Result<Option<Bytes>, BoxError> {
-        let wait = self.cfg.read_timeout;
-        loop {
-            let frame = timeout(wait, body.frame())
-                .await
-                .map_err(|_| format!("the body stalled for {wait:?}"))?;
-            let Some(frame) = frame else {
-                return Ok(None);
-            };
-            if let Ok(data) = frame?.into_data() {
-                return Ok(Some(data));
-            }
-        }
+        crate::http::next_data(body, self.cfg.read_timeout).await
     }
 }
 
@@ -734,11 +860,6 @@ pub const ALIVE_PROBE: &str = "\0alive";
 const REASON_MAX: usize = 4096;
 /// The longest admin answer read (a warm's report lists the objects it skipped).
 const ADMIN_BODY_MAX: usize = 4 << 20;
-
-enum BodyError {
-    Io(BoxError),
-    TooLong,
-}
 
 enum StreamError {
     Io(BoxError),

@@ -84,6 +84,50 @@ pub(crate) fn held_back(held: u64) -> String {
     }
 }
 
+/// The next data of a body arriving (other frames, trailers, are passed over), `None` at its end;
+/// an error when a frame fails or none comes within `wait`. What both sides of the peer port read
+/// bodies with, so that a silent sender never holds a reader for longer than `wait`.
+pub(crate) async fn next_data(
+    body: &mut Incoming,
+    wait: Duration,
+) -> Result<Option<bytes::Bytes>, Box<dyn std::error::Error + Send + Sync>> {
+    use http_body_util::BodyExt;
+    loop {
+        let frame = tokio::time::timeout(wait, body.frame())
+            .await
+            .map_err(|_| format!("the body stalled for {wait:?}"))?;
+        let Some(frame) = frame else {
+            return Ok(None);
+        };
+        if let Ok(data) = frame?.into_data() {
+            return Ok(Some(data));
+        }
+    }
+}
+
+/// Why a bounded body was not read whole.
+pub(crate) enum BodyError {
+    Io(Box<dyn std::error::Error + Send + Sync>),
+    TooLong,
+}
+
+/// A whole body of at most `max` bytes, none of it silent for longer than `wait`; refused as
+/// soon as it passes `max` (nothing more is read or held).
+pub(crate) async fn read_bounded(
+    body: &mut Incoming,
+    max: usize,
+    wait: Duration,
+) -> Result<bytes::Bytes, BodyError> {
+    let mut buf = bytes::BytesMut::new();
+    while let Some(data) = next_data(body, wait).await.map_err(BodyError::Io)? {
+        if buf.len() + data.len() > max {
+            return Err(BodyError::TooLong);
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(buf.freeze())
+}
+
 /// Binds a TCP listener (the metrics and peer ports). An agent restarted right after a crash may
 /// find its port still held by the dying process for a moment: it tries again for up to 5 s
 /// before the address counts as taken.

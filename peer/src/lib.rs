@@ -12,6 +12,16 @@
 //!   stager's [`UnitSource`], waiting for units the owner is still reading;
 //! - [`client`]: [`PeerClient::fetch`] takes one unit from its owner and checks its length, hash
 //!   and MAC before returning it;
+//! - [`replica`]: replicas of a node's part of a checkpoint on other nodes of the job — the
+//!   types, the [`ReplicaStore`] the agent keeps them in, and the wire; the server and client
+//!   halves are [`PeerServer::serve_replicas`] and `PeerClient::{push,seal,free}_replica`,
+//!   [`PeerClient::replica_index`], [`PeerClient::replica_room`],
+//!   [`PeerClient::fetch_replica_into`];
+//! - [`events`]: what an agent tells the other agents of its job — that it committed a
+//!   checkpoint ([`PeerClient::notify_commit`]), handed to the node's [`JobEvents`]
+//!   ([`PeerServer::serve_events`]);
+//! - [`release`]: which sluice release each peer runs (`x-sluice-version`), logged once per peer of
+//!   another release (a rolling upgrade);
 //! - [`http`]: the accept loop the peer port and the agent's Prometheus endpoint share (connection
 //!   bounds, header timeout), and [`http::bind_tcp`] that binds their ports.
 //!
@@ -24,13 +34,15 @@
 //! x-sluice-node: n2                  the requesting node, as the job's node list names it
 //! x-sluice-time: 1718000000          its clock, seconds since the epoch
 //! x-sluice-mac:  {hex}               keyed BLAKE3 (job key) over method, path+query, job, node, time
+//! x-sluice-version: 0.2.0            the sender's release (none before 0.2.0; not MAC'd: only logged)
 //!
 //! 200  content-length: {len}, x-sluice-blake3: {hex}, x-sluice-mac: {hex}, body: the unit's bytes
 //! 503  pending     the owner has not read the unit within the poll window; ask again
 //! 409  not owner   502  the owner's origin read failed   410  the job ended here
 //!      (each MAC'd over status, job, unit, hash or reason, and the request's MAC)
 //! 401  unauthenticated (no or bad MAC, clock skew)   403  node not in the job
-//! 404  unknown job   400  malformed   405  not GET  (no MAC, no data, connection closed)
+//! 404  unknown job   400  malformed   405  a method the resource does not answer
+//!      (no MAC, no data, connection closed)
 //!
 //! GET /v1/jobs/{job}/cached?url={..}&etag={..}&version={..}&size={n}&offset={n}&len={n}
 //!     (same headers; etag and version as listed, each only if the listing had one)
@@ -46,6 +58,23 @@
 //! 200  body: the warm's report (JSON `CacheWarmed`)   502  body: why it failed
 //!      (both MAC'd with the admin key over status, body and the request's MAC)
 //! 401  unauthenticated   400  malformed   404  this agent serves no admin requests
+//!
+//! PUT    /v1/jobs/{job}/replicas/file?tag={t}&file={path}&size={n}&blake3={hex}   body: the file
+//! POST   /v1/jobs/{job}/replicas/seal?tag={t}      body: JSON ReplicaSeal (files, nodes, committed_at)
+//! GET    /v1/jobs/{job}/replicas                                     the index, JSON
+//! GET    /v1/jobs/{job}/replicas/room                                JSON {"free":n,"room":n}
+//! GET    /v1/jobs/{job}/replicas/file?from={node}&tag={t}&file={path} the bytes, as a unit's
+//! DELETE /v1/jobs/{job}/replicas?tag={t}
+//!     (same headers, same admission; a push, seal or free is about the requester's own part)
+//!
+//! 201/200  done   507 no room   409 mismatch   400 invalid   500 failed   503 busy
+//! 404 not held   501 this node keeps no replicas   (all MAC'd, see `replica`)
+//!
+//! POST   /v1/jobs/{job}/commits?tag={t}    no body: the requester committed checkpoint t
+//!     (same headers, same admission; the committer is the requester)
+//!
+//! 202  queued   501 this node takes no job events   (MAC'd, see `events`)
+//! 400  a tag check_tag refuses (bare, as a malformed query)
 //! ```
 //!
 //! The admin resource is how `sluice cache warm URL --nodes LIST`, asked of one agent by root,
@@ -85,9 +114,12 @@
 
 pub mod auth;
 pub mod client;
+pub mod events;
 pub mod http;
 pub mod owner;
 pub mod pieces;
+pub mod release;
+pub mod replica;
 pub mod server;
 
 #[cfg(test)]
@@ -97,8 +129,10 @@ use std::time::Duration;
 
 pub use auth::{AdminKey, ClusterSecret, JobKey, RequestKey, SecretError};
 pub use client::{ClientConfig, PeerClient, PeerError, UnitSink};
-pub use owner::{Unit, owner_of, unit_path, units_of, versioned};
+pub use events::JobEvents;
+pub use owner::{Unit, owner_of, ranked, unit_path, units_of, versioned};
 pub use pieces::UnitPieces;
+pub use replica::{PartKey, ReplicaFile, ReplicaPart, ReplicaRefusal, ReplicaSeal, ReplicaStore};
 pub use server::{
     AdminSource, CachedObject, HashFrom, PeerRebind, PeerServer, PeerServerError, PeerService,
     PeerWorker, ServerConfig, UnitData, UnitError, UnitSource, UnitStream,

@@ -112,6 +112,20 @@ pub fn owner_of(unit_key: &str, nodes: &[String]) -> usize {
     best
 }
 
+/// The indexes of `nodes` in the order rendezvous hashing prefers them for `key`: the owner
+/// ([`owner_of`]) first, then the node that would own it without the owner, and so on. What a
+/// checkpoint's replicas are placed by: every node computes the same order, and losing one node
+/// moves only what it held.
+pub fn ranked(key: &str, nodes: &[String]) -> Vec<usize> {
+    let mut order: Vec<(u64, usize)> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (weight(n, key), i))
+        .collect();
+    order.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| nodes[a.1].cmp(&nodes[b.1])));
+    order.into_iter().map(|(_, i)| i).collect()
+}
+
 /// The rendezvous weight of `node` for `unit_key`: the first 8 bytes of a keyed BLAKE3 hash. Both
 /// are length-prefixed, so no two (node, key) pairs hash the same input.
 fn weight(node: &str, unit_key: &str) -> u64 {
@@ -132,6 +146,28 @@ mod tests {
 
     fn nodes(n: usize) -> Vec<String> {
         (1..=n).map(|i| format!("n{i}")).collect()
+    }
+
+    #[test]
+    fn the_ranking_starts_with_the_owner_and_drops_a_lost_node_without_reordering_the_rest() {
+        let all = nodes(8);
+        for key in ["ckpt/s1/n1", "ckpt/s2/n3", "x"] {
+            let order = ranked(key, &all);
+            assert_eq!(order[0], owner_of(key, &all), "{key}");
+            let mut sorted = order.clone();
+            sorted.sort();
+            assert_eq!(sorted, (0..8).collect::<Vec<_>>(), "each node once");
+            // Without the first-ranked node the others keep their order.
+            let lost = &all[order[0]];
+            let rest: Vec<String> = all.iter().filter(|n| *n != lost).cloned().collect();
+            let names = |o: Vec<usize>, ns: &[String]| -> Vec<String> {
+                o.into_iter().map(|i| ns[i].clone()).collect()
+            };
+            assert_eq!(
+                names(ranked(key, &rest), &rest),
+                names(order, &all)[1..].to_vec()
+            );
+        }
     }
 
     #[test]

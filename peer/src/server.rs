@@ -1,13 +1,17 @@
 //! The peer server: serves the units this node owns to the other agents of the job, over HTTP/1.1
 //! (hyper), one registration per job.
 //!
-//! Admission, in order, before anything of a job is touched: `GET` only; the path names a job
-//! (`/v1/jobs/{job}/units`); the request carries node, time and MAC headers (else 401); the job is
-//! registered (else 404, or 410 once it ended here); the MAC verifies under the job's key (else
-//! 401: another secret or another node list); the node is one of the job's (else 403); the clock
-//! skew is within bounds (else 401); the query names one unit no larger than the largest unit
-//! (else 400). None of these answers carries data, and each closes the connection. From here on
-//! the request is an agent of the job, and every answer carries a MAC (see `auth`).
+//! Admission, in order, before anything of a job is touched, the same for every resource of a job
+//! (units, cached ranges, replicas, commit notices: `Inner::answer`): the path names a job and a
+//! resource (`/v1/jobs/{job}/units`, else 404/400); the method is one the resource answers (`GET`
+//! for units and cached ranges, `POST` for commit notices, else 405); the request carries node,
+//! time and MAC headers (else 401); the job is registered (else 404, or 410 once it ended here);
+//! the MAC verifies under the job's key (else 401: another secret or another node list); the node
+//! is one of the job's (else 403); the clock skew is within bounds (else 401); then the resource's
+//! own checks, for units a query that names one unit no larger than the largest unit (else 400);
+//! replicas: `server/replicas.rs`; commit notices: `server/events.rs`. None of these answers
+//! carries data, and each closes the connection. From here on the request is an agent of the job,
+//! and every answer carries a MAC (see `auth`).
 //!
 //! The one refusal that is MAC'd is `410` for a job that ended here, when the request's MAC
 //! verifies under the ended job's key (kept, without its node list, for the last [`ENDED_KEPT`]
@@ -54,6 +58,9 @@ use super::auth::{
 };
 use super::{LONG_POLL, MAX_SKEW, Unit};
 use sluice_core::worker::{StatusCell, Worker};
+
+mod events;
+mod replicas;
 
 /// What a unit's hash was computed from, and so what its bytes may be trusted for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,12 +182,17 @@ pub trait UnitSource: Send + Sync + 'static {
 }
 
 /// What a signed request carries (see [`super::auth`]): the requesting node, its clock and the
-/// MAC, and the path and query the MAC covers, exactly as sent; the refusal's reason when a header
-/// is missing or malformed (`what` names the request in it).
-fn signature<'a, B>(
-    req: &'a Request<B>,
-    what: &str,
-) -> Result<(&'a str, u64, blake3::Hash, &'a str), String> {
+/// MAC, and the path and query the MAC covers, exactly as sent.
+struct Signed<'a> {
+    node: &'a str,
+    time: u64,
+    mac: blake3::Hash,
+    pq: &'a str,
+}
+
+/// The signature of `req`, or the refusal's reason when a header is missing or malformed
+/// (`what` names the request in it).
+fn signature<'a, B>(req: &'a Request<B>, what: &str) -> Result<Signed<'a>, String> {
     let headers = req.headers();
     let node = headers.get(NODE_HEADER).and_then(|v| v.to_str().ok());
     let time = headers
@@ -193,7 +205,12 @@ fn signature<'a, B>(
         ));
     };
     let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
-    Ok((node, time, mac, pq))
+    Ok(Signed {
+        node,
+        time,
+        mac,
+        pq,
+    })
 }
 
 /// What an agent does for another agent's admin request (`sluice cache warm --nodes`): warm this
@@ -282,6 +299,14 @@ struct Inner {
     admin_key: super::AdminKey,
     /// What admin requests are answered with; none until the agent says (404 until then).
     admin: std::sync::OnceLock<Arc<dyn AdminSource>>,
+    /// Where the replicas job peers push here are kept; none until the agent says (501 until
+    /// then).
+    replicas: std::sync::OnceLock<Arc<dyn crate::ReplicaStore>>,
+    /// What the job peers' commit notices are handed to; none until the agent says (501 until
+    /// then).
+    events: std::sync::OnceLock<Arc<dyn crate::JobEvents>>,
+    /// Replica pushes being stored at once (see `replicas`).
+    pushes: Arc<Semaphore>,
     cfg: ServerConfig,
     jobs: Mutex<HashMap<JobId, Arc<JobEntry>>>,
     /// Jobs unregistered lately, with their keys (no node lists), so that their late requests
@@ -290,6 +315,8 @@ struct Inner {
     responses: Arc<Semaphore>,
     /// Refusals of requests not (yet) authenticated: anyone can cause them.
     refusals: crate::http::LogLimit,
+    /// The releases the job peers' requests said (logged once per peer of another release).
+    releases: crate::release::Releases,
 }
 
 struct JobEntry {
@@ -313,12 +340,16 @@ impl PeerServer {
             inner: Arc::new(Inner {
                 admin_key: secret.admin_key(),
                 admin: std::sync::OnceLock::new(),
+                replicas: std::sync::OnceLock::new(),
+                events: std::sync::OnceLock::new(),
+                pushes: Arc::new(Semaphore::new(cfg.concurrency.max(1))),
                 secret,
                 cfg,
                 jobs: Mutex::new(HashMap::new()),
                 ended: Mutex::new(VecDeque::new()),
                 responses,
                 refusals: crate::http::LogLimit::new(crate::http::LOG_EVERY),
+                releases: Default::default(),
             }),
         }
     }
@@ -357,6 +388,18 @@ impl PeerServer {
     /// ignored).
     pub fn serve_admin(&self, source: Arc<dyn AdminSource>) {
         let _ = self.inner.admin.set(source);
+    }
+
+    /// Keeps the replicas the job peers push here in `store`, and serves them back, from now on
+    /// (once; later calls are ignored). Until then replica requests answer `501`.
+    pub fn serve_replicas(&self, store: Arc<dyn crate::ReplicaStore>) {
+        let _ = self.inner.replicas.set(store);
+    }
+
+    /// Hands the job peers' commit notices to `events` from now on (once; later calls are
+    /// ignored). Until then commit notices answer `501`.
+    pub fn serve_events(&self, events: Arc<dyn crate::JobEvents>) {
+        let _ = self.inner.events.set(events);
     }
 
     /// Serves `job`'s units from `source` to the agents of `nodes` (the job's whole node list).
@@ -539,6 +582,7 @@ fn refuse(status: StatusCode, reason: String) -> Response<Body> {
 }
 
 /// An answer to an authenticated request, MAC'd for it.
+#[derive(Clone, Copy)]
 struct Signer<'a> {
     key: &'a JobKey,
     unit: &'a Unit,
@@ -612,21 +656,49 @@ fn insert_hex(h: &mut HeaderMap, name: &'static str, v: &blake3::Hash) {
     );
 }
 
-/// What a request asks for: a unit of the job's staged datasets, or a range of an object in the
-/// node's cache.
+/// What a request asks for: a unit of the job's staged datasets, a range of an object in the
+/// node's cache, the replicas of the job's checkpoints this node holds (`crate::replica`), or
+/// what it tells of the job (a commit notice, `crate::events`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Resource {
     Units,
     Cached,
+    Replicas(replicas::ReplicaPath),
+    Commits,
 }
 
-/// The job id and resource of `/v1/jobs/{job}/units` or `/v1/jobs/{job}/cached`.
+impl Resource {
+    /// Whether `method` is one this resource answers (else `405`, before anything else).
+    fn serves(self, method: &Method) -> bool {
+        use replicas::ReplicaPath;
+        match self {
+            Resource::Units | Resource::Cached => method == Method::GET,
+            Resource::Replicas(ReplicaPath::Part) => {
+                method == Method::GET || method == Method::DELETE
+            }
+            Resource::Replicas(ReplicaPath::File) => method == Method::GET || method == Method::PUT,
+            Resource::Replicas(ReplicaPath::Room) => method == Method::GET,
+            Resource::Replicas(ReplicaPath::Seal) | Resource::Commits => method == Method::POST,
+        }
+    }
+}
+
+/// The job id and resource of
+/// `/v1/jobs/{job}/{units|cached|replicas|replicas/file|replicas/seal|replicas/room|commits}`.
 fn parse_path(path: &str) -> Option<Result<(JobId, Resource), ()>> {
+    use replicas::ReplicaPath;
     let rest = path.strip_prefix("/v1/jobs/")?;
-    let (job, resource) = match rest.strip_suffix("/units") {
-        Some(job) => (job, Resource::Units),
-        None => (rest.strip_suffix("/cached")?, Resource::Cached),
-    };
+    let (job, resource) = [
+        ("/units", Resource::Units),
+        ("/cached", Resource::Cached),
+        ("/replicas", Resource::Replicas(ReplicaPath::Part)),
+        ("/replicas/file", Resource::Replicas(ReplicaPath::File)),
+        ("/replicas/seal", Resource::Replicas(ReplicaPath::Seal)),
+        ("/replicas/room", Resource::Replicas(ReplicaPath::Room)),
+        ("/commits", Resource::Commits),
+    ]
+    .into_iter()
+    .find_map(|(suffix, resource)| Some((rest.strip_suffix(suffix)?, resource)))?;
     Some(
         if !job.is_empty() && job.bytes().all(|b| b.is_ascii_digit()) {
             job.parse().map(|j| (j, resource)).map_err(|_| ())
@@ -636,34 +708,47 @@ fn parse_path(path: &str) -> Option<Result<(JobId, Resource), ()>> {
     )
 }
 
-/// The unit of `file=..&offset=..&len=..`: each exactly once, nothing else.
-pub(crate) fn parse_query(query: &str) -> Result<Unit, String> {
-    let (mut file, mut offset, mut len) = (None, None, None);
+/// The parameters of `query`: each at most once, each one of `known`.
+pub(crate) fn query_fields(query: &str, known: &[&str]) -> Result<HashMap<String, String>, String> {
+    let mut fields = HashMap::new();
     for (k, v) in url::form_urlencoded::parse(query.as_bytes()) {
-        let slot = match &*k {
-            "file" => &mut file,
-            "offset" => &mut offset,
-            "len" => &mut len,
-            other => return Err(format!("unknown query parameter '{other}'")),
-        };
-        if slot.replace(v.into_owned()).is_some() {
+        if !known.contains(&&*k) {
+            return Err(format!("unknown query parameter '{k}'"));
+        }
+        if fields.insert(k.to_string(), v.into_owned()).is_some() {
             return Err(format!("query parameter '{k}' given twice"));
         }
     }
-    let number = |what: &str, v: Option<String>| -> Result<u64, String> {
-        let v = v.ok_or_else(|| format!("query parameter '{what}' is missing"))?;
-        v.parse()
-            .map_err(|_| format!("query parameter '{what}' is not a number: '{v}'"))
-    };
-    let file = file.ok_or("query parameter 'file' is missing")?;
-    if file.is_empty() {
-        return Err("query parameter 'file' is empty".into());
+    Ok(fields)
+}
+
+/// The parameter `what` of `fields` as a number.
+pub(crate) fn query_number(fields: &HashMap<String, String>, what: &str) -> Result<u64, String> {
+    let v = query_text(fields, what)?;
+    v.parse()
+        .map_err(|_| format!("query parameter '{what}' is not a number: '{v}'"))
+}
+
+/// The parameter `what` of `fields`, present and not empty.
+pub(crate) fn query_text<'a>(
+    fields: &'a HashMap<String, String>,
+    what: &str,
+) -> Result<&'a str, String> {
+    match fields.get(what) {
+        None => Err(format!("query parameter '{what}' is missing")),
+        Some(v) if v.is_empty() => Err(format!("query parameter '{what}' is empty")),
+        Some(v) => Ok(v),
     }
-    Ok(Unit {
-        file,
-        offset: number("offset", offset)?,
-        len: number("len", len)?,
-    })
+}
+
+/// The unit of `file=..&offset=..&len=..`: each exactly once, nothing else.
+pub(crate) fn parse_query(query: &str) -> Result<Unit, String> {
+    let fields = query_fields(query, &["file", "offset", "len"])?;
+    let (offset, len) = (
+        query_number(&fields, "offset")?,
+        query_number(&fields, "len")?,
+    );
+    Ok(Unit::new(query_text(&fields, "file")?, offset, len))
 }
 
 /// The query that names `unit`, percent-encoded.
@@ -678,35 +763,20 @@ pub(crate) fn unit_query(unit: &Unit) -> String {
 /// The range of `url=..&etag=..&version=..&size=..&offset=..&len=..` (etag and version optional):
 /// each at most once, nothing else, the range within the object.
 pub(crate) fn parse_cached_query(query: &str) -> Result<(CachedObject, u64, u64), String> {
-    let mut fields: HashMap<String, String> = HashMap::new();
-    for (k, v) in url::form_urlencoded::parse(query.as_bytes()) {
-        if !["url", "etag", "version", "size", "offset", "len"].contains(&&*k) {
-            return Err(format!("unknown query parameter '{k}'"));
-        }
-        if fields.insert(k.to_string(), v.into_owned()).is_some() {
-            return Err(format!("query parameter '{k}' given twice"));
-        }
-    }
-    let number = |what: &str| -> Result<u64, String> {
-        let v = fields
-            .get(what)
-            .ok_or_else(|| format!("query parameter '{what}' is missing"))?;
-        v.parse()
-            .map_err(|_| format!("query parameter '{what}' is not a number: '{v}'"))
-    };
-    let (size, offset, len) = (number("size")?, number("offset")?, number("len")?);
+    let fields = query_fields(query, &["url", "etag", "version", "size", "offset", "len"])?;
+    let (size, offset, len) = (
+        query_number(&fields, "size")?,
+        query_number(&fields, "offset")?,
+        query_number(&fields, "len")?,
+    );
     if offset.checked_add(len).is_none_or(|end| end > size) {
         return Err(format!(
             "the range {offset}+{len} is not within the object's {size} bytes"
         ));
     }
-    let url = fields
-        .get("url")
-        .filter(|u| !u.is_empty())
-        .ok_or("query parameter 'url' is missing")?;
     Ok((
         CachedObject {
-            url: url.clone(),
+            url: query_text(&fields, "url")?.to_string(),
             etag: fields.get("etag").cloned(),
             version: fields.get("version").cloned(),
             size,
@@ -777,15 +847,19 @@ impl Inner {
 
     /// `410` for a request of a job that ended here: MAC'd for it when its MAC verifies under the
     /// job's key (so an agent of the job may believe it), bare otherwise.
-    fn answer_ended(
+    async fn answer_ended(
         &self,
         key: &JobKey,
         resource: Resource,
-        pq: &str,
-        node: &str,
-        time: u64,
-        mac: blake3::Hash,
+        method: &Method,
+        signed: &Signed<'_>,
     ) -> Response<Body> {
+        let Signed {
+            node,
+            time,
+            mac,
+            pq,
+        } = *signed;
         let job = key.job();
         let reason = format!("job {job} has ended on this node");
         let query = pq.split_once('?').map_or("", |(_, q)| q);
@@ -794,18 +868,46 @@ impl Inner {
             Resource::Cached => parse_cached_query(query)
                 .ok()
                 .map(|(o, offset, len)| cached_unit(&o, offset, len)),
+            Resource::Replicas(path) => replicas::ReplicaRequest::parse(path, method, query)
+                .ok()
+                .map(|r| r.unit(node)),
+            Resource::Commits => events::parse_commit(query)
+                .ok()
+                .map(|tag| crate::events::commit_unit(node, &tag)),
         };
         match unit {
-            Some(unit) if key.request_mac("GET", pq, node, time) == mac => Signer {
-                key,
-                unit: &unit,
-                request: mac,
+            Some(unit) if key.request_mac(method.as_str(), pq, node, time) == mac => {
+                let signer = Signer {
+                    key,
+                    unit: &unit,
+                    request: mac,
+                };
+                // A node frees its replicas once the archive holds them, which may be after the
+                // job ended here: the one request an ended job is still answered. The MAC under
+                // the job's key is an agent of the job (the ended key keeps no node list), and
+                // `from` is the requester, as always.
+                if let Resource::Replicas(path) = resource
+                    && let Ok(replicas::ReplicaRequest::Free { tag }) =
+                        replicas::ReplicaRequest::parse(path, method, query)
+                    && self.clock_off(time).is_none()
+                    && let Some(store) = self.replicas.get()
+                {
+                    let part = crate::PartKey {
+                        job,
+                        from: node.to_string(),
+                        tag,
+                    };
+                    store.free(&part).await;
+                    return signer.status(StatusCode::OK, "freed");
+                }
+                signer.status(StatusCode::GONE, &reason)
             }
-            .status(StatusCode::GONE, &reason),
             _ => refuse(StatusCode::GONE, reason),
         }
     }
 
+    /// Every request of the peer port: the admission of the module header, once for every
+    /// resource of a job, then the resource's own answer.
     async fn answer(&self, req: Request<Incoming>, remote: SocketAddr) -> Response<Body> {
         let refused = |status: StatusCode, reason: String| {
             self.log_refusal("peer request", remote, status, &reason);
@@ -814,25 +916,34 @@ impl Inner {
         if req.uri().path() == ADMIN_WARM_PATH {
             return self.answer_admin(req, remote).await;
         }
-        if req.method() != Method::GET {
-            return refused(
-                StatusCode::METHOD_NOT_ALLOWED,
-                format!("method {} is not served", req.method()),
-            );
-        }
         let (job, resource) = match parse_path(req.uri().path()) {
             None => return refused(StatusCode::NOT_FOUND, "no such resource".into()),
             Some(Err(())) => return refused(StatusCode::BAD_REQUEST, "bad job id".into()),
             Some(Ok(parsed)) => parsed,
         };
-        let (node, time, mac, pq) = match signature(&req, "a peer request") {
+        if !resource.serves(req.method()) {
+            return refused(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("method {} is not served here", req.method()),
+            );
+        }
+        let (head, body) = req.into_parts();
+        let head = Request::from_parts(head, ());
+        let signed = match signature(&head, "a peer request") {
             Ok(signed) => signed,
             Err(why) => return refused(StatusCode::UNAUTHORIZED, why),
         };
+        let Signed {
+            node,
+            time,
+            mac,
+            pq,
+        } = signed;
+        let method = head.method();
         let entry = match self.job(job) {
             Ok(e) => e,
             Err(Some(ended)) => {
-                return self.answer_ended(&ended, resource, pq, node, time, mac);
+                return self.answer_ended(&ended, resource, method, &signed).await;
             }
             Err(None) => {
                 debug!("peer request from {remote} (node {node}) for unknown job {job}");
@@ -843,7 +954,7 @@ impl Inner {
             }
         };
         // blake3::Hash's equality is constant-time.
-        if entry.key.request_mac("GET", pq, node, time) != mac {
+        if entry.key.request_mac(method.as_str(), pq, node, time) != mac {
             return refused(
                 StatusCode::UNAUTHORIZED,
                 format!(
@@ -860,10 +971,42 @@ impl Inner {
         if let Some(why) = self.clock_off(time) {
             return refused(StatusCode::UNAUTHORIZED, why);
         }
-        let query = req.uri().query().unwrap_or_default();
-        if resource == Resource::Cached {
-            return self.answer_cached(&entry, query, mac).await;
+        // Authenticated: a node of the job (anyone else could fill the log).
+        let version = head.headers().get(crate::release::VERSION_HEADER);
+        self.releases
+            .met(node, version.and_then(|v| v.to_str().ok()));
+        let query = head.uri().query().unwrap_or_default();
+        match resource {
+            Resource::Units => self.answer_unit(&entry, query, mac, remote).await,
+            Resource::Cached => self.answer_cached(&entry, query, mac).await,
+            Resource::Replicas(path) => {
+                let asked = replicas::Asked {
+                    path,
+                    method,
+                    query,
+                    headers: head.headers(),
+                    node,
+                    mac,
+                };
+                self.answer_replica(&entry, asked, body).await
+            }
+            Resource::Commits => self.answer_commit(&entry, query, node, mac, &body).await,
         }
+    }
+
+    /// A unit of the job's datasets, for an authenticated agent of the job: waited for while the
+    /// owner reads it (the long poll), then sent from a response slot.
+    async fn answer_unit(
+        &self,
+        entry: &JobEntry,
+        query: &str,
+        mac: blake3::Hash,
+        remote: SocketAddr,
+    ) -> Response<Body> {
+        let refused = |status: StatusCode, reason: String| {
+            self.log_refusal("peer request", remote, status, &reason);
+            refuse(status, reason)
+        };
         let unit = match parse_query(query) {
             Ok(u) if u.len > self.cfg.max_unit => {
                 return refused(
@@ -925,7 +1068,12 @@ impl Inner {
                 format!("method {} is not served here", req.method()),
             );
         }
-        let (node, time, mac, pq) = match signature(&req, "an admin request") {
+        let Signed {
+            node,
+            time,
+            mac,
+            pq,
+        } = match signature(&req, "an admin request") {
             Ok(signed) => signed,
             Err(why) => return refused(StatusCode::UNAUTHORIZED, why),
         };
@@ -1018,6 +1166,14 @@ impl Inner {
 }
 
 #[cfg(test)]
+impl PeerServer {
+    /// The peer releases this server noted (see [`crate::release`]).
+    pub(crate) fn releases_noted(&self) -> Vec<(String, Option<String>)> {
+        self.inner.releases.noted()
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -1056,6 +1212,14 @@ mod tests {
         assert_eq!(
             parse_path("/v1/jobs/42/cached"),
             Some(Ok((42, Resource::Cached)))
+        );
+        assert_eq!(
+            parse_path("/v1/jobs/42/commits"),
+            Some(Ok((42, Resource::Commits)))
+        );
+        assert_eq!(
+            parse_path("/v1/jobs/42/replicas/room"),
+            Some(Ok((42, Resource::Replicas(replicas::ReplicaPath::Room))))
         );
         assert_eq!(parse_path("/v1/jobs/42/other"), None);
         assert_eq!(parse_path("/v1/jobs/4x/units"), Some(Err(())));

@@ -375,6 +375,45 @@ async fn requests_without_the_job_key_get_refusals_and_no_data() {
     assert!(c.fetch(&r.addr, &key(), &unit).await.is_ok());
 }
 
+/// The release a request names is noted (and logged) only once the request authenticated as a
+/// node of the job: a user process, another cluster's agent or a node outside the job cannot
+/// write into the agent's log through it.
+#[tokio::test]
+async fn a_peers_release_is_noted_only_from_an_authenticated_node_of_the_job() {
+    let (r, _src, unit, _) = one_unit().await;
+    let pq = unit_path(&unit);
+    let now = now_secs();
+    let forged = ClusterSecret::from_bytes([9u8; 32]).job_key(JOB, &names(&["n1", "n2"]));
+    let version = |v: &str| ("x-sluice-version", v.to_string());
+    let mut anonymous = vec![version("from-a-user")];
+    anonymous.push(("x-sluice-node", "n2".into()));
+    let mut other_secret = signed_headers(&forged, &pq, "n2", now);
+    other_secret.push(version("from-another-secret"));
+    let mut outsider = signed_headers(&key(), &pq, "n9", now);
+    outsider.push(version("from-outside-the-job"));
+    for (what, headers, want) in [
+        ("no MAC", anonymous, 401),
+        ("another secret", other_secret, 401),
+        ("a node outside the job", outsider, 403),
+    ] {
+        let (status, _) = raw_get(&r.addr, &pq, &headers).await;
+        assert_eq!(status, want, "{what}");
+    }
+    assert_eq!(
+        r.server.releases_noted(),
+        vec![],
+        "refused requests note nothing"
+    );
+    let mut job_peer = signed_headers(&key(), &pq, "n2", now);
+    job_peer.push(version("9.9.9"));
+    let (status, _) = raw_get(&r.addr, &pq, &job_peer).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        r.server.releases_noted(),
+        vec![("n2".to_string(), Some("9.9.9".to_string()))]
+    );
+}
+
 #[tokio::test]
 async fn another_jobs_key_never_gets_this_jobs_data() {
     let (r, _src, unit, _) = one_unit().await;
@@ -1178,4 +1217,1032 @@ async fn an_agent_whose_port_was_taken_serves_once_it_is_free() {
     cancel.cancel();
     tracker.close();
     tracker.wait().await;
+}
+
+// ---- Replicas (issue 26): a node's part of a checkpoint, pushed to another node of the job ----
+
+/// The agent's replica area in memory: files stored per part, parts sealed with their lists,
+/// `room` bytes in all. Checks what a [`ReplicaStore`] must check (tag, path, size, hash).
+struct MemReplicas {
+    room: u64,
+    state: Mutex<ReplicaState>,
+}
+
+#[derive(Default)]
+struct ReplicaState {
+    stored: HashMap<PartKey, HashMap<String, (ReplicaFile, Bytes)>>,
+    sealed: HashMap<PartKey, ReplicaSeal>,
+}
+
+impl MemReplicas {
+    fn new(room: u64) -> Arc<MemReplicas> {
+        Arc::new(MemReplicas {
+            room,
+            state: Mutex::new(ReplicaState::default()),
+        })
+    }
+
+    fn used(&self) -> u64 {
+        lock(&self.state)
+            .stored
+            .values()
+            .flat_map(|files| files.values())
+            .map(|(f, _)| f.size)
+            .sum()
+    }
+
+    /// Every file stored, sealed or not, as `from/tag/path`.
+    fn held(&self) -> Vec<String> {
+        let st = lock(&self.state);
+        let mut held: Vec<String> = st
+            .stored
+            .iter()
+            .flat_map(|(k, files)| {
+                files
+                    .keys()
+                    .map(move |p| format!("{}/{}/{p}", k.from, k.tag))
+            })
+            .collect();
+        held.sort();
+        held
+    }
+}
+
+#[async_trait::async_trait]
+impl ReplicaStore for MemReplicas {
+    async fn put_file(
+        &self,
+        part: &PartKey,
+        file: &ReplicaFile,
+        mut body: replica::Incoming,
+    ) -> Result<(), ReplicaRefusal> {
+        use futures::StreamExt;
+        replica::check_tag(&part.tag)?;
+        replica::check_path(&file.path)?;
+        let free = self.room - self.used();
+        if file.size > free {
+            return Err(ReplicaRefusal::NoRoom {
+                need: file.size,
+                free,
+            });
+        }
+        let mut bytes = Vec::new();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| ReplicaRefusal::Mismatch(format!("cut short: {e}")))?;
+            bytes.extend_from_slice(&chunk);
+        }
+        if bytes.len() as u64 != file.size {
+            return Err(ReplicaRefusal::Mismatch(format!(
+                "{} bytes came, {} were announced",
+                bytes.len(),
+                file.size
+            )));
+        }
+        if blake3::hash(&bytes).to_hex().as_str() != file.blake3 {
+            return Err(ReplicaRefusal::Mismatch(
+                "the bytes do not hash to the announced BLAKE3".into(),
+            ));
+        }
+        lock(&self.state)
+            .stored
+            .entry(part.clone())
+            .or_default()
+            .insert(file.path.clone(), (file.clone(), bytes.into()));
+        Ok(())
+    }
+
+    async fn seal(&self, part: &PartKey, seal: &ReplicaSeal) -> Result<(), ReplicaRefusal> {
+        replica::check_seal(&part.from, &seal.files, &seal.nodes)?;
+        let files = &seal.files;
+        let mut st = lock(&self.state);
+        let stored = st.stored.entry(part.clone()).or_default();
+        for f in files {
+            if stored.get(&f.path).map(|(s, _)| s) != Some(f) {
+                return Err(ReplicaRefusal::Mismatch(format!(
+                    "{} was not stored",
+                    f.path
+                )));
+            }
+        }
+        stored.retain(|p, _| files.iter().any(|f| &f.path == p));
+        st.sealed.insert(part.clone(), seal.clone());
+        Ok(())
+    }
+
+    async fn index(&self, job: sluice_proto::msg::JobId) -> Vec<ReplicaPart> {
+        let mut parts: Vec<ReplicaPart> = lock(&self.state)
+            .sealed
+            .iter()
+            .filter(|(k, _)| k.job == job)
+            .map(|(k, seal)| ReplicaPart {
+                from: k.from.clone(),
+                tag: k.tag.clone(),
+                files: seal.files.clone(),
+                nodes: seal.nodes.clone(),
+                committed_at: seal.committed_at,
+                archived: false,
+            })
+            .collect();
+        parts.sort_by(|a, b| (&a.from, &a.tag).cmp(&(&b.from, &b.tag)));
+        parts
+    }
+
+    fn room(&self) -> (u64, u64) {
+        (self.room.saturating_sub(self.used()), self.room)
+    }
+
+    async fn file(&self, part: &PartKey, path: &str) -> Option<UnitStream> {
+        let st = lock(&self.state);
+        st.sealed.get(part)?;
+        let (_, bytes) = st.stored.get(part)?.get(path)?;
+        Some(UnitStream::from(UnitData {
+            hash: blake3::hash(bytes),
+            bytes: bytes.clone(),
+            from: HashFrom::Origin,
+        }))
+    }
+
+    async fn free(&self, part: &PartKey) {
+        let mut st = lock(&self.state);
+        st.stored.remove(part);
+        st.sealed.remove(part);
+    }
+}
+
+/// The nodes of the replica tests' job.
+const REPLICA_NODES: &[&str] = &["n1", "n2", "n3"];
+
+fn rkey() -> JobKey {
+    secret().job_key(JOB, &names(REPLICA_NODES))
+}
+
+/// A server of job JOB on n1, n2, n3 that keeps no replicas and takes no job events.
+async fn bare() -> Running {
+    let r = start(server_cfg()).await;
+    r.server.register(
+        JOB,
+        &names(REPLICA_NODES),
+        Arc::new(MemSource::default()) as Arc<dyn UnitSource>,
+    );
+    r
+}
+
+/// A server of job JOB on n1, n2, n3 that keeps replicas in a store of `room` bytes.
+async fn holding(room: u64) -> (Running, Arc<MemReplicas>) {
+    let r = bare().await;
+    let store = MemReplicas::new(room);
+    r.server.serve_replicas(store.clone());
+    (r, store)
+}
+
+/// When the replica tests' checkpoints were committed.
+const COMMITTED_AT: u64 = 1_750_000_000;
+
+/// The seal of a part of `files`, committed by a run of the replica tests' job.
+fn seal_of(files: &[ReplicaFile]) -> ReplicaSeal {
+    ReplicaSeal {
+        files: files.to_vec(),
+        nodes: names(REPLICA_NODES),
+        committed_at: COMMITTED_AT,
+    }
+}
+
+/// A file of a part, described as its sender would.
+fn replica_file(path: &str, bytes: &Bytes) -> ReplicaFile {
+    ReplicaFile {
+        path: path.into(),
+        size: bytes.len() as u64,
+        blake3: blake3::hash(bytes).to_hex().to_string(),
+    }
+}
+
+/// `bytes` as a push body, in slices of at most 1000 bytes.
+fn chunks(bytes: Bytes) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    let slices: Vec<_> = (0..bytes.len())
+        .step_by(1000)
+        .map(|at| Ok(bytes.slice(at..(at + 1000).min(bytes.len()))))
+        .collect();
+    futures::stream::iter(slices)
+}
+
+/// `node` pushes each of `files` to `addr` as its part of `tag`, and seals the part with them.
+async fn push_and_seal(node: &str, addr: &str, tag: &str, files: &[(ReplicaFile, Bytes)]) {
+    let c = PeerClient::new(node, client_cfg());
+    for (f, b) in files {
+        c.push_replica(addr, &rkey(), tag, f, chunks(b.clone()))
+            .await
+            .unwrap();
+    }
+    let list: Vec<ReplicaFile> = files.iter().map(|(f, _)| f.clone()).collect();
+    c.seal_replica(addr, &rkey(), tag, &seal_of(&list))
+        .await
+        .unwrap();
+}
+
+/// A holder (1 MiB of room) of `s1`'s part `model.pt` (`len` bytes of `content(len, seed)`) of
+/// each of `nodes`, pushed and sealed; with that file and its bytes.
+async fn holding_s1(
+    nodes: &[&str],
+    len: usize,
+    seed: u8,
+) -> (Running, Arc<MemReplicas>, ReplicaFile, Bytes) {
+    let (r, store) = holding(1 << 20).await;
+    let bytes = content(len, seed);
+    let f = replica_file("model.pt", &bytes);
+    for node in nodes {
+        push_and_seal(node, &r.addr, "s1", &[(f.clone(), bytes.clone())]).await;
+    }
+    (r, store, f, bytes)
+}
+
+/// A signed request sent by hand (`method`, `pq`, extra headers, `body`), as the node `node`
+/// under `key`; returns the status and the body of the answer.
+async fn raw_signed(
+    addr: &str,
+    key: &JobKey,
+    node: &str,
+    method: &str,
+    pq: &str,
+    extra: &[(&str, String)],
+    body: &[u8],
+) -> (u16, Vec<u8>) {
+    let time = now_secs();
+    let mac = key.request_mac(method, pq, node, time);
+    let mut head = format!(
+        "{method} {pq} HTTP/1.1\r\nhost: {addr}\r\nx-sluice-node: {node}\r\nx-sluice-time: {time}\r\nx-sluice-mac: {}\r\n",
+        mac.to_hex()
+    );
+    for (k, v) in extra {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("connection: close\r\n\r\n");
+    let s = TcpStream::connect(addr).await.unwrap();
+    let (mut read, mut write) = s.into_split();
+    let mut out = head.into_bytes();
+    out.extend_from_slice(body);
+    // Written apart from the read: the server may answer before it read the whole body.
+    let writer = tokio::spawn(async move {
+        let _ = write.write_all(&out).await;
+        write
+    });
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), read.read_to_end(&mut answer))
+        .await
+        .expect("the server answers and closes")
+        .unwrap();
+    drop(writer.await);
+    let end = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head");
+    let status = std::str::from_utf8(&answer[9..12])
+        .unwrap()
+        .parse()
+        .unwrap();
+    (status, answer[end + 4..].to_vec())
+}
+
+/// A request of n2's under the job key that the server must refuse as malformed (`400`), saying
+/// `says`.
+async fn assert_bad_request(
+    r: &Running,
+    method: &str,
+    pq: &str,
+    headers: &[(&str, String)],
+    body: &[u8],
+    says: &str,
+) {
+    let (status, body) = raw_signed(&r.addr, &rkey(), "n2", method, pq, headers, body).await;
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 400, "{method} {pq}: {text}");
+    assert!(text.contains(says), "{method} {pq}: {text}");
+}
+
+/// Issue 26: n2 pushes its part of checkpoint s1 to n1 and seals it, n3 seals an empty part;
+/// any node reads n1's index and takes the files back, whole; n2 frees its part.
+#[tokio::test]
+async fn replicas_are_pushed_sealed_listed_fetched_and_freed() {
+    let (r, store) = holding(1 << 20).await;
+    let (n2, n3, n1) = (
+        PeerClient::new("n2", client_cfg()),
+        PeerClient::new("n3", client_cfg()),
+        PeerClient::new("n1", client_cfg()),
+    );
+    let files: Vec<(ReplicaFile, Bytes)> = [
+        ("model.pt", content(5000, 1)),
+        ("sub/dir/optim state.pt", content(0, 0)),
+        (".metadata", content(10, 2)),
+    ]
+    .into_iter()
+    .map(|(p, b)| (replica_file(p, &b), b))
+    .collect();
+    for (f, b) in &files {
+        n2.push_replica(&r.addr, &rkey(), "s1", f, chunks(b.clone()))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        n1.replica_index(&r.addr, &rkey()).await.unwrap(),
+        vec![],
+        "an unsealed part is not listed"
+    );
+    let list: Vec<ReplicaFile> = files.iter().map(|(f, _)| f.clone()).collect();
+    n2.seal_replica(&r.addr, &rkey(), "s1", &seal_of(&list))
+        .await
+        .unwrap();
+    n3.seal_replica(&r.addr, &rkey(), "s1", &seal_of(&[]))
+        .await
+        .unwrap();
+    let index = n1.replica_index(&r.addr, &rkey()).await.unwrap();
+    assert_eq!(
+        index,
+        vec![
+            ReplicaPart {
+                from: "n2".into(),
+                tag: "s1".into(),
+                files: list.clone(),
+                nodes: names(REPLICA_NODES),
+                committed_at: COMMITTED_AT,
+                archived: false,
+            },
+            ReplicaPart {
+                from: "n3".into(),
+                tag: "s1".into(),
+                files: vec![],
+                nodes: names(REPLICA_NODES),
+                committed_at: COMMITTED_AT,
+                archived: false,
+            },
+        ]
+    );
+    let part = PartKey {
+        job: JOB,
+        from: "n2".into(),
+        tag: "s1".into(),
+    };
+    for (f, b) in &files {
+        let mut sink = VecSink::default();
+        let got = n1
+            .fetch_replica_into(&r.addr, &rkey(), &part, f, &mut sink)
+            .await
+            .unwrap();
+        assert_eq!((got, sink.0.as_slice()), (b.len() as u64, b.as_ref()));
+    }
+    n2.free_replica(&r.addr, &rkey(), "s1").await.unwrap();
+    let index = n1.replica_index(&r.addr, &rkey()).await.unwrap();
+    assert_eq!(
+        index.iter().map(|p| p.from.as_str()).collect::<Vec<_>>(),
+        ["n3"]
+    );
+    assert_eq!(store.held(), Vec::<String>::new(), "n2's files are gone");
+    let e = n1
+        .fetch_replica_into(&r.addr, &rkey(), &part, &list[0], &mut VecSink::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::NotHeld { .. }), "{e}");
+    // Freeing what is not held is no error.
+    n2.free_replica(&r.addr, &rkey(), "s1").await.unwrap();
+}
+
+/// A node outside the job (even with the job's key) and an agent under another cluster secret
+/// can neither push, seal, list, fetch nor free; the store keeps nothing of them.
+#[tokio::test]
+async fn replica_requests_without_the_job_key_or_from_outside_the_job_are_refused() {
+    let (r, store, f, bytes) = holding_s1(&["n2"], 100, 3).await;
+    let other = ClusterSecret::from_bytes([9u8; 32]).job_key(JOB, &names(REPLICA_NODES));
+    let part = PartKey {
+        job: JOB,
+        from: "n2".into(),
+        tag: "s1".into(),
+    };
+    for (who, client, key, want) in [
+        (
+            "n9, outside the job",
+            PeerClient::new("n9", client_cfg()),
+            rkey(),
+            403,
+        ),
+        (
+            "n3 under another secret",
+            PeerClient::new("n3", client_cfg()),
+            other,
+            401,
+        ),
+    ] {
+        let refused = |e: PeerError| {
+            assert!(
+                matches!(e, PeerError::Refused { status, .. } if status == want),
+                "{who}: {e}"
+            );
+        };
+        refused(
+            client
+                .push_replica(&r.addr, &key, "s2", &f, chunks(bytes.clone()))
+                .await
+                .unwrap_err(),
+        );
+        refused(
+            client
+                .seal_replica(&r.addr, &key, "s2", &seal_of(&[]))
+                .await
+                .unwrap_err(),
+        );
+        refused(client.replica_index(&r.addr, &key).await.unwrap_err());
+        refused(client.replica_room(&r.addr, &key).await.unwrap_err());
+        let mut sink = VecSink::default();
+        refused(
+            client
+                .fetch_replica_into(&r.addr, &key, &part, &f, &mut sink)
+                .await
+                .unwrap_err(),
+        );
+        assert!(sink.0.is_empty(), "{who}: data in a refusal");
+        refused(client.free_replica(&r.addr, &key, "s1").await.unwrap_err());
+    }
+    assert_eq!(store.held(), ["n2/s1/model.pt"], "nothing changed");
+    assert_eq!(
+        PeerClient::new("n1", client_cfg())
+            .replica_index(&r.addr, &rkey())
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+/// `from` of a push, seal or free is the authenticated node: n2 freeing s1 frees n2's part and
+/// never n3's, and a `from` parameter is no way around it.
+#[tokio::test]
+async fn a_node_frees_only_its_own_part() {
+    let (r, store) = holding(1 << 20).await;
+    let bytes = content(50, 4);
+    let f = replica_file("f", &bytes);
+    for node in ["n2", "n3"] {
+        push_and_seal(node, &r.addr, "s1", &[(f.clone(), bytes.clone())]).await;
+    }
+    for (method, pq) in [
+        ("DELETE", format!("/v1/jobs/{JOB}/replicas?tag=s1&from=n3")),
+        (
+            "POST",
+            format!("/v1/jobs/{JOB}/replicas/seal?tag=s1&from=n3"),
+        ),
+    ] {
+        let (status, body) = raw_signed(&r.addr, &rkey(), "n2", method, &pq, &[], b"[]").await;
+        let text = String::from_utf8_lossy(&body);
+        assert_eq!(status, 400, "{method} {pq}: {text}");
+        assert!(text.contains("unknown query parameter 'from'"), "{text}");
+    }
+    PeerClient::new("n2", client_cfg())
+        .free_replica(&r.addr, &rkey(), "s1")
+        .await
+        .unwrap();
+    assert_eq!(store.held(), ["n3/s1/f"]);
+    let index = PeerClient::new("n1", client_cfg())
+        .replica_index(&r.addr, &rkey())
+        .await
+        .unwrap();
+    assert_eq!(
+        index.iter().map(|p| p.from.as_str()).collect::<Vec<_>>(),
+        ["n3"]
+    );
+}
+
+/// A push whose body is shorter or longer than its `size`, or does not hash to its `blake3`, is
+/// refused, and the holder keeps nothing of it.
+#[tokio::test]
+async fn pushes_that_lie_about_their_bytes_are_refused_and_nothing_is_kept() {
+    let (r, store) = holding(1 << 20).await;
+    let n2 = PeerClient::new("n2", client_cfg());
+    let bytes = content(3000, 5);
+    let f = replica_file("model.pt", &bytes);
+    for (what, body) in [
+        ("shorter", bytes.slice(..2999)),
+        ("longer", content(3001, 5)),
+    ] {
+        let e = n2
+            .push_replica(&r.addr, &rkey(), "s1", &f, chunks(body))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, PeerError::PushSource { source, .. } if source.to_string().contains("3000")),
+            "{what}: {e}"
+        );
+    }
+    // An empty file whose source is not empty: nothing goes out.
+    let e = n2
+        .push_replica(
+            &r.addr,
+            &rkey(),
+            "s1",
+            &replica_file("empty", &Bytes::new()),
+            chunks(content(1, 0)),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::PushSource { .. }), "{e}");
+    let mut changed = bytes.to_vec();
+    changed[1234] ^= 1;
+    let e = n2
+        .push_replica(&r.addr, &rkey(), "s1", &f, chunks(changed.into()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, PeerError::ReplicaRefused { status: 409, reason, .. } if reason.contains("BLAKE3")),
+        "{e}"
+    );
+    // By hand: a content-length that is not the size, and a body cut short of its length.
+    let pq = format!(
+        "/v1/jobs/{JOB}/replicas/file?tag=s1&file=model.pt&size=3000&blake3={}",
+        f.blake3
+    );
+    let (status, body) = raw_signed(
+        &r.addr,
+        &rkey(),
+        "n2",
+        "PUT",
+        &pq,
+        &[("content-length", "2000".into())],
+        &bytes[..2000],
+    )
+    .await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    let time = now_secs();
+    let mac = rkey().request_mac("PUT", &pq, "n2", time);
+    let mut s = TcpStream::connect(&r.addr).await.unwrap();
+    let head = format!(
+        "PUT {pq} HTTP/1.1\r\nhost: x\r\nx-sluice-node: n2\r\nx-sluice-time: {time}\r\nx-sluice-mac: {}\r\ncontent-length: 3000\r\n\r\n",
+        mac.to_hex()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&bytes[..1500]).await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    assert_eq!(store.held(), Vec::<String>::new(), "nothing kept");
+    // The honest push, for comparison, is stored.
+    n2.push_replica(&r.addr, &rkey(), "s1", &f, chunks(bytes))
+        .await
+        .unwrap();
+    assert_eq!(store.held(), ["n2/s1/model.pt"]);
+}
+
+/// A holder without room says how much it lacks, and the sender hears it as `NoRoom` (the body it
+/// had started to send is read and dropped, so the answer arrives).
+#[tokio::test]
+async fn a_holder_without_room_answers_no_room() {
+    let (r, store) = holding(1000).await;
+    let bytes = content(2 << 20, 6);
+    let f = replica_file("big.pt", &bytes);
+    let e = PeerClient::new("n2", client_cfg())
+        .push_replica(&r.addr, &rkey(), "s1", &f, chunks(bytes))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, PeerError::NoRoom { need, free: 1000, .. } if need == 2 << 20),
+        "{e}"
+    );
+    assert!(e.to_string().contains("no room"), "{e}");
+    assert_eq!(store.held(), Vec::<String>::new());
+}
+
+/// A tag or path that could leave its directory, a malformed hash, an oversized or overlong seal
+/// list: 400, and nothing reaches the store.
+#[tokio::test]
+async fn bad_tags_paths_and_seal_lists_are_refused() {
+    let (r, store) = holding(1 << 20).await;
+    let n2 = PeerClient::new("n2", client_cfg());
+    let bytes = content(10, 7);
+    for (tag, path) in [
+        ("s1", "../escape"),
+        ("s1", "/etc/passwd"),
+        ("a/b", "f"),
+        ("..", "f"),
+    ] {
+        let e = n2
+            .push_replica(
+                &r.addr,
+                &rkey(),
+                tag,
+                &replica_file(path, &bytes),
+                chunks(bytes.clone()),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, PeerError::Refused { status: 400, .. }),
+            "{tag} {path}: {e}"
+        );
+    }
+    let e = n2
+        .seal_replica(&r.addr, &rkey(), "../s1", &seal_of(&[]))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 400, .. }), "{e}");
+    let e = n2
+        .seal_replica(
+            &r.addr,
+            &rkey(),
+            "s1",
+            &seal_of(&[replica_file("a/../../b", &bytes)]),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, PeerError::ReplicaRefused { status: 400, .. }),
+        "{e}"
+    );
+    // A node list that does not name its sender, is not sorted, names a node that could leave
+    // its directory or one not of the job.
+    for (nodes, why) in [
+        (names(&["n1", "n3"]), "does not name its sender"),
+        (names(&["n2", "n1"]), "not sorted"),
+        (names(&["n1", "n2", "n2"]), "not sorted"),
+        (names(&["../n1", "n2"]), "not a node name"),
+        (names(&["n2", "n9"]), "not a node of job"),
+    ] {
+        let seal = ReplicaSeal {
+            nodes: nodes.clone(),
+            ..seal_of(&[])
+        };
+        let e = n2
+            .seal_replica(&r.addr, &rkey(), "s1", &seal)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, PeerError::ReplicaRefused { status: 400, reason, .. } if reason.contains(why)),
+            "{nodes:?}: {e}"
+        );
+    }
+    // A file list longer than a seal body may be, refused from its content-length.
+    let pq = format!("/v1/jobs/{JOB}/replicas/seal?tag=s1");
+    assert_bad_request(
+        &r,
+        "POST",
+        &pq,
+        &[("content-length", (replica::MAX_SEAL_BODY + 1).to_string())],
+        b"",
+        "at most",
+    )
+    .await;
+    // More files than a part may have, within the body's bound.
+    let one = serde_json::to_string(&replica_file("f", &bytes)).unwrap();
+    let list = format!(
+        r#"{{"files":[{}],"nodes":["n1","n2","n3"],"committed_at":1}}"#,
+        vec![one; replica::MAX_FILES + 1].join(",")
+    );
+    assert!(list.len() < replica::MAX_SEAL_BODY);
+    assert_bad_request(
+        &r,
+        "POST",
+        &pq,
+        &[("content-length", list.len().to_string())],
+        list.as_bytes(),
+        "more than",
+    )
+    .await;
+    // A bare file list (a seal without its nodes and commit time) is no seal.
+    assert_bad_request(
+        &r,
+        "POST",
+        &pq,
+        &[("content-length", "2".into())],
+        b"[]",
+        "does not parse",
+    )
+    .await;
+    // Methods a resource does not answer.
+    let (status, _) = raw_signed(
+        &r.addr,
+        &rkey(),
+        "n2",
+        "PUT",
+        &format!("/v1/jobs/{JOB}/units?file=a&offset=0&len=1"),
+        &[("content-length", "0".into())],
+        b"",
+    )
+    .await;
+    assert_eq!(status, 405);
+    assert_eq!(store.held(), Vec::<String>::new());
+    assert_eq!(lock(&store.state).sealed.len(), 0);
+}
+
+/// A job not registered here is unknown (404) to replica requests as to units; a node whose
+/// agent keeps no replicas answers 501, MAC'd.
+#[tokio::test]
+async fn replicas_of_an_unknown_job_or_on_a_node_without_a_store() {
+    let (r, _store) = holding(1 << 20).await;
+    let c = PeerClient::new("n2", client_cfg());
+    let other = secret().job_key(JOB + 1, &names(REPLICA_NODES));
+    let e = c.replica_index(&r.addr, &other).await.unwrap_err();
+    assert!(
+        matches!(e, PeerError::UnknownJob { job, .. } if job == JOB + 1),
+        "{e}"
+    );
+    let bytes = content(10, 8);
+    let e = c
+        .push_replica(
+            &r.addr,
+            &other,
+            "s1",
+            &replica_file("f", &bytes),
+            chunks(bytes.clone()),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::UnknownJob { .. }), "{e}");
+    let bare = bare().await;
+    let e = c.replica_index(&bare.addr, &rkey()).await.unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Refused { status: 501, reason, .. } if reason.contains("no replicas")),
+        "{e}"
+    );
+    // An ended job's replica requests are gone, MAC'd.
+    r.server.unregister(JOB);
+    let e = c.replica_index(&r.addr, &rkey()).await.unwrap_err();
+    assert!(matches!(e, PeerError::Gone { job: JOB, .. }), "{e}");
+}
+
+/// The archive may hold a checkpoint only after its job ended on the holder: the sender still
+/// frees its own part then (the one request an ended job is answered), and nothing else is
+/// answered; under another secret, not even that.
+#[tokio::test]
+async fn a_node_frees_its_part_after_the_job_ended_on_the_holder() {
+    let (r, store, _, _) = holding_s1(&["n2", "n3"], 100, 4).await;
+    r.server.unregister(JOB);
+    let forged = ClusterSecret::from_bytes([9u8; 32]).job_key(JOB, &names(REPLICA_NODES));
+    let n2 = PeerClient::new("n2", client_cfg());
+    assert!(n2.free_replica(&r.addr, &forged, "s1").await.is_err());
+    let held = |from: &str| {
+        let part = PartKey {
+            job: JOB,
+            from: from.into(),
+            tag: "s1".into(),
+        };
+        store.state.lock().unwrap().sealed.contains_key(&part)
+    };
+    assert!(held("n2"), "a request under another secret freed n2's part");
+    n2.free_replica(&r.addr, &rkey(), "s1").await.unwrap();
+    assert!(!held("n2"), "n2's part is still held after its free");
+    assert!(held("n3"), "n2's free freed n3's part");
+    let e = n2.replica_index(&r.addr, &rkey()).await.unwrap_err();
+    assert!(matches!(e, PeerError::Gone { job: JOB, .. }), "{e}");
+}
+
+/// A relay that changes a byte of the index, or of a fetched file, is caught: the index's MAC
+/// covers its JSON, and a file must hash to what its part was sealed with.
+#[tokio::test]
+async fn a_relay_that_changes_a_replica_answer_is_detected() {
+    let (r, _store, f, bytes) = holding_s1(&["n2"], 3000, 9).await;
+    let n1 = PeerClient::new("n1", client_cfg());
+    let relay = tampering_relay(r.addr.clone(), Tamper::BodyByte).await;
+    let e = n1.replica_index(&relay, &rkey()).await.unwrap_err();
+    assert!(matches!(e, PeerError::Corrupt { .. }), "{e}");
+    // (The relay changes the first answer of each connection: a new one for each request.)
+    let relay = tampering_relay(r.addr.clone(), Tamper::BodyByte).await;
+    let part = PartKey {
+        job: JOB,
+        from: "n2".into(),
+        tag: "s1".into(),
+    };
+    let e = n1
+        .fetch_replica_into(&relay, &rkey(), &part, &f, &mut VecSink::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Corrupt { what, .. } if what.contains("BLAKE3")),
+        "{e}"
+    );
+    let relay = tampering_relay(r.addr.clone(), Tamper::HashHeader).await;
+    let e = n1
+        .fetch_replica_into(&relay, &rkey(), &part, &f, &mut VecSink::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Corrupt { .. }), "{e}");
+    // A part of a node outside the job is nothing to ask the store about.
+    let outside = PartKey {
+        from: "../n2".into(),
+        ..part.clone()
+    };
+    let e = n1
+        .fetch_replica_into(&r.addr, &rkey(), &outside, &f, &mut VecSink::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, PeerError::ReplicaRefused { status: 400, reason, .. } if reason.contains("not a node")),
+        "{e}"
+    );
+    // A file listed with another hash than the holder's copy is not taken.
+    let mut wrong = f.clone();
+    wrong.blake3 = blake3::hash(b"other").to_hex().to_string();
+    let e = n1
+        .fetch_replica_into(&r.addr, &rkey(), &part, &wrong, &mut VecSink::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Corrupt { .. }), "{e}");
+    // Directly, everything is intact.
+    let mut sink = VecSink::default();
+    n1.fetch_replica_into(&r.addr, &rkey(), &part, &f, &mut sink)
+        .await
+        .unwrap();
+    assert_eq!(sink.0, bytes.to_vec());
+    assert_eq!(n1.replica_index(&r.addr, &rkey()).await.unwrap().len(), 1);
+}
+
+/// Issue 26: a holder's free room, read before a push, falls as another node's part comes and
+/// rises as it is freed; it is MAC'd like any answer.
+#[tokio::test]
+async fn a_holders_room_is_read_before_a_push_and_follows_pushes_and_frees() {
+    let (r, _store) = holding(10_000).await;
+    let (n1, n3) = (
+        PeerClient::new("n1", client_cfg()),
+        PeerClient::new("n3", client_cfg()),
+    );
+    assert_eq!(
+        n1.replica_room(&r.addr, &rkey()).await.unwrap(),
+        (10_000, 10_000)
+    );
+    let bytes = content(3000, 10);
+    push_and_seal("n3", &r.addr, "s1", &[(replica_file("f", &bytes), bytes)]).await;
+    assert_eq!(
+        n1.replica_room(&r.addr, &rkey()).await.unwrap(),
+        (7000, 10_000),
+        "n3's part takes its room"
+    );
+    n3.free_replica(&r.addr, &rkey(), "s1").await.unwrap();
+    assert_eq!(
+        n1.replica_room(&r.addr, &rkey()).await.unwrap(),
+        (10_000, 10_000)
+    );
+    let relay = tampering_relay(r.addr.clone(), Tamper::BodyByte).await;
+    let e = n1.replica_room(&relay, &rkey()).await.unwrap_err();
+    assert!(matches!(e, PeerError::Corrupt { .. }), "{e}");
+    // Only GET, no parameter.
+    let pq = format!("/v1/jobs/{JOB}/replicas/room");
+    let (status, _) = raw_signed(
+        &r.addr,
+        &rkey(),
+        "n1",
+        "DELETE",
+        &pq,
+        &[("content-length", "0".into())],
+        b"",
+    )
+    .await;
+    assert_eq!(status, 405);
+    let (status, body) = raw_signed(
+        &r.addr,
+        &rkey(),
+        "n1",
+        "GET",
+        &format!("{pq}?x=1"),
+        &[],
+        b"",
+    )
+    .await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    // A node without a replica area has no room to say.
+    let bare = bare().await;
+    let e = n1.replica_room(&bare.addr, &rkey()).await.unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 501, .. }), "{e}");
+}
+
+// ---- Commit notices (issue 26): a node tells the others it committed a checkpoint ----
+
+/// The agent's job events: every commit notice, as the server handed it over.
+#[derive(Default)]
+struct Notices(Mutex<Vec<(sluice_proto::msg::JobId, String, String)>>);
+
+#[async_trait::async_trait]
+impl JobEvents for Notices {
+    async fn committed(&self, job: sluice_proto::msg::JobId, from: &str, tag: &str) {
+        lock(&self.0).push((job, from.into(), tag.into()));
+    }
+}
+
+impl Notices {
+    fn taken(&self) -> Vec<(sluice_proto::msg::JobId, String, String)> {
+        lock(&self.0).clone()
+    }
+}
+
+/// A server of job JOB on n1, n2, n3 that hands commit notices to a fresh [`Notices`].
+async fn noticing() -> (Running, Arc<Notices>) {
+    let r = bare().await;
+    let notices = Arc::new(Notices::default());
+    r.server.serve_events(notices.clone());
+    (r, notices)
+}
+
+/// n2 tells n1 it committed s1: n1's events have it, from n2, for the job.
+#[tokio::test]
+async fn a_commit_notice_reaches_the_nodes_events() {
+    let (r, notices) = noticing().await;
+    PeerClient::new("n2", client_cfg())
+        .notify_commit(&r.addr, &rkey(), "s1")
+        .await
+        .unwrap();
+    PeerClient::new("n3", client_cfg())
+        .notify_commit(&r.addr, &rkey(), "global_step100")
+        .await
+        .unwrap();
+    assert_eq!(
+        notices.taken(),
+        [
+            (JOB, "n2".to_string(), "s1".to_string()),
+            (JOB, "n3".to_string(), "global_step100".to_string())
+        ]
+    );
+    // A process on the peer port that says "queued" without the job key is not believed.
+    let fake = fake_server(|_| {
+        let mac = blake3::hash(b"guess").to_hex();
+        format!("HTTP/1.1 202 Accepted\r\ncontent-length: 6\r\nx-sluice-mac: {mac}\r\n\r\nqueued")
+            .into_bytes()
+    })
+    .await;
+    let e = PeerClient::new("n2", client_cfg())
+        .notify_commit(&fake, &rkey(), "s2")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Corrupt { .. }), "{e}");
+    assert_eq!(notices.taken().len(), 2);
+}
+
+/// A node outside the job (even with the job's key), an agent under another cluster secret, a
+/// tag that is not a checkpoint's, a `from` that is not the sender, a body: refused, and the
+/// node's events hear of none of them.
+#[tokio::test]
+async fn commit_notices_from_outside_the_job_or_malformed_are_refused() {
+    let (r, notices) = noticing().await;
+    let other = ClusterSecret::from_bytes([9u8; 32]).job_key(JOB, &names(REPLICA_NODES));
+    for (who, node, key, want) in [
+        ("n9, outside the job", "n9", rkey(), 403),
+        ("n3 under another secret", "n3", other, 401),
+    ] {
+        let e = PeerClient::new(node, client_cfg())
+            .notify_commit(&r.addr, &key, "s1")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, PeerError::Refused { status, .. } if status == want),
+            "{who}: {e}"
+        );
+    }
+    let n2 = PeerClient::new("n2", client_cfg());
+    for tag in ["../s1", "a/b", ".hidden", ""] {
+        let e = n2.notify_commit(&r.addr, &rkey(), tag).await.unwrap_err();
+        assert!(
+            matches!(e, PeerError::Refused { status: 400, .. }),
+            "{tag:?}: {e}"
+        );
+    }
+    // By hand: a `from` that is not the sender, a body.
+    let pq = format!("/v1/jobs/{JOB}/commits?tag=s1");
+    for (query, body, why) in [
+        ("&from=n3", &b""[..], "unknown query parameter 'from'"),
+        ("", &b"abc"[..], "no body"),
+    ] {
+        let (status, answer) = raw_signed(
+            &r.addr,
+            &rkey(),
+            "n2",
+            "POST",
+            &format!("{pq}{query}"),
+            &[("content-length", body.len().to_string())],
+            body,
+        )
+        .await;
+        let text = String::from_utf8_lossy(&answer);
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains(why), "{text}");
+    }
+    let (status, _) = raw_signed(&r.addr, &rkey(), "n2", "GET", &pq, &[], b"").await;
+    assert_eq!(status, 405);
+    assert_eq!(notices.taken(), [], "no notice was handed over");
+}
+
+/// A notice for a job not registered here is unknown (404); a node that takes no job events
+/// answers 501, and one where the job ended 410, both MAC'd.
+#[tokio::test]
+async fn commit_notices_for_an_unknown_job_or_to_a_node_without_events() {
+    let (r, notices) = noticing().await;
+    let n2 = PeerClient::new("n2", client_cfg());
+    let other = secret().job_key(JOB + 1, &names(REPLICA_NODES));
+    let e = n2.notify_commit(&r.addr, &other, "s1").await.unwrap_err();
+    assert!(
+        matches!(e, PeerError::UnknownJob { job, .. } if job == JOB + 1),
+        "{e}"
+    );
+    let (bare, _store) = holding(1 << 20).await;
+    let e = n2
+        .notify_commit(&bare.addr, &rkey(), "s1")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, PeerError::Refused { status: 501, reason, .. } if reason.contains("no job events")),
+        "{e}"
+    );
+    r.server.unregister(JOB);
+    let e = n2.notify_commit(&r.addr, &rkey(), "s1").await.unwrap_err();
+    assert!(matches!(e, PeerError::Gone { job: JOB, .. }), "{e}");
+    assert_eq!(notices.taken(), []);
 }

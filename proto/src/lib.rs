@@ -8,6 +8,8 @@
 //! - [`hostlist`]: expansion of Slurm node lists (`n[1-3]`), capped.
 //! - [`summary`]: what a job's user reads about sluice in the job output (and human byte sizes).
 //! - [`client`]: a small blocking client with deadlines, usable from slurmstepd (no threads, no tokio).
+//!
+//! Feature `testing` gives the crates above example messages for their tests (`testing`).
 // Unsafe code is refused outside tests (one test resets a signal disposition).
 #![cfg_attr(not(test), forbid(unsafe_code))]
 #![cfg_attr(test, deny(unsafe_code))]
@@ -17,6 +19,8 @@ pub mod hostlist;
 pub mod msg;
 pub mod options;
 pub mod summary;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod wire;
 
 /// Version of the socket protocol. The agent refuses frames of any other version with a clear error,

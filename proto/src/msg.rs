@@ -435,6 +435,29 @@ pub struct CkptStatus {
     /// again, save under a new tag, bring a node back).
     #[serde(default)]
     pub action_needed: bool,
+    /// This node's part of the checkpoint on other nodes of the job (`[fast_tier] replicas`);
+    /// `None` for a job without replicas (and from an agent that predates them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ReplicaStatus>,
+}
+
+/// Where this node's part of a checkpoint is replicated: what `sluice ckpt list` shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaStatus {
+    /// How many other nodes should hold it.
+    pub wanted: u8,
+    /// The nodes whose agents hold a sealed copy of it now, in placement order.
+    pub held_by: Vec<String>,
+    /// Why fewer than `wanted` hold it, while they do (a node had no room, was not reached).
+    #[serde(default)]
+    pub short: Option<String>,
+    /// The replicas went once the archive held the checkpoint.
+    #[serde(default)]
+    pub freed: bool,
+    /// Every node's part of the checkpoint (not only this node's) is held by `wanted` other
+    /// nodes: losing any one node loses nothing of it.
+    #[serde(default)]
+    pub protected: bool,
 }
 
 impl CkptStatus {

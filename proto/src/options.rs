@@ -168,6 +168,10 @@ pub struct JobOptions {
     /// An older plugin sends none: the hot tier.
     #[serde(default, skip_serializing_if = "is_local")]
     pub ckpt_tier: CkptTier,
+    /// `--ckpt-replicas`: other nodes that hold a copy of each node's part of a RAM-tier
+    /// checkpoint, instead of the site's `[fast_tier] replicas` (within its `max_replicas`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ckpt_replicas: Option<u8>,
 }
 
 fn is_local(t: &CkptTier) -> bool {
@@ -190,7 +194,8 @@ pub mod names {
     pub const CKPT_KEEP: &str = "ckpt-keep";
     pub const CKPT_RESTORE: &str = "ckpt-restore";
     pub const CKPT_TIER: &str = "ckpt-tier";
-    pub const ALL: [&str; 7] = [
+    pub const CKPT_REPLICAS: &str = "ckpt-replicas";
+    pub const ALL: [&str; 8] = [
         STAGE_IN,
         STAGE_TIER,
         STAGE_MODE,
@@ -198,6 +203,7 @@ pub mod names {
         CKPT_KEEP,
         CKPT_RESTORE,
         CKPT_TIER,
+        CKPT_REPLICAS,
     ];
 }
 
@@ -494,6 +500,24 @@ pub fn parse_ckpt_keep(value: &str) -> Result<u32, OptionError> {
     }
 }
 
+/// The most replicas a job may ask for (`--ckpt-replicas`); a site may allow fewer.
+pub const MAX_CKPT_REPLICAS: u8 = 3;
+
+pub fn parse_ckpt_replicas(value: &str) -> Result<u8, OptionError> {
+    let v = value.trim();
+    match v.parse::<u8>() {
+        Ok(n) if n <= MAX_CKPT_REPLICAS => Ok(n),
+        _ => Err(err(
+            names::CKPT_REPLICAS,
+            format!(
+                "'{v}' is not a number from 0 to {MAX_CKPT_REPLICAS}; give how many other nodes of \
+                 the job should hold a copy of each node's checkpoint part, e.g. --ckpt-replicas=1 \
+                 (0: none)"
+            ),
+        )),
+    }
+}
+
 /// Checkpoint tags are single path components: they name directories and object prefixes.
 pub fn validate_tag(option: &'static str, tag: &str) -> Result<(), OptionError> {
     if tag.is_empty()
@@ -594,6 +618,10 @@ pub fn parse_job_options(
         check_text(names::CKPT_TIER, &v)?;
         opts.ckpt_tier = parse_ckpt_tier(&v)?;
     }
+    if let Some(v) = lookup(names::CKPT_REPLICAS) {
+        check_text(names::CKPT_REPLICAS, &v)?;
+        opts.ckpt_replicas = Some(parse_ckpt_replicas(&v)?);
+    }
     Ok(opts)
 }
 
@@ -615,6 +643,8 @@ pub fn validate_option(name: &str, value: &str) -> Result<(), OptionError> {
         names::CKPT_TIER => {
             check_text(names::CKPT_TIER, value).and_then(|_| parse_ckpt_tier(value).map(drop))
         }
+        names::CKPT_REPLICAS => check_text(names::CKPT_REPLICAS, value)
+            .and_then(|_| parse_ckpt_replicas(value).map(drop)),
         _ => Ok(()),
     }
 }
@@ -703,6 +733,10 @@ mod tests {
 
     #[test]
     fn scalar_options() {
+        assert_eq!(parse_ckpt_replicas(" 2 "), Ok(2));
+        assert_eq!(parse_ckpt_replicas("0"), Ok(0));
+        assert_refused(parse_ckpt_replicas("4"), "from 0 to 3");
+        assert_refused(parse_ckpt_replicas("-1"), "e.g. --ckpt-replicas=1");
         assert_eq!(parse_ckpt_keep("3"), Ok(3));
         assert_refused(parse_ckpt_keep("two"), "not a number");
         assert_refused(parse_ckpt_keep("0"), "out of range");
@@ -761,6 +795,17 @@ mod tests {
         assert_eq!(opts.ckpt_keep, Some(2));
         assert!(!opts.is_empty());
         assert!(parse_job_options(|_| None).unwrap().is_empty());
+        // --ckpt-replicas is of RAM-tier checkpoints only.
+        let ram = parse_job_options(|n| match n {
+            "ckpt-tier" => Some("ram".into()),
+            "ckpt-replicas" => Some("2".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(ram.ckpt_replicas, Some(2));
+        // Its absence is not sent, so that an agent of the release before reads the options.
+        let json = serde_json::to_string(&parse_job_options(|_| None).unwrap()).unwrap();
+        assert!(!json.contains("ckpt_replicas"), "{json}");
     }
 
     /// F8 in docs/SECURITY.md: the normalised form of an accepted value parses back to itself.

@@ -154,9 +154,33 @@ pub fn job_end(status: &JobStatus) -> Vec<String> {
                 c.tag,
                 c.state.as_str()
             ));
+            if let Some(unprotected) = unprotected(c) {
+                lines.push(unprotected);
+            }
         }
     }
     lines
+}
+
+/// What the job must know of a checkpoint not archived yet whose replicas were asked for
+/// (`[fast_tier] replicas`) and that is not protected by them: losing this node before the archive
+/// holds it loses this node's part.
+fn unprotected(c: &CkptStatus) -> Option<String> {
+    let r = c.replicas.as_ref().filter(|r| !r.protected && !r.freed)?;
+    let why = match (&r.short, r.held_by.len() >= usize::from(r.wanted)) {
+        (Some(short), _) => short.clone(),
+        (None, true) => "not every node's part is replicated yet".into(),
+        (None, false) => "not replicated yet".into(),
+    };
+    Some(format!(
+        "checkpoint {} is NOT protected by replicas ({why}): until it is archived, losing {} loses it",
+        c.tag,
+        if r.held_by.len() >= usize::from(r.wanted) {
+            "another node of the job"
+        } else {
+            "this node"
+        }
+    ))
 }
 
 #[cfg(test)]
@@ -179,6 +203,7 @@ mod tests {
             archived_at: None,
             error: None,
             action_needed: false,
+            replicas: None,
         }
     }
 
@@ -345,6 +370,47 @@ mod tests {
         assert_eq!(bytes(512), "512 B");
         assert_eq!(bytes(1536), "1.5 KiB");
         assert_eq!(bytes((1 << 20) - 1), "1.0 MiB");
+    }
+
+    #[test]
+    fn end_summary_says_which_pending_checkpoints_replicas_do_not_protect() {
+        use crate::msg::ReplicaStatus;
+        let with = |tag: &str, r: ReplicaStatus| CkptStatus {
+            replicas: Some(r),
+            ..ckpt(tag, CkptState::Retrying, 1)
+        };
+        let lines = job_end(&job(vec![
+            with(
+                "s1",
+                ReplicaStatus {
+                    wanted: 1,
+                    short: Some("n2 has no room for replicas: 3.0 GiB asked, 1.0 GiB free".into()),
+                    ..ReplicaStatus::default()
+                },
+            ),
+            with(
+                "s2",
+                ReplicaStatus {
+                    wanted: 1,
+                    held_by: vec!["n2".into()],
+                    protected: true,
+                    ..ReplicaStatus::default()
+                },
+            ),
+        ]));
+        assert_eq!(
+            lines[2],
+            "checkpoint s1 is NOT protected by replicas (n2 has no room for replicas: 3.0 GiB asked, 1.0 GiB free): until it is archived, losing this node loses it"
+        );
+        assert!(
+            lines[3].starts_with("checkpoint s2 is retrying"),
+            "{lines:?}"
+        );
+        assert_eq!(
+            lines.len(),
+            4,
+            "a protected checkpoint needs no warning: {lines:?}"
+        );
     }
 
     #[test]

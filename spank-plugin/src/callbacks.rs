@@ -84,6 +84,12 @@ pub fn option_specs() -> Vec<OptionSpec> {
                     "sluice: where $SLUICE_CKPT_DIR lives: local (the node's NVMe hot tier, default) or ram (the \
                      site's RAM tier: saves at memory speed; committed checkpoints are flushed to NVMe, then archived)",
                 ),
+                names::CKPT_REPLICAS => (
+                    "N",
+                    "sluice: with --ckpt-tier=ram, how many other nodes of the job hold a copy of each node's \
+                     part of a committed checkpoint until it is archived (0-3, within the site's bound; default: \
+                     the site's)",
+                ),
                 other => unreachable!("option --{other} has no usage text"),
             };
             OptionSpec { name, arginfo, usage, val: val as i32 }

@@ -24,6 +24,14 @@ pub static plugin_type: [u8; 6] = *b"spank\0";
 #[unsafe(no_mangle)]
 pub static plugin_version: u32 = sys::SLURM_VERSION_NUMBER;
 
+/// Slurm 25.05 and later read this to decide what a failing `slurm_spank_init` fails: the job, not
+/// the node. sluice's init never fails (it returns 0, even after a panic: `on_panic = OK` below),
+/// so this is the rule should that ever change: a plugin's failure must not drain nodes. Built only
+/// against headers that have the constant (older Slurm has no such symbol and drains).
+#[cfg(spank_init_failure_mode)]
+#[unsafe(no_mangle)]
+pub static slurm_spank_init_failure_mode: c_int = sys::ESPANK_JOB_FAILURE as c_int;
+
 thread_local! {
     /// Every `--stage-in` value seen by the option callback in this process (sbatch/srun/salloc),
     /// read by `init_post_opt`. Per process and single-threaded: Slurm calls both on one thread, and

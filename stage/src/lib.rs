@@ -60,7 +60,7 @@ pub mod sink;
 
 pub use budget::{Budget, Lease};
 pub use object::{KeyPath, map_key};
-pub use peers::{JobPeers, NodePeers, WarmHere, warm_nodes};
+pub use peers::{JobPeers, NodePeers, ReplicaPeers, WarmHere, error_chain, warm_nodes};
 pub use shard::ShardPlan;
 
 use sluice_core::config::Config;
@@ -75,7 +75,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-#[derive(Debug, Clone, thiserror::Error)]
+/// [`StageError::code`] is each variant's name in snake_case, derived.
+#[derive(Debug, Clone, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum StageError {
     #[error("dataset {dataset} not found — check the path (and the bucket or container name)")]
     NotFound { dataset: String },
@@ -115,18 +117,7 @@ impl StageError {
     /// A stable word for this error, for the `sluice_failures_total{operation="stage",code}`
     /// label (the agent's `metrics`). Dashboards and alerts query these words: keep them.
     pub fn code(&self) -> &'static str {
-        match self {
-            StageError::NotFound { .. } => "not_found",
-            StageError::Denied { .. } => "denied",
-            StageError::NoSpace { .. } => "no_space",
-            StageError::Origin { .. } => "origin",
-            StageError::HotTier { .. } => "hot_tier",
-            StageError::BadKeys { .. } => "bad_keys",
-            StageError::UnsafeKeys { .. } => "unsafe_keys",
-            StageError::Unreachable { .. } => "unreachable",
-            StageError::Cancelled { .. } => "cancelled",
-            StageError::SharedPeer { .. } => "shared_peer",
-        }
+        self.into()
     }
 }
 
@@ -422,6 +413,29 @@ pub(crate) fn hot_tier_error(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `sluice_failures_total{operation="stage",code}` words (derived from the variants' names):
+    /// pinned, so a renamed variant cannot change what dashboards query.
+    #[test]
+    fn error_codes_are_stable_words() {
+        let (d, n) = (|| "ds".to_string(), String::new);
+        #[rustfmt::skip]
+        let codes = [
+            (StageError::NotFound { dataset: d() }, "not_found"),
+            (StageError::Denied { dataset: d(), detail: n() }, "denied"),
+            (StageError::NoSpace { node: n(), dataset: d() }, "no_space"),
+            (StageError::Origin { dataset: d(), detail: n() }, "origin"),
+            (StageError::HotTier { path: n(), detail: n() }, "hot_tier"),
+            (StageError::BadKeys { dataset: d(), count: 1, example: n() }, "bad_keys"),
+            (StageError::UnsafeKeys { dataset: d() }, "unsafe_keys"),
+            (StageError::Unreachable { dataset: d() }, "unreachable"),
+            (StageError::Cancelled { dataset: d() }, "cancelled"),
+            (StageError::SharedPeer { node: n(), detail: n() }, "shared_peer"),
+        ];
+        for (error, code) in codes {
+            assert_eq!(error.code(), code, "{error:?}");
+        }
+    }
 
     #[test]
     fn a_takeover_part_counts_as_the_nodes_own_staging() {

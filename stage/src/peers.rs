@@ -184,6 +184,27 @@ impl NodePeers {
             })
     }
 
+    /// Keeps the replicas the jobs' other nodes push to this node in `store` (answered `501`
+    /// without one).
+    pub fn serve_replicas(&self, store: Arc<dyn sluice_peer::ReplicaStore>) {
+        self.server.serve_replicas(store);
+    }
+
+    /// Hands the commit notices of the jobs' other nodes to `events`.
+    pub fn serve_events(&self, events: Arc<dyn sluice_peer::JobEvents>) {
+        self.server.serve_events(events);
+    }
+
+    /// What the checkpoint side needs of the peer layer for replicas (`[fast_tier] replicas`):
+    /// the client, the job keys and the nodes' addresses.
+    pub fn replica_peers(&self) -> ReplicaPeers {
+        ReplicaPeers {
+            client: self.client.clone(),
+            server: self.server.clone(),
+            cfg: self.cfg.clone(),
+        }
+    }
+
     /// Lets the jobs' peers read this node's cross-job cache: a node that misses its own cache
     /// takes the units it owns of an object from a peer that holds it, before the origin.
     pub fn share_cache(&mut self, cache: Option<Arc<Cache>>) {
@@ -256,6 +277,42 @@ impl NodePeers {
     /// answered `gone` from now on, so its other nodes read them elsewhere at once.
     pub fn leave(&self, job: JobId) {
         self.server.unregister(job);
+    }
+}
+
+/// The node's peer layer as a checkpoint's replicas use it (not staging: no units, no owners):
+/// push this node's part of a checkpoint to another node of the job, seal it, free it.
+#[derive(Clone)]
+pub struct ReplicaPeers {
+    client: Arc<PeerClient>,
+    server: PeerServer,
+    cfg: PeerConfig,
+}
+
+impl std::fmt::Debug for ReplicaPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaPeers")
+            .field("listen", &self.cfg.listen)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReplicaPeers {
+    pub fn client(&self) -> &PeerClient {
+        &self.client
+    }
+
+    /// The key of `job` on `nodes` (in any order, as the job start lists them).
+    pub fn job_key(&self, job: JobId, nodes: &[String]) -> sluice_peer::JobKey {
+        let mut nodes = nodes.to_vec();
+        nodes.sort();
+        nodes.dedup();
+        self.server.job_key(job, &nodes)
+    }
+
+    /// Where `node`'s agent takes peer requests.
+    pub fn addr_of(&self, node: &str) -> String {
+        self.cfg.addr_of(node)
     }
 }
 
@@ -392,7 +449,7 @@ pub(crate) enum NextStep {
 
 /// `e` and its causes, `: `-separated ("unreachable: client error: connection refused"), for the
 /// log and the job's notes.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut cause = e.source();
     while let Some(c) = cause {
@@ -618,7 +675,14 @@ impl JobPeers {
             | PeerError::UnknownJob { .. }
             | PeerError::Gone { .. }
             | PeerError::TimedOut { .. } => self.lose(node, Trouble::Lost, &why),
-            PeerError::NotOwner { .. } | PeerError::Failed { .. } | PeerError::TooLarge { .. } => {
+            // The replica errors answer replica requests, never a unit's: read the origin.
+            PeerError::NotOwner { .. }
+            | PeerError::Failed { .. }
+            | PeerError::TooLarge { .. }
+            | PeerError::NoRoom { .. }
+            | PeerError::ReplicaRefused { .. }
+            | PeerError::NotHeld { .. }
+            | PeerError::PushSource { .. } => {
                 tracing::warn!("{dataset}: {why}; reading it from the origin");
                 self.note(
                     node,

@@ -611,24 +611,20 @@ pub(crate) fn hash_kept(
     units: &[(u64, u64)],
     buf: &mut Vec<u8>,
 ) -> Option<Vec<blake3::Hash>> {
-    hash_kept_with(root, rel, owner, entry, units, buf, |_| {})
+    let file = resumable(root, rel, owner, entry)?;
+    hash_unchanged(&file, entry, units, buf)
 }
 
-/// [`hash_kept`], calling `between` after the identity check and before the read (where a test
-/// plays the user who rewrites the file at that moment).
-fn hash_kept_with(
-    root: &OwnedFd,
-    rel: &str,
-    owner: Owner,
+/// Blocking. The second half of [`hash_kept`]: the units' hashes of the opened `file`, when it is
+/// still the file `entry` recorded after the read.
+fn hash_unchanged(
+    file: &std::fs::File,
     entry: &Entry,
     units: &[(u64, u64)],
     buf: &mut Vec<u8>,
-    between: impl FnOnce(&std::fs::File),
 ) -> Option<Vec<blake3::Hash>> {
-    let file = resumable(root, rel, owner, entry)?;
-    between(&file);
-    let hashes = hash_units(&file, units, buf).ok()?;
-    (Identity::of(&file).ok()? == entry.file).then_some(hashes)
+    let hashes = hash_units(file, units, buf).ok()?;
+    (Identity::of(file).ok()? == entry.file).then_some(hashes)
 }
 
 /// Blocking. Each unit's BLAKE3 (`(offset, len)` pairs, in order), read back from `file` through
@@ -784,11 +780,11 @@ mod tests {
         );
         // A write lands in a later clock tick than the file's last change: its ctime tells.
         std::thread::sleep(Duration::from_millis(30));
-        let rewrite = |_: &std::fs::File| {
-            let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-            f.write_all_at(&planted, 0).unwrap();
-        };
-        let hashes = hash_kept_with(&root, "f", owner, &entry, &units, &mut buf, rewrite);
+        // The user rewrites it after the identity check, before the read ([`hash_kept`]'s halves).
+        let file = resumable(&root, "f", owner, &entry).expect("still the file recorded");
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(&planted, 0).unwrap();
+        let hashes = hash_unchanged(&file, &entry, &units, &mut buf);
         assert_eq!(
             hashes, None,
             "the rewritten file is read from the origin again"

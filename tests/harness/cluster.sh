@@ -12,6 +12,9 @@
 #   SLUICE_NO_AGENTS=1  do not start sluiced
 #   SLUICE_NO_GARAGE=1  do not start Garage (no s3:// store in the agent config)
 #   SLUICE_STAGE_CONCURRENCY=N  the agents' [stage] concurrency (default 16)
+#   SLUICE_PREVIOUS_NODES="n2 n3" SLUICE_PREVIOUS_AGENT=PATH  those nodes run that sluiced (a rolling
+#                       upgrade half done; tests/harness/run-e2e-mixed.sh)
+#   SLUICE_SLURM_ROOT=DIR  Slurm, munge and the agents in DIR, another Slurm release (see below)
 #
 # `up` writes $ENV_FILE (/run/sluice-test/env), which the end-to-end tests read. Run as root.
 set -euo pipefail
@@ -57,6 +60,17 @@ AZ_CONN="DefaultEndpointsProtocol=http;AccountName=$AZ_ACCOUNT;AccountKey=$AZ_KE
 # Daemons start with this environment only, as a service manager would start them: nothing from the
 # caller's shell (AWS_CA_BUNDLE, RUST_LOG, a user's PATH) leaks into Slurm, the agents or the jobs.
 CLEAN_ENV=(env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 NO_COLOR=1)
+
+# Another Slurm release (issue 28). SLUICE_SLURM_ROOT=DIR, a Debian root holding that release's Slurm
+# and munge ($SLURM_NEXT_ROOT, made by install.sh): munge, slurmctld, the slurmd and the agents run
+# in DIR (chroot), as the functions named in `slurm_side` calls below; the stores and Prometheus run
+# here. DIR sees these paths of this machine at the same place: what the tests, the jobs and the
+# agents share. The root in use is recorded in $RUN_DIR/slurm-root, so that `down` (and an `up`
+# without the variable) stops it.
+SLURM_ROOT=${SLUICE_SLURM_ROOT:-}
+SLURM_ROOT_RECORD=$RUN_DIR/slurm-root
+SLURM_ROOT_MOUNTS=(/proc /sys /dev /tmp /home "$REPO_ROOT" "$TEST_ROOT" /etc/sluice /run/sluice "$RUN_DIR"
+  "$SLUICE_LOG_DIR" "$SLURM_LOG_DIR" "$VENV")
 
 need_root() { [[ $(id -u) -eq 0 ]] || die "cluster.sh must run as root"; }
 
@@ -126,6 +140,59 @@ require_port_free() {
   fi
 }
 
+# ---------------------------------------------------------------------------------------------- the Slurm side
+
+# Runs the function "$@" of this script where Slurm runs: here, or in $SLURM_ROOT through chroot
+# (this script again, with the switches the function reads).
+slurm_side() {
+  if [[ -z $SLURM_ROOT || ${SLUICE_IN_SLURM_ROOT:-0} == 1 ]]; then
+    "$@"
+    return
+  fi
+  chroot "$SLURM_ROOT" "${CLEAN_ENV[@]}" HOME=/root SLUICE_IN_SLURM_ROOT=1 SLUICE_SLURM_ROOT="$SLURM_ROOT" \
+    SLUICE_NO_PLUGIN="${SLUICE_NO_PLUGIN:-0}" SLUICE_AGENT_LOG="${SLUICE_AGENT_LOG:-info}" \
+    SLUICED="$SLUICED" SLUICE_PLUGIN_SO="$BUILT_PLUGIN" SLUICE_TEST_ROOT="$TEST_ROOT" \
+    SLUICE_RAM_TIER_ROOT="$RAM_TIER_ROOT" SLUICE_PREVIOUS_NODES="${SLUICE_PREVIOUS_NODES:-}" \
+    SLUICE_PREVIOUS_AGENT="${SLUICE_PREVIOUS_AGENT:-}" "$HARNESS_DIR/cluster.sh" side "$@"
+}
+
+# Makes $SLURM_ROOT see what it shares with this machine, and the test users as they are here.
+enter_slurm_root() {
+  [[ -x $SLURM_ROOT/usr/sbin/slurmctld && -x $SLURM_ROOT/usr/sbin/munged ]] \
+    || die "no Slurm and munge in $SLURM_ROOT: run tests/harness/install.sh"
+  local d u f
+  for d in "${SLURM_ROOT_MOUNTS[@]}"; do
+    mkdir -p "$d" "$SLURM_ROOT$d"
+    mountpoint -q "$SLURM_ROOT$d" || mount --rbind "$d" "$SLURM_ROOT$d"
+  done
+  cp /etc/hosts "$SLURM_ROOT/etc/hosts"
+  for u in "$TEST_USER" "$OTHER_USER"; do
+    for f in passwd group shadow; do
+      grep -q "^$u:" "$SLURM_ROOT/etc/$f" || getent "$f" "$u" >>"$SLURM_ROOT/etc/$f"
+    done
+  done
+  echo "$SLURM_ROOT" >"$SLURM_ROOT_RECORD"
+  log "slurm root: $SLURM_ROOT ($(chroot "$SLURM_ROOT" slurmctld -V))"
+}
+
+# Stops what runs in the recorded root, then takes its shared paths away (deepest first).
+leave_slurm_root() {
+  local root i
+  root=$(cat "$SLURM_ROOT_RECORD" 2>/dev/null) || return 0
+  if [[ -x $root$HARNESS_DIR/cluster.sh ]]; then
+    SLURM_ROOT=$root slurm_side stop_slurm || log "WARNING: stopping Slurm in $root failed"
+    SLURM_ROOT=$root slurm_side stop_munge || log "WARNING: stopping munge in $root failed"
+    SLURM_ROOT=$root slurm_side wipe_slurm_state || true
+  fi
+  rm -f "$SLURM_ROOT_RECORD"
+  for ((i = ${#SLURM_ROOT_MOUNTS[@]} - 1; i >= 0; i--)); do
+    if mountpoint -q "$root${SLURM_ROOT_MOUNTS[i]}"; then
+      umount -R "$root${SLURM_ROOT_MOUNTS[i]}" 2>/dev/null || umount -R -l "$root${SLURM_ROOT_MOUNTS[i]}"
+    fi
+  done
+  log "slurm root: left $root"
+}
+
 # ---------------------------------------------------------------------------------------------- munge
 
 start_munge() {
@@ -142,6 +209,8 @@ start_munge() {
   WAIT_SECONDS=10 wait_until bash -c 'munge -n | unmunge' \
     || { tail_logs /var/log/munge/munged.log; die "munge does not work: 'munge -n | unmunge' fails"; }
 }
+
+stop_munge() { stop_pidfile /run/munge/munged.pid munged munged; }
 
 # ---------------------------------------------------------------------------------------------- slurm
 
@@ -253,6 +322,9 @@ stop_slurm() {
   for n in "${NODES[@]}"; do stop_pidfile "/run/slurmd-$n.pid" slurmd "slurmd $n"; done
   stop_pidfile /run/slurmctld.pid slurmctld slurmctld
 }
+
+# Job state: the next `up` starts with job id 1.
+wipe_slurm_state() { rm -rf /var/spool/slurmctld/* /var/spool/slurmd/n[1-3]; }
 
 # ---------------------------------------------------------------------------------------------- azurite
 
@@ -443,6 +515,12 @@ root = "$RAM_TIER_ROOT/%n"
 capacity = "2GiB"
 job_share = "768MiB"
 EOF
+    # Replicas of RAM-tier checkpoints on the job's other nodes (issue 26), in little room, so that
+    # a test can fill it. A key the previous release refuses: not while some nodes run it (a
+    # rolling upgrade adds new keys after its last node).
+    if [[ -z ${SLUICE_PREVIOUS_NODES:-} ]]; then
+      printf 'replicas = 1\nreplica_room = "64MiB"\n'
+    fi
   } >"$AGENT_CONFIG.new"
   chmod 0600 "$AGENT_CONFIG.new"
   mv -f "$AGENT_CONFIG.new" "$AGENT_CONFIG"
@@ -474,10 +552,15 @@ start_agents() {
   local n
   # An agent whose peer port is taken stages without peers (logged); here that is a broken cluster.
   for n in "${NODES[@]}"; do require_port_free "$(peer_port "$n")" "the peer port of sluiced $n"; done
+  local agent
   for n in "${NODES[@]}"; do
-    log "agent: starting sluiced --node $n"
+    agent=$SLUICED
+    # A rolling upgrade's half-way point (run-e2e-mixed.sh): these nodes run the previous release.
+    [[ " ${SLUICE_PREVIOUS_NODES:-} " == *" $n "* ]] && agent=$SLUICE_PREVIOUS_AGENT
+    [[ -x $agent ]] || die "no agent at $agent"
+    log "agent: starting sluiced --node $n ($agent)"
     spawn "$RUN_DIR/sluiced-$n.pid" "$SLUICE_LOG_DIR/$n.log" \
-      env RUST_LOG="${SLUICE_AGENT_LOG:-info}" RUST_BACKTRACE=1 MALLOC_MMAP_THRESHOLD_=1048576 "$SLUICED" --config "$AGENT_CONFIG" --node "$n"
+      env RUST_LOG="${SLUICE_AGENT_LOG:-info}" RUST_BACKTRACE=1 MALLOC_MMAP_THRESHOLD_=1048576 "$agent" --config "$AGENT_CONFIG" --node "$n"
   done
   # Wait for each socket while its process lives. Liveness is `kill -0`, not the command line: right
   # after the spawn the process may still be setsid or env, on its way to exec sluiced.
@@ -565,6 +648,7 @@ SLUICE_TEST_ORIGIN_RELAY_PORT='$ORIGIN_RELAY_PORT'
 SLUICE_TEST_PEER_ADDRS='$(for n in "${NODES[@]}"; do printf '%s=127.0.0.1:%s ' "$n" "$(peer_port "$n")"; done)'
 SLUICE_TEST_ARCHIVE_ROOT='$TEST_ROOT/archive'
 SLUICE_TEST_SHARED_TIER='$SHARED_TIER_ROOT/sluice-%j'
+SLUICE_TEST_RAM_TIER_ROOT='$RAM_TIER_ROOT'
 SLUICE_TEST_AZ_ACCOUNT='$AZ_ACCOUNT'
 SLUICE_TEST_AZ_KEY='$AZ_KEY'
 SLUICE_TEST_AZ_ENDPOINT='$AZ_ENDPOINT'
@@ -583,11 +667,13 @@ cmd_down() {
   stop_pidfile "$RUN_DIR/prometheus.pid" prometheus Prometheus
   stop_agents
   stop_slurm
+  leave_slurm_root
   stop_pidfile "$RUN_DIR/garage.pid" garage Garage
   stop_pidfile "$RUN_DIR/azurite.pid" azurite Azurite
-  stop_pidfile /run/munge/munged.pid munged munged
+  stop_munge
   # Job state: the next `up` starts with job id 1, empty hot tiers and fresh stores.
-  rm -rf /var/spool/slurmctld/* /var/spool/slurmd/n[1-3] "$ENV_FILE"
+  wipe_slurm_state
+  rm -f "$ENV_FILE"
   local n
   for n in "${NODES[@]}"; do rm -rf "${TEST_ROOT:?}/$n"; done
   rm -rf "${TEST_ROOT:?}/garage" "${TEST_ROOT:?}/azurite" "${TEST_ROOT:?}/e2e" "${TEST_ROOT:?}/prometheus"
@@ -607,39 +693,42 @@ cmd_up() {
   # The previous run's job outputs stay for post-mortems until now.
   rm -rf "/home/$TEST_USER/e2e"
 
-  write_slurm_conf
-  write_plugstack
-  start_munge
+  [[ -z $SLURM_ROOT ]] || enter_slurm_root
+  slurm_side write_slurm_conf
+  slurm_side write_plugstack
+  slurm_side start_munge
   start_azurite
   S3_KEY_ID="" S3_SECRET=""
   if [[ ${SLUICE_NO_GARAGE:-0} == 1 ]]; then log "garage: skipped (SLUICE_NO_GARAGE=1)"; else start_garage; fi
   prepare_node_dirs
   write_agent_config
-  if [[ ${SLUICE_NO_AGENTS:-0} == 1 ]]; then log "agent: skipped (SLUICE_NO_AGENTS=1)"; else start_agents; fi
+  if [[ ${SLUICE_NO_AGENTS:-0} == 1 ]]; then log "agent: skipped (SLUICE_NO_AGENTS=1)"; else slurm_side start_agents; fi
   start_prometheus
-  start_slurm
+  slurm_side start_slurm
   write_env_file
   log "up: done"
 }
 
 cmd_status() {
-  local rc=0 n
+  local rc=0 n root
+  root=$(cat "$SLURM_ROOT_RECORD" 2>/dev/null || true)
   check() { if pid_alive "$1" "$2"; then printf '  %-16s running (pid %s)\n' "$3" "$(cat "$1")"; else printf '  %-16s not running\n' "$3"; rc=1; fi; }
+  [[ -z $root ]] || echo "slurm root: $root"
   echo "processes:"
-  check /run/munge/munged.pid munged munged
-  check /run/slurmctld.pid slurmctld slurmctld
-  for n in "${NODES[@]}"; do check "/run/slurmd-$n.pid" slurmd "slurmd $n"; done
+  check "$root/run/munge/munged.pid" munged munged
+  check "$root/run/slurmctld.pid" slurmctld slurmctld
+  for n in "${NODES[@]}"; do check "$root/run/slurmd-$n.pid" slurmd "slurmd $n"; done
   check "$RUN_DIR/garage.pid" garage garage
   check "$RUN_DIR/azurite.pid" azurite azurite
   for n in "${NODES[@]}"; do check "$RUN_DIR/sluiced-$n.pid" sluiced "sluiced $n"; done
   check "$RUN_DIR/prometheus.pid" prometheus prometheus
   echo "sinfo:"
-  sinfo 2>&1 | sed 's/^/  /' || rc=1
+  if [[ -n $root ]]; then chroot "$root" sinfo; else sinfo; fi 2>&1 | sed 's/^/  /' || rc=1
   echo "agent sockets:"
   ls -l /run/sluice/*.sock 2>/dev/null | sed 's/^/  /' || echo "  none"
   echo "plugstack.conf:"
-  if [[ -f /etc/slurm/plugstack.conf ]]; then
-    grep -v '^#' /etc/slurm/plugstack.conf | sed 's/^/  /' || echo "  (empty: no plugin)"
+  if [[ -f $root/etc/slurm/plugstack.conf ]]; then
+    grep -v '^#' "$root/etc/slurm/plugstack.conf" | sed 's/^/  /' || echo "  (empty: no plugin)"
   else
     echo "  missing"
   fi
@@ -648,6 +737,13 @@ cmd_status() {
 }
 
 case ${1:-} in
+  # Internal: a function of `up` or `down` run in the Slurm root (see slurm_side).
+  side)
+    case ${2:-} in
+      write_slurm_conf | write_plugstack | start_munge | start_slurm | start_agents | stop_slurm | stop_munge | wipe_slurm_state) "$2" ;;
+      *) die "cluster.sh side: not a Slurm-side step: ${2:-}" ;;
+    esac
+    ;;
   up) cmd_up ;;
   down) cmd_down ;;
   status) cmd_status ;;

@@ -15,6 +15,38 @@ NODES=(n1 n2 n3)
 TEST_USER=sluiceuser
 OTHER_USER=sluiceother
 DEBIAN_ROOT=${SLUICE_DEBIAN_ROOT:-/opt/sluice-test/debian-root}   # package-test.sh installs the .debs into it
+# Another Slurm release (issue 28): a Debian 13 root with its Slurm 24.11 and munge, made by install.sh.
+# With SLUICE_SLURM_ROOT set to it, cluster.sh runs munge, Slurm and the agents in that root (chroot)
+# and run-e2e-slurm.sh runs the end-to-end core there; the stores and Prometheus stay on this machine.
+SLURM_NEXT_ROOT=${SLUICE_SLURM_NEXT_ROOT:-/opt/sluice-test/slurm-24.11-root}
+SLURM_NEXT_SUITE=trixie                               # the Debian release that ships it
+# The previous release, for the rolling-upgrade test (run-e2e-mixed.sh): an agent of this tree and
+# one of that commit in the same job. The tree the last green CI run of record tested (stop 35);
+# move it forward at each release. Built once into $PREVIOUS_DIR (outside the clone, like Garage).
+PREVIOUS_RELEASE=8e8f7d9896e4e6e3dffb95758344fd43c043473d
+PREVIOUS_DIR=/opt/sluice-test/previous-$PREVIOUS_RELEASE
+# The end-to-end core that must pass on every Slurm release (run-e2e-slurm.sh) and with agents of two
+# releases in one job (run-e2e-mixed.sh): the options in sbatch --help and submit-time refusals;
+# stage-in from S3, Azure and POSIX on 3 nodes; peers (the origin read once per job); a checkpoint
+# committed on 3 nodes and restored, and a restore through the peers; step staging; user errors that
+# fail the job and leave every node idle; cancellation; a plain job untouched; another user refused.
+E2E_CORE_TESTS=(
+  submit_validation::sbatch_help_lists_the_sluice_options
+  submit_validation::sbatch_refuses_bad_options_with_a_helpful_message
+  submit_validation::srun_refuses_bad_options_with_a_helpful_message
+  stage_in::stage_s3_prefix_to_three_nodes
+  stage_in::stage_azure_prefix_to_three_nodes
+  stage_in::stage_posix_directory_to_three_nodes
+  aggregation::aggregation_replicate_from_s3_reads_the_origin_once
+  ckpt::ckpt_round_trip_three_nodes_garage
+  aggregation::aggregation_restore_reads_the_archive_once
+  step_staging::srun_stage_in_adds_a_dataset_to_the_jobs_own
+  failures::missing_s3_prefix_fails_the_job_not_the_node
+  failures::missing_posix_directory_fails_the_job_not_the_node
+  cleanup::cancelled_job_leaves_no_data_and_running_job_data_is_private
+  plain_jobs::batch_job_without_sluice_options_runs_untouched
+  security_auth::security_other_user_is_refused_everything_about_a_running_job
+)
 VENV=/opt/sluice-test/venv                            # only used where the system python lacks our modules
 GARAGE_VERSION=2.5.0
 CARGO_HOME=${CARGO_HOME:-$HOME/.cargo}
@@ -116,6 +148,25 @@ cluster_lock_processes() {
         "$(ps -o lstart= -p "$p" 2>/dev/null | tr -s ' ' || echo '?')" "$cmd"
     done | sort -n
   )
+}
+
+# For a script that brings the test cluster up and uses it (run-e2e*.sh): takes the cluster lock
+# for the rest of the script, and brings the cluster down when the script exits, however it exits
+# (SLUICE_KEEP_CLUSTER=1: leaves it up, and says how to stop it). The trap is set after the lock: a
+# run stopped while it waits stops no cluster.
+take_cluster_for_this_run() {
+  take_cluster_lock
+  trap cluster_down_at_exit EXIT
+}
+
+cluster_down_at_exit() {
+  local rc=$?
+  if [[ ${SLUICE_KEEP_CLUSTER:-0} == 1 ]]; then
+    log "cluster left running (SLUICE_KEEP_CLUSTER=1); stop it with $HARNESS_DIR/cluster.sh down"
+  else
+    "$HARNESS_DIR/cluster.sh" down || true
+  fi
+  exit "$rc"
 }
 
 # Takes the test cluster lock on fd 9 for the rest of the calling script, and exports

@@ -197,6 +197,28 @@ else
   mv "$DEBIAN_ROOT.partial" "$DEBIAN_ROOT"
 fi
 
+# Slurm 24.11 (Debian 13's) for run-e2e-slurm.sh: a root with its Slurm, munge and what the tests and
+# the agents run inside it (python3 for the tests' relays, curl, CA certificates: the agents' HTTP
+# client reads the system's roots even for http:// stores). Made once, kept like the Debian 12 root.
+if [[ -x $SLURM_NEXT_ROOT/usr/sbin/slurmctld && -x $SLURM_NEXT_ROOT/usr/bin/python3 && -d $SLURM_NEXT_ROOT/etc/ssl/certs ]]; then
+  log "slurm root: present ($SLURM_NEXT_ROOT, $(chroot "$SLURM_NEXT_ROOT" slurmctld -V))"
+else
+  log "slurm root: debootstrap --variant=minbase $SLURM_NEXT_SUITE $SLURM_NEXT_ROOT with its Slurm (about 2 minutes)"
+  # A root a cluster runs in has this machine's /home, /tmp and the repository mounted below it: never
+  # remove one like that (and --one-file-system, should a mount appear meanwhile).
+  if findmnt -rn -o TARGET | grep -q "^$SLURM_NEXT_ROOT/"; then
+    die "$SLURM_NEXT_ROOT is incomplete but in use (paths are mounted below it): run tests/harness/cluster.sh down first"
+  fi
+  rm -rf --one-file-system "$SLURM_NEXT_ROOT.partial"
+  mkdir -p "$(dirname "$SLURM_NEXT_ROOT")"
+  debootstrap --variant=minbase \
+    --include=slurmctld,slurmd,slurm-client,libslurm-dev,munge,python3,curl,ca-certificates,procps \
+    "$SLURM_NEXT_SUITE" "$SLURM_NEXT_ROOT.partial" "${SLUICE_DEBIAN_MIRROR:-http://deb.debian.org/debian}" >/dev/null \
+    || die "debootstrap of $SLURM_NEXT_ROOT failed (see $SLURM_NEXT_ROOT.partial/debootstrap/debootstrap.log)"
+  rm -rf --one-file-system "$SLURM_NEXT_ROOT"
+  mv "$SLURM_NEXT_ROOT.partial" "$SLURM_NEXT_ROOT"
+fi
+
 for u in "$TEST_USER" "$OTHER_USER"; do
   if id "$u" >/dev/null 2>&1; then
     log "user $u: present"

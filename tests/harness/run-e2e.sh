@@ -17,19 +17,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 log "build: cargo build --workspace"
 (cd "$REPO_ROOT" && cargo build --workspace)
 
-finish() {
-  local rc=$?
-  if [[ ${SLUICE_KEEP_CLUSTER:-0} == 1 ]]; then
-    log "cluster left running (SLUICE_KEEP_CLUSTER=1); stop it with $HARNESS_DIR/cluster.sh down"
-  else
-    "$HARNESS_DIR/cluster.sh" down || true
-  fi
-  exit "$rc"
-}
-# The test cluster lock: tests/run-all.sh holds it already (then this does nothing); on its own,
-# this script takes it. The trap comes after it: a run stopped while waiting stops no cluster.
-take_cluster_lock
-trap finish EXIT
+# tests/run-all.sh holds the lock already (then this takes nothing); on its own, this script takes it.
+take_cluster_for_this_run
 
 "$HARNESS_DIR/cluster.sh" up
 # No daemon of the cluster just started may hold the lock (they would keep it for as long as a kept

@@ -27,6 +27,7 @@ mod metrics;
 mod plain_jobs;
 mod poison;
 mod ram_tier;
+mod replicas;
 mod requeue;
 mod resume;
 mod security_auth;

@@ -107,6 +107,22 @@ fn files_of(report: &Value) -> Files {
         .unwrap_or_default()
 }
 
+/// One framework's save, archive and restore: what [`Framework::round_trip`] runs and checks.
+struct RoundTrip<'a> {
+    /// The job script, run with `args` by the save job and by the load job alike.
+    script: &'a str,
+    args: &'a [&'a str],
+    /// The files each rank writes below the tag on its node, by rank; a rank not listed writes none.
+    writes: &'a [(u64, &'a [&'a str])],
+    /// The save job, as failure messages name it.
+    save_job: &'a str,
+    tag: &'a str,
+    /// What the load job asks for with `--ckpt-restore=`.
+    restore: &'a str,
+    /// How many tensors each rank of the load job must find equal, at least.
+    min_tensors: u64,
+}
+
 impl Framework {
     fn start(name: &str) -> Framework {
         Framework::start_on(name, 3)
@@ -196,6 +212,15 @@ impl Framework {
         );
         by_node.sort_by_key(|(_, r)| r["rank"].as_u64());
         Reports { by_node }
+    }
+
+    /// Runs the save job, checks that `t.tag` is archived whole, then that a load job restores it
+    /// on every rank: [`Framework::save`], [`Framework::assert_archived`] and
+    /// [`Framework::assert_restores`] in turn.
+    fn round_trip(&self, t: RoundTrip) {
+        let (job, saved) = self.save(t.script, t.args, t.writes, t.save_job);
+        self.assert_archived(t.tag, &job, &saved);
+        self.assert_restores(t.script, t.args, t.restore, t.tag, &saved, t.min_tensors);
     }
 
     /// Runs the save job and checks that each rank wrote exactly the files `expected` gives it.
@@ -369,20 +394,21 @@ impl Framework {
 #[test]
 #[ignore = "needs the test cluster (tests/harness/run-e2e.sh)"]
 fn frameworks_dcp_save_on_all_ranks_restores_with_dcp_load() {
-    let fw = Framework::start("dcp");
-    let (job, saved) = fw.save(
-        "dcp.py",
-        &[],
-        &[
+    Framework::start("dcp").round_trip(RoundTrip {
+        script: "dcp.py",
+        args: &[],
+        writes: &[
             (0, &[".metadata", "__0_0.distcp"]),
             (1, &["__1_0.distcp"]),
             (2, &["__2_0.distcp"]),
         ],
-        "the DCP save job",
-    );
-    fw.assert_archived("dcp-1", &job, &saved);
-    // Per rank: 4 parameter shards, the bf16 buffer, 3 × 3 Adam tensors (step, exp_avg, exp_avg_sq).
-    fw.assert_restores("dcp.py", &[], "latest", "dcp-1", &saved, 14);
+        save_job: "the DCP save job",
+        tag: "dcp-1",
+        restore: "latest",
+        // Per rank: 4 parameter shards, the bf16 buffer, 3 × 3 Adam tensors (step, exp_avg,
+        // exp_avg_sq).
+        min_tensors: 14,
+    });
 }
 
 /// The DDP pattern: rank 0 alone `torch.save`s `step-1/model.pt` and runs `sluice ckpt commit
@@ -394,16 +420,17 @@ fn frameworks_torch_save_from_rank_0_only_restores_on_every_rank() {
     let fw = Framework::start("ddp");
     let cli = fw.cluster.user_cli();
     let cli = cli.to_string_lossy();
-    let (job, saved) = fw.save(
-        "ddp.py",
-        &[&cli],
-        &[(0, &["model.pt"])],
-        "the DDP job saving from rank 0",
-    );
-    fw.assert_archived("step-1", &job, &saved);
-    // The model's 4 tensors and AdamW's 3 per parameter, loaded into the model and the optimizer,
-    // then read from the file once more: (4 + 12) × 2.
-    fw.assert_restores("ddp.py", &[&cli], "latest", "step-1", &saved, 32);
+    fw.round_trip(RoundTrip {
+        script: "ddp.py",
+        args: &[&cli],
+        writes: &[(0, &["model.pt"])],
+        save_job: "the DDP job saving from rank 0",
+        tag: "step-1",
+        restore: "latest",
+        // The model's 4 tensors and AdamW's 3 per parameter, loaded into the model and the
+        // optimizer, then read from the file once more: (4 + 12) × 2.
+        min_tensors: 32,
+    });
 }
 
 /// DeepSpeed ZeRO stage 1: `latest` names `global_step10`, rank 0 writes
@@ -429,10 +456,10 @@ fn frameworks_deepspeed_checkpoint_restores_with_every_rank_file() {
             "STAND-IN: deepspeed is not installed; the script writes DeepSpeed's layout itself"
         }
     );
-    let (job, saved) = fw.save(
-        "deepspeed_ckpt.py",
-        &[mode],
-        &[
+    fw.round_trip(RoundTrip {
+        script: "deepspeed_ckpt.py",
+        args: &[mode],
+        writes: &[
             (
                 0,
                 &[
@@ -443,17 +470,11 @@ fn frameworks_deepspeed_checkpoint_restores_with_every_rank_file() {
             (1, &["zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
             (2, &["zero_pp_rank_2_mp_rank_00_optim_states.pt"]),
         ],
-        "the DeepSpeed save job",
-    );
-    fw.assert_archived("global_step10", &job, &saved);
-    fw.assert_restores(
-        "deepspeed_ckpt.py",
-        &[mode],
-        "latest",
-        "global_step10",
-        &saved,
-        12,
-    );
+        save_job: "the DeepSpeed save job",
+        tag: "global_step10",
+        restore: "latest",
+        min_tensors: 12,
+    });
 }
 
 /// Megatron's signal: rank R of a tensor-parallel (TP=3) run saves
@@ -464,19 +485,19 @@ fn frameworks_deepspeed_checkpoint_restores_with_every_rank_file() {
 #[test]
 #[ignore = "needs the test cluster (tests/harness/run-e2e.sh)"]
 fn frameworks_megatron_iteration_signal_restores_every_tensor_parallel_shard() {
-    let fw = Framework::start("megatron");
-    let (job, saved) = fw.save(
-        "megatron.py",
-        &[],
-        &[
+    Framework::start("megatron").round_trip(RoundTrip {
+        script: "megatron.py",
+        args: &[],
+        writes: &[
             (0, &["mp_rank_00/model_optim_rng.pt"]),
             (1, &["mp_rank_01/model_optim_rng.pt"]),
             (2, &["mp_rank_02/model_optim_rng.pt"]),
         ],
-        "the Megatron-layout save job",
-    );
-    fw.assert_archived("iter_0000200", &job, &saved);
-    fw.assert_restores("megatron.py", &[], "latest", "iter_0000200", &saved, 20);
+        save_job: "the Megatron-layout save job",
+        tag: "iter_0000200",
+        restore: "latest",
+        min_tensors: 20,
+    });
 }
 
 /// PyTorch Lightning, adopted in one line (`Trainer(plugins=[SluiceCheckpointIO()])`), in a 2-node
@@ -488,17 +509,17 @@ fn frameworks_megatron_iteration_signal_restores_every_tensor_parallel_shard() {
 #[test]
 #[ignore = "needs the test cluster (tests/harness/run-e2e.sh)"]
 fn frameworks_lightning_ddp_resumes_to_the_state_of_an_uninterrupted_run() {
-    let fw = Framework::start_on("lightning", DATA_PARALLEL_NODES);
-    let (job, saved) = fw.save(
-        "lightning_ddp.py",
-        &[],
-        &[(0, &["step-8.ckpt"])],
-        "the Lightning DDP job",
-    );
-    fw.assert_archived("step-8", &job, &saved);
-    // The checkpoint file (read twice: the model's 4 tensors, the momentum buffers, Lightning's
-    // loop state) and the 4 weights and 4 momentum buffers after step 12.
-    fw.assert_restores("lightning_ddp.py", &[], "latest", "step-8", &saved, 16);
+    Framework::start_on("lightning", DATA_PARALLEL_NODES).round_trip(RoundTrip {
+        script: "lightning_ddp.py",
+        args: &[],
+        writes: &[(0, &["step-8.ckpt"])],
+        save_job: "the Lightning DDP job",
+        tag: "step-8",
+        restore: "latest",
+        // The checkpoint file (read twice: the model's 4 tensors, the momentum buffers,
+        // Lightning's loop state) and the 4 weights and 4 momentum buffers after step 12.
+        min_tensors: 16,
+    });
 }
 
 /// The Hugging Face Trainer, adopted in one line (`callbacks=[SluiceCallback()]`, `output_dir=
@@ -511,11 +532,10 @@ fn frameworks_lightning_ddp_resumes_to_the_state_of_an_uninterrupted_run() {
 #[test]
 #[ignore = "needs the test cluster (tests/harness/run-e2e.sh)"]
 fn frameworks_hugging_face_trainer_resumes_to_the_state_of_an_uninterrupted_run() {
-    let fw = Framework::start_on("hf", DATA_PARALLEL_NODES);
-    let (job, saved) = fw.save(
-        "hf_trainer.py",
-        &[],
-        &[
+    Framework::start_on("hf", DATA_PARALLEL_NODES).round_trip(RoundTrip {
+        script: "hf_trainer.py",
+        args: &[],
+        writes: &[
             (
                 0,
                 &[
@@ -530,15 +550,9 @@ fn frameworks_hugging_face_trainer_resumes_to_the_state_of_an_uninterrupted_run(
             ),
             (1, &["rng_state_1.pth"]),
         ],
-        "the Hugging Face Trainer job",
-    );
-    fw.assert_archived("checkpoint-8", &job, &saved);
-    fw.assert_restores(
-        "hf_trainer.py",
-        &[],
-        "checkpoint-8",
-        "checkpoint-8",
-        &saved,
-        40,
-    );
+        save_job: "the Hugging Face Trainer job",
+        tag: "checkpoint-8",
+        restore: "checkpoint-8",
+        min_tensors: 40,
+    });
 }

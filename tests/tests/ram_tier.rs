@@ -22,24 +22,17 @@ use std::time::Duration;
 const NODE: &str = "n1";
 
 const SAVE_PY: &str = r#"
-import errno, hashlib, json, os, subprocess, sys, time
+import errno, hashlib, os, subprocess, sys, time
 import torch
+import jobreport
 
 work = sys.argv[1]
 ckpt = os.environ["SLUICE_CKPT_DIR"]
-report = {"ckpt_dir": ckpt, "errors": []}
-
-def put(name, value):
-    report[name] = value
-    with open(os.path.join(work, "report.json.tmp"), "w") as f:
-        json.dump(report, f)
-    os.replace(os.path.join(work, "report.json.tmp"), os.path.join(work, "report.json"))
+report = jobreport.Report(work, ckpt_dir=ckpt)
+put = report.put
 
 try:
-    with open("/proc/self/mountinfo") as f:
-        mounts = [l.split() for l in f]
-    best = max((m for m in mounts if ckpt.startswith(m[4])), key=lambda m: len(m[4]))
-    put("fs_type", best[best.index("-") + 1])
+    put("fs_type", jobreport.fs_type(ckpt))
     torch.manual_seed(7)
     state = {"w": torch.randn(96, 1 << 20), "b16": torch.randn(32, 1 << 20).to(torch.bfloat16)}
     os.makedirs(os.path.join(ckpt, "s1"))
@@ -75,9 +68,12 @@ except Exception as e:
     import traceback
     traceback.print_exc()
     report["errors"].append(f"{type(e).__name__}: {e}")
-    put("errors", report["errors"])
+    report.write()
 sys.exit(1 if report["errors"] else 0)
 "#;
+
+/// The job's report writer, beside `save.py`, which imports it.
+const JOBREPORT_PY: &str = include_str!("../harness/jobreport.py");
 
 fn report(work: &Path) -> Value {
     fs::read(work.join("report.json"))
@@ -112,6 +108,7 @@ fn ram_tier_checkpoint_survives_an_agent_killed_mid_flush_and_a_full_share() {
     let python = cluster.torch_python();
     let work = cluster.workdir("ram-tier");
     fs::write(work.join("save.py"), SAVE_PY).unwrap();
+    fs::write(work.join("jobreport.py"), JOBREPORT_PY).unwrap();
     let archive = Archive::new(&cluster, Backend::File, "ram-tier");
     let script = format!(
         "#!/bin/bash\nexport OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 SLUICE_CLI={cli}\n{py} {w}/save.py {w}\n",

@@ -27,7 +27,6 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// Seed job: one small checkpoint, archived.
@@ -401,67 +400,9 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
         .map(|n| (n, task_file(&run1, n, "leftovers")))
         .collect();
 
-    // Requeue it. Slurm kills run 1, runs the epilogs, and puts the job back in the queue with a
-    // begin time in the future (Reason=BeginTime; slurm.conf(5): the requeue delay defaults to the
-    // credential lifetime, 120 s). The test tries to let it start at once, and records what Slurm
-    // answered.
-    run(Command::new("scontrol").args(["requeue", &job.id.to_string()]));
-    let t_requeue = Instant::now();
-    let mut t_pending = None;
-    let mut pending_seen = String::new();
-    let mut released: Option<String> = None;
-    let mut refusals: BTreeSet<String> = BTreeSet::new();
-    let mut last_try: Option<Instant> = None;
-    let id = job.id.to_string();
-    let jobid = format!("jobid={id}");
-    let attempts: [Vec<&str>; 3] = [
-        vec!["update", &jobid, "begintime=now"],
-        vec!["update", &jobid, "StartTime=now"],
-        vec!["release", &id],
-    ];
-    let run2_state = loop {
-        let state = cluster
-            .job_state(&job)
-            .unwrap_or_else(|| panic!("Slurm forgot job {} after the requeue", job.id));
-        let restarts = state.field("Restarts").unwrap_or_default();
-        if state.state == "PENDING" && t_pending.is_none() {
-            t_pending = Some(Instant::now());
-            pending_seen = format!(
-                "Reason={} EligibleTime={} Restarts={restarts} (at {:.3})",
-                state.reason.clone().unwrap_or_default(),
-                state.field("EligibleTime").unwrap_or_default(),
-                now_s()
-            );
-        }
-        let due = last_try.is_none_or(|t| t.elapsed() > Duration::from_secs(2));
-        if state.state == "PENDING" && released.is_none() && due {
-            last_try = Some(Instant::now());
-            for args in &attempts {
-                let r = Command::new("scontrol").args(args).output().unwrap();
-                if r.status.success() {
-                    released = Some(format!("scontrol {}", args.join(" ")));
-                    break;
-                }
-                refusals.insert(format!(
-                    "scontrol {}: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&r.stderr).trim()
-                ));
-            }
-        }
-        // Pending once (the epilogs are done), then anything else: run 2 started.
-        if t_pending.is_some() && state.state != "PENDING" {
-            break format!("{} (Restarts={restarts})", state.state);
-        }
-        assert!(
-            t_requeue.elapsed() < REQUEUE_TIMEOUT,
-            "job {} did not start again within {REQUEUE_TIMEOUT:?} of scontrol requeue \
-             (pending: {pending_seen}; refused: {refusals:?})\n{}",
-            job.id,
-            cluster.evidence(&job)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    // Requeue it, and let run 2 start at once.
+    let requeued = cluster.requeue_and_release(&job, REQUEUE_TIMEOUT);
+    let (t_requeue, run2_state) = (requeued.at, &requeued.started_in);
     let t_run2 = Instant::now();
 
     let end = cluster.assert_completes(
@@ -603,11 +544,16 @@ fn requeued_job_stages_again_and_resumes_from_its_archived_checkpoint() {
 
     eprintln!(
         "requeue timeline (s since start): seeded {:.1}, run 1 ready {:.1}, requeued {:.1}, \
-         pending {} [{pending_seen}], released by {released:?} (refused: {refusals:?}), run 2 {:.1}, ended {:.1}",
+         pending {} [{}], released by {:?} (refused: {:?}), run 2 {:.1}, ended {:.1}",
         at(t_seeded),
         at(t_ready),
         at(t_requeue),
-        t_pending.map_or("never seen".into(), |t| format!("{:.1}", at(t))),
+        requeued
+            .pending_at
+            .map_or("never seen".into(), |t| format!("{:.1}", at(t))),
+        requeued.pending,
+        requeued.released,
+        requeued.refusals,
         at(t_run2),
         at(t_end)
     );

@@ -8,6 +8,7 @@
 //!   ctime) in the job's stage directory, and the agent counts exactly their bytes as resumed.
 
 use crate::common::*;
+use nix::sys::signal::Signal;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -173,10 +174,10 @@ fn copy_helper_of(stage_ds: &Path) -> Option<u32> {
     })
 }
 
-fn signal(pid: u32, sig: &str) {
-    let _ = Command::new("kill")
-        .args([&format!("-{sig}"), &pid.to_string()])
-        .status();
+/// Signals `pid` at once: no `kill` process in between, whose start on a loaded machine can take
+/// long enough for the helper to copy the whole dataset before it is stopped.
+fn signal(pid: u32, sig: Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
 }
 
 /// Files below `dir` of `size` bytes: path → (inode, ctime as `stat` prints it).
@@ -256,7 +257,7 @@ fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_who
         Duration::from_secs(120),
         || {
             let pid = copy_helper_of(&stage_ds)?;
-            signal(pid, "STOP");
+            signal(pid, Signal::SIGSTOP);
             Some(pid)
         },
         || {
@@ -269,9 +270,9 @@ fn resume_an_agent_killed_mid_copy_of_a_posix_dataset_keeps_the_files_copied_who
     );
     let mut whole = whole_files(&stage_ds, POSIX_FILE_SIZE);
     while (whole.len() as u64) < POSIX_FILES / 3 {
-        signal(helper, "CONT");
+        signal(helper, Signal::SIGCONT);
         std::thread::sleep(Duration::from_millis(5));
-        signal(helper, "STOP");
+        signal(helper, Signal::SIGSTOP);
         whole = whole_files(&stage_ds, POSIX_FILE_SIZE);
     }
     assert!(

@@ -34,6 +34,11 @@ fn bad_cases() -> Vec<(Vec<&'static str>, &'static str, &'static str)> {
         ),
         (vec!["--ckpt-keep=two"], "--ckpt-keep", "not a number"),
         (
+            vec!["--ckpt-tier=ram", "--ckpt-replicas=4"],
+            "--ckpt-replicas",
+            "not a number from 0 to 3",
+        ),
+        (
             vec!["--stage-tier=nvme"],
             "--stage-tier",
             "unknown tier 'nvme'",

@@ -31,6 +31,14 @@ pub(crate) enum SetupError {
     SharedTier,
     #[error("--ckpt-tier=ram: no RAM tier is configured on this cluster; use --ckpt-tier=local")]
     RamTier,
+    #[error(
+        "--ckpt-replicas={asked}: this cluster keeps at most {max} replica(s) of a checkpoint ([fast_tier] max_replicas); ask for {max} or fewer"
+    )]
+    Replicas { asked: u8, max: u8 },
+    #[error(
+        "--ckpt-replicas: replicas are of RAM-tier checkpoints; add --ckpt-tier=ram, or drop --ckpt-replicas (checkpoints on the NVMe hot tier are protected by the archive alone)"
+    )]
+    ReplicasNeedRam,
     #[error("sluice could not prepare the job's RAM tier on node {node}: {source}")]
     RamDir {
         node: String,
@@ -71,6 +79,8 @@ impl SetupError {
             | SetupError::Policy(_)
             | SetupError::SharedTier
             | SetupError::RamTier
+            | SetupError::Replicas { .. }
+            | SetupError::ReplicasNeedRam
             | SetupError::RamDir { .. }
             | SetupError::NotInJob { .. }
             | SetupError::JobDir { .. }
@@ -87,6 +97,7 @@ impl SetupError {
             SetupError::Policy(_) => "policy",
             SetupError::SharedTier => "shared_tier",
             SetupError::RamTier => "ram_tier",
+            SetupError::Replicas { .. } | SetupError::ReplicasNeedRam => "replicas",
             SetupError::RamDir { .. } => "ram_dir",
             SetupError::NotInJob { .. } => "not_in_job",
             SetupError::JobDir { .. } => "job_dir",
@@ -181,6 +192,18 @@ impl Agent {
         if options.ckpt_tier == options::CkptTier::Ram && self.ram.is_none() {
             return Err(SetupError::RamTier);
         }
+        if options.ckpt_replicas.is_some() && options.ckpt_tier != options::CkptTier::Ram {
+            return Err(SetupError::ReplicasNeedRam);
+        }
+        let ram_cfg = self.ram.as_ref().map(|r| r.config());
+        if let (Some(asked), Some(ft)) = (options.ckpt_replicas, ram_cfg)
+            && asked > ft.max_replicas
+        {
+            return Err(SetupError::Replicas {
+                asked,
+                max: ft.max_replicas,
+            });
+        }
         let owner = Owner {
             uid: job.start.uid,
             gid: job.start.gid,
@@ -217,9 +240,13 @@ impl Agent {
         // On the shared tier the job joins its peers even with nothing to share through them:
         // its other nodes tell from this node's agent answering for the job that it is alive,
         // and take over its share when it is not (`stage::shared`).
+        // A RAM-tier job with replicas joins as well: its other nodes push their parts of its
+        // checkpoints to this node's replica area as an agent of the job.
+        let replicas = options.ckpt_tier == options::CkptTier::Ram
+            && ram_cfg.is_some_and(|ft| crate::job::replicas_asked(&options, ft) > 0);
         let peers = ClosePeers(self.peers.get().and_then(|p| match &shared_tier {
             Some(_) => p.join(job_id, &job.start.nodes, owner, shared_work, &[]),
-            None if shared_work == 0 => None,
+            None if shared_work == 0 && !replicas => None,
             None => p.join(job_id, &job.start.nodes, owner, shared_work, &datasets),
         }));
         Ok(SetUpPlan {

@@ -23,6 +23,10 @@
 //! checkpoint's entry and a job's set of them, with the commit and retention rules, are the job's
 //! state ([`crate::job::ckpts`], re-exported here), so that the job needs nothing of this module.
 
+mod node_replicas;
+mod notices;
+mod replica_restore;
+mod replicate;
 mod restore;
 mod shared_restore;
 mod signals;
@@ -30,9 +34,13 @@ mod worker;
 pub(crate) use worker::PREVIOUS_RUN_WAIT;
 
 pub use crate::job::ckpts::{CkptEntry, CommitError, CommitOutcome, JobCkpts};
+pub(crate) use node_replicas::NodeReplicas;
+pub(crate) use notices::{CommitNotices, announce};
 pub(crate) use restore::{RestoreError, restore};
 pub use signals::{check_commit_dir, scan_signals, write_restored_signal};
-pub(crate) use worker::{CkptWorker, RESUME_LOG_AGE, commit, release, resume_dir, trim};
+pub(crate) use worker::{
+    CkptWorker, RESUME_LOG_AGE, commit, commit_as_of, release, resume_dir, trim,
+};
 
 use crate::hot_tier::HotTier;
 use crate::job::Job;
@@ -60,6 +68,8 @@ pub(crate) struct CkptCtx {
     upload_slots: Option<Arc<tokio::sync::Semaphore>>,
     /// The agent's event counters (shared with it).
     pub(crate) metrics: Metrics,
+    /// The peer layer, for replicas of checkpoints (`[fast_tier] replicas`); set when peers start.
+    pub(crate) peers: std::sync::OnceLock<sluice_stage::ReplicaPeers>,
 }
 
 impl CkptCtx {
@@ -78,6 +88,7 @@ impl CkptCtx {
             hot,
             jobs,
             metrics,
+            peers: std::sync::OnceLock::new(),
         }
     }
 

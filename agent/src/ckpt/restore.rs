@@ -14,6 +14,7 @@
 //! job's output names each one passed over, with who marked it bad and why. Named, it fails the
 //! job unless forced (`--ckpt-restore=TAG!`).
 
+use super::replica_restore::FromReplicas;
 use super::{CkptCtx, CkptEntry};
 use crate::job::Job;
 use sluice_archive::{self as archive, ArchiveError, ArchiveProgress, Archiver, JobMeta, Manifest};
@@ -77,6 +78,14 @@ pub enum RestoreError {
         #[source]
         source: Box<ArchiveError>,
     },
+    /// The replicas of the job's nodes did not give the checkpoint (`replicas` says why), and
+    /// the archive did not either.
+    #[error("{source} (the job's replicas did not give it either: {replicas})")]
+    NotFromReplicas {
+        replicas: String,
+        #[source]
+        source: Box<RestoreError>,
+    },
 }
 
 impl RestoreError {
@@ -94,6 +103,7 @@ impl RestoreError {
             RestoreError::Foreign { .. } => "foreign",
             RestoreError::Poisoned { .. } => "poisoned",
             RestoreError::CreateDir { .. } => "create_dir",
+            RestoreError::NotFromReplicas { source, .. } => source.code(),
         }
     }
 }
@@ -129,10 +139,12 @@ enum HotCopy {
     Lost,
 }
 
-/// Restores `which` from the job's archive `url` into `ckpt_dir`. Returns the restored tag and notes
-/// for the job's output (checkpoints `latest` passed over, and why). `latest` on an archive that
-/// holds no checkpoint yet restores nothing (`None`) and says so: the first run of a job that
-/// always asks for `latest` (a `--requeue` job) starts fresh. A named tag that is not there fails.
+/// Restores `which` into `ckpt_dir`: from the replicas of the job's nodes when they hold it whole
+/// (`ckpt::replica_restore`), else from the job's archive `url`. Returns the restored tag and
+/// notes for the job's output (why the replicas did not give it, checkpoints `latest` passed
+/// over, and why). `latest` on an archive that holds no checkpoint yet restores nothing (`None`)
+/// and says so: the first run of a job that always asks for `latest` (a `--requeue` job) starts
+/// fresh. A named tag that is not there fails.
 pub(crate) async fn restore(
     ctx: &CkptCtx,
     job: &Arc<Job>,
@@ -143,7 +155,42 @@ pub(crate) async fn restore(
 ) -> Result<(Option<String>, Vec<String>), RestoreError> {
     // With the job's other nodes, the first checkpoint tried is restored together (each file
     // read from the archive by one node); a fallback one, by each node alone.
-    let mut shared = peers.map(super::shared_restore::Done);
+    let shared = peers.map(super::shared_restore::Done);
+    // The nearest copies first: the job's nodes' own parts and replicas (`[fast_tier] replicas`).
+    // Restored so, this node offers nothing of the archive's to the job's other nodes: `shared`
+    // goes now, as after an archive restore.
+    let from_replicas =
+        match super::replica_restore::restore(ctx, job, which, ckpt_dir.clone()).await {
+            FromReplicas::Restored { tag, note } => {
+                drop(shared);
+                return Ok((Some(tag), vec![note]));
+            }
+            FromReplicas::Not(why) => why,
+        };
+    match from_archive(ctx, job, url, which, ckpt_dir, shared).await {
+        Ok((tag, mut notes)) => {
+            notes.splice(0..0, from_replicas);
+            Ok((tag, notes))
+        }
+        Err(source) => match from_replicas {
+            Some(replicas) => Err(RestoreError::NotFromReplicas {
+                replicas,
+                source: Box::new(source),
+            }),
+            None => Err(source),
+        },
+    }
+}
+
+/// Restores `which` from the job's archive `url` (see [`restore`]).
+async fn from_archive(
+    ctx: &CkptCtx,
+    job: &Arc<Job>,
+    url: &str,
+    which: &Restore,
+    ckpt_dir: Arc<OwnedFd>,
+    mut shared: Option<super::shared_restore::Done>,
+) -> Result<(Option<String>, Vec<String>), RestoreError> {
     let archiver = archive::open_archive(&ctx.cfg, url).map_err(|e| RestoreError::Open {
         url: url.into(),
         source: Box::new(e),

@@ -1,6 +1,7 @@
 //! The per-job checkpoint worker: turns commits into archives, publishes manifests, applies
 //! retention, and cleans up after the job — also after the job ended and after a restart.
 
+use super::replicate::replicate_pending;
 use super::restore::{VerifyError, verify_local};
 use super::{CkptCtx, CkptEntry, CommitError, CommitOutcome, check_commit_dir, scan_signals};
 use crate::job::Job;
@@ -37,6 +38,19 @@ pub(crate) async fn commit(
     job: &Arc<Job>,
     tag: &str,
 ) -> Result<CommitOutcome, CommitError> {
+    commit_as_of(ctx, job, tag, now_secs()).await
+}
+
+/// [`commit`], recording `committed_at` as the commit's time: a checkpoint restored from replicas
+/// keeps the time it was saved at, so that it is the same checkpoint to every node's index (not a
+/// newer one that other nodes would take in place of the replicas they hold) and no newer than the
+/// checkpoints saved after it.
+pub(crate) async fn commit_as_of(
+    ctx: &CkptCtx,
+    job: &Arc<Job>,
+    tag: &str,
+    committed_at: u64,
+) -> Result<CommitOutcome, CommitError> {
     let (dirs, id, uid, t) = (
         ctx.dirs(job),
         job.start.job_id,
@@ -48,7 +62,7 @@ pub(crate) async fn commit(
         check_commit_dir(&dir, &t, uid)
     })
     .await?;
-    let outcome = job.ckpts.commit(tag, now_secs())?;
+    let outcome = job.ckpts.commit(tag, committed_at)?;
     if job.is_ram() && outcome != CommitOutcome::AlreadyPending {
         // On the RAM tier only, until the worker has flushed it to the hot tier.
         if let Some(entry) = job.ckpts.get(tag) {
@@ -180,6 +194,8 @@ pub(crate) struct CkptWorker {
     scanned_after_end: bool,
     /// Tags other nodes committed that this node answered with an empty part.
     answered_empty: HashSet<String>,
+    /// What this node's replicas keep between turns (`[fast_tier] replicas`).
+    replicas: super::replicate::Replicas,
     /// Since when each tag whose part is archived waits for other nodes' parts (bounded by
     /// `ckpt.publish_wait`).
     waiting_since: HashMap<String, Instant>,
@@ -227,9 +243,12 @@ impl CkptWorker {
             }
             status.set("scanning");
             self.adopt_framework_signals().await;
+            self.adopt_peer_commits().await;
             if self.job.is_ram() {
                 status.set("flushing");
                 self.flush_pending().await;
+                status.set("replicating");
+                replicate_pending(&self.ctx, &self.job, &mut self.replicas).await;
                 status.set("verifying");
                 self.verify_unarchived().await;
                 self.free_ram().await;
@@ -239,6 +258,7 @@ impl CkptWorker {
             {
                 status.set("archiving");
                 self.archive_pending(&archiver).await;
+                super::replicate::free_replicas_of_archived(&self.ctx, &self.job).await;
             }
             trim(&self.ctx, &self.job).await;
             if self.job.has_ended() && self.wind_down().await {
@@ -266,6 +286,7 @@ impl CkptWorker {
             ended_at: None,
             scanned_after_end: false,
             answered_empty: HashSet::new(),
+            replicas: Default::default(),
             waiting_since: HashMap::new(),
         }
     }
@@ -297,8 +318,11 @@ impl CkptWorker {
         })
         .await;
         for tag in tags {
-            if job.ckpts.get(&tag).is_none() {
-                let _ = commit(&self.ctx, &job, &tag).await;
+            if job.ckpts.get(&tag).is_none()
+                && commit(&self.ctx, &job, &tag).await.is_ok()
+                && let Some(notices) = super::announce(&self.ctx, &job, &tag)
+            {
+                drop(tokio::spawn(notices));
             }
         }
     }
@@ -378,6 +402,13 @@ impl CkptWorker {
         }
         let has_archive = job.archive_url().is_some();
         if has_archive && job.ckpts.pending() {
+            // Everything is flushed and verified on NVMe: the RAM share goes now, not once the
+            // archive is back (hours, in an outage), unless another node's late commit may still
+            // be adopted into this node's uncommitted directories there.
+            let in_ram = job.ckpts.entries().iter().any(|e| e.in_ram());
+            if in_ram && (job.start.nodes.len() <= 1 || !self.has_uncommitted_dirs().await) {
+                self.release_ram().await;
+            }
             return false;
         }
         let ended_at = *self.ended_at.get_or_insert_with(Instant::now);
@@ -395,6 +426,31 @@ impl CkptWorker {
         }
         self.finalize().await;
         true
+    }
+
+    /// Removes the ended job's RAM tier (its tmpfs, and its share of the node's) once every
+    /// committed checkpoint of it is on the hot tier, and journals that nothing of it is in RAM:
+    /// an agent that recovers the job later takes no share for it.
+    async fn release_ram(&self) {
+        let job = &self.job;
+        let Some(ram) = self.ctx.dirs(job).ram().cloned() else {
+            return;
+        };
+        let (id, who) = (job.start.job_id, safefs::RemoveAs { uid: job.start.uid });
+        match blocking(move || ram.remove(id, who)).await {
+            Ok(()) => {
+                let entries = job.ckpts.entries();
+                if entries.iter().any(|e| e.in_ram()) {
+                    entries.iter().for_each(|e| e.set_in_ram(false));
+                    self.ctx.jobs.persist(job).await;
+                    tracing::info!(
+                        job_id = id,
+                        "the job's RAM tier is given back: its checkpoints are on NVMe"
+                    );
+                }
+            }
+            Err(e) => tracing::error!(job_id = id, "removing the job's RAM tier: {e}"),
+        }
     }
 
     /// Uploads this node's files of one checkpoint.
@@ -452,31 +508,16 @@ impl CkptWorker {
         let started = Instant::now();
         // Flushed from RAM: the upload's hashes of the hot tier's copy verify the flush.
         let flushed = entry.flush_hashes();
-        let result = match &flushed {
-            Some(hashes) => {
-                archiver
-                    .upload_part_as_flushed(
-                        &entry.tag,
-                        &self.ctx.cfg.node,
-                        dir,
-                        job.start.uid,
-                        &progress,
-                        hashes,
-                    )
-                    .await
-            }
-            None => {
-                archiver
-                    .upload_part(
-                        &entry.tag,
-                        &self.ctx.cfg.node,
-                        dir,
-                        job.start.uid,
-                        &progress,
-                    )
-                    .await
-            }
-        };
+        let result = archiver
+            .upload_part(
+                &entry.tag,
+                &self.ctx.cfg.node,
+                dir,
+                job.start.uid,
+                &progress,
+                flushed.as_deref(),
+            )
+            .await;
         self.ctx.metrics.part_uploaded(started.elapsed(), &result);
         entry.set_bytes_done(progress.snapshot().bytes_done);
         if entry.generation() != generation {
@@ -706,19 +747,8 @@ impl CkptWorker {
             if job.ckpts.get(&tag).is_some() || self.answered_empty.contains(&tag) {
                 continue;
             }
-            let (dirs, id, uid, t) = (
-                self.ctx.dirs(&job),
-                job.start.job_id,
-                job.start.uid,
-                tag.clone(),
-            );
-            let here = blocking(move || {
-                dirs.user()
-                    .map_err(CommitError::NoCkptDir)
-                    .and_then(|d| check_commit_dir(&d, &t, uid))
-            })
-            .await;
-            match here {
+            let id = job.start.job_id;
+            match self.holds(&tag).await {
                 Ok(()) => {
                     tracing::info!(job_id = id, tag, "committed on another node of the job");
                     let _ = commit(&self.ctx, &job, &tag).await;
@@ -738,6 +768,48 @@ impl CkptWorker {
                 }
                 // A directory this node cannot archive (a symlink, another owner): publishing
                 // waits for it, and `sluice ckpt list` on the committing node names this node.
+                Err(e) => tracing::warn!(job_id = id, tag, "committed on another node: {e}"),
+            }
+        }
+    }
+
+    /// Whether this node holds `tag` as a directory it may commit (blocking work, awaited).
+    async fn holds(&self, tag: &str) -> Result<(), CommitError> {
+        let (dirs, uid, t) = (
+            self.ctx.dirs(&self.job),
+            self.job.start.uid,
+            tag.to_string(),
+        );
+        blocking(move || {
+            dirs.user()
+                .map_err(CommitError::NoCkptDir)
+                .and_then(|d| check_commit_dir(&d, &t, uid))
+        })
+        .await
+    }
+
+    /// Tags other nodes of the job said they committed (commit notices on the peer port, which
+    /// travel while the archive is down): committed here too when this node holds the tag; a tag
+    /// it holds none of becomes an empty part among its replicas.
+    async fn adopt_peer_commits(&mut self) {
+        let job = self.job.clone();
+        for tag in job.ckpts.take_committed_elsewhere() {
+            if job.ckpts.get(&tag).is_some() || self.replicas.holds_empty(&tag) {
+                continue;
+            }
+            let id = job.start.job_id;
+            match self.holds(&tag).await {
+                Ok(()) => {
+                    tracing::info!(
+                        job_id = id,
+                        tag,
+                        "committed on another node of the job (its notice)"
+                    );
+                    let _ = commit(&self.ctx, &job, &tag).await;
+                }
+                Err(CommitError::Missing { .. }) => {
+                    self.replicas.hold_empty(tag);
+                }
                 Err(e) => tracing::warn!(job_id = id, tag, "committed on another node: {e}"),
             }
         }
@@ -1081,11 +1153,7 @@ impl CkptWorker {
             tracing::error!(job_id = id, "cleaning up after the job: {e}");
         }
         // Every committed checkpoint of the RAM tier is on the hot tier now (wind_down waited).
-        if let Some(ram) = self.ctx.dirs(job).ram().cloned()
-            && let Err(e) = blocking(move || ram.remove(id, who)).await
-        {
-            tracing::error!(job_id = id, "removing the job's RAM tier: {e}");
-        }
+        self.release_ram().await;
         if keep_any {
             self.ctx.jobs.persist(job).await;
         } else if !self.ctx.jobs.replaced(job) {

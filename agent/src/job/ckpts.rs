@@ -8,7 +8,7 @@ use nix::errno::Errno;
 use sluice_archive::flush::FlushHashes;
 use sluice_core::rt::lock;
 use sluice_core::safefs::SafeFsError;
-use sluice_proto::msg::{CkptState, CkptStatus};
+use sluice_proto::msg::{CkptState, CkptStatus, ReplicaStatus};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -75,6 +75,36 @@ pub struct CkptEntry {
     lost: Mutex<Option<String>>,
     /// Marked bad (`sluice ckpt poison`): never the last good checkpoint retention keeps.
     poisoned: AtomicBool,
+    /// This node's part on other nodes of the job (`[fast_tier] replicas`).
+    replication: Mutex<Replication>,
+}
+
+/// Where this node's part of a checkpoint is replicated, and what to replicate it from.
+#[derive(Debug, Default)]
+pub struct Replication {
+    /// The hashes of the part's files as its flush read them from RAM, kept for the replicas
+    /// (the flush's own go once the hot tier's copy verifies): set by the flush, dropped once the
+    /// replicas are sealed or the checkpoint is archived. Of the generation below.
+    pub source: Option<Arc<FlushHashes>>,
+    /// The commit's generation the holders hold.
+    pub generation: u64,
+    /// The nodes whose agents sealed a replica, in placement order.
+    pub holders: Vec<String>,
+    /// Why fewer than asked hold one, while they do.
+    pub short: Option<String>,
+    /// The holders were told to free it (the archive holds the checkpoint).
+    pub freed: bool,
+    /// Every node's part of the checkpoint is held by as many other nodes as the job asks.
+    pub protected: bool,
+    /// This node's part as it was sealed (its files with the flush's BLAKE3, the job's nodes,
+    /// the commit's time), once built: what this node serves of its own copy to a restore from
+    /// replicas ([`crate::ckpt::NodeReplicas`]). Journaled, so that a restarted agent or a
+    /// requeue still serves it. Of the generation above.
+    pub part: Option<Arc<sluice_peer::ReplicaSeal>>,
+    /// `source` is the seal's, not a flush's: the part is placed again after a restart (a holder
+    /// was lost with its node), with only its sealed files, whatever else the copy holds now (a
+    /// restore put the other nodes' files beside them).
+    pub from_seal: bool,
 }
 
 impl CkptEntry {
@@ -97,7 +127,13 @@ impl CkptEntry {
             refused: AtomicBool::new(false),
             lost: Mutex::new(None),
             poisoned: AtomicBool::new(false),
+            replication: Mutex::new(Replication::default()),
         }
+    }
+
+    /// Its replication state, to read or change (the checkpoint worker's).
+    pub fn replication(&self) -> std::sync::MutexGuard<'_, Replication> {
+        lock(&self.replication)
     }
 
     /// Marked bad: retention does not count it among the checkpoints it keeps.
@@ -240,7 +276,15 @@ impl CkptEntry {
     pub fn set_flushed(&self, hashes: FlushHashes) {
         self.on_hot.store(true, Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
-        *lock(&self.flush_hashes) = Some(Arc::new(hashes));
+        let hashes = Arc::new(hashes);
+        let mut replication = lock(&self.replication);
+        *replication = Replication {
+            source: Some(hashes.clone()),
+            generation: self.generation(),
+            ..Replication::default()
+        };
+        drop(replication);
+        *lock(&self.flush_hashes) = Some(hashes);
         *lock(&self.state) = CkptState::Committed;
         *lock(&self.error) = None;
     }
@@ -291,7 +335,21 @@ impl CkptEntry {
             )
     }
 
-    pub fn status(&self, archive_url: &str) -> CkptStatus {
+    /// What `sluice ckpt list` says of its replicas when the job asked for `wanted` (0: none).
+    fn replica_status(&self, wanted: u8) -> Option<ReplicaStatus> {
+        (wanted > 0).then(|| {
+            let r = lock(&self.replication);
+            ReplicaStatus {
+                wanted,
+                held_by: r.holders.clone(),
+                short: r.short.clone(),
+                freed: r.freed,
+                protected: r.protected,
+            }
+        })
+    }
+
+    pub fn status(&self, archive_url: &str, replicas: u8) -> CkptStatus {
         CkptStatus {
             tag: self.tag.clone(),
             state: self.state(),
@@ -306,6 +364,7 @@ impl CkptEntry {
             archived_at: self.archived_at(),
             error: lock(&self.error).clone(),
             action_needed: self.action_needed(),
+            replicas: self.replica_status(replicas),
         }
     }
 }
@@ -314,6 +373,9 @@ impl CkptEntry {
 #[derive(Debug, Default)]
 pub struct JobCkpts {
     entries: Mutex<BTreeMap<String, Arc<CkptEntry>>>,
+    /// Tags other nodes of the job said they committed (commit notices on the peer port), for the
+    /// worker to commit here too.
+    elsewhere: Mutex<std::collections::BTreeSet<String>>,
     /// Wakes the job's checkpoint worker (a commit arrived, the job ended).
     pub wake: tokio::sync::Notify,
 }
@@ -330,6 +392,19 @@ pub enum CommitOutcome {
 }
 
 impl JobCkpts {
+    /// Another node of the job committed `tag`: the worker commits this node's files of it.
+    pub fn committed_elsewhere(&self, tag: &str) {
+        lock(&self.elsewhere).insert(tag.to_string());
+        self.wake.notify_one();
+    }
+
+    /// The tags other nodes committed since the last call.
+    pub fn take_committed_elsewhere(&self) -> Vec<String> {
+        std::mem::take(&mut *lock(&self.elsewhere))
+            .into_iter()
+            .collect()
+    }
+
     pub fn entries(&self) -> Vec<Arc<CkptEntry>> {
         let mut v: Vec<_> = lock(&self.entries).values().cloned().collect();
         v.sort_by(|a, b| (a.committed_at, &a.tag).cmp(&(b.committed_at, &b.tag)));

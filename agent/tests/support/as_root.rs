@@ -4,14 +4,14 @@
 //! (integration tests share no crate).
 
 use sluice_core::config::Config;
-use sluice_proto::msg::{JobStart, Request};
+use sluice_proto::msg::Request;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 /// The job user of these tests.
-pub const NOBODY: u32 = 65534;
+pub use sluice_proto::testing::NOBODY;
 
 /// Every test here needs root, like sluiced itself (the job's files belong to another user), so each
 /// is `#[ignore]`d with that reason and run by tests/harness/run-e2e.sh (as root, `--ignored`); run
@@ -38,16 +38,9 @@ macro_rules! root_test {
 
 /// A job of user nobody on node n1 with these sluice options, as its prolog announces it.
 pub fn nobody_job(job_id: u32, job_name: &str, options: Vec<(String, String)>) -> Request {
-    Request::JobStart(JobStart {
-        job_id,
-        uid: NOBODY,
-        gid: NOBODY,
-        user: "nobody".into(),
-        node: "n1".into(),
-        nodes: vec!["n1".into()],
-        job_name: job_name.into(),
-        options,
-    })
+    Request::JobStart(sluice_proto::testing::nobody_job(
+        job_id, "n1", job_name, options,
+    ))
 }
 
 /// The test dataset: 300,000 + 0 + 8 bytes in 3 files, its directories open to everyone.
@@ -65,7 +58,47 @@ pub fn make_dataset(dir: &Path) {
     }
 }
 
-/// An agent running in this process on node `n1`.
+/// A temp directory for a root test whose agents mount tmpfs below it (RAM tiers, replica areas):
+/// what is mounted below it is unmounted when it goes, so that no test leaves mounts behind (a
+/// job's tmpfs outlives its agent by design, and hundreds had piled up on the test machines).
+pub struct TestDir(tempfile::TempDir);
+
+impl TestDir {
+    pub fn new() -> TestDir {
+        TestDir(tempfile::tempdir().unwrap())
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let mut below: Vec<std::path::PathBuf> = std::fs::read_to_string("/proc/self/mounts")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(1).map(std::path::PathBuf::from))
+            .filter(|p| p.starts_with(self.0.path()))
+            .collect();
+        below.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for m in below {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
+
+/// Gives `root` and everything below it to [`NOBODY`], as if the job user had written it.
+pub fn give_to_nobody(root: &Path) {
+    std::os::unix::fs::lchown(root, Some(NOBODY), Some(NOBODY)).unwrap();
+    if root.is_dir() && !root.is_symlink() {
+        for e in std::fs::read_dir(root).unwrap() {
+            give_to_nobody(&e.unwrap().path());
+        }
+    }
+}
+
+/// An agent running in this process (on node `n1`, unless started with [`spawn_agent_on`]).
 pub struct Running {
     pub cfg: Arc<Config>,
     shutdown: CancellationToken,
@@ -77,7 +110,12 @@ pub struct Running {
 /// open to every user, and the agent's one entry point spawned as sluiced runs it, the copy helper
 /// being this build's `sluiced`.
 pub fn spawn_agent(cfg: &str) -> Running {
-    let cfg = Arc::new(Config::parse(cfg, "n1", sluice_archive::upload_memory).unwrap());
+    spawn_agent_on(cfg, "n1")
+}
+
+/// [`spawn_agent`] for node `node` (`%n` in the configuration is its name).
+pub fn spawn_agent_on(cfg: &str, node: &str) -> Running {
+    let cfg = Arc::new(Config::parse(cfg, node, sluice_archive::upload_memory).unwrap());
     let hot_parent = cfg.hot_root.parent().unwrap();
     std::fs::create_dir_all(hot_parent).unwrap();
     std::fs::set_permissions(hot_parent, std::fs::Permissions::from_mode(0o755)).unwrap();

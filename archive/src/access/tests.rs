@@ -33,7 +33,7 @@ async fn publish(a: &Archiver, tag: &str, owner: &str) {
     std::fs::write(src.path().join("who"), format!("{tag} of {owner}")).unwrap();
     let fd = Arc::new(safefs::open_root_dir(src.path()).unwrap());
     let counters = ArchiveProgress::default();
-    let part = a.upload_part(tag, "n1", fd, me().uid, &counters);
+    let part = a.upload_part(tag, "n1", fd, me().uid, &counters, None);
     part.await.unwrap();
     let (user, job_name) = (owner.to_string(), "train".to_string());
     let job = JobMeta {
@@ -161,9 +161,8 @@ async fn verify_names_a_corrupted_part_and_restore_refuses_it() {
     assert_eq!(seen.labels, ["verify a2"]);
 
     damage(&store, "a2").await;
-    let v = verify(&a, &user("alice"), "a2", &mut Unwatched)
-        .await
-        .unwrap();
+    let alice = user("alice");
+    let v = verify(&a, &alice, "a2", &mut Unwatched).await.unwrap();
     assert!(!v.ok, "{v:?}");
     assert_eq!(
         v.damaged.iter().map(|d| d.0.as_str()).collect::<Vec<_>>(),
@@ -173,31 +172,17 @@ async fn verify_names_a_corrupted_part_and_restore_refuses_it() {
     // A named damaged tag is not restored, and nothing is left behind.
     let tmp = tempfile::tempdir().unwrap();
     let dir = empty_dir(tmp.path(), "named");
-    let e = restore(
-        &a,
-        &user("alice"),
-        "a2",
-        false,
-        &destination(&dir),
-        &mut Unwatched,
-    )
-    .await
-    .unwrap_err();
+    let e = restore(&a, &alice, "a2", false, &destination(&dir), &mut Unwatched)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("is damaged: 'sub/model.bin'"), "{e}");
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
     // `latest` passes over it, says so, and restores alice's a1.
     let dir = empty_dir(tmp.path(), "latest");
     let mut seen = Seen::default();
-    let r = restore(
-        &a,
-        &user("alice"),
-        LATEST,
-        false,
-        &destination(&dir),
-        &mut seen,
-    )
-    .await
-    .unwrap();
+    let r = restore(&a, &alice, LATEST, false, &destination(&dir), &mut seen)
+        .await
+        .unwrap();
     assert_eq!(
         (r.tag.as_str(), r.skipped.as_slice()),
         ("a1", ["a2".to_string()].as_slice())
@@ -218,30 +203,17 @@ async fn verify_names_a_corrupted_part_and_restore_refuses_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_gives_only_the_readers_own_files_owned_by_them() {
     let (_, a) = shared_archive().await;
+    let bob = user("bob");
     let tmp = tempfile::tempdir().unwrap();
     let dir = empty_dir(tmp.path(), "d");
-    let e = restore(
-        &a,
-        &user("bob"),
-        "a1",
-        false,
-        &destination(&dir),
-        &mut Unwatched,
-    )
-    .await
-    .unwrap_err();
+    let e = restore(&a, &bob, "a1", false, &destination(&dir), &mut Unwatched)
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), ErrorCode::NotFound);
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
-    let r = restore(
-        &a,
-        &user("bob"),
-        LATEST,
-        false,
-        &destination(&dir),
-        &mut Unwatched,
-    )
-    .await
-    .unwrap();
+    let r = restore(&a, &bob, LATEST, false, &destination(&dir), &mut Unwatched)
+        .await
+        .unwrap();
     assert_eq!((r.tag.as_str(), r.files), ("b1", 2));
     use std::os::unix::fs::MetadataExt;
     let f = dir.join("sub/model.bin");

@@ -230,7 +230,7 @@ async fn an_interrupted_upload_resumes_with_the_objects_it_did_not_store() {
     let progress = ArchiveProgress::default();
     let fd = Arc::new(safefs::open_root_dir(s.src.path()).unwrap());
     let part =
-        s.a.upload_part("s1", "n1", fd, test_uid(), &progress)
+        s.a.upload_part("s1", "n1", fd, test_uid(), &progress, None)
             .await
             .unwrap();
     let second = s.store.watch.take_stored();

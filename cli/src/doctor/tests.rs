@@ -40,6 +40,14 @@ fn config(meta: io::Result<FileFacts>, text: io::Result<String>, root: bool) -> 
     (f, cfg.is_some())
 }
 
+/// `f` is a failure whose detail says `detail` and whose fix is exactly `fix`.
+#[track_caller]
+fn assert_fails_with(f: &Finding, detail: &str, fix: &str) {
+    assert_eq!(f.status, Status::Fail, "{f:?}");
+    assert!(f.detail.contains(detail), "{f:?}");
+    assert_eq!(f.fix.as_deref(), Some(fix), "{f:?}");
+}
+
 #[test]
 fn config_root_owned_0600_and_valid_passes() {
     let (f, cfg) = config(facts(0, 0o600), Ok(CONFIG.into()), true);
@@ -54,10 +62,8 @@ fn config_root_owned_0600_and_valid_passes() {
 #[test]
 fn config_readable_by_others_or_not_root_owned_fails_with_chmod_and_chown() {
     let (f, cfg) = config(facts(0, 0o644), Ok(CONFIG.into()), true);
-    assert_eq!(f.status, Status::Fail);
+    assert_fails_with(&f, "mode 0644", "chmod 600 /etc/sluice/sluice.toml");
     assert!(cfg, "the other checks still get the config");
-    assert!(f.detail.contains("mode 0644"), "{f:?}");
-    assert_eq!(f.fix.as_deref(), Some("chmod 600 /etc/sluice/sluice.toml"));
 
     let (f, _) = config(facts(1000, 0o640), Ok(CONFIG.into()), true);
     assert_eq!(f.status, Status::Fail);
@@ -118,12 +124,11 @@ fn agent_refused_fails_with_start_sluiced() {
         source: Error::from(ErrorKind::ConnectionRefused),
     };
     let f = judge_agent(p, Err(refused), Duration::from_secs(1));
-    assert_eq!(f.status, Status::Fail);
-    assert_eq!(
-        f.fix.as_deref(),
-        Some("start sluiced (systemctl start sluiced)")
+    assert_fails_with(
+        &f,
+        "/run/sluice/n1.sock",
+        "start sluiced (systemctl start sluiced)",
     );
-    assert!(f.detail.contains("/run/sluice/n1.sock"));
     let missing = ClientError::Connect {
         path: p.into(),
         source: Error::from(ErrorKind::NotFound),
@@ -434,15 +439,10 @@ fn a_shared_tier_root_users_can_write_fails() {
             lfs: None,
         };
         let f = judge_shared_tier(&tier, Ok(facts), true);
-        assert_eq!(f.status, Status::Fail, "{owner} {mode:o}: {f:?}");
-        assert!(
-            f.detail
-                .contains("must be root's and writable by root alone"),
-            "{f:?}"
-        );
-        assert_eq!(
-            f.fix.as_deref(),
-            Some("chown root:root /beeond/sluice && chmod 0755 /beeond/sluice")
+        assert_fails_with(
+            &f,
+            "must be root's and writable by root alone",
+            "chown root:root /beeond/sluice && chmod 0755 /beeond/sluice",
         );
     }
     let sticky = SharedTierFacts {

@@ -429,9 +429,13 @@ fn on_the_remote_side_options_always_pass() {
 #[test]
 fn an_unknown_option_number_is_refused() {
     let log = Fake::new(Context::Allocator);
-    assert_eq!(on_option(&log, &mut Vec::new(), 7, Some("x"), false), FAIL);
+    let past_the_last = names::ALL.len() as i32;
+    assert_eq!(
+        on_option(&log, &mut Vec::new(), past_the_last, Some("x"), false),
+        FAIL
+    );
     assert_eq!(on_option(&log, &mut Vec::new(), -1, Some("x"), false), FAIL);
-    assert!(log.errors()[0].contains("unknown option number 7"));
+    assert!(log.errors()[0].contains(&format!("unknown option number {past_the_last}")));
 }
 
 // ---- init_post_opt ----------------------------------------------------------------------------
@@ -1136,6 +1140,7 @@ fn ckpt(tag: &str, state: sluice_proto::msg::CkptState) -> sluice_proto::msg::Ck
         archived_at: None,
         error: None,
         action_needed: false,
+        replicas: None,
     }
 }
 

@@ -4,6 +4,10 @@ replicated. `save` trains three steps and calls dcp.save into $SLUICE_CKPT_DIR/d
 writes its own shard file, and the coordinator (rank 0) writes `.metadata` last: DCP's completion
 signal, the only commit. `load` builds a fresh model (other seed), dcp.load's the restored tag into it
 on every rank and compares every local shard with what that rank saved. See fwcheck.py.
+
+With the argument `sluice`, the save goes through sluice_ckpt.SluiceWriter (whose finish on rank 0
+runs `sluice ckpt commit`) and the load through sluice_ckpt.SluiceReader, instead of DCP's own
+FileSystemWriter and FileSystemReader.
 """
 
 import os
@@ -43,7 +47,15 @@ def save(r):
         opt.zero_grad()
     s = state(model, opt)
     r.expect(f"{TAG}-rank{r.rank}", s)
-    dcp.save(s, checkpoint_id=os.path.join(r.ckpt, TAG))
+    if "sluice" in r.args:
+        import sluice_ckpt
+
+        writer = sluice_ckpt.SluiceWriter(TAG)
+        dcp.save(s, storage_writer=writer)
+        if r.rank == 0:
+            r.note(f"sluice ckpt commit: {writer.commit_output}")
+    else:
+        dcp.save(s, checkpoint_id=os.path.join(r.ckpt, TAG))
     r.record_files(TAG)
 
 
@@ -59,7 +71,12 @@ def load(r):
     opt.zero_grad()
     s = state(model, opt)
     r.must_differ(f"{TAG}-rank{r.rank}", s)
-    dcp.load(s, checkpoint_id=os.path.join(r.ckpt, tag))
+    if "sluice" in r.args:
+        import sluice_ckpt
+
+        dcp.load(s, storage_reader=sluice_ckpt.SluiceReader(tag))
+    else:
+        dcp.load(s, checkpoint_id=os.path.join(r.ckpt, tag))
     # What the model and the optimizer now hold, read afresh (dcp.load fills their tensors in place).
     r.check(f"{TAG}-rank{r.rank}", state(model, opt))
     r.record_files(tag)

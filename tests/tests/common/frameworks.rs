@@ -91,15 +91,6 @@ pub fn write_framework_scripts(dir: &Path) {
     }
 }
 
-/// A port on 127.0.0.1 that nothing listens on right now (the kernel's choice), for one job's
-/// gloo rendezvous.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind 127.0.0.1:0")
-}
-
 /// A file `cargo build --workspace` left beside the sluice CLI (target/debug).
 pub fn built(name: &str) -> PathBuf {
     let dir = super::built_cli().parent().unwrap().to_path_buf();

@@ -3,6 +3,7 @@
 //! CLI where jobs and users can run it.
 
 use super::cluster::{Cluster, POLL, run, unique};
+use std::collections::BTreeSet;
 use std::fs;
 use std::io::Write as _;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -238,6 +239,91 @@ impl Cluster {
     pub fn job_field(&self, job: &Job, name: &str) -> Option<String> {
         self.job_state(job)?.field(name)
     }
+
+    /// `scontrol requeue` of a running job, then waits (at most `timeout`) until its next run
+    /// starts. Slurm kills the run, runs the epilogs, and puts the job back in the queue with a
+    /// begin time in the future (Reason=BeginTime; slurm.conf(5): the requeue delay defaults to the
+    /// credential lifetime, 120 s): while it is pending, this tries to let it start at once, and
+    /// records what Slurm answered.
+    pub fn requeue_and_release(&self, job: &Job, timeout: Duration) -> Requeued {
+        run(Command::new("scontrol").args(["requeue", &job.id.to_string()]));
+        let mut r = Requeued {
+            at: Instant::now(),
+            pending_at: None,
+            pending: String::new(),
+            released: None,
+            refusals: BTreeSet::new(),
+            started_in: String::new(),
+        };
+        let mut last_try: Option<Instant> = None;
+        let id = job.id.to_string();
+        let jobid = format!("jobid={id}");
+        let attempts: [Vec<&str>; 3] = [
+            vec!["update", &jobid, "begintime=now"],
+            vec!["update", &jobid, "StartTime=now"],
+            vec!["release", &id],
+        ];
+        loop {
+            let state = self
+                .job_state(job)
+                .unwrap_or_else(|| panic!("Slurm forgot job {} after the requeue", job.id));
+            let restarts = state.field("Restarts").unwrap_or_default();
+            if state.state == "PENDING" && r.pending_at.is_none() {
+                r.pending_at = Some(Instant::now());
+                r.pending = format!(
+                    "Reason={} EligibleTime={} Restarts={restarts} (at {:.3})",
+                    state.reason.clone().unwrap_or_default(),
+                    state.field("EligibleTime").unwrap_or_default(),
+                    super::cluster::now_s()
+                );
+            }
+            let due = last_try.is_none_or(|t| t.elapsed() > Duration::from_secs(2));
+            if state.state == "PENDING" && r.released.is_none() && due {
+                last_try = Some(Instant::now());
+                for args in &attempts {
+                    let out = Command::new("scontrol").args(args).output().unwrap();
+                    if out.status.success() {
+                        r.released = Some(format!("scontrol {}", args.join(" ")));
+                        break;
+                    }
+                    r.refusals.insert(format!(
+                        "scontrol {}: {}",
+                        args.join(" "),
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    ));
+                }
+            }
+            // Pending once (the epilogs are done), then anything else: the next run started.
+            if r.pending_at.is_some() && state.state != "PENDING" {
+                r.started_in = format!("{} (Restarts={restarts})", state.state);
+                return r;
+            }
+            assert!(
+                r.at.elapsed() < timeout,
+                "job {} did not start again within {timeout:?} of scontrol requeue \
+                 (pending: {}; refused: {:?})\n{}",
+                job.id,
+                r.pending,
+                r.refusals,
+                self.evidence(job)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+/// What [`Cluster::requeue_and_release`] saw of a requeue.
+pub struct Requeued {
+    /// When `scontrol requeue` returned.
+    pub at: Instant,
+    /// When the job was first seen pending again (its epilogs done), and what Slurm said of it.
+    pub pending_at: Option<Instant>,
+    pub pending: String,
+    /// The command that let it start at once, and those Slurm refused.
+    pub released: Option<String>,
+    pub refusals: BTreeSet<String>,
+    /// The state its next run was first seen in.
+    pub started_in: String,
 }
 
 /// The first `NAME=value` of `scontrol show job -o` output.

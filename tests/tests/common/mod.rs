@@ -10,6 +10,8 @@ mod agents;
 mod cluster;
 mod frameworks;
 mod jobs;
+#[path = "../../../agent/tests/support/ports.rs"]
+mod ports;
 mod stores;
 mod trees;
 
@@ -17,5 +19,6 @@ pub use agents::*;
 pub use cluster::*;
 pub use frameworks::*;
 pub use jobs::*;
+pub use ports::free_port;
 pub use stores::*;
 pub use trees::*;
