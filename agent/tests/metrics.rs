@@ -8,7 +8,6 @@
 use sluice_proto::client;
 use sluice_proto::msg::{CkptState, Request, Response};
 use std::collections::{BTreeMap, HashSet};
-use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -18,8 +17,11 @@ use std::time::Duration;
 mod as_root;
 #[path = "support/ports.rs"]
 mod ports;
+#[path = "support/scrape.rs"]
+mod scrape;
 use as_root::{Running, TestDir, give_to_nobody, make_dataset, nobody_job, spawn_agent};
 use ports::free_port;
+use scrape::{get, scrape};
 
 /// What [`make_dataset`] writes: 300,000 + 0 + 8 bytes in 3 files.
 const DATASET_BYTES: f64 = 300_008.0;
@@ -153,60 +155,6 @@ fn tcp_listeners() -> HashSet<String> {
         })
         .filter(|inode| ours.contains(inode))
         .collect()
-}
-
-/// `GET /metrics` as Prometheus sends it: (status line, content type, body).
-fn get(port: u16, path: &str) -> (String, String, String) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))
-        .unwrap_or_else(|e| panic!("connecting to the metrics port {port}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/plain\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP response");
-    let content_type = head
-        .lines()
-        .find_map(|l| {
-            l.to_ascii_lowercase()
-                .strip_prefix("content-type: ")
-                .map(String::from)
-        })
-        .unwrap_or_default();
-    (
-        head.lines().next().unwrap().to_string(),
-        content_type,
-        body.to_string(),
-    )
-}
-
-/// The series of a scrape: `name{labels}` → value.
-async fn scrape(port: u16) -> (BTreeMap<String, f64>, String) {
-    let (status, content_type, body) = tokio::task::spawn_blocking(move || get(port, "/metrics"))
-        .await
-        .unwrap();
-    assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
-    assert!(
-        content_type.starts_with("text/plain; version=0.0.4"),
-        "{content_type}"
-    );
-    let series = body
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| {
-            let (k, v) = l
-                .rsplit_once(' ')
-                .unwrap_or_else(|| panic!("bad line {l:?}"));
-            (
-                k.to_string(),
-                v.parse().unwrap_or_else(|_| panic!("bad value in {l:?}")),
-            )
-        })
-        .collect();
-    (series, body)
 }
 
 fn value(series: &(BTreeMap<String, f64>, String), key: &str) -> f64 {

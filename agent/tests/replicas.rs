@@ -19,6 +19,8 @@ use std::time::Duration;
 mod as_root;
 #[path = "support/ports.rs"]
 mod ports;
+#[path = "support/scrape.rs"]
+mod scrape;
 use as_root::{Running, TestDir, give_to_nobody, spawn_agent_on};
 use ports::free_port;
 
@@ -30,6 +32,8 @@ struct Nodes {
     agents: Vec<Running>,
     /// Each node's configuration, to start its agent again.
     cfgs: Vec<String>,
+    /// Each node's metrics port.
+    metrics: [u16; 2],
 }
 
 /// n1 and n2, each with a RAM tier and `replicas = 1`; each gives replicas `room`.
@@ -46,11 +50,13 @@ fn two_nodes_with(rooms: [&str; 2]) -> Nodes {
     std::fs::write(&secret, [7u8; 32]).unwrap();
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
     let (p1, p2) = (free_port(), free_port());
+    let metrics = [free_port(), free_port()];
     let cfgs: Vec<String> = rooms
         .iter()
-        .map(|room| {
+        .zip(metrics)
+        .map(|(room, m)| {
             format!(
-                "[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = ''\nhousekeeping_interval = '1s'\n\
+                "[metrics]\nlisten = '127.0.0.1:{m}'\n[agent]\nsocket = '{r}/%n.sock'\nstate_dir = '{r}/state/%n'\nsqueue = ''\nhousekeeping_interval = '1s'\n\
                  [hot_tier]\nroot = '{r}/hot/%n'\n\
                  [ckpt]\nscan_interval = '200ms'\nepilog_wait = '1s'\npart_size = '5MiB'\n\
                  [[ckpt.allow]]\nprefix = 'file://{r}/'\n\
@@ -66,10 +72,24 @@ fn two_nodes_with(rooms: [&str; 2]) -> Nodes {
         .zip(&cfgs)
         .map(|(node, cfg)| spawn_agent_on(cfg, node))
         .collect();
-    Nodes { tmp, agents, cfgs }
+    Nodes {
+        tmp,
+        agents,
+        cfgs,
+        metrics,
+    }
 }
 
 impl Nodes {
+    /// The bytes of its own checkpoint parts `node` has copied to other nodes as replicas
+    /// (`sluice_replica_bytes_total`).
+    async fn replica_bytes_sent(&self, node: usize) -> f64 {
+        let (series, body) = scrape::scrape(self.metrics[node]).await;
+        *series
+            .get("sluice_replica_bytes_total")
+            .unwrap_or_else(|| panic!("{}: no sluice_replica_bytes_total in\n{body}", NODES[node]))
+    }
+
     async fn call(&self, node: usize, req: Request) -> Response {
         self.try_call(node, req)
             .await
@@ -466,6 +486,12 @@ root_test! {
                 })
                 .await;
         }
+        // The new n2's part is its own part as it was (not the whole copy it restored), and n1
+        // held that as it is: sealed again there without a byte sent (a push would have taken it
+        // away from n1 for as long as it took, while n1 may have been restoring from it).
+        assert_eq!(nodes.replica_bytes_sent(1).await, 0.0, "the new n2 sent its part again");
+        // n1 sent its part twice: to the old n2, and to the new one.
+        assert_eq!(nodes.replica_bytes_sent(0).await, 2.0 * part as f64);
         nodes.stop().await;
     }
 }

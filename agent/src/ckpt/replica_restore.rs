@@ -119,9 +119,8 @@ pub(crate) async fn restore(
         .map_or_else(|| held_tag.committed_at(), |(p, _)| p.committed_at);
     // Each path once, from any node whose index gives it with the same content in any part of
     // the tag (the parts chosen above and every other seal: two parts give one path the same
-    // content, `Held::missing`), this node first. A replaced node's whole re-commit may be
-    // replacing its original part's replica on a holder while this restore reads it; this node
-    // may hold the file as the replica of another part.
+    // content, `Held::missing`), this node first: this node may hold the file as the replica of
+    // another part.
     let mut sources: BTreeMap<&str, (&ReplicaFile, Vec<Source>)> = BTreeMap::new();
     for (part, _) in parts.values() {
         for file in &part.files {
@@ -162,8 +161,14 @@ pub(crate) async fn restore(
             }
         }
     }
+    // Its replicas are of this node's own part alone, as they were before the loss: the holders
+    // that kept them are sealed again, not sent the whole copy (which would also take their
+    // part away from a restore reading it at that moment).
+    let own_part = parts
+        .get(&me)
+        .map(|(p, _)| Arc::new(p.files.iter().map(|f| f.path.clone()).collect()));
     if job.ckpts.get(&tag).is_none()
-        && let Err(e) = super::commit_as_of(ctx, job, &tag, committed_at).await
+        && let Err(e) = super::commit_as_of(ctx, job, &tag, committed_at, own_part).await
     {
         tracing::warn!(
             job_id = job.start.job_id,

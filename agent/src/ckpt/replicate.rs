@@ -468,6 +468,18 @@ async fn push_part(
     let (tag, seal) = (part.tag, part.seal);
     let addr = link.addr_of(node);
     let client = link.peers.client();
+    // A holder that stores the part's files as they are (a requeued job's node commits again what
+    // it restored from replicas, and the holder served it from) is sealed again without a byte
+    // sent: it checks each file's size and hash. A push would unseal the part there until its
+    // seal, and a restore reading the part at that moment would find it gone.
+    if !seal.files.is_empty()
+        && client
+            .seal_replica(&addr, &link.key, tag, seal)
+            .await
+            .is_ok()
+    {
+        return Ok(0);
+    }
     if need > 0 {
         // A holder without room refuses a push only after reading some of it, which a large
         // file's sender sees as a dropped connection: ask first.

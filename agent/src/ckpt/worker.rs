@@ -38,18 +38,20 @@ pub(crate) async fn commit(
     job: &Arc<Job>,
     tag: &str,
 ) -> Result<CommitOutcome, CommitError> {
-    commit_as_of(ctx, job, tag, now_secs()).await
+    commit_as_of(ctx, job, tag, now_secs(), None).await
 }
 
 /// [`commit`], recording `committed_at` as the commit's time: a checkpoint restored from replicas
 /// keeps the time it was saved at, so that it is the same checkpoint to every node's index (not a
 /// newer one that other nodes would take in place of the replicas they hold) and no newer than the
-/// checkpoints saved after it.
+/// checkpoints saved after it. `own_part`: the paths of this node's own part as it was sealed
+/// before, which alone its replicas are of ([`crate::job::CkptEntry::set_own_part`]).
 pub(crate) async fn commit_as_of(
     ctx: &CkptCtx,
     job: &Arc<Job>,
     tag: &str,
     committed_at: u64,
+    own_part: Option<Arc<std::collections::BTreeSet<String>>>,
 ) -> Result<CommitOutcome, CommitError> {
     let (dirs, id, uid, t) = (
         ctx.dirs(job),
@@ -72,6 +74,9 @@ pub(crate) async fn commit_as_of(
         }
     }
     if outcome != CommitOutcome::AlreadyPending {
+        if let Some(entry) = job.ckpts.get(tag) {
+            entry.set_own_part(own_part);
+        }
         tracing::info!(job_id = id, tag, ?outcome, "checkpoint committed");
         ctx.jobs.persist(job).await;
         job.ckpts.wake.notify_one();

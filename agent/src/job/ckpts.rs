@@ -9,7 +9,7 @@ use sluice_archive::flush::FlushHashes;
 use sluice_core::rt::lock;
 use sluice_core::safefs::SafeFsError;
 use sluice_proto::msg::{CkptState, CkptStatus, ReplicaStatus};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -77,6 +77,10 @@ pub struct CkptEntry {
     poisoned: AtomicBool,
     /// This node's part on other nodes of the job (`[fast_tier] replicas`).
     replication: Mutex<Replication>,
+    /// Committed by a restore from replicas: the paths of this node's own part as it was sealed
+    /// before (the copy holds every node's files). Its replicas are of those alone, so that the
+    /// holders that kept them are sealed again as they are, not sent the whole checkpoint.
+    own_part: Mutex<Option<Arc<BTreeSet<String>>>>,
 }
 
 /// Where this node's part of a checkpoint is replicated, and what to replicate it from.
@@ -128,7 +132,13 @@ impl CkptEntry {
             lost: Mutex::new(None),
             poisoned: AtomicBool::new(false),
             replication: Mutex::new(Replication::default()),
+            own_part: Mutex::new(None),
         }
+    }
+
+    /// Its part for replicas is `paths` of the copy (a restore from replicas), or the whole copy.
+    pub fn set_own_part(&self, paths: Option<Arc<BTreeSet<String>>>) {
+        *lock(&self.own_part) = paths;
     }
 
     /// Its replication state, to read or change (the checkpoint worker's).
@@ -277,10 +287,22 @@ impl CkptEntry {
         self.on_hot.store(true, Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
         let hashes = Arc::new(hashes);
+        let own = lock(&self.own_part).clone();
+        let source = match &own {
+            Some(paths) => Arc::new(
+                hashes
+                    .iter()
+                    .filter(|(p, _)| paths.contains(*p))
+                    .map(|(p, h)| (p.clone(), *h))
+                    .collect(),
+            ),
+            None => hashes.clone(),
+        };
         let mut replication = lock(&self.replication);
         *replication = Replication {
-            source: Some(hashes.clone()),
+            source: Some(source),
             generation: self.generation(),
+            from_seal: own.is_some(),
             ..Replication::default()
         };
         drop(replication);
