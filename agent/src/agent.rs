@@ -45,6 +45,11 @@ use crate::identity::{JobIdentity, squeue_job};
 const MAX_WAIT: Duration = Duration::from_secs(48 * 3600);
 /// Most `(name, value)` option pairs accepted in one JobStart.
 const MAX_OPTION_PAIRS: usize = 32;
+/// Longest `sluice ckpt commit` waits for the archive to take the commit's notice (the CLI gives
+/// the agent 10 s to answer).
+const ANNOUNCE_WAIT: Duration = Duration::from_secs(3);
+/// When a notice still not taken is given up (the worker notes the commit again before uploading).
+const ANNOUNCE_GIVE_UP: Duration = Duration::from_secs(120);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -749,18 +754,41 @@ impl Agent {
         };
         // The job's other nodes learn of the commit from the archive: note it there before the
         // command returns, so a job that ends right after its last commit still has every node
-        // answer it. (The checkpoint worker notes it again before uploading, if this fails.)
+        // answer it. In an outage the store's retries would hold the job's command for as long
+        // as they take: it waits [`ANNOUNCE_WAIT`] at most, and the notice goes on in the
+        // background (the checkpoint worker notes it again before uploading; with replicas the
+        // peer notice above has told the other nodes already).
         if job.start.nodes.len() > 1 {
-            let announced = match sluice_archive::open_archive(&self.cfg, url) {
-                Ok(a) => {
-                    a.for_job(job.start.job_id)
-                        .announce_commit(tag, &self.cfg.node)
-                        .await
+            let (cfg, url, id, t) = (
+                self.cfg.clone(),
+                url.to_string(),
+                job.start.job_id,
+                tag.to_string(),
+            );
+            let announce = self.spawn(async move {
+                let announced = match sluice_archive::open_archive(&cfg, &url) {
+                    Ok(a) => {
+                        let for_job = a.for_job(id);
+                        let notice = for_job.announce_commit(&t, &cfg.node);
+                        match tokio::time::timeout(ANNOUNCE_GIVE_UP, notice).await {
+                            Ok(r) => r.map_err(|e| e.to_string()),
+                            Err(_) => {
+                                Err(format!("no answer within {}s", ANNOUNCE_GIVE_UP.as_secs()))
+                            }
+                        }
+                    }
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(e) = announced {
+                    tracing::warn!(job_id = id, tag = t, "announcing the commit: {e}");
                 }
-                Err(e) => Err(e),
-            };
-            if let Err(e) = announced {
-                tracing::warn!(job_id = job.start.job_id, tag, "announcing the commit: {e}");
+            });
+            if tokio::time::timeout(ANNOUNCE_WAIT, announce).await.is_err() {
+                tracing::info!(
+                    job_id = job.start.job_id,
+                    tag,
+                    "the archive is slow to take the commit's notice: answered the job, the notice goes on"
+                );
             }
         }
         Response::Ok
