@@ -19,8 +19,11 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// Checkpoint archives: 2 s after the first failure, 4 s after the second, ..., at most 2 min.
-    pub const ARCHIVE: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(120));
+    /// Checkpoint archives: 2 s after the first failure, 4 s after the second, ..., at most
+    /// `max` (`[ckpt] retry_pause_max`, 2 min unless the site says otherwise).
+    pub const fn archive(max: Duration) -> Backoff {
+        Backoff::new(Duration::from_secs(1), max)
+    }
 
     pub const fn new(base: Duration, max: Duration) -> Backoff {
         Backoff { base, max }
@@ -100,9 +103,20 @@ mod tests {
     fn archive_pauses_double_from_two_seconds_up_to_two_minutes() {
         let pauses: Vec<u64> = [0, 1, 2, 3, 4, 5, 6, 7, 8, 40, u64::MAX]
             .iter()
-            .map(|&f| Backoff::ARCHIVE.delay(f).as_secs())
+            .map(|&f| {
+                Backoff::archive(Duration::from_secs(120))
+                    .delay(f)
+                    .as_secs()
+            })
             .collect();
         assert_eq!(pauses, [0, 2, 4, 8, 16, 32, 64, 120, 120, 120, 120]);
+        // A site's shorter `retry_pause_max` caps it sooner.
+        let short = Backoff::archive(Duration::from_secs(8));
+        let pauses: Vec<u64> = [1, 2, 3, 4, 40]
+            .iter()
+            .map(|&f| short.delay(f).as_secs())
+            .collect();
+        assert_eq!(pauses, [2, 4, 8, 8, 8]);
         // No overflow with a large base either.
         let huge = Backoff::new(Duration::from_secs(u64::MAX / 2), Duration::MAX);
         assert_eq!(huge.delay(u64::MAX), Duration::MAX);
@@ -110,7 +124,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_failed_key_waits_out_its_pause_and_others_do_not() {
-        let mut s: Schedule<String> = Schedule::new(Backoff::ARCHIVE);
+        let mut s: Schedule<String> = Schedule::new(Backoff::archive(Duration::from_secs(120)));
         let t0 = Instant::now();
         assert!(s.ready("step-1", t0), "a key never attempted is ready");
         s.update("step-1".into(), 1, t0);
@@ -141,7 +155,7 @@ mod tests {
     /// the attempts are spaced 2 s, 4 s, 8 s, ... apart, then every 2 minutes.
     #[tokio::test(start_paused = true)]
     async fn a_worker_turning_every_two_seconds_attempts_a_failing_key_ever_less_often() {
-        let mut s: Schedule<&str> = Schedule::new(Backoff::ARCHIVE);
+        let mut s: Schedule<&str> = Schedule::new(Backoff::archive(Duration::from_secs(120)));
         let start = Instant::now();
         let (mut failures, mut attempts) = (0u64, Vec::new());
         while start.elapsed() < Duration::from_secs(400) {

@@ -116,6 +116,7 @@ struct RawCkpt {
     scan_interval: Option<String>,
     epilog_wait: Option<String>,
     publish_wait: Option<String>,
+    retry_pause_max: Option<String>,
     part_size: Option<String>,
     concurrency: Option<usize>,
     zstd_level: Option<i32>,
@@ -225,6 +226,9 @@ pub struct CkptConfig {
     /// How long a node whose part is archived waits for the parts of the job's other nodes before
     /// it gives the checkpoint up as incomplete (kept on the hot tier, never trimmed).
     pub publish_wait: Duration,
+    /// The longest pause before a failed archive (or flush) of a checkpoint is attempted again:
+    /// the pause doubles from 2 s after each failed attempt up to this.
+    pub retry_pause_max: Duration,
     pub part_size: u64,
     pub concurrency: usize,
     pub zstd_level: i32,
@@ -1059,6 +1063,11 @@ impl Config {
                 c.publish_wait.as_deref(),
                 Duration::from_secs(3600),
             )?,
+            retry_pause_max: duration(
+                "ckpt.retry_pause_max",
+                c.retry_pause_max.as_deref(),
+                Duration::from_secs(120),
+            )?,
             part_size: size(c.part_size.as_deref(), 16 << 20)?,
             concurrency: c.concurrency.unwrap_or(8),
             zstd_level: c.zstd_level.unwrap_or(1),
@@ -1071,6 +1080,12 @@ impl Config {
             high_water: c.high_water.unwrap_or(90),
         };
         within(ckpt.keep, 1..=1000, "ckpt.keep must be 1..=1000")?;
+        if !(Duration::from_secs(2)..=Duration::from_secs(3600)).contains(&ckpt.retry_pause_max) {
+            return Err(format!(
+                "ckpt.retry_pause_max must be 2s..=1h, got {}",
+                humantime::format_duration(ckpt.retry_pause_max)
+            ));
+        }
         within(
             ckpt.part_size,
             5 << 20..=5 << 30,
@@ -1298,6 +1313,17 @@ mod tests {
         let e = parse(&with_format("xml"), "n1").unwrap_err();
         assert!(
             e.contains("agent.log_format must be \"text\" or \"json\", got 'xml'"),
+            "{e}"
+        );
+        let c = base_with("[ckpt]\nretry_pause_max='8s'\n").unwrap();
+        assert_eq!(c.ckpt.retry_pause_max, Duration::from_secs(8));
+        assert_eq!(
+            base_with("").unwrap().ckpt.retry_pause_max,
+            Duration::from_secs(120)
+        );
+        let e = bad("ckpt", "retry_pause_max='500ms'");
+        assert!(
+            e.contains("ckpt.retry_pause_max must be 2s..=1h, got 500ms"),
             "{e}"
         );
         let e = bad("stage", "concurrency=64\nmemory='1MiB'");

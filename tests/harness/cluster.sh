@@ -458,6 +458,9 @@ default_archive = "s3://ckpt/{user}/default"
 keep = 2
 scan_interval = "1s"
 epilog_wait = "20s"
+# The outage tests wait for the archive to come back: a pause that doubled to 2 min through an
+# outage would be most of their time.
+retry_pause_max = "8s"
 part_size = "5MiB"
 concurrency = 8
 EOF

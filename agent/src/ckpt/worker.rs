@@ -282,11 +282,12 @@ impl CkptWorker {
 
 impl CkptWorker {
     pub(crate) fn new(ctx: Arc<CkptCtx>, job: Arc<Job>) -> CkptWorker {
+        let retries = Schedule::new(Backoff::archive(ctx.cfg.ckpt.retry_pause_max));
         CkptWorker {
             ctx,
             job,
             archiver: None,
-            retries: Schedule::new(Backoff::ARCHIVE),
+            retries,
             last_remote_scan: None,
             ended_at: None,
             scanned_after_end: false,
