@@ -38,6 +38,7 @@ pub mod policy;
 pub mod ram_tier;
 pub mod replica_area;
 pub mod server;
+mod topology;
 
 pub use agent::AgentError;
 

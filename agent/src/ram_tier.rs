@@ -93,6 +93,7 @@ impl RamTier {
                 replicas: 0,
                 max_replicas: 0,
                 replica_room: 0,
+                topology: None,
             },
             node,
         )
@@ -342,6 +343,7 @@ mod tests {
                 replicas: 0,
                 max_replicas: 0,
                 replica_room: 0,
+                topology: None,
             },
             "n1",
         )

@@ -61,6 +61,8 @@ struct RawFastTier {
     max_replicas: Option<u8>,
     #[serde(default)]
     replica_room: Option<String>,
+    #[serde(default)]
+    topology: Option<String>,
 }
 
 /// `[cache]`: the cross-job cache on the hot tier; off without the section.
@@ -350,7 +352,13 @@ pub struct FastTierConfig {
     /// The bytes of RAM this node gives to other nodes' replicas, beside `capacity` (its own tmpfs
     /// at `<root>/replicas` when `mount`); 0 when `max_replicas` is 0.
     pub replica_room: u64,
+    /// Slurm's `topology.conf`, whose leaf switches (or blocks) replicas are placed apart by;
+    /// `None`: placed by rendezvous hashing alone.
+    pub topology: Option<PathBuf>,
 }
+
+/// Where Slurm keeps `topology.conf` in Debian's and SchedMD's packages.
+pub const SLURM_TOPOLOGY: &str = "/etc/slurm/topology.conf";
 
 /// The most replicas `fast_tier.replicas` and `max_replicas` may ask for (the most a job's
 /// `--ckpt-replicas` may give, `sluice_proto::options::MAX_CKPT_REPLICAS`).
@@ -377,6 +385,16 @@ fn fast_tier_config(raw: &RawFastTier, node: &str) -> Result<FastTierConfig, Str
         replicas: raw.replicas.unwrap_or(0),
         max_replicas: raw.max_replicas.or(raw.replicas).unwrap_or(0),
         replica_room: 0,
+        topology: match raw.topology.as_deref() {
+            None => Some(PathBuf::from(SLURM_TOPOLOGY)),
+            Some("") => None,
+            Some(p) if Path::new(p).is_absolute() => Some(PathBuf::from(p)),
+            Some(p) => {
+                return Err(format!(
+                    "fast_tier.topology must be an absolute path (Slurm's topology.conf) or \"\" for none, got '{p}'"
+                ));
+            }
+        },
     };
     if c.replicas > MAX_REPLICAS {
         return Err(format!(

@@ -521,10 +521,15 @@ EOF
     # Replicas of RAM-tier checkpoints on the job's other nodes (issue 26), in little room, so that
     # a test can fill it. A key the previous release refuses: not while some nodes run it (a
     # rolling upgrade adds new keys after its last node).
+    # Slurm's topology.conf as a site with two racks writes it: n1 and n2 on leaf switch s1, n3 on
+    # s2 (Slurm itself does not read it: slurm.conf names no TopologyPlugin). Replicas of n1's and
+    # n2's parts go to n3 first.
     if [[ -z ${SLUICE_PREVIOUS_NODES:-} ]]; then
-      printf 'replicas = 1\nreplica_room = "64MiB"\n'
+      printf 'replicas = 1\nreplica_room = "64MiB"\ntopology = "%s"\n' "$TEST_ROOT/topology.conf"
     fi
   } >"$AGENT_CONFIG.new"
+  printf '# sluice test cluster: two racks\nSwitchName=s1 Nodes=n[1-2]\nSwitchName=s2 Nodes=n3\nSwitchName=spine Switches=s[1-2]\n' \
+    >"$TEST_ROOT/topology.conf"
   chmod 0600 "$AGENT_CONFIG.new"
   mv -f "$AGENT_CONFIG.new" "$AGENT_CONFIG"
 }

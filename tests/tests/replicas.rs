@@ -6,7 +6,8 @@
 //! written; the other nodes learn of the commit over the peer port (the archive cannot tell them).
 //!
 //! - `s1`, 8 MiB parts: every node's `sluice ckpt list` says protected; each part is on one other
-//!   node, byte for byte, where the job user cannot even list.
+//!   node, byte for byte, where the job user cannot even list; n1's and n2's on n3, the other
+//!   switch of the harness's `topology.conf`.
 //! - `s2`, 80 MiB parts, more than any node's room: no node takes another's; the job's output says
 //!   `s2` is not protected, and why (and says nothing of the kind for `s1`).
 //! - The archive comes back: both are archived and every replica freed.
@@ -113,6 +114,16 @@ fn replicas_protect_ram_checkpoints_while_the_archive_is_down_or_say_why_not() {
             r.held_by,
             cluster.evidence(&job)
         );
+        // The harness's topology.conf puts n1 and n2 on switch s1, n3 on s2: their parts go to
+        // the other switch, whatever rendezvous hashing ranks first.
+        if n != "n3" {
+            assert_eq!(
+                r.held_by,
+                ["n3"],
+                "{n}'s part of s1 is not on the other switch\n{}",
+                cluster.evidence(&job)
+            );
+        }
         // The holder has exactly the bytes the job wrote on n, in its root-only replica area.
         let file = format!("part-{n}.bin");
         let saved = fs::read(ram_root(&cluster, n).join(format!("jobs/{}/ckpt/s1/{file}", job.id)))

@@ -70,6 +70,8 @@ pub(crate) struct CkptCtx {
     pub(crate) metrics: Metrics,
     /// The peer layer, for replicas of checkpoints (`[fast_tier] replicas`); set when peers start.
     pub(crate) peers: std::sync::OnceLock<sluice_stage::ReplicaPeers>,
+    /// The nodes' leaf switches (`[fast_tier] topology`), which replicas are placed apart by.
+    pub(crate) switches: crate::topology::Switches,
 }
 
 impl CkptCtx {
@@ -84,6 +86,12 @@ impl CkptCtx {
             upload_slots: cfg
                 .upload_slots(sluice_archive::upload_memory(&cfg.ckpt))
                 .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
+            switches: crate::topology::Switches::load(
+                cfg.fast_tier
+                    .as_ref()
+                    .filter(|f| f.max_replicas > 0)
+                    .and_then(|f| f.topology.as_deref()),
+            ),
             cfg,
             hot,
             jobs,

@@ -247,7 +247,9 @@ async fn place(
     let key = format!("replica/{}/{tag}/{}", job.start.job_id, job.start.node);
     let need: u64 = seal.files.iter().map(|f| f.size).sum();
     let mut short = Vec::new();
-    for i in sluice_peer::ranked(&key, &link.others) {
+    let me = &job.start.node;
+    let order = sluice_peer::ranked(&key, &link.others);
+    for i in ctx.switches.apart_first(me, &link.others, order) {
         if holders.len() >= wanted {
             break;
         }
