@@ -88,6 +88,12 @@ struct FailureLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FromLabels {
+    /// `this_node` or `other_nodes`.
+    from: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     /// `user_limit` or `full`.
     reason: &'static str,
@@ -156,6 +162,8 @@ pub struct Metrics {
     refused: Family<ReasonLabels, Counter>,
     replica_bytes: Counter,
     replicas_short: Counter,
+    protected: Counter,
+    replica_restore_bytes: Family<FromLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -174,6 +182,8 @@ impl Default for Metrics {
             refused: Family::default(),
             replica_bytes: Counter::default(),
             replicas_short: Counter::default(),
+            protected: Counter::default(),
+            replica_restore_bytes: Family::default(),
         };
         // Every series of a bounded label set exists from the start, at 0, so that `increase()`
         // sees the first event and a dashboard shows 0 rather than nothing.
@@ -187,6 +197,9 @@ impl Default for Metrics {
         }
         for reason in REFUSAL_REASONS {
             drop(m.refused.get_or_create(&ReasonLabels { reason }));
+        }
+        for from in ["this_node", "other_nodes"] {
+            drop(m.replica_restore_bytes.get_or_create(&FromLabels { from }));
         }
         m
     }
@@ -255,6 +268,22 @@ impl Metrics {
         self.replicas_short.inc();
     }
 
+    /// A checkpoint of a job on this node became protected: every node's part held by as many
+    /// other nodes as the job asks.
+    pub(crate) fn ckpt_protected(&self) {
+        self.protected.inc();
+    }
+
+    /// A restore from replicas took `here` bytes from this node's own copies and replicas and
+    /// `others` from the job's other nodes.
+    pub(crate) fn restored_from_replicas(&self, here: u64, others: u64) {
+        for (from, bytes) in [("this_node", here), ("other_nodes", others)] {
+            self.replica_restore_bytes
+                .get_or_create(&FromLabels { from })
+                .inc_by(bytes);
+        }
+    }
+
     /// `operation` (`setup`, `stage`, `restore` or `archive`) failed with the error whose stable
     /// code is `code` (the error type's own `code()`).
     pub(crate) fn failure(&self, operation: &'static str, code: &'static str) {
@@ -275,7 +304,7 @@ impl Metrics {
                 protocol: sluice_proto::PROTO_VERSION.to_string(),
             }),
         );
-        let events: [Series<Box<dyn Metric>>; 13] = [
+        let events: [Series<Box<dyn Metric>>; 15] = [
             (
                 "stage",
                 "Bytes staged onto the hot tier, by the kind of the dataset's source",
@@ -353,6 +382,18 @@ impl Metrics {
                 "Times a node of the job did not take a replica of this node's part (no room, not reached)",
                 None,
                 Box::new(self.replicas_short.clone()),
+            ),
+            (
+                "ckpt_protected",
+                "Checkpoints of jobs on this node that became protected: every node's part held by as many other nodes as the job asks",
+                None,
+                Box::new(self.protected.clone()),
+            ),
+            (
+                "replica_restore",
+                "Bytes --ckpt-restore took from replicas, from this node's copies or the job's other nodes (none from the archive)",
+                BYTES,
+                Box::new(self.replica_restore_bytes.clone()),
             ),
         ];
         for (name, help, unit, metric) in events {
@@ -819,6 +860,20 @@ mod tests {
         assert_eq!(v("sluice_restore_duration_seconds_sum"), 3.0);
         assert_eq!(v("sluice_archive_duration_seconds_count"), 0.0);
         assert_eq!(v("sluice_archive_bytes_total"), 0.0);
+        m.ckpt_protected();
+        m.restored_from_replicas(5, 7);
+        let text = exposition(&m);
+        let s = series(&text);
+        let v = |k: &str| *s.get(k).unwrap_or_else(|| panic!("no {k} in\n{text}"));
+        assert_eq!(v("sluice_ckpt_protected_total"), 1.0);
+        assert_eq!(
+            v("sluice_replica_restore_bytes_total{from=\"this_node\"}"),
+            5.0
+        );
+        assert_eq!(
+            v("sluice_replica_restore_bytes_total{from=\"other_nodes\"}"),
+            7.0
+        );
         assert!(
             text.contains("# TYPE sluice_stage_bytes_total counter\n")
                 && text.contains("# TYPE sluice_restore_duration_seconds histogram\n"),

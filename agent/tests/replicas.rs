@@ -81,13 +81,17 @@ fn two_nodes_with(rooms: [&str; 2]) -> Nodes {
 }
 
 impl Nodes {
-    /// The bytes of its own checkpoint parts `node` has copied to other nodes as replicas
-    /// (`sluice_replica_bytes_total`).
-    async fn replica_bytes_sent(&self, node: usize) -> f64 {
+    /// The series `key` of `node`'s metrics.
+    async fn metric(&self, node: usize, key: &str) -> f64 {
         let (series, body) = scrape::scrape(self.metrics[node]).await;
         *series
-            .get("sluice_replica_bytes_total")
-            .unwrap_or_else(|| panic!("{}: no sluice_replica_bytes_total in\n{body}", NODES[node]))
+            .get(key)
+            .unwrap_or_else(|| panic!("{}: no {key} in\n{body}", NODES[node]))
+    }
+
+    /// The bytes of its own checkpoint parts `node` has copied to other nodes as replicas.
+    async fn replica_bytes_sent(&self, node: usize) -> f64 {
+        self.metric(node, "sluice_replica_bytes_total").await
     }
 
     async fn call(&self, node: usize, req: Request) -> Response {
@@ -492,6 +496,14 @@ root_test! {
         assert_eq!(nodes.replica_bytes_sent(1).await, 0.0, "the new n2 sent its part again");
         // n1 sent its part twice: to the old n2, and to the new one.
         assert_eq!(nodes.replica_bytes_sent(0).await, 2.0 * part as f64);
+        // What the admin's Prometheus sees of the restores and the protection.
+        for (node, here, others) in [(0, total, 0), (1, 0, total)] {
+            for (from, bytes) in [("this_node", here), ("other_nodes", others)] {
+                let key = format!("sluice_replica_restore_bytes_total{{from=\"{from}\"}}");
+                assert_eq!(nodes.metric(node, &key).await, bytes as f64, "{}: {key}", NODES[node]);
+            }
+            assert!(nodes.metric(node, "sluice_ckpt_protected_total").await >= 1.0);
+        }
         nodes.stop().await;
     }
 }

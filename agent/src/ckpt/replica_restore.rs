@@ -176,6 +176,7 @@ pub(crate) async fn restore(
             "the checkpoint restored from replicas is not committed here: {e}"
         );
     }
+    ctx.metrics.restored_from_replicas(from.here, from.others);
     tracing::info!(
         job_id = job.start.job_id,
         tag,

@@ -179,7 +179,7 @@ pub(crate) async fn replicate_pending(ctx: &CkptCtx, job: &Arc<Job>, state: &mut
             slot.1 = holders;
         }
     }
-    find_protected(&link, job, wanted).await;
+    find_protected(ctx, &link, job, wanted).await;
 }
 
 /// The job's peer layer as this node's replicas use it: the client, the job's key, the other
@@ -298,7 +298,7 @@ async fn place(
 /// an agent restart: its holders are not journaled, so they are read back from the indexes (the
 /// nodes that hold this node's part as it was sealed), and a part fewer nodes hold than the job
 /// asks (a holder lost with its node) is placed again.
-async fn find_protected(link: &Link<'_>, job: &Arc<Job>, wanted: usize) {
+async fn find_protected(ctx: &CkptCtx, link: &Link<'_>, job: &Arc<Job>, wanted: usize) {
     let inherited = |r: &Replication| {
         r.holders.is_empty()
             && r.source.is_none()
@@ -387,6 +387,7 @@ async fn find_protected(link: &Link<'_>, job: &Arc<Job>, wanted: usize) {
         });
         if all {
             entry.replication().protected = true;
+            ctx.metrics.ckpt_protected();
             tracing::info!(
                 job_id = job.start.job_id,
                 tag = entry.tag,
