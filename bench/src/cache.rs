@@ -19,18 +19,17 @@
 //! source tree; a stage that is not `done`, or a wrong listing, is an error, never a number.
 
 use crate::cluster::{
-    Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree, tree_label,
+    AgentProc, Patience, RELAYED, Tree, agent_job, describe_diff, parse_listing, source_tree,
+    tree_label,
 };
 use crate::measure::{median, run_quiet};
 use crate::run::{Bench, MIB, Mode, Report, Row, log, remove, size_label};
 use anyhow::{Context, Result, anyhow, bail};
-use sluice_e2e::agent_addrs;
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{CacheListing, CacheStats, Request, Response, StageProgress, StageState};
-use std::net::TcpStream;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -83,120 +82,14 @@ impl CacheSizes {
 
 // ------------------------------------------------------------------------------ the agent
 
-/// n1's agent as the harness started it (from its pid file and `/proc`), to restart it with
-/// another configuration and to start it again as it was.
-#[derive(Clone)]
-struct AgentProc {
-    argv: Vec<String>,
-    env: Vec<(String, String)>,
-}
-
 impl Bench {
-    fn agent_pid_file(&self) -> PathBuf {
-        let run_dir = self.a.env.parent().unwrap_or(Path::new("/run/sluice-test"));
-        run_dir.join(format!("sluiced-{NODE}.pid"))
-    }
-
     fn agent_socket(&self) -> PathBuf {
-        PathBuf::from(self.env("SLUICE_TEST_SOCKET").replace("%n", NODE))
+        self.socket_of(NODE)
     }
 
     /// n1's hot tier as the harness configured it.
     fn harness_hot_root(&self) -> PathBuf {
         PathBuf::from(self.env("SLUICE_TEST_HOT_ROOT").replace("%n", NODE))
-    }
-
-    fn agent_pid(&self) -> Result<u32> {
-        let f = self.agent_pid_file();
-        std::fs::read_to_string(&f)
-            .with_context(|| format!("reading {}", f.display()))?
-            .trim()
-            .parse()
-            .with_context(|| format!("{} holds no pid", f.display()))
-    }
-
-    fn agent_proc(&self) -> Result<AgentProc> {
-        let pid = self.agent_pid()?;
-        let split = |b: Vec<u8>| -> Vec<String> {
-            b.split(|c| *c == 0)
-                .filter(|s| !s.is_empty())
-                .map(|s| String::from_utf8_lossy(s).into_owned())
-                .collect()
-        };
-        let argv = split(
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .with_context(|| format!("the agent of {NODE} (pid {pid}) is not running"))?,
-        );
-        if !argv.iter().any(|a| a.contains("sluiced")) {
-            bail!("pid {pid} is not sluiced: {argv:?}");
-        }
-        let env = split(std::fs::read(format!("/proc/{pid}/environ"))?)
-            .into_iter()
-            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.into(), v.into())))
-            .collect();
-        Ok(AgentProc { argv, env })
-    }
-
-    /// SIGKILLs n1's agent and waits until it, and its peer and metrics ports, are gone.
-    fn kill_agent(&self) -> Result<()> {
-        let pid = self.agent_pid()?;
-        let _ = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status();
-        let ports = agent_addrs(|v| self.env(v), NODE);
-        let t = Instant::now();
-        loop {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let gone = stat
-                .rsplit_once(") ")
-                .is_none_or(|(_, r)| r.starts_with('Z'));
-            if gone && ports.iter().all(|a| TcpStream::connect(a).is_err()) {
-                return Ok(());
-            }
-            if t.elapsed() > Duration::from_secs(20) {
-                bail!("the agent of {NODE} (pid {pid}) or its ports {ports:?} are still there");
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// Starts an agent as `p` says (its own session, output appended to the node's agent log),
-    /// records its pid where the harness keeps it, and waits until it answers.
-    fn start_agent(&self, p: &AgentProc) -> Result<()> {
-        let log_path =
-            PathBuf::from(self.env("SLUICE_TEST_SLUICE_LOG_DIR")).join(format!("{NODE}.log"));
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)?;
-        let mut child = Command::new("setsid")
-            .args(&p.argv)
-            .env_clear()
-            .envs(p.env.iter().map(|(k, v)| (k, v)))
-            .current_dir("/")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .spawn()
-            .with_context(|| format!("starting {:?}", p.argv))?;
-        std::fs::write(self.agent_pid_file(), format!("{}\n", child.id()))?;
-        std::thread::spawn(move || {
-            let _ = child.wait();
-        });
-        let t = Instant::now();
-        while sluice_proto::client::call(
-            &self.agent_socket(),
-            Request::Status,
-            Duration::from_secs(2),
-        )
-        .is_err()
-        {
-            if t.elapsed() > Duration::from_secs(30) {
-                bail!("the restarted agent of {NODE} does not answer after 30 s");
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        Ok(())
     }
 
     /// Restarts n1's agent with the harness's configuration plus `[cache] size = SIZE` (an empty
@@ -221,15 +114,15 @@ impl Bench {
         std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600))?;
         let mut cached = original.clone();
         cached.argv[at] = config.display().to_string();
-        self.kill_agent()?;
+        self.kill_agent(NODE)?;
         remove(&hot.join("cache"))?;
-        self.start_agent(&cached)
+        self.start_agent(NODE, &cached)
     }
 
     fn restore_agent(&self, original: &AgentProc, hot: &Path) -> Result<()> {
-        self.kill_agent()?;
+        self.kill_agent(NODE)?;
         remove(&hot.join("cache"))?;
-        self.start_agent(original)
+        self.start_agent(NODE, original)
     }
 
     /// Free space of the file system of the hot tier at `hot`, as `df` says it (for notes).
@@ -378,7 +271,7 @@ impl Bench {
     pub(crate) fn cache_cases(&self, r: &mut Report) {
         let sizes = CacheSizes::of(self.a.mode);
         let result = (|| -> Result<()> {
-            let original = self.agent_proc()?;
+            let original = self.agent_proc(NODE)?;
             let relay = self.origin_relay()?;
             self.cache_upload(&sizes)?;
             r.note(format!(

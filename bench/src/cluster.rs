@@ -7,10 +7,12 @@
 use crate::measure::run_quiet;
 use crate::run::{Bench, remove};
 use anyhow::{Context, Result, anyhow, bail};
+use sluice_e2e::agent_addrs;
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{JobStatus, Request, Response};
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::net::TcpStream;
 use std::os::unix::fs::chown;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -284,5 +286,120 @@ impl Bench {
             .ok_or_else(|| anyhow!("job {id} has no NodeList: {line}"))?;
         let out = run_quiet(Command::new("scontrol").args(["show", "hostnames", list]))?;
         Ok(out.lines().map(str::to_string).collect())
+    }
+}
+
+// ------------------------------------------------------------------------------ the agents
+
+/// A node's agent as the harness started it (from its pid file and `/proc`), to restart it with
+/// another configuration and to start it again as it was.
+#[derive(Clone)]
+pub(crate) struct AgentProc {
+    pub(crate) argv: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+impl Bench {
+    fn agent_pid_file(&self, node: &str) -> PathBuf {
+        let run_dir = self.a.env.parent().unwrap_or(Path::new("/run/sluice-test"));
+        run_dir.join(format!("sluiced-{node}.pid"))
+    }
+
+    /// The socket of `node`'s agent.
+    pub(crate) fn socket_of(&self, node: &str) -> PathBuf {
+        PathBuf::from(self.env("SLUICE_TEST_SOCKET").replace("%n", node))
+    }
+
+    fn agent_pid(&self, node: &str) -> Result<u32> {
+        let f = self.agent_pid_file(node);
+        std::fs::read_to_string(&f)
+            .with_context(|| format!("reading {}", f.display()))?
+            .trim()
+            .parse()
+            .with_context(|| format!("{} holds no pid", f.display()))
+    }
+
+    pub(crate) fn agent_proc(&self, node: &str) -> Result<AgentProc> {
+        let pid = self.agent_pid(node)?;
+        let split = |b: Vec<u8>| -> Vec<String> {
+            b.split(|c| *c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect()
+        };
+        let argv = split(
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .with_context(|| format!("the agent of {node} (pid {pid}) is not running"))?,
+        );
+        if !argv.iter().any(|a| a.contains("sluiced")) {
+            bail!("pid {pid} is not sluiced: {argv:?}");
+        }
+        let env = split(std::fs::read(format!("/proc/{pid}/environ"))?)
+            .into_iter()
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.into(), v.into())))
+            .collect();
+        Ok(AgentProc { argv, env })
+    }
+
+    /// SIGKILLs `node`'s agent and waits until it, and its peer and metrics ports, are gone.
+    pub(crate) fn kill_agent(&self, node: &str) -> Result<()> {
+        let pid = self.agent_pid(node)?;
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+        let ports = agent_addrs(|v| self.env(v), node);
+        let t = Instant::now();
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let gone = stat
+                .rsplit_once(") ")
+                .is_none_or(|(_, r)| r.starts_with('Z'));
+            if gone && ports.iter().all(|a| TcpStream::connect(a).is_err()) {
+                return Ok(());
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                bail!("the agent of {node} (pid {pid}) or its ports {ports:?} are still there");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Starts an agent as `p` says (its own session, output appended to the node's agent log),
+    /// records its pid where the harness keeps it, and waits until it answers.
+    pub(crate) fn start_agent(&self, node: &str, p: &AgentProc) -> Result<()> {
+        let log_path =
+            PathBuf::from(self.env("SLUICE_TEST_SLUICE_LOG_DIR")).join(format!("{node}.log"));
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
+        let mut child = Command::new("setsid")
+            .args(&p.argv)
+            .env_clear()
+            .envs(p.env.iter().map(|(k, v)| (k, v)))
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("starting {:?}", p.argv))?;
+        std::fs::write(self.agent_pid_file(node), format!("{}\n", child.id()))?;
+        std::thread::spawn(move || {
+            let _ = child.wait();
+        });
+        let t = Instant::now();
+        while sluice_proto::client::call(
+            &self.socket_of(node),
+            Request::Status,
+            Duration::from_secs(2),
+        )
+        .is_err()
+        {
+            if t.elapsed() > Duration::from_secs(30) {
+                bail!("the restarted agent of {node} does not answer after 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(())
     }
 }

@@ -12,6 +12,7 @@ mod data;
 mod engine;
 mod measure;
 mod ramtier;
+mod replicas;
 mod run;
 
 use anyhow::Result;

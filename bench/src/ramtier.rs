@@ -37,7 +37,7 @@ const JOBS: Patience = Patience {
 /// The harness's `[fast_tier] job_share` (tests/harness/cluster.sh): a job's tmpfs.
 const HARNESS_JOB_SHARE: u64 = 768 * MIB;
 
-fn torch_python() -> PathBuf {
+pub(crate) fn torch_python() -> PathBuf {
     std::env::var_os("SLUICE_TORCH_VENV")
         .map_or_else(|| DEFAULT_TORCH_VENV.into(), PathBuf::from)
         .join("bin/python")
@@ -324,7 +324,13 @@ impl Bench {
     }
 
     fn commit_workdir(&self) -> Result<PathBuf> {
-        let dir = PathBuf::from(format!("/home/{}/sluice-bench-commit", self.a.user));
+        self.job_workdir("sluice-bench-commit", "commit_job.py")
+    }
+
+    /// A fresh `~/NAME` of the test user for a job of `bench/py/SCRIPT`: the script, the report
+    /// writer it imports, the writer's Python package and library, and the sluice CLI.
+    pub(crate) fn job_workdir(&self, name: &str, script: &str) -> Result<PathBuf> {
+        let dir = PathBuf::from(format!("/home/{}/{name}", self.a.user));
         remove(&dir)?;
         for d in [dir.clone(), dir.join("py/sluice_ckpt"), dir.join("lib")] {
             std::fs::create_dir_all(&d)?;
@@ -342,10 +348,7 @@ impl Bench {
         )?;
         std::fs::copy(self.built("sluice")?, dir.join("lib/sluice"))?;
         // The job script, and the report writer it imports from beside it.
-        for (script, from) in [
-            ("commit_job.py", "bench/py"),
-            ("jobreport.py", "tests/harness"),
-        ] {
+        for (script, from) in [(script, "bench/py"), ("jobreport.py", "tests/harness")] {
             std::fs::copy(self.a.repo.join(from).join(script), dir.join(script))?;
         }
         Ok(dir)

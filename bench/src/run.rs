@@ -1572,6 +1572,7 @@ impl Bench {
             ("writer", Box::new(|b, r| b.writer_case(r))),
             ("commit", Box::new(|b, r| b.commit_case(r))),
             ("ceiling", Box::new(|b, r| b.ceiling_case(r))),
+            ("replicas", Box::new(|b, r| b.replicas_case(r))),
         ];
         for (name, case) in cases {
             if self.wants(name) {

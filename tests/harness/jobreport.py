@@ -6,7 +6,8 @@
   the RAM tier's tmpfs from the hot tier).
 
 The driver copies this file beside the job script, which imports it: Python puts the script's
-directory first on sys.path. Used by tests/tests/ram_tier.rs and bench/py/commit_job.py.
+directory first on sys.path. Used by tests/tests/ram_tier.rs, bench/py/commit_job.py and
+bench/py/replicas_job.py.
 """
 
 import json

@@ -36,6 +36,20 @@ fn split_pairs_keeps_what_follows_the_first_separator() {
     assert_eq!(addrs["n2"], "h:2");
 }
 
+/// The mount points strictly below `root` in this process's mount table, deepest first: the order
+/// to unmount them in (a lost node's RAM-tier tmpfs mounts, which the replicas test and bench case
+/// remove as if the node were replaced).
+pub fn mounts_below(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let table = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut mounts: Vec<std::path::PathBuf> = table
+        .lines()
+        .filter_map(|l| l.split(' ').nth(1).map(std::path::PathBuf::from))
+        .filter(|p| p.starts_with(root) && p != root)
+        .collect();
+    mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    mounts
+}
+
 /// The addresses `node`'s agent listens on, its peer and its metrics port, from the harness's env
 /// file (`tests/harness/cluster.sh up`), whose variables `var` reads: each lists every node's
 /// `node=host:port`, separated by spaces.

@@ -262,14 +262,7 @@ fn rank_reports(cluster: &Cluster, job: &Job, work: &Path, phase: &str) -> BTree
 fn replace_node(cluster: &Cluster, node: &str, job: &Job) {
     let agent = cluster.kill_agent_and_its_ports(node);
     let ram = ram_root(cluster, node);
-    let mut mounts: Vec<PathBuf> = fs::read_to_string("/proc/self/mounts")
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.split(' ').nth(1).map(PathBuf::from))
-        .filter(|p| p.starts_with(&ram) && *p != ram)
-        .collect();
-    mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    for m in &mounts {
+    for m in &sluice_e2e::mounts_below(&ram) {
         nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH)
             .unwrap_or_else(|e| panic!("umount {}: {e}", m.display()));
     }
