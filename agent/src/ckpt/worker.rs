@@ -190,17 +190,32 @@ pub(crate) const PREVIOUS_RUN_WAIT: std::time::Duration = std::time::Duration::f
 pub(crate) struct CkptWorker {
     ctx: Arc<CkptCtx>,
     job: Arc<Job>,
-    archiver: Option<Arc<Archiver>>,
-    /// When each tag whose attempts failed may be tried again.
-    retries: Schedule<String>,
-    last_remote_scan: Option<Instant>,
+    /// When each tag whose flush failed may be tried again.
+    flush_retries: Schedule<String>,
     ended_at: Option<Instant>,
     /// Framework signals were looked for once after the job ended.
     scanned_after_end: bool,
-    /// Tags other nodes committed that this node answered with an empty part.
-    answered_empty: HashSet<String>,
     /// What this node's replicas keep between turns (`[fast_tier] replicas`).
     replicas: super::replicate::Replicas,
+    /// The archive side between its turns; `None` while a turn of it runs (`archive_turn`).
+    archiving: Option<Archiving>,
+    archive_turn: Option<tokio::task::JoinHandle<Archiving>>,
+}
+
+/// A job's archive side on this node: its uploads and publishes, and the commits the job's other
+/// nodes announced through the archive. A turn of it runs in a task of its own beside the
+/// worker's loop ([`Archiving::turn`]): while the store is down each of its requests takes its
+/// retries' time (seconds), which must not hold back the flushes and replicas of new commits
+/// (a checkpoint protected by replicas in an outage is the point of them).
+struct Archiving {
+    ctx: Arc<CkptCtx>,
+    job: Arc<Job>,
+    archiver: Option<Arc<Archiver>>,
+    /// When each tag whose upload or publish failed may be tried again.
+    retries: Schedule<String>,
+    last_remote_scan: Option<Instant>,
+    /// Tags other nodes committed that this node answered with an empty part.
+    answered_empty: HashSet<String>,
     /// Since when each tag whose part is archived waits for other nodes' parts (bounded by
     /// `ckpt.publish_wait`).
     waiting_since: HashMap<String, Instant>,
@@ -244,7 +259,10 @@ impl CkptWorker {
         }
         loop {
             if self.job.is_finished() {
-                return; // replaced by a newer run of the same job id
+                // Replaced by a newer run of the same job id: the archive side's turn under way
+                // finishes first (the new run waits for this worker).
+                self.archive_home().await;
+                return;
             }
             status.set("scanning");
             self.adopt_framework_signals().await;
@@ -258,42 +276,102 @@ impl CkptWorker {
                 self.verify_unarchived().await;
                 self.free_ram().await;
             }
-            if let Some(url) = self.job.archive_url().map(String::from)
-                && let Some(archiver) = self.archiver(&url)
-            {
-                status.set("archiving");
-                self.archive_pending(&archiver).await;
-                super::replicate::free_replicas_of_archived(&self.ctx, &self.job).await;
+            // The archive side's next turn, beside this loop (see `Archiving`).
+            if let Some(a) = self.archiving.take() {
+                let turn = a.turn().instrument(tracing::Span::current());
+                self.archive_turn = Some(tokio::spawn(turn));
             }
             trim(&self.ctx, &self.job).await;
-            if self.job.has_ended() && self.wind_down().await {
-                return;
+            if self.job.has_ended() {
+                // What the archive side's turn archived decides what is left to wait for, and
+                // what retention may take off the hot tier before the worker is done.
+                self.archive_home().await;
+                trim(&self.ctx, &self.job).await;
+                if self.wind_down().await {
+                    return;
+                }
             }
             status.turn(self.first_error());
             status.set("idle");
-            tokio::select! {
-                _ = self.job.ckpts.wake.notified() => {}
-                _ = tokio::time::sleep(self.ctx.cfg.ckpt.scan_interval) => {}
-                _ = cancel.cancelled() => return,
+            // Until a commit, the next scan, or the archive side's turn home after the job
+            // ended (its end waits for it); a turn home while the job runs waits for the next.
+            let pause = tokio::time::sleep(self.ctx.cfg.ckpt.scan_interval);
+            tokio::pin!(pause);
+            let mut turn = self.archive_turn.take();
+            loop {
+                tokio::select! {
+                    _ = self.job.ckpts.wake.notified() => break,
+                    _ = &mut pause => break,
+                    _ = cancel.cancelled() => {
+                        if let Some(t) = turn {
+                            t.abort();
+                        }
+                        return;
+                    }
+                    done = async { turn.as_mut().expect("polled only while a turn runs").await },
+                        if turn.is_some() =>
+                    {
+                        turn = None;
+                        self.archiving = Some(self.came_home(done));
+                        if self.job.has_ended() {
+                            break;
+                        }
+                    }
+                }
             }
+            self.archive_turn = turn;
         }
     }
 }
 
 impl CkptWorker {
     pub(crate) fn new(ctx: Arc<CkptCtx>, job: Arc<Job>) -> CkptWorker {
-        let retries = Schedule::new(Backoff::archive(ctx.cfg.ckpt.retry_pause_max));
+        let pause_max = ctx.cfg.ckpt.retry_pause_max;
         CkptWorker {
+            archiving: Some(Archiving {
+                ctx: ctx.clone(),
+                job: job.clone(),
+                archiver: None,
+                retries: Schedule::new(Backoff::archive(pause_max)),
+                last_remote_scan: None,
+                answered_empty: HashSet::new(),
+                waiting_since: HashMap::new(),
+            }),
+            archive_turn: None,
             ctx,
             job,
-            archiver: None,
-            retries,
-            last_remote_scan: None,
+            flush_retries: Schedule::new(Backoff::archive(pause_max)),
             ended_at: None,
             scanned_after_end: false,
-            answered_empty: HashSet::new(),
             replicas: Default::default(),
-            waiting_since: HashMap::new(),
+        }
+    }
+
+    /// The archive side back from its turn (a turn that panicked leaves a fresh one, said in the
+    /// log).
+    fn came_home(&self, done: Result<Archiving, tokio::task::JoinError>) -> Archiving {
+        done.unwrap_or_else(|e| {
+            tracing::error!(
+                job_id = self.job.start.job_id,
+                "the archive side's turn failed: {e}"
+            );
+            Archiving {
+                ctx: self.ctx.clone(),
+                job: self.job.clone(),
+                archiver: None,
+                retries: Schedule::new(Backoff::archive(self.ctx.cfg.ckpt.retry_pause_max)),
+                last_remote_scan: None,
+                answered_empty: HashSet::new(),
+                waiting_since: HashMap::new(),
+            }
+        })
+    }
+
+    /// Waits for the archive side's turn under way, if one is.
+    async fn archive_home(&mut self) {
+        if let Some(turn) = self.archive_turn.take() {
+            let done = turn.await;
+            self.archiving = Some(self.came_home(done));
         }
     }
 
@@ -330,63 +408,6 @@ impl CkptWorker {
             {
                 drop(tokio::spawn(notices));
             }
-        }
-    }
-
-    /// The archive, opened at the first turn that needs it (a failure is shown on every pending
-    /// checkpoint and tried again at the next turn).
-    fn archiver(&mut self, url: &str) -> Option<Arc<Archiver>> {
-        if self.archiver.is_none() {
-            match archive::open_archive(&self.ctx.cfg, url) {
-                Ok(a) => {
-                    let a = a
-                        .for_job(self.job.start.job_id)
-                        .with_resume_dir(resume_dir(&self.ctx.cfg));
-                    self.archiver = Some(Arc::new(match &self.ctx.bandwidth {
-                        Some(bw) => a.with_bandwidth(bw),
-                        None => a,
-                    }))
-                }
-                Err(e) => {
-                    tracing::warn!(job_id = self.job.start.job_id, "archive {url}: {e}");
-                    for entry in self.job.ckpts.entries().iter().filter(|e| e.needs_upload()) {
-                        entry.set_error(
-                            CkptState::Retrying,
-                            format!("cannot open the archive: {e}"),
-                        );
-                    }
-                }
-            }
-        }
-        self.archiver.clone()
-    }
-
-    /// One turn of uploads and publishes, each tag at its own backoff.
-    async fn archive_pending(&mut self, archiver: &Arc<Archiver>) {
-        let job = self.job.clone();
-        // Commits made on the job's other nodes reach this node through the archive.
-        let due = self
-            .last_remote_scan
-            .is_none_or(|t| t.elapsed() >= self.ctx.cfg.ckpt.scan_interval * 3);
-        if job.start.nodes.len() > 1 && due {
-            self.last_remote_scan = Some(Instant::now());
-            self.adopt_remote_commits(archiver).await;
-        }
-        for entry in job.ckpts.entries() {
-            if !self.retries.ready(entry.tag.as_str(), Instant::now()) {
-                continue;
-            }
-            // A checkpoint that changed while being read is retried a few times after a pause (a
-            // commit seen through the archive may arrive before this node's writes finish), then
-            // waits for an explicit commit.
-            if entry.needs_upload() || entry.retries_modified() {
-                self.archive_part(&entry, archiver).await;
-            }
-            if entry.state() == CkptState::WaitingForNodes {
-                self.publish(&entry, archiver).await;
-            }
-            self.retries
-                .update(entry.tag.clone(), entry.failures(), Instant::now());
         }
     }
 
@@ -427,7 +448,9 @@ impl CkptWorker {
                 || (ended_at.elapsed() < self.ctx.cfg.ckpt.epilog_wait
                     && self.has_uncommitted_dirs().await));
         if wait {
-            self.last_remote_scan = None; // adopt at the next turn
+            if let Some(a) = self.archiving.as_mut() {
+                a.last_remote_scan = None; // adopt at the next turn
+            }
             return false;
         }
         self.finalize().await;
@@ -459,341 +482,6 @@ impl CkptWorker {
         }
     }
 
-    /// Uploads this node's files of one checkpoint.
-    async fn archive_part(&self, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
-        let job = &self.job;
-        let job_id = job.start.job_id;
-        let generation = entry.generation();
-        entry.set_state(CkptState::Archiving);
-        // First tell the job's other nodes (they answer with their parts, or with an empty one).
-        if job.start.nodes.len() > 1
-            && let Err(e) = archiver
-                .announce_commit(&entry.tag, &self.ctx.cfg.node)
-                .await
-        {
-            entry.note_failure();
-            return entry.set_error(CkptState::Retrying, e.describe());
-        }
-        let (hot, tag) = (self.ctx.hot.clone(), entry.tag.clone());
-        let dir =
-            blocking(move || sluice_core::safefs::open_dir(hot.open_ckpt(job_id)?, &tag)).await;
-        let dir = match dir {
-            Ok(d) => Arc::new(d),
-            Err(e) => {
-                return entry.set_error(
-                    CkptState::Modified,
-                    format!("the checkpoint directory is gone or unusable ({e}); commit it again once it is complete"),
-                );
-            }
-        };
-        // A prefix several users may archive into (an allow rule without `{user}`): never
-        // overwrite another user's checkpoint of the same tag (their restore would then get ours,
-        // or nothing). A refusal is final for this commit, as for a refused tree. Their restores
-        // never pick ours anyway: restore checks the owner (F2 in docs/SECURITY.md).
-        if let Ok(m) = archiver.manifest(&entry.tag).await {
-            if m.job.user != job.start.user {
-                let message = format!(
-                    "checkpoint {} in {} was archived by user {}; sluice does not overwrite \
-                     another user's checkpoint: commit it under another tag, or archive under a \
-                     prefix of your own",
-                    entry.tag,
-                    archiver.url(),
-                    m.job.user
-                );
-                tracing::warn!(job_id, tag = entry.tag, "{message}");
-                return entry.refuse(message);
-            }
-            // Archives are immutable: the tag is archived already (by an earlier job under a
-            // reused prefix, an earlier run of this one, or this job's other nodes). This node's
-            // files are compared with what the MANIFEST holds of this node's part.
-            return self.compare_with_archived(entry, &m, archiver.url()).await;
-        }
-        // Within the node's memory budget: another job's upload may have to finish first.
-        let _slot = self.ctx.upload_slot().await;
-        let progress = ArchiveProgress::default();
-        let started = Instant::now();
-        // Flushed from RAM: the upload's hashes of the hot tier's copy verify the flush.
-        let flushed = entry.flush_hashes();
-        let result = archiver
-            .upload_part(
-                &entry.tag,
-                &self.ctx.cfg.node,
-                dir,
-                job.start.uid,
-                &progress,
-                flushed.as_deref(),
-            )
-            .await;
-        self.ctx.metrics.part_uploaded(started.elapsed(), &result);
-        entry.set_bytes_done(progress.snapshot().bytes_done);
-        if entry.generation() != generation {
-            return entry.set_state(CkptState::Committed); // re-committed meanwhile: upload again
-        }
-        match result {
-            Ok(part) => {
-                entry.set_sizes(
-                    part.files.len() as u64,
-                    part.raw_bytes(),
-                    part.stored_bytes(),
-                );
-                entry.set_state(CkptState::WaitingForNodes);
-                tracing::info!(job_id, tag = entry.tag, "checkpoint part uploaded");
-                if flushed.is_some() {
-                    entry.set_verified();
-                    tracing::info!(
-                        job_id,
-                        tag = entry.tag,
-                        "the hot tier's copy hashes as flushed from RAM (verified by its upload)"
-                    );
-                    self.ctx.jobs.persist(job).await;
-                }
-            }
-            Err(ArchiveError::NotAsFlushed { damaged, .. }) => {
-                self.not_as_flushed(entry, &damaged, "its upload").await;
-            }
-            Err(e @ ArchiveError::Refused { .. }) => {
-                // A symlink, a hard link, another user's file: retrying cannot help. It is not a
-                // checkpoint sluice keeps: it goes with the uncommitted directories at job end,
-                // unless the user fixes it and commits it again before.
-                tracing::warn!(job_id, tag = entry.tag, "{e}");
-                entry.refuse(format!("{e}; fix the checkpoint and commit it again"));
-            }
-            Err(e) if e.is_permanent() => {
-                tracing::warn!(job_id, tag = entry.tag, "archive refused: {e}");
-                entry.conflict(format!(
-                    "{e}; retrying cannot help: this copy is kept on the hot tier, not archived — \
-                     save the state under a new tag"
-                ));
-            }
-            Err(e) if e.is_modified() => {
-                tracing::warn!(job_id, tag = entry.tag, "{e}");
-                entry.note_failure();
-                entry.set_error(
-                    CkptState::Modified,
-                    format!("{e}; sluice retries a few times, then waits for the next commit of this tag"),
-                );
-            }
-            Err(e) => {
-                tracing::warn!(job_id, tag = entry.tag, "archive attempt failed: {e}");
-                entry.note_failure();
-                let message = match e.store_kind() {
-                    Some(StoreErrorKind::Unreachable | StoreErrorKind::TimedOut) => {
-                        format!(
-                            "the archive store is unreachable; retrying ({})",
-                            e.describe()
-                        )
-                    }
-                    _ => e.describe(),
-                };
-                entry.set_error(CkptState::Retrying, message);
-            }
-        }
-    }
-
-    /// The archive already holds `entry`'s tag: identical content counts as archived (a re-upload
-    /// after a crash); other content is refused and kept on the hot tier, never trimmed as if it
-    /// were archived (issue 10, defect 2).
-    async fn compare_with_archived(&self, entry: &Arc<CkptEntry>, m: &Manifest, url: &str) {
-        let job = &self.job;
-        let (hot, id, uid, tag, node, manifest) = (
-            self.ctx.hot.clone(),
-            job.start.job_id,
-            job.start.uid,
-            entry.tag.clone(),
-            self.ctx.cfg.node.clone(),
-            m.clone(),
-        );
-        let same = blocking(move || {
-            let ckpt = hot.open_ckpt(id)?;
-            Ok::<_, VerifyError>(verify_local(&ckpt, &tag, uid, &manifest, Some(&node)))
-        })
-        .await;
-        // Flushed from RAM: what the MANIFEST holds of this node's files must be what the flush read.
-        if let (Ok(Ok(())), Some(flushed)) = (&same, entry.flush_hashes()) {
-            let node = &self.ctx.cfg.node;
-            let damaged = sluice_archive::flush::differences(
-                &flushed,
-                m.files
-                    .iter()
-                    .filter(|f| &f.node == node)
-                    .map(|f| (f.path.as_str(), f.content_hash())),
-            );
-            if !damaged.is_empty() {
-                return self
-                    .not_as_flushed(entry, &damaged, "the archived MANIFEST")
-                    .await;
-            }
-            entry.set_verified();
-        }
-        match same {
-            Ok(Ok(())) => {
-                entry.set_sizes(m.files.len() as u64, m.raw_bytes, m.stored_bytes);
-                entry.set_archived(now_secs());
-                tracing::info!(
-                    job_id = id,
-                    tag = entry.tag,
-                    "identical to the archived checkpoint"
-                );
-                self.ctx.jobs.persist(job).await;
-            }
-            Ok(Err(e)) => {
-                let message = format!(
-                    "checkpoint {} is already archived in {url} (by job {}) with other content \
-                     ({e}); archives are immutable: this copy is kept on the hot tier, not \
-                     archived — save the state under a new tag",
-                    entry.tag, m.job.job_id
-                );
-                tracing::warn!(job_id = id, tag = entry.tag, "{message}");
-                entry.conflict(message);
-            }
-            Err(e) => {
-                entry.note_failure();
-                entry.set_error(
-                    CkptState::Retrying,
-                    format!("the checkpoint directory: {e}"),
-                );
-            }
-        }
-    }
-
-    /// Publishes the MANIFEST once every node's part is in the archive. While parts are missing it
-    /// asks again at the archive backoff (the last node to upload publishes at once by itself), for
-    /// `ckpt.publish_wait` at most: then the checkpoint is incomplete, kept here and named in the
-    /// job output.
-    async fn publish(&mut self, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
-        let job = &self.job;
-        let meta = JobMeta {
-            job_id: job.start.job_id,
-            user: job.start.user.clone(),
-            job_name: job.start.job_name.clone(),
-        };
-        match archiver
-            .try_publish(&entry.tag, &job.start.nodes, meta)
-            .await
-        {
-            Ok(Publish::Published(_)) => {
-                self.waiting_since.remove(&entry.tag);
-                entry.set_archived(now_secs());
-                tracing::info!(
-                    job_id = job.start.job_id,
-                    tag = entry.tag,
-                    "checkpoint archived"
-                );
-                self.ctx.jobs.persist(job).await;
-            }
-            Ok(Publish::Waiting { missing }) => {
-                let limit = self.ctx.cfg.ckpt.publish_wait;
-                let waited = self
-                    .waiting_since
-                    .entry(entry.tag.clone())
-                    .or_insert_with(Instant::now)
-                    .elapsed();
-                let nodes = missing.join(", ");
-                if waited >= limit {
-                    let message = format!(
-                        "node(s) {nodes} of the job never sent their part (waited {}, \
-                         ckpt.publish_wait); this node's files are kept on its hot tier, not \
-                         archived — bring the node's agent back and commit the tag again, or \
-                         save the state under a new tag",
-                        humantime::format_duration(limit)
-                    );
-                    tracing::warn!(job_id = job.start.job_id, tag = entry.tag, "{message}");
-                    self.waiting_since.remove(&entry.tag);
-                    entry.incomplete(message);
-                    self.ctx.jobs.persist(job).await;
-                } else {
-                    entry.note_failure(); // asks again at the backoff, not every scan
-                    let left = limit.saturating_sub(waited).as_secs();
-                    entry.set_error(
-                        CkptState::WaitingForNodes,
-                        format!(
-                            "waiting for the part of node(s) {nodes} of the job (at most {} more)",
-                            humantime::format_duration(std::time::Duration::from_secs(left))
-                        ),
-                    );
-                }
-            }
-            Err(e) if e.is_permanent() => {
-                tracing::warn!(
-                    job_id = job.start.job_id,
-                    tag = entry.tag,
-                    "publishing: {e}"
-                );
-                entry.conflict(format!(
-                    "{e}; the checkpoint cannot be published and is kept on the hot tier of each \
-                     node — save the state under a new tag"
-                ));
-            }
-            Err(e) => {
-                entry.note_failure();
-                entry.set_error(CkptState::WaitingForNodes, e.describe());
-                tracing::warn!(
-                    job_id = job.start.job_id,
-                    tag = entry.tag,
-                    "publishing: {e}"
-                );
-            }
-        }
-    }
-
-    /// Answers the commits another node of the job announced in the archive
-    /// ([`Archiver::commits_of_job`]): a tag this node holds is committed here too (its part is
-    /// uploaded); for a tag it does not hold at all it writes an empty part, so the checkpoint is
-    /// published without waiting for this node (e.g. `torch.save` on rank 0 only).
-    async fn adopt_remote_commits(&mut self, archiver: &Arc<Archiver>) {
-        let job = self.job.clone();
-        let tags = match archiver.commits_of_job().await {
-            Ok(tags) => tags,
-            Err(e) => {
-                tracing::warn!(job_id = job.start.job_id, "reading the job's commits: {e}");
-                return;
-            }
-        };
-        for tag in tags {
-            if job.ckpts.get(&tag).is_some() || self.answered_empty.contains(&tag) {
-                continue;
-            }
-            let id = job.start.job_id;
-            match self.holds(&tag).await {
-                Ok(()) => {
-                    tracing::info!(job_id = id, tag, "committed on another node of the job");
-                    let _ = commit(&self.ctx, &job, &tag).await;
-                }
-                Err(CommitError::Missing { .. }) => {
-                    match archiver.put_empty_part(&tag, &self.ctx.cfg.node).await {
-                        Ok(()) => {
-                            tracing::info!(
-                                job_id = id,
-                                tag,
-                                "committed on another node; this node holds none of it"
-                            );
-                            self.answered_empty.insert(tag);
-                        }
-                        Err(e) => tracing::warn!(job_id = id, tag, "answering a commit: {e}"),
-                    }
-                }
-                // A directory this node cannot archive (a symlink, another owner): publishing
-                // waits for it, and `sluice ckpt list` on the committing node names this node.
-                Err(e) => tracing::warn!(job_id = id, tag, "committed on another node: {e}"),
-            }
-        }
-    }
-
-    /// Whether this node holds `tag` as a directory it may commit (blocking work, awaited).
-    async fn holds(&self, tag: &str) -> Result<(), CommitError> {
-        let (dirs, uid, t) = (
-            self.ctx.dirs(&self.job),
-            self.job.start.uid,
-            tag.to_string(),
-        );
-        blocking(move || {
-            dirs.user()
-                .map_err(CommitError::NoCkptDir)
-                .and_then(|d| check_commit_dir(&d, &t, uid))
-        })
-        .await
-    }
-
     /// Tags other nodes of the job said they committed (commit notices on the peer port, which
     /// travel while the archive is down): committed here too when this node holds the tag; a tag
     /// it holds none of becomes an empty part among its replicas.
@@ -804,7 +492,7 @@ impl CkptWorker {
                 continue;
             }
             let id = job.start.job_id;
-            match self.holds(&tag).await {
+            match holds(&self.ctx, &self.job, &tag).await {
                 Ok(()) => {
                     tracing::info!(
                         job_id = id,
@@ -840,7 +528,8 @@ impl CkptWorker {
             gid: job.start.gid,
         };
         for entry in job.ckpts.entries() {
-            if !entry.needs_flush() || !self.retries.ready(entry.tag.as_str(), Instant::now()) {
+            if !entry.needs_flush() || !self.flush_retries.ready(entry.tag.as_str(), Instant::now())
+            {
                 continue;
             }
             let generation = entry.generation();
@@ -893,7 +582,7 @@ impl CkptWorker {
                     entry.set_error(CkptState::Retrying, message);
                 }
             }
-            self.retries
+            self.flush_retries
                 .update(entry.tag.clone(), entry.failures(), Instant::now());
         }
     }
@@ -1030,7 +719,7 @@ impl CkptWorker {
                     path,
                     detail: "reads back with another BLAKE3 than when flushed from RAM".into(),
                 }];
-                self.not_as_flushed(&entry, &damaged, "a read-back").await;
+                not_as_flushed(&self.ctx, &self.job, &entry, &damaged, "a read-back").await;
             }
             Err(ReadBack::Failed(e)) => tracing::warn!(
                 job_id = id,
@@ -1038,37 +727,6 @@ impl CkptWorker {
                 "reading back the flushed copy: {e}; tried again later"
             ),
         }
-    }
-
-    /// The hot tier's copy of a flushed checkpoint is not what the flush read from RAM (found by
-    /// `by`): flushed again from its RAM copy, which is kept until the copy is verified; where
-    /// that is gone too, the checkpoint is refused, not archived.
-    async fn not_as_flushed(&self, entry: &Arc<CkptEntry>, damaged: &[archive::Damaged], by: &str) {
-        let job = &self.job;
-        let first = damaged
-            .first()
-            .map_or_else(String::new, |d| format!("'{}': {}", d.path, d.detail));
-        let more = damaged.len().saturating_sub(1);
-        let what = if more > 0 {
-            format!("{first} (and {more} more file(s))")
-        } else {
-            first
-        };
-        if entry.in_ram() {
-            let message = format!(
-                "the hot tier's copy is not what was flushed from RAM ({what}, found by {by}):                  flushing it again from RAM"
-            );
-            tracing::warn!(job_id = job.start.job_id, tag = entry.tag, "{message}");
-            entry.reflush(message);
-        } else {
-            let message = format!(
-                "the hot tier's copy is not what was flushed from RAM ({what}, found by {by}), and                  the RAM copy is gone: it is not archived — save the state under a new tag"
-            );
-            tracing::error!(job_id = job.start.job_id, tag = entry.tag, "{message}");
-            entry.conflict(message);
-        }
-        self.ctx.jobs.persist(job).await;
-        job.ckpts.wake.notify_one();
     }
 
     /// Removes from the RAM tier the checkpoints that are safe on the hot tier (flushed and
@@ -1172,6 +830,449 @@ impl CkptWorker {
             "job finished on this node"
         );
     }
+}
+
+impl Archiving {
+    /// One turn: the commits other nodes announced through the archive, then each pending tag's
+    /// upload and publish at its own backoff, then the replicas of what is archived freed.
+    async fn turn(mut self) -> Archiving {
+        if let Some(url) = self.job.archive_url().map(String::from)
+            && let Some(archiver) = self.archiver(&url)
+        {
+            self.archive_pending(&archiver).await;
+            super::replicate::free_replicas_of_archived(&self.ctx, &self.job).await;
+        }
+        self
+    }
+
+    /// The archive, opened at the first turn that needs it (a failure is shown on every pending
+    /// checkpoint and tried again at the next turn).
+    fn archiver(&mut self, url: &str) -> Option<Arc<Archiver>> {
+        if self.archiver.is_none() {
+            match archive::open_archive(&self.ctx.cfg, url) {
+                Ok(a) => {
+                    let a = a
+                        .for_job(self.job.start.job_id)
+                        .with_resume_dir(resume_dir(&self.ctx.cfg));
+                    self.archiver = Some(Arc::new(match &self.ctx.bandwidth {
+                        Some(bw) => a.with_bandwidth(bw),
+                        None => a,
+                    }))
+                }
+                Err(e) => {
+                    tracing::warn!(job_id = self.job.start.job_id, "archive {url}: {e}");
+                    for entry in self.job.ckpts.entries().iter().filter(|e| e.needs_upload()) {
+                        entry.set_error(
+                            CkptState::Retrying,
+                            format!("cannot open the archive: {e}"),
+                        );
+                    }
+                }
+            }
+        }
+        self.archiver.clone()
+    }
+
+    /// One turn of uploads and publishes, each tag at its own backoff.
+    async fn archive_pending(&mut self, archiver: &Arc<Archiver>) {
+        let job = self.job.clone();
+        // Commits made on the job's other nodes reach this node through the archive.
+        let due = self
+            .last_remote_scan
+            .is_none_or(|t| t.elapsed() >= self.ctx.cfg.ckpt.scan_interval * 3);
+        if job.start.nodes.len() > 1 && due {
+            self.last_remote_scan = Some(Instant::now());
+            self.adopt_remote_commits(archiver).await;
+        }
+        for entry in job.ckpts.entries() {
+            if !self.retries.ready(entry.tag.as_str(), Instant::now()) {
+                continue;
+            }
+            // A checkpoint that changed while being read is retried a few times after a pause (a
+            // commit seen through the archive may arrive before this node's writes finish), then
+            // waits for an explicit commit.
+            if entry.needs_upload() || entry.retries_modified() {
+                self.archive_part(&entry, archiver).await;
+            }
+            if entry.state() == CkptState::WaitingForNodes {
+                self.publish(&entry, archiver).await;
+            }
+            self.retries
+                .update(entry.tag.clone(), entry.failures(), Instant::now());
+        }
+    }
+
+    /// Uploads this node's files of one checkpoint.
+    async fn archive_part(&self, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
+        let job = &self.job;
+        let job_id = job.start.job_id;
+        let generation = entry.generation();
+        entry.set_state(CkptState::Archiving);
+        // First tell the job's other nodes (they answer with their parts, or with an empty one).
+        if job.start.nodes.len() > 1
+            && let Err(e) = archiver
+                .announce_commit(&entry.tag, &self.ctx.cfg.node)
+                .await
+        {
+            entry.note_failure();
+            return entry.set_error(CkptState::Retrying, e.describe());
+        }
+        let (hot, tag) = (self.ctx.hot.clone(), entry.tag.clone());
+        let dir =
+            blocking(move || sluice_core::safefs::open_dir(hot.open_ckpt(job_id)?, &tag)).await;
+        let dir = match dir {
+            Ok(d) => Arc::new(d),
+            Err(e) => {
+                return entry.set_error(
+                    CkptState::Modified,
+                    format!("the checkpoint directory is gone or unusable ({e}); commit it again once it is complete"),
+                );
+            }
+        };
+        // A prefix several users may archive into (an allow rule without `{user}`): never
+        // overwrite another user's checkpoint of the same tag (their restore would then get ours,
+        // or nothing). A refusal is final for this commit, as for a refused tree. Their restores
+        // never pick ours anyway: restore checks the owner (F2 in docs/SECURITY.md).
+        if let Ok(m) = archiver.manifest(&entry.tag).await {
+            if m.job.user != job.start.user {
+                let message = format!(
+                    "checkpoint {} in {} was archived by user {}; sluice does not overwrite \
+                     another user's checkpoint: commit it under another tag, or archive under a \
+                     prefix of your own",
+                    entry.tag,
+                    archiver.url(),
+                    m.job.user
+                );
+                tracing::warn!(job_id, tag = entry.tag, "{message}");
+                return entry.refuse(message);
+            }
+            // Archives are immutable: the tag is archived already (by an earlier job under a
+            // reused prefix, an earlier run of this one, or this job's other nodes). This node's
+            // files are compared with what the MANIFEST holds of this node's part.
+            return self.compare_with_archived(entry, &m, archiver.url()).await;
+        }
+        // Within the node's memory budget: another job's upload may have to finish first.
+        let _slot = self.ctx.upload_slot().await;
+        let progress = ArchiveProgress::default();
+        let started = Instant::now();
+        // Flushed from RAM: the upload's hashes of the hot tier's copy verify the flush.
+        let flushed = entry.flush_hashes();
+        let result = archiver
+            .upload_part(
+                &entry.tag,
+                &self.ctx.cfg.node,
+                dir,
+                job.start.uid,
+                &progress,
+                flushed.as_deref(),
+            )
+            .await;
+        self.ctx.metrics.part_uploaded(started.elapsed(), &result);
+        entry.set_bytes_done(progress.snapshot().bytes_done);
+        if entry.generation() != generation {
+            return entry.set_state(CkptState::Committed); // re-committed meanwhile: upload again
+        }
+        match result {
+            Ok(part) => {
+                entry.set_sizes(
+                    part.files.len() as u64,
+                    part.raw_bytes(),
+                    part.stored_bytes(),
+                );
+                entry.set_state(CkptState::WaitingForNodes);
+                tracing::info!(job_id, tag = entry.tag, "checkpoint part uploaded");
+                if flushed.is_some() {
+                    entry.set_verified();
+                    tracing::info!(
+                        job_id,
+                        tag = entry.tag,
+                        "the hot tier's copy hashes as flushed from RAM (verified by its upload)"
+                    );
+                    self.ctx.jobs.persist(job).await;
+                }
+            }
+            Err(ArchiveError::NotAsFlushed { damaged, .. }) => {
+                not_as_flushed(&self.ctx, &self.job, entry, &damaged, "its upload").await;
+            }
+            Err(e @ ArchiveError::Refused { .. }) => {
+                // A symlink, a hard link, another user's file: retrying cannot help. It is not a
+                // checkpoint sluice keeps: it goes with the uncommitted directories at job end,
+                // unless the user fixes it and commits it again before.
+                tracing::warn!(job_id, tag = entry.tag, "{e}");
+                entry.refuse(format!("{e}; fix the checkpoint and commit it again"));
+            }
+            Err(e) if e.is_permanent() => {
+                tracing::warn!(job_id, tag = entry.tag, "archive refused: {e}");
+                entry.conflict(format!(
+                    "{e}; retrying cannot help: this copy is kept on the hot tier, not archived — \
+                     save the state under a new tag"
+                ));
+            }
+            Err(e) if e.is_modified() => {
+                tracing::warn!(job_id, tag = entry.tag, "{e}");
+                entry.note_failure();
+                entry.set_error(
+                    CkptState::Modified,
+                    format!("{e}; sluice retries a few times, then waits for the next commit of this tag"),
+                );
+            }
+            Err(e) => {
+                tracing::warn!(job_id, tag = entry.tag, "archive attempt failed: {e}");
+                entry.note_failure();
+                let message = match e.store_kind() {
+                    Some(StoreErrorKind::Unreachable | StoreErrorKind::TimedOut) => {
+                        format!(
+                            "the archive store is unreachable; retrying ({})",
+                            e.describe()
+                        )
+                    }
+                    _ => e.describe(),
+                };
+                entry.set_error(CkptState::Retrying, message);
+            }
+        }
+    }
+
+    /// The archive already holds `entry`'s tag: identical content counts as archived (a re-upload
+    /// after a crash); other content is refused and kept on the hot tier, never trimmed as if it
+    /// were archived (issue 10, defect 2).
+    async fn compare_with_archived(&self, entry: &Arc<CkptEntry>, m: &Manifest, url: &str) {
+        let job = &self.job;
+        let (hot, id, uid, tag, node, manifest) = (
+            self.ctx.hot.clone(),
+            job.start.job_id,
+            job.start.uid,
+            entry.tag.clone(),
+            self.ctx.cfg.node.clone(),
+            m.clone(),
+        );
+        let same = blocking(move || {
+            let ckpt = hot.open_ckpt(id)?;
+            Ok::<_, VerifyError>(verify_local(&ckpt, &tag, uid, &manifest, Some(&node)))
+        })
+        .await;
+        // Flushed from RAM: what the MANIFEST holds of this node's files must be what the flush read.
+        if let (Ok(Ok(())), Some(flushed)) = (&same, entry.flush_hashes()) {
+            let node = &self.ctx.cfg.node;
+            let damaged = sluice_archive::flush::differences(
+                &flushed,
+                m.files
+                    .iter()
+                    .filter(|f| &f.node == node)
+                    .map(|f| (f.path.as_str(), f.content_hash())),
+            );
+            if !damaged.is_empty() {
+                return not_as_flushed(
+                    &self.ctx,
+                    &self.job,
+                    entry,
+                    &damaged,
+                    "the archived MANIFEST",
+                )
+                .await;
+            }
+            entry.set_verified();
+        }
+        match same {
+            Ok(Ok(())) => {
+                entry.set_sizes(m.files.len() as u64, m.raw_bytes, m.stored_bytes);
+                entry.set_archived(now_secs());
+                tracing::info!(
+                    job_id = id,
+                    tag = entry.tag,
+                    "identical to the archived checkpoint"
+                );
+                self.ctx.jobs.persist(job).await;
+            }
+            Ok(Err(e)) => {
+                let message = format!(
+                    "checkpoint {} is already archived in {url} (by job {}) with other content \
+                     ({e}); archives are immutable: this copy is kept on the hot tier, not \
+                     archived — save the state under a new tag",
+                    entry.tag, m.job.job_id
+                );
+                tracing::warn!(job_id = id, tag = entry.tag, "{message}");
+                entry.conflict(message);
+            }
+            Err(e) => {
+                entry.note_failure();
+                entry.set_error(
+                    CkptState::Retrying,
+                    format!("the checkpoint directory: {e}"),
+                );
+            }
+        }
+    }
+
+    /// Publishes the MANIFEST once every node's part is in the archive. While parts are missing it
+    /// asks again at the archive backoff (the last node to upload publishes at once by itself), for
+    /// `ckpt.publish_wait` at most: then the checkpoint is incomplete, kept here and named in the
+    /// job output.
+    async fn publish(&mut self, entry: &Arc<CkptEntry>, archiver: &Arc<Archiver>) {
+        let job = &self.job;
+        let meta = JobMeta {
+            job_id: job.start.job_id,
+            user: job.start.user.clone(),
+            job_name: job.start.job_name.clone(),
+        };
+        match archiver
+            .try_publish(&entry.tag, &job.start.nodes, meta)
+            .await
+        {
+            Ok(Publish::Published(_)) => {
+                self.waiting_since.remove(&entry.tag);
+                entry.set_archived(now_secs());
+                tracing::info!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "checkpoint archived"
+                );
+                self.ctx.jobs.persist(job).await;
+            }
+            Ok(Publish::Waiting { missing }) => {
+                let limit = self.ctx.cfg.ckpt.publish_wait;
+                let waited = self
+                    .waiting_since
+                    .entry(entry.tag.clone())
+                    .or_insert_with(Instant::now)
+                    .elapsed();
+                let nodes = missing.join(", ");
+                if waited >= limit {
+                    let message = format!(
+                        "node(s) {nodes} of the job never sent their part (waited {}, \
+                         ckpt.publish_wait); this node's files are kept on its hot tier, not \
+                         archived — bring the node's agent back and commit the tag again, or \
+                         save the state under a new tag",
+                        humantime::format_duration(limit)
+                    );
+                    tracing::warn!(job_id = job.start.job_id, tag = entry.tag, "{message}");
+                    self.waiting_since.remove(&entry.tag);
+                    entry.incomplete(message);
+                    self.ctx.jobs.persist(job).await;
+                } else {
+                    entry.note_failure(); // asks again at the backoff, not every scan
+                    let left = limit.saturating_sub(waited).as_secs();
+                    entry.set_error(
+                        CkptState::WaitingForNodes,
+                        format!(
+                            "waiting for the part of node(s) {nodes} of the job (at most {} more)",
+                            humantime::format_duration(std::time::Duration::from_secs(left))
+                        ),
+                    );
+                }
+            }
+            Err(e) if e.is_permanent() => {
+                tracing::warn!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "publishing: {e}"
+                );
+                entry.conflict(format!(
+                    "{e}; the checkpoint cannot be published and is kept on the hot tier of each \
+                     node — save the state under a new tag"
+                ));
+            }
+            Err(e) => {
+                entry.note_failure();
+                entry.set_error(CkptState::WaitingForNodes, e.describe());
+                tracing::warn!(
+                    job_id = job.start.job_id,
+                    tag = entry.tag,
+                    "publishing: {e}"
+                );
+            }
+        }
+    }
+
+    /// Answers the commits another node of the job announced in the archive
+    /// ([`Archiver::commits_of_job`]): a tag this node holds is committed here too (its part is
+    /// uploaded); for a tag it does not hold at all it writes an empty part, so the checkpoint is
+    /// published without waiting for this node (e.g. `torch.save` on rank 0 only).
+    async fn adopt_remote_commits(&mut self, archiver: &Arc<Archiver>) {
+        let job = self.job.clone();
+        let tags = match archiver.commits_of_job().await {
+            Ok(tags) => tags,
+            Err(e) => {
+                tracing::warn!(job_id = job.start.job_id, "reading the job's commits: {e}");
+                return;
+            }
+        };
+        for tag in tags {
+            if job.ckpts.get(&tag).is_some() || self.answered_empty.contains(&tag) {
+                continue;
+            }
+            let id = job.start.job_id;
+            match holds(&self.ctx, &self.job, &tag).await {
+                Ok(()) => {
+                    tracing::info!(job_id = id, tag, "committed on another node of the job");
+                    let _ = commit(&self.ctx, &job, &tag).await;
+                }
+                Err(CommitError::Missing { .. }) => {
+                    match archiver.put_empty_part(&tag, &self.ctx.cfg.node).await {
+                        Ok(()) => {
+                            tracing::info!(
+                                job_id = id,
+                                tag,
+                                "committed on another node; this node holds none of it"
+                            );
+                            self.answered_empty.insert(tag);
+                        }
+                        Err(e) => tracing::warn!(job_id = id, tag, "answering a commit: {e}"),
+                    }
+                }
+                // A directory this node cannot archive (a symlink, another owner): publishing
+                // waits for it, and `sluice ckpt list` on the committing node names this node.
+                Err(e) => tracing::warn!(job_id = id, tag, "committed on another node: {e}"),
+            }
+        }
+    }
+}
+
+/// Whether this node holds `tag` as a directory it may commit (blocking work, awaited).
+async fn holds(ctx: &CkptCtx, job: &Job, tag: &str) -> Result<(), CommitError> {
+    let (dirs, uid, t) = (ctx.dirs(job), job.start.uid, tag.to_string());
+    blocking(move || {
+        dirs.user()
+            .map_err(CommitError::NoCkptDir)
+            .and_then(|d| check_commit_dir(&d, &t, uid))
+    })
+    .await
+}
+
+/// The hot tier's copy of a flushed checkpoint is not what the flush read from RAM (found by
+/// `by`): flushed again from its RAM copy, which is kept until the copy is verified; where
+/// that is gone too, the checkpoint is refused, not archived.
+async fn not_as_flushed(
+    ctx: &CkptCtx,
+    job: &Arc<Job>,
+    entry: &Arc<CkptEntry>,
+    damaged: &[archive::Damaged],
+    by: &str,
+) {
+    let first = damaged
+        .first()
+        .map_or_else(String::new, |d| format!("'{}': {}", d.path, d.detail));
+    let more = damaged.len().saturating_sub(1);
+    let what = if more > 0 {
+        format!("{first} (and {more} more file(s))")
+    } else {
+        first
+    };
+    if entry.in_ram() {
+        let message = format!(
+            "the hot tier's copy is not what was flushed from RAM ({what}, found by {by}): flushing it again from RAM"
+        );
+        tracing::warn!(job_id = job.start.job_id, tag = entry.tag, "{message}");
+        entry.reflush(message);
+    } else {
+        let message = format!(
+            "the hot tier's copy is not what was flushed from RAM ({what}, found by {by}), and the RAM copy is gone: it is not archived — save the state under a new tag"
+        );
+        tracing::error!(job_id = job.start.job_id, tag = entry.tag, "{message}");
+        entry.conflict(message);
+    }
+    ctx.jobs.persist(job).await;
+    job.ckpts.wake.notify_one();
 }
 
 /// Why a read-back of a flushed copy did not verify it.
