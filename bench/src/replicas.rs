@@ -19,6 +19,9 @@
 //! the same process (the floor). A job that fails, a wrong tensor, or a restore that read the
 //! archive while it was down is an error, never a number.
 //!
+//! Not part of a plain `--smoke` run (it takes about 5 minutes even at the smoke size): `--smoke
+//! --cases replicas` runs it at that size.
+//!
 //! The harness's agents give replicas 64 MiB of room and a job 768 MiB of RAM tier: above the
 //! smoke size the case restarts all three with room for the parts (`[fast_tier] job_share`,
 //! `replica_room`, `capacity`), and as the harness started them afterwards.
@@ -495,6 +498,16 @@ impl Bench {
     }
 
     pub(crate) fn replicas_case(&self, r: &mut Report) {
+        // Three jobs, two of them lost a node and requeued: about five minutes of Slurm time even
+        // at the smoke size, which the README's test command has no room for.
+        if self.a.mode == Mode::Smoke && self.a.cases.is_none() {
+            r.note(
+                "replicas: not part of --smoke without --cases (about 5 minutes of jobs and requeues); \
+                 bench/run --smoke --cases replicas runs it"
+                    .into(),
+            );
+            return;
+        }
         if let Err(e) = self.replicas_rows(r) {
             r.error("replicas", e);
         }
