@@ -276,8 +276,20 @@ impl ReplicaArea {
         };
         // The directory under the mount is checked too: a link there would be mounted over.
         let mut root = check()?;
-        if mount && !crate::ram_tier::is_mount_point(dir) {
-            let data = format!("size={room},mode=0700");
+        let data = format!("size={room},mode=0700");
+        if mount && crate::ram_tier::is_mount_point(dir) {
+            // Mounted by the agent before this one, maybe with another `replica_room` (an admin
+            // raised it and restarted the agent): resized to this one, its replicas kept. A tmpfs
+            // cannot shrink below what it holds: it then keeps its size, said here.
+            let remount = nix::mount::MsFlags::MS_REMOUNT | nix::mount::MsFlags::MS_NOEXEC;
+            if let Err(errno) = crate::ram_tier::mount_tmpfs("sluice-replicas", dir, &data, remount)
+            {
+                tracing::warn!(
+                    "resizing the replica area {} to {room} bytes: {errno}; it keeps the size it was mounted with",
+                    dir.display()
+                );
+            }
+        } else if mount {
             crate::ram_tier::mount_tmpfs(
                 "sluice-replicas",
                 dir,
@@ -1591,18 +1603,20 @@ mod tests {
             .await
             .unwrap();
         drop(a);
-        // Opened again (the agent restarting): the tmpfs is there, and what it holds.
-        let a = ReplicaArea::open(&top, 1 << 20, true).unwrap();
+        // Opened again (the agent restarting, its admin having doubled `replica_room`): the
+        // tmpfs is there, with what it holds, at the new size.
+        let a = ReplicaArea::open(&top, 2 << 20, true).unwrap();
         assert_eq!(a.used(), 4096);
         assert_eq!(a.index(JOB).await.len(), 1);
         let again = std::fs::read_to_string("/proc/self/mounts").unwrap();
-        assert_eq!(
-            again
-                .lines()
-                .filter(|l| l.split(' ').nth(1) == Some(top.to_str().unwrap()))
-                .count(),
-            1,
-            "not mounted twice"
-        );
+        let lines: Vec<&str> = again
+            .lines()
+            .filter(|l| l.split(' ').nth(1) == Some(top.to_str().unwrap()))
+            .collect();
+        assert_eq!(lines.len(), 1, "not mounted twice: {lines:?}");
+        for opt in ["nosuid", "nodev", "noexec", "size=2048k", "mode=700"] {
+            assert!(lines[0].contains(opt), "{opt} in {}", lines[0]);
+        }
+        put(&a, &key("n2", "s2"), "g", &[2; (1 << 20) + 4096]).await;
     }
 }
