@@ -413,8 +413,8 @@ fn replicas_a_requeue_after_losing_a_node_restores_every_rank_with_nothing_from_
                 panic!("{n}'s agent log does not say it restored {TAG} from replicas")
             });
         // At least its own part and the replicas it held in run 1 came from this node (the new
-        // n2 had none); it may hold more by now (the new n2's whole copy, replicated after its
-        // restore), and nothing came twice.
+        // n2 had none); it may hold more by now (parts placed again after the restore), and
+        // nothing came twice.
         let held_in_run1: u64 = holders
             .iter()
             .filter(|(from, by)| *from != n && by.contains(n))

@@ -21,7 +21,8 @@
 //! 4. The restored tag is committed on this node when it has no entry of it here (a node that
 //!    lost everything, or a new one): the ordinary commit, as of the time the checkpoint was saved
 //!    (so that the other nodes' indexes see the same checkpoint, not a newer one), so that it is flushed,
-//!    replicated and archived from this node's whole copy once the archive is back — the data-safety
+//!    replicated (its own part as it was sealed: the holders that kept it are sealed again) and
+//!    archived from this node's whole copy once the archive is back — the data-safety
 //!    rule: the replicas of a lost node's part are freed only once the archive holds the
 //!    checkpoint, and nothing else of that part may be the last copy. (The archive takes the same
 //!    path from several nodes when its content is the same, and every node's copy of each file is
@@ -111,9 +112,9 @@ pub(crate) async fn restore(
     let me = me.clone();
     let held_tag = &tags.held[&tag];
     let parts = held_tag.parts.clone();
-    // A node that re-commits the checkpoint (below) does so as of its own part's commit: the seal
-    // it makes then is the same age as the replicas of that part, so that the job's other nodes
-    // read those, not the new whole copy (nodes commit one tag at slightly different times).
+    // A node that re-commits the checkpoint (below) does so as of its own part's commit, with its
+    // own part's files: the seal it makes then is the one the replicas of that part carry (nodes
+    // commit one tag at slightly different times).
     let committed_at = parts
         .get(&me)
         .map_or_else(|| held_tag.committed_at(), |(p, _)| p.committed_at);
