@@ -24,7 +24,10 @@
 //!
 //! The harness's agents give replicas 64 MiB of room and a job 768 MiB of RAM tier: above the
 //! smoke size the case restarts all three with room for the parts (`[fast_tier] job_share`,
-//! `replica_room`, `capacity`), and as the harness started them afterwards.
+//! `replica_room`, `capacity`), and as the harness started them afterwards. A restore puts every
+//! node's files of `s2` on every node, so a job's share must hold `s1` and the whole of `s2`: at
+//! `--full` (1 GiB per node) the three nodes' RAM tiers, the replicas and the ranks' tensors
+//! take about 20 GiB of RAM.
 
 use crate::cluster::{AgentProc, Patience};
 use crate::measure::median;
@@ -594,10 +597,11 @@ impl Bench {
 }
 
 /// The harness's agent configuration `text` with `[fast_tier]` room for `part`-byte parts: a job's
-/// share for `s1` and `s2`, replica room for both of both other nodes, a capacity for two jobs.
+/// share for `s1` and the whole of `s2` (a restore puts every node's files on every node), replica
+/// room for both of both other nodes, a capacity for two jobs.
 fn with_room(text: &str, part: u64) -> Result<String> {
     let mib = |b: u64| format!("\"{}MiB\"", b.div_ceil(MIB));
-    let (share, room) = (2 * part + 64 * MIB, 4 * part + 64 * MIB);
+    let (share, room) = (4 * part + 64 * MIB, 4 * part + 64 * MIB);
     let (mut out, mut section, mut set) = (String::new(), "", 0);
     for line in text.lines() {
         let t = line.trim();
