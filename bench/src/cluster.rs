@@ -119,18 +119,25 @@ pub(crate) fn agent_job(socket: &Path, node: &str, id: u32) -> Result<JobStatus>
 }
 
 impl Bench {
-    /// The byte-counting relay on the port of the agents' [`RELAYED`] store profile
-    /// (`SLUICE_TEST_ORIGIN_RELAY_PORT`), in front of Garage.
-    pub(crate) fn origin_relay(&self) -> Result<CountingRelay> {
+    /// A hop in front of Garage that a store profile of the agents points at: the port named by
+    /// the env file's `var`, and Garage's `host:port` it forwards to.
+    pub(crate) fn s3_hop(&self, var: &str) -> Result<(u16, String)> {
         let port: u16 = self
-            .env("SLUICE_TEST_ORIGIN_RELAY_PORT")
+            .env(var)
             .parse()
-            .context("SLUICE_TEST_ORIGIN_RELAY_PORT in the cluster env file")?;
+            .with_context(|| format!("{var} in the cluster env file"))?;
         let upstream = self
             .env("SLUICE_TEST_S3_ENDPOINT")
             .trim_start_matches("http://")
             .trim_end_matches('/')
             .to_string();
+        Ok((port, upstream))
+    }
+
+    /// The byte-counting relay on the port of the agents' [`RELAYED`] store profile
+    /// (`SLUICE_TEST_ORIGIN_RELAY_PORT`), in front of Garage.
+    pub(crate) fn origin_relay(&self) -> Result<CountingRelay> {
+        let (port, upstream) = self.s3_hop("SLUICE_TEST_ORIGIN_RELAY_PORT")?;
         CountingRelay::start(port, &upstream).with_context(|| {
             format!(
                 "listening on 127.0.0.1:{port} for the origin relay (is a test's relay running?)"

@@ -121,15 +121,7 @@ struct FaultProxy {
 
 impl FaultProxy {
     fn start(b: &Bench, dir: &Path) -> Result<FaultProxy> {
-        let port: u16 = b
-            .env("SLUICE_TEST_FAULT_PROXY_PORT")
-            .parse()
-            .context("SLUICE_TEST_FAULT_PROXY_PORT in the cluster env file")?;
-        let upstream = b
-            .env("SLUICE_TEST_S3_ENDPOINT")
-            .trim_start_matches("http://")
-            .trim_end_matches('/')
-            .to_string();
+        let (port, upstream) = b.s3_hop("SLUICE_TEST_FAULT_PROXY_PORT")?;
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
             bail!(
                 "something listens on 127.0.0.1:{port}, the fault proxy's port (a test's proxy?)"
