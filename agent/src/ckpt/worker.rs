@@ -326,21 +326,12 @@ impl CkptWorker {
 
 impl CkptWorker {
     pub(crate) fn new(ctx: Arc<CkptCtx>, job: Arc<Job>) -> CkptWorker {
-        let pause_max = ctx.cfg.ckpt.retry_pause_max;
         CkptWorker {
-            archiving: Some(Archiving {
-                ctx: ctx.clone(),
-                job: job.clone(),
-                archiver: None,
-                retries: Schedule::new(Backoff::archive(pause_max)),
-                last_remote_scan: None,
-                answered_empty: HashSet::new(),
-                waiting_since: HashMap::new(),
-            }),
+            archiving: Some(Archiving::new(&ctx, &job)),
             archive_turn: None,
+            flush_retries: Schedule::new(Backoff::archive(ctx.cfg.ckpt.retry_pause_max)),
             ctx,
             job,
-            flush_retries: Schedule::new(Backoff::archive(pause_max)),
             ended_at: None,
             scanned_after_end: false,
             replicas: Default::default(),
@@ -355,15 +346,7 @@ impl CkptWorker {
                 job_id = self.job.start.job_id,
                 "the archive side's turn failed: {e}"
             );
-            Archiving {
-                ctx: self.ctx.clone(),
-                job: self.job.clone(),
-                archiver: None,
-                retries: Schedule::new(Backoff::archive(self.ctx.cfg.ckpt.retry_pause_max)),
-                last_remote_scan: None,
-                answered_empty: HashSet::new(),
-                waiting_since: HashMap::new(),
-            }
+            Archiving::new(&self.ctx, &self.job)
         })
     }
 
@@ -833,6 +816,18 @@ impl CkptWorker {
 }
 
 impl Archiving {
+    fn new(ctx: &Arc<CkptCtx>, job: &Arc<Job>) -> Archiving {
+        Archiving {
+            ctx: ctx.clone(),
+            job: job.clone(),
+            archiver: None,
+            retries: Schedule::new(Backoff::archive(ctx.cfg.ckpt.retry_pause_max)),
+            last_remote_scan: None,
+            answered_empty: HashSet::new(),
+            waiting_since: HashMap::new(),
+        }
+    }
+
     /// One turn: the commits other nodes announced through the archive, then each pending tag's
     /// upload and publish at its own backoff, then the replicas of what is archived freed.
     async fn turn(mut self) -> Archiving {
