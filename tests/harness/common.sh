@@ -21,9 +21,9 @@ DEBIAN_ROOT=${SLUICE_DEBIAN_ROOT:-/opt/sluice-test/debian-root}   # package-test
 SLURM_NEXT_ROOT=${SLUICE_SLURM_NEXT_ROOT:-/opt/sluice-test/slurm-24.11-root}
 SLURM_NEXT_SUITE=trixie                               # the Debian release that ships it
 # The previous release, for the rolling-upgrade test (run-e2e-mixed.sh): an agent of this tree and
-# one of that commit in the same job. The tree the last green CI run of record tested (stop 35);
+# one of that commit in the same job. The tree the last green CI run of record tested (stop 37);
 # move it forward at each release. Built once into $PREVIOUS_DIR (outside the clone, like Garage).
-PREVIOUS_RELEASE=8e8f7d9896e4e6e3dffb95758344fd43c043473d
+PREVIOUS_RELEASE=39f913d916f765272f7dd5176db67fd609e9b7de
 PREVIOUS_DIR=/opt/sluice-test/previous-$PREVIOUS_RELEASE
 # The end-to-end core that must pass on every Slurm release (run-e2e-slurm.sh) and with agents of two
 # releases in one job (run-e2e-mixed.sh): the options in sbatch --help and submit-time refusals;

@@ -29,7 +29,11 @@ PREVIOUS_PLUGIN=$PREVIOUS_DIR/libspank_sluice.so
 if [[ -x $PREVIOUS_AGENT && -f $PREVIOUS_PLUGIN ]]; then
   log "previous release: present ($PREVIOUS_DIR)"
 else
+  # A shallow clone (CI's may be one) fetches that commit from where it was cloned from, once.
   git -C "$REPO_ROOT" cat-file -e "$PREVIOUS_RELEASE^{commit}" 2>/dev/null \
+    || { [[ $(git -C "$REPO_ROOT" rev-parse --is-shallow-repository) == true ]] &&
+      git -C "$REPO_ROOT" fetch -q --unshallow origin 2>/dev/null &&
+      git -C "$REPO_ROOT" cat-file -e "$PREVIOUS_RELEASE^{commit}" 2>/dev/null; } \
     || die "the previous release $PREVIOUS_RELEASE is not in this clone's history: git fetch --unshallow (or a full clone)"
   log "previous release: building ${PREVIOUS_RELEASE:0:12} into $PREVIOUS_DIR (a few minutes, once)"
   rm -rf "$PREVIOUS_DIR/src"
