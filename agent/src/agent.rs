@@ -564,6 +564,11 @@ impl Agent {
             self.cancel.child_token(),
         ));
         job.ram.store(ram, std::sync::atomic::Ordering::Relaxed);
+        if let (Some(tier), Ok(options)) = (&self.ram, &job.options) {
+            let asked = job::replicas_asked(options, tier.config());
+            job.hot_replicas
+                .store(asked, std::sync::atomic::Ordering::Relaxed);
+        }
         if let Some(tier) = ram_tier {
             let _ = job.ram_tier.set(tier);
         }

@@ -32,13 +32,18 @@ pub fn parse_options(start: &JobStart) -> Result<JobOptions, OptionError> {
     })
 }
 
-/// The replicas a RAM-tier job asks for: its `--ckpt-replicas`, else the site's
-/// `[fast_tier] replicas`; never more than the site's `max_replicas` (the set-up refuses a job
-/// that asks for more).
+/// The replicas a job asks for: its `--ckpt-replicas`, else, for a RAM-tier job, the site's
+/// `[fast_tier] replicas` (a hot-tier job's checkpoints are replicated only when it asks: they are
+/// the size of the node's NVMe share, and the replicas are held in the other nodes' RAM); never
+/// more than the site's `max_replicas` (the set-up refuses a job that asks for more).
 pub fn replicas_asked(options: &JobOptions, fast_tier: &sluice_core::config::FastTierConfig) -> u8 {
+    let site = match options.ckpt_tier {
+        sluice_proto::options::CkptTier::Ram => fast_tier.replicas,
+        sluice_proto::options::CkptTier::Local => 0,
+    };
     options
         .ckpt_replicas
-        .unwrap_or(fast_tier.replicas)
+        .unwrap_or(site)
         .min(fast_tier.max_replicas)
 }
 
@@ -77,6 +82,9 @@ pub struct Job {
     /// agent whose config no longer has that root, one opened at the root its record names (its
     /// checkpoints are flushed from there all the same).
     pub ram_tier: std::sync::OnceLock<Arc<crate::ram_tier::RamTier>>,
+    /// The replicas of a hot-tier job's checkpoints ([`replicas_asked`] against the node's
+    /// `[fast_tier]`, set by the agent as it takes the job): a RAM-tier job's come from its tier.
+    pub hot_replicas: std::sync::atomic::AtomicU8,
     /// The run of the same job id this one replaced (a requeue), while anything of it still runs.
     previous: std::sync::OnceLock<std::sync::Weak<Job>>,
     /// Cancelled when this run's checkpoint worker has stopped: from then on nothing of this run
@@ -142,6 +150,7 @@ impl Job {
             from_step: AtomicBool::new(false),
             ram: AtomicBool::new(false),
             ram_tier: std::sync::OnceLock::new(),
+            hot_replicas: std::sync::atomic::AtomicU8::new(0),
             previous: std::sync::OnceLock::new(),
             worker_gone: CancellationToken::new(),
         }
@@ -305,16 +314,14 @@ impl Job {
     }
 
     /// How many other nodes of the job hold a replica of each checkpoint's part of this node
-    /// (`--ckpt-replicas`, else `[fast_tier] replicas`; at most the job's other nodes): a RAM-tier
-    /// job's only.
+    /// ([`replicas_asked`]; at most the job's other nodes).
     pub fn replicas_wanted(&self) -> u8 {
         let others = self.start.nodes.len().saturating_sub(1);
-        match (self.ram_tier.get(), &self.options) {
-            (Some(tier), Ok(options)) if self.is_ram() => {
-                replicas_asked(options, tier.config()).min(u8::try_from(others).unwrap_or(u8::MAX))
-            }
-            _ => 0,
-        }
+        let asked = match (self.ram_tier.get(), &self.options) {
+            (Some(tier), Ok(options)) if self.is_ram() => replicas_asked(options, tier.config()),
+            _ => self.hot_replicas.load(Ordering::Relaxed),
+        };
+        asked.min(u8::try_from(others).unwrap_or(u8::MAX))
     }
 
     /// Where each dataset's staging stands, for timeout messages.

@@ -1187,8 +1187,8 @@ root_test! {
 }
 
 root_test! {
-    /// Issue 13: `--ckpt-tier=ram` on a node without `[fast_tier]` fails the job with what to do;
-    /// with the node's RAM tier full, a job gets the hot tier and a note saying so.
+    /// Issue 13: `--ckpt-tier=ram` on a node without `[fast_tier]` fails the job with what to do,
+    /// and so does `--ckpt-replicas` (issue 26: the replicas are held in RAM tiers); with the node's RAM tier full, a job gets the hot tier and a note saying so.
     async fn without_room_on_the_ram_tier_a_job_is_told() {
         let t = root_agent().await;
         let url = t.archive_url();
@@ -1197,6 +1197,12 @@ root_test! {
             .refused(Request::WaitStaged { job_id: 83, timeout_ms: 20_000, step: None })
             .await;
         assert!(e.message.contains("no RAM tier is configured") && e.message.contains("--ckpt-tier=local"), "{e:?}");
+        // Replicas of hot-tier checkpoints are held in the other nodes' RAM tier: none here.
+        t.job(ckpt_job(91, &url, &[("ckpt-replicas", "1")])).await;
+        let e = t
+            .refused(Request::WaitStaged { job_id: 91, timeout_ms: 20_000, step: None })
+            .await;
+        assert!(e.message.contains("--ckpt-replicas: this cluster has no RAM tier") && e.message.contains("drop --ckpt-replicas"), "{e:?}");
         t.stop().await;
         // Capacity 64 MiB, shares of 32 MiB: the third job finds none free.
         let (t, ram) = ram_agent("32MiB").await;

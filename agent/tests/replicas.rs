@@ -147,7 +147,8 @@ impl Nodes {
         self.start_run_with(job_id, archive, &restore).await
     }
 
-    /// [`Nodes::start_run`] with the job options `extra` besides the RAM tier and the archive.
+    /// [`Nodes::start_run`] with the job options `extra` besides the archive (and the RAM tier,
+    /// unless `extra` names a `ckpt-tier`).
     async fn start_run_with(
         &self,
         job_id: u32,
@@ -155,10 +156,10 @@ impl Nodes {
         extra: &[(&str, &str)],
     ) -> Vec<(&'static str, Result<Response, String>)> {
         for (i, node) in NODES.iter().enumerate() {
-            let mut options = vec![
-                ("ckpt-tier".to_string(), "ram".to_string()),
-                ("ckpt-archive".to_string(), archive.to_string()),
-            ];
+            let mut options = vec![("ckpt-archive".to_string(), archive.to_string())];
+            if !extra.iter().any(|(k, _)| *k == "ckpt-tier") {
+                options.push(("ckpt-tier".to_string(), "ram".to_string()));
+            }
             options.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
             let mut start = sluice_proto::testing::nobody_job(job_id, node, "train", options);
             start.nodes = NODES.iter().map(|n| n.to_string()).collect();
@@ -693,6 +694,91 @@ root_test! {
                 "{node}: {e}"
             );
         }
+        nodes.stop().await;
+    }
+}
+
+root_test! {
+    /// Replicas of hot-tier checkpoints (`--ckpt-tier=local --ckpt-replicas=1`): with the archive
+    /// down, each node's part of s1 on its NVMe hot tier is hashed and copied to the other node,
+    /// and s1 is protected; n2 is lost and replaced by an empty node, and the requeued job
+    /// restores s1 byte for byte into both nodes' hot tiers from the replicas alone. A hot-tier
+    /// job that does not ask gets none (the site's `replicas` is of RAM-tier checkpoints).
+    async fn a_hot_tier_checkpoint_asked_to_be_replicated_survives_losing_a_node() {
+        let mut nodes = two_nodes("16MiB");
+        let archive = nodes.archive_down();
+        let hot = [("ckpt-tier", "local"), ("ckpt-replicas", "1")];
+        let mut dirs = Vec::new();
+        for (node, ready) in nodes.start_run_with(311, &archive, &hot).await {
+            let Ok(Response::Ready(d)) = ready else {
+                panic!("{node} not ready: {ready:?}");
+            };
+            dirs.push(PathBuf::from(d.ckpt_dir));
+        }
+        let root = nodes.tmp.path().to_path_buf();
+        for (dir, node) in dirs.iter().zip(NODES) {
+            assert!(dir.starts_with(root.join("hot").join(node)), "{node}: {dir:?} is not on the hot tier");
+        }
+        let mut files = save_part(&dirs[0], "s1", 0);
+        files.extend(save_part(&dirs[1], "s1", 1));
+        commit(&nodes, 0, 311, "s1").await;
+        for node in [0, 1] {
+            nodes
+                .wait_ckpt(node, 311, "s1", "protected", |c| {
+                    c.replicas
+                        .as_ref()
+                        .is_some_and(|r| r.protected && r.held_by == [NODES[1 - node]])
+                })
+                .await;
+        }
+        // n2 holds n1's part as n1 saved it, root-only.
+        let held = nodes.replica_on_n2(311, "s1").join("files");
+        for (path, bytes) in &files[..2] {
+            assert_eq!(&std::fs::read(held.join(path)).unwrap(), bytes, "n2's replica of s1/{path}");
+            assert_eq!(std::fs::metadata(held.join(path)).unwrap().uid(), 0);
+        }
+        nodes.replace_n2().await;
+        nodes.end_on_n1(311).await;
+        let restore = [("ckpt-tier", "local"), ("ckpt-replicas", "1"), ("ckpt-restore", "latest")];
+        for (node, ready) in nodes.start_run_with(311, &archive, &restore).await {
+            let Ok(Response::Ready(d)) = ready else {
+                panic!("{node} not ready: {ready:?}");
+            };
+            assert_eq!(d.restored_tag.as_deref(), Some("s1"), "{node}: {d:?}");
+            for (path, bytes) in &files {
+                let got = std::fs::read(Path::new(&d.ckpt_dir).join("s1").join(path));
+                assert!(got.as_ref().is_ok_and(|g| g == bytes), "{node}: s1/{path} is not the saved one");
+            }
+            assert!(
+                d.notes.iter().any(|n| n.starts_with("checkpoint s1 restored from replicas:") && n.ends_with(", 0 B from the archive")),
+                "{node}: {:?}",
+                d.notes
+            );
+        }
+        // The new n2 commits what it restored and replicates its own part again: protected again.
+        for node in [0, 1] {
+            nodes
+                .wait_ckpt(node, 311, "s1", "protected again", |c| {
+                    c.replicas.as_ref().is_some_and(|r| r.protected)
+                })
+                .await;
+        }
+        // Without --ckpt-replicas a hot-tier job's checkpoint is archived and has no replicas.
+        let up = nodes.archive_up();
+        let mut plain = Vec::new();
+        for (node, ready) in nodes.start_run_with(312, &up, &[("ckpt-tier", "local")]).await {
+            let Ok(Response::Ready(d)) = ready else {
+                panic!("{node} not ready: {ready:?}");
+            };
+            plain.push(PathBuf::from(d.ckpt_dir));
+        }
+        save(&plain[0], "p1", 3);
+        commit(&nodes, 0, 312, "p1").await;
+        let c = nodes
+            .wait_ckpt(0, 312, "p1", "archived", |c| c.state == CkptState::Archived)
+            .await;
+        assert!(c.replicas.is_none(), "{c:?}");
+        assert!(!root.join("ram/n2/replicas/312").exists());
         nodes.stop().await;
     }
 }

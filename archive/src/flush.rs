@@ -269,12 +269,26 @@ fn read_full(f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
 
 /// Reads the flushed copy below `dir` back (the job user `uid`'s files) and compares each file's
 /// BLAKE3 with what the flush read ([`differences`]); `Err(Mismatch)` names the first file that
-/// differs. Read through the page cache, which is told to drop the pages again: the copy is there
-/// to be archived or restored later, not read now. Blocking; for a checkpoint no archive reads.
+/// differs. Blocking; for a checkpoint no archive reads.
 pub fn verify_tree(dir: &OwnedFd, uid: u32, flushed: &FlushHashes) -> Result<(), FlushError> {
+    let read = hash_tree(dir, uid)?;
+    match differences(flushed, read.iter().map(|(p, h)| (p.as_str(), *h)))
+        .into_iter()
+        .next()
+    {
+        None => Ok(()),
+        Some(d) => Err(FlushError::Mismatch { path: d.path }),
+    }
+}
+
+/// The BLAKE3 of every file below `dir` (the job user `uid`'s files, opened as
+/// [`walk::open_file`] does: never through a link), by relative path. Read through the page cache,
+/// which is told to drop the pages again: the tree is there to be archived or restored later, not
+/// read now. Blocking.
+pub fn hash_tree(dir: &OwnedFd, uid: u32) -> Result<FlushHashes, FlushError> {
     let tree = walk::walk(dir, uid).map_err(walk_err)?;
     let mut buf = AlignedBuf::new(1 << 20);
-    let mut read = Vec::with_capacity(tree.files.len());
+    let mut read = FlushHashes::new();
     for f in &tree.files {
         let (file, _) = walk::open_file(dir, f, uid).map_err(FlushError::Refused)?;
         let mut hasher = blake3::Hasher::new();
@@ -293,12 +307,9 @@ pub fn verify_tree(dir: &OwnedFd, uid: u32, flushed: &FlushHashes) -> Result<(),
             0,
             nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
         );
-        read.push((f.rel.as_str(), hasher.finalize()));
+        read.insert(f.rel.clone(), hasher.finalize());
     }
-    match differences(flushed, read).into_iter().next() {
-        None => Ok(()),
-        Some(d) => Err(FlushError::Mismatch { path: d.path }),
-    }
+    Ok(read)
 }
 
 #[cfg(test)]

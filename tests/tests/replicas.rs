@@ -1,4 +1,4 @@
-//! Replicas of RAM-tier checkpoints (issue 26) in a real Slurm job, as the unprivileged test user.
+//! Replicas of RAM-tier (and hot-tier) checkpoints (issue 26) in a real Slurm job, as the unprivileged test user.
 //! The harness's `[fast_tier]` asks for one replica of each node's part, in 64 MiB of room per
 //! node. The job runs on three nodes with `--ckpt-tier=ram`, archiving through the fault proxy,
 //! which refuses every connection: an archive outage, so that only the replicas protect its
@@ -22,7 +22,9 @@
 //! again empty. `scontrol requeue` runs the job again on n1-n3 with `--ckpt-restore=latest`: every
 //! rank `dcp.load`s `dcp-1` tensor-equal, the output says where each node's bytes came from, and
 //! the fault proxy in front of the archive forwarded nothing meanwhile. When the archive is back,
-//! `dcp-1` is archived and its replicas are freed.
+//! `dcp-1` is archived and its replicas are freed. The same with the checkpoints on the NVMe hot
+//! tier (`--ckpt-tier=local --ckpt-replicas=1`), whose replicas are held in the other nodes' RAM
+//! tier all the same.
 
 use crate::common::*;
 use serde_json::Value;
@@ -289,24 +291,51 @@ fn replace_node(cluster: &Cluster, node: &str, job: &Job) {
 #[test]
 #[ignore = "needs the Slurm test cluster and PyTorch: tests/harness/run-e2e.sh"]
 fn replicas_a_requeue_after_losing_a_node_restores_every_rank_with_nothing_from_the_archive() {
+    lost_node_restores_from_replicas(Tier::Ram);
+}
+
+/// The same with the checkpoints on the NVMe hot tier (`--ckpt-tier=local`), which the job asks
+/// to have replicated (`--ckpt-replicas=1`; the site's `replicas` is of RAM-tier checkpoints).
+#[test]
+#[ignore = "needs the Slurm test cluster and PyTorch: tests/harness/run-e2e.sh"]
+fn replicas_of_hot_tier_checkpoints_restore_every_rank_after_losing_a_node() {
+    lost_node_restores_from_replicas(Tier::Hot);
+}
+
+/// Where the lost-node job keeps its checkpoints.
+#[derive(Clone, Copy, PartialEq)]
+enum Tier {
+    Ram,
+    Hot,
+}
+
+fn lost_node_restores_from_replicas(tier: Tier) {
     const TAG: &str = "dcp-1";
     const LOST: &str = "n2";
     let cluster = Cluster::for_s3();
     let proxy = FaultProxy::start(&cluster);
     proxy.set("pass");
-    let work = cluster.workdir("replicas-lost");
+    let name = match tier {
+        Tier::Ram => "replicas-lost",
+        Tier::Hot => "replicas-lost-hot",
+    };
+    let work = cluster.workdir(name);
     write_framework_scripts(&work);
     install_sluice_ckpt(&work);
-    let prefix = format!("{}/replicas-lost-{}", cluster.user, unique());
+    let prefix = format!("{}/{name}-{}", cluster.user, unique());
+    let tier_args: &[&str] = match tier {
+        Tier::Ram => &["--ckpt-tier=ram"],
+        Tier::Hot => &["--ckpt-tier=local", "--ckpt-replicas=1"],
+    };
     let args = [
         "-N3".to_string(),
-        "--ckpt-tier=ram".to_string(),
+        tier_args.join(" "),
         format!("--ckpt-archive=s3://ckpt-faulty/{prefix}"),
         "--ckpt-restore=latest".to_string(),
         "--requeue".to_string(),
         "--open-mode=append".to_string(),
     ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let args: Vec<&str> = args.iter().flat_map(|a| a.split(' ')).collect();
     let job = cluster.submit(&work, &args, &lost_node_script(&cluster, &work));
     cluster.wait_for(
         "run 1 to start",
@@ -344,11 +373,14 @@ fn replicas_a_requeue_after_losing_a_node_restores_every_rank_with_nothing_from_
             )
         })
         .collect();
-    // The bytes of each node's part, as its ranks wrote them into its RAM tier.
+    // The bytes of each node's part, as its ranks wrote them into its RAM tier (or hot tier).
     let part_bytes: BTreeMap<String, u64> = nodes
         .iter()
         .map(|n| {
-            let dir = ram_root(&cluster, n).join(format!("jobs/{}/ckpt/{TAG}", job.id));
+            let dir = match tier {
+                Tier::Ram => ram_root(&cluster, n).join(format!("jobs/{}/ckpt/{TAG}", job.id)),
+                Tier::Hot => cluster.job_dir(n, &job).join(format!("ckpt/{TAG}")),
+            };
             let size = fs::read_dir(&dir)
                 .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
                 .map(|e| e.unwrap().metadata().unwrap().len())
@@ -448,7 +480,7 @@ fn replicas_a_requeue_after_losing_a_node_restores_every_rank_with_nothing_from_
         proxy.log_tail()
     );
     eprintln!(
-        "[replicas-lost] holders in run 1: {holders:?}; run 2's notes: {notes:?}; requeue: pending \
+        "[{name}] holders in run 1: {holders:?}; run 2's notes: {notes:?}; requeue: pending \
          [{}], released by {:?}",
         requeued.pending, requeued.released
     );

@@ -36,9 +36,9 @@ pub(crate) enum SetupError {
     )]
     Replicas { asked: u8, max: u8 },
     #[error(
-        "--ckpt-replicas: replicas are of RAM-tier checkpoints; add --ckpt-tier=ram, or drop --ckpt-replicas (checkpoints on the NVMe hot tier are protected by the archive alone)"
+        "--ckpt-replicas: this cluster has no RAM tier ([fast_tier]), where nodes hold each other's replicas; drop --ckpt-replicas (the job's checkpoints are protected by the archive alone)"
     )]
-    ReplicasNeedRam,
+    ReplicasNeedFastTier,
     #[error("sluice could not prepare the job's RAM tier on node {node}: {source}")]
     RamDir {
         node: String,
@@ -80,7 +80,7 @@ impl SetupError {
             | SetupError::SharedTier
             | SetupError::RamTier
             | SetupError::Replicas { .. }
-            | SetupError::ReplicasNeedRam
+            | SetupError::ReplicasNeedFastTier
             | SetupError::RamDir { .. }
             | SetupError::NotInJob { .. }
             | SetupError::JobDir { .. }
@@ -97,7 +97,7 @@ impl SetupError {
             SetupError::Policy(_) => "policy",
             SetupError::SharedTier => "shared_tier",
             SetupError::RamTier => "ram_tier",
-            SetupError::Replicas { .. } | SetupError::ReplicasNeedRam => "replicas",
+            SetupError::Replicas { .. } | SetupError::ReplicasNeedFastTier => "replicas",
             SetupError::RamDir { .. } => "ram_dir",
             SetupError::NotInJob { .. } => "not_in_job",
             SetupError::JobDir { .. } => "job_dir",
@@ -192,8 +192,10 @@ impl Agent {
         if options.ckpt_tier == options::CkptTier::Ram && self.ram.is_none() {
             return Err(SetupError::RamTier);
         }
-        if options.ckpt_replicas.is_some() && options.ckpt_tier != options::CkptTier::Ram {
-            return Err(SetupError::ReplicasNeedRam);
+        // Replicas of hot-tier checkpoints too (`--ckpt-tier=local`): every node holds the
+        // others' in its RAM tier's replica area, so the cluster needs a RAM tier all the same.
+        if options.ckpt_replicas.is_some_and(|n| n > 0) && self.ram.is_none() {
+            return Err(SetupError::ReplicasNeedFastTier);
         }
         let ram_cfg = self.ram.as_ref().map(|r| r.config());
         if let (Some(asked), Some(ft)) = (options.ckpt_replicas, ram_cfg)
@@ -240,10 +242,9 @@ impl Agent {
         // On the shared tier the job joins its peers even with nothing to share through them:
         // its other nodes tell from this node's agent answering for the job that it is alive,
         // and take over its share when it is not (`stage::shared`).
-        // A RAM-tier job with replicas joins as well: its other nodes push their parts of its
-        // checkpoints to this node's replica area as an agent of the job.
-        let replicas = options.ckpt_tier == options::CkptTier::Ram
-            && ram_cfg.is_some_and(|ft| crate::job::replicas_asked(&options, ft) > 0);
+        // A job with replicas joins as well: its other nodes push their parts of its checkpoints
+        // to this node's replica area as an agent of the job.
+        let replicas = ram_cfg.is_some_and(|ft| crate::job::replicas_asked(&options, ft) > 0);
         let peers = ClosePeers(self.peers.get().and_then(|p| match &shared_tier {
             Some(_) => p.join(job_id, &job.start.nodes, owner, shared_work, &[]),
             None if shared_work == 0 && !replicas => None,

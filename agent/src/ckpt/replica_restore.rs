@@ -1,6 +1,7 @@
-//! `--ckpt-restore` from replicas (`[fast_tier] replicas`, issue 26): a requeued RAM-tier job takes
-//! its checkpoint from the copies its nodes hold — each node's own part, and the replicas of the
-//! other nodes' parts — before the archive, which may not hold the checkpoint yet (or be down).
+//! `--ckpt-restore` from replicas (`[fast_tier] replicas`, issue 26): a requeued job with replicas
+//! (of RAM-tier or hot-tier checkpoints) takes its checkpoint from the copies its nodes hold —
+//! each node's own part, and the replicas of the other nodes' parts — before the archive, which
+//! may not hold the checkpoint yet (or be down).
 //!
 //! 1. Every node of the job (this one too, over the peer port, as the others ask it) is asked for
 //!    its replica index: the parts pushed to it, and its own parts of the job's unarchived

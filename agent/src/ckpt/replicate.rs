@@ -1,9 +1,10 @@
-//! Replicas (`[fast_tier] replicas`): this node's part of each committed RAM-tier checkpoint,
-//! copied to other nodes of the job, so that losing this node before the archive holds the
-//! checkpoint loses no file of it.
+//! Replicas (`[fast_tier] replicas`): this node's part of each committed RAM-tier checkpoint (or
+//! hot-tier one, `--ckpt-replicas` with `--ckpt-tier=local`), copied to other nodes of the job, so
+//! that losing this node before the archive holds the checkpoint loses no file of it.
 //!
 //! - **When**: after the flush to the hot tier (whose hashes are what the replicas are checked
-//!   against), in the background of the checkpoint worker; never on the save's path.
+//!   against; a hot-tier checkpoint is hashed instead), in the background of the checkpoint
+//!   worker; never on the save's path.
 //! - **Where**: the job's other nodes in the rendezvous order of `replica/JOB/TAG/NODE`
 //!   ([`sluice_peer::ranked`]): the same order on every node, and a lost node moves only what it
 //!   held. A node without room for it (or not reached) is passed over for the next one; the

@@ -275,6 +275,10 @@ impl CkptWorker {
                 status.set("verifying");
                 self.verify_unarchived().await;
                 self.free_ram().await;
+            } else if self.job.replicas_wanted() > 0 {
+                status.set("replicating");
+                self.hash_for_replicas().await;
+                replicate_pending(&self.ctx, &self.job, &mut self.replicas).await;
             }
             // The archive side's next turn, beside this loop (see `Archiving`).
             if let Some(a) = self.archiving.take() {
@@ -567,6 +571,44 @@ impl CkptWorker {
             }
             self.flush_retries
                 .update(entry.tag.clone(), entry.failures(), Instant::now());
+        }
+    }
+
+    /// Hashes the files of each hot-tier checkpoint committed since its replicas were last
+    /// placed: what its replicas are checked against, as a RAM-tier one's flush hashes are
+    /// (`--ckpt-replicas` with `--ckpt-tier=local`). Read as the job user's files, never through
+    /// a link; a checkpoint that cannot be read is not replicated and says why.
+    async fn hash_for_replicas(&self) {
+        let pending = self.job.ckpts.entries().into_iter().filter(|e| {
+            e.archived_at().is_none() && e.on_hot() && !e.is_refused() && e.needs_hashing()
+        });
+        for entry in pending {
+            let generation = entry.generation();
+            let (dirs, tag, uid) = (
+                self.ctx.dirs(&self.job),
+                entry.tag.clone(),
+                self.job.start.uid,
+            );
+            let hashed = blocking(move || {
+                let dir = safefs::open_dir(&dirs.hot().map_err(|e| e.to_string())?, &tag)
+                    .map_err(|e| e.to_string())?;
+                sluice_archive::flush::hash_tree(&dir, uid).map_err(|e| e.to_string())
+            })
+            .await;
+            if entry.generation() != generation {
+                continue; // committed again meanwhile: hashed again at the next turn
+            }
+            match hashed {
+                Ok(hashes) => entry.set_hashed(hashes),
+                Err(e) => {
+                    tracing::warn!(
+                        job_id = self.job.start.job_id,
+                        tag = entry.tag,
+                        "not replicated: {e}"
+                    );
+                    entry.replication().short = Some(format!("its files could not be read: {e}"));
+                }
+            }
         }
     }
 

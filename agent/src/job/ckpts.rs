@@ -287,6 +287,30 @@ impl CkptEntry {
         self.on_hot.store(true, Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
         let hashes = Arc::new(hashes);
+        self.set_replica_source(&hashes);
+        *lock(&self.flush_hashes) = Some(hashes);
+        *lock(&self.state) = CkptState::Committed;
+        *lock(&self.error) = None;
+    }
+
+    /// A hot-tier checkpoint's files were hashed for its replicas (it has no flush, whose hashes
+    /// a RAM-tier one's replicas are checked against): this commit's part is placed from them.
+    pub fn set_hashed(&self, hashes: FlushHashes) {
+        self.set_replica_source(&Arc::new(hashes));
+    }
+
+    /// Whether a hot-tier checkpoint's files are to be hashed for its replicas: not since this
+    /// commit (a new commit, or one the agent took back from its journal before it was sealed).
+    pub fn needs_hashing(&self) -> bool {
+        let r = lock(&self.replication);
+        r.source.is_none()
+            && !r.freed
+            && (r.generation != self.generation() || r.part.is_none() && r.short.is_none())
+    }
+
+    /// The files (of this node's own part, [`Self::set_own_part`]) that this commit's replicas
+    /// are of, with what they hash to.
+    fn set_replica_source(&self, hashes: &Arc<FlushHashes>) {
         let own = lock(&self.own_part).clone();
         let source = match &own {
             Some(paths) => Arc::new(
@@ -298,17 +322,12 @@ impl CkptEntry {
             ),
             None => hashes.clone(),
         };
-        let mut replication = lock(&self.replication);
-        *replication = Replication {
+        *lock(&self.replication) = Replication {
             source: Some(source),
             generation: self.generation(),
             from_seal: own.is_some(),
             ..Replication::default()
         };
-        drop(replication);
-        *lock(&self.flush_hashes) = Some(hashes);
-        *lock(&self.state) = CkptState::Committed;
-        *lock(&self.error) = None;
     }
 
     /// What the flush read, while the hot tier's copy is not verified yet.
