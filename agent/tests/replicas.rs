@@ -782,3 +782,75 @@ root_test! {
         nodes.stop().await;
     }
 }
+
+root_test! {
+    /// A replaced node gets back its part of the job's older unarchived checkpoints, not only of
+    /// the one restored: s1 and s2 are saved and protected with the archive down, n2 is lost and
+    /// replaced, and the job is requeued with `--ckpt-restore=latest` and the archive up. n2
+    /// restores s2 from replicas and fetches its own part of s1 back from n1's replica of it,
+    /// saying so; then both are archived whole (n2 does not give the archive an empty part of
+    /// s1), and a third run restores s1 from the archive with every file of both nodes.
+    async fn a_replaced_node_gets_back_its_part_of_older_checkpoints_for_the_archive() {
+        let mut nodes = two_nodes("32MiB");
+        let down = nodes.archive_down();
+        let dirs = nodes.start_job(313, &down).await;
+        let mut s1 = save_part(&dirs[0], "s1", 0);
+        s1.extend(save_part(&dirs[1], "s1", 1));
+        commit(&nodes, 0, 313, "s1").await;
+        save_part(&dirs[0], "s2", 2);
+        save_part(&dirs[1], "s2", 3);
+        commit(&nodes, 0, 313, "s2").await;
+        for node in [0, 1] {
+            for tag in ["s1", "s2"] {
+                nodes
+                    .wait_ckpt(node, 313, tag, "protected", |c| {
+                        c.replicas.as_ref().is_some_and(|r| r.protected)
+                    })
+                    .await;
+            }
+        }
+        nodes.replace_n2().await;
+        nodes.end_on_n1(313).await;
+        let up = nodes.archive_up();
+        for (node, ready) in nodes.start_run(313, &up, Some("latest")).await {
+            let Ok(Response::Ready(d)) = ready else {
+                panic!("{node} not ready: {ready:?}");
+            };
+            assert_eq!(d.restored_tag.as_deref(), Some("s2"), "{node}: {d:?}");
+            let back = d.notes.iter().any(|n| {
+                n.starts_with("checkpoint s1: this node's part (") && n.contains("goes to the archive")
+            });
+            // n1 kept its own s1: only the new n2 fetches its part back.
+            assert_eq!(back, node == "n2", "{node}: {:?}", d.notes);
+            if node == "n2" {
+                for (path, bytes) in &s1[2..] {
+                    let got = std::fs::read(Path::new(&d.ckpt_dir).join("s1").join(path));
+                    assert!(got.is_ok_and(|g| &g == bytes), "n2: s1/{path} is not its saved part");
+                }
+            }
+        }
+        for node in [0, 1] {
+            for tag in ["s1", "s2"] {
+                nodes
+                    .wait_ckpt(node, 313, tag, "archived", |c| c.state == CkptState::Archived)
+                    .await;
+            }
+        }
+        for node in [0, 1] {
+            assert_eq!(nodes.call(node, Request::JobEnd { job_id: 313 }).await, Response::Ok);
+        }
+        // The archive's s1 is whole: restored from it (its replicas are freed), every file of
+        // both nodes' parts is there on both nodes.
+        for (node, ready) in nodes.start_run(313, &up, Some("s1")).await {
+            let Ok(Response::Ready(d)) = ready else {
+                panic!("{node} not ready: {ready:?}");
+            };
+            assert_eq!(d.restored_tag.as_deref(), Some("s1"), "{node}: {d:?}");
+            for (path, bytes) in &s1 {
+                let got = std::fs::read(Path::new(&d.ckpt_dir).join("s1").join(path));
+                assert!(got.is_ok_and(|g| &g == bytes), "{node}: the archive's s1/{path} is not the saved one");
+            }
+        }
+        nodes.stop().await;
+    }
+}

@@ -28,6 +28,11 @@
 //!    checkpoint, and nothing else of that part may be the last copy. (The archive takes the same
 //!    path from several nodes when its content is the same, and every node's copy of each file is
 //!    the sealed one.) A node that still has the tag's entry keeps it as it is.
+//! 5. A node without an entry of the job's other unarchived tags whose own part only replicas
+//!    hold (a replaced node) fetches that part of each back and commits it the same way
+//!    (`recover_own_parts`), whether or not the restore above came from replicas: otherwise it
+//!    would give the archive an empty part of each, and the archive would publish them without
+//!    its files (and their replicas would be held for ever).
 //!
 //! Only replicas of this job id are asked for, under its job key: another job, or another user's,
 //! never sees them. Poison marks live in the archive only, so `latest` from replicas cannot pass
@@ -60,15 +65,17 @@ pub(crate) enum FromReplicas {
     Not(Option<String>),
 }
 
-/// Restores `which` into `ckpt_dir` from the job's replicas (see the module header).
+/// Restores `which` into `ckpt_dir` from the job's replicas (see the module header), and fetches
+/// back this node's own parts of the job's other unarchived checkpoints that only replicas hold
+/// now ([`recover_own_parts`]; notes for the job's output, second).
 pub(crate) async fn restore(
     ctx: &CkptCtx,
     job: &Arc<Job>,
     which: &Restore,
     ckpt_dir: Arc<OwnedFd>,
-) -> FromReplicas {
+) -> (FromReplicas, Vec<String>) {
     let (Some(peers), true) = (ctx.peers.get(), job.replicas_wanted() > 0) else {
-        return FromReplicas::Not(None);
+        return (FromReplicas::Not(None), Vec::new());
     };
     let key = peers.job_key(job.start.job_id, &job.start.nodes);
     let mut held: Vec<(String, Vec<ReplicaPart>)> = Vec::new();
@@ -90,8 +97,34 @@ pub(crate) async fn restore(
     let tags = Tags::of(&held);
     if tags.held.is_empty() && tags.archived.is_empty() && *which == Restore::Latest {
         // No node has anything of the job yet (its first run): the archive's answer says all.
-        return FromReplicas::Not(None);
+        return (FromReplicas::Not(None), Vec::new());
     }
+    let owner = Owner {
+        uid: job.start.uid,
+        gid: job.start.gid,
+    };
+    let restored = from_tags(ctx, job, which, &key, &held, &tags, &ckpt_dir, owner).await;
+    let skip = match &restored {
+        FromReplicas::Restored { tag, .. } => Some(tag.as_str()),
+        FromReplicas::Not(_) => None,
+    };
+    let recovered = recover_own_parts(ctx, job, &key, &tags, skip, &ckpt_dir, owner).await;
+    (restored, recovered)
+}
+
+/// [`restore`] of `which` from the parts the job's nodes hold (`held`, `tags`).
+#[allow(clippy::too_many_arguments)]
+async fn from_tags(
+    ctx: &CkptCtx,
+    job: &Arc<Job>,
+    which: &Restore,
+    key: &JobKey,
+    held: &[(String, Vec<ReplicaPart>)],
+    tags: &Tags,
+    ckpt_dir: &Arc<OwnedFd>,
+    owner: Owner,
+) -> FromReplicas {
+    let me = &job.start.node;
     let chosen = match which {
         Restore::Latest => tags.latest(),
         Restore::Tag(t) | Restore::Forced(t) => tags.complete(t).then(|| t.clone()),
@@ -105,10 +138,6 @@ pub(crate) async fn restore(
             "{what} complete in the replicas of the job's nodes ({}); restoring from the archive",
             tags.why_not(which)
         )));
-    };
-    let owner = Owner {
-        uid: job.start.uid,
-        gid: job.start.gid,
     };
     let me = me.clone();
     let held_tag = &tags.held[&tag];
@@ -129,7 +158,7 @@ pub(crate) async fn restore(
             sources.entry(&file.path).or_insert((file, Vec::new()));
         }
     }
-    for (holder, listed) in &held {
+    for (holder, listed) in held {
         for p in listed.iter().filter(|p| p.tag == tag && !p.archived) {
             let pk = PartKey {
                 job: job.start.job_id,
@@ -150,7 +179,7 @@ pub(crate) async fn restore(
     let mut from = Sources::default();
     for (file, mut holders) in sources.into_values() {
         holders.sort_by_key(|(h, _)| **h != me); // stable: then the job's order
-        let fetched = fetch_file(ctx, &key, file, &holders, &me, &ckpt_dir, owner).await;
+        let fetched = fetch_file(ctx, key, file, &holders, &me, ckpt_dir, owner).await;
         match fetched {
             Ok(Some(node)) if node == me => from.here += file.size,
             Ok(Some(_)) => from.others += file.size,
@@ -192,6 +221,75 @@ pub(crate) async fn restore(
         sluice_proto::summary::bytes(from.others)
     );
     FromReplicas::Restored { tag, note }
+}
+
+/// This node's own parts of the job's other unarchived checkpoints (not `skip`, the one just
+/// restored) of which it has no entry — it was lost and replaced, and its part of each is left
+/// only in the replicas other nodes hold: fetched back into `$SLUICE_CKPT_DIR/TAG` and committed
+/// as of the time they were saved, with those files as this node's part. So each still reaches
+/// the archive whole once the archive is back (else this node, holding none of a tag another node
+/// committed, would give the archive an empty part of it, and the archive would publish the
+/// checkpoint without this node's files), and its replicas are freed then, not held for ever.
+/// A part that cannot be fetched back (no room in the job's share, a holder gone) is left to its
+/// replicas, which stay. Returns notes for the job's output.
+async fn recover_own_parts(
+    ctx: &CkptCtx,
+    job: &Arc<Job>,
+    key: &JobKey,
+    tags: &Tags,
+    skip: Option<&str>,
+    ckpt_dir: &Arc<OwnedFd>,
+    owner: Owner,
+) -> Vec<String> {
+    let me = &job.start.node;
+    let mut notes = Vec::new();
+    for (tag, held) in &tags.held {
+        if skip == Some(tag.as_str())
+            || tags.archived.contains_key(tag)
+            || job.ckpts.get(tag).is_some()
+        {
+            continue;
+        }
+        let Some((part, holders)) = held.parts.get(me) else {
+            continue;
+        };
+        if part.files.is_empty() {
+            continue; // this node held none of it: its empty part is what the archive gets
+        }
+        let pk = PartKey {
+            job: job.start.job_id,
+            from: me.clone(),
+            tag: tag.clone(),
+        };
+        let mut sources: Vec<Source> = holders.iter().map(|h| (h, pk.clone())).collect();
+        sources.sort_by_key(|(h, _)| *h != me);
+        let mut failed = None;
+        for file in &part.files {
+            if let Err(why) = fetch_file(ctx, key, file, &sources, me, ckpt_dir, owner).await {
+                failed = Some(why);
+                break;
+            }
+        }
+        let paths = Arc::new(part.files.iter().map(|f| f.path.clone()).collect());
+        let committed = match failed {
+            Some(why) => Err(why),
+            None => super::commit_as_of(ctx, job, tag, part.committed_at, Some(paths))
+                .await
+                .map_err(|e| e.to_string()),
+        };
+        let note = match committed {
+            Ok(_) => format!(
+                "checkpoint {tag}: this node's part ({}), held only by its replicas since the node was replaced, is back in $SLUICE_CKPT_DIR/{tag} and goes to the archive",
+                sluice_proto::summary::bytes(bytes(part))
+            ),
+            Err(why) => format!(
+                "checkpoint {tag}: this node's part could not be fetched back from its replicas ({why}); the replicas are kept, and the archive does not get {tag} until it is committed again"
+            ),
+        };
+        tracing::info!(job_id = job.start.job_id, tag, "{note}");
+        notes.push(note);
+    }
+    notes
 }
 
 /// A node that holds a file, and the part it holds it as.

@@ -159,17 +159,20 @@ pub(crate) async fn restore(
     // The nearest copies first: the job's nodes' own parts and replicas (`[fast_tier] replicas`).
     // Restored so, this node offers nothing of the archive's to the job's other nodes: `shared`
     // goes now, as after an archive restore.
-    let from_replicas =
-        match super::replica_restore::restore(ctx, job, which, ckpt_dir.clone()).await {
-            FromReplicas::Restored { tag, note } => {
-                drop(shared);
-                return Ok((Some(tag), vec![note]));
-            }
-            FromReplicas::Not(why) => why,
-        };
+    // This node's parts of older checkpoints that only replicas hold (a replaced node) come back
+    // either way (`recovered`).
+    let (from_replicas, recovered) =
+        super::replica_restore::restore(ctx, job, which, ckpt_dir.clone()).await;
+    let from_replicas = match from_replicas {
+        FromReplicas::Restored { tag, note } => {
+            drop(shared);
+            return Ok((Some(tag), std::iter::once(note).chain(recovered).collect()));
+        }
+        FromReplicas::Not(why) => why,
+    };
     match from_archive(ctx, job, url, which, ckpt_dir, shared).await {
         Ok((tag, mut notes)) => {
-            notes.splice(0..0, from_replicas);
+            notes.splice(0..0, from_replicas.into_iter().chain(recovered));
             Ok((tag, notes))
         }
         Err(source) => match from_replicas {
