@@ -21,9 +21,11 @@ DEBIAN_ROOT=${SLUICE_DEBIAN_ROOT:-/opt/sluice-test/debian-root}   # package-test
 SLURM_NEXT_ROOT=${SLUICE_SLURM_NEXT_ROOT:-/opt/sluice-test/slurm-24.11-root}
 SLURM_NEXT_SUITE=trixie                               # the Debian release that ships it
 # The previous release, for the rolling-upgrade test (run-e2e-mixed.sh): an agent of this tree and
-# one of that commit in the same job. The tree the last green CI run of record tested (stop 37);
-# move it forward at each release. Built once into $PREVIOUS_DIR (outside the clone, like Garage).
-PREVIOUS_RELEASE=39f913d916f765272f7dd5176db67fd609e9b7de
+# one of that commit in the same job: the last tree of release 0.1.0 (stop 35), this tree being
+# 0.2.0 (the workspace's version, which peers tell each other). Move it forward with the version:
+# to the last tree of 0.2.0 when 0.3.0 begins (a peer of the same version is not logged as
+# another release, which the test checks). Built once into $PREVIOUS_DIR (outside the clone).
+PREVIOUS_RELEASE=8e8f7d9896e4e6e3dffb95758344fd43c043473d
 PREVIOUS_DIR=/opt/sluice-test/previous-$PREVIOUS_RELEASE
 # The end-to-end core that must pass on every Slurm release (run-e2e-slurm.sh) and with agents of two
 # releases in one job (run-e2e-mixed.sh): the options in sbatch --help and submit-time refusals;
