@@ -172,17 +172,31 @@ impl RamTier {
         }
         // The mount point (with `mount = false`, the job's directory itself).
         safefs::ensure_dir(&jobs, &name, Some(owner), 0o700).map_err(dir_err)?;
+        let data = format!(
+            "size={},mode=0700,uid={},gid={}",
+            self.cfg.job_share, owner.uid, owner.gid
+        );
         if self.cfg.mount && !is_mount_point(&path) {
-            let data = format!(
-                "size={},mode=0700,uid={},gid={}",
-                self.cfg.job_share, owner.uid, owner.gid
-            );
             mount_tmpfs("sluice-ram", &path, &data, nix::mount::MsFlags::empty()).map_err(
                 |errno| RamTierError::Mount {
                     path: path.display().to_string(),
                     errno,
                 },
             )?;
+        } else if self.cfg.mount && fresh {
+            // A new run of the job id (a requeue) keeps the tmpfs of the run before, with its
+            // checkpoints: at this agent's `job_share` (an admin may have changed it and restarted
+            // the agent in between), which is what the run's share counts. A tmpfs cannot shrink
+            // below what it holds: it then keeps its size, said in the log.
+            let remount = nix::mount::MsFlags::MS_REMOUNT;
+            if let Err(errno) = mount_tmpfs("sluice-ram", &path, &data, remount) {
+                tracing::warn!(
+                    job_id,
+                    "resizing the job's RAM tier {} to {} bytes: {errno}; it keeps the size it was mounted with",
+                    path.display(),
+                    self.cfg.job_share
+                );
+            }
         }
         let job = safefs::open_dir(&jobs, &name).map_err(dir_err)?;
         // Whatever mounted it (an agent before tmpfs roots were private: root's, 0755), the job's
@@ -450,6 +464,18 @@ mod tests {
         r.prepare(7, owner, true, &["s1".into()]).unwrap();
         assert!(r.ckpt_dir(7).join("s1").exists());
         assert_eq!(r.usage(7).1, 1 << 20, "the tmpfs was not kept");
+        // The agent restarted with twice the share: the requeue's tmpfs is resized, s1 kept.
+        let mut cfg = r.config().clone();
+        cfg.job_share = 2 << 20;
+        let bigger = RamTier::new(cfg, "n1");
+        bigger.prepare(7, owner, true, &["s1".into()]).unwrap();
+        assert!(r.ckpt_dir(7).join("s1").exists());
+        assert_eq!(
+            r.usage(7).1,
+            2 << 20,
+            "the kept tmpfs was not resized to the new share"
+        );
+        r.prepare(7, owner, true, &["s1".into()]).unwrap();
         r.prepare(7, owner, true, &[]).unwrap();
         assert!(!r.ckpt_dir(7).join("s1").exists());
         // Past the share: ENOSPC, whatever the node's free memory.
