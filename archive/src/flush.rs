@@ -468,4 +468,31 @@ mod tests {
         assert!(matches!(e, FlushError::Refused(_)), "{e}");
         assert!(e.to_string().contains("evil"), "{e}");
     }
+
+    /// A hot-tier checkpoint hashed for its replicas: every file's BLAKE3 by path; a link the job
+    /// user left to another file (another user's, say) is refused by name, never read.
+    #[test]
+    fn a_tree_is_hashed_file_by_file_and_a_symlink_is_refused() {
+        let src = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(src.path().join("model")).unwrap();
+        std::fs::write(src.path().join("model/0.bin"), vec![7u8; (2 << 20) + 5]).unwrap();
+        std::fs::write(src.path().join("meta"), b"m").unwrap();
+        let s = safefs::open_root_dir(src.path()).unwrap();
+        let hashes = hash_tree(&s, me().uid).unwrap();
+        let want: FlushHashes = [
+            ("meta".to_string(), blake3::hash(b"m")),
+            (
+                "model/0.bin".to_string(),
+                blake3::hash(&vec![7u8; (2 << 20) + 5]),
+            ),
+        ]
+        .into();
+        assert_eq!(hashes, want);
+        std::os::unix::fs::symlink("/etc/shadow", src.path().join("model/evil")).unwrap();
+        let e = hash_tree(&s, me().uid).unwrap_err();
+        assert!(
+            matches!(e, FlushError::Refused(_)) && e.to_string().contains("evil"),
+            "{e}"
+        );
+    }
 }
