@@ -577,7 +577,8 @@ impl CkptWorker {
     /// Hashes the files of each hot-tier checkpoint committed since its replicas were last
     /// placed: what its replicas are checked against, as a RAM-tier one's flush hashes are
     /// (`--ckpt-replicas` with `--ckpt-tier=local`). Read as the job user's files, never through
-    /// a link; a checkpoint that cannot be read is not replicated and says why.
+    /// a link; a checkpoint that cannot be read is not replicated and says why, until it is
+    /// committed again.
     async fn hash_for_replicas(&self) {
         let pending = self.job.ckpts.entries().into_iter().filter(|e| {
             e.archived_at().is_none() && e.on_hot() && !e.is_refused() && e.needs_hashing()
@@ -606,7 +607,7 @@ impl CkptWorker {
                         tag = entry.tag,
                         "not replicated: {e}"
                     );
-                    entry.replication().short = Some(format!("its files could not be read: {e}"));
+                    entry.hash_failed(format!("its files could not be read: {e}"));
                 }
             }
         }

@@ -299,6 +299,16 @@ impl CkptEntry {
         self.set_replica_source(&Arc::new(hashes));
     }
 
+    /// A hot-tier checkpoint's files could not be hashed for its replicas (`why`, shown in
+    /// `sluice ckpt list`): not replicated, and not hashed again until it is committed again.
+    pub fn hash_failed(&self, why: String) {
+        *lock(&self.replication) = Replication {
+            generation: self.generation(),
+            short: Some(why),
+            ..Replication::default()
+        };
+    }
+
     /// Whether a hot-tier checkpoint's files are to be hashed for its replicas: not since this
     /// commit (a new commit, or one the agent took back from its journal before it was sealed).
     pub fn needs_hashing(&self) -> bool {
@@ -583,6 +593,28 @@ mod tests {
             ["b", "c", "d"],
             "a is not verified on the hot tier"
         );
+    }
+
+    /// A hot-tier checkpoint is hashed for its replicas once per commit: again after an agent
+    /// restart that lost the hashes before a seal, not again after a failure until it is
+    /// committed again.
+    #[test]
+    fn a_hot_tier_checkpoint_is_hashed_once_per_commit() {
+        let c = JobCkpts::default();
+        c.commit("s1", 1).unwrap();
+        let e = c.get("s1").unwrap();
+        assert!(e.needs_hashing(), "a new commit");
+        e.set_hashed(FlushHashes::default());
+        assert!(!e.needs_hashing(), "hashed: placed from the hashes");
+        e.hash_failed("its files could not be read: a link".into());
+        assert!(!e.needs_hashing(), "a failure waits for the next commit");
+        assert_eq!(
+            e.replication().short.as_deref(),
+            Some("its files could not be read: a link")
+        );
+        e.set_state(CkptState::Modified);
+        assert_eq!(c.commit("s1", 2).unwrap(), CommitOutcome::Recommitted);
+        assert!(e.needs_hashing(), "committed again");
     }
 
     #[test]
