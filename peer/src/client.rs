@@ -46,7 +46,8 @@ use super::auth::{
     AdminKey, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, READ_BACK_HEADER, READ_BACK_MARK,
     RequestKey, TIME_HEADER, parse_hash,
 };
-use super::server::{ADMIN_WARM_PATH, cached_query, cached_unit, unit_query};
+use super::listing::{self, PageRequest};
+use super::server::{ADMIN_WARM_PATH, NO_SUCH_RESOURCE, cached_query, cached_unit, unit_query};
 use super::{CachedObject, HashFrom, LONG_POLL, Unit};
 use crate::http::BodyError;
 
@@ -366,6 +367,41 @@ impl PeerClient {
         if unit.len > self.cfg.max_unit {
             return Err(self.too_large(unit));
         }
+        let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(unit));
+        self.polled(addr, job, &pq, unit, None, sink).await
+    }
+
+    /// The page of a dataset's listing `asked` names, from the agent at `addr` ([`crate::listing`]),
+    /// waited for while that node lists the origin as [`fetch_into`](Self::fetch_into) waits for
+    /// a unit; its length (at most [`listing::MAX_PAGE`]), hash and MAC checked.
+    pub async fn fetch_listing(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        asked: &PageRequest,
+    ) -> Result<Bytes, PeerError> {
+        let pq = format!("/v1/jobs/{}/listing?{}", job.job(), asked.query());
+        let mut sink = MemorySink {
+            buf: BytesMut::new(),
+        };
+        let unit = asked.unit(0);
+        self.polled(addr, job, &pq, &unit, Some(listing::MAX_PAGE), &mut sink)
+            .await?;
+        Ok(sink.buf.freeze())
+    }
+
+    /// The request `pq` for `unit` (of at most `up_to` bytes when its length is the answer's,
+    /// else exactly `unit.len`) asked again while the node answers `pending` (up to the stage
+    /// timeout) or does not know the job yet (up to the join grace), from one of the fetch slots.
+    async fn polled(
+        &self,
+        addr: &str,
+        job: &JobKey,
+        pq: &str,
+        unit: &Unit,
+        up_to: Option<u64>,
+        sink: &mut dyn UnitSink,
+    ) -> Result<HashFrom, PeerError> {
         let _slot = self
             .fetches
             .acquire()
@@ -373,10 +409,12 @@ impl PeerClient {
             .expect("the fetch semaphore is never closed");
         let start = Instant::now();
         let mut pause = Duration::from_millis(50);
-        let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(unit));
         let wait = self.cfg.poll + self.cfg.read_timeout;
         loop {
-            match self.once(addr, job, &pq, unit, wait, sink).await? {
+            match self
+                .once(addr, job, Ask { pq, unit, up_to }, wait, sink)
+                .await?
+            {
                 Answer::Delivered(from) => return Ok(from),
                 Answer::NotCached => {
                     return Err(PeerError::Corrupt {
@@ -448,7 +486,12 @@ impl PeerClient {
             job.job(),
             cached_query(object, offset, len)
         );
-        match self.once(addr, job, &pq, &unit, wait, sink).await? {
+        let ask = Ask {
+            pq: &pq,
+            unit: &unit,
+            up_to: None,
+        };
+        match self.once(addr, job, ask, wait, sink).await? {
             // A cache holds origin bytes only; a marked answer is not one of its.
             Answer::Delivered(HashFrom::Origin) => Ok(true),
             Answer::Delivered(HashFrom::ReadBack) => Err(PeerError::Corrupt {
@@ -563,7 +606,12 @@ impl PeerClient {
             buf: BytesMut::new(),
         };
         let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(&unit));
-        match self.once(addr, job, &pq, &unit, wait, &mut sink).await {
+        let ask = Ask {
+            pq: &pq,
+            unit: &unit,
+            up_to: None,
+        };
+        match self.once(addr, job, ask, wait, &mut sink).await {
             Ok(Answer::UnknownJob) => Err(PeerError::UnknownJob {
                 addr: addr.into(),
                 job: job.job(),
@@ -635,16 +683,17 @@ impl PeerClient {
         })
     }
 
-    /// One request for `pq` and its answer, MAC'd over `unit`; headers awaited at most `wait`.
+    /// One request for `ask.pq` and its answer, MAC'd over `ask.unit`; headers awaited at most
+    /// `wait`.
     async fn once(
         &self,
         addr: &str,
         job: &JobKey,
-        pq: &str,
-        unit: &Unit,
+        ask: Ask<'_>,
         wait: Duration,
         sink: &mut dyn UnitSink,
     ) -> Result<Answer, PeerError> {
+        let Ask { pq, unit, up_to } = ask;
         let (req, mac) = self
             .signed(job, Method::GET, addr, pq, empty())
             .map_err(|e| PeerError::Unreachable {
@@ -653,6 +702,25 @@ impl PeerClient {
             })?;
         let res = self.send(addr, req, wait, None).await?;
         if res.status() == StatusCode::OK {
+            let sized;
+            let unit = match up_to {
+                None => unit,
+                Some(max) => {
+                    let said = content_length(&res);
+                    let Some(len) = said.filter(|len| *len <= max) else {
+                        return Err(PeerError::Corrupt {
+                            addr: addr.into(),
+                            unit: unit.name(),
+                            what: format!("an answer of {said:?} bytes, over the {max} asked for"),
+                        });
+                    };
+                    sized = Unit {
+                        len,
+                        ..unit.clone()
+                    };
+                    &sized
+                }
+            };
             let (from, _) = self.take_data(addr, job, res, unit, &mac, sink).await?;
             return Ok(Answer::Delivered(from));
         }
@@ -690,6 +758,13 @@ impl PeerClient {
                 reason: text,
             }),
             (true, StatusCode::GONE) => Err(PeerError::Gone { addr, job: job_id }),
+            // An agent that predates the resource (a rolling upgrade): no use asking again.
+            (false, StatusCode::NOT_FOUND) if text == NO_SUCH_RESOURCE => Err(PeerError::Refused {
+                addr,
+                job: job_id,
+                status: status.as_u16(),
+                reason: text,
+            }),
             (false, StatusCode::NOT_FOUND) => Ok(Answer::UnknownJob),
             (false, s) if s.is_client_error() => Err(PeerError::Refused {
                 addr,
@@ -740,11 +815,7 @@ impl PeerClient {
                     .into(),
             ));
         }
-        let len = res
-            .headers()
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        let len = content_length(&res);
         if len != Some(unit.len) {
             return Err(corrupt(format!(
                 "the answer's length is {len:?}, the unit's {}",
@@ -849,6 +920,24 @@ impl PeerClient {
     async fn next_data(&self, body: &mut Incoming) -> Result<Option<Bytes>, BoxError> {
         crate::http::next_data(body, self.cfg.read_timeout).await
     }
+}
+
+/// What [`PeerClient::once`] asks: the request's path and query, the unit its answers are MAC'd
+/// over, and, for an answer whose length only the answer can tell (a listing page), the most it
+/// may be (`None`: exactly the unit's length).
+#[derive(Clone, Copy)]
+struct Ask<'a> {
+    pq: &'a str,
+    unit: &'a Unit,
+    up_to: Option<u64>,
+}
+
+/// The length an answer's `Content-Length` gives, if it gives one.
+fn content_length(res: &Response<Incoming>) -> Option<u64> {
+    res.headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// The file of the unit a liveness probe asks for ([`PeerClient::probe_alive`]): no unit of any

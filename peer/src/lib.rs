@@ -17,6 +17,8 @@
 //!   halves are [`PeerServer::serve_replicas`] and `PeerClient::{push,seal,free}_replica`,
 //!   [`PeerClient::replica_index`], [`PeerClient::replica_room`],
 //!   [`PeerClient::fetch_replica_into`];
+//! - [`listing`]: a dataset's listing passed from the node that listed the origin to the job's
+//!   other nodes, page by page (one listing pass per job);
 //! - [`events`]: what an agent tells the other agents of its job — that it committed a
 //!   checkpoint ([`PeerClient::notify_commit`]), handed to the node's [`JobEvents`]
 //!   ([`PeerServer::serve_events`]);
@@ -70,6 +72,12 @@
 //! 201/200  done   507 no room   409 mismatch   400 invalid   500 failed   503 busy
 //! 404 not held   501 this node keeps no replicas   (all MAC'd, see `replica`)
 //!
+//! GET    /v1/jobs/{job}/listing?dataset={name}&source={url}&from={n}
+//!     (same headers, same admission; see `listing`)
+//!
+//! 200  a page of the dataset's listing from object n on, hashed and MAC'd as a unit's answer
+//! 503  pending   409 not this node's (another source)   502 its listing failed   410 ended
+//!
 //! POST   /v1/jobs/{job}/commits?tag={t}    no body: the requester committed checkpoint t
 //!     (same headers, same admission; the committer is the requester)
 //!
@@ -116,6 +124,7 @@ pub mod auth;
 pub mod client;
 pub mod events;
 pub mod http;
+pub mod listing;
 pub mod owner;
 pub mod pieces;
 pub mod release;

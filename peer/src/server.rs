@@ -56,6 +56,7 @@ use super::auth::{
     ClusterSecret, HASH_HEADER, JobKey, MAC_HEADER, NODE_HEADER, READ_BACK_HEADER, READ_BACK_MARK,
     RequestKey, TIME_HEADER, parse_hash,
 };
+use super::listing::{self, PageRequest};
 use super::{LONG_POLL, MAX_SKEW, Unit};
 use sluice_core::worker::{StatusCell, Worker};
 
@@ -155,6 +156,15 @@ pub trait UnitSource: Send + Sync + 'static {
     /// its staged copy) overrides it, so a response holds a slice rather than the whole unit.
     async fn unit_stream(&self, unit: &Unit) -> Result<UnitStream, UnitError> {
         self.unit(unit).await.map(UnitStream::from)
+    }
+
+    /// The page of this node's listing of a dataset that `asked` names, once this
+    /// node has listed that far; may wait as long as the origin's listing takes, and must be
+    /// cancel-safe like [`ready`](Self::ready). `NotOwner` when this node does not list that
+    /// dataset from that source for the job (the default: it lists nothing for others).
+    async fn listing_page(&self, asked: &PageRequest) -> Result<Bytes, UnitError> {
+        let _ = asked;
+        Err(UnitError::NotOwner)
     }
 
     /// Whether this node has a cross-job cache its job peers may ask at all; without one, a
@@ -573,6 +583,10 @@ impl Worker for PeerWorker {
 
 /// A refusal before the request was authenticated: no MAC (there is no key to trust yet), no
 /// data, and the connection closes.
+/// The reason of the `404` for a path that names no resource (every release says it so), which
+/// tells a requester that the agent predates the resource rather than that it does not know the job.
+pub(crate) const NO_SUCH_RESOURCE: &str = "no such resource";
+
 fn refuse(status: StatusCode, reason: String) -> Response<Body> {
     let mut r = Response::new(Full::new(Bytes::from(reason)).boxed_unsync());
     *r.status_mut() = status;
@@ -665,6 +679,7 @@ enum Resource {
     Cached,
     Replicas(replicas::ReplicaPath),
     Commits,
+    Listing,
 }
 
 impl Resource {
@@ -672,7 +687,7 @@ impl Resource {
     fn serves(self, method: &Method) -> bool {
         use replicas::ReplicaPath;
         match self {
-            Resource::Units | Resource::Cached => method == Method::GET,
+            Resource::Units | Resource::Cached | Resource::Listing => method == Method::GET,
             Resource::Replicas(ReplicaPath::Part) => {
                 method == Method::GET || method == Method::DELETE
             }
@@ -684,7 +699,7 @@ impl Resource {
 }
 
 /// The job id and resource of
-/// `/v1/jobs/{job}/{units|cached|replicas|replicas/file|replicas/seal|replicas/room|commits}`.
+/// `/v1/jobs/{job}/{units|cached|replicas|replicas/file|replicas/seal|replicas/room|commits|listing}`.
 fn parse_path(path: &str) -> Option<Result<(JobId, Resource), ()>> {
     use replicas::ReplicaPath;
     let rest = path.strip_prefix("/v1/jobs/")?;
@@ -696,6 +711,7 @@ fn parse_path(path: &str) -> Option<Result<(JobId, Resource), ()>> {
         ("/replicas/seal", Resource::Replicas(ReplicaPath::Seal)),
         ("/replicas/room", Resource::Replicas(ReplicaPath::Room)),
         ("/commits", Resource::Commits),
+        ("/listing", Resource::Listing),
     ]
     .into_iter()
     .find_map(|(suffix, resource)| Some((rest.strip_suffix(suffix)?, resource)))?;
@@ -874,6 +890,7 @@ impl Inner {
             Resource::Commits => events::parse_commit(query)
                 .ok()
                 .map(|tag| crate::events::commit_unit(node, &tag)),
+            Resource::Listing => PageRequest::parse(query).ok().map(|p| p.unit(0)),
         };
         match unit {
             Some(unit) if key.request_mac(method.as_str(), pq, node, time) == mac => {
@@ -917,7 +934,7 @@ impl Inner {
             return self.answer_admin(req, remote).await;
         }
         let (job, resource) = match parse_path(req.uri().path()) {
-            None => return refused(StatusCode::NOT_FOUND, "no such resource".into()),
+            None => return refused(StatusCode::NOT_FOUND, NO_SUCH_RESOURCE.into()),
             Some(Err(())) => return refused(StatusCode::BAD_REQUEST, "bad job id".into()),
             Some(Ok(parsed)) => parsed,
         };
@@ -991,6 +1008,7 @@ impl Inner {
                 self.answer_replica(&entry, asked, body).await
             }
             Resource::Commits => self.answer_commit(&entry, query, node, mac, &body).await,
+            Resource::Listing => self.answer_listing(&entry, query, mac, remote).await,
         }
     }
 
@@ -1052,6 +1070,67 @@ impl Inner {
             ))),
             Err(e) => signer.error(&e),
         }
+    }
+
+    /// A page of a dataset's listing, for an authenticated agent of the job: waited for while this
+    /// node lists the origin (the long poll), then sent from a response slot, hashed and MAC'd
+    /// like a unit ([`listing`]).
+    async fn answer_listing(
+        &self,
+        entry: &JobEntry,
+        query: &str,
+        mac: blake3::Hash,
+        remote: SocketAddr,
+    ) -> Response<Body> {
+        let asked = match PageRequest::parse(query) {
+            Ok(a) => a,
+            Err(e) => {
+                self.log_refusal("peer request", remote, StatusCode::BAD_REQUEST, &e);
+                return refuse(StatusCode::BAD_REQUEST, e);
+            }
+        };
+        let unit = asked.unit(0);
+        let signer = Signer {
+            key: &entry.key,
+            unit: &unit,
+            request: mac,
+        };
+        let waited = tokio::select! {
+            r = tokio::time::timeout(self.cfg.poll, async {
+                let page = entry.source.listing_page(&asked).await?;
+                let permit = self
+                    .responses
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the response semaphore is never closed");
+                Ok::<_, UnitError>((page, permit))
+            }) => r,
+            _ = entry.ended.cancelled() => Ok(Err(UnitError::Gone)),
+        };
+        let (page, permit) = match waited {
+            Err(_) => return signer.status(StatusCode::SERVICE_UNAVAILABLE, "pending"),
+            Ok(Err(e)) => return signer.error(&e),
+            Ok(Ok(p)) => p,
+        };
+        if page.len() as u64 > listing::MAX_PAGE {
+            return signer.error(&UnitError::Failed(format!(
+                "a listing page of {} bytes is over the {} a node takes",
+                page.len(),
+                listing::MAX_PAGE
+            )));
+        }
+        let unit = asked.unit(page.len() as u64);
+        let data = UnitData {
+            hash: blake3::hash(&page),
+            bytes: page,
+            from: HashFrom::Origin,
+        };
+        Signer {
+            unit: &unit,
+            ..signer
+        }
+        .data(data.into(), permit)
     }
 
     /// An admin request (see the module header of `peer`): `POST`, the headers, the admin key's

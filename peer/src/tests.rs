@@ -52,6 +52,8 @@ struct MemSource {
     entered: AtomicUsize,
     active: AtomicUsize,
     max_active: AtomicUsize,
+    /// Listing pages by (dataset, source, first object).
+    pages: Mutex<HashMap<(String, String, u64), Bytes>>,
 }
 
 impl MemSource {
@@ -101,6 +103,14 @@ impl UnitSource for MemSource {
             .get(unit)
             .cloned()
             .unwrap_or(Err(UnitError::NotOwner))
+    }
+
+    async fn listing_page(&self, asked: &listing::PageRequest) -> Result<Bytes, UnitError> {
+        let key = (asked.dataset.clone(), asked.source.clone(), asked.from);
+        lock(&self.pages)
+            .get(&key)
+            .cloned()
+            .ok_or(UnitError::NotOwner)
     }
 }
 
@@ -2245,4 +2255,69 @@ async fn commit_notices_for_an_unknown_job_or_to_a_node_without_events() {
     let e = n2.notify_commit(&r.addr, &rkey(), "s1").await.unwrap_err();
     assert!(matches!(e, PeerError::Gone { job: JOB, .. }), "{e}");
     assert_eq!(notices.taken(), []);
+}
+
+/// A dataset's listing passes whole to an agent of the job, checked; a user process without the
+/// job key, a node outside the job, or another cluster's agent gets a refusal and none of it; a
+/// page of another source is not this node's to give; and an agent that predates listings is
+/// told from one that does not know the job yet at once, so the asker lists the origin itself
+/// without waiting out the join grace.
+#[tokio::test]
+async fn a_listing_passes_only_to_agents_of_the_job() {
+    let (r, src) = serving(server_cfg()).await;
+    let page = Bytes::from(format!(
+        "{{\"objects\":[\"{}\"]}}",
+        String::from_utf8_lossy(MARK)
+    ));
+    let asked = listing::PageRequest {
+        dataset: "train".into(),
+        source: "s3://bucket/train".into(),
+        from: 1000,
+    };
+    lock(&src.pages).insert(
+        (asked.dataset.clone(), asked.source.clone(), asked.from),
+        page.clone(),
+    );
+    let c = PeerClient::new("n2", client_cfg());
+    assert_eq!(
+        c.fetch_listing(&r.addr, &key(), &asked).await.unwrap(),
+        page
+    );
+    let elsewhere = listing::PageRequest {
+        source: "s3://other/train".into(),
+        ..asked.clone()
+    };
+    let e = c
+        .fetch_listing(&r.addr, &key(), &elsewhere)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::NotOwner { .. }), "{e}");
+
+    let pq = format!("/v1/jobs/{JOB}/listing?{}", asked.query());
+    let (status, body) = raw_get(&r.addr, &pq, &[]).await;
+    assert_eq!(status, 401);
+    assert!(!contains(&body, MARK), "a listing in a refusal");
+    let now = now_secs();
+    let (status, body) = raw_get(&r.addr, &pq, &signed_headers(&key(), &pq, "n9", now)).await;
+    assert_eq!(status, 403);
+    assert!(!contains(&body, MARK), "a listing in a refusal");
+    let forged = ClusterSecret::from_bytes([9u8; 32]).job_key(JOB, &names(&["n1", "n2"]));
+    let e = c.fetch_listing(&r.addr, &forged, &asked).await.unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 401, .. }), "{e}");
+    let outsider = PeerClient::new("n9", client_cfg());
+    let e = outsider
+        .fetch_listing(&r.addr, &key(), &asked)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 403, .. }), "{e}");
+
+    // An agent of a release without listings, as 0.1.0 answers a path it does not serve.
+    let old = fake_server(|_| {
+        b"HTTP/1.1 404 Not Found\r\ncontent-length: 16\r\n\r\nno such resource".to_vec()
+    })
+    .await;
+    let t = tokio::time::Instant::now();
+    let e = c.fetch_listing(&old, &key(), &asked).await.unwrap_err();
+    assert!(matches!(e, PeerError::Refused { status: 404, .. }), "{e}");
+    assert!(t.elapsed() < client_cfg().join_grace, "{:?}", t.elapsed());
 }

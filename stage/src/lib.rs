@@ -12,8 +12,9 @@
 //! - With `[peer]`, a multi-node job's datasets are shared by its nodes ([`peers`]): each
 //!   `peer.unit_size` range of each object (or POSIX file, read by each node's helper as the job
 //!   user: [`posix`]) is read from the origin by one owner node and fetched from it by the others
-//!   as it arrives, so the origin serves each byte once per job. Every node still lists the
-//!   dataset itself (metadata only) and ends with the whole dataset; a fetched unit's bytes stream
+//!   as it arrives, so the origin serves each byte once per job. An object-store dataset is
+//!   listed once per job too: one node lists it and the others take its listing
+//!   ([`peers::listing`]). Every node ends with the whole dataset; a fetched unit's bytes stream
 //!   through the same [`Budget`] buffers as an origin read's.
 //! - With `[cache]`, an object the node's cache holds (same URL, ETag, size) is copied from it,
 //!   and every object read is written into a new entry from the same buffers ([`crate::cache`]).

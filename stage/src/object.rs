@@ -11,6 +11,7 @@
 //! as usual.
 
 use super::peers::NextStep;
+use super::peers::listing::{Listed, Listing};
 use super::resume::{self, DatasetLog};
 use super::shard::{ShardManifest, ShardPlan};
 use super::sink::{HashingSink, PeerUnit, WriteAt};
@@ -77,7 +78,7 @@ pub fn map_key(prefix: &str, key: &str) -> KeyPath {
 }
 
 /// The store's error as the job will show it, decided from its kind (never its text).
-fn origin_error(source: &str, e: object_store::Error) -> StageError {
+pub(crate) fn origin_error(source: &str, e: object_store::Error) -> StageError {
     let dataset = source.to_string();
     // A key with '.' or '..' segments is the dataset's problem, whatever the store says.
     if let object_store::Error::InvalidPath { .. } = e {
@@ -915,47 +916,52 @@ pub(super) async fn stage(
     }
 
     // A prefix may name one object rather than a "directory": then NAME is that file.
-    if !prefix.is_empty() {
-        match store.head(&ObjPath::from(prefix)).await {
-            Ok(meta) => {
-                if let Some(plan) = shard {
-                    if let Some(m) = manifest.as_mut() {
-                        m.add(plan, spec.name.clone(), meta.size);
-                    }
-                    if !plan.owns(&spec.name) {
-                        progress.files_total.store(0, Ordering::Relaxed);
-                        progress.bytes_total.store(0, Ordering::Relaxed);
-                        return write_manifest(ctx, &fetcher, manifest).await;
-                    }
+    let listed = Listing::open(
+        store.clone(),
+        prefix,
+        &source,
+        &spec.name,
+        fetcher.peers.clone(),
+    )
+    .await?;
+    let mut listing = match listed {
+        Listed::Objects(listing) => listing,
+        Listed::Single(meta) => {
+            if let Some(plan) = shard {
+                if let Some(m) = manifest.as_mut() {
+                    m.add(plan, spec.name.clone(), meta.size);
                 }
-                progress.files_total.store(1, Ordering::Relaxed);
-                progress.bytes_total.store(meta.size, Ordering::Relaxed);
-                progress.set_state(StageState::Copying);
-                let staged = Staged::new(fd.clone(), name.clone(), 0, &meta);
-                let staged = match fetcher.resume(&fd, &name, &name, &meta, staged).await {
-                    Ok(()) => return write_manifest(ctx, &fetcher, manifest).await,
-                    Err(staged) => staged,
-                };
-                let (shared_tier, size) = (fetcher.shared_tier.clone(), meta.size);
-                let file = blocking(move || {
-                    new_file(&fd, &name, size, owner, shared_tier.as_deref(), replace)
-                })
-                .await
-                .map_err(|(errno, detail)| fetcher.hot_error(&spec.name, errno, detail))?;
-                let path = spec.name.clone();
-                fetcher
-                    .clone()
-                    .fill_and_log(file, &spec.name, path, meta, staged)
-                    .await?;
-                if let Some(log) = &fetcher.log {
-                    log.finish().await;
+                if !plan.owns(&spec.name) {
+                    progress.files_total.store(0, Ordering::Relaxed);
+                    progress.bytes_total.store(0, Ordering::Relaxed);
+                    return write_manifest(ctx, &fetcher, manifest).await;
                 }
-                return write_manifest(ctx, &fetcher, manifest).await;
             }
-            Err(object_store::Error::NotFound { .. }) => {}
-            Err(e) => return Err(origin_error(&source, e)),
+            progress.files_total.store(1, Ordering::Relaxed);
+            progress.bytes_total.store(meta.size, Ordering::Relaxed);
+            progress.set_state(StageState::Copying);
+            let staged = Staged::new(fd.clone(), name.clone(), 0, &meta);
+            let staged = match fetcher.resume(&fd, &name, &name, &meta, staged).await {
+                Ok(()) => return write_manifest(ctx, &fetcher, manifest).await,
+                Err(staged) => staged,
+            };
+            let (shared_tier, size) = (fetcher.shared_tier.clone(), meta.size);
+            let file = blocking(move || {
+                new_file(&fd, &name, size, owner, shared_tier.as_deref(), replace)
+            })
+            .await
+            .map_err(|(errno, detail)| fetcher.hot_error(&spec.name, errno, detail))?;
+            let path = spec.name.clone();
+            fetcher
+                .clone()
+                .fill_and_log(file, &spec.name, path, meta, staged)
+                .await?;
+            if let Some(log) = &fetcher.log {
+                log.finish().await;
+            }
+            return write_manifest(ctx, &fetcher, manifest).await;
         }
-    }
+    };
 
     let shared_tier = ctx.shared_tier.is_some();
     let root = blocking(move || {
@@ -969,8 +975,6 @@ pub(super) async fn stage(
     .await
     .map(Arc::new)
     .map_err(|e| fetcher.safefs_error(&spec.name, e))?;
-    let list_prefix = (!prefix.is_empty()).then(|| ObjPath::from(prefix));
-    let mut listing = store.list(list_prefix.as_ref());
     let mut tasks: JoinSet<Result<(), StageError>> = JoinSet::new();
     let (mut files, mut bytes, mut bad, mut example) = (0u64, 0u64, 0u64, String::new());
     // Files of the dataset, this node's or not (a shard node may own none of them).
@@ -978,7 +982,7 @@ pub(super) async fn stage(
     // Objects waiting for a download slot; bounds the tasks (and listing read-ahead) in memory.
     let max_pending = ctx.cfg.stage.concurrency * 4;
     while let Some(item) = listing.next().await {
-        let meta = item.map_err(|e| origin_error(&source, e))?;
+        let meta = item?;
         let parts = match map_key(prefix, meta.location.as_ref()) {
             KeyPath::File(parts) => parts,
             KeyPath::DirMarker => continue,

@@ -48,6 +48,7 @@ use nix::sys::stat::{Mode, SFlag, fstat};
 use sluice_core::config::{Config, PeerConfig};
 use sluice_core::rt::{blocking, lock};
 use sluice_core::safefs;
+use sluice_peer::listing::PageRequest;
 use sluice_peer::{
     CachedObject, ClientConfig, ClusterSecret, HashFrom, JobKey, PeerClient, PeerError, PeerRebind,
     PeerServer, PeerService, PeerWorker, ServerConfig, Unit, UnitData, UnitError, UnitSink,
@@ -263,6 +264,7 @@ impl NodePeers {
                 listing: shared_work,
                 closed: None,
                 lost: BTreeMap::new(),
+                listings: HashMap::new(),
                 no_cache: BTreeMap::new(),
                 notes: BTreeMap::new(),
             }),
@@ -498,6 +500,9 @@ struct State {
     closed: Option<String>,
     /// Nodes routed around, and why.
     lost: BTreeMap<String, String>,
+    /// The job's object-store datasets as this node listed them or was passed their listing, by
+    /// name: what it answers the job's other nodes' page requests from ([`listing`]).
+    listings: HashMap<String, listing::Book>,
     /// Nodes whose cache is not asked any more (no answer in time, an old agent, a bad answer),
     /// and why; their units are still fetched from them.
     no_cache: BTreeMap<String, String>,
@@ -871,6 +876,9 @@ impl JobPeers {
         if st.closed.is_none() {
             st.closed = Some(why.to_string());
         }
+        for book in st.listings.values_mut() {
+            book.close(why);
+        }
         for object in st.objects.values_mut() {
             for slot in &mut object.units {
                 if matches!(slot.1, Held::Pending) {
@@ -976,6 +984,10 @@ impl UnitSource for JobPeers {
             from,
             body: slices,
         })
+    }
+
+    async fn listing_page(&self, asked: &PageRequest) -> Result<Bytes, UnitError> {
+        self.wait_page(asked).await
     }
 
     fn has_cache(&self) -> bool {
@@ -1153,5 +1165,6 @@ impl Drop for DatasetDone {
     }
 }
 
+pub(crate) mod listing;
 #[cfg(test)]
 pub(crate) mod tests;

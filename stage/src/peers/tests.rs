@@ -29,6 +29,9 @@ pub(crate) struct CountingStore {
     pub(crate) served: AtomicU64,
     pub(crate) gets: AtomicU64,
     pub(crate) stall_after: AtomicU64,
+    /// Listings and `HEAD`s asked of it (the listing's metadata requests).
+    pub(crate) lists: AtomicU64,
+    pub(crate) heads: AtomicU64,
 }
 
 impl CountingStore {
@@ -38,6 +41,8 @@ impl CountingStore {
             served: AtomicU64::new(0),
             gets: AtomicU64::new(0),
             stall_after: AtomicU64::new(u64::MAX),
+            lists: AtomicU64::new(0),
+            heads: AtomicU64::new(0),
         }
     }
 
@@ -86,6 +91,9 @@ impl ObjectStore for CountingStore {
         options: GetOptions,
     ) -> object_store::Result<GetResult> {
         let head = options.head;
+        if head {
+            self.heads.fetch_add(1, Ordering::SeqCst);
+        }
         if !head
             && self.gets.fetch_add(1, Ordering::SeqCst) >= self.stall_after.load(Ordering::SeqCst)
         {
@@ -110,6 +118,7 @@ impl ObjectStore for CountingStore {
         &self,
         prefix: Option<&ObjPath>,
     ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.lists.fetch_add(1, Ordering::SeqCst);
         self.inner.list(prefix)
     }
 
@@ -257,28 +266,45 @@ async fn stage_all(nodes: &[&Node], store: &Arc<CountingStore>) -> Vec<Arc<JobPe
 
 /// [`stage_all`], node `i` listing and reading `stores[i]`.
 async fn stage_each(nodes: &[&Node], stores: &[&Arc<CountingStore>]) -> Vec<Arc<JobPeers>> {
-    let runs = nodes.iter().zip(stores).map(|(n, store)| {
-        let store = (*store).clone() as Arc<dyn ObjectStore>;
-        async move {
-            let peers = join_job(n);
-            let spec = spec();
-            let run = crate::object::stage(
-                &n.ctx,
-                &spec,
-                store,
-                "ds",
-                n.progress.clone(),
-                Some(peers.clone()),
-                None,
-            );
-            let r = tokio::time::timeout(Duration::from_secs(60), run)
-                .await
-                .unwrap_or_else(|_| panic!("{} did not finish staging", n.name));
-            peers.close("done");
-            r.unwrap_or_else(|e| panic!("{} could not stage: {e:?}", n.name));
-            peers
-        }
-    });
+    stage_each_from(nodes, stores, &vec![spec(); nodes.len()]).await
+}
+
+/// [`stage_each`], node `i` staging `specs[i]` (a node that names another source for the dataset
+/// than the job's lister is not passed its listing: it lists `stores[i]` itself).
+async fn stage_each_from(
+    nodes: &[&Node],
+    stores: &[&Arc<CountingStore>],
+    specs: &[StageSpec],
+) -> Vec<Arc<JobPeers>> {
+    let runs = nodes
+        .iter()
+        .zip(stores)
+        .zip(specs)
+        .map(|((n, store), spec)| {
+            let store = (*store).clone() as Arc<dyn ObjectStore>;
+            async move {
+                let peers = join_job(n);
+                let spec = spec.clone();
+                let sluice_proto::options::Source::Object { prefix, .. } = &spec.source else {
+                    panic!("an object-store dataset")
+                };
+                let run = crate::object::stage(
+                    &n.ctx,
+                    &spec,
+                    store,
+                    prefix,
+                    n.progress.clone(),
+                    Some(peers.clone()),
+                    None,
+                );
+                let r = tokio::time::timeout(Duration::from_secs(60), run)
+                    .await
+                    .unwrap_or_else(|_| panic!("{} did not finish staging", n.name));
+                peers.close("done");
+                r.unwrap_or_else(|e| panic!("{} could not stage: {e:?}", n.name));
+                peers
+            }
+        });
     futures::future::join_all(runs).await
 }
 
@@ -369,14 +395,112 @@ async fn three_nodes_read_the_origin_once_and_each_ends_with_the_whole_dataset()
     // Each node read its own share and took the rest from the others.
     assert_eq!(counts.iter().map(|c| c.0).sum::<u64>(), total);
     assert_each_read_some_and_took_the_rest(&nodes, &counts);
+    assert_eq!(
+        (
+            store.heads.load(Ordering::SeqCst),
+            store.lists.load(Ordering::SeqCst)
+        ),
+        (1, 1),
+        "one node asked whether the dataset is one object, and listed it; the others took its listing"
+    );
     stop(&nodes);
 }
 
-/// An object overwritten while the job's nodes listed the dataset: n1 listed the old version,
-/// n2 and n3 the new one (same size, other bytes, another ETag; both versions still readable, as
-/// in a versioned bucket or while the overwrite settles). The nodes never exchange that object's
-/// units: every node ends with the version it listed, whole — no file mixes ranges of both — and
-/// the rest of the dataset is still read from the origin once in all.
+/// The node the dataset's listing is taken from.
+fn lister() -> String {
+    let nodes = job_nodes();
+    nodes[sluice_peer::owner_of("\0listing/ds", &nodes)].clone()
+}
+
+/// A dataset of more objects than a listing page holds: one listing pass in all, and the pages
+/// the other nodes take hold every object once (each node ends with the whole dataset).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dataset_of_many_pages_is_listed_once_per_job() {
+    let files: BTreeMap<String, Vec<u8>> = (0..super::listing::PAGE_OBJECTS as u32 * 2 + 17)
+        .map(|i| (format!("f/{i:05}"), i.to_le_bytes().to_vec()))
+        .collect();
+    let store = CountingStore::holding(&files).await;
+    let nodes = three_nodes().await;
+    let all: Vec<&Node> = nodes.iter().collect();
+    stage_all(&all, &store).await;
+    assert_identical(&all, &files);
+    assert_eq!(store.lists.load(Ordering::SeqCst), 1);
+    assert_eq!(store.served.load(Ordering::SeqCst), dataset_bytes(&files));
+    stop(&nodes);
+}
+
+/// The node that would list the dataset has no agent: the others route around it, the next node
+/// of the hash lists the origin, once, and passes its listing on; every node still ends with the
+/// whole dataset and the job's output says which node was routed around.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lister_without_an_agent_is_routed_around_and_the_origin_still_listed_once() {
+    let (store, files) = origin().await;
+    let (ls, addrs) = listeners().await;
+    let dead = lister();
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().into_iter().zip(ls) {
+        if name != dead {
+            nodes.push(node(&name, l, &addrs).await);
+        }
+    }
+    let two: Vec<&Node> = nodes.iter().collect();
+    for peers in stage_all(&two, &store).await {
+        let notes = peers.notes();
+        assert!(
+            notes.len() == 1
+                && notes[0].contains(&format!("node {dead}'s agent could not be used")),
+            "{notes:?}"
+        );
+    }
+    assert_identical(&two, &files);
+    assert_eq!(
+        (
+            store.heads.load(Ordering::SeqCst),
+            store.lists.load(Ordering::SeqCst)
+        ),
+        (1, 1)
+    );
+    assert_eq!(store.served.load(Ordering::SeqCst), dataset_bytes(&files));
+}
+
+/// A dataset named by one object's key: one `HEAD` per job and no listing; every node stages that
+/// object under the dataset's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_one_object_dataset_is_looked_up_once_per_job() {
+    let (store, files) = origin().await;
+    let nodes = three_nodes().await;
+    let all: Vec<&Node> = nodes.iter().collect();
+    let one = parse_stage_entry("ds=s3://b/ds/big.bin").unwrap();
+    stage_each_from(&all, &[&store; 3], &[one.clone(), one.clone(), one]).await;
+    for n in &nodes {
+        assert!(
+            std::fs::read(n.dir.path().join("ds")).unwrap() == files["big.bin"],
+            "{}'s copy of big.bin",
+            n.name
+        );
+    }
+    assert_eq!(
+        (
+            store.heads.load(Ordering::SeqCst),
+            store.lists.load(Ordering::SeqCst)
+        ),
+        (1, 0)
+    );
+    assert_eq!(
+        store.served.load(Ordering::SeqCst),
+        files["big.bin"].len() as u64
+    );
+    stop(&nodes);
+}
+
+/// An object overwritten while the job's nodes listed the dataset each for itself (as nodes do
+/// when the job's lister cannot pass its listing on, see [`listing`](super::listing); here n1
+/// names the dataset's source otherwise, so the lister does not answer it, nor it the others): n1
+/// listed the old version, n2 and n3 the new one (same size, other bytes, another ETag; both
+/// versions still readable, as in a versioned bucket or while the overwrite settles). The nodes
+/// never exchange that object's units: every node ends with the version it listed, whole — no
+/// file mixes ranges of both — and the rest of the dataset is still read from the origin once in
+/// all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nodes_that_listed_two_versions_of_an_object_never_mix_them() {
     let (old, files) = origin().await;
@@ -399,7 +523,9 @@ async fn nodes_that_listed_two_versions_of_an_object_never_mix_them() {
 
     let nodes = three_nodes().await;
     let all: Vec<&Node> = nodes.iter().collect();
-    stage_each(&all, &[&old, &new, &new]).await;
+    let elsewhere = parse_stage_entry("ds=s3://b-old/ds").unwrap();
+    stage_each_from(&all, &[&old, &new, &new], &[elsewhere, spec(), spec()]).await;
+    assert_eq!(old.lists.load(Ordering::SeqCst), 1, "n1 listed its origin");
     assert_identical(&all[..1], &files);
     assert_identical(&all[1..], &new_files);
     // Every other object's bytes crossed the origin once. Of the object of two versions, n1 read
