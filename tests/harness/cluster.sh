@@ -636,6 +636,7 @@ write_env_file() {
 # Written by tests/harness/cluster.sh up; read by the end-to-end tests (tests/tests/common/cluster.rs).
 SLUICE_TEST_PLUGIN='$plugin'
 SLUICE_TEST_AGENTS='$agents'
+SLUICE_TEST_PREVIOUS_NODES='${SLUICE_PREVIOUS_NODES:-}'
 SLUICE_TEST_NODES='${NODES[*]}'
 SLUICE_TEST_USER='$TEST_USER'
 SLUICE_TEST_OTHER_USER='$OTHER_USER'

@@ -29,7 +29,7 @@ PREVIOUS_RELEASE=8e8f7d9896e4e6e3dffb95758344fd43c043473d
 PREVIOUS_DIR=/opt/sluice-test/previous-$PREVIOUS_RELEASE
 # The end-to-end core that must pass on every Slurm release (run-e2e-slurm.sh) and with agents of two
 # releases in one job (run-e2e-mixed.sh): the options in sbatch --help and submit-time refusals;
-# stage-in from S3, Azure and POSIX on 3 nodes; peers (the origin read once per job); a checkpoint
+# stage-in from S3, Azure and POSIX on 3 nodes; peers (the origin listed and read once per job); a checkpoint
 # committed on 3 nodes and restored, and a restore through the peers; step staging; user errors that
 # fail the job and leave every node idle; cancellation; a plain job untouched; another user refused.
 E2E_CORE_TESTS=(
@@ -39,7 +39,7 @@ E2E_CORE_TESTS=(
   stage_in::stage_s3_prefix_to_three_nodes
   stage_in::stage_azure_prefix_to_three_nodes
   stage_in::stage_posix_directory_to_three_nodes
-  aggregation::aggregation_replicate_from_s3_reads_the_origin_once
+  aggregation::aggregation_replicate_from_s3_lists_and_reads_the_origin_once
   ckpt::ckpt_round_trip_three_nodes_garage
   aggregation::aggregation_restore_reads_the_archive_once
   step_staging::srun_stage_in_adds_a_dataset_to_the_jobs_own

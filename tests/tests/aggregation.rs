@@ -125,11 +125,13 @@ fn byte_sources(cluster: &Cluster, job: &Job, ds: &Dataset) -> Vec<(u64, u64)> {
 // --------------------------------------------------------------------------------------- tests
 
 /// A 3-node replicate job from S3: every node has the whole dataset, and the origin served it
-/// about once (≤ 1.02×; without peers it is 3×), counted at the origin. Each node read a share of
-/// it from the origin and took the rest from the other nodes, and `sluice job` in the job says so.
+/// about once (≤ 1.02×; without peers it is 3×), counted at the origin. The origin was asked for
+/// one listing pass and one `HEAD` in all (before, one of each per node): one node listed the
+/// dataset and passed the listing on. Each node read a share of it from the origin and took the
+/// rest from the other nodes, and `sluice job` in the job says so.
 #[test]
 #[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
-fn aggregation_replicate_from_s3_reads_the_origin_once() {
+fn aggregation_replicate_from_s3_lists_and_reads_the_origin_once() {
     let (cluster, ds, prefix) = s3_dataset("aggregation-replicate", true, "datasets-relayed");
     let relay = cluster.origin_relay();
 
@@ -143,11 +145,23 @@ fn aggregation_replicate_from_s3_reads_the_origin_once() {
 
     let served = relay.served();
     let ratio = served as f64 / ds.bytes as f64;
+    let asked = relay.requests();
     eprintln!(
         "[aggregation] 3-node replicate of {} bytes: the origin served {served} bytes ({ratio:.4}x) \
-         in {:.1} s",
+         in {:.1} s; requests: {asked:?}",
         ds.bytes,
         started.elapsed().as_secs_f64()
+    );
+    // The dataset holds fewer objects than a listing page: one pass is one listing request.
+    let passes = listing_passes(&cluster, "train");
+    assert_eq!(
+        (asked.lists, asked.heads, asked.unframed),
+        (passes, passes, 0),
+        "the origin was asked for {} listings and {} HEADs of the dataset: {passes} node(s) should \
+         list it for the job's three\n{}",
+        asked.lists,
+        asked.heads,
+        cluster.evidence(&job)
     );
     assert!(
         served >= ds.bytes,

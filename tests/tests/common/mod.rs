@@ -29,6 +29,27 @@ pub use trees::*;
 /// whose plugin is not upgraded yet sees.
 pub const OPTIONS_SINCE_PREVIOUS: &[&str] = &[sluice_proto::options::names::CKPT_REPLICAS];
 
+/// How many listing passes the origin gets for dataset `name` of a job on every node of
+/// `cluster`: one, the lister's. In a rolling upgrade (`run-e2e-mixed.sh`) each agent of the
+/// previous release lists for itself, and this tree's agents list once between them, or each for
+/// itself when the node that lists for the job runs the previous release (it answers them "no such
+/// resource").
+pub fn listing_passes(cluster: &Cluster, name: &str) -> u64 {
+    let previous: Vec<&str> = cluster
+        .var("SLUICE_TEST_PREVIOUS_NODES")
+        .split_whitespace()
+        .collect();
+    let mut nodes = cluster.nodes.clone();
+    nodes.sort();
+    let lister = &nodes[sluice_peer::owner_of(&format!("\0listing/{name}"), &nodes)];
+    let (old, new) = (previous.len() as u64, (nodes.len() - previous.len()) as u64);
+    match (old, previous.contains(&lister.as_str())) {
+        (0, _) => 1,
+        (_, true) => old + new,
+        (_, false) => old + 1,
+    }
+}
+
 /// Whether the cluster's plugin is the previous release's ([`OPTIONS_SINCE_PREVIOUS`]).
 pub fn plugin_is_previous() -> bool {
     std::env::var_os("SLUICE_E2E_PREVIOUS_PLUGIN").is_some_and(|v| v == "1")
