@@ -63,6 +63,7 @@ async fn nodes(running: &[&str], src: &Path) -> Vec<Node> {
         user: user_name(),
         helper_exe: env!("CARGO_BIN_EXE_sluiced").into(),
         spec: spec(src),
+        peer_more: "",
     };
     let mut out = Vec::new();
     for (name, l) in job_nodes().iter().zip(ls) {

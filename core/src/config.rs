@@ -96,6 +96,8 @@ struct RawPeer {
     addr: Option<String>,
     connect_timeout: Option<String>,
     read_timeout: Option<String>,
+    fallback_concurrency: Option<usize>,
+    fallback_rate: Option<String>,
     #[serde(default)]
     nodes: BTreeMap<String, String>,
 }
@@ -552,6 +554,11 @@ pub struct PeerConfig {
     pub connect_timeout: Duration,
     /// The longest silence while a unit's bytes arrive.
     pub read_timeout: Duration,
+    /// Origin requests at once, over all of a job's nodes, for units whose owner could not serve
+    /// them (its agent lost, its own read failed): each node takes its share, at least one.
+    pub fallback_concurrency: usize,
+    /// Bytes a second, over all of a job's nodes, of those reads; `None`: not paced.
+    pub fallback_rate: Option<u64>,
     /// `host:port` of a node's agent, `%n` for the node name.
     addr: String,
     /// Addresses of named nodes, taking precedence over `addr`.
@@ -607,6 +614,11 @@ fn peer_config(raw: &RawPeer, node: &str) -> Result<PeerConfig, String> {
             raw.read_timeout.as_deref(),
             Duration::from_secs(30),
         )?,
+        fallback_concurrency: raw.fallback_concurrency.unwrap_or(16),
+        fallback_rate: match size(raw.fallback_rate.as_deref(), 0)? {
+            0 => None,
+            rate => Some(rate),
+        },
         addr,
         nodes: raw.nodes.clone(),
     };
@@ -627,6 +639,18 @@ fn peer_config(raw: &RawPeer, node: &str) -> Result<PeerConfig, String> {
         "peer.unit_size must be between 1MiB and 1GiB",
     )?;
     within(cfg.concurrency, 1..=256, "peer.concurrency must be 1..=256")?;
+    within(
+        cfg.fallback_concurrency,
+        1..=4096,
+        "peer.fallback_concurrency must be 1..=4096",
+    )?;
+    if let Some(rate) = cfg.fallback_rate {
+        within(
+            rate,
+            1 << 20..=1 << 40,
+            "peer.fallback_rate must be between 1MiB and 1TiB (a second), or 0 for no pacing",
+        )?;
+    }
     if cfg.unit_size * cfg.concurrency as u64 > 16 << 30 {
         return Err(format!(
             "peer.unit_size × peer.concurrency is the memory peer transfers may hold on each side and must be at most 16GiB, got {} × {}",

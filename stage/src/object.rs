@@ -650,6 +650,13 @@ impl Fetcher {
                                 .await
                         });
                     }
+                    // Another node's (its agent lost): within the job's fallback budget.
+                    None if peers.is_fallback(&unit) => {
+                        tasks.spawn(async move {
+                            this.unit_from_origin_now(&file, &rel, &location, &unit)
+                                .await
+                        });
+                    }
                     None => {
                         // Piece by piece, each through a budget slot as it frees: a node works on
                         // few units at a time and finishes them in turn (see `UnitPieces`).
@@ -816,8 +823,10 @@ impl Fetcher {
         self.unit_from_origin_now(file, rel, location, &unit).await
     }
 
-    /// GETs `unit`, which this node now reads from the origin after a peer failed it, in one
-    /// request once a budget slot is free, and tells the job's peers this node holds it.
+    /// GETs `unit`, which this node now reads from the origin after a peer failed it (or its
+    /// cache did not have it), in one request once a budget slot is free, and tells the job's peers
+    /// this node holds it. Another node's unit waits for the job's fallback budget first
+    /// ([`JobPeers::fallback`]).
     async fn unit_from_origin_now(
         &self,
         file: &Arc<Dest>,
@@ -825,6 +834,8 @@ impl Fetcher {
         location: &ObjPath,
         unit: &Unit,
     ) -> Result<(), StageError> {
+        let peers = self.peers.as_ref().expect("a shared dataset has peers");
+        let _fallback = peers.fallback(unit).await;
         let lease = self.budget.lease().await;
         // One request: a fallback, not the owner's pipelined reads.
         let whole = UnitPieces::new(unit.len, unit.len.max(1024).next_power_of_two());

@@ -245,6 +245,7 @@ impl NodePeers {
             return None;
         }
         let (changed, _) = watch::channel(0);
+        let fallback = fallback::Fallback::new(&self.cfg, nodes.len());
         let peers = Arc::new(JobPeers {
             job,
             node: self.node.clone(),
@@ -269,6 +270,7 @@ impl NodePeers {
                 notes: BTreeMap::new(),
             }),
             changed,
+            fallback,
         });
         self.server
             .register(job, &peers.nodes, peers.clone() as Arc<dyn UnitSource>);
@@ -547,6 +549,8 @@ pub struct JobPeers {
     state: Mutex<State>,
     /// Bumped on every change of `state` that a waiting request may care about.
     changed: watch::Sender<u64>,
+    /// This node's share of the job's budget for origin reads of other nodes' units.
+    fallback: fallback::Fallback,
 }
 
 impl std::fmt::Debug for JobPeers {
@@ -736,6 +740,7 @@ impl JobPeers {
         if node == self.node || !first_reason(&mut lock(&self.state).lost, node, why) {
             return;
         }
+        self.reshare_fallback();
         tracing::warn!(
             job_id = self.job,
             "peer {node} is routed around for the rest of the job: {why}"
@@ -1165,6 +1170,7 @@ impl Drop for DatasetDone {
     }
 }
 
+mod fallback;
 pub(crate) mod listing;
 #[cfg(test)]
 pub(crate) mod tests;

@@ -32,6 +32,12 @@ pub(crate) struct CountingStore {
     /// Listings and `HEAD`s asked of it (the listing's metadata requests).
     pub(crate) lists: AtomicU64,
     pub(crate) heads: AtomicU64,
+    /// How long each GET of an object's bytes takes.
+    pub(crate) delay: std::sync::Mutex<Duration>,
+    /// GETs of these locations in flight now, and the most there were at once.
+    pub(crate) watched: std::sync::Mutex<std::collections::HashSet<String>>,
+    pub(crate) watched_now: AtomicU64,
+    pub(crate) watched_max: AtomicU64,
 }
 
 impl CountingStore {
@@ -43,6 +49,10 @@ impl CountingStore {
             stall_after: AtomicU64::new(u64::MAX),
             lists: AtomicU64::new(0),
             heads: AtomicU64::new(0),
+            delay: std::sync::Mutex::new(Duration::ZERO),
+            watched: Default::default(),
+            watched_now: AtomicU64::new(0),
+            watched_max: AtomicU64::new(0),
         }
     }
 
@@ -98,6 +108,18 @@ impl ObjectStore for CountingStore {
             && self.gets.fetch_add(1, Ordering::SeqCst) >= self.stall_after.load(Ordering::SeqCst)
         {
             std::future::pending::<()>().await;
+        }
+        let watched = !head && sluice_core::rt::lock(&self.watched).contains(location.as_ref());
+        if watched {
+            let now = self.watched_now.fetch_add(1, Ordering::SeqCst) + 1;
+            self.watched_max.fetch_max(now, Ordering::SeqCst);
+        }
+        let delay = *sluice_core::rt::lock(&self.delay);
+        if !head && !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if watched {
+            self.watched_now.fetch_sub(1, Ordering::SeqCst);
         }
         let r = self.inner.get_opts(location, options).await?;
         if !head {
@@ -178,12 +200,23 @@ use peer_nodes::{
 /// (a test may route one peer through a relay). Units of 2 MiB; the object stager copies no
 /// files as the user, so there is no helper.
 async fn node(name: &str, listener: TcpListener, addrs: &BTreeMap<String, String>) -> Node {
+    node_with(name, listener, addrs, "").await
+}
+
+/// [`node`] with more `[peer]` settings.
+async fn node_with(
+    name: &str,
+    listener: TcpListener,
+    addrs: &BTreeMap<String, String>,
+    peer_more: &'static str,
+) -> Node {
     let setup = Setup {
         unit_size: "2MiB",
         owner: me(),
         user: "me".into(),
         helper_exe: "/bin/false".into(),
         spec: spec(),
+        peer_more,
     };
     peer_nodes::node(name, listener, addrs, &setup).await
 }
@@ -638,6 +671,50 @@ async fn a_node_without_an_agent_is_routed_around_and_the_origin_still_read_once
     }
     assert_identical(&two, &files);
     assert_eq!(store.served.load(Ordering::SeqCst), dataset_bytes(&files));
+}
+
+/// n3's agent is not there and the job's fallback budget is 2 origin requests
+/// (`peer.fallback_concurrency`): n1 and n2 read n3's share of the dataset one request at a time
+/// each, never more than 2 at once at the origin however many slots their own stage budgets have,
+/// and still end with the whole dataset, the origin serving each byte once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_nodes_share_reaches_the_origin_within_the_jobs_fallback_budget() {
+    let files: BTreeMap<String, Vec<u8>> = (0..48u32)
+        .map(|i| (format!("f/{i:03}"), vec![i as u8; 100_000]))
+        .collect();
+    let store = CountingStore::holding(&files).await;
+    *sluice_core::rt::lock(&store.delay) = Duration::from_millis(40);
+    let nodes3 = job_nodes();
+    for rel in files.keys() {
+        let at = ObjPath::from(format!("ds/{rel}"));
+        let etag = store.inner.head(&at).await.unwrap().e_tag;
+        let unit = sluice_peer::Unit::new(
+            sluice_peer::versioned(&format!("ds/{rel}"), etag.as_deref()),
+            0,
+            100_000,
+        );
+        if nodes3[sluice_peer::owner_of(&unit.key(), &nodes3)] == "n3" {
+            sluice_core::rt::lock(&store.watched).insert(at.to_string());
+        }
+    }
+    let n3s = sluice_core::rt::lock(&store.watched).len();
+    assert!(n3s >= 8, "n3 owns {n3s} of the 48 files");
+    let (mut ls, addrs) = listeners().await;
+    drop(ls.pop()); // n3's port: closed
+    let mut nodes = Vec::new();
+    for (name, l) in job_nodes().into_iter().zip(ls) {
+        nodes.push(node_with(&name, l, &addrs, "fallback_concurrency = 2").await);
+    }
+    let two: Vec<&Node> = nodes.iter().collect();
+    stage_all(&two, &store).await;
+    assert_identical(&two, &files);
+    assert_eq!(store.served.load(Ordering::SeqCst), dataset_bytes(&files));
+    let most = store.watched_max.load(Ordering::SeqCst);
+    assert!(
+        (1..=2).contains(&most),
+        "{most} GETs of n3's files at once at the origin; the job's budget is 2"
+    );
+    stop(&nodes);
 }
 
 /// n1 staged the dataset whole before its agent restarted; one of its files was truncated

@@ -42,6 +42,8 @@ pub struct Setup {
     pub helper_exe: PathBuf,
     /// The dataset every node stages.
     pub spec: StageSpec,
+    /// More `[peer]` settings, TOML lines (`""`: none).
+    pub peer_more: &'static str,
 }
 
 /// The test process's own uid and gid: the job's user.
@@ -75,8 +77,8 @@ pub async fn node(
         "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='/h'\n\
          [stage]\nconcurrency = 4\nmemory = '1MiB'\ntimeout = '60s'\n\
          [peer]\nsecret_file = '/nonexistent/peer.key'\nunit_size = '{}'\n\
-         concurrency = 4\nconnect_timeout = '1s'\nread_timeout = '3s'\n[peer.nodes]\n",
-        setup.unit_size
+         concurrency = 4\nconnect_timeout = '1s'\nread_timeout = '3s'\n{}\n[peer.nodes]\n",
+        setup.unit_size, setup.peer_more
     );
     for (n, a) in addrs {
         text.push_str(&format!("{n} = '{a}'\n"));
