@@ -5,7 +5,9 @@
 //! origin's bytes are counted on its side.
 //!
 //! Two measurements:
-//! 1. a second job staging the same big object, and the same small objects (2,000 × 256 KiB): the
+//! 1. a second job staging the same big object, and the same small objects (2,000 × 256 KiB) (on
+//!    the harness's ext4 hot tier with hits copied, again with `[cache] link_hits` where a hit is a
+//!    hard link to the entry, and on an XFS hot tier where a copy is a reflink): the
 //!    share of its bytes the agent placed from the cache (`StageProgress.cache_bytes`), the origin
 //!    bytes during the job ÷ the dataset, and the cold ÷ warm staging time (the stage's
 //!    `elapsed_ms` as the agent reports it; submission to the end of the job in the note). Before
@@ -92,9 +94,16 @@ impl Bench {
         PathBuf::from(self.env("SLUICE_TEST_HOT_ROOT").replace("%n", NODE))
     }
 
-    /// Restarts n1's agent with the harness's configuration plus `[cache] size = SIZE` (an empty
-    /// cache), its hot tier at `hot` (the harness's, or the case's XFS file system).
-    fn start_cached_agent(&self, original: &AgentProc, size: u64, hot: &Path) -> Result<()> {
+    /// Restarts n1's agent with the harness's configuration plus `[cache] size = SIZE` and the
+    /// `[cache]` lines `more` (an empty cache), its hot tier at `hot` (the harness's, or the case's
+    /// XFS file system).
+    fn start_cached_agent(
+        &self,
+        original: &AgentProc,
+        size: u64,
+        hot: &Path,
+        more: &str,
+    ) -> Result<()> {
         let at = 1 + original
             .argv
             .iter()
@@ -107,7 +116,7 @@ impl Bench {
         std::fs::write(
             &config,
             format!(
-                "{text}\n[cache]\nsize = \"{}MiB\"\nhigh_water = 90\nlow_water = 75\nmin_free = 1\n",
+                "{text}\n[cache]\nsize = \"{}MiB\"\nhigh_water = 90\nlow_water = 75\nmin_free = 1\n{more}\n",
                 size / MIB
             ),
         )?;
@@ -283,9 +292,12 @@ impl Bench {
             ));
             let hot = self.harness_hot_root();
             let parts = (|| -> Result<()> {
-                self.start_cached_agent(&original, sizes.hit_cache, &hot)?;
+                self.start_cached_agent(&original, sizes.hit_cache, &hot, "")?;
                 self.cache_hits(r, &relay, &hot, "")?;
-                self.start_cached_agent(&original, sizes.ws_cache, &hot)?;
+                // The same on the same ext4 hot tier, a hit a hard link to the entry.
+                self.start_cached_agent(&original, sizes.hit_cache, &hot, "link_hits = true")?;
+                self.cache_hits(r, &relay, &hot, ", hits linked (link_hits)")?;
+                self.start_cached_agent(&original, sizes.ws_cache, &hot, "")?;
                 self.cache_working_set(r, &relay, &sizes, &hot)?;
                 self.cache_hits_on_xfs(r, &relay, &original, &sizes)
             })();
@@ -354,7 +366,7 @@ impl Bench {
             hot.display()
         ));
         let measured = self
-            .start_cached_agent(original, sizes.hit_cache, &hot)
+            .start_cached_agent(original, sizes.hit_cache, &hot, "")
             .and_then(|()| self.cache_hits(r, relay, &hot, ", hot tier on XFS"));
         // The agent lets go of the file system before it is unmounted.
         let restored = self.restore_agent(original, &hot);

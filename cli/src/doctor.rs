@@ -112,6 +112,14 @@ pub fn run(opts: &Options) -> anyhow::Result<Vec<Finding>> {
         Some(cfg) => check_hot_tier(cfg, is_root),
         None => not_checked("hot tier"),
     });
+    if cfg
+        .as_ref()
+        .and_then(|c| c.cache.as_ref())
+        .is_some_and(|c| c.link_hits)
+    {
+        let value = std::fs::read_to_string("/proc/sys/fs/protected_hardlinks");
+        out.push(judge_cache_links(value));
+    }
     if let Some(tier) = cfg.as_ref().and_then(|c| c.shared_tier.as_ref()) {
         out.push(check_shared_tier(tier, is_root));
     }
@@ -590,6 +598,36 @@ pub fn judge_hot_tier(
     }
     let fix = (!fixes.is_empty()).then(|| fixes.join("; "));
     Finding::new(check, status, found.join(", "), fix)
+}
+
+/// `[cache] link_hits` links cache entries into jobs' directories: with
+/// `fs.protected_hardlinks` off, a job user could link an entry (root's, read-only) to a place of
+/// their own on the hot tier's file system and keep it past the job.
+pub fn judge_cache_links(protected_hardlinks: io::Result<String>) -> Finding {
+    let check = "cache links";
+    let fix = "sysctl -w fs.protected_hardlinks=1, and keep it in /etc/sysctl.d (Linux's default)";
+    match protected_hardlinks.as_deref().map(str::trim) {
+        Ok("1") => Finding::new(
+            check,
+            Status::Pass,
+            "[cache] link_hits with fs.protected_hardlinks = 1: a job user cannot link the cache's entries anywhere else".into(),
+            None,
+        ),
+        Ok(v) => Finding::new(
+            check,
+            Status::Warn,
+            format!(
+                "[cache] link_hits with fs.protected_hardlinks = {v}: a job user can link a cache entry it was given to a directory of their own on the hot tier's file system and keep it after the job"
+            ),
+            Some(fix.into()),
+        ),
+        Err(e) => Finding::new(
+            check,
+            Status::Warn,
+            format!("[cache] link_hits: fs.protected_hardlinks unknown ({e})"),
+            Some(fix.into()),
+        ),
+    }
 }
 
 // ---- 7. shared tier ---------------------------------------------------------------------------

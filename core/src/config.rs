@@ -74,6 +74,7 @@ struct RawCache {
     high_water: Option<u8>,
     low_water: Option<u8>,
     min_free: Option<u8>,
+    link_hits: Option<bool>,
 }
 
 /// `[metrics]`: the Prometheus endpoint; off without the section.
@@ -447,6 +448,9 @@ pub struct CacheConfig {
     /// Percent of the hot tier's file system the cache always leaves free (for staging and
     /// checkpoints): a fill that would take it below evicts, or is not cached.
     pub min_free: u8,
+    /// A hit of a job that stages alone on the node's hot tier is a hard link to the entry, made
+    /// read-only and root's, rather than a copy (`stage::cache`).
+    pub link_hits: bool,
 }
 
 /// How large the cache may grow.
@@ -497,6 +501,7 @@ fn cache_config(raw: &RawCache) -> Result<CacheConfig, String> {
         high_water: raw.high_water.unwrap_or(90),
         low_water: raw.low_water.unwrap_or(75),
         min_free: raw.min_free.unwrap_or(5),
+        link_hits: raw.link_hits.unwrap_or(false),
     };
     within(
         c.high_water,
@@ -1429,6 +1434,13 @@ mod tests {
         assert_eq!(p.addr_of("n9"), "n9:7070", "other nodes by the %n pattern");
         assert_eq!((p.unit_size, p.concurrency), (16 << 20, 8));
         assert_eq!(p.read_timeout, Duration::from_secs(30));
+        assert_eq!((p.fallback_concurrency, p.fallback_rate), (16, None));
+        let c = base_with("[peer]\nfallback_concurrency=4\nfallback_rate='200MiB'\n").unwrap();
+        let p = c.peer.unwrap();
+        assert_eq!(
+            (p.fallback_concurrency, p.fallback_rate),
+            (4, Some(200 << 20))
+        );
         let c = base_with("[peer]\naddr='%n-ib:7000'\nlisten='0.0.0.0:7000'\n").unwrap();
         let p = c.peer.unwrap();
         assert_eq!(
@@ -1451,6 +1463,14 @@ mod tests {
                 "peer.unit_size must be between 1MiB and 1GiB, got 4096",
             ),
             ("concurrency=0", "peer.concurrency must be 1..=256"),
+            (
+                "fallback_concurrency=0",
+                "peer.fallback_concurrency must be 1..=4096",
+            ),
+            (
+                "fallback_rate='4KiB'",
+                "peer.fallback_rate must be between 1MiB",
+            ),
             ("unit_size='1GiB'\nconcurrency=64", "must be at most 16GiB"),
             ("addr='%n'", "peer.addr must be host:port"),
             ("addr='%n:0'", "peer.addr must be host:port"),
@@ -1658,8 +1678,16 @@ mod tests {
                 size: CacheSize::Percent(50),
                 high_water: 90,
                 low_water: 75,
-                min_free: 5
+                min_free: 5,
+                link_hits: false,
             }
+        );
+        assert!(
+            base_with("[cache]\nlink_hits = true\n")
+                .unwrap()
+                .cache
+                .unwrap()
+                .link_hits
         );
         assert_eq!(c.capacity(1000), 500);
         let c = base_with("[cache]\nsize='64MiB'\n").unwrap();

@@ -28,8 +28,9 @@
 //!   served, and an entry of an agent that kept no hash is removed.
 //! - **Verified before it is served** ([`Cache::lookup`], [`Cache::lookup_for_peer`]): an entry's
 //!   bytes are hashed and compared with its fill's hash at its first use in each run of the agent,
-//!   and again whenever its file is not the one last verified (inode, size, mtime, ctime: any
-//!   write to it through the file system, even root's, or its replacement changes them); an entry
+//!   and again whenever its file is not the one last verified (inode, size, mtime: any write to
+//!   it through the file system, even root's, or its replacement changes them; not its ctime,
+//!   which a hard link to it changes, see Linked hits); an entry
 //!   that fails is dropped and the job reads the origin. Not on every hit: a hit on XFS or btrfs
 //!   is a reflink that reads nothing, and hashing the entry each time would make every hit cost a
 //!   full read of the object from the hot tier, for a file only root can write. What this leaves
@@ -44,11 +45,22 @@
 //!   as without a cache). The cache keeps `min_free` of the hot tier free, and gives way to jobs:
 //!   a staging write that finds the hot tier full evicts entries and tries again, and
 //!   housekeeping evicts before it trims checkpoints.
+//! - **Linked hits** (`[cache] link_hits`, off by default). A copy costs a hit the object's bytes
+//!   written again, at disk speed, except on XFS and btrfs where it is a reflink. With
+//!   `link_hits`, a hit of a job that stages alone on this node's hot tier (no peers: they are
+//!   served units from the job's own copy, with hashes a copy takes; not the shared tier, another
+//!   file system) is a hard link to the entry instead ([`Hit::link_into`]), made at metadata
+//!   speed on any file system. The entry is then root's with mode 0444: the job user reads it
+//!   through their link, and may rename or delete their name, but cannot write, truncate or chmod
+//!   it (not the owner), so no job ever changes what the cache serves the next one. The entry's
+//!   directory stays root's 0700: no other user reaches it except through a job's own private
+//!   directory. Evicting it unlinks the cache's name only; the job's copy lives until the job
+//!   ends and its directory is removed. A job that writes into its staged dataset in place gets
+//!   `EACCES` on such a file, which is why the site turns it on.
 //! - **Last use** is the entry's mtime, so the order survives restarts. (The agent sets it on a
 //!   hit, right after verifying, and notes the file as verified as it is then.)
 
 use serde::{Deserialize, Serialize};
-use sluice_archive::FileIdentity;
 use sluice_core::config::{CacheConfig, Config};
 use sluice_core::rt::{lock, now_secs};
 use sluice_core::safefs;
@@ -153,7 +165,7 @@ struct Entry {
     /// Its file as it was when its bytes were last found to hash to `hash` (this run of the
     /// agent): while the file is still that (inode, size, mtime, ctime), it is served without
     /// reading it again.
-    verified: Option<FileIdentity>,
+    verified: Option<Seen>,
     /// Seconds since the epoch.
     last_use: u64,
     /// Jobs copying it out right now.
@@ -328,6 +340,11 @@ impl Cache {
         self.capacity / 100 * u64::from(self.cfg.low_water)
     }
 
+    /// Whether a hit of a job staging alone here is a link to the entry rather than a copy.
+    pub fn links_hits(&self) -> bool {
+        self.cfg.link_hits
+    }
+
     /// Whether a complete entry for `key` is here (not counted as a lookup).
     pub fn contains(&self, key: &Key) -> bool {
         lock(&self.state).entries.contains_key(&key.id())
@@ -398,7 +415,7 @@ impl Cache {
             let t = nix::sys::time::TimeSpec::from(std::time::Duration::from_secs(now_secs()));
             let _ = nix::sys::stat::futimens(hit.file.as_fd(), &t, &t);
             // The agent's own change: the file is still the one just verified.
-            now = now.and_then(|_| FileIdentity::of(&hit.file).ok());
+            now = now.and_then(|_| Seen::of(&hit.file).ok());
         }
         if let Some(e) = lock(&self.state).entries.get_mut(&id) {
             e.verified = now;
@@ -642,6 +659,26 @@ impl Hit {
     }
 }
 
+impl Hit {
+    /// Blocking. Links the entry as `name` in `dir` (the job's copy of it, see the module header,
+    /// Linked hits), making it read-only first: `EEXIST` if the name is taken, `EXDEV` on another
+    /// file system.
+    pub fn link_into(&self, dir: &OwnedFd, name: &str) -> io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        if self.file.metadata()?.permissions().mode() & 0o7777 != 0o444 {
+            nix::sys::stat::fchmod(&self.file, nix::sys::stat::Mode::from_bits_truncate(0o444))?;
+        }
+        nix::unistd::linkat(
+            &self.cache.data,
+            self.id.as_str(),
+            dir,
+            name,
+            nix::fcntl::AtFlags::empty(),
+        )?;
+        Ok(())
+    }
+}
+
 /// Copies `size` bytes of `src` to `dst` through one buffer, hashing each `unit` range.
 fn copy_hashing(src: &File, dst: &File, size: u64, unit: u64) -> io::Result<Vec<blake3::Hash>> {
     let mut buf = vec![0u8; 4 << 20];
@@ -662,6 +699,31 @@ fn copy_hashing(src: &File, dst: &File, size: u64, unit: u64) -> io::Result<Vec<
         }
     }
     Ok(hashes)
+}
+
+/// Which version of an entry's file was last read whole and found right: its inode, size and
+/// mtime. Not its ctime, which a hard link made or removed changes (a job's copy of a linked hit,
+/// made at the hit and removed at the job's end): only root can change an entry's bytes or set its
+/// mtime (the file is root's, read-only or private, in a root-only directory), and a write sets
+/// its mtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Seen {
+    ino: u64,
+    size: u64,
+    mtime_ns: i64,
+}
+
+impl Seen {
+    /// Blocking. The file open as `file`, now (`fstat`).
+    fn of(file: &File) -> io::Result<Seen> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        Ok(Seen {
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+        })
+    }
 }
 
 /// Blocking. The BLAKE3 of the first `size` bytes of `file`, read with `pread` (the file's offset
@@ -685,9 +747,9 @@ fn hash_file(file: &File, size: u64) -> io::Result<blake3::Hash> {
 fn check_bytes(
     file: &File,
     hash: &blake3::Hash,
-    verified: Option<FileIdentity>,
-) -> Result<Option<FileIdentity>, String> {
-    let before = FileIdentity::of(file).map_err(|e| e.to_string())?;
+    verified: Option<Seen>,
+) -> Result<Option<Seen>, String> {
+    let before = Seen::of(file).map_err(|e| e.to_string())?;
     if verified == Some(before) {
         return Ok(Some(before));
     }
@@ -695,7 +757,7 @@ fn check_bytes(
     if got != *hash {
         return Err(format!("its BLAKE3 is {got}, its fill's was {hash}"));
     }
-    Ok(FileIdentity::of(file).ok().filter(|now| *now == before))
+    Ok(Seen::of(file).ok().filter(|now| *now == before))
 }
 
 impl Drop for Hit {
@@ -777,7 +839,7 @@ impl Fill {
     }
 
     /// Returns the BLAKE3 of the entry's bytes and its file's identity once in `data/`.
-    fn publish(&self) -> io::Result<(blake3::Hash, Option<FileIdentity>)> {
+    fn publish(&self) -> io::Result<(blake3::Hash, Option<Seen>)> {
         let file = self.file();
         if file.metadata()?.len() != self.key.size {
             return Err(io::Error::other("not every byte of the object was written"));
@@ -809,7 +871,7 @@ impl Fill {
         nix::fcntl::renameat(&c.fill, self.name.as_str(), &c.data, self.id.as_str())?;
         nix::unistd::fsync(&c.data)?;
         // After the rename, which may set its ctime.
-        Ok((hash, FileIdentity::of(&file).ok()))
+        Ok((hash, Seen::of(&file).ok()))
     }
 }
 

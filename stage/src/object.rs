@@ -252,6 +252,9 @@ impl Fetcher {
             Ok(()) => return Ok(()),
             Err(staged) => staged,
         };
+        if let Some(linked) = self.link_from_cache(&root, &parts, &meta).await {
+            return linked;
+        }
         let (shared_tier, size, replace) = (self.shared_tier.clone(), meta.size, self.replace);
         let file = blocking(move || {
             let (file_name, dirs) = parts
@@ -264,6 +267,56 @@ impl Fetcher {
         .await
         .map_err(|(errno, detail)| self.hot_error(&rel, errno, detail))?;
         self.fill_and_log(file, &rel, path, meta, staged).await
+    }
+
+    /// With `[cache] link_hits`, for a job staging alone on this node's hot tier: links the
+    /// cache's entry of the object as `parts` below `root` (see `cache`, Linked hits). `None`:
+    /// stage it as usual (no such entry, not such a job, or the link could not be made: then the
+    /// usual staging copies it from the cache).
+    async fn link_from_cache(
+        &self,
+        root: &Arc<OwnedFd>,
+        parts: &[String],
+        meta: &ObjectMeta,
+    ) -> Option<Result<(), StageError>> {
+        let cache = self.cache.clone().filter(|c| c.links_hits())?;
+        if self.peers.is_some() || self.shared_tier.is_some() {
+            return None;
+        }
+        let key = Key::of(&self.cfg, &self.bucket_url, meta)?;
+        let rel = parts.join("/");
+        let (root, parts, owner, replace) =
+            (root.clone(), parts.to_vec(), self.owner, self.replace);
+        let linked = blocking(move || {
+            let hit = cache.lookup(&key)?;
+            let (name, dirs) = parts
+                .split_last()
+                .expect("map_key yields at least one component");
+            let dirs: Vec<&str> = dirs.iter().map(String::as_str).collect();
+            let made = safefs::ensure_dirs(&root, &dirs, Some(owner)).and_then(|d| {
+                if replace {
+                    // What the run before an agent restart left there.
+                    safefs::remove_tree(&d, name, owner.into()).and_then(|r| r.all_gone(name))?;
+                }
+                Ok(d)
+            });
+            Some(made.map(|d| (hit.link_into(&d, name), name.clone())))
+        })
+        .await?;
+        match linked {
+            Err(e) => Some(Err(self.safefs_error(&rel, e))),
+            Ok((Ok(()), _)) => {
+                self.progress.file_from_cache(meta.size);
+                Some(Ok(()))
+            }
+            Ok((Err(e), name)) => {
+                tracing::warn!(
+                    "{}: linking the cache's copy of {rel} as {name}: {e}; copying it",
+                    self.source
+                );
+                None
+            }
+        }
     }
 
     /// [`fill`](Self::fill), then notes in the staging log that the file at `path` (below the
@@ -1492,10 +1545,19 @@ mod tests {
 
     /// A fetcher like [`fetcher`], with a cache in `dir`.
     fn cached_fetcher(store: Arc<dyn ObjectStore>, dir: &std::path::Path) -> Arc<Fetcher> {
+        cached_fetcher_with(store, dir, "")
+    }
+
+    /// [`cached_fetcher`] with more `[cache]` settings.
+    fn cached_fetcher_with(
+        store: Arc<dyn ObjectStore>,
+        dir: &std::path::Path,
+        more: &str,
+    ) -> Arc<Fetcher> {
         let cfg = Arc::new(
             sluice_core::config::Config::parse(
                 &format!(
-                    "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='{}'\n[cache]\nsize='16MiB'\nmin_free=0\n",
+                    "[agent]\nsocket='/s'\nstate_dir='/st'\n[hot_tier]\nroot='{}'\n[cache]\nsize='16MiB'\nmin_free=0\n{more}\n",
                     dir.display()
                 ),
                 "n1", sluice_archive::upload_memory)
@@ -1507,6 +1569,78 @@ mod tests {
         f.cache = Some(cache);
         f.cfg = cfg;
         Arc::new(f)
+    }
+
+    /// With `link_hits`, a job's hit is a hard link to the cache's entry: the same file, read-only,
+    /// nothing copied; a miss is still the job user's own copy. Evicting the entry leaves the
+    /// job's copy whole, and a hit after an agent restart replaces what the run before left.
+    #[tokio::test]
+    async fn with_link_hits_a_hit_is_a_read_only_link_to_the_entry() {
+        use std::os::unix::fs::MetadataExt;
+        let store: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 239) as u8).collect();
+        let at = ObjPath::from("ds/x.bin");
+        store.put(&at, data.clone().into()).await.unwrap();
+        let meta = store.head(&at).await.unwrap();
+        let (hot, dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let f = cached_fetcher_with(store.clone(), hot.path(), "link_hits = true");
+        let root = Arc::new(safefs::open_root_dir(dir.path()).unwrap());
+        let stage = |f: &Arc<Fetcher>, parts: &[&str]| {
+            let parts = parts.iter().map(|p| p.to_string()).collect();
+            f.clone().fetch(root.clone(), parts, meta.clone())
+        };
+        stage(&f, &["a"]).await.unwrap();
+        let a = std::fs::metadata(dir.path().join("a")).unwrap();
+        assert_eq!(
+            (a.nlink(), a.mode() & 0o7777),
+            (1, 0o644),
+            "a miss: the user's copy"
+        );
+        stage(&f, &["sub", "b"]).await.unwrap();
+        let b_path = dir.path().join("sub/b");
+        let b = std::fs::metadata(&b_path).unwrap();
+        let entries: Vec<_> = std::fs::read_dir(hot.path().join("cache/data"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| !p.to_string_lossy().ends_with(".meta"))
+            .collect();
+        assert_eq!(entries.len(), 1);
+        let entry = std::fs::metadata(&entries[0]).unwrap();
+        assert_eq!(
+            (b.ino(), b.nlink(), b.mode() & 0o7777, b.uid()),
+            (entry.ino(), 2, 0o444, entry.uid()),
+            "a hit: a read-only link to the entry"
+        );
+        assert_eq!(std::fs::read(&b_path).unwrap(), data);
+        assert_eq!(f.progress.snapshot().cache_bytes, 200_000);
+        let cache = f.cache.clone().unwrap();
+        assert_eq!(cache.stats().hits, 1);
+        // The cache's name goes; the job's copy stays.
+        assert_eq!(cache.evict_prefix("", false).entries, 1);
+        assert_eq!(cache.stats().entries, 0);
+        assert_eq!(std::fs::read(&b_path).unwrap(), data);
+        assert_eq!(std::fs::metadata(&b_path).unwrap().nlink(), 1);
+
+        // A restarted agent's run (`replace`) links over what the run before left: here a copy
+        // (a miss, which filled the cache again).
+        stage(&f, &["c"]).await.unwrap();
+        assert_eq!(std::fs::metadata(dir.path().join("c")).unwrap().nlink(), 1);
+        let mut again =
+            Arc::into_inner(cached_fetcher_with(store, hot.path(), "link_hits = true")).unwrap();
+        again.replace = true;
+        let again = Arc::new(again);
+        again
+            .clone()
+            .fetch(root.clone(), vec!["c".into()], meta)
+            .await
+            .unwrap();
+        let c = std::fs::metadata(dir.path().join("c")).unwrap();
+        assert_eq!(
+            (c.nlink(), c.mode() & 0o7777),
+            (2, 0o444),
+            "linked over the user's copy"
+        );
+        assert_eq!(std::fs::read(dir.path().join("c")).unwrap(), data);
     }
 
     #[tokio::test]

@@ -583,6 +583,125 @@ fn cache_a_users_second_job_reads_the_dataset_from_the_nodes_cache() {
     cluster.assert_job_left_nothing(&third.job, CLEANUP_TIMEOUT);
 }
 
+/// With `[cache] link_hits`, a hit is a hard link to the cache's entry rather than a copy. The
+/// job user's task finds its dataset byte-identical, each file root's and read-only (mode 0444,
+/// two links: its name and the cache's), and cannot write into one in place, truncate it or chmod
+/// it. The other user cannot read it while the job runs, even given its path, nor list the cache.
+/// The job's file is the cache's entry (same inode), the origin served nothing for it, and a third
+/// job still gets the original bytes. The miss before is the user's own copy, as without links.
+#[test]
+#[ignore = "needs the Slurm test cluster: tests/harness/run-e2e.sh"]
+fn cache_linked_hits_are_read_only_and_private_to_the_job() {
+    let (cluster, _agents, relay) = s3_cache("size = \"256MiB\"\nlink_hits = true");
+    let ds = Ds::standard(&cluster, "cache-link", 32 * MIB, SHARED);
+    let (a, b) = (cluster.user.clone(), cluster.other_user.clone());
+    let first = stage_job(&cluster, &relay, &a, "cache-link-1", &ds.url, "");
+    first.assert_got(&cluster, &ds, "the first job");
+    first.assert_miss(&cluster, &ds, "the first job (an empty cache)");
+
+    // The second job's task tries to change its copy, says where it is, and waits for the test.
+    let f = "$SLUICE_STAGE_DIR/ds/big/weights.bin";
+    let then = format!(
+        "stat -c '%u %a %h' \"{f}\" > \"$o/stat\"\n\
+         if printf JOB-WROTE-THIS | dd of=\"{f}\" bs=1 seek=4096 conv=notrunc status=none \
+         2>\"$o/write-err\"; then echo wrote; else echo refused; fi > \"$o/write\"\n\
+         if truncate -s 0 \"{f}\" 2>/dev/null; then echo truncated; else echo refused; fi \
+         > \"$o/truncate\"\n\
+         if chmod u+w \"{f}\" 2>/dev/null; then echo chmodded; else echo refused; fi > \"$o/chmod\"\n\
+         echo \"{f}\" > \"$o/path.new\" && mv \"$o/path.new\" \"$o/path\"\n\
+         while [ ! -e \"$o/go\" ]; do sleep 0.2; done"
+    );
+    let out = out_dir(&cluster, &a, "cache-link-2");
+    let before = relay.served();
+    let job = submit(
+        &cluster,
+        &a,
+        "cache-link-2",
+        &ds.url,
+        &out,
+        &script(&out, &then),
+    );
+    let task = out.join(NODE);
+    cluster.wait_for(
+        "the second job's task to try its copy",
+        JOB_TIMEOUT,
+        Some(&job),
+        || task.join("path").exists(),
+    );
+    let path = fs::read_to_string(task.join("path")).unwrap();
+    let path = path.trim();
+    let theirs = cluster.as_someone(&b, Path::new("/tmp"), "cat", &[path], None);
+    assert!(
+        !theirs.status.success() && theirs.stdout.is_empty(),
+        "{b} read {a}'s linked copy {path} ({} bytes)",
+        theirs.stdout.len()
+    );
+    let ino = fs::metadata(path).unwrap().ino();
+    let in_cache = fs::read_dir(cache_dir(&cluster, NODE).join("data"))
+        .unwrap()
+        .flatten()
+        .any(|e| e.metadata().is_ok_and(|m| m.ino() == ino));
+    assert!(in_cache, "{path} is not one of the cache's entries");
+    fs::write(task.join("go"), "").unwrap();
+    cluster.assert_completes(&job, JOB_TIMEOUT, "the second job");
+    let second = Staged {
+        served: relay.served() - before,
+        progress: stage_progress(&cluster, &job),
+        job,
+        user: a.clone(),
+        out,
+    };
+    second.assert_hit(&cluster, &ds, "the second job");
+    cluster.assert_same_listing(
+        &second.job,
+        &ds.sums,
+        &second.file("sums-ds"),
+        "the second job's linked dataset differs from its source",
+    );
+    assert_eq!(second.file("stat").trim(), "0 444 2", "owner, mode, links");
+    for (what, want) in [
+        ("write", "refused"),
+        ("truncate", "refused"),
+        ("chmod", "refused"),
+    ] {
+        assert_eq!(
+            second.file(what).trim(),
+            want,
+            "the job's {what} of its linked copy (write: {})",
+            second.file("write-err")
+        );
+    }
+    assert!(
+        second.file("write-err").contains("Permission denied"),
+        "{}",
+        second.file("write-err")
+    );
+
+    let third = stage_job(&cluster, &relay, &a, "cache-link-3", &ds.url, "");
+    third.assert_hit(&cluster, &ds, "the third job");
+    cluster.assert_same_listing(
+        &third.job,
+        &ds.sums,
+        &third.file("sums-ds"),
+        "the third job's dataset differs from its source",
+    );
+    for user in [&a, &b] {
+        let ls = cluster.as_someone(
+            user,
+            Path::new("/tmp"),
+            "ls",
+            &["-R", cache_dir(&cluster, NODE).to_str().unwrap()],
+            None,
+        );
+        assert!(
+            !ls.status.success() && ls.stdout.is_empty(),
+            "{user} listed the cache: {}",
+            String::from_utf8_lossy(&ls.stdout)
+        );
+    }
+    cluster.assert_job_left_nothing(&third.job, CLEANUP_TIMEOUT);
+}
+
 /// Authorisation on every hit. A dataset below the shared prefix, cached by the test user's job, is
 /// a hit for the other user (allowed it too): identical files, owned by the other user, the
 /// origin serving at most 1 %. A dataset below the test user's own prefix (`{user}` in the allow

@@ -505,3 +505,18 @@ fn lfs_is_found_by_path_or_on_path_if_executable() {
     assert_eq!(find_program(Path::new("lfs"), a.as_os_str()), None);
     assert_eq!(find_program(Path::new("lfs"), "".as_ref()), None);
 }
+
+#[test]
+fn linked_cache_hits_want_protected_hardlinks() {
+    assert_eq!(judge_cache_links(Ok("1\n".into())).status, Status::Pass);
+    let off = judge_cache_links(Ok("0\n".into()));
+    assert_eq!(off.status, Status::Warn);
+    assert!(off.detail.contains("= 0"), "{}", off.detail);
+    assert!(
+        off.fix
+            .unwrap()
+            .contains("sysctl -w fs.protected_hardlinks=1")
+    );
+    let unknown = judge_cache_links(Err(Error::from(ErrorKind::NotFound)));
+    assert_eq!(unknown.status, Status::Warn);
+}
