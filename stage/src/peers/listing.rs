@@ -4,14 +4,17 @@
 //! per node. Listing costs more than reading at scale: a `LIST` of 1,000 keys costs ten `GET`s,
 //! and N nodes listing a dataset of 100,000 keys each is N × 100 sequential requests.
 //!
-//! - **Who lists.** The node that the rendezvous hash of the dataset's name picks among the nodes
-//!   this node still counts, itself included ([`JobPeers::lister_of`]): every node agrees on it
-//!   without a word. That node lists the origin; every other node asks it.
+//! - **Who lists.** The nodes this node still counts, itself included, ranked by the rendezvous
+//!   hash of the dataset's name: every node agrees on the ranking without a word. The first lists
+//!   the origin. Every other node takes the listing from its parent in a tree of that ranking, the
+//!   node at rank `(r - 1) / LISTING_FANOUT` for rank `r` ([`listing_parent`]): in a job of up to
+//!   nine nodes that is the first one; in a job of 1,024, no node passes it on to more than
+//!   [`LISTING_FANOUT`] others, and it is four hops from the origin.
 //! - **Every node answers for what it listed or was passed** ([`Book`]), in the order it passed
-//!   the objects on to its own staging, and as soon as it did. A node asks only a node of higher
-//!   weight than itself for the dataset's name, so waiting for a listing never closes a cycle; and
-//!   every object a node stages is in its book before any of its units is asked for, so no node
-//!   waits for a listing behind a unit that needs it.
+//!   the objects on to its own staging, and as soon as it did. A node asks only a node ranked
+//!   before it, so waiting for a listing never closes a cycle; and every object a node stages is
+//!   in its book before any of its units is asked for, so no node waits for a listing behind a
+//!   unit that needs it.
 //! - **Pages** are asked for by the index of their first object; an answer holds what the node has
 //!   from there, up to [`PAGE_OBJECTS`], lingering [`LINGER`] for more while its own listing goes
 //!   on, so a follower asks about once per S3 page rather than once per object.
@@ -40,11 +43,14 @@ use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 use sluice_core::rt::lock;
 use sluice_peer::listing::PageRequest;
-use sluice_peer::{PeerError, UnitError, owner_of};
+use sluice_peer::{PeerError, UnitError, ranked};
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
+
+/// The most nodes one node passes a listing on to.
+pub(crate) const LISTING_FANOUT: usize = 8;
 
 /// The most objects one page holds (an S3 listing page's).
 pub(crate) const PAGE_OBJECTS: usize = 1000;
@@ -115,6 +121,18 @@ impl Book {
     }
 }
 
+/// The index in `nodes` of the node `me` takes the listing of dataset `name` from: its parent in
+/// the tree of the nodes ranked by the rendezvous hash of the name (see the module header);
+/// `None` for the first, which lists the origin.
+pub(crate) fn listing_parent(name: &str, nodes: &[String], me: &str) -> Option<usize> {
+    let order = ranked(&format!("\0listing/{name}"), nodes);
+    let rank = order
+        .iter()
+        .position(|&i| nodes[i] == me)
+        .expect("a node counts itself");
+    (rank > 0).then(|| order[(rank - 1) / LISTING_FANOUT])
+}
+
 /// What a node can answer about a page now.
 enum PageNow {
     Final(Result<Bytes, UnitError>),
@@ -128,8 +146,7 @@ impl JobPeers {
     /// origin.
     pub(crate) fn lister_of(&self, name: &str) -> Option<String> {
         let alive = self.alive_nodes();
-        let lister = &alive[owner_of(&format!("\0listing/{name}"), &alive)];
-        (*lister != self.node).then(|| lister.clone())
+        listing_parent(name, &alive, &self.node).map(|i| alive[i].clone())
     }
 
     fn book(&self, name: &str, change: impl FnOnce(&mut Book)) {
@@ -485,5 +502,51 @@ impl Drop for Listing {
     /// more of it are told to list the origin themselves.
     fn drop(&mut self) {
         self.end(Err("this node stopped listing the dataset".into()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The listing tree of a job: one root, which lists the origin; every other node's parent is
+    /// ranked before it (so no wait closes a cycle); no node has more than LISTING_FANOUT
+    /// children; a 1,024-node job is four hops deep; and a job of nine nodes or fewer takes it
+    /// from the root alone.
+    #[test]
+    fn a_listing_passes_down_a_tree_of_bounded_fan_out() {
+        for n in [2usize, 3, 9, 10, 32, 1024] {
+            let nodes: Vec<String> = (0..n).map(|i| format!("node{i:04}")).collect();
+            let order = ranked("\0listing/train", &nodes);
+            let rank = |i: usize| order.iter().position(|&j| j == i).unwrap();
+            let mut children = vec![0usize; n];
+            let mut roots = 0;
+            let mut deepest = 0;
+            for (i, node) in nodes.iter().enumerate() {
+                let mut depth = 0;
+                let mut at = i;
+                while let Some(p) = listing_parent("train", &nodes, &nodes[at]) {
+                    assert!(
+                        rank(p) < rank(at),
+                        "{n} nodes: a parent ranked after its child"
+                    );
+                    depth += 1;
+                    at = p;
+                }
+                deepest = deepest.max(depth);
+                match listing_parent("train", &nodes, node) {
+                    Some(p) => children[p] += 1,
+                    None => roots += 1,
+                }
+            }
+            assert_eq!(roots, 1, "{n} nodes");
+            assert!(children.iter().all(|&c| c <= LISTING_FANOUT), "{n} nodes");
+            let want = match n {
+                ..=9 => 1,
+                1024 => 4,
+                _ => deepest,
+            };
+            assert_eq!(deepest, want, "{n} nodes");
+        }
     }
 }
