@@ -1,11 +1,11 @@
 //! End-to-end tests live in `tests/tests/`; this crate hosts them, and holds what several test files
-//! share that needs nothing of the cluster's description: the byte-counting relay in front of an
-//! origin and the plain relay under it (see [`relay`]), and what a store itself says of an object's
-//! storage class (see [`storage_class`]), which the archive crate's conformance suite reads too,
-//! and what the agent's and the CLI's tests of their binaries' man pages, shell completions and
-//! `--help` share (see [`pages`]), and how the harness's env file names an agent's ports, which the
-//! bench reads too (see [`agent_addrs`]), and the `key=value` / `key value` lists that commands and
-//! the env file print, as maps (see [`split_pairs`]).
+//! share that needs nothing of the cluster's description: the byte- and request-counting relay in
+//! front of an origin and the plain relay under it (see [`relay`]), and what a store itself says of
+//! an object's storage class (see [`storage_class`]), which the archive crate's conformance suite
+//! reads too, and what the agent's and the CLI's tests of their binaries' man pages, shell
+//! completions and `--help` share (see [`pages`]), and how the harness's env file names an agent's
+//! ports, which the bench reads too (see [`agent_addrs`]), and the `key=value` / `key value` lists
+//! that commands and the env file print, as maps (see [`split_pairs`]).
 
 pub mod pages;
 
@@ -83,11 +83,16 @@ pub mod relay {
     //! TCP relays in front of a server, stopping (and cutting their connections) when dropped.
     //! [`CountingRelay`] stands in front of an object store (Garage), on the port the agents'
     //! `s3://datasets-relayed` store profile points at: it counts the bytes the store sends back
-    //! (object bodies, listings, headers), which is what the origin served, counted on the origin's
+    //! (object bodies, listings, headers), which is what the origin served, and the requests the
+    //! clients sent it by kind (listings, GETs, HEADs: see [`Requests`]), counted on the origin's
     //! side rather than by the agents. It can pace the origin: all its connections together then
     //! carry at most a set number of bytes a second, so a transfer lasts long enough for a test to
     //! act while it runs. [`Relay`] is the plain relay under it, for a test that changes what the
     //! server answers.
+
+    mod requests;
+    pub use requests::Requests;
+    use requests::{Counters, Framer};
 
     use std::io::{self, Read, Write};
     use std::net::{Shutdown, TcpListener, TcpStream};
@@ -113,6 +118,17 @@ pub mod relay {
             upstream: &str,
             back: impl Fn(TcpStream, TcpStream) + Clone + Send + 'static,
         ) -> io::Result<Relay> {
+            Relay::start_watching(listener, upstream, || |_: &[u8]| {}, back)
+        }
+
+        /// [`Relay::start`], each connection's requests also shown as they pass, in the chunks
+        /// they arrive in, to a watcher of its own that `watcher` makes.
+        pub fn start_watching<W: FnMut(&[u8]) + Send + 'static>(
+            listener: TcpListener,
+            upstream: &str,
+            watcher: impl Fn() -> W + Send + 'static,
+            back: impl Fn(TcpStream, TcpStream) + Clone + Send + 'static,
+        ) -> io::Result<Relay> {
             let port = listener.local_addr()?.port();
             let upstream = upstream.to_string();
             let stop = Arc::new(AtomicBool::new(false));
@@ -136,7 +152,8 @@ pub mod relay {
                         continue;
                     };
                     c.lock().unwrap().extend([c1, s1]);
-                    std::thread::spawn(move || pipe(c2, s2, None, None));
+                    let watch = watcher();
+                    std::thread::spawn(move || pipe(c2, s2, watch));
                     let back = back.clone();
                     std::thread::spawn(move || back(server, client));
                 }
@@ -169,9 +186,11 @@ pub mod relay {
         }
     }
 
-    /// A [`Relay`] that counts, and can pace, what the upstream sends back.
+    /// A [`Relay`] that counts, and can pace, what the upstream sends back, and counts the
+    /// requests sent to it.
     pub struct CountingRelay {
         served: Arc<AtomicU64>,
+        requests: Arc<Counters>,
         pace: Arc<Pace>,
         relay: Relay,
     }
@@ -181,13 +200,27 @@ pub mod relay {
         pub fn start(port: u16, upstream: &str) -> io::Result<CountingRelay> {
             let listener = TcpListener::bind(("127.0.0.1", port))?;
             let served = Arc::new(AtomicU64::new(0));
+            let requests = Arc::new(Counters::default());
             let pace = Arc::new(Pace::default());
-            let (s, p) = (served.clone(), pace.clone());
-            let relay = Relay::start(listener, upstream, move |server, client| {
-                pipe(server, client, Some(&s), Some(&p))
-            })?;
+            let (s, p, r) = (served.clone(), pace.clone(), requests.clone());
+            let relay = Relay::start_watching(
+                listener,
+                upstream,
+                move || {
+                    let r = r.clone();
+                    let mut framer = Framer::new();
+                    move |bytes: &[u8]| framer.feed(&r, bytes)
+                },
+                move |server, client| {
+                    pipe(server, client, |bytes| {
+                        s.fetch_add(bytes.len() as u64, Ordering::SeqCst);
+                        p.wait(bytes.len());
+                    })
+                },
+            )?;
             Ok(CountingRelay {
                 served,
+                requests,
                 pace,
                 relay,
             })
@@ -201,6 +234,12 @@ pub mod relay {
         /// Bytes the upstream sent back since the relay started or this was last asked.
         pub fn take_served(&self) -> u64 {
             self.served.swap(0, Ordering::SeqCst)
+        }
+
+        /// The requests sent to the upstream since the relay started, by kind; what came after
+        /// an earlier reading is [`Requests::since`] it.
+        pub fn requests(&self) -> Requests {
+            self.requests.get()
         }
 
         /// At most `bytes_per_sec` from the upstream, over all connections together (0: unpaced).
@@ -238,30 +277,74 @@ pub mod relay {
         }
     }
 
-    /// Copies `from` to `to` until either side closes, counting into `count`, paced by `pace`.
-    fn pipe(
-        mut from: TcpStream,
-        mut to: TcpStream,
-        count: Option<&AtomicU64>,
-        pace: Option<&Pace>,
-    ) {
+    /// Copies `from` to `to` until either side closes, showing each chunk to `each` before it
+    /// is written on.
+    fn pipe(mut from: TcpStream, mut to: TcpStream, mut each: impl FnMut(&[u8])) {
         let mut buf = vec![0u8; 64 << 10];
         loop {
             let n = match from.read(&mut buf) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
-            if let Some(c) = count {
-                c.fetch_add(n as u64, Ordering::SeqCst);
-            }
-            if let Some(p) = pace {
-                p.wait(n);
-            }
+            each(&buf[..n]);
             if to.write_all(&buf[..n]).is_err() {
                 break;
             }
         }
         let _ = to.shutdown(Shutdown::Write);
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// Through a real relay: the requests one client writes in pieces (split inside a request
+        /// line) and those of a second connection are counted by kind, and the server's answer
+        /// as bytes served.
+        #[test]
+        fn a_counting_relay_counts_the_requests_in_and_the_bytes_out() {
+            let server = TcpListener::bind("127.0.0.1:0").unwrap();
+            let upstream = server.local_addr().unwrap().to_string();
+            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+            std::thread::spawn(move || {
+                for conn in server.incoming().take(2) {
+                    let mut conn = conn.unwrap();
+                    conn.write_all(answer).unwrap();
+                    std::thread::spawn(move || io::copy(&mut conn, &mut io::sink()));
+                }
+            });
+            let probe = TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = probe.local_addr().unwrap().port();
+            drop(probe);
+            let relay = CountingRelay::start(port, &upstream).unwrap();
+            let mut a = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            for piece in [
+                &b"GET /datasets-relayed?list-"[..],
+                b"type=2&prefix=x HTTP/1.1\r\n\r\nGET /datasets-relayed/x/f HTTP/1.1\r\n",
+                b"range: bytes=0-9\r\n\r\nHEAD /datasets-relayed/x/f HTTP/1.1\r\n\r\n",
+            ] {
+                a.write_all(piece).unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let mut b = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            b.write_all(b"GET /?list-type=2 HTTP/1.1\r\n\r\n").unwrap();
+            let want = Requests {
+                lists: 2,
+                gets: 1,
+                heads: 1,
+                ..Requests::default()
+            };
+            let t = Instant::now();
+            while (relay.requests(), relay.served()) != (want, 2 * answer.len() as u64) {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "after 10 s the relay counted {:?} and {} bytes served",
+                    relay.requests(),
+                    relay.served()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
     }
 }
 
