@@ -35,7 +35,7 @@ use std::time::Duration;
 const ORIGIN_TARGET: f64 = 1.02;
 const PACED_TARGET: f64 = 1.15;
 /// The existing RSS budget of the agent (the `rss` case's).
-const RSS_BUDGET_MIB: f64 = 256.0;
+pub(crate) const RSS_BUDGET_MIB: f64 = 256.0;
 /// A job, staging included (the plugin's stage_timeout is 120 s), and its end after the epilogs.
 const JOBS: Patience = Patience {
     limit: Duration::from_secs(400),

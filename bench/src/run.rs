@@ -1564,6 +1564,7 @@ impl Bench {
             ("commit", Box::new(|b, r| b.commit_case(r))),
             ("ceiling", Box::new(|b, r| b.ceiling_case(r))),
             ("replicas", Box::new(|b, r| b.replicas_case(r))),
+            ("scale", Box::new(|b, r| b.scale_case(r))),
         ];
         for (name, case) in cases {
             if self.wants(name) {
