@@ -31,7 +31,8 @@
 //! Nothing stays behind: dropping the fleet stops its agents (SIGTERM, then SIGKILL), unmounts the
 //! tmpfs and removes everything under its root but the agents' logs. The agents stay in the
 //! driver's process group (a Ctrl-C reaches them too), and their pids are kept in files: a fleet
-//! started on the same root after a driver died without dropping its own kills those agents first.
+//! started on the same root after a driver died without dropping its own kills those agents first,
+//! and `tests/harness/cluster.sh down` stops what any such fleet left (agents, tmpfs, addresses).
 
 use crate::mounts_below;
 use crate::procfs;
@@ -62,7 +63,7 @@ const METRICS_BASE: u16 = 7300;
 /// The most nodes a fleet has (two-digit names, ports below the next base).
 pub const MAX_NODES: usize = 99;
 /// Node `i`'s own address is `127.0.213.i`: in 127.0.0.0/8, which `lo` holds, and far from
-/// 127.0.1.1, which Debian's /etc/hosts gives the host name.
+/// 127.0.1.1, which Debian's /etc/hosts gives the host name (`cluster.sh`'s `stop_fleets` knows it).
 const NODE_NET: [u8; 3] = [127, 0, 213];
 /// The agents' `[stage] timeout`, and the longest a waiter waits for a node's staging.
 pub const STAGE_TIMEOUT: Duration = Duration::from_secs(600);
