@@ -21,6 +21,9 @@
 //!   and **CPU** (utime + stime of the job's agents from its start until staged) per GiB landed
 //!   per node (the mean over the nodes: all of it ÷ N × the dataset).
 //!
+//! The JSON keeps every job (the 1-node ones and the N-node ones, each node's staging time among
+//! them) in the `sluice_extra` of its N's staging-time row.
+//!
 //! Every node's staged tree is compared byte for byte with the source, and every stage must be
 //! done: a broken run is an error, never a number. Nodes that routed around another are noted.
 
@@ -95,6 +98,27 @@ struct Outcome {
     peer_bytes: u64,
     /// The notes the nodes' job output would show (a peer routed around).
     notes: Vec<String>,
+    /// Each node's job start to staged, seconds.
+    node_s: Vec<(String, f64)>,
+}
+
+impl Outcome {
+    /// The job as the JSON keeps it (`sluice_extra` of its staging-time row).
+    fn record(&self) -> serde_json::Value {
+        serde_json::json!({
+            "nodes": self.nodes,
+            "stage_s": self.stage_s,
+            "agent_stage_s": self.agent_stage_s,
+            "served_bytes": self.served,
+            "list_requests": self.requests.lists,
+            "get_requests": self.requests.gets,
+            "head_requests": self.requests.heads,
+            "cpu_s": self.cpu_s,
+            "vm_hwm_mib": self.hwm_mib,
+            "peer_bytes": self.peer_bytes,
+            "node_stage_s": self.node_s.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
+        })
+    }
 }
 
 impl Bench {
@@ -220,6 +244,10 @@ impl Bench {
             hwm_mib: hwm_kib as f64 / 1024.0,
             peer_bytes,
             notes,
+            node_s: staged
+                .iter()
+                .map(|s| (s.node.clone(), s.after.as_secs_f64()))
+                .collect(),
         })
     }
 
@@ -299,6 +327,7 @@ impl Bench {
                     med(v, &|o| o.agent_stage_s),
                     med(one, &|o| o.agent_stage_s),
                 ),
+                sluice_extra: one.iter().chain(v).map(Outcome::record).collect(),
                 ..row("/ 1-node staging time, paced origin", "x", paced)
             });
             r.rows.push(Row {
