@@ -177,6 +177,9 @@ impl Bench {
             Ok(o)
         })?;
         drop(fleet);
+        if outcomes[0].iter().any(|o| o.requests.lists == 0) {
+            bail!("the relay counted no listing request of a 1-node job: it cannot count passes");
+        }
         self.scale_report(r, &plan, &outcomes);
         Ok(())
     }
