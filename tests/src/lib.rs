@@ -11,6 +11,9 @@
 
 pub mod fleet;
 pub mod pages;
+#[cfg(test)]
+#[path = "../../agent/tests/support/ports.rs"]
+mod ports;
 pub mod procfs;
 
 use std::collections::BTreeMap;
@@ -317,9 +320,7 @@ pub mod relay {
                     std::thread::spawn(move || io::copy(&mut conn, &mut io::sink()));
                 }
             });
-            let probe = TcpListener::bind("127.0.0.1:0").unwrap();
-            let port = probe.local_addr().unwrap().port();
-            drop(probe);
+            let port = crate::ports::free_port();
             let relay = CountingRelay::start(port, &upstream).unwrap();
             let mut a = TcpStream::connect(("127.0.0.1", port)).unwrap();
             for piece in [
