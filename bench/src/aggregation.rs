@@ -24,7 +24,8 @@ use crate::cluster::{
 };
 use crate::measure::{interleaved, median, process_cpu_s};
 use crate::run::{Bench, GIB, MIB, Report, Row, log, remove, size_label};
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
+use sluice_e2e::procfs;
 use sluice_e2e::relay::CountingRelay;
 use sluice_proto::msg::{JobStatus, StageState};
 use std::path::{Path, PathBuf};
@@ -34,7 +35,7 @@ use std::time::Duration;
 const ORIGIN_TARGET: f64 = 1.02;
 const PACED_TARGET: f64 = 1.15;
 /// The existing RSS budget of the agent (the `rss` case's).
-const RSS_BUDGET_MIB: f64 = 256.0;
+pub(crate) const RSS_BUDGET_MIB: f64 = 256.0;
 /// A job, staging included (the plugin's stage_timeout is 120 s), and its end after the epilogs.
 const JOBS: Patience = Patience {
     limit: Duration::from_secs(400),
@@ -60,18 +61,13 @@ impl Agent {
     }
 
     fn vm_hwm_kib(&self) -> Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| anyhow!("no VmHWM in /proc/{}/status", self.pid))
+        procfs::vm_hwm_kib(self.pid)
+            .with_context(|| format!("the peak RSS of the agent of {}", self.node))
     }
 
-    /// Resets VmHWM to the current RSS (clear_refs "5", Linux >= 4.0).
+    /// Resets VmHWM to the current RSS.
     fn reset_hwm(&self) -> Result<()> {
-        std::fs::write(format!("/proc/{}/clear_refs", self.pid), "5")
+        procfs::reset_hwm(self.pid)
             .with_context(|| format!("resetting the peak RSS of pid {}", self.pid))
     }
 

@@ -14,6 +14,7 @@ mod measure;
 mod ramtier;
 mod replicas;
 mod run;
+mod scale;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -101,7 +102,7 @@ struct RunOpts {
     #[arg(long, default_value = "sluiceuser")]
     user: String,
     /// Only these cases (comma-separated): s3, az, posix, ckpt, compress, job, rss, agg, cache, flush,
-    /// writer, commit, ceiling; one part of agg alone: agg.origin, agg.paced, agg.rss.
+    /// writer, commit, ceiling, replicas, scale; one part of agg alone: agg.origin, agg.paced, agg.rss.
     #[arg(long, value_delimiter = ',')]
     cases: Option<Vec<String>>,
     #[arg(long, default_value = "/etc/slurm/plugstack.conf")]

@@ -4,6 +4,7 @@
 
 use anyhow::{Result, bail};
 use serde::Serialize;
+use sluice_e2e::procfs;
 use std::fmt::Display;
 use std::process::{Command, Output, Stdio};
 use std::time::Instant;
@@ -28,35 +29,10 @@ fn children_cpu() -> f64 {
     t(ru.ru_utime) + t(ru.ru_stime)
 }
 
-fn clock_ticks() -> f64 {
-    // SAFETY: sysconf only reads a system constant.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 { t as f64 } else { 100.0 }
-}
-
-/// The sum of `n` CPU-time fields of a `/proc/.../stat` line from utime (field 14) on, in seconds:
-/// 2 for utime and stime, 4 with cutime and cstime.
-fn stat_cpu_s(stat: &str, n: usize) -> Option<f64> {
-    // Fields after the command's closing parenthesis: state is field 3, utime 14 .. cstime 17.
-    let rest = stat.rsplit_once(") ")?.1;
-    let f: Vec<f64> = rest
-        .split_whitespace()
-        .skip(11)
-        .take(n)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    (f.len() == n).then(|| f.iter().sum::<f64>() / clock_ticks())
-}
-
 /// CPU seconds (user + system, all threads, plus children it waited for) process `pid` has used
 /// so far, from `/proc/PID/stat`: what a server (Garage, Azurite) or an agent spent.
 pub fn process_cpu_s(pid: u32) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map_err(|e| anyhow::anyhow!("process {pid} is gone: {e}"))?;
-    match stat_cpu_s(&stat, 4) {
-        Some(s) => Ok(s),
-        None => bail!("cannot read /proc/{pid}/stat: {stat:?}"),
-    }
+    procfs::cpu_s(pid).map_err(|e| anyhow::anyhow!("process {pid}: {e}"))
 }
 
 /// CPU seconds (user + system) each thread of process `pid` has used so far, by thread id, from
@@ -71,7 +47,7 @@ pub fn thread_cpu_s(pid: u32) -> std::collections::HashMap<u32, f64> {
             let tid: u32 = t.ok()?.file_name().to_str()?.parse().ok()?;
             let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
             // utime and stime only: a thread's cutime and cstime are its process's.
-            Some((tid, stat_cpu_s(&stat, 2)?))
+            Some((tid, procfs::stat_cpu_s(&stat, 2)?))
         })
         .collect()
 }

@@ -411,15 +411,6 @@ fn gain_row(
     }
 }
 
-/// The `Environment=` settings of the agent's systemd unit, as shipped.
-fn agent_unit_env() -> Vec<(&'static str, &'static str)> {
-    include_str!("../../slurm-conf/sluiced.service")
-        .lines()
-        .filter_map(|l| l.strip_prefix("Environment="))
-        .filter_map(|kv| kv.split_once('='))
-        .collect()
-}
-
 type PeerCmd<'a> = Box<dyn Fn(&Path) -> Command + 'a>;
 
 impl Bench {
@@ -514,7 +505,7 @@ impl Bench {
     /// `sluiced` (its allocator settings shape the agent's speed and peak RSS).
     pub(crate) fn driver(&self) -> Command {
         let mut c = Command::new(&self.exe);
-        c.envs(agent_unit_env());
+        c.envs(sluice_e2e::fleet::agent_service_env());
         c
     }
 
@@ -1573,6 +1564,7 @@ impl Bench {
             ("commit", Box::new(|b, r| b.commit_case(r))),
             ("ceiling", Box::new(|b, r| b.ceiling_case(r))),
             ("replicas", Box::new(|b, r| b.replicas_case(r))),
+            ("scale", Box::new(|b, r| b.scale_case(r))),
         ];
         for (name, case) in cases {
             if self.wants(name) {

@@ -130,6 +130,8 @@ spawn() {
   echo $! >"$pidfile"
 }
 
+pid_gone() { ! pid_running "$1"; }
+
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 # Refuses to start when something else already listens on a port we need, naming the process.
@@ -626,6 +628,36 @@ stop_agents() {
   rm -f /run/sluice/*.sock
 }
 
+# ---------------------------------------------------------------------------------------------- agent fleets
+
+# What an agent fleet (tests/src/fleet.rs: N agents without Slurm, for the scale bench and test) left
+# behind when its driver died before dropping it (SIGKILL, or a Ctrl-C, which its agents obey but the
+# driver then cleans nothing): its agents (pid files under ROOT/run whose processes' command lines
+# name ROOT/config/), its tmpfs (ROOT/hot, mounted from source "sluice-fleet") and the nodes' own
+# addresses on lo (127.0.213.i/32, fleet.rs NODE_NET). A fleet dropped as usual leaves none of these.
+stop_fleets() {
+  local hot root f pid addr
+  while read -r hot; do
+    root=$(dirname "$hot")
+    for f in "$root"/run/*.pid; do
+      [[ -f $f ]] || continue
+      pid=$(tr -dc '0-9' <"$f")
+      if [[ -n $pid ]] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$root/config/"; then
+        log "fleet: stopping agent pid $pid of the fleet in $root (its driver died)"
+        kill -KILL "$pid" 2>/dev/null || true
+        # pid_running, not kill -0: an orphan's zombie may wait long for its reaper (init).
+        WAIT_SECONDS=10 wait_until pid_gone "$pid" || log "WARNING: fleet agent pid $pid survives SIGKILL"
+      fi
+      rm -f "$f"
+    done
+    umount "$hot" 2>/dev/null || umount -l "$hot"
+    log "fleet: unmounted $hot"
+  done < <(findmnt -rn -S sluice-fleet -o TARGET 2>/dev/null || true)
+  while read -r addr; do
+    ip addr del "$addr" dev lo && log "fleet: removed $addr from lo"
+  done < <(ip -4 -o addr show dev lo 2>/dev/null | awk '{print $4}' | grep -E '^127\.0\.213\.[0-9]+/32$' || true)
+}
+
 # ---------------------------------------------------------------------------------------------- env file
 
 write_env_file() {
@@ -676,6 +708,7 @@ EOF
 cmd_down() {
   need_root
   stop_pidfile "$RUN_DIR/prometheus.pid" prometheus Prometheus
+  stop_fleets
   stop_agents
   stop_slurm
   leave_slurm_root

@@ -5,9 +5,16 @@
 //! reads too, and what the agent's and the CLI's tests of their binaries' man pages, shell
 //! completions and `--help` share (see [`pages`]), and how the harness's env file names an agent's
 //! ports, which the bench reads too (see [`agent_addrs`]), and the `key=value` / `key value` lists
-//! that commands and the env file print, as maps (see [`split_pairs`]).
+//! that commands and the env file print, as maps (see [`split_pairs`]), a process's CPU time and
+//! peak memory from `/proc` (see [`procfs`]), and a fleet of agents driven as the plugin drives
+//! them, without Slurm, for more nodes than the test cluster has (see [`fleet`]).
 
+pub mod fleet;
 pub mod pages;
+#[cfg(test)]
+#[path = "../../agent/tests/support/ports.rs"]
+mod ports;
+pub mod procfs;
 
 use std::collections::BTreeMap;
 
@@ -313,9 +320,7 @@ pub mod relay {
                     std::thread::spawn(move || io::copy(&mut conn, &mut io::sink()));
                 }
             });
-            let probe = TcpListener::bind("127.0.0.1:0").unwrap();
-            let port = probe.local_addr().unwrap().port();
-            drop(probe);
+            let port = crate::ports::free_port();
             let relay = CountingRelay::start(port, &upstream).unwrap();
             let mut a = TcpStream::connect(("127.0.0.1", port)).unwrap();
             for piece in [

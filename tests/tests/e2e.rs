@@ -30,6 +30,7 @@ mod ram_tier;
 mod replicas;
 mod requeue;
 mod resume;
+mod scale;
 mod security_auth;
 mod security_ckpt;
 mod security_frames;
