@@ -45,6 +45,10 @@ const PASSES_TARGET: f64 = 1.0;
 const PACED_TARGET: f64 = 1.2;
 /// The dataset's name in the jobs and below `bench/` in the relayed bucket.
 const NAME: &str = "scale";
+/// The dataset of many small objects (the memory each object costs an agent).
+const MANY: &str = "scale-many";
+/// The nodes of its job.
+const MANY_NODES: usize = 3;
 
 /// What the case stages, on how many nodes, how fast the origin serves it.
 struct Plan {
@@ -53,6 +57,8 @@ struct Plan {
     file_size: u64,
     /// Bytes per second the relay lets through, all connections together.
     pace: u64,
+    /// Objects of 1 KiB in the many-objects dataset.
+    many: u64,
 }
 
 impl Plan {
@@ -63,6 +69,7 @@ impl Plan {
                 files: 64,
                 file_size: 64 << 10,
                 pace: 8 * MIB,
+                many: 500,
             },
             // 256 MiB: about 21 s for one node at the paced rate; 8 GiB landed on the 32 nodes'
             // tmpfs together.
@@ -71,6 +78,7 @@ impl Plan {
                 files: 64,
                 file_size: 4 * MIB,
                 pace: 12 * MIB,
+                many: 10_000,
             },
         }
     }
@@ -137,7 +145,12 @@ impl Bench {
             |d| data::random_tree(d, plan.files, plan.file_size),
         )?;
         data::chown_tree(&source, 0, 0)?;
-        self.upload_relayed(&[NAME])?;
+        let many = self.data.join(MANY);
+        data::cached(&many, &format!("{MANY} {} 1024", plan.many), |d| {
+            data::random_tree(d, plan.many, 1024)
+        })?;
+        data::chown_tree(&many, 0, 0)?;
+        self.upload_relayed(&[NAME, MANY])?;
         let most = *plan.nodes.iter().max().unwrap_or(&1);
         let spec = FleetSpec {
             nodes: most,
@@ -161,7 +174,7 @@ impl Bench {
             .collect();
         let outcomes = interleaved(sizes.len(), self.a.reps, |i, rep| {
             let o = self
-                .scale_job(&fleet, sizes[i], &source)
+                .scale_job(&fleet, sizes[i], NAME, &source)
                 .with_context(|| format!("{}-node job (repetition {})", sizes[i], rep + 1))?;
             log(format!(
                 "scale: {} node(s) {}/{}: {:.2} s, origin {:.3}x, {} listing request(s), CPU {:.2} s, peak RSS {:.0} MiB",
@@ -176,19 +189,46 @@ impl Bench {
             ));
             Ok(o)
         })?;
+        // The same few-object job and one of many small objects, unpaced, on MANY_NODES nodes:
+        // what the difference in the agents' peak memory costs an object.
+        fleet.relay().set_pace(0);
+        let few = self.scale_job(&fleet, MANY_NODES, NAME, &source)?;
+        let lots = self.scale_job(&fleet, MANY_NODES, MANY, &many)?;
         drop(fleet);
         if outcomes[0].iter().any(|o| o.requests.lists == 0) {
             bail!("the relay counted no listing request of a 1-node job: it cannot count passes");
         }
         self.scale_report(r, &plan, &outcomes);
+        let per_k = (lots.hwm_mib - few.hwm_mib) * 1024.0 / (plan.many as f64 / 1000.0);
+        r.rows.push(Row {
+            case: format!("scale: {MANY_NODES}-node agent memory per 1,000 objects"),
+            size: format!("{} x 1 KiB", plan.many),
+            bytes: plan.many * 1024,
+            unit: "KiB".into(),
+            sluice: per_k,
+            peer_name: "-".into(),
+            sluice_samples: vec![per_k],
+            target: "-".into(),
+            note: format!(
+                "peak RSS (VmHWM, the highest of the job's agents) of a job of {} objects, {:.1} MiB, less that of the {} x {} job, {:.1} MiB, per 1,000 objects: the job's per-object state (listing, units, versions) and what staging them holds at once; {} listing request(s)",
+                plan.many,
+                lots.hwm_mib,
+                plan.files,
+                size_label(plan.file_size),
+                few.hwm_mib,
+                lots.requests.lists
+            ),
+            ..Row::default()
+        });
         Ok(())
     }
 
-    /// One job on the fleet's first `n` nodes: started, waited for, checked, measured, ended.
-    fn scale_job(&self, fleet: &Fleet, n: usize, source: &Path) -> Result<Outcome> {
+    /// One job on the fleet's first `n` nodes staging the dataset `name` (`source` here): started,
+    /// waited for, checked, measured, ended.
+    fn scale_job(&self, fleet: &Fleet, n: usize, name: &str, source: &Path) -> Result<Outcome> {
         let nodes: Vec<String> = fleet.nodes().into_iter().take(n).collect();
         let options = [
-            ("stage-in", format!("{NAME}=s3://{RELAYED}/bench/{NAME}")),
+            ("stage-in", format!("{name}=s3://{RELAYED}/bench/{name}")),
             ("stage-mode", "replicate".to_string()),
         ]
         .map(|(k, v)| (k.to_string(), v));
@@ -214,7 +254,7 @@ impl Bench {
             let dirs = s.dirs.as_ref().map_err(|e| {
                 anyhow!("{} did not stage: {e}\n{}", s.node, fleet.log_tail(&s.node))
             })?;
-            compare_trees(source, &Path::new(&dirs.stage_dir).join(NAME))
+            compare_trees(source, &Path::new(&dirs.stage_dir).join(name))
                 .map_err(|e| anyhow!("{}: {e}", s.node))?;
             notes.extend(dirs.notes.iter().map(|n| format!("{}: {n}", s.node)));
             let status = fleet.job_status(&s.node, &job).map_err(|e| anyhow!(e))?;
