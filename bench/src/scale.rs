@@ -174,7 +174,7 @@ impl Bench {
             .collect();
         let outcomes = interleaved(sizes.len(), self.a.reps, |i, rep| {
             let o = self
-                .scale_job(&fleet, sizes[i], NAME, &source)
+                .scale_job(&fleet, sizes[i], NAME, "", &source)
                 .with_context(|| format!("{}-node job (repetition {})", sizes[i], rep + 1))?;
             log(format!(
                 "scale: {} node(s) {}/{}: {:.2} s, origin {:.3}x, {} listing request(s), CPU {:.2} s, peak RSS {:.0} MiB",
@@ -192,14 +192,17 @@ impl Bench {
         // The same few-object job and one of many small objects, unpaced, on MANY_NODES nodes:
         // what the difference in the agents' peak memory costs an object.
         fleet.relay().set_pace(0);
-        let few = self.scale_job(&fleet, MANY_NODES, NAME, &source)?;
-        let lots = self.scale_job(&fleet, MANY_NODES, MANY, &many)?;
+        // An eighth of the objects (one of random_tree's 8 directories), then all of them: the same
+        // sizes, so what differs is the state each object costs.
+        let few = self.scale_job(&fleet, MANY_NODES, MANY, "shard-0", &many.join("shard-0"))?;
+        let lots = self.scale_job(&fleet, MANY_NODES, MANY, "", &many)?;
         drop(fleet);
         if outcomes[0].iter().any(|o| o.requests.lists == 0) {
             bail!("the relay counted no listing request of a 1-node job: it cannot count passes");
         }
         self.scale_report(r, &plan, &outcomes);
-        let per_k = (lots.hwm_mib - few.hwm_mib) * 1024.0 / (plan.many as f64 / 1000.0);
+        let more = plan.many - plan.many.div_ceil(8);
+        let per_k = (lots.hwm_mib - few.hwm_mib) * 1024.0 / (more as f64 / 1000.0);
         r.rows.push(Row {
             case: format!("scale: {MANY_NODES}-node agent memory per 1,000 objects"),
             size: format!("{} x 1 KiB", plan.many),
@@ -210,11 +213,9 @@ impl Bench {
             sluice_samples: vec![per_k],
             target: "-".into(),
             note: format!(
-                "peak RSS (VmHWM, the highest of the job's agents) of a job of {} objects, {:.1} MiB, less that of the {} x {} job, {:.1} MiB, per 1,000 objects: the job's per-object state (listing, units, versions) and what staging them holds at once; {} listing request(s)",
+                "peak RSS (VmHWM, the highest of the job's agents) of a job of {} objects of 1 KiB, {:.1} MiB, less that of a job of an eighth of them, {:.1} MiB, per 1,000 objects more: the job's per-object state (listing, units, versions); {} listing request(s)",
                 plan.many,
                 lots.hwm_mib,
-                plan.files,
-                size_label(plan.file_size),
                 few.hwm_mib,
                 lots.requests.lists
             ),
@@ -223,12 +224,23 @@ impl Bench {
         Ok(())
     }
 
-    /// One job on the fleet's first `n` nodes staging the dataset `name` (`source` here): started,
-    /// waited for, checked, measured, ended.
-    fn scale_job(&self, fleet: &Fleet, n: usize, name: &str, source: &Path) -> Result<Outcome> {
+    /// One job on the fleet's first `n` nodes staging the dataset `name` (or its directory
+    /// `below`; `source` here): started, waited for, checked, measured, ended.
+    fn scale_job(
+        &self,
+        fleet: &Fleet,
+        n: usize,
+        name: &str,
+        below: &str,
+        source: &Path,
+    ) -> Result<Outcome> {
         let nodes: Vec<String> = fleet.nodes().into_iter().take(n).collect();
+        let url = match below {
+            "" => format!("s3://{RELAYED}/bench/{name}"),
+            below => format!("s3://{RELAYED}/bench/{name}/{below}"),
+        };
         let options = [
-            ("stage-in", format!("{name}=s3://{RELAYED}/bench/{name}")),
+            ("stage-in", format!("{name}={url}")),
             ("stage-mode", "replicate".to_string()),
         ]
         .map(|(k, v)| (k.to_string(), v));
