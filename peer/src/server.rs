@@ -663,6 +663,23 @@ impl Signer<'_> {
     }
 }
 
+/// What a long poll ended with, other than what it waited for.
+enum NotYet {
+    /// The window ended first: ask again.
+    Pending,
+    Failed(UnitError),
+}
+
+impl NotYet {
+    /// The answer that says so, MAC'd by `signer`.
+    fn of(&self, signer: &Signer<'_>) -> Response<Body> {
+        match self {
+            NotYet::Pending => signer.status(StatusCode::SERVICE_UNAVAILABLE, "pending"),
+            NotYet::Failed(e) => signer.error(e),
+        }
+    }
+}
+
 fn insert_hex(h: &mut HeaderMap, name: &'static str, v: &blake3::Hash) {
     h.insert(
         name,
@@ -1044,23 +1061,9 @@ impl Inner {
             request: mac,
         };
         // Wait for the owner's read and a response slot, within the long-poll window.
-        let waited = tokio::select! {
-            r = tokio::time::timeout(self.cfg.poll, async {
-                entry.source.ready(&unit).await?;
-                Ok::<_, UnitError>(
-                    self.responses
-                        .clone()
-                        .acquire_owned()
-                        .await
-                        .expect("the response semaphore is never closed"),
-                )
-            }) => r,
-            _ = entry.ended.cancelled() => Ok(Err(UnitError::Gone)),
-        };
-        let permit = match waited {
-            Err(_) => return signer.status(StatusCode::SERVICE_UNAVAILABLE, "pending"),
-            Ok(Err(e)) => return signer.error(&e),
-            Ok(Ok(p)) => p,
+        let ((), permit) = match self.long_poll(entry, entry.source.ready(&unit)).await {
+            Err(answer) => return answer.of(&signer),
+            Ok(ready) => ready,
         };
         match entry.source.unit_stream(&unit).await {
             Ok(data) if data.len == unit.len => signer.data(data, permit),
@@ -1069,6 +1072,33 @@ impl Inner {
                 data.len, unit.len
             ))),
             Err(e) => signer.error(&e),
+        }
+    }
+
+    /// Waits for `ready` (the owner's read of a unit, a page of a listing), then for a response
+    /// slot, within the long-poll window and while the job lasts here.
+    async fn long_poll<T>(
+        &self,
+        entry: &JobEntry,
+        ready: impl std::future::Future<Output = Result<T, UnitError>>,
+    ) -> Result<(T, OwnedSemaphorePermit), NotYet> {
+        let waited = tokio::select! {
+            r = tokio::time::timeout(self.cfg.poll, async {
+                let got = ready.await?;
+                let permit = self
+                    .responses
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the response semaphore is never closed");
+                Ok::<_, UnitError>((got, permit))
+            }) => r,
+            _ = entry.ended.cancelled() => Ok(Err(UnitError::Gone)),
+        };
+        match waited {
+            Err(_) => Err(NotYet::Pending),
+            Ok(Err(e)) => Err(NotYet::Failed(e)),
+            Ok(Ok(got)) => Ok(got),
         }
     }
 
@@ -1095,23 +1125,12 @@ impl Inner {
             unit: &unit,
             request: mac,
         };
-        let waited = tokio::select! {
-            r = tokio::time::timeout(self.cfg.poll, async {
-                let page = entry.source.listing_page(&asked).await?;
-                let permit = self
-                    .responses
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .expect("the response semaphore is never closed");
-                Ok::<_, UnitError>((page, permit))
-            }) => r,
-            _ = entry.ended.cancelled() => Ok(Err(UnitError::Gone)),
-        };
-        let (page, permit) = match waited {
-            Err(_) => return signer.status(StatusCode::SERVICE_UNAVAILABLE, "pending"),
-            Ok(Err(e)) => return signer.error(&e),
-            Ok(Ok(p)) => p,
+        let (page, permit) = match self
+            .long_poll(entry, entry.source.listing_page(&asked))
+            .await
+        {
+            Err(answer) => return answer.of(&signer),
+            Ok(ready) => ready,
         };
         if page.len() as u64 > listing::MAX_PAGE {
             return signer.error(&UnitError::Failed(format!(
