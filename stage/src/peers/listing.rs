@@ -18,10 +18,12 @@
 //! - **Pages** are asked for by the index of their first object; an answer holds what the node has
 //!   from there, up to [`PAGE_OBJECTS`], lingering [`LINGER`] for more while its own listing goes
 //!   on, so a follower asks about once per S3 page rather than once per object.
-//! - **Fallback.** A node that cannot be used for the listing (unreachable, died, ended the job,
-//!   sent something that does not check) is routed around for the rest of the job, as for units
-//!   ([`JobPeers::lose`]), and the next node of the hash is asked from the first object again, the
-//!   keys already passed on skipped (or this node lists the origin, when it is next). A node that
+//! - **Fallback**, by the rules units follow. A page that does not check (its hash, its MAC, its
+//!   JSON) or a connection closed unanswered: the same node is asked once more. Then, or at once
+//!   when it is unreachable, died or ended the job, the node is routed around for the rest of the
+//!   job ([`JobPeers::lose`], with the job's note), and the next node of the hash is asked from the
+//!   first object again, the keys already passed on skipped (or this node lists the origin, when it
+//!   is next). A node that
 //!   says its listing failed (the dataset is missing, access denied, the store is down), that it
 //!   does not stage this dataset from this source, or whose agent predates listings: this node
 //!   lists the origin itself, so the job gets the origin's own answer.
@@ -239,16 +241,30 @@ impl JobPeers {
         })
     }
 
-    /// Where the listing goes after asking `node` failed with `e`: another node (or this one,
-    /// `Ok(None)`) when `node` was routed around, else `Err`: list the origin here.
+    /// Where the listing goes after asking `node` failed with `e`, by the rules units follow
+    /// ([`JobPeers::next_after`]): the same node once more after a page that does not check or a
+    /// connection closed unanswered (`retried` remembers it); another node (or this one,
+    /// `Ok(None)`) when `node` was routed around; else `Err`: list the origin here.
     fn after_page_error(
         &self,
         node: &str,
         name: &str,
         e: &PeerError,
+        retried: &mut Option<String>,
     ) -> Result<Option<String>, ()> {
         let why = error_chain(e);
         match e {
+            PeerError::Corrupt { .. } | PeerError::Dropped { .. }
+                if retried.as_deref() != Some(node) =>
+            {
+                tracing::warn!("{name}: the listing from node {node}: {why}; asking it again");
+                *retried = Some(node.to_string());
+                Ok(Some(node.to_string()))
+            }
+            PeerError::Corrupt { .. } => {
+                self.lose(node, Trouble::Corrupt, &why);
+                Ok(self.lister_of(name))
+            }
             // An agent of a release without listings answers "no such resource".
             PeerError::Refused { status: 404, .. }
             | PeerError::NotOwner { .. }
@@ -295,6 +311,8 @@ pub(crate) struct Listing {
     /// Keys yielded so far, with peers (after a change of lister, the new one's listing is taken
     /// from its first object, and what was yielded already is skipped).
     seen: HashSet<String>,
+    /// The node asked again after a page of it did not check (once per node, as for units).
+    retried: Option<String>,
 }
 
 impl Listing {
@@ -316,6 +334,7 @@ impl Listing {
             reading: Reading::Done,
             queue: VecDeque::new(),
             seen: HashSet::new(),
+            retried: None,
         };
         let mut lister = None;
         if let Some(p) = &listing.peers {
@@ -349,7 +368,10 @@ impl Listing {
                 },
                 Err(e) => e,
             };
-            lister = peers.after_page_error(&node, name, &e).ok().flatten();
+            lister = peers
+                .after_page_error(&node, name, &e, &mut listing.retried)
+                .ok()
+                .flatten();
         }
         listing.open_origin().await
     }
@@ -420,7 +442,7 @@ impl Listing {
                         Err(e) => Err(e),
                     };
                     if let Err(e) = taken {
-                        self.switch(&peers, &node, &e);
+                        self.switch(&peers, &node, from, &e);
                     }
                 }
             }
@@ -450,13 +472,15 @@ impl Listing {
         Ok(())
     }
 
-    /// The listing goes on from the next lister after `node` failed with `e`, or from the origin.
-    fn switch(&mut self, peers: &Arc<JobPeers>, node: &str, e: &PeerError) {
-        match peers.after_page_error(node, &self.name, e) {
+    /// The listing goes on after `node` failed with `e` at object `from`: from the same node at
+    /// the same object, from the first object of the next lister, or from the origin.
+    fn switch(&mut self, peers: &Arc<JobPeers>, node: &str, from: u64, e: &PeerError) {
+        match peers.after_page_error(node, &self.name, e, &mut self.retried) {
             Ok(Some(next)) => {
+                let next_from = if next == node { from } else { 0 };
                 self.reading = Reading::Peer {
                     node: next,
-                    next: 0,
+                    next: next_from,
                     more: true,
                 }
             }

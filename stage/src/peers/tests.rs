@@ -254,27 +254,41 @@ async fn start_nodes_with_cache<'a>(
     (nodes, hots)
 }
 
-/// How the nodes reach each other in the tests of a relay that changes bytes: n1 reaches n2
-/// through a [`tampering_relay`], every other route is direct.
+/// How the nodes reach each other in the tests of a relay that changes bytes: one node reaches
+/// another through a [`tampering_relay`], every other route is direct.
 struct RelayedRoutes {
     direct: BTreeMap<String, String>,
-    /// `direct` with n2 behind the relay.
-    n1s: BTreeMap<String, String>,
+    /// The node whose route is relayed, and its routes: `direct` with one node behind the relay.
+    from: String,
+    relayed: BTreeMap<String, String>,
 }
 
 impl RelayedRoutes {
-    /// The job's listeners, and their routes with the relay in place.
+    /// The job's listeners, and their routes with n1 reaching n2 through the relay.
     async fn start() -> (Vec<TcpListener>, RelayedRoutes) {
+        RelayedRoutes::between("n1", "n2").await
+    }
+
+    /// The job's listeners, and their routes with `from` reaching `to` through the relay.
+    async fn between(from: &str, to: &str) -> (Vec<TcpListener>, RelayedRoutes) {
         let (ls, direct) = listeners().await;
-        let mut n1s = direct.clone();
-        n1s.insert("n2".into(), tampering_relay(direct["n2"].clone()).await);
-        (ls, RelayedRoutes { direct, n1s })
+        let mut relayed = direct.clone();
+        relayed.insert(to.into(), tampering_relay(direct[to].clone()).await);
+        let from = from.to_string();
+        (
+            ls,
+            RelayedRoutes {
+                direct,
+                from,
+                relayed,
+            },
+        )
     }
 
     /// How node `name` reaches the others.
     fn of(&self, name: &str) -> &BTreeMap<String, String> {
-        if name == "n1" {
-            &self.n1s
+        if name == self.from {
+            &self.relayed
         } else {
             &self.direct
         }
@@ -882,6 +896,44 @@ async fn a_tampering_relay_is_detected_and_its_units_fetched_elsewhere() {
         "{served} > {} + {n2_share}",
         dataset_bytes(&files)
     );
+}
+
+/// A relay that changes bytes between a node and the node it takes the dataset's listing from:
+/// the node finds the listing's pages corrupt, asks once more, then routes around that node (its
+/// note says that node's data failed its checksum twice, as for units) and takes the listing
+/// elsewhere. Every node ends with the whole dataset, and the origin is listed at most twice (once
+/// more if the relayed node is now first in the listing's ranking).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_listing_that_fails_its_checksum_is_taken_elsewhere() {
+    // Long keys: pages of some hundreds of KiB, so every connection carries bytes the relay changes
+    // (one in 64 KiB), however the pages are cut.
+    let long = format!("{}/{}", "x".repeat(200), "y".repeat(200));
+    let files: BTreeMap<String, Vec<u8>> = (0..super::listing::PAGE_OBJECTS as u32 * 2 + 17)
+        .map(|i| (format!("f/{long}/{i:05}"), i.to_le_bytes().to_vec()))
+        .collect();
+    let store = CountingStore::holding(&files).await;
+    let root = lister();
+    let from = job_nodes().into_iter().find(|n| *n != root).unwrap();
+    let (ls, routes) = RelayedRoutes::between(&from, &root).await;
+    let nodes = start_nodes(ls, |name| routes.of(name)).await;
+    let all: Vec<&Node> = nodes.iter().collect();
+    for (n, peers) in all.iter().zip(stage_all(&all, &store).await) {
+        let notes = peers.notes();
+        if n.name == from {
+            assert!(
+                notes.len() == 1
+                    && notes[0]
+                        .contains(&format!("data from node {root} failed its checksum twice")),
+                "{notes:?}"
+            );
+        } else {
+            assert!(notes.is_empty(), "{}: {notes:?}", n.name);
+        }
+    }
+    assert_identical(&all, &files);
+    let lists = store.lists.load(Ordering::SeqCst);
+    assert!((1..=2).contains(&lists), "{lists} listings");
+    stop(&nodes);
 }
 
 /// A peer asking for a unit this node has not listed yet waits for it; once every dataset is
