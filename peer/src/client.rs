@@ -367,13 +367,20 @@ impl PeerClient {
         if unit.len > self.cfg.max_unit {
             return Err(self.too_large(unit));
         }
+        let _slot = self
+            .fetches
+            .acquire()
+            .await
+            .expect("the fetch semaphore is never closed");
         let pq = format!("/v1/jobs/{}/units?{}", job.job(), unit_query(unit));
         self.polled(addr, job, &pq, unit, None, sink).await
     }
 
     /// The page of a dataset's listing `asked` names, from the agent at `addr` ([`crate::listing`]),
     /// waited for while that node lists the origin as [`fetch_into`](Self::fetch_into) waits for
-    /// a unit; its length (at most [`listing::MAX_PAGE`]), hash and MAC checked.
+    /// a unit; its length (at most [`listing::MAX_PAGE`]), hash and MAC checked. Not from one of
+    /// the fetch slots: those can all be waiting for units whose owners wait for this listing to
+    /// know them (a node has at most one listing request in flight per dataset).
     pub async fn fetch_listing(
         &self,
         addr: &str,
@@ -392,7 +399,7 @@ impl PeerClient {
 
     /// The request `pq` for `unit` (of at most `up_to` bytes when its length is the answer's,
     /// else exactly `unit.len`) asked again while the node answers `pending` (up to the stage
-    /// timeout) or does not know the job yet (up to the join grace), from one of the fetch slots.
+    /// timeout) or does not know the job yet (up to the join grace).
     async fn polled(
         &self,
         addr: &str,
@@ -402,11 +409,6 @@ impl PeerClient {
         up_to: Option<u64>,
         sink: &mut dyn UnitSink,
     ) -> Result<HashFrom, PeerError> {
-        let _slot = self
-            .fetches
-            .acquire()
-            .await
-            .expect("the fetch semaphore is never closed");
         let start = Instant::now();
         let mut pause = Duration::from_millis(50);
         let wait = self.cfg.poll + self.cfg.read_timeout;

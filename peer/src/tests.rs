@@ -2321,3 +2321,45 @@ async fn a_listing_passes_only_to_agents_of_the_job() {
     assert!(matches!(e, PeerError::Refused { status: 404, .. }), "{e}");
     assert!(t.elapsed() < client_cfg().join_grace, "{:?}", t.elapsed());
 }
+
+/// A listing is fetched outside the fetch slots: with every slot held by a fetch that waits for a
+/// unit its owner has not read (which may wait for this very listing to learn of it), a page
+/// still comes.
+#[tokio::test]
+async fn a_listing_page_comes_while_every_fetch_slot_waits_for_a_unit() {
+    let (r, src) = serving(server_cfg()).await;
+    let asked = listing::PageRequest {
+        dataset: "train".into(),
+        source: "s3://bucket/train".into(),
+        from: 0,
+    };
+    let page = Bytes::from_static(b"{\"objects\":[],\"more\":false}");
+    lock(&src.pages).insert(
+        (asked.dataset.clone(), asked.source.clone(), 0),
+        page.clone(),
+    );
+    let c = Arc::new(PeerClient::new(
+        "n2",
+        ClientConfig {
+            concurrency: 1,
+            ..client_cfg()
+        },
+    ));
+    let (c2, addr) = (c.clone(), r.addr.clone());
+    let waiting = tokio::spawn(async move {
+        c2.fetch(&addr, &key(), &Unit::new("never/read", 0, 10))
+            .await
+    });
+    wait_until("the unit fetch to hold the one slot", || {
+        src.asked.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    let got = tokio::time::timeout(
+        Duration::from_secs(5),
+        c.fetch_listing(&r.addr, &key(), &asked),
+    )
+    .await
+    .expect("the page came within 5 s");
+    assert_eq!(got.unwrap(), page);
+    waiting.abort();
+}
